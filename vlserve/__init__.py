@@ -1,0 +1,15 @@
+"""vlserve: a paged-KV, continuous-batching serving engine for vision/audio-language models."""
+from vlserve.outputs import CompletionOutput, Logprob, RequestOutput
+from vlserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name):
+    # LLM pulls in torch and transformers; import it lazily so `import vlserve` stays light.
+    if name == "LLM":
+        from vlserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,148 @@
+"""Offline throughput: vlserve vs HF `generate` (and vLLM, when a python with vLLM is given) in one run.
+
+    python -m vlserve.bench.throughput --num-prompts 64 --output-len 64 --hidden-size 1024 --num-layers 12
+    vlserve bench throughput --model PATH
+
+N prompts x M output tokens, ignore_eos, greedy, seeded, one warm-up run each; prints tokens/s and ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+_VLLM_SCRIPT = r"""
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    cfg = json.loads(sys.argv[1])
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
+              max_num_seqs=cfg["num_prompts"], seed=0)
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
+    llm.generate(prompts[:2], sp, use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("VLLM_RESULT " + json.dumps({"tokens": n, "seconds": dt}))
+"""
+
+
+def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size - 1, (num_prompts, input_len), generator=g).tolist()
+
+
+def bench_vlserve(model: str, prompts, output_len: int, dtype: str, max_num_seqs: int) -> tuple[float, int, float]:
+    """Returns (seconds, generated tokens, load seconds)."""
+    from vlserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=len(prompts[0]) + output_len + 16)
+    load = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs), load
+
+
+def bench_hf(model: str, prompts, output_len: int, dtype: str, batch_size: int) -> tuple[float, int]:
+    """HF generate, batched with left padding (all prompts here have the same length, so no pad tokens)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    cfg = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+
+    def run(batch):
+        ids = torch.tensor(batch)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+    run(prompts[:2])  # warm-up
+    t = time.perf_counter()
+    n = sum(run(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size))
+    return time.perf_counter() - t, n
+
+
+def bench_vllm(python: str, model: str, prompts, output_len: int, dtype: str) -> tuple[float, int] | None:
+    cfg = {"model": model, "dtype": dtype, "output_len": output_len, "prompts": prompts,
+           "num_prompts": len(prompts), "max_model_len": len(prompts[0]) + output_len + 16}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(_VLLM_SCRIPT)
+    proc = subprocess.run([python, f.name, json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_RESULT "):
+            r = json.loads(line[len("VLLM_RESULT "):])
+            return r["seconds"], r["tokens"]
+    print(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    return None
+
+
+def build_random_model(args) -> str:
+    from vlserve.testing.checkpoints import build_text_checkpoint
+
+    out = os.path.join(tempfile.mkdtemp(prefix="vlserve-bench-"), "model")
+    heads = max(args.hidden_size // 64, 1)
+    build_text_checkpoint(out, arch="qwen2", hidden_size=args.hidden_size, num_layers=args.num_layers,
+                          num_heads=heads, num_kv_heads=max(heads // 4, 1), intermediate_size=args.hidden_size * 3,
+                          initializer_range=0.02, seed=args.seed)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
+    p.add_argument("--vllm-python", help="python of a venv with vLLM (e.g. from shared/tools/setup-vllm-anchor.sh)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.manual_seed(args.seed)
+    model = args.model or build_random_model(args)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    params = None
+    prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
+    print(f"model: {model} ({cfg.architectures[0]}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
+          f"{args.num_prompts} prompts x {args.input_len} in -> {args.output_len} out, {args.dtype}, "
+          f"{torch.get_num_threads()} threads")
+    dt, n, load = bench_vlserve(model, prompts, args.output_len, args.dtype, args.num_prompts)
+    rows = [("vlserve", n / dt, dt)]
+    print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
+    if not args.skip_hf:
+        hdt, hn = bench_hf(model, prompts, args.output_len, args.dtype, args.hf_batch_size or args.num_prompts)
+        rows.append(("hf", hn / hdt, hdt))
+        print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s)")
+        print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
+    if args.vllm_python:
+        r = bench_vllm(args.vllm_python, model, prompts, args.output_len, args.dtype)
+        if r is not None:
+            vdt, vn = r
+            print(f"vLLM: {vn / vdt:8.1f} tok/s  ({vn} tokens in {vdt:.2f} s)")
+            print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
+    del params
+
+
+if __name__ == "__main__":
+    main()

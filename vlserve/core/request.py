@@ -1,0 +1,89 @@
+"""The engine core's view of one request (pure Python)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the front end hands to the engine core: token ids, media, params (plain data)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler.
+
+    The one rule: each step `num_computed_tokens` catches up toward `num_tokens_with_spec`.
+    """
+
+    def __init__(self, req: EngineCoreRequest, max_tokens: int):
+        self.request_id = req.request_id
+        self.prompt_token_ids = req.prompt_token_ids
+        self.sampling_params = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.mm_features = req.mm_features
+        self.max_tokens = max_tokens  # resolved: min(params.max_tokens, max_model_len - prompt_len)
+        self.stop_token_ids = req.sampling_params.all_stop_token_ids()
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not scheduled yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily by the KV manager
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,76 @@
+"""Plain-data messages between the scheduler, the model runner and the engine core's output path."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption): everything it needs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after preemption
+    sampling_params: SamplingParams
+    mm_features: list[MultiModalFeature]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already tracks: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. num_scheduled_tokens counts spec tokens too."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req -> mm_features indices
+    finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since the last step
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner computed: per scheduled request, the tokens it sampled (empty for a partial prefill)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request with logprobs: list (per sampled token) of (token_ids, logprobs, sampled_rank).
+    logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # next drafts, when spec decode is on
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per request, per step: new tokens and, when it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    num_cached_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

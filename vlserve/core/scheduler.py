@@ -1,0 +1,299 @@
+"""The scheduler: one rule, num_computed_tokens catches up toward the request's tokens (pure Python, no torch).
+
+Each step it walks the running requests, then the waiting ones, giving each as many tokens as the token budget,
+the KV pool and the encoder cache allow. Prefill, chunked prefill, decode, prefix hits and spec tokens all fall out
+of that rule. Out of KV blocks, it preempts the most recently admitted request (frees it, recomputes it later).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from vlserve.config import SchedulerConfig
+from vlserve.core.encoder_cache_manager import EncoderCacheManager
+from vlserve.core.kv_cache_manager import KVCacheManager
+from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
+from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                       SchedulerOutput)
+from vlserve.core.stats import SchedulerStats
+
+
+class Scheduler:
+    """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
+
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
+        self.config = config
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def add_request(self, engine_req: EngineCoreRequest) -> None:
+        """Validate against the engine's limits and queue it (ValueError says what to change)."""
+        cfg = self.config
+        rid, n_prompt = engine_req.request_id, len(engine_req.prompt_token_ids)
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if n_prompt >= cfg.max_model_len:
+            raise ValueError(f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
+                             f"the prompt or raise max_model_len (one position must stay free for output)")
+        max_kv_tokens = self.kv.num_blocks * cfg.block_size
+        if n_prompt + 1 > max_kv_tokens:
+            raise ValueError(f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
+                             f"raise num_kv_blocks or kv_cache_memory_bytes")
+        limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
+        for i, f in enumerate(engine_req.mm_features):
+            if f.length > limit:
+                raise ValueError(f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
+                                 f"budget of {limit}; shrink it (e.g. max_pixels) or raise encoder_cache_size")
+        if cfg.max_waiting_requests is not None and len(self.waiting) >= cfg.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
+        params = engine_req.sampling_params
+        room = min(cfg.max_model_len, max_kv_tokens) - n_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(engine_req, max_tokens)
+        self.stats.prompt_tokens += n_prompt
+        self.requests[rid] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish these requests now; returns the ids that were still alive."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(req)
+            aborted.append(rid)
+        return aborted
+
+    # -- scheduling --------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step."""
+        cfg = self.config
+        token_budget = cfg.max_num_batched_tokens
+        encoder_budget = cfg.encoder_compute_budget
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
+        encoder_inputs: dict[str, list[int]] = {}
+        preempted = False
+
+        idx = 0
+        while idx < len(self.running) and token_budget > 0:
+            req = self.running[idx]
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, token_budget)
+            # Never run past the model's length (spec tokens near the end are simply not verified).
+            num_new = min(num_new, cfg.max_model_len - 1 - req.num_computed_tokens)
+            enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, num_new, encoder_budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                new_block_ids = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=cfg.num_spec_tokens)
+                if new_block_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_block_ids is None:
+                break  # the request preempted itself
+            self._commit_encoder_inputs(req, enc, encoder_inputs)
+            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            num_scheduled[req.request_id] = num_new
+            token_budget -= num_new
+            if req.spec_token_ids:
+                n_spec = num_new + req.num_computed_tokens - req.num_tokens
+                if n_spec > 0:
+                    spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
+            idx += 1
+
+        while self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_hit = [], 0
+            if req.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, token_budget)
+            req.num_computed_tokens = num_hit  # tentatively, for the encoder window
+            enc, num_new, encoder_budget_after = self._schedule_encoder_inputs(req, num_new, encoder_budget)
+            req.num_computed_tokens = 0
+            if num_new <= 0:
+                break
+            new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
+            if new_block_ids is None:
+                break
+            encoder_budget = encoder_budget_after
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._commit_encoder_inputs(req, enc, encoder_inputs)
+            new_reqs.append(NewRequestData(
+                req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+                req.mm_features, self.kv.get_block_ids(req.request_id), num_hit))
+            num_scheduled[req.request_id] = num_new
+            token_budget -= num_new
+
+        for req in self.running:
+            if req.request_id in num_scheduled:
+                req.num_computed_tokens += num_scheduled[req.request_id]
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
+        self.finished_req_ids = set()
+        return out
+
+    def _schedule_encoder_inputs(self, req: Request, num_new: int, budget: int) -> tuple[list[int], int, int]:
+        """Which media items the token window [computed, computed + num_new) first reaches and must encode.
+
+        An item that cannot be afforded (compute budget or cache space) cuts the window to the text before it.
+        """
+        if not req.mm_features or num_new <= 0:
+            return [], num_new, budget
+        start_tok = req.num_computed_tokens
+        to_encode: list[int] = []
+        pending = 0
+        for i, f in enumerate(req.mm_features):
+            if f.offset >= start_tok + num_new:
+                break
+            if f.end <= start_tok:
+                continue  # its KV is already written
+            if self.encoder_cache.check_and_update_cache(req.request_id, f.mm_hash):
+                continue
+            if any(req.mm_features[j].mm_hash == f.mm_hash for j in to_encode):
+                continue  # the same item twice in one prompt: encoded once
+            if not self.encoder_cache.can_allocate(f.length, budget, pending):
+                num_new = f.offset - start_tok
+                break
+            to_encode.append(i)
+            pending += f.length
+            budget -= f.length
+        return to_encode, num_new, budget
+
+    def _commit_encoder_inputs(self, req: Request, to_encode: list[int], out: dict[str, list[int]]) -> None:
+        for i in to_encode:
+            f = req.mm_features[i]
+            if not self.encoder_cache.check_and_update_cache(req.request_id, f.mm_hash):
+                self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length)
+        if to_encode:
+            out[req.request_id] = to_encode
+
+    def _preempt(self, req: Request) -> None:
+        self._free_blocks_and_encoder_refs(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.finished_req_ids.add(req.request_id)  # the runner drops its state; it comes back as a new request
+        self.waiting.appendleft(req)
+
+    # -- results -----------------------------------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            scheduled_spec = sched_out.scheduled_spec_decode_tokens.get(rid)
+            if scheduled_spec:
+                # sampled = accepted drafts + one target token; the rest of the drafts were rejected.
+                num_rejected = len(scheduled_spec) + 1 - len(sampled)
+                req.num_computed_tokens -= num_rejected
+                self.stats.spec_num_drafts += 1
+                self.stats.spec_num_draft_tokens += len(scheduled_spec)
+                self.stats.spec_num_accepted_tokens += len(sampled) - 1
+            self._release_written_encoder_inputs(req)
+            new_tokens: list[int] = []
+            for tok in sampled:
+                new_tokens.append(tok)
+                req.append_output_token_ids([tok])
+                if self._check_stop(req, tok):
+                    break
+            req.spec_token_ids = runner_out.spec_token_ids.get(rid, []) if not req.is_finished() else []
+            if not new_tokens and not req.is_finished():
+                continue
+            self.stats.generation_tokens += len(new_tokens)
+            lps = runner_out.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                rid, new_tokens, req.status.finish_reason, req.stop_reason,
+                lps[: len(new_tokens)] if lps else None, max(req.num_cached_tokens, 0)))
+            if req.is_finished():
+                finished.append(req)
+        for req in finished:
+            self.running.remove(req)
+            self._free_request(req)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        n_out = req.num_output_tokens
+        if n_out >= req.sampling_params.min_tokens and token in req.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = None if token in req.sampling_params._eos_token_ids else token
+            return True
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (stop strings found by the detokenizer)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            req.status = status
+            self._free_request(req)
+
+    def _release_written_encoder_inputs(self, req: Request) -> None:
+        for f in req.mm_features:
+            if f.end <= req.num_computed_tokens:
+                self.encoder_cache.free_encoder_input(req.request_id, f.mm_hash)
+
+    def _free_blocks_and_encoder_refs(self, req: Request) -> None:
+        self.kv.free(req)
+        self.encoder_cache.free(req.request_id)
+
+    def _free_request(self, req: Request) -> None:
+        self._free_blocks_and_encoder_refs(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    # -- introspection -----------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_integrity(self) -> None:
+        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
+        self.kv.check_integrity()
+        self.encoder_cache.check_integrity()
+        if not self.has_unfinished_requests():
+            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
+            assert self.kv.pool.num_free_blocks == self.kv.num_blocks, "KV blocks leaked"
+
+
+class QueueFullError(ValueError):
+    """The waiting queue is at max_waiting_requests (HTTP 503/429)."""

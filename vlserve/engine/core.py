@@ -1,0 +1,115 @@
+"""EngineCore: schedule -> execute -> update, one step at a time. Front ends (LLM, AsyncLLM) drive it."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
+from vlserve.core.request import EngineCoreRequest, RequestStatus
+from vlserve.core.sched_output import EngineCoreOutput
+from vlserve.core.scheduler import Scheduler
+from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.worker.kv_sizing import determine_num_kv_blocks
+from vlserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
+
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        if loaded is None:
+            loaded = load_for_serving(resolve_model_path(args.model), args)
+        self.loaded = loaded
+        self.max_model_len = loaded.max_model_len
+        self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
+                                  mrope_positions_fn=loaded.mrope_positions_fn)
+        max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
+        num_blocks = determine_num_kv_blocks(
+            self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            memory_fraction=args.kv_cache_memory_fraction, max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs)
+        self.runner.initialize_kv_cache(num_blocks)
+        enc_size = args.encoder_cache_size or max(8192, max_batched)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            encoder_cache_size=enc_size, encoder_compute_budget=enc_size,
+            max_waiting_requests=args.max_waiting_requests)
+        self.scheduler = Scheduler(self.scheduler_config, num_blocks)
+        self.num_steps = 0
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (ValueError if it can never run)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+        self._flush_if_idle()
+
+    def finish_requests_stopped(self, request_ids: list[str]) -> None:
+        """Requests the detokenizer stopped on a stop string."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        self._flush_if_idle()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model, and fold the results back; returns per-request new tokens."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not sched_out.finished_req_ids:
+            return []
+        runner_out = self.runner.execute_model(sched_out)
+        self.num_steps += 1
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._flush_if_idle()
+        return outputs
+
+    def _flush_if_idle(self) -> None:
+        """When nothing is left to run, let the runner drop finished requests now rather than next step."""
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
+            self.runner.execute_model(self.scheduler.schedule())
+
+    # -- metrics -----------------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        """Counters and gauges under the names they carry on /metrics."""
+        s = self.scheduler
+        st, enc = s.stats, s.encoder_cache
+        return {
+            "vlserve:num_requests_running": len(s.running),
+            "vlserve:num_requests_waiting": len(s.waiting),
+            "vlserve:kv_cache_usage": s.kv.usage,
+            "vlserve:num_kv_blocks": s.kv.num_blocks,
+            "vlserve:prefix_cache_queries_total": s.kv.prefix_queries,
+            "vlserve:prefix_cache_hits_total": s.kv.prefix_hits,
+            "vlserve:num_preemptions_total": st.num_preemptions,
+            "vlserve:prompt_tokens_total": st.prompt_tokens,
+            "vlserve:generation_tokens_total": st.generation_tokens,
+            "vlserve:encoder_cache_hits_total": enc.hits,
+            "vlserve:encoder_cache_misses_total": enc.misses,
+            "vlserve:encoder_cache_evictions_total": enc.evictions,
+            "vlserve:encoder_cache_usage": enc.usage,
+            "vlserve:encoder_runs_total": self.runner.num_encoder_runs,
+            "vlserve:spec_decode_num_drafts_total": st.spec_num_drafts,
+            "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
+            "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        if not self.has_unfinished_requests():
+            assert not self.runner.requests, f"runner still tracks {list(self.runner.requests)}"
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
+    def device_synchronize(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()

@@ -1,0 +1,47 @@
+"""Incremental detokenization and stop-string detection for one output sequence."""
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so leading spaces come out right
+
+
+class IncrementalDetokenizer:
+    """Keeps a sliding window of token ids and emits only the new, complete (no dangling UTF-8) text."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.output_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string if one now appears in the text (the text is cut there)."""
+        start_len = len(self.output_text)
+        for tok in new_token_ids:
+            self._ids.append(tok)
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.output_text += full[len(prefix):]
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+        return self._check_stop(start_len)
+
+    def _check_stop(self, start_len: int) -> str | None:
+        if not self.stop or len(self.output_text) == start_len:
+            return None
+        for s in self.stop:
+            # Only text that could contain a new match: the new part plus len(s) - 1 characters before it.
+            idx = self.output_text.find(s, max(0, start_len - len(s) + 1))
+            if idx != -1:
+                end = idx + len(s) if self.include_stop else idx
+                self.output_text = self.output_text[:end]
+                return s
+        return None

@@ -1,0 +1,122 @@
+"""Front-end input processing: prompts and chat messages -> token ids (+ processed media) -> EngineCoreRequest."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vlserve.core.request import EngineCoreRequest
+from vlserve.engine.model_setup import LoadedModel
+from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.sampling_params import SamplingParams
+
+_PLACEHOLDERS = {"image": "<|image_pad|>", "video": "<|video_pad|>", "audio": "<|AUDIO|>"}
+
+
+@dataclass
+class ProcessedPrompt:
+    """A prompt after tokenization and media processing."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+
+
+class InputProcessor:
+    """Tokenizes prompts, applies the chat template, runs the HF processor on media, validates limits."""
+
+    def __init__(self, loaded: LoadedModel, limit_mm_per_prompt: dict[str, int] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        self.default_mm_kwargs = dict(mm_processor_kwargs or {})
+        self.mm_processor = getattr(loaded, "mm_processor", None)
+
+    # -- prompts -----------------------------------------------------------------------------------------------
+    def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
+                       mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        """A string, token ids, or a vLLM-style dict {"prompt"/"prompt_token_ids", "multi_modal_data"}."""
+        mm_data: dict[str, Any] = {}
+        text: str | None = None
+        token_ids: list[int] | None = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' and "
+                                 f"'multi_modal_data'")
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            mm_data = dict(prompt.get("multi_modal_data") or {})
+            mm_processor_kwargs = {**(prompt.get("mm_processor_kwargs") or {}), **(mm_processor_kwargs or {})}
+        elif isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if images is not None:
+            mm_data["image"] = images
+        if videos is not None:
+            mm_data["video"] = videos
+        mm_data = {k: (v if isinstance(v, list) else [v]) for k, v in mm_data.items() if v is not None}
+        mm_data = {k: v for k, v in mm_data.items() if v}
+        if token_ids is None:
+            if text is None:
+                raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+            if mm_data and not any(_PLACEHOLDERS[m] in text for m in mm_data if m in _PLACEHOLDERS):
+                text = self._wrap_in_chat_template(text, mm_data)
+            token_ids = self._tokenize(text, add_special_tokens=True)
+        else:
+            vocab = self.loaded.hf_config.get_text_config().vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
+
+    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                     chat_template_kwargs: dict | None = None) -> ProcessedPrompt:
+        """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order)."""
+        from vlserve.engine.chat import parse_chat_messages
+
+        template_messages, mm_data = parse_chat_messages(messages)
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+        token_ids = self._tokenize(text, add_special_tokens=False)
+        return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
+
+    def _wrap_in_chat_template(self, text: str, mm_data: dict[str, list]) -> str:
+        parts = [{"type": m} for m in ("image", "video", "audio") for _ in mm_data.get(m, [])]
+        messages = [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        return ids
+
+    def _with_media(self, text, token_ids, mm_data, mm_processor_kwargs) -> ProcessedPrompt:
+        if not mm_data:
+            return ProcessedPrompt(text, token_ids, [])
+        for modality, items in mm_data.items():
+            if modality not in self.loaded.modalities:
+                what = "a text-only model" if not self.loaded.modalities else \
+                    f"a model that takes {', '.join(self.loaded.modalities)}"
+                raise ValueError(f"{modality} input was given to {what} ({self.loaded.model_path})")
+            limit = self.limit_mm_per_prompt.get(modality)
+            if limit is not None and len(items) > limit:
+                raise ValueError(f"{len(items)} {modality} items exceed limit_mm_per_prompt[{modality!r}]={limit}")
+        kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
+        token_ids, features = self.mm_processor.process(token_ids, mm_data.get("image", []),
+                                                        mm_data.get("video", []), kwargs)
+        return ProcessedPrompt(text, token_ids, features)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
+                            arrival_time: float) -> EngineCoreRequest:
+        """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint)."""
+        params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
+        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time,
+                                 processed.mm_features)

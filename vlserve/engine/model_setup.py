@@ -1,0 +1,98 @@
+"""Load everything a checkpoint directory provides: config, weights, tokenizer, HF processor, EOS ids."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vlserve.config import EngineArgs
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint ready to serve (tensors live in `model`; the rest is plain configuration)."""
+
+    model_path: str
+    hf_config: Any
+    model: torch.nn.Module
+    tokenizer: Any
+    processor: Any  # the HF AutoProcessor for multimodal checkpoints, else None
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    mrope_positions_fn: Callable | None = None
+    modalities: tuple[str, ...] = field(default=())
+
+    @property
+    def is_multimodal(self) -> bool:
+        return bool(self.modalities)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_path = os.path.join(model_path, "generation_config.json")
+    sources = []
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    sources.append(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for src in sources:
+        for tid in (src if isinstance(src, list) else [src]):
+            if isinstance(tid, int) and tid not in ids:
+                ids.append(tid)
+    return tuple(ids)
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+    from transformers import AutoTokenizer
+
+    path = tokenizer_path or model_path
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files in {path!r} (expected one of {', '.join(_TOKENIZER_FILES)})")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_for_serving(model_path: str, args: EngineArgs) -> LoadedModel:
+    """Read the checkpoint at model_path and build the model on the chosen device and dtype."""
+    from transformers import AutoConfig
+
+    from vlserve.models.loader import load_model, resolve_dtype
+    from vlserve.models.registry import get_model_class
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
+    get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
+    device = pick_device(args.device)
+    dtype = resolve_dtype(args.dtype, hf_config)
+    tokenizer = load_tokenizer(model_path, args.tokenizer)
+    text_cfg = getattr(hf_config, "text_config", None) or hf_config
+    model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    max_model_len = args.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+    torch.manual_seed(args.seed)
+    model = load_model(model_path, hf_config, dtype, device)
+    loaded = LoadedModel(model_path, hf_config, model, tokenizer, None, device, dtype, max_model_len,
+                         _eos_token_ids(model_path, hf_config, tokenizer))
+    modalities = tuple(getattr(model, "supported_modalities", ()))
+    if modalities:
+        from vlserve.engine.mm_setup import attach_multimodal
+
+        attach_multimodal(loaded, modalities)
+    return loaded

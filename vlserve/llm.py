@@ -1,0 +1,125 @@
+"""`LLM`: the offline, synchronous Python API (vLLM's shape)."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from vlserve.config import EngineArgs
+from vlserve.engine.core import EngineCore
+from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from vlserve.engine.output_processor import OutputProcessor, child_params
+from vlserve.outputs import RequestOutput
+from vlserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a local checkpoint and generate for batches of prompts with continuous batching.
+
+    `LLM(model=path, dtype="float32", max_model_len=..., max_num_seqs=..., ...)`; with no model, the embedded demo.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = EngineCore(self.engine_args)
+        loaded = self.engine.loaded
+        self.tokenizer = loaded.tokenizer
+        self.input_processor = InputProcessor(loaded, self.engine_args.limit_mm_per_prompt,
+                                              self.engine_args.mm_processor_kwargs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, images: list | None = None, videos: list | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list (strings, token-id lists, or {"prompt", "multi_modal_data"} dicts).
+
+        `images`/`videos`, when given, hold one entry per prompt (an item or a list of items).
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        for name, media in (("images", images), ("videos", videos)):
+            if media is not None and len(media) != len(prompts):
+                raise ValueError(f"{name} must have one entry per prompt ({len(prompts)}), got {len(media)}")
+        processed = [self.input_processor.process_prompt(
+            p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
+            mm_processor_kwargs=mm_processor_kwargs) for i, p in enumerate(prompts)]
+        return self._run(processed, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, mm_processor_kwargs: dict | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processed = [self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs)
+                     for c in conversations]
+        return self._run(processed, sampling_params, use_tqdm)
+
+    def _run(self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(processed))
+        if len(params_list) != len(processed):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(processed)} prompts")
+        # Validate every request before queueing any, so one bad prompt leaves the engine untouched.
+        request_ids = []
+        engine_reqs = []
+        for proc, params in zip(processed, params_list):
+            rid = str(next(self._ids))
+            request_ids.append(rid)
+            now = time.time()
+            for i in range(params.n):
+                cid = rid if params.n == 1 else f"{i}_{rid}"
+                engine_reqs.append(self.input_processor.make_engine_request(cid, proc, child_params(params, i), now))
+        added: list[str] = []
+        try:
+            for proc, params, rid in zip(processed, params_list, request_ids):
+                self.output_processor.add_request(rid, proc.prompt, proc.prompt_token_ids, params, time.time())
+            for req in engine_reqs:
+                self.engine.add_request(req)
+                added.append(req.request_id)
+        except Exception:
+            self.engine.abort_requests(added)
+            for rid in request_ids:
+                self.output_processor.abort(rid)
+            raise
+        return self._drain(request_ids, use_tqdm)
+
+    def _drain(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                outputs, stop_hits = self.output_processor.process_outputs(self.engine.step())
+                if stop_hits:
+                    self.engine.finish_requests_stopped(stop_hits)
+                for out in outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_requests(list(self.engine.scheduler.requests))
+            for rid in request_ids:
+                self.output_processor.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    # -- introspection -----------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        """Engine counters and gauges named as on /metrics (e.g. `vlserve:prefix_cache_hits_total`)."""
+        return self.engine.get_metrics()
+
+    def check_integrity(self) -> None:
+        """Assert the KV pool / encoder cache invariants (tests call this after runs)."""
+        self.engine.check_integrity()

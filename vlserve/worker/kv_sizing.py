@@ -1,0 +1,81 @@
+"""How many KV blocks fit: an explicit count, an explicit byte budget, or a profile of a dummy forward."""
+from __future__ import annotations
+
+import logging
+import resource
+
+import torch
+
+from vlserve.core.kv_cache_manager import cdiv
+
+logger = logging.getLogger(__name__)
+
+
+def _available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (falls back to 4 GiB where that file does not exist)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def profile_peak_activation_bytes(runner, num_tokens: int) -> int:
+    """Run one dummy prefill of num_tokens on a throwaway 1-sequence KV cache; return its peak extra memory."""
+    from vlserve.core.sched_output import NewRequestData, SchedulerOutput
+    from vlserve.sampling_params import SamplingParams
+
+    num_blocks = cdiv(num_tokens, runner.block_size)
+    saved = runner.kv_caches
+    runner.initialize_kv_cache(num_blocks)
+    dev = runner.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
+                           list(range(num_blocks)), 0)
+    runner.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
+    runner.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, 0)
+    runner.kv_caches = saved
+    return peak
+
+
+def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None,
+                            memory_fraction: float, max_num_batched_tokens: int, max_model_len: int,
+                            max_num_seqs: int) -> int:
+    """num_kv_blocks if given; else kv_cache_memory_bytes / bytes per block; else profile: a fraction of the free
+    memory minus the dummy forward's peak, capped at what max_num_seqs full-length sequences could ever use."""
+    per_block = runner.bytes_per_block()
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    if kv_cache_memory_bytes is not None:
+        n = kv_cache_memory_bytes // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one KV block "
+                             f"({per_block} bytes)")
+        return int(n)
+    peak = profile_peak_activation_bytes(runner, min(max_num_batched_tokens, max_model_len))
+    if runner.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+    else:
+        free = _available_host_bytes()
+    budget = int(free * memory_fraction) - peak
+    cap = max_num_seqs * cdiv(max_model_len, runner.block_size) + 1
+    n = min(max(budget // per_block, 0), cap)
+    if n < cdiv(max_model_len, runner.block_size):
+        raise ValueError(f"only {n} KV blocks fit in memory ({budget} bytes); a max_model_len sequence needs "
+                         f"{cdiv(max_model_len, runner.block_size)}: lower max_model_len or free memory")
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), profiled peak %.1f MiB", n, runner.block_size,
+                n * per_block / 2**20, peak / 2**20)
+    return int(n)

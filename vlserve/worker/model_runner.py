@@ -1,0 +1,191 @@
+"""The model runner: owns every tensor (weights, KV cache, encoder outputs) and runs one scheduled step."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.worker.request_state import CachedRequestState
+from vlserve.worker.sampler import Sampler, build_sampling_metadata, make_generator
+
+
+class ModelRunner:
+    """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
+
+    def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
+                 block_size: int, mrope_positions_fn=None):
+        self.model = model
+        self.text_config = getattr(hf_config, "text_config", None) or hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.vocab_size = self.text_config.vocab_size
+        self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_encoder_runs = 0
+
+    # -- KV cache ----------------------------------------------------------------------------------------------
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return (num_blocks, self.block_size, num_kv_heads, head_dim)
+
+    def bytes_per_block(self) -> int:
+        _, bs, h, d = self.kv_cache_shape(1)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.text_config.num_hidden_layers * bs * h * d * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each."""
+        shape = self.kv_cache_shape(num_blocks)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.text_config.num_hidden_layers)]
+
+    # -- state updates -----------------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for h in so.free_encoder_mm_hashes:
+            self.encoder_outputs.pop(h, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            state = CachedRequestState(
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
+                generator=make_generator(params.seed, self.device) if params.seed is not None else None,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                mm_features=new.mm_features)
+            if self.mrope_positions_fn is not None:
+                state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(
+                    new.prompt_token_ids, new.mm_features)
+            self.requests[new.req_id] = state
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _run_encoders(self, so: SchedulerOutput) -> None:
+        for rid, item_indices in so.scheduled_encoder_inputs.items():
+            state = self.requests[rid]
+            for i in item_indices:
+                feat = state.mm_features[i]
+                if feat.mm_hash in self.encoder_outputs:
+                    continue
+                emb = self.model.embed_multimodal(feat.modality, feat.data)  # [num_embeds, H]
+                if emb.shape[0] != feat.length:
+                    raise RuntimeError(f"encoder produced {emb.shape[0]} embeddings for a placeholder run of "
+                                       f"{feat.length} tokens ({feat.modality} {feat.mm_hash})")
+                self.encoder_outputs[feat.mm_hash] = emb
+                self.num_encoder_runs += 1
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the planned step; returns the sampled tokens of every request that reached its last token."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        self._run_encoders(so)
+        # Decodes (one query token) first: the attention layer splits the batch there.
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in req_ids]
+        q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)  # [B]
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)  # [B]
+        seq_lens = starts + q_lens
+        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+
+        token_ids: list[int] = []
+        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
+            token_ids.extend(state.token_ids[s:s + n])
+            missing = s + n - len(state.token_ids)
+            if missing > 0:  # speculative tokens beyond the known ones
+                token_ids.extend(so.scheduled_spec_decode_tokens[state.req_id][:missing])
+        # positions[t] = start of its request + offset within the request's chunk
+        req_index = np.repeat(np.arange(len(req_ids)), q_lens)  # [T]
+        positions_np = np.arange(num_tokens, dtype=np.int64) - cu[:-1][req_index] + starts[req_index]
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int32)  # [B, M]
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_ids)] = state.block_ids
+        bs = self.block_size
+        slot_mapping = block_table[req_index, positions_np // bs].astype(np.int64) * bs + positions_np % bs
+
+        dev = self.device
+        num_decodes = int((q_lens == 1).sum())
+        md = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            num_decodes=num_decodes, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist())
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)  # [T]
+        positions = self._positions(states, starts, q_lens, positions_np)  # [T] or [3, T]
+        inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
+
+        hidden = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
+
+        # Sample for requests whose window reached their last known token (partial prefills sample nothing).
+        known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
+        sample_mask = seq_lens >= known
+        logits_indices = cu[1:][sample_mask] - 1
+        sampled_by_req: dict[str, list[int]] = {}
+        logprobs_by_req: dict[str, list] = {}
+        if len(logits_indices):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])  # [N, V]
+            sample_states = [s for s, m in zip(states, sample_mask) if m]
+            smd = build_sampling_metadata(
+                [s.sampling_params for s in sample_states], [s.generator for s in sample_states],
+                [s.prompt_token_ids for s in sample_states], [s.output_token_ids for s in sample_states],
+                logits.shape[-1], dev)
+            out = self.sampler(logits, smd)
+            tokens = out.sampled_token_ids.tolist()
+            if out.logprobs is not None:
+                lp_ids, lp_vals, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+            for i, (state, tok) in enumerate(zip(sample_states, tokens)):
+                state.token_ids.append(tok)
+                sampled_by_req[state.req_id] = [tok]
+                k = state.sampling_params.logprobs
+                if k is not None and out.logprobs is not None:
+                    logprobs_by_req[state.req_id] = [(lp_ids[i][: k + 1], lp_vals[i][: k + 1], ranks[i])]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[sampled_by_req.get(r, []) for r in req_ids],
+                                 logprobs=logprobs_by_req)
+
+    def _positions(self, states, starts, q_lens, positions_np) -> torch.Tensor:
+        if self.mrope_positions_fn is None:
+            return torch.from_numpy(positions_np).to(self.device)
+        parts = []
+        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
+            p = state.num_prompt_tokens
+            chunk = []
+            if s < p:
+                chunk.append(state.mrope_positions[:, s:min(s + n, p)])
+            if s + n > p:
+                lo = max(s, p)
+                text = torch.arange(lo + state.mrope_delta, s + n + state.mrope_delta, dtype=torch.long)
+                chunk.append(text.unsqueeze(0).expand(3, -1))
+            parts.extend(chunk)
+        return torch.cat(parts, dim=1).to(self.device)  # [3, T]
+
+    def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu) -> torch.Tensor | None:
+        """inputs_embeds [T, H] with encoder outputs written over placeholder tokens, or None for text only."""
+        pieces = []  # (batch row start, embeddings slice)
+        for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
+            for f in state.mm_features:
+                lo, hi = max(s, f.offset), min(s + n, f.end)
+                if lo < hi:
+                    pieces.append((int(cu[i]) + lo - s, self.encoder_outputs[f.mm_hash][lo - f.offset:hi - f.offset]))
+        if not pieces:
+            return None
+        embeds = self.model.get_input_embeddings(input_ids)  # [T, H]
+        for row, emb in pieces:
+            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
+        return embeds

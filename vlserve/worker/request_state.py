@@ -1,0 +1,33 @@
+"""The model runner's per-request state: token ids, block table, generator, M-RoPE offsets."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers about a request between steps (rebuilt from scratch after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64, M-RoPE models only
+    mrope_delta: int = 0  # text position after the prompt = index + mrope_delta
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]

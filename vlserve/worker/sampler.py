@@ -1,0 +1,166 @@
+"""Sampler: turns one step's logits [B, V] into next tokens (plus optional logprobs), like vLLM v1.
+
+Order: min_tokens bans -> penalties -> greedy rows take argmax -> temperature -> min_p -> top_k -> top_p
+-> sample (exponential race). Logprobs come from the raw logits (before bans/penalties/temperature).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata, make_generator
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata", "make_generator",
+           "apply_penalties", "apply_min_p", "apply_top_k_top_p", "random_sample"]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # [B, k+1] int64: column 0 = sampled token, columns 1.. = top-k tokens by raw logprob (descending).
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None  # [B, k+1] float32, raw log-softmax of the ids above
+    sampled_ranks: torch.Tensor | None = None  # [B] int64, 1-based rank of the sampled token (1 = most likely)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """In place. Repetition (vLLM/HF style): for tokens seen in prompt or output, positive logits are divided
+    by the penalty, negative ones multiplied. Then OpenAI frequency (x output count) and presence (x seen in
+    output) penalties are subtracted."""
+    counts = md.output_counts
+    seen = md.prompt_mask | (counts > 0)
+    rep = torch.where(seen, md.repetition_penalties.unsqueeze(1), torch.ones((), device=logits.device))
+    logits.copy_(torch.where(logits > 0, logits / rep, logits * rep))
+    logits.sub_(md.frequency_penalties.unsqueeze(1) * counts)
+    logits.sub_(md.presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype))
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * (the row's top probability). Returns new logits."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top-k tokens (ties at the k-th value kept), then the smallest set of them whose
+    cumulative probability reaches top_p (always at least the most likely token). Returns new logits."""
+    if k is None and p is None:
+        return logits
+    V = logits.shape[-1]
+    if p is None:
+        # top-k only: no full sort needed.
+        enabled = k < V
+        max_k = int(k[enabled].max()) if bool(enabled.any()) else V
+        top_vals = logits.topk(max_k, dim=-1).values  # [B, max_k] descending
+        kth = top_vals.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
+        # Rows whose k == V (disabled) keep everything.
+        kth = torch.where(enabled.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = sorted_logits.gather(1, (V - k).clamp(min=0).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    probs_sorted = sorted_logits.softmax(dim=-1)
+    cum = probs_sorted.cumsum(dim=-1)
+    # Ascending order: a token is dropped when all tokens up to it (inclusive) carry <= 1 - top_p of the mass,
+    # i.e. the kept tokens are exactly the smallest top set whose mass is >= top_p.
+    drop = cum <= (1.0 - p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Exponential race: argmax(probs / E), E ~ Exp(1) i.i.d., samples each row from `probs`.
+    Row i (an index into probs) with generators[i] draws its noise only from that generator, so a seeded
+    row's result doesn't depend on the rest of the batch. `rows` maps probs rows to batch rows (None = same)."""
+    q = torch.empty_like(probs)
+    n = probs.shape[0]
+    if len(generators) < n:
+        q.exponential_()
+    if generators:
+        batch_rows = range(n) if rows is None else rows.tolist()
+        for j, r in enumerate(batch_rows):
+            g = generators.get(r)
+            if g is not None:
+                q[j].exponential_(generator=g)
+    # exponential_ can in principle return 0; keep 0-probability tokens at 0 instead of NaN.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+class Sampler:
+    """Stateless; call as `Sampler()(logits, md)`."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, md)
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        # Never modify the caller's tensor.
+        if md.ban_rows is not None or not md.no_penalties:
+            logits = logits.clone()
+        if md.ban_rows is not None:
+            logits[md.ban_rows, md.ban_token_ids] = float("-inf")
+        if not md.no_penalties:
+            apply_penalties(logits, md)
+
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy_ids = None if md.all_random else logits.argmax(dim=-1)
+            sampled = self._sample_random(logits, md)
+            if greedy_ids is not None:
+                sampled = torch.where(md.is_greedy, greedy_ids, sampled)
+        sampled = sampled.to(torch.int64)
+
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
+        return out
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Samples the random rows only (the [B] result holds 0 at greedy rows, which the caller overwrites),
+        so a seeded greedy row never advances its generator."""
+        rows = None
+        if not md.all_random:
+            # Only the random rows need the work (and only they may advance their generators).
+            rows = (~md.is_greedy).nonzero(as_tuple=True)[0]
+            logits = logits.index_select(0, rows)
+        # Everything below is out of place, so the caller's logits are never modified.
+        sel = (lambda t: t) if rows is None else (lambda t: None if t is None else t.index_select(0, rows))
+        temperature, min_p, top_k, top_p = sel(md.temperature), sel(md.min_p), sel(md.top_k), sel(md.top_p)
+        if temperature is not None:
+            logits = logits / temperature.unsqueeze(1)
+        if min_p is not None:
+            logits = apply_min_p(logits, min_p)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        picked = random_sample(probs, md.generators, rows)
+        if rows is None:
+            return picked
+        full = torch.zeros(md.is_greedy.shape[0], dtype=picked.dtype, device=picked.device)
+        return full.index_copy_(0, rows, picked)
+
+    @staticmethod
+    def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
+        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
+        k = min(k, raw_logprobs.shape[-1])
+        out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1).to(torch.int64) + 1
+        if k > 0:
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+            out.logprob_token_ids = torch.cat([sampled.unsqueeze(1), top_ids.to(torch.int64)], dim=1)
+            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+        else:
+            out.logprob_token_ids = sampled.unsqueeze(1)
+            out.logprobs = sampled_lp
