@@ -96,6 +96,7 @@ class EngineCore:
             "vlserve:encoder_cache_evictions_total": enc.evictions,
             "vlserve:encoder_cache_usage": enc.usage,
             "vlserve:encoder_runs_total": self.runner.num_encoder_runs,
+            "vlserve:mm_processor_cache_hits_total": getattr(self.loaded.mm_processor, "cache_hits", 0),
             "vlserve:spec_decode_num_drafts_total": st.spec_num_drafts,
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,

@@ -37,11 +37,14 @@ class IncrementalDetokenizer:
     def _check_stop(self, start_len: int) -> str | None:
         if not self.stop or len(self.output_text) == start_len:
             return None
+        best: tuple[int, str] | None = None
         for s in self.stop:
             # Only text that could contain a new match: the new part plus len(s) - 1 characters before it.
             idx = self.output_text.find(s, max(0, start_len - len(s) + 1))
-            if idx != -1:
-                end = idx + len(s) if self.include_stop else idx
-                self.output_text = self.output_text[:end]
-                return s
-        return None
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.output_text = self.output_text[: idx + len(s) if self.include_stop else idx]
+        return s

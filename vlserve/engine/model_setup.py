@@ -28,6 +28,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     mrope_positions_fn: Callable | None = None
     modalities: tuple[str, ...] = field(default=())
+    mm_processor: Any = None  # vlserve.multimodal.processor.MultiModalProcessor for multimodal checkpoints
 
     @property
     def is_multimodal(self) -> bool:
