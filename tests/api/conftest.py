@@ -1,0 +1,145 @@
+"""A real uvicorn server on 127.0.0.1 (free port, background thread) serving tiny random checkpoints."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+TEXT_ENGINE_KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=16, max_num_seqs=64,
+                      max_num_batched_tokens=512)
+
+
+class ServerThread:
+    """uvicorn.Server running `app` in a daemon thread on a kernel-chosen loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class Served:
+    """A running server plus handles the tests use."""
+
+    def __init__(self, engine, thread: ServerThread, model: str):
+        import openai
+
+        self.engine = engine
+        self.thread = thread
+        self.base_url = thread.base_url
+        self.model = model
+        self.client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        self.http = httpx.Client(base_url=self.base_url, timeout=120, trust_env=False)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics as {name: value}."""
+        out = {}
+        for line in self.http.get("/metrics").text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metrics_labelled(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{labels}': value}."""
+        out = {}
+        for line in self.http.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits and no KV block is held (bounded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["vlserve:num_requests_running"] == 0 and m["vlserve:num_requests_waiting"] == 0
+                    and m["vlserve:kv_cache_usage"] == 0):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle after {timeout}s: {m}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.client.close()
+        self.http.close()
+        self.thread.stop()
+        self.engine.shutdown()
+
+
+def start_server(engine_args, **config_kw) -> Served:
+    from vlserve.api.server import ServerConfig, build_app
+    from vlserve.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(engine_args)
+    config = ServerConfig(shutdown_engine=False, **config_kw)
+    app = build_app(engine, config)
+    thread = ServerThread(app).start()
+    return Served(engine, thread, app.state.models.names[0])
+
+
+@pytest.fixture(scope="session")
+def text_ckpt(tmp_path_factory) -> str:
+    from vlserve.testing.checkpoints import build_text_checkpoint
+
+    return build_text_checkpoint(str(tmp_path_factory.mktemp("api_text")), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory) -> str:
+    """The directory the servers allow file:// media from."""
+    return str(tmp_path_factory.mktemp("allowed_media"))
+
+
+@pytest.fixture(scope="session")
+def server(text_ckpt, media_dir):
+    """The text-model server shared by most tests."""
+    from vlserve.config import EngineArgs
+
+    served = start_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
+                          served_model_names=["tiny-text", "alias"])
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(text_ckpt):
+    """The offline LLM on the same checkpoint: the reference for the server's greedy text."""
+    from vlserve import LLM
+
+    return LLM(text_ckpt, **TEXT_ENGINE_KW)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

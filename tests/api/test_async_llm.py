@@ -1,0 +1,109 @@
+"""AsyncLLM directly (the server's engine, driven from the test's own event loop)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from vlserve import SamplingParams
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_generate_is_cumulative_and_matches_offline(server, offline_llm):
+    prompt = "the quick brown fox jumps over"
+    ref = offline_llm.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0]
+
+    async def run():
+        return [out async for out in server.engine.generate(prompt, greedy(20), "async-cumulative")]
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert outs[-1].outputs[0].text == ref.text and outs[-1].outputs[0].token_ids == ref.token_ids
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 20
+    for a, b in zip(outs, outs[1:]):
+        assert b.outputs[0].text.startswith(a.outputs[0].text)
+
+
+def test_errors_surface_to_the_caller(server):
+    async def run(prompt, params):
+        return [o async for o in server.engine.generate(prompt, params)]
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(run(list(range(5, 400)), greedy(2)))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        asyncio.run(run([10**9], greedy(2)))
+
+    async def duplicate():
+        first = server.engine.generate("hello", greedy(50), "dup-id")
+        await first.__anext__()
+        try:
+            with pytest.raises(ValueError, match="already in use"):
+                [o async for o in server.engine.generate("hello", greedy(2), "dup-id")]
+        finally:
+            await first.aclose()
+
+    asyncio.run(duplicate())
+    server.wait_idle()
+
+
+def test_closing_the_iterator_aborts(server):
+    async def run():
+        gen = server.engine.generate("one two three", greedy(200), "async-close")
+        got = [await gen.__anext__() for _ in range(2)]
+        await gen.aclose()
+        return got
+
+    got = asyncio.run(run())
+    assert not got[-1].finished
+    server.wait_idle()
+    server.engine.engine.check_integrity()
+
+
+def test_abort_by_id_ends_stream_with_abort(server):
+    async def run():
+        outs = []
+        async for out in server.engine.generate("red green blue", greedy(200), "async-abort-id"):
+            outs.append(out)
+            if len(outs) == 2:
+                server.engine.abort("async-abort-id")
+        return outs
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 200
+    server.wait_idle()
+
+
+def test_event_loop_is_not_blocked_by_model_compute(server):
+    async def run():
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        start = time.perf_counter()
+        prompts = [f"question {i}: " + "where is the red circle " * 8 for i in range(8)]
+
+        async def collect(p):
+            return [o async for o in server.engine.generate(p, greedy(100))]
+
+        await asyncio.gather(*(collect(p) for p in prompts))
+        total = time.perf_counter() - start
+        stop.set()
+        await task
+        return max(gaps), total
+
+    worst, total = asyncio.run(run())
+    assert total > 0.3
+    assert worst < max(0.25, total / 3), (worst, total)

@@ -1,0 +1,115 @@
+"""`vlserve serve` as a subprocess: flags reach the engine and server (API key -> 401, waiting cap -> 503)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port
+
+
+def _wait_health(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def cli_server(text_ckpt, repo_root):
+    port = free_port()
+    cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "cli-model", "other-name", "--dtype", "float32", "--max-model-len", "256",
+           "--num-kv-blocks", "64", "--block-size", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
+           "--max-waiting-requests", "1", "--api-key", "sekrit", "--seed", "0", "--limit-mm-per-prompt",
+           json.dumps({"image": 1}), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": repo_root})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(base, proc)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_api_key(cli_server):
+    with httpx.Client(base_url=cli_server, timeout=60, trust_env=False) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        r = c.post("/v1/chat/completions", json={"model": "cli-model", "messages": []})
+        assert r.status_code == 401  # auth is checked before the body
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        ok = c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert [m["id"] for m in ok.json()["data"]] == ["cli-model", "other-name"]
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cli_server}/v1", api_key="sekrit", max_retries=0)
+    r = client.chat.completions.create(model="other-name", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r.model == "other-name" and r.usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{cli_server}/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_queue_full_gives_503_and_recovers(cli_server):
+    auth = {"Authorization": "Bearer sekrit"}
+    body = {"model": "cli-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=cli_server, timeout=60, headers=auth, trust_env=False) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as running:  # takes the only seat
+            assert running.status_code == 200
+            with c.stream("POST", "/v1/chat/completions", json=body) as waiting:  # fills the waiting queue
+                assert waiting.status_code == 200
+                r = c.post("/v1/chat/completions", json={**body, "stream": False})
+                assert r.status_code == 503, r.text
+                assert "waiting queue is full" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def _demo_available() -> bool:
+    try:
+        from vlserve.demo import default_model_path
+
+        default_model_path()
+        return True
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(_demo_available(), reason="the embedded demo model is built here, so serve would start")
+def test_serve_without_model_explains_missing_demo(repo_root):
+    proc = subprocess.run([sys.executable, "-m", "vlserve.cli", "serve", "--port", str(free_port())], cwd=repo_root,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": repo_root})
+    assert proc.returncode == 2
+    assert "demo model" in proc.stderr and "vlserve serve /path/to/model" in proc.stderr
+
+
+def test_cli_help_lists_vllm_flags(repo_root):
+    proc = subprocess.run([sys.executable, "-m", "vlserve.cli", "serve", "--help"], cwd=repo_root,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": repo_root})
+    assert proc.returncode == 0
+    for flag in ("--served-model-name", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--kv-cache-memory-bytes", "--num-kv-blocks", "--block-size", "--limit-mm-per-prompt",
+                 "--allowed-local-media-path", "--allowed-media-domains", "--api-key", "--speculative-config",
+                 "--max-waiting-requests", "--seed", "--dtype"):
+        assert flag in proc.stdout, flag

@@ -1,0 +1,114 @@
+"""get_mrope_positions against transformers' own get_rope_index (Qwen2-VL and Qwen2.5-VL)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.mrope import decode_mrope_positions, get_mrope_positions, mrope_positions_for_range
+
+TEXT = 50  # an ordinary token id
+
+
+def _build(cfg, items, texts):
+    """Prompt = texts[0] <vs> item0 <ve> texts[1] ... ; items are (modality, (t, h, w), second_per_grid_t)."""
+    ids, feats = [TEXT] * texts[0], []
+    for (modality, thw, spg), n_text in zip(items, texts[1:]):
+        ids.append(cfg.vision_start_token_id)
+        n = thw[0] * thw[1] * thw[2] // 4
+        tok = cfg.image_token_id if modality == "image" else cfg.video_token_id
+        data = ({"image_grid_thw": torch.tensor([thw])} if modality == "image" else
+                {"video_grid_thw": torch.tensor([thw]), "second_per_grid_ts": torch.tensor([spg])})
+        feats.append(MultiModalFeature(modality, f"h{len(feats)}", len(ids), n, data))
+        ids += [tok] * n + [cfg.vision_end_token_id] + [TEXT] * n_text
+    return ids, feats
+
+
+def _hf_rope_index(cfg, ids, feats):
+    """Call the HF model's get_rope_index without building the model (it only reads self.config)."""
+    if cfg.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel as M
+    else:
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel as M
+    imgs = [f.data["image_grid_thw"] for f in feats if f.modality == "image"]
+    vids = [f for f in feats if f.modality == "video"]
+    kwargs = dict(input_ids=torch.tensor([ids]), image_grid_thw=torch.cat(imgs) if imgs else None,
+                  video_grid_thw=torch.cat([f.data["video_grid_thw"] for f in vids]) if vids else None)
+    if cfg.model_type == "qwen2_5_vl" and vids:
+        kwargs["second_per_grid_ts"] = torch.cat([f.data["second_per_grid_ts"] for f in vids])
+    pos, delta = M.get_rope_index(SimpleNamespace(config=cfg), **kwargs)
+    return pos[:, 0], int(delta.reshape(-1)[0])  # [3, L]
+
+
+@pytest.fixture(scope="module")
+def configs(qwen2_vl_dir, qwen2_5_vl_dir):
+    from transformers import AutoConfig
+    return {"qwen2_vl": AutoConfig.from_pretrained(qwen2_vl_dir),
+            "qwen2_5_vl": AutoConfig.from_pretrained(qwen2_5_vl_dir)}
+
+
+CASES = {
+    "one_image": ([("image", (1, 4, 6), None)], [3, 5]),
+    "image_first_token": ([("image", (1, 2, 2), None)], [0, 0]),
+    "images_and_videos": ([("image", (1, 4, 4), None), ("video", (3, 2, 4), 1.0), ("image", (1, 6, 2), None),
+                           ("video", (2, 4, 2), 2.0)], [2, 4, 0, 3, 6]),
+    "video_fractional_seconds": ([("video", (4, 2, 2), 0.5), ("video", (3, 2, 2), 1.5)], [1, 2, 2]),
+    "many_frames_tall": ([("video", (6, 8, 2), 1.0), ("image", (1, 2, 12), None)], [5, 1, 7]),
+}
+
+
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_hf_get_rope_index(configs, variant, case):
+    cfg = configs[variant]
+    ids, feats = _build(cfg, *CASES[case])
+    pos, delta = get_mrope_positions(ids, feats, cfg)
+    ref_pos, ref_delta = _hf_rope_index(cfg, ids, feats)
+    assert pos.shape == (3, len(ids)) and pos.dtype == torch.long
+    assert torch.equal(pos, ref_pos), f"\n{pos}\n{ref_pos}"
+    assert delta == ref_delta
+
+
+def test_text_only(configs):
+    pos, delta = get_mrope_positions([TEXT] * 7, [], configs["qwen2_vl"])
+    assert torch.equal(pos, torch.arange(7).expand(3, -1)) and delta == 0
+
+
+def test_qwen2_5_video_time_scaling(configs):
+    cfg = configs["qwen2_5_vl"]  # tokens_per_second = 2
+    ids, feats = _build(cfg, [("video", (3, 2, 2), 2.0)], [1, 1])
+    pos, delta = get_mrope_positions(ids, feats, cfg)
+    vid = pos[:, feats[0].offset:feats[0].end]
+    start = feats[0].offset
+    assert vid[0].tolist() == [start + 4 * t for t in range(3) for _ in range(1)]  # t * 2 s * 2 tok/s
+    assert pos[:, -1].tolist() == [start + 8 + 1 + 1] * 3  # vision_end, then the last text token
+    # Float seconds (original Qwen / vLLM) differ from HF's truncation only for fractional values.
+    ids, feats = _build(cfg, [("video", (3, 2, 2), 0.75)], [0, 0])
+    trunc, _ = get_mrope_positions(ids, feats, cfg)
+    flt, _ = get_mrope_positions(ids, feats, cfg, truncate_second_per_grid=False)
+    assert trunc[0, 1:4].tolist() == [1, 1, 1]  # HF: int(0.75) == 0, no time spread
+    assert flt[0, 1:4].tolist() == [1, 2, 4]  # 1 + floor(t * 0.75 * 2)
+
+
+def test_decode_positions_continue_after_prompt(configs):
+    cfg = configs["qwen2_5_vl"]
+    ids, feats = _build(cfg, *CASES["images_and_videos"])
+    pos, delta = get_mrope_positions(ids, feats, cfg)
+    L = len(ids)
+    assert delta == int(pos.max()) + 1 - L
+    dec = decode_mrope_positions(delta, L, L + 3)
+    assert dec.shape == (3, 3) and dec[0].tolist() == [pos.max() + 1, pos.max() + 2, pos.max() + 3]
+    assert torch.equal(dec[0], dec[2])
+    both = mrope_positions_for_range(pos, delta, L - 2, L + 2)
+    assert torch.equal(both, torch.cat([pos[:, L - 2:], decode_mrope_positions(delta, L, L + 2)], dim=1))
+    assert torch.equal(mrope_positions_for_range(pos, delta, 3, 9), pos[:, 3:9])
+
+
+def test_inconsistent_feature_rejected(configs):
+    cfg = configs["qwen2_vl"]
+    ids, feats = _build(cfg, [("image", (1, 4, 4), None)], [1, 1])
+    feats[0].length += 1
+    with pytest.raises(ValueError, match="needs 4 tokens"):
+        get_mrope_positions(ids, feats, cfg)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI): `build_app(engine, config)` and `serve(engine_args, ...)`."""

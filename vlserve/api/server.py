@@ -1,0 +1,153 @@
+"""The OpenAI-compatible HTTP server: app factory (`build_app`), routes, API-key check, and `serve()` (uvicorn).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vlserve import __version__
+from vlserve.api.errors import error_response, install_error_handlers
+from vlserve.api.media import MediaConfig, MediaFetcher
+from vlserve.api.metrics import ServerMetrics
+from vlserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from vlserve.api.serving_base import ServedModels
+from vlserve.api.serving_chat import OpenAIServingChat
+from vlserve.api.serving_completion import OpenAIServingCompletion
+from vlserve.config import EngineArgs
+from vlserve.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    """HTTP-side settings (the engine's live in EngineArgs)."""
+
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    media: MediaConfig = field(default_factory=MediaConfig)
+    max_body_bytes: int = 512 << 20
+    shutdown_engine: bool = True  # stop the engine thread when the app shuts down
+
+
+class _GateMiddleware:
+    """Pure ASGI (so streaming and disconnects pass through untouched): API key on /v1/*, body-size cap, and
+    per-endpoint response counting."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = dict(scope.get("headers") or [])
+        rejection = None
+        if self.api_key is not None and path.startswith("/v1"):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not token or not hmac.compare_digest(token, self.api_key):
+                rejection = error_response("missing or invalid API key (send 'Authorization: Bearer <key>')", 401)
+        length = headers.get(b"content-length", b"")
+        if rejection is None and length.isdigit() and int(length) > self.max_body_bytes:
+            rejection = error_response(f"request body over {self.max_body_bytes} bytes", 413)
+        if rejection is not None:
+            self.metrics.count_http(path, rejection.status_code)
+            await rejection(scope, receive, send)
+            return
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_http(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def default_model_names(engine: AsyncLLM) -> list[str]:
+    """`--served-model-name`, else the model argument as given, else "vlserve-demo" (the embedded demo model)."""
+    args = engine.engine_args
+    if args.served_model_name:
+        return [args.served_model_name]
+    return [args.model or "vlserve-demo"]
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (which must already be running)."""
+    config = config or ServerConfig()
+    names = config.served_model_names or default_model_names(engine)
+    models = ServedModels(names, engine.engine.loaded.model_path, engine.max_model_len)
+    fetcher = MediaFetcher(config.media)
+    metrics = ServerMetrics(engine)
+    chat = OpenAIServingChat(engine, models, fetcher)
+    completion = OpenAIServingCompletion(engine, models)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await fetcher.aclose()
+        if config.shutdown_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="vlserve", version=__version__, lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.models = engine, metrics, models
+    install_error_handlers(app)
+    app.add_middleware(_GateMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine thread runs, 503 once it stopped."""
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response("the engine is not running", 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(models.list().model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await completion.create(body, raw)
+
+    return app
+
+
+def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
+          log_level: str = "info") -> None:
+    """Load the model, then serve until interrupted (Ctrl-C / SIGTERM)."""
+    import uvicorn
+
+    engine = AsyncLLM.from_engine_args(engine_args)
+    app = build_app(engine, config)
+    logger.info("serving %s on http://%s:%d (pid %d)", app.state.models.names[0], host, port, os.getpid())
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    finally:
+        engine.shutdown()

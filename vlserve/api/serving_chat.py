@@ -1,0 +1,145 @@
+"""POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vlserve.api.errors import APIError, sse_error, to_api_error
+from vlserve.api.media import URL_PARTS, PASSTHROUGH_PARTS, MediaFetcher
+from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                  ChatLogprobs, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
+                                  TopLogprob, random_id)
+from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
+                                      check_mm_processor_kwargs, run_unless_disconnected, sse, usage_of)
+from vlserve.engine.async_llm import AsyncLLM, RequestStream
+from vlserve.outputs import Logprob, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]] | None, top_k: int) -> ChatLogprobs | None:
+    """OpenAI chat logprobs from per-token {token_id: Logprob} dicts (the sampled token is the first key)."""
+    if entries is None:
+        return None
+    content = []
+    for entry in entries:
+        if not entry:
+            continue
+        items = list(entry.values())
+        sampled = items[0]
+        top = sorted((lp for lp in items if lp.rank is not None and lp.rank <= top_k), key=lambda lp: lp.rank)
+        token = sampled.decoded_token or ""
+        content.append(ChatTokenLogprob(
+            token=token, logprob=max(sampled.logprob, -9999.0), bytes=list(token.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=t.decoded_token or "", logprob=max(t.logprob, -9999.0),
+                                     bytes=list((t.decoded_token or "").encode("utf-8"))) for t in top]))
+    return ChatLogprobs(content=content)
+
+
+async def prepare_input(coro):
+    """Await input processing; any failure there is the client's input (400), never a 500."""
+    try:
+        return await coro
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- decoding/processing errors of untrusted media
+        raise APIError(f"could not process the input: {e}", 400) from None
+
+
+class OpenAIServingChat:
+    """Validates, fetches media, processes, queues, and renders chat completions."""
+
+    def __init__(self, engine: AsyncLLM, models: ServedModels, fetcher: MediaFetcher):
+        self.engine = engine
+        self.models = models
+        self.fetcher = fetcher
+        self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
+
+    def _check_media(self, messages: list[dict]) -> None:
+        """Fail fast (before any download) on modalities the model lacks and on too many items."""
+        counts = Counter((URL_PARTS | PASSTHROUGH_PARTS)[t] for t, _ in self.fetcher.media_parts(messages))
+        for modality, count in counts.items():
+            if modality not in self.engine.modalities:
+                what = ", ".join(self.engine.modalities) or "text only"
+                raise APIError(f"{modality} input is not supported by this model (it takes: {what})", 400,
+                               "messages")
+            limit = self.limits.get(modality)
+            if limit is not None and count > limit:
+                raise APIError(f"{count} {modality} items exceed the limit of {limit} per prompt "
+                               f"(--limit-mm-per-prompt)", 400, "messages")
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
+        model = self.models.check(req.model)
+        params = req.to_sampling_params()
+        mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs)
+        messages = req.messages_as_dicts()
+        self._check_media(messages)
+        payloads = await self.fetcher.resolve(messages)
+        processed = await prepare_input(self.engine.process_chat(
+            messages, mm_kwargs, req.chat_template_kwargs, media_source=lambda _t, part: payloads[id(part)]))
+        request_id = random_id("chatcmpl")
+        stream = await self.engine.add_request(request_id, processed, params)
+        top_k = req.top_logprobs or 0
+        if req.stream:
+            holdback = max((len(s) for s in params.stop), default=1) - 1
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            return EngineStreamingResponse(self._stream(stream, request_id, model, params.n, top_k, holdback,
+                                                        req.include_usage, continuous))
+        final = await run_unless_disconnected(raw, _last(stream), stream.abort)
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=chat_logprobs(c.logprobs, top_k), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason) for c in final.outputs]
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
+        return JSONResponse(body.model_dump())
+
+    async def _stream(self, stream: RequestStream, request_id: str, model: str, n: int, top_k: int, holdback: int,
+                      include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices, usage=None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+        tracker = DeltaTracker(holdback)
+        last: RequestOutput | None = None
+        try:
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(n)])
+            async for out in stream:
+                last = out
+                choices = []
+                for c in out.outputs:
+                    if c.index in tracker.done:
+                        continue
+                    finished = c.finish_reason is not None
+                    text, lps = tracker.delta(c.index, c.text, c.logprobs, finished)
+                    if text or finished or lps:
+                        choices.append(ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(lps, top_k),
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if choices:
+                    yield chunk(choices, usage_of([out]) if continuous_usage else None)
+            if include_usage and last is not None:
+                yield chunk([], usage_of([last]))
+        except Exception as e:  # noqa: BLE001 -- headers are out: report in-band
+            err = to_api_error(e)
+            yield sse_error(err.message, err.status)
+        finally:
+            stream.abort()
+        yield SSE_DONE
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    """Drain a request's stream and return its final output."""
+    last = None
+    async with stream:
+        async for out in stream:
+            last = out
+    if last is None:
+        raise APIError("the request ended without output", 500)
+    return last

@@ -1,0 +1,129 @@
+"""`vlserve` command line: `vlserve serve [MODEL] ...`, `vlserve bench throughput ...`, `vlserve bench serve ...`.
+
+Flag names follow vLLM's (`--max-model-len`, `--limit-mm-per-prompt '{"image":4}'`, `--api-key`, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _json_dict(value: str) -> dict:
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return out
+
+
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `vlserve serve`."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="local checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the MODEL argument)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float",
+                                                       "bf16", "fp32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--limit-mm-per-prompt", type=_json_dict, default=None,
+                   help='per-prompt media caps, e.g. \'{"image":4,"video":1}\'')
+    p.add_argument("--mm-processor-kwargs", type=_json_dict, default=None)
+    p.add_argument("--encoder-cache-size", type=int, default=None)
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="directory that file:// media URLs may read from (default: file:// disabled)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None,
+                   help="hosts that http(s) media URLs may come from, space- or comma-separated (default: any)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--speculative-config", type=_json_dict, default=None, help="JSON, passed to the engine")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="reject new requests with 503 while this many wait")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build EngineArgs + ServerConfig from the flags and serve."""
+    from vlserve.api.media import MediaConfig
+    from vlserve.api.server import ServerConfig, serve
+    from vlserve.config import EngineArgs
+
+    model = args.model_flag or args.model
+    names = args.served_model_name
+    engine_args = EngineArgs(
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        device=args.device, limit_mm_per_prompt=args.limit_mm_per_prompt or {},
+        mm_processor_kwargs=args.mm_processor_kwargs, encoder_cache_size=args.encoder_cache_size,
+        max_waiting_requests=args.max_waiting_requests, speculative_config=args.speculative_config,
+        served_model_name=names[0] if names else None)
+    config = ServerConfig(served_model_names=names, api_key=args.api_key,
+                          media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
+                                            allowed_media_domains=_split_domains(args.allowed_media_domains)))
+    serve(engine_args, args.host, args.port, config, args.log_level)
+    return 0
+
+
+def _split_domains(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    return [d.strip() for v in values for d in v.split(",") if d.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vlserve` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="vlserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench.add_parser("throughput", help="offline throughput (see --help)", add_help=False)
+    bench.add_parser("serve", help="load-test a running server over the OpenAI API", add_help=False)
+    if argv[:2] == ["bench", "throughput"]:
+        from vlserve.bench.throughput import main as throughput_main
+
+        return throughput_main(argv[2:]) or 0
+    if argv[:2] == ["bench", "serve"]:
+        from vlserve.bench.serve import main as serve_bench_main
+
+        return serve_bench_main(argv[2:]) or 0
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run_serve(args)
+    except (ValueError, ModuleNotFoundError) as e:
+        if isinstance(e, ModuleNotFoundError) and e.name != "vlserve.demo":
+            raise
+        print(f"vlserve serve: error: {_explain(e, args)}", file=sys.stderr)
+        return 2
+
+
+def _explain(e: Exception, args: argparse.Namespace) -> str:
+    if isinstance(e, ModuleNotFoundError) or (args.model is None and args.model_flag is None
+                                              and "demo" in str(e).lower()):
+        return ("no MODEL given and the embedded demo model is not available in this install; pass a local "
+                f"checkpoint directory: vlserve serve /path/to/model ({e})")
+    return str(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

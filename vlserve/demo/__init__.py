@@ -1,0 +1,20 @@
+"""The embedded demo model "vlserve-demo": a small Qwen2-VL checkpoint trained on a synthetic world of colored
+shapes (vlserve.demo.world), shipped in vlserve/demo/model/ as a standard HF directory.
+
+Rebuild it with `python -m vlserve.demo.train --out vlserve/demo/model`; measure it with `python -m vlserve.demo.eval`.
+"""
+from __future__ import annotations
+
+import os
+
+MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json")
+
+
+def default_model_path() -> str:
+    """The shipped demo checkpoint directory; ValueError (with how to build it) if it is missing or incomplete."""
+    missing = [f for f in _REQUIRED if not os.path.isfile(os.path.join(MODEL_DIR, f))]
+    if missing:
+        raise ValueError(f"the embedded demo model is missing or incomplete at {MODEL_DIR} (no {', '.join(missing)});"
+                         f" build it with `python -m vlserve.demo.train --out {MODEL_DIR}`")
+    return MODEL_DIR

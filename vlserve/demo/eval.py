@@ -1,0 +1,127 @@
+"""Evaluate the demo model on a fresh, seeded held-out set: `python -m vlserve.demo.eval [--engine hf|vlserve]`.
+
+Renders `--per-form` new scenes for every question form (a seed the training stream never uses), asks the question
+greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored). Prints accuracy
+per form and overall; the last line is `accuracy: 0.xx`.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+EVAL_SEED = 20240917
+MAX_NEW_TOKENS = 48
+
+
+def held_out_set(per_form: int, seed: int = EVAL_SEED) -> list[dict]:
+    """per_form items per question form: {"form", "kind" ("image"|"video"), "media", "question", "answer"}."""
+    from vlserve.demo import world
+
+    rng = random.Random(seed)
+    items = []
+    for form in world.FORMS:
+        is_video = form in world.VIDEO_FORMS
+        for _ in range(per_form):
+            scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
+            _, q, a = world.sample_qa(rng, scene, form)
+            media = world.render_video(scene) if is_video else world.render_image(scene)
+            items.append({"form": form, "kind": "video" if is_video else "image", "media": media,
+                          "question": q, "answer": a})
+    return items
+
+
+def messages_for(item: dict, engine: str) -> list[dict]:
+    """One user turn with the media part (HF processor or vlserve chat format) and the question."""
+    if item["kind"] == "image":
+        media = {"type": "image"} if engine == "hf" else {"type": "image_pil", "image_pil": item["media"]}
+    else:
+        media = {"type": "video"} if engine == "hf" else {"type": "video", "video": item["media"]}
+    return [{"role": "user", "content": [media, {"type": "text", "text": item["question"]}]}]
+
+
+def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads: int = 2) -> list[str]:
+    """Greedy answers from transformers' AutoModelForImageTextToText + AutoProcessor (left-padded batches)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(threads)
+    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, local_files_only=True,
+                                                        dtype=torch.float32).eval()
+    outs: list[str] = []
+    # Same-kind batches: a batch is all images or all videos.
+    for i in range(0, len(items), batch_size):
+        chunk = items[i:i + batch_size]
+        texts = [processor.apply_chat_template(messages_for(it, "hf"), tokenize=False, add_generation_prompt=True)
+                 for it in chunk]
+        images = [it["media"] for it in chunk if it["kind"] == "image"] or None
+        videos = [it["media"] for it in chunk if it["kind"] == "video"] or None
+        batch = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            gen = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)  # [B, L + new]
+        new = gen[:, batch["input_ids"].shape[1]:]  # [B, new]
+        outs += processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+    return outs
+
+
+def generate_vlserve(model_dir: str, items: list[dict]) -> list[str]:
+    """Greedy answers from vlserve's `LLM.chat` (the whole set in one continuous batch)."""
+    from vlserve import LLM, SamplingParams
+
+    llm = LLM(model=model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    outputs = llm.chat([messages_for(it, "vlserve") for it in items], params, use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]
+
+
+def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
+    """Exact-match accuracy per form plus "overall"."""
+    from vlserve.demo import world
+
+    per: dict[str, list[bool]] = {f: [] for f in world.FORMS}
+    for it, out in zip(items, outputs):
+        per[it["form"]].append(out.strip().lower() == it["answer"].strip().lower())
+    acc = {f: sum(v) / len(v) for f, v in per.items() if v}
+    acc["overall"] = sum(sum(v) for v in per.values()) / max(1, sum(len(v) for v in per.values()))
+    return acc
+
+
+def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 50, seed: int = EVAL_SEED,
+             batch_size: int = 16, show_errors: int = 3) -> dict[str, float]:
+    """Run the held-out evaluation, print the table, and return the accuracies."""
+    from vlserve.demo import default_model_path, world
+
+    model_dir = model_dir or default_model_path()
+    items = held_out_set(per_form, seed)
+    t0 = time.time()
+    outputs = generate_hf(model_dir, items, batch_size) if engine == "hf" else generate_vlserve(model_dir, items)
+    acc = score(items, outputs)
+    print(f"model {model_dir} | engine {engine} | {len(items)} questions | {time.time() - t0:.0f}s")
+    print(f"{'form':<16} {'question':<40} {'accuracy':>8}")
+    for f in world.FORMS:
+        print(f"{f:<16} {world.QUESTION_TEMPLATES[f]:<40} {acc[f]:>8.3f}")
+    wrong = [(it, o) for it, o in zip(items, outputs) if o.strip().lower() != it["answer"].strip().lower()]
+    for it, o in wrong[:show_errors]:
+        print(f"  wrong [{it['form']}] {it['question']!r}: got {o.strip()!r}, expected {it['answer']!r}")
+    print(f"overall accuracy over {len(items)} questions: {acc['overall']:.4f}")
+    print(f"accuracy: {acc['overall']:.2f}")
+    return acc
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description="Held-out accuracy of the vlserve demo model, per question form.")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--engine", choices=("hf", "vlserve"), default="hf")
+    p.add_argument("--per-form", type=int, default=50)
+    p.add_argument("--seed", type=int, default=EVAL_SEED)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--show-errors", type=int, default=3)
+    a = p.parse_args(argv)
+    evaluate(a.model, a.engine, a.per_form, a.seed, a.batch_size, a.show_errors)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The demo model's domain tokenizer: byte-level BPE trained with `tokenizers` on the world's questions and answers
+wrapped in ChatML, with Qwen2-VL's special tokens and chat template (shared with vlserve.testing.tokenizer).
+
+Every byte is in the alphabet, so any text encodes; the world's words are single tokens. Training depends only on
+a seeded corpus, so the vocabulary is reproducible.
+"""
+from __future__ import annotations
+
+import random
+
+from vlserve.testing.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+DEFAULT_VOCAB_SIZE = 512
+SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def corpus(num_scenes: int = 1000, seed: int = 0) -> list[str]:
+    """ChatML-shaped Q/A lines over sampled scenes and clips (no rendering), special tokens left out."""
+    from vlserve.demo import world
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_scenes):
+        scene = world.sample_video(rng) if i % 3 == 2 else world.sample_scene(rng)
+        for _, q, a in world.qas(scene):
+            # The chat template's text between special tokens (they are atomic, so they stay out of training).
+            lines.append(f"system\n{SYSTEM_PROMPT}\nuser\n{q}\nassistant\n{a}\n")
+    # A little generic text so common words outside the world still merge sensibly.
+    lines += ["Hello! How are you? I am fine, thank you. What is this? Yes. No. 0 1 2 3 4 5 6 7 8 9"] * 20
+    return lines
+
+
+def build_demo_tokenizer(out_dir: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Train the tokenizer; return it as a `Qwen2TokenizerFast` (the class Qwen2-VL's processor expects) with the
+    ChatML chat template, eos `<|im_end|>` and pad `<|endoftext|>`; also save it to out_dir when given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              unk_token=None, bos_token=None, additional_special_tokens=SPECIAL_TOKENS[1:],
+                              clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        fast.save_pretrained(out_dir)
+    return fast

@@ -1,0 +1,192 @@
+"""Train the demo model from scratch on freshly rendered scenes: `python -m vlserve.demo.train --out DIR`.
+
+Every step renders a new batch (infinite data), so the model learns the world rather than a fixed set. Each sample
+is a short conversation about one image or clip (the first question right after the media, like at inference; a
+few follow-up questions reuse the same visual tokens); the loss covers only the assistant answers (+ <|im_end|>).
+AdamW with warmup + cosine decay; everything is seeded, so a run with the same arguments is reproducible.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import time
+
+DEFAULT_STEPS = 3000
+DEFAULT_BATCH = 16
+
+
+def render_sample(rng: random.Random, video_prob: float, max_turns: int):
+    """-> (kind "image" | "video", media (PIL image | list of frames), [(question, answer), ...])."""
+    from vlserve.demo import world
+
+    is_video = rng.random() < video_prob
+    scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
+    all_qas = world.qas(scene)
+    forms = sorted({f for f, _, _ in all_qas})
+    turns = []
+    for _ in range(rng.randint(1, max_turns)):
+        _, q, a = world.sample_qa(rng, scene, rng.choice(forms))
+        if all(q != t[0] for t in turns):
+            turns.append((q, a))
+    media = world.render_video(scene) if is_video else world.render_image(scene)
+    return ("video" if is_video else "image"), media, turns
+
+
+def conversation(kind: str, turns: list[tuple[str, str]]) -> list[dict]:
+    """OpenAI-style messages: the media and first question in the first user turn, then the other turns."""
+    msgs = []
+    for i, (q, a) in enumerate(turns):
+        content = ([{"type": kind}] if i == 0 else []) + [{"type": "text", "text": q}]
+        msgs += [{"role": "user", "content": content}, {"role": "assistant", "content": a}]
+    return msgs
+
+
+def answer_labels(input_ids, tokenizer):
+    """Labels for a padded [B, L] id tensor: the ids of every assistant answer and its <|im_end|>; -100 elsewhere."""
+    import torch
+
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    header = tokenizer("assistant\n").input_ids  # the tokens between <|im_start|> and the answer
+    labels = torch.full_like(input_ids, -100)  # [B, L]
+    for b, row in enumerate(input_ids.tolist()):
+        i = 0
+        while i < len(row):
+            if row[i] == im_start and row[i + 1:i + 1 + len(header)] == header:
+                j = i + 1 + len(header)
+                while j < len(row) and row[j] != im_end:
+                    j += 1
+                labels[b, i + 1 + len(header):j + 1] = input_ids[b, i + 1 + len(header):j + 1]
+                i = j
+            i += 1
+    return labels
+
+
+def make_batch(rng: random.Random, processor, batch_size: int, video_prob: float = 0.3, max_turns: int = 3):
+    """Render batch_size fresh samples and run them through the processor; adds answer-only "labels"."""
+    samples = [render_sample(rng, video_prob, max_turns) for _ in range(batch_size)]
+    texts = [processor.apply_chat_template(conversation(k, t), tokenize=False) for k, _, t in samples]
+    images = [m for k, m, _ in samples if k == "image"] or None
+    videos = [m for k, m, _ in samples if k == "video"] or None
+    batch = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt")
+    batch["labels"] = answer_labels(batch["input_ids"], processor.tokenizer)
+    return batch
+
+
+class BatchStream:
+    """An endless, seeded stream of training batches (iterable; rendered in a DataLoader worker when asked)."""
+
+    def __init__(self, processor, seed: int, batch_size: int, video_prob: float, max_turns: int):
+        self.processor, self.seed, self.batch_size = processor, seed, batch_size
+        self.video_prob, self.max_turns = video_prob, max_turns
+
+    def __iter__(self):
+        import torch
+
+        torch.set_num_threads(1)
+        rng = random.Random(self.seed)
+        while True:
+            yield make_batch(rng, self.processor, self.batch_size, self.video_prob, self.max_turns)
+
+
+def batches(processor, seed: int, batch_size: int, video_prob: float, max_turns: int, workers: int):
+    """Iterator over training batches; with workers=1 they are rendered in a background process (same order)."""
+    import torch
+
+    stream = BatchStream(processor, seed, batch_size, video_prob, max_turns)
+    if workers == 0:
+        return iter(stream)
+
+    class _Iterable(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(stream)
+
+    return iter(torch.utils.data.DataLoader(_Iterable(), batch_size=None, num_workers=1, prefetch_factor=4))
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup to `peak`, then cosine decay to 5% of it at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
+          minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 3,
+          warmup: int = 100, log_every: int = 50, threads: int = 1, workers: int = 1, size=None) -> dict:
+    """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict.
+
+    Stops early (still saving) if `minutes` of wall time run out; the LR schedule follows `steps`.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from vlserve.demo.build import build_config, build_model, build_processor, count_parameters
+    from vlserve.demo.tokenizer import build_demo_tokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    tokenizer = build_demo_tokenizer()
+    processor = build_processor(tokenizer)
+    model = build_model(build_config(tokenizer, size), seed=seed).train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    data = batches(processor, seed, batch_size, video_prob, max_turns, workers)
+    start, ema, history = time.time(), None, []
+    bar = tqdm(range(steps), desc="train", dynamic_ncols=True, mininterval=2.0)
+    step = 0
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        batch = next(data)
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.4f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
+        if (step + 1) % log_every == 0:
+            history.append((step + 1, round(ema, 4), round(time.time() - start, 1)))
+            tqdm.write(f"step {step + 1} loss {ema:.4f} elapsed {time.time() - start:.0f}s")
+        if minutes is not None and time.time() - start > 60 * minutes:
+            tqdm.write(f"time budget of {minutes} min reached after {step + 1} steps; saving")
+            break
+    bar.close()
+    model.eval()
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    summary = {"steps": step + 1, "seconds": round(time.time() - start, 1), "final_loss": ema,
+               "parameters": count_parameters(model), "history": history}
+    print(f"saved to {out}: {summary['parameters']:,} parameters, {summary['steps']} steps, "
+          f"{summary['seconds']:.0f}s, loss {ema:.4f}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description="Train the vlserve demo model on freshly rendered synthetic scenes.")
+    p.add_argument("--out", required=True, help="output directory (a standard HF checkpoint)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--minutes", type=float, default=40.0, help="wall-clock cap; saves when reached")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--video-prob", type=float, default=0.3)
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the model (data renders in a worker)")
+    p.add_argument("--workers", type=int, default=1, help="0 renders batches in the training process")
+    p.add_argument("--log-every", type=int, default=50)
+    a = p.parse_args(argv)
+    train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
+          video_prob=a.video_prob, max_turns=a.max_turns, threads=a.threads,
+          workers=a.workers, log_every=a.log_every)
+
+
+if __name__ == "__main__":
+    main()

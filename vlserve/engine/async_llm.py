@@ -1,0 +1,409 @@
+"""`AsyncLLM`: the asyncio front end of the engine (what the OpenAI server drives).
+
+The engine core steps in one dedicated background thread, so the event loop never waits on model compute.
+Requests and aborts cross into that thread through a thread-safe queue; each step's outputs go back to
+per-request asyncio queues through `loop.call_soon_threadsafe`. Input processing (tokenizer, chat template, HF
+processor, media decoding) runs in a small thread pool, also off the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from vlserve.config import EngineArgs
+from vlserve.engine.core import EngineCore
+from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
+from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
+from vlserve.outputs import RequestOutput
+from vlserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown, or a fatal error); no more requests are accepted."""
+
+
+class StatsListener(Protocol):
+    """Receives per-request latency events from the engine thread (must be thread-safe and fast)."""
+
+    def on_first_token(self, seconds: float) -> None: ...
+
+    def on_inter_token(self, seconds: float) -> None: ...
+
+    def on_finished(self, finish_reason: str, e2e_seconds: float, prompt_tokens: int, output_tokens: int) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    child_ids: list[str]
+    arrival: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    processed: ProcessedPrompt
+    params: SamplingParams
+    arrival: float
+    stream: _Stream
+    done: asyncio.Future = field(repr=False)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncLLM:
+    """Async engine client: `generate()` yields cumulative `RequestOutput`s while a background thread steps the core.
+
+    Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
+    """
+
+    def __init__(self, engine_args: EngineArgs, input_workers: int = 1):
+        self.engine_args = engine_args
+        self.engine = EngineCore(engine_args)
+        loaded = self.engine.loaded
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.modalities = tuple(loaded.modalities)
+        self.input_processor = InputProcessor(loaded, engine_args.limit_mm_per_prompt,
+                                              engine_args.mm_processor_kwargs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._chat_takes_media_source = "media_source" in inspect.signature(
+            self.input_processor.process_chat).parameters
+        # One worker by default: the tokenizer and the HF processor's item cache are not built for concurrency.
+        self._executor = ThreadPoolExecutor(max_workers=input_workers, thread_name_prefix="vlserve-input")
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
+        self._ids = itertools.count()
+        self._listeners: list[StatsListener] = []
+        self._metrics: dict[str, float] = self.engine.get_metrics()
+        self.num_aborted = 0
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._engine_loop, name="vlserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+        """Load the checkpoint and start the engine thread."""
+        return cls(args, **kwargs)
+
+    # -- input processing (thread pool) ----------------------------------------------------------------------
+    async def _in_pool(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
+                             mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+        """Tokenize a prompt (string, token ids or vLLM-style dict) and process its media, off the event loop."""
+        return await self._in_pool(self.input_processor.process_prompt, prompt, images, videos,
+                                   mm_processor_kwargs)
+
+    async def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
+                           chat_template_kwargs: dict | None = None,
+                           media_source: Callable[[str, dict], Any] | None = None) -> ProcessedPrompt:
+        """OpenAI messages through the chat template and the HF processor, off the event loop.
+
+        `media_source(part_type, part)` supplies each media part's payload (the server hands over pre-fetched bytes).
+        """
+        return await self._in_pool(self._process_chat_sync, messages, mm_processor_kwargs, chat_template_kwargs,
+                                   media_source)
+
+    def _process_chat_sync(self, messages, mm_processor_kwargs, chat_template_kwargs, media_source):
+        ip = self.input_processor
+        if media_source is None:
+            return ip.process_chat(messages, mm_processor_kwargs, chat_template_kwargs)
+        if self._chat_takes_media_source:
+            return ip.process_chat(messages, mm_processor_kwargs, chat_template_kwargs, media_source=media_source)
+        # InputProcessor.process_chat takes no media_source (yet): the same steps, with ours.
+        from vlserve.engine.chat import parse_chat_messages
+
+        template_messages, mm_data = parse_chat_messages(messages, media_source)
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
+        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+        token_ids = ip._tokenize(text, add_special_tokens=False)
+        return ip._with_media(text, token_ids, mm_data, mm_processor_kwargs)
+
+    # -- requests --------------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str | None, prompt: ProcessedPrompt,
+                          sampling_params: SamplingParams | None = None) -> "RequestStream":
+        """Queue a processed prompt; returns once the engine accepted it (ValueError / QueueFullError if not)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running ({self._dead})")
+        params = sampling_params or SamplingParams()
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), child_request_ids(rid, params.n), time.time())
+        done = loop.create_future()
+        self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done))
+        try:
+            await done  # raises what add_request raised in the engine thread
+        except asyncio.CancelledError:
+            self.abort(rid)  # queued behind the add, so it cannot be missed
+            raise
+        return RequestStream(self, rid, stream.queue)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, images: list | None = None, videos: list | None = None,
+                       mm_processor_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs until the request finishes (the last one has `finished=True`).
+
+        `prompt` is a string, token ids, a vLLM-style dict or an already `ProcessedPrompt`. Closing or cancelling
+        the iterator aborts the request and frees its KV blocks and encoder cache references.
+        """
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = await self.process_prompt(prompt, images, videos, mm_processor_kwargs)
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+                   request_id: str | None = None, *, mm_processor_kwargs: dict | None = None,
+                   chat_template_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Like `generate`, for OpenAI-format messages."""
+        processed = await self.process_chat(messages, mm_processor_kwargs, chat_template_kwargs)
+        async for out in self.generate(processed, sampling_params, request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored)."""
+        self._inbox.put(_Abort(request_id))
+
+    # -- introspection ---------------------------------------------------------------------------------------
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        """Get TTFT / inter-token / finish events (called from the engine thread)."""
+        self._listeners.append(listener)
+
+    def get_metrics(self) -> dict[str, float]:
+        """The core's `vlserve:` counters and gauges, as of the engine thread's last iteration."""
+        return dict(self._metrics)
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (open requests end with finish_reason "abort") and the input pool."""
+        if self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- the engine thread -----------------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_inbox(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    try:
+                        self._step()
+                    except Exception as e:
+                        logger.exception("engine step failed; aborting the requests in flight")
+                        self._recover(e)
+                self._metrics = self.engine.get_metrics()
+        except BaseException as e:  # a bug in the core: fail every open request rather than hang them
+            logger.exception("engine thread died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine stopped: {e!r}"))
+            return
+        self._dead = EngineDeadError("shut down")
+        for rid in list(self._streams):
+            self._do_abort(rid)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False when asked to stop."""
+        while True:
+            try:
+                msg = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if msg is _STOP:
+                return False
+            if isinstance(msg, _Abort):
+                self._do_abort(msg.request_id)
+            else:
+                self._do_add(msg)
+
+    def _do_add(self, msg: _Add) -> None:
+        try:
+            if msg.request_id in self._streams:
+                raise ValueError(f"request id {msg.request_id!r} is already in use")
+            params = msg.params
+            reqs = [self.input_processor.make_engine_request(cid, msg.processed, child_params(params, i), msg.arrival)
+                    for i, cid in enumerate(msg.stream.child_ids)]
+            self.output_processor.add_request(msg.request_id, msg.processed.prompt, msg.processed.prompt_token_ids,
+                                              params, msg.arrival)
+            added: list[str] = []
+            try:
+                for req in reqs:
+                    self.engine.add_request(req)
+                    added.append(req.request_id)
+            except BaseException:
+                self.engine.abort_requests(added)
+                self.output_processor.abort(msg.request_id)
+                raise
+        except Exception as e:
+            _post(msg.stream.loop, _settle, msg.done, e)
+            return
+        self._streams[msg.request_id] = msg.stream
+        if not _post(msg.stream.loop, _settle, msg.done, None):
+            self._do_abort(msg.request_id)
+
+    def _do_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        final = self.output_processor.finish_aborted(request_id)
+        self.engine.abort_requests(stream.child_ids)
+        self.num_aborted += 1
+        if final is not None:
+            self._notify_finished(stream, final)
+            _post(stream.loop, stream.queue.put_nowait, final)
+
+    def _step(self) -> None:
+        outputs, stop_hits = self.output_processor.process_outputs(self.engine.step())
+        if stop_hits:
+            self.engine.finish_requests_stopped(stop_hits)
+        now = time.time()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            self._observe(stream, out, now)
+            if out.finished:
+                del self._streams[out.request_id]
+                self._notify_finished(stream, out)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():  # one wake-up per loop per step
+            if not _post(loop, _deliver, items):
+                for rid in [rid for rid, st in self._streams.items() if st.loop is loop]:
+                    self._do_abort(rid)
+
+    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        num = sum(len(o.token_ids) for o in out.outputs)
+        if num <= stream.num_tokens or not self._listeners:
+            stream.num_tokens = max(num, stream.num_tokens)
+            return
+        for listener in self._listeners:
+            if stream.last_token_time is None:
+                listener.on_first_token(now - stream.arrival)
+            else:
+                listener.on_inter_token(now - stream.last_token_time)
+        stream.num_tokens, stream.last_token_time = num, now
+
+    def _notify_finished(self, stream: _Stream, out: RequestOutput) -> None:
+        reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+        reason = "abort" if "abort" in reasons else (reasons[0] if reasons else "abort")
+        n_out = sum(len(o.token_ids) for o in out.outputs)
+        for listener in self._listeners:
+            try:
+                listener.on_finished(reason, time.time() - stream.arrival, len(out.prompt_token_ids), n_out)
+            except Exception:  # a metrics bug must not take the engine down
+                logger.exception("stats listener failed")
+
+    def _recover(self, err: Exception) -> None:
+        """After a failed step: end every open request with the error and clear the core."""
+        for rid in list(self._streams):
+            self.output_processor.abort(rid)
+        self.engine.abort_requests(list(self.engine.scheduler.requests))
+        self._fail_all(RuntimeError(f"the engine step failed: {err!r}"), drain_inbox=False)
+
+    def _fail_all(self, err: BaseException, drain_inbox: bool = True) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            _post(s.loop, s.queue.put_nowait, err)
+        while drain_inbox:  # requests queued but never added
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, _Add):
+                _post(msg.stream.loop, _settle, msg.done, err)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
+    """call_soon_threadsafe that tolerates a caller's loop having closed (False then)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # "Event loop is closed": nobody is listening any more
+        return False
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _deliver(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; leaving `async with` early aborts the request."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, q: asyncio.Queue):
+        self.llm = llm
+        self.request_id = request_id
+        self._queue = q
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Outputs are cumulative: when the consumer lags, skip to the newest one.
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self.llm.abort(self.request_id)
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.abort()

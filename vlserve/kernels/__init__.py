@@ -1,0 +1,170 @@
+"""Attention, KV-cache and rotary kernels with a torch path (CPU) and a Triton path (CUDA).
+
+The exported names dispatch per call on the device of their tensor arguments (cuda -> triton,
+otherwise torch); `VLSERVE_ATTENTION_BACKEND=torch|triton` forces one. Triton modules are
+imported lazily, only when the triton backend is used (on CPU that needs TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Callable
+
+import torch
+
+from vlserve.kernels.attention_ref import (
+    attention_forward_ref,
+    paged_attention_decode_ref,
+    paged_prefill_attention_ref,
+)
+from vlserve.kernels.kv_write_ref import write_kv_cache_ref
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
+
+BACKEND_ENV = "VLSERVE_ATTENTION_BACKEND"
+_BACKENDS = ("torch", "triton")
+
+_REF_IMPLS: dict[str, Callable] = {
+    "write_kv_cache": write_kv_cache_ref,
+    "paged_attention_decode": paged_attention_decode_ref,
+    "paged_prefill_attention": paged_prefill_attention_ref,
+    "attention_forward": attention_forward_ref,
+    "apply_rotary": apply_rotary_ref,
+}
+_TRITON_IMPLS: dict[str, tuple[str, str]] = {
+    "write_kv_cache": ("vlserve.kernels.triton_kv_write", "write_kv_cache_triton"),
+    "paged_attention_decode": ("vlserve.kernels.triton_attention", "paged_attention_decode_triton"),
+    "paged_prefill_attention": ("vlserve.kernels.triton_attention", "paged_prefill_attention_triton"),
+    "attention_forward": ("vlserve.kernels.triton_attention", "attention_forward_triton"),
+    "apply_rotary": ("vlserve.kernels.triton_rotary", "apply_rotary_triton"),
+}
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def get_attention_backend(device: torch.device | str | None = None) -> str:
+    """'torch' or 'triton': the env override if set, else triton for CUDA tensors (or, without a device, if CUDA exists)."""
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={forced!r}; expected one of {_BACKENDS}")
+        return forced
+    if device is None:
+        is_cuda = torch.cuda.is_available()
+    else:
+        is_cuda = torch.device(device).type == "cuda"
+    return "triton" if is_cuda and _triton_available() else "torch"
+
+
+@functools.cache
+def _triton_impl(name: str) -> Callable:
+    module_name, attr = _TRITON_IMPLS[name]
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _impl(name: str, device: torch.device) -> Callable:
+    if get_attention_backend(device) == "torch":
+        return _REF_IMPLS[name]
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError(
+            f"{BACKEND_ENV}=triton with {device.type} tensors needs TRITON_INTERPRET=1 set before triton is imported"
+        )
+    return _triton_impl(name)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
+    _impl("write_kv_cache", key.device)(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Single-token decode attention: query [B, Hq, D] at position seq_len-1 over seq_len cached keys."""
+    return _impl("paged_attention_decode", query.device)(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal varlen prefill: query [T, Hq, D] over each sequence's cached prefix plus its new tokens."""
+    return _impl("paged_prefill_attention", query.device)(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        max_query_len=max_query_len, out=out,
+    )
+
+
+def attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write K/V through md.slot_mapping, then decode md.num_decodes sequences and prefill the rest -> [T, Hq, D]."""
+    return _impl("attention_forward", query.device)(query, key, value, k_cache, v_cache, md, scale)
+
+
+def apply_rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    mrope_section: list[int] | None = None,
+) -> None:
+    """In-place NeoX rotary on the first R dims of query/key; positions [T] or [3, T] (M-RoPE)."""
+    _impl("apply_rotary", query.device)(query, key, positions, cos_cache, sin_cache, mrope_section)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "BACKEND_ENV",
+    "apply_rotary",
+    "apply_rotary_ref",
+    "attention_forward",
+    "attention_forward_ref",
+    "build_rotary_cache",
+    "get_attention_backend",
+    "paged_attention_decode",
+    "paged_attention_decode_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "write_kv_cache",
+    "write_kv_cache_ref",
+]

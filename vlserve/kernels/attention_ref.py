@@ -1,0 +1,197 @@
+"""Torch paged attention: the production CPU path and the reference for the Triton kernels.
+
+Decode gathers whole KV blocks through the block tables with one `index_select` per chunk of
+sequences into a reusable workspace, and runs the fused CPU SDPA kernel on strided views of it.
+GQA is folded into the query: the Hq/Hkv query heads that share a KV head become Hq/Hkv query
+rows of that head, so K/V are never repeated. Chunking bounds the workspace and keeps the
+gathered K/V cache-resident while SDPA reads it (measured faster than one whole-batch gather).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from vlserve.kernels.kv_write_ref import write_kv_cache_ref
+from vlserve.kernels.metadata import AttentionMetadata
+
+# Gathered K+V bytes per decode chunk: ~L2-sized, so SDPA reads what the gather just wrote.
+DECODE_CHUNK_BYTES = 4 << 20
+
+_tls = threading.local()
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable flat scratch buffer (per thread, dtype, device); avoids page-faulting a fresh one."""
+    cache = getattr(_tls, "buffers", None)
+    if cache is None:
+        cache = _tls.buffers = {}
+    key = (dtype, device)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor is writable in and out of inference mode
+            buf = torch.empty(numel, dtype=dtype, device=device)
+        cache[key] = buf
+    return buf[:numel]
+
+
+def paged_attention_decode_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys."""
+    # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = query.new_empty(num_seqs, num_q_heads, head_dim)
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    num_blocks = -(-max_seq_len // block_size)
+    padded_len = num_blocks * block_size  # L
+    tables = block_tables[:, :num_blocks].to(torch.long).clamp_min(0)  # [B, nblk]
+    positions = torch.arange(padded_len, device=query.device)
+    valid = positions[None, :] < seq_lens.to(query.device)[:, None]  # [B, L]
+    if bool(valid.all()):
+        valid = None  # no padded key positions: skip the mask
+    q4 = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    out4 = out.view(num_seqs, num_kv_heads, group, head_dim)
+
+    seq_bytes = 2 * padded_len * num_kv_heads * head_dim * k_cache.element_size()
+    chunk = max(1, min(num_seqs, DECODE_CHUNK_BYTES // seq_bytes))
+    ws = _workspace(2 * chunk * padded_len * num_kv_heads * head_dim, k_cache.dtype, k_cache.device)
+    ws_k, ws_v = ws.view(2, chunk * num_blocks, block_size, num_kv_heads, head_dim).unbind(0)
+    for start in range(0, num_seqs, chunk):
+        end = min(start + chunk, num_seqs)
+        n = end - start
+        idx = tables[start:end].reshape(-1)  # [n * nblk]
+        k = torch.index_select(k_cache, 0, idx, out=ws_k[: n * num_blocks])  # [n*nblk, BS, Hkv, D]
+        v = torch.index_select(v_cache, 0, idx, out=ws_v[: n * num_blocks])
+        k = k.view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D] (strided)
+        v = v.view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+        mask = None if valid is None else valid[start:end, None, None, :]  # [n, 1, 1, L]
+        out4[start:end] = F.scaled_dot_product_attention(q4[start:end], k, v, attn_mask=mask, scale=scale)
+    return out
+
+
+def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # cache: [NB, BS, Hkv, D]; table: [M] -> [Hkv, seq_len, D] contiguous (SDPA is faster on it)
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, table[:num_blocks].to(torch.long))  # [nblk, BS, Hkv, D]
+    return blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).contiguous()
+
+
+def _prefill_from_lists(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    # query, out: [T, Hq, D]; query_start_loc: B+1 ints; seq_lens: B ints
+    num_q_heads = query.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    for b, seq_len in enumerate(seq_lens):
+        q_start, q_end = query_start_loc[b], query_start_loc[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        k = _gather_context(k_cache, block_tables[b], seq_len).unsqueeze(0)  # [1, Hkv, S, D]
+        v = _gather_context(v_cache, block_tables[b], seq_len).unsqueeze(0)
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
+            )
+        else:
+            # query i sits at position seq_len - q_len + i and sees keys 0..that position
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+            k_pos = torch.arange(seq_len, device=query.device)  # [S]
+            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, S]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads
+            )
+        out[q_start:q_end] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves."""
+    # query: [T, Hq, D]; block_tables: [B, M] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
+    del max_query_len  # only the Triton grid needs it
+    if out is None:
+        out = torch.zeros_like(query)
+    return _prefill_from_lists(
+        query, k_cache, v_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale, out
+    )
+
+
+def attention_forward_ref(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest."""
+    # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
+    write_kv_cache_ref(key, value, k_cache, v_cache, md.slot_mapping)
+    out = torch.empty_like(query)
+    num_decodes = md.num_decodes
+    num_actual = md.query_start_loc_cpu[-1]
+    if num_actual < query.shape[0]:
+        out[num_actual:].zero_()  # padding rows
+    if num_decodes > 0:
+        paged_attention_decode_ref(
+            query[:num_decodes],
+            k_cache,
+            v_cache,
+            md.block_tables[:num_decodes],
+            md.seq_lens[:num_decodes],
+            scale,
+            max_seq_len=max(md.seq_lens_cpu[:num_decodes]),
+            out=out[:num_decodes],
+        )
+    if num_decodes < md.num_seqs:
+        qsl = md.query_start_loc_cpu
+        _prefill_from_lists(
+            query,
+            k_cache,
+            v_cache,
+            md.block_tables[num_decodes:],
+            qsl[num_decodes:],
+            md.seq_lens_cpu[num_decodes:],
+            scale,
+            out,
+        )
+    return out

@@ -1,0 +1,334 @@
+"""Triton paged attention: split-K decode (+ reduce) and varlen causal prefill over the paged cache.
+
+Both kernels give one program a whole GQA group (the Hq/Hkv query heads that share one KV head),
+so each K/V tile is loaded once per group. Key positions are mapped to cache slots token by token
+(`block_table[p // BS] * BS + p % BS`), so tiles need not align with cache blocks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.triton_kv_write import write_kv_cache_triton
+
+_LOG2E = 1.4426950408889634
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # rows of cache for token positions n: [BLOCK_N, HEAD_DIM_P2]
+    blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    tile = tl.load(cache_ptr + row[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2, split_len,
+    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ob, stride_oh,
+    BLOCK_SIZE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # grid: (B, Hkv, NUM_SPLITS); program covers key positions [split * split_len, +split_len) of one group
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, GROUP_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_head = kv_head * GROUP + g  # [GROUP_P2]
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [GROUP_P2, HEAD_DIM_P2]
+    if UPCAST:
+        q = q.to(tl.float32)
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k = _load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)  # [BLOCK_N, HEAD_DIM_P2]
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_P2, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # seq_len 0 (padding row) -> zeros
+        o_ptr = out_ptr + b.to(tl.int64) * stride_ob + q_head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # partials: acc [B, Hq, S, D], m/l [B, Hq, S] (float32, contiguous); empty splits leave m=-inf, l=0
+        row = (b.to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS + split  # [GROUP_P2]
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    # grid: (B, Hq); merges the NUM_SPLITS online-softmax partials of one (sequence, head)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM_P2)
+    s_mask = sp < NUM_SPLITS
+    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * NUM_SPLITS + sp  # [SPLITS_P2]
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)  # finite unless seq_len == 0 (padding row)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # [SPLITS_P2], 0 for empty splits
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    denom = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, scale_log2,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ot, stride_oh,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # grid: (cdiv(max_q_len, BLOCK_M), B, Hkv); rows = BLOCK_M query tokens x GROUP_P2 heads of one group
+    m0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if m0 < q_len:
+        seq_len = tl.load(seq_lens_ptr + b)
+        ctx_start = seq_len - q_len  # position of the sequence's first query token
+        r = tl.arange(0, BLOCK_M * GROUP_P2)
+        tok = m0 + r // GROUP_P2
+        g = r % GROUP_P2
+        row_mask = (tok < q_len) & (g < GROUP)
+        q_pos = ctx_start + tok  # [ROWS]; padded rows sit past seq_len, so they never see an empty row
+        d = tl.arange(0, HEAD_DIM_P2)
+        d_mask = d < HEAD_DIM
+        q_off = (q_start + tok).to(tl.int64) * stride_qt + (kv_head * GROUP + g) * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+
+        m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM_P2], tl.float32)
+        end = tl.minimum(seq_len, ctx_start + m0 + BLOCK_M)  # last key any row of this tile needs, +1
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            k = _load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
+                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N]
+            s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the first tile holds key 0
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
+                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+        o = acc / l_i[:, None]
+        o_off = (q_start + tok).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _upcast_dots(query: torch.Tensor) -> bool:
+    # Triton's CPU interpreter computes bf16 tl.dot wrongly; upcast the operands there (and nowhere else).
+    return query.device.type != "cuda" and query.dtype == torch.bfloat16
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share a row-major layout"
+
+
+def _default_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+    # enough (sequence, kv-head, split) programs to fill the GPU, each with at least a few key tiles
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8
+    programs = num_seqs * num_kv_heads
+    if programs >= target:
+        return 1
+    by_len = max(1, max_len // (4 * block_n))
+    return max(1, min(by_len, triton.cdiv(target, programs), 64))
+
+
+def paged_attention_decode_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys."""
+    # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = query.new_empty(num_seqs, num_q_heads, head_dim)
+    if num_seqs == 0:
+        return out
+    _check_cache(k_cache, v_cache)
+    assert query.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
+    block_n = 64
+    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = _default_num_splits(num_seqs, num_kv_heads, max_len, block_n, query.device)
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_len, split_len)
+    if num_splits > 1:
+        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    head_dim_p2 = triton.next_power_of_2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale * _LOG2E, split_len,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, NUM_Q_HEADS=num_q_heads, GROUP=group,
+        GROUP_P2=max(_MIN_DOT, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        UPCAST=_upcast_dots(query),
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves."""
+    # query: [T, Hq, D]; block_tables: [B, M] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.zeros_like(query)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    _check_cache(k_cache, v_cache)
+    assert query.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len == 0:
+        return out
+    group_p2 = triton.next_power_of_2(group)
+    block_m = max(1, 64 // group_p2)
+    block_m = min(block_m, max(triton.next_power_of_2(max_query_len), _MIN_DOT // group_p2, 1))
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_kv_heads)](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * _LOG2E,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2,
+        HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=32,
+        UPCAST=_upcast_dots(query),
+    )
+    return out
+
+
+def attention_forward_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest."""
+    # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
+    write_kv_cache_triton(key, value, k_cache, v_cache, md.slot_mapping)
+    out = torch.empty_like(query)
+    num_decodes = md.num_decodes
+    num_actual = md.query_start_loc_cpu[-1]
+    if num_actual < query.shape[0]:
+        out[num_actual:].zero_()  # padding rows
+    if num_decodes > 0:
+        paged_attention_decode_triton(
+            query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes], md.seq_lens[:num_decodes],
+            scale, max_seq_len=max(md.seq_lens_cpu[:num_decodes]), out=out[:num_decodes],
+        )
+    if num_decodes < md.num_seqs:
+        # decode tokens come first, so the prefill sequences' query offsets are shifted by num_decodes
+        qsl = md.query_start_loc[num_decodes:]
+        qsl_cpu = md.query_start_loc_cpu[num_decodes:]
+        max_q = max(b - a for a, b in zip(qsl_cpu[:-1], qsl_cpu[1:]))
+        paged_prefill_attention_triton(
+            query, k_cache, v_cache, md.block_tables[num_decodes:], qsl, md.seq_lens[num_decodes:],
+            scale, max_query_len=max_q, out=out,
+        )
+    return out
+
+
+__all__ = [
+    "attention_forward_triton",
+    "paged_attention_decode_triton",
+    "paged_prefill_attention_triton",
+]

@@ -1,0 +1,164 @@
+"""Building blocks shared by the decoder models: RMSNorm (with fused residual add), gated MLP, RoPE.
+
+All tensors are flattened over the step: `T` tokens, `H` hidden size, no batch dimension.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlserve import kernels
+
+# Rope types whose inverse frequencies do not depend on the current sequence length, so one cos/sin table
+# computed at load time matches HF at every position ("mrope" is the pre-4.45 spelling of Qwen2-VL's default).
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    """HF-exact RMSNorm: statistics in float32, cast back to the input dtype, then scaled by `weight`.
+
+    `forward(x, residual=None)`: with a residual, computes `s = x + residual` (in the input dtype, like HF's
+    `residual + hidden_states`) and returns `(norm(s), s)`; without one it returns `norm(x)`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H] -> [..., H] (same dtype as x)
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        s = residual + x
+        return self._norm(s), s
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one Linear (`gate_up_proj`, weight [2I, H])."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.hidden_act = hidden_act
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.hidden_act == "silu":
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def rope_type_of(config) -> str:
+    """The HF rope type named by `config.rope_scaling` ("default" when absent; "mrope" maps to "default")."""
+    rs = getattr(config, "rope_scaling", None)
+    if not isinstance(rs, dict):
+        return "default"
+    rope_type = rs.get("rope_type", rs.get("type", "default")) or "default"
+    return "default" if rope_type == "mrope" else rope_type
+
+
+def mrope_section_of(config) -> list[int] | None:
+    """`config.rope_scaling["mrope_section"]` (Qwen2-VL M-RoPE) or None."""
+    rs = getattr(config, "rope_scaling", None)
+    if isinstance(rs, dict) and rs.get("mrope_section") is not None:
+        return [int(s) for s in rs["mrope_section"]]
+    return None
+
+
+def compute_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """`(inv_freq [R/2] float32, attention_scaling)` from HF's own `ROPE_INIT_FUNCTIONS` for the config's rope type.
+
+    Raises ValueError for rope types whose frequencies depend on the running sequence length (dynamic, longrope).
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = rope_type_of(config)
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    rope_config = config
+    rs = getattr(config, "rope_scaling", None)
+    if isinstance(rs, dict) and rs.get("type") == "mrope" and "rope_type" not in rs:
+        # Old Qwen2-VL spelling: HF's init functions need the "default" type; do not mutate the caller's config.
+        import copy
+
+        rope_config = copy.copy(config)
+        rope_config.rope_scaling = {**rs, "rope_type": "default"}
+    with torch.device("cpu"):  # overrides an enclosing meta-device context
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](rope_config, torch.device("cpu"))
+    return inv_freq.to(torch.float32), float(attention_scaling)
+
+
+def build_rope_cache(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
+                     dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[max_positions, R/2]` computed exactly like HF (float32 outer product, scale, cast)."""
+    # inv_freq: [R/2] float32; pos: [P] float32 -> freqs [P, R/2]
+    with torch.device("cpu"):  # overrides an enclosing meta-device context
+        pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = pos[:, None] * inv_freq.to("cpu", torch.float32)[None, :]
+        cos = (freqs.cos() * attention_scaling).to(dtype)
+        sin = (freqs.sin() * attention_scaling).to(dtype)
+    return cos.to(device), sin.to(device)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin tables of one model and applies NeoX-style RoPE in place via `kernels.apply_rotary`.
+
+    Tables are non-persistent buffers `cos_cache`/`sin_cache` `[max_position_embeddings, R/2]` in the model dtype
+    (HF casts cos/sin to the activation dtype before multiplying). `mrope_section` (from
+    `config.rope_scaling["mrope_section"]`) switches on M-RoPE, where positions are `[3, T]`.
+    """
+
+    def __init__(self, config, max_positions: int | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        inv_freq, scaling = compute_inv_freq(config)
+        self.rotary_dim = 2 * inv_freq.numel()
+        self.max_positions = int(max_positions or config.max_position_embeddings)
+        self.mrope_section = mrope_section_of(config)
+        self._inv_freq = inv_freq
+        self._scaling = scaling
+        dtype = dtype or torch.get_default_dtype()
+        device = torch.get_default_device()
+        if device.type == "meta":  # built for the loader: `init_buffers` fills the tables after `to_empty`
+            cos = torch.empty(self.max_positions, self.rotary_dim // 2, dtype=dtype)
+            sin = torch.empty_like(cos)
+        else:
+            cos, sin = build_rope_cache(inv_freq, scaling, self.max_positions, dtype, device)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_buffers(self, device=None, dtype: torch.dtype | None = None) -> None:
+        """(Re)compute the tables on `device` (used after `to_empty` when the model was built on meta)."""
+        device = device if device is not None else self.cos_cache.device
+        dtype = dtype or self.cos_cache.dtype
+        self.cos_cache, self.sin_cache = build_rope_cache(self._inv_freq, self._scaling, self.max_positions,
+                                                          dtype, device)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Rotate `query [T,Hq,D]` and `key [T,Hkv,D]` in place at `positions` ([T] or [3,T] int64)."""
+        if positions.dim() == 2 and self.mrope_section is None:
+            raise ValueError("positions of shape [3, T] need rope_scaling['mrope_section'] in the config")
+        mrope = self.mrope_section if positions.dim() == 2 else None
+        kernels.apply_rotary(query, key, positions, self.cos_cache, self.sin_cache, mrope)
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, mrope={self.mrope_section}"

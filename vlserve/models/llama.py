@@ -1,0 +1,271 @@
+"""Llama-family decoders (Llama, Qwen2, Qwen3) over the paged KV cache.
+
+Tokens of a step are flattened: `T` tokens, `H` hidden, `Hq`/`Hkv` heads, `D` head dim, `I` MLP width.
+q/k/v are fused into one `qkv_proj` Linear and gate/up into one `gate_up_proj`; weights keep HF names in the
+checkpoint and are sliced into the fused matrices by `load_weights`.
+
+`LlamaDecoderModel` (embeddings + layers + final norm) is built from a text config object alone and accepts
+`inputs_embeds` and M-RoPE positions `[3, T]`, so multimodal models (Qwen2-VL) reuse it as their language model.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vlserve import kernels
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+# HF checkpoint names that carry no weights we need (old checkpoints saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def head_dim_of(config) -> int:
+    """Per-head dim: `config.head_dim` when set, else hidden_size // num_attention_heads (HF's rule)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_cache_spec(hf_config) -> tuple[int, int, int]:
+    """`(num_layers, num_kv_heads, head_dim)` of the (text part of the) model: each layer's KV cache is a pair
+    `k_cache, v_cache` of shape `[NB, BS, num_kv_heads, head_dim]` in the model dtype."""
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg.num_hidden_layers, num_kv_heads, head_dim_of(cfg)
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        # hidden: [T, H] -> qkv: [T, (Hq + 2*Hkv) * D] -> q [T,Hq,D], k/v [T,Hkv,D] -> out [T, Hq*D] -> [T, H]
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        self.rotary[0](positions, q, k)  # in place
+        k_cache, v_cache = kv_cache
+        out = kernels.attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: `h = x + attn(norm(x)); out = h + mlp(norm(h))`, residual adds fused into the norms."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, rotary, qkv_bias, o_bias, qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata):
+        """`(hidden [T,H], residual [T,H] | None) -> (mlp_out [T,H], residual [T,H])`; the sum is the block output."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaDecoderModel(nn.Module):
+    """Embedding + decoder layers + final norm of a Llama-style model, built from a text config.
+
+    Weight names (as in HF, relative to this module): `embed_tokens.weight`, `norm.weight`,
+    `layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}`, `layers.{i}.self_attn.{q,k}_norm.weight` (Qwen3),
+    `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`.
+    Biases default to `config.attention_bias` (qkv and o); Qwen2 passes `qkv_bias=True, o_bias=False`.
+    """
+
+    def __init__(self, config, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+        o_bias = attention_bias if o_bias is None else o_bias
+        layer_types = getattr(config, "layer_types", None) or []
+        if "sliding_attention" in layer_types:
+            logger.warning("sliding-window attention layers are run with full attention")
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(self.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [T]` -> `[T, H]`."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`."""
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i], attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+
+    def expected_weight_names(self) -> set[str]:
+        """HF checkpoint names (relative to this module) that `load_weights` must receive."""
+        names = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                names.update(name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj"))
+            elif ".gate_up_proj." in name:
+                names.update(name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj"))
+            else:
+                names.add(name)
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (relative names) into the fused parameters; returns the names consumed.
+
+        Raises ValueError on an unknown name or a shape mismatch. Tensors are converted to the parameter's
+        dtype and device.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            target, rows = self._route(name)
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            param = params[target]
+            dst = param.data if rows is None else param.data[rows[0]:rows[0] + rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def _route(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """HF name -> (our parameter name, (row offset, row count) into a fused matrix, or None)."""
+        attn = self.layers[0].self_attn if len(self.layers) else None
+        if attn is not None:
+            q, kv = attn.q_size, attn.kv_size
+            for hf, off, size in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                if f".self_attn.{hf}." in name:
+                    return name.replace(hf, "qkv_proj"), (off, size)
+            inter = self.layers[0].mlp.intermediate_size
+            for hf, off in (("gate_proj", 0), ("up_proj", inter)):
+                if f".mlp.{hf}." in name:
+                    return name.replace(hf, "gate_up_proj"), (off, inter)
+        return name, None
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama causal LM: `model` (LlamaDecoderModel) + `lm_head` (tied to embeddings if `tie_word_embeddings`)."""
+
+    # Keyword arguments for LlamaDecoderModel; subclasses override.
+    decoder_kwargs: dict = {}
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaDecoderModel(config, **self.decoder_kwargs)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def tied(self) -> bool:
+        """Whether lm_head shares the input embedding matrix."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def tie_weights(self) -> None:
+        """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [T]` -> `[T, H]`."""
+        return self.model.get_input_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Flattened step -> hidden states `[T, H]` (see `LlamaDecoderModel.forward`)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [N, H]` -> logits `[N, V]` float32."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full HF checkpoint (`model.*`, `lm_head.weight`); ValueError lists missing/unexpected names."""
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+
+        def decoder_weights():
+            for name, tensor in weights:
+                if name.startswith("model."):
+                    yield name[len("model."):], tensor
+                elif name == "lm_head.weight":
+                    if not self.tied:
+                        if tuple(tensor.shape) != tuple(self.lm_head.weight.shape):
+                            raise ValueError(f"weight 'lm_head.weight' has shape {tuple(tensor.shape)}, "
+                                             f"expected {tuple(self.lm_head.weight.shape)}")
+                        self.lm_head.weight.data.copy_(tensor)
+                        loaded.add(name)
+                elif not name.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(name)
+
+        loaded.update("model." + n for n in self.model.load_weights(decoder_weights()))
+        expected = {"model." + n for n in self.model.expected_weight_names()}
+        if not self.tied:
+            expected.add("lm_head.weight")
+        missing = sorted(expected - loaded)
+        if unexpected:
+            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:10]}")
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:10]}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on q/k/v (none on o_proj)."""
+
+    decoder_kwargs = {"qkv_bias": True, "o_bias": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k before RoPE; biases follow `config.attention_bias`."""
+
+    decoder_kwargs = {"qk_norm": True}

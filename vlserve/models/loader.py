@@ -1,0 +1,91 @@
+"""Build a registered model and fill it from a HF safetensors checkpoint (single file or sharded index)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from vlserve.models.registry import get_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_dtype(dtype, hf_config=None) -> torch.dtype:
+    """torch.dtype from a dtype or a name ("float32", "bf16", "auto" = the config's dtype, float32 if unset)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).replace("torch.", "")
+    if name == "auto":
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        return resolve_dtype(cfg, None) if cfg not in (None, "auto") else torch.float32
+    aliases = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+    name = aliases.get(name, name)
+    if name not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, float16 or bfloat16")
+    return getattr(torch, name)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """Paths of the checkpoint's safetensors files; FileNotFoundError names what is missing."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    single = os.path.join(model_dir, SINGLE_FILE)
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map'")
+        files = [os.path.join(model_dir, s) for s in sorted(set(weight_map.values()))]
+        missing = [p for p in files if not os.path.isfile(p)]
+        if missing:
+            raise FileNotFoundError(f"checkpoint shard(s) listed in {index} not found: {', '.join(missing)}")
+        return files
+    raise FileNotFoundError(
+        f"no safetensors weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}"
+        + (" (only PyTorch .bin weights are present, which are not supported)"
+           if any(n.endswith(".bin") for n in os.listdir(model_dir)) else ""))
+
+
+def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(HF name, CPU tensor)` for every tensor of the checkpoint in `model_dir`."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
+    """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
+
+    The module is built on the meta device (no random init), materialized with `to_empty`, then every module
+    with an `init_buffers(device)` method recomputes its non-persistent buffers (RoPE tables), `tie_weights()`
+    re-ties lm_head, and `model.load_weights(iter_safetensors_weights(model_dir))` fills all parameters.
+    """
+    cls = get_model_class(hf_config)
+    dtype = resolve_dtype(dtype, hf_config)
+    device = torch.device(device)
+    safetensors_files(model_dir)  # fail fast, before building anything
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    model.load_weights(iter_safetensors_weights(model_dir))
+    return model.eval()

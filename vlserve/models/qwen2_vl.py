@@ -1,0 +1,205 @@
+"""Qwen2-VL and Qwen2.5-VL: a vision tower (transformers' own modules, `visual.*` weights) feeding a Qwen2 decoder
+with M-RoPE (vlserve's LlamaDecoderModel over the paged KV cache).
+
+Flow per step (the runner drives it):
+  1. `embed_multimodal(modality, feature.data)` once per scheduled media item -> embeddings `[length, H]`
+     (cached by mm_hash in the runner's encoder cache).
+  2. `get_input_embeddings(input_ids [T], mm_embeds=[(start, emb [n, H]), ...])` -> `[T, H]`: token embeddings with
+     the rows [start, start + n) of the flattened step replaced by (slices of) item embeddings.
+  3. `forward(None, positions [3, T], kv_caches, attn_metadata, inputs_embeds)` -> hidden `[T, H]`;
+     `compute_logits(hidden [N, H])` -> `[N, V]` float32.
+Positions come from `vlserve.multimodal.mrope` (`get_mrope_input_positions` below is a shortcut).
+
+T = tokens in the step, H = LLM hidden size, V = vocab size.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.llama import LlamaDecoderModel
+from vlserve.models.registry import register_model
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
+
+
+def _vision_rotary_inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """HF VisionRotaryEmbedding's inverse frequencies `[dim // 2]` float32."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """Qwen2-VL: `visual` (Qwen2VisionTransformerPretrainedModel) + `language_model` (Qwen2 decoder, M-RoPE) +
+    `lm_head`.
+
+    Loads both checkpoint layouts: the one transformers 4.57 save_pretrained writes (`visual.*`, `model.*`,
+    `lm_head.weight`) and the newer module layout (`model.visual.*`, `model.language_model.*`, `lm_head.weight`).
+    """
+
+    supports_multimodal = True
+    uses_mrope = True
+    supported_modalities = ("image", "video")
+
+    @staticmethod
+    def _vision_class():
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        return Qwen2VisionTransformerPretrainedModel
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = getattr(config, "text_config", config)
+        self.visual = self._vision_class()(config.vision_config)
+        self.language_model = LlamaDecoderModel(self.text_config, qkv_bias=True, o_bias=False)
+        self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+        self.image_token_id = config.image_token_id
+        self.video_token_id = config.video_token_id
+        self.tie_weights()
+
+    @property
+    def tied(self) -> bool:
+        """Whether lm_head shares the input embedding matrix."""
+        return bool(getattr(self.text_config, "tie_word_embeddings", False))
+
+    def tie_weights(self) -> None:
+        """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""
+        if self.tied:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_buffers(self, device=None) -> None:
+        """Recompute the vision rotary tables (non-persistent buffers, garbage after `to_empty`)."""
+        for module in self.visual.modules():
+            inv_freq = getattr(module, "inv_freq", None)
+            if isinstance(inv_freq, torch.Tensor) and "inv_freq" in module._buffers:
+                dim = 2 * inv_freq.numel()
+                module.inv_freq = _vision_rotary_inv_freq(dim).to(device if device is not None else inv_freq.device)
+
+    # ---- multimodal ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def embed_multimodal(self, modality: str, data: dict) -> torch.Tensor:
+        """Run the vision tower on one processed item (or several with stacked grids) -> `[num_embeds, H]`.
+
+        image: data = {"pixel_values": [P, C*tp*p*p], "image_grid_thw": [N, 3]};
+        video: data = {"pixel_values_videos": [P, C*tp*p*p], "video_grid_thw": [N, 3], ...};
+        num_embeds = sum(grid_t * grid_h * grid_w) // spatial_merge_size**2 (N items concatenated in order).
+        """
+        if modality == "image":
+            pixels, grid = data["pixel_values"], data["image_grid_thw"]
+        elif modality == "video":
+            pixels, grid = data["pixel_values_videos"], data["video_grid_thw"]
+        else:
+            raise ValueError(f"{type(self).__name__} supports image and video inputs, not {modality!r}")
+        param = self.visual.patch_embed.proj.weight
+        grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3).to(param.device)  # [N, 3]
+        pixels = pixels.to(device=param.device, dtype=param.dtype)  # [P, C*tp*p*p]
+        embeds = self.visual(pixels, grid_thw=grid)  # [P // merge**2, H]
+        return embeds.to(self.language_model.embed_tokens.weight.dtype)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor,
+                             mm_embeds: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
+        """`input_ids [T]` -> `[T, H]`; each `(start, emb [n, H])` in mm_embeds overwrites rows [start, start + n)
+        (start counts tokens of the flattened step; pass the slice of an item that falls in this step)."""
+        embeds = self.language_model.get_input_embeddings(input_ids)  # [T, H]
+        for start, emb in mm_embeds or ():
+            n = emb.shape[0]
+            if start < 0 or start + n > embeds.shape[0]:
+                raise ValueError(f"multimodal embeddings [{start}, {start + n}) fall outside the {embeds.shape[0]} "
+                                 f"tokens of the step")
+            embeds[start:start + n] = emb.to(device=embeds.device, dtype=embeds.dtype)
+        return embeds
+
+    def get_mrope_input_positions(self, prompt_token_ids: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
+        """`(positions [3, L] int64, mrope_position_delta)` of a whole prompt (see vlserve.multimodal.mrope)."""
+        from vlserve.multimodal.mrope import get_mrope_positions
+        return get_mrope_positions(prompt_token_ids, mm_features, self.config)
+
+    # ---- language model ------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Flattened step -> final hidden states `[T, H]`; positions `[3, T]` (M-RoPE) or `[T]` (text only)."""
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [N, H]` -> logits `[N, V]` float32."""
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _split_name(name: str) -> tuple[str, str]:
+        """Checkpoint name -> ("visual" | "language_model" | "lm_head" | "", name relative to that part)."""
+        for prefix, part in (("model.visual.", "visual"), ("visual.", "visual"),
+                             ("model.language_model.", "language_model"), ("language_model.model.", "language_model"),
+                             ("model.", "language_model")):
+            if name.startswith(prefix):
+                return part, name[len(prefix):]
+        if name in ("lm_head.weight", "language_model.lm_head.weight"):
+            return "lm_head", "weight"
+        return "", name
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full HF checkpoint (either layout); ValueError lists missing/unexpected/mis-shaped names."""
+        vis_params = dict(self.visual.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+
+        def decoder_weights():
+            for name, tensor in weights:
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                part, rel = self._split_name(name)
+                if part == "language_model":
+                    yield rel, tensor
+                elif part == "visual":
+                    if rel not in vis_params:
+                        unexpected.append(name)
+                        continue
+                    dst = vis_params[rel].data
+                    if tuple(dst.shape) != tuple(tensor.shape):
+                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(dst.shape)}")
+                    dst.copy_(tensor)
+                    loaded.add("visual." + rel)
+                elif part == "lm_head":
+                    if not self.tied:
+                        if tuple(tensor.shape) != tuple(self.lm_head.weight.shape):
+                            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                             f"expected {tuple(self.lm_head.weight.shape)}")
+                        self.lm_head.weight.data.copy_(tensor)
+                        loaded.add("lm_head.weight")
+                else:
+                    unexpected.append(name)
+
+        loaded.update("language_model." + n for n in self.language_model.load_weights(decoder_weights()))
+        expected = {"language_model." + n for n in self.language_model.expected_weight_names()}
+        expected.update("visual." + n for n in vis_params)
+        if not self.tied:
+            expected.add("lm_head.weight")
+        if unexpected:
+            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:10]}")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:10]}")
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: same structure; the vision tower (RMSNorm, SwiGLU, windowed attention with full-attention blocks
+    at `fullatt_block_indexes`) is transformers' Qwen2_5_VisionTransformerPretrainedModel. Video temporal
+    positions scale with second_per_grid_ts * tokens_per_second (handled in vlserve.multimodal.mrope)."""
+
+    @staticmethod
+    def _vision_class():
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        return Qwen2_5_VisionTransformerPretrainedModel
+
+
+register_model("Qwen2VLForConditionalGeneration", "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration")
+register_model("Qwen2_5_VLForConditionalGeneration", "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration")

@@ -1,0 +1,48 @@
+"""Model registry: HF `architectures[0]` -> vlserve model class.
+
+Entries are classes or lazy `"module:ClassName"` strings (imported on first use), so heavy or optional models
+(multimodal ones) cost nothing until asked for. Add models with `register_model`.
+"""
+from __future__ import annotations
+
+import importlib
+
+_REGISTRY: dict[str, type | str] = {
+    "LlamaForCausalLM": "vlserve.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "vlserve.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "vlserve.models.llama:Qwen3ForCausalLM",
+    "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+}
+
+
+def register_model(arch_name: str, cls: type | str) -> None:
+    """Map HF architecture name `arch_name` to `cls` (a class or a lazy "module.path:ClassName" string)."""
+    _REGISTRY[arch_name] = cls
+
+
+def supported_architectures() -> list[str]:
+    """Sorted list of registered architecture names."""
+    return sorted(_REGISTRY)
+
+
+def _resolve(entry: type | str) -> type:
+    if isinstance(entry, str):
+        module_name, _, cls_name = entry.partition(":")
+        return getattr(importlib.import_module(module_name), cls_name)
+    return entry
+
+
+def get_model_class(hf_config) -> type:
+    """The model class for `hf_config.architectures[0]`; ValueError naming it and the supported ones otherwise."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("model config has no 'architectures' entry; supported architectures: "
+                         + ", ".join(supported_architectures()))
+    arch = archs[0]
+    if arch not in _REGISTRY:
+        raise ValueError(f"unsupported model architecture {arch!r}; supported architectures: "
+                         + ", ".join(supported_architectures()))
+    cls = _resolve(_REGISTRY[arch])
+    _REGISTRY[arch] = cls
+    return cls

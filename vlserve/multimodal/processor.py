@@ -1,0 +1,221 @@
+"""Turns a tokenized prompt with `<|image_pad|>` / `<|video_pad|>` placeholders plus raw media into the expanded
+prompt and one MultiModalFeature per media item, using the checkpoint's own HF processor (Qwen2-VL / Qwen2.5-VL).
+
+Each item is loaded (media.py), hashed (hashing.py) and run through the HF image / video processor on its own, so
+results can be cached per item: a repeated image (same pixels, same kwargs) skips the HF processor entirely.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from vlserve.multimodal.hashing import hash_mm_item
+from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
+                                      load_video)
+
+# mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
+VIDEO_SAMPLING_KEYS = ("fps", "num_frames", "max_frames")
+DEFAULT_VIDEO_FPS = 2.0  # what the HF Qwen2.5-VL processor assumes when no fps is known
+
+
+class MultiModalProcessor:
+    """Per-item HF processing with an LRU cache keyed by mm_hash, and placeholder expansion.
+
+    `hf_processor` is the checkpoint's AutoProcessor (Qwen2VLProcessor / Qwen2_5_VLProcessor): it provides the
+    image processor, the video processor, the tokenizer and the placeholder token ids. The cache holds at most
+    `cache_size` items and `cache_max_bytes` bytes of processed tensors (0 disables it). Not thread-safe.
+    """
+
+    def __init__(self, hf_processor: Any, cache_size: int = 256, cache_max_bytes: int = 1 << 30,
+                 max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES):
+        self.hf_processor = hf_processor
+        self.image_processor = hf_processor.image_processor
+        self.video_processor = getattr(hf_processor, "video_processor", None)
+        self.tokenizer = hf_processor.tokenizer
+        self.image_token_id: int = hf_processor.image_token_id
+        self.video_token_id: int = hf_processor.video_token_id
+        self.cache_size = cache_size
+        self.cache_max_bytes = cache_max_bytes
+        self._cache_bytes = 0
+        self.max_image_pixels = max_image_pixels
+        self.max_video_frames = max_video_frames
+        self._cache: OrderedDict[str, dict] = OrderedDict()  # mm_hash -> processed data (tensors)
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, **kwargs: Any) -> "MultiModalProcessor":
+        """Load the checkpoint's HF processor from a local directory (never the hub) and wrap it."""
+        from transformers import AutoProcessor
+        return cls(AutoProcessor.from_pretrained(model_dir, local_files_only=True), **kwargs)
+
+    # ----------------------------------------------------------------------------------------------- kwargs
+    @staticmethod
+    def _split_kwargs(mm_kwargs: dict | None) -> tuple[dict, dict, dict]:
+        """-> (image processor kwargs, video processor kwargs, video sampling kwargs)."""
+        mm_kwargs = dict(mm_kwargs or {})
+        sampling = {k: mm_kwargs.pop(k) for k in VIDEO_SAMPLING_KEYS if k in mm_kwargs}
+        return dict(mm_kwargs), dict(mm_kwargs), sampling
+
+    def _video_hf_kwargs(self, video_kwargs: dict) -> dict:
+        """The HF video processor reads its pixel bounds only from `size`: translate min/max_pixels into it."""
+        kw = dict(video_kwargs)
+        lo, hi = kw.pop("min_pixels", None), kw.pop("max_pixels", None)
+        if lo is not None or hi is not None:
+            size = dict(kw.get("size") or self.video_processor.size)
+            if lo is not None:
+                size["shortest_edge"] = lo
+            if hi is not None:
+                size["longest_edge"] = hi
+            kw["size"] = size
+        return kw
+
+    def _merge_size(self, modality: str) -> int:
+        proc = self.image_processor if modality == "image" else self.video_processor
+        return int(getattr(proc, "merge_size", 2))
+
+    # ----------------------------------------------------------------------------------------------- cache
+    def _cached(self, mm_hash: str) -> dict | None:
+        data = self._cache.get(mm_hash)
+        if data is not None:
+            self._cache.move_to_end(mm_hash)
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        return data
+
+    @staticmethod
+    def _nbytes(data: dict) -> int:
+        return sum(v.numel() * v.element_size() for v in data.values() if hasattr(v, "element_size"))
+
+    def _store(self, mm_hash: str, data: dict) -> None:
+        size = self._nbytes(data)
+        if self.cache_size <= 0 or size > self.cache_max_bytes or mm_hash in self._cache:
+            return
+        self._cache[mm_hash] = data
+        self._cache_bytes += size
+        while len(self._cache) > self.cache_size or self._cache_bytes > self.cache_max_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= self._nbytes(old)
+
+    def clear_cache(self) -> None:
+        """Drop all cached processor outputs."""
+        self._cache.clear()
+        self._cache_bytes = 0
+
+    # ----------------------------------------------------------------------------------------------- items
+    def process_image(self, image: Any, image_kwargs: dict | None = None) -> tuple[str, dict]:
+        """Load, hash and (on a cache miss) run the HF image processor on one image -> (mm_hash, data).
+
+        data = {"pixel_values": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
+                "image_grid_thw": int64 [1, 3]}.
+        """
+        image_kwargs = image_kwargs or {}
+        img = load_image(image, max_pixels=self.max_image_pixels)
+        mm_hash = hash_mm_item("image", img, image_kwargs)
+        data = self._cached(mm_hash)
+        if data is None:
+            try:
+                out = self.image_processor(images=[img], return_tensors="pt", **image_kwargs)
+            except (TypeError, ValueError) as e:  # bad kwargs or unprocessable shapes (e.g. extreme aspect ratio)
+                raise ValueError(f"image processing failed (mm_processor_kwargs={image_kwargs}): {e}") from None
+            data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+            self._store(mm_hash, data)
+        return mm_hash, data
+
+    def process_video(self, video: Any, video_kwargs: dict | None = None,
+                      sampling_kwargs: dict | None = None) -> tuple[str, dict]:
+        """Load/sample, hash and (on a cache miss) run the HF video processor on one video -> (mm_hash, data).
+
+        data = {"pixel_values_videos": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
+                "video_grid_thw": int64 [1, 3], "second_per_grid_ts": float32 [1]}; second_per_grid_ts is
+        temporal_patch_size / sampled fps (2.0 fps assumed when the video's rate is unknown, like HF).
+        """
+        import torch
+
+        if self.video_processor is None:
+            raise ValueError("this model's processor has no video processor; videos are not supported")
+        video_kwargs, sampling = video_kwargs or {}, dict(sampling_kwargs or {})
+        max_frames = int(sampling.pop("max_frames", self.max_video_frames))
+        if not isinstance(video, LoadedVideo):
+            video = load_video(video, fps=sampling.get("fps"), num_frames=sampling.get("num_frames"),
+                               max_frames=max_frames, max_pixels=self.max_image_pixels)
+        mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames})
+        data = self._cached(mm_hash)
+        if data is None:
+            try:
+                out = self.video_processor(
+                    videos=[video.frames], return_tensors="pt", do_sample_frames=False,
+                    input_data_format="channels_last", **self._video_hf_kwargs(video_kwargs))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"video processing failed (mm_processor_kwargs={video_kwargs}): {e}") from None
+            fps = video.sampled_fps or sampling.get("fps") or DEFAULT_VIDEO_FPS
+            temporal_patch = int(getattr(self.video_processor, "temporal_patch_size", 2))
+            data = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
+                    "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32)}
+            self._store(mm_hash, data)
+        return mm_hash, data
+
+    # ----------------------------------------------------------------------------------------------- prompt
+    def process(self, prompt_token_ids: list[int], images: list | None = None, videos: list | None = None,
+                mm_processor_kwargs: dict | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+        """Expand each `<|image_pad|>` / `<|video_pad|>` token of the prompt into its item's embedding count and
+        return (new_prompt_token_ids, features ordered by offset).
+
+        The i-th image placeholder (in prompt order) belongs to images[i], likewise for videos; a count mismatch
+        raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
+        processors / frame sampling and are folded into each item's mm_hash.
+        """
+        images, videos = list(images or []), list(videos or [])
+        ids = list(prompt_token_ids)
+        img_pos = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id]
+        if len(img_pos) != len(images):
+            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens (<|image_pad|>) "
+                             f"but {len(images)} images were given")
+        if len(vid_pos) != len(videos):
+            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens (<|video_pad|>) "
+                             f"but {len(videos)} videos were given")
+
+        image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
+        items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
+        for pos, image in zip(img_pos, images):
+            items.append((pos, "image", *self.process_image(image, image_kwargs)))
+        for pos, video in zip(vid_pos, videos):
+            items.append((pos, "video", *self.process_video(video, video_kwargs, sampling)))
+        items.sort(key=lambda it: it[0])
+
+        new_ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        prev = 0
+        for pos, modality, mm_hash, data in items:
+            grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
+            num = int(grid.prod()) // self._merge_size(modality) ** 2
+            new_ids.extend(ids[prev:pos])
+            features.append(MultiModalFeature(modality=modality, mm_hash=mm_hash, offset=len(new_ids),
+                                              length=num, data=data))
+            new_ids.extend([ids[pos]] * num)
+            prev = pos + 1
+        new_ids.extend(ids[prev:])
+        return new_ids, features
+
+    def max_image_embeds(self, mm_processor_kwargs: dict | None = None) -> int:
+        """Upper bound on the embeddings of one image (for sizing the encoder cache / budget)."""
+        kw = mm_processor_kwargs or {}
+        max_pixels = kw.get("max_pixels") or self.image_processor.size.get("longest_edge") or \
+            getattr(self.image_processor, "max_pixels")
+        unit = int(self.image_processor.patch_size) * self._merge_size("image")
+        return int(max_pixels) // (unit * unit)
+
+    def max_video_embeds(self, num_frames: int | None = None, mm_processor_kwargs: dict | None = None) -> int:
+        """Upper bound on the embeddings of one video of at most `num_frames` frames (default: max_video_frames)."""
+        if self.video_processor is None:
+            return 0
+        kw = mm_processor_kwargs or {}
+        num_frames = num_frames or int(kw.get("max_frames", self.max_video_frames))
+        max_pixels = kw.get("max_pixels") or self.video_processor.size["longest_edge"]
+        unit = int(self.video_processor.patch_size) * self._merge_size("video")
+        temporal = int(self.video_processor.temporal_patch_size)
+        return -(-num_frames // temporal) * (int(max_pixels) // (unit * unit))
