@@ -11,6 +11,7 @@ from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.spec_decode import SpeculativeConfig, build_proposer
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
 
@@ -25,8 +26,10 @@ class EngineCore:
             loaded = load_for_serving(resolve_model_path(args.model), args)
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
+        self.spec_config = SpeculativeConfig.from_dict(args.speculative_config)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
-                                  mrope_positions_fn=loaded.mrope_positions_fn)
+                                  mrope_positions_fn=loaded.mrope_positions_fn,
+                                  proposer=build_proposer(self.spec_config, self.max_model_len))
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         num_blocks = determine_num_kv_blocks(
             self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -38,6 +41,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             encoder_cache_size=enc_size, encoder_compute_budget=enc_size,
+            num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
         self.num_steps = 0

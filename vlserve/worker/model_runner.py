@@ -7,14 +7,15 @@ import torch
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.worker.request_state import CachedRequestState
-from vlserve.worker.sampler import Sampler, build_sampling_metadata, make_generator
+from vlserve.worker.sample_step import StepSampler
+from vlserve.worker.sampler import make_generator
 
 
 class ModelRunner:
     """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
 
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
-                 block_size: int, mrope_positions_fn=None):
+                 block_size: int, mrope_positions_fn=None, proposer=None):
         self.model = model
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
@@ -22,7 +23,8 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = self.text_config.vocab_size
         self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
-        self.sampler = Sampler()
+        self.step_sampler = StepSampler()
+        self.proposer = proposer  # spec-decode draft proposer (n-gram), or None
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -51,6 +53,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.remove_requests(so.finished_req_ids)
         for h in so.free_encoder_mm_hashes:
             self.encoder_outputs.pop(h, None)
         for new in so.scheduled_new_reqs:
@@ -135,29 +139,18 @@ class ModelRunner:
 
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
-        sample_mask = seq_lens >= known
-        logits_indices = cu[1:][sample_mask] - 1
-        sampled_by_req: dict[str, list[int]] = {}
-        logprobs_by_req: dict[str, list] = {}
-        if len(logits_indices):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])  # [N, V]
-            sample_states = [s for s, m in zip(states, sample_mask) if m]
-            smd = build_sampling_metadata(
-                [s.sampling_params for s in sample_states], [s.generator for s in sample_states],
-                [s.prompt_token_ids for s in sample_states], [s.output_token_ids for s in sample_states],
-                logits.shape[-1], dev)
-            out = self.sampler(logits, smd)
-            tokens = out.sampled_token_ids.tolist()
-            if out.logprobs is not None:
-                lp_ids, lp_vals, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-            for i, (state, tok) in enumerate(zip(sample_states, tokens)):
-                state.token_ids.append(tok)
-                sampled_by_req[state.req_id] = [tok]
-                k = state.sampling_params.logprobs
-                if k is not None and out.logprobs is not None:
-                    logprobs_by_req[state.req_id] = [(lp_ids[i][: k + 1], lp_vals[i][: k + 1], ranks[i])]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[sampled_by_req.get(r, []) for r in req_ids],
-                                 logprobs=logprobs_by_req)
+        sample_idx = np.nonzero(seq_lens >= known)[0]
+        if len(sample_idx) == 0:
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        sample_states = [states[i] for i in sample_idx]
+        drafts = [so.scheduled_spec_decode_tokens.get(s.req_id, []) for s in sample_states]
+        samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts)
+        spec_tokens = {}
+        if self.proposer is not None:
+            ids = [s.req_id for s in sample_states]
+            spec_tokens = dict(zip(ids, self.proposer.propose([s.token_ids for s in sample_states], req_ids=ids)))
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[samples.tokens.get(r, []) for r in req_ids],
+                                 logprobs=samples.logprobs, spec_token_ids=spec_tokens)
 
     def _positions(self, states, starts, q_lens, positions_np) -> torch.Tensor:
         if self.mrope_positions_fn is None:

@@ -1,0 +1,65 @@
+"""The sampling half of a runner step: pick logits rows, sample (or verify drafts), collect tokens and logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vlserve.worker.request_state import CachedRequestState
+from vlserve.worker.sampler import Sampler, build_sampling_metadata
+
+
+@dataclass
+class StepSamples:
+    """Per sampled request: emitted tokens (accepted drafts + 1) and, when asked, one logprob entry per token."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+class StepSampler:
+    """Plain sampling for ordinary steps; the exact rejection sampler when any request carries drafts."""
+
+    def __init__(self):
+        self.sampler = Sampler()
+        self._rejection_sampler = None
+
+    def sample(self, model, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
+               drafts: list[list[int]]) -> StepSamples:
+        """hidden: [T, H]; ends[i]: index after request i's last token in the batch; drafts[i]: its verified
+        draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus position)."""
+        # Rows: the k_i draft positions + the bonus position of each request (just the last token without drafts).
+        rows = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends.tolist(), drafts)])
+        logits = model.compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])  # [sum(k_i + 1), V]
+        params = [s.sampling_params for s in states]
+        gens = [s.generator for s in states]
+        prompts = [s.prompt_token_ids for s in states]
+        outputs = [s.output_token_ids for s in states]
+        vocab = logits.shape[-1]
+        if any(drafts):
+            from vlserve.spec_decode.rejection_sampler import RejectionSampler, build_spec_sampling_metadata
+
+            if self._rejection_sampler is None:
+                self._rejection_sampler = RejectionSampler()
+            md = build_spec_sampling_metadata(params, gens, prompts, outputs, drafts, vocab, logits.device)
+            out = self._rejection_sampler(logits, drafts, None, md)
+            token_lists = out.to_lists()
+        else:
+            md = build_sampling_metadata(params, gens, prompts, outputs, vocab, logits.device)
+            out = self.sampler(logits, md)
+            token_lists = [[t] for t in out.sampled_token_ids.tolist()]
+        result = StepSamples()
+        want_logprobs = out.logprobs is not None
+        if want_logprobs:
+            lp_ids, lp_vals, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
+        base = 0
+        for state, toks, d in zip(states, token_lists, drafts):
+            state.token_ids.extend(toks)
+            result.tokens[state.req_id] = toks
+            k = state.sampling_params.logprobs
+            if k is not None and want_logprobs:
+                result.logprobs[state.req_id] = [
+                    (lp_ids[base + j][: k + 1], lp_vals[base + j][: k + 1], ranks[base + j]) for j in range(len(toks))]
+            base += len(d) + 1
+        return result
