@@ -3,7 +3,7 @@ from vlserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vlserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name):
@@ -12,4 +12,8 @@ def __getattr__(name):
         from vlserve.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from vlserve.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(name)

@@ -58,28 +58,47 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Build EngineArgs + ServerConfig from the flags and serve."""
+def serve_config_from_args(args: argparse.Namespace):
+    """(EngineArgs, ServerConfig) from parsed `vlserve serve` flags."""
     from vlserve.api.media import MediaConfig
-    from vlserve.api.server import ServerConfig, serve
+    from vlserve.api.server import ServerConfig
     from vlserve.config import EngineArgs
 
-    model = args.model_flag or args.model
     names = args.served_model_name
     engine_args = EngineArgs(
-        model=model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        device=args.device, limit_mm_per_prompt=args.limit_mm_per_prompt or {},
-        mm_processor_kwargs=args.mm_processor_kwargs, encoder_cache_size=args.encoder_cache_size,
-        max_waiting_requests=args.max_waiting_requests, speculative_config=args.speculative_config,
-        served_model_name=names[0] if names else None)
+        model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
+        limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
+        encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
+        speculative_config=args.speculative_config, served_model_name=names[0] if names else None)
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                                             allowed_media_domains=_split_domains(args.allowed_media_domains)))
+    return engine_args, config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build EngineArgs + ServerConfig from the flags and serve."""
+    from vlserve.api.server import serve
+
+    engine_args, config = serve_config_from_args(args)
     serve(engine_args, args.host, args.port, config, args.log_level)
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `vlserve` argument parser (serve flags; bench subcommands parse their own)."""
+    parser = argparse.ArgumentParser(prog="vlserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench.add_parser("throughput", help="offline throughput (see --help)", add_help=False)
+    bench.add_parser("serve", help="load-test a running server over the OpenAI API", add_help=False)
+    return parser
 
 
 def _split_domains(values: list[str] | None) -> list[str] | None:
@@ -91,13 +110,7 @@ def _split_domains(values: list[str] | None) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `vlserve` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="vlserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server"))
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    bench.add_parser("throughput", help="offline throughput (see --help)", add_help=False)
-    bench.add_parser("serve", help="load-test a running server over the OpenAI API", add_help=False)
+    parser = build_parser()
     if argv[:2] == ["bench", "throughput"]:
         from vlserve.bench.throughput import main as throughput_main
 

@@ -1,6 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM-compatible names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
@@ -46,6 +47,11 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}.")
+
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
         if self.temperature < 0.0:
@@ -76,8 +82,9 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**63 - 1024):
+            bad(f"seed must be an integer that fits in int64, got {self.seed!r}.")
 
     @property
     def is_greedy(self) -> bool:

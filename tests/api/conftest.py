@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-TEXT_ENGINE_KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=16, max_num_seqs=64,
+TEXT_ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256, block_size=16, max_num_seqs=64,
                       max_num_batched_tokens=512)
 
 

@@ -45,7 +45,7 @@ def _aborted(server) -> float:
 
 def test_disconnect_mid_stream_frees_the_request(server):
     before = _aborted(server)
-    body = {"model": "tiny-text", "messages": conversations(1)[0], "max_tokens": 200, "stream": True,
+    body = {"model": "tiny-text", "messages": conversations(1)[0], "max_tokens": 900, "stream": True,
             "ignore_eos": True}
     with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -66,11 +66,11 @@ def test_disconnect_mid_stream_frees_the_request(server):
 
 def test_disconnect_while_waiting_for_non_streamed_response(server):
     before = _aborted(server)
-    body = {"model": "tiny-text", "messages": conversations(2)[1], "max_tokens": 230, "ignore_eos": True}
+    body = {"model": "tiny-text", "messages": conversations(2)[1], "max_tokens": 900, "ignore_eos": True}
     with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(60, read=0.3), trust_env=False) as client:
         try:
             client.post("/v1/chat/completions", json=body)
-            raise AssertionError("expected the read to time out before 230 tokens were generated")
+            raise AssertionError("expected the read to time out before 900 tokens were generated")
         except httpx.ReadTimeout:
             pass
     server.wait_idle()
@@ -79,3 +79,26 @@ def test_disconnect_while_waiting_for_non_streamed_response(server):
         time.sleep(0.05)
     assert _aborted(server) == before + 1
     server.engine.engine.check_integrity()
+
+
+def test_speculative_decoding_server_streams_the_same_greedy_text(text_ckpt, offline_llm):
+    """--speculative-config reaches the engine; multi-token steps stream the same text as plain decoding."""
+    from conftest import TEXT_ENGINE_KW, start_server
+
+    from vlserve.config import EngineArgs
+
+    # A repetitive prompt so n-gram drafts actually get proposed (and some accepted).
+    messages = [{"role": "user", "content": "red blue red blue red blue red blue red blue red blue"}]
+    ref = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    served = start_server(EngineArgs(model=text_ckpt, speculative_config=spec, **TEXT_ENGINE_KW))
+    try:
+        kw = dict(model=served.model, messages=messages, temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+        assert served.client.chat.completions.create(**kw).choices[0].message.content == ref
+        chunks = served.client.chat.completions.create(**kw, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+        assert served.metrics()["vlserve:spec_decode_num_drafts_total"] > 0
+        served.wait_idle()
+    finally:
+        served.close()

@@ -31,6 +31,9 @@ BAD_REQUESTS = [
     (CHAT, chat(frequency_penalty=-5), 400, "frequency_penalty"),
     (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
     (CHAT, chat(seed="x"), 400, "seed"),
+    (CHAT, chat(seed=2**70), 400, "seed"),
+    (CHAT, chat(n=2**40), 400, "n must"),
+    (CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias"),
     (CHAT, chat(stop=[""]), 400, "stop"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "logprobs"),
@@ -44,7 +47,7 @@ BAD_REQUESTS = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image", "image": "/etc/passwd"}]}]), 400, "image"),
     (CHAT, chat(mm_processor_kwargs={"evil": 1}), 400, "mm_processor_kwargs"),
     (CHAT, chat(mm_processor_kwargs={"max_pixels": -1}), 400, "mm_processor_kwargs"),
-    (CHAT, chat(messages=[{"role": "user", "content": "many words " * 200}]), 400, "max_model_len"),
+    (CHAT, chat(messages=[{"role": "user", "content": "many words " * 700}]), 400, "max_model_len"),
     (CHAT, chat(model="gpt-4"), 404, "gpt-4"),
     (COMPL, {"model": "tiny-text", "prompt": []}, 400, "prompt"),
     (COMPL, {"model": "tiny-text", "prompt": [10, 99999999]}, 400, "prompt_token_ids"),
@@ -80,6 +83,10 @@ def test_invalid_json_and_wrong_content(server):
     resp = server.http.post(CHAT, content=b'{"model": "tiny-text", "messages": [', headers={
         "content-type": "application/json"})
     assert_error_shape(resp, 400, "json")
+    for number in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"model": "tiny-text", "messages": [{"role": "user", "content": "x"}], "temperature": ' + number + b"}"
+        assert_error_shape(server.http.post(CHAT, content=body, headers={"content-type": "application/json"}), 400,
+                           "temperature")
     assert_error_shape(server.http.post(CHAT, content=b"\xff\xfe", headers={"content-type": "application/json"}),
                        400)
     assert_error_shape(server.http.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)

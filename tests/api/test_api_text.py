@@ -74,6 +74,12 @@ def test_raw_sse_framing(server):
     for e in events[:-1]:
         assert json.loads(e[6:])["object"] == "chat.completion.chunk"
 
+    body.update(stream_options={"include_usage": True, "continuous_usage_stats": True}, ignore_eos=True)
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks[1:]]
+    assert counts == sorted(counts) and counts[-1] == 4
+
 
 def test_stop_string_streamed_and_not(server, offline_llm):
     full = offline_chat(offline_llm, MESSAGES, max_tokens=24, ignore_eos=True).outputs[0].text
@@ -176,6 +182,12 @@ def test_metrics_endpoint(server):
                  "vlserve:e2e_request_latency_seconds_count", 'vlserve:request_success_total{finished_reason=',
                  'vlserve:http_requests_total{endpoint="/v1/chat/completions",status="200"}'):
         assert name in text, name
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # valid exposition format
+    assert families["vlserve:time_to_first_token_seconds"].type == "histogram"
+    assert families["vlserve:prompt_tokens"].type == "counter"
+    assert families["vlserve:kv_cache_usage"].type == "gauge"
     m = server.metrics()
     assert m["vlserve:time_to_first_token_seconds_count"] >= 1
     assert m["vlserve:generation_tokens_total"] >= 3

@@ -34,7 +34,7 @@ def test_errors_surface_to_the_caller(server):
         return [o async for o in server.engine.generate(prompt, params)]
 
     with pytest.raises(ValueError, match="max_model_len"):
-        asyncio.run(run(list(range(5, 400)), greedy(2)))
+        asyncio.run(run(list(range(5, 600)) * 2, greedy(2)))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         asyncio.run(run([10**9], greedy(2)))
 
@@ -105,5 +105,6 @@ def test_event_loop_is_not_blocked_by_model_compute(server):
         return max(gaps), total
 
     worst, total = asyncio.run(run())
+    print(f"worst loop gap {worst:.4f}s over {total:.2f}s")
     assert total > 0.3
     assert worst < max(0.25, total / 3), (worst, total)

@@ -31,8 +31,8 @@ def _wait_health(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> N
 def cli_server(text_ckpt, repo_root):
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "cli-model", "other-name", "--dtype", "float32", "--max-model-len", "256",
-           "--num-kv-blocks", "64", "--block-size", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
+           "--served-model-name", "cli-model", "other-name", "--dtype", "float32", "--max-model-len", "2048",
+           "--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
            "--max-waiting-requests", "1", "--api-key", "sekrit", "--seed", "0", "--limit-mm-per-prompt",
            json.dumps({"image": 1}), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -72,18 +72,25 @@ def test_api_key(cli_server):
 
 def test_queue_full_gives_503_and_recovers(cli_server):
     auth = {"Authorization": "Bearer sekrit"}
-    body = {"model": "cli-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+    body = {"model": "cli-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=cli_server, timeout=60, headers=auth, trust_env=False) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as running:  # takes the only seat
             assert running.status_code == 200
+            lines = running.iter_lines()  # keep a reference: a dropped iterator closes the response
+            next(lines)
             with c.stream("POST", "/v1/chat/completions", json=body) as waiting:  # fills the waiting queue
                 assert waiting.status_code == 200
                 r = c.post("/v1/chat/completions", json={**body, "stream": False})
                 assert r.status_code == 503, r.text
                 assert "waiting queue is full" in r.json()["error"]["message"]
-        r = c.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        deadline = time.monotonic() + 20  # the two hung-up streams are aborted as the server notices
+        while (r := c.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, "the aborted streams never left the queue"
+            time.sleep(0.1)
         assert r.status_code == 200
+        m = c.get("/metrics").text
+        assert "vlserve:num_aborted_requests_total 2.0" in m and "vlserve:num_requests_waiting 0.0" in m
 
 
 def _demo_available() -> bool:
@@ -113,3 +120,27 @@ def test_cli_help_lists_vllm_flags(repo_root):
                  "--allowed-local-media-path", "--allowed-media-domains", "--api-key", "--speculative-config",
                  "--max-waiting-requests", "--seed", "--dtype"):
         assert flag in proc.stdout, flag
+
+
+def test_serve_flags_map_to_engine_args_and_server_config():
+    from vlserve.cli import build_parser, serve_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "/models/x", "--served-model-name", "a", "b", "--dtype", "bfloat16", "--max-model-len", "4096",
+        "--max-num-seqs", "7", "--max-num-batched-tokens", "1024", "--kv-cache-memory-bytes", "123456",
+        "--num-kv-blocks", "99", "--block-size", "32", "--limit-mm-per-prompt", '{"image":4,"video":1}',
+        "--allowed-local-media-path", "/data", "--allowed-media-domains", "a.com,b.org", "c.net",
+        "--api-key", "k", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}',
+        "--max-waiting-requests", "5", "--seed", "11", "--port", "9000", "--host", "127.0.0.1"])
+    engine, server = serve_config_from_args(args)
+    assert (engine.model, engine.dtype, engine.max_model_len, engine.max_num_seqs) == ("/models/x", "bfloat16", 4096, 7)
+    assert (engine.max_num_batched_tokens, engine.kv_cache_memory_bytes, engine.num_kv_blocks) == (1024, 123456, 99)
+    assert engine.block_size == 32 and engine.seed == 11 and engine.max_waiting_requests == 5
+    assert engine.limit_mm_per_prompt == {"image": 4, "video": 1}
+    assert engine.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert engine.served_model_name == "a" and server.served_model_names == ["a", "b"]
+    assert server.api_key == "k" and server.media.allowed_local_media_path == "/data"
+    assert server.media.allowed_media_domains == ["a.com", "b.org", "c.net"]
+    assert (args.host, args.port) == ("127.0.0.1", 9000)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--limit-mm-per-prompt", "not json"])

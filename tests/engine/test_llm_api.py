@@ -105,6 +105,8 @@ def test_token_id_prompts(llm):
     ({"logprobs": 50}, "logprobs"),
     ({"min_p": 2.0}, "min_p"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"temperature": float("nan")}, "finite"),
+    ({"seed": 2**70}, "int64"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -19,8 +19,8 @@ from vlserve.core.scheduler import QueueFullError
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+          413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
+          500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -35,8 +35,13 @@ class APIError(Exception):
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """The OpenAI error object for `status`."""
-    return {"error": {"message": message, "type": _TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "")),
-                      "param": param, "code": status}}
+    kind = _TYPES.get(status)
+    if kind is None:
+        try:
+            kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        except ValueError:
+            kind = "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from vlserve.sampling_params import SamplingParams
 
 _MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # OpenAI's cap on choices per request
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def random_id(prefix: str) -> str:
@@ -18,9 +20,10 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    """Base for request bodies: unknown fields are accepted and ignored (as the OpenAI SDKs may send new ones)."""
+    """Base for request bodies: unknown fields are accepted and ignored (as the OpenAI SDKs may send new ones);
+    NaN and infinite numbers are refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -56,6 +59,12 @@ class _SamplingFields(OpenAIModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request (ValueError when a value is out of range)."""
+        if (self.model_extra or {}).get("logit_bias"):
+            raise ValueError("logit_bias is not supported by this server")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
+        if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1] - MAX_N:
+            raise ValueError(f"seed must fit in a signed 64-bit integer (and leave room for n), got {self.seed}")
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,

@@ -103,7 +103,8 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 async def run_unless_disconnected(raw: Request, work: Awaitable[Any], on_disconnect: Callable[[], None]) -> Any:
-    """Await `work`; if the client disconnects first, cancel it, call `on_disconnect` and raise CancelledError."""
+    """Await `work`; if the client disconnects first, cancel it, call `on_disconnect` and raise APIError(499)
+    (nobody reads that response; it just ends the handler quietly)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw.receive))
     try:
@@ -118,7 +119,7 @@ async def run_unless_disconnected(raw: Request, work: Awaitable[Any], on_disconn
         return task.result()
     task.cancel()
     on_disconnect()
-    raise asyncio.CancelledError("client disconnected")
+    raise APIError("client closed the connection", 499)
 
 
 class EngineStreamingResponse(StreamingResponse):

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream."""
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from typing import AsyncIterator
@@ -18,8 +17,6 @@ from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingRes
                                       check_mm_processor_kwargs, run_unless_disconnected, sse, usage_of)
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
-
-logger = logging.getLogger(__name__)
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]] | None, top_k: int) -> ChatLogprobs | None:

@@ -74,11 +74,13 @@ class InputProcessor:
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
 
     def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                     chat_template_kwargs: dict | None = None) -> ProcessedPrompt:
-        """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order)."""
-        from vlserve.engine.chat import parse_chat_messages
+                     chat_template_kwargs: dict | None = None, media_source=None) -> ProcessedPrompt:
+        """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order).
+        `media_source(part_type, part)` turns a media part into what the loader takes (the server passes
+        pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media."""
+        from vlserve.engine.chat import default_media_source, parse_chat_messages
 
-        template_messages, mm_data = parse_chat_messages(messages)
+        template_messages, mm_data = parse_chat_messages(messages, media_source or default_media_source)
         if self.tokenizer.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
