@@ -35,7 +35,9 @@ def make_paged_kv(
     return k_cache, v_cache, block_tables
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: list[int], scale: float) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: list[int], scale: float
+) -> torch.Tensor:
     """Plain float64 attention: query i (at q_positions[i]) sees keys 0..q_positions[i]; GQA by head // group."""
     # q: [n, Hq, D]; k, v: [S, Hkv, D] contiguous; returns [n, Hq, D] in q.dtype
     num_q_heads = q.shape[1]
@@ -80,3 +82,15 @@ def build_metadata(
         query_start_loc_cpu=qsl,
         seq_lens_cpu=list(seq_lens),
     )
+
+
+def poison_unused_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: list[int]) -> None:
+    """Fill every cache slot that holds no live token with NaN (what torch.empty may leave behind)."""
+    block_size = k_cache.shape[1]
+    live = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        for p in range(n):
+            live[int(block_tables[b, p // block_size]) * block_size + p % block_size] = True
+    k_cache.view(-1, *k_cache.shape[2:])[~live] = float("nan")
+    v_cache.view(-1, *v_cache.shape[2:])[~live] = float("nan")

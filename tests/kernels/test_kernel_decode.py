@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from _kernel_testutils import make_paged_kv, naive_attention
+from _kernel_testutils import make_paged_kv, naive_attention, poison_unused_slots
 from vlserve.kernels import attention_ref
 from vlserve.kernels.attention_ref import paged_attention_decode_ref
 
@@ -19,8 +19,7 @@ def _decode_case(ratio, head_dim, block_size, seq_lens, num_kv_heads=2, dtype=to
     g = torch.Generator().manual_seed(seed)
     num_q_heads = num_kv_heads * ratio
     contexts = [
-        (torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype), torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype))
-        for n in seq_lens
+        tuple(torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)) for n in seq_lens
     ]
     k_cache, v_cache, tables = make_paged_kv(contexts, block_size, generator=g)
     query = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=g).to(dtype)
@@ -28,10 +27,12 @@ def _decode_case(ratio, head_dim, block_size, seq_lens, num_kv_heads=2, dtype=to
 
 
 def _naive_decode(query, contexts, scale):
-    return torch.stack([naive_attention(query[b : b + 1], k, v, [k.shape[0] - 1], scale)[0] for b, (k, v) in enumerate(contexts)])
+    rows = [naive_attention(query[b : b + 1], k, v, [k.shape[0] - 1], scale)[0] for b, (k, v) in enumerate(contexts)]
+    return torch.stack(rows)
 
 
-@pytest.mark.parametrize("ratio,head_dim,block_size", list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)))
+@pytest.mark.parametrize("ratio,head_dim,block_size",
+                         list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)) + [(7, 128, 16), (6, 64, 32)])
 def test_decode_ref_matches_naive(ratio, head_dim, block_size):
     # lengths: single token, mid-block, exactly one block, several blocks ending mid-block
     seq_lens = [1, block_size // 2 + 3, block_size, 3 * block_size + 7]
@@ -49,10 +50,11 @@ def test_decode_ref_full_blocks_without_padding():
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 40_000, 1 << 30])
-def test_decode_ref_chunking_and_kwargs(monkeypatch, chunk_bytes):
-    # one sequence per chunk, a few per chunk, and the whole batch at once must agree
+@pytest.mark.parametrize("seq_lens", [[5, 33, 1, 64, 17, 90, 2], [90, 64, 33, 17, 5, 2, 1]])
+def test_decode_ref_chunking_and_kwargs(monkeypatch, chunk_bytes, seq_lens):
+    # one sequence per chunk, a few per chunk, and the whole batch at once must agree; sequences are
+    # processed longest first (shuffled order) or in place (already sorted)
     monkeypatch.setattr(attention_ref, "DECODE_CHUNK_BYTES", chunk_bytes)
-    seq_lens = [5, 33, 1, 64, 17, 90, 2]
     query, contexts, k_cache, v_cache, tables, lens = _decode_case(4, 64, 16, seq_lens, seed=1)
     out = torch.full_like(query, float("nan"))
     with torch.inference_mode():
@@ -80,7 +82,8 @@ def test_decode_ref_empty_batch():
 
 
 # Triton (interpreter): one case per GQA ratio, covering every head dim and block size; small sizes.
-TRITON_CASES = [(1, 64, 16), (2, 80, 32), (4, 96, 16), (8, 128, 32)]
+# plus a non-power-of-two group (Qwen2.5-VL-7B: 28 query heads over 4 KV heads).
+TRITON_CASES = [(1, 64, 16), (2, 80, 32), (4, 96, 16), (8, 128, 32), (7, 128, 16)]
 
 
 @pytest.mark.parametrize("ratio,head_dim,block_size", TRITON_CASES)
@@ -120,3 +123,17 @@ def test_decode_triton_zero_length_padding_row(num_splits):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = paged_attention_decode_ref(query[:1], k_cache, v_cache, tables[:1], lens[:1], 0.125)
     torch.testing.assert_close(out[:1], ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_ignores_nan_in_unwritten_slots(backend):
+    seq_lens = [3, 40, 17, 64]
+    query, contexts, k_cache, v_cache, tables, lens = _decode_case(4, 64, 16, seq_lens, num_kv_heads=1, seed=5)
+    poison_unused_slots(k_cache, v_cache, tables, seq_lens)
+    if backend == "torch":
+        out = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
+    else:
+        from vlserve.kernels.triton_attention import paged_attention_decode_triton
+
+        out = paged_attention_decode_triton(query, k_cache, v_cache, tables, lens, 0.125, num_splits=2)
+    torch.testing.assert_close(out, _naive_decode(query, contexts, 0.125), atol=2e-5, rtol=1e-5)

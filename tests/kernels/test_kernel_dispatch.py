@@ -67,3 +67,18 @@ def test_dispatch_full_step(monkeypatch, backend):
     k_cache2 = k_cache.clone()
     K.write_kv_cache(k, v, k_cache2, v_cache.clone(), md.slot_mapping)
     assert torch.equal(k_cache2, k_cache)
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_sm90():
+    # Lowers every kernel to a cubin for an H100-class target; catches GPU-only compile errors
+    # (tl.dot shapes, dtypes) that the CPU interpreter does not check. Needs no GPU.
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "_triton_aot_check.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok ") == 7

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from _kernel_testutils import build_metadata, make_paged_kv, naive_attention
+from _kernel_testutils import build_metadata, make_paged_kv, naive_attention, poison_unused_slots
 from vlserve.kernels.attention_ref import attention_forward_ref, paged_prefill_attention_ref
 
 GQA_RATIOS = [1, 2, 4, 8]
@@ -47,12 +47,27 @@ def _seqs(block_size):
     return [(0, 9), (block_size + 3, block_size // 2 + 1), (block_size, 1), (5, 0), (0, 1)]
 
 
-@pytest.mark.parametrize("ratio,head_dim,block_size", list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)))
+@pytest.mark.parametrize("ratio,head_dim,block_size",
+                         list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)) + [(7, 128, 16), (6, 64, 32)])
 def test_prefill_ref_matches_naive(ratio, head_dim, block_size):
     query, contexts, k_cache, v_cache, tables, qsl, lens = _prefill_case(ratio, head_dim, block_size, _seqs(block_size))
     scale = head_dim**-0.5
     out = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, scale)
     torch.testing.assert_close(out, _naive_prefill(query, contexts, qsl, scale), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_ignores_nan_in_unwritten_slots(backend):
+    seqs = [(19, 6), (0, 5), (3, 0)]
+    query, contexts, k_cache, v_cache, tables, qsl, lens = _prefill_case(2, 64, 16, seqs, num_kv_heads=1, seed=6)
+    poison_unused_slots(k_cache, v_cache, tables, lens.tolist())
+    if backend == "torch":
+        out = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 0.125)
+    else:
+        from vlserve.kernels.triton_attention import paged_prefill_attention_triton
+
+        out = paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, lens, 0.125)
+    torch.testing.assert_close(out, _naive_prefill(query, contexts, qsl, 0.125), atol=2e-5, rtol=1e-5)
 
 
 def test_prefill_ref_bf16():
@@ -63,7 +78,7 @@ def test_prefill_ref_bf16():
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-TRITON_CASES = [(1, 64, 16), (2, 80, 32), (4, 96, 16), (8, 128, 32)]
+TRITON_CASES = [(1, 64, 16), (2, 80, 32), (4, 96, 16), (8, 128, 32), (7, 128, 16)]  # 7: non-power-of-two group
 
 
 @pytest.mark.parametrize("ratio,head_dim,block_size", TRITON_CASES)
@@ -92,16 +107,17 @@ def _forward_case(block_size, num_kv_heads, ratio, head_dim, seed=0, num_padding
     """Two decodes and two prefill chunks; the step's own K/V are NOT yet in the cache."""
     g = torch.Generator().manual_seed(seed)
     seqs = [(20, 1), (block_size - 1, 1), (0, 7), (block_size + 2, 5)]  # (prefix, q_len)
-    contexts = [(torch.randn(p + q, num_kv_heads, head_dim, generator=g), torch.randn(p + q, num_kv_heads, head_dim, generator=g))
-                for p, q in seqs]
-    # cache holds only the prefixes; the new tokens' K/V arrive through attention_forward
-    k_cache, v_cache, tables = make_paged_kv([(k[:p], v[:p]) if p else (k[:1] * 0, v[:1] * 0) for (k, v), (p, _) in zip(contexts, seqs)],
-                                             block_size, generator=g)
+    contexts = [tuple(torch.randn(p + q, num_kv_heads, head_dim, generator=g) for _ in range(2)) for p, q in seqs]
+    # cache holds only the prefixes (a zero placeholder token for an empty one, overwritten by the
+    # step); the new tokens' K/V arrive through attention_forward
+    prefixes = [(k[:p], v[:p]) if p else (k[:1] * 0, v[:1] * 0) for (k, v), (p, _) in zip(contexts, seqs)]
+    k_cache, v_cache, tables = make_paged_kv(prefixes, block_size, generator=g)
     q_lens = [q for _, q in seqs]
     seq_lens = [p + q for p, q in seqs]
     md = build_metadata(q_lens, seq_lens, tables, block_size, num_decodes=2, num_padding_tokens=num_padding_tokens)
-    key = torch.cat([k[p:] for (k, _), (p, _) in zip(contexts, seqs)] + [torch.randn(num_padding_tokens, num_kv_heads, head_dim)])
-    value = torch.cat([v[p:] for (_, v), (p, _) in zip(contexts, seqs)] + [torch.randn(num_padding_tokens, num_kv_heads, head_dim)])
+    padding = [torch.randn(num_padding_tokens, num_kv_heads, head_dim)]
+    key = torch.cat([k[p:] for (k, _), (p, _) in zip(contexts, seqs)] + padding)
+    value = torch.cat([v[p:] for (_, v), (p, _) in zip(contexts, seqs)] + padding)
     query = torch.randn(key.shape[0], num_kv_heads * ratio, head_dim, generator=g)
     qsl = torch.tensor(md.query_start_loc_cpu)
     expected = torch.zeros_like(query)

@@ -51,7 +51,7 @@ def _triton_available() -> bool:
 
 
 def get_attention_backend(device: torch.device | str | None = None) -> str:
-    """'torch' or 'triton': the env override if set, else triton for CUDA tensors (or, without a device, if CUDA exists)."""
+    """'torch' or 'triton': the env override if set, else triton for CUDA devices (no device: if CUDA exists)."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced:
         if forced not in _BACKENDS:

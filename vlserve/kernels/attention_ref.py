@@ -1,10 +1,16 @@
 """Torch paged attention: the production CPU path and the reference for the Triton kernels.
 
 Decode gathers whole KV blocks through the block tables with one `index_select` per chunk of
-sequences into a reusable workspace, and runs the fused CPU SDPA kernel on strided views of it.
-GQA is folded into the query: the Hq/Hkv query heads that share a KV head become Hq/Hkv query
-rows of that head, so K/V are never repeated. Chunking bounds the workspace and keeps the
-gathered K/V cache-resident while SDPA reads it (measured faster than one whole-batch gather).
+sequences into a reusable workspace, and runs the fused CPU SDPA kernel (float32 softmax) on
+strided views of it. GQA is folded into the query: the Hq/Hkv query heads that share a KV head
+become Hq/Hkv query rows of that head, so K/V are never repeated. Sequences are taken longest
+first and each chunk is padded only to its own longest context. Chunking bounds the workspace and
+keeps the gathered K/V cache-resident while SDPA reads it (measured 2-3x faster than one
+whole-batch gather at B=64, ctx=1024). Padded key positions are zeroed in the workspace and masked,
+so garbage (even NaN) in unwritten cache slots never reaches the output.
+
+Prefill loops over the (few) sequences of a step: gather one context, then SDPA with an
+`is_causal` or bottom-right-aligned causal mask (queries are the last q_len of seq_len positions).
 """
 from __future__ import annotations
 
@@ -16,8 +22,9 @@ import torch.nn.functional as F
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 
-# Gathered K+V bytes per decode chunk: ~L2-sized, so SDPA reads what the gather just wrote.
-DECODE_CHUNK_BYTES = 4 << 20
+# Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
+# from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
+DECODE_CHUNK_BYTES = 8 << 20
 
 _tls = threading.local()
 
@@ -49,6 +56,7 @@ def paged_attention_decode_ref(
 ) -> torch.Tensor:
     """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
+    del max_seq_len  # chunks are padded to their own longest sequence, read from seq_lens
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -56,32 +64,45 @@ def paged_attention_decode_ref(
         out = query.new_empty(num_seqs, num_q_heads, head_dim)
     if num_seqs == 0:
         return out
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
-    num_blocks = -(-max_seq_len // block_size)
-    padded_len = num_blocks * block_size  # L
-    tables = block_tables[:, :num_blocks].to(torch.long).clamp_min(0)  # [B, nblk]
-    positions = torch.arange(padded_len, device=query.device)
-    valid = positions[None, :] < seq_lens.to(query.device)[:, None]  # [B, L]
-    if bool(valid.all()):
-        valid = None  # no padded key positions: skip the mask
+    device = query.device
+    lens = seq_lens.tolist()
+    # longest first, so each chunk pads to a similar length; identity order keeps slicing cheap
+    order = sorted(range(num_seqs), key=lambda i: -lens[i])
+    in_order = order == list(range(num_seqs))
+    tables = block_tables.to(torch.long)  # [B, M]
     q4 = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     out4 = out.view(num_seqs, num_kv_heads, group, head_dim)
+    token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()  # K+V of one position
 
-    seq_bytes = 2 * padded_len * num_kv_heads * head_dim * k_cache.element_size()
-    chunk = max(1, min(num_seqs, DECODE_CHUNK_BYTES // seq_bytes))
-    ws = _workspace(2 * chunk * padded_len * num_kv_heads * head_dim, k_cache.dtype, k_cache.device)
-    ws_k, ws_v = ws.view(2, chunk * num_blocks, block_size, num_kv_heads, head_dim).unbind(0)
-    for start in range(0, num_seqs, chunk):
-        end = min(start + chunk, num_seqs)
-        n = end - start
-        idx = tables[start:end].reshape(-1)  # [n * nblk]
-        k = torch.index_select(k_cache, 0, idx, out=ws_k[: n * num_blocks])  # [n*nblk, BS, Hkv, D]
-        v = torch.index_select(v_cache, 0, idx, out=ws_v[: n * num_blocks])
+    start = 0
+    while start < num_seqs:
+        num_blocks = max(1, -(-lens[order[start]] // block_size))
+        padded_len = num_blocks * block_size  # L: this chunk's longest context, block aligned
+        n = max(1, min(num_seqs - start, DECODE_CHUNK_BYTES // (padded_len * token_bytes)))
+        end = start + n
+        if in_order:
+            rows: slice | torch.Tensor = slice(start, end)
+        else:
+            rows = torch.tensor(order[start:end], dtype=torch.long, device=device)
+        ws = _workspace(2 * n * padded_len * num_kv_heads * head_dim, k_cache.dtype, k_cache.device)
+        ws_k, ws_v = ws.view(2, n * num_blocks, block_size, num_kv_heads, head_dim).unbind(0)
+        idx = tables[rows, :num_blocks].clamp_min(0).reshape(-1)  # [n * nblk]
+        k = torch.index_select(k_cache, 0, idx, out=ws_k)  # [n*nblk, BS, Hkv, D]
+        v = torch.index_select(v_cache, 0, idx, out=ws_v)
         k = k.view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D] (strided)
         v = v.view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2)
-        mask = None if valid is None else valid[start:end, None, None, :]  # [n, 1, 1, L]
-        out4[start:end] = F.scaled_dot_product_attention(q4[start:end], k, v, attn_mask=mask, scale=scale)
+        mask = None
+        if lens[order[end - 1]] < padded_len:  # shortest in the chunk leaves padded key positions
+            chunk_lens = seq_lens[rows].to(device=device, dtype=torch.long)  # [n]
+            valid = torch.arange(padded_len, device=device) < chunk_lens[:, None]  # [n, L]
+            # zero the (few) padded rows: stale or never-written slots may hold NaN/inf, and
+            # NaN * 0 or NaN - inf would leak through the mask
+            pad_rows = (~valid).view(-1).nonzero().squeeze(1)  # indices into n*L positions
+            ws_k.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
+            ws_v.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
+            mask = valid[:, None, None, :]  # [n, 1, 1, L]
+        out4[rows] = F.scaled_dot_product_attention(q4[rows], k, v, attn_mask=mask, scale=scale)
+        start = end
     return out
 
 
@@ -113,7 +134,7 @@ def _prefill_from_lists(
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
-        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        q = query[q_start:q_end].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq, q_len, D]
         k = _gather_context(k_cache, block_tables[b], seq_len).unsqueeze(0)  # [1, Hkv, S, D]
         v = _gather_context(v_cache, block_tables[b], seq_len).unsqueeze(0)
         if q_len == seq_len:

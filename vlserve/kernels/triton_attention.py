@@ -6,6 +6,8 @@ so each K/V tile is loaded once per group. Key positions are mapped to cache slo
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -34,13 +36,13 @@ def _load_kv_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, split_len,
+    scale_log2, split_len, num_splits,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ob, stride_oh,
     BLOCK_SIZE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    # grid: (B, Hkv, NUM_SPLITS); program covers key positions [split * split_len, +split_len) of one group
+    # grid: (B, Hkv, num_splits); program covers key positions [split * split_len, +split_len) of one group
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,13 +83,13 @@ def _decode_kernel(
         m_i = m_new
 
     mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # seq_len 0 (padding row) -> zeros
         o_ptr = out_ptr + b.to(tl.int64) * stride_ob + q_head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # partials: acc [B, Hq, S, D], m/l [B, Hq, S] (float32, contiguous); empty splits leave m=-inf, l=0
-        row = (b.to(tl.int64) * NUM_Q_HEADS + q_head) * NUM_SPLITS + split  # [GROUP_P2]
+        row = (b.to(tl.int64) * NUM_Q_HEADS + q_head) * num_splits + split  # [GROUP_P2]
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
@@ -95,17 +97,16 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
-    # grid: (B, Hq); merges the NUM_SPLITS online-softmax partials of one (sequence, head)
+    # grid: (B, Hq); merges the num_splits online-softmax partials of one (sequence, head)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, HEAD_DIM_P2)
-    s_mask = sp < NUM_SPLITS
-    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * NUM_SPLITS + sp  # [SPLITS_P2]
+    s_mask = sp < num_splits
+    row = (b.to(tl.int64) * NUM_Q_HEADS + h) * num_splits + sp  # [SPLITS_P2]
     m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)  # finite unless seq_len == 0 (padding row)
@@ -183,10 +184,15 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share a row-major layout"
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _default_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
     # enough (sequence, kv-head, split) programs to fill the GPU, each with at least a few key tiles
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 8
     programs = num_seqs * num_kv_heads
@@ -220,7 +226,7 @@ def paged_attention_decode_triton(
     _check_cache(k_cache, v_cache)
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
     block_n = 64
-    max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+    max_len = max(1, max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size)
     if num_splits is None:
         num_splits = _default_num_splits(num_seqs, num_kv_heads, max_len, block_n, query.device)
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
@@ -234,19 +240,19 @@ def paged_attention_decode_triton(
     head_dim_p2 = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, split_len,
+        scale * _LOG2E, split_len, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, NUM_Q_HEADS=num_q_heads, GROUP=group,
         GROUP_P2=max(_MIN_DOT, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         UPCAST=_upcast_dots(query),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
-            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            SPLITS_P2=triton.next_power_of_2(num_splits),
         )
     return out
 

@@ -95,7 +95,8 @@ def apply_rotary_triton(
         if sum(mrope_section) != half:
             raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must equal rotary_dim/2={half}")
         positions = positions.contiguous()
-        sec0, sec01, is_mrope, stride_axis = mrope_section[0], mrope_section[0] + mrope_section[1], True, positions.stride(0)
+        sec0, sec01 = mrope_section[0], mrope_section[0] + mrope_section[1]
+        is_mrope, stride_axis = True, positions.stride(0)
     else:
         positions = positions.contiguous()
         sec0, sec01, is_mrope, stride_axis = half, half, False, 0
