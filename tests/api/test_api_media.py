@@ -105,7 +105,7 @@ def media_http():
 
 @pytest.fixture(scope="module")
 def vl_server(vl_ckpt, media_dir):
-    from conftest import start_server
+    from tests.api.conftest import start_server
 
     from vlserve.api.media import MediaConfig
     from vlserve.config import EngineArgs

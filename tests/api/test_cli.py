@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from tests.api.conftest import free_port
 
 
 def _wait_health(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
