@@ -5,7 +5,11 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so leading spa
 
 
 class IncrementalDetokenizer:
-    """Keeps a sliding window of token ids and emits only the new, complete (no dangling UTF-8) text."""
+    """Emits only the new, complete (no dangling UTF-8) text of each step.
+
+    Fast tokenizers use the `tokenizers` library's DecodeStream (incremental, in Rust), primed with the prompt's last
+    tokens; others keep a sliding window of ids and decode it twice per token.
+    """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
@@ -13,10 +17,19 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
+        self.output_text = ""
+        self._stream = None
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.output_text = ""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for tok in self._ids:
+                self._stream.step(backend, tok)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -24,6 +37,18 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears in the text (the text is cut there)."""
         start_len = len(self.output_text)
+        if self._stream is not None:
+            try:
+                for i, tok in enumerate(new_token_ids):
+                    piece = self._stream.step(self._backend, tok)
+                    self._ids.append(tok)
+                    if piece:
+                        self.output_text += piece
+                        self._prefix_offset = self._read_offset = len(self._ids)
+                return self._check_stop(start_len)
+            except Exception:  # the stream rejected a sequence: continue on the windowed path from here
+                self._stream = None
+                new_token_ids = new_token_ids[i:]
         for tok in new_token_ids:
             self._ids.append(tok)
             prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
