@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 serve: $(VENV)/.installed
-	$(VENV)/bin/vlserve serve $(MODEL)
+	$(PY) -m vlserve.testing.quickstart $(MODEL) -- $(SERVE_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) examples/offline_batch.py

@@ -1,0 +1,43 @@
+"""`make serve`: serve MODEL if given, else the embedded demo model, else a tiny random-weight Qwen2-VL.
+
+    python -m vlserve.testing.quickstart [MODEL] [-- extra `vlserve serve` flags]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+FALLBACK_DIR = os.path.join(".cache", "vlserve-random-qwen2-vl")
+
+
+def pick_model(model: str | None) -> str:
+    """The checkpoint to serve: the given one, the demo model, or a random one built once into .cache/."""
+    if model:
+        return model
+    try:
+        from vlserve.demo import default_model_path
+
+        return default_model_path()
+    except (ImportError, ValueError) as e:
+        print(f"[quickstart] {e}\n[quickstart] serving a tiny RANDOM-weight Qwen2-VL instead (answers are noise)",
+              file=sys.stderr)
+    if not os.path.isfile(os.path.join(FALLBACK_DIR, "config.json")):
+        from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+
+        build_qwen2_vl_checkpoint(FALLBACK_DIR, hidden_size=128, num_layers=2, vision_depth=2,
+                                  vision_embed_dim=64, mrope_section=(4, 6, 6), initializer_range=0.02)
+    return FALLBACK_DIR
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model = argv.pop(0) if argv and not argv[0].startswith("-") else None
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    from vlserve.cli import main as cli_main
+
+    return cli_main(["serve", pick_model(model), *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
