@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench.add_parser("throughput", help="offline throughput (see --help)", add_help=False)
     bench.add_parser("serve", help="load-test a running server over the OpenAI API", add_help=False)
+    sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
+                   add_help=False)
     return parser
 
 
@@ -119,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlserve.bench.serve import main as serve_bench_main
 
         return serve_bench_main(argv[2:]) or 0
+    if argv[:1] == ["train-eagle"]:
+        from vlserve.spec_decode.train_eagle import main as train_eagle_main
+
+        return train_eagle_main(argv[1:]) or 0
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     try:

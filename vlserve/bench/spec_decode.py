@@ -1,6 +1,10 @@
 """Speculative vs plain decoding in one run, at batch 1 and batch 16.
 
     python -m vlserve.bench.spec_decode --hidden-size 512 --num-layers 8
+    python -m vlserve.bench.spec_decode --model TARGET --method eagle --draft DRAFT_DIR   (or --method eagle3)
+
+With --method eagle and no --draft, a head copied from the target's last layer is built (init "mimic" of
+vlserve.testing.eagle_checkpoints): it shows the machinery, not what a trained head (vlserve train-eagle) gets.
 
 Copy-heavy prompts (a random span repeated), greedy, ignore_eos. Prints decode tokens/s for both, the speedup,
 the acceptance rate and the mean accepted length (accepted drafts per verification step + 1).
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--method", choices=["ngram", "eagle", "eagle3"], default="ngram")
+    p.add_argument("--draft", default=None, help="EAGLE draft checkpoint directory (--method eagle/eagle3)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
@@ -65,14 +71,28 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    print(f"model {model}, {args.output_len} tokens out, n-gram k={args.k}, {args.dtype}")
+    if args.method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+        label = "n-gram"
+    else:
+        draft = args.draft
+        if draft is None:
+            if args.method != "eagle":
+                raise SystemExit("--method eagle3 needs --draft DIR")
+            from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+
+            draft = build_eagle_checkpoint(tempfile.mkdtemp(prefix="vlserve-specbench-eagle-"), model, "eagle",
+                                           "mimic")
+            print(f"no --draft: built a head copied from the target's last layer at {draft}")
+        spec = {"method": args.method, "num_speculative_tokens": args.k, "model": draft}
+        label = args.method
+    print(f"model {model}, {args.output_len} tokens out, {label} k={args.k}, {args.dtype}")
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         prompts = copy_heavy_prompts(bs, vocab, args.seed)
         plain = run(model, prompts, args.output_len, None, args.dtype)
         fast = run(model, prompts, args.output_len, spec, args.dtype)
         same = plain["tokens"] == fast["tokens"]
-        print(f"batch {bs:2d}: plain {plain['tok_s']:7.1f} tok/s, n-gram {fast['tok_s']:7.1f} tok/s, "
+        print(f"batch {bs:2d}: plain {plain['tok_s']:7.1f} tok/s, {label} {fast['tok_s']:7.1f} tok/s, "
               f"speedup {fast['tok_s'] / plain['tok_s']:.2f}x, acceptance {fast['acceptance']:.2f}, "
               f"mean accepted length {fast['mean_accepted_len']:.2f}, identical outputs: {same}")
 

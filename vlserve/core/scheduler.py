@@ -132,7 +132,8 @@ class Scheduler:
             req.num_computed_tokens = 0
             if num_new <= 0:
                 break
-            new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
+            lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
+            new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
             encoder_budget = encoder_budget_after

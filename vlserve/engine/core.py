@@ -29,7 +29,8 @@ class EngineCore:
         self.spec_config = SpeculativeConfig.from_dict(args.speculative_config)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
                                   mrope_positions_fn=loaded.mrope_positions_fn,
-                                  proposer=build_proposer(self.spec_config, self.max_model_len))
+                                  proposer=build_proposer(self.spec_config, self.max_model_len, loaded,
+                                                          args.block_size))
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         num_blocks = determine_num_kv_blocks(
             self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -123,6 +123,20 @@ class LlamaDecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE drafts read intermediate states: layer ids i whose INPUT (the residual stream after layer i - 1;
+        # 0 = the embeddings, num_layers = the final stream before the last norm) `forward` keeps in
+        # `aux_hidden_states` (a list in this order). Empty = nothing kept (the default).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
+
+    def set_aux_hidden_state_layers(self, layer_ids) -> None:
+        """Keep the residual stream at the input of these layers on every forward (see `aux_hidden_states`)."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"aux hidden state layer ids {bad} out of range [0, {self.num_layers}]")
+        self.aux_hidden_state_layers = ids
+        self.aux_hidden_states = []
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids [T]` -> `[T, H]`."""
@@ -134,9 +148,16 @@ class LlamaDecoderModel(nn.Module):
         """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`."""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         residual = None
+        want = self.aux_hidden_state_layers
+        kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in want:
+                kept[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_caches[i], attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, stream = self.norm(hidden, residual) if residual is not None else (self.norm(hidden), hidden)
+        if want:
+            kept[self.num_layers] = stream
+            self.aux_hidden_states = [kept[i] for i in want]
         return hidden
 
     # ---- weights -------------------------------------------------------------------------------------------------
@@ -189,6 +210,15 @@ class LlamaDecoderModel(nn.Module):
                 if f".mlp.{hf}." in name:
                     return name.replace(hf, "gate_up_proj"), (off, inter)
         return name, None
+
+
+def decoder_of(model: nn.Module) -> "LlamaDecoderModel":
+    """The LlamaDecoderModel inside a causal LM (`.model`) or a VLM (`.language_model`)."""
+    for name in ("language_model", "model"):
+        dec = getattr(model, name, None)
+        if isinstance(dec, LlamaDecoderModel):
+            return dec
+    raise ValueError(f"{type(model).__name__} has no LlamaDecoderModel (.model or .language_model)")
 
 
 class LlamaForCausalLM(nn.Module):

@@ -24,11 +24,28 @@ class ModelRunner:
         self.vocab_size = self.text_config.vocab_size
         self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
         self.step_sampler = StepSampler()
-        self.proposer = proposer  # spec-decode draft proposer (n-gram), or None
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.proposer = None
+        self.set_proposer(proposer)
         self.num_encoder_runs = 0
+
+    def set_proposer(self, proposer) -> None:
+        """Install the spec-decode draft proposer (n-gram, EAGLE) or None. A proposer with
+        `uses_target_hidden_states` (EAGLE) gets `propose_eagle(EagleStepInputs)` after every step, the target's
+        residual streams at `proposer.aux_layer_ids`, and its own KV cache sized with the target's."""
+        from vlserve.models.llama import decoder_of
+
+        was = getattr(self, "uses_hidden_states", False)
+        self.proposer = proposer
+        self.uses_hidden_states = bool(getattr(proposer, "uses_target_hidden_states", False))
+        if self.uses_hidden_states:
+            decoder_of(self.model).set_aux_hidden_state_layers(proposer.aux_layer_ids)
+            if self.kv_caches:
+                proposer.initialize_kv_cache(self.kv_caches[0][0].shape[0])
+        elif was:
+            decoder_of(self.model).set_aux_hidden_state_layers(())
 
     # -- KV cache ----------------------------------------------------------------------------------------------
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
@@ -40,7 +57,10 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         _, bs, h, d = self.kv_cache_shape(1)
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.text_config.num_hidden_layers * bs * h * d * elem
+        per_block = 2 * self.text_config.num_hidden_layers * bs * h * d * elem
+        if self.uses_hidden_states:  # the EAGLE draft's own layer, indexed by the same block ids
+            per_block += self.proposer.bytes_per_block()
+        return per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each."""
@@ -48,6 +68,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.text_config.num_hidden_layers)]
+        if self.uses_hidden_states:
+            self.proposer.initialize_kv_cache(num_blocks)
 
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -140,17 +162,53 @@ class ModelRunner:
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
         sample_idx = np.nonzero(seq_lens >= known)[0]
+        spec_tokens: dict[str, list[int]] = {}
         if len(sample_idx) == 0:
+            if self.uses_hidden_states:  # the draft still writes its KV for this chunk
+                self._propose_eagle(states, starts, q_lens, cu, positions, hidden, md, sample_idx)
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         sample_states = [states[i] for i in sample_idx]
         drafts = [so.scheduled_spec_decode_tokens.get(s.req_id, []) for s in sample_states]
         samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts)
-        spec_tokens = {}
-        if self.proposer is not None:
+        if self.uses_hidden_states:
+            spec_tokens = self._propose_eagle(states, starts, q_lens, cu, positions, hidden, md, sample_idx)
+        elif self.proposer is not None:
             ids = [s.req_id for s in sample_states]
             spec_tokens = dict(zip(ids, self.proposer.propose([s.token_ids for s in sample_states], req_ids=ids)))
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[samples.tokens.get(r, []) for r in req_ids],
                                  logprobs=samples.logprobs, spec_token_ids=spec_tokens)
+
+    def _propose_eagle(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx) -> dict[str, list[int]]:
+        """Hand the EAGLE proposer this step (after sampling: token_ids already hold the new tokens)."""
+        from vlserve.models.llama import decoder_of
+        from vlserve.spec_decode.eagle import EagleStepInputs
+
+        # Row of position p carries token p + 1 (0 past the known tokens: rejected drafts).
+        ids: list[int] = []
+        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
+            nxt = state.token_ids[s + 1:s + n + 1]
+            ids.extend(nxt)
+            if len(nxt) < n:
+                ids.extend([0] * (n - len(nxt)))
+        draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        draft_embeds = None
+        if any(state.mm_features for state in states):
+            draft_embeds = self._merge_mm_embeddings(draft_ids, states, starts + 1, q_lens, cu, skip_missing=True)
+        aux = decoder_of(self.model).aux_hidden_states
+        target_hidden = self.proposer.select_hidden(hidden, aux)
+        sampled = [states[i] for i in sample_idx]
+        L = np.array([len(s.token_ids) for s in sampled], dtype=np.int64)
+        inp = EagleStepInputs(
+            input_ids=draft_ids, inputs_embeds=draft_embeds, positions=positions, hidden_states=target_hidden,
+            attn_metadata=md, req_ids=[s.req_id for s in sampled],
+            last_rows=cu[:-1][sample_idx] + (L - 2 - starts[sample_idx]), seq_lens=L,
+            batch_rows=np.asarray(sample_idx, dtype=np.int64),
+            num_slots=np.array([len(s.block_ids) * self.block_size for s in sampled], dtype=np.int64),
+            mrope_deltas=(np.array([s.mrope_delta for s in sampled], dtype=np.int64)
+                          if self.mrope_positions_fn is not None else None),
+            batch_req_ids=[s.req_id for s in states], batch_starts=starts,
+            batch_num_valid=np.minimum(q_lens, np.array([len(s.token_ids) for s in states]) - 1 - starts))
+        return self.proposer.propose_eagle(inp)
 
     def _positions(self, states, starts, q_lens, positions_np) -> torch.Tensor:
         if self.mrope_positions_fn is None:
@@ -168,12 +226,17 @@ class ModelRunner:
             parts.extend(chunk)
         return torch.cat(parts, dim=1).to(self.device)  # [3, T]
 
-    def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu) -> torch.Tensor | None:
-        """inputs_embeds [T, H] with encoder outputs written over placeholder tokens, or None for text only."""
+    def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
+                             skip_missing: bool = False) -> torch.Tensor | None:
+        """inputs_embeds [T, H] with encoder outputs written over placeholder tokens, or None for text only.
+        Row cu[i] + j holds position starts[i] + j; skip_missing leaves token embeddings where an item has not
+        been encoded (the EAGLE draft's shifted window may reach one token into the next, unscheduled item)."""
         pieces = []  # (batch row start, embeddings slice)
         for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
             for f in state.mm_features:
                 lo, hi = max(s, f.offset), min(s + n, f.end)
+                if lo < hi and skip_missing and f.mm_hash not in self.encoder_outputs:
+                    continue
                 if lo < hi:
                     pieces.append((int(cu[i]) + lo - s, self.encoder_outputs[f.mm_hash][lo - f.offset:hi - f.offset]))
         if not pieces:
