@@ -1,7 +1,6 @@
 """Tests for vlserve.worker.sampler (CPU)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -249,7 +248,7 @@ def test_penalties_change_greedy_choice_and_spare_other_rows():
     assert out.sampled_token_ids.tolist() == [1, 0]
 
 
-def test_no_penalty_tensors_when_unneeded_and_build_is_cheap():
+def test_no_penalty_tensors_when_unneeded():
     V = 32_000
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) if i % 2 else SamplingParams(temperature=0)
               for i in range(64)]
@@ -260,10 +259,6 @@ def test_no_penalty_tensors_when_unneeded_and_build_is_cheap():
     assert md.no_penalties and md.prompt_mask is None and md.output_counts is None
     assert md.no_top_k and md.no_min_p and not md.no_top_p
     assert sorted(md.generators) == list(range(1, 64, 2))
-    t0 = time.perf_counter()
-    for _ in range(20):
-        build_sampling_metadata(params, gens, prompts, outputs, V, DEV)
-    assert (time.perf_counter() - t0) / 20 < 0.02
 
 
 # ---------------------------------------------------------------- min_tokens

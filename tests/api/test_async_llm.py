@@ -80,31 +80,40 @@ def test_abort_by_id_ends_stream_with_abort(server):
 
 
 def test_event_loop_is_not_blocked_by_model_compute(server):
+    """The loop keeps ticking while the engine thread computes: ticks interleave with streamed outputs.
+    (No wall-clock threshold: the worst gap is printed as a diagnostic only.)"""
     async def run():
-        gaps, stop = [], asyncio.Event()
+        gaps, ticks, stop = [], [0], asyncio.Event()
+        seen_at_output: list[int] = []
 
         async def ticker():
             last = time.perf_counter()
             while not stop.is_set():
-                await asyncio.sleep(0.005)
+                await asyncio.sleep(0)
+                ticks[0] += 1
                 now = time.perf_counter()
                 gaps.append(now - last)
                 last = now
 
         task = asyncio.create_task(ticker())
-        start = time.perf_counter()
         prompts = [f"question {i}: " + "where is the red circle " * 8 for i in range(8)]
 
         async def collect(p):
-            return [o async for o in server.engine.generate(p, greedy(100))]
+            outs = []
+            async for o in server.engine.generate(p, greedy(100)):
+                seen_at_output.append(ticks[0])
+                outs.append(o)
+            return outs
 
-        await asyncio.gather(*(collect(p) for p in prompts))
-        total = time.perf_counter() - start
+        results = await asyncio.gather(*(collect(p) for p in prompts))
         stop.set()
         await task
-        return max(gaps), total
+        return max(gaps), seen_at_output, results
 
-    worst, total = asyncio.run(run())
-    print(f"worst loop gap {worst:.4f}s over {total:.2f}s")
-    assert total > 0.3
-    assert worst < max(0.25, total / 3), (worst, total)
+    worst, seen, results = asyncio.run(run())
+    print(f"worst loop gap {worst:.4f}s")
+    assert all(r[-1].finished for r in results)
+    # One step streams one output per request (8). If compute ran on the event loop, the ticker could not run
+    # between steps; here it must have run between at least half of them.
+    num_steps = len(seen) / 8
+    assert len(set(seen)) >= num_steps / 2, "the event loop did not run between engine steps"

@@ -20,8 +20,10 @@ import torch
 _VLLM_SCRIPT = r"""
 import json, sys, time
 if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
     cfg = json.loads(sys.argv[1])
+    import torch
+    torch.set_num_threads(cfg["threads"])
+    from vllm import LLM, SamplingParams
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
               max_num_seqs=cfg["num_prompts"], seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
@@ -45,7 +47,8 @@ def bench_vlserve(model: str, prompts, output_len: int, dtype: str, max_num_seqs
     from vlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=len(prompts[0]) + output_len + 16)
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
+              max_model_len=max(len(p) for p in prompts) + output_len + 16)
     load = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
@@ -56,7 +59,7 @@ def bench_vlserve(model: str, prompts, output_len: int, dtype: str, max_num_seqs
 
 
 def bench_hf(model: str, prompts, output_len: int, dtype: str, batch_size: int) -> tuple[float, int]:
-    """HF generate, batched with left padding (all prompts here have the same length, so no pad tokens)."""
+    """HF generate, batched with left padding."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
@@ -65,9 +68,11 @@ def bench_hf(model: str, prompts, output_len: int, dtype: str, batch_size: int) 
                            eos_token_id=None, pad_token_id=0)
 
     def run(batch):
-        ids = torch.tensor(batch)
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+            out = hf.generate(ids, attention_mask=mask, generation_config=cfg)
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
     run(prompts[:2])  # warm-up
@@ -78,7 +83,8 @@ def bench_hf(model: str, prompts, output_len: int, dtype: str, batch_size: int) 
 
 def bench_vllm(python: str, model: str, prompts, output_len: int, dtype: str) -> tuple[float, int] | None:
     cfg = {"model": model, "dtype": dtype, "output_len": output_len, "prompts": prompts,
-           "num_prompts": len(prompts), "max_model_len": len(prompts[0]) + output_len + 16}
+           "num_prompts": len(prompts), "max_model_len": max(len(p) for p in prompts) + output_len + 16,
+           "threads": torch.get_num_threads()}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
@@ -116,16 +122,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", help="python of a venv with vLLM (e.g. from shared/tools/setup-vllm-anchor.sh)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
+    p.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="random prompt lengths in [MIN, MAX] instead of --input-len (HF then pads)")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model or build_random_model(args)
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
-    params = None
     prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
+    if args.input_len_range:
+        lo, hi = args.input_len_range
+        g = torch.Generator().manual_seed(args.seed + 1)
+        lens = torch.randint(lo, hi + 1, (args.num_prompts,), generator=g).tolist()
+        prompts = [make_prompts(1, n, cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
     print(f"model: {model} ({cfg.architectures[0]}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
-          f"{args.num_prompts} prompts x {args.input_len} in -> {args.output_len} out, {args.dtype}, "
+          f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> {args.output_len} out, "
+          f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
     dt, n, load = bench_vlserve(model, prompts, args.output_len, args.dtype, args.num_prompts)
     rows = [("vlserve", n / dt, dt)]
@@ -141,7 +157,6 @@ def main(argv: list[str] | None = None) -> None:
             vdt, vn = r
             print(f"vLLM: {vn / vdt:8.1f} tok/s  ({vn} tokens in {vdt:.2f} s)")
             print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
-    del params
 
 
 if __name__ == "__main__":

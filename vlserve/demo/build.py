@@ -1,15 +1,15 @@
 """Construction of the demo model: its Qwen2-VL config (tiny vision tower + tiny LM), processor and untrained model.
 
-Images are resized so that they become IMAGE_MIN_TOKENS..IMAGE_MAX_TOKENS visual tokens (one token per 28x28
-pixels); each pair of video frames becomes VIDEO_TOKENS_PER_FRAME_PAIR tokens or so.
+Every image is resized to about IMAGE_TOKENS visual tokens (one per 28x28 pixels: a square image becomes a 6x6 grid,
+168x168 px, whatever its size); every pair of video frames to about VIDEO_TOKENS (4x4, 112x112 px for square frames).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 TOKEN_PIXELS = 28 * 28  # one visual token after the 2x2 merge of 14-px patches
-IMAGE_MIN_TOKENS, IMAGE_MAX_TOKENS = 16, 36
-VIDEO_MIN_TOKENS, VIDEO_MAX_TOKENS = 9, 12  # per frame pair
+IMAGE_TOKENS = 36
+VIDEO_TOKENS = 16  # per pair of frames
 
 
 @dataclass
@@ -29,15 +29,15 @@ class DemoSize:
 
 
 def build_processor(tokenizer):
-    """A Qwen2VLProcessor around `tokenizer` with small pixel budgets for images and video frames."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    """A Qwen2VLProcessor around `tokenizer` with fixed small pixel budgets for images and video frames."""
+    from transformers import Qwen2VLImageProcessorFast, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     from vlserve.testing.tokenizer import CHAT_TEMPLATE
 
-    image_processor = Qwen2VLImageProcessor(min_pixels=IMAGE_MIN_TOKENS * TOKEN_PIXELS,
-                                            max_pixels=IMAGE_MAX_TOKENS * TOKEN_PIXELS)
-    video_processor = Qwen2VLVideoProcessor(min_pixels=VIDEO_MIN_TOKENS * TOKEN_PIXELS,
-                                            max_pixels=VIDEO_MAX_TOKENS * TOKEN_PIXELS)
+    # The fast (torch) image processor: what AutoProcessor loads by default, so training sees inference's pixels.
+    image_processor = Qwen2VLImageProcessorFast(min_pixels=IMAGE_TOKENS * TOKEN_PIXELS,
+                                                max_pixels=IMAGE_TOKENS * TOKEN_PIXELS)
+    video_processor = Qwen2VLVideoProcessor(min_pixels=VIDEO_TOKENS * TOKEN_PIXELS, max_pixels=VIDEO_TOKENS * TOKEN_PIXELS)
     return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
                             chat_template=CHAT_TEMPLATE)
 

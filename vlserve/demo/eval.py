@@ -93,7 +93,11 @@ def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 5
     """Run the held-out evaluation, print the table, and return the accuracies."""
     from vlserve.demo import default_model_path, world
 
+    import os
+
     model_dir = model_dir or default_model_path()
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"no checkpoint at {model_dir!r} (expected a directory with config.json)")
     items = held_out_set(per_form, seed)
     t0 = time.time()
     outputs = generate_hf(model_dir, items, batch_size) if engine == "hf" else generate_vlserve(model_dir, items)

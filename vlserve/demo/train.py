@@ -13,12 +13,12 @@ import os
 import random
 import time
 
-DEFAULT_STEPS = 3000
+DEFAULT_STEPS = 1000
 DEFAULT_BATCH = 16
 
 
 def render_sample(rng: random.Random, video_prob: float, max_turns: int):
-    """-> (kind "image" | "video", media (PIL image | list of frames), [(question, answer), ...])."""
+    """-> (kind "image" | "video", media (PIL image | list of frames), [(form, question, answer), ...], scene)."""
     from vlserve.demo import world
 
     is_video = rng.random() < video_prob
@@ -27,17 +27,17 @@ def render_sample(rng: random.Random, video_prob: float, max_turns: int):
     forms = sorted({f for f, _, _ in all_qas})
     turns = []
     for _ in range(rng.randint(1, max_turns)):
-        _, q, a = world.sample_qa(rng, scene, rng.choice(forms))
-        if all(q != t[0] for t in turns):
-            turns.append((q, a))
+        qa = world.sample_qa(rng, scene, rng.choice(forms))
+        if all(qa[1] != t[1] for t in turns):
+            turns.append(qa)
     media = world.render_video(scene) if is_video else world.render_image(scene)
-    return ("video" if is_video else "image"), media, turns
+    return ("video" if is_video else "image"), media, turns, scene
 
 
-def conversation(kind: str, turns: list[tuple[str, str]]) -> list[dict]:
+def conversation(kind: str, turns: list[tuple[str, str, str]]) -> list[dict]:
     """OpenAI-style messages: the media and first question in the first user turn, then the other turns."""
     msgs = []
-    for i, (q, a) in enumerate(turns):
+    for i, (_, q, a) in enumerate(turns):
         content = ([{"type": kind}] if i == 0 else []) + [{"type": "text", "text": q}]
         msgs += [{"role": "user", "content": content}, {"role": "assistant", "content": a}]
     return msgs
@@ -64,14 +64,32 @@ def answer_labels(input_ids, tokenizer):
 
 
 def make_batch(rng: random.Random, processor, batch_size: int, video_prob: float = 0.3, max_turns: int = 3):
-    """Render batch_size fresh samples and run them through the processor; adds answer-only "labels"."""
+    """Render batch_size fresh samples and run them through the processor; adds answer-only "labels" and the
+    auxiliary per-visual-token targets ("aux_*", see vlserve.demo.targets)."""
+    from vlserve.demo.targets import batch_targets
+
     samples = [render_sample(rng, video_prob, max_turns) for _ in range(batch_size)]
-    texts = [processor.apply_chat_template(conversation(k, t), tokenize=False) for k, _, t in samples]
-    images = [m for k, m, _ in samples if k == "image"] or None
-    videos = [m for k, m, _ in samples if k == "video"] or None
-    batch = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt")
+    texts = [processor.apply_chat_template(conversation(k, t), tokenize=False) for k, _, t, _ in samples]
+    images = [m for k, m, _, _ in samples if k == "image"] or None
+    videos = [m for k, m, _, _ in samples if k == "video"] or None
+    batch = dict(processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt"))
     batch["labels"] = answer_labels(batch["input_ids"], processor.tokenizer)
+    batch.update(batch_targets([sc for *_, sc in samples], batch.get("image_grid_thw"), batch.get("video_grid_thw")))
+    batch["meta_forms"] = [t[0][0] for _, _, t, _ in samples]  # the first question's form, for logging
     return batch
+
+
+def first_answer_correct(logits, labels) -> list[bool]:
+    """Per sample: whether teacher-forced argmax predicts every token of the first answer (a proxy for greedy
+    exact match). logits [B, L, V], labels [B, L]."""
+    pred = logits[:, :-1].argmax(-1)  # [B, L-1]: the prediction for position t+1
+    tgt = labels[:, 1:]  # [B, L-1]
+    out = []
+    for b in range(labels.shape[0]):
+        idx = (tgt[b] != -100).nonzero().flatten().tolist()
+        run = [i for k, i in enumerate(idx) if i - k == idx[0]]  # the first contiguous labeled span
+        out.append(bool((pred[b, run] == tgt[b, run]).all()))
+    return out
 
 
 class BatchStream:
@@ -115,14 +133,17 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
           minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 3,
-          warmup: int = 100, log_every: int = 50, threads: int = 1, workers: int = 1, size=None) -> dict:
-    """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict.
+          warmup: int = 60, log_every: int = 50, threads: int = 1, workers: int = 1, aux_weight: float = 1.0,
+          size=None) -> dict:
+    """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict. The loss is the
+    answer-token cross entropy plus aux_weight times the dense auxiliary losses (vlserve.demo.targets).
 
     Stops early (still saving) if `minutes` of wall time run out; the LR schedule follows `steps`.
     """
     import torch
     from tqdm import tqdm
 
+    from vlserve.demo.targets import AuxHeads
     from vlserve.demo.build import build_config, build_model, build_processor, count_parameters
     from vlserve.demo.tokenizer import build_demo_tokenizer
 
@@ -131,33 +152,58 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     tokenizer = build_demo_tokenizer()
     processor = build_processor(tokenizer)
     model = build_model(build_config(tokenizer, size), seed=seed).train()
+    heads = AuxHeads(model.config.text_config.hidden_size)
+    token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id,
+                 "vision_end": model.config.vision_end_token_id}
+    if aux_weight > 0:  # the pointer-head loss needs attention probabilities
+        model.set_attn_implementation("eager")
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    no_decay += heads.parameters()
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.98), eps=1e-8)
     data = batches(processor, seed, batch_size, video_prob, max_turns, workers)
-    start, ema, history = time.time(), None, []
+    start, ema, aux_ema, history, hits, aux_parts = time.time(), None, None, [], {}, {}
     bar = tqdm(range(steps), desc="train", dynamic_ncols=True, mininterval=2.0)
     step = 0
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         batch = next(data)
-        loss = model(**batch).loss
+        inputs = {k: v for k, v in batch.items() if not k.startswith(("aux_", "meta_"))}
+        res = model(**inputs, output_hidden_states=aux_weight > 0, output_attentions=aux_weight > 0)
+        loss = res.loss
+        with torch.no_grad():
+            for form, ok in zip(batch["meta_forms"], first_answer_correct(res.logits, batch["labels"])):
+                hits.setdefault(form, []).append(ok)
+        if aux_weight > 0:
+            parts = heads.loss(res.hidden_states, res.attentions, batch["input_ids"], batch["attention_mask"],
+                               token_ids, batch)
+            aux = sum(parts.values())
+            aux_ema = aux.item() if aux_ema is None else 0.95 * aux_ema + 0.05 * aux.item()
+            for k, v in parts.items():
+                aux_parts[k] = aux_parts.get(k, 0.0) + v.item()
+            loss = loss + aux_weight * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        bar.set_postfix(loss=f"{ema:.4f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
+        ema = res.loss.item() if ema is None else 0.95 * ema + 0.05 * res.loss.item()
+        bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux_ema or 0:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
         if (step + 1) % log_every == 0:
-            history.append((step + 1, round(ema, 4), round(time.time() - start, 1)))
-            tqdm.write(f"step {step + 1} loss {ema:.4f} elapsed {time.time() - start:.0f}s")
+            accs = {f: round(sum(v) / len(v), 2) for f, v in sorted(hits.items())}
+            history.append({"step": step + 1, "loss": round(ema, 4), "seconds": round(time.time() - start, 1),
+                            "first_answer_acc": accs})
+            tqdm.write(f"step {step + 1} loss {ema:.4f} aux {aux_ema or 0:.4f} elapsed {time.time() - start:.0f}s | "
+                       + " ".join(f"{k} {v / log_every:.2f}" for k, v in aux_parts.items()) + " | teacher-forced "
+                       + " ".join(f"{f} {a:.2f}" for f, a in accs.items()))
+            hits, aux_parts = {}, {}
         if minutes is not None and time.time() - start > 60 * minutes:
             tqdm.write(f"time budget of {minutes} min reached after {step + 1} steps; saving")
             break
     bar.close()
     model.eval()
+    model.set_attn_implementation("sdpa")
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
@@ -182,10 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads for the model (data renders in a worker)")
     p.add_argument("--workers", type=int, default=1, help="0 renders batches in the training process")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--aux-weight", type=float, default=1.0, help="weight of the dense auxiliary losses (0: off)")
     a = p.parse_args(argv)
     train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
           video_prob=a.video_prob, max_turns=a.max_turns, threads=a.threads,
-          workers=a.workers, log_every=a.log_every)
+          workers=a.workers, log_every=a.log_every, aux_weight=a.aux_weight)
 
 
 if __name__ == "__main__":

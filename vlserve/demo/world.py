@@ -2,7 +2,8 @@
 deterministic answer.
 
 Images hold 1-3 shapes of distinct kinds (circle, square, triangle) in 8 colors, each in its own place (left, right,
-top, bottom or center), on a solid, gradient or noisy background; sizes 64-448 px a side. Videos hold one shape
+top, bottom or center), on a solid, gradient or noisy background; square, 64-448 px a side (square images all map
+to the same visual-token grid, which keeps positions simple for a model this small). Videos hold one shape
 moving left, right, up or down over 4-16 frames. A scene fixes everything a rendering needs (including its
 anti-aliasing style and noise seed), so `render_image(scene)` / `render_video(scene)` are deterministic.
 """
@@ -108,10 +109,8 @@ class VideoScene:
 
 # ------------------------------------------------------------------------------------------------- sampling
 def _sample_size(rng: random.Random, max_side: int = MAX_SIDE) -> tuple[int, int]:
-    while True:
-        w, h = rng.randint(MIN_SIDE, max_side), rng.randint(MIN_SIDE, max_side)
-        if max(w, h) <= 2 * min(w, h):
-            return w, h
+    side = rng.randint(MIN_SIDE, max_side)  # square: the processor maps every size to the same token grid
+    return side, side
 
 
 def _sample_style(rng: random.Random, w: int, h: int) -> Style:

@@ -351,7 +351,6 @@ def train_eagle(args: argparse.Namespace) -> dict:
     """Everything `main` does; returns the report dict (also written to OUT/train_report.json)."""
     from transformers import AutoConfig
 
-    from vlserve.models.llama import decoder_of
     from vlserve.models.loader import load_model
     from vlserve.spec_decode.eagle_model import (EagleConfig, EagleDraftModel, default_eagle3_layer_ids,
                                                  init_eagle_weights, save_eagle_draft)
