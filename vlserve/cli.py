@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench.add_parser("throughput", help="offline throughput (see --help)", add_help=False)
     bench.add_parser("serve", help="load-test a running server over the OpenAI API", add_help=False)
+    bench.add_parser("mm-cache", help="repeated images: encoder cache on vs off", add_help=False)
+    bench.add_parser("spec-decode", help="speculative vs plain decoding", add_help=False)
     sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
                    add_help=False)
     return parser
@@ -121,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         from vlserve.bench.serve import main as serve_bench_main
 
         return serve_bench_main(argv[2:]) or 0
+    if argv[:2] == ["bench", "mm-cache"]:
+        from vlserve.bench.mm_cache import main as mm_cache_main
+
+        return mm_cache_main(argv[2:]) or 0
+    if argv[:2] == ["bench", "spec-decode"]:
+        from vlserve.bench.spec_decode import main as spec_bench_main
+
+        return spec_bench_main(argv[2:]) or 0
     if argv[:1] == ["train-eagle"]:
         from vlserve.spec_decode.train_eagle import main as train_eagle_main
 

@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--init-range", type=float, default=0.2,
+                   help="initializer_range of the random target (large values make it loop, so drafts can hit)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
         from vlserve.testing.checkpoints import build_text_checkpoint
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         heads = max(args.hidden_size // 64, 1)
         build_text_checkpoint(model, arch="qwen2", hidden_size=args.hidden_size, num_layers=args.num_layers,
                               num_heads=heads, num_kv_heads=max(heads // 4, 1),
-                              intermediate_size=args.hidden_size * 3, initializer_range=0.05, seed=args.seed)
+                              intermediate_size=args.hidden_size * 3, initializer_range=args.init_range, seed=args.seed)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
