@@ -10,14 +10,15 @@ import sys
 FALLBACK_DIR = os.path.join(".cache", "vlserve-random-qwen2-vl")
 
 
-def pick_model(model: str | None) -> str:
-    """The checkpoint to serve: the given one, the demo model, or a random one built once into .cache/."""
+def pick_model(model: str | None) -> tuple[str, str | None]:
+    """(checkpoint, served name): the given one, the demo model ("vlserve-demo"), or a random one built once into
+    .cache/ ("vlserve-random")."""
     if model:
-        return model
+        return model, None
     try:
         from vlserve.demo import default_model_path
 
-        return default_model_path()
+        return default_model_path(), "vlserve-demo"
     except (ImportError, ValueError) as e:
         print(f"[quickstart] {e}\n[quickstart] serving a tiny RANDOM-weight Qwen2-VL instead (answers are noise)",
               file=sys.stderr)
@@ -26,7 +27,7 @@ def pick_model(model: str | None) -> str:
 
         build_qwen2_vl_checkpoint(FALLBACK_DIR, hidden_size=128, num_layers=2, vision_depth=2,
                                   vision_embed_dim=64, mrope_section=(4, 6, 6), initializer_range=0.02)
-    return FALLBACK_DIR
+    return FALLBACK_DIR, "vlserve-random"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     from vlserve.cli import main as cli_main
 
-    return cli_main(["serve", pick_model(model), *argv])
+    path, name = pick_model(model)
+    if name is not None and "--served-model-name" not in argv:
+        argv = ["--served-model-name", name, *argv]
+    return cli_main(["serve", path, *argv])
 
 
 if __name__ == "__main__":
