@@ -257,6 +257,7 @@ def small_target(tmp_path_factory):
     return target, str(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_train_eagle_beats_untrained(small_target, tmp_path, method, capsys):
     from vlserve.spec_decode.train_eagle import build_parser, main, train_eagle
