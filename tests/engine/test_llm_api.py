@@ -145,3 +145,17 @@ def test_bad_model_paths(tmp_path, qwen2_dir):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="MysteryForCausalLM"):
         LLM(str(bad))
+
+
+def test_kv_cache_sizing(qwen2_dir):
+    from vlserve.core.kv_cache_manager import cdiv
+
+    profiled = LLM(qwen2_dir, dtype="float32", max_model_len=256, max_num_seqs=4)
+    n = profiled.get_metrics()["vlserve:num_kv_blocks"]
+    assert cdiv(256, 16) <= n <= 4 * cdiv(256, 16) + 1  # at least one full-length sequence, at most the cap
+    per_block = profiled.engine.runner.bytes_per_block()
+    sized = LLM(qwen2_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=per_block * 20 + 5)
+    assert sized.get_metrics()["vlserve:num_kv_blocks"] == 20
+    assert len(profiled.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLM(qwen2_dir, dtype="float32", kv_cache_memory_bytes=10)
