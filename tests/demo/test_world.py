@@ -28,7 +28,7 @@ def test_sampling_is_seeded():
 
 def test_scene_invariants():
     for sc in _scenes(200):
-        assert world.MIN_SIDE <= sc.width <= world.MAX_SIDE and world.MIN_SIDE <= sc.height <= world.MAX_SIDE
+        assert world.MIN_SIDE <= sc.width <= world.MAX_SIDE and sc.width == sc.height  # square: a fixed token grid
         assert 1 <= len(sc.shapes) <= 3
         kinds = [s.kind for s in sc.shapes]
         assert kinds == sorted(kinds, key=world.SHAPES.index) and len(set(kinds)) == len(kinds)

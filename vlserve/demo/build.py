@@ -21,9 +21,12 @@ class DemoSize:
     num_heads: int = 4
     num_kv_heads: int = 2
     mrope_section: tuple[int, int, int] = (6, 9, 9)
-    vision_depth: int = 3
-    vision_embed_dim: int = 128
-    vision_num_heads: int = 4
+    # A small base so that every M-RoPE section turns by a visible angle per row / column of a 6x6 grid (with 10000
+    # the width section turns by < 0.02 rad per column and the LM cannot tell left from right).
+    rope_theta: float = 10.0
+    vision_depth: int = 4
+    vision_embed_dim: int = 192
+    vision_num_heads: int = 6
     vision_mlp_ratio: int = 2
     tie_word_embeddings: bool = True
 
@@ -57,7 +60,7 @@ def build_config(tokenizer, size: DemoSize | None = None):
     text_cfg = dict(
         vocab_size=len(tokenizer), hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
         num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
-        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.02,
+        max_position_embeddings=4096, rope_theta=s.rope_theta, rms_norm_eps=1e-6, initializer_range=0.02,
         tie_word_embeddings=s.tie_word_embeddings, rope_scaling={"type": "mrope", "mrope_section": list(s.mrope_section)},
         **special)
     vision_cfg = dict(depth=s.vision_depth, embed_dim=s.vision_embed_dim, hidden_size=s.hidden_size,

@@ -3,14 +3,14 @@ Qwen2-VL network (used only during training; the probe heads are discarded, the 
 
 Trained from scratch in a few hundred steps, the LM otherwise sits at chance for a long time: it has to discover
 which of ~36 visual tokens hold the shapes. So each stage gets its own signal:
-  1. vision tower output, per visual token (one 28x28 cell of the image, or of a pair of video frames): kind and
-     color of the shape covering the cell's center or centered in it (0 = none; background cells weigh
-     BACKGROUND_WEIGHT);
-  2. LM after PLACE_LAYER layers, per still-image token: its place (the shape's, else the nearest to the cell);
-     per video object token after the first frame pair: the motion direction (it can compare with the object's
-     cell in earlier pairs through M-RoPE offsets);
-  3. LM layer ATTN_LAYER, heads 0-2, at every text token after the media: attention mass on the cells of
-     circle / square / triangle respectively (when present) - kind-specific "pointer" heads;
+  1. vision tower output, per visual token (one 28x28 cell of the image, or of a pair of video frames): whether a
+     shape covers the cell's center (or is centered in it), and then its kind, color and, in clips, motion direction
+     (`cell_losses`; the same probe is first trained alone in vlserve.demo.vision_stage);
+  2. LM after POSITION_LAYER layers, per visual token: the cell's center (x, y) in [0, 1], a linear regression (the
+     LM has to derive absolute positions from M-RoPE offsets, e.g. to <|vision_start|>);
+  3. LM layer ATTN_LAYER at every text token after the media: heads 0-2 put their attention on the cells of
+     circle / square / triangle respectively (when present) - kind-specific "pointer" heads; in clips head 3
+     points at the object's cells in the first frame pair (start vs. average position gives the direction);
   4. LM after SUMMARY_LAYER layers, at those same text tokens: the whole scene (count; color and place of each
      kind, or absent; for clips kind, color and direction), so the last layer only has to look answers up.
 """
@@ -20,24 +20,21 @@ import math
 
 from vlserve.demo import world
 
-PLACE_LAYER = 1
+POSITION_LAYER = 1
 ATTN_LAYER = 2
 SUMMARY_LAYER = 3
 IGNORE = -100
-BACKGROUND_WEIGHT = 0.1
 SUMMARY_WEIGHT = 0.5
 SUMMARY_CLASSES = {"count": 3, **{f"color_{k}": len(world.COLORS) + 1 for k in world.SHAPES},
                    **{f"place_{k}": len(world.PLACES) + 1 for k in world.SHAPES},
                    "video_kind": len(world.SHAPES), "video_color": len(world.COLORS),
                    "video_direction": len(world.DIRECTIONS)}
-NUM_KINDS = len(world.SHAPES) + 1  # 0 = no shape center here
+NUM_KINDS = len(world.SHAPES) + 1  # 0 = no shape in the cell
+# cell probe layout: [background logit | kinds | colors | directions]
+NUM_CELL_OUTPUTS = 1 + len(world.SHAPES) + len(world.COLORS) + len(world.DIRECTIONS)
 NUM_COLORS = len(world.COLORS) + 1
 COLOR_INDEX = {c: i + 1 for i, c in enumerate(world.COLORS)}
 KIND_INDEX = {k: i + 1 for i, k in enumerate(world.SHAPES)}
-
-
-def _nearest_place(x: float, y: float) -> int:
-    return min(range(len(world.PLACES)), key=lambda i: math.dist((x, y), world.PLACE_XY[world.PLACES[i]]))
 
 
 def _covers(s, x: float, y: float) -> bool:
@@ -57,15 +54,15 @@ def _moved(s, cx: float, cy: float):
 
 def scene_targets(scene, grid_thw: tuple[int, int, int], merge: int = 2) -> dict[str, list[int]]:
     """Labels for one media item's visual tokens in the merger's order (t, row, col); grid_thw is the processor's
-    patch grid (t, h, w) before the merge -> {"kind", "color", "place", "motion"} lists of equal length."""
+    patch grid (t, h, w) before the merge -> {"kind", "color", "motion", "x", "y", "first"} lists of equal length."""
     t, gh, gw = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
     n = t * gh * gw
-    kind, color = [0] * n, [0] * n
-    place = [_nearest_place((j + 0.5) / gw, (i + 0.5) / gh) for i in range(gh) for j in range(gw)] * t
-    motion = [IGNORE] * n
+    kind, color, motion = [0] * n, [0] * n, [IGNORE] * n
+    xy = [((j + 0.5) / gw, (i + 0.5) / gh) for i in range(gh) for j in range(gw)] * t
+    first = [1 if g == 0 else 0 for g in range(t) for _ in range(gh * gw)]  # cell in the first frame pair
 
     def label(shapes, g: int, scene_w: int, scene_h: int) -> None:
-        """Fill kind/color (and place, for stills) of time group g's cells from `shapes`."""
+        """Fill kind/color of time group g's cells from `shapes`."""
         for i in range(gh):
             for j in range(gw):
                 x, y = (j + 0.5) / gw * scene_w, (i + 0.5) / gh * scene_h
@@ -74,22 +71,17 @@ def scene_targets(scene, grid_thw: tuple[int, int, int], merge: int = 2) -> dict
                     if own or _covers(s, x, y):
                         k = (g * gh + i) * gw + j
                         kind[k], color[k] = KIND_INDEX[s.kind], COLOR_INDEX[s.color]
-                        if s.place:
-                            place[k] = world.PLACES.index(s.place)
 
     if isinstance(scene, world.VideoScene):
         last = scene.num_frames - 1
-        place = [IGNORE] * n
         for g in range(t):  # group g holds frames 2g and 2g+1 (the processor repeats the last frame if odd)
             (x0, y0), (x1, y1) = scene.centers[min(2 * g, last)], scene.centers[min(2 * g + 1, last)]
             label([_moved(scene.shape, (x0 + x1) / 2, (y0 + y1) / 2)], g, scene.width, scene.height)
+        motion = [world.DIRECTIONS.index(scene.direction) if k else IGNORE for k in kind]
     else:
         label(scene.shapes, 0, scene.width, scene.height)
-    if isinstance(scene, world.VideoScene):  # object cells from the second frame pair on
-        per_group = gh * gw
-        motion = [world.DIRECTIONS.index(scene.direction) if k and i >= per_group else IGNORE
-                  for i, k in enumerate(kind)]
-    return {"kind": kind, "color": color, "place": place, "motion": motion}
+    return {"kind": kind, "color": color, "motion": motion, "x": [p[0] for p in xy], "y": [p[1] for p in xy],
+            "first": first}
 
 
 def summary_targets(scene) -> dict[str, int]:
@@ -109,13 +101,13 @@ def summary_targets(scene) -> dict[str, int]:
 
 
 def batch_targets(scenes: list, image_grid_thw, video_grid_thw) -> dict:
-    """Concatenated labels (LongTensors [N]) for a batch whose samples each hold one media item, in sample order
+    """Concatenated labels (tensors [N]; x/y float) for a batch whose samples each hold one media item, in sample order
     (the order of visual tokens in the flattened batch). Images and videos take their grids from their own lists."""
     import torch
 
     images = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
     videos = iter(video_grid_thw.tolist() if video_grid_thw is not None else [])
-    out: dict[str, list[int]] = {"kind": [], "color": [], "place": [], "motion": []}
+    out: dict[str, list] = {"kind": [], "color": [], "motion": [], "x": [], "y": [], "first": []}
     summary: dict[str, list[int]] = {k: [] for k in SUMMARY_CLASSES}
     for sc in scenes:
         grid = next(videos) if isinstance(sc, world.VideoScene) else next(images)
@@ -123,59 +115,75 @@ def batch_targets(scenes: list, image_grid_thw, video_grid_thw) -> dict:
             out[key] += vals
         for key, val in summary_targets(sc).items():
             summary[key].append(val)
-    batch = {f"aux_{k}": torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+    batch = {f"aux_{k}": torch.tensor(v, dtype=torch.float32 if k in ("x", "y") else torch.long)
+             for k, v in out.items()}
     batch.update({f"aux_sum_{k}": torch.tensor(v, dtype=torch.long) for k, v in summary.items()})
     return batch
+
+
+def cell_losses(logits, kind, color, motion) -> dict:
+    """Cell-probe losses: logits [N, NUM_CELL_OUTPUTS]; kind / color [N] (0 = no shape), motion [N] (IGNORE where
+    no moving shape) -> {"presence", "kind", "color"[, "motion"]}. Kind and color are scored on shape cells only, so
+    the few shape cells are not drowned by the background."""
+    import torch.nn.functional as F
+
+    fg = kind > 0
+    nk, nc = len(world.SHAPES), len(world.COLORS)
+    out = {"presence": F.binary_cross_entropy_with_logits(logits[:, 0], (~fg).float())}
+    if fg.any():
+        out["kind"] = F.cross_entropy(logits[fg, 1:1 + nk], kind[fg] - 1)
+        out["color"] = F.cross_entropy(logits[fg, 1 + nk:1 + nk + nc], color[fg] - 1)
+    if (motion != IGNORE).any():
+        out["motion"] = F.cross_entropy(logits[:, 1 + nk + nc:], motion, ignore_index=IGNORE)
+    return out
 
 
 class AuxHeads:
     """Linear probes for the auxiliary targets, created on the fly; `loss(...)` returns the stage losses."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, cell_probe=None):
         import torch.nn as nn
 
-        self.vision = nn.Linear(hidden_size, NUM_KINDS + NUM_COLORS)
-        self.place = nn.Linear(hidden_size, len(world.PLACES) + len(world.DIRECTIONS))
+        self.vision = cell_probe if cell_probe is not None else nn.Linear(hidden_size, NUM_CELL_OUTPUTS)
+        self.position = nn.Linear(hidden_size, 2)  # (x, y)
         self.summary = nn.Linear(hidden_size, sum(SUMMARY_CLASSES.values()))
 
     def parameters(self):
         """All head parameters (for the optimizer)."""
-        return [p for m in (self.vision, self.place, self.summary) for p in m.parameters()]
+        return [p for m in (self.vision, self.position, self.summary) for p in m.parameters()]
 
     def loss(self, hidden_states, attentions, input_ids, attention_mask, token_ids: dict, batch: dict) -> dict:
         """hidden_states: output_hidden_states ([B, L, H] each); attentions: output_attentions ([B, heads, L, L]
         each); input_ids / attention_mask [B, L]; token_ids: the config's image/video/vision_end token ids.
-        -> {"kind", "color", "place", "motion", "pointer", "summary"}: scalar losses (absent targets left out)."""
+        -> {"kind", "color", "xy", "pointer", "summary"}: scalar losses (absent targets left out)."""
         import torch
         import torch.nn.functional as F
 
         vis_mask = (input_ids == token_ids["image"]) | (input_ids == token_ids["video"])  # [B, L]
         out = {}
         # 1. vision tower outputs (row-major over the batch = the order of the labels)
-        logits = self.vision(hidden_states[0][vis_mask])  # [N, kinds + colors]
-        wk = torch.full((NUM_KINDS,), 1.0).index_fill_(0, torch.tensor([0]), BACKGROUND_WEIGHT)
-        wc = torch.full((NUM_COLORS,), 1.0).index_fill_(0, torch.tensor([0]), BACKGROUND_WEIGHT)
-        out["kind"] = F.cross_entropy(logits[:, :NUM_KINDS], batch["aux_kind"], weight=wk)
-        out["color"] = F.cross_entropy(logits[:, NUM_KINDS:], batch["aux_color"], weight=wc)
-        # 2. absolute place of every still-image token; motion of video object tokens
-        n_places = len(world.PLACES)
-        p_logits = self.place(hidden_states[PLACE_LAYER][vis_mask])  # [N, places + directions]
-        if (batch["aux_place"] != IGNORE).any():
-            out["place"] = F.cross_entropy(p_logits[:, :n_places], batch["aux_place"], ignore_index=IGNORE)
-        if (batch["aux_motion"] != IGNORE).any():
-            out["motion"] = F.cross_entropy(p_logits[:, n_places:], batch["aux_motion"], ignore_index=IGNORE)
+        logits = self.vision(hidden_states[0][vis_mask])  # [N, NUM_CELL_OUTPUTS]
+        out.update(cell_losses(logits, batch["aux_kind"], batch["aux_color"], batch["aux_motion"]))
+        # 2. absolute position of every visual token
+        xy = self.position(hidden_states[POSITION_LAYER][vis_mask])  # [N, 2]
+        out["xy"] = 10 * F.mse_loss(xy, torch.stack([batch["aux_x"], batch["aux_y"]], dim=1))
         # text tokens after the media: from the first <|vision_end|> on, padding excluded
         end_pos = (input_ids == token_ids["vision_end"]).int().argmax(dim=1)  # [B]
         pos = torch.arange(input_ids.shape[1])[None]  # [1, L]
         queries = (pos >= end_pos[:, None]) & (attention_mask > 0)  # [B, L]
-        # 3. pointer heads: head k of layer ATTN_LAYER puts its attention on the cells of kind k+1
+        # 3. pointer heads: head k of layer ATTN_LAYER attends to the cells of kind k+1; head 3 (clips) to the
+        # object's cells in the first frame pair
         kind_map = torch.zeros_like(input_ids)  # [B, L]
         kind_map[vis_mask] = batch["aux_kind"]
-        n_kinds = len(world.SHAPES)
         onehot = F.one_hot(kind_map, NUM_KINDS)[..., 1:].float()  # [B, L(keys), kinds]
-        attn = attentions[ATTN_LAYER][:, :n_kinds]  # [B, kinds, L(queries), L(keys)]
-        mass = torch.einsum("bkqj,bjk->bkq", attn, onehot)  # [B, kinds, L]
-        valid = queries[:, None, :] & (onehot.sum(1) > 0)[:, :, None]  # [B, kinds, L]
+        first_map = torch.zeros_like(input_ids)  # [B, L]
+        first_map[vis_mask] = batch["aux_first"]
+        is_video = (input_ids == token_ids["video"]).any(dim=1)  # [B]
+        start = ((kind_map > 0) & (first_map > 0) & is_video[:, None]).float()[..., None]  # [B, L, 1]
+        targets = torch.cat([onehot, start], dim=-1)  # [B, L(keys), 4]
+        attn = attentions[ATTN_LAYER][:, :targets.shape[-1]]  # [B, 4, L(queries), L(keys)]
+        mass = torch.einsum("bkqj,bjk->bkq", attn, targets)  # [B, 4, L]
+        valid = queries[:, None, :] & (targets.sum(1) > 0)[:, :, None]  # [B, 4, L]
         if valid.any():
             out["pointer"] = -(torch.log(mass + 1e-4) * valid).sum() / valid.sum()
         # 4. scene summary at every text token after the media

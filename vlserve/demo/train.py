@@ -1,9 +1,14 @@
 """Train the demo model from scratch on freshly rendered scenes: `python -m vlserve.demo.train --out DIR`.
 
-Every step renders a new batch (infinite data), so the model learns the world rather than a fixed set. Each sample
-is a short conversation about one image or clip (the first question right after the media, like at inference; a
-few follow-up questions reuse the same visual tokens); the loss covers only the assistant answers (+ <|im_end|>).
-AdamW with warmup + cosine decay; everything is seeded, so a run with the same arguments is reproducible.
+Every step renders a new batch (infinite data), so the model learns the world rather than a fixed set. Stage 1
+(vlserve.demo.vision_stage) trains the vision tower alone on dense per-patch / per-cell targets. Stage 2 trains the
+whole model on short conversations about one image or clip (the first question right after the media, like at
+inference; follow-up questions reuse the same visual tokens): the loss covers the assistant answers (+ <|im_end|>),
+plus deep supervision of intermediate states (vlserve.demo.targets) without which a model this small, trained this
+briefly from scratch, does not learn to look at the image. AdamW with warmup + cosine decay; everything is seeded
+(scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
+The defaults (420 vision steps of 32 items, then 1500 steps of 8 conversations; one torch thread + one rendering
+worker) fit the default 40-minute cap on 2 CPU cores; the cap stops a stage early (still saving) on a slower machine.
 """
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ import os
 import random
 import time
 
-DEFAULT_STEPS = 1000
-DEFAULT_BATCH = 16
+DEFAULT_VISION_STEPS = 420
+DEFAULT_STEPS = 1500
+DEFAULT_BATCH = 8
 
 
 def render_sample(rng: random.Random, video_prob: float, max_turns: int):
@@ -132,18 +138,21 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
-          minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 3,
+          minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 5,
           warmup: int = 60, log_every: int = 50, threads: int = 1, workers: int = 1, aux_weight: float = 1.0,
-          size=None) -> dict:
-    """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict. The loss is the
-    answer-token cross entropy plus aux_weight times the dense auxiliary losses (vlserve.demo.targets).
+          size=None, vision_steps: int = DEFAULT_VISION_STEPS, vision_minutes: float | None = None) -> dict:
+    """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict.
 
-    Stops early (still saving) if `minutes` of wall time run out; the LR schedule follows `steps`.
+    Stage 1 (`vision_steps`, vlserve.demo.vision_stage) trains the vision tower alone on dense targets; stage 2
+    (`steps`) trains everything on the answer-token cross entropy plus aux_weight times the dense auxiliary losses
+    (vlserve.demo.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs out;
+    the checkpoint is saved either way and the LR schedules follow the step counts.
     """
     import torch
     from tqdm import tqdm
 
-    from vlserve.demo.targets import AuxHeads
+    from vlserve.demo.targets import NUM_CELL_OUTPUTS, AuxHeads
+    from vlserve.demo.vision_stage import pretrain_vision
     from vlserve.demo.build import build_config, build_model, build_processor, count_parameters
     from vlserve.demo.tokenizer import build_demo_tokenizer
 
@@ -152,15 +161,31 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     tokenizer = build_demo_tokenizer()
     processor = build_processor(tokenizer)
     model = build_model(build_config(tokenizer, size), seed=seed).train()
-    heads = AuxHeads(model.config.text_config.hidden_size)
+    hidden = model.config.text_config.hidden_size
+    cell_probe = torch.nn.Linear(hidden, NUM_CELL_OUTPUTS)
+    t0 = time.time()
+    vision = {"steps": 0, "seconds": 0.0, "history": []}
+    if vision_steps > 0:
+        vision = pretrain_vision(model, processor, cell_probe, vision_steps, lr=1e-3, seed=seed, workers=workers,
+                                 minutes=vision_minutes)
+    if minutes is not None:
+        minutes = max(1.0, minutes - (time.time() - t0) / 60)
+    heads = AuxHeads(hidden, cell_probe)
     token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id,
                  "vision_end": model.config.vision_end_token_id}
     if aux_weight > 0:  # the pointer-head loss needs attention probabilities
         model.set_attn_implementation("eager")
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    no_decay += heads.parameters()
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+    named = list(model.named_parameters())
+    vision_params = [p for n, p in named if ".visual." in f".{n}"] + list(cell_probe.parameters())
+    seen = {id(p) for p in vision_params}
+    decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n and id(p) not in seen]
+    no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n) and id(p) not in seen]
+    no_decay += [p for p in heads.parameters() if id(p) not in seen]
+    # the vision tower comes pre-trained from stage 1: it keeps learning, at a fraction of the LM's rate
+    vision_scale = 0.5 if vision_steps > 0 else 1.0
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05, "scale": 1.0},
+                             {"params": no_decay, "weight_decay": 0.0, "scale": 1.0},
+                             {"params": vision_params, "weight_decay": 0.0, "scale": vision_scale}],
                             lr=lr, betas=(0.9, 0.98), eps=1e-8)
     data = batches(processor, seed, batch_size, video_prob, max_turns, workers)
     start, ema, aux_ema, history, hits, aux_parts = time.time(), None, None, [], {}, {}
@@ -168,7 +193,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     step = 0
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = g["scale"] * lr_at(step, steps, lr, warmup)
         batch = next(data)
         inputs = {k: v for k, v in batch.items() if not k.startswith(("aux_", "meta_"))}
         res = model(**inputs, output_hidden_states=aux_weight > 0, output_attentions=aux_weight > 0)
@@ -207,10 +232,10 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
-    summary = {"steps": step + 1, "seconds": round(time.time() - start, 1), "final_loss": ema,
-               "parameters": count_parameters(model), "history": history}
-    print(f"saved to {out}: {summary['parameters']:,} parameters, {summary['steps']} steps, "
-          f"{summary['seconds']:.0f}s, loss {ema:.4f}")
+    summary = {"steps": step + 1, "seconds": round(time.time() - t0, 1), "final_loss": ema,
+               "parameters": count_parameters(model), "history": history, "vision_stage": vision}
+    print(f"saved to {out}: {summary['parameters']:,} parameters, {vision['steps']} vision steps + "
+          f"{summary['steps']} steps, {summary['seconds']:.0f}s, loss {ema:.4f}")
     return summary
 
 
@@ -218,13 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description="Train the vlserve demo model on freshly rendered synthetic scenes.")
     p.add_argument("--out", required=True, help="output directory (a standard HF checkpoint)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="stage-2 (whole model) steps")
+    p.add_argument("--vision-steps", type=int, default=DEFAULT_VISION_STEPS, help="stage-1 (vision tower) steps")
+    p.add_argument("--vision-minutes", type=float, default=None, help="wall-clock cap of stage 1")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--minutes", type=float, default=40.0, help="wall-clock cap; saves when reached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--video-prob", type=float, default=0.3)
-    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-turns", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads for the model (data renders in a worker)")
     p.add_argument("--workers", type=int, default=1, help="0 renders batches in the training process")
     p.add_argument("--log-every", type=int, default=50)
@@ -232,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
           video_prob=a.video_prob, max_turns=a.max_turns, threads=a.threads,
-          workers=a.workers, log_every=a.log_every, aux_weight=a.aux_weight)
+          workers=a.workers, log_every=a.log_every, aux_weight=a.aux_weight, vision_steps=a.vision_steps,
+          vision_minutes=a.vision_minutes)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ COLORS = {
     "purple": (140, 50, 185), "orange": (250, 140, 20), "white": (250, 250, 250), "black": (12, 12, 12),
 }
 PLACES = ("left", "right", "top", "bottom", "center")
-PLACE_XY = {"left": (0.2, 0.5), "right": (0.8, 0.5), "top": (0.5, 0.2), "bottom": (0.5, 0.8), "center": (0.5, 0.5)}
+PLACE_XY = {"left": (0.18, 0.5), "right": (0.82, 0.5), "top": (0.5, 0.18), "bottom": (0.5, 0.82), "center": (0.5, 0.5)}
+PLACE_JITTER = 0.02  # max offset of a shape center from its place, as a fraction of the side
+SHAPE_RADIUS = (0.10, 0.13)  # nominal radius range, fraction of the side (large enough to tell a circle from a square)
 DIRECTIONS = ("left", "right", "up", "down")
 DIRECTION_XY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
@@ -164,8 +166,8 @@ def sample_scene(rng: random.Random, num_shapes: int | None = None) -> Scene:
         shapes = []
         for kind, color, place in zip(kinds, colors, places):
             px, py = PLACE_XY[place]
-            shapes.append(Shape(kind, color, place, (px + rng.uniform(-0.04, 0.04)) * w,
-                                (py + rng.uniform(-0.04, 0.04)) * h, rng.uniform(0.075, 0.12) * side,
+            shapes.append(Shape(kind, color, place, (px + rng.uniform(-PLACE_JITTER, PLACE_JITTER)) * w,
+                                (py + rng.uniform(-PLACE_JITTER, PLACE_JITTER)) * h, rng.uniform(*SHAPE_RADIUS) * side,
                                 rng.uniform(-20, 20), _jitter_color(rng, color)))
         if all(math.dist((a.cx, a.cy), (b.cx, b.cy)) >= _bound(a.kind, a.r) + _bound(b.kind, b.r) + 0.02 * side
                for i, a in enumerate(shapes) for b in shapes[i + 1:]):

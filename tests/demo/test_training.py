@@ -1,0 +1,89 @@
+"""The demo trainer's pieces: dense targets, silhouettes, the EAGLE data file, and a two-stage smoke run."""
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+
+from vlserve.demo import targets, world
+from vlserve.demo.vision_stage import SUB, patch_silhouettes
+
+
+def test_silhouette_area_matches_the_shape():
+    scene = world.sample_scene(random.Random(3), num_shapes=1)
+    grid = (1, 12, 12)  # 168 x 168 px after the processor's resize
+    sil = patch_silhouettes(scene, grid)
+    assert sil.shape == (144, SUB * SUB) and sil.min() >= 0 and sil.max() <= 1
+    s = scene.shapes[0]
+    scale = 168 / scene.width
+    area = {"circle": math.pi * s.r ** 2, "square": (1.7 * s.r) ** 2,
+            "triangle": 3 * math.sqrt(3) / 4 * (1.1 * s.r) ** 2}[s.kind] * scale ** 2
+    assert sil.sum() * (14 / SUB) ** 2 == pytest.approx(area, rel=0.08)
+
+
+def test_silhouette_patch_order_follows_the_merger():
+    """Patches come in (row-block, col-block, 2x2) order: the shape's patches belong to the cells labeled with it."""
+    scene = world.sample_scene(random.Random(8), num_shapes=1)
+    sil = patch_silhouettes(scene, (1, 12, 12))  # [144, 49]
+    per_cell = sil.reshape(36, 4 * SUB * SUB).sum(1)  # 4 consecutive patches = one merged cell
+    labels = targets.scene_targets(scene, (1, 12, 12))
+    assert labels["kind"][int(np.argmax(per_cell))] == targets.KIND_INDEX[scene.shapes[0].kind]
+
+
+def test_video_targets_and_silhouettes_follow_the_motion():
+    clip = world.sample_video(random.Random(4), num_frames=8)
+    grid = (4, 8, 8)
+    labels = targets.scene_targets(clip, grid)
+    assert len(labels["kind"]) == 4 * 16
+    direction = world.DIRECTIONS.index(clip.direction)
+    assert {m for m, k in zip(labels["motion"], labels["kind"]) if k} == {direction}
+    assert all(m == targets.IGNORE for m, k in zip(labels["motion"], labels["kind"]) if not k)
+    sil = patch_silhouettes(clip, grid).reshape(4, 64, SUB * SUB).sum(-1)  # [groups, patches]
+    assert (sil.sum(1) > 0).all()
+    first, last = (int(np.argmax(g)) for g in (sil[0], sil[-1]))
+    assert first != last, "the shape moved between the first and the last frame pair"
+
+
+def test_cell_losses_ignore_the_background_for_kind_and_color():
+    import torch
+
+    kind = torch.tensor([0, 1, 3]); color = torch.tensor([0, 2, 5]); motion = torch.full((3,), targets.IGNORE)
+    logits = torch.zeros(3, targets.NUM_CELL_OUTPUTS)
+    base = targets.cell_losses(logits, kind, color, motion)
+    assert set(base) == {"presence", "kind", "color"}
+    logits[0, 1:] = 50.0  # garbage on the background cell's kind/color outputs changes nothing but presence
+    changed = targets.cell_losses(logits, kind, color, motion)
+    assert changed["kind"] == base["kind"] and changed["color"] == base["color"]
+
+
+def test_eagle_data_items_are_chat_jsonl(tmp_path):
+    from vlserve.demo import eagle_data
+
+    out = tmp_path / "d.jsonl"
+    eagle_data.main(["--out", str(out), "--num", "4", "--seed", "1"])
+    items = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(items) == 4
+    for it in items:
+        (msg,) = it["messages"]
+        media, text = msg["content"]
+        assert media["type"] in ("image_url", "video_url")
+        assert media[media["type"]]["url"].startswith(("data:image/png;base64,", "data:video/mp4;base64,"))
+        assert text["type"] == "text" and text["text"].endswith("?") or text["text"].endswith(".")
+
+
+@pytest.mark.slow
+def test_two_stage_training_smoke(tmp_path):
+    """A few steps of each stage write a checkpoint that transformers loads unchanged."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlserve.demo.train import train
+
+    out = str(tmp_path / "ckpt")
+    summary = train(out, steps=3, batch_size=2, vision_steps=2, workers=0, log_every=1, warmup=1)
+    assert summary["vision_stage"]["steps"] == 2 and summary["steps"] == 3
+    assert math.isfinite(summary["final_loss"])
+    AutoProcessor.from_pretrained(out, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
+    assert model.config.text_config.rope_theta == 10.0 and os.path.isfile(os.path.join(out, "model.safetensors"))
