@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
+EAGLE_DIR = os.path.join(MODEL_DIR, "eagle")  # its EAGLE draft head (vlserve train-eagle)
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json")
 
 
@@ -18,3 +19,21 @@ def default_model_path() -> str:
         raise ValueError(f"the embedded demo model is missing or incomplete at {MODEL_DIR} (no {', '.join(missing)});"
                          f" build it with `python -m vlserve.demo.train --out {MODEL_DIR}`")
     return MODEL_DIR
+
+
+def default_draft_path(target: str | None) -> str | None:
+    """The shipped EAGLE head when `target` is the embedded demo model and the head exists, else None."""
+    if target is None or not os.path.isfile(os.path.join(EAGLE_DIR, "config.json")):
+        return None
+    return EAGLE_DIR if os.path.realpath(target) == os.path.realpath(MODEL_DIR) else None
+
+
+def fill_default_draft(speculative_config, target: str | None):
+    """speculative_config (dict) with model set to the demo EAGLE head when an eagle/eagle3 method names no draft
+    and the target is the demo model; anything else is returned unchanged."""
+    if not isinstance(speculative_config, dict) or speculative_config.get("model"):
+        return speculative_config
+    if str(speculative_config.get("method", "")).lower() not in ("eagle", "eagle3"):
+        return speculative_config
+    draft = default_draft_path(target)
+    return {**speculative_config, "model": draft} if draft else speculative_config

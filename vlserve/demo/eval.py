@@ -1,4 +1,4 @@
-"""Evaluate the demo model on a fresh, seeded held-out set: `python -m vlserve.demo.eval [--engine hf|vlserve]`.
+"""Evaluate the demo model on a fresh, seeded held-out set: `python -m vlserve.demo.eval [--engine vlserve|hf|both]`.
 
 Renders `--per-form` new scenes for every question form (a seed the training stream never uses), asks the question
 greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored). Prints accuracy
@@ -88,9 +88,10 @@ def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
     return acc
 
 
-def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 50, seed: int = EVAL_SEED,
+def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: int = 50, seed: int = EVAL_SEED,
              batch_size: int = 16, show_errors: int = 3) -> dict[str, float]:
-    """Run the held-out evaluation, print the table, and return the accuracies."""
+    """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
+    also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
     from vlserve.demo import default_model_path, world
 
     import os
@@ -102,6 +103,11 @@ def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 5
     t0 = time.time()
     outputs = generate_hf(model_dir, items, batch_size) if engine == "hf" else generate_vlserve(model_dir, items)
     acc = score(items, outputs)
+    if engine == "both":
+        hf = generate_hf(model_dir, items, batch_size)
+        same = sum(a.strip() == b.strip() for a, b in zip(outputs, hf))
+        acc["hf_agreement"] = same / len(items)
+        print(f"vlserve == HF generate on {same}/{len(items)} answers")
     print(f"model {model_dir} | engine {engine} | {len(items)} questions | {time.time() - t0:.0f}s")
     print(f"{'form':<16} {'question':<40} {'accuracy':>8}")
     for f in world.FORMS:
@@ -118,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description="Held-out accuracy of the vlserve demo model, per question form.")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--engine", choices=("hf", "vlserve"), default="hf")
+    p.add_argument("--engine", choices=("vlserve", "hf", "both"), default="vlserve",
+                   help="who answers (both: vlserve, plus agreement with HF generate)")
     p.add_argument("--per-form", type=int, default=50)
     p.add_argument("--seed", type=int, default=EVAL_SEED)
     p.add_argument("--batch-size", type=int, default=16)

@@ -12,6 +12,7 @@ from vlserve.core.sched_output import EngineCoreOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
+from vlserve.demo import fill_default_draft
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
 
@@ -26,7 +27,8 @@ class EngineCore:
             loaded = load_for_serving(resolve_model_path(args.model), args)
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
-        self.spec_config = SpeculativeConfig.from_dict(args.speculative_config)
+        # `{"method": "eagle"}` with no draft on the demo model: its shipped head
+        self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
         self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
                                   mrope_positions_fn=loaded.mrope_positions_fn,
                                   proposer=build_proposer(self.spec_config, self.max_model_len, loaded,
