@@ -116,9 +116,14 @@ class BatchStream:
 
 def batches(processor, seed: int, batch_size: int, video_prob: float, max_turns: int, workers: int):
     """Iterator over training batches; with workers=1 they are rendered in a background process (same order)."""
+    return in_background(BatchStream(processor, seed, batch_size, video_prob, max_turns), workers)
+
+
+def in_background(stream, workers: int):
+    """Iterator over the (endless, picklable) iterable `stream`; with workers=1 its items are produced in one
+    DataLoader worker process, in the same order."""
     import torch
 
-    stream = BatchStream(processor, seed, batch_size, video_prob, max_turns)
     if workers == 0:
         return iter(stream)
 

@@ -94,20 +94,6 @@ class _Stream:
             yield vision_batch(rng, processor, batch_size, video_prob)
 
 
-def _batches(processor, seed: int, batch_size: int, video_prob: float, workers: int):
-    import torch
-
-    stream = _Stream(processor, seed, batch_size, video_prob)
-    if workers == 0:
-        return iter(stream)
-
-    class _Iterable(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(stream)
-
-    return iter(torch.utils.data.DataLoader(_Iterable(), batch_size=None, num_workers=1, prefetch_factor=4))
-
-
 def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 32, lr: float = 1e-3,
                     seed: int = 0, video_prob: float = 0.25, workers: int = 1, minutes: float | None = None,
                     log_every: int = 50) -> dict:
@@ -117,7 +103,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from vlserve.demo.train import lr_at
+    from vlserve.demo.train import in_background, lr_at
 
     visual = model.model.visual
     embed_dim = visual.blocks[MASK_BLOCK].norm1.weight.shape[0]
@@ -127,7 +113,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     hook = visual.blocks[MASK_BLOCK].register_forward_hook(lambda m, i, o: feats.__setitem__("x", o))
     params = list(visual.parameters()) + list(cell_probe.parameters()) + list(mask_head.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    data = _batches(processor, seed + 1000, batch_size, video_prob, workers)
+    data = in_background(_Stream(processor, seed + 1000, batch_size, video_prob), workers)
     start, history, ema = time.time(), [], {}
     bar = tqdm(range(steps), desc="vision", dynamic_ncols=True, mininterval=2.0)
     step = 0
