@@ -70,7 +70,7 @@ def test_eagle_data_items_are_chat_jsonl(tmp_path):
         media, text = msg["content"]
         assert media["type"] in ("image_url", "video_url")
         assert media[media["type"]]["url"].startswith(("data:image/png;base64,", "data:video/mp4;base64,"))
-        assert text["type"] == "text" and text["text"].endswith("?") or text["text"].endswith(".")
+        assert text["type"] == "text" and text["text"].endswith(("?", "."))
 
 
 @pytest.mark.slow

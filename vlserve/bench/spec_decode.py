@@ -24,6 +24,18 @@ def copy_heavy_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab - 1, (24,), generator=g).tolist() * 4 for _ in range(n)]
 
 
+def spec_stats(before: dict, after: dict) -> dict:
+    """Acceptance rate and mean accepted length (accepted drafts per verification step + 1) between two
+    `get_metrics()` snapshots."""
+    def delta(name: str) -> float:
+        key = f"vlserve:spec_decode_num_{name}_total"
+        return after[key] - before[key]
+
+    drafts, accepted, steps = delta("draft_tokens"), delta("accepted_tokens"), delta("drafts")
+    return {"acceptance": accepted / drafts if drafts else 0.0,
+            "mean_accepted_len": accepted / steps + 1 if steps else 1.0}
+
+
 def run(model: str, prompts, output_len: int, spec: dict | None, dtype: str) -> dict:
     from vlserve import LLM, SamplingParams
 
@@ -35,15 +47,9 @@ def run(model: str, prompts, output_len: int, spec: dict | None, dtype: str) -> 
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    m = llm.get_metrics()
-    drafts = m["vlserve:spec_decode_num_draft_tokens_total"] - before["vlserve:spec_decode_num_draft_tokens_total"]
-    accepted = (m["vlserve:spec_decode_num_accepted_tokens_total"]
-                - before["vlserve:spec_decode_num_accepted_tokens_total"])
-    steps = m["vlserve:spec_decode_num_drafts_total"] - before["vlserve:spec_decode_num_drafts_total"]
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"tok_s": n / dt, "tokens": [o.outputs[0].token_ids for o in outs],
-            "acceptance": accepted / drafts if drafts else 0.0,
-            "mean_accepted_len": (accepted / steps + 1) if steps else 1.0}
+            **spec_stats(before, llm.get_metrics())}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ def conversations(n: int, seed: int, repeat: bool) -> list[list[dict]]:
 def run(llm, convs: list, batch: int) -> dict:
     """Answer convs `batch` at a time -> token counts, wall time, decode time and the outputs' token ids."""
     from vlserve import SamplingParams
+    from vlserve.bench.spec_decode import spec_stats
 
     sp = SamplingParams(temperature=0.0, max_tokens=48)
     llm.chat(convs[:1], sp, use_tqdm=False)  # warm-up
@@ -42,19 +43,12 @@ def run(llm, convs: list, batch: int) -> dict:
     for i in range(0, len(convs), batch):
         outs += llm.chat(convs[i:i + batch], sp, use_tqdm=False)
     wall = time.perf_counter() - t
-    m = llm.get_metrics()
-
-    def delta(name: str) -> float:
-        return m[f"vlserve:spec_decode_num_{name}_total"] - before[f"vlserve:spec_decode_num_{name}_total"]
-
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     decode_time = sum(o.metrics.last_token_time - o.metrics.first_token_time for o in outs)
-    drafts, accepted, steps = delta("draft_tokens"), delta("accepted_tokens"), delta("drafts")
     return {"tok_s": tokens / wall, "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
             "ids": [o.outputs[0].token_ids for o in outs], "tokens": tokens,
-            "acceptance": accepted / drafts if drafts else 0.0,
-            "mean_accepted_len": accepted / steps + 1 if steps else 1.0}
+            **spec_stats(before, llm.get_metrics())}
 
 
 def main(argv: list[str] | None = None) -> None:

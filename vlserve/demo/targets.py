@@ -31,8 +31,10 @@ SUMMARY_CLASSES = {"count": 3, **{f"color_{k}": len(world.COLORS) + 1 for k in w
                    "video_direction": len(world.DIRECTIONS)}
 NUM_KINDS = len(world.SHAPES) + 1  # 0 = no shape in the cell
 # cell probe layout: [background logit | kinds | colors | directions]
-NUM_CELL_OUTPUTS = 1 + len(world.SHAPES) + len(world.COLORS) + len(world.DIRECTIONS)
-NUM_COLORS = len(world.COLORS) + 1
+KIND_SLICE = slice(1, 1 + len(world.SHAPES))
+COLOR_SLICE = slice(KIND_SLICE.stop, KIND_SLICE.stop + len(world.COLORS))
+MOTION_SLICE = slice(COLOR_SLICE.stop, COLOR_SLICE.stop + len(world.DIRECTIONS))
+NUM_CELL_OUTPUTS = MOTION_SLICE.stop
 COLOR_INDEX = {c: i + 1 for i, c in enumerate(world.COLORS)}
 KIND_INDEX = {k: i + 1 for i, k in enumerate(world.SHAPES)}
 
@@ -128,13 +130,12 @@ def cell_losses(logits, kind, color, motion) -> dict:
     import torch.nn.functional as F
 
     fg = kind > 0
-    nk, nc = len(world.SHAPES), len(world.COLORS)
     out = {"presence": F.binary_cross_entropy_with_logits(logits[:, 0], (~fg).float())}
     if fg.any():
-        out["kind"] = F.cross_entropy(logits[fg, 1:1 + nk], kind[fg] - 1)
-        out["color"] = F.cross_entropy(logits[fg, 1 + nk:1 + nk + nc], color[fg] - 1)
+        out["kind"] = F.cross_entropy(logits[fg, KIND_SLICE], kind[fg] - 1)
+        out["color"] = F.cross_entropy(logits[fg, COLOR_SLICE], color[fg] - 1)
     if (motion != IGNORE).any():
-        out["motion"] = F.cross_entropy(logits[:, 1 + nk + nc:], motion, ignore_index=IGNORE)
+        out["motion"] = F.cross_entropy(logits[:, MOTION_SLICE], motion, ignore_index=IGNORE)
     return out
 
 

@@ -17,42 +17,38 @@ import time
 import numpy as np
 
 from vlserve.demo import world
-from vlserve.demo.targets import IGNORE, NUM_CELL_OUTPUTS, batch_targets, cell_losses
+from vlserve.demo.targets import KIND_SLICE, NUM_CELL_OUTPUTS, batch_targets, cell_losses
 
 SUB = 7  # silhouette resolution per patch side
 MASK_BLOCK = 0  # vision block whose output predicts the silhouettes
 
 
-def _silhouette(shapes, w: int, h: int, gw: int, gh: int, patch: int, supersample: int = 2) -> np.ndarray:
-    """Coverage of shapes (scene pixels in a w x h scene) on the processor's (gh*patch, gw*patch) resize, pooled to
-    SUB x SUB per patch -> float32 [gh*SUB, gw*SUB]."""
+def _silhouette(shapes, w: int, h: int, gw: int, gh: int, supersample: int = 2) -> np.ndarray:
+    """Coverage of `shapes` ((shape, center) pairs, drawn as the world draws them on a w x h scene) after the
+    processor's resize to gw x gh patches, pooled to SUB x SUB per patch -> float32 [gh*SUB, gw*SUB]."""
+    from dataclasses import replace
+
     from PIL import Image, ImageDraw
 
-    W, H = gw * patch * supersample, gh * patch * supersample
-    img = Image.new("L", (W, H), 0)
-    draw = ImageDraw.Draw(img)
-    sx, sy = W / w, H / h
+    canvas = Image.new("L", (w * supersample, h * supersample), 0)
+    draw = ImageDraw.Draw(canvas)
     for s, (cx, cy) in shapes:
-        if s.kind == "circle":
-            draw.ellipse([(cx - s.r) * sx, (cy - s.r) * sy, (cx + s.r) * sx, (cy + s.r) * sy], fill=255)
-        else:
-            draw.polygon([(x * sx, y * sy) for x, y in world._shape_polygon(s.kind, cx, cy, s.r, s.rotation)],
-                         fill=255)
-    return np.asarray(img.resize((gw * SUB, gh * SUB), Image.BOX), np.float32) / 255.0
+        world._draw_shape(draw, replace(s, fill=255), cx, cy, supersample)
+    return np.asarray(canvas.resize((gw * SUB, gh * SUB), Image.BOX), np.float32) / 255.0
 
 
-def patch_silhouettes(scene, grid_thw, patch: int = 14, merge: int = 2) -> np.ndarray:
+def patch_silhouettes(scene, grid_thw, merge: int = 2) -> np.ndarray:
     """Silhouette targets for one media item in the processor's patch order (t, h/m, w/m, m, m) -> [patches, SUB*SUB]."""
     t, gh, gw = (int(v) for v in grid_thw)
     if isinstance(scene, world.VideoScene):
         last = scene.num_frames - 1
         groups = []
         for g in range(t):  # frames 2g and 2g+1 (the processor repeats the last frame when the count is odd)
-            a = [_silhouette([(scene.shape, scene.centers[min(f, last)])], scene.width, scene.height, gw, gh, patch)
+            a = [_silhouette([(scene.shape, scene.centers[min(f, last)])], scene.width, scene.height, gw, gh)
                  for f in (2 * g, 2 * g + 1)]
             groups.append((a[0] + a[1]) / 2)
     else:
-        groups = [_silhouette([(s, (s.cx, s.cy)) for s in scene.shapes], scene.width, scene.height, gw, gh, patch)]
+        groups = [_silhouette([(s, (s.cx, s.cy)) for s in scene.shapes], scene.width, scene.height, gw, gh)]
     out = []
     for a in groups:  # [gh*SUB, gw*SUB] -> patch order
         a = a.reshape(gh // merge, merge, SUB, gw // merge, merge, SUB).transpose(0, 3, 1, 4, 2, 5)
@@ -106,7 +102,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     from vlserve.demo.train import in_background, lr_at
 
     visual = model.model.visual
-    embed_dim = visual.blocks[MASK_BLOCK].norm1.weight.shape[0]
+    embed_dim = model.config.vision_config.embed_dim
     torch.manual_seed(seed + 1)
     mask_head = torch.nn.Linear(embed_dim, SUB * SUB)
     feats: dict = {}
@@ -122,7 +118,8 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
             g["lr"] = lr_at(step, steps, lr, warmup=30)
         b = next(data)
         cells = visual(b["pixel_values"], grid_thw=b["grid_thw"])  # [cells, hidden]
-        parts = cell_losses(cell_probe(cells), b["kind"], b["color"], b["motion"])
+        logits = cell_probe(cells)  # [cells, NUM_CELL_OUTPUTS]
+        parts = cell_losses(logits, b["kind"], b["color"], b["motion"])
         parts["silhouette"] = F.binary_cross_entropy_with_logits(mask_head(feats["x"]), b["silhouette"])
         loss = sum(parts.values())
         opt.zero_grad(set_to_none=True)
@@ -131,7 +128,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
         opt.step()
         with torch.no_grad():
             fg = b["kind"] > 0
-            acc = (cell_probe(cells[fg])[:, 1:4].argmax(-1) + 1 == b["kind"][fg]).float().mean().item()
+            acc = (logits[fg, KIND_SLICE].argmax(-1) + 1 == b["kind"][fg]).float().mean().item()
         for k, v in {**{k: v.item() for k, v in parts.items()}, "kind_acc": acc}.items():
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.set_postfix(kind_acc=f"{ema['kind_acc']:.3f}", loss=f"{loss.item():.3f}")
@@ -147,4 +144,4 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     return {"steps": step + 1, "seconds": round(time.time() - start, 1), "history": history}
 
 
-__all__ = ["pretrain_vision", "patch_silhouettes", "vision_batch", "IGNORE"]
+__all__ = ["pretrain_vision", "patch_silhouettes", "vision_batch"]
