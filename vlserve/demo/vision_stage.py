@@ -23,18 +23,23 @@ SUB = 7  # silhouette resolution per patch side
 MASK_BLOCK = 0  # vision block whose output predicts the silhouettes
 
 
-def _silhouette(shapes, w: int, h: int, gw: int, gh: int, supersample: int = 2) -> np.ndarray:
-    """Coverage of `shapes` ((shape, center) pairs, drawn as the world draws them on a w x h scene) after the
-    processor's resize to gw x gh patches, pooled to SUB x SUB per patch -> float32 [gh*SUB, gw*SUB]."""
-    from dataclasses import replace
-
+def _silhouette(shapes, w: int, h: int, gw: int, gh: int, patch: int = 14, supersample: int = 2) -> np.ndarray:
+    """Coverage of `shapes` ((shape, center) pairs on a w x h scene) on the processor's (gh*patch, gw*patch) resize,
+    pooled to SUB x SUB per patch -> float32 [gh*SUB, gw*SUB]. Drawn on the resized grid itself (each axis scaled on
+    its own, as the processor does when rounding makes the grid non-square)."""
     from PIL import Image, ImageDraw
 
-    canvas = Image.new("L", (w * supersample, h * supersample), 0)
-    draw = ImageDraw.Draw(canvas)
+    W, H = gw * patch * supersample, gh * patch * supersample
+    img = Image.new("L", (W, H), 0)
+    draw = ImageDraw.Draw(img)
+    sx, sy = W / w, H / h
     for s, (cx, cy) in shapes:
-        world._draw_shape(draw, replace(s, fill=255), cx, cy, supersample)
-    return np.asarray(canvas.resize((gw * SUB, gh * SUB), Image.BOX), np.float32) / 255.0
+        if s.kind == "circle":
+            draw.ellipse([(cx - s.r) * sx, (cy - s.r) * sy, (cx + s.r) * sx, (cy + s.r) * sy], fill=255)
+        else:
+            draw.polygon([(x * sx, y * sy) for x, y in world._shape_polygon(s.kind, cx, cy, s.r, s.rotation)],
+                         fill=255)
+    return np.asarray(img.resize((gw * SUB, gh * SUB), Image.BOX), np.float32) / 255.0
 
 
 def patch_silhouettes(scene, grid_thw, merge: int = 2) -> np.ndarray:
