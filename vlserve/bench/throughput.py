@@ -4,6 +4,9 @@
     vlserve bench throughput --model PATH
 
 N prompts x M output tokens, ignore_eos, greedy, seeded, one warm-up run each; prints tokens/s and ratios.
+`--input-len-range` / `--output-len-range` draw each request's prompt length / max_tokens uniformly instead (like
+vLLM's random dataset with a range ratio). HF `generate` runs each batch to its longest request (it cannot stop one
+row early), so tokens/s counts only the tokens requested, for every engine.
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
               max_num_seqs=cfg["num_prompts"], seed=0)
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
+    sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in cfg["output_lens"]]
     prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
-    llm.generate(prompts[:2], sp, use_tqdm=False)
+    llm.generate(prompts[:2], sp[:2], use_tqdm=False)
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
@@ -42,48 +45,51 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
     return torch.randint(3, vocab_size - 1, (num_prompts, input_len), generator=g).tolist()
 
 
-def bench_vlserve(model: str, prompts, output_len: int, dtype: str, max_num_seqs: int) -> tuple[float, int, float]:
+def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
+                  max_num_seqs: int) -> tuple[float, int, float]:
     """Returns (seconds, generated tokens, load seconds)."""
     from vlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
-              max_model_len=max(len(p) for p in prompts) + output_len + 16)
+              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16)
     load = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
+    sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    llm.generate(prompts[:2], sp[:2], use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), load
 
 
-def bench_hf(model: str, prompts, output_len: int, dtype: str, batch_size: int) -> tuple[float, int]:
-    """HF generate, batched with left padding."""
+def bench_hf(model: str, prompts, output_lens: list[int], dtype: str, batch_size: int) -> tuple[float, int]:
+    """HF generate, batched with left padding; each batch runs to its longest request, and only the requested
+    tokens are counted. Returns (seconds, requested tokens)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
-    cfg = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
 
-    def run(batch):
+    def run(batch, lens):
         width = max(len(p) for p in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        cfg = GenerationConfig(max_new_tokens=max(lens), min_new_tokens=max(lens), do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=mask, generation_config=cfg)
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+            out = hf.generate(ids, attention_mask=mask, generation_config=cfg)  # [B, width + max(lens)]
+        return sum(min(n, out.shape[1] - width) for n in lens)
 
-    run(prompts[:2])  # warm-up
+    run(prompts[:2], output_lens[:2])  # warm-up
     t = time.perf_counter()
-    n = sum(run(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size))
+    n = sum(run(prompts[i:i + batch_size], output_lens[i:i + batch_size]) for i in range(0, len(prompts), batch_size))
     return time.perf_counter() - t, n
 
 
-def bench_vllm(python: str, model: str, prompts, output_len: int, dtype: str) -> tuple[float, int] | None:
-    cfg = {"model": model, "dtype": dtype, "output_len": output_len, "prompts": prompts,
-           "num_prompts": len(prompts), "max_model_len": max(len(p) for p in prompts) + output_len + 16,
+def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: str) -> tuple[float, int] | None:
+    """vLLM's offline LLM.generate in its own process (its python); returns (seconds, generated tokens)."""
+    cfg = {"model": model, "dtype": dtype, "output_lens": output_lens, "prompts": prompts,
+           "num_prompts": len(prompts), "max_model_len": max(len(p) for p in prompts) + max(output_lens) + 16,
            "threads": torch.get_num_threads()}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
     p.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="random prompt lengths in [MIN, MAX] instead of --input-len (HF then pads)")
+    p.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="random max_tokens per request in [MIN, MAX] instead of --output-len")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -139,20 +147,26 @@ def main(argv: list[str] | None = None) -> None:
         g = torch.Generator().manual_seed(args.seed + 1)
         lens = torch.randint(lo, hi + 1, (args.num_prompts,), generator=g).tolist()
         prompts = [make_prompts(1, n, cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
+    output_lens = [args.output_len] * args.num_prompts
+    if args.output_len_range:
+        lo, hi = args.output_len_range
+        g = torch.Generator().manual_seed(args.seed + 2)
+        output_lens = torch.randint(lo, hi + 1, (args.num_prompts,), generator=g).tolist()
     print(f"model: {model} ({cfg.architectures[0]}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
-          f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> {args.output_len} out, "
+          f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> "
+          f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
-    dt, n, load = bench_vlserve(model, prompts, args.output_len, args.dtype, args.num_prompts)
+    dt, n, load = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts)
     rows = [("vlserve", n / dt, dt)]
     print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
     if not args.skip_hf:
-        hdt, hn = bench_hf(model, prompts, args.output_len, args.dtype, args.hf_batch_size or args.num_prompts)
+        hdt, hn = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
         rows.append(("hf", hn / hdt, hdt))
         print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s)")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
     if args.vllm_python:
-        r = bench_vllm(args.vllm_python, model, prompts, args.output_len, args.dtype)
+        r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype)
         if r is not None:
             vdt, vn = r
             print(f"vLLM: {vn / vdt:8.1f} tok/s  ({vn} tokens in {vdt:.2f} s)")

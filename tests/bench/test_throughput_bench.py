@@ -1,0 +1,22 @@
+"""The offline throughput benchmark runs end to end and counts the same (requested) tokens for every engine."""
+import re
+
+from vlserve.bench import throughput
+
+
+def test_throughput_bench_counts_requested_tokens_with_varied_lengths(capsys):
+    throughput.main(["--hidden-size", "64", "--num-layers", "1", "--num-prompts", "5", "--input-len-range", "3", "20",
+                     "--output-len-range", "2", "9", "--threads", "1", "--seed", "3"])
+    out = capsys.readouterr().out
+    vl = int(re.search(r"vlserve: .*\((\d+) tokens", out).group(1))
+    hf = int(re.search(r"HF generate: .*\((\d+) tokens", out).group(1))
+    assert vl == hf  # HF runs each batch to its longest request but is credited only with what was asked for
+    assert 5 * 2 <= vl <= 5 * 9 and vl != 5 * 9  # per-request lengths drawn from the range, not all the maximum
+    assert re.search(r"ratio vlserve/HF: \d+\.\d+x", out)
+
+
+def test_throughput_bench_fixed_lengths(capsys):
+    throughput.main(["--hidden-size", "64", "--num-layers", "1", "--num-prompts", "3", "--input-len", "7",
+                     "--output-len", "4", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "(12 tokens" in out.split("HF generate:")[0] and "(12 tokens" in out.split("HF generate:")[1]
