@@ -7,7 +7,7 @@ inference; follow-up questions reuse the same visual tokens): the loss covers th
 plus deep supervision of intermediate states (vlserve.demo.targets) without which a model this small, trained this
 briefly from scratch, does not learn to look at the image. AdamW with warmup + cosine decay; everything is seeded
 (scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
-The defaults (420 vision steps of 32 items, then 1500 steps of 8 conversations; one torch thread + one rendering
+The defaults (480 vision steps of 32 items, then 1600 steps of 8 conversations; one torch thread + one rendering
 worker) fit the default 40-minute cap on 2 CPU cores; the cap stops a stage early (still saving) on a slower machine.
 """
 from __future__ import annotations
@@ -18,9 +18,14 @@ import os
 import random
 import time
 
-DEFAULT_VISION_STEPS = 420
-DEFAULT_STEPS = 1500
+DEFAULT_VISION_STEPS = 480
+DEFAULT_STEPS = 1600
 DEFAULT_BATCH = 8
+# How often each question form is asked in training conversations (relative, within images / within clips): the
+# forms that need every fact right in one sentence (descriptions, places) and the kind of the shape get more turns;
+# counting and direction are learned early and get fewer.
+FORM_WEIGHTS = {"shape": 1.5, "color": 1.0, "count": 0.5, "where": 1.5, "describe": 2.5,
+                "direction": 0.5, "moving_color": 0.75, "describe_video": 2.0}
 
 
 def render_sample(rng: random.Random, video_prob: float, max_turns: int):
@@ -32,8 +37,9 @@ def render_sample(rng: random.Random, video_prob: float, max_turns: int):
     all_qas = world.qas(scene)
     forms = sorted({f for f, _, _ in all_qas})
     turns = []
+    weights = [FORM_WEIGHTS[f] for f in forms]
     for _ in range(rng.randint(1, max_turns)):
-        qa = world.sample_qa(rng, scene, rng.choice(forms))
+        qa = world.sample_qa(rng, scene, rng.choices(forms, weights)[0])
         if all(qa[1] != t[1] for t in turns):
             turns.append(qa)
     media = world.render_video(scene) if is_video else world.render_image(scene)
@@ -134,6 +140,19 @@ def in_background(stream, workers: int):
     return iter(torch.utils.data.DataLoader(_Iterable(), batch_size=None, num_workers=1, prefetch_factor=4))
 
 
+def linear_patch_embed(model):
+    """Run the vision tower's patch embedding (a Conv3d whose kernel equals its stride) as the equivalent Linear on
+    the flattened patches: same weights and result, ~4x less time than the CPU Conv3d in training. Returns a
+    function that restores the module's own forward."""
+    import torch.nn.functional as F
+
+    pe = model.model.visual.patch_embed
+    # pixels [P, C*tp*p*p] (the processor's patch order matches the Conv3d weight's flattening) -> [P, embed_dim]
+    pe.forward = lambda x: F.linear(x.reshape(-1, pe.proj.weight[0].numel()).to(pe.proj.weight.dtype),
+                                    pe.proj.weight.view(pe.embed_dim, -1))
+    return lambda: pe.__dict__.pop("forward", None)
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warmup to `peak`, then cosine decay to 5% of it at `total`."""
     if step < warmup:
@@ -168,6 +187,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     model = build_model(build_config(tokenizer, size), seed=seed).train()
     hidden = model.config.text_config.hidden_size
     cell_probe = torch.nn.Linear(hidden, NUM_CELL_OUTPUTS)
+    restore_patch_embed = linear_patch_embed(model)
     t0 = time.time()
     vision = {"steps": 0, "seconds": 0.0, "history": []}
     if vision_steps > 0:
@@ -232,6 +252,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
             tqdm.write(f"time budget of {minutes} min reached after {step + 1} steps; saving")
             break
     bar.close()
+    restore_patch_embed()
     model.eval()
     model.set_attn_implementation("sdpa")
     os.makedirs(out, exist_ok=True)
