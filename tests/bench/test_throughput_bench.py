@@ -12,6 +12,8 @@ def test_throughput_bench_counts_requested_tokens_with_varied_lengths(capsys):
     hf = int(re.search(r"HF generate: .*\((\d+) tokens", out).group(1))
     assert vl == hf  # HF runs each batch to its longest request but is credited only with what was asked for
     assert 5 * 2 <= vl <= 5 * 9 and vl != 5 * 9  # per-request lengths drawn from the range, not all the maximum
+    generated = int(re.search(r"it generated (\d+)", out).group(1))
+    assert generated > hf  # the extra tokens HF ran to reach the longest request are reported, not credited
     assert re.search(r"ratio vlserve/HF: \d+\.\d+x", out)
 
 

@@ -62,9 +62,10 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), load
 
 
-def bench_hf(model: str, prompts, output_lens: list[int], dtype: str, batch_size: int) -> tuple[float, int]:
-    """HF generate, batched with left padding; each batch runs to its longest request, and only the requested
-    tokens are counted. Returns (seconds, requested tokens)."""
+def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
+             batch_size: int) -> tuple[float, int, int]:
+    """HF generate, batched with left padding; each batch runs to its longest request. Returns (seconds, requested
+    tokens, generated tokens): only the requested ones count for tokens/s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
@@ -78,12 +79,13 @@ def bench_hf(model: str, prompts, output_lens: list[int], dtype: str, batch_size
                                eos_token_id=None, pad_token_id=0)
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, generation_config=cfg)  # [B, width + max(lens)]
-        return sum(min(n, out.shape[1] - width) for n in lens)
+        new = out.shape[1] - width
+        return sum(min(n, new) for n in lens), new * len(batch)
 
     run(prompts[:2], output_lens[:2])  # warm-up
     t = time.perf_counter()
-    n = sum(run(prompts[i:i + batch_size], output_lens[i:i + batch_size]) for i in range(0, len(prompts), batch_size))
-    return time.perf_counter() - t, n
+    counts = [run(prompts[i:i + batch_size], output_lens[i:i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    return time.perf_counter() - t, sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: str) -> tuple[float, int] | None:
@@ -161,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = [("vlserve", n / dt, dt)]
     print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
     if not args.skip_hf:
-        hdt, hn = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
+        hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
         rows.append(("hf", hn / hdt, hdt))
-        print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s)")
+        extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
+        print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s{extra})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
     if args.vllm_python:
         r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype)
