@@ -87,3 +87,27 @@ def test_two_stage_training_smoke(tmp_path):
     AutoProcessor.from_pretrained(out, local_files_only=True)
     model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
     assert model.config.text_config.rope_theta == 10.0 and os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_linear_patch_embed_matches_the_conv3d_and_restores():
+    """Training's Linear patch embedding computes the Conv3d's result; restoring brings the module's forward back."""
+    import torch
+
+    from vlserve.demo.build import DemoSize, build_config, build_model, build_processor
+    from vlserve.demo.tokenizer import build_demo_tokenizer
+    from vlserve.demo.train import linear_patch_embed
+
+    tokenizer = build_demo_tokenizer()
+    model = build_model(build_config(tokenizer, DemoSize(vision_depth=1)), seed=0)
+    image = world.render_image(world.sample_scene(random.Random(5)))
+    pixels = build_processor(tokenizer).image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    pe = model.model.visual.patch_embed
+    with torch.no_grad():
+        conv = pe(pixels)  # [P, embed_dim]
+        restore = linear_patch_embed(model)
+        linear = pe(pixels)
+        restore()
+        again = pe(pixels)
+    assert conv.shape == linear.shape and conv.abs().max() > 0
+    torch.testing.assert_close(linear, conv, rtol=1e-4, atol=1e-5)
+    assert "forward" not in pe.__dict__ and torch.equal(again, conv)

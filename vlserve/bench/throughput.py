@@ -160,11 +160,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
     dt, n, load = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts)
-    rows = [("vlserve", n / dt, dt)]
     print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
     if not args.skip_hf:
         hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
-        rows.append(("hf", hn / hdt, hdt))
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
         print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s{extra})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
