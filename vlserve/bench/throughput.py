@@ -45,6 +45,12 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
     return torch.randint(3, vocab_size - 1, (num_prompts, input_len), generator=g).tolist()
 
 
+def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
+    """n seeded lengths drawn uniformly from [bounds[0], bounds[1]]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(bounds[0], bounds[1] + 1, (n,), generator=g).tolist()
+
+
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
                   max_num_seqs: int) -> tuple[float, int, float]:
     """Returns (seconds, generated tokens, load seconds)."""
@@ -145,15 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = AutoConfig.from_pretrained(model)
     prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
     if args.input_len_range:
-        lo, hi = args.input_len_range
-        g = torch.Generator().manual_seed(args.seed + 1)
-        lens = torch.randint(lo, hi + 1, (args.num_prompts,), generator=g).tolist()
+        lens = random_lengths(args.input_len_range, args.num_prompts, args.seed + 1)
         prompts = [make_prompts(1, n, cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
     output_lens = [args.output_len] * args.num_prompts
     if args.output_len_range:
-        lo, hi = args.output_len_range
-        g = torch.Generator().manual_seed(args.seed + 2)
-        output_lens = torch.randint(lo, hi + 1, (args.num_prompts,), generator=g).tolist()
+        output_lens = random_lengths(args.output_len_range, args.num_prompts, args.seed + 2)
     print(f"model: {model} ({cfg.architectures[0]}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
           f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> "
           f"{args.output_len_range or args.output_len} out, "
