@@ -49,8 +49,9 @@ def test_video_invariants():
         dx, dy = world.DIRECTION_XY[v.direction]
         assert (x1 - x0) * dx + (y1 - y0) * dy >= 0.29 * (v.width if dx else v.height)
         assert abs((x1 - x0) * dy) < 1e-6 and abs((y1 - y0) * dx) < 1e-6  # moves along one axis only
-        for cx, cy in v.centers:
-            assert 0 < cx < v.width and 0 < cy < v.height
+        m = world.VIDEO_MARGIN - 1e-9
+        for cx, cy in v.centers:  # the whole shape stays (about) inside the frame
+            assert m * v.width <= cx <= (1 - m) * v.width and m * v.height <= cy <= (1 - m) * v.height
 
 
 def test_render_image_deterministic_and_sized():

@@ -26,9 +26,10 @@ PLACES = ("left", "right", "top", "bottom", "center")
 PLACE_XY = {"left": (0.18, 0.5), "right": (0.82, 0.5), "top": (0.5, 0.18), "bottom": (0.5, 0.82), "center": (0.5, 0.5)}
 PLACE_JITTER = 0.02  # max offset of a shape center from its place, as a fraction of the side
 SHAPE_RADIUS = (0.10, 0.13)  # nominal radius range, fraction of the side (large enough to tell a circle from a square)
-# Video frames reach the model at 112x112 px (4x4 tokens a frame pair; images get 168x168), and a frame pair blurs
-# the moving shape, so clips draw it larger to keep its kind as readable as in a still image.
-VIDEO_SHAPE_RADIUS = (0.13, 0.17)
+# Video frames reach the model at 112x112 px (4x4 tokens a frame pair; images get 168x168), so clips draw the shape
+# larger, at about a still image's size in processed pixels (17-21 px radius): smaller, circles and squares blur.
+VIDEO_SHAPE_RADIUS = (0.15, 0.19)
+VIDEO_MARGIN = 0.2  # nearest a clip's shape center comes to the frame's edge, fraction of the side
 DIRECTIONS = ("left", "right", "up", "down")
 DIRECTION_XY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
@@ -188,8 +189,8 @@ def sample_video(rng: random.Random, num_frames: int | None = None) -> VideoScen
     dx, dy = DIRECTION_XY[direction]
     dist = rng.uniform(0.3, 0.6)
     # Along the motion axis: start on the trailing side (mirrored for left/up); across it: the middle band.
-    lo = max(0.18, 0.5 - dist / 2 - 0.08)
-    start = rng.uniform(lo, min(0.82 - dist, 0.5 - dist / 2 + 0.08))
+    lo = max(VIDEO_MARGIN, 0.5 - dist / 2 - 0.08)
+    start = rng.uniform(lo, min(1 - VIDEO_MARGIN - dist, 0.5 - dist / 2 + 0.08))
     across = rng.uniform(0.3, 0.7)
     along = start if dx + dy > 0 else 1 - start
     sx, sy = (along, across) if dx else (across, along)
