@@ -111,3 +111,60 @@ def test_linear_patch_embed_matches_the_conv3d_and_restores():
     assert conv.shape == linear.shape and conv.abs().max() > 0
     torch.testing.assert_close(linear, conv, rtol=1e-4, atol=1e-5)
     assert "forward" not in pe.__dict__ and torch.equal(again, conv)
+
+
+def test_turns_that_name_a_kind_or_color_come_last():
+    """No training conversation asks a naming question (which gives away a kind or color) before another form."""
+    from vlserve.demo.train import NAMING_FORMS, render_sample
+
+    rng = random.Random(3)
+    seen_mixed = 0
+    for i in range(60):
+        _, _, turns, _ = render_sample(rng, is_video=i % 2 == 1, max_turns=5)
+        naming = [t[0] in NAMING_FORMS for t in turns]
+        assert naming == sorted(naming)  # False (other forms) before True
+        seen_mixed += 0 < sum(naming) < len(naming)
+    assert seen_mixed > 5
+
+
+def test_batches_hold_one_media_kind():
+    """A training batch is all images or all clips (so image batches are not padded to a clip's length)."""
+    from vlserve.demo.build import build_processor
+    from vlserve.demo.tokenizer import build_demo_tokenizer
+    from vlserve.demo.train import make_batch
+
+    processor = build_processor(build_demo_tokenizer())
+    rng = random.Random(0)
+    kinds = []
+    for _ in range(6):
+        batch = make_batch(rng, processor, 3, video_prob=0.5, max_turns=2)
+        has_images, has_videos = "pixel_values" in batch, "pixel_values_videos" in batch
+        assert has_images != has_videos
+        kinds.append(has_videos)
+    assert any(kinds) and not all(kinds)
+
+
+def test_eager_attention_only_in_one_layer_matches_full_eager():
+    """SDPA everywhere but the pointer layer gives the same loss and that layer's attention probabilities."""
+    import torch
+
+    from vlserve.demo.build import DemoSize, build_config, build_model, build_processor
+    from vlserve.demo.tokenizer import build_demo_tokenizer
+    from vlserve.demo.train import eager_attention_only_in, make_batch
+
+    tokenizer = build_demo_tokenizer()
+    processor = build_processor(tokenizer)
+    model = build_model(build_config(tokenizer, DemoSize(vision_depth=1, num_layers=3)), seed=0).eval()
+    batch = make_batch(random.Random(2), processor, 3, video_prob=0.0, max_turns=3)
+    inputs = {k: v for k, v in batch.items() if not k.startswith(("aux_", "meta_"))}
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        full = model(**inputs, output_attentions=True)
+        restore = eager_attention_only_in(model, layer=1)
+        mixed = model(**inputs, output_attentions=True)
+        restore()
+    assert mixed.attentions[0] is None and mixed.attentions[1] is not None
+    torch.testing.assert_close(mixed.attentions[1], full.attentions[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mixed.loss, full.loss, rtol=1e-4, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
+    assert all(lyr.self_attn.config is model.config.text_config for lyr in model.model.language_model.layers)

@@ -26,13 +26,16 @@ DEFAULT_BATCH = 8
 # counting and direction are learned early and get fewer.
 FORM_WEIGHTS = {"shape": 1.5, "color": 1.0, "count": 0.5, "where": 1.5, "describe": 2.5,
                 "direction": 0.5, "moving_color": 0.75, "describe_video": 2.0}
+# Forms whose question names a shape's kind or color. A conversation asks them after the others: asked first, they
+# would hand a later "Describe the video." the kind to copy, which it cannot do at inference (one question, no hints).
+NAMING_FORMS = ("color", "where", "direction")
 
 
-def render_sample(rng: random.Random, video_prob: float, max_turns: int):
-    """-> (kind "image" | "video", media (PIL image | list of frames), [(form, question, answer), ...], scene)."""
+def render_sample(rng: random.Random, is_video: bool, max_turns: int):
+    """-> (kind "image" | "video", media (PIL image | list of frames), [(form, question, answer), ...], scene); the
+    turns that name a kind or color (NAMING_FORMS) come last."""
     from vlserve.demo import world
 
-    is_video = rng.random() < video_prob
     scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
     all_qas = world.qas(scene)
     forms = sorted({f for f, _, _ in all_qas})
@@ -42,6 +45,7 @@ def render_sample(rng: random.Random, video_prob: float, max_turns: int):
         qa = world.sample_qa(rng, scene, rng.choices(forms, weights)[0])
         if all(qa[1] != t[1] for t in turns):
             turns.append(qa)
+    turns.sort(key=lambda t: t[0] in NAMING_FORMS)  # stable: the others keep their order
     media = world.render_video(scene) if is_video else world.render_image(scene)
     return ("video" if is_video else "image"), media, turns, scene
 
@@ -76,11 +80,13 @@ def answer_labels(input_ids, tokenizer):
 
 
 def make_batch(rng: random.Random, processor, batch_size: int, video_prob: float = 0.3, max_turns: int = 3):
-    """Render batch_size fresh samples and run them through the processor; adds answer-only "labels" and the
-    auxiliary per-visual-token targets ("aux_*", see vlserve.demo.targets)."""
+    """Render batch_size fresh samples (all clips with probability video_prob, else all images: a batch padded to
+    its longest clip would waste most of an image batch) and run them through the processor; adds answer-only
+    "labels" and the auxiliary per-visual-token targets ("aux_*", see vlserve.demo.targets)."""
     from vlserve.demo.targets import batch_targets
 
-    samples = [render_sample(rng, video_prob, max_turns) for _ in range(batch_size)]
+    is_video = rng.random() < video_prob
+    samples = [render_sample(rng, is_video, max_turns) for _ in range(batch_size)]
     texts = [processor.apply_chat_template(conversation(k, t), tokenize=False) for k, _, t, _ in samples]
     images = [m for k, m, _, _ in samples if k == "image"] or None
     videos = [m for k, m, _, _ in samples if k == "video"] or None
@@ -153,6 +159,27 @@ def linear_patch_embed(model):
     return lambda: pe.__dict__.pop("forward", None)
 
 
+def eager_attention_only_in(model, layer: int):
+    """Compute attention probabilities only where the pointer loss reads them: the model (and its mask) runs
+    "eager", but every other text layer and the vision tower get SDPA through their own config copy (with
+    one-kind batches, stage-2 steps took ~5% less time). Returns a function that restores the shared configs."""
+    import copy
+
+    model.set_attn_implementation("eager")
+    modules = [blk.attn for blk in model.model.visual.blocks]
+    modules += [lyr.self_attn for i, lyr in enumerate(model.model.language_model.layers) if i != layer]
+    shared = [m.config for m in modules]
+    for m in modules:
+        m.config = copy.copy(m.config)
+        m.config._attn_implementation = "sdpa"
+
+    def restore():
+        for m, cfg in zip(modules, shared):
+            m.config = cfg
+        model.set_attn_implementation("sdpa")
+    return restore
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warmup to `peak`, then cosine decay to 5% of it at `total`."""
     if step < warmup:
@@ -175,7 +202,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     import torch
     from tqdm import tqdm
 
-    from vlserve.demo.targets import NUM_CELL_OUTPUTS, AuxHeads
+    from vlserve.demo.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
     from vlserve.demo.vision_stage import pretrain_vision
     from vlserve.demo.build import build_config, build_model, build_processor, count_parameters
     from vlserve.demo.tokenizer import build_demo_tokenizer
@@ -198,8 +225,9 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     heads = AuxHeads(hidden, cell_probe)
     token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id,
                  "vision_end": model.config.vision_end_token_id}
-    if aux_weight > 0:  # the pointer-head loss needs attention probabilities
-        model.set_attn_implementation("eager")
+    restore_attention = lambda: None  # noqa: E731
+    if aux_weight > 0:  # the pointer-head loss needs layer ATTN_LAYER's attention probabilities
+        restore_attention = eager_attention_only_in(model, ATTN_LAYER)
     named = list(model.named_parameters())
     vision_params = [p for n, p in named if ".visual." in f".{n}"] + list(cell_probe.parameters())
     seen = {id(p) for p in vision_params}
@@ -254,6 +282,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     bar.close()
     restore_patch_embed()
     model.eval()
+    restore_attention()
     model.set_attn_implementation("sdpa")
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

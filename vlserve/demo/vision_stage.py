@@ -96,7 +96,7 @@ class _Stream:
 
 
 def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 32, lr: float = 1e-3,
-                    seed: int = 0, video_prob: float = 0.25, workers: int = 1, minutes: float | None = None,
+                    seed: int = 0, video_prob: float = 0.35, workers: int = 1, minutes: float | None = None,
                     log_every: int = 50) -> dict:
     """Train model's vision tower (and cell_probe, a Linear(hidden, NUM_CELL_OUTPUTS)) for `steps` steps; the
     silhouette head is thrown away. Returns {"steps", "seconds", "history"}."""
