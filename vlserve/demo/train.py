@@ -7,7 +7,7 @@ inference; follow-up questions reuse the same visual tokens): the loss covers th
 plus deep supervision of intermediate states (vlserve.demo.targets) without which a model this small, trained this
 briefly from scratch, does not learn to look at the image. AdamW with warmup + cosine decay; everything is seeded
 (scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
-The defaults (480 vision steps of 32 items, then 1600 steps of 8 conversations; one torch thread + one rendering
+The defaults (400 vision steps of 32 items, then 1700 steps of 8 conversations; one torch thread + one rendering
 worker) fit the default 40-minute cap on 2 CPU cores; the cap stops a stage early (still saving) on a slower machine.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import os
 import random
 import time
 
-DEFAULT_VISION_STEPS = 480
-DEFAULT_STEPS = 1600
+DEFAULT_VISION_STEPS = 400
+DEFAULT_STEPS = 1700
 DEFAULT_BATCH = 8
 # How often each question form is asked in training conversations (relative, within images / within clips): the
 # forms that need every fact right in one sentence (descriptions, places) and the kind of the shape get more turns;
