@@ -149,10 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
-    prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
     if args.input_len_range:
         lens = random_lengths(args.input_len_range, args.num_prompts, args.seed + 1)
         prompts = [make_prompts(1, n, cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
+    else:
+        prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
     output_lens = [args.output_len] * args.num_prompts
     if args.output_len_range:
         output_lens = random_lengths(args.output_len_range, args.num_prompts, args.seed + 2)

@@ -225,9 +225,8 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     heads = AuxHeads(hidden, cell_probe)
     token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id,
                  "vision_end": model.config.vision_end_token_id}
-    restore_attention = lambda: None  # noqa: E731
-    if aux_weight > 0:  # the pointer-head loss needs layer ATTN_LAYER's attention probabilities
-        restore_attention = eager_attention_only_in(model, ATTN_LAYER)
+    # the pointer-head loss needs layer ATTN_LAYER's attention probabilities (the model starts on SDPA)
+    restore_attention = eager_attention_only_in(model, ATTN_LAYER) if aux_weight > 0 else (lambda: None)
     named = list(model.named_parameters())
     vision_params = [p for n, p in named if ".visual." in f".{n}"] + list(cell_probe.parameters())
     seen = {id(p) for p in vision_params}
@@ -282,8 +281,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     bar.close()
     restore_patch_embed()
     model.eval()
-    restore_attention()
-    model.set_attn_implementation("sdpa")
+    restore_attention()  # back to SDPA everywhere, as saved
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
