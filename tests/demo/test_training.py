@@ -168,3 +168,13 @@ def test_eager_attention_only_in_one_layer_matches_full_eager():
     torch.testing.assert_close(mixed.loss, full.loss, rtol=1e-4, atol=1e-5)
     assert model.config._attn_implementation == "sdpa"
     assert all(lyr.self_attn.config is model.config.text_config for lyr in model.model.language_model.layers)
+
+
+def test_lr_schedule_follows_the_clock_only_when_it_is_ahead():
+    from vlserve.demo.train import lr_at, schedule_step
+
+    assert schedule_step(100, 1000, elapsed=60.0, minutes=None) == 100  # no cap: the steps alone
+    assert schedule_step(100, 1000, elapsed=60.0, minutes=10.0) == 100  # 10% of the steps, 10% of the time
+    assert schedule_step(100, 1000, elapsed=300.0, minutes=10.0) == 500  # half the time gone: half-way down
+    assert schedule_step(100, 1000, elapsed=900.0, minutes=10.0) == 1000  # past the cap: fully decayed
+    assert lr_at(schedule_step(10, 1000, elapsed=599.0, minutes=10.0), 1000, 1.0, warmup=5) < 0.06

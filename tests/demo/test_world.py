@@ -47,7 +47,11 @@ def test_video_invariants():
         assert world.MIN_FRAMES <= v.num_frames <= world.MAX_FRAMES
         (x0, y0), (x1, y1) = v.centers[0], v.centers[-1]
         dx, dy = world.DIRECTION_XY[v.direction]
-        assert (x1 - x0) * dx + (y1 - y0) * dy >= 0.29 * (v.width if dx else v.height)
+        side = v.width if dx else v.height
+        travel = min(0.25, world.VIDEO_MAX_STEP * (v.num_frames - 1)) - 1e-6
+        assert (x1 - x0) * dx + (y1 - y0) * dy >= travel * side
+        for (ax, ay), (bx, by) in zip(v.centers, v.centers[1:]):  # each step moves the same way, and not too far
+            assert 0 < (bx - ax) * dx + (by - ay) * dy <= (world.VIDEO_MAX_STEP + 1e-6) * side
         assert abs((x1 - x0) * dy) < 1e-6 and abs((y1 - y0) * dx) < 1e-6  # moves along one axis only
         m = world.VIDEO_MARGIN - 1e-9
         for cx, cy in v.centers:  # the whole shape stays (about) inside the frame

@@ -7,8 +7,9 @@ inference; follow-up questions reuse the same visual tokens): the loss covers th
 plus deep supervision of intermediate states (vlserve.demo.targets) without which a model this small, trained this
 briefly from scratch, does not learn to look at the image. AdamW with warmup + cosine decay; everything is seeded
 (scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
-The defaults (400 vision steps of 32 items, then 1700 steps of 8 conversations; one torch thread + one rendering
-worker) fit the default 40-minute cap on 2 CPU cores; the cap stops a stage early (still saving) on a slower machine.
+The defaults (600 vision steps of 32 items, then 3000 steps of 8 conversations; one torch thread + one rendering
+worker) fit the default 40-minute cap on 2 CPU cores; on a slower machine the cap stops a stage early (still saving),
+and stage 2's LR schedule then runs on the clock, so that it still ends decayed.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import os
 import random
 import time
 
-DEFAULT_VISION_STEPS = 400
-DEFAULT_STEPS = 1700
+DEFAULT_VISION_STEPS = 600
+DEFAULT_STEPS = 3000
 DEFAULT_BATCH = 8
 # How often each question form is asked in training conversations (relative, within images / within clips): the
 # forms that need every fact right in one sentence (descriptions, places) and the kind of the shape get more turns;
@@ -188,6 +189,14 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def schedule_step(step: int, steps: int, elapsed: float, minutes: float | None) -> int:
+    """The step the LR schedule is at: `step`, or further along when the wall-clock cap will stop the run first (so a
+    capped run still ends on a decayed LR; while the steps keep ahead of the clock, they alone set it)."""
+    if minutes is None:
+        return step
+    return max(step, min(steps, int(steps * elapsed / (60 * minutes))))
+
+
 def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
           minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 5,
           warmup: int = 60, log_every: int = 50, threads: int = 1, workers: int = 1, aux_weight: float = 1.0,
@@ -197,7 +206,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     Stage 1 (`vision_steps`, vlserve.demo.vision_stage) trains the vision tower alone on dense targets; stage 2
     (`steps`) trains everything on the answer-token cross entropy plus aux_weight times the dense auxiliary losses
     (vlserve.demo.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs out;
-    the checkpoint is saved either way and the LR schedules follow the step counts.
+    the checkpoint is saved either way (stage 2's LR schedule follows the clock when the clock is ahead).
     """
     import torch
     from tqdm import tqdm
@@ -245,7 +254,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     step = 0
     for step in bar:
         for g in opt.param_groups:
-            g["lr"] = g["scale"] * lr_at(step, steps, lr, warmup)
+            g["lr"] = g["scale"] * lr_at(schedule_step(step, steps, time.time() - start, minutes), steps, lr, warmup)
         batch = next(data)
         inputs = {k: v for k, v in batch.items() if not k.startswith(("aux_", "meta_"))}
         res = model(**inputs, output_hidden_states=aux_weight > 0, output_attentions=aux_weight > 0)

@@ -27,9 +27,12 @@ PLACE_XY = {"left": (0.18, 0.5), "right": (0.82, 0.5), "top": (0.5, 0.18), "bott
 PLACE_JITTER = 0.02  # max offset of a shape center from its place, as a fraction of the side
 SHAPE_RADIUS = (0.10, 0.13)  # nominal radius range, fraction of the side (large enough to tell a circle from a square)
 # Video frames reach the model at 112x112 px (4x4 tokens a frame pair; images get 168x168), so clips draw the shape
-# larger, at about a still image's size in processed pixels (17-21 px radius): smaller, circles and squares blur.
-VIDEO_SHAPE_RADIUS = (0.15, 0.19)
-VIDEO_MARGIN = 0.2  # nearest a clip's shape center comes to the frame's edge, fraction of the side
+# larger than a still's (21-26 px radius in processed pixels): smaller, circles and squares blur.
+VIDEO_SHAPE_RADIUS = (0.19, 0.23)
+VIDEO_MARGIN = 0.28  # nearest a clip's shape center comes to the frame's edge, fraction of the side
+# Farthest the shape moves from one frame to the next, fraction of the side. The vision tower sees frames in pairs
+# (one Conv3d patch spans two frames): a longer step would show it two shapes side by side instead of one.
+VIDEO_MAX_STEP = 0.06
 DIRECTIONS = ("left", "right", "up", "down")
 DIRECTION_XY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
@@ -180,14 +183,15 @@ def sample_scene(rng: random.Random, num_shapes: int | None = None) -> Scene:
 
 
 def sample_video(rng: random.Random, num_frames: int | None = None) -> VideoScene:
-    """A random clip: one shape crossing 30-60% of the frame in one direction over 4-16 frames."""
+    """A random clip: one shape moving in one direction over 4-16 frames, across 18-44% of the frame's side (at most
+    VIDEO_MAX_STEP a frame)."""
     t = num_frames or rng.randint(MIN_FRAMES, MAX_FRAMES)
     w, h = _sample_size(rng, MAX_VIDEO_SIDE)
     kind, color, direction = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.choice(DIRECTIONS)
     side = min(w, h)
     r = rng.uniform(*VIDEO_SHAPE_RADIUS) * side
     dx, dy = DIRECTION_XY[direction]
-    dist = rng.uniform(0.3, 0.6)
+    dist = min(rng.uniform(0.25, 1 - 2 * VIDEO_MARGIN), VIDEO_MAX_STEP * (t - 1))
     # Along the motion axis: start on the trailing side (mirrored for left/up); across it: the middle band.
     lo = max(VIDEO_MARGIN, 0.5 - dist / 2 - 0.08)
     start = rng.uniform(lo, min(1 - VIDEO_MARGIN - dist, 0.5 - dist / 2 + 0.08))
