@@ -175,6 +175,23 @@ def test_lr_schedule_follows_the_clock_only_when_it_is_ahead():
 
     assert schedule_step(100, 1000, elapsed=60.0, minutes=None) == 100  # no cap: the steps alone
     assert schedule_step(100, 1000, elapsed=60.0, minutes=10.0) == 100  # 10% of the steps, 10% of the time
-    assert schedule_step(100, 1000, elapsed=300.0, minutes=10.0) == 500  # half the time gone: half-way down
+    assert schedule_step(1, 1000, elapsed=20.0, minutes=10.0) == 1  # a slow start does not move the schedule
+    assert schedule_step(100, 1000, elapsed=300.0, minutes=10.0) == 450  # half the time gone: (nearly) half-way
     assert schedule_step(100, 1000, elapsed=900.0, minutes=10.0) == 1000  # past the cap: fully decayed
     assert lr_at(schedule_step(10, 1000, elapsed=599.0, minutes=10.0), 1000, 1.0, warmup=5) < 0.06
+
+
+def test_training_is_reproducible(tmp_path):
+    """The same arguments (a wall-clock cap included, which this run stays well inside) give the same weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vlserve.demo.train import train
+
+    runs = []
+    for name in ("a", "b"):
+        out = str(tmp_path / name)
+        train(out, steps=3, batch_size=2, vision_steps=2, workers=0, log_every=1, warmup=1, minutes=40.0)
+        runs.append(load_file(os.path.join(out, "model.safetensors")))
+    assert runs[0].keys() == runs[1].keys()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
