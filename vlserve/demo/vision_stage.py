@@ -104,7 +104,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from vlserve.demo.train import in_background, lr_at
+    from vlserve.demo.train import in_background, lr_at, schedule_step
 
     visual = model.model.visual
     embed_dim = model.config.vision_config.embed_dim
@@ -119,8 +119,9 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     bar = tqdm(range(steps), desc="vision", dynamic_ncols=True, mininterval=2.0)
     step = 0
     for step in bar:
+        step_lr = lr_at(schedule_step(step, steps, time.time() - start, minutes), steps, lr, warmup=30)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=30)
+            g["lr"] = step_lr
         b = next(data)
         cells = visual(b["pixel_values"], grid_thw=b["grid_thw"])  # [cells, hidden]
         logits = cell_probe(cells)  # [cells, NUM_CELL_OUTPUTS]
