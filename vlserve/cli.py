@@ -53,6 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_dict, default=None, help="JSON, passed to the engine")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="reject new requests with 503 while this many wait")
+    p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                   help="message content the chat template takes: one string, or a list of parts (auto: detected)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -73,7 +75,8 @@ def serve_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
-        speculative_config=args.speculative_config, served_model_name=names[0] if names else None)
+        speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
+        chat_template_content_format=args.chat_template_content_format)
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                                             allowed_media_domains=_split_domains(args.allowed_media_domains)))

@@ -52,6 +52,7 @@ class EngineArgs:
     max_waiting_requests: int | None = None
     speculative_config: dict[str, Any] | None = None
     served_model_name: str | None = None
+    chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):
@@ -64,6 +65,9 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be auto/string/openai, "
+                             f"got {str(self.chat_template_content_format)[:50]!r}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
 

@@ -27,7 +27,8 @@ class LLM:
         loaded = self.engine.loaded
         self.tokenizer = loaded.tokenizer
         self.input_processor = InputProcessor(loaded, self.engine_args.limit_mm_per_prompt,
-                                              self.engine_args.mm_processor_kwargs)
+                                              self.engine_args.mm_processor_kwargs,
+                                              self.engine_args.chat_template_content_format)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

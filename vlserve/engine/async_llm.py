@@ -86,7 +86,8 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.modalities = tuple(loaded.modalities)
         self.input_processor = InputProcessor(loaded, engine_args.limit_mm_per_prompt,
-                                              engine_args.mm_processor_kwargs)
+                                              engine_args.mm_processor_kwargs,
+                                              engine_args.chat_template_content_format)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._chat_takes_media_source = "media_source" in inspect.signature(
             self.input_processor.process_chat).parameters

@@ -5,6 +5,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vlserve.core.request import EngineCoreRequest
+from vlserve.engine.chat import (CONTENT_FORMATS, default_media_source, parse_chat_messages, resolve_content_format,
+                                 to_content_format)
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.sampling_params import SamplingParams
@@ -25,7 +27,11 @@ class InputProcessor:
     """Tokenizes prompts, applies the chat template, runs the HF processor on media, validates limits."""
 
     def __init__(self, loaded: LoadedModel, limit_mm_per_prompt: dict[str, int] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None):
+                 mm_processor_kwargs: dict[str, Any] | None = None, chat_template_content_format: str = "auto"):
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                             f"got {str(chat_template_content_format)[:50]!r}")
+        self.chat_template_content_format = chat_template_content_format
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
@@ -78,20 +84,26 @@ class InputProcessor:
         """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order).
         `media_source(part_type, part)` turns a media part into what the loader takes (the server passes
         pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media."""
-        from vlserve.engine.chat import default_media_source, parse_chat_messages
-
         template_messages, mm_data = parse_chat_messages(messages, media_source or default_media_source)
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
+        text = self._render_chat(template_messages, chat_template_kwargs)
         token_ids = self._tokenize(text, add_special_tokens=False)
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
 
+    def _render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+        """Parsed messages (content parts in the "openai" shape) through the chat template, in the content format
+        the template takes; transformers renders it in its sandboxed Jinja environment."""
+        kwargs = dict(chat_template_kwargs or {})
+        template = kwargs.get("chat_template") or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("this model's tokenizer has no chat template; give a plain prompt (with the media "
+                             "placeholder tokens, if any) instead")
+        content_format = resolve_content_format(self.chat_template_content_format, template)
+        return self.tokenizer.apply_chat_template(to_content_format(messages, content_format), tokenize=False,
+                                                  add_generation_prompt=True, **kwargs)
+
     def _wrap_in_chat_template(self, text: str, mm_data: dict[str, list]) -> str:
         parts = [{"type": m} for m in ("image", "video", "audio") for _ in mm_data.get(m, [])]
-        messages = [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._render_chat([{"role": "user", "content": parts + [{"type": "text", "text": text}]}])
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

@@ -28,6 +28,7 @@ def build_qwen2_vl_checkpoint(
     fullatt_block_indexes: tuple[int, ...] = (1,),
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    chat_template: str | None = None,
 ) -> str:
     """Write a random tiny Qwen2VLForConditionalGeneration (variant="qwen2_vl") or
     Qwen2_5_VLForConditionalGeneration (variant="qwen2_5_vl") plus its processor to `out_dir`; return out_dir.
@@ -36,12 +37,15 @@ def build_qwen2_vl_checkpoint(
     offline. sum(mrope_section) must equal head_dim // 2 (head_dim = hidden_size // num_attention_heads).
     Qwen2.5-VL only: `window_size` (pixels) sets windowed vision attention, `fullatt_block_indexes` the vision blocks
     that attend globally, `tokens_per_second` the temporal position scale of videos.
+    `chat_template` goes to both the tokenizer and the processor (default: vlserve.testing.tokenizer.CHAT_TEMPLATE;
+    vlserve.testing.chat_templates.QWEN2_VL_CHAT_TEMPLATE behaves like the real checkpoints' template).
     """
     import torch
     from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
+    chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     head_dim = hidden_size // num_attention_heads
     if 2 * sum(mrope_section) != head_dim:
         raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must be head_dim/2={head_dim // 2}")
@@ -52,7 +56,7 @@ def build_qwen2_vl_checkpoint(
         tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token=None, bos_token=None, additional_special_tokens=base.additional_special_tokens,
         clean_up_tokenization_spaces=False)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     ids = {t: tok.convert_tokens_to_ids(t) for t in
            ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
     text_cfg = dict(
@@ -99,6 +103,6 @@ def build_qwen2_vl_checkpoint(
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     video_processor = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     processor = Processor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                          chat_template=CHAT_TEMPLATE)
+                          chat_template=chat_template)
     processor.save_pretrained(out_dir)
     return out_dir
