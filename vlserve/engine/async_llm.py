@@ -3,7 +3,9 @@
 The engine core steps in one dedicated background thread, so the event loop never waits on model compute.
 Requests and aborts cross into that thread through a thread-safe queue; each step's outputs go back to
 per-request asyncio queues through `loop.call_soon_threadsafe`. Input processing (tokenizer, chat template, HF
-processor, media decoding) runs in a small thread pool, also off the event loop.
+processor, media decoding) runs in a small thread pool, also off the event loop, so one slow request (a big image,
+a long prompt) does not hold up the others; only the multimodal processor, whose item cache is not thread-safe, is
+used by one worker at a time.
 """
 from __future__ import annotations
 
@@ -70,6 +72,23 @@ class _Abort:
 
 
 _STOP = object()
+DEFAULT_INPUT_WORKERS = 4
+
+
+class _SerializedProcessor:
+    """Wraps the multimodal processor so that `process()` runs in one thread at a time (its cache is not
+    thread-safe); every other attribute passes through."""
+
+    def __init__(self, processor: Any):
+        self._processor = processor
+        self._lock = threading.Lock()
+
+    def process(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._processor.process(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._processor, name)
 
 
 class AsyncLLM:
@@ -78,7 +97,7 @@ class AsyncLLM:
     Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int = 1):
+    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS):
         self.engine_args = engine_args
         self.engine = EngineCore(engine_args)
         loaded = self.engine.loaded
@@ -90,7 +109,10 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._chat_takes_media_source = "media_source" in inspect.signature(
             self.input_processor.process_chat).parameters
-        # One worker by default: the tokenizer and the HF processor's item cache are not built for concurrency.
+        if self.input_processor.mm_processor is not None:
+            self.input_processor.mm_processor = _SerializedProcessor(self.input_processor.mm_processor)
+        # Several workers: a slow input does not block the rest. The fast tokenizer is only read (no truncation or
+        # padding state changes), which is safe from several threads.
         self._executor = ThreadPoolExecutor(max_workers=input_workers, thread_name_prefix="vlserve-input")
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from vlserve.engine.request_limits import check_role
+from vlserve.shorten import shorten
+
 _MEDIA_PART = {"image_url": "image", "image_pil": "image", "image": "image",
                "video_url": "video", "video": "video", "input_audio": "audio", "audio_url": "audio"}
 
@@ -43,6 +46,7 @@ def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict]
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg:
             raise ValueError(f"message {i} must be a dict with a 'role'")
+        check_role(msg["role"], f"message {i}")
         content = msg.get("content")
         if content is None or isinstance(content, str):
             out_messages.append({"role": msg["role"], "content": content or ""})
@@ -60,6 +64,6 @@ def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict]
                 mm_data.setdefault(_MEDIA_PART[ptype], []).append(media_source(ptype, part))
                 parts.append({"type": ptype})
             else:
-                raise ValueError(f"message {i} part {j}: unsupported content part type {ptype!r}")
+                raise ValueError(f"message {i} part {j}: unsupported content part type {shorten(ptype)}")
         out_messages.append({"role": msg["role"], "content": parts})
     return out_messages, mm_data

@@ -6,6 +6,7 @@ from typing import Any
 
 from vlserve.core.request import EngineCoreRequest
 from vlserve.engine.model_setup import LoadedModel
+from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class InputProcessor:
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         self.default_mm_kwargs = dict(mm_processor_kwargs or {})
         self.mm_processor = getattr(loaded, "mm_processor", None)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)
 
     # -- prompts -----------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
@@ -94,6 +96,7 @@ class InputProcessor:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        check_prompt_chars(text, self.max_prompt_chars, self.loaded.max_model_len)  # before the tokenizer's work
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
