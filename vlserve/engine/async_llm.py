@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from vlserve.config import EngineArgs
 from vlserve.engine.core import EngineCore
+from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS, SerializedProcessor
 from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.outputs import RequestOutput
@@ -72,25 +73,6 @@ class _Abort:
 
 
 _STOP = object()
-DEFAULT_INPUT_WORKERS = 4
-
-
-class _SerializedProcessor:
-    """Wraps the multimodal processor so that `process()` runs in one thread at a time (its cache is not
-    thread-safe); every other attribute passes through."""
-
-    def __init__(self, processor: Any):
-        self._processor = processor
-        self._lock = threading.Lock()
-
-    def process(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._processor.process(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._processor, name)
-
-
 class AsyncLLM:
     """Async engine client: `generate()` yields cumulative `RequestOutput`s while a background thread steps the core.
 
@@ -110,7 +92,7 @@ class AsyncLLM:
         self._chat_takes_media_source = "media_source" in inspect.signature(
             self.input_processor.process_chat).parameters
         if self.input_processor.mm_processor is not None:
-            self.input_processor.mm_processor = _SerializedProcessor(self.input_processor.mm_processor)
+            self.input_processor.mm_processor = SerializedProcessor(self.input_processor.mm_processor)
         # Several workers: a slow input does not block the rest. The fast tokenizer is only read (no truncation or
         # padding state changes), which is safe from several threads.
         self._executor = ThreadPoolExecutor(max_workers=input_workers, thread_name_prefix="vlserve-input")
