@@ -232,3 +232,13 @@ def test_nothing_leaked_after_hostile_requests(server, trusting_server):
         served.wait_idle()
         served.engine.engine.check_integrity()
         assert served.http.get("/health").status_code == 200
+
+
+def test_cli_flags_for_templates_and_body_cap():
+    from vlserve.cli import build_parser, serve_config_from_args
+
+    _, default = serve_config_from_args(build_parser().parse_args(["serve", "/m"]))
+    assert not default.trust_request_chat_template and default.max_body_bytes == 64 << 20
+    _, config = serve_config_from_args(build_parser().parse_args(
+        ["serve", "/m", "--trust-request-chat-template", "--max-request-body-bytes", "1000"]))
+    assert config.trust_request_chat_template and config.max_body_bytes == 1000
