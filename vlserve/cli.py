@@ -50,6 +50,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-media-domains", nargs="+", default=None,
                    help="hosts that http(s) media URLs may come from, space- or comma-separated (default: any)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="honour chat templates sent in requests (chat_template, chat_template_kwargs); they run "
+                        "client-written Jinja in the server, so only for trusted clients (default: refused)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="largest request body accepted, in bytes (default: 64 MiB); larger ones get 413")
     p.add_argument("--speculative-config", type=_json_dict, default=None, help="JSON, passed to the engine")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="reject new requests with 503 while this many wait")
@@ -77,7 +82,9 @@ def serve_config_from_args(args: argparse.Namespace):
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format)
+    body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
+                          trust_request_chat_template=args.trust_request_chat_template, **body_cap,
                           media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                                             allowed_media_domains=_split_domains(args.allowed_media_domains)))
     return engine_args, config

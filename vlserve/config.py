@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlserve.shorten import shorten
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -67,7 +69,7 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto/string/openai, "
-                             f"got {str(self.chat_template_content_format)[:50]!r}")
+                             f"got {shorten(self.chat_template_content_format)}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
 

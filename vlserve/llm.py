@@ -11,6 +11,7 @@ from vlserve.config import EngineArgs
 from vlserve.engine.core import EngineCore
 from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from vlserve.engine.output_processor import OutputProcessor, child_params
+from vlserve.engine.request_limits import check_chat_template_kwargs
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
 
@@ -60,6 +61,8 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # The caller's own code: a chat_template in the kwargs is trusted here (the server refuses it by default).
+        chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, allow_template=True)
         processed = [self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs)
                      for c in conversations]
         return self._run(processed, sampling_params, use_tqdm)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64  # each one is searched for in every step's new text
 _GREEDY_EPS = 1e-5
 
 
@@ -78,6 +79,8 @@ class SamplingParams:
             bad(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}.")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
             bad(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

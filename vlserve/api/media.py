@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urljoin, urlparse
@@ -18,6 +19,7 @@ from urllib.parse import unquote, urljoin, urlparse
 import httpx
 
 from vlserve.api.errors import APIError
+from vlserve.shorten import shorten
 
 URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 PASSTHROUGH_PARTS = {"input_audio": "audio"}
@@ -33,10 +35,6 @@ class MediaConfig:
     max_bytes: dict[str, int] = field(default_factory=lambda: {"image": 20 << 20, "video": 200 << 20,
                                                                "audio": 50 << 20})
     max_redirects: int = 5
-
-
-def _short(url: str, n: int = 100) -> str:
-    return url if len(url) <= n else url[:n] + "..."
 
 
 class MediaFetcher:
@@ -114,12 +112,12 @@ class MediaFetcher:
             return await self._fetch_http(url, kind)
         if scheme == "file":
             return await self._read_local(url, kind)
-        raise APIError(f"unsupported {kind} URL {_short(url)!r}: use a data:, http(s):// or file:// URL", 400)
+        raise APIError(f"unsupported {kind} URL {shorten(url, 100)}: use a data:, http(s):// or file:// URL", 400)
 
     def _check_domain(self, url: str, kind: str) -> None:
         host = (urlparse(url).hostname or "").lower()
         if not host:
-            raise APIError(f"{kind} URL {_short(url)!r} has no host", 400)
+            raise APIError(f"{kind} URL {shorten(url, 100)} has no host", 400)
         if self._domains is not None and host not in self._domains:
             raise APIError(f"{kind} URL host {host!r} is not in --allowed-media-domains", 400)
 
@@ -128,42 +126,44 @@ class MediaFetcher:
         try:
             return await asyncio.wait_for(self._download(url, kind, timeout), timeout)
         except (asyncio.TimeoutError, httpx.TimeoutException):
-            raise APIError(f"timed out after {timeout:g} s fetching {kind} {_short(url)!r}", 400) from None
+            raise APIError(f"timed out after {timeout:g} s fetching {kind} {shorten(url, 100)}", 400) from None
         except httpx.HTTPError as e:
-            raise APIError(f"could not fetch {kind} {_short(url)!r}: {type(e).__name__}: {e}", 400) from None
+            raise APIError(f"could not fetch {kind} {shorten(url, 100)}: {type(e).__name__}: {e}", 400) from None
 
     async def _download(self, url: str, kind: str, timeout: float) -> bytes:
         limit = self.config.max_bytes[kind]
         for _ in range(self.config.max_redirects + 1):
             if urlparse(url).scheme.lower() not in ("http", "https"):
-                raise APIError(f"{kind} URL redirected to a non-http(s) URL {_short(url)!r}", 400)
+                raise APIError(f"{kind} URL redirected to a non-http(s) URL {shorten(url, 100)}", 400)
             self._check_domain(url, kind)
             async with self._http().stream("GET", url, timeout=timeout) as resp:
                 if resp.is_redirect and "location" in resp.headers:
                     url = urljoin(url, resp.headers["location"])
                     continue
                 if resp.status_code != 200:
-                    raise APIError(f"fetching {kind} {_short(url)!r} failed: HTTP {resp.status_code}", 400)
+                    raise APIError(f"fetching {kind} {shorten(url, 100)} failed: HTTP {resp.status_code}", 400)
                 size = resp.headers.get("content-length")
                 if size is not None and size.isdigit() and int(size) > limit:
-                    raise APIError(f"{kind} at {_short(url)!r} is {size} bytes, over the {limit} byte cap", 400)
+                    raise APIError(f"{kind} at {shorten(url, 100)} is {size} bytes, over the {limit} byte cap", 400)
                 buf = bytearray()
                 async for chunk in resp.aiter_bytes():
                     buf += chunk
                     if len(buf) > limit:
-                        raise APIError(f"{kind} at {_short(url)!r} is over the {limit} byte cap", 400)
+                        raise APIError(f"{kind} at {shorten(url, 100)} is over the {limit} byte cap", 400)
                 if not buf:
-                    raise APIError(f"{kind} at {_short(url)!r} is empty", 400)
+                    raise APIError(f"{kind} at {shorten(url, 100)} is empty", 400)
                 return bytes(buf)
-        raise APIError(f"too many redirects fetching {kind} {_short(url)!r}", 400)
+        raise APIError(f"too many redirects fetching {kind} {shorten(url, 100)}", 400)
 
     async def _read_local(self, url: str, kind: str) -> bytes:
         root = self.config.allowed_local_media_path
         if root is None:
             raise APIError("file:// URLs are disabled; start the server with --allowed-local-media-path DIR", 400)
+        if "\x00" in url or "%00" in url:
+            raise APIError(f"file URL {shorten(url, 100)} contains a NUL character", 400, "messages")
         parsed = urlparse(url)
         if parsed.netloc not in ("", "localhost"):
-            raise APIError(f"file URL {_short(url)!r} must be file:///absolute/path", 400)
+            raise APIError(f"file URL {shorten(url, 100)} must be file:///absolute/path", 400)
         real = os.path.realpath(unquote(parsed.path))
         root = os.path.realpath(root)
         try:
@@ -171,21 +171,30 @@ class MediaFetcher:
         except ValueError:
             inside = False
         if not inside:
-            raise APIError(f"{kind} file {_short(url)!r} is outside --allowed-local-media-path", 400)
+            raise APIError(f"{kind} file {shorten(url, 100)} is outside --allowed-local-media-path", 400)
         limit = self.config.max_bytes[kind]
         return await asyncio.to_thread(_read_capped, real, limit, kind, url)
 
 
 def _read_capped(path: str, limit: int, kind: str, url: str) -> bytes:
-    if not os.path.isfile(path):
-        raise APIError(f"{kind} file {_short(url)!r} not found", 400)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise APIError(f"{kind} file {shorten(url, 100)} not found", 400, "messages") from None
+    except OSError as e:
+        raise APIError(f"cannot read {kind} file {shorten(url, 100)}: {e.strerror}", 400, "messages") from None
+    if stat.S_ISDIR(mode):
+        raise APIError(f"{kind} file URL {shorten(url, 100)} names a directory, not a file", 400, "messages")
+    if not stat.S_ISREG(mode):
+        raise APIError(f"{kind} file URL {shorten(url, 100)} is not a regular file (a FIFO, socket or device)",
+                       400, "messages")
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
-        raise APIError(f"cannot read {kind} file {_short(url)!r}: {e.strerror}", 400) from None
+        raise APIError(f"cannot read {kind} file {shorten(url, 100)}: {e.strerror}", 400) from None
     if len(data) > limit:
-        raise APIError(f"{kind} file {_short(url)!r} is over the {limit} byte cap", 400)
+        raise APIError(f"{kind} file {shorten(url, 100)} is over the {limit} byte cap", 400)
     if not data:
-        raise APIError(f"{kind} file {_short(url)!r} is empty", 400)
+        raise APIError(f"{kind} file {shorten(url, 100)} is empty", 400)
     return data

@@ -5,9 +5,11 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vlserve.engine.request_limits import CHAT_ROLES, check_chat_template_kwargs
 from vlserve.sampling_params import SamplingParams
+from vlserve.shorten import shorten
 
 _MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # OpenAI's cap on choices per request
@@ -17,6 +19,24 @@ _INT64 = (-(2**63), 2**63 - 1)
 def random_id(prefix: str) -> str:
     """OpenAI-style object id, e.g. `chatcmpl-3f2a...`."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_unicode(value: Any) -> Any:
+    """ValueError when a string (or a string inside lists / dicts) holds a lone UTF-16 surrogate, which JSON escapes
+    like "\\ud800" can carry but no tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode: {shorten(value[e.start:e.end])} at character {e.start} is a "
+                             f"lone UTF-16 surrogate") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            check_unicode(item)
+    return value
 
 
 class OpenAIModel(BaseModel):
@@ -57,6 +77,8 @@ class _SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    _check_stop = field_validator("stop")(check_unicode)
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request (ValueError when a value is out of range)."""
         if (self.model_extra or {}).get("logit_bias"):
@@ -85,6 +107,15 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}; got {shorten(role)}")
+        return role
+
+    _check_content = field_validator("content")(check_unicode)
+
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
@@ -95,6 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -108,6 +140,16 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    def template_kwargs(self, trust_request_template: bool) -> dict[str, Any]:
+        """The kwargs for apply_chat_template; a request-supplied template only when the server trusts them."""
+        if self.chat_template is not None and not trust_request_template:
+            raise ValueError("chat_template: request-supplied chat templates are refused; start the server with "
+                             "--trust-request-chat-template to allow them")
+        kwargs = check_chat_template_kwargs(self.chat_template_kwargs, trust_request_template)
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
 
     def to_sampling_params(self) -> SamplingParams:
         """max_completion_tokens wins over the deprecated max_tokens; logprobs=true -> top_logprobs (default 0)."""
@@ -127,6 +169,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+    _check_prompt = field_validator("prompt")(check_unicode)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one entry each (ValueError when empty)."""

@@ -27,6 +27,8 @@ from vlserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_BODY_BYTES = 64 << 20  # a 20 MB image as a base64 data URL fits; bigger media should come by URL
+
 
 @dataclass
 class ServerConfig:
@@ -35,7 +37,8 @@ class ServerConfig:
     served_model_names: list[str] | None = None
     api_key: str | None = None
     media: MediaConfig = field(default_factory=MediaConfig)
-    max_body_bytes: int = 512 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    trust_request_chat_template: bool = False  # honour `chat_template` sent in requests (runs client Jinja)
     shutdown_engine: bool = True  # stop the engine thread when the app shuts down
 
 
@@ -62,8 +65,16 @@ class _GateMiddleware:
             if not token or not hmac.compare_digest(token, self.api_key):
                 rejection = error_response("missing or invalid API key (send 'Authorization: Bearer <key>')", 401)
         length = headers.get(b"content-length", b"")
+        too_large = error_response(f"request body over the {self.max_body_bytes} byte cap (--max-request-body-bytes)",
+                                   413)
         if rejection is None and length.isdigit() and int(length) > self.max_body_bytes:
-            rejection = error_response(f"request body over {self.max_body_bytes} bytes", 413)
+            rejection = too_large
+        elif rejection is None and not length and scope.get("method") in ("POST", "PUT", "PATCH"):  # chunked: no length to check up front, so count while reading
+            body = await _read_body_capped(receive, self.max_body_bytes)
+            if body is None:
+                rejection = too_large
+            else:
+                receive = _replay(body, receive)
         if rejection is not None:
             self.metrics.count_http(path, rejection.status_code)
             await rejection(scope, receive, send)
@@ -75,6 +86,32 @@ class _GateMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+async def _read_body_capped(receive: Receive, cap: int) -> bytes | None:
+    """The whole request body, or None as soon as it grows past `cap` bytes."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break  # disconnected: the app will see an empty body and the disconnect
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that first hands over the already-read body, then passes through (disconnect notices)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 def default_model_names(engine: AsyncLLM) -> list[str]:
@@ -92,7 +129,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     models = ServedModels(names, engine.engine.loaded.model_path, engine.max_model_len)
     fetcher = MediaFetcher(config.media)
     metrics = ServerMetrics(engine)
-    chat = OpenAIServingChat(engine, models, fetcher)
+    chat = OpenAIServingChat(engine, models, fetcher, config.trust_request_chat_template)
     completion = OpenAIServingCompletion(engine, models)
 
     @asynccontextmanager

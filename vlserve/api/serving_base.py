@@ -13,7 +13,9 @@ from starlette.types import Receive, Scope, Send
 
 from vlserve.api.errors import APIError
 from vlserve.api.protocol import ModelCard, ModelList, PromptTokensDetails, UsageInfo
+from vlserve.engine.request_limits import check_max_tokens_fit
 from vlserve.outputs import RequestOutput
+from vlserve.shorten import shorten
 
 _MM_KWARG_KEYS = {"min_pixels", "max_pixels", "fps", "num_frames", "max_frames"}
 
@@ -31,7 +33,8 @@ class ServedModels:
         if model in (None, ""):
             return self.names[0]
         if model not in self.names:
-            raise APIError(f"The model `{model}` does not exist. Served: {', '.join(self.names)}", 404, "model")
+            raise APIError(f"model {shorten(model)} does not exist; this server serves: {', '.join(self.names)}", 404,
+                           "model")
         return model
 
     def list(self) -> ModelList:
@@ -39,18 +42,62 @@ class ServedModels:
                                for n in self.names])
 
 
-def check_mm_processor_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Only the documented per-request media knobs, with positive numeric values (400 otherwise)."""
+@dataclass
+class MMKwargLimits:
+    """Upper bounds on per-request mm_processor_kwargs (from the checkpoint's processor and the server's defaults)."""
+
+    max_pixels: int | None = None  # for min_pixels and max_pixels
+    max_frames: int | None = None  # for num_frames and max_frames
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "MMKwargLimits":
+        """The processor's configured pixel budget (or the server's --mm-processor-kwargs, when larger) and frame cap."""
+        proc = getattr(engine.input_processor, "mm_processor", None)
+        if proc is None:
+            return cls()
+        size = getattr(proc.image_processor, "size", None) or {}
+        pixels = size.get("longest_edge") or getattr(proc.image_processor, "max_pixels", None)
+        server_pixels = (engine.engine_args.mm_processor_kwargs or {}).get("max_pixels")
+        if pixels is not None and isinstance(server_pixels, int):
+            pixels = max(pixels, server_pixels)
+        return cls(max_pixels=None if pixels is None else int(pixels), max_frames=int(proc.max_video_frames))
+
+
+def check_mm_processor_kwargs(kwargs: dict[str, Any] | None, limits: MMKwargLimits | None = None
+                              ) -> dict[str, Any] | None:
+    """Only the documented per-request media knobs, with positive values within the server's bounds (400 otherwise)."""
     if not kwargs:
         return None
+    limits = limits or MMKwargLimits()
+    unknown = [k for k in kwargs if k not in _MM_KWARG_KEYS]
+    if unknown:
+        names = ", ".join(shorten(k) for k in unknown[:5])
+        raise APIError(f"mm_processor_kwargs: unsupported key(s) {names}; allowed: {', '.join(sorted(_MM_KWARG_KEYS))}",
+                       400, "mm_processor_kwargs")
     for key, value in kwargs.items():
-        if key not in _MM_KWARG_KEYS:
-            raise APIError(f"unsupported mm_processor_kwargs key {key!r}; use {sorted(_MM_KWARG_KEYS)}", 400,
+        whole = key != "fps"
+        ok_type = (int,) if whole else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok_type) or value <= 0:
+            kind = "a positive integer" if whole else "a positive number"
+            raise APIError(f"mm_processor_kwargs.{key} must be {kind}, got {shorten(value)}", 400,
                            "mm_processor_kwargs")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise APIError(f"mm_processor_kwargs[{key!r}] must be a positive number, got {value!r}", 400,
+        bound = limits.max_pixels if key.endswith("_pixels") else limits.max_frames if whole else None
+        if bound is not None and value > bound:
+            raise APIError(f"mm_processor_kwargs.{key} may be at most {bound} on this server, got {value}", 400,
                            "mm_processor_kwargs")
+    lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
+    if lo is not None and hi is not None and lo > hi:
+        raise APIError(f"mm_processor_kwargs.min_pixels ({lo}) must be <= max_pixels ({hi})", 400,
+                       "mm_processor_kwargs")
     return dict(kwargs)
+
+
+def check_fits_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> None:
+    """400 (param max_tokens) when the prompt plus the requested completion exceed the model's context."""
+    try:
+        check_max_tokens_fit(max_tokens, prompt_tokens, max_model_len)
+    except ValueError as e:
+        raise APIError(str(e), 400, "max_tokens") from None
 
 
 def sse(payload: Any) -> str:

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from typing import AsyncIterator
@@ -13,10 +14,13 @@ from vlserve.api.media import URL_PARTS, PASSTHROUGH_PARTS, MediaFetcher
 from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatLogprobs, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
                                   TopLogprob, random_id)
-from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
-                                      check_mm_processor_kwargs, run_unless_disconnected, sse, usage_of)
+from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, MMKwargLimits, ServedModels,
+                                      check_fits_context, check_mm_processor_kwargs, run_unless_disconnected, sse,
+                                      usage_of)
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]] | None, top_k: int) -> ChatLogprobs | None:
@@ -39,23 +43,32 @@ def chat_logprobs(entries: list[dict[int, Logprob]] | None, top_k: int) -> ChatL
 
 
 async def prepare_input(coro):
-    """Await input processing; any failure there is the client's input (400), never a 500."""
+    """Await input processing; any failure there is the client's input (400), never a 500. Our own checks raise
+    ValueError with a message meant for the client; anything else is logged and reported by its type only, so
+    library internals (class paths, file names) do not leak."""
     try:
         return await coro
     except APIError:
         raise
-    except Exception as e:  # noqa: BLE001 -- decoding/processing errors of untrusted media
+    except ValueError as e:  # includes UnicodeError
         raise APIError(f"could not process the input: {e}", 400) from None
+    except Exception as e:  # noqa: BLE001 -- decoding/processing errors of untrusted media
+        logger.info("input processing failed", exc_info=e)
+        raise APIError(f"could not process the input ({type(e).__name__}); check the messages, media and "
+                       f"mm_processor_kwargs / chat_template_kwargs", 400) from None
 
 
 class OpenAIServingChat:
     """Validates, fetches media, processes, queues, and renders chat completions."""
 
-    def __init__(self, engine: AsyncLLM, models: ServedModels, fetcher: MediaFetcher):
+    def __init__(self, engine: AsyncLLM, models: ServedModels, fetcher: MediaFetcher,
+                 trust_request_chat_template: bool = False):
         self.engine = engine
         self.models = models
         self.fetcher = fetcher
         self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
+        self.mm_kwarg_limits = MMKwargLimits.from_engine(engine)
+        self.trust_request_chat_template = trust_request_chat_template
 
     def _check_media(self, messages: list[dict]) -> None:
         """Fail fast (before any download) on modalities the model lacks and on too many items."""
@@ -74,12 +87,14 @@ class OpenAIServingChat:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
         params = req.to_sampling_params()
-        mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs)
+        template_kwargs = req.template_kwargs(self.trust_request_chat_template)
+        mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs, self.mm_kwarg_limits)
         messages = req.messages_as_dicts()
         self._check_media(messages)
         payloads = await self.fetcher.resolve(messages)
         processed = await prepare_input(self.engine.process_chat(
-            messages, mm_kwargs, req.chat_template_kwargs, media_source=lambda _t, part: payloads[id(part)]))
+            messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)]))
+        check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len)
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params)
         top_k = req.top_logprobs or 0

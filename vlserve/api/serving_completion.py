@@ -12,7 +12,7 @@ from vlserve.api.errors import sse_error, to_api_error
 from vlserve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                   random_id)
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
-                                      run_unless_disconnected, sse, usage_of)
+                                      check_fits_context, run_unless_disconnected, sse, usage_of)
 from vlserve.api.serving_chat import prepare_input
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
@@ -53,6 +53,8 @@ class OpenAIServingCompletion:
         params = req.to_sampling_params()
         prompts = req.prompts()
         processed = [await prepare_input(self.engine.process_prompt(p)) for p in prompts]
+        for proc in processed:
+            check_fits_context(params.max_tokens, len(proc.prompt_token_ids), self.engine.max_model_len)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:

@@ -3,12 +3,13 @@
 The engine core steps in one dedicated background thread, so the event loop never waits on model compute.
 Requests and aborts cross into that thread through a thread-safe queue; each step's outputs go back to
 per-request asyncio queues through `loop.call_soon_threadsafe`. Input processing (tokenizer, chat template, HF
-processor, media decoding) runs in a small thread pool, also off the event loop.
+processor, media decoding) runs in a small thread pool, also off the event loop, so one slow request (a big image,
+a long prompt) does not hold up the others; only the multimodal processor, whose item cache is not thread-safe, is
+used by one worker at a time.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import queue
@@ -20,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from vlserve.config import EngineArgs
 from vlserve.engine.core import EngineCore
+from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS, SerializedProcessor
 from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.outputs import RequestOutput
@@ -70,15 +72,13 @@ class _Abort:
 
 
 _STOP = object()
-
-
 class AsyncLLM:
     """Async engine client: `generate()` yields cumulative `RequestOutput`s while a background thread steps the core.
 
     Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int = 1):
+    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS):
         self.engine_args = engine_args
         self.engine = EngineCore(engine_args)
         loaded = self.engine.loaded
@@ -89,9 +89,10 @@ class AsyncLLM:
                                               engine_args.mm_processor_kwargs,
                                               engine_args.chat_template_content_format)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._chat_takes_media_source = "media_source" in inspect.signature(
-            self.input_processor.process_chat).parameters
-        # One worker by default: the tokenizer and the HF processor's item cache are not built for concurrency.
+        if self.input_processor.mm_processor is not None:
+            self.input_processor.mm_processor = SerializedProcessor(self.input_processor.mm_processor)
+        # Several workers: a slow input does not block the rest. The fast tokenizer is only read (no truncation or
+        # padding state changes), which is safe from several threads.
         self._executor = ThreadPoolExecutor(max_workers=input_workers, thread_name_prefix="vlserve-input")
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
@@ -129,21 +130,8 @@ class AsyncLLM:
                                    media_source)
 
     def _process_chat_sync(self, messages, mm_processor_kwargs, chat_template_kwargs, media_source):
-        ip = self.input_processor
-        if media_source is None:
-            return ip.process_chat(messages, mm_processor_kwargs, chat_template_kwargs)
-        if self._chat_takes_media_source:
-            return ip.process_chat(messages, mm_processor_kwargs, chat_template_kwargs, media_source=media_source)
-        # InputProcessor.process_chat takes no media_source (yet): the same steps, with ours.
-        from vlserve.engine.chat import parse_chat_messages
-
-        template_messages, mm_data = parse_chat_messages(messages, media_source)
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
-        text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
-        token_ids = ip._tokenize(text, add_special_tokens=False)
-        return ip._with_media(text, token_ids, mm_data, mm_processor_kwargs)
+        return self.input_processor.process_chat(messages, mm_processor_kwargs, chat_template_kwargs,
+                                                 media_source=media_source)
 
     # -- requests --------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: ProcessedPrompt,

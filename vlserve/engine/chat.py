@@ -11,6 +11,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from vlserve.engine.request_limits import check_role
+from vlserve.shorten import shorten
+
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 _MEDIA_PART = {"image_url": "image", "image_pil": "image", "image": "image",
@@ -60,6 +63,7 @@ def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict]
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg:
             raise ValueError(f"message {i} must be a dict with a 'role'")
+        check_role(msg["role"], f"message {i}")
         content = msg.get("content")
         if content is None or isinstance(content, str):
             out_messages.append({"role": msg["role"], "content": content or ""})
@@ -78,7 +82,7 @@ def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict]
                 mm_data.setdefault(modality, []).append(media_source(ptype, part))
                 parts.append({"type": modality})
             else:
-                raise ValueError(f"message {i} part {j}: unsupported content part type {str(ptype)[:50]!r}")
+                raise ValueError(f"message {i} part {j}: unsupported content part type {shorten(ptype)}")
         out_messages.append({"role": msg["role"], "content": parts})
     return out_messages, mm_data
 
@@ -105,7 +109,7 @@ def to_content_format(messages: list[dict], content_format: str,
     if content_format == "openai":
         return messages
     if content_format != "string":
-        raise ValueError(f"content format must be 'string' or 'openai', got {str(content_format)[:50]!r}")
+        raise ValueError(f"content format must be 'string' or 'openai', got {shorten(content_format)}")
     return [{**m, "content": m["content"] if isinstance(m["content"], str) else flatten_content(m["content"],
                                                                                                 placeholders)}
             for m in messages]
@@ -115,7 +119,7 @@ def resolve_content_format(requested: str, chat_template: Any) -> str:
     """'string' or 'openai': `requested` unless it is 'auto', then what the template's syntax shows."""
     if requested not in CONTENT_FORMATS:
         raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
-                         f"got {str(requested)[:50]!r}")
+                         f"got {shorten(requested)}")
     if requested != "auto":
         return requested
     if isinstance(chat_template, dict):  # named templates: transformers renders the "default" one

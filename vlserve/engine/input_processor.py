@@ -8,7 +8,9 @@ from vlserve.core.request import EngineCoreRequest
 from vlserve.engine.chat import (CONTENT_FORMATS, default_media_source, parse_chat_messages, resolve_content_format,
                                  to_content_format)
 from vlserve.engine.model_setup import LoadedModel
+from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.shorten import shorten
 from vlserve.sampling_params import SamplingParams
 
 _PLACEHOLDERS = {"image": "<|image_pad|>", "video": "<|video_pad|>", "audio": "<|AUDIO|>"}
@@ -30,13 +32,14 @@ class InputProcessor:
                  mm_processor_kwargs: dict[str, Any] | None = None, chat_template_content_format: str = "auto"):
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
-                             f"got {str(chat_template_content_format)[:50]!r}")
+                             f"got {shorten(chat_template_content_format)}")
         self.chat_template_content_format = chat_template_content_format
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         self.default_mm_kwargs = dict(mm_processor_kwargs or {})
         self.mm_processor = getattr(loaded, "mm_processor", None)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)
 
     # -- prompts -----------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
@@ -106,6 +109,7 @@ class InputProcessor:
         return self._render_chat([{"role": "user", "content": parts + [{"type": "text", "text": text}]}])
 
     def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        check_prompt_chars(text, self.max_prompt_chars, self.loaded.max_model_len)  # before the tokenizer's work
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")

@@ -11,6 +11,7 @@ import binascii
 import io
 import math
 import os
+import stat
 import struct
 import warnings
 from dataclasses import dataclass
@@ -20,21 +21,48 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from vlserve.shorten import shorten
+
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 64 megapixels: larger images are rejected before they are decoded
 DEFAULT_MAX_VIDEO_FRAMES = 256  # frames kept from one video after sampling
+# PyAV demuxers of still-image formats: such input in a video part is refused, not read as a one-frame video.
+_IMAGE_DEMUXERS = ("image2", "image2pipe")
 
 
-def _decode_data_url(url: str) -> bytes:
-    """Return the payload of a `data:<mime>;base64,<payload>` URL."""
+_GENERIC_MIMES = ("", "application/octet-stream")  # no claim about the content: it is sniffed when decoded
+
+
+def _decode_data_url(url: str, kind: str) -> bytes:
+    """Return the payload of a `data:<mime>;base64,<payload>` URL whose MIME type fits `kind` (image/video)."""
     header, sep, payload = url.partition(",")
     if not sep:
         raise ValueError("malformed data URL: missing ',' between header and payload")
     if not header.endswith(";base64"):
         raise ValueError("unsupported data URL: only ';base64' payloads are accepted")
+    mime = header[len("data:"):].split(";", 1)[0].strip().lower()
+    if mime not in _GENERIC_MIMES and not mime.startswith(f"{kind}/"):
+        raise ValueError(f"a data URL of type {shorten(mime)} was given where {kind} data is expected; "
+                         f"send data:{kind}/<format>;base64,...")
     try:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"malformed data URL: invalid base64 payload ({e})") from None
+
+
+def _check_local_file(path: str, kind: str) -> None:
+    """ValueError unless `path` names an existing regular file (directories, FIFOs and devices are refused)."""
+    if "\x00" in path:
+        raise ValueError(f"{kind} path {shorten(path)} contains a NUL character")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{kind} file not found: {shorten(path, 200)}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {kind} file {shorten(path, 200)}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{kind} path {shorten(path, 200)} is a directory, not a file")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{kind} path {shorten(path, 200)} is not a regular file (a FIFO, socket or device)")
 
 
 def _source_bytes_or_path(x: Any, kind: str) -> bytes | str:
@@ -48,16 +76,15 @@ def _source_bytes_or_path(x: Any, kind: str) -> bytes | str:
         x = str(x)
     if isinstance(x, str):
         if x.startswith("data:"):
-            data = _decode_data_url(x)
+            data = _decode_data_url(x, kind)
             if not data:
                 raise ValueError(f"empty {kind} data URL payload")
             return data
         if x.startswith(("http://", "https://")):
-            raise ValueError(f"remote {kind} URLs are not fetched here; download it first: {x[:80]!r}")
+            raise ValueError(f"remote {kind} URLs are not fetched here; download it first: {shorten(x, 80)}")
         if x.startswith("file://"):
             x = x[len("file://"):]
-        if not os.path.isfile(x):
-            raise ValueError(f"{kind} file not found: {x[:200]!r}")
+        _check_local_file(x, kind)
         return x
     raise ValueError(f"unsupported {kind} input type: {type(x).__name__}")
 
@@ -201,6 +228,9 @@ def _decode_video(src: bytes | str, fps: float | None, num_frames: int | None, m
     import av
     try:
         with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
+            fmt = container.format.name or ""
+            if fmt in _IMAGE_DEMUXERS or fmt.endswith("_pipe"):
+                raise ValueError(f"a video was expected but the data is a still image ({fmt}); send it as an image")
             if not container.streams.video:
                 raise ValueError("no video stream in the input")
             stream = container.streams.video[0]
