@@ -40,7 +40,7 @@ def build_qwen2_vl_checkpoint(
     import torch
     from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer
+    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer, extra_special_tokens
 
     head_dim = hidden_size // num_attention_heads
     if 2 * sum(mrope_section) != head_dim:
@@ -50,7 +50,7 @@ def build_qwen2_vl_checkpoint(
     base = build_tokenizer()
     tok = Qwen2TokenizerFast(
         tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, additional_special_tokens=base.additional_special_tokens,
+        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
         clean_up_tokenization_spaces=False)
     tok.chat_template = CHAT_TEMPLATE
     ids = {t: tok.convert_tokens_to_ids(t) for t in
