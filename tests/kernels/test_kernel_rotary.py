@@ -13,6 +13,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbeddin
 
 from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 MAX_POS = 4096
 
 

@@ -10,6 +10,8 @@ from vlserve.models.layers import RotaryEmbedding, compute_inv_freq
 from vlserve.models.llama import LlamaDecoderModel
 from vlserve.testing.checkpoints import build_text_checkpoint
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 ATOL = RTOL = 1e-4
 SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

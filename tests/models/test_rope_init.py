@@ -12,6 +12,8 @@ from vlserve.models.hf_config import rope_params_of
 from vlserve.models.layers import compute_inv_freq
 from vlserve.models.rope import SUPPORTED_ROPE_TYPES
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 CASES = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 4.0},
