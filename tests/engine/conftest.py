@@ -22,17 +22,17 @@ def llama_dir(tmp_path_factory):
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """HF transformers `generate` (greedy, float32, EOS ignored), one prompt at a time: the oracle."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
+
+    from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
     outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-            outs.append(gen[0, len(p):].tolist())
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                     max_new_tokens)
+        outs.append(gen[0, len(p):].tolist())
     return outs
 
 

@@ -4,6 +4,8 @@ import pytest
 from tests.engine.conftest import hf_greedy, varied_prompts
 from vlserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 MAX_NEW = 12
 
 

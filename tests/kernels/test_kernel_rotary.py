@@ -8,9 +8,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_multimodal_rotary_pos_emb
+from transformers.models.qwen2_vl import modeling_qwen2_vl
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
 from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
+
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
 MAX_POS = 4096
 
@@ -26,6 +29,15 @@ def _qwen2vl_rope(head_dim, mrope_section):
                             rope_theta=1000000.0, max_position_embeddings=MAX_POS,
                             rope_scaling={"type": "mrope", "mrope_section": mrope_section})
     return Qwen2VLRotaryEmbedding(cfg)
+
+
+def _hf_mrope_apply(q, k, cos, sin, mrope_section):
+    """HF's M-RoPE on q/k `[1, H, T, D]`. transformers 4.x returns per-axis cos/sin `[3, 1, T, D]` and merges the
+    sections in `apply_multimodal_rotary_pos_emb`; 5.x merges them in the rotary module (`[1, T, D]`)."""
+    merge = getattr(modeling_qwen2_vl, "apply_multimodal_rotary_pos_emb", None)
+    if merge is not None and cos.dim() == 4:
+        return merge(q, k, cos, sin, mrope_section)
+    return modeling_qwen2_vl.apply_rotary_pos_emb(q, k, cos, sin)
 
 
 def _qk(num_tokens, head_dim, dtype, seed=0, hq=4, hkv=2):
@@ -62,9 +74,8 @@ def test_mrope_matches_hf_qwen2vl_exactly(dtype, head_dim, mrope_section):
     positions = torch.cat([text, grid], dim=1)
     positions[:, -3:] = torch.randint(0, MAX_POS, (3, 3), generator=g)  # arbitrary, unequal axes
     q, k = _qk(num_tokens, head_dim, dtype, seed=2)
-    cos, sin = rope(q.transpose(0, 1).unsqueeze(0), positions[:, None, :])  # [3, 1, T, D]
-    hf_q, hf_k = apply_multimodal_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin,
-                                                 mrope_section)
+    cos, sin = rope(q.transpose(0, 1).unsqueeze(0), positions[:, None, :])  # [3, 1, T, D] or [1, T, D]
+    hf_q, hf_k = _hf_mrope_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin, mrope_section)
     cos_cache, sin_cache = build_rotary_cache(rope.inv_freq, MAX_POS, rope.attention_scaling)
     apply_rotary_ref(q, k, positions, cos_cache, sin_cache, mrope_section)
     assert torch.equal(q, hf_q[0].transpose(0, 1))

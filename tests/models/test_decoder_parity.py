@@ -8,6 +8,8 @@ from transformers import AutoConfig
 from vlserve.models import load_model
 from vlserve.testing.checkpoints import build_text_checkpoint
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 ATOL = RTOL = 1e-4
 ARCHS = {
     "llama": dict(arch="llama", num_heads=4, num_kv_heads=2, tie_word_embeddings=False),  # GQA, untied

@@ -1,4 +1,4 @@
-"""RoPE scaling parity (llama3, linear, yarn) and Qwen2-VL M-RoPE parity of the reusable decoder."""
+"""RoPE scaling parity (llama3, linear, dynamic, yarn) and Qwen2-VL M-RoPE parity of the reusable decoder."""
 from __future__ import annotations
 
 import pytest
@@ -10,12 +10,15 @@ from vlserve.models.layers import RotaryEmbedding, compute_inv_freq
 from vlserve.models.llama import LlamaDecoderModel
 from vlserve.testing.checkpoints import build_text_checkpoint
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 ATOL = RTOL = 1e-4
 SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "linear": {"rope_type": "linear", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # HF rescales only past max_position_embeddings
 }
 
 
@@ -25,12 +28,10 @@ def test_rope_scaling_matches_hf(kind, tmp_path, paged_runner, load_hf, prompts)
     d = build_text_checkpoint(str(tmp_path), arch, max_position_embeddings=1024, rope_scaling=SCALINGS[kind])
     cfg = AutoConfig.from_pretrained(d)
     ours, ref = load_model(d, cfg, torch.float32, "cpu"), load_hf(d)
-    # the scaling really changes the frequencies (or, for yarn, the magnitude)
-    inv, scale = compute_inv_freq(cfg)
-    plain = AutoConfig.from_pretrained(d)
-    plain.rope_scaling = None
-    inv0, _ = compute_inv_freq(plain)
-    assert not torch.equal(inv, inv0) or scale != 1.0
+    if kind != "dynamic":  # the scaling really changes the frequencies (or, for yarn, the magnitude)
+        inv, scale = compute_inv_freq(cfg)
+        inv0, _ = compute_inv_freq(_unscaled(cfg))
+        assert not torch.equal(inv, inv0) or scale != 1.0
 
     ids = (prompts[2] * 4)[:150]  # reaches positions past original_max_position_embeddings
     runner = paged_runner(ours, cfg, block_size=16)
@@ -48,10 +49,24 @@ def test_rope_scaling_matches_hf(kind, tmp_path, paged_runner, load_hf, prompts)
         past, tok = r.past_key_values, int(r.logits[0, -1].argmax())
 
 
+def _unscaled(cfg):
+    """A plain-attribute copy of a text config's sizes with default RoPE (same theta)."""
+    from types import SimpleNamespace
+
+    from vlserve.models.hf_config import rope_params_of
+
+    return SimpleNamespace(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                           max_position_embeddings=cfg.max_position_embeddings,
+                           rope_theta=rope_params_of(cfg).theta)
+
+
 def test_unsupported_rope_type_raises(tmp_path):
-    d = build_text_checkpoint(str(tmp_path), "llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(ValueError, match="dynamic"):
-        load_model(d, AutoConfig.from_pretrained(d), torch.float32, "cpu")
+    d = build_text_checkpoint(str(tmp_path), "llama")
+    cfg = AutoConfig.from_pretrained(d)
+    cfg.rope_parameters = cfg.rope_scaling = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match=r"rope type 'longrope' is not supported; supported: default, linear, "
+                                         r"dynamic, llama3, yarn"):
+        load_model(d, cfg, torch.float32, "cpu")
 
 
 # ---- M-RoPE: the decoder as Qwen2-VL's language model ------------------------------------------------------------

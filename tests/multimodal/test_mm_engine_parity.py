@@ -12,6 +12,8 @@ from tests.multimodal.mm_media import encode_video, rand_image, rand_video
 from vlserve import LLM, SamplingParams
 from vlserve.multimodal.media import load_video
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 MAX_NEW = 10
 
 
@@ -30,14 +32,11 @@ class HFOracle:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def greedy(self, text: str, images=None, videos=None, n: int = MAX_NEW, **processor_kwargs) -> list[int]:
-        from transformers import GenerationConfig
+        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
 
         inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
                                 **processor_kwargs)
-        cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)
-        with torch.no_grad():
-            out = self.model.generate(**inputs, generation_config=cfg)
+        out = hf_greedy_ignoring_eos(self.model, inputs, n)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 

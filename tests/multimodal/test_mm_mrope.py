@@ -9,6 +9,8 @@ import torch
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.mrope import decode_mrope_positions, get_mrope_positions, mrope_positions_for_range
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 TEXT = 50  # an ordinary token id
 
 
@@ -26,6 +28,17 @@ def _build(cfg, items, texts):
     return ids, feats
 
 
+class _ModelStub(SimpleNamespace):
+    """Just enough of the HF model for get_rope_index: its config and (5.x) its helper methods."""
+
+    def __init__(self, model_cls, cfg):
+        super().__init__(config=cfg)
+        self._cls = model_cls
+
+    def __getattr__(self, name):
+        return getattr(self._cls, name).__get__(self)
+
+
 def _hf_rope_index(cfg, ids, feats):
     """Call the HF model's get_rope_index without building the model (it only reads self.config)."""
     if cfg.model_type == "qwen2_5_vl":
@@ -38,7 +51,12 @@ def _hf_rope_index(cfg, ids, feats):
                   video_grid_thw=torch.cat([f.data["video_grid_thw"] for f in vids]) if vids else None)
     if cfg.model_type == "qwen2_5_vl" and vids:
         kwargs["second_per_grid_ts"] = torch.cat([f.data["second_per_grid_ts"] for f in vids])
-    pos, delta = M.get_rope_index(SimpleNamespace(config=cfg), **kwargs)
+    import inspect
+
+    if "mm_token_type_ids" in inspect.signature(M.get_rope_index).parameters:  # 5.x: modality of each token
+        types = [1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id else 0 for t in ids]
+        kwargs["mm_token_type_ids"] = torch.tensor([types], dtype=torch.int32)
+    pos, delta = M.get_rope_index(_ModelStub(M, cfg), **kwargs)
     return pos[:, 0], int(delta.reshape(-1)[0])  # [3, L]
 
 

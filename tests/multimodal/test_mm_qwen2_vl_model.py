@@ -13,6 +13,8 @@ from vlserve.multimodal.embeds import slice_mm_embeds
 from vlserve.multimodal.mrope import decode_mrope_positions, get_mrope_positions
 from vlserve.multimodal.processor import MultiModalProcessor
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 ATOL = RTOL = 2e-4
 NEW_TOKENS = 5
 PROMPT = ("<|im_start|>user\nlook <|vision_start|><|image_pad|><|vision_end|> and then "
@@ -67,14 +69,22 @@ def test_registered_and_loaded(setup):
     assert type(ours).__name__ == cfg.architectures[0]
 
 
+def _first_item_features(out) -> torch.Tensor:
+    """The first item's merged embeddings from HF get_image/video_features: 4.x returns the per-item tensors,
+    5.x an output object whose pooler_output holds them."""
+    return getattr(out, "pooler_output", out)[0]
+
+
 def test_vision_tower_matches_hf(setup):
     _, _, ours, ref, hf_proc = setup
     proc = MultiModalProcessor(hf_proc)
     _, (img, vid) = proc.process(hf_proc.tokenizer(PROMPT).input_ids, images=[rand_image(70, 110, 1)],
                                  videos=[rand_video(4, 56, 84, 2)])
     with torch.no_grad():
-        ref_img = ref.model.get_image_features(img.data["pixel_values"], img.data["image_grid_thw"])[0]
-        ref_vid = ref.model.get_video_features(vid.data["pixel_values_videos"], vid.data["video_grid_thw"])[0]
+        ref_img = _first_item_features(ref.model.get_image_features(img.data["pixel_values"],
+                                                                    img.data["image_grid_thw"]))
+        ref_vid = _first_item_features(ref.model.get_video_features(vid.data["pixel_values_videos"],
+                                                                    vid.data["video_grid_thw"]))
     e_img, e_vid = ours.embed_multimodal("image", img.data), ours.embed_multimodal("video", vid.data)
     assert e_img.shape == (img.length, ours.text_config.hidden_size) and e_vid.shape[0] == vid.length
     torch.testing.assert_close(e_img, ref_img, atol=1e-5, rtol=1e-5)
@@ -93,8 +103,9 @@ def test_chunked_prefill_and_decode_match_hf(setup):
                               mm_processor_kwargs={"fps": 1.0})
     inputs = hf_proc(text=[PROMPT], images=[image], videos=[video], fps=1.0, return_tensors="pt")
     assert ids == inputs["input_ids"][0].tolist()
-    gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref.generation_config.eos_token_id = None  # 5.x fills an unset eos_token_id from the model's config
+    gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         full = ref(**inputs).logits[0]  # [L, V]
         gen = ref.generate(**inputs, generation_config=gen_cfg)

@@ -15,6 +15,8 @@ from vlserve import LLM, SamplingParams
 from vlserve.testing.eagle_checkpoints import (build_eagle_checkpoint, scale_attention_output,
                                                zero_attention_output)
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 K = 3
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from vlserve.config import EngineArgs
+from vlserve.models.hf_config import text_config_of, token_id_of
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -48,7 +49,7 @@ def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             sources.append(json.load(f).get("eos_token_id"))
-    sources.append(getattr(hf_config, "eos_token_id", None))
+    sources.append(token_id_of(hf_config, "eos_token_id"))
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     for src in sources:
@@ -82,7 +83,7 @@ def load_for_serving(model_path: str, args: EngineArgs) -> LoadedModel:
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config)
     tokenizer = load_tokenizer(model_path, args.tokenizer)
-    text_cfg = getattr(hf_config, "text_config", None) or hf_config
+    text_cfg = text_config_of(hf_config)
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
     max_model_len = args.max_model_len or model_max
     if max_model_len > model_max:

@@ -9,11 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve import kernels
-
-# Rope types whose inverse frequencies do not depend on the current sequence length, so one cos/sin table
-# computed at load time matches HF at every position ("mrope" is the pre-4.45 spelling of Qwen2-VL's default).
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
+from vlserve.models.hf_config import rope_params_of
+from vlserve.models.rope import rope_inv_freq
 
 class RMSNorm(nn.Module):
     """HF-exact RMSNorm: statistics in float32, cast back to the input dtype, then scaled by `weight`.
@@ -66,45 +63,12 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def rope_type_of(config) -> str:
-    """The HF rope type named by `config.rope_scaling` ("default" when absent; "mrope" maps to "default")."""
-    rs = getattr(config, "rope_scaling", None)
-    if not isinstance(rs, dict):
-        return "default"
-    rope_type = rs.get("rope_type", rs.get("type", "default")) or "default"
-    return "default" if rope_type == "mrope" else rope_type
-
-
-def mrope_section_of(config) -> list[int] | None:
-    """`config.rope_scaling["mrope_section"]` (Qwen2-VL M-RoPE) or None."""
-    rs = getattr(config, "rope_scaling", None)
-    if isinstance(rs, dict) and rs.get("mrope_section") is not None:
-        return [int(s) for s in rs["mrope_section"]]
-    return None
-
-
 def compute_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """`(inv_freq [R/2] float32, attention_scaling)` from HF's own `ROPE_INIT_FUNCTIONS` for the config's rope type.
+    """`(inv_freq [R/2] float32, attention_scaling)` for the text config's rope settings (see vlserve.models.rope).
 
-    Raises ValueError for rope types whose frequencies depend on the running sequence length (dynamic, longrope).
+    Raises ValueError naming an unsupported rope type and listing the supported ones.
     """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = rope_type_of(config)
-    if rope_type not in _STATIC_ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
-    rope_config = config
-    rs = getattr(config, "rope_scaling", None)
-    if isinstance(rs, dict) and rs.get("type") == "mrope" and "rope_type" not in rs:
-        # Old Qwen2-VL spelling: HF's init functions need the "default" type; do not mutate the caller's config.
-        import copy
-
-        rope_config = copy.copy(config)
-        rope_config.rope_scaling = {**rs, "rope_type": "default"}
-    with torch.device("cpu"):  # overrides an enclosing meta-device context
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](rope_config, torch.device("cpu"))
-    return inv_freq.to(torch.float32), float(attention_scaling)
+    return rope_inv_freq(rope_params_of(config))
 
 
 def build_rope_cache(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
@@ -124,15 +88,16 @@ class RotaryEmbedding(nn.Module):
 
     Tables are non-persistent buffers `cos_cache`/`sin_cache` `[max_position_embeddings, R/2]` in the model dtype
     (HF casts cos/sin to the activation dtype before multiplying). `mrope_section` (from
-    `config.rope_scaling["mrope_section"]`) switches on M-RoPE, where positions are `[3, T]`.
+    the config's rope parameters) switches on M-RoPE, where positions are `[3, T]`.
     """
 
     def __init__(self, config, max_positions: int | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(config)
+        params = rope_params_of(config)
+        inv_freq, scaling = rope_inv_freq(params)
         self.rotary_dim = 2 * inv_freq.numel()
         self.max_positions = int(max_positions or config.max_position_embeddings)
-        self.mrope_section = mrope_section_of(config)
+        self.mrope_section = list(params.mrope_section) if params.mrope_section is not None else None
         self._inv_freq = inv_freq
         self._scaling = scaling
         dtype = dtype or torch.get_default_dtype()
@@ -156,7 +121,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotate `query [T,Hq,D]` and `key [T,Hkv,D]` in place at `positions` ([T] or [3,T] int64)."""
         if positions.dim() == 2 and self.mrope_section is None:
-            raise ValueError("positions of shape [3, T] need rope_scaling['mrope_section'] in the config")
+            raise ValueError("positions of shape [3, T] need an 'mrope_section' in the config's rope parameters")
         mrope = self.mrope_section if positions.dim() == 2 else None
         kernels.apply_rotary(query, key, positions, self.cos_cache, self.sin_cache, mrope)
 

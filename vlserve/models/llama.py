@@ -17,6 +17,7 @@ from torch import nn
 
 from vlserve import kernels
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.hf_config import text_config_of, tie_word_embeddings_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def head_dim_of(config) -> int:
 def kv_cache_spec(hf_config) -> tuple[int, int, int]:
     """`(num_layers, num_kv_heads, head_dim)` of the (text part of the) model: each layer's KV cache is a pair
     `k_cache, v_cache` of shape `[NB, BS, num_kv_heads, head_dim]` in the model dtype."""
-    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    cfg = text_config_of(hf_config)
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return cfg.num_hidden_layers, num_kv_heads, head_dim_of(cfg)
 
@@ -237,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def tied(self) -> bool:
         """Whether lm_head shares the input embedding matrix."""
-        return bool(getattr(self.config, "tie_word_embeddings", False))
+        return tie_word_embeddings_of(self.config)
 
     def tie_weights(self) -> None:
         """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""

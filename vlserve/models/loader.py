@@ -87,5 +87,8 @@ def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
             module.init_buffers(device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    model.load_weights(iter_safetensors_weights(model_dir))
+    try:
+        model.load_weights(iter_safetensors_weights(model_dir))
+    except ValueError as e:
+        raise ValueError(f"{e} (checkpoint {model_dir})") from e
     return model.eval()

@@ -98,6 +98,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3).to(param.device)  # [N, 3]
         pixels = pixels.to(device=param.device, dtype=param.dtype)  # [P, C*tp*p*p]
         embeds = self.visual(pixels, grid_thw=grid)  # [P // merge**2, H]
+        # TEMPORARY (until vlserve/encoders/ replaces the HF tower): transformers 5.x returns an output object
+        # whose pooler_output holds the merged embeddings; 4.x returns the tensor itself.
+        embeds = getattr(embeds, "pooler_output", embeds)
         return embeds.to(self.language_model.embed_tokens.weight.dtype)
 
     def get_input_embeddings(self, input_ids: torch.Tensor,

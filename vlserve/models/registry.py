@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 
+from vlserve.models.hf_config import architectures_of
+
 _REGISTRY: dict[str, type | str] = {
     "LlamaForCausalLM": "vlserve.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "vlserve.models.llama:Qwen2ForCausalLM",
@@ -34,15 +36,16 @@ def _resolve(entry: type | str) -> type:
 
 
 def get_model_class(hf_config) -> type:
-    """The model class for `hf_config.architectures[0]`; ValueError naming it and the supported ones otherwise."""
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs:
-        raise ValueError("model config has no 'architectures' entry; supported architectures: "
-                         + ", ".join(supported_architectures()))
+    """The model class for the config's first architecture (top level, or nested in `text_config` as 4.57 saves
+    some multimodal configs); ValueError naming it, where it was read, and the supported ones otherwise."""
+    supported = "supported architectures: " + ", ".join(supported_architectures())
+    try:
+        archs, where = architectures_of(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{e}; {supported}") from None
     arch = archs[0]
     if arch not in _REGISTRY:
-        raise ValueError(f"unsupported model architecture {arch!r}; supported architectures: "
-                         + ", ".join(supported_architectures()))
+        raise ValueError(f"unsupported model architecture {arch!r} (from {where}); {supported}")
     cls = _resolve(_REGISTRY[arch])
     _REGISTRY[arch] = cls
     return cls

@@ -57,6 +57,16 @@ def _corpus(num_lines: int = 4000) -> list[str]:
     return lines
 
 
+def extra_special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's added special tokens beyond eos/pad/bos/unk, on transformers 4.x
+    (`additional_special_tokens`) and 5.x (`extra_special_tokens`) alike."""
+    for name in ("additional_special_tokens", "extra_special_tokens"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, (list, tuple)) and value:
+            return [str(t) for t in value]
+    return []
+
+
 def build_tokenizer(out_dir: str | None = None, vocab_size: int = 1024):
     """Train the tokenizer and return a `PreTrainedTokenizerFast`; also save it to out_dir when given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -43,7 +43,7 @@ def build_qwen2_vl_checkpoint(
     import torch
     from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer
+    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer, extra_special_tokens
 
     chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     head_dim = hidden_size // num_attention_heads
@@ -54,7 +54,7 @@ def build_qwen2_vl_checkpoint(
     base = build_tokenizer()
     tok = Qwen2TokenizerFast(
         tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, additional_special_tokens=base.additional_special_tokens,
+        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
         clean_up_tokenization_spaces=False)
     tok.chat_template = chat_template
     ids = {t: tok.convert_tokens_to_ids(t) for t in

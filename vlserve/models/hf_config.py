@@ -1,0 +1,111 @@
+"""Read Hugging Face configs written by transformers 4.x or 5.x (the one place that knows both layouts).
+
+transformers 4.57 and 5.x differ in where a config keeps some fields: 4.x spells RoPE as `rope_theta` plus
+`rope_scaling` (with `type` or `rope_type`), 5.x as one `rope_parameters` dict; a 4.57-saved Qwen2-VL config
+can carry `architectures` (and token ids) only inside `text_config`; `tie_word_embeddings` may sit at the top
+level, in `text_config`, or both. Everything else in vlserve asks these helpers instead of branching on the
+installed version.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """Everything needed to compute RoPE inverse frequencies, independent of the config's spelling.
+
+    `scaling` holds the type-specific keys (factor, original_max_position_embeddings, low/high_freq_factor,
+    beta_fast/beta_slow, attention_factor, mscale, mscale_all_dim, truncate) as the config gave them.
+    """
+
+    rope_type: str
+    theta: float
+    head_dim: int
+    max_position_embeddings: int
+    partial_rotary_factor: float = 1.0
+    mrope_section: tuple[int, ...] | None = None
+    scaling: dict[str, Any] = field(default_factory=dict)
+
+
+def text_config_of(hf_config):
+    """The language-model part of a config (`text_config` of a multimodal config, else the config itself)."""
+    sub = getattr(hf_config, "text_config", None)
+    return sub if sub is not None else hf_config
+
+
+def architectures_of(hf_config) -> tuple[list[str], str]:
+    """`(architectures, where)`: the top-level list, else the one a 4.57-saved multimodal config nests in
+    `text_config` (`where` names the place it was read from); ValueError when neither has one."""
+    top = getattr(hf_config, "architectures", None)
+    if top:
+        return list(top), "architectures"
+    sub = getattr(hf_config, "text_config", None)
+    nested = getattr(sub, "architectures", None) if sub is not None else None
+    if nested:
+        return list(nested), "text_config.architectures"
+    place = "at the top level of config.json" + (" nor in its text_config" if sub is not None else "")
+    raise ValueError(f"model config has no 'architectures' entry {place}")
+
+
+def tie_word_embeddings_of(hf_config) -> bool:
+    """Whether lm_head shares the embedding matrix: the text config's own flag when it sets one, else the top
+    level's (False when neither does)."""
+    for cfg in (text_config_of(hf_config), hf_config):
+        value = getattr(cfg, "tie_word_embeddings", None)
+        if value is not None:
+            return bool(value)
+    return False
+
+
+def token_id_of(hf_config, name: str) -> int | None:
+    """A special token id field (`image_token_id`, `eos_token_id`, ...) from the top level or `text_config`."""
+    for cfg in (hf_config, text_config_of(hf_config)):
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _rope_dict(config) -> dict[str, Any]:
+    """The config's RoPE dict, either spelling (5.x `rope_parameters`, 4.x `rope_scaling`), copied."""
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if isinstance(value, dict) and value:
+            if any(isinstance(v, dict) for v in value.values()):
+                raise ValueError(f"per-layer-type RoPE parameters ({key} keyed by {sorted(value)}) are not "
+                                 f"supported")
+            return dict(value)
+    return {}
+
+
+def rope_params_of(text_config) -> RopeParams:
+    """The text config's RoPE settings, read from either spelling.
+
+    The type comes from `rope_type` (or the older `type`); "mrope" (Qwen2-VL's pre-4.45 spelling) means
+    "default" with an M-RoPE section. A `rope_theta` attribute (4.x, or an override set on a copy) wins over
+    the one inside the dict (5.x).
+    """
+    d = _rope_dict(text_config)
+    rope_type = d.pop("rope_type", None) or d.pop("type", None) or "default"
+    d.pop("type", None)
+    if rope_type == "mrope":
+        rope_type = "default"
+    theta = getattr(text_config, "rope_theta", None)
+    dict_theta = d.pop("rope_theta", None)
+    theta = theta if theta is not None else dict_theta if dict_theta is not None else DEFAULT_ROPE_THETA
+    section = d.pop("mrope_section", None)
+    partial = d.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = getattr(text_config, "partial_rotary_factor", None)
+    head_dim = getattr(text_config, "head_dim", None) or (
+        text_config.hidden_size // text_config.num_attention_heads)
+    return RopeParams(
+        rope_type=str(rope_type), theta=float(theta), head_dim=int(head_dim),
+        max_position_embeddings=int(text_config.max_position_embeddings),
+        partial_rotary_factor=float(partial if partial is not None else 1.0),
+        mrope_section=tuple(int(s) for s in section) if section is not None else None,
+        scaling=d)
