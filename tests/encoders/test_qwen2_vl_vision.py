@@ -130,3 +130,21 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
         for feat in feats:
             torch.testing.assert_close(runner.encoder_outputs[feat.mm_hash], encode(feat.modality, feat.data),
                                        atol=1e-5, rtol=1e-5)
+
+
+def test_config_reading_handles_both_width_namings():
+    from types import SimpleNamespace
+
+    common = dict(depth=2, num_heads=4, patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+    # Qwen2-VL: the tower width is embed_dim, hidden_size is what the merger projects to
+    old = qwen2_vl_tower_config(SimpleNamespace(embed_dim=32, hidden_size=64, mlp_ratio=2, **common))
+    assert (old.width, old.out_dim, old.mlp_hidden, old.hidden_act) == (32, 64, 64, "quick_gelu")
+    # a config that names them like Qwen2.5-VL (hidden_size = width, out_hidden_size = merger output)
+    new = qwen2_vl_tower_config(SimpleNamespace(hidden_size=32, out_hidden_size=64, **common))
+    assert (new.width, new.out_dim) == (32, 64)
+    v25 = qwen2_5_vl_tower_config(SimpleNamespace(hidden_size=32, out_hidden_size=64, intermediate_size=48,
+                                                  window_size=112, fullatt_block_indexes=[1], **common))
+    assert (v25.width, v25.out_dim, v25.mlp_hidden, v25.fullatt_block_indexes) == (32, 64, 48, (1,))
+    with pytest.raises(ValueError, match="hidden_act 'relu6'"):
+        Qwen2VisionTower(qwen2_vl_tower_config(SimpleNamespace(embed_dim=32, hidden_size=64, hidden_act="relu6",
+                                                               **common)))
