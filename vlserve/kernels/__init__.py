@@ -1,4 +1,5 @@
-"""Attention, KV-cache and rotary kernels with a torch path (CPU) and a Triton path (CUDA).
+"""Attention (paged causal; bidirectional varlen for vision towers), KV-cache and rotary kernels with a torch path
+(CPU) and a Triton path (CUDA).
 
 The exported names dispatch per call on the device of their tensor arguments (cuda -> triton,
 otherwise torch); `VLSERVE_ATTENTION_BACKEND=torch|triton` forces one. Triton modules are
@@ -17,6 +18,7 @@ from vlserve.kernels.attention_ref import (
     attention_forward_ref,
     paged_attention_decode_ref,
     paged_prefill_attention_ref,
+    varlen_attention_ref,
 )
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
@@ -31,6 +33,7 @@ _REF_IMPLS: dict[str, Callable] = {
     "paged_prefill_attention": paged_prefill_attention_ref,
     "attention_forward": attention_forward_ref,
     "apply_rotary": apply_rotary_ref,
+    "varlen_attention": varlen_attention_ref,
 }
 _TRITON_IMPLS: dict[str, tuple[str, str]] = {
     "write_kv_cache": ("vlserve.kernels.triton_kv_write", "write_kv_cache_triton"),
@@ -38,6 +41,7 @@ _TRITON_IMPLS: dict[str, tuple[str, str]] = {
     "paged_prefill_attention": ("vlserve.kernels.triton_attention", "paged_prefill_attention_triton"),
     "attention_forward": ("vlserve.kernels.triton_attention", "attention_forward_triton"),
     "apply_rotary": ("vlserve.kernels.triton_rotary", "apply_rotary_triton"),
+    "varlen_attention": ("vlserve.kernels.triton_varlen_attention", "varlen_attention_triton"),
 }
 
 
@@ -140,6 +144,24 @@ def attention_forward(
     return _impl("attention_forward", query.device)(query, key, value, k_cache, v_cache, md, scale)
 
 
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    max_seqlen: int | None = None,
+    cu_seqlens_cpu: list[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bidirectional (non-causal) varlen attention over contiguous query/key/value [T, H, D]: each segment of
+    cu_seqlens [B+1] attends only to itself (block-diagonal), as vision towers need; no KV cache."""
+    return _impl("varlen_attention", query.device)(
+        query, key, value, cu_seqlens, scale, max_seqlen=max_seqlen, cu_seqlens_cpu=cu_seqlens_cpu, out=out
+    )
+
+
 def apply_rotary(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,6 +187,8 @@ __all__ = [
     "paged_attention_decode_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "varlen_attention",
+    "varlen_attention_ref",
     "write_kv_cache",
     "write_kv_cache_ref",
 ]

@@ -216,3 +216,40 @@ def attention_forward_ref(
             out,
         )
     return out
+
+
+def varlen_attention_ref(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    max_seqlen: int | None = None,
+    cu_seqlens_cpu: list[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bidirectional varlen attention over contiguous K/V: segment b (rows cu_seqlens[b]..cu_seqlens[b+1]) attends
+    only to itself (a block-diagonal mask). Rows past cu_seqlens[-1] come out zero."""
+    # query: [T, Hq, D]; key, value: [T, Hkv, D]; cu_seqlens: [B+1] int32; returns [T, Hq, D]
+    del max_seqlen  # only the Triton grid needs it
+    bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist()
+    if out is None:
+        out = torch.zeros_like(query)
+    gqa = query.shape[1] != key.shape[1]
+    # Segments of equal length share one batched SDPA call (Qwen2.5-VL windows are mostly the same size).
+    starts_by_len: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            starts_by_len.setdefault(end - start, []).append(start)
+    for length, starts in starts_by_len.items():
+        if len(starts) == 1:
+            rows: slice | torch.Tensor = slice(starts[0], starts[0] + length)
+            q, k, v = (t[rows].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, L, D]
+        else:
+            first = torch.tensor(starts, dtype=torch.long, device=query.device)  # [n]
+            rows = first[:, None] + torch.arange(length, device=query.device)  # [n, L]
+            q, k, v = (t[rows].transpose(1, 2) for t in (query, key, value))  # [n, H, L, D]
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa).transpose(1, 2)  # [n, L, Hq, D]
+        out[rows] = o[0] if isinstance(rows, slice) else o
+    return out

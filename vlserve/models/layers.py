@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve import kernels
+from vlserve.kernels.activation import activation
 from vlserve.models.hf_config import rope_params_of
 from vlserve.models.rope import rope_inv_freq
 
@@ -46,13 +47,11 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
-
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.hidden_act = hidden_act
-        self.act_fn = ACT2FN[hidden_act]
+        self.act_fn = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]

@@ -1,9 +1,9 @@
-"""Qwen2-VL and Qwen2.5-VL: a vision tower (transformers' own modules, `visual.*` weights) feeding a Qwen2 decoder
+"""Qwen2-VL and Qwen2.5-VL: our vision tower (vlserve.encoders, `visual.*` weights) feeding a Qwen2 decoder
 with M-RoPE (vlserve's LlamaDecoderModel over the paged KV cache).
 
 Flow per step (the runner drives it):
-  1. `embed_multimodal(modality, feature.data)` once per scheduled media item -> embeddings `[length, H]`
-     (cached by mm_hash in the runner's encoder cache).
+  1. `embed_multimodal(modality, data)` once per modality for every item the scheduler released (their pixel rows
+     and grids concatenated) -> embeddings `[sum of lengths, H]`, split per item and cached by mm_hash.
   2. `get_input_embeddings(input_ids [T], mm_embeds=[(start, emb [n, H]), ...])` -> `[T, H]`: token embeddings with
      the rows [start, start + n) of the flattened step replaced by (slices of) item embeddings.
   3. `forward(None, positions [3, T], kv_caches, attn_metadata, inputs_embeds)` -> hidden `[T, H]`;
@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from vlserve.encoders import Qwen2_5VisionTower, Qwen2VisionTower, qwen2_5_vl_tower_config, qwen2_vl_tower_config
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.llama import LlamaDecoderModel
 from vlserve.models.registry import register_model
@@ -26,13 +27,8 @@ from vlserve.models.registry import register_model
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 
 
-def _vision_rotary_inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """HF VisionRotaryEmbedding's inverse frequencies `[dim // 2]` float32."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-
-
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Qwen2-VL: `visual` (Qwen2VisionTransformerPretrainedModel) + `language_model` (Qwen2 decoder, M-RoPE) +
+    """Qwen2-VL: `visual` (vlserve.encoders.Qwen2VisionTower) + `language_model` (Qwen2 decoder, M-RoPE) +
     `lm_head`.
 
     Loads both checkpoint layouts: the one transformers 4.57 save_pretrained writes (`visual.*`, `model.*`,
@@ -44,15 +40,14 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     supported_modalities = ("image", "video")
 
     @staticmethod
-    def _vision_class():
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-        return Qwen2VisionTransformerPretrainedModel
+    def _build_vision_tower(vision_config) -> nn.Module:
+        return Qwen2VisionTower(qwen2_vl_tower_config(vision_config))
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.text_config = getattr(config, "text_config", config)
-        self.visual = self._vision_class()(config.vision_config)
+        self.visual = self._build_vision_tower(config.vision_config)
         self.language_model = LlamaDecoderModel(self.text_config, qkv_bias=True, o_bias=False)
         self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
         self.image_token_id = config.image_token_id
@@ -69,20 +64,12 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         if self.tied:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
-    @torch.no_grad()
-    def init_buffers(self, device=None) -> None:
-        """Recompute the vision rotary tables (non-persistent buffers, garbage after `to_empty`)."""
-        for module in self.visual.modules():
-            inv_freq = getattr(module, "inv_freq", None)
-            if isinstance(inv_freq, torch.Tensor) and "inv_freq" in module._buffers:
-                dim = 2 * inv_freq.numel()
-                module.inv_freq = _vision_rotary_inv_freq(dim).to(device if device is not None else inv_freq.device)
-
     # ---- multimodal ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def embed_multimodal(self, modality: str, data: dict) -> torch.Tensor:
-        """Run the vision tower on one processed item (or several with stacked grids) -> `[num_embeds, H]`.
+        """Run the vision tower once on one or more processed items (pixel rows and grids concatenated in item
+        order) -> `[num_embeds, H]`.
 
         image: data = {"pixel_values": [P, C*tp*p*p], "image_grid_thw": [N, 3]};
         video: data = {"pixel_values_videos": [P, C*tp*p*p], "video_grid_thw": [N, 3], ...};
@@ -95,12 +82,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         else:
             raise ValueError(f"{type(self).__name__} supports image and video inputs, not {modality!r}")
         param = self.visual.patch_embed.proj.weight
-        grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3).to(param.device)  # [N, 3]
+        grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3).tolist()  # N rows of (t, h, w)
         pixels = pixels.to(device=param.device, dtype=param.dtype)  # [P, C*tp*p*p]
-        embeds = self.visual(pixels, grid_thw=grid)  # [P // merge**2, H]
-        # TEMPORARY (until vlserve/encoders/ replaces the HF tower): transformers 5.x returns an output object
-        # whose pooler_output holds the merged embeddings; 4.x returns the tensor itself.
-        embeds = getattr(embeds, "pooler_output", embeds)
+        embeds = self.visual(pixels, grid)  # [P // merge**2, H]
         return embeds.to(self.language_model.embed_tokens.weight.dtype)
 
     def get_input_embeddings(self, input_ids: torch.Tensor,
@@ -195,13 +179,12 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: same structure; the vision tower (RMSNorm, SwiGLU, windowed attention with full-attention blocks
-    at `fullatt_block_indexes`) is transformers' Qwen2_5_VisionTransformerPretrainedModel. Video temporal
-    positions scale with second_per_grid_ts * tokens_per_second (handled in vlserve.multimodal.mrope)."""
+    at `fullatt_block_indexes`) is vlserve.encoders.Qwen2_5VisionTower. Video temporal positions scale with
+    second_per_grid_ts * tokens_per_second (handled in vlserve.multimodal.mrope)."""
 
     @staticmethod
-    def _vision_class():
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-        return Qwen2_5_VisionTransformerPretrainedModel
+    def _build_vision_tower(vision_config) -> nn.Module:
+        return Qwen2_5VisionTower(qwen2_5_vl_tower_config(vision_config))
 
 
 register_model("Qwen2VLForConditionalGeneration", "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration")

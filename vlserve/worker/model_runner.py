@@ -11,6 +11,21 @@ from vlserve.worker.sample_step import StepSampler
 from vlserve.worker.sampler import make_generator
 
 
+def concat_mm_data(items: list[dict]) -> dict:
+    """Processed data of several items of one modality -> one dict: tensors concatenated along dim 0 (pixel rows,
+    grid rows, per-item scalars), lists joined, in item order. All items carry the same keys."""
+    if len(items) == 1:
+        return items[0]
+    merged = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if isinstance(values[0], torch.Tensor):
+            merged[key] = torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values], dim=0)
+        else:
+            merged[key] = [x for v in values for x in (v if isinstance(v, (list, tuple)) else [v])]
+    return merged
+
+
 class ModelRunner:
     """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
 
@@ -97,18 +112,25 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _run_encoders(self, so: SchedulerOutput) -> None:
+        """Encode every item the scheduler released this step that is not cached yet: one encoder call per
+        modality over all of them (data concatenated in item order), the output split by each item's length."""
+        pending: dict[str, dict[str, object]] = {}  # modality -> {mm_hash: feature}, first occurrence kept
         for rid, item_indices in so.scheduled_encoder_inputs.items():
-            state = self.requests[rid]
             for i in item_indices:
-                feat = state.mm_features[i]
-                if feat.mm_hash in self.encoder_outputs:
-                    continue
-                emb = self.model.embed_multimodal(feat.modality, feat.data)  # [num_embeds, H]
-                if emb.shape[0] != feat.length:
-                    raise RuntimeError(f"encoder produced {emb.shape[0]} embeddings for a placeholder run of "
-                                       f"{feat.length} tokens ({feat.modality} {feat.mm_hash})")
-                self.encoder_outputs[feat.mm_hash] = emb
-                self.num_encoder_runs += 1
+                feat = self.requests[rid].mm_features[i]
+                if feat.mm_hash not in self.encoder_outputs:
+                    pending.setdefault(feat.modality, {}).setdefault(feat.mm_hash, feat)
+        for modality, by_hash in pending.items():
+            feats = list(by_hash.values())
+            emb = self.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
+            lengths = [f.length for f in feats]
+            if emb.shape[0] != sum(lengths):
+                raise RuntimeError(f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
+                                   f"{lengths} tokens ({[f.mm_hash for f in feats]})")
+            for feat, item_emb in zip(feats, emb.split(lengths)):
+                # own storage per entry, so dropping one cache entry frees its memory
+                self.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
+            self.num_encoder_runs += len(feats)
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
