@@ -21,16 +21,20 @@ def llama_dir(tmp_path_factory):
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers `generate` (greedy, float32, EOS ignored), one prompt at a time: the oracle."""
+    """HF transformers `generate` (greedy, float32, EOS ignored), one prompt at a time: the oracle.
+
+    Runs on the device `LLM(device="auto")` picks (cuda when present), so both sides do the same math.
+    """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
             outs.append(gen[0, len(p):].tolist())
     return outs

@@ -27,13 +27,15 @@ class HFOracle:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # the device LLM(device="auto") picks, so a CUDA run compares like with like
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
 
     def greedy(self, text: str, images=None, videos=None, n: int = MAX_NEW, **processor_kwargs) -> list[int]:
         from transformers import GenerationConfig
 
         inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
-                                **processor_kwargs)
+                                **processor_kwargs).to(self.device)
         cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                                pad_token_id=0)
         with torch.no_grad():
