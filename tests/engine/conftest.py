@@ -21,15 +21,19 @@ def llama_dir(tmp_path_factory):
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers `generate` (greedy, float32, EOS ignored), one prompt at a time: the oracle."""
+    """HF transformers `generate` (greedy, float32, EOS ignored), one prompt at a time: the oracle.
+
+    Runs on the device `LLM(device="auto")` picks (cuda when present), so both sides do the same math.
+    """
     from transformers import AutoModelForCausalLM
 
     from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     outs = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)
         gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                                      max_new_tokens)
         outs.append(gen[0, len(p):].tolist())

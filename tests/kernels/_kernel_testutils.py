@@ -1,5 +1,11 @@
-"""Shared builders and plain loop-style references for the kernel tests."""
+"""Shared builders, plain loop-style references and device-aware tolerances for the kernel tests.
+
+Cases are built on the CPU (seeded generators give the same numbers everywhere) and the references
+are computed there; only the kernel under test sees tensors moved to the test device.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -94,3 +100,29 @@ def poison_unused_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tabl
             live[int(block_tables[b, p // block_size]) * block_size + p % block_size] = True
     k_cache.view(-1, *k_cache.shape[2:])[~live] = float("nan")
     v_cache.view(-1, *v_cache.shape[2:])[~live] = float("nan")
+
+
+def to_device(device: torch.device | str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies of `tensors` on `device` (new storage even when already there, so in-place kernels stay apart)."""
+    return tuple(t.to(device, copy=True) for t in tensors)
+
+
+def metadata_to(md: AttentionMetadata, device: torch.device | str) -> AttentionMetadata:
+    """`md` with its tensor fields moved to `device`."""
+    moved = {f.name: getattr(md, f.name).to(device) for f in dataclasses.fields(md)
+             if isinstance(getattr(md, f.name), torch.Tensor)}
+    return dataclasses.replace(md, **moved)
+
+
+def kernel_tol(device: torch.device | str, dtype: torch.dtype) -> dict[str, float]:
+    """assert_close tolerances for a kernel's output against a CPU reference.
+
+    Half types: 2e-2 everywhere. float32: 2e-5 / 1e-5 on CPU (the interpreter runs numpy float32);
+    on CUDA 1e-4 / 1e-4, for the GPU's approximate exp2 and its different summation order. A masking or
+    paging bug is off by O(1) (unused cache slots hold values of size ~50), far above either.
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        return dict(atol=2e-2, rtol=2e-2)
+    if torch.device(device).type == "cuda":
+        return dict(atol=1e-4, rtol=1e-4)
+    return dict(atol=2e-5, rtol=1e-5)

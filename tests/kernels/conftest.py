@@ -1,9 +1,42 @@
-"""Kernel tests run the Triton kernels under Triton's CPU interpreter.
+"""Kernel-test fixtures: the Triton kernels on the test device, compiled on CUDA and interpreted on CPU.
 
-TRITON_INTERPRET is read when a `@triton.jit` function is defined, so it must be set before the
-vlserve Triton modules are imported; `vlserve.kernels` imports them lazily, and the torch path
-never looks at this variable.
+With a GPU, `triton_kernels` is the ordinary vlserve.kernels.triton_* modules and the tests' tensors
+are CUDA tensors (the `device` fixture from tests/conftest.py). Without one, it is a private copy of
+those modules imported while TRITON_INTERPRET=1 was set for the length of that import only
+(tests/kernels/_interpreted.py): Triton reads the variable when `@triton.jit` runs, so the copy's
+kernels are interpreted while the process environment, `sys.modules` and every other test (the
+engine's, the AOT compile check's) see no trace of it. Nothing here sets the variable for the run.
 """
-import os
+from __future__ import annotations
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from _interpreted import TRITON_MODULES, interpreted_triton_modules, native_triton_modules
+
+
+@pytest.fixture(scope="session")
+def triton_kernels(device: torch.device) -> SimpleNamespace:
+    """Namespace (kv_write, rotary, attention, varlen) of vlserve Triton modules that run on `device`."""
+    return native_triton_modules() if device.type == "cuda" else interpreted_triton_modules()
+
+
+@pytest.fixture
+def triton_dispatch(device: torch.device, triton_kernels: SimpleNamespace, monkeypatch) -> SimpleNamespace:
+    """Make vlserve.kernels' triton backend reach `triton_kernels` for this test (on CPU: the interpreted copy)."""
+    import vlserve.kernels as K
+
+    if device.type != "cuda":
+        by_module = {name: getattr(triton_kernels, short) for short, name in TRITON_MODULES.items()}
+
+        def interpreted_impl(name: str):
+            module_name, attr = K._TRITON_IMPLS[name]
+            return getattr(by_module[module_name], attr)
+
+        monkeypatch.setattr(K, "_triton_impl", interpreted_impl)
+        # the dispatcher refuses CPU tensors on the triton backend unless the interpreter is on; these
+        # kernels are interpreted, so tell it so (for this test only) without touching the environment
+        monkeypatch.setattr(K, "_interpreter_enabled", lambda: True)
+    return triton_kernels

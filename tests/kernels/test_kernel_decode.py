@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from _kernel_testutils import make_paged_kv, naive_attention, poison_unused_slots
+from _kernel_testutils import kernel_tol, make_paged_kv, naive_attention, poison_unused_slots, to_device
 from vlserve.kernels import attention_ref
 from vlserve.kernels.attention_ref import paged_attention_decode_ref
 
@@ -81,59 +81,60 @@ def test_decode_ref_empty_batch():
     assert out.shape == (0, 2, 64)
 
 
-# Triton (interpreter): one case per GQA ratio, covering every head dim and block size; small sizes.
-# plus a non-power-of-two group (Qwen2.5-VL-7B: 28 query heads over 4 KV heads).
+# Triton (compiled on CUDA, interpreted on CPU): one case per GQA ratio, covering every head dim and
+# block size; small sizes. plus a non-power-of-two group (Qwen2.5-VL-7B: 28 query heads over 4 KV heads).
 TRITON_CASES = [(1, 64, 16), (2, 80, 32), (4, 96, 16), (8, 128, 32), (7, 128, 16)]
 
 
 @pytest.mark.parametrize("ratio,head_dim,block_size", TRITON_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_triton_matches_ref(ratio, head_dim, block_size, num_splits):
-    from vlserve.kernels.triton_attention import paged_attention_decode_triton
-
+def test_decode_triton_matches_ref(triton_kernels, device, ratio, head_dim, block_size, num_splits):
     seq_lens = [1, block_size + 5, 150] if num_splits > 1 else [1, block_size + 5]
     query, _, k_cache, v_cache, tables, lens = _decode_case(ratio, head_dim, block_size, seq_lens, num_kv_heads=1)
     scale = head_dim**-0.5
     ref = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, scale)
-    out = paged_attention_decode_triton(
-        query, k_cache, v_cache, tables, lens, scale, max_seq_len=max(seq_lens), num_splits=num_splits
+    out = triton_kernels.attention.paged_attention_decode_triton(
+        *to_device(device, query, k_cache, v_cache, tables, lens), scale, max_seq_len=max(seq_lens),
+        num_splits=num_splits,
     )
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    assert out.device.type == device.type
+    torch.testing.assert_close(out.cpu(), ref, **kernel_tol(device, torch.float32))
 
 
-def test_decode_triton_bf16_default_splits():
-    from vlserve.kernels.triton_attention import paged_attention_decode_triton
-
+def test_decode_triton_bf16_default_splits(triton_kernels, device):
     seq_lens = [7, 200]
     query, _, k_cache, v_cache, tables, lens = _decode_case(4, 64, 16, seq_lens, num_kv_heads=1, dtype=torch.bfloat16)
     ref = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
-    out = paged_attention_decode_triton(query, k_cache, v_cache, tables, lens, 0.125)  # bound from table width
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    out = triton_kernels.attention.paged_attention_decode_triton(  # bound from table width
+        *to_device(device, query, k_cache, v_cache, tables, lens), 0.125)
+    torch.testing.assert_close(out.float().cpu(), ref.float(), **kernel_tol(device, torch.bfloat16))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_decode_triton_zero_length_padding_row(num_splits):
+def test_decode_triton_zero_length_padding_row(triton_kernels, device, num_splits):
     # CUDA-graph style padding rows (seq_len 0) must come out as zeros, not NaN
-    from vlserve.kernels.triton_attention import paged_attention_decode_triton
-
     query, _, k_cache, v_cache, tables, lens = _decode_case(2, 64, 16, [70, 9], num_kv_heads=1)
     lens[1] = 0
-    out = paged_attention_decode_triton(query, k_cache, v_cache, tables, lens, 0.125, max_seq_len=70,
-                                        num_splits=num_splits)
+    out = triton_kernels.attention.paged_attention_decode_triton(
+        *to_device(device, query, k_cache, v_cache, tables, lens), 0.125, max_seq_len=70, num_splits=num_splits
+    ).cpu()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = paged_attention_decode_ref(query[:1], k_cache, v_cache, tables[:1], lens[:1], 0.125)
-    torch.testing.assert_close(out[:1], ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:1], ref, **kernel_tol(device, torch.float32))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_decode_ignores_nan_in_unwritten_slots(backend):
+def test_decode_ignores_nan_in_unwritten_slots(backend, request, device):
     seq_lens = [3, 40, 17, 64]
     query, contexts, k_cache, v_cache, tables, lens = _decode_case(4, 64, 16, seq_lens, num_kv_heads=1, seed=5)
     poison_unused_slots(k_cache, v_cache, tables, seq_lens)
+    expected = _naive_decode(query, contexts, 0.125)
     if backend == "torch":
         out = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
+        tol = kernel_tol("cpu", torch.float32)
     else:
-        from vlserve.kernels.triton_attention import paged_attention_decode_triton
-
-        out = paged_attention_decode_triton(query, k_cache, v_cache, tables, lens, 0.125, num_splits=2)
-    torch.testing.assert_close(out, _naive_decode(query, contexts, 0.125), atol=2e-5, rtol=1e-5)
+        attention = request.getfixturevalue("triton_kernels").attention
+        out = attention.paged_attention_decode_triton(*to_device(device, query, k_cache, v_cache, tables, lens),
+                                                      0.125, num_splits=2).cpu()
+        tol = kernel_tol(device, torch.float32)
+    torch.testing.assert_close(out, expected, **tol)

@@ -1,11 +1,13 @@
 """Backend selection and the dispatching entry points of vlserve.kernels."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import vlserve.kernels as K
-from _kernel_testutils import build_metadata, make_paged_kv
+from _kernel_testutils import build_metadata, kernel_tol, make_paged_kv, metadata_to, to_device
 
 
 def test_backend_selection(monkeypatch):
@@ -30,6 +32,25 @@ def test_forced_triton_on_cpu_needs_interpreter(monkeypatch):
         K.apply_rotary(q, q.clone(), torch.zeros(1, dtype=torch.long), torch.ones(4, 32), torch.zeros(4, 32))
 
 
+def test_interpreter_on_cuda_warns_once(monkeypatch):
+    # the dispatcher warns (once per process) when CUDA tensors meet an interpreter-enabled environment;
+    # no real kernel module is imported here
+    monkeypatch.delenv(K.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(K, "_triton_impl", lambda name: K._REF_IMPLS[name])
+    K._warn_if_interpreter_on_cuda.cache_clear()
+    try:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET is set while the Triton kernels run on CUDA"):
+            K._impl("apply_rotary", torch.device("cuda", 0))
+        K._warn_if_interpreter_on_cuda.cache_clear()
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert K._impl("apply_rotary", torch.device("cuda", 0)) is K.apply_rotary_ref
+    finally:
+        K._warn_if_interpreter_on_cuda.cache_clear()
+
+
 def _step(seed=0):
     g = torch.Generator().manual_seed(seed)
     block_size, hkv, hq, d = 16, 1, 4, 64
@@ -46,24 +67,31 @@ def _step(seed=0):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_dispatch_full_step(monkeypatch, backend):
-    # rotary + attention_forward through the dispatching names, against the reference functions
+def test_dispatch_full_step(monkeypatch, request, device, backend):
+    # rotary + attention_forward through the dispatching names on the test device, against the
+    # reference functions on CPU
     (q, k, v), k_cache, v_cache, md, positions, cos, sin = _step()
     q_ref, k_ref, kc_ref, vc_ref = q.clone(), k.clone(), k_cache.clone(), v_cache.clone()
     K.apply_rotary_ref(q_ref, k_ref, positions, cos, sin)
     expected = K.attention_forward_ref(q_ref, k_ref, v, kc_ref, vc_ref, md, 0.125)
 
+    if backend == "triton":
+        request.getfixturevalue("triton_dispatch")  # on CPU: the interpreted kernels, for this test only
     monkeypatch.setenv(K.BACKEND_ENV, backend)
+    q, k, v, k_cache, v_cache, positions, cos, sin = to_device(device, q, k, v, k_cache, v_cache, positions, cos, sin)
+    md = metadata_to(md, device)
+    tol = kernel_tol(device, torch.float32)
     K.apply_rotary(q, k, positions, cos, sin)
     out = K.attention_forward(q, k, v, k_cache, v_cache, md, 0.125)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(k_cache, kc_ref, atol=1e-6, rtol=0)
+    assert out.device.type == device.type
+    torch.testing.assert_close(out.cpu(), expected, **tol)
+    torch.testing.assert_close(k_cache.cpu(), kc_ref, atol=1e-6 if device.type == "cpu" else 1e-5, rtol=0)
     # the standalone entry points agree with attention_forward on the decode and prefill parts
     dec = K.paged_attention_decode(q[:1], k_cache, v_cache, md.block_tables[:1], md.seq_lens[:1], 0.125)
-    torch.testing.assert_close(dec, out[:1], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(dec, out[:1], **tol)
     pre = K.paged_prefill_attention(q, k_cache, v_cache, md.block_tables[1:], md.query_start_loc[1:],
                                     md.seq_lens[1:], 0.125)
-    torch.testing.assert_close(pre[1:], out[1:], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(pre[1:], out[1:], **tol)
     k_cache2 = k_cache.clone()
     K.write_kv_cache(k, v, k_cache2, v_cache.clone(), md.slot_mapping)
     assert torch.equal(k_cache2, k_cache)

@@ -7,7 +7,8 @@ import torch
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 
 
-def _case(block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+def _case(block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0, device="cpu"):
+    """Seeded (same numbers for every device) caches, slots and strided key/value views, on `device`."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 6
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -17,6 +18,7 @@ def _case(block_size, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
     slots = torch.tensor([0, block_size - 1, -1, block_size, 3 * block_size + 5, last, -1, 2 * block_size + 7, -1])
     # key/value are strided views into a fused [T, (Hq + 2*Hkv) * D] projection, as a model produces them
     qkv = torch.randn(len(slots), (4 + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    qkv, k_cache, v_cache, slots = (t.to(device) for t in (qkv, k_cache, v_cache, slots))
     key = qkv[:, 4 * head_dim : (4 + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
     value = qkv[:, (4 + num_kv_heads) * head_dim :].view(-1, num_kv_heads, head_dim)
     return key, value, k_cache, v_cache, slots
@@ -53,11 +55,10 @@ def test_write_ref_no_padding_and_empty():
 
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,dtype", [
     (16, 2, 80, torch.float32), (32, 8, 128, torch.float32), (16, 4, 64, torch.bfloat16)])
-def test_write_triton_matches_ref(block_size, num_kv_heads, head_dim, dtype):
-    from vlserve.kernels.triton_kv_write import write_kv_cache_triton
-
+def test_write_triton_matches_ref(triton_kernels, device, block_size, num_kv_heads, head_dim, dtype):
     key, value, k_cache, v_cache, slots = _case(block_size, num_kv_heads, head_dim, dtype)
-    k2, v2 = k_cache.clone(), v_cache.clone()
+    key2, value2, k2, v2, slots2 = _case(block_size, num_kv_heads, head_dim, dtype, device=device)
     write_kv_cache_ref(key, value, k_cache, v_cache, slots)
-    write_kv_cache_triton(key, value, k2, v2, slots)
-    assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache)
+    triton_kernels.kv_write.write_kv_cache_triton(key2, value2, k2, v2, slots2)
+    assert k2.device.type == device.type
+    assert torch.equal(k2.cpu(), k_cache) and torch.equal(v2.cpu(), v_cache)

@@ -6,7 +6,8 @@ import itertools
 import pytest
 import torch
 
-from _kernel_testutils import build_metadata, make_paged_kv, naive_attention, poison_unused_slots
+from _kernel_testutils import (build_metadata, kernel_tol, make_paged_kv, metadata_to, naive_attention,
+                               poison_unused_slots, to_device)
 from vlserve.kernels.attention_ref import attention_forward_ref, paged_prefill_attention_ref
 
 GQA_RATIOS = [1, 2, 4, 8]
@@ -57,17 +58,20 @@ def test_prefill_ref_matches_naive(ratio, head_dim, block_size):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_prefill_ignores_nan_in_unwritten_slots(backend):
+def test_prefill_ignores_nan_in_unwritten_slots(backend, request, device):
     seqs = [(19, 6), (0, 5), (3, 0)]
     query, contexts, k_cache, v_cache, tables, qsl, lens = _prefill_case(2, 64, 16, seqs, num_kv_heads=1, seed=6)
     poison_unused_slots(k_cache, v_cache, tables, lens.tolist())
+    expected = _naive_prefill(query, contexts, qsl, 0.125)
     if backend == "torch":
         out = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 0.125)
+        tol = kernel_tol("cpu", torch.float32)
     else:
-        from vlserve.kernels.triton_attention import paged_prefill_attention_triton
-
-        out = paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, lens, 0.125)
-    torch.testing.assert_close(out, _naive_prefill(query, contexts, qsl, 0.125), atol=2e-5, rtol=1e-5)
+        attention = request.getfixturevalue("triton_kernels").attention
+        out = attention.paged_prefill_attention_triton(
+            *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125).cpu()
+        tol = kernel_tol(device, torch.float32)
+    torch.testing.assert_close(out, expected, **tol)
 
 
 def test_prefill_ref_bf16():
@@ -82,25 +86,24 @@ TRITON_CASES = [(1, 64, 16), (2, 80, 32), (4, 96, 16), (8, 128, 32), (7, 128, 16
 
 
 @pytest.mark.parametrize("ratio,head_dim,block_size", TRITON_CASES)
-def test_prefill_triton_matches_ref(ratio, head_dim, block_size):
-    from vlserve.kernels.triton_attention import paged_prefill_attention_triton
-
+def test_prefill_triton_matches_ref(triton_kernels, device, ratio, head_dim, block_size):
     seqs = [(0, 9), (block_size + 3, 20), (5, 0), (0, 1)]
     query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(ratio, head_dim, block_size, seqs, num_kv_heads=1)
     scale = head_dim**-0.5
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, scale)
-    out = paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, lens, scale)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+    out = triton_kernels.attention.paged_prefill_attention_triton(
+        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), scale)
+    assert out.device.type == device.type
+    torch.testing.assert_close(out.cpu(), ref, **kernel_tol(device, torch.float32))
 
 
-def test_prefill_triton_bf16():
-    from vlserve.kernels.triton_attention import paged_prefill_attention_triton
-
+def test_prefill_triton_bf16(triton_kernels, device):
     seqs = [(17, 12), (0, 5)]
     query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(2, 64, 16, seqs, num_kv_heads=1, dtype=torch.bfloat16)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 0.125)
-    out = paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, lens, 0.125, max_query_len=12)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    out = triton_kernels.attention.paged_prefill_attention_triton(
+        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125, max_query_len=12)
+    torch.testing.assert_close(out.float().cpu(), ref.float(), **kernel_tol(device, torch.bfloat16))
 
 
 def _forward_case(block_size, num_kv_heads, ratio, head_dim, seed=0, num_padding_tokens=2):
@@ -132,13 +135,12 @@ def test_attention_forward_ref_matches_naive(block_size):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
-def test_attention_forward_triton_matches_ref():
-    from vlserve.kernels.triton_attention import attention_forward_triton
-
+def test_attention_forward_triton_matches_ref(triton_kernels, device):
     query, key, value, k_cache, v_cache, md, expected = _forward_case(16, 1, 2, 64, seed=3)
-    k2, v2 = k_cache.clone(), v_cache.clone()
+    q2, key2, value2, k2, v2 = to_device(device, query, key, value, k_cache, v_cache)
     ref = attention_forward_ref(query, key, value, k_cache, v_cache, md, 0.125)
-    out = attention_forward_triton(query, key, value, k2, v2, md, 0.125)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
-    assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache)
+    out = triton_kernels.attention.attention_forward_triton(q2, key2, value2, k2, v2, metadata_to(md, device), 0.125)
+    tol = kernel_tol(device, torch.float32)
+    torch.testing.assert_close(out.cpu(), ref, **tol)
+    torch.testing.assert_close(out.cpu(), expected, **tol)
+    assert torch.equal(k2.cpu(), k_cache) and torch.equal(v2.cpu(), v_cache)

@@ -9,6 +9,8 @@ import torch
 import vlserve.kernels as K
 from vlserve.kernels.attention_ref import varlen_attention_ref
 
+from _kernel_testutils import kernel_tol, to_device
+
 
 def _naive_varlen(q, k, v, bounds, scale):
     """float64 softmax attention of every segment over itself only; GQA by head // group."""
@@ -46,29 +48,28 @@ def test_varlen_ref_matches_naive(bounds, heads, head_dim):
 
 @pytest.mark.parametrize("bounds,heads,head_dim", [(BOUNDS[0], (2, 2), 16), (BOUNDS[0], (4, 2), 80),
                                                    (BOUNDS[1], (3, 3), 40)])
-def test_varlen_triton_matches_ref(bounds, heads, head_dim):
-    from vlserve.kernels.triton_varlen_attention import varlen_attention_triton
-
+def test_varlen_triton_matches_ref(bounds, heads, head_dim, device, triton_kernels):
     q, k, v, cu = _case(bounds, *heads, head_dim, pad_rows=2, seed=1)
     scale = head_dim**-0.5
-    out = varlen_attention_triton(q, k, v, cu, scale)
-    torch.testing.assert_close(out, varlen_attention_ref(q, k, v, cu, scale), atol=2e-5, rtol=1e-5)
+    out = triton_kernels.varlen.varlen_attention_triton(*to_device(device, q, k, v, cu), scale)
+    torch.testing.assert_close(out.cpu(), varlen_attention_ref(q, k, v, cu, scale),
+                               **kernel_tol(device, torch.float32))
 
 
-def test_varlen_bf16_both_backends():
-    from vlserve.kernels.triton_varlen_attention import varlen_attention_triton
-
+def test_varlen_bf16_both_backends(device, triton_kernels):
     bounds = [0, 20, 57]
     q, k, v, cu = _case(bounds, 2, 2, 64, dtype=torch.bfloat16, seed=2)
     ref = _naive_varlen(q.float(), k.float(), v.float(), bounds, 0.125)
-    for fn in (varlen_attention_ref, varlen_attention_triton):
-        torch.testing.assert_close(fn(q, k, v, cu, 0.125).float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(varlen_attention_ref(q, k, v, cu, 0.125).float(), ref, atol=2e-2, rtol=2e-2)
+    out = triton_kernels.varlen.varlen_attention_triton(*to_device(device, q, k, v, cu), 0.125)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_varlen_dispatch(monkeypatch, backend):
+def test_varlen_dispatch(monkeypatch, backend, device, triton_dispatch):
     bounds = [0, 9, 30]
     q, k, v, cu = _case(bounds, 2, 1, 32, seed=3)
     monkeypatch.setenv(K.BACKEND_ENV, backend)
-    out = K.varlen_attention(q, k, v, cu, 0.2, max_seqlen=21, cu_seqlens_cpu=bounds)
-    torch.testing.assert_close(out, _naive_varlen(q, k, v, bounds, 0.2), atol=2e-5, rtol=1e-5)
+    dev = device if backend == "triton" else torch.device("cpu")
+    out = K.varlen_attention(*to_device(dev, q, k, v, cu), 0.2, max_seqlen=21, cu_seqlens_cpu=bounds)
+    torch.testing.assert_close(out.cpu(), _naive_varlen(q, k, v, bounds, 0.2), **kernel_tol(dev, torch.float32))

@@ -29,13 +29,15 @@ class HFOracle:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # the device LLM(device="auto") picks, so a CUDA run compares like with like
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
 
     def greedy(self, text: str, images=None, videos=None, n: int = MAX_NEW, **processor_kwargs) -> list[int]:
         from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
 
         inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
-                                **processor_kwargs)
+                                **processor_kwargs).to(self.device)
         out = hf_greedy_ignoring_eos(self.model, inputs, n)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 

@@ -3,13 +3,15 @@
 
 The exported names dispatch per call on the device of their tensor arguments (cuda -> triton,
 otherwise torch); `VLSERVE_ATTENTION_BACKEND=torch|triton` forces one. Triton modules are
-imported lazily, only when the triton backend is used (on CPU that needs TRITON_INTERPRET=1).
+imported lazily, only when the triton backend is used (on CPU that needs TRITON_INTERPRET=1); on
+CUDA that variable would make them interpreter kernels, so the first CUDA call warns if it is set.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -74,10 +76,28 @@ def _triton_impl(name: str) -> Callable:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _warn_if_interpreter_on_cuda() -> None:
+    # checked once per process: the flag matters when the triton modules are imported, i.e. at first use
+    if _interpreter_enabled():
+        warnings.warn(
+            "TRITON_INTERPRET is set while the Triton kernels run on CUDA tensors: they were built for the CPU "
+            "interpreter instead of compiled for the GPU (very slow, host round trips); unset it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _impl(name: str, device: torch.device) -> Callable:
     if get_attention_backend(device) == "torch":
         return _REF_IMPLS[name]
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if device.type == "cuda":
+        _warn_if_interpreter_on_cuda()
+    elif not _interpreter_enabled():
         raise RuntimeError(
             f"{BACKEND_ENV}=triton with {device.type} tensors needs TRITON_INTERPRET=1 set before triton is imported"
         )

@@ -1,0 +1,101 @@
+"""Private copies of vlserve's Triton modules built for Triton's CPU interpreter, without touching the run.
+
+Triton decides between a compiled `JITFunction` and an `InterpretedFunction` when `@triton.jit` runs,
+i.e. when a module defining kernels is imported (triton 3.x: `knobs.runtime.interpret`, which reads the
+TRITON_INTERPRET variable at that moment). `interpreted_triton_modules()` imports
+vlserve.kernels.triton_* once more inside a window where the variable is 1, keeps the module objects,
+and puts `sys.modules`, the `vlserve.kernels` package attributes and `os.environ` back as they were.
+
+Triton's own library (`tl.zeros`, `tl.max`, ... in triton.language.standard) was decorated when
+triton was first imported, normally in compiled mode, and a compiled `JITFunction` refuses to be
+called from an interpreted kernel. So each launch of a copied kernel runs with `JITFunction.__call__`
+patched to interpret the function instead, and restored when the launch returns: the interpreter then
+behaves exactly as under a run-wide TRITON_INTERPRET=1, while triton stays compiled-mode for everyone
+else (a CUDA run, the AOT compile check).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from types import ModuleType, SimpleNamespace
+from unittest import mock
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+# import order matters: triton_attention imports triton_kv_write, and must see the interpreted copy
+TRITON_MODULES = {
+    "kv_write": "vlserve.kernels.triton_kv_write",
+    "rotary": "vlserve.kernels.triton_rotary",
+    "attention": "vlserve.kernels.triton_attention",
+    "varlen": "vlserve.kernels.triton_varlen_attention",
+}
+# what the user's environment held when the test run started (None: unset)
+USER_INTERPRET_VALUE = os.environ.get(INTERPRET_ENV)
+
+
+def _import_fresh(names: list[str]) -> dict[str, ModuleType]:
+    """Import `names` as new module objects, then restore sys.modules and the parent package's attributes."""
+    package = importlib.import_module("vlserve.kernels")
+    saved_modules = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    attrs = [name.rsplit(".", 1)[1] for name in names]
+    saved_attrs = {attr: package.__dict__[attr] for attr in attrs if attr in package.__dict__}
+    try:
+        return {name: importlib.import_module(name) for name in names}
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved_modules)
+        for attr in attrs:
+            package.__dict__.pop(attr, None)
+        package.__dict__.update(saved_attrs)
+
+
+@functools.cache
+def _interpreted_twin(fn):
+    # fn: the Python function behind a compiled-mode JITFunction of triton's library
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn)
+
+
+def _call_interpreted(jit_function, *args, **kwargs):
+    """Stands in for `JITFunction.__call__` during an interpreted launch: run the function interpreted."""
+    return _interpreted_twin(jit_function.fn)(*args, **kwargs)
+
+
+def _launch_with_interpreted_library(run):
+    from triton.runtime.jit import JITFunction
+
+    @functools.wraps(run)
+    def launch(*args, **kwargs):
+        with mock.patch.object(JITFunction, "__call__", _call_interpreted):
+            return run(*args, **kwargs)
+
+    return launch
+
+
+def _wrap_kernels(module: ModuleType) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for value in vars(module).values():
+        if isinstance(value, InterpretedFunction) and "run" not in vars(value):
+            value.run = _launch_with_interpreted_library(value.run)
+
+
+@functools.cache
+def interpreted_triton_modules() -> SimpleNamespace:
+    """Namespace (kv_write, rotary, attention, varlen) of vlserve Triton modules whose kernels run in the interpreter."""
+    import triton  # noqa: F401  (imported outside the window: its library keeps its run-wide mode)
+    import triton.language  # noqa: F401
+
+    with mock.patch.dict(os.environ, {INTERPRET_ENV: "1"}):
+        fresh = _import_fresh(list(TRITON_MODULES.values()))
+    for module in fresh.values():
+        _wrap_kernels(module)
+    return SimpleNamespace(**{short: fresh[name] for short, name in TRITON_MODULES.items()})
+
+
+def native_triton_modules() -> SimpleNamespace:
+    """Namespace (kv_write, rotary, attention, varlen) of the ordinary, process-wide vlserve Triton modules."""
+    return SimpleNamespace(**{short: importlib.import_module(name) for short, name in TRITON_MODULES.items()})
