@@ -153,9 +153,9 @@ class AuxHeads:
         """All head parameters (for the optimizer)."""
         return [p for m in (self.vision, self.position, self.summary) for p in m.parameters()]
 
-    def loss(self, hidden_states, attentions, input_ids, attention_mask, token_ids: dict, batch: dict) -> dict:
-        """hidden_states: output_hidden_states ([B, L, H] each); attentions: output_attentions ([B, heads, L, L]
-        each); input_ids / attention_mask [B, L]; token_ids: the config's image/video/vision_end token ids.
+    def loss(self, hidden_states, pointer_attn, input_ids, attention_mask, token_ids: dict, batch: dict) -> dict:
+        """hidden_states: output_hidden_states ([B, L, H] each); pointer_attn: layer ATTN_LAYER's attention
+        probabilities [B, heads, L, L]; input_ids / attention_mask [B, L]; token_ids: the config's image/video/vision_end token ids.
         -> {"kind", "color", "xy", "pointer", "summary"}: scalar losses (absent targets left out)."""
         import torch
         import torch.nn.functional as F
@@ -182,7 +182,7 @@ class AuxHeads:
         is_video = (input_ids == token_ids["video"]).any(dim=1)  # [B]
         start = ((kind_map > 0) & (first_map > 0) & is_video[:, None]).float()[..., None]  # [B, L, 1]
         targets = torch.cat([onehot, start], dim=-1)  # [B, L(keys), 4]
-        attn = attentions[ATTN_LAYER][:, :targets.shape[-1]]  # [B, 4, L(queries), L(keys)]
+        attn = pointer_attn[:, :targets.shape[-1]]  # [B, 4, L(queries), L(keys)]
         mass = torch.einsum("bkqj,bjk->bkq", attn, targets)  # [B, 4, L]
         valid = queries[:, None, :] & (targets.sum(1) > 0)[:, :, None]  # [B, 4, L]
         if valid.any():

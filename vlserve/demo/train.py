@@ -163,7 +163,10 @@ def linear_patch_embed(model):
 def eager_attention_only_in(model, layer: int):
     """Compute attention probabilities only where the pointer loss reads them: the model (and its mask) runs
     "eager", but every other text layer and the vision tower get SDPA through their own config copy (with
-    one-kind batches, stage-2 steps took ~5% less time). Returns a function that restores the shared configs."""
+    one-kind batches, stage-2 steps took ~5% less time). A forward hook on that layer's attention keeps its
+    probabilities `[B, heads, L, L]` in `captured["probs"]` after each forward (transformers 4.x and 5.x alike:
+    5.x's `output_attentions` leaves out the SDPA layers). Returns `(captured, restore)`; `restore()` puts the
+    shared configs back and removes the hook."""
     import copy
 
     model.set_attn_implementation("eager")
@@ -173,12 +176,16 @@ def eager_attention_only_in(model, layer: int):
     for m in modules:
         m.config = copy.copy(m.config)
         m.config._attn_implementation = "sdpa"
+    captured: dict = {}
+    hook = model.model.language_model.layers[layer].self_attn.register_forward_hook(
+        lambda mod, args, out: captured.__setitem__("probs", out[1]))
 
     def restore():
+        hook.remove()
         for m, cfg in zip(modules, shared):
             m.config = cfg
         model.set_attn_implementation("sdpa")
-    return restore
+    return captured, restore
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -237,7 +244,9 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id,
                  "vision_end": model.config.vision_end_token_id}
     # the pointer-head loss needs layer ATTN_LAYER's attention probabilities (the model starts on SDPA)
-    restore_attention = eager_attention_only_in(model, ATTN_LAYER) if aux_weight > 0 else (lambda: None)
+    captured, restore_attention = ({}, lambda: None)
+    if aux_weight > 0:
+        captured, restore_attention = eager_attention_only_in(model, ATTN_LAYER)
     named = list(model.named_parameters())
     vision_params = [p for n, p in named if ".visual." in f".{n}"] + list(cell_probe.parameters())
     seen = {id(p) for p in vision_params}
@@ -260,13 +269,13 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
             g["lr"] = g["scale"] * step_lr
         batch = next(data)
         inputs = {k: v for k, v in batch.items() if not k.startswith(("aux_", "meta_"))}
-        res = model(**inputs, output_hidden_states=aux_weight > 0, output_attentions=aux_weight > 0)
+        res = model(**inputs, output_hidden_states=aux_weight > 0)
         loss = res.loss
         with torch.no_grad():
             for form, ok in zip(batch["meta_forms"], first_answer_correct(res.logits, batch["labels"])):
                 hits.setdefault(form, []).append(ok)
         if aux_weight > 0:
-            parts = heads.loss(res.hidden_states, res.attentions, batch["input_ids"], batch["attention_mask"],
+            parts = heads.loss(res.hidden_states, captured["probs"], batch["input_ids"], batch["attention_mask"],
                                token_ids, batch)
             aux = sum(parts.values())
             aux_ema = aux.item() if aux_ema is None else 0.95 * aux_ema + 0.05 * aux.item()

@@ -124,6 +124,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
             g["lr"] = step_lr
         b = next(data)
         cells = visual(b["pixel_values"], grid_thw=b["grid_thw"])  # [cells, hidden]
+        cells = getattr(cells, "pooler_output", cells)  # transformers 5.x returns an output object
         logits = cell_probe(cells)  # [cells, NUM_CELL_OUTPUTS]
         parts = cell_losses(logits, b["kind"], b["color"], b["motion"])
         parts["silhouette"] = F.binary_cross_entropy_with_logits(mask_head(feats["x"]), b["silhouette"])
