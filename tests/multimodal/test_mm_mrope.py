@@ -80,7 +80,13 @@ CASES = {
 @pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_hf_get_rope_index(configs, variant, case):
+    import transformers
+
     cfg = configs[variant]
+    if int(transformers.__version__.split(".")[0]) >= 5 and any(m == "video" for m, _, _ in CASES[case][0]):
+        pytest.skip("transformers 5.x moves the text after a video on by max(h, w) and keeps fractional temporal "
+                    "steps, not the rule the checkpoints were trained with (4.57's, kept by vlserve): checked on 4.57 "
+                    "in the hf_parity job, and by hand in test_text_after_a_video_follows_its_last_position")
     ids, feats = _build(cfg, *CASES[case])
     pos, delta = get_mrope_positions(ids, feats, cfg)
     ref_pos, ref_delta = _hf_rope_index(cfg, ids, feats)
@@ -130,3 +136,22 @@ def test_inconsistent_feature_rejected(configs):
     feats[0].length += 1
     with pytest.raises(ValueError, match="needs 4 tokens"):
         get_mrope_positions(ids, feats, cfg)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+def test_text_after_a_video_follows_its_last_position(configs, variant):
+    """By hand, independent of the installed transformers: text T T, <vs>, a video of 2 temporal steps on a 1x1
+    merged grid, <ve>, text T T. The video's temporal ids are 3 + k * interval (interval 1 for Qwen2-VL,
+    int(second_per_grid) * tokens_per_second for Qwen2.5-VL); the text after it starts at its largest id + 1."""
+    cfg = configs[variant]
+    ids, feats = _build(cfg, [("video", (2, 2, 2), 1.0)], [2, 2])
+    tps = getattr(cfg.vision_config, "tokens_per_second", None)
+    interval = 1 if variant == "qwen2_vl" else int(1.0) * tps
+    last = 3 + interval  # the second temporal step of the video
+    after = [last + 1, last + 2, last + 3]  # <ve>, T, T
+    expected = torch.tensor([[0, 1, 2, 3, last] + after,
+                             [0, 1, 2, 3, 3] + after,
+                             [0, 1, 2, 3, 3] + after])
+    pos, delta = get_mrope_positions(ids, feats, cfg)
+    assert torch.equal(pos, expected), f"\n{pos}\n{expected}"
+    assert delta == after[-1] + 1 - len(ids)

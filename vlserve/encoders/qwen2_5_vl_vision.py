@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from vlserve.encoders.qwen2_vl_vision import Qwen2VisionTower, as_grid_list
-from vlserve.kernels.activation import activation
 from vlserve.encoders.vision_layers import (
     AttentionSegments,
     Grid,
@@ -24,6 +23,7 @@ from vlserve.encoders.vision_layers import (
     make_norm,
     merge_ordered_positions,
 )
+from vlserve.kernels.activation import activation
 
 
 def qwen2_5_vl_tower_config(vision_config) -> VisionTowerConfig:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlserve.kernels.activation import activation
 from vlserve.encoders.vision_layers import (
     AttentionSegments,
     Grid,
@@ -24,6 +23,7 @@ from vlserve.encoders.vision_layers import (
     make_norm,
     merge_ordered_positions,
 )
+from vlserve.kernels.activation import activation
 
 
 def qwen2_vl_tower_config(vision_config) -> VisionTowerConfig:

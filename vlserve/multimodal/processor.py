@@ -13,11 +13,18 @@ from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
                                       load_video)
+from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
 VIDEO_SAMPLING_KEYS = ("fps", "num_frames", "max_frames")
 DEFAULT_VIDEO_FPS = 2.0  # what the HF Qwen2.5-VL processor assumes when no fps is known
 
+
+
+def _last_line(error: Exception) -> str:
+    """The last line of a processor's error message, cut short (5.x puts the field's rule there, after a heading)."""
+    lines = str(error).strip().splitlines()
+    return (lines[-1] if lines else type(error).__name__)[:200]
 
 class MultiModalProcessor:
     """Per-item HF processing with an LRU cache keyed by mm_hash, and placeholder expansion.
@@ -119,8 +126,9 @@ class MultiModalProcessor:
         if data is None:
             try:
                 out = self.image_processor(images=[img], return_tensors="pt", **image_kwargs)
-            except (TypeError, ValueError) as e:  # bad kwargs or unprocessable shapes (e.g. extreme aspect ratio)
-                raise ValueError(f"image processing failed (mm_processor_kwargs={image_kwargs}): {e}") from None
+            except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
+                raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
+                                 f"{_last_line(e)}") from None
             data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
             self._store(mm_hash, data)
         return mm_hash, data
@@ -149,8 +157,9 @@ class MultiModalProcessor:
                 out = self.video_processor(
                     videos=[video.frames], return_tensors="pt", do_sample_frames=False,
                     input_data_format="channels_last", **self._video_hf_kwargs(video_kwargs))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"video processing failed (mm_processor_kwargs={video_kwargs}): {e}") from None
+            except Exception as e:  # as for images
+                raise ValueError(f"video processing failed (mm_processor_kwargs={shorten(video_kwargs)}): "
+                                 f"{_last_line(e)}") from None
             fps = video.sampled_fps or sampling.get("fps") or DEFAULT_VIDEO_FPS
             temporal_patch = int(getattr(self.video_processor, "temporal_patch_size", 2))
             data = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],

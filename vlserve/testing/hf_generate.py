@@ -20,3 +20,41 @@ def hf_greedy_ignoring_eos(model, inputs: dict, max_new_tokens: int) -> torch.Te
         raise AssertionError(f"HF generate stopped early: {out.shape[1] - inputs['input_ids'].shape[1]} of "
                              f"{max_new_tokens} tokens")
     return out
+
+
+
+def align_hf_video_inputs(inputs, fps: float | None, hf_config) -> str | None:
+    """Make HF's video inputs mean what vlserve's do; return why HF cannot be the oracle for them, or None.
+
+    1. `second_per_grid_ts` becomes what vlserve's processor computes for raw frames sampled at `fps`
+       (temporal_patch_size / fps, 2.0 fps when unknown), as transformers 4.57's processor returns it; 5.x's
+       ignores `fps` for raw frames and assumes 24 fps.
+    2. transformers 5.x's `get_rope_index` starts the text after a video at offset + max(h, w) (merged grid),
+       where Qwen2-VL / Qwen2.5-VL were trained with (largest position of the video) + 1, which vlserve keeps
+       (as do 4.57 and vLLM). The two agree unless the video's temporal positions run past its spatial ones;
+       when they do not agree, the reason is returned so the caller can skip (the 4.57 hf_parity job checks
+       those inputs against HF).
+    """
+    import torch
+    import transformers
+
+    from vlserve.multimodal.processor import DEFAULT_VIDEO_FPS
+
+    grids = inputs.get("video_grid_thw")
+    if grids is None:
+        return None
+    spg = 2.0 / float(fps or DEFAULT_VIDEO_FPS)
+    if "second_per_grid_ts" in inputs:
+        inputs["second_per_grid_ts"] = torch.full((grids.shape[0],), spg)
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    vcfg = getattr(hf_config, "vision_config", hf_config)
+    merge = int(vcfg.spatial_merge_size)
+    tps = getattr(vcfg, "tokens_per_second", None)
+    interval = int(spg) * tps if tps is not None else 1  # vlserve.multimodal.mrope's rule
+    for t, h, w in grids.tolist():
+        if (t - 1) * interval > max(h, w) // merge - 1:
+            return (f"transformers {transformers.__version__} places text after this video (grid {t}x{h}x{w}) "
+                    f"by max(h, w), not by the video's last position + 1 as the checkpoints were trained; "
+                    f"checked against transformers 4.57 in the hf_parity job")
+    return None
