@@ -9,6 +9,8 @@ import torch
 from vlserve.encoders import Qwen2_5VisionTower, Qwen2VisionTower, qwen2_5_vl_tower_config, qwen2_vl_tower_config
 from vlserve.encoders.qwen2_5_vl_vision import window_order
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 # three images of different sizes (one with partial edge windows) and a 3-frame-patch video, in one call
 GRIDS = [(1, 4, 6), (1, 12, 14), (3, 8, 10), (1, 2, 2)]
 ROW = 3 * 2 * 14 * 14

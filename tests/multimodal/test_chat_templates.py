@@ -15,6 +15,8 @@ from vlserve import LLM, SamplingParams
 from vlserve.multimodal.media import load_video
 from vlserve.testing.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
 
+pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
+
 VISION = {"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|vision_start|><|video_pad|><|vision_end|>"}
 
 
