@@ -14,13 +14,11 @@ from vlserve.encoders.qwen2_vl_vision import Qwen2VisionTower, as_grid_list
 from vlserve.encoders.vision_layers import (
     AttentionSegments,
     Grid,
-    VisionAttention,
-    VisionRotary,
+    VisionBlock,
     VisionTowerConfig,
     build_vision_rotary,
     check_grids,
     frame_lengths,
-    make_norm,
     merge_ordered_positions,
 )
 from vlserve.kernels.activation import activation
@@ -70,22 +68,6 @@ class Qwen2_5VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen2_5VisionBlock(nn.Module):
-    """Pre-norm block with RMSNorms and the gated MLP."""
-
-    def __init__(self, cfg: VisionTowerConfig) -> None:
-        super().__init__()
-        self.norm1 = make_norm("rmsnorm", cfg.width)
-        self.norm2 = make_norm("rmsnorm", cfg.width)
-        self.attn = VisionAttention(cfg)
-        self.mlp = Qwen2_5VisionMLP(cfg)
-
-    def forward(self, x: torch.Tensor, rotary: VisionRotary, segments: AttentionSegments) -> torch.Tensor:
-        # x: [P, E] -> [P, E]
-        x = x + self.attn(self.norm1(x), rotary, segments)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen2_5VisionTower(Qwen2VisionTower):
     """Qwen2.5-VL's vision transformer: patch_embed -> window permutation -> blocks -> merger -> unpermute."""
 
@@ -100,7 +82,7 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
 
     @staticmethod
     def _make_block(cfg: VisionTowerConfig) -> nn.Module:
-        return Qwen2_5VisionBlock(cfg)
+        return VisionBlock(cfg, "rmsnorm", Qwen2_5VisionMLP(cfg))
 
     def forward(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
         """`pixels [P, C*tp*p*p]` of N items concatenated, `grid_thw` N rows of (t, h, w) -> `[P / merge**2, O]`."""

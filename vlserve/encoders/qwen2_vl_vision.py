@@ -14,13 +14,11 @@ from vlserve.encoders.vision_layers import (
     Grid,
     PatchEmbed,
     PatchMerger,
-    VisionAttention,
-    VisionRotary,
+    VisionBlock,
     VisionTowerConfig,
     build_vision_rotary,
     check_grids,
     frame_lengths,
-    make_norm,
     merge_ordered_positions,
 )
 from vlserve.kernels.activation import activation
@@ -58,22 +56,6 @@ class Qwen2VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Qwen2VisionBlock(nn.Module):
-    """Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(x)); LayerNorms."""
-
-    def __init__(self, cfg: VisionTowerConfig) -> None:
-        super().__init__()
-        self.norm1 = make_norm("layernorm", cfg.width)
-        self.norm2 = make_norm("layernorm", cfg.width)
-        self.attn = VisionAttention(cfg)
-        self.mlp = Qwen2VisionMLP(cfg)
-
-    def forward(self, x: torch.Tensor, rotary: VisionRotary, segments: AttentionSegments) -> torch.Tensor:
-        # x: [P, E] -> [P, E]
-        x = x + self.attn(self.norm1(x), rotary, segments)
-        return x + self.mlp(self.norm2(x))
-
-
 class Qwen2VisionTower(nn.Module):
     """Qwen2-VL's vision transformer: patch_embed -> blocks -> merger."""
 
@@ -88,7 +70,7 @@ class Qwen2VisionTower(nn.Module):
 
     @staticmethod
     def _make_block(cfg: VisionTowerConfig) -> nn.Module:
-        return Qwen2VisionBlock(cfg)
+        return VisionBlock(cfg, "layernorm", Qwen2VisionMLP(cfg))
 
     def num_embeddings(self, grids) -> list[int]:
         """LLM embeddings each item yields: t * h * w / merge**2."""

@@ -179,3 +179,19 @@ def check_grids(grids: list[Grid], pixels: torch.Tensor, cfg: VisionTowerConfig)
     total = sum(t * h * w for t, h, w in grids)
     if total != pixels.shape[0]:
         raise ValueError(f"grids cover {total} patches but {pixels.shape[0]} pixel rows were given")
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(x)); LayerNorms for Qwen2-VL, RMSNorms for Qwen2.5-VL."""
+
+    def __init__(self, cfg: VisionTowerConfig, norm_kind: str, mlp: nn.Module) -> None:
+        super().__init__()
+        self.norm1 = make_norm(norm_kind, cfg.width)
+        self.norm2 = make_norm(norm_kind, cfg.width)
+        self.attn = VisionAttention(cfg)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rotary: VisionRotary, segments: AttentionSegments) -> torch.Tensor:
+        # x: [P, E] -> [P, E]
+        x = x + self.attn(self.norm1(x), rotary, segments)
+        return x + self.mlp(self.norm2(x))
