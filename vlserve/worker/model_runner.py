@@ -6,6 +6,8 @@ import torch
 
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
+from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler
 from vlserve.worker.sampler import make_generator
@@ -234,18 +236,9 @@ class ModelRunner:
 
     def _positions(self, states, starts, q_lens, positions_np) -> torch.Tensor:
         if self.mrope_positions_fn is None:
-            return torch.from_numpy(positions_np).to(self.device)
-        parts = []
-        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            p = state.num_prompt_tokens
-            chunk = []
-            if s < p:
-                chunk.append(state.mrope_positions[:, s:min(s + n, p)])
-            if s + n > p:
-                lo = max(s, p)
-                text = torch.arange(lo + state.mrope_delta, s + n + state.mrope_delta, dtype=torch.long)
-                chunk.append(text.unsqueeze(0).expand(3, -1))
-            parts.extend(chunk)
+            return torch.from_numpy(positions_np).to(self.device)  # [T]
+        parts = [mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
+                 for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
         return torch.cat(parts, dim=1).to(self.device)  # [3, T]
 
     def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
@@ -253,17 +246,9 @@ class ModelRunner:
         """inputs_embeds [T, H] with encoder outputs written over placeholder tokens, or None for text only.
         Row cu[i] + j holds position starts[i] + j; skip_missing leaves token embeddings where an item has not
         been encoded (the EAGLE draft's shifted window may reach one token into the next, unscheduled item)."""
-        pieces = []  # (batch row start, embeddings slice)
+        pieces = []  # (batch row, embeddings slice [n, H])
         for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
-            for f in state.mm_features:
-                lo, hi = max(s, f.offset), min(s + n, f.end)
-                if lo < hi and skip_missing and f.mm_hash not in self.encoder_outputs:
-                    continue
-                if lo < hi:
-                    pieces.append((int(cu[i]) + lo - s, self.encoder_outputs[f.mm_hash][lo - f.offset:hi - f.offset]))
+            pieces += slice_mm_embeds(state.mm_features, self.encoder_outputs, s, s + n, int(cu[i]), skip_missing)
         if not pieces:
             return None
-        embeds = self.model.get_input_embeddings(input_ids)  # [T, H]
-        for row, emb in pieces:
-            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
-        return embeds
+        return merge_mm_embeds(self.model.get_input_embeddings(input_ids), pieces)  # [T, H]
