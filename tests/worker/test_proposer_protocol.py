@@ -51,9 +51,14 @@ def test_runner_calls_an_unknown_proposer(text_model):
     proposer = RepeatLastToken()
     llm.engine.runner.set_proposer(proposer)
     assert [tuple(t.shape) for t in proposer.kv] == [(32, 16, 1, 4)] * 2  # allocated by the runner
+    runner, bound = llm.engine.runner, proposer.kv
+    kv_before = [t for layer in runner.kv_caches for t in layer]
+    assert runner.profile_peak_activation_bytes(20) >= 0  # on throwaway caches; the runner's own come back
+    assert all(a is b for a, b in zip((t for layer in runner.kv_caches for t in layer), kv_before))
+    assert proposer.kv is bound and runner.draft_kv_cache is bound
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [b.outputs[0].token_ids for b in base]
     assert proposer.calls and all(len(ids) == len(toks) for ids, toks in proposer.calls)
-    assert len(proposer.removed) == 2  # both requests finished
+    assert proposer.removed == {"__profile__", *(o.request_id for o in out)}  # every finished request
     assert llm.engine.scheduler.stats.spec_num_draft_tokens > 0  # its drafts were verified
     llm.engine.runner.set_proposer(None)

@@ -1,14 +1,18 @@
 """The model runner: owns every tensor (weights, KV cache, encoder outputs) and runs one scheduled step."""
 from __future__ import annotations
 
+import resource
+
 import numpy as np
 import torch
 
-from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from vlserve.core.kv_cache_manager import cdiv
+from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.llama import decoder_of
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
+from vlserve.sampling_params import SamplingParams
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler
@@ -46,6 +50,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.draft_kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the proposer's own layer, if any
         self.proposer = None
         self.set_proposer(proposer)
         self.num_encoder_runs = 0
@@ -92,10 +97,39 @@ class ModelRunner:
     def _allocate_draft_kv(self, num_blocks: int) -> None:
         spec = self.draft_kv_spec
         if spec is None:
+            self.draft_kv_cache = None
             return
         shape = (num_blocks, *spec.block_shape())  # [NB, BS, Hkv_draft, D_draft]
-        self.proposer.bind_kv_cache((torch.zeros(shape, dtype=spec.dtype, device=self.device),
-                                     torch.zeros(shape, dtype=spec.dtype, device=self.device)))
+        self.draft_kv_cache = (torch.zeros(shape, dtype=spec.dtype, device=self.device),
+                               torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        self.proposer.bind_kv_cache(self.draft_kv_cache)
+
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """Run one dummy prefill of num_tokens on throwaway 1-sequence KV caches (the runner's own caches are kept
+        and restored); return its peak extra memory in bytes."""
+        saved, saved_draft = self.kv_caches, self.draft_kv_cache
+        num_blocks = cdiv(num_tokens, self.block_size)
+        self.initialize_kv_cache(num_blocks)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
+                               list(range(num_blocks)), 0)
+        self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
+        self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+        else:
+            peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, 0)
+        self.kv_caches, self.draft_kv_cache = saved, saved_draft
+        if saved_draft is not None:
+            self.proposer.bind_kv_cache(saved_draft)
+        return peak
 
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
