@@ -1,11 +1,2 @@
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """These tests run many small ops; on a few shared cores, intra-op threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+"""The rejection-sampler tests run many small ops: the same one-thread fixture as tests/spec_decode."""
+from tests.spec_decode.conftest import _one_torch_thread  # noqa: F401  (autouse fixture, registered here too)
