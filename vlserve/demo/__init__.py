@@ -1,7 +1,9 @@
 """The embedded demo model "vlserve-demo": a small Qwen2-VL checkpoint trained on a synthetic world of colored
 shapes (vlserve.training.world), shipped in vlserve/demo/model/ as a standard HF directory.
 
-Rebuild it with `python -m vlserve.training.train --out vlserve/demo/model`; measure it with `python -m vlserve.training.eval`.
+This module only locates the checkpoint (and its EAGLE head) and imports nothing from vlserve, so `config` may use
+it. Rebuild the model with `python -m vlserve.training.train --out vlserve/demo/model`; measure it with
+`python -m vlserve.training.eval`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Evaluate the demo model on a fresh, seeded held-out set: `python -m vlserve.training.eval [--engine vlserve|hf|both]`.
+"""Evaluate the demo model on a fresh, seeded held-out set:
+`python -m vlserve.training.eval [--engine vlserve|hf|both]`.
 
 Renders `--per-form` new scenes for every question form (a seed the training stream never uses), asks the question
 greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored). Prints accuracy

@@ -9,7 +9,7 @@ briefly from scratch, does not learn to look at the image. AdamW with warmup + c
 (scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
 The defaults (600 vision steps of 32 items, then 3000 steps of 8 conversations; one torch thread + one rendering
 worker) fit the default 40-minute cap on 2 CPU cores; on a slower machine the cap stops a stage early (still saving),
-and that stage's LR schedule then runs on the clock (`schedule_step`), so that it still ends decayed.
+and that stage's LR schedule then runs on the clock (`schedule.schedule_step`), so that it still ends decayed.
 """
 from __future__ import annotations
 
@@ -182,8 +182,8 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
 
     Stage 1 (`vision_steps`, vlserve.training.vision_stage) trains the vision tower alone on dense targets; stage 2
     (`steps`) trains everything on the answer-token cross entropy plus aux_weight times the dense auxiliary losses
-    (vlserve.training.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs out;
-    the checkpoint is saved either way (a stage's LR schedule follows the clock when the clock is ahead).
+    (vlserve.training.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs
+    out; the checkpoint is saved either way (a stage's LR schedule follows the clock when the clock is ahead).
     """
     import torch
     from tqdm import tqdm
