@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 serve: $(VENV)/.installed
-	$(PY) -m vlserve.testing.quickstart $(MODEL) -- $(SERVE_ARGS)
+	$(PY) -m vlserve.quickstart $(MODEL) -- $(SERVE_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) examples/offline_batch.py

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return spec_demo_main(argv[2:]) or 0
     if argv[:1] == ["train-eagle"]:
-        from vlserve.spec_decode.train_eagle import main as train_eagle_main
+        from vlserve.training.train_eagle import main as train_eagle_main
 
         return train_eagle_main(argv[1:]) or 0
     args = parser.parse_args(argv)

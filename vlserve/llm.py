@@ -8,9 +8,8 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from vlserve.config import EngineArgs
-from vlserve.engine.core import EngineCore
-from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
-from vlserve.engine.output_processor import OutputProcessor, child_params
+from vlserve.engine.engine_loop import EngineLoop, NewRequest
+from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
@@ -24,13 +23,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = EngineCore(self.engine_args)
-        loaded = self.engine.loaded
-        self.tokenizer = loaded.tokenizer
-        self.input_processor = InputProcessor(loaded, self.engine_args.limit_mm_per_prompt,
-                                              self.engine_args.mm_processor_kwargs,
-                                              self.engine_args.chat_template_content_format)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_loop = EngineLoop(self.engine_args)
+        self.engine = self.engine_loop.core
+        self.tokenizer = self.engine_loop.tokenizer
+        self.input_processor = self.engine_loop.input_processor
+        self.output_processor = self.engine_loop.output_processor
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -74,46 +71,23 @@ class LLM:
                        else [sampling_params] * len(processed))
         if len(params_list) != len(processed):
             raise ValueError(f"got {len(params_list)} sampling params for {len(processed)} prompts")
-        # Validate every request before queueing any, so one bad prompt leaves the engine untouched.
-        request_ids = []
-        engine_reqs = []
-        for proc, params in zip(processed, params_list):
-            rid = str(next(self._ids))
-            request_ids.append(rid)
-            now = time.time()
-            for i in range(params.n):
-                cid = rid if params.n == 1 else f"{i}_{rid}"
-                engine_reqs.append(self.input_processor.make_engine_request(cid, proc, child_params(params, i), now))
-        added: list[str] = []
-        try:
-            for proc, params, rid in zip(processed, params_list, request_ids):
-                self.output_processor.add_request(rid, proc.prompt, proc.prompt_token_ids, params, time.time())
-            for req in engine_reqs:
-                self.engine.add_request(req)
-                added.append(req.request_id)
-        except Exception:
-            self.engine.abort_requests(added)
-            for rid in request_ids:
-                self.output_processor.abort(rid)
-            raise
-        return self._drain(request_ids, use_tqdm)
+        now = time.time()
+        requests = [NewRequest(str(next(self._ids)), proc, params, now)
+                    for proc, params in zip(processed, params_list)]
+        self.engine_loop.add_requests(requests)  # all or none: one bad prompt leaves the engine untouched
+        return self._drain([r.request_id for r in requests], use_tqdm)
 
     def _drain(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
-                outputs, stop_hits = self.output_processor.process_outputs(self.engine.step())
-                if stop_hits:
-                    self.engine.finish_requests_stopped(stop_hits)
-                for out in outputs:
+            while self.engine_loop.has_unfinished_requests():
+                for out in self.engine_loop.step():
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            self.engine.abort_requests(list(self.engine.scheduler.requests))
-            for rid in request_ids:
-                self.output_processor.abort(rid)
+            self.engine_loop.abort_all()
             raise
         finally:
             bar.close()

@@ -64,6 +64,20 @@ def test_closing_the_iterator_aborts(server):
     server.engine.engine.check_integrity()
 
 
+def test_closing_an_n2_stream_aborts_both_sequences(server):
+    async def run():
+        gen = server.engine.generate("four five six", SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=200, ignore_eos=True), "async-n2-close")
+        first = await gen.__anext__()
+        await gen.aclose()
+        return first
+
+    first = asyncio.run(run())
+    assert len(first.outputs) == 2 and not first.finished
+    server.wait_idle()
+    assert not server.engine.engine_loop.output_processor.parents
+    server.engine.engine.check_integrity()
+
+
 def test_abort_by_id_ends_stream_with_abort(server):
     async def run():
         outs = []

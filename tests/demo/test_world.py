@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from vlserve.demo import world
+from vlserve.training import world
 
 
 def _scenes(n=60, seed=0):

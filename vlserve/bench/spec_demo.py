@@ -17,8 +17,8 @@ import time
 
 def conversations(n: int, seed: int, repeat: bool) -> list[list[dict]]:
     """n chat conversations over fresh demo scenes; with repeat, the question was asked and answered once before."""
-    from vlserve.demo import eval as demo_eval
-    from vlserve.demo import world
+    from vlserve.training import eval as demo_eval
+    from vlserve.training import world
 
     items = demo_eval.held_out_set(per_form=(n + len(world.FORMS) - 1) // len(world.FORMS), seed=seed)[:n]
     out = []

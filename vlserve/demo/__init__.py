@@ -1,7 +1,9 @@
 """The embedded demo model "vlserve-demo": a small Qwen2-VL checkpoint trained on a synthetic world of colored
-shapes (vlserve.demo.world), shipped in vlserve/demo/model/ as a standard HF directory.
+shapes (vlserve.training.world), shipped in vlserve/demo/model/ as a standard HF directory.
 
-Rebuild it with `python -m vlserve.demo.train --out vlserve/demo/model`; measure it with `python -m vlserve.demo.eval`.
+This module only locates the checkpoint (and its EAGLE head) and imports nothing from vlserve, so `config` may use
+it. Rebuild the model with `python -m vlserve.training.train --out vlserve/demo/model`; measure it with
+`python -m vlserve.training.eval`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ def default_model_path() -> str:
     missing = [f for f in _REQUIRED if not os.path.isfile(os.path.join(MODEL_DIR, f))]
     if missing:
         raise ValueError(f"the embedded demo model is missing or incomplete at {MODEL_DIR} (no {', '.join(missing)});"
-                         f" build it with `python -m vlserve.demo.train --out {MODEL_DIR}`")
+                         f" build it with `python -m vlserve.training.train --out {MODEL_DIR}`")
     return MODEL_DIR
 
 
@@ -26,14 +28,3 @@ def default_draft_path(target: str | None) -> str | None:
     if target is None or not os.path.isfile(os.path.join(EAGLE_DIR, "config.json")):
         return None
     return EAGLE_DIR if os.path.realpath(target) == os.path.realpath(MODEL_DIR) else None
-
-
-def fill_default_draft(speculative_config, target: str | None):
-    """speculative_config (dict) with model set to the demo EAGLE head when an eagle/eagle3 method names no draft
-    and the target is the demo model; anything else is returned unchanged."""
-    if not isinstance(speculative_config, dict) or speculative_config.get("model"):
-        return speculative_config
-    if str(speculative_config.get("method", "")).lower() not in ("eagle", "eagle3"):
-        return speculative_config
-    draft = default_draft_path(target)
-    return {**speculative_config, "model": draft} if draft else speculative_config

@@ -10,6 +10,7 @@ used by one worker at a time.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -20,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from vlserve.config import EngineArgs
-from vlserve.engine.core import EngineCore
+from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS, SerializedProcessor
-from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
-from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
+from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
 
@@ -50,7 +50,6 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    child_ids: list[str]
     arrival: float
     num_tokens: int = 0
     last_token_time: float | None = None
@@ -80,15 +79,12 @@ class AsyncLLM:
 
     def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS):
         self.engine_args = engine_args
-        self.engine = EngineCore(engine_args)
-        loaded = self.engine.loaded
-        self.tokenizer = loaded.tokenizer
+        self.engine_loop = EngineLoop(engine_args)  # touched only by the engine thread, input_processor aside
+        self.engine = self.engine_loop.core
+        self.tokenizer = self.engine_loop.tokenizer
         self.max_model_len = self.engine.max_model_len
-        self.modalities = tuple(loaded.modalities)
-        self.input_processor = InputProcessor(loaded, engine_args.limit_mm_per_prompt,
-                                              engine_args.mm_processor_kwargs,
-                                              engine_args.chat_template_content_format)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.modalities = tuple(self.engine.loaded.modalities)
+        self.input_processor = self.engine_loop.input_processor
         if self.input_processor.mm_processor is not None:
             self.input_processor.mm_processor = SerializedProcessor(self.input_processor.mm_processor)
         # Several workers: a slow input does not block the rest. The fast tokenizer is only read (no truncation or
@@ -101,7 +97,7 @@ class AsyncLLM:
         self._metrics: dict[str, float] = self.engine.get_metrics()
         self.num_aborted = 0
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._engine_loop, name="vlserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_engine_thread, name="vlserve-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -126,12 +122,8 @@ class AsyncLLM:
 
         `media_source(part_type, part)` supplies each media part's payload (the server hands over pre-fetched bytes).
         """
-        return await self._in_pool(self._process_chat_sync, messages, mm_processor_kwargs, chat_template_kwargs,
-                                   media_source)
-
-    def _process_chat_sync(self, messages, mm_processor_kwargs, chat_template_kwargs, media_source):
-        return self.input_processor.process_chat(messages, mm_processor_kwargs, chat_template_kwargs,
-                                                 media_source=media_source)
+        process = functools.partial(self.input_processor.process_chat, media_source=media_source)
+        return await self._in_pool(process, messages, mm_processor_kwargs, chat_template_kwargs)
 
     # -- requests --------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: ProcessedPrompt,
@@ -142,7 +134,7 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), child_request_ids(rid, params.n), time.time())
+        stream = _Stream(loop, asyncio.Queue(), time.time())
         done = loop.create_future()
         self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done))
         try:
@@ -200,13 +192,13 @@ class AsyncLLM:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine thread -----------------------------------------------------------------------------------
-    def _engine_loop(self) -> None:
+    def _run_engine_thread(self) -> None:
         try:
             while True:
-                block = not self.engine.has_unfinished_requests()
+                block = not self.engine_loop.has_unfinished_requests()
                 if not self._drain_inbox(block):
                     break
-                if self.engine.has_unfinished_requests():
+                if self.engine_loop.has_unfinished_requests():
                     try:
                         self._step()
                     except Exception as e:
@@ -240,22 +232,7 @@ class AsyncLLM:
 
     def _do_add(self, msg: _Add) -> None:
         try:
-            if msg.request_id in self._streams:
-                raise ValueError(f"request id {msg.request_id!r} is already in use")
-            params = msg.params
-            reqs = [self.input_processor.make_engine_request(cid, msg.processed, child_params(params, i), msg.arrival)
-                    for i, cid in enumerate(msg.stream.child_ids)]
-            self.output_processor.add_request(msg.request_id, msg.processed.prompt, msg.processed.prompt_token_ids,
-                                              params, msg.arrival)
-            added: list[str] = []
-            try:
-                for req in reqs:
-                    self.engine.add_request(req)
-                    added.append(req.request_id)
-            except BaseException:
-                self.engine.abort_requests(added)
-                self.output_processor.abort(msg.request_id)
-                raise
+            self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival)])
         except Exception as e:
             _post(msg.stream.loop, _settle, msg.done, e)
             return
@@ -267,17 +244,14 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        final = self.output_processor.finish_aborted(request_id)
-        self.engine.abort_requests(stream.child_ids)
+        final = self.engine_loop.abort(request_id)
         self.num_aborted += 1
         if final is not None:
             self._notify_finished(stream, final)
             _post(stream.loop, stream.queue.put_nowait, final)
 
     def _step(self) -> None:
-        outputs, stop_hits = self.output_processor.process_outputs(self.engine.step())
-        if stop_hits:
-            self.engine.finish_requests_stopped(stop_hits)
+        outputs = self.engine_loop.step()
         now = time.time()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
@@ -318,9 +292,7 @@ class AsyncLLM:
 
     def _recover(self, err: Exception) -> None:
         """After a failed step: end every open request with the error and clear the core."""
-        for rid in list(self._streams):
-            self.output_processor.abort(rid)
-        self.engine.abort_requests(list(self.engine.scheduler.requests))
+        self.engine_loop.abort_all()
         self._fail_all(RuntimeError(f"the engine step failed: {err!r}"), drain_inbox=False)
 
     def _fail_all(self, err: BaseException, drain_inbox: bool = True) -> None:

@@ -12,7 +12,7 @@ from vlserve.core.sched_output import EngineCoreOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
-from vlserve.demo import fill_default_draft
+from vlserve.spec_decode.config import fill_default_draft
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
 

@@ -1,23 +1,36 @@
-"""Multimodal wiring for a loaded checkpoint: the HF processor wrapper and M-RoPE position function."""
+"""Multimodal parts of a checkpoint: the HF processor wrapper and the M-RoPE position function."""
 from __future__ import annotations
 
-from vlserve.engine.model_setup import LoadedModel
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from vlserve.multimodal.mrope import get_mrope_positions
+from vlserve.multimodal.processor import MultiModalProcessor
 
 
-def attach_multimodal(loaded: LoadedModel, modalities: tuple[str, ...]) -> None:
-    """Give `loaded` its MultiModalProcessor (the checkpoint's own AutoProcessor) and, for M-RoPE models, the
-    function that turns an expanded prompt + its media into 3-axis positions."""
-    from vlserve.multimodal.mrope import get_mrope_positions
-    from vlserve.multimodal.processor import MultiModalProcessor
+@dataclass(frozen=True)
+class MultimodalParts:
+    """What a multimodal checkpoint adds to `LoadedModel` (all None / () for a text-only model)."""
 
+    modalities: tuple[str, ...] = ()
+    processor: Any = None  # the HF AutoProcessor
+    mm_processor: MultiModalProcessor | None = None
+    mrope_positions_fn: Callable | None = None
+
+
+def load_multimodal(model_path: str, hf_config: Any, model: Any) -> MultimodalParts:
+    """The checkpoint's own AutoProcessor (wrapped) and, for M-RoPE models, the function that turns an expanded
+    prompt + its media into 3-axis positions; empty parts when the model takes no media."""
+    modalities = tuple(getattr(model, "supported_modalities", ()))
+    if not modalities:
+        return MultimodalParts()
     try:
-        mm_processor = MultiModalProcessor.from_pretrained(loaded.model_path)
+        mm_processor = MultiModalProcessor.from_pretrained(model_path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the HF processor of {loaded.model_path!r} (preprocessor_config.json and "
+        raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
                          f"friends are needed for {', '.join(modalities)} input): {e}") from e
-    loaded.processor = mm_processor.hf_processor
-    loaded.mm_processor = mm_processor
-    loaded.modalities = modalities
-    hf_config = loaded.hf_config
-    if getattr(loaded.model, "uses_mrope", False):
-        loaded.mrope_positions_fn = lambda ids, feats: get_mrope_positions(ids, feats, hf_config)
+    mrope_fn = None
+    if getattr(model, "uses_mrope", False):
+        def mrope_fn(ids, feats):
+            return get_mrope_positions(ids, feats, hf_config)
+    return MultimodalParts(modalities, mm_processor.hf_processor, mm_processor, mrope_fn)

@@ -9,14 +9,16 @@ from typing import Any, Callable
 import torch
 
 from vlserve.config import EngineArgs
+from vlserve.engine.mm_setup import load_multimodal
 from vlserve.models.hf_config import text_config_of, token_id_of
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedModel:
-    """A checkpoint ready to serve (tensors live in `model`; the rest is plain configuration)."""
+    """A checkpoint ready to serve (tensors live in `model`; the rest is plain configuration). Built once, whole,
+    by `load_for_serving`."""
 
     model_path: str
     hf_config: Any
@@ -90,11 +92,7 @@ def load_for_serving(model_path: str, args: EngineArgs) -> LoadedModel:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     torch.manual_seed(args.seed)
     model = load_model(model_path, hf_config, dtype, device)
-    loaded = LoadedModel(model_path, hf_config, model, tokenizer, None, device, dtype, max_model_len,
-                         _eos_token_ids(model_path, hf_config, tokenizer))
-    modalities = tuple(getattr(model, "supported_modalities", ()))
-    if modalities:
-        from vlserve.engine.mm_setup import attach_multimodal
-
-        attach_multimodal(loaded, modalities)
-    return loaded
+    mm = load_multimodal(model_path, hf_config, model)
+    return LoadedModel(model_path, hf_config, model, tokenizer, mm.processor, device, dtype, max_model_len,
+                       _eos_token_ids(model_path, hf_config, tokenizer), mrope_positions_fn=mm.mrope_positions_fn,
+                       modalities=mm.modalities, mm_processor=mm.mm_processor)

@@ -132,6 +132,11 @@ class OutputProcessor:
         self._forget(parent)
         return list(parent.seqs)
 
+    def child_ids(self, request_id: str) -> list[str]:
+        """Engine ids of an open request's sequences ([] when it is not open)."""
+        parent = self.parents.get(request_id)
+        return [] if parent is None else list(parent.seqs)
+
     def finish_aborted(self, request_id: str) -> RequestOutput | None:
         """Mark every open sequence of a request aborted and return its final output."""
         parent = self.parents.get(request_id)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vlserve.demo import default_draft_path
+
 SPEC_METHODS = ("ngram", "eagle", "eagle3")
 # vLLM's defaults when neither prompt_lookup_min nor prompt_lookup_max is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -105,3 +107,14 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config: {name} only applies to method 'ngram', "
                                      f"not {self.method!r}")
+
+
+def fill_default_draft(speculative_config: Any, target: str | None) -> Any:
+    """speculative_config (dict) with model set to the demo EAGLE head when an eagle/eagle3 method names no draft
+    and the target is the embedded demo model; anything else is returned unchanged."""
+    if not isinstance(speculative_config, dict) or speculative_config.get("model"):
+        return speculative_config
+    if str(speculative_config.get("method", "")).lower() not in ("eagle", "eagle3"):
+        return speculative_config
+    draft = default_draft_path(target)
+    return {**speculative_config, "model": draft} if draft else speculative_config

@@ -1,6 +1,6 @@
 """`make serve`: serve MODEL if given, else the embedded demo model, else a tiny random-weight Qwen2-VL.
 
-    python -m vlserve.testing.quickstart [MODEL] [-- extra `vlserve serve` flags]
+    python -m vlserve.quickstart [MODEL] [-- extra `vlserve serve` flags]
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Evaluate the demo model on a fresh, seeded held-out set: `python -m vlserve.demo.eval [--engine vlserve|hf|both]`.
+"""Evaluate the demo model on a fresh, seeded held-out set:
+`python -m vlserve.training.eval [--engine vlserve|hf|both]`.
 
 Renders `--per-form` new scenes for every question form (a seed the training stream never uses), asks the question
 greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored). Prints accuracy
@@ -16,7 +17,7 @@ MAX_NEW_TOKENS = 48
 
 def held_out_set(per_form: int, seed: int = EVAL_SEED) -> list[dict]:
     """per_form items per question form: {"form", "kind" ("image"|"video"), "media", "question", "answer"}."""
-    from vlserve.demo import world
+    from vlserve.training import world
 
     rng = random.Random(seed)
     items = []
@@ -78,7 +79,7 @@ def generate_vlserve(model_dir: str, items: list[dict]) -> list[str]:
 
 def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
     """Exact-match accuracy per form plus "overall"."""
-    from vlserve.demo import world
+    from vlserve.training import world
 
     per: dict[str, list[bool]] = {f: [] for f in world.FORMS}
     for it, out in zip(items, outputs):
@@ -92,7 +93,8 @@ def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: in
              batch_size: int = 16, show_errors: int = 3) -> dict[str, float]:
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
-    from vlserve.demo import default_model_path, world
+    from vlserve.demo import default_model_path
+    from vlserve.training import world
 
     import os
 

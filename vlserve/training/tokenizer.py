@@ -16,7 +16,7 @@ SYSTEM_PROMPT = "You are a helpful assistant."
 
 def corpus(num_scenes: int = 1000, seed: int = 0) -> list[str]:
     """ChatML-shaped Q/A lines over sampled scenes and clips (no rendering), special tokens left out."""
-    from vlserve.demo import world
+    from vlserve.training import world
 
     rng = random.Random(seed)
     lines = []

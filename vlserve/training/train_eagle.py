@@ -1,7 +1,7 @@
 """Train an EAGLE / EAGLE-3 draft head on a target's own hidden states (self-distillation).
 
     vlserve train-eagle --target MODEL --data prompts.jsonl --out DRAFT_DIR [--method eagle|eagle3]
-    python -m vlserve.spec_decode.train_eagle --target MODEL --data prompts.jsonl --out DRAFT_DIR
+    python -m vlserve.training.train_eagle --target MODEL --data prompts.jsonl --out DRAFT_DIR
 
 Data: JSONL, one item per line: {"prompt": "text"} or {"messages": [OpenAI chat messages]} (image parts as
 {"type": "image_url", "image_url": {"url": "data:image/png;base64,..." | "file:///abs/path" | "/abs/path"}}),
@@ -489,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`vlserve train-eagle ...` / `python -m vlserve.spec_decode.train_eagle ...`."""
+    """`vlserve train-eagle ...` / `python -m vlserve.training.train_eagle ...`."""
     return run(build_parser().parse_args(argv))
 
 

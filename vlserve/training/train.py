@@ -1,23 +1,24 @@
-"""Train the demo model from scratch on freshly rendered scenes: `python -m vlserve.demo.train --out DIR`.
+"""Train the demo model from scratch on freshly rendered scenes: `python -m vlserve.training.train --out DIR`.
 
 Every step renders a new batch (infinite data), so the model learns the world rather than a fixed set. Stage 1
-(vlserve.demo.vision_stage) trains the vision tower alone on dense per-patch / per-cell targets. Stage 2 trains the
+(vlserve.training.vision_stage) trains the vision tower alone on dense per-patch / per-cell targets. Stage 2 trains the
 whole model on short conversations about one image or clip (the first question right after the media, like at
 inference; follow-up questions reuse the same visual tokens): the loss covers the assistant answers (+ <|im_end|>),
-plus deep supervision of intermediate states (vlserve.demo.targets) without which a model this small, trained this
+plus deep supervision of intermediate states (vlserve.training.targets) without which a model this small, trained this
 briefly from scratch, does not learn to look at the image. AdamW with warmup + cosine decay; everything is seeded
 (scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
 The defaults (600 vision steps of 32 items, then 3000 steps of 8 conversations; one torch thread + one rendering
 worker) fit the default 40-minute cap on 2 CPU cores; on a slower machine the cap stops a stage early (still saving),
-and that stage's LR schedule then runs on the clock (`schedule_step`), so that it still ends decayed.
+and that stage's LR schedule then runs on the clock (`schedule.schedule_step`), so that it still ends decayed.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import time
+
+from vlserve.training.schedule import in_background, lr_at, schedule_step
 
 DEFAULT_VISION_STEPS = 600
 DEFAULT_STEPS = 3000
@@ -35,7 +36,7 @@ NAMING_FORMS = ("color", "where", "direction")
 def render_sample(rng: random.Random, is_video: bool, max_turns: int):
     """-> (kind "image" | "video", media (PIL image | list of frames), [(form, question, answer), ...], scene); the
     turns that name a kind or color (NAMING_FORMS) come last."""
-    from vlserve.demo import world
+    from vlserve.training import world
 
     scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
     all_qas = world.qas(scene)
@@ -83,8 +84,8 @@ def answer_labels(input_ids, tokenizer):
 def make_batch(rng: random.Random, processor, batch_size: int, video_prob: float = 0.3, max_turns: int = 3):
     """Render batch_size fresh samples (all clips with probability video_prob, else all images: a batch padded to
     its longest clip would waste most of an image batch) and run them through the processor; adds answer-only
-    "labels" and the auxiliary per-visual-token targets ("aux_*", see vlserve.demo.targets)."""
-    from vlserve.demo.targets import batch_targets
+    "labels" and the auxiliary per-visual-token targets ("aux_*", see vlserve.training.targets)."""
+    from vlserve.training.targets import batch_targets
 
     is_video = rng.random() < video_prob
     samples = [render_sample(rng, is_video, max_turns) for _ in range(batch_size)]
@@ -132,21 +133,6 @@ def batches(processor, seed: int, batch_size: int, video_prob: float, max_turns:
     return in_background(BatchStream(processor, seed, batch_size, video_prob, max_turns), workers)
 
 
-def in_background(stream, workers: int):
-    """Iterator over the (endless, picklable) iterable `stream`; with workers=1 its items are produced in one
-    DataLoader worker process, in the same order."""
-    import torch
-
-    if workers == 0:
-        return iter(stream)
-
-    class _Iterable(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(stream)
-
-    return iter(torch.utils.data.DataLoader(_Iterable(), batch_size=None, num_workers=1, prefetch_factor=4))
-
-
 def linear_patch_embed(model):
     """Run the vision tower's patch embedding (a Conv3d whose kernel equals its stride) as the equivalent Linear on
     the flattened patches: same weights and result (to float rounding); stage-1 steps took ~25% less time with it
@@ -188,42 +174,24 @@ def eager_attention_only_in(model, layer: int):
     return captured, restore
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup to `peak`, then cosine decay to 5% of it at `total`."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def schedule_step(step: int, steps: int, elapsed: float, minutes: float | None) -> int:
-    """The step the LR schedule is at: `step`, or further along when the wall-clock cap will stop the run first, so a
-    capped run still ends on a decayed LR. The clock runs 5% of the steps behind (at the cap the schedule is at 95%,
-    within 1% of the floor LR), so that a slow start (the first batches' rendering) never moves a run that finishes
-    its steps in time: that run's LR follows its steps alone, and the same arguments give the same run."""
-    if minutes is None:
-        return step
-    return max(step, min(steps, int(steps * elapsed / (60 * minutes)) - steps // 20))
-
-
 def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
           minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 5,
           warmup: int = 60, log_every: int = 50, threads: int = 1, workers: int = 1, aux_weight: float = 1.0,
           size=None, vision_steps: int = DEFAULT_VISION_STEPS, vision_minutes: float | None = None) -> dict:
     """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict.
 
-    Stage 1 (`vision_steps`, vlserve.demo.vision_stage) trains the vision tower alone on dense targets; stage 2
+    Stage 1 (`vision_steps`, vlserve.training.vision_stage) trains the vision tower alone on dense targets; stage 2
     (`steps`) trains everything on the answer-token cross entropy plus aux_weight times the dense auxiliary losses
-    (vlserve.demo.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs out;
-    the checkpoint is saved either way (a stage's LR schedule follows the clock when the clock is ahead).
+    (vlserve.training.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs
+    out; the checkpoint is saved either way (a stage's LR schedule follows the clock when the clock is ahead).
     """
     import torch
     from tqdm import tqdm
 
-    from vlserve.demo.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
-    from vlserve.demo.vision_stage import pretrain_vision
-    from vlserve.demo.build import build_config, build_model, build_processor, count_parameters
-    from vlserve.demo.tokenizer import build_demo_tokenizer
+    from vlserve.training.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
+    from vlserve.training.vision_stage import pretrain_vision
+    from vlserve.training.build import build_config, build_model, build_processor, count_parameters
+    from vlserve.training.tokenizer import build_demo_tokenizer
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
