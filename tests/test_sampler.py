@@ -7,7 +7,7 @@ import torch
 
 from vlserve.sampling_params import SamplingParams
 from vlserve.worker.sampler import (Sampler, SamplerOutput, apply_penalties, apply_top_k_top_p,
-                                    build_sampling_metadata, make_generator)
+                                    build_sampling_metadata, make_generator, prepare_logits)
 
 DEV = "cpu"
 TOY_LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # 5-token toy distribution
@@ -275,6 +275,18 @@ def test_min_tokens_bans_stop_tokens():
     logits = torch.zeros(2000, 5)
     out = sample(logits, [SamplingParams(min_tokens=1, stop_token_ids=[0, 1], _eos_token_ids=(2,))] * 2000)
     assert set(out.sampled_token_ids.tolist()) == {3, 4}
+
+
+def test_prepare_logits_bans_penalizes_and_keeps_raw_logprobs():
+    """The preamble the Sampler and the rejection sampler share: bans + penalties on a copy, raw logprobs."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0, 4.0]], dtype=torch.float16)
+    p = SamplingParams(min_tokens=2, stop_token_ids=[4], repetition_penalty=2.0, logprobs=1, _eos_token_ids=(3,))
+    md = build([p], prompts=[[2]], outputs=[[1]])
+    out, raw = prepare_logits(logits, md)
+    assert out.dtype == torch.float32 and logits[0, 3] == 5.0  # the caller's tensor is untouched
+    assert out[0].tolist() == [0.0, 0.5, 1.0, float("-inf"), float("-inf")]
+    torch.testing.assert_close(raw, torch.log_softmax(logits.float(), dim=-1))
+    assert prepare_logits(logits, build([SamplingParams()]))[1] is None  # no logprobs asked
 
 
 # ---------------------------------------------------------------- logprobs

@@ -200,3 +200,24 @@ def test_encoder_refs_released_after_kv_written():
         assert entry_refs == 0
     run_to_end(s)
     s.encoder_cache.check_integrity()
+
+
+def test_encoder_planning_is_a_pure_query():
+    """Planning a window (explicit start) references, evicts and moves nothing; committing does."""
+    s = make_sched(encoder_cache_size=16, encoder_compute_budget=32)
+    add(s, "a", 20, max_tokens=1, mm=[_image("old", 2, 10)])
+    run_to_end(s)  # "old" is now freeable
+    add(s, "b", 30, max_tokens=1, mm=[_image("new", 2, 10), _image("old", 16, 10)])
+    req = s.requests["b"]
+    plan, num_new, budget = s._schedule_encoder_inputs(req, 0, 30, 32)
+    assert req.num_computed_tokens == 0 and s.encoder_cache.has("old") and s.encoder_cache.evictions == 0
+    assert s.encoder_cache.req_to_hashes == {}
+    # Keeping "old" would leave no room for "new": the window stops before "old", which is evicted on commit.
+    assert (plan.to_encode, plan.reuse, num_new, budget) == ([0], [], 16, 22)
+    plan, num_new, _ = s._schedule_encoder_inputs(req, 14, 10, 32)  # a later window reuses it
+    assert (plan.to_encode, plan.reuse, num_new) == ([], ["old"], 10)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"b": 16} and so.scheduled_encoder_inputs == {"b": [0]}
+    assert so.free_encoder_mm_hashes == ["old"]
+    s.update_from_output(so, fake_run(s, so))
+    run_to_end(s)

@@ -1,10 +1,10 @@
-"""slice_mm_embeds: which rows of which item embeddings a prefill window needs."""
+"""slice_mm_embeds / merge_mm_embeds: which rows of which item embeddings a window needs, written over the step."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vlserve.multimodal.embeds import slice_mm_embeds
+from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.inputs import MultiModalFeature
 
 
@@ -18,3 +18,13 @@ def test_windows_cut_items():
     assert [(s, e[:, 0].tolist()) for s, e in got] == [(5, [2, 3]), (9, [10, 11])]
     with pytest.raises(KeyError, match="not cached"):
         slice_mm_embeds(feats, {"a": enc["a"]}, 0, 11)
+    assert slice_mm_embeds(feats, {"a": enc["a"]}, 0, 11, skip_missing=True)[0][0] == 2  # b left out
+
+
+def test_merge_writes_rows_and_checks_bounds():
+    embeds = torch.zeros(4, 2)
+    emb = torch.ones(2, 2, dtype=torch.float64)
+    out = merge_mm_embeds(embeds, [(1, emb)])
+    assert out is embeds and out[:, 0].tolist() == [0, 1, 1, 0] and out.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"\[3, 5\) fall outside the 4 tokens"):
+        merge_mm_embeds(embeds, [(3, emb)])

@@ -45,6 +45,8 @@ def test_compute_budget_and_capacity():
     assert not m.can_allocate(20, num_embeds_to_schedule=11)
     with pytest.raises(RuntimeError, match="can_allocate"):
         m.allocate("r2", "B", 31)
+    m.free("r1")  # A freeable: space for B only by evicting A, unless A is about to be reused
+    assert m.can_allocate(31) and not m.can_allocate(31, reuse=["A"]) and m.can_allocate(30, reuse=["A", "A"])
     m.check_integrity()
 
 
@@ -57,12 +59,13 @@ def test_lru_eviction_only_under_pressure():
             m.free_encoder_input(f"r{i}", h)  # release order: A, B, D; C stays referenced
     assert m.num_free == 0 and m.num_freeable == 75
     assert m.get_freed_mm_hashes() == []  # nothing evicted while there is no pressure
-    assert m.can_allocate(30)  # needs 30: evicts A (25) then B (25), least recently released first
+    assert m.can_allocate(30) and m.can_allocate(30)  # a pure query: it evicts nothing
+    assert m.get_freed_mm_hashes() == [] and m.has("A") and m.evictions == 0
+    m.allocate("r9", "E", 30)  # needs 30: evicts A (25) then B (25), least recently released first
     assert m.get_freed_mm_hashes() == ["A", "B"] and m.get_freed_mm_hashes() == []
     assert m.evictions == 2 and not m.has("A") and m.has("D") and m.has("C")
-    m.allocate("r9", "E", 30)
     assert not m.can_allocate(46)  # free 20 + freeable D 25 = 45 < 46; C is referenced and never evicted
-    assert m.has("D") and m.get_freed_mm_hashes() == []  # a failed can_allocate evicts nothing
+    assert m.has("D") and m.get_freed_mm_hashes() == []
     m.check_integrity()
 
 
@@ -74,7 +77,7 @@ def test_hit_refreshes_lru_order():
     m.free("r2")  # release order A, B
     assert m.check_and_update_cache("r3", "A")
     m.free("r3")  # now B was released before A
-    assert m.can_allocate(10)
+    m.allocate("r4", "C", 10)
     assert m.get_freed_mm_hashes() == ["B"]
 
 

@@ -11,7 +11,7 @@ from vlserve.testing.hf_generate import align_hf_video_inputs
 
 from mm_media import rand_image, rand_video
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.multimodal.embeds import slice_mm_embeds
+from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import decode_mrope_positions, get_mrope_positions
 from vlserve.multimodal.processor import MultiModalProcessor
 
@@ -122,7 +122,8 @@ def test_chunked_prefill_and_decode_match_hf(setup):
     # Three prefill chunks; the first boundary cuts the image, the second the video.
     cuts = [0, feats[0].offset + 3, feats[1].offset + feats[1].length // 2, len(ids)]
     for s, e in zip(cuts, cuts[1:]):
-        embeds = ours.get_input_embeddings(torch.tensor(ids[s:e]), slice_mm_embeds(feats, encoder_outputs, s, e))
+        embeds = merge_mm_embeds(ours.get_input_embeddings(torch.tensor(ids[s:e])),
+                                 slice_mm_embeds(feats, encoder_outputs, s, e))
         logits = seq.step(positions[:, s:e], embeds)
         torch.testing.assert_close(logits, full[s:e], atol=ATOL, rtol=RTOL)
     tokens = [int(logits[-1].argmax())]
@@ -156,15 +157,3 @@ def test_new_checkpoint_layout_and_errors(setup):
         type(ours)(cfg).load_weights((n, t) for n, t in iter_safetensors_weights(d) if "merger" not in n)
     with pytest.raises(ValueError, match="unexpected"):
         type(ours)(cfg).load_weights([("visual.nonsense.weight", torch.zeros(1))])
-
-
-def test_get_input_embeddings_bounds(setup):
-    _, _, ours, _, _ = setup
-    ids = torch.tensor([7, 8, 9, 10])
-    emb = torch.randn(2, ours.text_config.hidden_size)
-    out = ours.get_input_embeddings(ids, [(1, emb)])
-    torch.testing.assert_close(out[1:3], emb)
-    torch.testing.assert_close(out[[0, 3]], ours.language_model.embed_tokens(ids[[0, 3]]))
-    with pytest.raises(ValueError, match="outside"):
-        ours.get_input_embeddings(ids, [(3, emb)])
-    assert torch.isfinite(out).all()

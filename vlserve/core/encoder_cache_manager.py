@@ -4,12 +4,13 @@ holds, who still needs them, and which to drop when space runs out.
 Space is counted in embeddings. An entry (one mm_hash) is *referenced* while some request still needs its
 embeddings, and *freeable* once no request does: freeable entries stay cached (a later request with the same
 media hits them) but count as reclaimable space and are evicted least-recently-released first, only when an
-allocation actually needs the room. The runner learns of evictions from get_freed_mm_hashes() and drops the
+allocation actually needs the room (in allocate(); can_allocate() only asks). The runner learns of evictions from get_freed_mm_hashes() and drops the
 tensors.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 
 class EncoderCacheManager:
@@ -60,47 +61,51 @@ class EncoderCacheManager:
         return True
 
     def can_allocate(self, num_embeds: int, compute_budget_left: int | None = None,
-                     num_embeds_to_schedule: int = 0) -> bool:
-        """Whether an item of `num_embeds` embeddings can be encoded now and cached.
+                     num_embeds_to_schedule: int = 0, reuse: Collection[str] = ()) -> bool:
+        """Whether an item of `num_embeds` embeddings can be encoded now and cached (a pure query).
 
         False if num_embeds exceeds `compute_budget_left` (the encoder budget left in this step, None = no limit)
         or if it plus `num_embeds_to_schedule` (items already chosen this step but not yet allocated) does not fit
-        even after evicting every freeable entry. When it fits only by evicting, the least recently released
-        freeable entries are evicted now (just enough of them) and True is returned.
+        even after evicting every freeable entry other than those in `reuse` (cached items the caller is about
+        to reference, which must not be evicted). Eviction itself happens in allocate().
         """
         if compute_budget_left is not None and num_embeds > compute_budget_left:
             return False
         need = num_embeds + num_embeds_to_schedule
         if need <= self.num_free:
             return True
-        if need > self.num_freeable:
-            return False
-        while need > self.num_free:
-            mm_hash, size = self.freeable.popitem(last=False)
-            del self.cached[mm_hash]
-            del self.num_embeds[mm_hash]
-            self.num_free += size
-            self._freed.append(mm_hash)
-            self.evictions += 1
-        return True
+        kept = sum(self.freeable.get(h, 0) for h in set(reuse))
+        return need <= self.num_freeable - kept
 
     def allocate(self, request_id: str, mm_hash: str, num_embeds: int) -> None:
-        """Reserve space for the encoder output of a newly scheduled item, referenced by `request_id`.
+        """Reserve space for the encoder output of a newly scheduled item, referenced by `request_id`, evicting
+        the least recently released freeable entries (just enough of them) when the free space is short.
 
         Call after can_allocate() returned True. Allocating an mm_hash that is already cached only adds the
         reference.
         """
         if self.check_and_update_cache(request_id, mm_hash):
             return
-        if num_embeds > self.num_free:
+        if num_embeds > self.num_freeable:
             raise RuntimeError(f"encoder cache: allocating {num_embeds} embeddings for {mm_hash[:16]} but only "
-                               f"{self.num_free} are free; call can_allocate() first")
+                               f"{self.num_freeable} are free or freeable; call can_allocate() first")
+        self._evict_until_free(num_embeds)
         self.cached[mm_hash] = {request_id}
         self.num_embeds[mm_hash] = num_embeds
         self.req_to_hashes.setdefault(request_id, set()).add(mm_hash)
         self.num_free -= num_embeds
         self.num_freeable -= num_embeds
         self.misses += 1
+
+    def _evict_until_free(self, num_embeds: int) -> None:
+        """Evict freeable entries, least recently released first, until num_embeds are free."""
+        while num_embeds > self.num_free:
+            mm_hash, size = self.freeable.popitem(last=False)
+            del self.cached[mm_hash]
+            del self.num_embeds[mm_hash]
+            self.num_free += size
+            self._freed.append(mm_hash)
+            self.evictions += 1
 
     def free_encoder_input(self, request_id: str, mm_hash: str) -> None:
         """Drop one request's reference (its tokens for that item are in the KV cache now). The entry stays cached;
@@ -131,8 +136,7 @@ class EncoderCacheManager:
 
     def reset(self) -> None:
         """Evict every unreferenced entry (e.g. on a cache reset); referenced entries stay."""
-        if self.freeable:
-            self.can_allocate(self.num_freeable)
+        self._evict_until_free(self.num_freeable)
 
     # -- checks ------------------------------------------------------------------------------------------------
     def check_integrity(self) -> bool:

@@ -7,6 +7,7 @@ of that rule. Out of KV blocks, it preempts the most recently admitted request (
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
@@ -15,6 +16,15 @@ from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
 from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
 from vlserve.core.stats import SchedulerStats
+
+
+@dataclass
+class EncoderPlan:
+    """The media items a planned token window needs: cached ones it reuses (mm_hashes) and ones to encode (item
+    indices into the request's mm_features)."""
+
+    reuse: list[str] = field(default_factory=list)
+    to_encode: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -96,7 +106,8 @@ class Scheduler:
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, token_budget)
             # Never run past the model's length (spec tokens near the end are simply not verified).
             num_new = min(num_new, cfg.max_model_len - 1 - req.num_computed_tokens)
-            enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, num_new, encoder_budget)
+            enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, req.num_computed_tokens, num_new,
+                                                                         encoder_budget)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -127,9 +138,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, token_budget)
-            req.num_computed_tokens = num_hit  # tentatively, for the encoder window
-            enc, num_new, encoder_budget_after = self._schedule_encoder_inputs(req, num_new, encoder_budget)
-            req.num_computed_tokens = 0
+            enc, num_new, encoder_budget_after = self._schedule_encoder_inputs(req, num_hit, num_new, encoder_budget)
             if num_new <= 0:
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
@@ -161,40 +170,46 @@ class Scheduler:
         self.finished_req_ids = set()
         return out
 
-    def _schedule_encoder_inputs(self, req: Request, num_new: int, budget: int) -> tuple[list[int], int, int]:
-        """Which media items the token window [computed, computed + num_new) first reaches and must encode.
-
-        An item that cannot be afforded (compute budget or cache space) cuts the window to the text before it.
-        """
+    def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, budget: int
+                                 ) -> tuple[EncoderPlan, int, int]:
+        """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
+        ones it reuses and the ones it must encode. An item that cannot be afforded (compute budget or cache space)
+        cuts the window to the text before it. Returns (plan, num_new, budget left)."""
+        plan = EncoderPlan()
         if not req.mm_features or num_new <= 0:
-            return [], num_new, budget
-        start_tok = req.num_computed_tokens
-        to_encode: list[int] = []
+            return plan, num_new, budget
+        cache = self.encoder_cache
         pending = 0
         for i, f in enumerate(req.mm_features):
-            if f.offset >= start_tok + num_new:
+            if f.offset >= start + num_new:
                 break
-            if f.end <= start_tok:
+            if f.end <= start:
                 continue  # its KV is already written
-            if self.encoder_cache.check_and_update_cache(req.request_id, f.mm_hash):
+            if cache.has(f.mm_hash):
+                if not cache.can_allocate(0, None, pending, reuse=[*plan.reuse, f.mm_hash]):
+                    num_new = f.offset - start  # keeping it would leave no room for the items before it
+                    break
+                plan.reuse.append(f.mm_hash)
                 continue
-            if any(req.mm_features[j].mm_hash == f.mm_hash for j in to_encode):
+            if any(req.mm_features[j].mm_hash == f.mm_hash for j in plan.to_encode):
                 continue  # the same item twice in one prompt: encoded once
-            if not self.encoder_cache.can_allocate(f.length, budget, pending):
-                num_new = f.offset - start_tok
+            if not cache.can_allocate(f.length, budget, pending, reuse=plan.reuse):
+                num_new = f.offset - start
                 break
-            to_encode.append(i)
+            plan.to_encode.append(i)
             pending += f.length
             budget -= f.length
-        return to_encode, num_new, budget
+        return plan, num_new, budget
 
-    def _commit_encoder_inputs(self, req: Request, to_encode: list[int], out: dict[str, list[int]]) -> None:
-        for i in to_encode:
+    def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
+        """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
+        for mm_hash in plan.reuse:
+            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash)
+        for i in plan.to_encode:
             f = req.mm_features[i]
-            if not self.encoder_cache.check_and_update_cache(req.request_id, f.mm_hash):
-                self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length)
-        if to_encode:
-            out[req.request_id] = to_encode
+            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length)
+        if plan.to_encode:
+            out[req.request_id] = plan.to_encode
 
     def _preempt(self, req: Request) -> None:
         self._free_blocks_and_encoder_refs(req)

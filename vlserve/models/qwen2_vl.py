@@ -4,8 +4,8 @@ with M-RoPE (vlserve's LlamaDecoderModel over the paged KV cache).
 Flow per step (the runner drives it):
   1. `embed_multimodal(modality, data)` once per modality for every item the scheduler released (their pixel rows
      and grids concatenated) -> embeddings `[sum of lengths, H]`, split per item and cached by mm_hash.
-  2. `get_input_embeddings(input_ids [T], mm_embeds=[(start, emb [n, H]), ...])` -> `[T, H]`: token embeddings with
-     the rows [start, start + n) of the flattened step replaced by (slices of) item embeddings.
+  2. `get_input_embeddings(input_ids [T])` -> `[T, H]` token embeddings; the runner writes (slices of) item
+     embeddings over the placeholder rows (`vlserve.multimodal.embeds`).
   3. `forward(None, positions [3, T], kv_caches, attn_metadata, inputs_embeds)` -> hidden `[T, H]`;
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 Positions come from `vlserve.multimodal.mrope` (`get_mrope_input_positions` below is a shortcut).
@@ -87,18 +87,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         embeds = self.visual(pixels, grid)  # [P // merge**2, H]
         return embeds.to(self.language_model.embed_tokens.weight.dtype)
 
-    def get_input_embeddings(self, input_ids: torch.Tensor,
-                             mm_embeds: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
-        """`input_ids [T]` -> `[T, H]`; each `(start, emb [n, H])` in mm_embeds overwrites rows [start, start + n)
-        (start counts tokens of the flattened step; pass the slice of an item that falls in this step)."""
-        embeds = self.language_model.get_input_embeddings(input_ids)  # [T, H]
-        for start, emb in mm_embeds or ():
-            n = emb.shape[0]
-            if start < 0 or start + n > embeds.shape[0]:
-                raise ValueError(f"multimodal embeddings [{start}, {start + n}) fall outside the {embeds.shape[0]} "
-                                 f"tokens of the step")
-            embeds[start:start + n] = emb.to(device=embeds.device, dtype=embeds.dtype)
-        return embeds
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings `input_ids [T]` -> `[T, H]` (the runner writes item embeddings over the placeholders
+        with `vlserve.multimodal.embeds.merge_mm_embeds`)."""
+        return self.language_model.get_input_embeddings(input_ids)  # [T, H]
 
     def get_mrope_input_positions(self, prompt_token_ids: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         """`(positions [3, L] int64, mrope_position_delta)` of a whole prompt (see vlserve.multimodal.mrope)."""

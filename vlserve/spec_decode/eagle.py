@@ -32,7 +32,7 @@ Draft checkpoint format (a directory; `speculative_config={"method": "eagle"|"ea
     "midlayer." is accepted for "layers.0." and fused qkv_proj / gate_up_proj tensors are split (EAGLE-3
     reference checkpoints); t2d is ignored.
 
-How a step runs (`EagleProposer.propose_eagle`, called by the runner after the target forward and sampling):
+How a step runs (`EagleProposer.propose_drafts`, called by the runner after the target forward and sampling):
   1. pass 0 over every row of the target step, with the target's own attention metadata (same slots, same
      block tables): row of position p gets the target hidden at p and the embedding of token p+1 (the next
      prompt token in a chunked prefill, the freshly sampled token at a request's last valid row, 0 for rows
@@ -48,58 +48,18 @@ position that KV saw that request's next token (only acceptance can differ, neve
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids, \
     load_eagle_draft
-
-
-@dataclass
-class EagleStepInputs:
-    """What the runner hands the EAGLE proposer after a target step (T rows in the target's batch order).
-
-    input_ids:       [T] int64 — row of position p holds token p+1 (0 where not known: rows past a request's
-                     last valid row).
-    inputs_embeds:   [T, H] | None — the same shifted inputs as embeddings, media merged (multimodal targets);
-                     None: embed input_ids.
-    positions:       [T] or [3, T] int64 — the target's positions.
-    hidden_states:   [T, H] (eagle) or [T, 3H] (eagle3) — the target states the draft reads (see
-                     `EagleProposer.select_hidden`).
-    attn_metadata:   the target step's AttentionMetadata (pass 0 reuses its slots and block tables).
-    req_ids:         requests that sampled this step and get drafts.
-    last_rows:       [B'] row of each one's last valid position (L - 2, L = its length after sampling).
-    seq_lens:        [B'] L: tokens known after sampling (drafts sit at positions L, L+1, ...).
-    batch_rows:      [B'] its index in the target batch (row of attn_metadata.block_tables).
-    num_slots:       [B'] KV slots its block table covers (len(block_ids) * block_size).
-    mrope_deltas:    [B'] | None — M-RoPE targets: text position = index + delta.
-    batch_req_ids:   [B] every request of the target batch, in batch order (rows per request from
-                     attn_metadata.query_start_loc_cpu).
-    batch_starts:    [B] position of each request's first row.
-    batch_num_valid: [B] how many of its rows are valid (know their next token).
-    """
-
-    input_ids: torch.Tensor
-    inputs_embeds: torch.Tensor | None
-    positions: torch.Tensor
-    hidden_states: torch.Tensor
-    attn_metadata: AttentionMetadata
-    req_ids: list[str]
-    last_rows: np.ndarray
-    seq_lens: np.ndarray
-    batch_rows: np.ndarray
-    num_slots: np.ndarray
-    mrope_deltas: np.ndarray | None = None
-    batch_req_ids: list[str] | None = None
-    batch_starts: np.ndarray | None = None
-    batch_num_valid: np.ndarray | None = None
+from vlserve.worker.proposer import DraftInputs, DraftKVSpec
 
 
 class EagleProposer:
-    """Draft head + its one-layer KV cache; `propose_eagle(EagleStepInputs) -> {req_id: [draft ids]}`."""
+    """Draft head + its one-layer KV cache (allocated by the runner from `draft_kv_spec()`); a
+    `vlserve.worker.proposer.Proposer`: `propose_drafts(DraftInputs) -> {req_id: [draft ids]}`."""
 
     uses_target_hidden_states = True
 
@@ -141,22 +101,16 @@ class EagleProposer:
         return cls(draft, spec_config.num_speculative_tokens, max_model_len, block_size,
                    text_cfg.num_hidden_layers)
 
-    # -- KV cache ----------------------------------------------------------------------------------------------
-    def bytes_per_block(self) -> int:
-        h, d = self.kv_head_shape
-        return 2 * self.block_size * h * d * torch.empty((), dtype=self.dtype).element_size()
+    # -- runner interface (vlserve.worker.proposer.Proposer) ---------------------------------------------------
+    def draft_kv_spec(self) -> DraftKVSpec:
+        """One KV layer in the target's block layout (indexed by the target's block ids)."""
+        return DraftKVSpec(self.block_size, *self.kv_head_shape, self.dtype)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, *self.kv_head_shape)
-        self.kv_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                         torch.zeros(shape, dtype=self.dtype, device=self.device))
+    def bind_kv_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.kv_cache = kv_cache
 
-    # -- runner interface --------------------------------------------------------------------------------------
     def remove_requests(self, req_ids) -> None:
-        """No per-request state (kept for the proposer interface)."""
-
-    def propose(self, *args, **kwargs):
-        raise TypeError("EagleProposer drafts from hidden states: the runner calls propose_eagle(EagleStepInputs)")
+        """No per-request state."""
 
     def select_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         """The target states the draft reads, from the model output and the kept aux states (aux_layer_ids)."""
@@ -165,13 +119,15 @@ class EagleProposer:
         return aux[0] if self.aux_layer_ids else hidden
 
     @torch.inference_mode()
-    def propose_eagle(self, inp: EagleStepInputs) -> dict[str, list[int]]:
+    def propose_drafts(self, inp: DraftInputs) -> dict[str, list[int]]:
+        """Pass 0 over the target step, then up to k - 1 draft decode steps per sampled request."""
         if self.kv_cache is None:
-            raise RuntimeError("EagleProposer: initialize_kv_cache was not called")
+            raise RuntimeError("EagleProposer: the runner has not bound its KV cache (bind_kv_cache)")
         self.num_propose_calls += 1
         draft = self.draft
         embeds = inp.inputs_embeds if inp.inputs_embeds is not None else draft.embed(inp.input_ids)
-        out = draft(embeds.to(self.dtype), inp.hidden_states.to(self.dtype), inp.positions, self.kv_cache,
+        target_hidden = self.select_hidden(inp.hidden_states, inp.aux_hidden_states)  # [T, H] or [T, 3H]
+        out = draft(embeds.to(self.dtype), target_hidden.to(self.dtype), inp.positions, self.kv_cache,
                     inp.attn_metadata, from_target=True)  # [T, H]
         if not inp.req_ids:
             return {}

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from vlserve.worker.proposer import DraftInputs
+
 _DTYPE = np.int32  # token ids < 2**31; half the memory traffic of int64
 _SEP = np.full(1, -1, dtype=_DTYPE)
 
@@ -85,6 +87,21 @@ class NgramProposer:
                 buf[n + 1:L + 1] = tokens[n:L]
             entry[1], entry[2] = L, tokens[L - 1]
         return buf[:L + 1]
+
+    # -- runner interface (vlserve.worker.proposer.Proposer) ---------------------------------------------------
+    uses_target_hidden_states = False
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def draft_kv_spec(self) -> None:
+        """No KV of its own."""
+        return None
+
+    def bind_kv_cache(self, kv_cache) -> None:
+        raise TypeError("NgramProposer has no KV cache")
+
+    def propose_drafts(self, inputs: DraftInputs) -> dict[str, list[int]]:
+        """Drafts per sampled request from its token ids (the runner's call)."""
+        return dict(zip(inputs.req_ids, self.propose(inputs.token_ids, req_ids=inputs.req_ids)))
 
     # -- proposing ---------------------------------------------------------------------------------------------
     def propose(self, token_ids_per_request: Sequence[np.ndarray | Sequence[int]],

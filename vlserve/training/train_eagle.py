@@ -98,11 +98,8 @@ class HiddenStateRecorder:
         self.embed_fn = embed_fn
         self.rows: dict[str, dict[str, list]] = {}
 
-    def bytes_per_block(self) -> int:
-        return 0
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        pass
+    def draft_kv_spec(self) -> None:
+        return None
 
     def remove_requests(self, req_ids) -> None:
         pass
@@ -113,8 +110,8 @@ class HiddenStateRecorder:
         return hidden, (aux[0] if self.aux_layer_ids else hidden)
 
     @torch.inference_mode()
-    def propose_eagle(self, inp) -> dict[str, list[int]]:
-        final, feats = inp.hidden_states
+    def propose_drafts(self, inp) -> dict[str, list[int]]:
+        final, feats = self.select_hidden(inp.hidden_states, inp.aux_hidden_states)
         embeds = inp.inputs_embeds if inp.inputs_embeds is not None else self.embed_fn(inp.input_ids)
         cu = inp.attn_metadata.query_start_loc_cpu
         for i, rid in enumerate(inp.batch_req_ids):

@@ -1,8 +1,8 @@
-"""How many KV blocks fit: an explicit count, an explicit byte budget, or a profile of a dummy forward."""
+"""How many KV blocks fit: an explicit count, an explicit byte budget, or a profile of a dummy forward (numbers only:
+the runner runs the profile and allocates every cache)."""
 from __future__ import annotations
 
 import logging
-import resource
 
 import torch
 
@@ -23,34 +23,6 @@ def _available_host_bytes() -> int:
     return 4 << 30
 
 
-def profile_peak_activation_bytes(runner, num_tokens: int) -> int:
-    """Run one dummy prefill of num_tokens on a throwaway 1-sequence KV cache; return its peak extra memory."""
-    from vlserve.core.sched_output import NewRequestData, SchedulerOutput
-    from vlserve.sampling_params import SamplingParams
-
-    num_blocks = cdiv(num_tokens, runner.block_size)
-    saved = runner.kv_caches
-    runner.initialize_kv_cache(num_blocks)
-    dev = runner.device
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
-                           list(range(num_blocks)), 0)
-    runner.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
-    runner.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, 0)
-    runner.kv_caches = saved
-    return peak
-
-
 def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None,
                             memory_fraction: float, max_num_batched_tokens: int, max_model_len: int,
                             max_num_seqs: int) -> int:
@@ -65,7 +37,7 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
             raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one KV block "
                              f"({per_block} bytes)")
         return int(n)
-    peak = profile_peak_activation_bytes(runner, min(max_num_batched_tokens, max_model_len))
+    peak = runner.profile_peak_activation_bytes(min(max_num_batched_tokens, max_model_len))
     if runner.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info()
     else:

@@ -1,11 +1,19 @@
 """The model runner: owns every tensor (weights, KV cache, encoder outputs) and runs one scheduled step."""
 from __future__ import annotations
 
+import resource
+
 import numpy as np
 import torch
 
-from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from vlserve.core.kv_cache_manager import cdiv
+from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.llama import decoder_of
+from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
+from vlserve.multimodal.mrope import mrope_positions_for_range
+from vlserve.sampling_params import SamplingParams
+from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler
 from vlserve.worker.sampler import make_generator
@@ -30,7 +38,7 @@ class ModelRunner:
     """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
 
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
-                 block_size: int, mrope_positions_fn=None, proposer=None):
+                 block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None):
         self.model = model
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
@@ -42,25 +50,25 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.draft_kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the proposer's own layer, if any
         self.proposer = None
         self.set_proposer(proposer)
         self.num_encoder_runs = 0
 
-    def set_proposer(self, proposer) -> None:
-        """Install the spec-decode draft proposer (n-gram, EAGLE) or None. A proposer with
-        `uses_target_hidden_states` (EAGLE) gets `propose_eagle(EagleStepInputs)` after every step, the target's
-        residual streams at `proposer.aux_layer_ids`, and its own KV cache sized with the target's."""
-        from vlserve.models.llama import decoder_of
-
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Install the spec-decode draft proposer or None. One with `uses_target_hidden_states` gets the target
+        step's view in DraftInputs (and the residual streams at its `aux_layer_ids`); one with a
+        `draft_kv_spec()` gets a KV layer allocated here alongside the target's."""
         was = getattr(self, "uses_hidden_states", False)
         self.proposer = proposer
-        self.uses_hidden_states = bool(getattr(proposer, "uses_target_hidden_states", False))
+        self.uses_hidden_states = bool(proposer is not None and proposer.uses_target_hidden_states)
+        self.draft_kv_spec: DraftKVSpec | None = proposer.draft_kv_spec() if proposer is not None else None
         if self.uses_hidden_states:
             decoder_of(self.model).set_aux_hidden_state_layers(proposer.aux_layer_ids)
-            if self.kv_caches:
-                proposer.initialize_kv_cache(self.kv_caches[0][0].shape[0])
         elif was:
             decoder_of(self.model).set_aux_hidden_state_layers(())
+        if self.kv_caches:
+            self._allocate_draft_kv(self.kv_caches[0][0].shape[0])
 
     # -- KV cache ----------------------------------------------------------------------------------------------
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
@@ -70,21 +78,58 @@ class ModelRunner:
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def bytes_per_block(self) -> int:
+        """KV bytes one block id costs: every target layer, plus the draft's own layer (same block ids)."""
         _, bs, h, d = self.kv_cache_shape(1)
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_block = 2 * self.text_config.num_hidden_layers * bs * h * d * elem
-        if self.uses_hidden_states:  # the EAGLE draft's own layer, indexed by the same block ids
-            per_block += self.proposer.bytes_per_block()
+        if self.draft_kv_spec is not None:
+            per_block += self.draft_kv_spec.bytes_per_block()
         return per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each."""
+        """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each (and the draft's, if any)."""
         shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.text_config.num_hidden_layers)]
-        if self.uses_hidden_states:
-            self.proposer.initialize_kv_cache(num_blocks)
+        self._allocate_draft_kv(num_blocks)
+
+    def _allocate_draft_kv(self, num_blocks: int) -> None:
+        spec = self.draft_kv_spec
+        if spec is None:
+            self.draft_kv_cache = None
+            return
+        shape = (num_blocks, *spec.block_shape())  # [NB, BS, Hkv_draft, D_draft]
+        self.draft_kv_cache = (torch.zeros(shape, dtype=spec.dtype, device=self.device),
+                               torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        self.proposer.bind_kv_cache(self.draft_kv_cache)
+
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """Run one dummy prefill of num_tokens on throwaway 1-sequence KV caches (the runner's own caches are kept
+        and restored); return its peak extra memory in bytes."""
+        saved, saved_draft = self.kv_caches, self.draft_kv_cache
+        num_blocks = cdiv(num_tokens, self.block_size)
+        self.initialize_kv_cache(num_blocks)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
+                               list(range(num_blocks)), 0)
+        self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
+        self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+        else:
+            peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, 0)
+        self.kv_caches, self.draft_kv_cache = saved, saved_draft
+        if saved_draft is not None:
+            self.proposer.bind_kv_cache(saved_draft)
+        return peak
 
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -184,27 +229,27 @@ class ModelRunner:
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
         sample_idx = np.nonzero(seq_lens >= known)[0]
+        samples = None
+        if len(sample_idx):
+            sample_states = [states[i] for i in sample_idx]
+            drafts = [so.scheduled_spec_decode_tokens.get(s.req_id, []) for s in sample_states]
+            samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts)
         spec_tokens: dict[str, list[int]] = {}
-        if len(sample_idx) == 0:
-            if self.uses_hidden_states:  # the draft still writes its KV for this chunk
-                self._propose_eagle(states, starts, q_lens, cu, positions, hidden, md, sample_idx)
+        # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.
+        if self.proposer is not None and (samples is not None or self.uses_hidden_states):
+            spec_tokens = self.proposer.propose_drafts(
+                self._draft_inputs(states, starts, q_lens, cu, positions, hidden, md, sample_idx))
+        if samples is None:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        sample_states = [states[i] for i in sample_idx]
-        drafts = [so.scheduled_spec_decode_tokens.get(s.req_id, []) for s in sample_states]
-        samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts)
-        if self.uses_hidden_states:
-            spec_tokens = self._propose_eagle(states, starts, q_lens, cu, positions, hidden, md, sample_idx)
-        elif self.proposer is not None:
-            ids = [s.req_id for s in sample_states]
-            spec_tokens = dict(zip(ids, self.proposer.propose([s.token_ids for s in sample_states], req_ids=ids)))
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[samples.tokens.get(r, []) for r in req_ids],
                                  logprobs=samples.logprobs, spec_token_ids=spec_tokens)
 
-    def _propose_eagle(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx) -> dict[str, list[int]]:
-        """Hand the EAGLE proposer this step (after sampling: token_ids already hold the new tokens)."""
-        from vlserve.models.llama import decoder_of
-        from vlserve.spec_decode.eagle import EagleStepInputs
-
+    def _draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx) -> DraftInputs:
+        """What the proposer gets after this step (after sampling: token_ids already hold the new tokens)."""
+        sampled = [states[i] for i in sample_idx]
+        inputs = DraftInputs(req_ids=[s.req_id for s in sampled], token_ids=[s.token_ids for s in sampled])
+        if not self.uses_hidden_states:
+            return inputs
         # Row of position p carries token p + 1 (0 past the known tokens: rejected drafts).
         ids: list[int] = []
         for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
@@ -212,40 +257,29 @@ class ModelRunner:
             ids.extend(nxt)
             if len(nxt) < n:
                 ids.extend([0] * (n - len(nxt)))
-        draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        draft_embeds = None
+        inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         if any(state.mm_features for state in states):
-            draft_embeds = self._merge_mm_embeddings(draft_ids, states, starts + 1, q_lens, cu, skip_missing=True)
-        aux = decoder_of(self.model).aux_hidden_states
-        target_hidden = self.proposer.select_hidden(hidden, aux)
-        sampled = [states[i] for i in sample_idx]
+            inputs.inputs_embeds = self._merge_mm_embeddings(inputs.input_ids, states, starts + 1, q_lens, cu,
+                                                             skip_missing=True)  # [T, H] or None
         L = np.array([len(s.token_ids) for s in sampled], dtype=np.int64)
-        inp = EagleStepInputs(
-            input_ids=draft_ids, inputs_embeds=draft_embeds, positions=positions, hidden_states=target_hidden,
-            attn_metadata=md, req_ids=[s.req_id for s in sampled],
-            last_rows=cu[:-1][sample_idx] + (L - 2 - starts[sample_idx]), seq_lens=L,
-            batch_rows=np.asarray(sample_idx, dtype=np.int64),
-            num_slots=np.array([len(s.block_ids) * self.block_size for s in sampled], dtype=np.int64),
-            mrope_deltas=(np.array([s.mrope_delta for s in sampled], dtype=np.int64)
-                          if self.mrope_positions_fn is not None else None),
-            batch_req_ids=[s.req_id for s in states], batch_starts=starts,
-            batch_num_valid=np.minimum(q_lens, np.array([len(s.token_ids) for s in states]) - 1 - starts))
-        return self.proposer.propose_eagle(inp)
+        inputs.positions, inputs.hidden_states, inputs.attn_metadata = positions, hidden, md
+        inputs.aux_hidden_states = decoder_of(self.model).aux_hidden_states
+        inputs.last_rows = cu[:-1][sample_idx] + (L - 2 - starts[sample_idx])
+        inputs.seq_lens = L
+        inputs.batch_rows = np.asarray(sample_idx, dtype=np.int64)
+        inputs.num_slots = np.array([len(s.block_ids) * self.block_size for s in sampled], dtype=np.int64)
+        if self.mrope_positions_fn is not None:
+            inputs.mrope_deltas = np.array([s.mrope_delta for s in sampled], dtype=np.int64)
+        inputs.batch_req_ids = [s.req_id for s in states]
+        inputs.batch_starts = starts
+        inputs.batch_num_valid = np.minimum(q_lens, np.array([len(s.token_ids) for s in states]) - 1 - starts)
+        return inputs
 
     def _positions(self, states, starts, q_lens, positions_np) -> torch.Tensor:
         if self.mrope_positions_fn is None:
-            return torch.from_numpy(positions_np).to(self.device)
-        parts = []
-        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            p = state.num_prompt_tokens
-            chunk = []
-            if s < p:
-                chunk.append(state.mrope_positions[:, s:min(s + n, p)])
-            if s + n > p:
-                lo = max(s, p)
-                text = torch.arange(lo + state.mrope_delta, s + n + state.mrope_delta, dtype=torch.long)
-                chunk.append(text.unsqueeze(0).expand(3, -1))
-            parts.extend(chunk)
+            return torch.from_numpy(positions_np).to(self.device)  # [T]
+        parts = [mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
+                 for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
         return torch.cat(parts, dim=1).to(self.device)  # [3, T]
 
     def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
@@ -253,17 +287,9 @@ class ModelRunner:
         """inputs_embeds [T, H] with encoder outputs written over placeholder tokens, or None for text only.
         Row cu[i] + j holds position starts[i] + j; skip_missing leaves token embeddings where an item has not
         been encoded (the EAGLE draft's shifted window may reach one token into the next, unscheduled item)."""
-        pieces = []  # (batch row start, embeddings slice)
+        pieces = []  # (batch row, embeddings slice [n, H])
         for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
-            for f in state.mm_features:
-                lo, hi = max(s, f.offset), min(s + n, f.end)
-                if lo < hi and skip_missing and f.mm_hash not in self.encoder_outputs:
-                    continue
-                if lo < hi:
-                    pieces.append((int(cu[i]) + lo - s, self.encoder_outputs[f.mm_hash][lo - f.offset:hi - f.offset]))
+            pieces += slice_mm_embeds(state.mm_features, self.encoder_outputs, s, s + n, int(cu[i]), skip_missing)
         if not pieces:
             return None
-        embeds = self.model.get_input_embeddings(input_ids)  # [T, H]
-        for row, emb in pieces:
-            embeds[row:row + emb.shape[0]] = emb.to(embeds.dtype)
-        return embeds
+        return merge_mm_embeds(self.model.get_input_embeddings(input_ids), pieces)  # [T, H]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vlserve.worker.rejection_sampler import RejectionSampler, build_spec_sampling_metadata
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sampler import Sampler, build_sampling_metadata
 
@@ -23,7 +24,7 @@ class StepSampler:
 
     def __init__(self):
         self.sampler = Sampler()
-        self._rejection_sampler = None
+        self.rejection_sampler = RejectionSampler()
 
     def sample(self, model, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
                drafts: list[list[int]]) -> StepSamples:
@@ -38,12 +39,8 @@ class StepSampler:
         outputs = [s.output_token_ids for s in states]
         vocab = logits.shape[-1]
         if any(drafts):
-            from vlserve.spec_decode.rejection_sampler import RejectionSampler, build_spec_sampling_metadata
-
-            if self._rejection_sampler is None:
-                self._rejection_sampler = RejectionSampler()
             md = build_spec_sampling_metadata(params, gens, prompts, outputs, drafts, vocab, logits.device)
-            out = self._rejection_sampler(logits, drafts, None, md)
+            out = self.rejection_sampler(logits, drafts, None, md)
             token_lists = out.to_lists()
         else:
             md = build_sampling_metadata(params, gens, prompts, outputs, vocab, logits.device)

@@ -12,7 +12,8 @@ import torch
 from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata, make_generator
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata", "make_generator",
-           "apply_penalties", "apply_min_p", "apply_top_k_top_p", "random_sample"]
+           "apply_penalties", "apply_min_p", "apply_top_k_top_p", "random_sample", "prepare_logits",
+           "compute_target_probs", "gather_logprobs"]
 
 
 @dataclass
@@ -93,6 +94,53 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
     return probs.div_(q).argmax(dim=-1)
 
 
+def prepare_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shared first steps of the Sampler and the rejection sampler: float32 logits [N, V] with min_tokens
+    bans and penalties applied (never modifying the caller's tensor), and the raw log-softmax [N, V] of the
+    unprocessed logits when logprobs are wanted (else None)."""
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+    if md.ban_rows is not None or not md.no_penalties:
+        logits = logits.clone()
+    if md.ban_rows is not None:
+        logits[md.ban_rows, md.ban_token_ids] = float("-inf")
+    if not md.no_penalties:
+        apply_penalties(logits, md)
+    return logits, raw_logprobs
+
+
+def compute_target_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """Probabilities [len(rows), V] of (prepared) logits at `rows` (None: every row): temperature -> min_p ->
+    top_k/top_p -> softmax, the random-sampling path. Out of place."""
+    def sel(t):
+        return t if (t is None or rows is None) else t.index_select(0, rows)
+    if rows is not None:
+        logits = logits.index_select(0, rows)
+    temperature, min_p, top_k, top_p = sel(md.temperature), sel(md.min_p), sel(md.top_k), sel(md.top_p)
+    if temperature is not None:
+        logits = logits / temperature.unsqueeze(1)
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    logits = apply_top_k_top_p(logits, top_k, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
+    """Fill out's logprob fields: per row the sampled token's raw logprob and rank, then the top-k [N, k+1]."""
+    sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [N, 1]
+    k = min(k, raw_logprobs.shape[-1])
+    out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1).to(torch.int64) + 1
+    if k > 0:
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+        out.logprob_token_ids = torch.cat([sampled.unsqueeze(1), top_ids.to(torch.int64)], dim=1)
+        out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
+    else:
+        out.logprob_token_ids = sampled.unsqueeze(1)
+        out.logprobs = sampled_lp
+
+
 class Sampler:
     """Stateless; call as `Sampler()(logits, md)`."""
 
@@ -100,20 +148,7 @@ class Sampler:
         return self.forward(logits, md)
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        raw_logprobs = None
-        if md.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-
-        # Never modify the caller's tensor.
-        if md.ban_rows is not None or not md.no_penalties:
-            logits = logits.clone()
-        if md.ban_rows is not None:
-            logits[md.ban_rows, md.ban_token_ids] = float("-inf")
-        if not md.no_penalties:
-            apply_penalties(logits, md)
-
+        logits, raw_logprobs = prepare_logits(logits, md)
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -125,7 +160,7 @@ class Sampler:
 
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
+            gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
         return out
 
     @staticmethod
@@ -136,31 +171,9 @@ class Sampler:
         if not md.all_random:
             # Only the random rows need the work (and only they may advance their generators).
             rows = (~md.is_greedy).nonzero(as_tuple=True)[0]
-            logits = logits.index_select(0, rows)
-        # Everything below is out of place, so the caller's logits are never modified.
-        sel = (lambda t: t) if rows is None else (lambda t: None if t is None else t.index_select(0, rows))
-        temperature, min_p, top_k, top_p = sel(md.temperature), sel(md.min_p), sel(md.top_k), sel(md.top_p)
-        if temperature is not None:
-            logits = logits / temperature.unsqueeze(1)
-        if min_p is not None:
-            logits = apply_min_p(logits, min_p)
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
+        probs = compute_target_probs(logits, md, rows)  # out of place: the caller's logits stay untouched
         picked = random_sample(probs, md.generators, rows)
         if rows is None:
             return picked
         full = torch.zeros(md.is_greedy.shape[0], dtype=picked.dtype, device=picked.device)
         return full.index_copy_(0, rows, picked)
-
-    @staticmethod
-    def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
-        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
-        k = min(k, raw_logprobs.shape[-1])
-        out.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1).to(torch.int64) + 1
-        if k > 0:
-            top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
-            out.logprob_token_ids = torch.cat([sampled.unsqueeze(1), top_ids.to(torch.int64)], dim=1)
-            out.logprobs = torch.cat([sampled_lp, top_lp], dim=1)
-        else:
-            out.logprob_token_ids = sampled.unsqueeze(1)
-            out.logprobs = sampled_lp

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.sampling_params import SamplingParams
-from vlserve.worker.sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k_top_p
+from vlserve.worker.sampler import SamplerOutput, compute_target_probs, gather_logprobs, prepare_logits
 from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -93,39 +93,7 @@ def build_spec_sampling_metadata(params: list[SamplingParams], generators: list[
     return build_sampling_metadata(r_params, r_gens, r_prompts, r_outputs, vocab_size, device)
 
 
-# ------------------------------------------------------------------------------------------------- shared maths
-
-def _prepare_logits(target_logits: torch.Tensor, md: SamplingMetadata
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 logits with min_tokens bans and penalties applied (never modifying the caller's tensor), and the
-    raw log-softmax when logprobs are wanted -- the main Sampler's first steps."""
-    logits = target_logits if target_logits.dtype == torch.float32 else target_logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
-    if md.ban_rows is not None or not md.no_penalties:
-        logits = logits.clone()
-    if md.ban_rows is not None:
-        logits[md.ban_rows, md.ban_token_ids] = float("-inf")
-    if not md.no_penalties:
-        apply_penalties(logits, md)
-    return logits, raw_logprobs
-
-
-def compute_target_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None = None
-                         ) -> torch.Tensor:
-    """p for `rows` of (ban/penalty-processed) logits: temperature -> min_p -> top_k/top_p -> softmax, the main
-    Sampler's random path. rows=None: every row. Returns [len(rows), V] float32."""
-    def sel(t):
-        return t if (t is None or rows is None) else t.index_select(0, rows)
-    if rows is not None:
-        logits = logits.index_select(0, rows)
-    temperature, min_p, top_k, top_p = sel(md.temperature), sel(md.min_p), sel(md.top_k), sel(md.top_p)
-    if temperature is not None:
-        logits = logits / temperature.unsqueeze(1)
-    if min_p is not None:
-        logits = apply_min_p(logits, min_p)
-    logits = apply_top_k_top_p(logits, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
-
+# ------------------------------------------------------------------------------------------------- layout
 
 @dataclass
 class _Layout:
@@ -243,7 +211,7 @@ def _finish(out_tokens: torch.Tensor, lay: _Layout, raw_logprobs, md: SamplingMe
         pos = torch.arange(lay.T, device=dev) - torch.tensor(lay.cu[:-1], device=dev)[req]
         row_tokens = out_tokens[req, pos].clamp(min=0)
         so = SamplerOutput(sampled_token_ids=row_tokens)
-        Sampler._gather_logprobs(raw_logprobs, row_tokens, md.max_num_logprobs, so)
+        gather_logprobs(raw_logprobs, row_tokens, md.max_num_logprobs, so)
         out.logprob_token_ids, out.logprobs, out.sampled_ranks = so.logprob_token_ids, so.logprobs, so.sampled_ranks
     return out
 
@@ -271,7 +239,7 @@ class RejectionSampler:
         B, T, D = lay.B, lay.T, lay.dstart[-1]
         dev = target_logits.device
         max_k = max(lay.num_draft, default=0)
-        logits, raw_logprobs = _prepare_logits(target_logits, md)
+        logits, raw_logprobs = prepare_logits(target_logits, md)
 
         # Index bookkeeping as tensors (no per-request Python work beyond flattening the draft lists).
         k = torch.tensor(lay.num_draft, dtype=torch.int64, device=dev)  # [B]
@@ -357,7 +325,7 @@ def rejection_sample_ref(target_logits: torch.Tensor, draft_token_ids: list[list
     reproduces `RejectionSampler` exactly, seeded or not, given the same global RNG state). For tests."""
     lay = _layout(target_logits, draft_token_ids, draft_probs, md)
     dev = target_logits.device
-    logits, raw_logprobs = _prepare_logits(target_logits, md)
+    logits, raw_logprobs = prepare_logits(target_logits, md)
     r_reqs = [i for i in range(lay.B) if not lay.greedy[i]]
     P = compute_target_probs(logits, md) if r_reqs else None  # every row; only random rows are read
     u, noise = _draw_uniforms_and_noise(lay, r_reqs, md, dev) if r_reqs else (None, None)
