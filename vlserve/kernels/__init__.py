@@ -18,6 +18,7 @@ import torch
 
 from vlserve.kernels.attention_ref import (
     attention_forward_ref,
+    decode_workspace_numel,
     paged_attention_decode_ref,
     paged_prefill_attention_ref,
     varlen_attention_ref,
@@ -125,10 +126,13 @@ def paged_attention_decode(
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Single-token decode attention: query [B, Hq, D] at position seq_len-1 over seq_len cached keys."""
+    """Single-token decode attention: query [B, Hq, D] at position seq_len-1 over seq_len cached keys
+    (`workspace`: the torch path's scratch buffer, see `decode_workspace_numel`; the Triton path ignores it)."""
     return _impl("paged_attention_decode", query.device)(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out
+        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out,
+        workspace=workspace,
     )
 
 
@@ -195,6 +199,7 @@ def apply_rotary(
 
 
 __all__ = [
+    "decode_workspace_numel",
     "AttentionMetadata",
     "BACKEND_ENV",
     "apply_rotary",

@@ -14,7 +14,6 @@ Prefill loops over the (few) sequences of a step: gather one context, then SDPA 
 """
 from __future__ import annotations
 
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -26,21 +25,13 @@ from vlserve.kernels.metadata import AttentionMetadata
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
 DECODE_CHUNK_BYTES = 8 << 20
 
-_tls = threading.local()
-
-
-def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable flat scratch buffer (per thread, dtype, device); avoids page-faulting a fresh one."""
-    cache = getattr(_tls, "buffers", None)
-    if cache is None:
-        cache = _tls.buffers = {}
-    key = (dtype, device)
-    buf = cache.get(key)
-    if buf is None or buf.numel() < numel:
-        with torch.inference_mode(False):  # a normal tensor is writable in and out of inference mode
-            buf = torch.empty(numel, dtype=dtype, device=device)
-        cache[key] = buf
-    return buf[:numel]
+def decode_workspace_numel(max_seq_len: int, block_size: int, num_kv_heads: int, head_dim: int,
+                           element_size: int) -> int:
+    """Elements of the flat scratch buffer `paged_attention_decode_ref` gathers K and V into: enough for any step
+    whose sequences are at most max_seq_len long (DECODE_CHUNK_BYTES worth, or one whole longest sequence when that
+    is larger). The model runner allocates it once and passes it as `workspace`."""
+    padded = -(-max_seq_len // block_size) * block_size
+    return max(DECODE_CHUNK_BYTES // element_size, 2 * padded * num_kv_heads * head_dim)
 
 
 def paged_attention_decode_ref(
@@ -53,8 +44,11 @@ def paged_attention_decode_ref(
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys."""
+    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys. K/V are gathered
+    into `workspace` (flat, the cache's dtype; see decode_workspace_numel) when it is given and large enough, else
+    into a buffer of this call's own."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     del max_seq_len  # chunks are padded to their own longest sequence, read from seq_lens
     num_seqs, num_q_heads, head_dim = query.shape
@@ -84,7 +78,11 @@ def paged_attention_decode_ref(
             rows: slice | torch.Tensor = slice(start, end)
         else:
             rows = torch.tensor(order[start:end], dtype=torch.long, device=device)
-        ws = _workspace(2 * n * padded_len * num_kv_heads * head_dim, k_cache.dtype, k_cache.device)
+        numel = 2 * n * padded_len * num_kv_heads * head_dim
+        if workspace is not None and workspace.numel() >= numel and workspace.dtype == k_cache.dtype:
+            ws = workspace[:numel]
+        else:
+            ws = torch.empty(numel, dtype=k_cache.dtype, device=k_cache.device)
         ws_k, ws_v = ws.view(2, n * num_blocks, block_size, num_kv_heads, head_dim).unbind(0)
         idx = tables[rows, :num_blocks].clamp_min(0).reshape(-1)  # [n * nblk]
         k = torch.index_select(k_cache, 0, idx, out=ws_k)  # [n*nblk, BS, Hkv, D]
@@ -202,6 +200,7 @@ def attention_forward_ref(
             scale,
             max_seq_len=max(md.seq_lens_cpu[:num_decodes]),
             out=out[:num_decodes],
+            workspace=md.workspace,
         )
     if num_decodes < md.num_seqs:
         qsl = md.query_start_loc_cpu

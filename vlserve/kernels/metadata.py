@@ -24,6 +24,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # same as query_start_loc, as Python ints (no device sync needed)
     seq_lens_cpu: list[int]  # same as seq_lens, as Python ints
+    workspace: torch.Tensor | None = None  # flat scratch for the torch decode path, owned by the runner
 
     @property
     def num_decode_tokens(self) -> int:

@@ -213,8 +213,10 @@ def paged_attention_decode_triton(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys."""
+    del workspace  # the torch path's scratch buffer; the kernel needs none
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

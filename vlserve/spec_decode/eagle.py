@@ -162,7 +162,7 @@ class EagleProposer:
                 slot_mapping=slots, query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=dev),
                 seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev), block_tables=btab,
                 num_decodes=b, max_query_len=1, max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=seq_lens.tolist())
+                query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=seq_lens.tolist(), workspace=md.workspace)
             if inp.mrope_deltas is not None:
                 positions = (pos + torch.from_numpy(inp.mrope_deltas[active].astype(np.int64)).to(dev))
                 positions = positions.unsqueeze(0).expand(3, -1).contiguous()

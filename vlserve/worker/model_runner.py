@@ -6,8 +6,10 @@ import resource
 import numpy as np
 import torch
 
+from vlserve import kernels
 from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.llama import decoder_of
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
@@ -51,6 +53,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the proposer's own layer, if any
+        self.attn_workspace: torch.Tensor | None = None  # flat scratch of the torch decode path (CPU backend only)
         self.proposer = None
         self.set_proposer(proposer)
         self.num_encoder_runs = 0
@@ -93,6 +96,18 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.text_config.num_hidden_layers)]
         self._allocate_draft_kv(num_blocks)
+        self.attn_workspace = self._allocate_attn_workspace(num_blocks)
+
+    def _allocate_attn_workspace(self, num_blocks: int) -> torch.Tensor | None:
+        """The decode scratch buffer the torch attention path gathers K/V into (None on the Triton backend), sized
+        for the longest sequence the cache can hold (capped at max_position_embeddings)."""
+        if kernels.get_attention_backend(self.device) != "torch":
+            return None
+        _, bs, h, d = self.kv_cache_shape(1)
+        longest = min(num_blocks * bs, getattr(self.text_config, "max_position_embeddings", None) or num_blocks * bs)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        with torch.inference_mode(False):  # written in and out of inference mode (profiling, steps)
+            return torch.empty(decode_workspace_numel(longest, bs, h, d, elem), dtype=self.dtype, device=self.device)
 
     def _allocate_draft_kv(self, num_blocks: int) -> None:
         spec = self.draft_kv_spec
@@ -107,7 +122,7 @@ class ModelRunner:
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """Run one dummy prefill of num_tokens on throwaway 1-sequence KV caches (the runner's own caches are kept
         and restored); return its peak extra memory in bytes."""
-        saved, saved_draft = self.kv_caches, self.draft_kv_cache
+        saved, saved_draft, saved_ws = self.kv_caches, self.draft_kv_cache, self.attn_workspace
         num_blocks = cdiv(num_tokens, self.block_size)
         self.initialize_kv_cache(num_blocks)
         cuda = self.device.type == "cuda"
@@ -126,7 +141,7 @@ class ModelRunner:
             peak = torch.cuda.max_memory_allocated() - before
         else:
             peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, 0)
-        self.kv_caches, self.draft_kv_cache = saved, saved_draft
+        self.kv_caches, self.draft_kv_cache, self.attn_workspace = saved, saved_draft, saved_ws
         if saved_draft is not None:
             self.proposer.bind_kv_cache(saved_draft)
         return peak
@@ -219,7 +234,7 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(block_table).to(dev),
             num_decodes=num_decodes, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist())
+            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(), workspace=self.attn_workspace)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)  # [T]
         positions = self._positions(states, starts, q_lens, positions_np)  # [T] or [3, T]
         inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
