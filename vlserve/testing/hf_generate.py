@@ -23,6 +23,13 @@ def hf_greedy_ignoring_eos(model, inputs: dict, max_new_tokens: int) -> torch.Te
 
 
 
+def transformers_major() -> int:
+    """The installed transformers' major version (tests compare with HF behaviour that changed between 4.x and 5.x)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 def align_hf_video_inputs(inputs, fps: float | None, hf_config) -> str | None:
     """Make HF's video inputs mean what vlserve's do; return why HF cannot be the oracle for them, or None.
 
@@ -46,7 +53,7 @@ def align_hf_video_inputs(inputs, fps: float | None, hf_config) -> str | None:
     spg = 2.0 / float(fps or DEFAULT_VIDEO_FPS)
     if "second_per_grid_ts" in inputs:
         inputs["second_per_grid_ts"] = torch.full((grids.shape[0],), spg)
-    if int(transformers.__version__.split(".")[0]) < 5:
+    if transformers_major() < 5:
         return None
     vcfg = getattr(hf_config, "vision_config", hf_config)
     merge = int(vcfg.spatial_merge_size)

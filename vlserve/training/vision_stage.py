@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from vlserve.training import world
-from vlserve.training.targets import KIND_SLICE, NUM_CELL_OUTPUTS, batch_targets, cell_losses
+from vlserve.training.targets import KIND_SLICE, batch_targets, cell_losses
 
 SUB = 7  # silhouette resolution per patch side
 MASK_BLOCK = 0  # vision block whose output predicts the silhouettes
