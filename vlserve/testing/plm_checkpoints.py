@@ -76,12 +76,14 @@ def build_plm_checkpoint(
     num_key_value_heads: int = 2,
     initializer_range: float = 0.2,
     seed: int = 0,
+    model_args: dict | None = None,
 ) -> str:
     """Write a random tiny PerceptionLMForConditionalGeneration plus its processor to `out_dir`; return out_dir.
 
     Each `tile_size` tile gives (tile_size / patch_size / pooling_ratio)**2 embeddings; "thumb+tile" images are a
     thumbnail plus up to `max_num_tiles` tiles. `AutoProcessor.from_pretrained(out_dir)` and
-    `AutoModelForImageTextToText.from_pretrained(out_dir)` load it offline.
+    `AutoModelForImageTextToText.from_pretrained(out_dir)` load it offline. `model_args` adds to (or overrides)
+    the timm arguments; `ref_feat_shape` (RoPE grid) is set only for the `vit_pe_*` (timm Eva) architectures.
     """
     import torch
     from transformers import (PerceptionLMConfig, PerceptionLMForConditionalGeneration, PerceptionLMProcessor,
@@ -91,10 +93,13 @@ def build_plm_checkpoint(
     tok = build_plm_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in PLM_SPECIAL_TOKENS}
     grid = tile_size // patch_size
-    vision_cfg = dict(
-        model_type="timm_wrapper", architecture=architecture, do_pooling=False, num_classes=0,
-        model_args=dict(embed_dim=vision_embed_dim, depth=vision_depth, num_heads=vision_num_heads,
-                        img_size=tile_size, patch_size=patch_size, ref_feat_shape=(grid, grid), global_pool=""))
+    timm_args = dict(embed_dim=vision_embed_dim, depth=vision_depth, num_heads=vision_num_heads,
+                     img_size=tile_size, patch_size=patch_size, global_pool="")
+    if architecture.startswith("vit_pe_"):
+        timm_args["ref_feat_shape"] = (grid, grid)
+    timm_args.update(model_args or {})
+    vision_cfg = dict(model_type="timm_wrapper", architecture=architecture, do_pooling=False, num_classes=0,
+                      model_args=timm_args)
     text_cfg = dict(
         model_type="llama", vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
