@@ -13,6 +13,7 @@ from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
                                       load_video)
+from vlserve.multimodal.perception_lm import family_items
 from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
@@ -43,6 +44,10 @@ class MultiModalProcessor:
         self.tokenizer = hf_processor.tokenizer
         self.image_token_id: int = hf_processor.image_token_id
         self.video_token_id: int = hf_processor.video_token_id
+        # A family's own per-item processing (tiling, placeholder counts); None = Qwen2-VL's grid rules below.
+        self.family = family_items(hf_processor)
+        self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t)
+                             for m, t in (("image", self.image_token_id), ("video", self.video_token_id))}
         self.cache_size = cache_size
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
@@ -125,11 +130,14 @@ class MultiModalProcessor:
         data = self._cached(mm_hash)
         if data is None:
             try:
-                out = self.image_processor(images=[img], return_tensors="pt", **image_kwargs)
+                if self.family is not None:
+                    data = self.family.run_image(img, image_kwargs)
+                else:
+                    out = self.image_processor(images=[img], return_tensors="pt", **image_kwargs)
+                    data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
             except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
                 raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
                                  f"{_last_line(e)}") from None
-            data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
             self._store(mm_hash, data)
         return mm_hash, data
 
@@ -182,10 +190,10 @@ class MultiModalProcessor:
         img_pos = [i for i, t in enumerate(ids) if t == self.image_token_id]
         vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id]
         if len(img_pos) != len(images):
-            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens (<|image_pad|>) "
+            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders['image']}) "
                              f"but {len(images)} images were given")
         if len(vid_pos) != len(videos):
-            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens (<|video_pad|>) "
+            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders['video']}) "
                              f"but {len(videos)} videos were given")
 
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
@@ -200,8 +208,11 @@ class MultiModalProcessor:
         features: list[MultiModalFeature] = []
         prev = 0
         for pos, modality, mm_hash, data in items:
-            grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
-            num = int(grid.prod()) // self._merge_size(modality) ** 2
+            if self.family is not None:
+                num = self.family.num_embeds(modality, data)
+            else:
+                grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
+                num = int(grid.prod()) // self._merge_size(modality) ** 2
             new_ids.extend(ids[prev:pos])
             features.append(MultiModalFeature(modality=modality, mm_hash=mm_hash, offset=len(new_ids),
                                               length=num, data=data))
@@ -213,6 +224,8 @@ class MultiModalProcessor:
     def max_image_embeds(self, mm_processor_kwargs: dict | None = None) -> int:
         """Upper bound on the embeddings of one image (for sizing the encoder cache / budget)."""
         kw = mm_processor_kwargs or {}
+        if self.family is not None:
+            return self.family.max_image_embeds(kw)
         max_pixels = kw.get("max_pixels") or self.image_processor.size.get("longest_edge") or \
             getattr(self.image_processor, "max_pixels")
         unit = int(self.image_processor.patch_size) * self._merge_size("image")
