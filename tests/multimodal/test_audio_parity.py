@@ -11,38 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.multimodal.audio_hf import MAX_NEW, HFAudioOracle, chat_text
 from tests.multimodal.audio_media import encode_audio, tones
 from vlserve import LLM, SamplingParams
-from vlserve.multimodal.audio import load_audio
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
-
-MAX_NEW = 8
 
 
 def greedy(n: int = MAX_NEW) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-class HFAudioOracle:
-    """HF Qwen2AudioProcessor + Qwen2AudioForConditionalGeneration greedy generate (float32, CPU)."""
-
-    def __init__(self, model_dir: str):
-        from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
-
-        self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.model = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def inputs(self, text: str, clips: list) -> dict:
-        """The same mono 16 kHz waveforms vlserve decodes, through HF's processor."""
-        waves = [load_audio(c, 16000).waveform for c in clips]
-        return self.processor(text=[text], audio=waves or None, sampling_rate=16000, return_tensors="pt")
-
-    def greedy(self, text: str, clips: list, n: int = MAX_NEW) -> list[int]:
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-
-        inputs = self.inputs(text, clips)
-        return hf_greedy_ignoring_eos(self.model, inputs, n)[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +30,6 @@ def oracle(audio_dir):
 @pytest.fixture(scope="module")
 def llm(audio_dir):
     return LLM(audio_dir, dtype="float32", num_kv_blocks=512)
-
-
-def chat_text(tok, turns: list[tuple[str, int | str]]) -> str:
-    """[(role, n_clips_or_text)...] with user turns given as (n_clips, question) pairs -> the rendered prompt."""
-    messages = []
-    for role, content in turns:
-        if role == "user":
-            n, question = content
-            messages.append({"role": "user", "content": [{"type": "audio"}] * n + [{"type": "text", "text": question}]})
-        else:
-            messages.append({"role": role, "content": content})
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def clips():
