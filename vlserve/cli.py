@@ -45,6 +45,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='per-prompt media caps, e.g. \'{"image":4,"video":1}\'')
     p.add_argument("--mm-processor-kwargs", type=_json_dict, default=None)
     p.add_argument("--encoder-cache-size", type=int, default=None)
+    p.add_argument("--max-audio-seconds", type=float, default=30.0,
+                   help="longest audio clip accepted (at most the model's feature-extractor window)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory that file:// media URLs may read from (default: file:// disabled)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None,
@@ -81,7 +83,7 @@ def serve_config_from_args(args: argparse.Namespace):
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
-        chat_template_content_format=args.chat_template_content_format)
+        chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

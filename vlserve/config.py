@@ -55,6 +55,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
+    max_audio_seconds: float = 30.0  # longest audio clip accepted (at most the feature extractor's window)
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):
@@ -70,6 +71,8 @@ class EngineArgs:
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto/string/openai, "
                              f"got {shorten(self.chat_template_content_format)}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
 

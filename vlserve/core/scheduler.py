@@ -203,11 +203,12 @@ class Scheduler:
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
         """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
+        modality_of = {f.mm_hash: f.modality for f in req.mm_features}
         for mm_hash in plan.reuse:
-            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash)
+            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
         for i in plan.to_encode:
             f = req.mm_features[i]
-            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length)
+            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
         if plan.to_encode:
             out[req.request_id] = plan.to_encode
 

@@ -88,7 +88,13 @@ class EngineCore:
         """Counters and gauges under the names they carry on /metrics."""
         s = self.scheduler
         st, enc = s.stats, s.encoder_cache
-        return {
+        per_modality = {}  # `name{modality="..."}`: /metrics exports these as one labelled family per name
+        for name, counts in (("encoder_runs_by_modality_total", self.runner.encoder_runs_by_modality),
+                             ("encoder_cache_hits_by_modality_total", enc.hits_by_modality),
+                             ("encoder_cache_misses_by_modality_total", enc.misses_by_modality)):
+            for modality in self.loaded.modalities:
+                per_modality[f'vlserve:{name}{{modality="{modality}"}}'] = counts.get(modality, 0)
+        return {**per_modality,
             "vlserve:num_requests_running": len(s.running),
             "vlserve:num_requests_waiting": len(s.waiting),
             "vlserve:kv_cache_usage": s.kv.usage,

@@ -57,6 +57,7 @@ class ModelRunner:
         self.proposer = None
         self.set_proposer(proposer)
         self.num_encoder_runs = 0
+        self.encoder_runs_by_modality: dict[str, int] = {}  # items encoded, per modality
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Install the spec-decode draft proposer or None. One with `uses_target_hidden_states` gets the target
@@ -191,6 +192,7 @@ class ModelRunner:
                 # own storage per entry, so dropping one cache entry frees its memory
                 self.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
             self.num_encoder_runs += len(feats)
+            self.encoder_runs_by_modality[modality] = self.encoder_runs_by_modality.get(modality, 0) + len(feats)
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
