@@ -53,8 +53,10 @@ class MultiModalProcessor:
             AudioItemProcessor(extractor, max_audio_seconds)
         # A family's own per-item processing (tiling, placeholder counts); None = Qwen2-VL's grid rules below.
         self.family = family_items(hf_processor)
-        self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t) if t is not None else None
-                             for m, t in (("image", self.image_token_id), ("video", self.video_token_id))}
+        # modality -> its placeholder token text, for the modalities this checkpoint has
+        self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t) for m, t in (
+            ("image", self.image_token_id), ("video", self.video_token_id), ("audio", self.audio_token_id))
+            if t is not None}
         self.cache_size = cache_size
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
@@ -210,10 +212,10 @@ class MultiModalProcessor:
         img_pos = [i for i, t in enumerate(ids) if t == self.image_token_id]
         vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id]
         if len(img_pos) != len(images):
-            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders['image']}) "
+            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders.get('image')}) "
                              f"but {len(images)} images were given")
         if len(vid_pos) != len(videos):
-            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders['video']}) "
+            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders.get('video')}) "
                              f"but {len(videos)} videos were given")
         aud_pos = [i for i, t in enumerate(ids) if t == self.audio_token_id] if self.audio_token_id is not None else []
         if len(aud_pos) != len(audios):
