@@ -55,6 +55,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
+    async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):
