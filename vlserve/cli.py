@@ -62,6 +62,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="reject new requests with 503 while this many wait")
     p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
                    help="message content the chat template takes: one string, or a list of parts (auto: detected)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan the next step and process outputs while the current step runs (same outputs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -83,7 +85,8 @@ def serve_config_from_args(args: argparse.Namespace):
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
-        chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds)
+        chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
+        async_scheduling=args.async_scheduling)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

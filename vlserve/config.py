@@ -56,6 +56,7 @@ class EngineArgs:
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
     max_audio_seconds: float = 30.0  # longest audio clip accepted (at most the feature extractor's window)
+    async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):

@@ -52,19 +52,26 @@ def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
 
 
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
-                  max_num_seqs: int) -> tuple[float, int, float]:
-    """Returns (seconds, generated tokens, load seconds)."""
+                  max_num_seqs: int, **engine_kwargs) -> tuple[float, int, float]:
+    """Returns (seconds, generated tokens, load seconds). On CUDA also prints GPU busy and the roofline."""
     from vlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
-              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16)
+              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16, **engine_kwargs)
     load = time.perf_counter() - t0
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)  # warm-up
+    steps0 = llm.engine.num_steps
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
+    steps = llm.engine.num_steps - steps0
+    print(f"vlserve: {steps} steps, {1000 * dt / max(steps, 1):.2f} ms/step")
+    if llm.engine.runner.device.type == "cuda":
+        from vlserve.bench.gpu_report import print_gpu_report
+
+        print_gpu_report(llm, prompts, sp, dt, steps)
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), load
 
 
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="random prompt lengths in [MIN, MAX] instead of --input-len (HF then pads)")
     p.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="random max_tokens per request in [MIN, MAX] instead of --output-len")
+    p.add_argument("--async-scheduling", action="store_true", help="vlserve plans step N+1 while step N runs")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -162,18 +170,23 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
-    dt, n, load = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts)
-    print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
+    per_stream = max(output_lens)  # ms/token of one stream = seconds / its tokens (the longest one)
+    dt, n, load = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                async_scheduling=args.async_scheduling)
+    print(f"vlserve: {n / dt:8.1f} tok/s, {1000 * dt / per_stream:.2f} ms/token per stream  "
+          f"({n} tokens in {dt:.2f} s; load {load:.1f} s; async_scheduling={args.async_scheduling})")
     if not args.skip_hf:
         hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
-        print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s{extra})")
+        print(f"HF generate: {hn / hdt:8.1f} tok/s, {1000 * hdt / per_stream:.2f} ms/token per stream  "
+              f"({hn} tokens in {hdt:.2f} s{extra})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
     if args.vllm_python:
         r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype)
         if r is not None:
             vdt, vn = r
-            print(f"vLLM: {vn / vdt:8.1f} tok/s  ({vn} tokens in {vdt:.2f} s)")
+            print(f"vLLM: {vn / vdt:8.1f} tok/s, {1000 * vdt / per_stream:.2f} ms/token per stream  "
+                  f"({vn} tokens in {vdt:.2f} s)")
             print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
 
 
