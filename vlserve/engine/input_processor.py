@@ -73,7 +73,8 @@ class InputProcessor:
                 raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
             if not isinstance(text, str):
                 raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
-            if mm_data and not any(_PLACEHOLDERS[m] in text for m in mm_data if m in _PLACEHOLDERS):
+            placeholders = getattr(self.mm_processor, "placeholder_text", None) or _PLACEHOLDERS
+            if mm_data and not any(placeholders[m] in text for m in mm_data if m in placeholders):
                 text = self._wrap_in_chat_template(text, mm_data)
             token_ids = self._tokenize(text, add_special_tokens=True)
         else:

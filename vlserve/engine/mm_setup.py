@@ -25,7 +25,8 @@ def load_multimodal(model_path: str, hf_config: Any, model: Any) -> MultimodalPa
     if not modalities:
         return MultimodalParts()
     try:
-        mm_processor = MultiModalProcessor.from_pretrained(model_path)
+        mm_processor = MultiModalProcessor.from_pretrained(
+            model_path, image_token_id=getattr(model, "image_token_id", None))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
                          f"friends are needed for {', '.join(modalities)} input): {e}") from e

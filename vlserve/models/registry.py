@@ -15,6 +15,8 @@ _REGISTRY: dict[str, type | str] = {
     "Qwen3ForCausalLM": "vlserve.models.llama:Qwen3ForCausalLM",
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "LlavaForConditionalGeneration": "vlserve.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "vlserve.models.llava_next:LlavaNextForConditionalGeneration",
 }
 
 

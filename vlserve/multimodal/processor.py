@@ -11,6 +11,7 @@ from typing import Any
 
 from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.llava_items import image_items_for
 from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
                                       load_video)
 from vlserve.shorten import shorten
@@ -30,19 +31,24 @@ class MultiModalProcessor:
     """Per-item HF processing with an LRU cache keyed by mm_hash, and placeholder expansion.
 
     `hf_processor` is the checkpoint's AutoProcessor (Qwen2VLProcessor / Qwen2_5_VLProcessor): it provides the
-    image processor, the video processor, the tokenizer and the placeholder token ids. The cache holds at most
+    image processor, the video processor, the tokenizer and the placeholder token ids (`image_token_id` overrides
+    the image one: the model config's). LLaVA-family processors get their per-image rules from `llava_items`
+    (`self.image_items`; None for Qwen, whose outputs carry grids). The cache holds at most
     `cache_size` items and `cache_max_bytes` bytes of processed tensors (0 disables it). Not thread-safe.
     """
 
     def __init__(self, hf_processor: Any, cache_size: int = 256, cache_max_bytes: int = 1 << 30,
                  max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES):
+                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES, image_token_id: int | None = None):
         self.hf_processor = hf_processor
         self.image_processor = hf_processor.image_processor
         self.video_processor = getattr(hf_processor, "video_processor", None)
         self.tokenizer = hf_processor.tokenizer
-        self.image_token_id: int = hf_processor.image_token_id
-        self.video_token_id: int = hf_processor.video_token_id
+        self.image_token_id: int = hf_processor.image_token_id if image_token_id is None else image_token_id
+        self.video_token_id: int | None = getattr(hf_processor, "video_token_id", None)
+        self.image_items = image_items_for(hf_processor)
+        self.placeholder_text = {m: self.tokenizer.convert_ids_to_tokens(t) for m, t in
+                                 (("image", self.image_token_id), ("video", self.video_token_id)) if t is not None}
         self.cache_size = cache_size
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
@@ -117,7 +123,7 @@ class MultiModalProcessor:
         """Load, hash and (on a cache miss) run the HF image processor on one image -> (mm_hash, data).
 
         data = {"pixel_values": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
-                "image_grid_thw": int64 [1, 3]}.
+                "image_grid_thw": int64 [1, 3]} for Qwen; LLaVA's: see llava_items.
         """
         image_kwargs = image_kwargs or {}
         img = load_image(image, max_pixels=self.max_image_pixels)
@@ -129,7 +135,8 @@ class MultiModalProcessor:
             except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
                 raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
                                  f"{_last_line(e)}") from None
-            data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+            data = self.image_items.data_from(out) if self.image_items else \
+                {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
             self._store(mm_hash, data)
         return mm_hash, data
 
@@ -180,12 +187,13 @@ class MultiModalProcessor:
         images, videos = list(images or []), list(videos or [])
         ids = list(prompt_token_ids)
         img_pos = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id]
+        vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id and t is not None]
         if len(img_pos) != len(images):
-            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens (<|image_pad|>) "
-                             f"but {len(images)} images were given")
+            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens "
+                             f"({self.placeholder_text['image']}) but {len(images)} images were given")
         if len(vid_pos) != len(videos):
-            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens (<|video_pad|>) "
+            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens "
+                             f"({self.placeholder_text.get('video')}) "
                              f"but {len(videos)} videos were given")
 
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
@@ -200,8 +208,11 @@ class MultiModalProcessor:
         features: list[MultiModalFeature] = []
         prev = 0
         for pos, modality, mm_hash, data in items:
-            grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
-            num = int(grid.prod()) // self._merge_size(modality) ** 2
+            if modality == "image" and self.image_items is not None:
+                num = self.image_items.num_embeds(data)
+            else:
+                grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
+                num = int(grid.prod()) // self._merge_size(modality) ** 2
             new_ids.extend(ids[prev:pos])
             features.append(MultiModalFeature(modality=modality, mm_hash=mm_hash, offset=len(new_ids),
                                               length=num, data=data))
@@ -212,6 +223,8 @@ class MultiModalProcessor:
 
     def max_image_embeds(self, mm_processor_kwargs: dict | None = None) -> int:
         """Upper bound on the embeddings of one image (for sizing the encoder cache / budget)."""
+        if self.image_items is not None:
+            return self.image_items.max_embeds(mm_processor_kwargs)
         kw = mm_processor_kwargs or {}
         max_pixels = kw.get("max_pixels") or self.image_processor.size.get("longest_edge") or \
             getattr(self.image_processor, "max_pixels")
