@@ -7,6 +7,7 @@ import os
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -122,14 +123,18 @@ def test_placeholder_counts_match_hf_processor(llava_ckpts):
     """Our per-image counts equal the HF processor's expansion for many sizes; max_image_embeds bounds them all."""
     from vlserve.multimodal.processor import MultiModalProcessor
 
-    sizes = SIZES + [(1, 1), (28, 28), (56, 29), (29, 56), (100, 7), (7, 100), (84, 28), (300, 301), (57, 113)]
+    sizes = SIZES + [(1, 1), (3, 50), (28, 28), (56, 29), (29, 56), (100, 7), (7, 100), (84, 28), (300, 301),
+                     (57, 113)]
     for kind in ("llava_clip", "next_clip"):
         proc = MultiModalProcessor.from_pretrained(llava_ckpts[kind])
         hf = proc.hf_processor
         counts = []
         for i, size in enumerate(sizes):
             ids, feats = proc.process(hf.tokenizer("<image>x")["input_ids"], [_img(size, seed=i)])
-            want = hf(text=["<image>x"], images=[_img(size, seed=i)], return_tensors="pt")["input_ids"][0].tolist()
+            # HF 4.57 cannot tell the channel axis of a 1- or 3-row image by itself: state it for HF's own call
+            layout = {"input_data_format": "channels_last"} if size[0] in (1, 3) else {}
+            image = np.array(_img(size, seed=i)) if layout else _img(size, seed=i)
+            want = hf(text=["<image>x"], images=[image], return_tensors="pt", **layout)["input_ids"][0].tolist()
             assert ids == want, f"{kind} {size}"
             counts.append(feats[0].length)
         assert max(counts) <= proc.max_image_embeds()
@@ -169,32 +174,36 @@ def test_ngram_and_eagle_spec_decode_equal_plain(llava_ckpts, tmp_path):
 
 
 def test_module_layout_checkpoint_loads_the_same(llava_ckpts, tmp_path):
-    """The `model.vision_tower.*` / `model.language_model.*` / `lm_head.weight` layout loads to the same tensors."""
+    """The in-memory module layouts (`model.language_model.*`, `lm_head.weight`, and the tower as 4.57's
+    `model.vision_tower.vision_model.*` or 5.x's `model.vision_tower.*`) load to the same tensors as the saved one."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
     from vlserve.models.loader import load_model
 
     src = llava_ckpts["next_clip"]
-    dst = str(tmp_path / "module_layout")
-    shutil.copytree(src, dst)
-    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-               ("vision_tower.", "model.vision_tower.vision_model."),
-               ("multi_modal_projector.", "model.multi_modal_projector."), ("image_newline", "model.image_newline"))
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    out = {}
-    for name, t in tensors.items():
-        for old, new in renames:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        out[name] = t
-    assert set(out) != set(tensors)
-    save_file(out, os.path.join(dst, "model.safetensors"))
     cfg = AutoConfig.from_pretrained(src)
-    a, b = load_model(src, cfg, "float32", "cpu"), load_model(dst, cfg, "float32", "cpu")
-    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.equal(pa, pb), name
+    ref = load_model(src, cfg, "float32", "cpu").state_dict()
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    for tower_prefix in ("model.vision_tower.vision_model.", "model.vision_tower."):
+        renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                   ("vision_tower.vision_model.", tower_prefix), ("vision_tower.", tower_prefix),
+                   ("multi_modal_projector.", "model.multi_modal_projector."), ("image_newline", "model.image_newline"))
+        out = {}
+        for name, t in tensors.items():
+            for old, new in renames:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            out[name] = t
+        assert not any(n.startswith(("language_model.", "vision_tower.")) for n in out)
+        dst = str(tmp_path / tower_prefix.replace(".", "_"))
+        shutil.copytree(src, dst)
+        save_file(out, os.path.join(dst, "model.safetensors"))
+        got = load_model(dst, cfg, "float32", "cpu").state_dict()
+        assert list(got) == list(ref)
+        for name, t in ref.items():
+            assert torch.equal(t, got[name]), (tower_prefix, name)
 
 
 def test_bad_inputs_raise_value_errors(llava_ckpts):

@@ -131,7 +131,8 @@ class MultiModalProcessor:
         data = self._cached(mm_hash)
         if data is None:
             try:
-                out = self.image_processor(images=[img], return_tensors="pt", **image_kwargs)
+                out = self.image_processor(images=[_unambiguous(img)], return_tensors="pt",
+                                           **{**_layout_kwargs(img), **image_kwargs})
             except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
                 raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
                                  f"{_last_line(e)}") from None
@@ -241,3 +242,16 @@ class MultiModalProcessor:
         unit = int(self.video_processor.patch_size) * self._merge_size("video")
         temporal = int(self.video_processor.temporal_patch_size)
         return -(-num_frames // temporal) * (int(max_pixels) // (unit * unit))
+
+
+def _unambiguous(img: Any) -> Any:
+    """`img` itself, or as an `[H, W, 3]` uint8 array when `_layout_kwargs` states its layout."""
+    import numpy as np
+
+    return np.array(img) if img.height in (1, 3) else img
+
+
+def _layout_kwargs(img: Any) -> dict:
+    """transformers 4.57's numpy image processors guess the channel axis and take an image 1 or 3 rows high as
+    channels-first; for those images the array is passed with its layout stated."""
+    return {"input_data_format": "channels_last"} if img.height in (1, 3) else {}
