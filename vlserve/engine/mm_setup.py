@@ -27,7 +27,8 @@ def load_multimodal(model_path: str, hf_config: Any, model: Any, max_audio_secon
         return MultimodalParts()
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
-        mm_processor = MultiModalProcessor.from_pretrained(model_path, **kwargs)
+        mm_processor = MultiModalProcessor.from_pretrained(
+            model_path, image_token_id=getattr(model, "image_token_id", None), **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
                          f"friends are needed for {', '.join(modalities)} input): {e}") from e
