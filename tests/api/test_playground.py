@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from tests.api.conftest import TEXT_ENGINE_KW, free_port, start_server
+from tests.api.conftest import TEXT_ENGINE_KW, free_port
 from tests.api.test_cli import _wait_health
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -108,14 +108,18 @@ def artifacts(tmp_path_factory) -> str:
     return out
 
 
+API_KEY = "playground-key"
+
+
 @pytest.fixture(scope="module")
 def demo_server(chromium, repo_root):
-    """`vlserve serve` on the demo model, as a subprocess on a free port."""
+    """`vlserve serve` on the demo model with --api-key, as a subprocess on a free port (small KV: quick start)."""
     from vlserve.demo import default_model_path
 
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", default_model_path(), "--served-model-name", "vlserve-demo",
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+           "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "128",
+           "--max-num-seqs", "4", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": repo_root})
     base = f"http://127.0.0.1:{port}"
@@ -129,6 +133,14 @@ def demo_server(chromium, repo_root):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def api(demo_server):
+    """An HTTP client for the reference requests (with the server's key)."""
+    with httpx.Client(base_url=demo_server, timeout=120, trust_env=False,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +164,14 @@ def _wait(driver, condition, what: str, timeout: float = 60):
 
 
 def _open_page(driver, base: str) -> None:
+    """Load the page; the first time in this tab it asks for the API key (then the tab keeps it)."""
     from selenium.webdriver.common.by import By
 
     driver.get(base + "/")
+    ready = _wait(driver, lambda d: ("key" if d.find_element(By.ID, "key-input").is_displayed() else None)
+                  or ("page" if d.find_elements(By.CSS_SELECTOR, "#model option") else None), "the page or key prompt")
+    if ready == "key":
+        driver.find_element(By.ID, "key-input").send_keys(API_KEY + "\n")
     _wait(driver, lambda d: d.find_element(By.ID, "demo").is_displayed()
           and d.find_elements(By.CSS_SELECTOR, "#model option"), "the demo panel and the model list")
 
@@ -176,11 +193,11 @@ def _data_url(path: str, mime: str = "image/png") -> str:
 
 
 @pytest.mark.slow
-def test_browser_streams_the_greedy_answer(browser, demo_server, repo_root, artifacts):
+def test_browser_streams_the_greedy_answer(browser, demo_server, api, repo_root, artifacts):
     from selenium.webdriver.common.by import By
 
     image = os.path.join(repo_root, "docs", "demo_image.png")
-    _open_page(browser, demo_server)
+    _open_page(browser, demo_server)  # asks for the key first: every /v1 call below carries it
     _ask(browser, "Describe the image.", upload=image)
     done = "#conversation .turn.assistant[data-state=done]"
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, done)) == 1, "the streamed answer")
@@ -190,28 +207,27 @@ def test_browser_streams_the_greedy_answer(browser, demo_server, repo_root, arti
     user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
                                         {"type": "text", "text": "Describe the image."}]}
     request = {"model": "vlserve-demo", "messages": [user], "temperature": 0, "max_tokens": max_tokens}
-    with httpx.Client(base_url=demo_server, timeout=120, trust_env=False) as http:
-        greedy = http.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"]
-        answer = browser.find_element(By.CSS_SELECTOR, f"{done} .text").text
-        assert answer == greedy and answer.startswith("The image shows")
-        figures = browser.find_element(By.CSS_SELECTOR, f"{done} .figures").text
-        assert "TTFT" in figures and "tokens/s" in figures and "cached" in figures, figures
+    greedy = api.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"]
+    answer = browser.find_element(By.CSS_SELECTOR, f"{done} .text").text
+    assert answer == greedy and answer.startswith("The image shows")
+    figures = browser.find_element(By.CSS_SELECTOR, f"{done} .figures").text
+    assert "TTFT" in figures and "tokens/s" in figures and "cached" in figures, figures
 
-        # a second turn: the conversation (image included) goes again, and its prefix comes from the cache
-        _ask(browser, "How many shapes are there?")
-        _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, done)) == 2, "the second answer")
-        second = http.post("/v1/chat/completions", json={**request, "messages": [
-            user, {"role": "assistant", "content": greedy},
-            {"role": "user", "content": "How many shapes are there?"}]}).json()
+    # a second turn: the conversation (image included) goes again, and its prefix comes from the cache
+    _ask(browser, "How many shapes are there?")
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, done)) == 2, "the second answer")
+    second = api.post("/v1/chat/completions", json={**request, "messages": [
+        user, {"role": "assistant", "content": greedy}, {"role": "user", "content": "How many shapes are there?"}]})
     turns = browser.find_elements(By.CSS_SELECTOR, done)
-    assert turns[1].find_element(By.CSS_SELECTOR, ".text").text == second["choices"][0]["message"]["content"]
+    assert turns[1].find_element(By.CSS_SELECTOR, ".text").text == second.json()["choices"][0]["message"]["content"]
     cached = turns[1].find_element(By.CSS_SELECTOR, ".figures").text.rsplit(", ", 1)[1]
     assert cached.endswith(" cached") and int(cached.split()[0]) > 0, cached
     browser.save_screenshot(os.path.join(artifacts, "playground_two_turns.png"))
 
-    # "Copy as curl" holds the last request, ready to run
+    # "Copy as curl" holds the last request, ready to run (the key by name, not by value)
     browser.find_element(By.ID, "copy-curl").click()
     code = _wait(browser, lambda d: d.find_element(By.ID, "copy-text").get_attribute("value"), "the curl text")
+    assert "$VLSERVE_API_KEY" in code and API_KEY not in code
     body = json.loads(code.split("<<'JSON'\n", 1)[1].rsplit("\nJSON", 1)[0])
     assert body["messages"][0] == user and body["messages"][2]["content"] == "How many shapes are there?"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -219,7 +235,7 @@ def test_browser_streams_the_greedy_answer(browser, demo_server, repo_root, arti
 
 
 @pytest.mark.slow
-def test_browser_shows_the_servers_400_for_a_corrupt_upload(browser, demo_server, tmp_path, artifacts):
+def test_browser_shows_the_servers_400_for_a_corrupt_upload(browser, demo_server, api, tmp_path, artifacts):
     from selenium.webdriver.common.by import By
 
     corrupt = tmp_path / "corrupt.png"
@@ -233,7 +249,7 @@ def test_browser_shows_the_servers_400_for_a_corrupt_upload(browser, demo_server
     request = {"model": "vlserve-demo", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": _data_url(str(corrupt))}},
         {"type": "text", "text": "Describe the image."}]}]}
-    r = httpx.post(f"{demo_server}/v1/chat/completions", json=request, timeout=60, trust_env=False)
+    r = api.post("/v1/chat/completions", json=request)
     assert r.status_code == 400
     assert error.text == f"Error 400: {r.json()['error']['message']}"
     # the failed turn is taken back: question and upload wait in the composer for another try
@@ -243,25 +259,24 @@ def test_browser_shows_the_servers_400_for_a_corrupt_upload(browser, demo_server
 
 
 @pytest.mark.slow
-def test_browser_phone_width_and_api_key(chromium, text_ckpt, tmp_path, artifacts):
+def test_browser_phone_width_example_and_chip(browser, demo_server, artifacts):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
-    from vlserve.config import EngineArgs
-    from vlserve.testing.browser import headless_chromium
-
-    served = start_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
-                          api_key="sekrit")
-    driver = headless_chromium(*chromium, str(tmp_path / "profile"), width=390, height=844)
+    example = json.load(open(os.path.join(EXAMPLES_DIR, "examples.json")))[0]
+    browser.set_window_size(390, 844)
     try:
-        driver.get(served.base_url + "/playground")
-        key = _wait(driver, lambda d: d.find_element(By.ID, "key-input").is_displayed()
-                    and d.find_element(By.ID, "key-input"), "the API key prompt")
-        key.send_keys("sekrit\n")
-        _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"), "the model list")
-        assert [o.text for o in driver.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny-text"]
-        assert not driver.find_element(By.ID, "demo").is_displayed()  # not the demo model: no demo panel
-        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
-        driver.save_screenshot(os.path.join(artifacts, "playground_phone.png"))
+        _open_page(browser, demo_server)
+        browser.find_element(By.CSS_SELECTOR, "#examples button").click()  # attach the first example
+        _wait(browser, lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, "#chips button")]
+              == [q["question"] for q in example["questions"]], "the example's questions as chips")
+        qa = example["questions"][0]
+        browser.find_element(By.XPATH, f"//div[@id='chips']/button[text()='{qa['question']}']").click()
+        browser.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
+        expected = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".turn.assistant .expected"),
+                         "the world's answer beside the model's")
+        assert expected[0].text.endswith(f"the world's answer: {qa['answer']}")
+        assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        browser.save_screenshot(os.path.join(artifacts, "playground_phone.png"))
     finally:
-        driver.quit()
-        served.close()
+        browser.set_window_size(1100, 760)
