@@ -2,7 +2,8 @@
 its shipped examples are the demo world's, and, in a real headless Chromium against `vlserve serve` on the demo
 model, it streams the API's greedy answer and shows the server's 400 for a corrupt upload.
 
-Screenshots of each browser state go to $VLSERVE_TEST_ARTIFACTS (default: a pytest temp directory).
+Screenshots of each browser state go to $VLSERVE_TEST_ARTIFACTS (default: a pytest temp directory). Without Chromium
+the browser tests skip, or fail where VLSERVE_REQUIRE_BROWSER=1 (CI sets it after `make browser`).
 """
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ def chromium():
 
     found = find_chromium()
     if isinstance(found, str):
+        if os.environ.get("VLSERVE_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"VLSERVE_REQUIRE_BROWSER=1 but {found}")
         pytest.skip(found)
     return found
 
