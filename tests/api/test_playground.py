@@ -198,6 +198,7 @@ def _data_url(path: str, mime: str = "image/png") -> str:
 @pytest.mark.slow
 def test_browser_streams_the_greedy_answer(browser, demo_server, api, repo_root, artifacts):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     image = os.path.join(repo_root, "docs", "demo_image.png")
     _open_page(browser, demo_server)  # asks for the key first: every /v1 call below carries it
@@ -235,6 +236,17 @@ def test_browser_streams_the_greedy_answer(browser, demo_server, api, repo_root,
     assert body["messages"][0] == user and body["messages"][2]["content"] == "How many shapes are there?"
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     browser.save_screenshot(os.path.join(artifacts, "playground_copy_curl.png"))
+
+    # "Copy as Python" (Escape closes the dialog first) runs as it is and streams the same second answer
+    browser.switch_to.active_element.send_keys(Keys.ESCAPE)
+    _wait(browser, lambda d: not d.find_element(By.ID, "copy-dialog").is_displayed(), "the dialog to close")
+    browser.find_element(By.ID, "copy-python").click()
+    script = _wait(browser, lambda d: "OpenAI(" in (d.find_element(By.ID, "copy-text").get_attribute("value") or "")
+                   and d.find_element(By.ID, "copy-text").get_attribute("value"), "the Python text")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "VLSERVE_API_KEY": API_KEY, "NO_PROXY": "127.0.0.1"})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.startswith(second.json()["choices"][0]["message"]["content"] + "\n"), ran.stdout
 
 
 @pytest.mark.slow
