@@ -282,7 +282,8 @@ def test_browser_phone_width_example_and_chip(browser, demo_server, artifacts):
     browser.set_window_size(390, 844)
     try:
         _open_page(browser, demo_server)
-        browser.find_element(By.CSS_SELECTOR, "#examples button").click()  # attach the first example
+        # the examples arrive by a fetch of their own, after the demo panel shows: wait for them
+        _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#examples button"), "the examples")[0].click()
         _wait(browser, lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, "#chips button")]
               == [q["question"] for q in example["questions"]], "the example's questions as chips")
         qa = example["questions"][0]
