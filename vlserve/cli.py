@@ -64,6 +64,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="message content the chat template takes: one string, or a list of parts (auto: detected)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="plan the next step and process outputs while the current step runs (same outputs)")
+    p.add_argument("--disable-playground", action="store_true",
+                   help="do not serve the playground page at / and /playground")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -90,6 +92,7 @@ def serve_config_from_args(args: argparse.Namespace):
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,
+                          playground=not args.disable_playground,
                           media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                                             allowed_media_domains=_split_domains(args.allowed_media_domains)))
     return engine_args, config
