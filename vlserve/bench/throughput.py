@@ -52,20 +52,22 @@ def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
 
 
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
-                  max_num_seqs: int) -> tuple[float, int, float]:
-    """Returns (seconds, generated tokens, load seconds)."""
+                  max_num_seqs: int, **engine_kwargs) -> tuple[float, int, float, int]:
+    """Returns (seconds, generated tokens, load seconds, engine steps); `engine_kwargs` go to LLM
+    (compilation_config, enforce_eager, ...)."""
     from vlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
-              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16)
+              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16, **engine_kwargs)
     load = time.perf_counter() - t0
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)  # warm-up
+    steps0 = llm.engine.num_steps
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    return dt, sum(len(o.outputs[0].token_ids) for o in outs), load
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs), load, llm.engine.num_steps - steps0
 
 
 def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
@@ -141,6 +143,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="random prompt lengths in [MIN, MAX] instead of --input-len (HF then pads)")
     p.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="random max_tokens per request in [MIN, MAX] instead of --output-len")
+    p.add_argument("-O", "--compilation-config", default=None,
+                   help="vlserve's compilation level 0..3 or a JSON object (default: the device's)")
+    p.add_argument("--enforce-eager", action="store_true", help="vlserve without torch.compile / CUDA graphs")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also run vlserve with enforce_eager first, in the same process, and print the ratio")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -162,8 +169,18 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
-    dt, n, load = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts)
-    print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
+    if args.compare_eager:
+        edt, en, eload, esteps = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                               enforce_eager=True)
+        print(f"vlserve eager: {en / edt:8.1f} tok/s  ({en} tokens in {edt:.2f} s, {esteps} steps, "
+              f"{1000 * edt / esteps:.2f} ms/step; load {eload:.1f} s)")
+    dt, n, load, steps = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                       compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
+    print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s, {steps} steps, {1000 * dt / steps:.2f} "
+          f"ms/step; load {load:.1f} s; compilation {args.compilation_config or 'default'}"
+          f"{', enforce_eager' if args.enforce_eager else ''})")
+    if args.compare_eager:
+        print(f"ratio vlserve/vlserve-eager: {(n / dt) / (en / edt):.2f}x")
     if not args.skip_hf:
         hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""

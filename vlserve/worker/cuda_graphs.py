@@ -8,7 +8,8 @@ Steps with prefill tokens, drafts to verify, media embeddings (decode tokens are
 sequences than the largest bucket run without a graph.
 
 `DecodeBuffers` (loading and padding) is plain torch and runs on any device: on CPU the tests push padded batches
-through the same forward the graphs capture. `CudaGraphRunner` captures and replays (CUDA only).
+through the same forward the graphs capture. `CudaGraphRunner` captures and replays (CUDA only); built with
+`use_graphs=False` it pads and runs the forward eagerly instead of replaying (the device-independent check).
 """
 from __future__ import annotations
 
@@ -101,8 +102,9 @@ class CudaGraphRunner:
     """Captures `forward(step) -> hidden [T, H]` once per bucket size and replays it for decode steps."""
 
     def __init__(self, forward: Callable[[StepInputs], torch.Tensor], buffers: DecodeBuffers, sizes: list[int],
-                 max_seq_len: int, aux_source=None):
+                 max_seq_len: int, aux_source=None, use_graphs: bool = True):
         self.forward = forward
+        self.use_graphs = use_graphs
         self.buffers = buffers
         self.sizes = sorted(n for n in sizes if n <= buffers.max_seqs)
         self.max_seq_len = max_seq_len
@@ -116,6 +118,8 @@ class CudaGraphRunner:
         """Capture every bucket, largest first, in one shared memory pool (runs each once eagerly to warm up)."""
         from tqdm.auto import tqdm
 
+        if not self.use_graphs:
+            return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.sizes, reverse=True)
@@ -136,14 +140,16 @@ class CudaGraphRunner:
 
     def try_replay(self, step: StepInputs) -> torch.Tensor | None:
         """hidden [B, H] from a replay, or None when no captured graph fits this step."""
-        if not self.graphs or not is_graphable(step):
+        if (self.use_graphs and not self.graphs) or not is_graphable(step):
             return None
         bucket = bucket_for(step.metadata.num_seqs, self.sizes)
         if bucket is None or step.metadata.block_tables.shape[1] > self.buffers.max_blocks:
             return None
-        self.buffers.load(step, bucket)
-        self.graphs[bucket].replay()
+        padded = self.buffers.load(step, bucket)
         b = step.metadata.num_seqs
+        if not self.use_graphs:
+            return self.forward(padded)[:b]
+        self.graphs[bucket].replay()
         if bucket in self.aux_outputs:
             self.aux_source.aux_hidden_states = [t[:b] for t in self.aux_outputs[bucket]]
         return self.outputs[bucket][:b]
