@@ -75,7 +75,8 @@ def _decode_step(seq_lens: list[int], block_size: int = 4) -> StepInputs:
         table[i, :n] = torch.arange(first, first + n)
         first += n
     pos = torch.tensor(seq_lens) - 1
-    md = AttentionMetadata(slot_mapping=table[torch.arange(b), pos // block_size].long() * block_size + pos % block_size,
+    slots = table[torch.arange(b), pos // block_size].long() * block_size + pos % block_size  # [B]
+    md = AttentionMetadata(slot_mapping=slots,
                            query_start_loc=torch.arange(b + 1, dtype=torch.int32),
                            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table, num_decodes=b,
                            max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(b + 1)),

@@ -52,9 +52,9 @@ def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
 
 
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
-                  max_num_seqs: int, **engine_kwargs) -> tuple[float, int, float, int]:
-    """Returns (seconds, generated tokens, load seconds, engine steps); `engine_kwargs` go to LLM
-    (compilation_config, enforce_eager, ...)."""
+                  max_num_seqs: int, **engine_kwargs) -> tuple[float, int, float, int, float]:
+    """Returns (seconds, generated tokens, load seconds, engine steps, compile seconds within the load);
+    `engine_kwargs` go to LLM (compilation_config, enforce_eager, ...)."""
     from vlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -67,7 +67,8 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    return dt, sum(len(o.outputs[0].token_ids) for o in outs), load, llm.engine.num_steps - steps0
+    return (dt, sum(len(o.outputs[0].token_ids) for o in outs), load, llm.engine.num_steps - steps0,
+            llm.engine.runner.forward.compile_seconds)
 
 
 def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
@@ -155,29 +156,34 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or build_random_model(args)
     from transformers import AutoConfig
 
+    from vlserve.models.hf_config import text_config_of
+
     cfg = AutoConfig.from_pretrained(model)
+    text_cfg = text_config_of(cfg)  # a VLM's (the demo model's) vocab and sizes live in its text_config
     if args.input_len_range:
         lens = random_lengths(args.input_len_range, args.num_prompts, args.seed + 1)
-        prompts = [make_prompts(1, n, cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
+        prompts = [make_prompts(1, n, text_cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
     else:
-        prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
+        prompts = make_prompts(args.num_prompts, args.input_len, text_cfg.vocab_size, args.seed)
     output_lens = [args.output_len] * args.num_prompts
     if args.output_len_range:
         output_lens = random_lengths(args.output_len_range, args.num_prompts, args.seed + 2)
-    print(f"model: {model} ({cfg.architectures[0]}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
+    print(f"model: {model} ({cfg.architectures[0]}, hidden {text_cfg.hidden_size}, "
+          f"{text_cfg.num_hidden_layers} layers), "
           f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> "
           f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
     if args.compare_eager:
-        edt, en, eload, esteps = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+        edt, en, eload, esteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
                                                enforce_eager=True)
         print(f"vlserve eager: {en / edt:8.1f} tok/s  ({en} tokens in {edt:.2f} s, {esteps} steps, "
               f"{1000 * edt / esteps:.2f} ms/step; load {eload:.1f} s)")
-    dt, n, load, steps = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+    dt, n, load, steps, compile_s = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
                                        compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
     print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s, {steps} steps, {1000 * dt / steps:.2f} "
-          f"ms/step; load {load:.1f} s; compilation {args.compilation_config or 'default'}"
+          f"ms/step; load {load:.1f} s incl. compile {compile_s:.1f} s; "
+          f"compilation {args.compilation_config or 'default'}"
           f"{', enforce_eager' if args.enforce_eager else ''})")
     if args.compare_eager:
         print(f"ratio vlserve/vlserve-eager: {(n / dt) / (en / edt):.2f}x")

@@ -60,7 +60,8 @@ class DecoderAttention(nn.Module):
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
         """Eager: the kernels run in place on `kv_cache` with `attn_metadata`. Compiled (`torch.compiler.
         is_compiling()`): plain-torch rotary and the opaque `vlserve::paged_attention` op, which takes the caches
         and metadata from `kernels.attention_op.attention_step` (both arguments are then ignored)."""
