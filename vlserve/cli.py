@@ -66,6 +66,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="plan the next step and process outputs while the current step runs (same outputs)")
     p.add_argument("--disable-playground", action="store_true",
                    help="do not serve the playground page at / and /playground")
+    p.add_argument("-O", "--compilation-config", dest="compilation_config", default=None,
+                   help="compilation level 0..3 (-O0 eager, -O1 torch.compile, -O2 + CUDA graphs, -O3 + autotuning) "
+                        "or a JSON object, e.g. '{\"level\":2,\"cudagraph_capture_sizes\":[1,2,4]}' "
+                        "(default: 0 on CPU, 2 on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -88,7 +93,8 @@ def serve_config_from_args(args: argparse.Namespace):
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
+        enforce_eager=args.enforce_eager)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

@@ -34,13 +34,15 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
                                   mrope_positions_fn=loaded.mrope_positions_fn,
                                   proposer=build_proposer(self.spec_config, self.max_model_len, loaded,
-                                                          args.block_size))
+                                                          args.block_size),
+                                  compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         num_blocks = determine_num_kv_blocks(
             self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_fraction=args.kv_cache_memory_fraction, max_num_batched_tokens=max_batched,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs)
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up_model(args.max_num_seqs, self.max_model_len)
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,

@@ -14,6 +14,7 @@ from vlserve.models.llama import decoder_of
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
+from vlserve.worker.compiled_forward import ModelForward
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
@@ -40,8 +41,10 @@ class ModelRunner:
     """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
 
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
-                 block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None):
+                 block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
+                 compilation_config=None, enforce_eager: bool = False):
         self.model = model
+        self.forward = ModelForward(model, device, compilation_config, enforce_eager)  # eager/compiled/graphs
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
         self.dtype = dtype
@@ -99,6 +102,7 @@ class ModelRunner:
                           for _ in range(self.text_config.num_hidden_layers)]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
+        self.forward.graph_runner = None  # graphs point at the old caches; `warm_up_model` captures anew
 
     def _allocate_attn_workspace(self, num_blocks: int) -> torch.Tensor | None:
         """The decode scratch buffer the torch attention path gathers K/V into (None on the Triton backend), sized
@@ -136,8 +140,9 @@ class ModelRunner:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
                                list(range(num_blocks)), 0)
-        self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
-        self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
+        with self.forward.eager():  # no compile here: its memory would count as activations
+            self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
+            self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - before
@@ -147,6 +152,30 @@ class ModelRunner:
         if saved_draft is not None:
             self.proposer.bind_kv_cache(saved_draft)
         return peak
+
+    @torch.inference_mode()
+    def warm_up_model(self, max_num_seqs: int, max_model_len: int) -> None:
+        """At start-up, after `initialize_kv_cache`: compile the decoder's text shape classes (a 2-token prefill
+        and a 1-token decode that write no KV) and capture CUDA graphs, per the compilation level."""
+        def dummy_steps():
+            for q_len in (2, 1):
+                md = AttentionMetadata(
+                    slot_mapping=torch.full((q_len,), -1, dtype=torch.long, device=self.device),
+                    query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=self.device),
+                    seq_lens=torch.tensor([q_len], dtype=torch.int32, device=self.device),
+                    block_tables=torch.zeros((1, cdiv(q_len, self.block_size)), dtype=torch.int32,
+                                             device=self.device),
+                    num_decodes=int(q_len == 1), max_query_len=q_len, max_seq_len=q_len,
+                    query_start_loc_cpu=[0, q_len], seq_lens_cpu=[q_len], workspace=self.attn_workspace)
+                positions = torch.arange(q_len, device=self.device)  # [T]
+                if self.mrope_positions_fn is not None:
+                    positions = positions.expand(3, q_len).contiguous()  # [3, T]
+                ids = torch.zeros(q_len, dtype=torch.long, device=self.device)
+                self.forward(ids, positions, self.kv_caches, md)
+
+        self.forward.timed_warm_up(dummy_steps)
+        self.forward.capture_cuda_graphs(self.kv_caches, max_num_seqs, max_model_len, self.block_size,
+                                         mrope=self.mrope_positions_fn is not None)
 
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -219,7 +248,7 @@ class ModelRunner:
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
 
-        hidden = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
+        hidden = self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
 
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
