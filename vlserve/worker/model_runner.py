@@ -10,6 +10,7 @@ from vlserve import kernels
 from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.kernels import decode_workspace_numel
+from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.llama import decoder_of
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
