@@ -9,8 +9,8 @@ loss on the encoder's output: per audio token (40 ms) linear probes predict the 
 the beep sounding there (targets from the clip, see `token_targets`), which makes a model this small learn to listen
 in minutes. The probes are dropped when saving. Every step renders a new batch; everything is seeded, so the same
 arguments give the same run. AdamW, warmup + cosine (vlserve.training.schedule, on the clock when the `--minutes`
-cap would stop the run first). The defaults (1400 steps of 16 clips, one torch thread + one rendering worker) take
-~20-25 minutes on a 2-core machine.
+cap would stop the run first). The defaults (1100 steps of 8 clips, one torch thread + one rendering worker, a
+27-minute cap) take ~25 minutes on a 2-core machine shared with other work.
 """
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ import time
 
 from vlserve.training.schedule import in_background, lr_at, schedule_step
 
-DEFAULT_STEPS = 1400
-DEFAULT_BATCH = 16
+DEFAULT_STEPS = 1100
+DEFAULT_BATCH = 8
+DEFAULT_MINUTES = 27.0
+DEFAULT_WARMUP = 40
 # Relative frequency of each form in a conversation's turns: the whole description is the hardest.
 FORM_WEIGHTS = {"count": 1.0, "first_pitch": 1.0, "last_pitch": 1.0, "longest": 1.0, "describe": 1.5}
 NUM_PITCH_CLASSES = 4  # none, low, middle, high
@@ -112,7 +114,7 @@ class AudioBatchStream:
 
 
 def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 1.5e-3,
-          minutes: float | None = None, seed: int = 0, max_turns: int = 3, warmup: int = 60, log_every: int = 50,
+          minutes: float | None = None, seed: int = 0, max_turns: int = 3, warmup: int = DEFAULT_WARMUP, log_every: int = 50,
           threads: int = 1, workers: int = 1, aux_weight: float = 1.0, size=None) -> dict:
     """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict. Stops early (still
     saving, on a decayed LR) when `minutes` run out."""
@@ -199,16 +201,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
     p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--minutes", type=float, default=40.0, help="wall-clock cap; saves when reached")
+    p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="wall-clock cap; saves when reached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads for the model (data renders in a worker)")
     p.add_argument("--workers", type=int, default=1, help="0 renders batches in the training process")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="linear LR warmup steps")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--aux-weight", type=float, default=1.0, help="weight of the encoder's dense probe loss (0: off)")
     a = p.parse_args(argv)
     train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
-          max_turns=a.max_turns, threads=a.threads, workers=a.workers, log_every=a.log_every,
+          max_turns=a.max_turns, threads=a.threads, workers=a.workers, log_every=a.log_every, warmup=a.warmup,
           aux_weight=a.aux_weight)
 
 
