@@ -1,5 +1,6 @@
 """The audio demo's trainer and eval: batches (answer labels, per-token probe targets), conversation order, a tiny
 training run whose checkpoint transformers loads unchanged, and the eval's scoring."""
+import json
 import math
 import os
 import random
@@ -64,6 +65,11 @@ def test_tiny_training_run_saves_a_checkpoint_transformers_loads(tmp_path):
     model = Qwen2AudioForConditionalGeneration.from_pretrained(out, local_files_only=True)
     assert type(processor).__name__ == "Qwen2AudioProcessor" and processor.feature_extractor.feature_size == 80
     assert model.config.audio_config.max_source_positions == 250 and os.path.isfile(f"{out}/model.safetensors")
+    # transformers 4.x reads these: the feature extractor's own file and special tokens as a list it accepts
+    assert os.path.isfile(f"{out}/preprocessor_config.json")
+    with open(f"{out}/tokenizer_config.json") as f:
+        tok_cfg = json.load(f)
+    assert "<|AUDIO|>" in tok_cfg["additional_special_tokens"] and not tok_cfg.get("extra_special_tokens")
     assert "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>" in processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "Hi"}]}], tokenize=False)
 

@@ -187,11 +187,29 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
+    portable_processor_files(processor, out)
     summary = {"steps": step + 1, "seconds": round(time.time() - t0, 1), "final_loss": ema,
                "parameters": count_parameters(model), "history": history}
     print(f"saved to {out}: {summary['parameters']:,} parameters, {summary['steps']} steps, "
           f"{summary['seconds']:.0f}s, loss {ema:.4f}")
     return summary
+
+
+def portable_processor_files(processor, out: str) -> None:
+    """Make a checkpoint saved by transformers 5.x load in 4.x too: write the feature extractor's own
+    preprocessor_config.json, and list the special tokens under "additional_special_tokens" (4.x expects
+    "extra_special_tokens" to be a dict; 5.x reads either)."""
+    import json
+
+    processor.feature_extractor.save_pretrained(out)
+    path = os.path.join(out, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    extra = cfg.get("extra_special_tokens")
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"], cfg["extra_special_tokens"] = extra, {}
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2, ensure_ascii=False)
 
 
 def main(argv: list[str] | None = None) -> None:
