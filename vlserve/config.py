@@ -163,11 +163,15 @@ class EngineArgs:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """A local checkpoint directory, checked for config.json (no hub downloads here)."""
-    if model is None:
-        from vlserve.demo import default_model_path  # the embedded demo model
+    """A local checkpoint directory, checked for config.json (no hub downloads here). None means the embedded demo
+    model; the names "vlserve-demo" and "vlserve-demo-audio" mean the shipped checkpoints (vlserve.demo) unless a
+    local directory of that name exists."""
+    from vlserve.demo import DEMO_MODELS, demo_model_path  # the embedded demo models
 
-        model = default_model_path()
+    if model is None:
+        model = demo_model_path("vlserve-demo")
+    elif model in DEMO_MODELS and not os.path.isdir(model):
+        model = demo_model_path(model)
     if not os.path.isdir(model):
         raise ValueError(f"model path {model!r} is not a local directory; vlserve loads Hugging Face checkpoints "
                          f"from disk (config.json + *.safetensors + tokenizer files).")

@@ -31,3 +31,30 @@ def test_cli_train_eagle_reaches_the_training_package(capsys):
         vlserve.cli.main(["train-eagle", "--help"])
     assert exc.value.code == 0
     assert "--target" in capsys.readouterr().out
+
+
+def test_demo_names_resolve_to_the_shipped_checkpoints(tmp_path, monkeypatch):
+    """"vlserve-demo" / "vlserve-demo-audio" (LLM(model=...), `vlserve serve NAME`) mean the shipped directories,
+    unless a local directory of that name exists; a missing checkpoint says how to build it."""
+    import vlserve.demo as demo
+    from vlserve.config import resolve_model_path
+
+    assert resolve_model_path("vlserve-demo") == MODEL_DIR == resolve_model_path(None)
+    assert demo.DEMO_MODELS["vlserve-demo-audio"][0] == demo.AUDIO_MODEL_DIR
+    with pytest.raises(ValueError, match="unknown demo model"):
+        demo.demo_model_path("vlserve-demo-video")
+    monkeypatch.setitem(demo.DEMO_MODELS, "vlserve-demo-audio", (str(tmp_path / "absent"), "rebuild --out {dir}"))
+    with pytest.raises(ValueError, match=r"missing or incomplete .*\(no config.json.*`rebuild --out .*absent`"):
+        resolve_model_path("vlserve-demo-audio")
+    local = tmp_path / "vlserve-demo-audio"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("vlserve-demo-audio") == "vlserve-demo-audio", "a local directory wins"
+
+
+def test_the_audio_demo_checkpoint_is_shipped():
+    from vlserve.config import resolve_model_path
+    from vlserve.demo import AUDIO_MODEL_DIR
+
+    assert resolve_model_path("vlserve-demo-audio") == AUDIO_MODEL_DIR

@@ -1,26 +1,47 @@
-"""The embedded demo model "vlserve-demo": a small Qwen2-VL checkpoint trained on a synthetic world of colored
-shapes (vlserve.training.world), shipped in vlserve/demo/model/ as a standard HF directory.
+"""The embedded demo models, shipped as standard HF directories:
 
-This module only locates the checkpoint (and its EAGLE head) and imports nothing from vlserve, so `config` may use
-it. Rebuild the model with `python -m vlserve.training.train --out vlserve/demo/model`; measure it with
-`python -m vlserve.training.eval`.
+- "vlserve-demo" (vlserve/demo/model/): a small Qwen2-VL checkpoint trained on a synthetic world of colored shapes
+  (vlserve.training.world). Rebuild it with `python -m vlserve.training.train --out vlserve/demo/model`; measure it
+  with `python -m vlserve.training.eval`.
+- "vlserve-demo-audio" (vlserve/demo/audio_model/): a small Qwen2-Audio checkpoint trained on clips of beeps
+  (vlserve.training.audio_world). Rebuild it with `python -m vlserve.training.train_audio --out
+  vlserve/demo/audio_model`; measure it with `python -m vlserve.training.eval_audio`.
+
+This module only locates the checkpoints (and the vision demo's EAGLE head) and imports nothing from vlserve, so
+`config` may use it.
 """
 from __future__ import annotations
 
 import os
 
-MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_DIR = os.path.join(_HERE, "model")
+AUDIO_MODEL_DIR = os.path.join(_HERE, "audio_model")
 EAGLE_DIR = os.path.join(MODEL_DIR, "eagle")  # its EAGLE draft head (vlserve train-eagle)
+# served name -> (checkpoint directory, the command that rebuilds it)
+DEMO_MODELS = {
+    "vlserve-demo": (MODEL_DIR, "python -m vlserve.training.train --out {dir}"),
+    "vlserve-demo-audio": (AUDIO_MODEL_DIR, "python -m vlserve.training.train_audio --out {dir}"),
+}
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json")
 
 
-def default_model_path() -> str:
-    """The shipped demo checkpoint directory; ValueError (with how to build it) if it is missing or incomplete."""
-    missing = [f for f in _REQUIRED if not os.path.isfile(os.path.join(MODEL_DIR, f))]
+def demo_model_path(name: str) -> str:
+    """The shipped checkpoint directory of the demo model `name` (a key of DEMO_MODELS); ValueError for another
+    name, or (with how to build it) when the checkpoint is missing or incomplete."""
+    if name not in DEMO_MODELS:
+        raise ValueError(f"unknown demo model {name[:100]!r}; the demo models are {sorted(DEMO_MODELS)}")
+    path, rebuild = DEMO_MODELS[name]
+    missing = [f for f in _REQUIRED if not os.path.isfile(os.path.join(path, f))]
     if missing:
-        raise ValueError(f"the embedded demo model is missing or incomplete at {MODEL_DIR} (no {', '.join(missing)});"
-                         f" build it with `python -m vlserve.training.train --out {MODEL_DIR}`")
-    return MODEL_DIR
+        raise ValueError(f"the embedded demo model {name!r} is missing or incomplete at {path} (no "
+                         f"{', '.join(missing)}); build it with `{rebuild.format(dir=path)}`")
+    return path
+
+
+def default_model_path() -> str:
+    """The shipped vision demo checkpoint directory ("vlserve-demo"); ValueError if it is missing or incomplete."""
+    return demo_model_path("vlserve-demo")
 
 
 def default_draft_path(target: str | None) -> str | None:

@@ -12,6 +12,8 @@ from vlserve.testing.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 DEFAULT_VOCAB_SIZE = 512
 SYSTEM_PROMPT = "You are a helpful assistant."
+# A little generic text so common words outside the world still merge sensibly.
+GENERIC_LINES = ["Hello! How are you? I am fine, thank you. What is this? Yes. No. 0 1 2 3 4 5 6 7 8 9"] * 20
 
 
 def corpus(num_scenes: int = 1000, seed: int = 0) -> list[str]:
@@ -25,14 +27,14 @@ def corpus(num_scenes: int = 1000, seed: int = 0) -> list[str]:
         for _, q, a in world.qas(scene):
             # The chat template's text between special tokens (they are atomic, so they stay out of training).
             lines.append(f"system\n{SYSTEM_PROMPT}\nuser\n{q}\nassistant\n{a}\n")
-    # A little generic text so common words outside the world still merge sensibly.
-    lines += ["Hello! How are you? I am fine, thank you. What is this? Yes. No. 0 1 2 3 4 5 6 7 8 9"] * 20
-    return lines
+    return lines + GENERIC_LINES
 
 
-def build_demo_tokenizer(out_dir: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """Train the tokenizer; return it as a `Qwen2TokenizerFast` (the class Qwen2-VL's processor expects) with the
-    ChatML chat template, eos `<|im_end|>` and pad `<|endoftext|>`; also save it to out_dir when given."""
+def build_demo_tokenizer(out_dir: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                         lines: list[str] | None = None, chat_template: str = CHAT_TEMPLATE):
+    """Train the tokenizer on `lines` (default: the vision world's `corpus()`); return it as a `Qwen2TokenizerFast`
+    (the class the Qwen2-VL and Qwen2-Audio processors expect) with `chat_template`, eos `<|im_end|>` and pad
+    `<|endoftext|>`; also save it to out_dir when given."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2TokenizerFast
 
@@ -41,11 +43,11 @@ def build_demo_tokenizer(out_dir: str | None = None, vocab_size: int = DEFAULT_V
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if lines is None else lines, trainer=trainer)
     fast = Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                               unk_token=None, bos_token=None, additional_special_tokens=SPECIAL_TOKENS[1:],
                               clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     if out_dir is not None:
         fast.save_pretrained(out_dir)
     return fast
