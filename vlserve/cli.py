@@ -45,8 +45,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='per-prompt media caps, e.g. \'{"image":4,"video":1}\'')
     p.add_argument("--mm-processor-kwargs", type=_json_dict, default=None)
     p.add_argument("--encoder-cache-size", type=int, default=None)
-    p.add_argument("--max-audio-seconds", type=float, default=30.0,
-                   help="longest audio clip accepted (at most the model's feature-extractor window)")
+    p.add_argument("--max-audio-seconds", type=float, default=None,
+                   help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
+                        "window, 30 s for Whisper's)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory that file:// media URLs may read from (default: file:// disabled)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None,

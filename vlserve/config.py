@@ -136,7 +136,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
-    max_audio_seconds: float = 30.0  # longest audio clip accepted (at most the feature extractor's window)
+    max_audio_seconds: float | None = None  # longest audio clip accepted (None: the feature extractor's window)
     async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
     compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
@@ -155,7 +155,7 @@ class EngineArgs:
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto/string/openai, "
                              f"got {shorten(self.chat_template_content_format)}")
-        if not self.max_audio_seconds > 0:
+        if self.max_audio_seconds is not None and not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))

@@ -18,7 +18,8 @@ class MultimodalParts:
     mrope_positions_fn: Callable | None = None
 
 
-def load_multimodal(model_path: str, hf_config: Any, model: Any, max_audio_seconds: float = 30.0) -> MultimodalParts:
+def load_multimodal(model_path: str, hf_config: Any, model: Any,
+                    max_audio_seconds: float | None = None) -> MultimodalParts:
     """The checkpoint's own AutoProcessor (wrapped) and, for M-RoPE models, the function that turns an expanded
     prompt + its media into 3-axis positions; empty parts when the model takes no media. Audio clips longer than
     `max_audio_seconds` are refused."""

@@ -138,10 +138,12 @@ class AudioItemProcessor:
     "valid_frames": int64 [1] (feature_attention_mask.sum())}.
     """
 
-    def __init__(self, feature_extractor: Any, max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS):
+    def __init__(self, feature_extractor: Any, max_seconds: float | None = None):
+        """`max_seconds` None: the feature extractor's window (30 s for Whisper's)."""
         self.feature_extractor = feature_extractor
         self.sample_rate = int(feature_extractor.sampling_rate)
         window = float(feature_extractor.n_samples) / self.sample_rate
+        max_seconds = window if max_seconds is None else max_seconds
         if not 0 < max_seconds <= window:
             raise ValueError(f"max audio seconds must be in (0, {window:g}] (the feature extractor's window), "
                              f"got {max_seconds}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from vlserve.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, AudioItemProcessor, audio_tokens
+from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.llava_items import image_items_for
@@ -43,7 +43,7 @@ class MultiModalProcessor:
     def __init__(self, hf_processor: Any, cache_size: int = 256, cache_max_bytes: int = 1 << 30,
                  max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
                  max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
-                 max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS, image_token_id: int | None = None):
+                 max_audio_seconds: float | None = None, image_token_id: int | None = None):
         self.hf_processor = hf_processor
         self.image_processor = getattr(hf_processor, "image_processor", None)
         self.video_processor = getattr(hf_processor, "video_processor", None)
