@@ -183,6 +183,10 @@ class ClipVisionTower(nn.Module):
         x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.weight.device)))
         return self.encoder(x, self.tokens_per_tile, feature_layers)
 
+    def expected_weight_names(self) -> set[str]:
+        """The parameter names `load_weights` fills, relative to the tower."""
+        return {name for name, _ in self.named_parameters()}
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (relative to the tower, with or without `vision_model.`) into the parameters;
