@@ -1,8 +1,12 @@
 """A real uvicorn server on 127.0.0.1 (free port, background thread) serving tiny random checkpoints."""
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -138,6 +142,69 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_file_server(files: dict[str, bytes], answer_first=None):
+    """A threaded http.server on 127.0.0.1 answering GET `path` with `files[path]` (404 for others); yields its
+    base URL. `answer_first(handler) -> bool`, when given, sees each GET first and returns True if it answered."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if answer_first is not None and answer_first(self):
+                return
+            body = files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@contextlib.contextmanager
+def serve_subprocess(serve_args: list[str], repo_root: str, timeout: float = 120.0):
+    """`vlserve serve <serve_args> --host 127.0.0.1 --port <free>` as a subprocess; yields its base URL once
+    /health answers 200 (AssertionError with its output if it exits first or never does), then stops it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vlserve.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": repo_root})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("server did not become healthy")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.fixture(scope="session")

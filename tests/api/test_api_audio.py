@@ -4,14 +4,13 @@ give HF's greedy tokens, streamed and not; one clip in 8 requests runs the encod
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import os
-import threading
 import wave
 
 import pytest
 
+from tests.api.conftest import http_file_server
 from tests.multimodal.audio_hf import HFAudioOracle, chat_text
 from tests.multimodal.audio_media import encode_audio, tones
 
@@ -70,26 +69,8 @@ def audio_http():
     """127.0.0.1 http.server with one wav clip and one file that is not audio."""
     files = {"/clip.wav": wav(1.0, seed=31), "/junk.wav": b"definitely not a wav file" * 4}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = files.get(self.path)
-            if body is None:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_port}", files
-    srv.shutdown()
-    srv.server_close()
+    with http_file_server(files) as base:
+        yield base, files
 
 
 @pytest.fixture(scope="module")

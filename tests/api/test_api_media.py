@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import os
-import threading
 import time
 
 import httpx
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.api.conftest import http_file_server
 from vlserve import SamplingParams
 
 VL_ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256, block_size=16, max_num_seqs=16,
@@ -73,34 +72,19 @@ def media_http():
     """A local http.server on 127.0.0.1 serving test media (plus slow, missing and redirecting paths)."""
     files = {"/cat.png": png_bytes(1), "/clip.mp4": mp4_bytes(), "/junk.png": b"this is not an image"}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            if self.path == "/slow.png":
-                time.sleep(2.0)
-            if self.path == "/redirect.png":
-                self.send_response(302)
-                self.send_header("Location", f"http://localhost:{self.server.server_port}/cat.png")
-                self.end_headers()
-                return
-            body = files.get(self.path if self.path != "/slow.png" else "/cat.png")
-            if body is None:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def slow_or_redirect(handler) -> bool:
+        if handler.path == "/redirect.png":
+            handler.send_response(302)
+            handler.send_header("Location", f"http://localhost:{handler.server.server_port}/cat.png")
+            handler.end_headers()
+            return True
+        if handler.path == "/slow.png":
+            time.sleep(2.0)
+            handler.path = "/cat.png"  # then served as cat.png
+        return False
 
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_port}"
-    srv.shutdown()
-    srv.server_close()
+    with http_file_server(files, slow_or_redirect) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

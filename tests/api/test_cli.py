@@ -10,44 +10,17 @@ import time
 import httpx
 import pytest
 
-from tests.api.conftest import free_port
-
-
-def _wait_health(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
+from tests.api.conftest import free_port, serve_subprocess
 
 
 @pytest.fixture(scope="module")
 def cli_server(text_ckpt, repo_root):
-    port = free_port()
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "cli-model", "other-name", "--dtype", "float32", "--max-model-len", "2048",
-           "--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "1", "--max-num-batched-tokens", "256",
-           "--max-waiting-requests", "1", "--api-key", "sekrit", "--seed", "0", "--limit-mm-per-prompt",
-           json.dumps({"image": 1}), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": repo_root})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(base, proc)
+    args = [text_ckpt, "--served-model-name", "cli-model", "other-name", "--dtype", "float32", "--max-model-len",
+            "2048", "--num-kv-blocks", "256", "--block-size", "16", "--max-num-seqs", "1",
+            "--max-num-batched-tokens", "256", "--max-waiting-requests", "1", "--api-key", "sekrit", "--seed", "0",
+            "--limit-mm-per-prompt", json.dumps({"image": 1}), "--log-level", "warning"]
+    with serve_subprocess(args, repo_root) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_api_key(cli_server):

@@ -19,8 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from tests.api.conftest import TEXT_ENGINE_KW, free_port
-from tests.api.test_cli import _wait_health
+from tests.api.conftest import TEXT_ENGINE_KW, serve_subprocess
 
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "vlserve", "api", "static", "examples")
@@ -119,23 +118,10 @@ def demo_server(chromium, repo_root):
     """`vlserve serve` on the demo model with --api-key, as a subprocess on a free port (small KV: quick start)."""
     from vlserve.demo import default_model_path
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", default_model_path(), "--served-model-name", "vlserve-demo",
-           "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY, "--num-kv-blocks", "128",
-           "--max-num-seqs", "4", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": repo_root})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(base, proc)
+    args = [default_model_path(), "--served-model-name", "vlserve-demo", "--api-key", API_KEY, "--num-kv-blocks", "128",
+            "--max-num-seqs", "4", "--log-level", "warning"]
+    with serve_subprocess(args, repo_root) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from vlserve.encoders.vision_layers import AttentionSegments
+from vlserve.encoders.vision_layers import AttentionSegments, VisionMLP
 from vlserve.kernels import varlen_attention
-from vlserve.kernels.activation import activation
 
 # Checkpoint names that carry nothing we compute with (buffers saved by some versions).
 _IGNORED_SUFFIXES = ("position_ids",)
@@ -87,19 +86,6 @@ class VitAttention(nn.Module):
         return self.out_proj(out.reshape(rows, -1))
 
 
-class VitMLP(nn.Module):
-    """fc1 -> activation (quick_gelu for CLIP, tanh-GELU for SigLIP) -> fc2."""
-
-    def __init__(self, cfg: VitConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
-        self.act = activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class VitEncoderLayer(nn.Module):
     """Pre-norm block: x + attn(layer_norm1(x)), then + mlp(layer_norm2(x))."""
 
@@ -108,7 +94,7 @@ class VitEncoderLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.self_attn = VitAttention(cfg)
         self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
-        self.mlp = VitMLP(cfg)
+        self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), segments)
@@ -182,6 +168,10 @@ class ClipVisionTower(nn.Module):
         self.check_pixels(pixels)
         x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.weight.device)))
         return self.encoder(x, self.tokens_per_tile, feature_layers)
+
+    def expected_weight_names(self) -> set[str]:
+        """The parameter names `load_weights` fills, relative to the tower."""
+        return {name for name, _ in self.named_parameters()}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

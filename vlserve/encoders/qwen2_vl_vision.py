@@ -15,13 +15,13 @@ from vlserve.encoders.vision_layers import (
     PatchEmbed,
     PatchMerger,
     VisionBlock,
+    VisionMLP,
     VisionTowerConfig,
     build_vision_rotary,
     check_grids,
     frame_lengths,
     merge_ordered_positions,
 )
-from vlserve.kernels.activation import activation
 
 
 def qwen2_vl_tower_config(vision_config) -> VisionTowerConfig:
@@ -43,19 +43,6 @@ def as_grid_list(grid_thw) -> list[Grid]:
     return [(int(t), int(h), int(w)) for t, h, w in grid_thw]
 
 
-class Qwen2VisionMLP(nn.Module):
-    """fc1 -> activation (quick-GELU in the checkpoints) -> fc2."""
-
-    def __init__(self, cfg: VisionTowerConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
-        self.act = activation(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class Qwen2VisionTower(nn.Module):
     """Qwen2-VL's vision transformer: patch_embed -> blocks -> merger."""
 
@@ -70,7 +57,7 @@ class Qwen2VisionTower(nn.Module):
 
     @staticmethod
     def _make_block(cfg: VisionTowerConfig) -> nn.Module:
-        return VisionBlock(cfg, "layernorm", Qwen2VisionMLP(cfg))
+        return VisionBlock(cfg, "layernorm", VisionMLP(cfg))
 
     def num_embeddings(self, grids) -> list[int]:
         """LLM embeddings each item yields: t * h * w / merge**2."""

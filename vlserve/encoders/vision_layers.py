@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels import apply_rotary, build_rotary_cache, varlen_attention
+from vlserve.kernels.activation import activation
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as the HF processors' *_grid_thw rows
 
@@ -146,6 +147,20 @@ class VisionAttention(nn.Module):
         out = varlen_attention(q.to(v.dtype), k.to(v.dtype), v, segments.cu_seqlens, self.head_dim**-0.5,
                                max_seqlen=segments.max_len, cu_seqlens_cpu=segments.bounds)  # [P, H, Hd]
         return self.proj(out.reshape(num_rows, -1))
+
+
+class VisionMLP(nn.Module):
+    """fc1 -> activation -> fc2 (quick-GELU in Qwen2-VL and CLIP checkpoints, tanh-GELU in SigLIP's); `cfg` is
+    any tower config with `width`, `mlp_hidden` and `hidden_act`."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
+        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # [.., E] -> [.., E]
 
 
 class PatchMerger(nn.Module):

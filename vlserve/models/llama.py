@@ -235,7 +235,53 @@ def decoder_of(model: nn.Module) -> "LlamaDecoderModel":
     raise ValueError(f"{type(model).__name__} has no LlamaDecoderModel (.model or .language_model)")
 
 
-class LlamaForCausalLM(nn.Module):
+def copy_weight(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copy checkpoint tensor `name` into `dst`; ValueError when the shapes differ."""
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    dst.data.copy_(tensor)
+
+
+class DecoderWithLMHead(nn.Module):
+    """A LlamaDecoderModel (at attribute `decoder_attr`) + `lm_head`: tying and the calls the runner makes.
+
+    Subclasses build the decoder and `lm_head` themselves, then call `tie_weights()`.
+    """
+
+    decoder_attr = "model"
+
+    @property
+    def decoder(self) -> "LlamaDecoderModel":
+        """The LlamaDecoderModel."""
+        return getattr(self, self.decoder_attr)
+
+    @property
+    def tied(self) -> bool:
+        """Whether lm_head shares the input embedding matrix."""
+        return tie_word_embeddings_of(self.config)
+
+    def tie_weights(self) -> None:
+        """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""
+        if self.tied:
+            self.lm_head.weight = self.decoder.embed_tokens.weight
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [T]` -> token embeddings `[T, H]` (a VLM's runner writes item embeddings over placeholders)."""
+        return self.decoder.get_input_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Flattened step -> hidden states `[T, H]`; positions `[T]`, or `[3, T]` under M-RoPE (see
+        `LlamaDecoderModel.forward`)."""
+        return self.decoder(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [N, H]` -> logits `[N, V]` float32."""
+        return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(DecoderWithLMHead):
     """Llama causal LM: `model` (LlamaDecoderModel) + `lm_head` (tied to embeddings if `tie_word_embeddings`)."""
 
     # Keyword arguments for LlamaDecoderModel; subclasses override.
@@ -247,30 +293,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaDecoderModel(config, **self.decoder_kwargs)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-
-    @property
-    def tied(self) -> bool:
-        """Whether lm_head shares the input embedding matrix."""
-        return tie_word_embeddings_of(self.config)
-
-    def tie_weights(self) -> None:
-        """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """`input_ids [T]` -> `[T, H]`."""
-        return self.model.get_input_embeddings(input_ids)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Flattened step -> hidden states `[T, H]` (see `LlamaDecoderModel.forward`)."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [N, H]` -> logits `[N, V]` float32."""
-        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -284,10 +306,7 @@ class LlamaForCausalLM(nn.Module):
                     yield name[len("model."):], tensor
                 elif name == "lm_head.weight":
                     if not self.tied:
-                        if tuple(tensor.shape) != tuple(self.lm_head.weight.shape):
-                            raise ValueError(f"weight 'lm_head.weight' has shape {tuple(tensor.shape)}, "
-                                             f"expected {tuple(self.lm_head.weight.shape)}")
-                        self.lm_head.weight.data.copy_(tensor)
+                        copy_weight(self.lm_head.weight, tensor, name)
                         loaded.add(name)
                 elif not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)

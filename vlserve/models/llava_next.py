@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlserve.models.llama import copy_weight
 from vlserve.models.llava import LlavaForConditionalGeneration
 from vlserve.models.registry import register_model
 from vlserve.multimodal.anyres import anyres_layout
@@ -60,16 +61,16 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
             grid = grid[lay.top:lay.bottom, lay.left:lay.right]  # [kept rows, kept cols, H]
             rows = torch.cat([grid, newline.view(1, 1, -1).expand(grid.shape[0], 1, hidden)], dim=1)
             out += [per_image[0], rows.reshape(-1, hidden)]  # base [F, H], grid [kept rows * (cols + 1), H]
-        return torch.cat(out).to(self.language_model.embed_tokens.weight.dtype)
+        return torch.cat(out).to(self.embed_dtype)
 
     def _load_extra(self, part: str, rel: str, tensor: torch.Tensor) -> str | None:
         if part == "image_newline" and rel == "":
-            if tuple(tensor.shape) != tuple(self.image_newline.shape):
-                raise ValueError(f"weight 'image_newline' has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(self.image_newline.shape)}")
-            self.image_newline.data.copy_(tensor)
+            copy_weight(self.image_newline, tensor, "image_newline")
             return "image_newline"
         return None
+
+    def expected_weight_names(self) -> set[str]:
+        return super().expected_weight_names() | {"image_newline"}
 
 
 register_model("LlavaNextForConditionalGeneration", "vlserve.models.llava_next:LlavaNextForConditionalGeneration")

@@ -12,17 +12,13 @@ T = tokens in the step, H = LLM hidden size, V = vocab size, M = mel bins.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from vlserve.encoders import Qwen2AudioEncoder, qwen2_audio_encoder_config
-from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.models.llama import LlamaDecoderModel
+from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # checkpoint prefix -> part; transformers 5.x nests everything under `model.`, 4.57 does not.
 _PREFIXES = (("model.audio_tower.", "audio_tower"), ("audio_tower.", "audio_tower"),
              ("model.multi_modal_projector.", "multi_modal_projector"),
@@ -41,7 +37,7 @@ class Qwen2AudioProjector(nn.Module):
         return self.linear(x)  # [N, E] -> [N, H]
 
 
-class Qwen2AudioForConditionalGeneration(nn.Module):
+class Qwen2AudioForConditionalGeneration(MultiModalLM):
     """Qwen2-Audio: `audio_tower` + `multi_modal_projector` + `language_model` (Qwen2 decoder) + `lm_head`.
 
     Loads both checkpoint layouts: transformers 4.57's (`audio_tower.*`, `multi_modal_projector.*`,
@@ -49,31 +45,17 @@ class Qwen2AudioForConditionalGeneration(nn.Module):
     `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.weight`).
     """
 
-    supports_multimodal = True
-    uses_mrope = False
     supported_modalities = ("audio",)
+    weight_prefixes = _PREFIXES
+    copied_parts = ("audio_tower", "multi_modal_projector")
 
     def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.text_config = config.text_config
+        super().__init__(config)
         self.audio_tower = Qwen2AudioEncoder(qwen2_audio_encoder_config(config.audio_config))
         self.multi_modal_projector = Qwen2AudioProjector(int(config.audio_config.d_model),
                                                          int(self.text_config.hidden_size))
-        self.language_model = LlamaDecoderModel(self.text_config, qkv_bias=True, o_bias=False)
-        self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+        self.build_language_model(qkv_bias=True, o_bias=False)
         self.audio_token_id = int(getattr(config, "audio_token_id", None) or config.audio_token_index)
-        self.tie_weights()
-
-    @property
-    def tied(self) -> bool:
-        """Whether lm_head shares the input embedding matrix."""
-        return bool(getattr(self.text_config, "tie_word_embeddings", False))
-
-    def tie_weights(self) -> None:
-        """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""
-        if self.tied:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
 
@@ -93,79 +75,7 @@ class Qwen2AudioForConditionalGeneration(nn.Module):
         valid = torch.as_tensor(data["valid_frames"]).reshape(-1).tolist()
         mels = [m.transpose(0, 1) for m in torch.split(feats, stored, dim=0)]  # each [M, F_i]
         states = self.audio_tower(mels, valid)  # [N_embeds, E]
-        return self.multi_modal_projector(states).to(self.language_model.embed_tokens.weight.dtype)  # [N, H]
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings `input_ids [T]` -> `[T, H]`."""
-        return self.language_model.get_input_embeddings(input_ids)  # [T, H]
-
-    # ---- language model ------------------------------------------------------------------------------------------
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Flattened step -> final hidden states `[T, H]`; positions `[T]`."""
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [N, H]` -> logits `[N, V]` float32."""
-        return self.lm_head(hidden).float()
-
-    # ---- weights -------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _split_name(name: str) -> tuple[str, str]:
-        """Checkpoint name -> (part, name relative to that part); part "" for names that belong nowhere."""
-        for prefix, part in _PREFIXES:
-            if name.startswith(prefix):
-                return part, name[len(prefix):]
-        if name in ("lm_head.weight", "language_model.lm_head.weight"):
-            return "lm_head", "weight"
-        return "", name
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a full HF checkpoint (either layout); ValueError lists missing/unexpected/mis-shaped names."""
-        own = {"audio_tower": dict(self.audio_tower.named_parameters()),
-               "multi_modal_projector": dict(self.multi_modal_projector.named_parameters())}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-
-        def copy(name: str, dst: torch.Tensor, tensor: torch.Tensor) -> None:
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-
-        def decoder_weights():
-            for name, tensor in weights:
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                part, rel = self._split_name(name)
-                if part == "language_model":
-                    yield rel, tensor
-                elif part in own:
-                    if rel not in own[part]:
-                        unexpected.append(name)
-                        continue
-                    copy(name, own[part][rel].data, tensor)
-                    loaded.add(f"{part}.{rel}")
-                elif part == "lm_head":
-                    if not self.tied:
-                        copy(name, self.lm_head.weight.data, tensor)
-                        loaded.add("lm_head.weight")
-                else:
-                    unexpected.append(name)
-
-        loaded.update("language_model." + n for n in self.language_model.load_weights(decoder_weights()))
-        expected = {"language_model." + n for n in self.language_model.expected_weight_names()}
-        expected.update(f"{part}.{n}" for part, params in own.items() for n in params)
-        if not self.tied:
-            expected.add("lm_head.weight")
-        if unexpected:
-            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:10]}")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:10]}")
+        return self.multi_modal_projector(states).to(self.embed_dtype)  # [N, H]
 
 
 register_model("Qwen2AudioForConditionalGeneration",

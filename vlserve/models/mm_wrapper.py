@@ -1,0 +1,126 @@
+"""The part every multimodal model here shares: encoder parts feeding `language_model` (a LlamaDecoderModel over
+the paged KV cache) + `lm_head`, and loading a HF checkpoint in either transformers layout.
+
+A family subclasses `MultiModalLM`, builds its encoder parts, then calls `build_language_model(...)`, and says how
+checkpoint names map onto its parts (`weight_prefixes`) and how each part loads (`copied_parts`, `delegated_parts`,
+`_load_extra`). It keeps `embed_multimodal` (and any positions of its own) in its own file.
+
+Flow per step (the runner drives it):
+  1. `embed_multimodal(modality, data)` once per modality for the items the scheduler released -> `[sum of
+     lengths, H]`, split per item and cached by mm_hash.
+  2. `get_input_embeddings(input_ids [T])` -> `[T, H]`; the runner writes item embeddings over the placeholders.
+  3. `forward(None, positions, kv_caches, attn_metadata, inputs_embeds)` -> hidden `[T, H]`;
+     `compute_logits(hidden [N, H])` -> `[N, V]` float32.
+T = tokens in the step, H = LLM hidden size, V = vocab size.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vlserve.models.hf_config import text_config_of
+from vlserve.models.llama import DecoderWithLMHead, LlamaDecoderModel, copy_weight
+
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+class MultiModalLM(DecoderWithLMHead):
+    """Encoder parts + `language_model` + `lm_head`; the load loop shared by the multimodal families."""
+
+    decoder_attr = "language_model"
+    supports_multimodal = True
+    uses_mrope = False
+    supported_modalities: tuple[str, ...] = ()
+    # (checkpoint prefix, part) pairs tried in order, longest prefix first; a part names an attribute of the
+    # model, "language_model" the decoder. `lm_head.weight` / `language_model.lm_head.weight` go to lm_head.
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    # Parts whose tensors are copied straight into their parameters (names relative to the part).
+    copied_parts: tuple[str, ...] = ()
+    # Parts with their own `load_weights(pairs) -> loaded names` and `expected_weight_names()`.
+    delegated_parts: tuple[str, ...] = ()
+    # Checkpoint names ending so carry nothing we need (RoPE buffers older checkpoints saved).
+    ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = text_config_of(config)
+
+    def build_language_model(self, **decoder_kwargs) -> None:
+        """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""
+        self.language_model = LlamaDecoderModel(self.text_config, **decoder_kwargs)
+        self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @property
+    def embed_dtype(self) -> torch.dtype:
+        """The dtype `embed_multimodal` returns (the token embeddings')."""
+        return self.language_model.embed_tokens.weight.dtype
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+
+    def _split_name(self, name: str) -> tuple[str, str]:
+        """Checkpoint name -> (part, name relative to it); part "" for names of no known part."""
+        if name in LM_HEAD_NAMES:
+            return "lm_head", "weight"
+        for prefix, part in self.weight_prefixes:
+            if name.startswith(prefix):
+                return part, name[len(prefix):]
+        return "", name
+
+    def _load_extra(self, part: str, rel: str, tensor: torch.Tensor) -> str | None:
+        """Hook for parts beyond the listed ones; returns the loaded name, or None for an unexpected weight."""
+        return None
+
+    def expected_weight_names(self) -> set[str]:
+        """Every name `load_weights` must fill (model-relative, e.g. `language_model.layers.0...`)."""
+        expected = {"language_model." + n for n in self.language_model.expected_weight_names()}
+        for part in self.copied_parts:
+            expected.update(f"{part}.{n}" for n, _ in getattr(self, part).named_parameters())
+        for part in self.delegated_parts:
+            expected.update(f"{part}.{n}" for n in getattr(self, part).expected_weight_names())
+        if not self.tied:
+            expected.add("lm_head.weight")
+        return expected
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a full HF checkpoint (either layout); ValueError lists missing/unexpected/mis-shaped names."""
+        copied = {part: dict(getattr(self, part).named_parameters()) for part in self.copied_parts}
+        delegated: dict[str, list[tuple[str, torch.Tensor]]] = {part: [] for part in self.delegated_parts}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+
+        def decoder_weights():
+            for name, tensor in weights:
+                if name.endswith(self.ignored_suffixes):
+                    continue
+                part, rel = self._split_name(name)
+                if part == "language_model":
+                    yield rel, tensor
+                elif part in delegated:
+                    delegated[part].append((rel, tensor))
+                elif part in copied and rel in copied[part]:
+                    copy_weight(copied[part][rel], tensor, name)
+                    loaded.add(f"{part}.{rel}")
+                elif part == "lm_head":
+                    if not self.tied:
+                        copy_weight(self.lm_head.weight, tensor, name)
+                        loaded.add("lm_head.weight")
+                else:
+                    extra = self._load_extra(part, rel, tensor)
+                    if extra is None:
+                        unexpected.append(name)
+                    else:
+                        loaded.add(extra)
+
+        loaded.update("language_model." + n for n in self.language_model.load_weights(decoder_weights()))
+        if unexpected:
+            raise ValueError(f"unexpected weights in checkpoint: {unexpected[:10]}")
+        for part, pairs in delegated.items():
+            loaded.update(f"{part}.{n}" for n in getattr(self, part).load_weights(pairs))
+        missing = sorted(self.expected_weight_names() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:10]}")
