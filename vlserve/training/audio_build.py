@@ -52,7 +52,7 @@ class AudioDemoSize:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = False  # HF 5.x trains Qwen2-Audio with its own lm_head: say so in the config
 
 
 def audio_corpus(num_clips: int = 1000, seed: int = 0) -> list[str]:
