@@ -64,11 +64,13 @@ class EngineFailed:
 
 @dataclass
 class AddAck:
-    """The answer to one `AddRequests`: `error` is None when queued, else what the core raised."""
+    """The answer to one `AddRequests`: `error` is None when queued, else what the core raised; the core's
+    counters after it."""
 
     engine_index: int
     user_request_id: str
     error: BaseException | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

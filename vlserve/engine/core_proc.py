@@ -112,9 +112,9 @@ class _EngineLoopProc:
                 queued.append(req.request_id)
         except Exception as e:  # all or none, like EngineLoop.add_requests
             self.core.abort_requests(queued)
-            self._send(AddAck(self.engine_index, msg.user_request_id, portable_error(e)))
+            self._send(AddAck(self.engine_index, msg.user_request_id, portable_error(e), self.core.get_metrics()))
             return
-        self._send(AddAck(self.engine_index, msg.user_request_id))
+        self._send(AddAck(self.engine_index, msg.user_request_id, None, self.core.get_metrics()))
 
     def _step(self) -> None:
         try:

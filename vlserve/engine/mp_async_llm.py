@@ -228,6 +228,7 @@ class MPAsyncLLM(AsyncLLM):
             logger.warning("unexpected engine message %s ignored", type(msg).__name__)
 
     def _on_ack(self, ack: AddAck) -> None:
+        self.engine.metrics = ack.metrics
         add = self._pending.pop(ack.user_request_id, None)
         if add is None:
             return
