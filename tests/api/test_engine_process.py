@@ -55,7 +55,8 @@ def stream_all(base_url: str, convs: list[list[dict]], **kw) -> list[str]:
 def assert_engine_idle(served: Served) -> None:
     """The engine process's own counters (they come back in its step messages): nothing held."""
     m = served.wait_idle()
-    assert m["vlserve:kv_cache_usage"] == 0 and m["vlserve:encoder_cache_usage"] == 0
+    assert m["vlserve:kv_cache_usage"] == 0 and m["vlserve:engine_requests_held"] == 0
+    assert m["vlserve:encoder_cache_referencing_requests"] == 0  # entries may stay cached, but unreferenced
     assert not served.engine.engine_loop.output_processor.parents and not served.engine._pending
 
 

@@ -46,7 +46,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         sys.exit(1)
     loaded = core.loaded
     outbox.send(encode(EngineReady(engine_index, os.getpid(), core.max_model_len, tuple(loaded.modalities),
-                                   tuple(loaded.eos_token_ids), core.get_metrics())))
+                                   tuple(loaded.eos_token_ids), engine_metrics(core))))
     code = 0
     try:
         _EngineLoopProc(core, inbox, outbox, engine_index).run()
@@ -58,6 +58,14 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         outbox.close()
         ctx.term()
     sys.exit(code)
+
+
+def engine_metrics(core) -> dict[str, float]:
+    """The core's counters plus two leak gauges only this process can see: requests the scheduler still holds and
+    requests still referencing encoder-cache entries (both 0 when idle)."""
+    return {**core.get_metrics(),
+            "vlserve:engine_requests_held": len(core.scheduler.requests),
+            "vlserve:encoder_cache_referencing_requests": len(core.scheduler.encoder_cache.req_to_hashes)}
 
 
 class _EngineLoopProc:
@@ -88,7 +96,7 @@ class _EngineLoopProc:
             if self.core.has_unfinished_requests():
                 self._step()
             elif handled:  # aborts on an idle engine: let the client see the counters settle
-                self._send(StepOutputs(self.engine_index, [], self.core.get_metrics()))
+                self._send(StepOutputs(self.engine_index, [], self._metrics()))
 
     def _handle(self, msg: object) -> bool:
         """Apply one message; False on shutdown."""
@@ -112,9 +120,9 @@ class _EngineLoopProc:
                 queued.append(req.request_id)
         except Exception as e:  # all or none, like EngineLoop.add_requests
             self.core.abort_requests(queued)
-            self._send(AddAck(self.engine_index, msg.user_request_id, portable_error(e), self.core.get_metrics()))
+            self._send(AddAck(self.engine_index, msg.user_request_id, portable_error(e), self._metrics()))
             return
-        self._send(AddAck(self.engine_index, msg.user_request_id, None, self.core.get_metrics()))
+        self._send(AddAck(self.engine_index, msg.user_request_id, None, self._metrics()))
 
     def _step(self) -> None:
         try:
@@ -122,9 +130,12 @@ class _EngineLoopProc:
         except Exception as e:
             logger.exception("engine step failed; dropping the requests in flight")
             self.core.abort_requests(list(self.core.scheduler.requests))
-            self._send(StepOutputs(self.engine_index, [], self.core.get_metrics(), f"{type(e).__name__}: {e}"))
+            self._send(StepOutputs(self.engine_index, [], self._metrics(), f"{type(e).__name__}: {e}"))
             return
-        self._send(StepOutputs(self.engine_index, outputs, self.core.get_metrics()))
+        self._send(StepOutputs(self.engine_index, outputs, self._metrics()))
+
+    def _metrics(self) -> dict[str, float]:
+        return engine_metrics(self.core)
 
     def _send(self, msg: object) -> None:
         self.outbox.send(encode(msg))
