@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlserve.bench.engine_process", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: a tiny random Qwen2)")
+    p.add_argument("--hidden-size", type=int, default=64, help="of the random checkpoint built without MODEL")
+    p.add_argument("--num-layers", type=int, default=2, help="of the random checkpoint built without MODEL")
     p.add_argument("--num-prompts", type=int, default=64, help="all sent at once: this many concurrent streams")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-images", type=int, default=0)
@@ -83,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None:
             from vlserve.testing.checkpoints import build_text_checkpoint
 
-            args.model = build_text_checkpoint(os.path.join(tmp, "ckpt"), arch="qwen2")
+            args.model = build_text_checkpoint(os.path.join(tmp, "ckpt"), arch="qwen2", hidden_size=args.hidden_size,
+                                               num_layers=args.num_layers, num_heads=8, num_kv_heads=2,
+                                               intermediate_size=args.hidden_size * 3)
         thread = run_one(args, engine_process=False)
         process = run_one(args, engine_process=True)
     print("=== summary ===")
