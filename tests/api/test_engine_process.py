@@ -157,25 +157,38 @@ def test_bad_checkpoint_error_reaches_the_user(text_ckpt, tmp_path, capsys):
     assert "engine process failed to start: SafetensorError" in err and "header" in err
 
 
-@pytest.mark.slow
-def test_server_exits_nonzero_when_the_engine_is_killed(text_ckpt, repo_root):
+def start_cli_server(text_ckpt: str, repo_root: str) -> tuple[subprocess.Popen, int]:
+    """`vlserve serve` (engine process by default) as a subprocess, once healthy: (server, engine pid)."""
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--port", str(port), "--dtype", "float32",
            "--max-model-len", "1024", "--num-kv-blocks", "64", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+    engines = [int(c) for c in children if "spawn_main" in _cmdline(c)]
+    assert len(engines) == 1, f"expected one engine child among {children}"
+    return proc, engines[0]
+
+
+def _cmdline(pid) -> str:
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
-        engines = [int(c) for c in children if "run_engine_core" in _cmdline(c) or "spawn" in _cmdline(c)]
-        assert engines, f"no engine child among {children}"
-        os.kill(engines[0], signal.SIGKILL)
+        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_server_exits_nonzero_when_the_engine_is_killed(text_ckpt, repo_root):
+    proc, engine_pid = start_cli_server(text_ckpt, repo_root)
+    try:
+        os.kill(engine_pid, signal.SIGKILL)
         assert proc.wait(30) == 1
     finally:
         if proc.poll() is None:
@@ -183,8 +196,13 @@ def test_server_exits_nonzero_when_the_engine_is_killed(text_ckpt, repo_root):
             proc.wait()
 
 
-def _cmdline(pid: str) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
-    except OSError:
-        return ""
+@pytest.mark.slow
+def test_engine_exits_when_the_server_is_killed(text_ckpt, repo_root):
+    """No orphan: the engine process notices its parent is gone and exits."""
+    proc, engine_pid = start_cli_server(text_ckpt, repo_root)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{engine_pid}") and "spawn_main" in _cmdline(engine_pid):
+        assert time.monotonic() < deadline, "the engine process outlived its server"
+        time.sleep(0.2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 
 from vlserve.config import EngineArgs
@@ -27,6 +28,9 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     """Process entry point: connect, load, say ready (or why not), then serve messages until shut down."""
     import zmq
 
+    # Ctrl-C reaches the whole process group: the API process decides when the engine stops (ShutdownEngine, or
+    # its own exit, which the idle loop notices).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(levelname)s engine{engine_index} %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -50,6 +54,8 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     code = 0
     try:
         _EngineLoopProc(core, inbox, outbox, engine_index).run()
+    except _ParentGone:
+        logger.warning("the API process is gone; engine exiting")
     except BaseException:
         logger.exception("engine process failed")
         code = 1
@@ -58,6 +64,10 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         outbox.close()
         ctx.term()
     sys.exit(code)
+
+
+class _ParentGone(Exception):
+    """The API process exited while the engine still had something to tell it."""
 
 
 def engine_metrics(core) -> dict[str, float]:
@@ -84,7 +94,7 @@ class _EngineLoopProc:
         while True:
             idle = not self.core.has_unfinished_requests()
             if idle and not self.inbox.poll(PARENT_CHECK_MS, zmq.POLLIN):
-                if self.parent is not None and not self.parent.is_alive():
+                if not self._parent_alive():
                     logger.warning("the API process is gone; engine exiting")
                     return
                 continue
@@ -138,4 +148,14 @@ class _EngineLoopProc:
         return engine_metrics(self.core)
 
     def _send(self, msg: object) -> None:
-        self.outbox.send(encode(msg))
+        """Send, unless the API process is gone (a PUSH socket without a peer would block forever)."""
+        import zmq
+
+        data = encode(msg)
+        while not self.outbox.poll(PARENT_CHECK_MS, zmq.POLLOUT):
+            if not self._parent_alive():
+                raise _ParentGone()
+        self.outbox.send(data)
+
+    def _parent_alive(self) -> bool:
+        return self.parent is None or self.parent.is_alive()
