@@ -23,6 +23,19 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Chromium + chromedriver for the browser tests (tests/api/test_playground.py, which skip without them): nothing to
+# do when both are on PATH; otherwise apt-get installs Debian's packages (as root, or through sudo).
+BROWSER_BINS := chromium chromium-browser google-chrome google-chrome-stable
+browser:
+	@if command -v chromedriver >/dev/null && for b in $(BROWSER_BINS); do command -v $$b && break; done | grep -q .; then \
+	    echo "browser: $$(for b in $(BROWSER_BINS); do command -v $$b && break; done) and $$(command -v chromedriver)"; \
+	elif command -v apt-get >/dev/null; then \
+	    sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium chromium-driver; \
+	else \
+	    echo "browser: no apt-get here; install Chromium and chromedriver by hand (the browser tests skip without them)"; \
+	fi
+
 $(VENV_HF4)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_HF4)
 	$(VENV_HF4)/bin/python -m pip install -q --upgrade pip
@@ -35,4 +48,4 @@ test-hf4: $(VENV_HF4)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m vlserve.bench.throughput
 
-.PHONY: setup serve demo test test-hf4 bench
+.PHONY: setup serve demo test browser test-hf4 bench

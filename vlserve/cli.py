@@ -45,6 +45,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='per-prompt media caps, e.g. \'{"image":4,"video":1}\'')
     p.add_argument("--mm-processor-kwargs", type=_json_dict, default=None)
     p.add_argument("--encoder-cache-size", type=int, default=None)
+    p.add_argument("--max-audio-seconds", type=float, default=30.0,
+                   help="longest audio clip accepted (at most the model's feature-extractor window)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory that file:// media URLs may read from (default: file:// disabled)")
     p.add_argument("--allowed-media-domains", nargs="+", default=None,
@@ -60,6 +62,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="reject new requests with 503 while this many wait")
     p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
                    help="message content the chat template takes: one string, or a list of parts (auto: detected)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan the next step and process outputs while the current step runs (same outputs)")
+    p.add_argument("--disable-playground", action="store_true",
+                   help="do not serve the playground page at / and /playground")
+    p.add_argument("-O", "--compilation-config", dest="compilation_config", default=None,
+                   help="compilation level 0..3 (-O0 eager, -O1 torch.compile, -O2 + CUDA graphs, -O3 + autotuning) "
+                        "or a JSON object, e.g. '{\"level\":2,\"cudagraph_capture_sizes\":[1,2,4]}' "
+                        "(default: 0 on CPU, 2 on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
@@ -83,10 +94,13 @@ def serve_config_from_args(args: argparse.Namespace):
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
-        chat_template_content_format=args.chat_template_content_format)
+        chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
+        async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
+        enforce_eager=args.enforce_eager)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,
+                          playground=not args.disable_playground,
                           media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                                             allowed_media_domains=_split_domains(args.allowed_media_domains)))
     return engine_args, config

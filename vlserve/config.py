@@ -31,6 +31,87 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
 
+DEFAULT_CAPTURE_SIZES_HEAD = (1, 2, 4, 8)  # then every multiple of 8 up to max_num_seqs
+COMPILE_CACHE_ENV = "VLSERVE_COMPILE_CACHE_DIR"
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's CUDA-graph batch sizes: 1, 2, 4, 8, 16, 24, 32, ... up to max_num_seqs (which is always included)."""
+    sizes = [n for n in DEFAULT_CAPTURE_SIZES_HEAD if n <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 8))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def default_compile_cache_dir() -> str:
+    """Where compiled artifacts live: $VLSERVE_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME (or ~/.cache)/vlserve/compile."""
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return os.environ[COMPILE_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vlserve", "compile")
+
+
+@dataclass
+class CompilationConfig:
+    """How the decoder forward runs (vLLM's -O levels). `level`: 0 eager; 1 torch.compile (inductor, dynamic token
+    dimension, attention kept opaque); 2 = 1 plus CUDA graphs for decode batches (CUDA only); 3 = 2 with inductor's
+    autotuning. `level=None` picks the device default: 0 on CPU (compiling costs minutes on small machines), 2 on
+    CUDA. `cudagraph_capture_sizes`: padded batch sizes captured (default `default_capture_sizes(max_num_seqs)`);
+    `cache_dir`: inductor's on-disk cache (default `default_compile_cache_dir()`)."""
+
+    level: int | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.level is not None and (isinstance(self.level, bool) or not isinstance(self.level, int)
+                                       or not 0 <= self.level <= 3):
+            raise ValueError(f"compilation_config level must be an integer 0..3, got {shorten(self.level)}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not isinstance(sizes, (list, tuple)) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be a list of integers, got {shorten(sizes)}")
+            if any(n < 1 for n in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {shorten(sizes)}")
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+
+    @classmethod
+    def from_value(cls, value: "int | str | dict | CompilationConfig | None") -> "CompilationConfig":
+        """An int level (or its string, as `-O3` gives), a dict of the fields, JSON of one, or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            if text.isdigit():
+                return cls(level=int(text))
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(f"compilation_config must be a level 0..3 or a JSON object, "
+                                 f"got {shorten(value)}") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(level=value)
+        if not isinstance(value, dict):
+            raise ValueError(f"compilation_config must be an int level or a dict, got {shorten(value)}")
+        unknown = sorted(set(value) - {"level", "cudagraph_capture_sizes", "cache_dir"})
+        if unknown:
+            raise ValueError(f"compilation_config has unknown keys {shorten(unknown)}; "
+                             f"expected level, cudagraph_capture_sizes, cache_dir")
+        return cls(**value)
+
+    def resolved_level(self, device_type: str, enforce_eager: bool = False) -> int:
+        """The level that runs on this device: 0 under enforce_eager; the device default when unset."""
+        if enforce_eager:
+            return 0
+        if self.level is None:
+            return 2 if device_type == "cuda" else 0
+        return self.level
+
+
 @dataclass
 class EngineArgs:
     """Everything `LLM(...)` and `vlserve serve` accept (vLLM's names where the meaning is the same)."""
@@ -55,6 +136,10 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
+    max_audio_seconds: float = 30.0  # longest audio clip accepted (at most the feature extractor's window)
+    async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
+    compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)
+    enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
 
     def __post_init__(self) -> None:
         if isinstance(self.limit_mm_per_prompt, str):
@@ -70,8 +155,11 @@ class EngineArgs:
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto/string/openai, "
                              f"got {shorten(self.chat_template_content_format)}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
+        self.compilation_config = CompilationConfig.from_value(self.compilation_config)
 
 
 def resolve_model_path(model: str | None) -> str:

@@ -36,21 +36,23 @@ class LLM:
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, images: list | None = None, videos: list | None = None,
-                 mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+                 mm_processor_kwargs: dict | None = None, audios: list | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings, token-id lists, or {"prompt", "multi_modal_data"} dicts).
 
-        `images`/`videos`, when given, hold one entry per prompt (an item or a list of items).
+        `images`/`videos`/`audios`, when given, hold one entry per prompt (an item or a list of items); an audio
+        item is `(np.ndarray, sample_rate)`, encoded bytes, a path or a data URL.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        for name, media in (("images", images), ("videos", videos)):
+        for name, media in (("images", images), ("videos", videos), ("audios", audios)):
             if media is not None and len(media) != len(prompts):
                 raise ValueError(f"{name} must have one entry per prompt ({len(prompts)}), got {len(media)}")
         processed = [self.input_processor.process_prompt(
             p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
-            mm_processor_kwargs=mm_processor_kwargs) for i, p in enumerate(prompts)]
+            mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i])
+            for i, p in enumerate(prompts)]
         return self._run(processed, sampling_params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

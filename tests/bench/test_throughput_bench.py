@@ -22,3 +22,16 @@ def test_throughput_bench_fixed_lengths(capsys):
                      "--output-len", "4", "--threads", "1"])
     out = capsys.readouterr().out
     assert "(12 tokens" in out.split("HF generate:")[0] and "(12 tokens" in out.split("HF generate:")[1]
+
+
+def test_throughput_bench_on_a_vlm_with_eager_comparison(capsys):
+    from vlserve.demo import default_model_path
+
+    # the demo model is a Qwen2-VL: its vocab and sizes live in text_config
+    throughput.main(["--model", default_model_path(), "--num-prompts", "2", "--input-len", "5", "--output-len", "3",
+                     "--threads", "1", "--skip-hf", "--compare-eager", "-O0"])
+    out = capsys.readouterr().out
+    assert "hidden 192, 4 layers" in out
+    assert re.search(r"vlserve eager: .*\(6 tokens in .*, \d+ steps, \d+\.\d+ ms/step", out)
+    assert re.search(r"vlserve: .*\(6 tokens .* compile 0\.0 s; compilation 0", out)
+    assert re.search(r"ratio vlserve/vlserve-eager: \d+\.\d+x", out)

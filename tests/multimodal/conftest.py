@@ -19,3 +19,9 @@ def qwen2_5_vl_dir(tmp_path_factory):
 @pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
 def vl_dir(request):
     return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def audio_dir(tmp_path_factory):
+    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("qwen2_audio")))

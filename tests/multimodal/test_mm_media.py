@@ -74,6 +74,13 @@ def test_image_rejections(bad, msg):
         load_image(bad)
 
 
+def test_unidentified_image_message_names_no_python_object():
+    with pytest.raises(ValueError) as info:
+        load_image(b"\x89PNG\r\n\x1a\n" + b"this is not a picture" * 8)
+    message = str(info.value)
+    assert "not in an image format" in message and "0x" not in message and "_io" not in message
+
+
 def test_truncated_image_rejected():
     data = _png_bytes(Image.fromarray(rand_image(64, 64)))
     with pytest.raises(ValueError, match="corrupt or truncated|could not decode"):

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urljoin, urlparse
 import httpx
 
 from vlserve.api.errors import APIError
+from vlserve.multimodal.audio import input_audio_data_url
 from vlserve.shorten import shorten
 
 URL_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
@@ -93,10 +94,14 @@ class MediaFetcher:
     async def fetch(self, part_type: str, part: dict) -> Any:
         """The payload of one content part."""
         if part_type in PASSTHROUGH_PARTS:
-            audio = part.get(part_type)
-            if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
-                raise APIError(f"content part {part_type!r} needs {{'data': <base64>, 'format': ...}}", 400)
-            return audio["data"]
+            try:
+                url = input_audio_data_url(part.get(part_type))
+            except ValueError as e:
+                raise APIError(str(e), 400, "messages") from None
+            limit = self.config.max_bytes["audio"]
+            if len(url) > limit * 4 // 3 + 1024:
+                raise APIError(f"input_audio data is larger than the {limit} byte cap", 400, "messages")
+            return url
         kind = URL_PARTS[part_type]
         value = part.get(part_type)
         url = value.get("url") if isinstance(value, dict) else value

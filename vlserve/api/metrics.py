@@ -23,12 +23,23 @@ class _EngineCollector(Collector):
     def collect(self):
         metrics = dict(self.engine.get_metrics())
         metrics["vlserve:num_aborted_requests_total"] = getattr(self.engine, "num_aborted", 0)
-        for name, value in sorted(metrics.items()):
+        labelled: dict[str, list[tuple[str, str, float]]] = {}  # name -> (label, value, metric) for `name{l="v"}`
+        for key, value in sorted(metrics.items()):
+            name, brace, labels = key.partition("{")
+            if brace:
+                label, _, label_value = labels.rstrip("}").partition("=")
+                labelled.setdefault(name, []).append((label, label_value.strip('"'), float(value)))
+                continue
             doc = f"vlserve engine metric {name}"
             if name.endswith("_total"):
                 yield CounterMetricFamily(name, doc, value=float(value))
             else:
                 yield GaugeMetricFamily(name, doc, value=float(value))
+        for name, rows in labelled.items():
+            family = CounterMetricFamily(name, f"vlserve engine metric {name}", labels=[rows[0][0]])
+            for _, label_value, value in rows:
+                family.add_metric([label_value], value)
+            yield family
 
 
 class ServerMetrics:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: app factory (`build_app`), routes, API-key check, and `serve()` (uvicorn).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics,
+and the playground page (GET /, /playground; see playground.py) unless `playground` is off.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from vlserve import __version__
 from vlserve.api.errors import error_response, install_error_handlers
 from vlserve.api.media import MediaConfig, MediaFetcher
 from vlserve.api.metrics import ServerMetrics
+from vlserve.api.playground import install_playground
 from vlserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.api.serving_base import ServedModels
 from vlserve.api.serving_chat import OpenAIServingChat
@@ -42,6 +44,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False  # honour `chat_template` sent in requests (runs client Jinja)
     shutdown_engine: bool = True  # stop the engine thread when the app shuts down
+    playground: bool = True  # serve the playground page at / and /playground (--disable-playground)
 
 
 class _GateMiddleware:
@@ -175,6 +178,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await completion.create(body, raw)
 
+    if config.playground:
+        install_playground(app, models, engine.modalities)
     return app
 
 

@@ -2,8 +2,9 @@
 
     python -m vlserve.bench.mm_cache --num-requests 32 --num-images 4 --image-size 448 --vision-depth 8 \
         --vision-width 512
+    python -m vlserve.bench.mm_cache --family llava_next --vision-depth 8 --vision-width 256
 
-Builds a random Qwen2-VL checkpoint with a mid-size vision tower, sends R requests cycling over K distinct images
+Builds a random Qwen2-VL (or, with `--family llava_next`, LLaVA-NeXT: anyres tiles) checkpoint with a mid-size vision tower, sends R requests cycling over K distinct images
 (prefix caching off in both runs, so only the encoder cache differs), and prints throughput, mean TTFT and ratios.
 "Off" salts every item's hash with its request so no encoder output (or processed input) is ever reused.
 """
@@ -24,11 +25,11 @@ def make_images(k: int, size: int, seed: int):
     return [Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)) for _ in range(k)]
 
 
-def run(model: str, images, num_requests: int, output_len: int, cache_on: bool, max_pixels: int) -> dict:
+def run(model: str, images, num_requests: int, output_len: int, cache_on: bool, mm_kwargs: dict) -> dict:
     from vlserve import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", enable_prefix_caching=False, max_num_seqs=num_requests,
-              mm_processor_kwargs={"max_pixels": max_pixels, "min_pixels": max_pixels // 4},
+              mm_processor_kwargs=mm_kwargs,
               encoder_cache_size=None if cache_on else 16384)
     if not cache_on:
         salt_hashes(llm)
@@ -64,7 +65,9 @@ def salt_hashes(llm) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a local Qwen2-VL checkpoint; default: build a random one")
+    p.add_argument("--model", help="a local Qwen2-VL or LLaVA-NeXT checkpoint; default: build a random one")
+    p.add_argument("--family", choices=("qwen2_vl", "llava_next"), default="qwen2_vl",
+                   help="which random checkpoint to build when --model is not given")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--num-images", type=int, default=4)
     p.add_argument("--image-size", type=int, default=448)
@@ -74,7 +77,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     model = args.model
-    if model is None:
+    if model is None and args.family == "llava_next":
+        from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+
+        model = build_llava_checkpoint(os.path.join(tempfile.mkdtemp(prefix="vlserve-mmbench-"), "model"),
+                                       variant="llava_next", hidden_size=256, intermediate_size=512, num_layers=4,
+                                       vision_width=args.vision_width, vision_depth=args.vision_depth,
+                                       initializer_range=0.02, seed=args.seed)
+    elif model is None:
         from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
 
         model = os.path.join(tempfile.mkdtemp(prefix="vlserve-mmbench-"), "model")
@@ -86,15 +96,24 @@ def main(argv: list[str] | None = None) -> None:
                                   min_pixels=(args.image_size // 2) ** 2)
     images = make_images(args.num_images, args.image_size, args.seed)
     pixels = args.image_size * args.image_size
+    qwen = _model_type(model).startswith("qwen")
+    mm_kwargs = {"max_pixels": pixels, "min_pixels": pixels // 4} if qwen else None
     print(f"{args.num_requests} requests over {args.num_images} distinct {args.image_size}x{args.image_size} "
           f"images, vision tower depth {args.vision_depth} width {args.vision_width}, {args.output_len} tokens out")
-    on = run(model, images, args.num_requests, args.output_len, True, pixels)
-    off = run(model, images, args.num_requests, args.output_len, False, pixels)
+    on = run(model, images, args.num_requests, args.output_len, True, mm_kwargs)
+    off = run(model, images, args.num_requests, args.output_len, False, mm_kwargs)
     for name, r in (("cache on ", on), ("cache off", off)):
         print(f"{name}: {r['req_per_s']:.2f} req/s, {r['tok_per_s']:.1f} tok/s, mean TTFT {r['mean_ttft']:.2f} s, "
               f"{r['encoder_runs']} encoder runs, {r['seconds']:.1f} s")
     print(f"throughput ratio on/off: {on['req_per_s'] / off['req_per_s']:.2f}x; "
           f"mean TTFT ratio off/on: {off['mean_ttft'] / on['mean_ttft']:.2f}x")
+
+
+def _model_type(model_dir: str) -> str:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("model_type", "")
 
 
 if __name__ == "__main__":

@@ -52,20 +52,29 @@ def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
 
 
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
-                  max_num_seqs: int) -> tuple[float, int, float]:
-    """Returns (seconds, generated tokens, load seconds)."""
+                  max_num_seqs: int, **engine_kwargs) -> tuple[float, int, float, int, float]:
+    """Returns (seconds, generated tokens, load seconds, engine steps, compile seconds within the load);
+    `engine_kwargs` go to LLM (compilation_config, enforce_eager, async_scheduling, ...). On CUDA also prints GPU
+    busy and the roofline."""
     from vlserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs,
-              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16)
+              max_model_len=max(len(p) for p in prompts) + max(output_lens) + 16, **engine_kwargs)
     load = time.perf_counter() - t0
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)  # warm-up
+    steps0 = llm.engine.num_steps
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    return dt, sum(len(o.outputs[0].token_ids) for o in outs), load
+    steps = llm.engine.num_steps - steps0
+    if llm.engine.runner.device.type == "cuda":
+        from vlserve.bench.gpu_report import print_gpu_report
+
+        print_gpu_report(llm, prompts, sp, dt, steps)
+    return (dt, sum(len(o.outputs[0].token_ids) for o in outs), load, steps,
+            llm.engine.runner.forward.compile_seconds)
 
 
 def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
@@ -141,6 +150,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="random prompt lengths in [MIN, MAX] instead of --input-len (HF then pads)")
     p.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="random max_tokens per request in [MIN, MAX] instead of --output-len")
+    p.add_argument("--async-scheduling", action="store_true", help="vlserve plans step N+1 while step N runs")
+    p.add_argument("-O", "--compilation-config", default=None,
+                   help="vlserve's compilation level 0..3 or a JSON object (default: the device's)")
+    p.add_argument("--enforce-eager", action="store_true", help="vlserve without torch.compile / CUDA graphs")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also run vlserve with enforce_eager first, in the same process, and print the ratio")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -148,32 +163,51 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or build_random_model(args)
     from transformers import AutoConfig
 
+    from vlserve.models.hf_config import text_config_of
+
     cfg = AutoConfig.from_pretrained(model)
+    text_cfg = text_config_of(cfg)  # a VLM's (the demo model's) vocab and sizes live in its text_config
     if args.input_len_range:
         lens = random_lengths(args.input_len_range, args.num_prompts, args.seed + 1)
-        prompts = [make_prompts(1, n, cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
+        prompts = [make_prompts(1, n, text_cfg.vocab_size, args.seed + i)[0] for i, n in enumerate(lens)]
     else:
-        prompts = make_prompts(args.num_prompts, args.input_len, cfg.vocab_size, args.seed)
+        prompts = make_prompts(args.num_prompts, args.input_len, text_cfg.vocab_size, args.seed)
     output_lens = [args.output_len] * args.num_prompts
     if args.output_len_range:
         output_lens = random_lengths(args.output_len_range, args.num_prompts, args.seed + 2)
-    print(f"model: {model} ({cfg.architectures[0]}, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
+    print(f"model: {model} ({cfg.architectures[0]}, hidden {text_cfg.hidden_size}, "
+          f"{text_cfg.num_hidden_layers} layers), "
           f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> "
           f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads")
-    dt, n, load = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts)
-    print(f"vlserve: {n / dt:8.1f} tok/s  ({n} tokens in {dt:.2f} s; load {load:.1f} s)")
+    per_stream = max(output_lens)  # ms/token of one stream = seconds / its tokens (the longest one)
+    if args.compare_eager:
+        edt, en, eload, esteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                                  enforce_eager=True, async_scheduling=args.async_scheduling)
+        print(f"vlserve eager: {en / edt:8.1f} tok/s  ({en} tokens in {edt:.2f} s, {esteps} steps, "
+              f"{1000 * edt / esteps:.2f} ms/step; load {eload:.1f} s)")
+    dt, n, load, steps, compile_s = bench_vlserve(
+        model, prompts, output_lens, args.dtype, args.num_prompts, compilation_config=args.compilation_config,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+    print(f"vlserve: {n / dt:8.1f} tok/s, {1000 * dt / per_stream:.2f} ms/token per stream  ({n} tokens in "
+          f"{dt:.2f} s, {steps} steps, {1000 * dt / steps:.2f} ms/step; load {load:.1f} s incl. compile "
+          f"{compile_s:.1f} s; compilation {args.compilation_config or 'default'}"
+          f"{', enforce_eager' if args.enforce_eager else ''}; async_scheduling={args.async_scheduling})")
+    if args.compare_eager:
+        print(f"ratio vlserve/vlserve-eager: {(n / dt) / (en / edt):.2f}x")
     if not args.skip_hf:
         hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
-        print(f"HF generate: {hn / hdt:8.1f} tok/s  ({hn} tokens in {hdt:.2f} s{extra})")
+        print(f"HF generate: {hn / hdt:8.1f} tok/s, {1000 * hdt / per_stream:.2f} ms/token per stream  "
+              f"({hn} tokens in {hdt:.2f} s{extra})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
     if args.vllm_python:
         r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype)
         if r is not None:
             vdt, vn = r
-            print(f"vLLM: {vn / vdt:8.1f} tok/s  ({vn} tokens in {vdt:.2f} s)")
+            print(f"vLLM: {vn / vdt:8.1f} tok/s, {1000 * vdt / per_stream:.2f} ms/token per stream  "
+                  f"({vn} tokens in {vdt:.2f} s)")
             print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
 
 

@@ -29,6 +29,8 @@ class EncoderCacheManager:
         self._freed: list[str] = []  # evicted since the last get_freed_mm_hashes()
         self.hits = 0
         self.misses = 0
+        self.hits_by_modality: dict[str, int] = {}  # only items whose modality the caller named
+        self.misses_by_modality: dict[str, int] = {}
         self.evictions = 0
 
     # -- queries -----------------------------------------------------------------------------------------------
@@ -47,8 +49,9 @@ class EncoderCacheManager:
         return self.num_used / self.cache_size if self.cache_size else 0.0
 
     # -- scheduling --------------------------------------------------------------------------------------------
-    def check_and_update_cache(self, request_id: str, mm_hash: str) -> bool:
-        """If mm_hash is cached, make `request_id` reference it (so it is not evicted) and return True."""
+    def check_and_update_cache(self, request_id: str, mm_hash: str, modality: str | None = None) -> bool:
+        """If mm_hash is cached, make `request_id` reference it (so it is not evicted) and return True; a new
+        reference counts as a hit (per modality too, when given)."""
         refs = self.cached.get(mm_hash)
         if refs is None:
             return False
@@ -58,6 +61,8 @@ class EncoderCacheManager:
             refs.add(request_id)
             self.req_to_hashes.setdefault(request_id, set()).add(mm_hash)
             self.hits += 1
+            if modality is not None:
+                self.hits_by_modality[modality] = self.hits_by_modality.get(modality, 0) + 1
         return True
 
     def can_allocate(self, num_embeds: int, compute_budget_left: int | None = None,
@@ -77,14 +82,14 @@ class EncoderCacheManager:
         kept = sum(self.freeable.get(h, 0) for h in set(reuse))
         return need <= self.num_freeable - kept
 
-    def allocate(self, request_id: str, mm_hash: str, num_embeds: int) -> None:
+    def allocate(self, request_id: str, mm_hash: str, num_embeds: int, modality: str | None = None) -> None:
         """Reserve space for the encoder output of a newly scheduled item, referenced by `request_id`, evicting
         the least recently released freeable entries (just enough of them) when the free space is short.
 
         Call after can_allocate() returned True. Allocating an mm_hash that is already cached only adds the
         reference.
         """
-        if self.check_and_update_cache(request_id, mm_hash):
+        if self.check_and_update_cache(request_id, mm_hash, modality):
             return
         if num_embeds > self.num_freeable:
             raise RuntimeError(f"encoder cache: allocating {num_embeds} embeddings for {mm_hash[:16]} but only "
@@ -96,6 +101,8 @@ class EncoderCacheManager:
         self.num_free -= num_embeds
         self.num_freeable -= num_embeds
         self.misses += 1
+        if modality is not None:
+            self.misses_by_modality[modality] = self.misses_by_modality.get(modality, 0) + 1
 
     def _evict_until_free(self, num_embeds: int) -> None:
         """Evict freeable entries, least recently released first, until num_embeds are free."""

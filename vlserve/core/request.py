@@ -55,6 +55,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # sampled in a step still in flight (async scheduling), not yet known
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not scheduled yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -103,7 +103,11 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and token_budget > 0:
             req = self.running[idx]
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, token_budget)
+            if req.num_output_placeholders and self._finishes_in_flight(req):
+                idx += 1
+                continue
+            num_new = min(req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens,
+                          token_budget)
             # Never run past the model's length (spec tokens near the end are simply not verified).
             num_new = min(num_new, cfg.max_model_len - 1 - req.num_computed_tokens)
             enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, req.num_computed_tokens, num_new,
@@ -160,8 +164,11 @@ class Scheduler:
             token_budget -= num_new
 
         for req in self.running:
-            if req.request_id in num_scheduled:
-                req.num_computed_tokens += num_scheduled[req.request_id]
+            n = num_scheduled.get(req.request_id)
+            if n is not None:
+                req.num_computed_tokens += n
+                if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                    req.num_output_placeholders += 1  # this step samples; its token is known at update
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
@@ -169,6 +176,12 @@ class Scheduler:
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
         self.finished_req_ids = set()
         return out
+
+    def _finishes_in_flight(self, req: Request) -> bool:
+        """Whether the tokens already in flight end the request by length for sure (no step is scheduled then)."""
+        n = req.num_output_placeholders
+        return (req.num_output_tokens + n >= req.max_tokens
+                or req.num_tokens + n >= self.config.max_model_len)
 
     def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, budget: int
                                  ) -> tuple[EncoderPlan, int, int]:
@@ -203,11 +216,12 @@ class Scheduler:
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
         """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
+        modality_of = {f.mm_hash: f.modality for f in req.mm_features}
         for mm_hash in plan.reuse:
-            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash)
+            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
         for i in plan.to_encode:
             f = req.mm_features[i]
-            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length)
+            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
         if plan.to_encode:
             out[req.request_id] = plan.to_encode
 
@@ -225,12 +239,17 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
         outputs: list[EngineCoreOutput] = []
-        finished: list[Request] = []
+        finished: list[tuple[Request, bool]] = []  # (request, was running)
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = self.requests.get(rid)
             if req is None or req.is_finished():
                 continue
-            scheduled_spec = sched_out.scheduled_spec_decode_tokens.get(rid)
+            if sampled:
+                req.num_output_placeholders = max(req.num_output_placeholders - 1, 0)
+            # Not running: preempted while its step was in flight (async scheduling). Its tokens still count;
+            # its computed tokens and encoder references were already reset.
+            running = req.status == RequestStatus.RUNNING
+            scheduled_spec = sched_out.scheduled_spec_decode_tokens.get(rid) if running else None
             if scheduled_spec:
                 # sampled = accepted drafts + one target token; the rest of the drafts were rejected.
                 num_rejected = len(scheduled_spec) + 1 - len(sampled)
@@ -238,14 +257,16 @@ class Scheduler:
                 self.stats.spec_num_drafts += 1
                 self.stats.spec_num_draft_tokens += len(scheduled_spec)
                 self.stats.spec_num_accepted_tokens += len(sampled) - 1
-            self._release_written_encoder_inputs(req)
+            if running:
+                self._release_written_encoder_inputs(req)
             new_tokens: list[int] = []
             for tok in sampled:
                 new_tokens.append(tok)
                 req.append_output_token_ids([tok])
                 if self._check_stop(req, tok):
                     break
-            req.spec_token_ids = runner_out.spec_token_ids.get(rid, []) if not req.is_finished() else []
+            req.spec_token_ids = (runner_out.spec_token_ids.get(rid, []) if running and not req.is_finished()
+                                  else [])
             if not new_tokens and not req.is_finished():
                 continue
             self.stats.generation_tokens += len(new_tokens)
@@ -254,10 +275,15 @@ class Scheduler:
                 rid, new_tokens, req.status.finish_reason, req.stop_reason,
                 lps[: len(new_tokens)] if lps else None, max(req.num_cached_tokens, 0)))
             if req.is_finished():
-                finished.append(req)
-        for req in finished:
-            self.running.remove(req)
-            self._free_request(req)
+                finished.append((req, running))
+        if finished:
+            done = {id(req) for req, running in finished if running}
+            if done:
+                self.running = [r for r in self.running if id(r) not in done]
+            for req, running in finished:
+                if not running:
+                    self.waiting.remove(req)
+                self._free_request(req)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> bool:

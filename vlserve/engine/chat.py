@@ -12,6 +12,7 @@ import functools
 from typing import Any, Callable
 
 from vlserve.engine.request_limits import check_role
+from vlserve.multimodal.audio import input_audio_data_url
 from vlserve.shorten import shorten
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -47,8 +48,7 @@ def default_media_source(part_type: str, part: dict) -> Any:
                              f"pass a data: URL, a file:// URL, a path or the media itself")
         return url
     if part_type == "input_audio":
-        audio = part.get("input_audio") or {}
-        return audio.get("data")
+        return input_audio_data_url(part.get("input_audio"))
     return part.get(part_type)
 
 

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
 from vlserve.core.request import EngineCoreRequest, RequestStatus
-from vlserve.core.sched_output import EngineCoreOutput
+from vlserve.core.sched_output import EngineCoreOutput, SchedulerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
@@ -32,13 +34,15 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
                                   mrope_positions_fn=loaded.mrope_positions_fn,
                                   proposer=build_proposer(self.spec_config, self.max_model_len, loaded,
-                                                          args.block_size))
+                                                          args.block_size),
+                                  compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         num_blocks = determine_num_kv_blocks(
             self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_fraction=args.kv_cache_memory_fraction, max_num_batched_tokens=max_batched,
             max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs)
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up_model(args.max_num_seqs, self.max_model_len)
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
@@ -48,6 +52,11 @@ class EngineCore:
             max_waiting_requests=args.max_waiting_requests)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
         self.num_steps = 0
+        # Async scheduling: planned steps queued on one runner thread, oldest first (None when synchronous).
+        self.steps_in_flight: deque[tuple[SchedulerOutput, Future]] | None = None
+        if args.async_scheduling:
+            self.steps_in_flight = deque()
+            self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="vlserve-runner")
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -69,6 +78,8 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and fold the results back; returns per-request new tokens."""
+        if self.steps_in_flight is not None:
+            return self._step_async()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
@@ -78,17 +89,68 @@ class EngineCore:
         self._flush_if_idle()
         return outputs
 
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Async scheduling: step N+1 is planned and queued on the runner thread while step N runs, then N's
+        results are folded back; the caller processes them (detokenizing, stop strings) while N+1 runs. With
+        spec decode the next plan needs N's drafts, so it is made right after N's results instead."""
+        flight = self.steps_in_flight
+        if not flight and not self._submit_next():
+            return []
+        if not self.spec_config:
+            self._submit_next()  # placeholders stand in for the tokens step N is sampling
+        sched_out, future = flight.popleft()
+        outputs = self.scheduler.update_from_output(sched_out, future.result())
+        if not flight:
+            self._submit_next()
+        self._flush_if_idle()
+        return outputs
+
+    def _submit_next(self) -> bool:
+        """Plan a step and queue it on the runner thread; False when there is nothing to run."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not sched_out.finished_req_ids:
+            return False
+        self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.runner.execute_model, sched_out)))
+        self.num_steps += 1
+        return True
+
+    def _drain_in_flight(self) -> None:
+        """Wait for queued steps and fold back what they sampled (their requests may have finished meanwhile)."""
+        while self.steps_in_flight:
+            sched_out, future = self.steps_in_flight.popleft()
+            self.scheduler.update_from_output(sched_out, future.result())
+
     def _flush_if_idle(self) -> None:
         """When nothing is left to run, let the runner drop finished requests now rather than next step."""
-        if not self.scheduler.has_unfinished_requests() and self.scheduler.finished_req_ids:
-            self.runner.execute_model(self.scheduler.schedule())
+        if self.scheduler.has_unfinished_requests():
+            return
+        if self.steps_in_flight:
+            self._drain_in_flight()
+        if self.scheduler.finished_req_ids:
+            sched_out = self.scheduler.schedule()
+            if self.steps_in_flight is None:
+                self.runner.execute_model(sched_out)
+            else:
+                self._runner_thread.submit(self.runner.execute_model, sched_out).result()
+
+    def shutdown(self) -> None:
+        """Finish queued steps and stop the runner thread (async scheduling); a no-op otherwise."""
+        if self.steps_in_flight is not None:
+            self._drain_in_flight()
+            self._runner_thread.shutdown(wait=True)
 
     # -- metrics -----------------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
         """Counters and gauges under the names they carry on /metrics."""
         s = self.scheduler
         st, enc = s.stats, s.encoder_cache
-        return {
+        per_modality = {}  # `name{modality="..."}`: /metrics exports these as one labelled family per name
+        for name, counts in (("encoder_runs_by_modality_total", self.runner.encoder_runs_by_modality),
+                             ("encoder_cache_hits_by_modality_total", enc.hits_by_modality),
+                             ("encoder_cache_misses_by_modality_total", enc.misses_by_modality)):
+            for modality in self.loaded.modalities:
+                per_modality[f'vlserve:{name}{{modality="{modality}"}}'] = counts.get(modality, 0)
+        return {**per_modality,
             "vlserve:num_requests_running": len(s.running),
             "vlserve:num_requests_waiting": len(s.waiting),
             "vlserve:kv_cache_usage": s.kv.usage,

@@ -60,6 +60,10 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         logger.exception("engine process failed")
         code = 1
     finally:
+        try:
+            core.shutdown()  # async scheduling: finish the queued steps, stop the runner thread
+        except Exception:
+            logger.exception("engine core shutdown failed")
         inbox.close(linger=0)
         outbox.close()
         ctx.term()

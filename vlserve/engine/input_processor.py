@@ -43,7 +43,7 @@ class InputProcessor:
 
     # -- prompts -----------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
-                       mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+                       mm_processor_kwargs: dict | None = None, audios: list | None = None) -> ProcessedPrompt:
         """A string, token ids, or a vLLM-style dict {"prompt"/"prompt_token_ids", "multi_modal_data"}."""
         mm_data: dict[str, Any] = {}
         text: str | None = None
@@ -66,6 +66,10 @@ class InputProcessor:
             mm_data["image"] = images
         if videos is not None:
             mm_data["video"] = videos
+        if audios is not None:
+            mm_data["audio"] = audios
+        if isinstance(mm_data.get("audio"), tuple):  # one (array, sample_rate) clip, not a list of clips
+            mm_data["audio"] = [mm_data["audio"]]
         mm_data = {k: (v if isinstance(v, list) else [v]) for k, v in mm_data.items() if v is not None}
         mm_data = {k: v for k, v in mm_data.items() if v}
         if token_ids is None:
@@ -129,7 +133,8 @@ class InputProcessor:
                 raise ValueError(f"{len(items)} {modality} items exceed limit_mm_per_prompt[{modality!r}]={limit}")
         kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
         token_ids, features = self.mm_processor.process(token_ids, mm_data.get("image", []),
-                                                        mm_data.get("video", []), kwargs)
+                                                        mm_data.get("video", []), kwargs,
+                                                        audios=mm_data.get("audio", []))
         return ProcessedPrompt(text, token_ids, features)
 
     # -- requests ----------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def load_for_serving(model_path: str, args: EngineArgs) -> LoadedModel:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     torch.manual_seed(args.seed)
     model = load_model(model_path, hf_config, dtype, device)
-    mm = load_multimodal(model_path, hf_config, model)
+    mm = load_multimodal(model_path, hf_config, model, max_audio_seconds=args.max_audio_seconds)
     return LoadedModel(model_path, hf_config, model, tokenizer, mm.processor, device, dtype, max_model_len,
                        _eos_token_ids(model_path, hf_config, tokenizer), mrope_positions_fn=mm.mrope_positions_fn,
                        modalities=mm.modalities, mm_processor=mm.mm_processor)

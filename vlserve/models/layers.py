@@ -10,6 +10,7 @@ from torch import nn
 
 from vlserve import kernels
 from vlserve.kernels.activation import activation
+from vlserve.kernels.rotary_ref import rotary_cos_sin
 from vlserve.models.hf_config import rope_params_of
 from vlserve.models.rope import rope_inv_freq
 
@@ -26,7 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., H] -> [..., H] (same dtype as x)
+        # x: [..., H] -> [..., H] (same dtype as x). Plain torch ops on purpose: eager runs them one by one (HF's
+        # exact arithmetic); a compiled forward fuses the add, the float32 statistics and the scale into one kernel.
         dtype = x.dtype
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -82,6 +84,15 @@ def build_rope_cache(inv_freq: torch.Tensor, attention_scaling: float, max_posit
     return cos.to(device), sin.to(device)
 
 
+def _rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, R/2] -> [T, H, D]; the same op order and dtypes as kernels' rotary_ref
+    half = cos.shape[-1]
+    cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, R/2]
+    sin = sin.to(x.dtype).unsqueeze(1)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin tables of one model and applies NeoX-style RoPE in place via `kernels.apply_rotary`.
 
@@ -123,6 +134,14 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("positions of shape [3, T] need an 'mrope_section' in the config's rope parameters")
         mrope = self.mrope_section if positions.dim() == 2 else None
         kernels.apply_rotary(query, key, positions, self.cos_cache, self.sin_cache, mrope)
+
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Out-of-place twin of `forward` in plain torch, for compiled forwards (inductor fuses the table gather,
+        the casts and the rotation into one kernel per tensor): returns rotated `(query, key)`."""
+        mrope = self.mrope_section if positions.dim() == 2 else None
+        cos, sin = rotary_cos_sin(positions, self.cos_cache, self.sin_cache, mrope)  # [T, R/2] each
+        return _rotate_native(query, cos, sin), _rotate_native(key, cos, sin)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, mrope={self.mrope_section}"

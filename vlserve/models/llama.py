@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from vlserve import kernels
+from vlserve.kernels.attention_op import paged_attention
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.hf_config import text_config_of, tie_word_embeddings_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -42,8 +43,10 @@ def kv_cache_spec(hf_config) -> tuple[int, int, int]:
 class DecoderAttention(nn.Module):
     """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
@@ -56,8 +59,12 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+        """Eager: the kernels run in place on `kv_cache` with `attn_metadata`. Compiled (`torch.compiler.
+        is_compiling()`): plain-torch rotary and the opaque `vlserve::paged_attention` op, which takes the caches
+        and metadata from `kernels.attention_op.attention_step` (both arguments are then ignored)."""
         # hidden: [T, H] -> qkv: [T, (Hq + 2*Hkv) * D] -> q [T,Hq,D], k/v [T,Hkv,D] -> out [T, Hq*D] -> [T, H]
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -68,6 +75,10 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        if torch.compiler.is_compiling():
+            q, k = self.rotary[0].forward_native(positions, q, k)
+            out = paged_attention(q, k, v, self.layer_idx, self.scale)  # [T, Hq, D]
+            return self.o_proj(out.reshape(T, self.q_size))
         self.rotary[0](positions, q, k)  # in place
         k_cache, v_cache = kv_cache
         out = kernels.attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
@@ -77,9 +88,10 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: `h = x + attn(norm(x)); out = h + mlp(norm(h))`, residual adds fused into the norms."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = DecoderAttention(config, rotary, qkv_bias, o_bias, qk_norm, layer_idx)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
                             bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -122,7 +134,7 @@ class LlamaDecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm) for _ in range(self.num_layers))
+            DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # EAGLE drafts read intermediate states: layer ids i whose INPUT (the residual stream after layer i - 1;
         # 0 = the embeddings, num_layers = the final stream before the last norm) `forward` keeps in
@@ -154,7 +166,8 @@ class LlamaDecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in want:
                 kept[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i], attn_metadata)
+            kv_cache = kv_caches[i] if kv_caches is not None else None  # None when compiled (see DecoderAttention)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
         hidden, stream = self.norm(hidden, residual) if residual is not None else (self.norm(hidden), hidden)
         if want:
             kept[self.num_layers] = stream

@@ -16,6 +16,9 @@ _REGISTRY: dict[str, type | str] = {
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "PerceptionLMForConditionalGeneration": "vlserve.models.perception_lm:PerceptionLMForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": "vlserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
+    "LlavaForConditionalGeneration": "vlserve.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "vlserve.models.llava_next:LlavaNextForConditionalGeneration",
 }
 
 

@@ -155,7 +155,10 @@ def load_image(x: Any, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
             img = Image.open(fp)  # lazy: reads only the header
         except Image.DecompressionBombError as e:
             raise ValueError(f"image too large (decompression bomb): {e}") from None
-        except (OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
+        except Image.UnidentifiedImageError:  # its message names an in-memory object by address
+            raise ValueError("could not decode image: the data is not in an image format Pillow reads (PNG, JPEG, "
+                             "GIF, WebP, BMP, ...)") from None
+        except (OSError, SyntaxError, ValueError) as e:
             raise ValueError(f"could not decode image: {e}") from None
         try:
             _check_size(img.width, img.height, max_pixels)

@@ -1,5 +1,6 @@
-"""Turns a tokenized prompt with `<|image_pad|>` / `<|video_pad|>` placeholders plus raw media into the expanded
-prompt and one MultiModalFeature per media item, using the checkpoint's own HF processor (Qwen2-VL / Qwen2.5-VL).
+"""Turns a tokenized prompt with `<|image_pad|>` / `<|video_pad|>` / `<|AUDIO|>` placeholders plus raw media into the
+expanded prompt and one MultiModalFeature per media item, using the checkpoint's own HF processor (Qwen2-VL /
+Qwen2.5-VL; Qwen2-Audio, whose per-clip work lives in audio.py).
 
 Each item is loaded (media.py), hashed (hashing.py) and run through the HF image / video processor on its own, so
 results can be cached per item: a repeated image (same pixels, same kwargs) skips the HF processor entirely.
@@ -9,8 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from vlserve.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, AudioItemProcessor, audio_tokens
 from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.llava_items import image_items_for
 from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
                                       load_video)
 from vlserve.multimodal.perception_lm import family_items
@@ -31,23 +34,34 @@ class MultiModalProcessor:
     """Per-item HF processing with an LRU cache keyed by mm_hash, and placeholder expansion.
 
     `hf_processor` is the checkpoint's AutoProcessor (Qwen2VLProcessor / Qwen2_5_VLProcessor): it provides the
-    image processor, the video processor, the tokenizer and the placeholder token ids. The cache holds at most
+    image processor, the video processor, the tokenizer and the placeholder token ids (`image_token_id` overrides
+    the image one: the model config's). PerceptionLM and LLaVA-family processors get their per-image rules from
+    `perception_lm` / `llava_items` (`self.family`; None for Qwen, whose outputs carry grids). The cache holds at most
     `cache_size` items and `cache_max_bytes` bytes of processed tensors (0 disables it). Not thread-safe.
     """
 
     def __init__(self, hf_processor: Any, cache_size: int = 256, cache_max_bytes: int = 1 << 30,
                  max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES):
+                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+                 max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS, image_token_id: int | None = None):
         self.hf_processor = hf_processor
-        self.image_processor = hf_processor.image_processor
+        self.image_processor = getattr(hf_processor, "image_processor", None)
         self.video_processor = getattr(hf_processor, "video_processor", None)
         self.tokenizer = hf_processor.tokenizer
-        self.image_token_id: int = hf_processor.image_token_id
-        self.video_token_id: int = hf_processor.video_token_id
-        # A family's own per-item processing (tiling, placeholder counts); None = Qwen2-VL's grid rules below.
-        self.family = family_items(hf_processor)
-        self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t)
-                             for m, t in (("image", self.image_token_id), ("video", self.video_token_id))}
+        self.image_token_id: int | None = getattr(hf_processor, "image_token_id", None) \
+            if image_token_id is None else image_token_id
+        self.video_token_id: int | None = getattr(hf_processor, "video_token_id", None)
+        self.audio_token_id: int | None = getattr(hf_processor, "audio_token_id", None)
+        extractor = getattr(hf_processor, "feature_extractor", None)
+        self.audio_processor = None if extractor is None or self.audio_token_id is None else \
+            AudioItemProcessor(extractor, max_audio_seconds)
+        # A family's own per-image processing (tiling, placeholder counts: PerceptionLM, LLaVA-1.5 / NeXT);
+        # None = Qwen2-VL's grid rules below.
+        self.family = family_items(hf_processor) or image_items_for(hf_processor)
+        # modality -> its placeholder token text, for the modalities this checkpoint has
+        self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t) for m, t in (
+            ("image", self.image_token_id), ("video", self.video_token_id), ("audio", self.audio_token_id))
+            if t is not None}
         self.cache_size = cache_size
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
@@ -122,7 +136,7 @@ class MultiModalProcessor:
         """Load, hash and (on a cache miss) run the HF image processor on one image -> (mm_hash, data).
 
         data = {"pixel_values": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
-                "image_grid_thw": int64 [1, 3]}.
+                "image_grid_thw": int64 [1, 3]} for Qwen; LLaVA's: see llava_items.
         """
         image_kwargs = image_kwargs or {}
         img = load_image(image, max_pixels=self.max_image_pixels)
@@ -130,10 +144,11 @@ class MultiModalProcessor:
         data = self._cached(mm_hash)
         if data is None:
             try:
+                kwargs = {**_layout_kwargs(img), **image_kwargs}
                 if self.family is not None:
-                    data = self.family.run_image(img, image_kwargs)
+                    data = self.family.run_image(_unambiguous(img), kwargs)
                 else:
-                    out = self.image_processor(images=[img], return_tensors="pt", **image_kwargs)
+                    out = self.image_processor(images=[_unambiguous(img)], return_tensors="pt", **kwargs)
                     data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
             except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
                 raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
@@ -175,9 +190,22 @@ class MultiModalProcessor:
             self._store(mm_hash, data)
         return mm_hash, data
 
+    def process_audio(self, audio: Any) -> tuple[str, dict]:
+        """Decode (mono, the extractor's rate), hash and (on a cache miss) extract one clip's features
+        -> (mm_hash, data); data as vlserve.multimodal.audio.AudioItemProcessor describes."""
+        if self.audio_processor is None:
+            raise ValueError("this model's processor has no audio feature extractor; audio is not supported")
+        clip, mm_hash = self.audio_processor.load_and_hash(audio)
+        data = self._cached(mm_hash)
+        if data is None:
+            data = self.audio_processor.features(clip)
+            self._store(mm_hash, data)
+        return mm_hash, data
+
     # ----------------------------------------------------------------------------------------------- prompt
     def process(self, prompt_token_ids: list[int], images: list | None = None, videos: list | None = None,
-                mm_processor_kwargs: dict | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+                mm_processor_kwargs: dict | None = None, audios: list | None = None
+                ) -> tuple[list[int], list[MultiModalFeature]]:
         """Expand each `<|image_pad|>` / `<|video_pad|>` token of the prompt into its item's embedding count and
         return (new_prompt_token_ids, features ordered by offset).
 
@@ -185,16 +213,20 @@ class MultiModalProcessor:
         raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
         processors / frame sampling and are folded into each item's mm_hash.
         """
-        images, videos = list(images or []), list(videos or [])
+        images, videos, audios = list(images or []), list(videos or []), list(audios or [])
         ids = list(prompt_token_ids)
         img_pos = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id]
+        vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id and t is not None]
         if len(img_pos) != len(images):
-            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders['image']}) "
+            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders.get('image')}) "
                              f"but {len(images)} images were given")
         if len(vid_pos) != len(videos):
-            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders['video']}) "
+            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders.get('video')}) "
                              f"but {len(videos)} videos were given")
+        aud_pos = [i for i, t in enumerate(ids) if t == self.audio_token_id] if self.audio_token_id is not None else []
+        if len(aud_pos) != len(audios):
+            raise ValueError(f"prompt has {len(aud_pos)} audio placeholder tokens (<|AUDIO|>) "
+                             f"but {len(audios)} audio clips were given")
 
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
@@ -202,13 +234,17 @@ class MultiModalProcessor:
             items.append((pos, "image", *self.process_image(image, image_kwargs)))
         for pos, video in zip(vid_pos, videos):
             items.append((pos, "video", *self.process_video(video, video_kwargs, sampling)))
+        for pos, audio in zip(aud_pos, audios):
+            items.append((pos, "audio", *self.process_audio(audio)))
         items.sort(key=lambda it: it[0])
 
         new_ids: list[int] = []
         features: list[MultiModalFeature] = []
         prev = 0
         for pos, modality, mm_hash, data in items:
-            if self.family is not None:
+            if modality == "audio":
+                num = audio_tokens(int(data["valid_frames"][0]))
+            elif self.family is not None:
                 num = self.family.num_embeds(modality, data)
             else:
                 grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
@@ -223,6 +259,8 @@ class MultiModalProcessor:
 
     def max_image_embeds(self, mm_processor_kwargs: dict | None = None) -> int:
         """Upper bound on the embeddings of one image (for sizing the encoder cache / budget)."""
+        if self.image_processor is None:
+            return 0
         kw = mm_processor_kwargs or {}
         if self.family is not None:
             return self.family.max_image_embeds(kw)
@@ -241,3 +279,16 @@ class MultiModalProcessor:
         unit = int(self.video_processor.patch_size) * self._merge_size("video")
         temporal = int(self.video_processor.temporal_patch_size)
         return -(-num_frames // temporal) * (int(max_pixels) // (unit * unit))
+
+
+def _unambiguous(img: Any) -> Any:
+    """`img` itself, or as an `[H, W, 3]` uint8 array when `_layout_kwargs` states its layout."""
+    import numpy as np
+
+    return np.array(img) if img.height in (1, 3) else img
+
+
+def _layout_kwargs(img: Any) -> dict:
+    """transformers 4.57's numpy image processors guess the channel axis and take an image 1 or 3 rows high as
+    channels-first; for those images the array is passed with its layout stated."""
+    return {"input_data_format": "channels_last"} if img.height in (1, 3) else {}

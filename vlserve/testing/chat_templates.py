@@ -44,3 +44,29 @@ STRING_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# Qwen2-Audio's template logic: a default system prompt, ChatML turns, and each audio part (`part['type'] ==
+# 'audio'` or an 'audio' / 'audio_url' key) numbered as "Audio N: " followed by the audio markers and a newline.
+QWEN2_AUDIO_CHAT_TEMPLATE = (
+    "{% set clips = namespace(n=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' or 'audio' in part or 'audio_url' in part %}"
+    "{% set clips.n = clips.n + 1 %}"
+    "Audio {{ clips.n }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif 'text' in part %}"
+    "{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

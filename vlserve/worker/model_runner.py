@@ -15,6 +15,8 @@ from vlserve.models.llama import decoder_of
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
+from vlserve.worker.compiled_forward import ModelForward
+from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler
@@ -40,8 +42,10 @@ class ModelRunner:
     """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
 
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
-                 block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None):
+                 block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
+                 compilation_config=None, enforce_eager: bool = False):
         self.model = model
+        self.forward = ModelForward(model, device, compilation_config, enforce_eager)  # eager/compiled/graphs
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
         self.dtype = dtype
@@ -49,6 +53,7 @@ class ModelRunner:
         self.vocab_size = self.text_config.vocab_size
         self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
         self.step_sampler = StepSampler()
+        self.input_batch = InputBatch(block_size, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -57,6 +62,7 @@ class ModelRunner:
         self.proposer = None
         self.set_proposer(proposer)
         self.num_encoder_runs = 0
+        self.encoder_runs_by_modality: dict[str, int] = {}  # items encoded, per modality
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Install the spec-decode draft proposer or None. One with `uses_target_hidden_states` gets the target
@@ -97,6 +103,7 @@ class ModelRunner:
                           for _ in range(self.text_config.num_hidden_layers)]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
+        self.forward.graph_runner = None  # graphs point at the old caches; `warm_up_model` captures anew
 
     def _allocate_attn_workspace(self, num_blocks: int) -> torch.Tensor | None:
         """The decode scratch buffer the torch attention path gathers K/V into (None on the Triton backend), sized
@@ -134,8 +141,9 @@ class ModelRunner:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
                                list(range(num_blocks)), 0)
-        self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
-        self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
+        with self.forward.eager():  # no compile here: its memory would count as activations
+            self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
+            self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - before
@@ -146,10 +154,35 @@ class ModelRunner:
             self.proposer.bind_kv_cache(saved_draft)
         return peak
 
+    @torch.inference_mode()
+    def warm_up_model(self, max_num_seqs: int, max_model_len: int) -> None:
+        """At start-up, after `initialize_kv_cache`: compile the decoder's text shape classes (a 2-token prefill
+        and a 1-token decode that write no KV) and capture CUDA graphs, per the compilation level."""
+        def dummy_steps():
+            for q_len in (2, 1):
+                md = AttentionMetadata(
+                    slot_mapping=torch.full((q_len,), -1, dtype=torch.long, device=self.device),
+                    query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=self.device),
+                    seq_lens=torch.tensor([q_len], dtype=torch.int32, device=self.device),
+                    block_tables=torch.zeros((1, cdiv(q_len, self.block_size)), dtype=torch.int32,
+                                             device=self.device),
+                    num_decodes=int(q_len == 1), max_query_len=q_len, max_seq_len=q_len,
+                    query_start_loc_cpu=[0, q_len], seq_lens_cpu=[q_len], workspace=self.attn_workspace)
+                positions = torch.arange(q_len, device=self.device)  # [T]
+                if self.mrope_positions_fn is not None:
+                    positions = positions.expand(3, q_len).contiguous()  # [3, T]
+                ids = torch.zeros(q_len, dtype=torch.long, device=self.device)
+                self.forward(ids, positions, self.kv_caches, md)
+
+        self.forward.timed_warm_up(dummy_steps)
+        self.forward.capture_cuda_graphs(self.kv_caches, max_num_seqs, max_model_len, self.block_size,
+                                         mrope=self.mrope_positions_fn is not None)
+
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.input_batch.remove_request(rid)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
         for h in so.free_encoder_mm_hashes:
@@ -166,9 +199,11 @@ class ModelRunner:
                 state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(
                     new.prompt_token_ids, new.mm_features)
             self.requests[new.req_id] = state
+            self.input_batch.add_request(new.req_id, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _run_encoders(self, so: SchedulerOutput) -> None:
@@ -191,6 +226,7 @@ class ModelRunner:
                 # own storage per entry, so dropping one cache entry frees its memory
                 self.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
             self.num_encoder_runs += len(feats)
+            self.encoder_runs_by_modality[modality] = self.encoder_runs_by_modality.get(modality, 0) + len(feats)
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,45 +237,19 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         self._run_encoders(so)
         # Decodes (one query token) first: the attention layer splits the batch there.
-        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
+        n_sched = so.num_scheduled_tokens
+        req_ids = sorted(n_sched, key=lambda r: n_sched[r] != 1)
         states = [self.requests[r] for r in req_ids]
-        q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)  # [B]
-        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)  # [B]
-        seq_lens = starts + q_lens
-        cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-
-        token_ids: list[int] = []
-        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            token_ids.extend(state.token_ids[s:s + n])
-            missing = s + n - len(state.token_ids)
-            if missing > 0:  # speculative tokens beyond the known ones
-                token_ids.extend(so.scheduled_spec_decode_tokens[state.req_id][:missing])
-        # positions[t] = start of its request + offset within the request's chunk
-        req_index = np.repeat(np.arange(len(req_ids)), q_lens)  # [T]
-        positions_np = np.arange(num_tokens, dtype=np.int64) - cu[:-1][req_index] + starts[req_index]
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(req_ids), max_blocks), dtype=np.int32)  # [B, M]
-        for i, state in enumerate(states):
-            block_table[i, : len(state.block_ids)] = state.block_ids
-        bs = self.block_size
-        slot_mapping = block_table[req_index, positions_np // bs].astype(np.int64) * bs + positions_np % bs
-
-        dev = self.device
-        num_decodes = int((q_lens == 1).sum())
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_table).to(dev),
-            num_decodes=num_decodes, max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(), workspace=self.attn_workspace)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)  # [T]
-        positions = self._positions(states, starts, q_lens, positions_np)  # [T] or [3, T]
+        B = len(req_ids)
+        q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=B)  # [B]
+        step = self.input_batch.prepare(req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts,
+                                        self.attn_workspace)
+        seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
+        positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
 
-        hidden = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
+        hidden = self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
 
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
@@ -290,9 +300,21 @@ class ModelRunner:
         inputs.batch_num_valid = np.minimum(q_lens, np.array([len(s.token_ids) for s in states]) - 1 - starts)
         return inputs
 
-    def _positions(self, states, starts, q_lens, positions_np) -> torch.Tensor:
+    @staticmethod
+    def _token_windows(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray) -> list[list[int]]:
+        """Per request, its input ids this step: known tokens, then the scheduled draft tokens past them."""
+        windows = []
+        spec = so.scheduled_spec_decode_tokens
+        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
+            window = state.token_ids[s:s + n]
+            if len(window) < n:  # speculative tokens beyond the known ones
+                window = window + spec[state.req_id][: n - len(window)]
+            windows.append(window)
+        return windows
+
+    def _positions(self, states, starts, q_lens, step) -> torch.Tensor:
         if self.mrope_positions_fn is None:
-            return torch.from_numpy(positions_np).to(self.device)  # [T]
+            return self.input_batch.positions_on_device(step.num_tokens)  # [T]
         parts = [mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
                  for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
         return torch.cat(parts, dim=1).to(self.device)  # [3, T]

@@ -31,14 +31,18 @@ class StepSampler:
         """hidden: [T, H]; ends[i]: index after request i's last token in the batch; drafts[i]: its verified
         draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus position)."""
         # Rows: the k_i draft positions + the bonus position of each request (just the last token without drafts).
-        rows = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends.tolist(), drafts)])
+        any_drafts = any(drafts)
+        if any_drafts:
+            rows = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends.tolist(), drafts)])
+        else:
+            rows = np.asarray(ends, dtype=np.int64) - 1
         logits = model.compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])  # [sum(k_i + 1), V]
         params = [s.sampling_params for s in states]
         gens = [s.generator for s in states]
         prompts = [s.prompt_token_ids for s in states]
         outputs = [s.output_token_ids for s in states]
         vocab = logits.shape[-1]
-        if any(drafts):
+        if any_drafts:
             md = build_spec_sampling_metadata(params, gens, prompts, outputs, drafts, vocab, logits.device)
             out = self.rejection_sampler(logits, drafts, None, md)
             token_lists = out.to_lists()

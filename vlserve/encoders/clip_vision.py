@@ -1,0 +1,203 @@
+"""The CLIP vision tower (ViT with a class token) on vlserve's kernels, as LLaVA uses it: hidden states of chosen
+layers, not the pooled output.
+
+`ClipVisionTower(cfg)(pixels [N, C, S, S], feature_layers)` -> `[N, L, E * len(feature_layers)]` with
+L = (S / patch)**2 + 1 (class token first). Every tile of a step goes through in one call; each tile attends only
+to its own tokens (one varlen attention call per layer). Module names follow HF's `CLIPVisionModel`
+(`embeddings.patch_embedding`, `pre_layrnorm`, `encoder.layers.N.self_attn.q_proj`, ...) so weights load by name.
+The pieces here (config, encoder layer, weight loading) are shared with the SigLIP tower.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vlserve.encoders.vision_layers import AttentionSegments
+from vlserve.kernels import varlen_attention
+from vlserve.kernels.activation import activation
+
+# Checkpoint names that carry nothing we compute with (buffers saved by some versions).
+_IGNORED_SUFFIXES = ("position_ids",)
+
+
+@dataclass(frozen=True)
+class VitConfig:
+    """The fields of a CLIP / SigLIP `vision_config` the towers read."""
+
+    depth: int
+    width: int  # E
+    num_heads: int
+    mlp_hidden: int
+    hidden_act: str
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    in_channels: int = 3
+
+    @classmethod
+    def from_hf(cls, vision_config) -> "VitConfig":
+        """Read an HF CLIPVisionConfig / SiglipVisionConfig."""
+        return cls(depth=vision_config.num_hidden_layers, width=vision_config.hidden_size,
+                   num_heads=vision_config.num_attention_heads, mlp_hidden=vision_config.intermediate_size,
+                   hidden_act=vision_config.hidden_act, image_size=vision_config.image_size,
+                   patch_size=vision_config.patch_size, layer_norm_eps=vision_config.layer_norm_eps,
+                   in_channels=getattr(vision_config, "num_channels", 3))
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def feature_layer_indices(feature_layers: int | list[int], depth: int) -> list[int]:
+    """HF `vision_feature_layer` (int or list; negative counts from the end of the depth + 1 hidden states,
+    index 0 = the encoder's input) -> non-negative indices; ValueError when one is out of range."""
+    layers = [feature_layers] if isinstance(feature_layers, int) else list(feature_layers)
+    out = []
+    for layer in layers:
+        idx = layer + depth + 1 if layer < 0 else layer
+        if not 0 <= idx <= depth:
+            raise ValueError(f"vision_feature_layer {layer} is out of range for a tower of {depth} layers")
+        out.append(idx)
+    return out
+
+
+class VitAttention(nn.Module):
+    """Separate q/k/v projections with biases, bidirectional varlen attention per tile, out projection."""
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.width // cfg.num_heads
+        self.q_proj = nn.Linear(cfg.width, cfg.width)
+        self.k_proj = nn.Linear(cfg.width, cfg.width)
+        self.v_proj = nn.Linear(cfg.width, cfg.width)
+        self.out_proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
+        # x: [R, E] (rows of all tiles) -> [R, E]
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)  # [R, H, Hd]
+        k = self.k_proj(x).view(rows, self.num_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, self.num_heads, self.head_dim)
+        out = varlen_attention(q, k, v, segments.cu_seqlens, self.head_dim**-0.5, max_seqlen=segments.max_len,
+                               cu_seqlens_cpu=segments.bounds)  # [R, H, Hd]
+        return self.out_proj(out.reshape(rows, -1))
+
+
+class VitMLP(nn.Module):
+    """fc1 -> activation (quick_gelu for CLIP, tanh-GELU for SigLIP) -> fc2."""
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
+        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VitEncoderLayer(nn.Module):
+    """Pre-norm block: x + attn(layer_norm1(x)), then + mlp(layer_norm2(x))."""
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.self_attn = VitAttention(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.mlp = VitMLP(cfg)
+
+    def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), segments)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VitEncoder(nn.Module):
+    """`layers.N` as in HF; runs only as deep as the deepest requested hidden state."""
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VitEncoderLayer(cfg) for _ in range(cfg.depth))
+
+    def forward(self, x: torch.Tensor, tokens_per_tile: int, feature_layers: list[int]) -> torch.Tensor:
+        """`x [N, L, E]` (the encoder's input) -> the requested hidden states concatenated: `[N, L, E * k]`."""
+        num_tiles = x.shape[0]
+        segments = AttentionSegments.from_lengths([tokens_per_tile] * num_tiles, x.device)
+        h = x.reshape(num_tiles * tokens_per_tile, -1)  # [R, E]
+        kept = {0: h} if 0 in feature_layers else {}
+        for i, layer in enumerate(self.layers[:max(feature_layers)], start=1):
+            h = layer(h, segments)
+            if i in feature_layers:
+                kept[i] = h
+        out = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [R, E * k]
+        return out.view(num_tiles, tokens_per_tile, -1)
+
+
+class ClipEmbeddings(nn.Module):
+    """Patch conv (no bias) + a learned class token + learned absolute positions."""
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.class_embedding = nn.Parameter(torch.zeros(cfg.width))
+        self.patch_embedding = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, stride=cfg.patch_size,
+                                         bias=False)
+        self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.width)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        # pixels: [N, C, S, S] -> [N, 1 + (S/p)**2, E]
+        weight = self.patch_embedding.weight
+        patches = self.patch_embedding(pixels.to(weight.dtype)).flatten(2).transpose(1, 2)  # [N, np, E]
+        cls = self.class_embedding.view(1, 1, -1).expand(patches.shape[0], 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight  # [N, 1 + np, E]
+
+
+class ClipVisionTower(nn.Module):
+    """CLIP's vision transformer up to the requested layers (post_layernorm is loaded but LLaVA never reads it)."""
+
+    ignored_prefixes: tuple[str, ...] = ()
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = ClipEmbeddings(cfg)
+        self.pre_layrnorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        self.encoder = VitEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.cfg.num_patches + 1
+
+    def check_pixels(self, pixels: torch.Tensor) -> None:
+        """ValueError unless `pixels` is `[N, C, S, S]` at the tower's image size."""
+        s = self.cfg.image_size
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (self.cfg.in_channels, s, s):
+            raise ValueError(f"pixel_values must be [N, {self.cfg.in_channels}, {s}, {s}], got {tuple(pixels.shape)}")
+
+    def forward(self, pixels: torch.Tensor, feature_layers: list[int]) -> torch.Tensor:
+        """`pixels [N, C, S, S]`, non-negative hidden-state indices -> `[N, L, E * len(feature_layers)]`."""
+        self.check_pixels(pixels)
+        x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.weight.device)))
+        return self.encoder(x, self.tokens_per_tile, feature_layers)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (relative to the tower, with or without `vision_model.`) into the parameters;
+        returns the parameter names filled. ValueError on an unknown name or a shape mismatch."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            rel = name[len("vision_model."):] if name.startswith("vision_model.") else name
+            if rel.endswith(_IGNORED_SUFFIXES) or rel.startswith(self.ignored_prefixes):
+                continue
+            if rel not in params:
+                raise ValueError(f"unexpected vision tower weight {name!r}")
+            if tuple(params[rel].shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(params[rel].shape)}")
+            params[rel].data.copy_(tensor)
+            loaded.add(rel)
+        return loaded

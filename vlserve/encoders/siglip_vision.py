@@ -1,0 +1,50 @@
+"""The SigLIP vision tower on vlserve's kernels, as LLaVA uses it: no class token, patch conv with a bias, learned
+positions, the shared ViT encoder (clip_vision.py), post_layernorm loaded but unused for hidden-state features.
+
+`SiglipVisionTower(cfg)(pixels [N, C, S, S], feature_layers)` -> `[N, (S / patch)**2, E * len(feature_layers)]`.
+The attention-pooling `head.*` weights of checkpoints that have one are skipped: LLaVA reads hidden states only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlserve.encoders.clip_vision import ClipVisionTower, VitConfig, VitEncoder
+
+
+class SiglipEmbeddings(nn.Module):
+    """Patch conv (with bias) + learned absolute positions."""
+
+    def __init__(self, cfg: VitConfig) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.width)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        # pixels: [N, C, S, S] -> [N, (S/p)**2, E]
+        weight = self.patch_embedding.weight
+        patches = self.patch_embedding(pixels.to(weight.dtype)).flatten(2).transpose(1, 2)  # [N, np, E]
+        return patches + self.position_embedding.weight
+
+
+class SiglipVisionTower(ClipVisionTower):
+    """SigLIP's vision transformer up to the requested layers (weight loading shared with CLIP)."""
+
+    ignored_prefixes = ("head.",)
+
+    def __init__(self, cfg: VitConfig) -> None:
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.embeddings = SiglipEmbeddings(cfg)
+        self.encoder = VitEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.cfg.num_patches
+
+    def forward(self, pixels: torch.Tensor, feature_layers: list[int]) -> torch.Tensor:
+        """`pixels [N, C, S, S]`, non-negative hidden-state indices -> `[N, L, E * len(feature_layers)]`."""
+        self.check_pixels(pixels)
+        x = self.embeddings(pixels.to(self.embeddings.patch_embedding.weight.device))
+        return self.encoder(x, self.tokens_per_tile, feature_layers)

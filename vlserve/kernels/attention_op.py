@@ -1,0 +1,63 @@
+"""Paged attention as one opaque `torch.ops.vlserve.paged_attention` op, for compiled (and CUDA-graphed) forwards.
+
+Dynamo must not trace into the attention kernels: the torch path loops over sequences in Python and reads
+`AttentionMetadata`'s host lists, and the Triton path launches kernels whose grids come from those lists; traced,
+each step's lengths would become guards and recompile the graph. So the compiled model calls this custom op with
+tensors and constants only: the layer's query/key/value, its layer index and scale. The step's metadata and the
+KV caches come from a step context the forward wrapper sets around the call (`attention_step`), as vLLM's forward
+context does. The op writes the layer's K/V into its cache (a side effect the graph does not see: no other op in
+the graph reads the caches) and returns a fresh `[T, Hq, D]` tensor; its fake implementation only gives the shape.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from vlserve import kernels
+from vlserve.kernels.metadata import AttentionMetadata
+
+
+@dataclass
+class AttentionStep:
+    """What every layer's attention op reads during one forward: the metadata and the per-layer (K, V) caches."""
+
+    metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+_current: list[AttentionStep] = []  # a stack: one entry while a compiled forward runs
+
+
+@contextlib.contextmanager
+def attention_step(metadata: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Make `metadata` and `kv_caches` what `paged_attention` reads for the duration of the block."""
+    _current.append(AttentionStep(metadata, kv_caches))
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def current_attention_step() -> AttentionStep:
+    """The innermost active step; RuntimeError outside `attention_step`."""
+    if not _current:
+        raise RuntimeError("torch.ops.vlserve.paged_attention called outside attention_step(...)")
+    return _current[-1]
+
+
+@torch.library.custom_op("vlserve::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                    scale: float) -> torch.Tensor:
+    """Write key/value [T, Hkv, D] into layer `layer_idx`'s cache and attend: query [T, Hq, D] -> [T, Hq, D]."""
+    step = current_attention_step()
+    k_cache, v_cache = step.kv_caches[layer_idx]
+    out = kernels.attention_forward(query, key, value, k_cache, v_cache, step.metadata, scale)
+    # a custom op's output may not alias its inputs; attention_forward always returns a new tensor
+    return out
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(query, key, value, layer_idx, scale):
+    return torch.empty_like(query)

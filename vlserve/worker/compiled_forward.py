@@ -1,0 +1,120 @@
+"""The runner's one call into the decoder: eager, `torch.compile`d, or a CUDA-graph replay (CompilationConfig).
+
+Compiled (level >= 1): the model's forward is traced by dynamo and compiled by inductor (CPU and CUDA) with the
+token dimension dynamic, so a shape class compiles once: T == 1 (dynamo specializes size 1) and T >= 2, times
+[T] vs [3, T] positions and token ids vs media embeddings. Attention stays one opaque custom op
+(`kernels.attention_op`) that reads this step's metadata and KV caches from `attention_step`; everything else
+(RMSNorm with its residual add, SiLU-and-mul, rotary) is plain torch, which inductor fuses. Inductor's on-disk
+caches (FX graph and autograd caches) live in the config's cache dir, so a second start skips most of the work.
+Level >= 2 on CUDA also captures CUDA graphs for decode batches (`cuda_graphs.py`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import torch
+
+from vlserve.config import CompilationConfig, default_capture_sizes, default_compile_cache_dir
+from vlserve.kernels.attention_op import attention_step
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.llama import decoder_of
+from vlserve.worker.cuda_graphs import CudaGraphRunner, DecodeBuffers, StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+def use_compile_cache_dir(path: str) -> str:
+    """Point inductor's (and, under it, Triton's) on-disk caches at `path`; returns it."""
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+class ModelForward:
+    """`forward(input_ids, positions, kv_caches, md, inputs_embeds) -> hidden [T, H]` at the configured level."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, config: CompilationConfig | None = None,
+                 enforce_eager: bool = False):
+        config = config or CompilationConfig()
+        self.model = model
+        self.device = device
+        self.config = config
+        self.level = config.resolved_level(device.type, enforce_eager)
+        self.compiled = None
+        self.compile_seconds = 0.0
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.level >= 1:
+            self.cache_dir = use_compile_cache_dir(config.cache_dir or default_compile_cache_dir())
+            options = {"mode": "max-autotune-no-cudagraphs"} if self.level >= 3 and device.type == "cuda" else {}
+            self.compiled = torch.compile(self._decoder_call, backend="inductor", fullgraph=True, **options)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.level >= 2 and self.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Run eagerly (no compiled function, no graphs) inside the block."""
+        saved = self.compiled, self.graph_runner
+        self.compiled, self.graph_runner = None, None
+        try:
+            yield
+        finally:
+            self.compiled, self.graph_runner = saved
+
+    def _decoder_call(self, input_ids, positions, inputs_embeds):
+        # traced by dynamo: no caches, no metadata (the attention op takes them from attention_step)
+        return self.model(input_ids, positions, None, None, inputs_embeds=inputs_embeds)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata,
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        step = StepInputs(input_ids, positions, md, inputs_embeds)
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.try_replay(step)
+            if hidden is not None:
+                return hidden
+        return self.run(step, kv_caches)
+
+    def run(self, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One forward without graphs: eager, or the compiled function (what a CUDA graph captures)."""
+        if self.compiled is None:
+            return self.model(step.input_ids, step.positions, kv_caches, step.metadata,
+                              inputs_embeds=step.inputs_embeds)
+        torch._dynamo.maybe_mark_dynamic(step.input_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(step.positions, step.positions.dim() - 1)
+        if step.inputs_embeds is not None:
+            torch._dynamo.maybe_mark_dynamic(step.inputs_embeds, 0)
+        with attention_step(step.metadata, kv_caches):
+            return self.compiled(step.input_ids, step.positions, step.inputs_embeds)
+
+    def timed_warm_up(self, run_dummy_steps) -> None:
+        """Compile now rather than on the first requests: `run_dummy_steps()` pushes a prefill and a decode through
+        `self`; logs how long that took."""
+        if self.compiled is None:
+            return
+        t0 = time.perf_counter()
+        run_dummy_steps()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.compile_seconds = time.perf_counter() - t0
+        logger.info("torch.compile (level %d) of the decoder took %.1f s (cache: %s)", self.level,
+                    self.compile_seconds, self.cache_dir)
+
+    def capture_cuda_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
+                            max_model_len: int, block_size: int, mrope: bool) -> None:
+        """Capture decode graphs for the configured batch sizes over these KV caches (CUDA, level >= 2 only)."""
+        self.graph_runner = None
+        if not self.uses_cuda_graphs:
+            return
+        sizes = self.config.cudagraph_capture_sizes or default_capture_sizes(max_num_seqs)
+        max_blocks = -(-max_model_len // block_size)
+        buffers = DecodeBuffers(max(sizes), max_blocks, block_size, mrope, self.device)
+        decoder = decoder_of(self.model)
+        runner = CudaGraphRunner(lambda step: self.run(step, kv_caches), buffers, sizes, max_model_len,
+                                 aux_source=decoder)
+        runner.capture()
+        self.graph_runner = runner

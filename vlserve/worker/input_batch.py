@@ -1,0 +1,175 @@
+"""The runner's step inputs, built in persistent host buffers and copied to the device once per buffer per step.
+
+Block-table rows live here between steps (one row per tracked request, grown by the step's new block ids only);
+token ids, positions, slot mapping, query_start_loc and seq_lens are written with vectorised numpy into buffers
+allocated once (pinned on CUDA, so each becomes one non_blocking copy into a persistent device buffer). On CPU the
+model reads the host buffers directly: no tensor is created per request or per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vlserve.kernels.metadata import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch: per-request arrays ([B], decodes first) and the device tensors the model reads."""
+
+    req_ids: list[str]
+    q_lens: np.ndarray  # [B] int64 query tokens this step
+    starts: np.ndarray  # [B] int64 computed tokens before this step
+    seq_lens: np.ndarray  # [B] int64 context after this step
+    cu: np.ndarray  # [B + 1] int64 query start offsets
+    positions_np: np.ndarray  # [T] int64 (a view of a persistent buffer: valid until the next step)
+    input_ids: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu[-1])
+
+
+class _HostDeviceBuffer:
+    """A flat host buffer (pinned when the device is CUDA) with, off CPU, a twin on the device."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.device, self.dtype = device, dtype
+        self._allocate(numel)
+
+    def _allocate(self, numel: int) -> None:
+        on_cuda = self.device.type == "cuda"
+        with torch.inference_mode(False):
+            self.host = torch.zeros(numel, dtype=self.dtype, pin_memory=on_cuda)
+            self.dev = (None if self.device.type == "cpu"
+                        else torch.zeros(numel, dtype=self.dtype, device=self.device))
+        self.np = self.host.numpy()
+
+    def ensure(self, numel: int) -> None:
+        """Grow (doubling) to hold numel elements; the contents are not kept."""
+        if numel > self.np.shape[0]:
+            self._allocate(max(numel, 2 * self.np.shape[0]))
+
+    def to_device(self, numel: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The first numel elements on the device (one non_blocking copy off CPU), viewed as shape."""
+        src = self.host[:numel]
+        if self.dev is None:
+            out = src
+        else:
+            out = self.dev[:numel]
+            out.copy_(src, non_blocking=True)
+        return out if shape is None else out.view(shape)
+
+
+class InputBatch:
+    """Persistent block tables per request and the per-step input buffers of a ModelRunner."""
+
+    def __init__(self, block_size: int, device: torch.device, max_num_tokens: int = 2048,
+                 max_num_reqs: int = 64, max_blocks_per_req: int = 32):
+        self.block_size = block_size
+        self.device = device
+        self.rows: dict[str, int] = {}  # req_id -> row of the persistent block table
+        self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)  # [R, W]
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # [R]
+        self.input_ids = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
+        self.positions = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
+        self.slot_mapping = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
+        self.query_start_loc = _HostDeviceBuffer(max_num_reqs + 1, torch.int32, device)
+        self.seq_lens = _HostDeviceBuffer(max_num_reqs, torch.int32, device)
+        self.step_block_table = _HostDeviceBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
+        self._arange = np.arange(max_num_tokens, dtype=np.int64)
+
+    # -- block tables ------------------------------------------------------------------------------------------
+    def add_request(self, req_id: str, block_ids: list[int]) -> None:
+        """Start (or restart, after preemption) a request's block-table row."""
+        self.remove_request(req_id)
+        if not self.free_rows:
+            self._grow_rows()
+        row = self.free_rows.pop()
+        self.rows[req_id] = row
+        self.block_table[row] = 0
+        self.num_blocks[row] = 0
+        self.append_blocks(req_id, block_ids)
+
+    def append_blocks(self, req_id: str, new_block_ids: list[int]) -> None:
+        """Append the step's new block ids to the request's row."""
+        if not new_block_ids:
+            return
+        row = self.rows[req_id]
+        n, k = int(self.num_blocks[row]), len(new_block_ids)
+        if n + k > self.block_table.shape[1]:
+            width = max(n + k, 2 * self.block_table.shape[1])
+            self.block_table = np.pad(self.block_table, ((0, 0), (0, width - self.block_table.shape[1])))
+        self.block_table[row, n:n + k] = new_block_ids
+        self.num_blocks[row] = n + k
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.rows.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's block ids, as the scheduler allocated them."""
+        row = self.rows[req_id]
+        return self.block_table[row, : self.num_blocks[row]].tolist()
+
+    def _grow_rows(self) -> None:
+        old = self.block_table.shape[0]
+        self.block_table = np.pad(self.block_table, ((0, old), (0, 0)))
+        self.num_blocks = np.pad(self.num_blocks, (0, old))
+        self.free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def prepare(self, req_ids: list[str], token_windows: list[list[int]], q_lens: np.ndarray,
+                starts: np.ndarray, workspace: torch.Tensor | None) -> StepInputs:
+        """Fill the step buffers. req_ids: decodes first; token_windows[i]: request i's q_lens[i] input ids;
+        starts[i]: its computed tokens before the step."""
+        B = len(req_ids)
+        seq_lens = starts + q_lens  # [B]
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        T = int(cu[-1])
+        if T > self._arange.shape[0]:
+            self._arange = np.arange(max(T, 2 * self._arange.shape[0]), dtype=np.int64)
+        for buf in (self.input_ids, self.positions, self.slot_mapping):
+            buf.ensure(T)
+        for buf in (self.query_start_loc, self.seq_lens):
+            buf.ensure(B + 1)
+
+        ids = self.input_ids.np[:T]
+        ids[:] = [t for window in token_windows for t in window] if T > B else [w[0] for w in token_windows]
+        # positions[t] = start of its request + offset within the request's chunk
+        req_index = np.repeat(np.arange(B), q_lens)  # [T]
+        positions = self.positions.np[:T]
+        np.add(self._arange[:T] - cu[:-1][req_index], starts[req_index], out=positions)
+
+        rows = np.fromiter((self.rows[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
+        M = max(int(self.num_blocks[rows].max()), 1)
+        self.step_block_table.ensure(B * M)
+        table = self.step_block_table.np[: B * M].reshape(B, M)  # [B, M]
+        np.take(self.block_table[:, :M], rows, axis=0, out=table)
+        bs = self.block_size
+        slots = self.slot_mapping.np[:T]
+        np.multiply(table[req_index, positions // bs], bs, out=slots)
+        slots += positions % bs
+        self.query_start_loc.np[: B + 1] = cu
+        self.seq_lens.np[:B] = seq_lens
+
+        md = AttentionMetadata(
+            slot_mapping=self.slot_mapping.to_device(T),
+            query_start_loc=self.query_start_loc.to_device(B + 1),
+            seq_lens=self.seq_lens.to_device(B),
+            block_tables=self.step_block_table.to_device(B * M, (B, M)),
+            num_decodes=int(np.count_nonzero(q_lens == 1)), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            workspace=workspace)
+        return StepInputs(req_ids=req_ids, q_lens=q_lens, starts=starts, seq_lens=seq_lens, cu=cu,
+                          positions_np=positions, input_ids=self.input_ids.to_device(T), attn_metadata=md)
+
+    def positions_on_device(self, num_tokens: int) -> torch.Tensor:
+        """The step's [T] positions on the device (one copy off CPU)."""
+        return self.positions.to_device(num_tokens)
