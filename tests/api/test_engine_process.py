@@ -72,6 +72,20 @@ def test_64_streams_equal_the_in_thread_engine(proc_server, server):
     assert_engine_idle(proc_server)
 
 
+def test_async_scheduling_in_the_engine_process_equals_the_in_thread_engine(text_ckpt, server):
+    """--async-scheduling runs inside the engine process (its runner thread there); same texts, nothing held."""
+    from vlserve.config import EngineArgs
+
+    served = start_proc_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", async_scheduling=True,
+                                          **TEXT_ENGINE_KW))
+    try:
+        convs = conversations(16)
+        assert stream_all(served.base_url, convs) == stream_all(server.base_url, convs)
+        assert_engine_idle(served)
+    finally:
+        served.close()
+
+
 def test_stop_strings_and_n_equal_the_in_thread_engine(proc_server, server):
     """Stop strings are found by the API-side detokenizer and finished in the engine; n=2 fans out there too."""
     msgs = conversations(3)[2]
