@@ -74,6 +74,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine core in a thread of the API process instead of its own process")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -110,8 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vlserve.api.server import serve
 
     engine_args, config = serve_config_from_args(args)
-    serve(engine_args, args.host, args.port, config, args.log_level)
-    return 0
+    return serve(engine_args, args.host, args.port, config, args.log_level, engine_process=args.engine_process)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         return train_eagle_main(argv[1:]) or 0
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    from vlserve.engine.core_client import EngineStartupError
+
     try:
         return run_serve(args)
-    except (ValueError, ModuleNotFoundError) as e:
+    except (ValueError, ModuleNotFoundError, EngineStartupError) as e:
         if isinstance(e, ModuleNotFoundError) and e.name != "vlserve.demo":
             raise
         print(f"vlserve serve: error: {_explain(e, args)}", file=sys.stderr)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -182,14 +184,39 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
 
 def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-          log_level: str = "info") -> None:
-    """Load the model, then serve until interrupted (Ctrl-C / SIGTERM)."""
+          log_level: str = "info", engine_process: bool = True) -> int:
+    """Load the model, then serve until interrupted (Ctrl-C / SIGTERM) or until the engine dies.
+
+    `engine_process`: run the engine core in its own process (default, like vLLM v1) or in a thread of this one.
+    Returns the exit code: 0 after a normal stop, 1 when the engine died (its open requests got 5xx first).
+    """
     import uvicorn
 
-    engine = AsyncLLM.from_engine_args(engine_args)
+    if engine_process:
+        from vlserve.engine.mp_async_llm import MPAsyncLLM
+
+        engine: AsyncLLM = MPAsyncLLM.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, config)
-    logger.info("serving %s on http://%s:%d (pid %d)", app.state.models.names[0], host, port, os.getpid())
+    logger.info("serving %s on http://%s:%d (pid %d, engine %s)", app.state.models.names[0], host, port,
+                os.getpid(), "process" if engine_process else "thread")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
+                                           timeout_graceful_shutdown=10))
+    died = threading.Event()
+
+    def stop_when_engine_dies() -> None:
+        while not server.should_exit:
+            if not engine.is_running:
+                logger.error("the engine stopped; shutting the server down")
+                died.set()
+                server.should_exit = True
+                return
+            time.sleep(0.25)
+
+    threading.Thread(target=stop_when_engine_dies, name="vlserve-engine-watch", daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+        server.run()
     finally:
         engine.shutdown()
+    return 1 if died.is_set() else 0

@@ -77,9 +77,11 @@ class AsyncLLM:
     Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS):
+    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS,
+                 engine_loop: EngineLoop | None = None):
         self.engine_args = engine_args
-        self.engine_loop = EngineLoop(engine_args)  # touched only by the engine thread, input_processor aside
+        # touched only by the engine thread, input_processor aside; `engine_loop` lets a subclass drive another
+        self.engine_loop = engine_loop if engine_loop is not None else EngineLoop(engine_args)
         self.engine = self.engine_loop.core
         self.tokenizer = self.engine_loop.tokenizer
         self.max_model_len = self.engine.max_model_len

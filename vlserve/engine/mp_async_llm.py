@@ -1,0 +1,247 @@
+"""`MPAsyncLLM`: the `AsyncLLM` front end with the engine core in its own process (what `vlserve serve` runs).
+
+The API process keeps HTTP, media fetching, input processing (tokenizer, chat template, HF processor: the processed
+request — token ids, processed media tensors and their hashes — is what crosses) and detokenization (the
+`OutputProcessor`: stop strings, logprob texts, n > 1 fan-in), so the engine process spends its GIL only on
+scheduling and the model. The engine process (`core_proc`) owns the scheduler, KV cache, encoder cache and runner.
+Stop-string hits go back to the engine as `FinishStopped`, aborts as `AbortRequests`.
+
+One thread (the base class's "engine thread", here a dispatcher) applies, in order, everything in the inbox: user
+adds and aborts, and the engine's messages, which the client's receiver thread posts there too.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vlserve.config import EngineArgs, resolve_model_path
+from vlserve.engine.async_llm import _STOP, AsyncLLM, EngineDeadError, _Abort, _Add, _post, _settle
+from vlserve.engine.core_client import DEFAULT_STARTUP_TIMEOUT, EngineCoreClient, EngineGone
+from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, EngineReady, FinishStopped,
+                                          StepOutputs)
+from vlserve.engine.engine_loop import NewRequest
+from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS
+from vlserve.engine.input_processor import InputProcessor
+from vlserve.engine.model_setup import LoadedModel
+from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
+from vlserve.outputs import RequestOutput
+from vlserve.shorten import shorten
+
+logger = logging.getLogger(__name__)
+
+
+def load_frontend(model_path: str, args: EngineArgs):
+    """What input processing needs, without the weights: (hf_config, tokenizer, mm_processor or None)."""
+    from transformers import AutoConfig
+
+    from vlserve.engine.model_setup import load_tokenizer
+    from vlserve.models.registry import get_model_class
+    from vlserve.multimodal.processor import MultiModalProcessor
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
+    modalities = getattr(get_model_class(hf_config), "supported_modalities", ())
+    tokenizer = load_tokenizer(model_path, args.tokenizer)
+    mm_processor = MultiModalProcessor.from_pretrained(model_path) if modalities else None
+    return hf_config, tokenizer, mm_processor
+
+
+class RemoteCore:
+    """Stands in for `EngineCore` on the API side: the checkpoint facts and the engine's latest counters."""
+
+    def __init__(self, loaded: LoadedModel, metrics: dict[str, float]):
+        self.loaded = loaded
+        self.max_model_len = loaded.max_model_len
+        self.metrics = dict(metrics)
+
+    def get_metrics(self) -> dict[str, float]:
+        """The counters of the engine's last step message."""
+        return dict(self.metrics)
+
+
+class RemoteEngineLoop:
+    """`EngineLoop`'s role on the API side: fan-out, output processing and aborts, the core across a socket."""
+
+    def __init__(self, args: EngineArgs, client: EngineCoreClient, loaded: LoadedModel, ready: EngineReady):
+        self.client = client
+        self.core = RemoteCore(loaded, ready.metrics)
+        self.tokenizer = loaded.tokenizer
+        self.input_processor = InputProcessor(loaded, args.limit_mm_per_prompt, args.mm_processor_kwargs,
+                                              args.chat_template_content_format)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.staged: list[StepOutputs] = []
+
+    def add_requests(self, requests: list[NewRequest]) -> None:
+        """Track each request and send it to the engine (its AddAck says whether the core took it)."""
+        for r in requests:
+            if r.request_id in self.output_processor.parents:
+                raise ValueError(f"request id {shorten(r.request_id)} is already in use")
+        for r in requests:
+            engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
+                                                                    r.arrival)
+                           for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
+            self.output_processor.add_request(r.request_id, r.processed.prompt, r.processed.prompt_token_ids,
+                                              r.params, r.arrival)
+            self.client.send(AddRequests(r.request_id, engine_reqs))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request the engine refused."""
+        self.output_processor.abort(request_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a user request here and in the engine; its final output, or None when it is not open."""
+        child_ids = self.output_processor.child_ids(request_id)
+        final = self.output_processor.finish_aborted(request_id)
+        if final is not None:
+            self.client.send(AbortRequests(child_ids))
+        return final
+
+    def abort_all(self) -> list[str]:
+        """After a failure: forget every open request, here and in the engine."""
+        dropped = list(self.output_processor.parents)
+        child_ids = [c for rid in dropped for c in self.output_processor.abort(rid)]
+        if child_ids:
+            self.client.send(AbortRequests(child_ids))
+        return dropped
+
+    def step(self) -> list[RequestOutput]:
+        """Apply the engine step messages received so far; RuntimeError when the engine's step failed."""
+        staged, self.staged = self.staged, []
+        results: list[RequestOutput] = []
+        for msg in staged:
+            self.core.metrics = msg.metrics
+            outputs, stop_hits = self.output_processor.process_outputs(msg.outputs)
+            if stop_hits:
+                self.client.send(FinishStopped(stop_hits))
+            results.extend(outputs)
+            if msg.step_error is not None:
+                raise RuntimeError(f"the engine step failed: {msg.step_error}")
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+
+class MPAsyncLLM(AsyncLLM):
+    """`AsyncLLM` whose engine core runs in a spawned process; same `generate` / `add_request` / `abort` API.
+
+    Start-up spawns the engine, loads the tokenizer and processor here meanwhile, and waits for the engine's
+    ready message (`EngineStartupError` with the engine's error text if it fails to load). When the engine process
+    dies, every open request fails with `EngineDeadError` and `is_running` turns False.
+    """
+
+    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS,
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
+        model_path = resolve_model_path(engine_args.model)  # a bad path fails here, before any spawn
+        client = EngineCoreClient(engine_args, startup_timeout=startup_timeout)
+        client.spawn()
+        try:
+            hf_config, tokenizer, mm_processor = load_frontend(model_path, engine_args)
+        except BaseException:
+            client.close(kill=True)
+            raise
+        ready = client.wait_ready()
+        from vlserve.models.loader import resolve_dtype
+        from vlserve.engine.model_setup import pick_device
+
+        loaded = LoadedModel(model_path, hf_config, None, tokenizer, getattr(mm_processor, "hf_processor", None),
+                             pick_device("cpu"), resolve_dtype(engine_args.dtype, hf_config), ready.max_model_len,
+                             ready.eos_token_ids, modalities=ready.modalities, mm_processor=mm_processor)
+        self.client = client
+        self._pending: dict[str, _Add] = {}  # adds sent, AddAck not yet back
+        super().__init__(engine_args, input_workers, engine_loop=RemoteEngineLoop(engine_args, client, loaded,
+                                                                                  ready))
+        client.start_receiver(self._inbox.put)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "MPAsyncLLM":
+        """Spawn the engine process and wait until it has loaded the model."""
+        return cls(args, **kwargs)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.client.pid
+
+    @property
+    def is_running(self) -> bool:
+        return super().is_running and self.client.is_alive()
+
+    def get_metrics(self) -> dict[str, float]:
+        """The engine's counters as of its last step message (updated before that step's outputs go out)."""
+        return self.engine.get_metrics()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the dispatcher (open requests end "abort"), then the engine process."""
+        super().shutdown(timeout)
+        self.client.close()
+
+    # -- the dispatcher thread -------------------------------------------------------------------------------
+    def _run_engine_thread(self) -> None:
+        try:
+            while True:
+                msg = self._inbox.get()
+                if msg is _STOP:
+                    break
+                if isinstance(msg, _Abort):
+                    self._do_abort(msg.request_id)
+                elif isinstance(msg, _Add):
+                    self._do_add(msg)
+                else:
+                    self._on_engine_message(msg)
+                self._metrics = self.engine.get_metrics()
+        except BaseException as e:  # the engine process died (or a bug here): fail every open request
+            if not isinstance(e, EngineDeadError):
+                logger.exception("engine dispatcher died")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"the engine stopped: {e}"))
+            return
+        self._dead = EngineDeadError("shut down")
+        for rid in list(self._streams):
+            self._do_abort(rid)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _do_add(self, msg: _Add) -> None:
+        try:
+            self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival)])
+        except Exception as e:
+            _post(msg.stream.loop, _settle, msg.done, e)
+            return
+        self._streams[msg.request_id] = msg.stream
+        self._pending[msg.request_id] = msg
+
+    def _on_engine_message(self, msg: object) -> None:
+        if isinstance(msg, StepOutputs):
+            self.engine_loop.staged.append(msg)
+            try:
+                self._step()
+            except Exception as e:
+                logger.error("%s; failing the requests in flight", e)
+                self._recover(e)
+        elif isinstance(msg, AddAck):
+            self._on_ack(msg)
+        elif isinstance(msg, EngineGone):
+            code = "" if msg.exitcode is None else f" (exit code {msg.exitcode})"
+            raise EngineDeadError(f"the engine process exited unexpectedly{code}")
+        else:
+            logger.warning("unexpected engine message %s ignored", type(msg).__name__)
+
+    def _on_ack(self, ack: AddAck) -> None:
+        self.engine.metrics = ack.metrics
+        add = self._pending.pop(ack.user_request_id, None)
+        if add is None:
+            return
+        if ack.error is not None:
+            if self._streams.get(ack.user_request_id) is add.stream:
+                del self._streams[ack.user_request_id]
+                self.engine_loop.forget(ack.user_request_id)
+            _post(add.stream.loop, _settle, add.done, ack.error)
+        elif not _post(add.stream.loop, _settle, add.done, None):
+            self._do_abort(ack.user_request_id)
+
+    def _fail_all(self, err: BaseException, drain_inbox: bool = True) -> None:
+        pending, self._pending = list(self._pending.values()), {}
+        for add in pending:
+            _post(add.stream.loop, _settle, add.done, err)
+        super()._fail_all(err, drain_inbox)
