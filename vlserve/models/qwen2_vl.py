@@ -49,12 +49,6 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
         self.image_token_id = config.image_token_id
         self.video_token_id = config.video_token_id
 
-    @property
-    def tied(self) -> bool:
-        """Whether lm_head shares the input embedding matrix: the text config's flag only (False when it has
-        none), as this family has always read it."""
-        return bool(getattr(self.text_config, "tie_word_embeddings", False))
-
     # ---- multimodal ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
