@@ -71,7 +71,9 @@ def test_serve_without_model_explains_missing_demo(monkeypatch, tmp_path, capsys
     import vlserve.demo
     from vlserve.cli import main
 
-    monkeypatch.setattr(vlserve.demo, "MODEL_DIR", str(tmp_path / "missing"))
+    missing = str(tmp_path / "missing")
+    monkeypatch.setitem(vlserve.demo.DEMO_MODELS, "vlserve-demo",
+                        (missing, "python -m vlserve.training.train --out {dir}"))
     assert main(["serve", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert "demo model" in err and "vlserve serve /path/to/model" in err
