@@ -121,9 +121,12 @@ class EngineCoreClient:
         self._receiver.start()
 
     def _receive_loop(self, on_message: Callable[[object], None]) -> None:
+        next_check = time.monotonic() + _POLL_MS / 1000
         while not self._stopping.is_set():
             try:
-                if self._output.poll(_POLL_MS):
+                # a busy replica keeps the socket full: look at the processes on time anyway, or a dead replica
+                # would go unnoticed until the live ones fall idle
+                if self._output.poll(_POLL_MS) and time.monotonic() < next_check:
                     on_message(decode(self._output.recv()))
                     continue
             except Exception:  # sockets closed under us at shutdown
@@ -132,6 +135,7 @@ class EngineCoreClient:
                 logger.exception("engine receiver failed")
                 on_message(EngineGone(0, None))
                 return
+            next_check = time.monotonic() + _POLL_MS / 1000
             for i, process in enumerate(self.processes):
                 if not process.is_alive():
                     if not self._stopping.is_set():
