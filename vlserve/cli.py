@@ -74,6 +74,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine processes (replicas, each with its own KV and encoder cache) behind this server; "
+                        "requests go by media / prompt-prefix affinity, then load")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine core in a thread of the API process instead of its own process")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -97,7 +100,7 @@ def serve_config_from_args(args: argparse.Namespace):
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
         async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

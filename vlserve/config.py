@@ -140,8 +140,12 @@ class EngineArgs:
     async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
     compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
+    data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
 
     def __post_init__(self) -> None:
+        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
+                or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {shorten(self.data_parallel_size)}")
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         if isinstance(self.speculative_config, str):

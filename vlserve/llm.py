@@ -23,6 +23,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size > 1 (got {self.engine_args.data_parallel_size}) needs engine "
+                             "processes, which only `vlserve serve` starts; LLM runs one engine in this process "
+                             "(start several LLMs, or serve with --data-parallel-size)")
         self.engine_loop = EngineLoop(self.engine_args)
         self.engine = self.engine_loop.core
         self.tokenizer = self.engine_loop.tokenizer

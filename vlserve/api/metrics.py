@@ -15,7 +15,10 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's `get_metrics()` dict at scrape time: `*_total` become counters, the rest gauges."""
+    """Reads the engine's `get_metrics()` dict at scrape time: `*_total` become counters, the rest gauges.
+
+    With data-parallel replicas those are the sums over the replicas (usage fractions averaged), and each engine's
+    own values come as `vlserve:replica:<name>{engine="i"}` families beside them."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -23,6 +26,12 @@ class _EngineCollector(Collector):
     def collect(self):
         metrics = dict(self.engine.get_metrics())
         metrics["vlserve:num_aborted_requests_total"] = getattr(self.engine, "num_aborted", 0)
+        yield from self._families(metrics)
+        replicas = getattr(self.engine, "get_replica_metrics", lambda: [])()
+        if len(replicas) > 1:
+            yield from _replica_families(replicas)
+
+    def _families(self, metrics: dict[str, float]):
         labelled: dict[str, list[tuple[str, str, float]]] = {}  # name -> (label, value, metric) for `name{l="v"}`
         for key, value in sorted(metrics.items()):
             name, brace, labels = key.partition("{")
@@ -40,6 +49,29 @@ class _EngineCollector(Collector):
             for _, label_value, value in rows:
                 family.add_metric([label_value], value)
             yield family
+
+
+def _replica_families(replicas: list[dict[str, float]]):
+    """`vlserve:replica:<name>{engine="i"[, its own label]}` for every engine counter of every replica."""
+    families: dict[str, tuple[object, list[str]]] = {}
+    for engine_index, metrics in enumerate(replicas):
+        for key, value in sorted(metrics.items()):
+            base, brace, labels = key.partition("{")
+            name = "vlserve:replica:" + base.removeprefix("vlserve:")
+            label_names, label_values = ["engine"], [str(engine_index)]
+            if brace:
+                label, _, label_value = labels.rstrip("}").partition("=")
+                label_names.append(label)
+                label_values.append(label_value.strip('"'))
+            if name not in families:
+                kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+                families[name] = (kind(name, f"vlserve engine metric {base}, per data-parallel replica",
+                                       labels=label_names), label_names)
+            family, names = families[name]
+            if names == label_names:
+                family.add_metric(label_values, float(value))
+    for family, _ in families.values():
+        yield family
 
 
 class ServerMetrics:

@@ -192,6 +192,9 @@ def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, co
     """
     import uvicorn
 
+    if not engine_process and engine_args.data_parallel_size > 1:
+        raise ValueError(f"--data-parallel-size {engine_args.data_parallel_size} needs engine processes; it cannot "
+                         "be combined with --no-engine-process")
     if engine_process:
         from vlserve.engine.mp_async_llm import MPAsyncLLM
 
@@ -200,7 +203,7 @@ def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, co
         engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (pid %d, engine %s)", app.state.models.names[0], host, port,
-                os.getpid(), "process" if engine_process else "thread")
+                os.getpid(), f"processes x{engine_args.data_parallel_size}" if engine_process else "thread")
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                                            timeout_graceful_shutdown=10))
     died = threading.Event()

@@ -80,6 +80,9 @@ class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS,
                  engine_loop: EngineLoop | None = None):
         self.engine_args = engine_args
+        if engine_loop is None and engine_args.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size > 1 (got {engine_args.data_parallel_size}) needs the engine in "
+                             "its own processes (MPAsyncLLM, `vlserve serve` without --no-engine-process)")
         # touched only by the engine thread, input_processor aside; `engine_loop` lets a subclass drive another
         self.engine_loop = engine_loop if engine_loop is not None else EngineLoop(engine_args)
         self.engine = self.engine_loop.core

@@ -1,9 +1,9 @@
-"""`EngineCoreClient`: the API process's end of one engine-core process (spawn, pyzmq sockets, handshake).
+"""`EngineCoreClient`: the API process's end of N engine-core processes (spawn, pyzmq sockets, handshake).
 
-Sockets, bound by the client on ipc:// paths in a private temporary directory: a PUSH socket per engine (its
-input) and one PULL socket all engines push to (messages carry `engine_index`), so a later client for N engine
-processes (data-parallel replicas) keeps this shape. After the handshake a receiver thread owns the PULL socket:
-it hands each decoded message to a callback and, when the process exits, hands an `EngineGone` instead.
+N is `data_parallel_size` (1 unless data-parallel replicas are asked for). Sockets, bound by the client on ipc://
+paths in a private temporary directory: a PUSH socket per engine (its input) and one PULL socket all engines push
+to (messages carry `engine_index`). After the handshake a receiver thread owns the PULL socket: it hands each
+decoded message to a callback and, when any engine process exits, hands an `EngineGone` for it instead.
 """
 from __future__ import annotations
 
@@ -40,118 +40,146 @@ class EngineGone:
 
 
 class EngineCoreClient:
-    """Starts one engine-core process and talks to it; `start()` blocks until it is ready (or raises)."""
+    """Starts `engine_args.data_parallel_size` engine-core processes and talks to them; `spawn()` then
+    `wait_ready()` (which raises if any fails to come up)."""
 
-    def __init__(self, engine_args: EngineArgs, engine_index: int = 0,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
+    def __init__(self, engine_args: EngineArgs, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
         import zmq
 
         self.engine_args = engine_args
-        self.engine_index = engine_index
+        self.num_engines = engine_args.data_parallel_size
         self.startup_timeout = startup_timeout
         self._dir = tempfile.mkdtemp(prefix="vlserve-engine-")
-        self.input_address = f"ipc://{self._dir}/input-{engine_index}"
+        self.input_addresses = [f"ipc://{self._dir}/input-{i}" for i in range(self.num_engines)]
         self.output_address = f"ipc://{self._dir}/output"
         self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(self.input_address)
+        self._inputs = []
+        for address in self.input_addresses:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(address)
+            self._inputs.append(sock)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self.output_address)
-        self.process: multiprocessing.process.BaseProcess | None = None
-        self.ready: EngineReady | None = None
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.ready: list[EngineReady] = []  # by engine index, once all are ready
         self._receiver: threading.Thread | None = None
         self._stopping = threading.Event()
         self._closed = False
 
     # -- start-up ----------------------------------------------------------------------------------------------
     def spawn(self) -> None:
-        """Start the engine process (it begins loading the model); `wait_ready()` then waits for it."""
+        """Start the engine processes (they begin loading the model); `wait_ready()` then waits for them."""
         ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=run_engine_core, name=f"vlserve-engine-{self.engine_index}",
-                                   args=(self.engine_args, self.input_address, self.output_address,
-                                         self.engine_index, logging.getLogger().getEffectiveLevel()),
-                                   daemon=True)
-        self.process.start()
+        for i, address in enumerate(self.input_addresses):
+            process = ctx.Process(target=run_engine_core, name=f"vlserve-engine-{i}",
+                                  args=(self.engine_args, address, self.output_address, i,
+                                        logging.getLogger().getEffectiveLevel()),
+                                  daemon=True)
+            process.start()
+            self.processes.append(process)
 
-    def wait_ready(self) -> EngineReady:
-        """Block until the engine says ready; EngineStartupError (with the engine's own error text) if not."""
+    def wait_ready(self) -> list[EngineReady]:
+        """Block until every engine says ready (their messages by engine index); EngineStartupError (with the
+        engine's own error text) if one does not."""
         deadline = time.monotonic() + self.startup_timeout
+        ready: dict[int, EngineReady] = {}
         try:
-            while True:
+            while len(ready) < self.num_engines:
                 if self._output.poll(_POLL_MS):
                     msg = decode(self._output.recv())
                     if isinstance(msg, EngineReady):
-                        self.ready = msg
-                        return msg
-                    if isinstance(msg, EngineFailed):
-                        raise EngineStartupError(f"the engine process failed to start: {msg.error}")
-                    logger.warning("unexpected %s before the engine was ready", type(msg).__name__)
-                elif not self.process.is_alive():
-                    raise EngineStartupError(f"the engine process exited (code {self.process.exitcode}) before "
-                                             "it was ready; see its log above")
-                elif time.monotonic() > deadline:
+                        ready[msg.engine_index] = msg
+                    elif isinstance(msg, EngineFailed):
+                        raise EngineStartupError(f"the engine process{self._which(msg.engine_index)} failed to "
+                                                 f"start: {msg.error}")
+                    else:
+                        logger.warning("unexpected %s before the engine was ready", type(msg).__name__)
+                    continue
+                dead = [i for i, p in enumerate(self.processes) if not p.is_alive()]
+                if dead:
+                    raise EngineStartupError(f"the engine process{self._which(dead[0])} exited (code "
+                                             f"{self.processes[dead[0]].exitcode}) before it was ready; see its "
+                                             "log above")
+                if time.monotonic() > deadline:
                     raise EngineStartupError(f"the engine process was not ready after {self.startup_timeout:.0f}s")
         except BaseException:
             self.close(kill=True)
             raise
+        self.ready = [ready[i] for i in range(self.num_engines)]
+        return self.ready
+
+    def _which(self, engine_index: int) -> str:
+        """The engine's number for error texts, when there are several engines."""
+        return f" {engine_index}" if self.num_engines > 1 else ""
 
     def start_receiver(self, on_message: Callable[[object], None]) -> None:
         """Hand every later engine message to `on_message` from a daemon thread (and an EngineGone at the end)."""
         self._receiver = threading.Thread(target=self._receive_loop, args=(on_message,),
-                                          name=f"vlserve-engine-{self.engine_index}-recv", daemon=True)
+                                          name="vlserve-engine-recv", daemon=True)
         self._receiver.start()
 
     def _receive_loop(self, on_message: Callable[[object], None]) -> None:
+        next_check = time.monotonic() + _POLL_MS / 1000
         while not self._stopping.is_set():
             try:
-                if self._output.poll(_POLL_MS):
+                # a busy replica keeps the socket full: look at the processes on time anyway, or a dead replica
+                # would go unnoticed until the live ones fall idle
+                if self._output.poll(_POLL_MS) and time.monotonic() < next_check:
                     on_message(decode(self._output.recv()))
                     continue
             except Exception:  # sockets closed under us at shutdown
                 if self._stopping.is_set():
                     return
                 logger.exception("engine receiver failed")
-                on_message(EngineGone(self.engine_index, None))
+                on_message(EngineGone(0, None))
                 return
-            if not self.process.is_alive():
-                if not self._stopping.is_set():
-                    on_message(EngineGone(self.engine_index, self.process.exitcode))
-                return
+            next_check = time.monotonic() + _POLL_MS / 1000
+            for i, process in enumerate(self.processes):
+                if not process.is_alive():
+                    if not self._stopping.is_set():
+                        on_message(EngineGone(i, process.exitcode))
+                    return
 
     # -- talking -----------------------------------------------------------------------------------------------
-    def send(self, msg: object) -> None:
-        """Queue a message for the engine (never blocks; call from one thread)."""
-        self._input.send(encode(msg))
+    def send(self, msg: object, engine_index: int = 0) -> None:
+        """Queue a message for one engine (never blocks; call from one thread)."""
+        self._inputs[engine_index].send(encode(msg))
 
     def is_alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        """Every engine process runs (one gone stops the whole server)."""
+        return bool(self.processes) and all(p.is_alive() for p in self.processes)
 
     @property
-    def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     def close(self, timeout: float = 10.0, kill: bool = False) -> None:
-        """Ask the engine to exit (kill it after `timeout`), stop the receiver, close sockets, remove the ipc dir."""
+        """Ask the engines to exit (kill them after `timeout`), stop the receiver, close sockets, remove the ipc
+        dir."""
         if self._closed:
             return
         self._closed = True
         self._stopping.set()
-        if self.process is not None and self.process.is_alive():
-            if not kill:
-                try:
-                    self.send(ShutdownEngine())
-                except Exception:
-                    pass
-                self.process.join(timeout)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)
+        if not kill:
+            for i, process in enumerate(self.processes):
+                if process.is_alive():
+                    try:
+                        self.send(ShutdownEngine(), i)
+                    except Exception:
+                        pass
+        deadline = time.monotonic() + (0 if kill else timeout)
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()) if not kill else 0)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(5)
-        self._input.close(linger=0)
+        for sock in self._inputs:
+            sock.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)

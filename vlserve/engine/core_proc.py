@@ -39,7 +39,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     outbox.setsockopt(zmq.LINGER, 5000)
     outbox.connect(output_address)
     try:
-        _leave_a_core_for_the_api_process()
+        _share_the_cores(engine_args.data_parallel_size)
         from vlserve.engine.core import EngineCore
 
         core = EngineCore(engine_args)
@@ -71,15 +71,15 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     sys.exit(code)
 
 
-def _leave_a_core_for_the_api_process() -> None:
+def _share_the_cores(num_engines: int) -> None:
     """Torch's intra-op threads default to one per core; the API process (HTTP, preprocessing, detokenizing) needs
     one too, and OpenMP threads that lose their core to it stall every parallel region. So, unless the user set
-    OMP_NUM_THREADS, the engine takes one thread fewer than the cores."""
+    OMP_NUM_THREADS, the engines share the cores but one: each of the `num_engines` replicas takes its part."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
 
-    torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+    torch.set_num_threads(max(1, (torch.get_num_threads() - 1) // num_engines))
 
 
 class _ParentGone(Exception):

@@ -19,6 +19,7 @@ from vlserve.engine.async_llm import _STOP, AsyncLLM, EngineDeadError, _Abort, _
 from vlserve.engine.core_client import DEFAULT_STARTUP_TIMEOUT, EngineCoreClient, EngineGone
 from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, EngineReady, FinishStopped,
                                           StepOutputs)
+from vlserve.engine.dp_router import DPRouter
 from vlserve.engine.engine_loop import NewRequest
 from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS
 from vlserve.engine.input_processor import InputProcessor
@@ -48,33 +49,56 @@ def load_frontend(model_path: str, args: EngineArgs):
     return hf_config, tokenizer, mm_processor
 
 
-class RemoteCore:
-    """Stands in for `EngineCore` on the API side: the checkpoint facts and the engine's latest counters."""
+_MEAN_GAUGES = ("vlserve:kv_cache_usage", "vlserve:encoder_cache_usage")  # fractions: averaged over replicas
 
-    def __init__(self, loaded: LoadedModel, metrics: dict[str, float]):
+
+def combine_replica_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
+    """One counter set for N replicas: counts and counters summed, usage fractions averaged."""
+    total: dict[str, float] = {}
+    for metrics in per_replica:
+        for name, value in metrics.items():
+            total[name] = total.get(name, 0) + value
+    for name in _MEAN_GAUGES:
+        if name in total:
+            total[name] /= len(per_replica)
+    return total
+
+
+class RemoteCore:
+    """Stands in for `EngineCore` on the API side: the checkpoint facts and each engine's latest counters."""
+
+    def __init__(self, loaded: LoadedModel, metrics: list[dict[str, float]]):
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
-        self.metrics = dict(metrics)
+        self.replica_metrics = [dict(m) for m in metrics]  # by engine index
 
     def get_metrics(self) -> dict[str, float]:
-        """The counters of the engine's last step message."""
-        return dict(self.metrics)
+        """The counters of each engine's last message, summed over the replicas (usage fractions averaged)."""
+        return combine_replica_metrics(self.replica_metrics)
+
+    def get_replica_metrics(self) -> list[dict[str, float]]:
+        """Each engine's own counters, by engine index."""
+        return [dict(m) for m in self.replica_metrics]
 
 
 class RemoteEngineLoop:
-    """`EngineLoop`'s role on the API side: fan-out, output processing and aborts, the core across a socket."""
+    """`EngineLoop`'s role on the API side: fan-out, output processing and aborts, the cores across sockets.
 
-    def __init__(self, args: EngineArgs, client: EngineCoreClient, loaded: LoadedModel, ready: EngineReady):
+    With several engines (data-parallel replicas) a `DPRouter` picks each new request's engine and remembers it,
+    so its aborts go there; an engine's stop-string hits go back to the engine whose outputs they were."""
+
+    def __init__(self, args: EngineArgs, client: EngineCoreClient, loaded: LoadedModel, ready: list[EngineReady]):
         self.client = client
-        self.core = RemoteCore(loaded, ready.metrics)
+        self.core = RemoteCore(loaded, [r.metrics for r in ready])
         self.tokenizer = loaded.tokenizer
         self.input_processor = InputProcessor(loaded, args.limit_mm_per_prompt, args.mm_processor_kwargs,
                                               args.chat_template_content_format)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.router = DPRouter(len(ready), margin=args.max_num_seqs, block_size=args.block_size)
         self.staged: list[StepOutputs] = []
 
     def add_requests(self, requests: list[NewRequest]) -> None:
-        """Track each request and send it to the engine (its AddAck says whether the core took it)."""
+        """Track each request and send it to its engine (its AddAck says whether the core took it)."""
         for r in requests:
             if r.request_id in self.output_processor.parents:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
@@ -84,37 +108,55 @@ class RemoteEngineLoop:
                            for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
             self.output_processor.add_request(r.request_id, r.processed.prompt, r.processed.prompt_token_ids,
                                               r.params, r.arrival)
-            self.client.send(AddRequests(r.request_id, engine_reqs))
+            engine = self.router.route(r.request_id, r.processed.prompt_token_ids,
+                                       [f.mm_hash for f in r.processed.mm_features], r.params.n)
+            self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
     def forget(self, request_id: str) -> None:
         """Drop a request the engine refused."""
         self.output_processor.abort(request_id)
+        self.router.release(request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a user request here and in the engine; its final output, or None when it is not open."""
+        """Abort a user request here and in its engine; its final output, or None when it is not open."""
         child_ids = self.output_processor.child_ids(request_id)
         final = self.output_processor.finish_aborted(request_id)
-        if final is not None:
-            self.client.send(AbortRequests(child_ids))
+        engine = self.router.release(request_id)
+        if final is not None and engine is not None:
+            self.client.send(AbortRequests(child_ids), engine)
         return final
 
     def abort_all(self) -> list[str]:
-        """After a failure: forget every open request, here and in the engine."""
+        """After a failure: forget every open request, here and in the engines."""
         dropped = list(self.output_processor.parents)
-        child_ids = [c for rid in dropped for c in self.output_processor.abort(rid)]
-        if child_ids:
-            self.client.send(AbortRequests(child_ids))
+        by_engine: dict[int, list[str]] = {}
+        for rid in dropped:
+            engine = self.router.release(rid)
+            children = self.output_processor.abort(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).extend(children)
+        for engine, child_ids in by_engine.items():
+            if child_ids:
+                self.client.send(AbortRequests(child_ids), engine)
         return dropped
 
+    def update_metrics(self, engine_index: int, metrics: dict[str, float]) -> None:
+        """An engine's counters, as its latest message carried them."""
+        if metrics:
+            self.core.replica_metrics[engine_index] = dict(metrics)
+
     def step(self) -> list[RequestOutput]:
-        """Apply the engine step messages received so far; RuntimeError when the engine's step failed."""
+        """Apply the engine step messages received so far; RuntimeError when an engine's step failed."""
         staged, self.staged = self.staged, []
         results: list[RequestOutput] = []
         for msg in staged:
-            self.core.metrics = msg.metrics
+            self.update_metrics(msg.engine_index, msg.metrics)
             outputs, stop_hits = self.output_processor.process_outputs(msg.outputs)
             if stop_hits:
-                self.client.send(FinishStopped(stop_hits))
+                self.client.send(FinishStopped(stop_hits), msg.engine_index)
+            for out in outputs:
+                if out.finished:
+                    self.router.release(out.request_id)
             results.extend(outputs)
             if msg.step_error is not None:
                 raise RuntimeError(f"the engine step failed: {msg.step_error}")
@@ -135,7 +177,7 @@ class MPAsyncLLM(AsyncLLM):
     def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
         model_path = resolve_model_path(engine_args.model)  # a bad path fails here, before any spawn
-        client = EngineCoreClient(engine_args, startup_timeout=startup_timeout)
+        client = EngineCoreClient(engine_args, startup_timeout=startup_timeout)  # data_parallel_size engines
         client.spawn()
         try:
             hf_config, tokenizer, mm_processor = load_frontend(model_path, engine_args)
@@ -147,8 +189,8 @@ class MPAsyncLLM(AsyncLLM):
         from vlserve.engine.model_setup import pick_device
 
         loaded = LoadedModel(model_path, hf_config, None, tokenizer, getattr(mm_processor, "hf_processor", None),
-                             pick_device("cpu"), resolve_dtype(engine_args.dtype, hf_config), ready.max_model_len,
-                             ready.eos_token_ids, modalities=ready.modalities, mm_processor=mm_processor)
+                             pick_device("cpu"), resolve_dtype(engine_args.dtype, hf_config), ready[0].max_model_len,
+                             ready[0].eos_token_ids, modalities=ready[0].modalities, mm_processor=mm_processor)
         self.client = client
         self._pending: dict[str, _Add] = {}  # adds sent, AddAck not yet back
         super().__init__(engine_args, input_workers, engine_loop=RemoteEngineLoop(engine_args, client, loaded,
@@ -162,15 +204,26 @@ class MPAsyncLLM(AsyncLLM):
 
     @property
     def engine_pid(self) -> int | None:
-        return self.client.pid
+        """The first engine process's pid."""
+        return self.client.pids[0] if self.client.pids else None
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Every engine process's pid, by engine index."""
+        return self.client.pids
 
     @property
     def is_running(self) -> bool:
         return super().is_running and self.client.is_alive()
 
     def get_metrics(self) -> dict[str, float]:
-        """The engine's counters as of its last step message (updated before that step's outputs go out)."""
+        """The engines' counters as of their last step messages (updated before that step's outputs go out),
+        summed over the replicas."""
         return self.engine.get_metrics()
+
+    def get_replica_metrics(self) -> list[dict[str, float]]:
+        """Each engine's counters, by engine index (what /metrics labels `engine="i"`)."""
+        return self.engine.get_replica_metrics()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the dispatcher (open requests end "abort"), then the engine process."""
@@ -223,12 +276,13 @@ class MPAsyncLLM(AsyncLLM):
             self._on_ack(msg)
         elif isinstance(msg, EngineGone):
             code = "" if msg.exitcode is None else f" (exit code {msg.exitcode})"
-            raise EngineDeadError(f"the engine process exited unexpectedly{code}")
+            which = f" {msg.engine_index}" if self.client.num_engines > 1 else ""
+            raise EngineDeadError(f"the engine process{which} exited unexpectedly{code}")
         else:
             logger.warning("unexpected engine message %s ignored", type(msg).__name__)
 
     def _on_ack(self, ack: AddAck) -> None:
-        self.engine.metrics = ack.metrics
+        self.engine_loop.update_metrics(ack.engine_index, ack.metrics)
         add = self._pending.pop(ack.user_request_id, None)
         if add is None:
             return
