@@ -27,6 +27,9 @@ class EncoderPlan:
     to_encode: list[int] = field(default_factory=list)
 
 
+_NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, never filled)
+
+
 class Scheduler:
     """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
 
@@ -188,9 +191,9 @@ class Scheduler:
         """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
         ones it reuses and the ones it must encode. An item that cannot be afforded (compute budget or cache space)
         cuts the window to the text before it. Returns (plan, num_new, budget left)."""
-        plan = EncoderPlan()
         if not req.mm_features or num_new <= 0:
-            return plan, num_new, budget
+            return _NO_MEDIA, num_new, budget
+        plan = EncoderPlan()
         cache = self.encoder_cache
         pending = 0
         for i, f in enumerate(req.mm_features):
@@ -216,6 +219,8 @@ class Scheduler:
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
         """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
+        if not plan.reuse and not plan.to_encode:
+            return
         modality_of = {f.mm_hash: f.modality for f in req.mm_features}
         for mm_hash in plan.reuse:
             self.encoder_cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
@@ -259,22 +264,18 @@ class Scheduler:
                 self.stats.spec_num_accepted_tokens += len(sampled) - 1
             if running:
                 self._release_written_encoder_inputs(req)
-            new_tokens: list[int] = []
-            for tok in sampled:
-                new_tokens.append(tok)
-                req.append_output_token_ids([tok])
-                if self._check_stop(req, tok):
-                    break
-            req.spec_token_ids = (runner_out.spec_token_ids.get(rid, []) if running and not req.is_finished()
+            new_tokens = self._accept_tokens(req, sampled) if sampled else []
+            is_finished = req.status >= RequestStatus.FINISHED_STOPPED
+            req.spec_token_ids = (runner_out.spec_token_ids.get(rid, []) if running and not is_finished
                                   else [])
-            if not new_tokens and not req.is_finished():
+            if not new_tokens and not is_finished:
                 continue
             self.stats.generation_tokens += len(new_tokens)
             lps = runner_out.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 rid, new_tokens, req.status.finish_reason, req.stop_reason,
                 lps[: len(new_tokens)] if lps else None, max(req.num_cached_tokens, 0)))
-            if req.is_finished():
+            if is_finished:
                 finished.append((req, running))
         if finished:
             done = {id(req) for req, running in finished if running}
@@ -286,16 +287,30 @@ class Scheduler:
                 self._free_request(req)
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> bool:
+    def _accept_tokens(self, req: Request, sampled: list[int]) -> list[int]:
+        """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or
+        max_model_len, setting the finished status. Returns the tokens kept. One pass per request: the length
+        limit is a count, only stop-token membership is checked per token."""
         n_out = req.num_output_tokens
-        if n_out >= req.sampling_params.min_tokens and token in req.stop_token_ids:
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = None if token in req.sampling_params._eos_token_ids else token
-            return True
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        # Tokens that fit before a length limit ends the request (the first token is always appended).
+        room = max(min(req.max_tokens - n_out, self.config.max_model_len - req.num_tokens), 1)
+        keep = min(len(sampled), room)
+        stop_ids = req.stop_token_ids
+        if stop_ids:
+            min_tokens = req.sampling_params.min_tokens
+            for i in range(keep):
+                tok = sampled[i]
+                if tok in stop_ids and n_out + i + 1 >= min_tokens:
+                    kept = sampled[: i + 1]
+                    req.append_output_token_ids(kept)
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = None if tok in req.sampling_params._eos_token_ids else tok
+                    return kept
+        kept = sampled[:keep]  # a copy: the runner's list is not shared
+        req.append_output_token_ids(kept)
+        if keep >= room:
             req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+        return kept
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish requests from outside (stop strings found by the detokenizer)."""

@@ -77,8 +77,10 @@ class OutputProcessor:
                                                 RequestMetrics(arrival_time), seqs)
         return list(seqs)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns the updated RequestOutputs (one per touched parent) and the engine
+    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the updated RequestOutputs (one per touched parent; with `final_only`
+        only those of parents that finished, which skips copying every open sequence each step) and the engine
         ids that hit a stop string, which the caller must finish in the engine core."""
         now = time.time()
         touched: dict[str, _ParentState] = {}
@@ -106,11 +108,14 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, (stop_str or out.stop_reason)
             touched[pid] = parent
         results = []
-        for pid, parent in touched.items():
-            if parent.finished:
+        for parent in touched.values():
+            finished = parent.finished
+            if finished:
                 parent.metrics.finished_time = now
+            elif final_only:
+                continue
             results.append(self._make_output(parent))
-            if parent.finished:
+            if finished:
                 self._forget(parent)
         return results, stop_string_hits
 
