@@ -37,7 +37,10 @@ class _ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs.values())
+        for s in self.seqs.values():
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -85,18 +88,20 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, _ParentState] = {}
         stop_string_hits: list[str] = []
+        parent_of, parents = self.child_to_parent.get, self.parents
         for out in outputs:
-            pid = self.child_to_parent.get(out.request_id)
+            pid = parent_of(out.request_id)
             if pid is None:
                 continue
-            parent = self.parents[pid]
+            parent = parents[pid]
             seq = parent.seqs[out.request_id]
             if seq.finish_reason is not None:
                 continue
             parent.num_cached_tokens = out.num_cached_tokens
-            if parent.metrics.first_token_time is None and out.new_token_ids:
-                parent.metrics.first_token_time = now
-            parent.metrics.last_token_time = now
+            metrics = parent.metrics
+            if metrics.first_token_time is None and out.new_token_ids:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
                 self._append_logprobs(seq, out.new_logprobs)
