@@ -88,7 +88,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.engine_loop.has_unfinished_requests():
-                for out in self.engine_loop.step():
+                for out in self.engine_loop.step(final_only=True):  # only finished outputs are kept
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

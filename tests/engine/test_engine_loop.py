@@ -98,3 +98,26 @@ def test_mm_setup_does_not_import_model_setup():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "vlserve.engine.model_setup" not in imported
+
+
+def test_step_final_only_returns_just_the_finished_outputs(loop):
+    """LLM's path: final_only skips the per-step output of open requests; the final outputs are the full ones."""
+    loop.add_requests([_req(loop, "fo-short", "hello there", max_tokens=2),
+                       _req(loop, "fo-long", "hello there", max_tokens=5)])
+    every_step, final = [], {}
+    while loop.has_unfinished_requests():
+        outs = loop.step(final_only=True)
+        every_step.append(sorted((o.request_id, o.finished) for o in outs))
+        final.update({o.request_id: o for o in outs})
+    assert all(done for step in every_step for _, done in step)
+    assert [rid for step in every_step for rid, _ in step] == ["fo-short", "fo-long"]
+    assert len(final["fo-short"].outputs[0].token_ids) == 2 and len(final["fo-long"].outputs[0].token_ids) == 5
+    loop.add_requests([_req(loop, "fo-again", "hello there", max_tokens=5)])
+    open_outputs = 0
+    while loop.has_unfinished_requests():
+        for o in loop.step():  # the default still returns every touched request, finished or not
+            final[o.request_id] = o
+            open_outputs += not o.finished
+    assert open_outputs == 4
+    assert final["fo-again"].outputs[0].token_ids == final["fo-long"].outputs[0].token_ids
+    _assert_idle(loop)

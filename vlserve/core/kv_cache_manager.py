@@ -75,6 +75,15 @@ class KVCacheManager:
         nothing is changed. Full blocks whose tokens are known are registered for prefix reuse right away: their
         KV is written in this very step, before any later request in the step can read it.
         """
+        if not new_computed_blocks:  # the common decode step: room left in the last block, nothing to register
+            blocks = self.req_to_blocks.get(request.request_id)
+            if blocks is not None:
+                bs = self.block_size
+                known = request.num_computed_tokens + num_new_tokens
+                if (-(-(known + num_lookahead_tokens) // bs) <= len(blocks)
+                        and (not self.enable_caching
+                             or known // bs <= self._num_cached_blocks.get(request.request_id, 0))):
+                    return []
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

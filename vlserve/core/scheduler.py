@@ -27,6 +27,9 @@ class EncoderPlan:
     to_encode: list[int] = field(default_factory=list)
 
 
+_NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, never filled)
+
+
 class Scheduler:
     """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
 
@@ -100,23 +103,25 @@ class Scheduler:
         encoder_inputs: dict[str, list[int]] = {}
         preempted = False
 
+        allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
         while idx < len(self.running) and token_budget > 0:
             req = self.running[idx]
             if req.num_output_placeholders and self._finishes_in_flight(req):
                 idx += 1
                 continue
-            num_new = min(req.num_tokens_with_spec + req.num_output_placeholders - req.num_computed_tokens,
-                          token_budget)
-            # Never run past the model's length (spec tokens near the end are simply not verified).
-            num_new = min(num_new, cfg.max_model_len - 1 - req.num_computed_tokens)
-            enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, req.num_computed_tokens, num_new,
-                                                                         encoder_budget)
+            computed = req.num_computed_tokens
+            num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
+                          token_budget,
+                          last_position - computed)  # never past the model's length (late spec tokens unverified)
+            enc = _NO_MEDIA
+            if req.mm_features:
+                enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, computed, num_new, encoder_budget)
             if num_new <= 0:
                 idx += 1
                 continue
             while True:
-                new_block_ids = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=cfg.num_spec_tokens)
+                new_block_ids = allocate_slots(req, num_new, num_lookahead_tokens=num_spec)
                 if new_block_ids is not None:
                     break
                 victim = self.running.pop()
@@ -126,8 +131,9 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break  # the request preempted itself
-            self._commit_encoder_inputs(req, enc, encoder_inputs)
-            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            if enc is not _NO_MEDIA:
+                self._commit_encoder_inputs(req, enc, encoder_inputs)
+            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, computed))
             num_scheduled[req.request_id] = num_new
             token_budget -= num_new
             if req.spec_token_ids:
@@ -163,11 +169,12 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             token_budget -= num_new
 
+        scheduled = num_scheduled.get
         for req in self.running:
-            n = num_scheduled.get(req.request_id)
+            n = scheduled(req.request_id)
             if n is not None:
                 req.num_computed_tokens += n
-                if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
                     req.num_output_placeholders += 1  # this step samples; its token is known at update
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
@@ -188,9 +195,9 @@ class Scheduler:
         """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
         ones it reuses and the ones it must encode. An item that cannot be afforded (compute budget or cache space)
         cuts the window to the text before it. Returns (plan, num_new, budget left)."""
-        plan = EncoderPlan()
         if not req.mm_features or num_new <= 0:
-            return plan, num_new, budget
+            return _NO_MEDIA, num_new, budget
+        plan = EncoderPlan()
         cache = self.encoder_cache
         pending = 0
         for i, f in enumerate(req.mm_features):
@@ -216,6 +223,8 @@ class Scheduler:
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
         """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
+        if not plan.reuse and not plan.to_encode:
+            return
         modality_of = {f.mm_hash: f.modality for f in req.mm_features}
         for mm_hash in plan.reuse:
             self.encoder_cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
@@ -240,16 +249,19 @@ class Scheduler:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, bool]] = []  # (request, was running)
+        get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
+        spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
+        RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            req = self.requests.get(rid)
-            if req is None or req.is_finished():
+            req = get_request(rid)
+            if req is None or req.status >= FIRST_FINISHED:
                 continue
-            if sampled:
-                req.num_output_placeholders = max(req.num_output_placeholders - 1, 0)
+            if sampled and req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             # Not running: preempted while its step was in flight (async scheduling). Its tokens still count;
             # its computed tokens and encoder references were already reset.
-            running = req.status == RequestStatus.RUNNING
-            scheduled_spec = sched_out.scheduled_spec_decode_tokens.get(rid) if running else None
+            running = req.status == RUNNING
+            scheduled_spec = spec_scheduled.get(rid) if running and spec_scheduled else None
             if scheduled_spec:
                 # sampled = accepted drafts + one target token; the rest of the drafts were rejected.
                 num_rejected = len(scheduled_spec) + 1 - len(sampled)
@@ -257,24 +269,20 @@ class Scheduler:
                 self.stats.spec_num_drafts += 1
                 self.stats.spec_num_draft_tokens += len(scheduled_spec)
                 self.stats.spec_num_accepted_tokens += len(sampled) - 1
-            if running:
+            if running and req.mm_features:
                 self._release_written_encoder_inputs(req)
-            new_tokens: list[int] = []
-            for tok in sampled:
-                new_tokens.append(tok)
-                req.append_output_token_ids([tok])
-                if self._check_stop(req, tok):
-                    break
-            req.spec_token_ids = (runner_out.spec_token_ids.get(rid, []) if running and not req.is_finished()
-                                  else [])
-            if not new_tokens and not req.is_finished():
+            new_tokens = self._accept_tokens(req, sampled) if sampled else []
+            is_finished = req.status >= FIRST_FINISHED
+            if req.spec_token_ids or spec_next:
+                req.spec_token_ids = spec_next.get(rid, []) if running and not is_finished else []
+            if not new_tokens and not is_finished:
                 continue
             self.stats.generation_tokens += len(new_tokens)
-            lps = runner_out.logprobs.get(rid)
+            lps = logprobs.get(rid) if logprobs else None
             outputs.append(EngineCoreOutput(
                 rid, new_tokens, req.status.finish_reason, req.stop_reason,
                 lps[: len(new_tokens)] if lps else None, max(req.num_cached_tokens, 0)))
-            if req.is_finished():
+            if is_finished:
                 finished.append((req, running))
         if finished:
             done = {id(req) for req, running in finished if running}
@@ -286,16 +294,30 @@ class Scheduler:
                 self._free_request(req)
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> bool:
+    def _accept_tokens(self, req: Request, sampled: list[int]) -> list[int]:
+        """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or
+        max_model_len, setting the finished status. Returns the tokens kept. One pass per request: the length
+        limit is a count, only stop-token membership is checked per token."""
         n_out = req.num_output_tokens
-        if n_out >= req.sampling_params.min_tokens and token in req.stop_token_ids:
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = None if token in req.sampling_params._eos_token_ids else token
-            return True
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        # Tokens that fit before a length limit ends the request (the first token is always appended).
+        room = max(min(req.max_tokens - n_out, self.config.max_model_len - req.num_tokens), 1)
+        keep = min(len(sampled), room)
+        stop_ids = req.stop_token_ids
+        if stop_ids:
+            min_tokens = req.sampling_params.min_tokens
+            for i in range(keep):
+                tok = sampled[i]
+                if tok in stop_ids and n_out + i + 1 >= min_tokens:
+                    kept = sampled[: i + 1]
+                    req.append_output_token_ids(kept)
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = None if tok in req.sampling_params._eos_token_ids else tok
+                    return kept
+        kept = sampled[:keep]  # a copy: the runner's list is not shared
+        req.append_output_token_ids(kept)
+        if keep >= room:
             req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+        return kept
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish requests from outside (stop strings found by the detokenizer)."""

@@ -84,9 +84,10 @@ class EngineLoop:
         return dropped
 
     # -- the loop ----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One core step; returns the cumulative outputs it touched (stop-string hits are finished in the core)."""
-        outputs, stop_hits = self.output_processor.process_outputs(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One core step; returns the cumulative outputs it touched, or with `final_only` those that finished
+        (stop-string hits are finished in the core)."""
+        outputs, stop_hits = self.output_processor.process_outputs(self.core.step(), final_only)
         if stop_hits:
             self.core.finish_requests_stopped(stop_hits)
         return outputs

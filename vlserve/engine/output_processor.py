@@ -37,7 +37,10 @@ class _ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs.values())
+        for s in self.seqs.values():
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -77,24 +80,28 @@ class OutputProcessor:
                                                 RequestMetrics(arrival_time), seqs)
         return list(seqs)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns the updated RequestOutputs (one per touched parent) and the engine
+    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the updated RequestOutputs (one per touched parent; with `final_only`
+        only those of parents that finished, which skips copying every open sequence each step) and the engine
         ids that hit a stop string, which the caller must finish in the engine core."""
         now = time.time()
         touched: dict[str, _ParentState] = {}
         stop_string_hits: list[str] = []
+        parent_of, parents = self.child_to_parent.get, self.parents
         for out in outputs:
-            pid = self.child_to_parent.get(out.request_id)
+            pid = parent_of(out.request_id)
             if pid is None:
                 continue
-            parent = self.parents[pid]
+            parent = parents[pid]
             seq = parent.seqs[out.request_id]
             if seq.finish_reason is not None:
                 continue
             parent.num_cached_tokens = out.num_cached_tokens
-            if parent.metrics.first_token_time is None and out.new_token_ids:
-                parent.metrics.first_token_time = now
-            parent.metrics.last_token_time = now
+            metrics = parent.metrics
+            if metrics.first_token_time is None and out.new_token_ids:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs and seq.logprobs is not None:
                 self._append_logprobs(seq, out.new_logprobs)
@@ -106,11 +113,14 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, (stop_str or out.stop_reason)
             touched[pid] = parent
         results = []
-        for pid, parent in touched.items():
-            if parent.finished:
+        for parent in touched.values():
+            finished = parent.finished
+            if finished:
                 parent.metrics.finished_time = now
+            elif final_only:
+                continue
             results.append(self._make_output(parent))
-            if parent.finished:
+            if finished:
                 self._forget(parent)
         return results, stop_string_hits
 

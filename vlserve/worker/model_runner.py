@@ -200,10 +200,12 @@ class ModelRunner:
                     new.prompt_token_ids, new.mm_features)
             self.requests[new.req_id] = state
             self.input_batch.add_request(new.req_id, new.block_ids)
+        requests = self.requests
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
+            state = requests[cached.req_id]
+            if cached.new_block_ids:  # most decode steps add none
+                state.block_ids.extend(cached.new_block_ids)
+                self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _run_encoders(self, so: SchedulerOutput) -> None:
@@ -238,7 +240,8 @@ class ModelRunner:
         self._run_encoders(so)
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
-        req_ids = sorted(n_sched, key=lambda r: n_sched[r] != 1)
+        all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
+        req_ids = list(n_sched) if all_decodes else sorted(n_sched, key=lambda r: n_sched[r] != 1)
         states = [self.requests[r] for r in req_ids]
         B = len(req_ids)
         q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
@@ -257,7 +260,9 @@ class ModelRunner:
         samples = None
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
-            drafts = [so.scheduled_spec_decode_tokens.get(s.req_id, []) for s in sample_states]
+            spec = so.scheduled_spec_decode_tokens
+            drafts = ([spec.get(s.req_id, []) for s in sample_states] if spec
+                      else [[] for _ in sample_states])
             samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts)
         spec_tokens: dict[str, list[int]] = {}
         # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.

@@ -1,6 +1,7 @@
 """The sampling half of a runner step: pick logits rows, sample (or verify drafts), collect tokens and logprobs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,22 @@ class StepSamples:
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+class TokenSlices(Sequence):
+    """Each state's prompt (or output) token ids as a read-only list-like, sliced only when a row is read: most
+    steps read none, and copying every request's tokens each step would grow with the sequence lengths."""
+
+    def __init__(self, states: list[CachedRequestState], prompt: bool):
+        self.states = states
+        self.prompt = prompt
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int) -> list[int]:
+        state = self.states[i]
+        return state.prompt_token_ids if self.prompt else state.output_token_ids
 
 
 class StepSampler:
@@ -39,8 +56,8 @@ class StepSampler:
         logits = model.compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])  # [sum(k_i + 1), V]
         params = [s.sampling_params for s in states]
         gens = [s.generator for s in states]
-        prompts = [s.prompt_token_ids for s in states]
-        outputs = [s.output_token_ids for s in states]
+        prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens rows
+        outputs = TokenSlices(states, prompt=False)
         vocab = logits.shape[-1]
         if any_drafts:
             md = build_spec_sampling_metadata(params, gens, prompts, outputs, drafts, vocab, logits.device)

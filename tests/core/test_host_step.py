@@ -1,0 +1,73 @@
+"""The lean host step's shortcuts give what the plain per-token / full paths give (no model, no torch)."""
+import random
+
+from vlserve.config import SchedulerConfig
+from vlserve.core.kv_cache_manager import KVCacheManager
+from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
+from vlserve.core.scheduler import Scheduler
+from vlserve.sampling_params import SamplingParams
+
+
+def _reference_accept(req: Request, sampled: list[int], max_model_len: int) -> list[int]:
+    """The per-token rule: append, then stop on a stop token (min_tokens out), max_tokens or max_model_len."""
+    kept = []
+    for tok in sampled:
+        kept.append(tok)
+        req.append_output_token_ids([tok])
+        n_out = req.num_output_tokens
+        if n_out >= req.sampling_params.min_tokens and tok in req.stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = None if tok in req.sampling_params._eos_token_ids else tok
+            break
+        if n_out >= req.max_tokens or req.num_tokens >= max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            break
+    return kept
+
+
+def _request(rng: random.Random, n_prompt: int) -> Request:
+    max_tokens = rng.randint(1, 6)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.randint(0, min(2, max_tokens)),
+                            stop_token_ids=rng.choice([[], [3], [3, 5]]), ignore_eos=rng.random() < 0.5,
+                            _eos_token_ids=(5,))
+    req = Request(EngineCoreRequest("r", list(range(10, 10 + n_prompt)), params, 0.0), max_tokens)
+    req.append_output_token_ids([9] * rng.randint(0, params.max_tokens - 1))
+    return req
+
+
+def test_accept_tokens_matches_the_per_token_rule():
+    rng = random.Random(0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12, block_size=4), 8)
+    seen = set()
+    for _ in range(3000):
+        n_prompt = rng.randint(1, 9)
+        sampled = [rng.choice([3, 4, 5, 6]) for _ in range(rng.randint(1, 4))]
+        state = rng.getstate()
+        fast, ref = _request(rng, n_prompt), None
+        rng.setstate(state)
+        ref = _request(rng, n_prompt)
+        kept = sched._accept_tokens(fast, sampled)
+        assert kept == _reference_accept(ref, sampled, 12)
+        assert (fast.status, fast.stop_reason, fast.all_token_ids) == (ref.status, ref.stop_reason, ref.all_token_ids)
+        seen.add((fast.status, len(kept) < len(sampled)))
+    # every outcome was exercised: running, stopped and length-capped, with and without dropped tokens
+    assert {RequestStatus.WAITING, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH} <= {s for s, _ in seen}
+    assert (RequestStatus.FINISHED_STOPPED, True) in seen and (RequestStatus.FINISHED_LENGTH, True) in seen
+
+
+def test_decode_fast_path_still_registers_a_block_filled_without_a_new_one():
+    """With lookahead the last block is allocated early; it must be registered for reuse the step it fills."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    req = Request(EngineCoreRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), 0.0), 8)
+    assert len(kv.allocate_slots(req, 5, num_lookahead_tokens=3)) == 2  # 8 slots: 2 blocks
+    req.num_computed_tokens = 5
+    for tok in (6, 7, 8):  # decode steps: each fits in the 2 blocks
+        req.append_output_token_ids([tok])
+        assert kv.allocate_slots(req, 1) == []
+        req.num_computed_tokens += 1
+    assert len(kv.get_block_ids("a")) == 2
+    # tokens 1..8 are written: both blocks are registered, so a request continuing them hits all 8 tokens
+    twin = Request(EngineCoreRequest("b", [1, 2, 3, 4, 5, 6, 7, 8, 99], SamplingParams(max_tokens=8), 0.0), 8)
+    hits, n = kv.get_computed_blocks(twin)
+    assert n == 8 and [b.block_id for b in hits] == kv.get_block_ids("a")
+    kv.check_integrity()
