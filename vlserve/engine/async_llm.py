@@ -215,6 +215,10 @@ class AsyncLLM:
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine stopped: {e!r}"))
             return
+        self._close_open_streams()
+
+    def _close_open_streams(self) -> None:
+        """After a clean stop: abort the requests still open and refuse new ones."""
         self._dead = EngineDeadError("shut down")
         for rid in list(self._streams):
             self._do_abort(rid)

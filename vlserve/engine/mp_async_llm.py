@@ -250,10 +250,7 @@ class MPAsyncLLM(AsyncLLM):
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine stopped: {e}"))
             return
-        self._dead = EngineDeadError("shut down")
-        for rid in list(self._streams):
-            self._do_abort(rid)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._close_open_streams()
 
     def _do_add(self, msg: _Add) -> None:
         try:

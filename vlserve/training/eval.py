@@ -67,21 +67,26 @@ def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads
     return outs
 
 
-def generate_vlserve(model_dir: str, items: list[dict]) -> list[str]:
-    """Greedy answers from vlserve's `LLM.chat` (the whole set in one continuous batch)."""
+def chat_answers(model_dir: str, conversations: list[list[dict]], max_tokens: int = MAX_NEW_TOKENS) -> list[str]:
+    """Greedy answers from vlserve's `LLM.chat` to these conversations (the whole set in one continuous batch)."""
     from vlserve import LLM, SamplingParams
 
     llm = LLM(model=model_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    outputs = llm.chat([messages_for(it, "vlserve") for it in items], params, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
     return [o.outputs[0].text for o in outputs]
 
 
-def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
-    """Exact-match accuracy per form plus "overall"."""
+def generate_vlserve(model_dir: str, items: list[dict]) -> list[str]:
+    """Greedy answers from vlserve's `LLM.chat` (the whole set in one continuous batch)."""
+    return chat_answers(model_dir, [messages_for(it, "vlserve") for it in items])
+
+
+def score(items: list[dict], outputs: list[str], forms: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Exact-match accuracy per form (default: the vision world's forms) plus "overall"."""
     from vlserve.training import world
 
-    per: dict[str, list[bool]] = {f: [] for f in world.FORMS}
+    per: dict[str, list[bool]] = {f: [] for f in (forms or world.FORMS)}
     for it, out in zip(items, outputs):
         per[it["form"]].append(out.strip().lower() == it["answer"].strip().lower())
     acc = {f: sum(v) / len(v) for f, v in per.items() if v}

@@ -74,24 +74,16 @@ def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads
 
 def generate_vlserve(model_dir: str, items: list[dict]) -> list[str]:
     """Greedy answers from vlserve's `LLM.chat` with input_audio parts (the whole set in one continuous batch)."""
-    from vlserve import LLM, SamplingParams
+    from vlserve.training.eval import chat_answers
 
-    llm = LLM(model=model_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    outputs = llm.chat([messages_for(it, "vlserve") for it in items], params, use_tqdm=False)
-    return [o.outputs[0].text for o in outputs]
+    return chat_answers(model_dir, [messages_for(it, "vlserve") for it in items], MAX_NEW_TOKENS)
 
 
 def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
-    """Exact-match accuracy per form plus "overall"."""
-    from vlserve.training import audio_world
+    """Exact-match accuracy per audio form plus "overall"."""
+    from vlserve.training import audio_world, eval as vision_eval
 
-    per: dict[str, list[bool]] = {f: [] for f in audio_world.FORMS}
-    for it, out in zip(items, outputs):
-        per[it["form"]].append(out.strip().lower() == it["answer"].strip().lower())
-    acc = {f: sum(v) / len(v) for f, v in per.items() if v}
-    acc["overall"] = sum(sum(v) for v in per.values()) / max(1, sum(len(v) for v in per.values()))
-    return acc
+    return vision_eval.score(items, outputs, audio_world.FORMS)
 
 
 def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 100, seed: int = EVAL_SEED,
