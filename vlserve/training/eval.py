@@ -107,18 +107,28 @@ def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: in
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"no checkpoint at {model_dir!r} (expected a directory with config.json)")
     items = held_out_set(per_form, seed)
+    return run_and_report(model_dir, engine, items, lambda d, its: generate_hf(d, its, batch_size), generate_vlserve,
+                          world, show_errors)
+
+
+def run_and_report(model_dir: str, engine: str, items: list[dict], hf_answers, vlserve_answers, world_module,
+                   show_errors: int) -> dict[str, float]:
+    """Answer `items` with the chosen engine (`hf_answers` / `vlserve_answers`: (model_dir, items) -> texts),
+    print the per-form table of `world_module` (its FORMS and QUESTION_TEMPLATES) and the first wrong answers, and
+    return the accuracies (plus "hf_agreement" for engine "both")."""
     t0 = time.time()
-    outputs = generate_hf(model_dir, items, batch_size) if engine == "hf" else generate_vlserve(model_dir, items)
-    acc = score(items, outputs)
+    outputs = hf_answers(model_dir, items) if engine == "hf" else vlserve_answers(model_dir, items)
+    acc = score(items, outputs, world_module.FORMS)
     if engine == "both":
-        hf = generate_hf(model_dir, items, batch_size)
+        hf = hf_answers(model_dir, items)
         same = sum(a.strip() == b.strip() for a, b in zip(outputs, hf))
         acc["hf_agreement"] = same / len(items)
         print(f"vlserve == HF generate on {same}/{len(items)} answers")
     print(f"model {model_dir} | engine {engine} | {len(items)} questions | {time.time() - t0:.0f}s")
-    print(f"{'form':<16} {'question':<40} {'accuracy':>8}")
-    for f in world.FORMS:
-        print(f"{f:<16} {world.QUESTION_TEMPLATES[f]:<40} {acc[f]:>8.3f}")
+    width = max(len(f) for f in world_module.FORMS) + 4
+    print(f"{'form':<{width}} {'question':<40} {'accuracy':>8}")
+    for f in world_module.FORMS:
+        print(f"{f:<{width}} {world_module.QUESTION_TEMPLATES[f]:<40} {acc[f]:>8.3f}")
     wrong = [(it, o) for it, o in zip(items, outputs) if o.strip().lower() != it["answer"].strip().lower()]
     for it, o in wrong[:show_errors]:
         print(f"  wrong [{it['form']}] {it['question']!r}: got {o.strip()!r}, expected {it['answer']!r}")

@@ -13,7 +13,6 @@ import argparse
 import base64
 import os
 import random
-import time
 
 EVAL_SEED = 20240917
 MAX_NEW_TOKENS = 40
@@ -98,25 +97,11 @@ def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 1
         raise ValueError(f"no checkpoint at {model_dir!r} (expected a directory with config.json)")
     if engine not in ("hf", "vlserve", "both"):
         raise ValueError(f"engine must be hf, vlserve or both, got {engine[:50]!r}")
+    from vlserve.training.eval import run_and_report
+
     items = held_out_set(per_form, seed)
-    t0 = time.time()
-    outputs = generate_hf(model_dir, items, batch_size, threads) if engine == "hf" else generate_vlserve(model_dir, items)
-    acc = score(items, outputs)
-    if engine == "both":
-        hf = generate_hf(model_dir, items, batch_size, threads)
-        same = sum(a.strip() == b.strip() for a, b in zip(outputs, hf))
-        acc["hf_agreement"] = same / len(items)
-        print(f"vlserve == HF generate on {same}/{len(items)} answers")
-    print(f"model {model_dir} | engine {engine} | {len(items)} questions | {time.time() - t0:.0f}s")
-    print(f"{'form':<12} {'question':<40} {'accuracy':>8}")
-    for f in audio_world.FORMS:
-        print(f"{f:<12} {audio_world.QUESTION_TEMPLATES[f]:<40} {acc[f]:>8.3f}")
-    wrong = [(it, o) for it, o in zip(items, outputs) if o.strip().lower() != it["answer"].strip().lower()]
-    for it, o in wrong[:show_errors]:
-        print(f"  wrong [{it['form']}] {it['question']!r}: got {o.strip()!r}, expected {it['answer']!r}")
-    print(f"overall accuracy over {len(items)} questions: {acc['overall']:.4f}")
-    print(f"accuracy: {acc['overall']:.2f}")
-    return acc
+    return run_and_report(model_dir, engine, items, lambda d, its: generate_hf(d, its, batch_size, threads),
+                          generate_vlserve, audio_world, show_errors)
 
 
 def main(argv: list[str] | None = None) -> None:
