@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,7 +15,8 @@ from tests.api.conftest import TEXT_ENGINE_KW, free_port
 from tests.api.test_api_concurrency import conversations
 from tests.api.test_api_media import (NO_EOS, VL_ENGINE_KW, data_url, image_msg, offline_vl,  # noqa: F401
                                       png_bytes, vl_ckpt)
-from tests.api.test_engine_process import _cmdline, assert_engine_idle, start_proc_server, stream_all
+from tests.api.test_engine_process import (_cmdline, assert_engine_idle, start_cli_server, start_proc_server,
+                                           stream_all)
 from vlserve import SamplingParams
 
 
@@ -122,22 +121,8 @@ def test_data_parallel_needs_the_engine_process(text_ckpt, capsys):
 
 @pytest.mark.slow
 def test_server_exits_nonzero_when_a_replica_is_killed(text_ckpt, repo_root):
-    port = free_port()
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "1024", "--num-kv-blocks", "64", "--log-level", "warning", "--data-parallel-size", "2"]
-    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, engines = start_cli_server(text_ckpt, repo_root, data_parallel_size=2)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
-        engines = [int(c) for c in children if "spawn_main" in _cmdline(c)]
-        assert len(engines) == 2, f"expected two engine children among {children}"
         os.kill(engines[1], signal.SIGKILL)
         assert proc.wait(30) == 1
         deadline = time.monotonic() + 20  # the surviving replica goes too

@@ -171,13 +171,15 @@ def test_bad_checkpoint_error_reaches_the_user(text_ckpt, tmp_path, capsys):
     assert "engine process failed to start: SafetensorError" in err and "header" in err
 
 
-def start_cli_server(text_ckpt: str, repo_root: str) -> tuple[subprocess.Popen, int]:
-    """`vlserve serve` (engine process by default) as a subprocess, once healthy: (server, engine pid)."""
+def start_cli_server(text_ckpt: str, repo_root: str, data_parallel_size: int = 1) -> tuple[subprocess.Popen,
+                                                                                             list[int]]:
+    """`vlserve serve` (engine processes by default) as a subprocess, once healthy: (server, engine pids)."""
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "1024", "--num-kv-blocks", "64", "--log-level", "warning"]
+           "--max-model-len", "1024", "--num-kv-blocks", "64", "--log-level", "warning",
+           "--data-parallel-size", str(data_parallel_size)]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 60 + 60 * data_parallel_size
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
         try:
@@ -187,8 +189,8 @@ def start_cli_server(text_ckpt: str, repo_root: str) -> tuple[subprocess.Popen, 
             time.sleep(0.3)
     children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
     engines = [int(c) for c in children if "spawn_main" in _cmdline(c)]
-    assert len(engines) == 1, f"expected one engine child among {children}"
-    return proc, engines[0]
+    assert len(engines) == data_parallel_size, f"expected {data_parallel_size} engine children among {children}"
+    return proc, engines
 
 
 def _cmdline(pid) -> str:
@@ -200,7 +202,7 @@ def _cmdline(pid) -> str:
 
 @pytest.mark.slow
 def test_server_exits_nonzero_when_the_engine_is_killed(text_ckpt, repo_root):
-    proc, engine_pid = start_cli_server(text_ckpt, repo_root)
+    proc, (engine_pid,) = start_cli_server(text_ckpt, repo_root)
     try:
         os.kill(engine_pid, signal.SIGKILL)
         assert proc.wait(30) == 1
@@ -213,7 +215,7 @@ def test_server_exits_nonzero_when_the_engine_is_killed(text_ckpt, repo_root):
 @pytest.mark.slow
 def test_engine_exits_when_the_server_is_killed(text_ckpt, repo_root):
     """No orphan: the engine process notices its parent is gone and exits."""
-    proc, engine_pid = start_cli_server(text_ckpt, repo_root)
+    proc, (engine_pid,) = start_cli_server(text_ckpt, repo_root)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20

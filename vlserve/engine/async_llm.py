@@ -239,13 +239,20 @@ class AsyncLLM:
             else:
                 self._do_add(msg)
 
-    def _do_add(self, msg: _Add) -> None:
+    def _start_stream(self, msg: _Add) -> bool:
+        """Hand the request to the engine loop and register its stream; False (and the caller told why) when the
+        engine refuses it."""
         try:
             self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival)])
         except Exception as e:
             _post(msg.stream.loop, _settle, msg.done, e)
-            return
+            return False
         self._streams[msg.request_id] = msg.stream
+        return True
+
+    def _do_add(self, msg: _Add) -> None:
+        if not self._start_stream(msg):
+            return
         if not _post(msg.stream.loop, _settle, msg.done, None):
             self._do_abort(msg.request_id)
 

@@ -253,13 +253,8 @@ class MPAsyncLLM(AsyncLLM):
         self._close_open_streams()
 
     def _do_add(self, msg: _Add) -> None:
-        try:
-            self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival)])
-        except Exception as e:
-            _post(msg.stream.loop, _settle, msg.done, e)
-            return
-        self._streams[msg.request_id] = msg.stream
-        self._pending[msg.request_id] = msg
+        if self._start_stream(msg):  # settled when the engine's AddAck arrives
+            self._pending[msg.request_id] = msg
 
     def _on_engine_message(self, msg: object) -> None:
         if isinstance(msg, StepOutputs):
