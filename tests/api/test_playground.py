@@ -142,11 +142,14 @@ def browser(chromium, tmp_path_factory):
 
 
 def _wait(driver, condition, what: str, timeout: float = 60):
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    # the page re-renders lists (chips, examples) while we read them: an element found a moment ago can be gone,
+    # which only means "not there yet", so poll again
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
+        return WebDriverWait(driver, timeout, poll_frequency=0.05,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
     except TimeoutException:
         console = [entry["message"] for entry in driver.get_log("browser")]
         raise AssertionError(f"timed out waiting for {what}; browser console: {console}") from None
@@ -273,7 +276,11 @@ def test_browser_phone_width_example_and_chip(browser, demo_server, artifacts):
         _wait(browser, lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, "#chips button")]
               == [q["question"] for q in example["questions"]], "the example's questions as chips")
         qa = example["questions"][0]
-        browser.find_element(By.XPATH, f"//div[@id='chips']/button[text()='{qa['question']}']").click()
+        # a re-render between finding the chip and clicking it makes it stale: find and click again
+        _wait(browser, lambda d: d.find_element(By.XPATH, f"//div[@id='chips']/button[text()='{qa['question']}']")
+              .click() or True, "a click on the question's chip")
+        _wait(browser, lambda d: d.find_element(By.ID, "prompt").get_attribute("value") == qa["question"],
+              "the chip's question in the box")
         browser.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
         expected = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".turn.assistant .expected"),
                          "the world's answer beside the model's")
