@@ -20,17 +20,18 @@ MAX_LINES = 500
 RANKS = {
     "demo": 0,  # the checkpoint locator: imports nothing from vlserve
     "config": 1, "sampling_params": 1, "outputs": 1, "shorten": 1,
-    "core": 2, "kernels": 2, "multimodal": 2,
+    "core": 2, "kernels": 2, "multimodal": 2, "distributed": 2,
     "encoders": 3,
     "models": 4,
     "worker": 5,
     "spec_decode": 6,
-    "engine": 7,
-    "llm": 8, "api": 8, "vlserve": 8,
-    "cli": 9, "bench": 9, "quickstart": 9,
+    "executor": 7,
+    "engine": 8,
+    "llm": 9, "api": 9, "vlserve": 9,
+    "cli": 10, "bench": 10, "quickstart": 10,
 }
 OFF_PATH = {"training", "testing"}  # may import anything; only the top-rank tools may import them
-TOOLS_RANK = 9
+TOOLS_RANK = 10
 
 # (module, imported module) edges that break the rule today, each with the helper whose part removes it.
 KNOWN_BREACHES: set[tuple[str, str]] = set()
