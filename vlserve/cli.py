@@ -77,6 +77,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes (replicas, each with its own KV and encoder cache) behind this server; "
                         "requests go by media / prompt-prefix affinity, then load")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (worker processes, one device each; gloo on CPU, NCCL on CUDA) the model is sharded "
+                        "over")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="what starts the ranks: mp (multiprocessing, the default above one rank) or ray (Ray "
+                        "actors on the cluster at RAY_ADDRESS, or a local one)")
     p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine core in a thread of the API process instead of its own process")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -100,7 +106,9 @@ def serve_config_from_args(args: argparse.Namespace):
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
         async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
-        enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size)
+        enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

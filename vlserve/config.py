@@ -141,11 +141,17 @@ class EngineArgs:
     compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
     data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
+    tensor_parallel_size: int = 1  # worker processes (ranks) the model is sharded over
+    distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
 
     def __post_init__(self) -> None:
-        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
-                or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1, got {shorten(self.data_parallel_size)}")
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', "
+                             f"got {shorten(self.distributed_executor_backend)}")
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         if isinstance(self.speculative_config, str):

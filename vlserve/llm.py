@@ -104,6 +104,10 @@ class LLM:
         """Engine counters and gauges named as on /metrics (e.g. `vlserve:prefix_cache_hits_total`)."""
         return self.engine.get_metrics()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallel) or actors (Ray) now rather than at exit."""
+        self.engine.shutdown()
+
     def check_integrity(self) -> None:
         """Assert the KV pool / encoder cache invariants (tests call this after runs)."""
         self.engine.check_integrity()

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from vlserve.config import EngineArgs
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
+from vlserve.executor import WorkerDied
 from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS, SerializedProcessor
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.outputs import RequestOutput
@@ -195,6 +196,8 @@ class AsyncLLM:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # the executor's ranks, the runner thread
 
     # -- the engine thread -----------------------------------------------------------------------------------
     def _run_engine_thread(self) -> None:
@@ -206,6 +209,8 @@ class AsyncLLM:
                 if self.engine_loop.has_unfinished_requests():
                     try:
                         self._step()
+                    except WorkerDied:
+                        raise  # a rank is gone: the engine is dead (below), not just this step
                     except Exception as e:
                         logger.exception("engine step failed; aborting the requests in flight")
                         self._recover(e)

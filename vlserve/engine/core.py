@@ -13,10 +13,10 @@ from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, SchedulerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
-from vlserve.spec_decode import SpeculativeConfig, build_proposer
+from vlserve.spec_decode import SpeculativeConfig
 from vlserve.spec_decode.config import fill_default_draft
-from vlserve.worker.kv_sizing import determine_num_kv_blocks
-from vlserve.worker.model_runner import ModelRunner
+from vlserve.executor import build_executor
+from vlserve.executor.worker import RankModel, WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -25,24 +25,20 @@ class EngineCore:
     """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
-        if loaded is None:
-            loaded = load_for_serving(resolve_model_path(args.model), args)
+        sharded = args.tensor_parallel_size > 1 or args.distributed_executor_backend not in (None, "uni")
+        if loaded is None:  # the ranks load their own shards when they run elsewhere
+            loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded)
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
-        self.runner = ModelRunner(loaded.model, loaded.hf_config, loaded.device, loaded.dtype, args.block_size,
-                                  mrope_positions_fn=loaded.mrope_positions_fn,
-                                  proposer=build_proposer(self.spec_config, self.max_model_len, loaded,
-                                                          args.block_size),
-                                  compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        num_blocks = determine_num_kv_blocks(
-            self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            memory_fraction=args.kv_cache_memory_fraction, max_num_batched_tokens=max_batched,
-            max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs)
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.warm_up_model(args.max_num_seqs, self.max_model_len)
+        settings = WorkerSettings(args, loaded.model_path, self.max_model_len, max_batched, self.spec_config)
+        rank_model = None if loaded.model is None else RankModel(
+            loaded.model_path, loaded.hf_config, loaded.model, loaded.device, loaded.dtype, loaded.mrope_positions_fn)
+        self.executor = build_executor(settings, rank_model)
+        self.runner = self.executor.runner  # the ModelRunner when it runs in this process, else None
+        num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
@@ -83,7 +79,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         self.num_steps += 1
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self._flush_if_idle()
@@ -110,7 +106,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return False
-        self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.runner.execute_model, sched_out)))
+        self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.execute_model, sched_out)))
         self.num_steps += 1
         return True
 
@@ -129,23 +125,26 @@ class EngineCore:
         if self.scheduler.finished_req_ids:
             sched_out = self.scheduler.schedule()
             if self.steps_in_flight is None:
-                self.runner.execute_model(sched_out)
+                self.executor.execute_model(sched_out)
             else:
-                self._runner_thread.submit(self.runner.execute_model, sched_out).result()
+                self._runner_thread.submit(self.executor.execute_model, sched_out).result()
 
     def shutdown(self) -> None:
-        """Finish queued steps and stop the runner thread (async scheduling); a no-op otherwise."""
+        """Finish queued steps, stop the runner thread (async scheduling) and the executor's ranks."""
         if self.steps_in_flight is not None:
-            self._drain_in_flight()
-            self._runner_thread.shutdown(wait=True)
+            try:
+                self._drain_in_flight()
+            finally:
+                self._runner_thread.shutdown(wait=True)
+        self.executor.shutdown()
 
     # -- metrics -----------------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
         """Counters and gauges under the names they carry on /metrics."""
         s = self.scheduler
-        st, enc = s.stats, s.encoder_cache
+        st, enc, ranks = s.stats, s.encoder_cache, self.executor.stats()
         per_modality = {}  # `name{modality="..."}`: /metrics exports these as one labelled family per name
-        for name, counts in (("encoder_runs_by_modality_total", self.runner.encoder_runs_by_modality),
+        for name, counts in (("encoder_runs_by_modality_total", ranks.encoder_runs_by_modality),
                              ("encoder_cache_hits_by_modality_total", enc.hits_by_modality),
                              ("encoder_cache_misses_by_modality_total", enc.misses_by_modality)):
             for modality in self.loaded.modalities:
@@ -164,7 +163,7 @@ class EngineCore:
             "vlserve:encoder_cache_misses_total": enc.misses,
             "vlserve:encoder_cache_evictions_total": enc.evictions,
             "vlserve:encoder_cache_usage": enc.usage,
-            "vlserve:encoder_runs_total": self.runner.num_encoder_runs,
+            "vlserve:encoder_runs_total": ranks.num_encoder_runs,
             "vlserve:mm_processor_cache_hits_total": getattr(self.loaded.mm_processor, "cache_hits", 0),
             "vlserve:spec_decode_num_drafts_total": st.spec_num_drafts,
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
@@ -174,12 +173,13 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if not self.has_unfinished_requests():
-            assert not self.runner.requests, f"runner still tracks {list(self.runner.requests)}"
+            left = self.executor.stats().num_requests
+            assert not left, f"the runner still tracks {left} requests"
 
     @staticmethod
     def now() -> float:
         return time.time()
 
     def device_synchronize(self) -> None:
-        if self.runner.device.type == "cuda":
+        if self.executor.device.type == "cuda":
             torch.cuda.synchronize()

@@ -76,7 +76,10 @@ class EngineCoreClient:
             process = ctx.Process(target=run_engine_core, name=f"vlserve-engine-{i}",
                                   args=(self.engine_args, address, self.output_address, i,
                                         logging.getLogger().getEffectiveLevel()),
-                                  daemon=True)
+                                  # an engine that starts rank processes of its own cannot be a daemon; it still
+                                  # exits with this process (it watches its parent) and `close` stops it
+                                  daemon=not self.engine_args.tensor_parallel_size > 1
+                                  and self.engine_args.distributed_executor_backend in (None, "uni"))
             process.start()
             self.processes.append(process)
 

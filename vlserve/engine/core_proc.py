@@ -14,6 +14,7 @@ import signal
 import sys
 
 from vlserve.config import EngineArgs
+from vlserve.executor import WorkerDied
 from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, EngineFailed, EngineReady,
                                           FinishStopped, ShutdownEngine, StepOutputs, decode, encode,
                                           portable_error)
@@ -153,6 +154,10 @@ class _EngineLoopProc:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
+        except WorkerDied as e:  # a rank is gone: fail the requests in flight, then exit non-zero
+            logger.error("%s", e)
+            self._send(StepOutputs(self.engine_index, [], self._metrics(), f"{type(e).__name__}: {e}"))
+            raise
         except Exception as e:
             logger.exception("engine step failed; dropping the requests in flight")
             self.core.abort_requests(list(self.core.scheduler.requests))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vlserve.multimodal.mrope import get_mrope_positions
+from vlserve.executor.worker import mrope_positions_fn_for
 from vlserve.multimodal.processor import MultiModalProcessor
 
 
@@ -33,8 +33,5 @@ def load_multimodal(model_path: str, hf_config: Any, model: Any,
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
                          f"friends are needed for {', '.join(modalities)} input): {e}") from e
-    mrope_fn = None
-    if getattr(model, "uses_mrope", False):
-        def mrope_fn(ids, feats):
-            return get_mrope_positions(ids, feats, hf_config)
-    return MultimodalParts(modalities, mm_processor.hf_processor, mm_processor, mrope_fn)
+    return MultimodalParts(modalities, mm_processor.hf_processor, mm_processor,
+                           mrope_positions_fn_for(model, hf_config))

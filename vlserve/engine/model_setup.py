@@ -70,11 +70,13 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_for_serving(model_path: str, args: EngineArgs) -> LoadedModel:
-    """Read the checkpoint at model_path and build the model on the chosen device and dtype."""
+def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True) -> LoadedModel:
+    """Read the checkpoint at model_path and build the model on the chosen device and dtype. Without
+    `build_model` (the ranks load their own shards elsewhere) no weight is read: `model` is None, and the model's
+    facts (modalities, M-RoPE) come from an instance on the meta device, which holds no memory."""
     from transformers import AutoConfig
 
-    from vlserve.models.loader import load_model, resolve_dtype
+    from vlserve.models.loader import load_model, meta_model, resolve_dtype
     from vlserve.models.registry import get_model_class
 
     try:
@@ -91,8 +93,11 @@ def load_for_serving(model_path: str, args: EngineArgs) -> LoadedModel:
     if max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     torch.manual_seed(args.seed)
-    model = load_model(model_path, hf_config, dtype, device)
-    mm = load_multimodal(model_path, hf_config, model, max_audio_seconds=args.max_audio_seconds)
+    if build_model:
+        model = facts = load_model(model_path, hf_config, dtype, device)
+    else:
+        model, facts = None, meta_model(hf_config)
+    mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds)
     return LoadedModel(model_path, hf_config, model, tokenizer, mm.processor, device, dtype, max_model_len,
                        _eos_token_ids(model_path, hf_config, tokenizer), mrope_positions_fn=mm.mrope_positions_fn,
                        modalities=mm.modalities, mm_processor=mm.mm_processor)

@@ -72,6 +72,9 @@ class RemoteCore:
         self.max_model_len = loaded.max_model_len
         self.replica_metrics = [dict(m) for m in metrics]  # by engine index
 
+    def shutdown(self) -> None:
+        """Nothing here: the engine processes stop when the client closes."""
+
     def get_metrics(self) -> dict[str, float]:
         """The counters of each engine's last message, summed over the replicas (usage fractions averaged)."""
         return combine_replica_metrics(self.replica_metrics)

@@ -63,6 +63,13 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
                 yield name, f.get_tensor(name)
 
 
+def meta_model(hf_config) -> nn.Module:
+    """The registered class for `hf_config` built on the meta device: its attributes (modalities, token ids, M-RoPE)
+    without any weight memory."""
+    with torch.device("meta"):
+        return get_model_class(hf_config)(hf_config)
+
+
 def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
     """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
 

@@ -1,0 +1,187 @@
+"""Tensor-parallel ranks as worker processes on this machine (multiprocessing, spawn), one pipe each.
+
+Each step the executor pickles the SchedulerOutput once and writes it to every rank's pipe; every rank runs the
+step (the collectives inside the model join them over torch.distributed) and answers with its output. Rank 0's
+output is the step's result; the others' sampled ids must equal it (the logits are all-gathered, so every rank
+samples the same tokens with the same generator state), which the executor checks.
+
+While it waits, the executor also watches every rank's process sentinel: a rank that dies (killed, out of memory, a
+crash inside a collective) turns into `WorkerDied` at once, naming the rank and its exit code; the remaining ranks
+are then stopped, so nothing hangs.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import signal
+import socket
+import traceback
+from multiprocessing.connection import Connection, wait
+
+from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from vlserve.executor.base import Executor, WorkerDied
+from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0  # how long a rank gets to exit after "shutdown" before it is killed
+
+
+def free_tcp_port() -> int:
+    """A TCP port nobody listens on right now (for the process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _send(conn: Connection, message) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, init_method: str,
+                       conn: Connection, log_level: int) -> None:
+    """A rank's process: load its shard, say ready (or why not), then answer calls until told to stop or until the
+    executor's end of the pipe closes (the engine is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops the ranks
+    logging.basicConfig(level=log_level, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    if rank_device(settings.args.device, rank).type == "cpu":
+        share_cpu_threads(world_size)
+    try:
+        worker = Worker.start_rank(settings, rank, world_size, init_method)
+        _send(conn, ("ok", None))
+    except BaseException as e:
+        logger.exception("rank %d failed to load", rank)
+        _send(conn, ("error", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1)
+    while True:
+        try:
+            method, arg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the executor is gone
+        if method == "shutdown":
+            return
+        try:
+            if method == "execute_model":
+                result = (worker.execute_model(arg), worker.stats())
+            else:
+                result = getattr(worker, method)(arg)
+            _send(conn, ("ok", result))
+        except BaseException as e:
+            _send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            raise SystemExit(1)
+
+
+class MultiprocExecutor(Executor):
+    """`tensor_parallel_size` worker processes, one per rank (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, settings: WorkerSettings):
+        args = settings.args
+        self.world_size = args.tensor_parallel_size
+        self.device = rank_device(args.device, 0)
+        self._dead: str | None = None  # why the ranks can no longer run steps
+        self._stats = WorkerStats()
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        try:
+            for rank in range(self.world_size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=run_worker_process, name=f"vlserve-tp-rank{rank}", daemon=True,
+                                   args=(settings, rank, self.world_size, init_method, theirs,
+                                         logging.getLogger("vlserve").getEffectiveLevel()))
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(ours)
+            self._collect("start-up")
+            share = 1.0 / self.world_size if self.device.type == "cpu" else 1.0  # one host's RAM for all ranks
+            self.num_blocks = min(self._call("determine_num_blocks", share))
+            self._call("initialize", self.num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (pids %s), %d KV blocks each", self.world_size,
+                    [p.pid for p in self.procs], self.num_blocks)
+
+    # -- calls -------------------------------------------------------------------------------------------------
+    def _call(self, method: str, arg) -> list:
+        """Send one call to every rank; every rank's result, in rank order."""
+        if self._dead:
+            raise WorkerDied(self._dead)
+        blob = pickle.dumps((method, arg), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(blob)
+            except OSError:
+                self._fail(self._death_of(rank))
+        return self._collect(method)
+
+    def _collect(self, what: str) -> list:
+        """Wait for every rank's answer to `what`, watching the processes: a death or an error raises at once."""
+        results: list = [None] * self.world_size
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while pending:
+            watched = [s for s, rank in sentinels.items() if rank in pending.values()]
+            for ready in wait(list(pending) + watched):
+                if isinstance(ready, Connection):
+                    rank = pending.pop(ready)
+                    try:
+                        status, value = pickle.loads(ready.recv_bytes())
+                    except (EOFError, OSError):
+                        self._fail(self._death_of(rank))
+                    if status != "ok":
+                        self._fail(f"tensor-parallel rank {rank} failed during {what}: {value}")
+                    results[rank] = value
+                elif sentinels[ready] in pending.values():  # a rank that has not answered is gone
+                    rank = sentinels[ready]
+                    conn = self.conns[rank]
+                    if conn.poll():  # it answered before exiting (e.g. with its error): read that first
+                        continue
+                    self._fail(self._death_of(rank))
+        return results
+
+    def _death_of(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with code {code}" if code is not None else "stopped answering")
+        return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot continue"
+
+    def _fail(self, why: str):
+        self._dead = why
+        self.shutdown(kill=True)  # the others may be blocked in a collective with the lost rank
+        raise WorkerDied(why)
+
+    # -- the executor interface --------------------------------------------------------------------------------
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        results = self._call("execute_model", sched_out)
+        output, self._stats = results[0]
+        for rank, (other, _) in enumerate(results[1:], start=1):
+            if other.sampled_token_ids != output.sampled_token_ids:
+                self._fail(f"tensor-parallel rank {rank} sampled {other.sampled_token_ids} where rank 0 sampled "
+                           f"{output.sampled_token_ids}: the ranks diverged")
+        return output
+
+    def stats(self) -> WorkerStats:
+        return self._stats
+
+    def shutdown(self, kill: bool = False) -> None:
+        """Ask every rank to stop, then kill the ones still running after a grace period (at once with `kill`)."""
+        for conn in self.conns:
+            try:
+                _send(conn, ("shutdown", None))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=0 if kill else STOP_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=STOP_GRACE_S)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.procs = []

@@ -1,0 +1,142 @@
+"""One rank's share of the model: its weights (a tensor-parallel shard, or the whole model), its KV cache and the
+model runner that executes each step. The executors build one `Worker` per rank, in this process or in another."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from vlserve.config import EngineArgs
+from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from vlserve.distributed.parallel_state import init_tensor_parallel
+from vlserve.multimodal.mrope import get_mrope_positions
+from vlserve.spec_decode import SpeculativeConfig, build_proposer
+from vlserve.worker.kv_sizing import determine_num_kv_blocks
+from vlserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """The tensors side of a checkpoint as one rank holds it (what the runner and a draft proposer need)."""
+
+    model_path: str
+    hf_config: Any
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    mrope_positions_fn: Callable | None = None
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What every rank is told at start-up (plain data: it is pickled to worker processes)."""
+
+    args: EngineArgs
+    model_path: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    spec_config: SpeculativeConfig | None = None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A rank's counters, read after each step (the executor keeps rank 0's for /metrics)."""
+
+    num_encoder_runs: int = 0
+    encoder_runs_by_modality: dict[str, int] = field(default_factory=dict)
+    num_requests: int = 0  # requests the runner still holds state for
+
+
+def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
+    """For M-RoPE models: `(prompt_ids, mm_features) -> ([3, P] positions, delta)`; None otherwise."""
+    if not getattr(model, "uses_mrope", False):
+        return None
+
+    def mrope_fn(ids, feats):
+        return get_mrope_positions(ids, feats, hf_config)
+    return mrope_fn
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r's device: `cuda:r` on CUDA (one GPU per rank), the CPU otherwise."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", rank)
+    return dev
+
+
+def load_rank_model(settings: WorkerSettings, rank: int) -> RankModel:
+    """Build this rank's shard of the checkpoint (the whole model when not tensor parallel)."""
+    from transformers import AutoConfig
+
+    from vlserve.models.loader import load_model, resolve_dtype
+
+    hf_config = AutoConfig.from_pretrained(settings.model_path)
+    device = rank_device(settings.args.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(settings.args.dtype, hf_config)
+    torch.manual_seed(settings.args.seed)
+    model = load_model(settings.model_path, hf_config, dtype, device)
+    return RankModel(settings.model_path, hf_config, model, device, dtype, mrope_positions_fn_for(model, hf_config))
+
+
+class Worker:
+    """A rank: its model (shard), KV cache and runner. `determine_num_blocks`, then `initialize`, then steps."""
+
+    def __init__(self, settings: WorkerSettings, rank_model: RankModel):
+        self.settings = settings
+        args = settings.args
+        self.rank_model = rank_model
+        self.runner = ModelRunner(
+            rank_model.model, rank_model.hf_config, rank_model.device, rank_model.dtype, args.block_size,
+            mrope_positions_fn=rank_model.mrope_positions_fn,
+            proposer=build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size),
+            compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
+
+    @classmethod
+    def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> "Worker":
+        """In a rank's own process: join the tensor-parallel group, then load this rank's shard."""
+        backend = "nccl" if rank_device(settings.args.device, rank).type == "cuda" else "gloo"
+        init_tensor_parallel(rank, world_size, init_method, backend)
+        return cls(settings, load_rank_model(settings, rank))
+
+    def determine_num_blocks(self, memory_share: float = 1.0) -> int:
+        """How many KV blocks this rank can hold (`memory_share`: the part of the host memory budget that is this
+        rank's when several ranks share one machine's RAM)."""
+        args = self.settings.args
+        return determine_num_kv_blocks(
+            self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            memory_fraction=args.kv_cache_memory_fraction * memory_share,
+            max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            max_model_len=self.settings.max_model_len, max_num_seqs=args.max_num_seqs)
+
+    def initialize(self, num_blocks: int) -> None:
+        """Allocate the KV cache (the same block count on every rank) and compile / capture per the level."""
+        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up_model(self.settings.args.max_num_seqs, self.settings.max_model_len)
+
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one planned step on this rank."""
+        return self.runner.execute_model(sched_out)
+
+    def stats(self) -> WorkerStats:
+        """This rank's counters now."""
+        r = self.runner
+        return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests))
+
+
+def share_cpu_threads(world_size: int) -> None:
+    """Several ranks on one machine's CPU: each takes its part of the cores (one is left to the engine loop),
+    unless the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, (cores - 1) // world_size))
