@@ -30,6 +30,10 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's output."""
 
     @abstractmethod
+    def collective_rpc(self, method: str, arg=None) -> list:
+        """Call `Worker.<method>(arg)` on every rank; the results in rank order (plain data)."""
+
+    @abstractmethod
     def stats(self) -> WorkerStats:
         """Rank 0's counters after the latest step."""
 

@@ -97,8 +97,8 @@ class MultiprocExecutor(Executor):
                 self.conns.append(ours)
             self._collect("start-up")
             share = 1.0 / self.world_size if self.device.type == "cpu" else 1.0  # one host's RAM for all ranks
-            self.num_blocks = min(self._call("determine_num_blocks", share))
-            self._call("initialize", self.num_blocks)
+            self.num_blocks = min(self.collective_rpc("determine_num_blocks", share))
+            self.collective_rpc("initialize", self.num_blocks)
         except BaseException:
             self.shutdown()
             raise
@@ -106,7 +106,7 @@ class MultiprocExecutor(Executor):
                     [p.pid for p in self.procs], self.num_blocks)
 
     # -- calls -------------------------------------------------------------------------------------------------
-    def _call(self, method: str, arg) -> list:
+    def collective_rpc(self, method: str, arg=None) -> list:
         """Send one call to every rank; every rank's result, in rank order."""
         if self._dead:
             raise WorkerDied(self._dead)
@@ -158,7 +158,7 @@ class MultiprocExecutor(Executor):
 
     # -- the executor interface --------------------------------------------------------------------------------
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        results = self._call("execute_model", sched_out)
+        results = self.collective_rpc("execute_model", sched_out)
         output, self._stats = results[0]
         for rank, (other, _) in enumerate(results[1:], start=1):
             if other.sampled_token_ids != output.sampled_token_ids:

@@ -19,5 +19,8 @@ class UniprocExecutor(Executor):
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched_out)
 
+    def collective_rpc(self, method: str, arg=None) -> list:
+        return [getattr(self.worker, method)(arg)]
+
     def stats(self) -> WorkerStats:
         return self.worker.stats()

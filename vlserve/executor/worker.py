@@ -127,6 +127,15 @@ class Worker:
         """Run one planned step on this rank."""
         return self.runner.execute_model(sched_out)
 
+    def shard_info(self, _=None) -> dict:
+        """What this rank holds: its rank, the group size, its parameter count and its KV cache shape."""
+        from vlserve.distributed.parallel_state import tp_rank, tp_size
+
+        model = self.rank_model.model
+        numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied weights once
+        kv = tuple(self.runner.kv_caches[0][0].shape) if self.runner.kv_caches else None
+        return {"rank": tp_rank(), "world_size": tp_size(), "num_params": numel, "kv_cache_shape": kv}
+
     def stats(self) -> WorkerStats:
         """This rank's counters now."""
         r = self.runner
