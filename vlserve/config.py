@@ -152,6 +152,9 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {shorten(self.distributed_executor_backend)}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size is "
+                             f"{self.tensor_parallel_size}: use 'mp' or 'ray'")
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         if isinstance(self.speculative_config, str):

@@ -171,13 +171,14 @@ def test_bad_checkpoint_error_reaches_the_user(text_ckpt, tmp_path, capsys):
     assert "engine process failed to start: SafetensorError" in err and "header" in err
 
 
-def start_cli_server(text_ckpt: str, repo_root: str, data_parallel_size: int = 1) -> tuple[subprocess.Popen,
-                                                                                             list[int]]:
-    """`vlserve serve` (engine processes by default) as a subprocess, once healthy: (server, engine pids)."""
+def start_cli_server(text_ckpt: str, repo_root: str, data_parallel_size: int = 1,
+                     extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, list[int]]:
+    """`vlserve serve` (engine processes by default) as a subprocess, once healthy: (server, engine pids); its port
+    is `server.port`."""
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--port", str(port), "--dtype", "float32",
            "--max-model-len", "1024", "--num-kv-blocks", "64", "--log-level", "warning",
-           "--data-parallel-size", str(data_parallel_size)]
+           "--data-parallel-size", str(data_parallel_size), *extra_args]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60 + 60 * data_parallel_size
     while True:
@@ -190,6 +191,7 @@ def start_cli_server(text_ckpt: str, repo_root: str, data_parallel_size: int = 1
     children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
     engines = [int(c) for c in children if "spawn_main" in _cmdline(c)]
     assert len(engines) == data_parallel_size, f"expected {data_parallel_size} engine children among {children}"
+    proc.port = port
     return proc, engines
 
 

@@ -14,9 +14,6 @@ def build_executor(settings: WorkerSettings, rank_model: RankModel | None = None
     if backend is None:
         backend = "uni" if args.tensor_parallel_size == 1 else "mp"
     if backend == "uni":
-        if args.tensor_parallel_size != 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size is "
-                             f"{args.tensor_parallel_size}: use 'mp' or 'ray'")
         if rank_model is None:
             raise ValueError("the in-process executor needs the loaded model")
         return UniprocExecutor(settings, rank_model)
