@@ -69,12 +69,14 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
     steps = llm.engine.num_steps - steps0
-    if llm.engine.runner.device.type == "cuda":
+    runner = llm.engine.runner  # None when the ranks run in worker processes (tensor parallel)
+    if runner is not None and runner.device.type == "cuda":
         from vlserve.bench.gpu_report import print_gpu_report
 
         print_gpu_report(llm, prompts, sp, dt, steps)
-    return (dt, sum(len(o.outputs[0].token_ids) for o in outs), load, steps,
-            llm.engine.runner.forward.compile_seconds)
+    compile_s = runner.forward.compile_seconds if runner is not None else 0.0
+    llm.shutdown()
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs), load, steps, compile_s
 
 
 def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-O", "--compilation-config", default=None,
                    help="vlserve's compilation level 0..3 or a JSON object (default: the device's)")
     p.add_argument("--enforce-eager", action="store_true", help="vlserve without torch.compile / CUDA graphs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="vlserve's ranks; above 1 a one-rank vlserve run comes first, in the same process, for the "
+                        "ratio")
     p.add_argument("--compare-eager", action="store_true",
                    help="also run vlserve with enforce_eager first, in the same process, and print the ratio")
     args = p.parse_args(argv)
@@ -187,15 +192,25 @@ def main(argv: list[str] | None = None) -> None:
                                                   enforce_eager=True, async_scheduling=args.async_scheduling)
         print(f"vlserve eager: {en / edt:8.1f} tok/s  ({en} tokens in {edt:.2f} s, {esteps} steps, "
               f"{1000 * edt / esteps:.2f} ms/step; load {eload:.1f} s)")
-    dt, n, load, steps, compile_s = bench_vlserve(
-        model, prompts, output_lens, args.dtype, args.num_prompts, compilation_config=args.compilation_config,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+    engine_kwargs = dict(compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+                         async_scheduling=args.async_scheduling)
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        tdt, tn, tload, tsteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                                  **engine_kwargs)
+        print(f"vlserve TP=1: {tn / tdt:8.1f} tok/s  ({tn} tokens in {tdt:.2f} s, {tsteps} steps, "
+              f"{1000 * tdt / tsteps:.2f} ms/step; load {tload:.1f} s)")
+    dt, n, load, steps, compile_s = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                                  tensor_parallel_size=tp, **engine_kwargs)
     print(f"vlserve: {n / dt:8.1f} tok/s, {1000 * dt / per_stream:.2f} ms/token per stream  ({n} tokens in "
           f"{dt:.2f} s, {steps} steps, {1000 * dt / steps:.2f} ms/step; load {load:.1f} s incl. compile "
           f"{compile_s:.1f} s; compilation {args.compilation_config or 'default'}"
-          f"{', enforce_eager' if args.enforce_eager else ''}; async_scheduling={args.async_scheduling})")
+          f"{', enforce_eager' if args.enforce_eager else ''}; async_scheduling={args.async_scheduling}"
+          f"{f'; TP={tp}' if tp > 1 else ''})")
     if args.compare_eager:
         print(f"ratio vlserve/vlserve-eager: {(n / dt) / (en / edt):.2f}x")
+    if tp > 1:
+        print(f"ratio vlserve TP={tp}/TP=1: {(n / dt) / (tn / tdt):.2f}x")
     if not args.skip_hf:
         hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
