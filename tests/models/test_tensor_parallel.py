@@ -106,11 +106,14 @@ def _check_reads(name: str, model_dir: str, reads: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_decoder_two_ranks_match_unsharded(text_dirs, tmp_path):
-    """-O1 (inductor, collectives as opaque custom ops) under TP=2 gives the eager unsharded logits."""
-    model_dir = text_dirs["llama_gqa_untied"]
-    ranks = run_tensor_parallel(paged_step_logits, 2, model_dir, PROMPTS, DECODES, str(tmp_path / "cache"))
-    want = paged_step_logits(model_dir, PROMPTS, DECODES)
+def test_compiled_decoder_two_ranks_match_unsharded(tmp_path):
+    """-O1 (inductor, collectives as opaque custom ops) under TP=2 gives the eager unsharded logits. Rank 0 runs
+    compiled and rank 1 eager (one inductor compile on a 2-core machine): the compiled graph must issue the same
+    collectives in the same order as the eager forward, or the ranks deadlock or disagree."""
+    model_dir = build_text_checkpoint(str(tmp_path / "llama"), arch="llama", num_layers=1)  # less to compile
+    # the prefill shape class only (T >= 2): each further class is another inductor compile in every rank
+    ranks = run_tensor_parallel(paged_step_logits, 2, model_dir, PROMPTS, [], str(tmp_path / "cache"), False, 0)
+    want = paged_step_logits(model_dir, PROMPTS, [])
     for rank in ranks:
         assert_same_logits(rank, want)
 

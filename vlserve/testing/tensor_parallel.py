@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from vlserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_size
+from vlserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_rank, tp_size
 
 
 def free_port() -> int:
@@ -60,11 +60,14 @@ def _image_inputs(model, hf_config, num_tokens: int) -> tuple[dict, dict]:
 
 
 def paged_step_logits(model_dir: str, prompts: list[list[int]], decode_tokens: list[int],
-                      compile_cache_dir: str | None = None, image: bool = False) -> dict:
+                      compile_cache_dir: str | None = None, image: bool = False,
+                      compile_rank: int | None = None) -> dict:
     """Load `model_dir` (float32, CPU) in this process's TP rank and run, over a paged KV cache, one batched prefill
     of `prompts` then one decode step per entry of `decode_tokens` (that token appended to every prompt).
 
-    `compile_cache_dir` runs the decoder compiled (-O1, inductor cache there). `image` (Qwen2-VL models) adds a
+    `compile_cache_dir` runs the decoder compiled (-O1, inductor cache there), on every rank or only on rank
+    `compile_rank` (the others eager: same collectives in the same order, half the compile work on a small
+    machine). `image` (Qwen2-VL models) adds a
     sequence whose prefill is `inputs_embeds` with an image's embeddings and `[3, T]` M-RoPE positions.
     Returns {"logits": [per step: {seq: [q, V]}], "read_shapes": {checkpoint name: shape this rank read}}.
     """
@@ -80,7 +83,7 @@ def paged_step_logits(model_dir: str, prompts: list[list[int]], decode_tokens: l
     shard_of = model.checkpoint_shard if tp_size() > 1 else None
     read_shapes = {n: tuple(t.shape) for n, t in iter_safetensors_weights(model_dir, shard_of)}
     forward = None
-    if compile_cache_dir is not None:
+    if compile_cache_dir is not None and compile_rank in (None, tp_rank()):
         forward = ModelForward(model, torch.device("cpu"), CompilationConfig(level=1, cache_dir=compile_cache_dir))
     runner = PagedRunner(model, cfg, block_size=4, forward=forward)
     steps = [runner.step([(f"s{i}", p) for i, p in enumerate(prompts)])]
