@@ -190,11 +190,15 @@ def test_eagle_is_refused_under_tensor_parallelism():
         build_eagle_proposer(None, None, 64, 4)
 
 
-def test_kv_cache_spec_is_per_rank(text_dirs):
+def test_kv_cache_shapes_are_per_rank(text_dirs):
     from vlserve.models import kv_cache_spec
+    from vlserve.worker.model_runner import ModelRunner
 
     gqa = AutoConfig.from_pretrained(text_dirs["llama_gqa_untied"])
     mqa = AutoConfig.from_pretrained(text_dirs["qwen2_mqa_tied"])
-    assert kv_cache_spec(gqa) == (2, 2, 16)
+    runner = ModelRunner(torch.nn.Linear(1, 1), gqa, torch.device("cpu"), torch.float32, block_size=4)
+    assert kv_cache_spec(gqa) == (2, 2, 16) and runner.kv_cache_shape(8) == (8, 4, 2, 16)
+    whole_block = runner.bytes_per_block()
     with fake_rank(1, 2):
         assert kv_cache_spec(gqa) == (2, 1, 16) and kv_cache_spec(mqa) == (2, 1, 16)
+        assert runner.kv_cache_shape(8) == (8, 4, 1, 16) and runner.bytes_per_block() == whole_block // 2
