@@ -12,6 +12,7 @@ from vlserve import kernels
 from vlserve.kernels.activation import activation
 from vlserve.kernels.rotary_ref import rotary_cos_sin
 from vlserve.models.hf_config import rope_params_of
+from vlserve.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 from vlserve.models.rope import rope_inv_freq
 
 class RMSNorm(nn.Module):
@@ -45,13 +46,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))` with gate and up fused into one Linear (`gate_up_proj`, weight [2I, H])."""
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one Linear (`gate_up_proj`, weight [2I, H]).
+
+    Under tensor parallelism gate_up is column-parallel and down_proj row-parallel: `intermediate_size` is this
+    rank's `I / tp`, and down_proj sums the ranks' outputs."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias)
+        self.intermediate_size = self.gate_up_proj.piece_offsets["up_proj"][1]  # this rank's I / tp
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.hidden_act = hidden_act
         self.act_fn = activation(hidden_act)
 

@@ -6,6 +6,10 @@ checkpoint and are sliced into the fused matrices by `load_weights`.
 
 `LlamaDecoderModel` (embeddings + layers + final norm) is built from a text config object alone and accepts
 `inputs_embeds` and M-RoPE positions `[3, T]`, so multimodal models (Qwen2-VL) reuse it as their language model.
+
+Under tensor parallelism (vlserve.distributed) the decoder is sharded Megatron-style by
+`vlserve.models.parallel_layers`: heads, MLP width and vocab split by rank; `checkpoint_shard(name)` tells the
+loader which slice of each checkpoint tensor this rank reads. With one rank nothing changes.
 """
 from __future__ import annotations
 
@@ -16,15 +20,23 @@ import torch
 from torch import nn
 
 from vlserve import kernels
+from vlserve.distributed.parallel_state import tp_size
 from vlserve.kernels.attention_op import paged_attention
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.hf_config import text_config_of, tie_word_embeddings_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from vlserve.models.parallel_layers import (ParallelLMHead, QKVParallelLinear, RowParallelLinear, ShardSpec,
+                                            VocabParallelEmbedding, check_tensor_parallel_sizes, copy_weight,
+                                            local_kv_heads)
 
 logger = logging.getLogger(__name__)
 
 # HF checkpoint names that carry no weights we need (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# HF projections that live inside our fused matrices: HF name -> (module kind in the name, fused parameter).
+_FUSED_PIECES = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
+                 "v_proj": ("self_attn", "qkv_proj"), "gate_proj": ("mlp", "gate_up_proj"),
+                 "up_proj": ("mlp", "gate_up_proj")}
 
 
 def head_dim_of(config) -> int:
@@ -34,27 +46,31 @@ def head_dim_of(config) -> int:
 
 def kv_cache_spec(hf_config) -> tuple[int, int, int]:
     """`(num_layers, num_kv_heads, head_dim)` of the (text part of the) model: each layer's KV cache is a pair
-    `k_cache, v_cache` of shape `[NB, BS, num_kv_heads, head_dim]` in the model dtype."""
+    `k_cache, v_cache` of shape `[NB, BS, num_kv_heads, head_dim]` in the model dtype. `num_kv_heads` is this
+    tensor-parallel rank's (Hkv / tp, or 1 when the KV heads are replicated)."""
     cfg = text_config_of(hf_config)
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return cfg.num_hidden_layers, num_kv_heads, head_dim_of(cfg)
+    return cfg.num_hidden_layers, local_kv_heads(num_kv_heads, tp_size()), head_dim_of(cfg)
 
 
 class DecoderAttention(nn.Module):
-    """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj."""
+    """Self-attention: fused qkv projection, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj.
+
+    Head counts are this tensor-parallel rank's (`qkv_proj` splits them; `o_proj` sums the ranks' outputs)."""
 
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
@@ -128,10 +144,13 @@ class LlamaDecoderModel(nn.Module):
         layer_types = getattr(config, "layer_types", None) or []
         if "sliding_attention" in layer_types:
             logger.warning("sliding-window attention layers are run with full attention")
+        check_tensor_parallel_sizes(config.num_attention_heads,
+                                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                    config.intermediate_size, tp_size())
         self.config = config
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i) for i in range(self.num_layers))
@@ -193,36 +212,48 @@ class LlamaDecoderModel(nn.Module):
         """Copy HF-named tensors (relative names) into the fused parameters; returns the names consumed.
 
         Raises ValueError on an unknown name or a shape mismatch. Tensors are converted to the parameter's
-        dtype and device.
+        dtype and device. Under tensor parallelism each tensor is this rank's slice (see `checkpoint_shard`).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            target, rows = self._route(name)
+            target, piece = self._route(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            param = params[target]
-            dst = param.data if rows is None else param.data[rows[0]:rows[0] + rows[1]]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            module, param = self._owner(target)
+            if hasattr(module, "load_shard"):
+                module.load_shard(param, piece, tensor, name)
+            else:
+                copy_weight(params[target], tensor, name)
             loaded.add(name)
         return loaded
 
-    def _route(self, name: str) -> tuple[str, tuple[int, int] | None]:
-        """HF name -> (our parameter name, (row offset, row count) into a fused matrix, or None)."""
-        attn = self.layers[0].self_attn if len(self.layers) else None
-        if attn is not None:
-            q, kv = attn.q_size, attn.kv_size
-            for hf, off, size in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                if f".self_attn.{hf}." in name:
-                    return name.replace(hf, "qkv_proj"), (off, size)
-            inter = self.layers[0].mlp.intermediate_size
-            for hf, off in (("gate_proj", 0), ("up_proj", inter)):
-                if f".mlp.{hf}." in name:
-                    return name.replace(hf, "gate_up_proj"), (off, inter)
+    def checkpoint_shard(self, name: str) -> ShardSpec | None:
+        """`(dim, start, length)` of HF tensor `name` (relative to this module) that this tensor-parallel rank
+        reads, or None to read it whole (always None with one rank)."""
+        if tp_size() == 1 or name.endswith(_IGNORED_SUFFIXES):
+            return None
+        target, piece = self._route(name)
+        module, param = self._owner(target)
+        shard = getattr(module, "checkpoint_shard", None)
+        return shard(param, piece) if shard is not None else None
+
+    def _owner(self, target: str) -> tuple[nn.Module, str]:
+        """Our parameter name -> (the module holding it, the parameter's name there); (self, name) if none."""
+        path, _, param = target.rpartition(".")
+        try:
+            return (self.get_submodule(path) if path else self), param
+        except AttributeError:
+            return self, target
+
+    @staticmethod
+    def _route(name: str) -> tuple[str, str | None]:
+        """HF name -> (our parameter name, the HF projection it fills inside a fused matrix, or None)."""
+        for piece, (kind, fused) in _FUSED_PIECES.items():
+            if f".{kind}.{piece}." in name:
+                return name.replace(piece, fused), piece
         return name, None
 
 
@@ -233,13 +264,6 @@ def decoder_of(model: nn.Module) -> "LlamaDecoderModel":
         if isinstance(dec, LlamaDecoderModel):
             return dec
     raise ValueError(f"{type(model).__name__} has no LlamaDecoderModel (.model or .language_model)")
-
-
-def copy_weight(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    """Copy checkpoint tensor `name` into `dst`; ValueError when the shapes differ."""
-    if tuple(dst.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-    dst.data.copy_(tensor)
 
 
 class DecoderWithLMHead(nn.Module):
@@ -277,8 +301,29 @@ class DecoderWithLMHead(nn.Module):
         return self.decoder(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [N, H]` -> logits `[N, V]` float32."""
+        """`hidden [N, H]` -> logits `[N, V]` float32 (every tensor-parallel rank gets the whole vocab)."""
         return self.lm_head(hidden).float()
+
+    def _split_name(self, name: str) -> tuple[str, str]:
+        """Checkpoint name -> (part, name relative to it): `model.*` -> the decoder, `lm_head.weight` -> lm_head;
+        part "" for other names."""
+        if name == "lm_head.weight":
+            return "lm_head", "weight"
+        if name.startswith("model."):
+            return self.decoder_attr, name[len("model."):]
+        return "", name
+
+    def checkpoint_shard(self, name: str) -> ShardSpec | None:
+        """`(dim, start, length)` of checkpoint tensor `name` that this tensor-parallel rank reads, or None to read
+        it whole: decoder tensors and lm_head are sharded, every other part (encoders, projectors) replicated."""
+        if tp_size() == 1:
+            return None
+        part, rel = self._split_name(name)
+        if part == self.decoder_attr:
+            return self.decoder.checkpoint_shard(rel)
+        if part == "lm_head":
+            return self.lm_head.checkpoint_shard("weight")
+        return None
 
 
 class LlamaForCausalLM(DecoderWithLMHead):
@@ -291,7 +336,7 @@ class LlamaForCausalLM(DecoderWithLMHead):
         super().__init__()
         self.config = config
         self.model = LlamaDecoderModel(config, **self.decoder_kwargs)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     @torch.no_grad()
@@ -306,7 +351,7 @@ class LlamaForCausalLM(DecoderWithLMHead):
                     yield name[len("model."):], tensor
                 elif name == "lm_head.weight":
                     if not self.tied:
-                        copy_weight(self.lm_head.weight, tensor, name)
+                        self.lm_head.load_shard("weight", None, tensor, name)
                         loaded.add(name)
                 elif not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from vlserve.distributed.parallel_state import tp_size
 from vlserve.models.registry import get_model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -53,14 +54,27 @@ def safetensors_files(model_dir: str) -> list[str]:
            if any(n.endswith(".bin") for n in os.listdir(model_dir)) else ""))
 
 
-def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(HF name, CPU tensor)` for every tensor of the checkpoint in `model_dir`."""
+ShardFn = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def iter_safetensors_weights(model_dir: str, shard_of: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(HF name, CPU tensor)` for every tensor of the checkpoint in `model_dir`.
+
+    With `shard_of` (a model's `checkpoint_shard`), a name it maps to `(dim, start, length)` yields only that slice,
+    read from the file through `get_slice` (the rest of the tensor is never read); None yields the whole tensor.
+    """
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                shard = shard_of(name) if shard_of is not None else None
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = shard
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, f.get_slice(name)[index]
 
 
 def meta_model(hf_config) -> nn.Module:
@@ -76,6 +90,9 @@ def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
     The module is built on the meta device (no random init), materialized with `to_empty`, then every module
     with an `init_buffers(device)` method recomputes its non-persistent buffers (RoPE tables), `tie_weights()`
     re-ties lm_head, and `model.load_weights(iter_safetensors_weights(model_dir))` fills all parameters.
+
+    Under tensor parallelism (`vlserve.distributed.init_tensor_parallel` called first) the model is built with this
+    rank's shard sizes and each rank reads only its slices of the sharded tensors (`model.checkpoint_shard`).
     """
     cls = get_model_class(hf_config)
     dtype = resolve_dtype(dtype, hf_config)
@@ -94,8 +111,13 @@ def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
             module.init_buffers(device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    shard_of = None
+    if tp_size() > 1:
+        shard_of = getattr(model, "checkpoint_shard", None)
+        if shard_of is None:
+            raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1")
     try:
-        model.load_weights(iter_safetensors_weights(model_dir))
+        model.load_weights(iter_safetensors_weights(model_dir, shard_of))
     except ValueError as e:
         raise ValueError(f"{e} (checkpoint {model_dir})") from e
     return model.eval()

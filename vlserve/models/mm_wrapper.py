@@ -18,16 +18,19 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch import nn
 
 from vlserve.models.hf_config import text_config_of
-from vlserve.models.llama import DecoderWithLMHead, LlamaDecoderModel, copy_weight
+from vlserve.models.llama import DecoderWithLMHead, LlamaDecoderModel
+from vlserve.models.parallel_layers import ParallelLMHead, copy_weight
 
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 
 
 class MultiModalLM(DecoderWithLMHead):
-    """Encoder parts + `language_model` + `lm_head`; the load loop shared by the multimodal families."""
+    """Encoder parts + `language_model` + `lm_head`; the load loop shared by the multimodal families.
+
+    Under tensor parallelism only `language_model` and `lm_head` are sharded (`checkpoint_shard` routes names with
+    `_split_name`); the encoder parts are replicated: every rank loads and runs them whole."""
 
     decoder_attr = "language_model"
     supports_multimodal = True
@@ -51,7 +54,7 @@ class MultiModalLM(DecoderWithLMHead):
     def build_language_model(self, **decoder_kwargs) -> None:
         """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""
         self.language_model = LlamaDecoderModel(self.text_config, **decoder_kwargs)
-        self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(self.text_config.hidden_size, self.text_config.vocab_size)
         self.tie_weights()
 
     @property
@@ -107,7 +110,7 @@ class MultiModalLM(DecoderWithLMHead):
                     loaded.add(f"{part}.{rel}")
                 elif part == "lm_head":
                     if not self.tied:
-                        copy_weight(self.lm_head.weight, tensor, name)
+                        self.lm_head.load_shard("weight", None, tensor, name)
                         loaded.add("lm_head.weight")
                 else:
                     extra = self._load_extra(part, rel, tensor)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vlserve.distributed.parallel_state import tp_size
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids, \
     load_eagle_draft
@@ -182,7 +183,11 @@ class EagleProposer:
 
 
 def build_eagle_proposer(spec_config, loaded, max_model_len: int, block_size: int) -> EagleProposer:
-    """EagleProposer for `loaded` (vlserve.engine.model_setup.LoadedModel)."""
+    """EagleProposer for `loaded` (vlserve.engine.model_setup.LoadedModel); ValueError under tensor parallelism
+    (the draft head is not sharded)."""
+    if tp_size() > 1:
+        raise ValueError(f"EAGLE speculative decoding is not supported with tensor_parallel_size > 1 (got "
+                         f"{tp_size()}); use method 'ngram' or tensor_parallel_size=1")
     if not hasattr(loaded.model, "lm_head"):
         raise ValueError(f"EAGLE drafting needs a target with an lm_head; {type(loaded.model).__name__} has none")
     return EagleProposer.from_config(spec_config, loaded.model, loaded.hf_config, loaded.device, loaded.dtype,

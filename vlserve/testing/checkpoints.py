@@ -36,7 +36,7 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
                           vocab_size: int | None = None, tie_word_embeddings: bool | None = None,
                           initializer_range: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32,
                           max_position_embeddings: int = 2048, rope_scaling: dict | None = None,
-                          randomize_norms_and_biases: bool = True) -> str:
+                          randomize_norms_and_biases: bool = True, attention_bias: bool = False) -> str:
     """Save a random `arch` ("llama" | "qwen2" | "qwen3") HF causal LM with the test tokenizer to `out_dir`.
 
     vocab_size defaults to `len(tokenizer)`; tie_word_embeddings defaults to True for Qwen, False for Llama.
@@ -44,7 +44,7 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
     `randomize_norms_and_biases` the RMSNorm weights become `1 + 0.1 * N(0,1)` and linear biases
     `N(0, initializer_range)` (HF initializes them to 1 and 0), so loaders that drop them are caught.
     config.json carries eos/pad ids of the tokenizer (eos = <|im_end|>, pad = <|endoftext|>), as does
-    generation_config.json. Returns `out_dir`.
+    generation_config.json. `attention_bias` (llama, qwen3) adds biases to q/k/v/o_proj. Returns `out_dir`.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -56,7 +56,8 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
         num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
         tie_word_embeddings=bool(tie), initializer_range=initializer_range,
         max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
-        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        **({"attention_bias": True} if attention_bias else {}))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if randomize_norms_and_biases:

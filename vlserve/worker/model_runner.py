@@ -11,7 +11,7 @@ from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.models.llama import decoder_of
+from vlserve.models.llama import decoder_of, kv_cache_spec
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
@@ -81,9 +81,8 @@ class ModelRunner:
 
     # -- KV cache ----------------------------------------------------------------------------------------------
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        cfg = self.text_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        """`[NB, BS, Hkv, D]` of one layer's K (or V) cache; Hkv is this tensor-parallel rank's share."""
+        _, num_kv_heads, head_dim = kv_cache_spec(self.text_config)
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def bytes_per_block(self) -> int:
