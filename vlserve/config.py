@@ -58,11 +58,15 @@ class CompilationConfig:
     dimension, attention kept opaque); 2 = 1 plus CUDA graphs for decode batches (CUDA only); 3 = 2 with inductor's
     autotuning. `level=None` picks the device default: 0 on CPU (compiling costs minutes on small machines), 2 on
     CUDA. `cudagraph_capture_sizes`: padded batch sizes captured (default `default_capture_sizes(max_num_seqs)`);
-    `cache_dir`: inductor's on-disk cache (default `default_compile_cache_dir()`)."""
+    `cache_dir`: inductor's on-disk cache (default `default_compile_cache_dir()`). `inductor_compile_config`: options
+    handed to inductor (vLLM's name) over the defaults: on CPU `{"freezing": True}` (weights become constants and
+    linear layers run on oneDNN with prepacked weights, which keeps a second, packed copy of them), at level 3 on CUDA
+    `{"max_autotune": True}`."""
 
     level: int | None = None
     cudagraph_capture_sizes: list[int] | None = None
     cache_dir: str | None = None
+    inductor_compile_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.level is not None and (isinstance(self.level, bool) or not isinstance(self.level, int)
@@ -76,6 +80,9 @@ class CompilationConfig:
             if any(n < 1 for n in sizes):
                 raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {shorten(sizes)}")
             self.cudagraph_capture_sizes = sorted(set(sizes))
+        if self.inductor_compile_config is not None and not isinstance(self.inductor_compile_config, dict):
+            raise ValueError(f"inductor_compile_config must be a JSON object of inductor options, "
+                             f"got {shorten(self.inductor_compile_config)}")
 
     @classmethod
     def from_value(cls, value: "int | str | dict | CompilationConfig | None") -> "CompilationConfig":
@@ -97,11 +104,18 @@ class CompilationConfig:
             return cls(level=value)
         if not isinstance(value, dict):
             raise ValueError(f"compilation_config must be an int level or a dict, got {shorten(value)}")
-        unknown = sorted(set(value) - {"level", "cudagraph_capture_sizes", "cache_dir"})
+        unknown = sorted(set(value) - {"level", "cudagraph_capture_sizes", "cache_dir", "inductor_compile_config"})
         if unknown:
             raise ValueError(f"compilation_config has unknown keys {shorten(unknown)}; "
-                             f"expected level, cudagraph_capture_sizes, cache_dir")
+                             f"expected level, cudagraph_capture_sizes, cache_dir, inductor_compile_config")
         return cls(**value)
+
+    def inductor_options(self, device_type: str) -> dict:
+        """Inductor's options on this device: the defaults above, then `inductor_compile_config` over them."""
+        defaults = {"freezing": True} if device_type == "cpu" else {}
+        if device_type == "cuda" and self.level == 3:
+            defaults["max_autotune"] = True
+        return {**defaults, **(self.inductor_compile_config or {})}
 
     def resolved_level(self, device_type: str, enforce_eager: bool = False) -> int:
         """The level that runs on this device: 0 under enforce_eager; the device default when unset."""

@@ -35,7 +35,7 @@ def compile_cache(tmp_path_factory):
     ("fast", "a level 0..3 or a JSON object"), ({"level": "2"}, "level must be an integer"),
     ({"cudagraph_capture_sizes": [4, -2]}, "must all be >= 1"), ({"cudagraph_capture_sizes": [0]}, ">= 1"),
     ({"cudagraph_capture_sizes": "1,2"}, "list of integers"), ({"mode": 3}, "unknown keys \\['mode'\\]"),
-    ([3], "int level or a dict"),
+    ([3], "int level or a dict"), ({"inductor_compile_config": "freezing"}, "JSON object of inductor options"),
 ])
 def test_bad_compilation_config_is_a_value_error(value, match):
     with pytest.raises(ValueError, match=match):
@@ -53,6 +53,11 @@ def test_compilation_config_values_and_defaults():
     assert default_capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert default_capture_sizes(3) == [1, 2, 3] and default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert [bucket_for(n, [1, 2, 4, 8]) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
+    # inductor options: frozen weights (prepacked oneDNN linears) on CPU, autotuning at -O3 on CUDA; the user's win
+    assert default.inductor_options("cpu") == {"freezing": True} and default.inductor_options("cuda") == {}
+    assert CompilationConfig(level=3).inductor_options("cuda") == {"max_autotune": True}
+    off = EngineArgs(compilation_config='{"level": 1, "inductor_compile_config": {"freezing": false}}')
+    assert off.compilation_config.inductor_options("cpu") == {"freezing": False}
 
 
 def test_serve_flags():

@@ -2,7 +2,8 @@
 
 Compiled (level >= 1): the model's forward is traced by dynamo and compiled by inductor (CPU and CUDA) with the
 token dimension dynamic, so a shape class compiles once: T == 1 (dynamo specializes size 1) and T >= 2, times
-[T] vs [3, T] positions and token ids vs media embeddings. Attention stays one opaque custom op
+[T] vs [3, T] positions and token ids vs media embeddings. On CPU the weights are frozen into the graph, so
+inductor runs the linear layers on oneDNN with prepacked weights (`CompilationConfig.inductor_options`). Attention stays one opaque custom op
 (`kernels.attention_op`) that reads this step's metadata and KV caches from `attention_step`; everything else
 (RMSNorm with its residual add, SiLU-and-mul, rotary) is plain torch, which inductor fuses. Inductor's on-disk
 caches (FX graph and autograd caches) live in the config's cache dir, so a second start skips most of the work.
@@ -11,9 +12,11 @@ Level >= 2 on CUDA also captures CUDA graphs for decode batches (`cuda_graphs.py
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
+import types
 
 import torch
 
@@ -33,6 +36,19 @@ def use_compile_cache_dir(path: str) -> str:
     return path
 
 
+_INSTANCES = itertools.count()
+
+
+def _own_code(method):
+    """`method` rebuilt on a code object of its own. Dynamo keeps its compiled graphs (and counts recompiles) per
+    code object; frozen weights are guarded by identity, so every model in a process would otherwise be a
+    recompile of one shared function, and the eighth would hit dynamo's recompile limit."""
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_INSTANCES)}")
+    return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
+                            method.__self__)
+
+
 class ModelForward:
     """`forward(input_ids, positions, kv_caches, md, inputs_embeds) -> hidden [T, H]` at the configured level."""
 
@@ -48,8 +64,9 @@ class ModelForward:
         self.graph_runner: CudaGraphRunner | None = None
         if self.level >= 1:
             self.cache_dir = use_compile_cache_dir(config.cache_dir or default_compile_cache_dir())
-            options = {"mode": "max-autotune-no-cudagraphs"} if self.level >= 3 and device.type == "cuda" else {}
-            self.compiled = torch.compile(self._decoder_call, backend="inductor", fullgraph=True, **options)
+            self.inductor_options = config.inductor_options(device.type)
+            self.compiled = torch.compile(_own_code(self._decoder_call), backend="inductor", fullgraph=True,
+                                          options=self.inductor_options or None)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -88,7 +105,10 @@ class ModelForward:
         torch._dynamo.maybe_mark_dynamic(step.positions, step.positions.dim() - 1)
         if step.inputs_embeds is not None:
             torch._dynamo.maybe_mark_dynamic(step.inputs_embeds, 0)
-        with attention_step(step.metadata, kv_caches):
+        # dynamo reads `freezing` from inductor's global config while it traces (to keep the weights as constants
+        # rather than graph inputs), not from the compile options: set it around the call, not process-wide
+        with attention_step(step.metadata, kv_caches), torch._inductor.config.patch(
+                freezing=self.inductor_options.get("freezing", False)):
             return self.compiled(step.input_ids, step.positions, step.inputs_embeds)
 
     def timed_warm_up(self, run_dummy_steps) -> None:
