@@ -39,3 +39,40 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the ranks (no-op in process)."""
+
+
+class RankGroupExecutor(Executor):
+    """An executor whose ranks run elsewhere (processes, actors): rank 0's output, the ranks checked against each
+    other, and one failure ends the group. Subclasses set up `_dead = None`, `_stats = WorkerStats()` and implement
+    `collective_rpc` and `_stop_ranks` (stop every rank at once)."""
+
+    world_size: int
+    _dead: str | None = None  # why the ranks can no longer run steps
+    _stats: WorkerStats = WorkerStats()
+
+    @abstractmethod
+    def _stop_ranks(self) -> None:
+        """Stop every rank now (some may be blocked in a collective with a lost one)."""
+
+    def _size_and_allocate_caches(self) -> None:
+        """Agree on the KV block count (the smallest any rank holds; CPU ranks share one host's RAM) and allocate."""
+        share = 1.0 / self.world_size if self.device.type == "cpu" else 1.0
+        self.num_blocks = min(self.collective_rpc("determine_num_blocks", share))
+        self.collective_rpc("initialize", self.num_blocks)
+
+    def _fail(self, why: str):
+        self._dead = why
+        self._stop_ranks()
+        raise WorkerDied(why)
+
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        results = self.collective_rpc("execute_model", sched_out)
+        output, self._stats = results[0]
+        for rank, (other, _) in enumerate(results[1:], start=1):
+            if other.sampled_token_ids != output.sampled_token_ids:
+                self._fail(f"tensor-parallel rank {rank} sampled {other.sampled_token_ids} where rank 0 sampled "
+                           f"{output.sampled_token_ids}: the ranks diverged")
+        return output
+
+    def stats(self) -> WorkerStats:
+        return self._stats

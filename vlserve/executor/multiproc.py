@@ -19,8 +19,7 @@ import socket
 import traceback
 from multiprocessing.connection import Connection, wait
 
-from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from vlserve.executor.base import Executor, WorkerDied
+from vlserve.executor.base import RankGroupExecutor, WorkerDied
 from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
             raise SystemExit(1)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankGroupExecutor):
     """`tensor_parallel_size` worker processes, one per rank (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, settings: WorkerSettings):
@@ -96,9 +95,7 @@ class MultiprocExecutor(Executor):
                 self.procs.append(proc)
                 self.conns.append(ours)
             self._collect("start-up")
-            share = 1.0 / self.world_size if self.device.type == "cpu" else 1.0  # one host's RAM for all ranks
-            self.num_blocks = min(self.collective_rpc("determine_num_blocks", share))
-            self.collective_rpc("initialize", self.num_blocks)
+            self._size_and_allocate_caches()
         except BaseException:
             self.shutdown()
             raise
@@ -151,24 +148,10 @@ class MultiprocExecutor(Executor):
                else f"exited with code {code}" if code is not None else "stopped answering")
         return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot continue"
 
-    def _fail(self, why: str):
-        self._dead = why
-        self.shutdown(kill=True)  # the others may be blocked in a collective with the lost rank
-        raise WorkerDied(why)
+    def _stop_ranks(self) -> None:
+        self.shutdown(kill=True)
 
     # -- the executor interface --------------------------------------------------------------------------------
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        results = self.collective_rpc("execute_model", sched_out)
-        output, self._stats = results[0]
-        for rank, (other, _) in enumerate(results[1:], start=1):
-            if other.sampled_token_ids != output.sampled_token_ids:
-                self._fail(f"tensor-parallel rank {rank} sampled {other.sampled_token_ids} where rank 0 sampled "
-                           f"{output.sampled_token_ids}: the ranks diverged")
-        return output
-
-    def stats(self) -> WorkerStats:
-        return self._stats
-
     def shutdown(self, kill: bool = False) -> None:
         """Ask every rank to stop, then kill the ones still running after a grace period (at once with `kill`)."""
         for conn in self.conns:

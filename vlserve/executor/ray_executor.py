@@ -15,8 +15,7 @@ import os
 import socket
 from dataclasses import replace
 
-from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from vlserve.executor.base import Executor, WorkerDied
+from vlserve.executor.base import RankGroupExecutor, WorkerDied
 from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ class RankActor:
         return getattr(self.worker, method)(arg)
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankGroupExecutor):
     """`tensor_parallel_size` Ray actors, one per rank (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, settings: WorkerSettings):
@@ -83,9 +82,7 @@ class RayExecutor(Executor):
             self._init_ray()
         try:
             self._place_actors(settings)
-            share = 1.0 / self.world_size if self.device.type == "cpu" else 1.0  # one host's RAM for all ranks
-            self.num_blocks = min(self.collective_rpc("determine_num_blocks", share))
-            self.collective_rpc("initialize", self.num_blocks)
+            self._size_and_allocate_caches()
         except BaseException:
             self.shutdown()
             raise
@@ -166,24 +163,10 @@ class RayExecutor(Executor):
         except (IndexError, AttributeError):
             return "?"
 
-    def _fail(self, why: str):
-        self._dead = why
-        self._kill_actors()  # the others may be blocked in a collective with the lost rank
-        raise WorkerDied(why)
+    def _stop_ranks(self) -> None:
+        self._kill_actors()
 
     # -- the executor interface --------------------------------------------------------------------------------
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        results = self.collective_rpc("execute_model", sched_out)
-        output, self._stats = results[0]
-        for rank, (other, _) in enumerate(results[1:], start=1):
-            if other.sampled_token_ids != output.sampled_token_ids:
-                self._fail(f"tensor-parallel rank {rank} sampled {other.sampled_token_ids} where rank 0 sampled "
-                           f"{output.sampled_token_ids}: the ranks diverged")
-        return output
-
-    def stats(self) -> WorkerStats:
-        return self._stats
-
     def _kill_actors(self) -> None:
         for actor in self.actors:
             try:
