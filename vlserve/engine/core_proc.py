@@ -15,6 +15,7 @@ import sys
 
 from vlserve.config import EngineArgs
 from vlserve.executor import WorkerDied
+from vlserve.executor.worker import share_cpu_threads
 from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, EngineFailed, EngineReady,
                                           FinishStopped, ShutdownEngine, StepOutputs, decode, encode,
                                           portable_error)
@@ -40,7 +41,8 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
     outbox.setsockopt(zmq.LINGER, 5000)
     outbox.connect(output_address)
     try:
-        _share_the_cores(engine_args.data_parallel_size)
+        # the API process needs a core too; data-parallel replicas split the rest (unless OMP_NUM_THREADS is set)
+        share_cpu_threads(engine_args.data_parallel_size)
         from vlserve.engine.core import EngineCore
 
         core = EngineCore(engine_args)
@@ -70,17 +72,6 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         outbox.close()
         ctx.term()
     sys.exit(code)
-
-
-def _share_the_cores(num_engines: int) -> None:
-    """Torch's intra-op threads default to one per core; the API process (HTTP, preprocessing, detokenizing) needs
-    one too, and OpenMP threads that lose their core to it stall every parallel region. So, unless the user set
-    OMP_NUM_THREADS, the engines share the cores but one: each of the `num_engines` replicas takes its part."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
-
-    torch.set_num_threads(max(1, (torch.get_num_threads() - 1) // num_engines))
 
 
 class _ParentGone(Exception):

@@ -143,8 +143,9 @@ class Worker:
 
 
 def share_cpu_threads(world_size: int) -> None:
-    """Several ranks on one machine's CPU: each takes its part of the cores (one is left to the engine loop),
-    unless the user set OMP_NUM_THREADS."""
+    """`world_size` processes (ranks, or data-parallel engines) on one machine's CPU: each takes its part of the
+    cores but one (left to the API process or the engine loop), unless the user set OMP_NUM_THREADS. OpenMP threads
+    that lose their core stall every parallel region, so oversubscribing costs far more than one idle core."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
