@@ -14,11 +14,12 @@ Prefill loops over the (few) sequences of a step: gather one context, then SDPA 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.kv_write_ref import write_kv_cache_ref
+from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
 # Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
@@ -34,6 +35,58 @@ def decode_workspace_numel(max_seq_len: int, block_size: int, num_kv_heads: int,
     return max(DECODE_CHUNK_BYTES // element_size, 2 * padded * num_kv_heads * head_dim)
 
 
+@dataclass
+class DecodeChunk:
+    """One batch of decode sequences that share a K/V gather and one SDPA call (see `plan_decode`)."""
+
+    rows: slice | torch.Tensor  # the chunk's sequences among the step's decodes
+    num_blocks: int  # blocks gathered per sequence: the chunk's longest context, block aligned
+    context_len: int  # keys SDPA reads per sequence: the common length, or num_blocks * block_size with `mask`
+    block_ids: torch.Tensor  # [n * num_blocks] int64: cache blocks to gather, row-major by sequence
+    pad_rows: torch.Tensor | None  # [P] int64: gathered positions past their sequence's end, zeroed before SDPA
+    mask: torch.Tensor | None  # [n, 1, 1, context_len] bool: True where a key is inside its sequence
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_ids.shape[0] // self.num_blocks
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int,
+                token_bytes: int) -> list[DecodeChunk]:
+    """Split a step's decode sequences into gather chunks of about DECODE_CHUNK_BYTES of K+V (`token_bytes`: K+V of
+    one position), longest first. Everything here depends only on the step, not the layer, so the runner's
+    attention computes it once per step (`AttentionMetadata.derived`) and every layer reuses it."""
+    # block_tables: [B, M] int32; seq_lens: [B] int32; lens: the same B lengths as ints
+    num_seqs = len(lens)
+    device = block_tables.device
+    order = sorted(range(num_seqs), key=lambda i: -lens[i])
+    in_order = order == list(range(num_seqs))
+    tables = block_tables.to(torch.long).clamp_min_(0)  # [B, M]
+    chunks = []
+    start = 0
+    while start < num_seqs:
+        longest = lens[order[start]]
+        num_blocks = max(1, -(-longest // block_size))
+        padded_len = num_blocks * block_size
+        n = max(1, min(num_seqs - start, DECODE_CHUNK_BYTES // (padded_len * token_bytes)))
+        end = start + n
+        if in_order:
+            rows: slice | torch.Tensor = slice(start, end)
+        else:
+            rows = torch.tensor(order[start:end], dtype=torch.long, device=device)
+        block_ids = tables[rows, :num_blocks].reshape(-1)  # [n * nblk]
+        shortest = lens[order[end - 1]]
+        if shortest == longest:  # one length: SDPA reads exactly it, nothing to mask or zero
+            chunks.append(DecodeChunk(rows, num_blocks, longest, block_ids, None, None))
+        else:
+            chunk_lens = seq_lens[rows].to(device=device, dtype=torch.long)  # [n]
+            valid = torch.arange(padded_len, device=device) < chunk_lens[:, None]  # [n, L]
+            pad_rows = (~valid).view(-1).nonzero().squeeze(1)  # indices into the n*L gathered positions
+            chunks.append(DecodeChunk(rows, num_blocks, padded_len, block_ids, pad_rows, valid[:, None, None, :]))
+        start = end
+    return chunks
+
+
 def paged_attention_decode_ref(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -45,10 +98,11 @@ def paged_attention_decode_ref(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    plan: list[DecodeChunk] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys. K/V are gathered
     into `workspace` (flat, the cache's dtype; see decode_workspace_numel) when it is given and large enough, else
-    into a buffer of this call's own."""
+    into a buffer of this call's own. `plan`: this step's `plan_decode` (built here when not given)."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     del max_seq_len  # chunks are padded to their own longest sequence, read from seq_lens
     num_seqs, num_q_heads, head_dim = query.shape
@@ -58,49 +112,30 @@ def paged_attention_decode_ref(
         out = query.new_empty(num_seqs, num_q_heads, head_dim)
     if num_seqs == 0:
         return out
-    device = query.device
-    lens = seq_lens.tolist()
-    # longest first, so each chunk pads to a similar length; identity order keeps slicing cheap
-    order = sorted(range(num_seqs), key=lambda i: -lens[i])
-    in_order = order == list(range(num_seqs))
-    tables = block_tables.to(torch.long)  # [B, M]
+    if plan is None:
+        token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+        plan = plan_decode(block_tables, seq_lens, seq_lens.tolist(), block_size, token_bytes)
     q4 = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     out4 = out.view(num_seqs, num_kv_heads, group, head_dim)
-    token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()  # K+V of one position
-
-    start = 0
-    while start < num_seqs:
-        num_blocks = max(1, -(-lens[order[start]] // block_size))
-        padded_len = num_blocks * block_size  # L: this chunk's longest context, block aligned
-        n = max(1, min(num_seqs - start, DECODE_CHUNK_BYTES // (padded_len * token_bytes)))
-        end = start + n
-        if in_order:
-            rows: slice | torch.Tensor = slice(start, end)
-        else:
-            rows = torch.tensor(order[start:end], dtype=torch.long, device=device)
+    for chunk in plan:
+        n, padded_len = chunk.num_seqs, chunk.num_blocks * block_size
         numel = 2 * n * padded_len * num_kv_heads * head_dim
         if workspace is not None and workspace.numel() >= numel and workspace.dtype == k_cache.dtype:
             ws = workspace[:numel]
         else:
             ws = torch.empty(numel, dtype=k_cache.dtype, device=k_cache.device)
-        ws_k, ws_v = ws.view(2, n * num_blocks, block_size, num_kv_heads, head_dim).unbind(0)
-        idx = tables[rows, :num_blocks].clamp_min(0).reshape(-1)  # [n * nblk]
-        k = torch.index_select(k_cache, 0, idx, out=ws_k)  # [n*nblk, BS, Hkv, D]
-        v = torch.index_select(v_cache, 0, idx, out=ws_v)
-        k = k.view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, L, D] (strided)
-        v = v.view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2)
-        mask = None
-        if lens[order[end - 1]] < padded_len:  # shortest in the chunk leaves padded key positions
-            chunk_lens = seq_lens[rows].to(device=device, dtype=torch.long)  # [n]
-            valid = torch.arange(padded_len, device=device) < chunk_lens[:, None]  # [n, L]
-            # zero the (few) padded rows: stale or never-written slots may hold NaN/inf, and
-            # NaN * 0 or NaN - inf would leak through the mask
-            pad_rows = (~valid).view(-1).nonzero().squeeze(1)  # indices into n*L positions
-            ws_k.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
-            ws_v.view(n * padded_len, -1).index_fill_(0, pad_rows, 0)
-            mask = valid[:, None, None, :]  # [n, 1, 1, L]
-        out4[rows] = F.scaled_dot_product_attention(q4[rows], k, v, attn_mask=mask, scale=scale)
-        start = end
+        ws_k, ws_v = ws.view(2, n * chunk.num_blocks, block_size, num_kv_heads, head_dim).unbind(0)
+        torch.index_select(k_cache, 0, chunk.block_ids, out=ws_k)  # [n*nblk, BS, Hkv, D]
+        torch.index_select(v_cache, 0, chunk.block_ids, out=ws_v)
+        if chunk.pad_rows is not None:
+            # zero the (few) padded positions: stale or never-written slots may hold NaN/inf, and NaN * 0 or
+            # NaN - inf would leak through the mask
+            ws_k.view(n * padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
+            ws_v.view(n * padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
+        L = chunk.context_len
+        k = ws_k.view(n, padded_len, num_kv_heads, head_dim)[:, :L].transpose(1, 2)  # [n, Hkv, L, D] (strided)
+        v = ws_v.view(n, padded_len, num_kv_heads, head_dim)[:, :L].transpose(1, 2)
+        out4[chunk.rows] = F.scaled_dot_product_attention(q4[chunk.rows], k, v, attn_mask=chunk.mask, scale=scale)
     return out
 
 
@@ -184,13 +219,18 @@ def attention_forward_ref(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
-    write_kv_cache_ref(key, value, k_cache, v_cache, md.slot_mapping)
+    write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)))
     out = torch.empty_like(query)
     num_decodes = md.num_decodes
     num_actual = md.query_start_loc_cpu[-1]
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
     if num_decodes > 0:
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+        plan = md.derive(("decode_plan", block_size, token_bytes), lambda: plan_decode(
+            md.block_tables[:num_decodes], md.seq_lens[:num_decodes], md.seq_lens_cpu[:num_decodes], block_size,
+            token_bytes))
         paged_attention_decode_ref(
             query[:num_decodes],
             k_cache,
@@ -198,9 +238,9 @@ def attention_forward_ref(
             md.block_tables[:num_decodes],
             md.seq_lens[:num_decodes],
             scale,
-            max_seq_len=max(md.seq_lens_cpu[:num_decodes]),
             out=out[:num_decodes],
             workspace=md.workspace,
+            plan=plan,
         )
     if num_decodes < md.num_seqs:
         qsl = md.query_start_loc_cpu

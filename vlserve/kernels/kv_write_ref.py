@@ -4,6 +4,34 @@ from __future__ import annotations
 import torch
 
 
+def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(slots, rows)`: the int64 flat slots to write and the token rows they come from (None: every row; slot -1
+    marks padding to skip). Depends only on the step, so the attention computes it once for all layers."""
+    # slot_mapping: [T] -> slots [T'] int64, rows [T'] int64 or None
+    slots = slot_mapping.to(torch.long)
+    valid = slots >= 0  # [T]
+    if bool(valid.all()):
+        return slots, None
+    rows = valid.nonzero().squeeze(1)
+    return slots[rows], rows
+
+
+def write_kv_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots_and_rows: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """Scatter key/value rows into the caches at `valid_slots`' slots."""
+    # key, value: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]
+    slots, rows = slots_and_rows
+    if slots.shape[0] == 0:
+        return
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if rows is None:
+        key, value = key[: slots.shape[0]], value[: slots.shape[0]]
+    else:
+        key, value = key[rows], value[rows]
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
 def write_kv_cache_ref(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -13,19 +41,4 @@ def write_kv_cache_ref(
 ) -> None:
     """Scatter key/value rows into the paged caches at their flat slots; slot -1 is skipped."""
     # key, value: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]; slot_mapping: [T] int64
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens == 0:
-        return
-    k_flat = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)  # [NB*BS, Hkv, D]
-    v_flat = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    slots = slot_mapping.to(torch.long)
-    key = key[:num_tokens]
-    value = value[:num_tokens]
-    valid = slots >= 0  # [T]
-    if not bool(valid.all()):
-        slots = slots[valid]
-        key = key[valid]
-        value = value[valid]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    write_kv_slots(key, value, k_cache, v_cache, valid_slots(slot_mapping))

@@ -1,7 +1,8 @@
 """Per-step attention metadata that the model runner builds and every attention layer reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -25,6 +26,15 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # same as query_start_loc, as Python ints (no device sync needed)
     seq_lens_cpu: list[int]  # same as seq_lens, as Python ints
     workspace: torch.Tensor | None = None  # flat scratch for the torch decode path, owned by the runner
+    # what the kernels derive from this step once and reuse in every layer (gather plans, int64 slots)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def derive(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()` the first time `key` is asked for during this step, the same object after that."""
+        value = self.derived.get(key)
+        if value is None:
+            value = self.derived[key] = build()
+        return value
 
     @property
     def num_decode_tokens(self) -> int:

@@ -49,6 +49,17 @@ def _own_code(method):
                             method.__self__)
 
 
+_INPUT_NAMES = ("input_ids", "positions", "inputs_embeds")  # `_decoder_call`'s arguments
+
+
+def keep_input_guards(entries) -> list[bool]:
+    """Dynamo guard filter: keep the guards on the forward's inputs (their dtype, shape class, None-ness), the
+    symbolic-shape and global-state guards (no name); drop those on the model's modules and the globals its code
+    reads. Each ModelForward compiles a code object of its own (`_own_code`) for one model whose modules do not
+    change after loading, so those guards always pass, and checking them (hundreds per step) costs ~0.3 ms."""
+    return [entry.name in _INPUT_NAMES or entry.name == "" for entry in entries]
+
+
 class ModelForward:
     """`forward(input_ids, positions, kv_caches, md, inputs_embeds) -> hidden [T, H]` at the configured level."""
 
@@ -66,7 +77,7 @@ class ModelForward:
             self.cache_dir = use_compile_cache_dir(config.cache_dir or default_compile_cache_dir())
             self.inductor_options = config.inductor_options(device.type)
             self.compiled = torch.compile(_own_code(self._decoder_call), backend="inductor", fullgraph=True,
-                                          options=self.inductor_options or None)
+                                          options={**self.inductor_options, "guard_filter_fn": keep_input_guards})
 
     @property
     def uses_cuda_graphs(self) -> bool:
