@@ -47,6 +47,11 @@ def test_decode_ref_full_blocks_without_padding():
     query, contexts, k_cache, v_cache, tables, lens = _decode_case(2, 64, 16, [32, 32, 32], seed=4)
     out = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
     torch.testing.assert_close(out, _naive_decode(query, contexts, 0.125), atol=2e-5, rtol=1e-5)
+    # one length that ends mid-block: SDPA reads exactly that many keys, again without a mask
+    query, contexts, k_cache, v_cache, tables, lens = _decode_case(2, 64, 16, [37, 37, 37], seed=4)
+    poison_unused_slots(k_cache, v_cache, tables, [37, 37, 37])
+    out = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out, _naive_decode(query, contexts, 0.125), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 40_000, 1 << 30])

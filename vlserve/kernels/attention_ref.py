@@ -1,5 +1,9 @@
 """Torch paged attention: the production CPU path and the reference for the Triton kernels.
 
+On CPU, `attention_forward_ref` hands the step's decode sequences to the C++ kernel of `cpu_decode` when it is
+built (float32/bf16; $VLSERVE_CPU_DECODE_KERNEL=0 turns it off); the torch decode below is the reference it is
+tested against and the fallback.
+
 Decode gathers whole KV blocks through the block tables with one `index_select` per chunk of
 sequences into a reusable workspace, and runs the fused CPU SDPA kernel (float32 softmax) on
 strided views of it. GQA is folded into the query: the Hq/Hkv query heads that share a KV head
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlserve.kernels.cpu_decode import cpu_decode_supported, paged_attention_decode_cpu
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -225,7 +230,10 @@ def attention_forward_ref(
     num_actual = md.query_start_loc_cpu[-1]
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
-    if num_decodes > 0:
+    if num_decodes > 0 and cpu_decode_supported(query, k_cache):
+        paged_attention_decode_cpu(query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes],
+                                   md.seq_lens[:num_decodes], scale, out=out[:num_decodes])
+    elif num_decodes > 0:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
         plan = md.derive(("decode_plan", block_size, token_bytes), lambda: plan_decode(

@@ -1,0 +1,98 @@
+"""The C++ CPU decode kernel (`kernels.cpu_decode`) against the torch reference and a plain loop, and the engine's
+use of it (attention_forward_ref routes decodes to it, or to the torch path when it is switched off)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _kernel_testutils import make_paged_kv, naive_attention, poison_unused_slots
+from vlserve.kernels import attention_ref, cpu_decode
+from vlserve.kernels.attention_ref import attention_forward_ref, paged_attention_decode_ref
+from vlserve.kernels.cpu_decode import cpu_decode_kernel, cpu_decode_supported, paged_attention_decode_cpu
+from vlserve.kernels.metadata import AttentionMetadata
+
+pytestmark = pytest.mark.skipif(cpu_decode_kernel() is None, reason="no C++ toolchain for the CPU decode kernel")
+
+
+def _case(ratio, head_dim, block_size, seq_lens, dtype, num_kv_heads=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    contexts = [tuple(torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+                for n in seq_lens]
+    k_cache, v_cache, tables = make_paged_kv(contexts, block_size, generator=g)
+    query = torch.randn(len(seq_lens), num_kv_heads * ratio, head_dim, generator=g).to(dtype)
+    return query, contexts, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("ratio,head_dim,block_size", [(1, 64, 16), (4, 64, 16), (8, 128, 32), (7, 128, 16),
+                                                       (2, 80, 16), (4, 96, 32)])
+def test_cpu_decode_matches_naive_fp32(ratio, head_dim, block_size):
+    seq_lens = [1, block_size // 2 + 3, block_size, 3 * block_size + 7, 200]
+    query, contexts, k_cache, v_cache, tables, lens = _case(ratio, head_dim, block_size, seq_lens, torch.float32)
+    scale = head_dim ** -0.5
+    out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, scale)
+    want = torch.stack([naive_attention(query[b:b + 1], k, v, [k.shape[0] - 1], scale)[0]
+                        for b, (k, v) in enumerate(contexts)])
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_decode_bf16_close_to_reference():
+    query, _, k_cache, v_cache, tables, lens = _case(4, 64, 16, [3, 16, 45, 130], torch.bfloat16, seed=2)
+    out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125)
+    ref = paged_attention_decode_ref(query.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_cpu_decode_never_reads_past_the_context():
+    # NaN in every slot that holds no live token (stale or never written) must not reach the output
+    seq_lens = [5, 16, 33]
+    query, _, k_cache, v_cache, tables, lens = _case(2, 64, 16, seq_lens, torch.float32, seed=3)
+    want = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
+    poison_unused_slots(k_cache, v_cache, tables, seq_lens)
+    out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cpu_decode_empty_batch_and_strided_out():
+    query, _, k_cache, v_cache, tables, lens = _case(2, 64, 16, [7, 9], torch.float32, seed=5)
+    empty = paged_attention_decode_cpu(query[:0], k_cache, v_cache, tables[:0], lens[:0], 0.125)
+    assert empty.shape == (0, 4, 64)
+    big = torch.zeros(2, 4, 128)
+    out = big[:, :, :64]  # not contiguous: filled through a copy
+    paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125, out=out)
+    torch.testing.assert_close(out, paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125),
+                               atol=2e-5, rtol=1e-5)
+    assert torch.equal(big[:, :, 64:], torch.zeros(2, 4, 64))
+
+
+def test_cpu_decode_supported_rules(monkeypatch):
+    q, k = torch.zeros(1, 4, 64), torch.zeros(2, 16, 2, 64)
+    assert cpu_decode_supported(q, k)
+    assert not cpu_decode_supported(q.half(), k.half())  # float16 is not built
+    assert not cpu_decode_supported(torch.zeros(1, 4, 72), torch.zeros(2, 16, 2, 72))  # not whole vectors
+    assert not cpu_decode_supported(q, k.bfloat16())  # query and cache dtypes differ
+    monkeypatch.setenv(cpu_decode.DISABLE_ENV, "0")
+    assert not cpu_decode_supported(q, k)
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_attention_forward_decodes_alike_with_and_without_the_kernel(monkeypatch, kernel):
+    # a mixed step: two decodes then a 3-token prefill; both decode paths give the reference's output
+    monkeypatch.setenv(cpu_decode.DISABLE_ENV, kernel)
+    calls = []
+    real = attention_ref.paged_attention_decode_cpu
+    monkeypatch.setattr(attention_ref, "paged_attention_decode_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    seq_lens = [20, 37, 9]
+    query, contexts, k_cache, v_cache, tables, lens = _case(4, 64, 16, seq_lens, torch.float32, seed=6)
+    q = torch.cat([query[:2], torch.randn(3, 8, 64)])  # [T=5, Hq, D]
+    key = torch.cat([contexts[0][0][-1:], contexts[1][0][-1:], contexts[2][0][-3:]])
+    value = torch.cat([contexts[0][1][-1:], contexts[1][1][-1:], contexts[2][1][-3:]])
+    slots = [int(tables[b, (p) // 16]) * 16 + p % 16 for b, p in ((0, 19), (1, 36), (2, 6), (2, 7), (2, 8))]
+    md = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 1, 2, 5], dtype=torch.int32),
+                           seq_lens=lens, block_tables=tables, num_decodes=2, max_query_len=3, max_seq_len=37,
+                           query_start_loc_cpu=[0, 1, 2, 5], seq_lens_cpu=seq_lens)
+    out = attention_forward_ref(q, key, value, k_cache, v_cache, md, 0.125)
+    want = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.125)
+    torch.testing.assert_close(out[:2], want, atol=2e-5, rtol=1e-5)
+    assert len(calls) == (1 if kernel == "1" else 0)
