@@ -1,7 +1,8 @@
 """Paged decode attention for CPU in C++: one pass over each sequence's cached blocks, no gather, no mask.
 
-Each (sequence, KV head) pair is one OpenMP task. Its Hq/Hkv query heads (GQA) read the sequence's keys and values
-block by block straight from the paged caches, with an online softmax in float32 (running max and sum, as flash
+Each OpenMP task is one sequence with all its KV heads (or a group of them when the batch is too small to keep
+every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values block by block,
+each cached position once, straight from the paged caches, with an online softmax in float32 (running max and sum, as flash
 attention does), so the work is one read of the context and nothing is copied or padded. Positions past a
 sequence's length are never read, so stale cache slots cannot leak into the output. bf16 caches are widened to
 float32 as they are read. Dot products accumulate in 16 float lanes, which the compiler vectorizes without
@@ -49,65 +50,77 @@ static void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, 
                    int64_t threads) {
     const int64_t G = Hq / Hkv;
     const int64_t W = fVec::size();
-    const int64_t pos_stride = Hkv * D;  // elements between consecutive positions of one head
+    const int64_t pos_stride = Hkv * D;  // elements between consecutive positions
+    // A task is one sequence and a group of its KV heads: all of them when there are sequences enough to keep
+    // the threads busy (each cache line of a position is then read by one task), fewer for small batches.
+    int64_t group = Hkv;
+    while (group % 2 == 0 && B * (Hkv / group) < 2 * threads) group /= 2;
+    const int64_t R = group * G;  // query rows per task; row r reads KV head h0 + r / G
+    const int64_t tasks = B * (Hkv / group);
 #pragma omp parallel num_threads(threads)
     {
         // per thread: the query rows (scaled), their accumulators, running max and sum, one block's scores
-        std::vector<float> qf(G * D), acc(G * D), m(G), l(G), s(G * BS);
+        std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(R * BS);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * Hkv; ++task) {
-            const int64_t b = task / Hkv, h = task % Hkv;
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t b = task / (Hkv / group), h0 = task % (Hkv / group) * group;
             const int64_t len = lens[b];
-            for (int64_t g = 0; g < G; ++g) {
-                const T* qrow = q + (b * Hq + h * G + g) * D;
-                for (int64_t d = 0; d < D; d += W) (load(qrow + d) * fVec(scale)).store(&qf[g * D + d]);
-                m[g] = -FLT_MAX;
-                l[g] = 0.f;
+            const T* qb = q + (b * Hq + h0 * G) * D;  // the task's R query rows are consecutive
+            for (int64_t r = 0; r < R; ++r) {
+                for (int64_t d = 0; d < D; d += W) (load(qb + r * D + d) * fVec(scale)).store(&qf[r * D + d]);
+                m[r] = -FLT_MAX;
+                l[r] = 0.f;
             }
             std::fill(acc.begin(), acc.end(), 0.f);
             const int64_t nblk = (len + BS - 1) / BS;
             for (int64_t blk = 0; blk < nblk; ++blk) {
-                const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h * D;
+                const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
                 const T* kb = kc + offset;
                 const T* vb = vc + offset;
                 const int64_t n = std::min(BS, len - blk * BS);
-                for (int64_t t = 0; t < n; ++t) {  // scores: each key row is read once for the G query heads
-                    const T* krow = kb + t * pos_stride;
-                    for (int64_t g = 0; g < G; ++g) {
+                for (int64_t t = 0; t < n; ++t) {  // scores: a key row is read once for the G query rows of its head
+                    for (int64_t r = 0; r < R; ++r) {
+                        const T* krow = kb + t * pos_stride + (r / G) * D;
                         fVec dot(0.f);
-                        for (int64_t d = 0; d < D; d += W) dot = at::vec::fmadd(fVec::loadu(&qf[g * D + d]), load(krow + d), dot);
-                        s[g * BS + t] = dot.reduce_add();
+                        for (int64_t d = 0; d < D; d += W)
+                            dot = at::vec::fmadd(fVec::loadu(&qf[r * D + d]), load(krow + d), dot);
+                        s[r * BS + t] = dot.reduce_add();
                     }
                 }
-                for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before to the new max
-                    float* sg = &s[g * BS];
-                    const float mx = std::max(m[g], *std::max_element(sg, sg + n));
-                    float sum = 0.f;
-                    for (int64_t t = 0; t < n; ++t) {
-                        sg[t] = std::exp(sg[t] - mx);
-                        sum += sg[t];
+                for (int64_t r = 0; r < R; ++r) {  // online softmax: rescale what came before to the new max
+                    float* sr = &s[r * BS];
+                    const float mx = std::max(m[r], *std::max_element(sr, sr + n));
+                    fVec vsum(0.f);
+                    int64_t t = 0;
+                    for (; t + W <= n; t += W) {  // whole vectors of scores
+                        const fVec e = (fVec::loadu(sr + t) - fVec(mx)).exp();
+                        e.store(sr + t);
+                        vsum = vsum + e;
                     }
-                    const float corr = std::exp(m[g] - mx);  // 0 on the first block (m = -FLT_MAX)
-                    l[g] = l[g] * corr + sum;
-                    m[g] = mx;
+                    float sum = vsum.reduce_add();
+                    for (; t < n; ++t) {  // the ragged end of the last block
+                        sr[t] = std::exp(sr[t] - mx);
+                        sum += sr[t];
+                    }
+                    const float corr = std::exp(m[r] - mx);  // 0 on the first block (m = -FLT_MAX)
+                    l[r] = l[r] * corr + sum;
+                    m[r] = mx;
                     if (corr != 1.f)
-                        for (int64_t d = 0; d < D; d += W) (fVec::loadu(&acc[g * D + d]) * fVec(corr)).store(&acc[g * D + d]);
+                        for (int64_t d = 0; d < D; d += W) (fVec::loadu(&acc[r * D + d]) * fVec(corr)).store(&acc[r * D + d]);
                 }
-                for (int64_t t = 0; t < n; ++t) {  // values: each row read once for the G query heads
-                    const T* vrow = vb + t * pos_stride;
-                    for (int64_t d = 0; d < D; d += W) {
-                        const fVec v = load(vrow + d);
-                        for (int64_t g = 0; g < G; ++g) {
-                            float* a = &acc[g * D + d];
-                            at::vec::fmadd(fVec(s[g * BS + t]), v, fVec::loadu(a)).store(a);
-                        }
+                for (int64_t t = 0; t < n; ++t) {  // values: each row read once for the G query rows of its head
+                    for (int64_t r = 0; r < R; ++r) {
+                        const T* vrow = vb + t * pos_stride + (r / G) * D;
+                        const fVec p(s[r * BS + t]);
+                        for (int64_t d = 0; d < D; d += W)
+                            at::vec::fmadd(p, load(vrow + d), fVec::loadu(&acc[r * D + d])).store(&acc[r * D + d]);
                     }
                 }
             }
-            for (int64_t g = 0; g < G; ++g) {
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-                T* orow = out + (b * Hq + h * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[g * D + d] * inv);
+            for (int64_t r = 0; r < R; ++r) {
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                T* orow = out + (b * Hq + h0 * G + r) * D;
+                for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[r * D + d] * inv);
             }
         }
     }
