@@ -3,7 +3,8 @@
     python -m vlserve.bench.throughput --num-prompts 64 --output-len 64 --hidden-size 1024 --num-layers 12
     vlserve bench throughput --model PATH
 
-N prompts x M output tokens, ignore_eos, greedy, seeded, one warm-up run each; prints tokens/s and ratios.
+N prompts x M output tokens, ignore_eos, greedy, seeded, one warm-up run each, then `--repeats` timed runs of which
+each engine reports its fastest (the machine's noise only ever slows a run down); prints tokens/s and ratios.
 `--input-len-range` / `--output-len-range` draw each request's prompt length / max_tokens uniformly instead (like
 vLLM's random dataset with a range ratio). HF `generate` runs each batch to its longest request (it cannot stop one
 row early), so tokens/s counts only the tokens requested, for every engine.
@@ -32,9 +33,11 @@ if __name__ == "__main__":
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in cfg["output_lens"]]
     prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    dt = time.perf_counter() - t
+    dt = float("inf")
+    for _ in range(cfg["repeats"]):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = min(dt, time.perf_counter() - t)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print("VLLM_RESULT " + json.dumps({"tokens": n, "seconds": dt}))
 """
@@ -52,8 +55,9 @@ def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
 
 
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
-                  max_num_seqs: int, **engine_kwargs) -> tuple[float, int, float, int, float]:
-    """Returns (seconds, generated tokens, load seconds, engine steps, compile seconds within the load);
+                  max_num_seqs: int, repeats: int = 1, **engine_kwargs) -> tuple[float, int, float, int, float]:
+    """Returns (seconds of the fastest of `repeats` timed runs, generated tokens, load seconds, engine steps of one
+    run, compile seconds within the load);
     `engine_kwargs` go to LLM (compilation_config, enforce_eager, async_scheduling, ...). On CUDA also prints GPU
     busy and the roofline."""
     from vlserve import LLM, SamplingParams
@@ -64,11 +68,13 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
     load = time.perf_counter() - t0
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)  # warm-up
-    steps0 = llm.engine.num_steps
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    dt = time.perf_counter() - t
-    steps = llm.engine.num_steps - steps0
+    dt = float("inf")
+    for _ in range(repeats):
+        steps0 = llm.engine.num_steps
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = min(dt, time.perf_counter() - t)
+        steps = llm.engine.num_steps - steps0
     runner = llm.engine.runner  # None when the ranks run in worker processes (tensor parallel)
     if runner is not None and runner.device.type == "cuda":
         from vlserve.bench.gpu_report import print_gpu_report
@@ -80,9 +86,9 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
 
 
 def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
-             batch_size: int) -> tuple[float, int, int]:
-    """HF generate, batched with left padding; each batch runs to its longest request. Returns (seconds, requested
-    tokens, generated tokens): only the requested ones count for tokens/s."""
+             batch_size: int, repeats: int = 1) -> tuple[float, int, int]:
+    """HF generate, batched with left padding; each batch runs to its longest request. Returns (seconds of the
+    fastest of `repeats` runs, requested tokens, generated tokens): only the requested ones count for tokens/s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
@@ -100,14 +106,20 @@ def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
         return sum(min(n, new) for n in lens), new * len(batch)
 
     run(prompts[:2], output_lens[:2])  # warm-up
-    t = time.perf_counter()
-    counts = [run(prompts[i:i + batch_size], output_lens[i:i + batch_size]) for i in range(0, len(prompts), batch_size)]
-    return time.perf_counter() - t, sum(c[0] for c in counts), sum(c[1] for c in counts)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        counts = [run(prompts[i:i + batch_size], output_lens[i:i + batch_size])
+                  for i in range(0, len(prompts), batch_size)]
+        best = min(best, time.perf_counter() - t)
+    return best, sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: str) -> tuple[float, int] | None:
-    """vLLM's offline LLM.generate in its own process (its python); returns (seconds, generated tokens)."""
-    cfg = {"model": model, "dtype": dtype, "output_lens": output_lens, "prompts": prompts,
+def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: str,
+               repeats: int = 1) -> tuple[float, int] | None:
+    """vLLM's offline LLM.generate in its own process (its python); returns (seconds of the fastest of `repeats`
+    runs, generated tokens)."""
+    cfg = {"model": model, "dtype": dtype, "output_lens": output_lens, "prompts": prompts, "repeats": repeats,
            "num_prompts": len(prompts), "max_model_len": max(len(p) for p in prompts) + max(output_lens) + 16,
            "threads": torch.get_num_threads()}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -147,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", help="python of a venv with vLLM (e.g. from shared/tools/setup-vllm-anchor.sh)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per engine after its warm-up; each engine reports its fastest (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
     p.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="random prompt lengths in [MIN, MAX] instead of --input-len (HF then pads)")
@@ -185,10 +199,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> "
           f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, each engine the fastest of {args.repeats} timed runs")
     per_stream = max(output_lens)  # ms/token of one stream = seconds / its tokens (the longest one)
     if args.compare_eager:
         edt, en, eload, esteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                                  args.repeats,
                                                   enforce_eager=True, async_scheduling=args.async_scheduling)
         print(f"vlserve eager: {en / edt:8.1f} tok/s  ({en} tokens in {edt:.2f} s, {esteps} steps, "
               f"{1000 * edt / esteps:.2f} ms/step; load {eload:.1f} s)")
@@ -197,10 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     tp = args.tensor_parallel_size
     if tp > 1:
         tdt, tn, tload, tsteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                                  args.repeats,
                                                   **engine_kwargs)
         print(f"vlserve TP=1: {tn / tdt:8.1f} tok/s  ({tn} tokens in {tdt:.2f} s, {tsteps} steps, "
               f"{1000 * tdt / tsteps:.2f} ms/step; load {tload:.1f} s)")
     dt, n, load, steps, compile_s = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
+                                                  args.repeats,
                                                   tensor_parallel_size=tp, **engine_kwargs)
     print(f"vlserve: {n / dt:8.1f} tok/s, {1000 * dt / per_stream:.2f} ms/token per stream  ({n} tokens in "
           f"{dt:.2f} s, {steps} steps, {1000 * dt / steps:.2f} ms/step; load {load:.1f} s incl. compile "
@@ -212,13 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     if tp > 1:
         print(f"ratio vlserve TP={tp}/TP=1: {(n / dt) / (tn / tdt):.2f}x")
     if not args.skip_hf:
-        hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts)
+        hdt, hn, generated = bench_hf(model, prompts, output_lens, args.dtype, args.hf_batch_size or args.num_prompts,
+                                       args.repeats)
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
         print(f"HF generate: {hn / hdt:8.1f} tok/s, {1000 * hdt / per_stream:.2f} ms/token per stream  "
               f"({hn} tokens in {hdt:.2f} s{extra})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
     if args.vllm_python:
-        r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype)
+        r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype, args.repeats)
         if r is not None:
             vdt, vn = r
             print(f"vLLM: {vn / vdt:8.1f} tok/s, {1000 * vdt / per_stream:.2f} ms/token per stream  "
