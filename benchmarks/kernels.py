@@ -1,7 +1,8 @@
 """Paged attention micro-benchmark.
 
-CPU: the torch path (`*_ref`, what the engine runs on CPU) against `scaled_dot_product_attention` on
-contiguous K/V of the same size, i.e. the cost of paging. With CUDA: Triton vs torch path vs SDPA.
+CPU: the torch path (`*_ref`) and, for decode, the C++ kernel (`kernels.cpu_decode`, what the engine decodes with on
+CPU) against `scaled_dot_product_attention` on contiguous K/V of the same size, i.e. the cost of paging. With CUDA:
+Triton vs torch path vs SDPA.
 
     python benchmarks/kernels.py [--dtype float32|bfloat16] [--iters 20] [--threads N]
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vlserve.kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref  # noqa: E402
+from vlserve.kernels.cpu_decode import cpu_decode_supported, paged_attention_decode_cpu  # noqa: E402
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 16, 4, 64, 16
 # (batch, context, mixed): mixed draws each sequence's length uniformly from [ctx/16, ctx]; its SDPA
@@ -87,6 +89,12 @@ def bench_decode(dtype, device, iters, with_triton):
         label = f"decode B={batch} ctx={'mixed <=' if mixed else ''}{ctx}"
         row = {"case": label, "sdpa": _time_ms(sdpa, device, iters),
                "torch": _time_ms(ref, device, iters)}
+        if cpu_decode_supported(query, k_cache):
+            def cpp():
+                return paged_attention_decode_cpu(query, k_cache, v_cache, tables, seq_lens, scale)
+
+            torch.testing.assert_close(cpp(), expected, atol=2e-2, rtol=2e-2)
+            row["cpp"] = _time_ms(cpp, device, iters)
         if with_triton:
             from vlserve.kernels.triton_attention import paged_attention_decode_triton
 
@@ -142,12 +150,17 @@ def bench_prefill(dtype, device, iters, with_triton):
 def _print(rows, title, with_triton):
     print(f"\n{title}")
     head = f"| {'case':<34} | {'SDPA contiguous ms':>18} | {'torch paged ms':>14} | {'torch/SDPA':>10} |"
+    with_cpp = any("cpp" in r for r in rows)
+    if with_cpp:
+        head += f" {'C++ ms':>8} | {'C++/SDPA':>8} |"
     if with_triton:
         head += f" {'triton ms':>9} | {'triton/SDPA':>11} |"
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
         line = f"| {r['case']:<34} | {r['sdpa']:>18.2f} | {r['torch']:>14.2f} | {r['torch'] / r['sdpa']:>9.2f}x |"
+        if with_cpp:
+            line += f" {r['cpp']:>8.3f} | {r['cpp'] / r['sdpa']:>7.2f}x |"
         if with_triton:
             line += f" {r['triton']:>9.3f} | {r['triton'] / r['sdpa']:>10.2f}x |"
         print(line)

@@ -2,11 +2,10 @@
 
 Each OpenMP task is one sequence with all its KV heads (or a group of them when the batch is too small to keep
 every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values block by block,
-each cached position once, straight from the paged caches, with an online softmax in float32 (running max and sum, as flash
-attention does), so the work is one read of the context and nothing is copied or padded. Positions past a
-sequence's length are never read, so stale cache slots cannot leak into the output. bf16 caches are widened to
-float32 as they are read. Dot products accumulate in 16 float lanes, which the compiler vectorizes without
-reassociating a single sum.
+each cached position once, straight from the paged caches, with an online softmax in float32 (running max and
+sum, as flash attention does): one read of the context, nothing copied or padded. Positions past a sequence's
+length are never read, so stale cache slots cannot leak into the output. The loads, dot products and exponentials
+are at::vec vectors (AVX-512 or AVX2, whichever inductor detects); bf16 is widened to float32 as it is loaded.
 
 The source is compiled once per process, through the C++ toolchain torch's inductor uses for its CPU kernels (its
 on-disk cache keeps the library across processes). Where no compiler works, `cpu_decode_kernel()` returns None and
