@@ -66,7 +66,7 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[i
     device = block_tables.device
     order = sorted(range(num_seqs), key=lambda i: -lens[i])
     in_order = order == list(range(num_seqs))
-    tables = block_tables.to(torch.long).clamp_min_(0)  # [B, M]
+    tables = block_tables.to(torch.long).clamp_min(0)  # [B, M] (a copy: the step's table stays as it is)
     chunks = []
     start = 0
     while start < num_seqs:
