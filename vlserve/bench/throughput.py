@@ -54,6 +54,16 @@ def random_lengths(bounds: list[int], n: int, seed: int) -> list[int]:
     return torch.randint(bounds[0], bounds[1] + 1, (n,), generator=g).tolist()
 
 
+def fastest_of(repeats: int, run):
+    """`(seconds, result)` of the fastest of `repeats` calls of `run()` (the machine's noise only slows a run)."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        result = run()
+        best = min(best, time.perf_counter() - t)
+    return best, result
+
+
 def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
                   max_num_seqs: int, repeats: int = 1, **engine_kwargs) -> tuple[float, int, float, int, float]:
     """Returns (seconds of the fastest of `repeats` timed runs, generated tokens, load seconds, engine steps of one
@@ -68,13 +78,9 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
     load = time.perf_counter() - t0
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)  # warm-up
-    dt = float("inf")
-    for _ in range(repeats):
-        steps0 = llm.engine.num_steps
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = min(dt, time.perf_counter() - t)
-        steps = llm.engine.num_steps - steps0
+    steps0 = llm.engine.num_steps
+    dt, outs = fastest_of(repeats, lambda: llm.generate(prompts, sp, use_tqdm=False))
+    steps = (llm.engine.num_steps - steps0) // repeats
     runner = llm.engine.runner  # None when the ranks run in worker processes (tensor parallel)
     if runner is not None and runner.device.type == "cuda":
         from vlserve.bench.gpu_report import print_gpu_report
@@ -106,12 +112,8 @@ def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
         return sum(min(n, new) for n in lens), new * len(batch)
 
     run(prompts[:2], output_lens[:2])  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        counts = [run(prompts[i:i + batch_size], output_lens[i:i + batch_size])
-                  for i in range(0, len(prompts), batch_size)]
-        best = min(best, time.perf_counter() - t)
+    best, counts = fastest_of(repeats, lambda: [run(prompts[i:i + batch_size], output_lens[i:i + batch_size])
+                                                for i in range(0, len(prompts), batch_size)])
     return best, sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 

@@ -3,9 +3,10 @@
 Compiled (level >= 1): the model's forward is traced by dynamo and compiled by inductor (CPU and CUDA) with the
 token dimension dynamic, so a shape class compiles once: T == 1 (dynamo specializes size 1) and T >= 2, times
 [T] vs [3, T] positions and token ids vs media embeddings. On CPU the weights are frozen into the graph, so
-inductor runs the linear layers on oneDNN with prepacked weights (`CompilationConfig.inductor_options`). Attention stays one opaque custom op
-(`kernels.attention_op`) that reads this step's metadata and KV caches from `attention_step`; everything else
-(RMSNorm with its residual add, SiLU-and-mul, rotary) is plain torch, which inductor fuses. Inductor's on-disk
+inductor runs the linear layers on oneDNN with prepacked weights (`CompilationConfig.inductor_options`). Attention
+stays one opaque custom op (`kernels.attention_op`) that reads this step's metadata and KV caches from
+`attention_step`; everything else (RMSNorm with its residual add, SiLU-and-mul, rotary) is plain torch, which
+inductor fuses. Inductor's on-disk
 caches (FX graph and autograd caches) live in the config's cache dir, so a second start skips most of the work.
 Level >= 2 on CUDA also captures CUDA graphs for decode batches (`cuda_graphs.py`).
 """
