@@ -8,7 +8,9 @@ import torch
 from _kernel_testutils import make_paged_kv, naive_attention, poison_unused_slots
 from vlserve.kernels import attention_ref, cpu_decode
 from vlserve.kernels.attention_ref import attention_forward_ref, paged_attention_decode_ref
-from vlserve.kernels.cpu_decode import cpu_decode_kernel, cpu_decode_supported, paged_attention_decode_cpu
+from vlserve.kernels.cpu_decode import (attention_step_cpu, cpu_decode_kernel, cpu_decode_supported,
+                                        paged_attention_decode_cpu)
+from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(cpu_decode_kernel() is None, reason="no C++ toolchain for the CPU decode kernel")
@@ -23,10 +25,12 @@ def _case(ratio, head_dim, block_size, seq_lens, dtype, num_kv_heads=2, seed=0):
     return query, contexts, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
+# head dims 64 and 128 run the register-resident code, the others the general one; odd ratios leave a query row
+# that is scored or accumulated alone; contexts past 256 positions take several softmax chunks
 @pytest.mark.parametrize("ratio,head_dim,block_size", [(1, 64, 16), (4, 64, 16), (8, 128, 32), (7, 128, 16),
-                                                       (2, 80, 16), (4, 96, 32)])
+                                                       (2, 80, 16), (4, 96, 32), (3, 256, 8), (5, 64, 48)])
 def test_cpu_decode_matches_naive_fp32(ratio, head_dim, block_size):
-    seq_lens = [1, block_size // 2 + 3, block_size, 3 * block_size + 7, 200]
+    seq_lens = [1, block_size // 2 + 3, block_size, 3 * block_size + 7, 200, 613]
     query, contexts, k_cache, v_cache, tables, lens = _case(ratio, head_dim, block_size, seq_lens, torch.float32)
     scale = head_dim ** -0.5
     out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, scale)
@@ -71,6 +75,7 @@ def test_cpu_decode_supported_rules(monkeypatch):
     assert cpu_decode_supported(q, k)
     assert not cpu_decode_supported(q.half(), k.half())  # float16 is not built
     assert not cpu_decode_supported(torch.zeros(1, 4, 72), torch.zeros(2, 16, 2, 72))  # not whole vectors
+    assert not cpu_decode_supported(torch.zeros(1, 4, 272), torch.zeros(2, 16, 2, 272))  # wider than 256
     assert not cpu_decode_supported(q, k.bfloat16())  # query and cache dtypes differ
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "0")
     assert not cpu_decode_supported(q, k)
@@ -81,8 +86,8 @@ def test_attention_forward_decodes_alike_with_and_without_the_kernel(monkeypatch
     # a mixed step: two decodes then a 3-token prefill; both decode paths give the reference's output
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, kernel)
     calls = []
-    real = attention_ref.paged_attention_decode_cpu
-    monkeypatch.setattr(attention_ref, "paged_attention_decode_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attention_ref.attention_step_cpu
+    monkeypatch.setattr(attention_ref, "attention_step_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     seq_lens = [20, 37, 9]
     query, contexts, k_cache, v_cache, tables, lens = _case(4, 64, 16, seq_lens, torch.float32, seed=6)
     q = torch.cat([query[:2], torch.randn(3, 8, 64)])  # [T=5, Hq, D]
@@ -96,3 +101,26 @@ def test_attention_forward_decodes_alike_with_and_without_the_kernel(monkeypatch
     want = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.125)
     torch.testing.assert_close(out[:2], want, atol=2e-5, rtol=1e-5)
     assert len(calls) == (1 if kernel == "1" else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_step_writes_then_decodes(dtype):
+    # one call: the step's K/V land in their slots (slot -1 skipped, nothing else touched) before the decodes read
+    # them; query/key/value are strided views of one fused projection, the block table a column slice of a wider one
+    seq_lens = [9, 33, 70]
+    query, contexts, k_cache, v_cache, tables, lens = _case(4, 64, 16, seq_lens, dtype, seed=8)
+    fused = torch.randn(4, 8 * 64 + 2 * 2 * 64).to(dtype)  # [T, (Hq + 2 Hkv) * D]: the last row is padding
+    q, k, v = fused.split([8 * 64, 2 * 64, 2 * 64], dim=1)
+    q, k, v = q.view(4, 8, 64), k.view(4, 2, 64), v.view(4, 2, 64)
+    slots = torch.tensor([int(tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(seq_lens)] + [-1])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_ref(k, v, want_k, want_v, slots)
+    wide = torch.zeros(3, tables.shape[1] + 5, dtype=torch.int32)
+    wide[:, :tables.shape[1]] = tables
+    out = torch.zeros(4, 8, 64, dtype=dtype)
+    attention_step_cpu(q, k, v, k_cache, v_cache, slots, wide[:, :tables.shape[1]], lens, 3, 0.125, out)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    want = paged_attention_decode_ref(q[:3].float(), want_k.float(), want_v.float(), tables, lens, 0.125)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out[:3].float(), want, **tol)
+    assert torch.equal(out[3], torch.zeros(8, 64, dtype=dtype))  # rows past num_decodes are the caller's

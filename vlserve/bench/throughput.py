@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{compile_s:.1f} s; compilation {args.compilation_config or 'default'}"
           f"{', enforce_eager' if args.enforce_eager else ''}; async_scheduling={args.async_scheduling}"
           f"{f'; TP={tp}' if tp > 1 else ''})")
+    rates = {"vlserve": n / dt}
     if args.compare_eager:
         print(f"ratio vlserve/vlserve-eager: {(n / dt) / (en / edt):.2f}x")
     if tp > 1:
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"HF generate: {hn / hdt:8.1f} tok/s, {1000 * hdt / per_stream:.2f} ms/token per stream  "
               f"({hn} tokens in {hdt:.2f} s{extra})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
+        rates["HF"] = hn / hdt
     if args.vllm_python:
         r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype, args.repeats)
         if r is not None:
@@ -244,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"vLLM: {vn / vdt:8.1f} tok/s, {1000 * vdt / per_stream:.2f} ms/token per stream  "
                   f"({vn} tokens in {vdt:.2f} s)")
             print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
+            rates["vLLM"] = vn / vdt
+    if not torch.cuda.is_available():
+        from vlserve.bench.cpu_report import cpu_roofline, format_roofline
+
+        print(format_roofline(cpu_roofline(text_cfg, [len(p) for p in prompts], output_lens, args.dtype), rates))
 
 
 if __name__ == "__main__":

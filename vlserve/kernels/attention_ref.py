@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_decode import cpu_decode_supported, paged_attention_decode_cpu
+from vlserve.kernels.cpu_decode import attention_step_cpu, cpu_decode_supported
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -213,6 +213,20 @@ def paged_prefill_attention_ref(
     )
 
 
+def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                       scale: float, out: torch.Tensor) -> None:
+    """The step's decode rows through the gather + SDPA path, its plan made once per step for all layers."""
+    num_decodes = md.num_decodes
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    plan = md.derive(("decode_plan", block_size, token_bytes), lambda: plan_decode(
+        md.block_tables[:num_decodes], md.seq_lens[:num_decodes], md.seq_lens_cpu[:num_decodes], block_size,
+        token_bytes))
+    paged_attention_decode_ref(query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes],
+                               md.seq_lens[:num_decodes], scale, out=out[:num_decodes], workspace=md.workspace,
+                               plan=plan)
+
+
 def attention_forward_ref(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -224,32 +238,20 @@ def attention_forward_ref(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
-    write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)))
     out = torch.empty_like(query)
     num_decodes = md.num_decodes
     num_actual = md.query_start_loc_cpu[-1]
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
-    if num_decodes > 0 and cpu_decode_supported(query, k_cache):
-        paged_attention_decode_cpu(query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes],
-                                   md.seq_lens[:num_decodes], scale, out=out[:num_decodes])
-    elif num_decodes > 0:
-        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
-        plan = md.derive(("decode_plan", block_size, token_bytes), lambda: plan_decode(
-            md.block_tables[:num_decodes], md.seq_lens[:num_decodes], md.seq_lens_cpu[:num_decodes], block_size,
-            token_bytes))
-        paged_attention_decode_ref(
-            query[:num_decodes],
-            k_cache,
-            v_cache,
-            md.block_tables[:num_decodes],
-            md.seq_lens[:num_decodes],
-            scale,
-            out=out[:num_decodes],
-            workspace=md.workspace,
-            plan=plan,
-        )
+    if (cpu_decode_supported(query, k_cache) and key.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous()):
+        # one C++ call writes every row's K/V and decodes the decode rows
+        attention_step_cpu(query, key, value, k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens,
+                           num_decodes, scale, out)
+    else:
+        write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)))
+        if num_decodes > 0:
+            _decode_with_torch(query, k_cache, v_cache, md, scale, out)
     if num_decodes < md.num_seqs:
         qsl = md.query_start_loc_cpu
         _prefill_from_lists(

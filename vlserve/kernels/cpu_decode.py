@@ -1,15 +1,18 @@
 """Paged decode attention for CPU in C++: one pass over each sequence's cached blocks, no gather, no mask.
 
-Each OpenMP task is one sequence with all its KV heads (or a group of them when the batch is too small to keep
-every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values block by block,
-each cached position once, straight from the paged caches, with an online softmax in float32 (running max and
-sum, as flash attention does): one read of the context, nothing copied or padded. Positions past a sequence's
-length are never read, so stale cache slots cannot leak into the output. The loads, dot products and exponentials
-are at::vec vectors (AVX-512 or AVX2, whichever inductor detects); bf16 is widened to float32 as it is loaded.
+One call per layer and step (`attention_step_cpu`) first writes the step's keys and values into the paged caches,
+then decodes. Each OpenMP task is one sequence with all its KV heads (or a group of them when the batch is too
+small to keep every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values
+straight from the paged caches, a chunk of blocks (~256 positions) at a time: the chunk's scores, one online
+softmax update in float32 (running max and sum, as flash attention does), then its values. Positions past a
+sequence's length are never read, so stale cache slots cannot leak into the output. The loads, dot products and
+exponentials are at::vec vectors (AVX-512 or AVX2, whichever inductor detects; bf16 is widened to float32 as it is
+loaded); rows of 64 or 128 get code whose query rows and accumulators stay in registers, two or four query rows
+share each key or value load, and the scores of eight positions are summed in one shuffle tree.
 
 The source is compiled once per process, through the C++ toolchain torch's inductor uses for its CPU kernels (its
 on-disk cache keeps the library across processes). Where no compiler works, `cpu_decode_kernel()` returns None and
-the torch path (`attention_ref.paged_attention_decode_ref`) runs instead.
+the torch path (`attention_ref.paged_attention_decode_ref`, `kv_write_ref`) runs instead.
 """
 from __future__ import annotations
 
@@ -29,10 +32,16 @@ _SOURCE = r"""
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 using fVec = at::vec::Vectorized<float>;
 using bf16 = c10::BFloat16;
+constexpr int64_t kMaxVecs = 32;  // vectors in a row of up to 256 floats (AVX2: 8 lanes)
 
 // fVec::size() consecutive elements as float32
 static inline fVec load(const float* p) { return fVec::loadu(p); }
@@ -42,14 +51,89 @@ static inline fVec load(const bf16* p) {
     return out;
 }
 
-// q, out: [B, Hq, D]; kc, vc: [NB, BS, Hkv, D]; tables: [B, M] int32; lens: [B] int32; D % fVec::size() == 0
-template <typename T>
-static void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens, T* out,
-                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
-                   int64_t threads) {
+// sums[j] = the sum of the lanes of the j-th of 8 consecutive vectors at `v`: one shuffle tree for all eight
+// rather than eight horizontal reductions
+static inline void reduce8(const fVec* v, float* sums) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    __m256 h[8];
+    for (int j = 0; j < 8; ++j) {
+#if defined(CPU_CAPABILITY_AVX512)
+        const __m512 x = v[j];  // fold the upper 256 bits onto the lower
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(x),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+#else
+        h[j] = v[j];
+#endif
+    }
+    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                         _mm256_permute2f128_ps(h0123, h4567, 0x31)));
+#else
+    for (int j = 0; j < 8; ++j) sums[j] = v[j].reduce_add();
+#endif
+}
+
+// scores of P query rows (D apart in qf, already scaled) against n key rows (pos_stride apart from kh), eight
+// positions at a time: s[p * stride + t] for t < n (up to the next multiple of 8 is written)
+template <typename T, int64_t NV, int64_t P>
+static inline void score_rows(const float* qf, const T* kh, int64_t pos_stride, int64_t n, int64_t V, float* s,
+                              int64_t stride) {
+    const int64_t W = fVec::size(), nv = NV > 0 ? NV : V, D = nv * W;
+    fVec qv[P][kMaxVecs];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < nv; ++v) qv[p][v] = fVec::loadu(qf + p * D + v * W);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, n - t0);
+        fVec dots[P][8];
+        for (int64_t j = 0; j < 8; ++j) {
+            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(0.f);
+            if (j >= n8) continue;
+            for (int64_t v = 0; v < nv; ++v) {  // each key vector is loaded once for the P rows
+                const fVec k = load(kh + (t0 + j) * pos_stride + v * W);
+                for (int64_t p = 0; p < P; ++p) dots[p][j] = at::vec::fmadd(qv[p][v], k, dots[p][j]);
+            }
+        }
+        for (int64_t p = 0; p < P; ++p) reduce8(dots[p], s + p * stride + t0);
+    }
+}
+
+// acc (P rows, D apart) += the first n probabilities of each row (stride apart in s) times the value rows
+// (pos_stride apart from vh); the accumulators stay in registers over the block
+template <typename T, int64_t NV, int64_t P>
+static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, int64_t n, int64_t V,
+                                   const float* s, int64_t stride) {
+    const int64_t W = fVec::size(), nv = NV > 0 ? NV : V, D = nv * W;
+    fVec a[P][kMaxVecs];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < nv; ++v) a[p][v] = fVec::loadu(acc + p * D + v * W);
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t v = 0; v < nv; ++v) {  // each value vector is loaded once for the P rows
+            const fVec x = load(vh + t * pos_stride + v * W);
+            for (int64_t p = 0; p < P; ++p) a[p][v] = at::vec::fmadd(fVec(s[p * stride + t]), x, a[p][v]);
+        }
+    }
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < nv; ++v) a[p][v].store(acc + p * D + v * W);
+}
+
+// q: [B, Hq, D] rows q_stride apart; out: [B, Hq, D]; key, value: [T, Hkv, D] rows kv_stride apart, written into
+// kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any sequence is read; tables: [B, M] int32;
+// lens: [B] int32; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs
+template <typename T, int64_t NV>
+static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t kv_stride,
+                 const int64_t* slots, int64_t num_writes, T* kc, T* vc, const int32_t* tables, const int32_t* lens,
+                 T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
+                 int64_t threads) {
     const int64_t G = Hq / Hkv;
     const int64_t W = fVec::size();
+    const int64_t V = NV > 0 ? NV : D / W;  // vectors per row (a constant where NV > 0)
     const int64_t pos_stride = Hkv * D;  // elements between consecutive positions
+    const int64_t CB = std::max<int64_t>(1, 256 / BS);  // blocks per chunk: one softmax update per ~256 positions
+    const int64_t SC = CB * BS + 8;  // a chunk's scores per row, with room for the last group of eight
+    // query rows scored (PS) and accumulated (PV) together: as many as their registers allow
+    constexpr int64_t PS = (NV > 0 && NV <= 4) ? 2 : 1;
+    constexpr int64_t PV = NV > 0 && NV <= 4 ? 4 : NV > 0 && NV <= 8 ? 2 : 1;
     // A task is one sequence and a group of its KV heads: all of them when there are sequences enough to keep
     // the threads busy (each cache line of a position is then read by one task), fewer for small batches.
     int64_t group = Hkv;
@@ -58,13 +142,20 @@ static void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, 
     const int64_t tasks = B * (Hkv / group);
 #pragma omp parallel num_threads(threads)
     {
-        // per thread: the query rows (scaled), their accumulators, running max and sum, one block's scores
-        std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(R * BS);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_writes; ++i) {  // this step's keys and values first: decodes attend to them
+            if (slots[i] < 0) continue;
+            std::memcpy(kc + slots[i] * pos_stride, key + i * kv_stride, pos_stride * sizeof(T));
+            std::memcpy(vc + slots[i] * pos_stride, value + i * kv_stride, pos_stride * sizeof(T));
+        }
+        // per thread: the query rows (scaled), their accumulators, running max and sum, a block's scores, and
+        // the partial dot products of eight positions before their reduction
+        std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(R * SC);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t b = task / (Hkv / group), h0 = task % (Hkv / group) * group;
             const int64_t len = lens[b];
-            const T* qb = q + (b * Hq + h0 * G) * D;  // the task's R query rows are consecutive
+            const T* qb = q + b * q_stride + h0 * G * D;  // the task's R query rows are consecutive
             for (int64_t r = 0; r < R; ++r) {
                 for (int64_t d = 0; d < D; d += W) (load(qb + r * D + d) * fVec(scale)).store(&qf[r * D + d]);
                 m[r] = -FLT_MAX;
@@ -72,47 +163,51 @@ static void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, 
             }
             std::fill(acc.begin(), acc.end(), 0.f);
             const int64_t nblk = (len + BS - 1) / BS;
-            for (int64_t blk = 0; blk < nblk; ++blk) {
-                const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
-                const T* kb = kc + offset;
-                const T* vb = vc + offset;
-                const int64_t n = std::min(BS, len - blk * BS);
-                for (int64_t t = 0; t < n; ++t) {  // scores: a key row is read once for the G query rows of its head
-                    for (int64_t r = 0; r < R; ++r) {
-                        const T* krow = kb + t * pos_stride + (r / G) * D;
-                        fVec dot(0.f);
-                        for (int64_t d = 0; d < D; d += W)
-                            dot = at::vec::fmadd(fVec::loadu(&qf[r * D + d]), load(krow + d), dot);
-                        s[r * BS + t] = dot.reduce_add();
+            for (int64_t c0 = 0; c0 < nblk; c0 += CB) {  // a chunk of CB blocks: scores, one softmax update, values
+                const int64_t c1 = std::min(nblk, c0 + CB);
+                const int64_t npos = std::min(len, c1 * BS) - c0 * BS;
+                for (int64_t blk = c0; blk < c1; ++blk) {  // scores: PS query rows of a head at a time
+                    const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
+                    const int64_t n = std::min(BS, len - blk * BS);
+                    for (int64_t r = 0; r < R; r += (r % G + PS <= G ? PS : 1)) {
+                        const T* kh = kc + offset + (r / G) * D;
+                        float* sr = &s[r * SC + (blk - c0) * BS];
+                        if (r % G + PS <= G) score_rows<T, NV, PS>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
+                        else score_rows<T, NV, 1>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
                     }
                 }
                 for (int64_t r = 0; r < R; ++r) {  // online softmax: rescale what came before to the new max
-                    float* sr = &s[r * BS];
-                    const float mx = std::max(m[r], *std::max_element(sr, sr + n));
-                    fVec vsum(0.f);
+                    float* sr = &s[r * SC];
+                    fVec vmax(-FLT_MAX);
                     int64_t t = 0;
-                    for (; t + W <= n; t += W) {  // whole vectors of scores
+                    for (; t + W <= npos; t += W) vmax = at::vec::maximum(vmax, fVec::loadu(sr + t));
+                    float mx = std::max(m[r], vmax.reduce_max());
+                    for (; t < npos; ++t) mx = std::max(mx, sr[t]);
+                    fVec vsum(0.f);
+                    for (t = 0; t + W <= npos; t += W) {  // whole vectors of scores
                         const fVec e = (fVec::loadu(sr + t) - fVec(mx)).exp();
                         e.store(sr + t);
                         vsum = vsum + e;
                     }
                     float sum = vsum.reduce_add();
-                    for (; t < n; ++t) {  // the ragged end of the last block
+                    for (; t < npos; ++t) {  // the ragged end
                         sr[t] = std::exp(sr[t] - mx);
                         sum += sr[t];
                     }
-                    const float corr = std::exp(m[r] - mx);  // 0 on the first block (m = -FLT_MAX)
+                    const float corr = std::exp(m[r] - mx);  // 0 on the first chunk (m = -FLT_MAX)
                     l[r] = l[r] * corr + sum;
                     m[r] = mx;
                     if (corr != 1.f)
                         for (int64_t d = 0; d < D; d += W) (fVec::loadu(&acc[r * D + d]) * fVec(corr)).store(&acc[r * D + d]);
                 }
-                for (int64_t t = 0; t < n; ++t) {  // values: each row read once for the G query rows of its head
-                    for (int64_t r = 0; r < R; ++r) {
-                        const T* vrow = vb + t * pos_stride + (r / G) * D;
-                        const fVec p(s[r * BS + t]);
-                        for (int64_t d = 0; d < D; d += W)
-                            at::vec::fmadd(p, load(vrow + d), fVec::loadu(&acc[r * D + d])).store(&acc[r * D + d]);
+                for (int64_t blk = c0; blk < c1; ++blk) {  // values: PV query rows of a head at a time
+                    const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
+                    const int64_t n = std::min(BS, len - blk * BS);
+                    for (int64_t r = 0; r < R; r += (r % G + PV <= G ? PV : 1)) {
+                        const T* vh = vc + offset + (r / G) * D;
+                        const float* sr = &s[r * SC + (blk - c0) * BS];
+                        if (r % G + PV <= G) accumulate_rows<T, NV, PV>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
+                        else accumulate_rows<T, NV, 1>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
                     }
                 }
             }
@@ -125,26 +220,49 @@ static void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, 
     }
 }
 
-extern "C" void kernel(const void* q, const void* kc, const void* vc, const int32_t* tables, const int32_t* lens,
-                       void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M,
-                       float scale, int64_t threads, int64_t is_bf16) {
+template <typename T>
+static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t kv_stride,
+                       const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
+                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                       int64_t M, float scale, int64_t threads) {
+    // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
+    auto run = [&](auto nv) {
+        step<T, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
+                                     static_cast<const T*>(value), kv_stride, slots, num_writes, static_cast<T*>(kc),
+                                     static_cast<T*>(vc), tables, lens, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
+                                     scale, threads);
+    };
+    const int64_t V = D / fVec::size();
+    if (V == 4) run(std::integral_constant<int64_t, 4>());
+    else if (V == 8) run(std::integral_constant<int64_t, 8>());
+    else run(std::integral_constant<int64_t, 0>());
+}
+
+extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t kv_stride,
+                       const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
+                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                       int64_t M, float scale, int64_t threads, int64_t is_bf16) {
     if (is_bf16)
-        decode(static_cast<const bf16*>(q), static_cast<const bf16*>(kc), static_cast<const bf16*>(vc), tables, lens,
-               static_cast<bf16*>(out), B, Hq, Hkv, D, BS, M, scale, threads);
+        step_typed<bf16>(q, q_stride, key, value, kv_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq, Hkv,
+                         D, BS, M, scale, threads);
     else
-        decode(static_cast<const float*>(q), static_cast<const float*>(kc), static_cast<const float*>(vc), tables,
-               lens, static_cast<float*>(out), B, Hq, Hkv, D, BS, M, scale, threads);
+        step_typed<float>(q, q_stride, key, value, kv_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq,
+                          Hkv, D, BS, M, scale, threads);
 }
 """
 
 _DECLARATION = """
 #include <cstdint>
-extern "C" void kernel(const void* q, const void* kc, const void* vc, const int32_t* tables, const int32_t* lens,
-                       void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M,
-                       float scale, int64_t threads, int64_t is_bf16);
+extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t kv_stride,
+                       const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
+                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                       int64_t M, float scale, int64_t threads, int64_t is_bf16);
 """
-_ARG_TYPES = ["const void*", "const void*", "const void*", "const int32_t*", "const int32_t*", "void*",
-              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t"]
+_ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "const int64_t*", "int64_t", "void*",
+              "void*", "const int32_t*", "const int32_t*", "void*", "int64_t", "int64_t", "int64_t", "int64_t",
+              "int64_t", "int64_t", "float", "int64_t", "int64_t"]
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+_MAX_HEAD_DIM = 256  # kMaxVecs vectors of the narrowest ISA (AVX2: 8 floats)
 _DTYPES = (torch.float32, torch.bfloat16)
 DISABLE_ENV = "VLSERVE_CPU_DECODE_KERNEL"  # "0": decode with the torch gather + SDPA path instead
 
@@ -166,11 +284,43 @@ def cpu_decode_kernel():
 
 
 def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `paged_attention_decode_cpu` takes these tensors: CPU, float32 or bfloat16 query and cache, a head
-    dim that is a multiple of 16 (whole vectors), a kernel built here, and not switched off by $VLSERVE_CPU_DECODE_KERNEL=0."""
+    """Whether `paged_attention_decode_cpu` and `attention_step_cpu` take these tensors: CPU, float32 or bfloat16
+    query and cache, a head dim that is a multiple of 16 (whole vectors) up to 256, a kernel built here, and not
+    switched off by $VLSERVE_CPU_DECODE_KERNEL=0."""
+    head_dim = query.shape[-1]
     return (query.device.type == "cpu" and query.dtype in _DTYPES and k_cache.dtype == query.dtype
-            and query.shape[-1] % 16 == 0 and os.environ.get(DISABLE_ENV, "1") != "0"
+            and head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM and os.environ.get(DISABLE_ENV, "1") != "0"
             and cpu_decode_kernel() is not None)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`x` [N, H, D] (or a copy) with each row's [H, D] contiguous, and the elements between rows."""
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
+def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, num_decodes: int, scale: float, out: torch.Tensor) -> None:
+    """One C++ call: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int64; -1 skipped), then
+    decode the first `num_decodes` sequences of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller
+    checks `cpu_decode_supported` and that key/value have the caches' dtype; prefill rows are left to it."""
+    # k_cache, v_cache: [NB, BS, Hkv, D] contiguous; block_tables: [B, M]; seq_lens: [B]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    query, q_stride = _rows(query)
+    key, kv_stride = _rows(key)
+    value, v_stride = _rows(value)
+    if v_stride != kv_stride:
+        key, value = key.contiguous(), value.contiguous()
+        kv_stride = key.stride(0)
+    slots = slot_mapping.to(torch.long).contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
+        block_tables.to(torch.int32).contiguous())
+    lens = seq_lens.to(torch.int32).contiguous()
+    cpu_decode_kernel()(query, q_stride, key, value, kv_stride, slots, slots.shape[0], k_cache, v_cache, tables,
+                        lens, out, num_decodes, query.shape[1], num_kv_heads, head_dim, block_size, tables.stride(0),
+                        float(scale), torch.get_num_threads(), int(query.dtype == torch.bfloat16))
 
 
 def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -178,19 +328,13 @@ def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cac
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_decode_ref`'s contract in one C++ call (check `cpu_decode_supported` first)."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
-    num_seqs, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
     if out is None:
         out = torch.empty_like(query)
-    if num_seqs == 0:
+    if query.shape[0] == 0:
         return out
-    query = query.contiguous()
     result = out if out.is_contiguous() else torch.empty_like(query)
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    cpu_decode_kernel()(query, k_cache.contiguous(), v_cache.contiguous(), tables, lens, result, num_seqs,
-                        num_q_heads, num_kv_heads, head_dim, block_size, tables.shape[1], float(scale),
-                        torch.get_num_threads(), int(query.dtype == torch.bfloat16))
+    attention_step_cpu(query, query[:0], query[:0], k_cache.contiguous(), v_cache.contiguous(), _NO_SLOTS,
+                       block_tables, seq_lens, query.shape[0], scale, result)
     if result is not out:
         out.copy_(result)
     return out

@@ -1,0 +1,53 @@
+"""The CPU roofline of the throughput bench: its FLOP count agrees with torch's FLOP counter on the HF model, and
+the bench prints it with each engine's share."""
+import re
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vlserve.bench import throughput
+from vlserve.bench.cpu_report import CpuRoofline, format_roofline, run_gflop
+from vlserve.testing.checkpoints import build_text_checkpoint
+
+
+def test_run_gflop_matches_the_flop_counter_of_one_token(tmp_path):
+    # one prompt token and one output token: one forward of one position, whose every matmul torch counts
+    # (eager attention: q.k and p.v of the one position), GQA included; the counter also sees the rotary
+    # embedding's frequency product (inv_freq [head_dim / 2] x one position), which is not matmul work on weights
+    build_text_checkpoint(str(tmp_path), arch="qwen2", hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                          intermediate_size=200, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.tensor([[3]]))
+    cfg = AutoConfig.from_pretrained(str(tmp_path))
+    head_dim = 96 // 4
+    assert round(run_gflop(cfg, [1], [1]) * 1e9) == counter.get_total_flops() - head_dim
+
+
+def test_run_gflop_counts_fed_back_tokens_and_growing_contexts(tmp_path):
+    build_text_checkpoint(str(tmp_path), arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                          intermediate_size=128, seed=0)
+    cfg = AutoConfig.from_pretrained(str(tmp_path))
+    one = run_gflop(cfg, [1], [1])
+    # a second prompt token costs one more pass through the projections and a longer context; a second output
+    # token likewise (it is fed back), plus one more row of logits
+    longer_prompt = run_gflop(cfg, [2], [1]) - one
+    longer_output = run_gflop(cfg, [1], [2]) - one
+    logits_row = 2 * 64 * cfg.vocab_size / 1e9
+    assert abs(longer_output - longer_prompt - logits_row) < 1e-12
+    assert run_gflop(cfg, [4, 4], [3, 3]) == 2 * run_gflop(cfg, [4], [3])
+
+
+def test_format_roofline_shares():
+    roof = CpuRoofline(gflop=100.0, peak_gflops=200.0, shape=(2048, 512, 1536), generated=1000)
+    assert roof.ceiling_tok_s == 2000.0
+    line = format_roofline(roof, {"vlserve": 1500.0, "vLLM": 500.0})
+    assert "at most 2000 tok/s; vlserve 75%, vLLM 25% of it" in line
+
+
+def test_throughput_bench_prints_the_cpu_roofline(capsys):
+    throughput.main(["--hidden-size", "64", "--num-layers", "1", "--num-prompts", "2", "--input-len", "5",
+                     "--output-len", "3", "--threads", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"CPU roofline: \d+\.\d GFLOP .* at most \d+ tok/s; vlserve \d+%, HF \d+% of it", out)

@@ -1,0 +1,82 @@
+"""CPU-only figure for the throughput bench: the compute roofline of the run.
+
+A decoder's work is almost all matrix products against its weights. The run's matmul FLOPs (every prompt token
+and every fed-back output token through every layer's projections, plus the logits of the sampled positions and
+the attention's scores and sums), divided by the GEMM rate torch reaches on this machine for the model's largest
+projection in this dtype (measured here, in this process), give the shortest time any engine using those GEMMs
+could take: the ceiling on tokens per second that each engine's measured rate is compared with.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CpuRoofline:
+    """The run's matmul work and the machine's measured GEMM rate."""
+
+    gflop: float  # matmul work of one run of the bench
+    peak_gflops: float  # measured GEMM rate, GFLOP/s
+    shape: tuple[int, int, int]  # (M, K, N) of the timed GEMM
+    generated: int  # output tokens of one run
+
+    @property
+    def floor_seconds(self) -> float:
+        return self.gflop / self.peak_gflops
+
+    @property
+    def ceiling_tok_s(self) -> float:
+        return self.generated / self.floor_seconds
+
+
+def run_gflop(text_cfg, prompt_lens: list[int], output_lens: list[int]) -> float:
+    """Matmul GFLOP of generating `output_lens` tokens after prompts of `prompt_lens` (greedy, no prefix reuse)."""
+    hidden, inter, layers = text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.num_hidden_layers
+    heads = text_cfg.num_attention_heads
+    head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    # per token and layer: q, k, v, o projections and the gated MLP's three
+    layer_weights = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    tokens = sum(prompt_lens) + sum(n - 1 for n in output_lens)  # the last sampled token is never fed back
+    weights_flop = 2 * tokens * layers * layer_weights
+    logits_flop = 2 * sum(output_lens) * hidden * text_cfg.vocab_size  # one sampled position per output token
+    # attention: a query at context position c reads c keys and c values, per head: 4 * c * head_dim FLOPs
+    contexts = 0
+    for p, n in zip(prompt_lens, output_lens):
+        total = p + n - 1
+        contexts += total * (total + 1) // 2
+    attention_flop = 4 * contexts * heads * head_dim * layers
+    return (weights_flop + logits_flop + attention_flop) / 1e9
+
+
+def measure_gemm_gflops(dtype: torch.dtype, k: int, n: int, m: int = 2048, repeats: int = 10) -> float:
+    """The best GFLOP/s of `torch.nn.functional.linear` on [m, k] x [n, k]^T in `dtype` over `repeats` calls."""
+    a = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    for _ in range(3):
+        torch.nn.functional.linear(a, w)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * m * k * n / best / 1e9
+
+
+def cpu_roofline(text_cfg, prompt_lens: list[int], output_lens: list[int], dtype: str) -> CpuRoofline:
+    """The run's matmul work against this machine's GEMM rate for the model's MLP up-projection shape."""
+    k, n = text_cfg.hidden_size, text_cfg.intermediate_size
+    peak = measure_gemm_gflops(getattr(torch, dtype), k, n)
+    return CpuRoofline(run_gflop(text_cfg, prompt_lens, output_lens), peak, (2048, k, n), sum(output_lens))
+
+
+def format_roofline(roof: CpuRoofline, rates: dict[str, float]) -> str:
+    """One line: the work, the measured GEMM rate, the ceiling, and each engine's tok/s as a share of it."""
+    m, k, n = roof.shape
+    shares = ", ".join(f"{name} {100 * rate / roof.ceiling_tok_s:.0f}%" for name, rate in rates.items())
+    return (f"CPU roofline: {roof.gflop:.1f} GFLOP of matmuls per run at the measured {roof.peak_gflops:.0f} GFLOP/s "
+            f"(linear [{m}x{k}] x [{k}x{n}]) = {roof.floor_seconds:.3f} s -> at most {roof.ceiling_tok_s:.0f} tok/s; "
+            f"{shares} of it")
