@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from vlserve.bench import throughput
-from vlserve.bench.cpu_report import CpuRoofline, format_roofline, run_gflop
+from vlserve.bench.cpu_report import CpuRoofline, format_roofline, run_gbytes, run_gflop
 from vlserve.testing.checkpoints import build_text_checkpoint
 
 
@@ -39,15 +39,34 @@ def test_run_gflop_counts_fed_back_tokens_and_growing_contexts(tmp_path):
     assert run_gflop(cfg, [4, 4], [3, 3]) == 2 * run_gflop(cfg, [4], [3])
 
 
-def test_format_roofline_shares():
-    roof = CpuRoofline(gflop=100.0, peak_gflops=200.0, shape=(2048, 512, 1536), generated=1000)
-    assert roof.ceiling_tok_s == 2000.0
+def test_run_gbytes_reads_the_weights_every_step_and_each_decodes_context(tmp_path):
+    build_text_checkpoint(str(tmp_path), arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                          intermediate_size=128, seed=0)
+    cfg = AutoConfig.from_pretrained(str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    # every weight matrix but the embedding (a lookup reads one row a token); the logits' projection is one even if tied
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)
+    if cfg.tie_word_embeddings:
+        matrices += cfg.vocab_size * 64
+    assert run_gbytes(cfg, [5], [1], 2) * 1e9 == 2 * matrices  # a prefill step alone: no cached K/V read
+    kv_per_position = 2 * 2 * 1 * 32  # K and V, 2 layers, 1 KV head, head_dim 32
+    # two more tokens: two decode steps, over 6 and 7 positions
+    assert round((run_gbytes(cfg, [5], [3], 2) - 3 * run_gbytes(cfg, [5], [1], 2)) * 1e9) == 2 * (6 + 7) * kv_per_position
+
+
+def test_format_roofline_takes_the_larger_floor():
+    roof = CpuRoofline(gflop=100.0, peak_gflops=200.0, shape=(2048, 512, 1536), generated=1000, gbytes=1.0,
+                       bandwidth_gbs=10.0)
+    assert roof.bound == "compute" and roof.ceiling_tok_s == 2000.0
     line = format_roofline(roof, {"vlserve": 1500.0, "vLLM": 500.0})
-    assert "at most 2000 tok/s; vlserve 75%, vLLM 25% of it" in line
+    assert "compute-bound -> at most 2000 tok/s; vlserve 75%, vLLM 25% of it" in line
+    slow_memory = CpuRoofline(100.0, 200.0, (2048, 512, 1536), 1000, gbytes=10.0, bandwidth_gbs=10.0)
+    assert slow_memory.bound == "memory" and slow_memory.ceiling_tok_s == 1000.0
 
 
 def test_throughput_bench_prints_the_cpu_roofline(capsys):
     throughput.main(["--hidden-size", "64", "--num-layers", "1", "--num-prompts", "2", "--input-len", "5",
                      "--output-len", "3", "--threads", "1", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert re.search(r"CPU roofline: \d+\.\d GFLOP .* at most \d+ tok/s; vlserve \d+%, HF \d+% of it", out)
+    assert re.search(r"CPU roofline: \d+\.\d GFLOP .* GB/s = .*-bound -> at most \d+ tok/s; vlserve \d+%, HF \d+% of it",
+                     out)

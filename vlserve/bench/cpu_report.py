@@ -1,10 +1,13 @@
-"""CPU-only figure for the throughput bench: the compute roofline of the run.
+"""CPU-only figure for the throughput bench: the roofline of the run, compute and memory.
 
 A decoder's work is almost all matrix products against its weights. The run's matmul FLOPs (every prompt token
 and every fed-back output token through every layer's projections, plus the logits of the sampled positions and
 the attention's scores and sums), divided by the GEMM rate torch reaches on this machine for the model's largest
 projection in this dtype (measured here, in this process), give the shortest time any engine using those GEMMs
-could take: the ceiling on tokens per second that each engine's measured rate is compared with.
+could take. Each step also reads every weight once and each sequence's cached K/V; those bytes at the read
+bandwidth measured here give a second floor (it binds for small batches). The larger floor is the ceiling on
+tokens per second that each engine's measured rate is compared with. The byte count assumes every step carries the
+whole batch (one prefill step, then one decode step per further output token).
 """
 from __future__ import annotations
 
@@ -22,10 +25,24 @@ class CpuRoofline:
     peak_gflops: float  # measured GEMM rate, GFLOP/s
     shape: tuple[int, int, int]  # (M, K, N) of the timed GEMM
     generated: int  # output tokens of one run
+    gbytes: float = 0.0  # weights and KV read by one run
+    bandwidth_gbs: float = float("inf")  # measured read bandwidth, GB/s
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.gflop / self.peak_gflops
+
+    @property
+    def memory_seconds(self) -> float:
+        return self.gbytes / self.bandwidth_gbs
 
     @property
     def floor_seconds(self) -> float:
-        return self.gflop / self.peak_gflops
+        return max(self.compute_seconds, self.memory_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
 
     @property
     def ceiling_tok_s(self) -> float:
@@ -52,6 +69,33 @@ def run_gflop(text_cfg, prompt_lens: list[int], output_lens: list[int]) -> float
     return (weights_flop + logits_flop + attention_flop) / 1e9
 
 
+def run_gbytes(text_cfg, prompt_lens: list[int], output_lens: list[int], element_size: int) -> float:
+    """GB read by the run's steps: all weights once a step (the batch in every step), and each decode's K/V."""
+    hidden, inter, layers = text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.num_hidden_layers
+    heads = text_cfg.num_attention_heads
+    head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+    weights = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter)
+    weights += hidden * text_cfg.vocab_size  # the logits' projection
+    steps = max(output_lens)
+    kv_per_position = 2 * layers * kv_heads * head_dim
+    # decode step i (1 <= i < n) of a sequence reads its p + i cached positions
+    kv_positions = sum(sum(p + i for i in range(1, n)) for p, n in zip(prompt_lens, output_lens))
+    return (steps * weights + kv_positions * kv_per_position) * element_size / 1e9
+
+
+def measure_read_gbs(megabytes: int = 256, repeats: int = 5) -> float:
+    """The best GB/s of summing a `megabytes` float32 buffer (far larger than the caches) over `repeats` passes."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
 def measure_gemm_gflops(dtype: torch.dtype, k: int, n: int, m: int = 2048, repeats: int = 10) -> float:
     """The best GFLOP/s of `torch.nn.functional.linear` on [m, k] x [n, k]^T in `dtype` over `repeats` calls."""
     a = torch.randn(m, k).to(dtype)
@@ -67,16 +111,21 @@ def measure_gemm_gflops(dtype: torch.dtype, k: int, n: int, m: int = 2048, repea
 
 
 def cpu_roofline(text_cfg, prompt_lens: list[int], output_lens: list[int], dtype: str) -> CpuRoofline:
-    """The run's matmul work against this machine's GEMM rate for the model's MLP up-projection shape."""
+    """The run's matmul work against this machine's GEMM rate for the model's MLP up-projection shape, and its
+    bytes against the measured read bandwidth."""
     k, n = text_cfg.hidden_size, text_cfg.intermediate_size
-    peak = measure_gemm_gflops(getattr(torch, dtype), k, n)
-    return CpuRoofline(run_gflop(text_cfg, prompt_lens, output_lens), peak, (2048, k, n), sum(output_lens))
+    torch_dtype = getattr(torch, dtype)
+    peak = measure_gemm_gflops(torch_dtype, k, n)
+    element_size = torch.empty((), dtype=torch_dtype).element_size()
+    return CpuRoofline(run_gflop(text_cfg, prompt_lens, output_lens), peak, (2048, k, n), sum(output_lens),
+                       run_gbytes(text_cfg, prompt_lens, output_lens, element_size), measure_read_gbs())
 
 
 def format_roofline(roof: CpuRoofline, rates: dict[str, float]) -> str:
-    """One line: the work, the measured GEMM rate, the ceiling, and each engine's tok/s as a share of it."""
+    """One line: the work and bytes, the measured rates, the ceiling, and each engine's tok/s as a share of it."""
     m, k, n = roof.shape
     shares = ", ".join(f"{name} {100 * rate / roof.ceiling_tok_s:.0f}%" for name, rate in rates.items())
     return (f"CPU roofline: {roof.gflop:.1f} GFLOP of matmuls per run at the measured {roof.peak_gflops:.0f} GFLOP/s "
-            f"(linear [{m}x{k}] x [{k}x{n}]) = {roof.floor_seconds:.3f} s -> at most {roof.ceiling_tok_s:.0f} tok/s; "
-            f"{shares} of it")
+            f"(linear [{m}x{k}] x [{k}x{n}]) = {roof.compute_seconds:.3f} s; {roof.gbytes:.2f} GB of weights and KV "
+            f"at the measured {roof.bandwidth_gbs:.1f} GB/s = {roof.memory_seconds:.3f} s; {roof.bound}-bound -> at "
+            f"most {roof.ceiling_tok_s:.0f} tok/s; {shares} of it")
