@@ -49,36 +49,48 @@ class CpuRoofline:
         return self.generated / self.floor_seconds
 
 
+@dataclass
+class _Shapes:
+    """What the counts need from a decoder's config."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layer_weights: int  # q, k, v, o projections and the gated MLP's three, per layer
+
+    @classmethod
+    def of(cls, text_cfg) -> "_Shapes":
+        hidden, heads = text_cfg.hidden_size, text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
+        kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
+        layer_weights = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+                         + 3 * hidden * text_cfg.intermediate_size)
+        return cls(hidden, text_cfg.num_hidden_layers, heads, kv_heads, head_dim, layer_weights)
+
+
 def run_gflop(text_cfg, prompt_lens: list[int], output_lens: list[int]) -> float:
     """Matmul GFLOP of generating `output_lens` tokens after prompts of `prompt_lens` (greedy, no prefix reuse)."""
-    hidden, inter, layers = text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.num_hidden_layers
-    heads = text_cfg.num_attention_heads
-    head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
-    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    # per token and layer: q, k, v, o projections and the gated MLP's three
-    layer_weights = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    m = _Shapes.of(text_cfg)
     tokens = sum(prompt_lens) + sum(n - 1 for n in output_lens)  # the last sampled token is never fed back
-    weights_flop = 2 * tokens * layers * layer_weights
-    logits_flop = 2 * sum(output_lens) * hidden * text_cfg.vocab_size  # one sampled position per output token
+    weights_flop = 2 * tokens * m.layers * m.layer_weights
+    logits_flop = 2 * sum(output_lens) * m.hidden * text_cfg.vocab_size  # one sampled position per output token
     # attention: a query at context position c reads c keys and c values, per head: 4 * c * head_dim FLOPs
     contexts = 0
     for p, n in zip(prompt_lens, output_lens):
         total = p + n - 1
         contexts += total * (total + 1) // 2
-    attention_flop = 4 * contexts * heads * head_dim * layers
+    attention_flop = 4 * contexts * m.heads * m.head_dim * m.layers
     return (weights_flop + logits_flop + attention_flop) / 1e9
 
 
 def run_gbytes(text_cfg, prompt_lens: list[int], output_lens: list[int], element_size: int) -> float:
     """GB read by the run's steps: all weights once a step (the batch in every step), and each decode's K/V."""
-    hidden, inter, layers = text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.num_hidden_layers
-    heads = text_cfg.num_attention_heads
-    head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
-    kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-    weights = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter)
-    weights += hidden * text_cfg.vocab_size  # the logits' projection
+    m = _Shapes.of(text_cfg)
+    weights = m.layers * m.layer_weights + m.hidden * text_cfg.vocab_size  # and the logits' projection
     steps = max(output_lens)
-    kv_per_position = 2 * layers * kv_heads * head_dim
+    kv_per_position = 2 * m.layers * m.kv_heads * m.head_dim
     # decode step i (1 <= i < n) of a sequence reads its p + i cached positions
     kv_positions = sum(sum(p + i for i in range(1, n)) for p, n in zip(prompt_lens, output_lens))
     return (steps * weights + kv_positions * kv_per_position) * element_size / 1e9
