@@ -8,8 +8,8 @@ import torch
 from _kernel_testutils import make_paged_kv, naive_attention, poison_unused_slots
 from vlserve.kernels import attention_ref, cpu_decode
 from vlserve.kernels.attention_ref import attention_forward_ref, paged_attention_decode_ref
-from vlserve.kernels.cpu_decode import (attention_step_cpu, cpu_decode_kernel, cpu_decode_supported,
-                                        paged_attention_decode_cpu)
+from vlserve.kernels.cpu_decode import (attention_step_cpu, attention_step_supported, cpu_decode_kernel,
+                                        cpu_decode_supported, paged_attention_decode_cpu)
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -77,6 +77,9 @@ def test_cpu_decode_supported_rules(monkeypatch):
     assert not cpu_decode_supported(torch.zeros(1, 4, 72), torch.zeros(2, 16, 2, 72))  # not whole vectors
     assert not cpu_decode_supported(torch.zeros(1, 4, 272), torch.zeros(2, 16, 2, 272))  # wider than 256
     assert not cpu_decode_supported(q, k.bfloat16())  # query and cache dtypes differ
+    assert attention_step_supported(q, q[:, :2], k, k.clone())
+    assert not attention_step_supported(q, q[:, :2].bfloat16(), k, k.clone())  # key not in the caches' dtype
+    assert not attention_step_supported(q, q[:, :2], k, k.transpose(1, 2))  # a cache it cannot write in place
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "0")
     assert not cpu_decode_supported(q, k)
 
@@ -106,12 +109,13 @@ def test_attention_forward_decodes_alike_with_and_without_the_kernel(monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_step_writes_then_decodes(dtype):
     # one call: the step's K/V land in their slots (slot -1 skipped, nothing else touched) before the decodes read
-    # them; query/key/value are strided views of one fused projection, the block table a column slice of a wider one
+    # them; query and value are strided views of one fused projection while key is contiguous (as in the compiled
+    # graph: the rows of the two are differently far apart), the block table a column slice of a wider one
     seq_lens = [9, 33, 70]
     query, contexts, k_cache, v_cache, tables, lens = _case(4, 64, 16, seq_lens, dtype, seed=8)
     fused = torch.randn(4, 8 * 64 + 2 * 2 * 64).to(dtype)  # [T, (Hq + 2 Hkv) * D]: the last row is padding
     q, k, v = fused.split([8 * 64, 2 * 64, 2 * 64], dim=1)
-    q, k, v = q.view(4, 8, 64), k.view(4, 2, 64), v.view(4, 2, 64)
+    q, k, v = q.view(4, 8, 64), k.reshape(4, 2, 64).contiguous(), v.view(4, 2, 64)
     slots = torch.tensor([int(tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(seq_lens)] + [-1])
     want_k, want_v = k_cache.clone(), v_cache.clone()
     write_kv_cache_ref(k, v, want_k, want_v, slots)

@@ -7,8 +7,9 @@ N prompts x M output tokens, ignore_eos, greedy, seeded, one warm-up run each, t
 each engine reports its fastest (the machine's noise only ever slows a run down); prints tokens/s and ratios.
 `--input-len-range` / `--output-len-range` draw each request's prompt length / max_tokens uniformly instead (like
 vLLM's random dataset with a range ratio). HF `generate` runs each batch to its longest request (it cannot stop one
-row early), so tokens/s counts only the tokens requested, for every engine. On CPU it ends with the compute
-roofline (`cpu_report`): the run's matmul FLOPs at the GEMM rate measured in this process, and each engine's share.
+row early), so tokens/s counts only the tokens requested, for every engine. On CPU it ends with the roofline
+(`cpu_report`): the run's matmul FLOPs at the GEMM rate and its weight/KV bytes at the read bandwidth, both measured
+in this process, and each engine's share of the ceiling.
 """
 from __future__ import annotations
 

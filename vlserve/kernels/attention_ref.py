@@ -1,8 +1,8 @@
 """Torch paged attention: the production CPU path and the reference for the Triton kernels.
 
-On CPU, `attention_forward_ref` hands the step's decode sequences to the C++ kernel of `cpu_decode` when it is
-built (float32/bf16; $VLSERVE_CPU_DECODE_KERNEL=0 turns it off); the torch decode below is the reference it is
-tested against and the fallback.
+On CPU, `attention_forward_ref` hands the step's K/V write and its decode sequences to one C++ call of
+`cpu_decode` when it is built (float32/bf16; $VLSERVE_CPU_DECODE_KERNEL=0 turns it off); the torch write and
+decode below are the reference it is tested against and the fallback.
 
 Decode gathers whole KV blocks through the block tables with one `index_select` per chunk of
 sequences into a reusable workspace, and runs the fused CPU SDPA kernel (float32 softmax) on
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_decode import attention_step_cpu, cpu_decode_supported
+from vlserve.kernels.cpu_decode import attention_step_cpu, attention_step_supported
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -243,8 +243,7 @@ def attention_forward_ref(
     num_actual = md.query_start_loc_cpu[-1]
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
-    if (cpu_decode_supported(query, k_cache) and key.dtype == k_cache.dtype and k_cache.is_contiguous()
-            and v_cache.is_contiguous()):
+    if attention_step_supported(query, key, k_cache, v_cache):
         # one C++ call writes every row's K/V and decodes the decode rows
         attention_step_cpu(query, key, value, k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens,
                            num_decodes, scale, out)

@@ -117,11 +117,11 @@ static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, 
         for (int64_t v = 0; v < nv; ++v) a[p][v].store(acc + p * D + v * W);
 }
 
-// q: [B, Hq, D] rows q_stride apart; out: [B, Hq, D]; key, value: [T, Hkv, D] rows kv_stride apart, written into
-// kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any sequence is read; tables: [B, M] int32;
+// q: [B, Hq, D] rows q_stride apart; out: [B, Hq, D]; key, value: [T, Hkv, D] rows k_stride and v_stride apart,
+// written into kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any sequence is read; tables: [B, M] int32;
 // lens: [B] int32; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs
 template <typename T, int64_t NV>
-static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t kv_stride,
+static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t k_stride, int64_t v_stride,
                  const int64_t* slots, int64_t num_writes, T* kc, T* vc, const int32_t* tables, const int32_t* lens,
                  T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
                  int64_t threads) {
@@ -145,8 +145,8 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_writes; ++i) {  // this step's keys and values first: decodes attend to them
             if (slots[i] < 0) continue;
-            std::memcpy(kc + slots[i] * pos_stride, key + i * kv_stride, pos_stride * sizeof(T));
-            std::memcpy(vc + slots[i] * pos_stride, value + i * kv_stride, pos_stride * sizeof(T));
+            std::memcpy(kc + slots[i] * pos_stride, key + i * k_stride, pos_stride * sizeof(T));
+            std::memcpy(vc + slots[i] * pos_stride, value + i * v_stride, pos_stride * sizeof(T));
         }
         // per thread: the query rows (scaled), their accumulators, running max and sum, a block's scores, and
         // the partial dot products of eight positions before their reduction
@@ -221,14 +221,14 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
 }
 
 template <typename T>
-static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t kv_stride,
+static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                        int64_t M, float scale, int64_t threads) {
     // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
     auto run = [&](auto nv) {
         step<T, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
-                                     static_cast<const T*>(value), kv_stride, slots, num_writes, static_cast<T*>(kc),
+                                     static_cast<const T*>(value), k_stride, v_stride, slots, num_writes, static_cast<T*>(kc),
                                      static_cast<T*>(vc), tables, lens, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
                                      scale, threads);
     };
@@ -238,27 +238,27 @@ static void step_typed(const void* q, int64_t q_stride, const void* key, const v
     else run(std::integral_constant<int64_t, 0>());
 }
 
-extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t kv_stride,
+extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                        int64_t M, float scale, int64_t threads, int64_t is_bf16) {
     if (is_bf16)
-        step_typed<bf16>(q, q_stride, key, value, kv_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq, Hkv,
+        step_typed<bf16>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq, Hkv,
                          D, BS, M, scale, threads);
     else
-        step_typed<float>(q, q_stride, key, value, kv_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq,
+        step_typed<float>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq,
                           Hkv, D, BS, M, scale, threads);
 }
 """
 
 _DECLARATION = """
 #include <cstdint>
-extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t kv_stride,
+extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
                        int64_t M, float scale, int64_t threads, int64_t is_bf16);
 """
-_ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "const int64_t*", "int64_t", "void*",
+_ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t", "void*",
               "void*", "const int32_t*", "const int32_t*", "void*", "int64_t", "int64_t", "int64_t", "int64_t",
               "int64_t", "int64_t", "float", "int64_t", "int64_t"]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
@@ -293,6 +293,14 @@ def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and cpu_decode_kernel() is not None)
 
 
+def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor) -> bool:
+    """Whether `attention_step_cpu` takes these tensors: `cpu_decode_supported`, key in the caches' dtype (it is
+    copied in as it is), and caches it can write in place (contiguous)."""
+    return (cpu_decode_supported(query, k_cache) and key.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`x` [N, H, D] (or a copy) with each row's [H, D] contiguous, and the elements between rows."""
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
@@ -305,20 +313,17 @@ def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        seq_lens: torch.Tensor, num_decodes: int, scale: float, out: torch.Tensor) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int64; -1 skipped), then
     decode the first `num_decodes` sequences of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller
-    checks `cpu_decode_supported` and that key/value have the caches' dtype; prefill rows are left to it."""
+    checks `attention_step_supported`; prefill rows are left to it."""
     # k_cache, v_cache: [NB, BS, Hkv, D] contiguous; block_tables: [B, M]; seq_lens: [B]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     query, q_stride = _rows(query)
-    key, kv_stride = _rows(key)
+    key, k_stride = _rows(key)
     value, v_stride = _rows(value)
-    if v_stride != kv_stride:
-        key, value = key.contiguous(), value.contiguous()
-        kv_stride = key.stride(0)
     slots = slot_mapping.to(torch.long).contiguous()
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
         block_tables.to(torch.int32).contiguous())
     lens = seq_lens.to(torch.int32).contiguous()
-    cpu_decode_kernel()(query, q_stride, key, value, kv_stride, slots, slots.shape[0], k_cache, v_cache, tables,
+    cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, slots, slots.shape[0], k_cache, v_cache, tables,
                         lens, out, num_decodes, query.shape[1], num_kv_heads, head_dim, block_size, tables.stride(0),
                         float(scale), torch.get_num_threads(), int(query.dtype == torch.bfloat16))
 
