@@ -9,9 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from vlserve.kernels.cpu_linear import cpu_linear_kernel
 from vlserve.models import get_model_class, load_model, register_model, supported_architectures
 from vlserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from vlserve.models.loader import resolve_dtype
+from vlserve.models.parallel_layers import pack_linears_for_cpu
 from vlserve.testing.checkpoints import build_text_checkpoint
 
 
@@ -103,6 +105,14 @@ def test_bfloat16_load(qwen2_dir, tmp_path, paged_runner, load_hf, prompts):
     assert (out - ref32).abs().max() < 1.0  # HF bf16 itself is ~0.27 off its fp32 logits here
     assert (out - ref16).abs().max() < 0.5
     assert (out.argmax(-1) == ref32.argmax(-1)).float().mean() > 0.8
+    # the engine's runner packs the decoder's projections for the bf16 CPU kernel where the CPU has AVX512-BF16:
+    # the same logits up to the order of float32 sums
+    if cpu_linear_kernel() is not None:
+        assert pack_linears_for_cpu(bf) == 4 * cfg.num_hidden_layers
+        packed = _logits(bf, cfg, paged_runner, ids, dtype=torch.bfloat16)
+        assert (packed - out).abs().max() < 0.1
+        assert (packed - ref16).abs().max() < 0.5
+        assert (packed.argmax(-1) == out.argmax(-1)).float().mean() > 0.9
     # a bfloat16 checkpoint loads into a float32 model; "auto" picks the checkpoint dtype
     d16 = build_text_checkpoint(str(tmp_path), "qwen2", dtype=torch.bfloat16)
     cfg16 = AutoConfig.from_pretrained(d16)

@@ -200,3 +200,32 @@ def test_compiled_equals_eager_qwen2_vl_with_images(tmp_path_factory, compile_ca
     assert compiled.engine.runner.forward.compiled is not None
     assert [o.outputs[0].token_ids for o in compiled.generate(prompts, _greedy(8), use_tqdm=False)] == expected
     compiled.check_integrity()
+
+
+@pytest.mark.slow
+def test_bf16_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compile_cache, monkeypatch):
+    from transformers import AutoConfig
+
+    from vlserve.kernels import cpu_linear as cl
+
+    if cl.cpu_linear_kernel() is None:
+        pytest.skip("this CPU has no AVX512-BF16 (or no toolchain)")
+    calls = []
+    kernel = cl.cpu_linear_kernel()
+    monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: lambda *args: calls.append(args[7]) or kernel(*args))
+    layers = AutoConfig.from_pretrained(qwen2_dir).num_hidden_layers
+    prompts = varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40))
+    kw = {"dtype": "bfloat16", "num_kv_blocks": 64, "max_num_batched_tokens": 16}
+    for extra in ({"enforce_eager": True}, {"compilation_config": {"level": 1, "cache_dir": compile_cache}}):
+        llm = LLM(qwen2_dir, **kw, **extra)
+        model = llm.engine.runner.model
+        packed = [name for name, _ in model.named_parameters() if name.endswith("packed_weight")]
+        assert len(packed) == 4 * layers  # qkv, o, gate_up, down of every layer
+        assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
+        calls.clear()
+        outs = llm.generate(prompts, _greedy(6), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+        # every forward: 4 calls per layer; chunked prefill rows (up to 16) and decode rows (1 to 3)
+        assert len(calls) % (4 * layers) == 0 and len(calls) >= 4 * layers * 8
+        assert max(calls) == 16 and min(calls) <= 3
+        llm.check_integrity()

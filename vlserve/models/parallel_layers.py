@@ -27,6 +27,7 @@ from torch import nn
 
 from vlserve.distributed.communication import tp_all_gather, tp_all_reduce
 from vlserve.distributed.parallel_state import tp_rank, tp_size
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, pack_linear_weight
 
 ShardSpec = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor that this rank reads
 
@@ -56,7 +57,38 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     return max(1, num_kv_heads // tp)
 
 
-class ColumnParallelLinear(nn.Linear):
+class PackableLinear(nn.Linear):
+    """An nn.Linear whose weight the runner may pack for the bf16 CPU kernel (`kernels.cpu_linear`) once loaded:
+    `pack_for_cpu()` swaps `weight` [O, I] for `packed_weight` [O/32, I/2, 32, 2] (the matrix is then held once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_parameter("packed_weight", None)
+
+    def pack_for_cpu(self) -> bool:
+        """Pack the weight if the kernel serves it here; whether it did."""
+        if self.packed_weight is not None or not cpu_linear_supported(self.weight):
+            return False
+        self.packed_weight = nn.Parameter(pack_linear_weight(self.weight.data), requires_grad=False)
+        self.weight = None  # held once; a stray F.linear now fails loudly
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed."""
+        if self.packed_weight is not None:
+            return cpu_linear(x, self.packed_weight, bias, self.out_features)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Pack every `PackableLinear` of `model` the bf16 CPU kernel serves; how many were packed."""
+    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, PackableLinear))
+
+
+class ColumnParallelLinear(PackableLinear):
     """`y = x W^T + b` with W's output rows split over the ranks: weight `[O/tp, I]`; the output stays split."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -128,7 +160,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         return self.first_kv_head * self.head_dim, count
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(PackableLinear):
     """`y = x W^T + b` with W's input columns split: weight `[O, I/tp]`, input `[T, I/tp]` (a column-parallel
     layer's output); the ranks' partial products are summed, then the (whole, replicated) bias is added once."""
 
@@ -141,8 +173,8 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, I/tp] -> partial [T, O] -> summed over ranks [T, O] (+ bias)
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = tp_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shard(self, param: str, piece: str | None = None) -> ShardSpec | None:

@@ -15,6 +15,7 @@ from vlserve.models.llama import decoder_of, kv_cache_spec
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
+from vlserve.models.parallel_layers import pack_linears_for_cpu
 from vlserve.worker.compiled_forward import ModelForward
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
@@ -45,6 +46,8 @@ class ModelRunner:
                  block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
                  compilation_config=None, enforce_eager: bool = False):
         self.model = model
+        if device.type == "cpu":  # bf16 projections through the packed C++ kernel, where this CPU has AVX512-BF16
+            pack_linears_for_cpu(model)
         self.forward = ModelForward(model, device, compilation_config, enforce_eager)  # eager/compiled/graphs
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
