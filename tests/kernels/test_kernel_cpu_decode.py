@@ -39,12 +39,23 @@ def test_cpu_decode_matches_naive_fp32(ratio, head_dim, block_size):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
-def test_cpu_decode_bf16_close_to_reference():
-    query, _, k_cache, v_cache, tables, lens = _case(4, 64, 16, [3, 16, 45, 130], torch.bfloat16, seed=2)
+# bf16 scores go through vdpbf16ps where the CPU has AVX512-BF16 (head dims 64 and 128), else through widened
+# float32 vectors; odd ratios score a row alone
+@pytest.mark.parametrize("ratio,head_dim", [(4, 64), (7, 128), (3, 64), (2, 96)])
+@pytest.mark.parametrize("dp", [0, 1])
+def test_cpu_decode_bf16_close_to_reference(ratio, head_dim, dp, monkeypatch):
+    if dp and not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("no AVX512-BF16 here")
+    monkeypatch.setattr(cpu_decode, "_DP_BF16", dp)
+    query, _, k_cache, v_cache, tables, lens = _case(ratio, head_dim, 16, [3, 16, 45, 130, 300], torch.bfloat16,
+                                                     seed=2)
     out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125)
     ref = paged_attention_decode_ref(query.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    monkeypatch.setattr(cpu_decode, "_DP_BF16", 1 - dp)  # the other way of scoring: the same up to rounding
+    torch.testing.assert_close(paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125).float(),
+                               out.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_cpu_decode_never_reads_past_the_context():

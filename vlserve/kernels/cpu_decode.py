@@ -33,6 +33,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -74,13 +75,100 @@ static inline void reduce8(const fVec* v, float* sums) {
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// score_rows for rows of NV (a constant) vectors with AVX-512, on raw __m512 registers (see accumulate_rows_512)
+template <typename T, int64_t NV, int64_t P>
+static inline void score_rows_512(const float* qf, const T* kh, int64_t pos_stride, int64_t n, float* s,
+                                  int64_t stride) {
+    __m512 qv[P][NV];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV; ++v) qv[p][v] = _mm512_loadu_ps(qf + p * NV * 16 + v * 16);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, n - t0);
+        fVec dots[P][8];
+        for (int64_t j = 0; j < 8; ++j) {
+            __m512 d[P];
+            for (int64_t p = 0; p < P; ++p) d[p] = _mm512_setzero_ps();
+            if (j < n8)
+                for (int64_t v = 0; v < NV; ++v) {  // each key vector is loaded once for the P rows
+                    const __m512 k = load(kh + (t0 + j) * pos_stride + v * 16);
+                    for (int64_t p = 0; p < P; ++p) d[p] = _mm512_fmadd_ps(qv[p][v], k, d[p]);
+                }
+            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(d[p]);
+        }
+        for (int64_t p = 0; p < P; ++p) reduce8(dots[p], s + p * stride + t0);
+    }
+}
+
+// score_rows for bf16 rows of NV2 vectors of 32 (head dim 64 or 128) on CPUs with AVX512-BF16: q is the raw bf16
+// query (D apart), each key vector meets it in vdpbf16ps (products of bf16 pairs summed in float32, no widening),
+// and the eight sums are scaled after their reduction
+template <int64_t NV2, int64_t P>
+__attribute__((target("avx512bf16"))) static inline void score_rows_dp(const bf16* q, const bf16* kh,
+                                                                          int64_t pos_stride, int64_t n, float* s,
+                                                                          int64_t stride, float scale) {
+    constexpr int64_t D = NV2 * 32;
+    __m512bh qv[P][NV2];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV2; ++v) qv[p][v] = (__m512bh)_mm512_loadu_si512(q + p * D + v * 32);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, n - t0);
+        fVec dots[P][8];
+        for (int64_t j = 0; j < 8; ++j) {
+            __m512 d[P];
+            for (int64_t p = 0; p < P; ++p) d[p] = _mm512_setzero_ps();
+            if (j < n8)
+                for (int64_t v = 0; v < NV2; ++v) {  // each key vector is loaded once for the P rows
+                    const __m512bh k = (__m512bh)_mm512_loadu_si512(kh + (t0 + j) * pos_stride + v * 32);
+                    for (int64_t p = 0; p < P; ++p) d[p] = _mm512_dpbf16_ps(d[p], qv[p][v], k);
+                }
+            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(d[p]);
+        }
+        for (int64_t p = 0; p < P; ++p) {
+            float* sp = s + p * stride + t0;
+            reduce8(dots[p], sp);
+            _mm256_storeu_ps(sp, _mm256_mul_ps(_mm256_loadu_ps(sp), vscale));
+        }
+    }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// accumulate_rows for rows of NV (a constant) vectors with AVX-512, on raw __m512 registers: GCC keeps an array
+// of at::vec objects in memory, storing every accumulator back on each position
+template <typename T, int64_t NV, int64_t P>
+static inline void accumulate_rows_512(float* acc, const T* vh, int64_t pos_stride, int64_t n, const float* s,
+                                       int64_t stride) {
+    __m512 a[P][NV];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV; ++v) a[p][v] = _mm512_loadu_ps(acc + p * NV * 16 + v * 16);
+    for (int64_t t = 0; t < n; ++t) {
+        __m512 prob[P];
+        for (int64_t p = 0; p < P; ++p) prob[p] = _mm512_set1_ps(s[p * stride + t]);
+        for (int64_t v = 0; v < NV; ++v) {  // each value vector is loaded once for the P rows
+            const __m512 x = load(vh + t * pos_stride + v * 16);
+            for (int64_t p = 0; p < P; ++p) a[p][v] = _mm512_fmadd_ps(prob[p], x, a[p][v]);
+        }
+    }
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(acc + p * NV * 16 + v * 16, a[p][v]);
+}
+#endif
+
 // scores of P query rows (D apart in qf, already scaled) against n key rows (pos_stride apart from kh), eight
 // positions at a time: s[p * stride + t] for t < n (up to the next multiple of 8 is written)
 template <typename T, int64_t NV, int64_t P>
 static inline void score_rows(const float* qf, const T* kh, int64_t pos_stride, int64_t n, int64_t V, float* s,
                               int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (NV > 0) {
+        score_rows_512<T, NV, P>(qf, kh, pos_stride, n, s, stride);
+        return;
+    }
+#endif
     const int64_t W = fVec::size(), nv = NV > 0 ? NV : V, D = nv * W;
-    fVec qv[P][kMaxVecs];
+    fVec qv[P][NV > 0 ? NV : kMaxVecs];  // sized exactly where NV is known: fVec() zero-fills
     for (int64_t p = 0; p < P; ++p)
         for (int64_t v = 0; v < nv; ++v) qv[p][v] = fVec::loadu(qf + p * D + v * W);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
@@ -103,8 +191,14 @@ static inline void score_rows(const float* qf, const T* kh, int64_t pos_stride, 
 template <typename T, int64_t NV, int64_t P>
 static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, int64_t n, int64_t V,
                                    const float* s, int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (NV > 0) {
+        accumulate_rows_512<T, NV, P>(acc, vh, pos_stride, n, s, stride);
+        return;
+    }
+#endif
     const int64_t W = fVec::size(), nv = NV > 0 ? NV : V, D = nv * W;
-    fVec a[P][kMaxVecs];
+    fVec a[P][NV > 0 ? NV : kMaxVecs];
     for (int64_t p = 0; p < P; ++p)
         for (int64_t v = 0; v < nv; ++v) a[p][v] = fVec::loadu(acc + p * D + v * W);
     for (int64_t t = 0; t < n; ++t) {
@@ -124,7 +218,7 @@ template <typename T, int64_t NV>
 static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t k_stride, int64_t v_stride,
                  const int64_t* slots, int64_t num_writes, T* kc, T* vc, const int32_t* tables, const int32_t* lens,
                  T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
-                 int64_t threads) {
+                 int64_t threads, bool dp_bf16) {
     const int64_t G = Hq / Hkv;
     const int64_t W = fVec::size();
     const int64_t V = NV > 0 ? NV : D / W;  // vectors per row (a constant where NV > 0)
@@ -150,7 +244,13 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
         }
         // per thread: the query rows (scaled), their accumulators, running max and sum, a block's scores, and
         // the partial dot products of eight positions before their reduction
-        std::vector<float> qf(R * D), acc(R * D), m(R), l(R), s(R * SC);
+        // (not zeroed: every value is written before it is read; the accumulators are cleared per task)
+        std::unique_ptr<float[]> scratch(new float[R * (2 * D + 2 + SC)]);
+        float* const qf = scratch.get();
+        float* const acc = qf + R * D;
+        float* const m = acc + R * D;
+        float* const l = m + R;
+        float* const s = l + R;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t b = task / (Hkv / group), h0 = task % (Hkv / group) * group;
@@ -161,7 +261,7 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                 m[r] = -FLT_MAX;
                 l[r] = 0.f;
             }
-            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t i = 0; i < R * D; i += W) fVec(0.f).store(acc + i);
             const int64_t nblk = (len + BS - 1) / BS;
             for (int64_t c0 = 0; c0 < nblk; c0 += CB) {  // a chunk of CB blocks: scores, one softmax update, values
                 const int64_t c1 = std::min(nblk, c0 + CB);
@@ -172,7 +272,18 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                     for (int64_t r = 0; r < R; r += (r % G + PS <= G ? PS : 1)) {
                         const T* kh = kc + offset + (r / G) * D;
                         float* sr = &s[r * SC + (blk - c0) * BS];
-                        if (r % G + PS <= G) score_rows<T, NV, PS>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
+                        const int64_t P = r % G + PS <= G ? PS : 1;
+#if defined(CPU_CAPABILITY_AVX512)
+                        if constexpr (std::is_same_v<T, bf16> && NV > 0 && NV % 2 == 0) {
+                            if (dp_bf16) {
+                                const bf16* qr = qb + r * D;
+                                if (P == PS) score_rows_dp<NV / 2, PS>(qr, kh, pos_stride, n, sr, SC, scale);
+                                else score_rows_dp<NV / 2, 1>(qr, kh, pos_stride, n, sr, SC, scale);
+                                continue;
+                            }
+                        }
+#endif
+                        if (P == PS) score_rows<T, NV, PS>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
                         else score_rows<T, NV, 1>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
                     }
                 }
@@ -224,13 +335,13 @@ template <typename T>
 static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                       int64_t M, float scale, int64_t threads) {
+                       int64_t M, float scale, int64_t threads, bool dp_bf16) {
     // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
     auto run = [&](auto nv) {
         step<T, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
                                      static_cast<const T*>(value), k_stride, v_stride, slots, num_writes, static_cast<T*>(kc),
                                      static_cast<T*>(vc), tables, lens, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
-                                     scale, threads);
+                                     scale, threads, dp_bf16);
     };
     const int64_t V = D / fVec::size();
     if (V == 4) run(std::integral_constant<int64_t, 4>());
@@ -241,13 +352,13 @@ static void step_typed(const void* q, int64_t q_stride, const void* key, const v
 extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                       int64_t M, float scale, int64_t threads, int64_t is_bf16) {
+                       int64_t M, float scale, int64_t threads, int64_t is_bf16, int64_t dp_bf16) {
     if (is_bf16)
         step_typed<bf16>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq, Hkv,
-                         D, BS, M, scale, threads);
+                         D, BS, M, scale, threads, dp_bf16 != 0);
     else
         step_typed<float>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq,
-                          Hkv, D, BS, M, scale, threads);
+                          Hkv, D, BS, M, scale, threads, false);
 }
 """
 
@@ -256,16 +367,16 @@ _DECLARATION = """
 extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                       int64_t M, float scale, int64_t threads, int64_t is_bf16);
+                       int64_t M, float scale, int64_t threads, int64_t is_bf16, int64_t dp_bf16);
 """
 _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t", "void*",
               "void*", "const int32_t*", "const int32_t*", "void*", "int64_t", "int64_t", "int64_t", "int64_t",
-              "int64_t", "int64_t", "float", "int64_t", "int64_t"]
+              "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t"]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 _MAX_HEAD_DIM = 256  # kMaxVecs vectors of the narrowest ISA (AVX2: 8 floats)
 _DTYPES = (torch.float32, torch.bfloat16)
+_DP_BF16 = int(torch.cpu._is_avx512_bf16_supported())  # bf16 scores through vdpbf16ps
 DISABLE_ENV = "VLSERVE_CPU_DECODE_KERNEL"  # "0": decode with the torch gather + SDPA path instead
-
 
 @functools.cache
 def cpu_decode_kernel():
@@ -282,7 +393,6 @@ def cpu_decode_kernel():
                        type(exc).__name__, exc)
         return None
 
-
 def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_attention_decode_cpu` and `attention_step_cpu` take these tensors: CPU, float32 or bfloat16
     query and cache, a head dim that is a multiple of 16 (whole vectors) up to 256, a kernel built here, and not
@@ -292,7 +402,6 @@ def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM and os.environ.get(DISABLE_ENV, "1") != "0"
             and cpu_decode_kernel() is not None)
 
-
 def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor) -> bool:
     """Whether `attention_step_cpu` takes these tensors: `cpu_decode_supported`, key in the caches' dtype (it is
@@ -300,13 +409,11 @@ def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: to
     return (cpu_decode_supported(query, k_cache) and key.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous())
 
-
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`x` [N, H, D] (or a copy) with each row's [H, D] contiguous, and the elements between rows."""
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         x = x.contiguous()
     return x, x.stride(0)
-
 
 def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -325,8 +432,7 @@ def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     lens = seq_lens.to(torch.int32).contiguous()
     cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, slots, slots.shape[0], k_cache, v_cache, tables,
                         lens, out, num_decodes, query.shape[1], num_kv_heads, head_dim, block_size, tables.stride(0),
-                        float(scale), torch.get_num_threads(), int(query.dtype == torch.bfloat16))
-
+                        float(scale), torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16)
 
 def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,

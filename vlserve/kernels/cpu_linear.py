@@ -161,20 +161,31 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-@torch.library.custom_op("vlserve::cpu_linear", mutates_args=())
-def cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+# Defined through torch.library.Library rather than the custom_op decorator: its dispatch costs ~8 us a call
+# instead of ~14, and a decode step makes four calls per layer.
+_LIB = torch.library.Library("vlserve", "FRAGMENT")
+_LIB.define("cpu_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+
+
+def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 times a `pack_linear_weight` matrix (+ bias [N]) -> [..., N] bf16."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = x.new_empty(rows.shape[0], out_features)
     if rows.shape[0]:
         cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, int(bias is not None),
                             out, out_features, rows.shape[0], out_features, k, torch.get_num_threads())
-    return out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-@cpu_linear.register_fake
+_LIB.impl("cpu_linear", _cpu_linear, "CPU")
+
+
+@torch.library.register_fake("vlserve::cpu_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+cpu_linear = torch.ops.vlserve.cpu_linear  # the op: (x, packed, bias or None, out_features) -> [..., N]
