@@ -13,6 +13,9 @@ With `tp` ranks (`r` = this rank):
 - VocabParallelEmbedding / ParallelLMHead: vocab rows split, padded up to a multiple of tp; ids outside this rank's
   rows embed to 0 before the sum; local logits are gathered along the vocab and the padding dropped.
 
+On CPUs with AVX512-BF16 the runner packs the bf16 linears once loaded (`PackableLinear.pack_for_cpu`): `weight`
+becomes None and `packed_weight` holds the matrix in the layout of `kernels.cpu_linear`.
+
 Loading: `checkpoint_shard(param, piece)` says which `(dim, start, length)` of a checkpoint tensor this rank reads
 (None: the whole tensor), and `load_shard(param, piece, tensor, name)` copies that slice into place. `piece` names
 one matrix of a fused parameter ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj").

@@ -1,0 +1,336 @@
+// Paged decode attention for CPU (see vlserve/kernels/cpu_decode.py); built through inductor's C++ toolchain.
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <vector>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+using fVec = at::vec::Vectorized<float>;
+using bf16 = c10::BFloat16;
+constexpr int64_t kMaxVecs = 32;  // vectors in a row of up to 256 floats (AVX2: 8 lanes)
+
+// fVec::size() consecutive elements as float32
+static inline fVec load(const float* p) { return fVec::loadu(p); }
+static inline fVec load(const bf16* p) {
+    fVec out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+}
+
+// sums[j] = the sum of the lanes of the j-th of 8 consecutive vectors at `v`: one shuffle tree for all eight
+// rather than eight horizontal reductions
+static inline void reduce8(const fVec* v, float* sums) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    __m256 h[8];
+    for (int j = 0; j < 8; ++j) {
+#if defined(CPU_CAPABILITY_AVX512)
+        const __m512 x = v[j];  // fold the upper 256 bits onto the lower
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(x),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+#else
+        h[j] = v[j];
+#endif
+    }
+    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                                         _mm256_permute2f128_ps(h0123, h4567, 0x31)));
+#else
+    for (int j = 0; j < 8; ++j) sums[j] = v[j].reduce_add();
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// score_rows for rows of NV (a constant) vectors with AVX-512, on raw __m512 registers (see accumulate_rows_512)
+template <typename T, int64_t NV, int64_t P>
+static inline void score_rows_512(const float* qf, const T* kh, int64_t pos_stride, int64_t n, float* s,
+                                  int64_t stride) {
+    __m512 qv[P][NV];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV; ++v) qv[p][v] = _mm512_loadu_ps(qf + p * NV * 16 + v * 16);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, n - t0);
+        fVec dots[P][8];
+        for (int64_t j = 0; j < 8; ++j) {
+            __m512 d[P];
+            for (int64_t p = 0; p < P; ++p) d[p] = _mm512_setzero_ps();
+            if (j < n8)
+                for (int64_t v = 0; v < NV; ++v) {  // each key vector is loaded once for the P rows
+                    const __m512 k = load(kh + (t0 + j) * pos_stride + v * 16);
+                    for (int64_t p = 0; p < P; ++p) d[p] = _mm512_fmadd_ps(qv[p][v], k, d[p]);
+                }
+            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(d[p]);
+        }
+        for (int64_t p = 0; p < P; ++p) reduce8(dots[p], s + p * stride + t0);
+    }
+}
+
+// score_rows for bf16 rows of NV2 vectors of 32 (head dim 64 or 128) on CPUs with AVX512-BF16: q is the raw bf16
+// query (D apart), each key vector meets it in vdpbf16ps (products of bf16 pairs summed in float32, no widening),
+// and the eight sums are scaled after their reduction
+template <int64_t NV2, int64_t P>
+__attribute__((target("avx512bf16"))) static inline void score_rows_dp(const bf16* q, const bf16* kh,
+                                                                          int64_t pos_stride, int64_t n, float* s,
+                                                                          int64_t stride, float scale) {
+    constexpr int64_t D = NV2 * 32;
+    __m512bh qv[P][NV2];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV2; ++v) qv[p][v] = (__m512bh)_mm512_loadu_si512(q + p * D + v * 32);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, n - t0);
+        fVec dots[P][8];
+        for (int64_t j = 0; j < 8; ++j) {
+            __m512 d[P];
+            for (int64_t p = 0; p < P; ++p) d[p] = _mm512_setzero_ps();
+            if (j < n8)
+                for (int64_t v = 0; v < NV2; ++v) {  // each key vector is loaded once for the P rows
+                    const __m512bh k = (__m512bh)_mm512_loadu_si512(kh + (t0 + j) * pos_stride + v * 32);
+                    for (int64_t p = 0; p < P; ++p) d[p] = _mm512_dpbf16_ps(d[p], qv[p][v], k);
+                }
+            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(d[p]);
+        }
+        for (int64_t p = 0; p < P; ++p) {
+            float* sp = s + p * stride + t0;
+            reduce8(dots[p], sp);
+            _mm256_storeu_ps(sp, _mm256_mul_ps(_mm256_loadu_ps(sp), vscale));
+        }
+    }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// accumulate_rows for rows of NV (a constant) vectors with AVX-512, on raw __m512 registers: GCC keeps an array
+// of at::vec objects in memory, storing every accumulator back on each position
+template <typename T, int64_t NV, int64_t P>
+static inline void accumulate_rows_512(float* acc, const T* vh, int64_t pos_stride, int64_t n, const float* s,
+                                       int64_t stride) {
+    __m512 a[P][NV];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV; ++v) a[p][v] = _mm512_loadu_ps(acc + p * NV * 16 + v * 16);
+    for (int64_t t = 0; t < n; ++t) {
+        __m512 prob[P];
+        for (int64_t p = 0; p < P; ++p) prob[p] = _mm512_set1_ps(s[p * stride + t]);
+        for (int64_t v = 0; v < NV; ++v) {  // each value vector is loaded once for the P rows
+            const __m512 x = load(vh + t * pos_stride + v * 16);
+            for (int64_t p = 0; p < P; ++p) a[p][v] = _mm512_fmadd_ps(prob[p], x, a[p][v]);
+        }
+    }
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < NV; ++v) _mm512_storeu_ps(acc + p * NV * 16 + v * 16, a[p][v]);
+}
+#endif
+
+// scores of P query rows (D apart in qf, already scaled) against n key rows (pos_stride apart from kh), eight
+// positions at a time: s[p * stride + t] for t < n (up to the next multiple of 8 is written)
+template <typename T, int64_t NV, int64_t P>
+static inline void score_rows(const float* qf, const T* kh, int64_t pos_stride, int64_t n, int64_t V, float* s,
+                              int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (NV > 0) {
+        score_rows_512<T, NV, P>(qf, kh, pos_stride, n, s, stride);
+        return;
+    }
+#endif
+    const int64_t W = fVec::size(), nv = NV > 0 ? NV : V, D = nv * W;
+    fVec qv[P][NV > 0 ? NV : kMaxVecs];  // sized exactly where NV is known: fVec() zero-fills
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < nv; ++v) qv[p][v] = fVec::loadu(qf + p * D + v * W);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t n8 = std::min<int64_t>(8, n - t0);
+        fVec dots[P][8];
+        for (int64_t j = 0; j < 8; ++j) {
+            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(0.f);
+            if (j >= n8) continue;
+            for (int64_t v = 0; v < nv; ++v) {  // each key vector is loaded once for the P rows
+                const fVec k = load(kh + (t0 + j) * pos_stride + v * W);
+                for (int64_t p = 0; p < P; ++p) dots[p][j] = at::vec::fmadd(qv[p][v], k, dots[p][j]);
+            }
+        }
+        for (int64_t p = 0; p < P; ++p) reduce8(dots[p], s + p * stride + t0);
+    }
+}
+
+// acc (P rows, D apart) += the first n probabilities of each row (stride apart in s) times the value rows
+// (pos_stride apart from vh); the accumulators stay in registers over the block
+template <typename T, int64_t NV, int64_t P>
+static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, int64_t n, int64_t V,
+                                   const float* s, int64_t stride) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (NV > 0) {
+        accumulate_rows_512<T, NV, P>(acc, vh, pos_stride, n, s, stride);
+        return;
+    }
+#endif
+    const int64_t W = fVec::size(), nv = NV > 0 ? NV : V, D = nv * W;
+    fVec a[P][NV > 0 ? NV : kMaxVecs];
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < nv; ++v) a[p][v] = fVec::loadu(acc + p * D + v * W);
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t v = 0; v < nv; ++v) {  // each value vector is loaded once for the P rows
+            const fVec x = load(vh + t * pos_stride + v * W);
+            for (int64_t p = 0; p < P; ++p) a[p][v] = at::vec::fmadd(fVec(s[p * stride + t]), x, a[p][v]);
+        }
+    }
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t v = 0; v < nv; ++v) a[p][v].store(acc + p * D + v * W);
+}
+
+// q: [B, Hq, D] rows q_stride apart; out: [B, Hq, D]; key, value: [T, Hkv, D] rows k_stride and v_stride apart,
+// written into kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any sequence is read; tables: [B, M] int32;
+// lens: [B] int32; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs
+template <typename T, int64_t NV>
+static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t k_stride, int64_t v_stride,
+                 const int64_t* slots, int64_t num_writes, T* kc, T* vc, const int32_t* tables, const int32_t* lens,
+                 T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
+                 int64_t threads, bool dp_bf16) {
+    const int64_t G = Hq / Hkv;
+    const int64_t W = fVec::size();
+    const int64_t V = NV > 0 ? NV : D / W;  // vectors per row (a constant where NV > 0)
+    const int64_t pos_stride = Hkv * D;  // elements between consecutive positions
+    const int64_t CB = std::max<int64_t>(1, 256 / BS);  // blocks per chunk: one softmax update per ~256 positions
+    const int64_t SC = CB * BS + 8;  // a chunk's scores per row, with room for the last group of eight
+    // query rows scored (PS) and accumulated (PV) together: as many as their registers allow
+    constexpr int64_t PS = (NV > 0 && NV <= 4) ? 2 : 1;
+    constexpr int64_t PV = NV > 0 && NV <= 4 ? 4 : NV > 0 && NV <= 8 ? 2 : 1;
+    // A task is one sequence and a group of its KV heads: all of them when there are sequences enough to keep
+    // the threads busy (each cache line of a position is then read by one task), fewer for small batches.
+    int64_t group = Hkv;
+    while (group % 2 == 0 && B * (Hkv / group) < 2 * threads) group /= 2;
+    const int64_t R = group * G;  // query rows per task; row r reads KV head h0 + r / G
+    const int64_t tasks = B * (Hkv / group);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_writes; ++i) {  // this step's keys and values first: decodes attend to them
+            if (slots[i] < 0) continue;
+            std::memcpy(kc + slots[i] * pos_stride, key + i * k_stride, pos_stride * sizeof(T));
+            std::memcpy(vc + slots[i] * pos_stride, value + i * v_stride, pos_stride * sizeof(T));
+        }
+        // per thread: the query rows (scaled), their accumulators, running max and sum, a block's scores, and
+        // the partial dot products of eight positions before their reduction
+        // (not zeroed: every value is written before it is read; the accumulators are cleared per task)
+        std::unique_ptr<float[]> scratch(new float[R * (2 * D + 2 + SC)]);
+        float* const qf = scratch.get();
+        float* const acc = qf + R * D;
+        float* const m = acc + R * D;
+        float* const l = m + R;
+        float* const s = l + R;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t b = task / (Hkv / group), h0 = task % (Hkv / group) * group;
+            const int64_t len = lens[b];
+            const T* qb = q + b * q_stride + h0 * G * D;  // the task's R query rows are consecutive
+            for (int64_t r = 0; r < R; ++r) {
+                for (int64_t d = 0; d < D; d += W) (load(qb + r * D + d) * fVec(scale)).store(&qf[r * D + d]);
+                m[r] = -FLT_MAX;
+                l[r] = 0.f;
+            }
+            for (int64_t i = 0; i < R * D; i += W) fVec(0.f).store(acc + i);
+            const int64_t nblk = (len + BS - 1) / BS;
+            for (int64_t c0 = 0; c0 < nblk; c0 += CB) {  // a chunk of CB blocks: scores, one softmax update, values
+                const int64_t c1 = std::min(nblk, c0 + CB);
+                const int64_t npos = std::min(len, c1 * BS) - c0 * BS;
+                for (int64_t blk = c0; blk < c1; ++blk) {  // scores: PS query rows of a head at a time
+                    const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
+                    const int64_t n = std::min(BS, len - blk * BS);
+                    for (int64_t r = 0; r < R; r += (r % G + PS <= G ? PS : 1)) {
+                        const T* kh = kc + offset + (r / G) * D;
+                        float* sr = &s[r * SC + (blk - c0) * BS];
+                        const int64_t P = r % G + PS <= G ? PS : 1;
+#if defined(CPU_CAPABILITY_AVX512)
+                        if constexpr (std::is_same_v<T, bf16> && NV > 0 && NV % 2 == 0) {
+                            if (dp_bf16) {
+                                const bf16* qr = qb + r * D;
+                                if (P == PS) score_rows_dp<NV / 2, PS>(qr, kh, pos_stride, n, sr, SC, scale);
+                                else score_rows_dp<NV / 2, 1>(qr, kh, pos_stride, n, sr, SC, scale);
+                                continue;
+                            }
+                        }
+#endif
+                        if (P == PS) score_rows<T, NV, PS>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
+                        else score_rows<T, NV, 1>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
+                    }
+                }
+                for (int64_t r = 0; r < R; ++r) {  // online softmax: rescale what came before to the new max
+                    float* sr = &s[r * SC];
+                    fVec vmax(-FLT_MAX);
+                    int64_t t = 0;
+                    for (; t + W <= npos; t += W) vmax = at::vec::maximum(vmax, fVec::loadu(sr + t));
+                    float mx = std::max(m[r], vmax.reduce_max());
+                    for (; t < npos; ++t) mx = std::max(mx, sr[t]);
+                    fVec vsum(0.f);
+                    for (t = 0; t + W <= npos; t += W) {  // whole vectors of scores
+                        const fVec e = (fVec::loadu(sr + t) - fVec(mx)).exp();
+                        e.store(sr + t);
+                        vsum = vsum + e;
+                    }
+                    float sum = vsum.reduce_add();
+                    for (; t < npos; ++t) {  // the ragged end
+                        sr[t] = std::exp(sr[t] - mx);
+                        sum += sr[t];
+                    }
+                    const float corr = std::exp(m[r] - mx);  // 0 on the first chunk (m = -FLT_MAX)
+                    l[r] = l[r] * corr + sum;
+                    m[r] = mx;
+                    if (corr != 1.f)
+                        for (int64_t d = 0; d < D; d += W) (fVec::loadu(&acc[r * D + d]) * fVec(corr)).store(&acc[r * D + d]);
+                }
+                for (int64_t blk = c0; blk < c1; ++blk) {  // values: PV query rows of a head at a time
+                    const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
+                    const int64_t n = std::min(BS, len - blk * BS);
+                    for (int64_t r = 0; r < R; r += (r % G + PV <= G ? PV : 1)) {
+                        const T* vh = vc + offset + (r / G) * D;
+                        const float* sr = &s[r * SC + (blk - c0) * BS];
+                        if (r % G + PV <= G) accumulate_rows<T, NV, PV>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
+                        else accumulate_rows<T, NV, 1>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                T* orow = out + (b * Hq + h0 * G + r) * D;
+                for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[r * D + d] * inv);
+            }
+        }
+    }
+}
+
+template <typename T>
+static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
+                       const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
+                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                       int64_t M, float scale, int64_t threads, bool dp_bf16) {
+    // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
+    auto run = [&](auto nv) {
+        step<T, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
+                                     static_cast<const T*>(value), k_stride, v_stride, slots, num_writes, static_cast<T*>(kc),
+                                     static_cast<T*>(vc), tables, lens, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
+                                     scale, threads, dp_bf16);
+    };
+    const int64_t V = D / fVec::size();
+    if (V == 4) run(std::integral_constant<int64_t, 4>());
+    else if (V == 8) run(std::integral_constant<int64_t, 8>());
+    else run(std::integral_constant<int64_t, 0>());
+}
+
+extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
+                       const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
+                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                       int64_t M, float scale, int64_t threads, int64_t is_bf16, int64_t dp_bf16) {
+    if (is_bf16)
+        step_typed<bf16>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq, Hkv,
+                         D, BS, M, scale, threads, dp_bf16 != 0);
+    else
+        step_typed<float>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq,
+                          Hkv, D, BS, M, scale, threads, false);
+}
