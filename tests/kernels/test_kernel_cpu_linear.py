@@ -54,6 +54,8 @@ def test_cpu_linear_takes_strided_and_batched_inputs():
     assert batched.shape == (2, 12, 64)
     torch.testing.assert_close(batched.view(24, 64), cpu_linear(x, packed, b, 64), atol=0, rtol=0)
     assert cpu_linear(x[:0], packed, b, 64).shape == (0, 64)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_linear(x.float(), packed, b, 64)
 
 
 def test_cpu_linear_is_the_same_on_one_thread_and_several():

@@ -79,6 +79,8 @@ _LIB.define("cpu_linear(Tensor x, Tensor packed, Tensor? bias, int out_features)
 
 def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 times a `pack_linear_weight` matrix (+ bias [N]) -> [..., N] bf16."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"vlserve::cpu_linear takes bfloat16 inputs, got {x.dtype}")
     k = x.shape[-1]
     rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, k)
     if rows.stride(-1) != 1:
