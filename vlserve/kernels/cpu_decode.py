@@ -25,7 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = (Path(__file__).parent / "csrc" / "cpu_decode.cpp").read_text()
+_BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # built for AVX512-BF16: bf16 scores through vdpbf16ps
+_SOURCE = ('#pragma GCC target("avx512bf16")\n' if _BF16_DOT else "") + (
+    Path(__file__).parent / "csrc" / "cpu_decode.cpp").read_text()
 
 _DECLARATION = """
 #include <cstdint>
@@ -40,7 +42,7 @@ _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t",
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 _MAX_HEAD_DIM = 256  # kMaxVecs vectors of the narrowest ISA (AVX2: 8 floats)
 _DTYPES = (torch.float32, torch.bfloat16)
-_DP_BF16 = int(torch.cpu._is_avx512_bf16_supported())  # bf16 scores through vdpbf16ps
+_DP_BF16 = int(_BF16_DOT)  # 0: bf16 scores on widened float32 vectors even where vdpbf16ps was built in
 DISABLE_ENV = "VLSERVE_CPU_DECODE_KERNEL"  # "0": decode with the torch gather + SDPA path instead
 
 @functools.cache

@@ -50,42 +50,42 @@ static inline void reduce8(const fVec* v, float* sums) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// score_rows for rows of NV (a constant) vectors with AVX-512, on raw __m512 registers (see accumulate_rows_512)
-template <typename T, int64_t NV, int64_t P>
-static inline void score_rows_512(const float* qf, const T* kh, int64_t pos_stride, int64_t n, float* s,
-                                  int64_t stride) {
-    __m512 qv[P][NV];
-    for (int64_t p = 0; p < P; ++p)
-        for (int64_t v = 0; v < NV; ++v) qv[p][v] = _mm512_loadu_ps(qf + p * NV * 16 + v * 16);
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-        const int64_t n8 = std::min<int64_t>(8, n - t0);
-        fVec dots[P][8];
-        for (int64_t j = 0; j < 8; ++j) {
-            __m512 d[P];
-            for (int64_t p = 0; p < P; ++p) d[p] = _mm512_setzero_ps();
-            if (j < n8)
-                for (int64_t v = 0; v < NV; ++v) {  // each key vector is loaded once for the P rows
-                    const __m512 k = load(kh + (t0 + j) * pos_stride + v * 16);
-                    for (int64_t p = 0; p < P; ++p) d[p] = _mm512_fmadd_ps(qv[p][v], k, d[p]);
-                }
-            for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(d[p]);
-        }
-        for (int64_t p = 0; p < P; ++p) reduce8(dots[p], s + p * stride + t0);
-    }
-}
+// How score_rows_512 multiplies query rows with key rows. FmaDot: float32 FMAs on 16 lanes, keys widened to float32
+// as they are loaded, the query already scaled.
+struct FmaDot {
+    using QElem = float;
+    using QVec = __m512;
+    static constexpr int64_t kLanes = 16;
+    static constexpr bool kScaleAfter = false;
+    static inline __m512 load_q(const float* p) { return _mm512_loadu_ps(p); }
+    template <typename T>
+    static inline __m512 load_k(const T* p) { return load(p); }
+    static inline __m512 dot(__m512 acc, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+#if defined(__AVX512BF16__)
+// Bf16PairDot (bf16 caches on CPUs with AVX512-BF16; the source is then built for that target): vdpbf16ps on the
+// raw bf16 rows, 32 elements a step, products of pairs summed in float32 with no widening; the query is the raw
+// bf16 row and the sums are scaled after their reduction.
+struct Bf16PairDot {
+    using QElem = bf16;
+    using QVec = __m512bh;
+    static constexpr int64_t kLanes = 32;
+    static constexpr bool kScaleAfter = true;
+    static inline __m512bh load_q(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+    static inline __m512bh load_k(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+    static inline __m512 dot(__m512 acc, __m512bh q, __m512bh k) { return _mm512_dpbf16_ps(acc, q, k); }
+};
+#endif
 
-// score_rows for bf16 rows of NV2 vectors of 32 (head dim 64 or 128) on CPUs with AVX512-BF16: q is the raw bf16
-// query (D apart), each key vector meets it in vdpbf16ps (products of bf16 pairs summed in float32, no widening),
-// and the eight sums are scaled after their reduction
-template <int64_t NV2, int64_t P>
-__attribute__((target("avx512bf16"))) static inline void score_rows_dp(const bf16* q, const bf16* kh,
-                                                                          int64_t pos_stride, int64_t n, float* s,
-                                                                          int64_t stride, float scale) {
-    constexpr int64_t D = NV2 * 32;
-    __m512bh qv[P][NV2];
+// score_rows for rows of NQ (a constant) vectors of Dot::kLanes, on raw registers: GCC keeps arrays of at::vec
+// objects in memory, storing every element back on each position
+template <typename Dot, typename T, int64_t NQ, int64_t P>
+static inline void score_rows_512(const typename Dot::QElem* q, const T* kh, int64_t pos_stride, int64_t n, float* s,
+                                  int64_t stride, float scale) {
+    constexpr int64_t D = NQ * Dot::kLanes;
+    typename Dot::QVec qv[P][NQ];
     for (int64_t p = 0; p < P; ++p)
-        for (int64_t v = 0; v < NV2; ++v) qv[p][v] = (__m512bh)_mm512_loadu_si512(q + p * D + v * 32);
-    const __m256 vscale = _mm256_set1_ps(scale);
+        for (int64_t v = 0; v < NQ; ++v) qv[p][v] = Dot::load_q(q + p * D + v * Dot::kLanes);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t n8 = std::min<int64_t>(8, n - t0);
         fVec dots[P][8];
@@ -93,16 +93,16 @@ __attribute__((target("avx512bf16"))) static inline void score_rows_dp(const bf1
             __m512 d[P];
             for (int64_t p = 0; p < P; ++p) d[p] = _mm512_setzero_ps();
             if (j < n8)
-                for (int64_t v = 0; v < NV2; ++v) {  // each key vector is loaded once for the P rows
-                    const __m512bh k = (__m512bh)_mm512_loadu_si512(kh + (t0 + j) * pos_stride + v * 32);
-                    for (int64_t p = 0; p < P; ++p) d[p] = _mm512_dpbf16_ps(d[p], qv[p][v], k);
+                for (int64_t v = 0; v < NQ; ++v) {  // each key vector is loaded once for the P rows
+                    const auto k = Dot::load_k(kh + (t0 + j) * pos_stride + v * Dot::kLanes);
+                    for (int64_t p = 0; p < P; ++p) d[p] = Dot::dot(d[p], qv[p][v], k);
                 }
             for (int64_t p = 0; p < P; ++p) dots[p][j] = fVec(d[p]);
         }
         for (int64_t p = 0; p < P; ++p) {
             float* sp = s + p * stride + t0;
             reduce8(dots[p], sp);
-            _mm256_storeu_ps(sp, _mm256_mul_ps(_mm256_loadu_ps(sp), vscale));
+            if constexpr (Dot::kScaleAfter) _mm256_storeu_ps(sp, _mm256_mul_ps(_mm256_loadu_ps(sp), _mm256_set1_ps(scale)));
         }
     }
 }
@@ -137,7 +137,7 @@ static inline void score_rows(const float* qf, const T* kh, int64_t pos_stride, 
                               int64_t stride) {
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (NV > 0) {
-        score_rows_512<T, NV, P>(qf, kh, pos_stride, n, s, stride);
+        score_rows_512<FmaDot, T, NV, P>(qf, kh, pos_stride, n, s, stride, 1.f);
         return;
     }
 #endif
@@ -247,12 +247,12 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                         const T* kh = kc + offset + (r / G) * D;
                         float* sr = &s[r * SC + (blk - c0) * BS];
                         const int64_t P = r % G + PS <= G ? PS : 1;
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
                         if constexpr (std::is_same_v<T, bf16> && NV > 0 && NV % 2 == 0) {
                             if (dp_bf16) {
                                 const bf16* qr = qb + r * D;
-                                if (P == PS) score_rows_dp<NV / 2, PS>(qr, kh, pos_stride, n, sr, SC, scale);
-                                else score_rows_dp<NV / 2, 1>(qr, kh, pos_stride, n, sr, SC, scale);
+                                if (P == PS) score_rows_512<Bf16PairDot, T, NV / 2, PS>(qr, kh, pos_stride, n, sr, SC, scale);
+                                else score_rows_512<Bf16PairDot, T, NV / 2, 1>(qr, kh, pos_stride, n, sr, SC, scale);
                                 continue;
                             }
                         }
