@@ -139,3 +139,52 @@ def test_attention_step_writes_then_decodes(dtype):
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out[:3].float(), want, **tol)
     assert torch.equal(out[3], torch.zeros(8, 64, dtype=dtype))  # rows past num_decodes are the caller's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("long_chunk", [False, True])
+def test_attention_forward_takes_short_prefill_chunks_in_the_kernel(monkeypatch, dtype, long_chunk):
+    # decodes, a whole 5-token prompt, a 4-token chunk over a cached prefix and a 2-token one (e.g. a verification);
+    # with a chunk longer than MAX_KERNEL_QUERY_LEN the chunks go to the torch prefill path instead. Every row must
+    # equal the torch path's output (kernel switched off) and causal attention computed directly.
+    q_lens = [1, 1, 5, 4, 2] + ([cpu_decode.MAX_KERNEL_QUERY_LEN + 1] if long_chunk else [])
+    seq_lens = [20, 37, 5, 40, 18] + ([70] if long_chunk else [])
+    query, contexts, k_cache, v_cache, tables, lens = _case(4, 64, 16, seq_lens, dtype, seed=9)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], 8, 64).to(dtype)
+    key = torch.cat([k[-n:] for (k, _), n in zip(contexts, q_lens)])
+    value = torch.cat([v[-n:] for (_, v), n in zip(contexts, q_lens)])
+    slots = [int(tables[b, p // 16]) * 16 + p % 16 for b, (n, L) in enumerate(zip(q_lens, seq_lens))
+             for p in range(L - n, L)]
+    rows = cpu_decode.kernel_rows(qsl, seq_lens, 2)
+
+    def forward(kernel: str) -> torch.Tensor:
+        monkeypatch.setenv(cpu_decode.DISABLE_ENV, kernel)
+        md = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                               seq_lens=lens, block_tables=tables, num_decodes=2, max_query_len=max(q_lens),
+                               max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        return attention_forward_ref(q, key, value, k_cache, v_cache, md, 0.125)
+
+    calls = []
+    real = attention_ref._prefill_from_lists
+    monkeypatch.setattr(attention_ref, "_prefill_from_lists", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = forward("1")
+    assert calls == ([1] if long_chunk else []) and rows[0] == (2 if long_chunk else qsl[-1])
+    torch_path = forward("0")
+    want = torch.cat([naive_attention(q[qsl[b]:qsl[b + 1]].float(), k.float(), v.float(),
+                                      list(range(seq_lens[b] - q_lens[b], seq_lens[b])), 0.125)
+                      for b, (k, v) in enumerate(contexts)])
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(got.float(), torch_path.float(), **tol)
+
+
+def test_kernel_rows_lists_each_chunk_token_with_its_causal_length():
+    n, seqs, lens = cpu_decode.kernel_rows([0, 1, 4, 6], [9, 5, 30], num_decodes=1)
+    assert n == 6 and seqs.tolist() == [0, 1, 1, 1, 2, 2] and lens.tolist() == [9, 3, 4, 5, 29, 30]
+    assert cpu_decode.kernel_rows([0, 1, 2], [9, 5], num_decodes=2) == (2, None, None)  # decodes only
+    assert cpu_decode.kernel_rows([0, 1, 40], [9, 50], num_decodes=1, max_query_len=32) == (1, None, None)
+    with pytest.raises(ValueError, match="q_len 4 > seq_len 3"):
+        cpu_decode.kernel_rows([0, 4], [3], num_decodes=0)

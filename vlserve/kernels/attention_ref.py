@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_decode import attention_step_cpu, attention_step_supported
+from vlserve.kernels.cpu_decode import attention_step_cpu, attention_step_supported, kernel_rows
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -243,15 +243,21 @@ def attention_forward_ref(
     num_actual = md.query_start_loc_cpu[-1]
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
+    kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
     if attention_step_supported(query, key, k_cache, v_cache):
-        # one C++ call writes every row's K/V and decodes the decode rows
-        attention_step_cpu(query, key, value, k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens,
-                           num_decodes, scale, out)
+        # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
+        # they are short (a handful of tokens each: chunked prefill, speculative verification)
+        num_rows, row_seqs, row_lens = md.derive("cpu_kernel_rows", lambda: kernel_rows(
+            md.query_start_loc_cpu, md.seq_lens_cpu, num_decodes))
+        attention_step_cpu(query, key, value, k_cache, v_cache, md.slot_mapping, md.block_tables,
+                           md.seq_lens if row_lens is None else row_lens, num_rows, scale, out, row_seqs)
+        if row_seqs is not None:
+            kernel_seqs = md.num_seqs
     else:
         write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)))
         if num_decodes > 0:
             _decode_with_torch(query, k_cache, v_cache, md, scale, out)
-    if num_decodes < md.num_seqs:
+    if kernel_seqs < md.num_seqs:
         qsl = md.query_start_loc_cpu
         _prefill_from_lists(
             query,

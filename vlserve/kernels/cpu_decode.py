@@ -33,17 +33,21 @@ _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
-                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                       int64_t M, float scale, int64_t threads, int64_t is_bf16, int64_t dp_bf16);
+                       const int32_t* lens, const int32_t* row_seq, int64_t has_row_seq, void* out, int64_t B,
+                       int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale, int64_t threads,
+                       int64_t is_bf16, int64_t dp_bf16);
 """
 _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t", "void*",
-              "void*", "const int32_t*", "const int32_t*", "void*", "int64_t", "int64_t", "int64_t", "int64_t",
-              "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t"]
+              "void*", "const int32_t*", "const int32_t*", "const int32_t*", "int64_t", "void*", "int64_t", "int64_t",
+              "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t"]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
+_NO_ROWS = torch.empty(0, dtype=torch.int32)
+MAX_KERNEL_QUERY_LEN = 32  # a prefill chunk of up to this many tokens runs in the kernel, row by row
 _MAX_HEAD_DIM = 256  # kMaxVecs vectors of the narrowest ISA (AVX2: 8 floats)
 _DTYPES = (torch.float32, torch.bfloat16)
 _DP_BF16 = int(_BF16_DOT)  # 0: bf16 scores on widened float32 vectors even where vdpbf16ps was built in
 DISABLE_ENV = "VLSERVE_CPU_DECODE_KERNEL"  # "0": decode with the torch gather + SDPA path instead
+
 
 @functools.cache
 def cpu_decode_kernel():
@@ -60,6 +64,7 @@ def cpu_decode_kernel():
                        type(exc).__name__, exc)
         return None
 
+
 def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_attention_decode_cpu` and `attention_step_cpu` take these tensors: CPU, float32 or bfloat16
     query and cache, a head dim that is a multiple of 16 (whole vectors) up to 256, a kernel built here, and not
@@ -69,6 +74,7 @@ def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM and os.environ.get(DISABLE_ENV, "1") != "0"
             and cpu_decode_kernel() is not None)
 
+
 def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor) -> bool:
     """Whether `attention_step_cpu` takes these tensors: `cpu_decode_supported`, key in the caches' dtype (it is
@@ -76,19 +82,23 @@ def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: to
     return (cpu_decode_supported(query, k_cache) and key.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous())
 
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`x` [N, H, D] (or a copy) with each row's [H, D] contiguous, and the elements between rows."""
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         x = x.contiguous()
     return x, x.stride(0)
 
+
 def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, num_decodes: int, scale: float, out: torch.Tensor) -> None:
+                       row_lens: torch.Tensor, num_rows: int, scale: float, out: torch.Tensor,
+                       row_seqs: torch.Tensor | None = None) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int64; -1 skipped), then
-    decode the first `num_decodes` sequences of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller
-    checks `attention_step_supported`; prefill rows are left to it."""
-    # k_cache, v_cache: [NB, BS, Hkv, D] contiguous; block_tables: [B, M]; seq_lens: [B]
+    attend the first `num_rows` rows of query [T, Hq, D] into out [T, Hq, D] (contiguous): row r reads the positions
+    0 .. row_lens[r] - 1 of table row row_seqs[r] (default: r, one decode token per sequence). The caller checks
+    `attention_step_supported`; rows past `num_rows` are left to it."""
+    # k_cache, v_cache: [NB, BS, Hkv, D] contiguous; block_tables: [S, M]; row_lens, row_seqs: [>= num_rows]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     query, q_stride = _rows(query)
     key, k_stride = _rows(key)
@@ -96,10 +106,32 @@ def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     slots = slot_mapping.to(torch.long).contiguous()
     tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
         block_tables.to(torch.int32).contiguous())
-    lens = seq_lens.to(torch.int32).contiguous()
+    lens = row_lens.to(torch.int32).contiguous()
+    seqs = _NO_ROWS if row_seqs is None else row_seqs.to(torch.int32).contiguous()
     cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, slots, slots.shape[0], k_cache, v_cache, tables,
-                        lens, out, num_decodes, query.shape[1], num_kv_heads, head_dim, block_size, tables.stride(0),
-                        float(scale), torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16)
+                        lens, seqs, int(row_seqs is not None), out, num_rows, query.shape[1], num_kv_heads, head_dim,
+                        block_size, tables.stride(0), float(scale), torch.get_num_threads(),
+                        int(query.dtype == torch.bfloat16), _DP_BF16)
+
+
+def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
+                max_query_len: int = MAX_KERNEL_QUERY_LEN) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """The query rows `attention_step_cpu` takes in a step: `(num_rows, row_seqs, row_lens)`. The decodes always;
+    the prefill chunks too when none is longer than `max_query_len` (token i of a chunk of q over a context of L
+    attends to positions 0 .. L - q + i), with row_seqs/row_lens to say so. Without prefill rows both are None (the
+    caller passes seq_lens). ValueError when a chunk is longer than its context."""
+    chunks = [(query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]) for b in range(num_decodes, len(seq_lens))]
+    for b, (q_len, seq_len) in enumerate(chunks, start=num_decodes):
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
+    if not chunks or max(q for q, _ in chunks) > max_query_len:
+        return num_decodes, None, None
+    seqs, lens = list(range(num_decodes)), seq_lens[:num_decodes]
+    for b, (q_len, seq_len) in enumerate(chunks, start=num_decodes):
+        seqs += [b] * q_len
+        lens += range(seq_len - q_len + 1, seq_len + 1)
+    return len(seqs), torch.tensor(seqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
 
 def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,

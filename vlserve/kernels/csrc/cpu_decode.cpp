@@ -186,12 +186,14 @@ static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, 
 }
 
 // q: [B, Hq, D] rows q_stride apart; out: [B, Hq, D]; key, value: [T, Hkv, D] rows k_stride and v_stride apart,
-// written into kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any sequence is read; tables: [B, M] int32;
-// lens: [B] int32; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs
+// written into kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any row is read; tables: [S, M] int32;
+// lens: [B] int32, the positions row b attends to (0 .. lens[b] - 1); row_seq: [B] int32, the table row of each
+// query row (several rows of one sequence: its new tokens, each with its own causal length), or null: row b reads
+// table row b; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs
 template <typename T, int64_t NV>
 static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t k_stride, int64_t v_stride,
                  const int64_t* slots, int64_t num_writes, T* kc, T* vc, const int32_t* tables, const int32_t* lens,
-                 T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
+                 const int32_t* row_seq, T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
                  int64_t threads, bool dp_bf16) {
     const int64_t G = Hq / Hkv;
     const int64_t W = fVec::size();
@@ -228,7 +230,7 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t b = task / (Hkv / group), h0 = task % (Hkv / group) * group;
-            const int64_t len = lens[b];
+            const int64_t len = lens[b], seq = row_seq ? row_seq[b] : b;  // this row's context and table row
             const T* qb = q + b * q_stride + h0 * G * D;  // the task's R query rows are consecutive
             for (int64_t r = 0; r < R; ++r) {
                 for (int64_t d = 0; d < D; d += W) (load(qb + r * D + d) * fVec(scale)).store(&qf[r * D + d]);
@@ -241,7 +243,7 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                 const int64_t c1 = std::min(nblk, c0 + CB);
                 const int64_t npos = std::min(len, c1 * BS) - c0 * BS;
                 for (int64_t blk = c0; blk < c1; ++blk) {  // scores: PS query rows of a head at a time
-                    const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
+                    const int64_t offset = static_cast<int64_t>(tables[seq * M + blk]) * BS * pos_stride + h0 * D;
                     const int64_t n = std::min(BS, len - blk * BS);
                     for (int64_t r = 0; r < R; r += (r % G + PS <= G ? PS : 1)) {
                         const T* kh = kc + offset + (r / G) * D;
@@ -286,7 +288,7 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                         for (int64_t d = 0; d < D; d += W) (fVec::loadu(&acc[r * D + d]) * fVec(corr)).store(&acc[r * D + d]);
                 }
                 for (int64_t blk = c0; blk < c1; ++blk) {  // values: PV query rows of a head at a time
-                    const int64_t offset = static_cast<int64_t>(tables[b * M + blk]) * BS * pos_stride + h0 * D;
+                    const int64_t offset = static_cast<int64_t>(tables[seq * M + blk]) * BS * pos_stride + h0 * D;
                     const int64_t n = std::min(BS, len - blk * BS);
                     for (int64_t r = 0; r < R; r += (r % G + PV <= G ? PV : 1)) {
                         const T* vh = vc + offset + (r / G) * D;
@@ -308,13 +310,13 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
 template <typename T>
 static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
-                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                       int64_t M, float scale, int64_t threads, bool dp_bf16) {
+                       const int32_t* lens, const int32_t* row_seq, void* out, int64_t B, int64_t Hq, int64_t Hkv,
+                       int64_t D, int64_t BS, int64_t M, float scale, int64_t threads, bool dp_bf16) {
     // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
     auto run = [&](auto nv) {
         step<T, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
                                      static_cast<const T*>(value), k_stride, v_stride, slots, num_writes, static_cast<T*>(kc),
-                                     static_cast<T*>(vc), tables, lens, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
+                                     static_cast<T*>(vc), tables, lens, row_seq, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
                                      scale, threads, dp_bf16);
     };
     const int64_t V = D / fVec::size();
@@ -325,12 +327,14 @@ static void step_typed(const void* q, int64_t q_stride, const void* key, const v
 
 extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
-                       const int32_t* lens, void* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                       int64_t M, float scale, int64_t threads, int64_t is_bf16, int64_t dp_bf16) {
+                       const int32_t* lens, const int32_t* row_seq, int64_t has_row_seq, void* out, int64_t B,
+                       int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale, int64_t threads,
+                       int64_t is_bf16, int64_t dp_bf16) {
+    if (!has_row_seq) row_seq = nullptr;
     if (is_bf16)
-        step_typed<bf16>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq, Hkv,
+        step_typed<bf16>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, row_seq, out, B, Hq, Hkv,
                          D, BS, M, scale, threads, dp_bf16 != 0);
     else
-        step_typed<float>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, out, B, Hq,
+        step_typed<float>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, row_seq, out, B, Hq,
                           Hkv, D, BS, M, scale, threads, false);
 }
