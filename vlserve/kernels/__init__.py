@@ -94,6 +94,8 @@ def _warn_if_interpreter_on_cuda() -> None:
 
 
 def _impl(name: str, device: torch.device) -> Callable:
+    if device.type != "cuda" and not os.environ.get(BACKEND_ENV):  # the common CPU case, once per layer and step
+        return _REF_IMPLS[name]
     if get_attention_backend(device) == "torch":
         return _REF_IMPLS[name]
     if device.type == "cuda":

@@ -244,7 +244,9 @@ def attention_forward_ref(
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
-    if attention_step_supported(query, key, k_cache, v_cache):
+    # the runner allocates every layer's caches alike: one check per step and dtype
+    if md.derive(("cpu_attention_step", query.dtype, key.dtype), lambda: attention_step_supported(
+            query, key, k_cache, v_cache)):
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
         num_rows, row_seqs, row_lens = md.derive("cpu_kernel_rows", lambda: kernel_rows(
