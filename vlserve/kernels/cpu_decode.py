@@ -1,14 +1,17 @@
 """Paged decode attention for CPU in C++: one pass over each sequence's cached blocks, no gather, no mask.
 
 One call per layer and step (`attention_step_cpu`) first writes the step's keys and values into the paged caches,
-then decodes. Each OpenMP task is one sequence with all its KV heads (or a group of them when the batch is too
-small to keep every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values
+then attends its query rows: the decodes, and the tokens of short prefill chunks (`kernel_rows`: up to
+MAX_KERNEL_QUERY_LEN tokens each, e.g. chunked prefill or speculative verification), each such token a row of its
+own that reads its sequence's table up to its causal length. Each OpenMP task is one row with all its KV heads (or
+a group of them when the batch is too small to keep every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values
 straight from the paged caches, a chunk of blocks (~256 positions) at a time: the chunk's scores, one online
 softmax update in float32 (running max and sum, as flash attention does), then its values. Positions past a
 sequence's length are never read, so stale cache slots cannot leak into the output. The loads, dot products and
 exponentials are at::vec vectors (AVX-512 or AVX2, whichever inductor detects; bf16 is widened to float32 as it is
-loaded); rows of 64 or 128 get code whose query rows and accumulators stay in registers, two or four query rows
-share each key or value load, and the scores of eight positions are summed in one shuffle tree.
+loaded, or, on CPUs with AVX512-BF16, its scores are vdpbf16ps dot products of the raw bf16 rows); rows of 64 or
+128 get code whose query rows and accumulators stay in registers, two or four query rows share each key or value
+load, and the scores of eight positions are summed in one shuffle tree.
 
 The source is compiled once per process, through the C++ toolchain torch's inductor uses for its CPU kernels (its
 on-disk cache keeps the library across processes). Where no compiler works, `cpu_decode_kernel()` returns None and
