@@ -12,10 +12,10 @@ from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, Schedul
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.llama import decoder_of, kv_cache_spec
+from vlserve.models.parallel_layers import pack_linears_for_cpu
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
-from vlserve.models.parallel_layers import pack_linears_for_cpu
 from vlserve.worker.compiled_forward import ModelForward
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
