@@ -16,8 +16,9 @@ from tests.api.test_api_media import data_url, png_bytes
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
 MSG = [{"role": "user", "content": "hello"}]
-# ~8e6 iterations of the sandbox's range (capped at 1e5 per range): seconds of Jinja in an input worker.
-SLOW_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(80) %}{% endfor %}{% endfor %}"
+# 1e8 iterations of the sandbox's range (capped at 1e5 per range): ~4 s of Jinja in an input worker here. (8e6 took
+# only 0.4-0.6 s, so a fast request sent 0.3 s after it could lose the race to a hiccup: a flaky test.)
+SLOW_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
                  "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
