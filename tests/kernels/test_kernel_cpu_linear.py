@@ -1,5 +1,5 @@
-"""The packed bf16 CPU linear (`kernels.cpu_linear`) against float32 math and F.linear, and the layers that use it
-(`PackableLinear.pack_for_cpu`, `pack_linears_for_cpu`)."""
+"""The packed CPU linear (`kernels.cpu_linear`, float32 and bf16) against float32 math and F.linear, its fused
+SiLU(gate) * up, and the layers that use them (`PackableLinear.pack_for_cpu`, `pack_linears_for_cpu`, `GatedMLP`)."""
 from __future__ import annotations
 
 import pytest
@@ -7,45 +7,55 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.kernels import cpu_linear as cl
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_kernel, cpu_linear_supported, pack_linear_weight
+from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_kernel, cpu_linear_silu_mul, cpu_linear_supported,
+                                        pack_linear_weight)
+from vlserve.models.layers import GatedMLP
 from vlserve.models.parallel_layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
                                             pack_linears_for_cpu)
 
-pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="this CPU has no AVX512-BF16 (or no toolchain)")
+pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="this CPU has no AVX-512 (or no toolchain)")
+_BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cl._BF16_DOT, reason="no AVX512-BF16"))
+DTYPES = [torch.float32, _BF16]
 
 
-def _operands(m, n, k, bias, seed=0):
+def _operands(m, n, k, bias, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     return x, w, b
 
 
-def _float_reference(x, w, b):
-    out = x.float() @ w.float().T
-    return out if b is None else out + b.float()
+def _exact_reference(x, w, b):
+    out = x.double() @ w.double().T
+    return out if b is None else out + b.double()
 
 
 # row counts below, at and past the 8-row block and the 64-row chunk; N below one panel, ragged and whole panels
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 64, 130])
 @pytest.mark.parametrize("n,k", [(8, 30), (100, 64), (96, 512), (768, 512), (64, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_linear_is_float32_math_rounded_once(m, n, k, bias):
-    x, w, b = _operands(m, n, k, bias)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_linear_is_float32_math(m, n, k, bias, dtype):
+    x, w, b = _operands(m, n, k, bias, dtype)
     out = cpu_linear(x, pack_linear_weight(w), b, n)
-    assert out.shape == (m, n) and out.dtype == torch.bfloat16
-    want = _float_reference(x, w, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    want = _exact_reference(x, w, b)
+    if dtype == torch.float32:  # float32 sums in another order than oneDNN's
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        return
     # one rounding to bf16 (half an ulp: 2^-8 relative) plus float32 sums in another order
-    torch.testing.assert_close(out.float(), want, rtol=2 ** -8, atol=1e-4)
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=1e-4)
     # F.linear (oneDNN) rounds the same float32 sums once: the results differ only where the order tips a rounding
     assert (out == F.linear(x, w, b)).float().mean() > 0.97
 
 
-def test_cpu_linear_takes_strided_and_batched_inputs():
-    x, w, b = _operands(24, 64, 96, True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_linear_takes_strided_and_batched_inputs(dtype):
+    x, w, b = _operands(24, 64, 96, True, dtype)
     packed = pack_linear_weight(w)
-    wide = torch.randn(24, 200).to(torch.bfloat16)
+    wide = torch.randn(24, 200).to(dtype)
     wide[:, 50:146] = x  # rows 200 apart
     view = wide[:, 50:146]
     assert not view.is_contiguous()
@@ -54,59 +64,126 @@ def test_cpu_linear_takes_strided_and_batched_inputs():
     assert batched.shape == (2, 12, 64)
     torch.testing.assert_close(batched.view(24, 64), cpu_linear(x, packed, b, 64), atol=0, rtol=0)
     assert cpu_linear(x[:0], packed, b, 64).shape == (0, 64)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_linear(x.float(), packed, b, 64)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):  # inputs in another dtype than the packed weight's
+        cpu_linear(x.to(other), packed, b, 64)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_linear(x.half(), packed.half(), None, 64)
 
 
-def test_cpu_linear_is_the_same_on_one_thread_and_several():
-    x, w, b = _operands(70, 200, 128, True)  # 7 panels: uneven split; 70 rows: two chunks
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_linear_is_the_same_on_one_thread_and_several(dtype):
+    x, w, b = _operands(70, 200, 128, True, dtype)  # 7 panels: uneven split; 70 rows: two chunks
     packed = pack_linear_weight(w)
+    gate_up = pack_linear_weight(w[:192])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = cpu_linear(x, packed, b, 200)
-        torch.set_num_threads(max(2, threads))
-        several = cpu_linear(x, packed, b, 200)
-        few = cpu_linear(x[:, :], pack_linear_weight(w[:20]), b[:20], 20)  # one panel: rows split instead
+        runs = []
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            runs.append((cpu_linear(x, packed, b, 200), cpu_linear_silu_mul(x, gate_up, b[:192], 96),
+                         cpu_linear(x, pack_linear_weight(w[:20]), b[:20], 20)))  # one panel: rows split instead
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(one, several, atol=0, rtol=0)
-    torch.testing.assert_close(few, one[:, :20], atol=0, rtol=0)
+    for one, several in zip(*runs):
+        torch.testing.assert_close(one, several, atol=0, rtol=0)
+    torch.testing.assert_close(runs[0][2], runs[0][0][:, :20], atol=0, rtol=0)
 
 
-def test_pack_layout_and_custom_op():
-    w = torch.arange(40 * 4, dtype=torch.float32).view(40, 4).to(torch.bfloat16)
-    packed = pack_linear_weight(w)
-    assert packed.shape == (2, 2, 32, 2)  # 40 rows -> two panels, the second zero-padded
-    assert packed[0, 1, 3].tolist() == w[3, 2:4].tolist()  # panel 0, K pair 1, column 3
-    assert packed[1, 0, 7].tolist() == w[39, 0:2].tolist()
-    assert packed[1, :, 8:].abs().sum() == 0
-    x, w, b = _operands(5, 40, 16, True)
-    torch.library.opcheck(cpu_linear, (x, pack_linear_weight(w), b, 40))
-    torch.library.opcheck(cpu_linear, (x, pack_linear_weight(w), None, 40))
+def test_pack_layouts_and_custom_ops():
+    w = torch.arange(40 * 4, dtype=torch.float32).view(40, 4)
+    for dtype, shape in ((torch.bfloat16, (2, 2, 32, 2)), (torch.float32, (2, 4, 32))):
+        packed = pack_linear_weight(w.to(dtype))  # 40 rows -> two panels, the second zero-padded
+        assert packed.shape == shape and packed.dtype == dtype
+        flat = packed.view(2, 4, 32) if dtype == torch.float32 else packed.permute(0, 1, 3, 2).reshape(2, 4, 32)
+        assert flat[0, 2, 3] == w[3, 2] and flat[1, 1, 7] == w[39, 1]  # panel, K position, column
+        assert flat[1, :, 8:].abs().sum() == 0
+    for dtype in (torch.float32, torch.bfloat16) if cl._BF16_DOT else (torch.float32,):
+        x, w, b = _operands(5, 64, 16, True, dtype)
+        for op, n in ((cpu_linear, 64), (cpu_linear_silu_mul, 32)):
+            torch.library.opcheck(op, (x, pack_linear_weight(w), b, n))
+            torch.library.opcheck(op, (x, pack_linear_weight(w), None, n))
 
 
-def test_supported_only_for_cpu_bf16_even_k(monkeypatch):
-    assert cpu_linear_supported(torch.zeros(8, 16, dtype=torch.bfloat16))
-    assert not cpu_linear_supported(torch.zeros(8, 16))  # float32 keeps oneDNN / MKL
-    assert not cpu_linear_supported(torch.zeros(8, 15, dtype=torch.bfloat16))  # K pairs
+def test_supported_dtypes_and_shapes(monkeypatch):
+    assert cpu_linear_supported(torch.zeros(8, 16))
+    assert cpu_linear_supported(torch.zeros(8, 15))  # float32 takes any K
+    assert cpu_linear_supported(torch.zeros(8, 16, dtype=torch.bfloat16)) == cl._BF16_DOT
+    assert not cpu_linear_supported(torch.zeros(8, 15, dtype=torch.bfloat16))  # bf16 reads K in pairs
+    assert not cpu_linear_supported(torch.zeros(8, 16, dtype=torch.float16))
+    assert not cpu_linear_supported(torch.zeros(8, 0))
+    assert not cpu_linear_supported(torch.zeros(2, 8, 16))
     monkeypatch.setenv(cl.DISABLE_ENV, "0")
-    assert not cpu_linear_supported(torch.zeros(8, 16, dtype=torch.bfloat16))
+    assert not cpu_linear_supported(torch.zeros(8, 16))
 
 
-def test_layers_pack_once_and_compute_the_same():
+def _silu_mul_reference(x, w, b, i):
+    gate, up = F.linear(x, w, b).split(i, dim=-1)
+    return F.silu(gate) * up  # rounded as torch rounds: each op's output in the dtype
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 21, 64, 70])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_the_gate_up_projection_then_silu_times_up(m, bias, dtype):
+    i, k = 96, 136  # three panels of gate, three of up
+    x, w, b = _operands(m, 2 * i, k, bias, dtype, seed=m)
+    out = cpu_linear_silu_mul(x, pack_linear_weight(w), b, i)
+    assert out.shape == (m, i) and out.dtype == dtype
+    want = _silu_mul_reference(x, w, b, i)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        gate, up = _exact_reference(x, w, b).split(i, dim=-1)
+        torch.testing.assert_close(out.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    else:  # the projection's sums in another order may tip a rounding of gate or up; nothing else differs
+        torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+        assert (out == want).float().mean() > 0.95
+    batched = cpu_linear_silu_mul(x.view(1, m, k), pack_linear_weight(w), b, i)
+    torch.testing.assert_close(batched.view(m, i), out, atol=0, rtol=0)
+
+
+def test_silu_mul_rejects_a_matrix_it_cannot_split():
+    x, w, _ = _operands(4, 80, 32, False, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear_silu_mul(x, pack_linear_weight(w), None, 40)  # I = 40: gate and up share a panel
+    x, w, _ = _operands(4, 96, 32, False, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear_silu_mul(x, pack_linear_weight(w), None, 32)  # 3 panels are not gate + up of 32 each
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_pack_once_and_compute_the_same(dtype):
     torch.manual_seed(0)
     layers = [ColumnParallelLinear(64, 96), MergedColumnParallelLinear(64, {"gate_proj": 48, "up_proj": 48},
                                                                         bias=False), RowParallelLinear(96, 64)]
-    model = torch.nn.ModuleList(layers + [torch.nn.Linear(64, 64)]).to(torch.bfloat16)
-    x = {64: torch.randn(7, 64).to(torch.bfloat16), 96: torch.randn(7, 96).to(torch.bfloat16)}
+    model = torch.nn.ModuleList(layers + [torch.nn.Linear(64, 64)]).to(dtype)
+    x = {64: torch.randn(7, 64).to(dtype), 96: torch.randn(7, 96).to(dtype)}
     before = [layer(x[layer.in_features]) for layer in layers]
     assert pack_linears_for_cpu(model) == 3  # not the plain nn.Linear
     assert pack_linears_for_cpu(model) == 0  # already packed
     for layer, want in zip(layers, before):
-        assert layer.weight is None and layer.packed_weight.shape[1:] == (layer.in_features // 2, 32, 2)
+        panel = (layer.in_features, 32) if dtype == torch.float32 else (layer.in_features // 2, 32, 2)
+        assert layer.weight is None and layer.packed_weight.shape[1:] == panel
         assert "weight" not in dict(layer.named_parameters()) and "packed_weight" in dict(layer.named_parameters())
         got = layer(x[layer.in_features])
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
-    fp32 = ColumnParallelLinear(64, 96)
-    assert not fp32.pack_for_cpu() and fp32.weight is not None and fp32.packed_weight is None
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    half = ColumnParallelLinear(64, 96).half()
+    assert not half.pack_for_cpu() and half.weight is not None and half.packed_weight is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_mlp_fuses_silu_into_its_packed_gate_up(dtype, monkeypatch):
+    torch.manual_seed(0)
+    fused, ragged = GatedMLP(64, 96).to(dtype), GatedMLP(64, 40).to(dtype)  # I = 40: no whole panels of gate
+    x = torch.randn(9, 64).to(dtype)
+    want = {id(mlp): mlp(x) for mlp in (fused, ragged)}
+    assert pack_linears_for_cpu(fused) == 2 and pack_linears_for_cpu(ragged) == 2
+    calls = []
+    real = cl.cpu_linear_silu_mul
+    monkeypatch.setattr("vlserve.models.layers.cpu_linear_silu_mul",
+                        lambda *a: calls.append(a[-1]) or real(*a))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
+    for mlp in (fused, ragged):
+        torch.testing.assert_close(mlp(x).float(), want[id(mlp)].float(), **tol)
+    assert calls == [96]  # only the MLP whose gate and up fill whole panels fuses

@@ -1,17 +1,24 @@
-"""`y = x W^T + b` in bfloat16 on CPUs with AVX512-BF16, in C++: the decoder's projections at small batch.
+"""`y = x W^T + b` in C++ on packed weights, for CPUs with AVX-512: the decoder's projections (float32, and bf16
+where the CPU has AVX512-BF16), and a gated MLP's gate_up projection with SiLU(gate) * up in the same pass.
 
-oneDNN's bf16 matmul pays a fixed cost per call and keeps the cores busy only at large M; at the few rows of a
-decode step it ran at 250-310 GFLOP/s on 2 cores that do ~430 (and at M=1 it read weights at a fifth of the
-memory bandwidth). Here the weight is packed once, at load time, into panels of 32 output columns whose K pairs
-are interleaved (`[N/32, K/2, 32, 2]`), the layout `vdpbf16ps` reads: one instruction multiplies a broadcast pair
-of x's bf16 values with a pair from each of 16 columns and adds both products into float32 lanes. A register
-block of up to 8 rows x 32 columns runs down K; each thread streams its own contiguous range of panels once per
-chunk of 64 rows, so a decode step reads each weight once, in order. The sums are float32 (the bias too), rounded
-to bf16 once at the end, as oneDNN does; only the order of the additions differs.
+oneDNN pays a fixed cost per call and keeps the cores busy only at large M; at the few rows of a decode step its bf16
+matmul ran at 250-310 GFLOP/s on 2 cores that do ~430, its float32 one at ~170 of ~210, and at M=1 both read the
+weights at a fraction of the memory bandwidth. Here each weight is packed once, at load time, into panels of 32
+output columns: `[N/32, K, 32]` in float32, `[N/32, K/2, 32, 2]` in bf16 (K pairs interleaved, the layout
+`vdpbf16ps` reads: one instruction multiplies a broadcast pair of x's values with a pair from each of 16 columns
+and adds both products into float32 lanes). A register block of up to 8 rows x 32 columns runs down K; each thread
+streams its own contiguous range of panels once per chunk of 64 rows, so a decode step reads each weight once, in
+order. The sums are float32 (the bias too), rounded to bf16 once at the end as oneDNN does; only the order of the
+additions differs.
 
-The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where the CPU lacks
-AVX512-BF16, no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is False and the
-layers keep `F.linear`.
+`cpu_linear_silu_mul` is the gate_up projection of a SiLU-gated MLP followed by `silu(gate) * up`: the thread that
+computes gate panel j computes up panel j next and writes only the product, rounded as the two elementwise ops
+would round (gate and up to the dtype, silu to the dtype, then the product), so the [M, 2I] projection is never
+written out and no separate activation kernel runs.
+
+The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where the CPU lacks AVX-512
+(or AVX512-BF16, for bf16), no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is
+False and the layers keep `F.linear`.
 """
 from __future__ import annotations
 
@@ -24,24 +31,27 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = (Path(__file__).parent / "csrc" / "cpu_linear.cpp").read_text()
+_BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # built for AVX512-BF16: bf16 panels through vdpbf16ps
+_SOURCE = ('#pragma GCC target("avx512bf16")\n' if _BF16_DOT else "") + (
+    Path(__file__).parent / "csrc" / "cpu_linear.cpp").read_text()
 
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
-                       int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads);
+                       int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
+                       int64_t silu_mul);
 """
 _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "void*", "int64_t", "int64_t",
-              "int64_t", "int64_t", "int64_t"]
+              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"]
 PANEL = 32  # output columns per packed panel
 DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
-_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+_NO_BIAS = torch.empty(0)
 
 
 @functools.cache
 def cpu_linear_kernel():
     """The compiled kernel (built on first use), or None where this CPU or toolchain cannot run it."""
-    if not torch.cpu._is_avx512_bf16_supported():
+    if not torch.cpu._is_avx512_supported():
         return None
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
@@ -49,38 +59,48 @@ def cpu_linear_kernel():
         return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_SOURCE,
                                                          kernel_needs_vec_isa=True)
     except Exception as exc:  # no compiler, or an inductor without this loader: F.linear stays
-        logger.warning("the C++ bf16 CPU linear could not be built (%s: %s); using F.linear",
-                       type(exc).__name__, exc)
+        logger.warning("the C++ CPU linear could not be built (%s: %s); using F.linear", type(exc).__name__, exc)
         return None
 
 
+def _dtype_served(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _BF16_DOT)
+
+
 def cpu_linear_supported(weight: torch.Tensor) -> bool:
-    """Whether `pack_linear_weight(weight)` and `cpu_linear` serve this [N, K] weight: a CPU bf16 matrix with an
-    even K, a kernel built here, and not switched off by $VLSERVE_CPU_LINEAR_KERNEL=0."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and weight.shape[1] > 0 and os.environ.get(DISABLE_ENV, "1") != "0"
-            and cpu_linear_kernel() is not None)
+    """Whether `pack_linear_weight(weight)` and `cpu_linear` serve this [N, K] weight: a CPU float32 matrix (bf16 on
+    CPUs with AVX512-BF16, with an even K), a kernel built here, and not switched off by
+    $VLSERVE_CPU_LINEAR_KERNEL=0."""
+    return (weight.device.type == "cpu" and _dtype_served(weight.dtype) and weight.dim() == 2
+            and weight.shape[1] > 0 and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
+            and os.environ.get(DISABLE_ENV, "1") != "0" and cpu_linear_kernel() is not None)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/32), K/2, 32, 2]: panels of 32 output rows (zero-padded), K pairs interleaved."""
+    """[N, K] -> panels of 32 output rows (zero-padded): float32 [ceil(N/32), K, 32], bf16 [ceil(N/32), K/2, 32, 2]
+    (K pairs interleaved)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = weight.new_zeros(panels * PANEL, k)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if weight.dtype == torch.bfloat16:
+        return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
 
 
 # Defined through torch.library.Library rather than the custom_op decorator: its dispatch costs ~8 us a call
-# instead of ~14, and a decode step makes four calls per layer.
+# instead of ~14, and a decode step makes three or four calls per layer.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
 _LIB.define("cpu_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
 
 
-def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 times a `pack_linear_weight` matrix (+ bias [N]) -> [..., N] bf16."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"vlserve::cpu_linear takes bfloat16 inputs, got {x.dtype}")
+def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu_mul: bool,
+         name: str) -> torch.Tensor:
+    """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul)."""
+    if x.dtype != packed.dtype or not _dtype_served(x.dtype):
+        raise ValueError(f"vlserve::{name} takes inputs in its packed weight's dtype ({packed.dtype}, float32 or "
+                         f"bfloat16 where served), got {x.dtype}")
     k = x.shape[-1]
     rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -88,11 +108,28 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     out = x.new_empty(rows.shape[0], out_features)
     if rows.shape[0]:
         cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, int(bias is not None),
-                            out, out_features, rows.shape[0], out_features, k, torch.get_num_threads())
+                            out, out_features, rows.shape[0], out_features, k, torch.get_num_threads(),
+                            int(x.dtype == torch.bfloat16), int(silu_mul))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
+def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] times a `pack_linear_weight` matrix (+ bias [N]) -> [..., N] in x's dtype."""
+    return _run(x, packed, bias, out_features, False, "cpu_linear")
+
+
+def _cpu_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
+    """x [..., K] times a packed gate_up matrix [2I, K] (+ bias [2I]), I = out_features a multiple of 32 ->
+    silu(gate) * up [..., I]."""
+    if out_features % PANEL or packed.shape[0] * PANEL != 2 * out_features:
+        raise ValueError(f"vlserve::cpu_linear_silu_mul needs a packed [2I, K] matrix with I a multiple of {PANEL}; "
+                         f"got {packed.shape[0]} panels for I = {out_features}")
+    return _run(x, packed, bias, out_features, True, "cpu_linear_silu_mul")
+
+
 _LIB.impl("cpu_linear", _cpu_linear, "CPU")
+_LIB.impl("cpu_linear_silu_mul", _cpu_linear_silu_mul, "CPU")
 
 
 @torch.library.register_fake("vlserve::cpu_linear")
@@ -100,4 +137,10 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.register_fake("vlserve::cpu_linear_silu_mul")
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 cpu_linear = torch.ops.vlserve.cpu_linear  # the op: (x, packed, bias or None, out_features) -> [..., N]
+cpu_linear_silu_mul = torch.ops.vlserve.cpu_linear_silu_mul  # (x, packed gate_up, bias or None, I) -> [..., I]

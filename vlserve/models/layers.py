@@ -10,6 +10,7 @@ from torch import nn
 
 from vlserve import kernels
 from vlserve.kernels.activation import activation
+from vlserve.kernels.cpu_linear import PANEL, cpu_linear_silu_mul
 from vlserve.kernels.rotary_ref import rotary_cos_sin
 from vlserve.models.hf_config import rope_params_of
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
@@ -62,7 +63,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]
-        gate_up = self.gate_up_proj(x)
+        proj = self.gate_up_proj
+        fusable = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
+        if proj.packed_weight is not None and fusable:  # packed for the CPU kernel: silu(gate) * up in its pass
+            return self.down_proj(cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size))
+        gate_up = proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.hidden_act == "silu":
             return self.down_proj(F.silu(gate) * up)

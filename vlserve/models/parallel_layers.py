@@ -13,8 +13,9 @@ With `tp` ranks (`r` = this rank):
 - VocabParallelEmbedding / ParallelLMHead: vocab rows split, padded up to a multiple of tp; ids outside this rank's
   rows embed to 0 before the sum; local logits are gathered along the vocab and the padding dropped.
 
-On CPUs with AVX512-BF16 the runner packs the bf16 linears once loaded (`PackableLinear.pack_for_cpu`): `weight`
-becomes None and `packed_weight` holds the matrix in the layout of `kernels.cpu_linear`.
+On CPUs with AVX-512 the runner packs the float32 linears once loaded (`PackableLinear.pack_for_cpu`), and the
+bf16 ones where the CPU has AVX512-BF16: `weight` becomes None and `packed_weight` holds the matrix in the layout of
+`kernels.cpu_linear`.
 
 Loading: `checkpoint_shard(param, piece)` says which `(dim, start, length)` of a checkpoint tensor this rank reads
 (None: the whole tensor), and `load_shard(param, piece, tensor, name)` copies that slice into place. `piece` names
@@ -61,8 +62,9 @@ def local_kv_heads(num_kv_heads: int, tp: int) -> int:
 
 
 class PackableLinear(nn.Linear):
-    """An nn.Linear whose weight the runner may pack for the bf16 CPU kernel (`kernels.cpu_linear`) once loaded:
-    `pack_for_cpu()` swaps `weight` [O, I] for `packed_weight` [O/32, I/2, 32, 2] (the matrix is then held once)."""
+    """An nn.Linear whose weight the runner may pack for the CPU kernel (`kernels.cpu_linear`) once loaded:
+    `pack_for_cpu()` swaps `weight` [O, I] for `packed_weight` (float32 [O/32, I, 32], bf16 [O/32, I/2, 32, 2]; the
+    matrix is then held once)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -87,7 +89,7 @@ class PackableLinear(nn.Linear):
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Pack every `PackableLinear` of `model` the bf16 CPU kernel serves; how many were packed."""
+    """Pack every `PackableLinear` of `model` the CPU linear kernel serves; how many were packed."""
     return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, PackableLinear))
 
 

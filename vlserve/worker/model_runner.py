@@ -46,7 +46,7 @@ class ModelRunner:
                  block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
                  compilation_config=None, enforce_eager: bool = False):
         self.model = model
-        if device.type == "cpu":  # bf16 projections through the packed C++ kernel, where this CPU has AVX512-BF16
+        if device.type == "cpu":  # projections through the packed C++ kernel, where this CPU has AVX-512
             pack_linears_for_cpu(model)
         self.forward = ModelForward(model, device, compilation_config, enforce_eager)  # eager/compiled/graphs
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
