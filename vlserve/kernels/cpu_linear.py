@@ -63,8 +63,11 @@ def cpu_linear_kernel():
         return None
 
 
+_kernel = cpu_linear_kernel  # cached: one lookup per call
+
+
 def _dtype_served(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _BF16_DOT)
+    return dtype is torch.float32 or (dtype is torch.bfloat16 and _BF16_DOT)
 
 
 def cpu_linear_supported(weight: torch.Tensor) -> bool:
@@ -97,20 +100,24 @@ _LIB.define("cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_
 
 def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu_mul: bool,
          name: str) -> torch.Tensor:
-    """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul)."""
-    if x.dtype != packed.dtype or not _dtype_served(x.dtype):
+    """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul).
+    Runs four times per layer and step: the common case (2-D rows, unit stride) takes no detours."""
+    dtype = x.dtype
+    if dtype is not packed.dtype or not _dtype_served(dtype):
         raise ValueError(f"vlserve::{name} takes inputs in its packed weight's dtype ({packed.dtype}, float32 or "
-                         f"bfloat16 where served), got {x.dtype}")
-    k = x.shape[-1]
-    rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = x.new_empty(rows.shape[0], out_features)
-    if rows.shape[0]:
-        cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, int(bias is not None),
-                            out, out_features, rows.shape[0], out_features, k, torch.get_num_threads(),
-                            int(x.dtype == torch.bfloat16), int(silu_mul))
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+                         f"bfloat16 where served), got {dtype}")
+    shape = x.shape
+    rows = x
+    if len(shape) != 2 or x.stride(1) != 1:
+        rows = x.reshape(-1, shape[-1])
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+    m, k = rows.shape
+    out = x.new_empty(m, out_features)
+    if m:
+        _kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
+                  out_features, m, out_features, k, torch.get_num_threads(), dtype is torch.bfloat16, silu_mul)
+    return out if len(shape) == 2 else out.view(*shape[:-1], out_features)
 
 
 def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

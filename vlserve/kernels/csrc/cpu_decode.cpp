@@ -26,6 +26,10 @@ static inline fVec load(const bf16* p) {
     return out;
 }
 
+// fVec::size() float32 values to consecutive elements (bf16: rounded to nearest even, as static_cast rounds)
+static inline void store(float* p, const fVec& v) { v.store(p); }
+static inline void store(bf16* p, const fVec& v) { at::vec::convert_from_float<bf16>(v, v).store(p, fVec::size()); }
+
 // sums[j] = the sum of the lanes of the j-th of 8 consecutive vectors at `v`: one shuffle tree for all eight
 // rather than eight horizontal reductions
 static inline void reduce8(const fVec* v, float* sums) {
@@ -299,9 +303,9 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                 }
             }
             for (int64_t r = 0; r < R; ++r) {
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                const fVec inv(l[r] > 0.f ? 1.f / l[r] : 0.f);
                 T* orow = out + (b * Hq + h0 * G + r) * D;
-                for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[r * D + d] * inv);
+                for (int64_t d = 0; d < D; d += W) store(orow + d, fVec::loadu(&acc[r * D + d]) * inv);
             }
         }
     }
