@@ -1,13 +1,13 @@
-"""bf16 linear micro-benchmark on CPU: the packed C++ kernel (`kernels.cpu_linear`, what the runner's projections call
-on CPUs with AVX512-BF16) against oneDNN on the same operands, as eager `F.linear` and as the prepacked
-`mkldnn._linear_pointwise` that inductor's frozen graphs call.
+"""Linear micro-benchmark on CPU: the packed C++ kernel (`kernels.cpu_linear`, what the runner's projections call on
+CPUs with AVX-512; bf16 needs AVX512-BF16) against oneDNN on the same operands, as eager `F.linear` and as the
+prepacked `mkldnn._linear_pointwise` that inductor's frozen graphs call.
 
 Shapes are one decoder layer's four projections (qkv, o, gate_up, down) of a Qwen2 with the given hidden size
 (GQA 4:1, MLP 3x hidden), summed. "hot" times back-to-back calls (weights in cache); "cold" times a call after a
 64 MB buffer was written (weights and TLB evicted, as in a decode step whose weights do not fit the caches). The
 engines alternate call by call, so the machine's drift hits all of them alike; medians in microseconds.
 
-    python benchmarks/cpu_linear.py [--hidden-size 512] [--rows 1 8 32 256 2048] [--iters 60]
+    python benchmarks/cpu_linear.py [--dtype bfloat16|float32] [--hidden-size 512] [--rows 1 8 32 256 2048] [--iters 60]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_kernel, pack_linear_weight  # noqa: E402
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, pack_linear_weight  # noqa: E402
 
 
 def layer_shapes(hidden: int) -> list[tuple[int, int]]:
@@ -41,14 +41,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     flush = torch.zeros(16 * 1024 * 1024)  # 64 MB
     shapes = layer_shapes(args.hidden_size)
-    print(f"bf16, {torch.get_num_threads()} threads, one layer of hidden {args.hidden_size}: (N, K) = {shapes}")
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, one layer of hidden {args.hidden_size}: (N, K) = {shapes}")
     print(f"{'rows':>5} | {'kernel hot':>10} {'cold':>7} | {'F.linear hot':>12} {'cold':>7} | "
           f"{'prepacked hot':>13} {'cold':>7} | cold: F.linear/kernel  prepacked/kernel  kernel GFLOP/s")
     for m in args.rows:
         ops = []
         for n, k in shapes:
-            x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
             packed, onednn = pack_linear_weight(w), torch.ops.mkldnn._reorder_linear_weight(w, m)
             ops.append({"kernel": (lambda x=x, p=packed, n=n: cpu_linear(x, p, None, n)),
                         "F.linear": (lambda x=x, w=w: F.linear(x, w)),

@@ -41,6 +41,11 @@ def test_run_gflop_counts_fed_back_tokens_and_growing_contexts(tmp_path):
     logits_row = 2 * 64 * cfg.vocab_size / 1e9
     assert abs(longer_output - longer_prompt - logits_row) < 1e-12
     assert run_gflop(cfg, [4, 4], [3, 3]) == 2 * run_gflop(cfg, [4], [3])
+    # a cached prompt token costs neither its projections nor its own context, only the one more position the
+    # next token reads (scores and sums: 4 * head_dim FLOPs per head and layer)
+    assert abs(run_gflop(cfg, [2], [1], cached_lens=[1]) - one - 4 * 32 * 2 * 2 / 1e9) < 1e-12
+    full = run_gflop(cfg, [5], [3])
+    assert run_gflop(cfg, [5], [3], cached_lens=[4]) < run_gflop(cfg, [5], [3], cached_lens=[2]) < full
 
 
 def test_run_gbytes_reads_the_weights_every_step_and_each_decodes_context(tmp_path):
@@ -63,7 +68,9 @@ def test_format_roofline_takes_the_larger_floor():
                        bandwidth_gbs=10.0)
     assert roof.bound == "compute" and roof.ceiling_tok_s == 2000.0
     line = format_roofline(roof, {"vlserve": 1500.0, "vLLM": 500.0})
-    assert "compute-bound -> at most 2000 tok/s; vlserve 75%, vLLM 25% of it" in line
+    assert "compute-bound -> at most 2000 tok/s; vlserve 75%, vLLM 25% of it" in line and "cached" not in line
+    roof.cached = True
+    assert "per run (prompts cached but their last token" in format_roofline(roof, {"vlserve": 1500.0})
     slow_memory = CpuRoofline(100.0, 200.0, (2048, 512, 1536), 1000, gbytes=10.0, bandwidth_gbs=10.0)
     assert slow_memory.bound == "memory" and slow_memory.ceiling_tok_s == 1000.0
 

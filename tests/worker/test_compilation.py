@@ -203,19 +203,22 @@ def test_compiled_equals_eager_qwen2_vl_with_images(tmp_path_factory, compile_ca
 
 
 @pytest.mark.slow
-def test_bf16_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compile_cache, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compile_cache, monkeypatch, dtype):
     from transformers import AutoConfig
 
     from vlserve.kernels import cpu_linear as cl
 
-    if cl.cpu_linear_kernel() is None:
-        pytest.skip("this CPU has no AVX512-BF16 (or no toolchain)")
-    calls = []
+    if cl.cpu_linear_kernel() is None or (dtype == "bfloat16" and not cl._BF16_DOT):
+        pytest.skip("this CPU has no AVX-512 (AVX512-BF16 for bf16), or no toolchain")
+    calls = []  # (rows, silu_mul) of every kernel call
     kernel = cl.cpu_linear_kernel()
-    monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: lambda *args: calls.append(args[7]) or kernel(*args))
-    layers = AutoConfig.from_pretrained(qwen2_dir).num_hidden_layers
+    monkeypatch.setattr(cl, "cpu_linear_kernel",
+                        lambda: lambda *args: calls.append((args[7], args[12])) or kernel(*args))
+    cfg = AutoConfig.from_pretrained(qwen2_dir)
+    layers = cfg.num_hidden_layers
     prompts = varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40))
-    kw = {"dtype": "bfloat16", "num_kv_blocks": 64, "max_num_batched_tokens": 16}
+    kw = {"dtype": dtype, "num_kv_blocks": 64, "max_num_batched_tokens": 16}
     for extra in ({"enforce_eager": True}, {"compilation_config": {"level": 1, "cache_dir": compile_cache}}):
         llm = LLM(qwen2_dir, **kw, **extra)
         model = llm.engine.runner.model
@@ -226,6 +229,10 @@ def test_bf16_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, c
         outs = llm.generate(prompts, _greedy(6), use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
         # every forward: 4 calls per layer; chunked prefill rows (up to 16) and decode rows (1 to 3)
-        assert len(calls) % (4 * layers) == 0 and len(calls) >= 4 * layers * 8
-        assert max(calls) == 16 and min(calls) <= 3
+        rows = [r for r, _ in calls]
+        assert len(rows) % (4 * layers) == 0 and len(rows) >= 4 * layers * 8
+        assert max(rows) == 16 and min(rows) <= 3
+        # gate_up with SiLU(gate) * up in the same call wherever the MLP's I fills whole panels
+        fused = sum(bool(s) for _, s in calls)
+        assert fused == (len(calls) // 4 if cfg.intermediate_size % cl.PANEL == 0 else 0)
         llm.check_integrity()

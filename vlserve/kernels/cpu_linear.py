@@ -63,9 +63,6 @@ def cpu_linear_kernel():
         return None
 
 
-_kernel = cpu_linear_kernel  # cached: one lookup per call
-
-
 def _dtype_served(dtype: torch.dtype) -> bool:
     return dtype is torch.float32 or (dtype is torch.bfloat16 and _BF16_DOT)
 
@@ -115,8 +112,9 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     m, k = rows.shape
     out = x.new_empty(m, out_features)
     if m:
-        _kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
-                  out_features, m, out_features, k, torch.get_num_threads(), dtype is torch.bfloat16, silu_mul)
+        cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
+                            out_features, m, out_features, k, torch.get_num_threads(), dtype is torch.bfloat16,
+                            silu_mul)
     return out if len(shape) == 2 else out.view(*shape[:-1], out_features)
 
 

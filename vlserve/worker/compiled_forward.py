@@ -118,10 +118,16 @@ class ModelForward:
         if step.inputs_embeds is not None:
             torch._dynamo.maybe_mark_dynamic(step.inputs_embeds, 0)
         # dynamo reads `freezing` from inductor's global config while it traces (to keep the weights as constants
-        # rather than graph inputs), not from the compile options: set it around the call, not process-wide
-        with attention_step(step.metadata, kv_caches), torch._inductor.config.patch(
-                freezing=self.inductor_options.get("freezing", False)):
-            return self.compiled(step.input_ids, step.positions, step.inputs_embeds)
+        # rather than graph inputs), not from the compile options: set it around the call, not process-wide (by
+        # hand: `config.patch` costs ~25 us a step more)
+        config = torch._inductor.config
+        saved = config.freezing
+        config.freezing = self.inductor_options.get("freezing", False)
+        try:
+            with attention_step(step.metadata, kv_caches):
+                return self.compiled(step.input_ids, step.positions, step.inputs_embeds)
+        finally:
+            config.freezing = saved
 
     def timed_warm_up(self, run_dummy_steps) -> None:
         """Compile now rather than on the first requests: `run_dummy_steps()` pushes a prefill and a decode through
