@@ -7,7 +7,7 @@ Shapes are one decoder layer's four projections (qkv, o, gate_up, down) of a Qwe
 64 MB buffer was written (weights and TLB evicted, as in a decode step whose weights do not fit the caches). The
 engines alternate call by call, so the machine's drift hits all of them alike; medians in microseconds.
 
-    python benchmarks/cpu_linear.py [--dtype bfloat16|float32] [--hidden-size 512] [--rows 1 8 32 256 2048] [--iters 60]
+    python benchmarks/cpu_linear.py [--dtype bfloat16|float32] [--hidden-size 512] [--rows 1 8 32 256 2048]
 """
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
     parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    if cpu_linear_kernel() is None:
-        sys.exit("this CPU has no AVX512-BF16 (or no C++ toolchain): nothing to compare")
+    dtype = getattr(torch, args.dtype)
+    if not cpu_linear_supported(torch.zeros(32, 32, dtype=dtype)):
+        sys.exit(f"this CPU or toolchain cannot run the {args.dtype} kernel: nothing to compare")
     g = torch.Generator().manual_seed(0)
     flush = torch.zeros(16 * 1024 * 1024)  # 64 MB
     shapes = layer_shapes(args.hidden_size)
