@@ -137,14 +137,12 @@ _LIB.impl("cpu_linear", _cpu_linear, "CPU")
 _LIB.impl("cpu_linear_silu_mul", _cpu_linear_silu_mul, "CPU")
 
 
-@torch.library.register_fake("vlserve::cpu_linear")
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-@torch.library.register_fake("vlserve::cpu_linear_silu_mul")
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
+for _op in ("cpu_linear", "cpu_linear_silu_mul"):  # both return [..., out_features] in x's dtype
+    torch.library.register_fake(f"vlserve::{_op}")(_fake)
 
 
 cpu_linear = torch.ops.vlserve.cpu_linear  # the op: (x, packed, bias or None, out_features) -> [..., N]
