@@ -23,10 +23,13 @@ from types import ModuleType, SimpleNamespace
 from unittest import mock
 
 INTERPRET_ENV = "TRITON_INTERPRET"
-# import order matters: triton_attention imports triton_kv_write, and must see the interpreted copy
+# import order matters: a module must come after those it imports (triton_attention imports triton_kv_write,
+# triton_paged and triton_prefill), so that it binds their interpreted copies
 TRITON_MODULES = {
     "kv_write": "vlserve.kernels.triton_kv_write",
     "rotary": "vlserve.kernels.triton_rotary",
+    "paged": "vlserve.kernels.triton_paged",
+    "prefill": "vlserve.kernels.triton_prefill",
     "attention": "vlserve.kernels.triton_attention",
     "varlen": "vlserve.kernels.triton_varlen_attention",
 }
@@ -85,7 +88,8 @@ def _wrap_kernels(module: ModuleType) -> None:
 
 @functools.cache
 def interpreted_triton_modules() -> SimpleNamespace:
-    """Namespace (kv_write, rotary, attention, varlen) of vlserve Triton modules whose kernels run in the interpreter."""
+    """Namespace (kv_write, rotary, paged, prefill, attention, varlen) of vlserve Triton modules whose kernels run
+    in the interpreter."""
     import triton  # noqa: F401  (imported outside the window: its library keeps its run-wide mode)
     import triton.language  # noqa: F401
 
@@ -97,5 +101,6 @@ def interpreted_triton_modules() -> SimpleNamespace:
 
 
 def native_triton_modules() -> SimpleNamespace:
-    """Namespace (kv_write, rotary, attention, varlen) of the ordinary, process-wide vlserve Triton modules."""
+    """Namespace (kv_write, rotary, paged, prefill, attention, varlen) of the ordinary, process-wide vlserve Triton
+    modules."""
     return SimpleNamespace(**{short: importlib.import_module(name) for short, name in TRITON_MODULES.items()})

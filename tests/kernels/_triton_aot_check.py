@@ -11,22 +11,36 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from vlserve.kernels import triton_attention as ta  # noqa: E402
 from vlserve.kernels import triton_kv_write as tw  # noqa: E402
+from vlserve.kernels import triton_prefill as tp  # noqa: E402
 from vlserve.kernels import triton_rotary as tr  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+H100_SHARED_BYTES = 232448  # the most shared memory one block may use on sm_90
 
 
-def _compile(fn, types: dict[str, str], consts: dict, default: str = "i32") -> None:
-    # every runtime argument not listed in `types` is an int (strides, lengths)
+def _compile(fn, types: dict[str, str], consts: dict, default: str = "i32", **options) -> None:
+    # every runtime argument not listed in `types` is an int (strides, lengths); options: num_warps, num_stages
     sig = {name: "constexpr" if name in consts else types.get(name, default) for name in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, consts), target=TARGET)
-    print(f"ok {fn.__name__} {consts}", flush=True)
+    kernel = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options=options or None)
+    shared = kernel.metadata.shared
+    if shared > H100_SHARED_BYTES:
+        sys.exit(f"{fn.__name__} {consts} {options} needs {shared} bytes of shared memory")
+    print(f"ok {fn.__name__} {consts} {options} shared={shared}", flush=True)
+
+
+def _compile_prefill(ptrs: dict, group: int, head_dim: int, block_size: int, tile) -> None:
+    p2 = triton.next_power_of_2
+    _compile(tp._prefill_kernel, ptrs, dict(
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim),
+        BLOCK_M=max(1, tile.rows // p2(group)), BLOCK_N=tile.block_n, UPCAST=False),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def main() -> None:
@@ -38,9 +52,13 @@ def main() -> None:
         _compile(ta._decode_kernel, ptrs, dict(
             BLOCK_SIZE=block_size, NUM_Q_HEADS=2 * group, GROUP=group, GROUP_P2=max(16, p2(group)),
             HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim), BLOCK_N=64, SINGLE_SPLIT=single, UPCAST=False))
-        _compile(ta._prefill_kernel, ptrs, dict(
-            BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim),
-            BLOCK_M=max(1, 64 // p2(group)), BLOCK_N=32, UPCAST=False))
+        _compile_prefill(ptrs, group, head_dim, block_size, tp.SMALL_TILE)
+    # the tiles prefill_tile picks on an H100 (sm_90) for 16-bit inputs, by head dim
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    ptrs.update(bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", scale_log2="fp32")
+    for group, head_dim in [(4, 128), (7, 80), (1, 64), (2, 256)]:
+        _compile_prefill(ptrs, group, head_dim, 16, tp.prefill_tile(head_dim, torch.bfloat16, torch.device("cuda", 0)))
     _compile(ta._decode_reduce_kernel, dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
                                             out_ptr="*bf16"),
              dict(NUM_Q_HEADS=28, HEAD_DIM=80, HEAD_DIM_P2=128, SPLITS_P2=8))

@@ -19,7 +19,8 @@ from _interpreted import TRITON_MODULES, interpreted_triton_modules, native_trit
 
 @pytest.fixture(scope="session")
 def triton_kernels(device: torch.device) -> SimpleNamespace:
-    """Namespace (kv_write, rotary, attention, varlen) of vlserve Triton modules that run on `device`."""
+    """Namespace (kv_write, rotary, paged, prefill, attention, varlen) of vlserve Triton modules that run on
+    `device`."""
     return native_triton_modules() if device.type == "cuda" else interpreted_triton_modules()
 
 

@@ -67,8 +67,8 @@ def test_prefill_ignores_nan_in_unwritten_slots(backend, request, device):
         out = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 0.125)
         tol = kernel_tol("cpu", torch.float32)
     else:
-        attention = request.getfixturevalue("triton_kernels").attention
-        out = attention.paged_prefill_attention_triton(
+        prefill = request.getfixturevalue("triton_kernels").prefill
+        out = prefill.paged_prefill_attention_triton(
             *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125).cpu()
         tol = kernel_tol(device, torch.float32)
     torch.testing.assert_close(out, expected, **tol)
@@ -91,7 +91,7 @@ def test_prefill_triton_matches_ref(triton_kernels, device, ratio, head_dim, blo
     query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(ratio, head_dim, block_size, seqs, num_kv_heads=1)
     scale = head_dim**-0.5
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, scale)
-    out = triton_kernels.attention.paged_prefill_attention_triton(
+    out = triton_kernels.prefill.paged_prefill_attention_triton(
         *to_device(device, query, k_cache, v_cache, tables, qsl, lens), scale)
     assert out.device.type == device.type
     torch.testing.assert_close(out.cpu(), ref, **kernel_tol(device, torch.float32))
@@ -101,7 +101,7 @@ def test_prefill_triton_bf16(triton_kernels, device):
     seqs = [(17, 12), (0, 5)]
     query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(2, 64, 16, seqs, num_kv_heads=1, dtype=torch.bfloat16)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 0.125)
-    out = triton_kernels.attention.paged_prefill_attention_triton(
+    out = triton_kernels.prefill.paged_prefill_attention_triton(
         *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125, max_query_len=12)
     torch.testing.assert_close(out.float().cpu(), ref.float(), **kernel_tol(device, torch.bfloat16))
 

@@ -41,7 +41,7 @@ _REF_IMPLS: dict[str, Callable] = {
 _TRITON_IMPLS: dict[str, tuple[str, str]] = {
     "write_kv_cache": ("vlserve.kernels.triton_kv_write", "write_kv_cache_triton"),
     "paged_attention_decode": ("vlserve.kernels.triton_attention", "paged_attention_decode_triton"),
-    "paged_prefill_attention": ("vlserve.kernels.triton_attention", "paged_prefill_attention_triton"),
+    "paged_prefill_attention": ("vlserve.kernels.triton_prefill", "paged_prefill_attention_triton"),
     "attention_forward": ("vlserve.kernels.triton_attention", "attention_forward_triton"),
     "apply_rotary": ("vlserve.kernels.triton_rotary", "apply_rotary_triton"),
     "varlen_attention": ("vlserve.kernels.triton_varlen_attention", "varlen_attention_triton"),

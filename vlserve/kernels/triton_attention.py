@@ -1,8 +1,8 @@
-"""Triton paged attention: split-K decode (+ reduce) and varlen causal prefill over the paged cache.
+"""Triton paged attention: split-K decode (+ reduce) over the paged cache, and `attention_forward_triton`, one
+layer's step (write this step's K/V, decode the decodes, prefill the rest through `triton_prefill`).
 
-Both kernels give one program a whole GQA group (the Hq/Hkv query heads that share one KV head),
-so each K/V tile is loaded once per group. Key positions are mapped to cache slots token by token
-(`block_table[p // BS] * BS + p % BS`), so tiles need not align with cache blocks.
+The decode kernel gives one program a whole GQA group (the Hq/Hkv query heads that share one KV head), so each K/V
+tile is loaded once per group.
 """
 from __future__ import annotations
 
@@ -14,23 +14,8 @@ import triton.language as tl
 
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.triton_kv_write import write_kv_cache_triton
-
-_LOG2E = 1.4426950408889634
-_MIN_DOT = 16  # tl.dot needs every dimension >= 16
-
-
-@triton.jit
-def _load_kv_tile(
-    cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
-):
-    # rows of cache for token positions n: [BLOCK_N, HEAD_DIM_P2]
-    blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    row = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    tile = tl.load(cache_ptr + row[:, None] + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        tile = tile.to(tl.float32)
-    return tile
+from vlserve.kernels.triton_paged import LOG2E, MIN_DOT, check_cache, load_kv_tile, upcast_dots
+from vlserve.kernels.triton_prefill import paged_prefill_attention_triton
 
 
 @triton.jit
@@ -69,16 +54,16 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        k = _load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
-                          stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)  # [BLOCK_N, HEAD_DIM_P2]
+        k = load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
+                         BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2)  # [BLOCK_N, HEAD_DIM_P2]
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_P2, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
-                          stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
+        v = load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
+                         BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -118,70 +103,6 @@ def _decode_reduce_kernel(
     o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, scale_log2,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ot, stride_oh,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    # grid: (cdiv(max_q_len, BLOCK_M), B, Hkv); rows = BLOCK_M query tokens x GROUP_P2 heads of one group
-    m0 = tl.program_id(0) * BLOCK_M
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    if m0 < q_len:
-        seq_len = tl.load(seq_lens_ptr + b)
-        ctx_start = seq_len - q_len  # position of the sequence's first query token
-        r = tl.arange(0, BLOCK_M * GROUP_P2)
-        tok = m0 + r // GROUP_P2
-        g = r % GROUP_P2
-        row_mask = (tok < q_len) & (g < GROUP)
-        q_pos = ctx_start + tok  # [ROWS]; padded rows sit past seq_len, so they never see an empty row
-        d = tl.arange(0, HEAD_DIM_P2)
-        d_mask = d < HEAD_DIM
-        q_off = (q_start + tok).to(tl.int64) * stride_qt + (kv_head * GROUP + g) * stride_qh
-        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
-
-        m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP_P2, HEAD_DIM_P2], tl.float32)
-        end = tl.minimum(seq_len, ctx_start + m0 + BLOCK_M)  # last key any row of this tile needs, +1
-        for n0 in range(0, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = n < end
-            k = _load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
-                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N]
-            s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the first tile holds key 0
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask,
-                              stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
-        o = acc / l_i[:, None]
-        o_off = (q_start + tok).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
-        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & d_mask[None, :])
-
-
-def _upcast_dots(query: torch.Tensor) -> bool:
-    # Triton's CPU interpreter computes bf16 tl.dot wrongly; upcast the operands there (and nowhere else).
-    return query.device.type != "cuda" and query.dtype == torch.bfloat16
-
-
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "caches must share a row-major layout"
 
 
 @functools.cache
@@ -225,7 +146,7 @@ def paged_attention_decode_triton(
         out = query.new_empty(num_seqs, num_q_heads, head_dim)
     if num_seqs == 0:
         return out
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
     block_n = 64
     max_len = max(1, max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size)
@@ -242,13 +163,13 @@ def paged_attention_decode_triton(
     head_dim_p2 = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, split_len, num_splits,
+        scale * LOG2E, split_len, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, NUM_Q_HEADS=num_q_heads, GROUP=group,
-        GROUP_P2=max(_MIN_DOT, triton.next_power_of_2(group)),
+        GROUP_P2=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        UPCAST=_upcast_dots(query),
+        UPCAST=upcast_dots(query),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -256,48 +177,6 @@ def paged_attention_decode_triton(
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
             SPLITS_P2=triton.next_power_of_2(num_splits),
         )
-    return out
-
-
-def paged_prefill_attention_triton(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves."""
-    # query: [T, Hq, D]; block_tables: [B, M] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    group = num_q_heads // num_kv_heads
-    if out is None:
-        out = torch.zeros_like(query)
-    if num_seqs == 0 or num_tokens == 0:
-        return out
-    _check_cache(k_cache, v_cache)
-    assert query.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    if max_query_len == 0:
-        return out
-    group_p2 = triton.next_power_of_2(group)
-    block_m = max(1, 64 // group_p2)
-    block_m = min(block_m, max(triton.next_power_of_2(max_query_len), _MIN_DOT // group_p2, 1))
-    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_kv_heads)](
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * _LOG2E,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2,
-        HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=32,
-        UPCAST=_upcast_dots(query),
-    )
     return out
 
 
@@ -338,5 +217,4 @@ def attention_forward_triton(
 __all__ = [
     "attention_forward_triton",
     "paged_attention_decode_triton",
-    "paged_prefill_attention_triton",
 ]
