@@ -143,9 +143,11 @@ def build_random_model(args) -> str:
     from vlserve.testing.checkpoints import build_text_checkpoint
 
     out = os.path.join(tempfile.mkdtemp(prefix="vlserve-bench-"), "model")
-    heads = max(args.hidden_size // 64, 1)
+    heads = getattr(args, "num_heads", None) or max(args.hidden_size // 64, 1)
+    kv_heads = getattr(args, "num_kv_heads", None) or max(heads // 4, 1)
     build_text_checkpoint(out, arch="qwen2", hidden_size=args.hidden_size, num_layers=args.num_layers,
-                          num_heads=heads, num_kv_heads=max(heads // 4, 1), intermediate_size=args.hidden_size * 3,
+                          num_heads=heads, num_kv_heads=kv_heads,
+                          intermediate_size=getattr(args, "intermediate_size", None) or args.hidden_size * 3,
                           initializer_range=0.02, seed=args.seed)
     return out
 
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=None, help="random model's query heads (default hidden / 64)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="its KV heads (default heads / 4)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="its MLP width (default 3 x hidden)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
@@ -199,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_len_range:
         output_lens = random_lengths(args.output_len_range, args.num_prompts, args.seed + 2)
     print(f"model: {model} ({cfg.architectures[0]}, hidden {text_cfg.hidden_size}, "
-          f"{text_cfg.num_hidden_layers} layers), "
+          f"{text_cfg.num_hidden_layers} layers, {text_cfg.num_attention_heads} heads / "
+          f"{getattr(text_cfg, 'num_key_value_heads', None) or text_cfg.num_attention_heads} KV heads, "
+          f"intermediate {text_cfg.intermediate_size}), "
           f"{args.num_prompts} prompts x {args.input_len_range or args.input_len} in -> "
           f"{args.output_len_range or args.output_len} out, "
           f"{args.dtype}, "
