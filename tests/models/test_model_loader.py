@@ -105,10 +105,13 @@ def test_bfloat16_load(qwen2_dir, tmp_path, paged_runner, load_hf, prompts):
     assert (out - ref32).abs().max() < 1.0  # HF bf16 itself is ~0.27 off its fp32 logits here
     assert (out - ref16).abs().max() < 0.5
     assert (out.argmax(-1) == ref32.argmax(-1)).float().mean() > 0.8
-    # the engine's runner packs the decoder's projections for the bf16 CPU kernel where the CPU has AVX512-BF16:
-    # the same logits up to the order of float32 sums
+    # the engine's runner packs the decoder's projections and the LM head for the bf16 CPU kernel where the CPU has
+    # AVX512-BF16: the same logits up to the order of float32 sums
     if cpu_linear_kernel() is not None:
-        assert pack_linears_for_cpu(bf) == 4 * cfg.num_hidden_layers
+        assert pack_linears_for_cpu(bf) == 4 * cfg.num_hidden_layers + 1
+        # the head is tied to the embedding here: the embedding keeps its matrix, the head holds a packed copy
+        assert cfg.tie_word_embeddings and bf.lm_head.weight is bf.model.embed_tokens.weight
+        assert bf.lm_head.packed_weight is not None
         packed = _logits(bf, cfg, paged_runner, ids, dtype=torch.bfloat16)
         assert (packed - out).abs().max() < 0.1
         assert (packed - ref16).abs().max() < 0.5

@@ -211,10 +211,10 @@ def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compil
 
     if cl.cpu_linear_kernel() is None or (dtype == "bfloat16" and not cl._BF16_DOT):
         pytest.skip("this CPU has no AVX-512 (AVX512-BF16 for bf16), or no toolchain")
-    calls = []  # (rows, silu_mul) of every kernel call
+    calls = []  # (rows, silu_mul, out_features) of every kernel call
     kernel = cl.cpu_linear_kernel()
     monkeypatch.setattr(cl, "cpu_linear_kernel",
-                        lambda: lambda *args: calls.append((args[7], args[12])) or kernel(*args))
+                        lambda: lambda *args: calls.append((args[7], args[12], args[8])) or kernel(*args))
     cfg = AutoConfig.from_pretrained(qwen2_dir)
     layers = cfg.num_hidden_layers
     prompts = varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40))
@@ -223,16 +223,19 @@ def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compil
         llm = LLM(qwen2_dir, **kw, **extra)
         model = llm.engine.runner.model
         packed = [name for name, _ in model.named_parameters() if name.endswith("packed_weight")]
-        assert len(packed) == 4 * layers  # qkv, o, gate_up, down of every layer
+        assert len(packed) == 4 * layers + 1  # qkv, o, gate_up, down of every layer, and the LM head
         assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
         calls.clear()
         outs = llm.generate(prompts, _greedy(6), use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+        head = [r for r, _, n in calls if n == cfg.vocab_size]  # the LM head: the rows that sample, once a step
+        projections = [(r, s) for r, s, n in calls if n != cfg.vocab_size]
+        assert len(head) >= 6 and max(head) <= 3
         # every forward: 4 calls per layer; chunked prefill rows (up to 16) and decode rows (1 to 3)
-        rows = [r for r, _ in calls]
+        rows = [r for r, _ in projections]
         assert len(rows) % (4 * layers) == 0 and len(rows) >= 4 * layers * 8
         assert max(rows) == 16 and min(rows) <= 3
         # gate_up with SiLU(gate) * up in the same call wherever the MLP's I fills whole panels
-        fused = sum(bool(s) for _, s in calls)
-        assert fused == (len(calls) // 4 if cfg.intermediate_size % cl.PANEL == 0 else 0)
+        fused = sum(bool(s) for _, s in projections)
+        assert fused == (len(projections) // 4 if cfg.intermediate_size % cl.PANEL == 0 else 0)
         llm.check_integrity()
