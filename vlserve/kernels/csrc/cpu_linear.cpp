@@ -85,18 +85,34 @@ static inline __m512 silu(__m512 g) {  // g / (1 + exp(-g)), torch's formula
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
+// Walks the next panels' cache lines, one prefetch per call, while a row block that reads its panel from cache
+// runs: the memory bus would otherwise idle until the next panel's first row block misses on every line.
+struct NextPanels {
+    const char* region[2] = {nullptr, nullptr};  // the next panel (and, fused, the next up panel)
+    int64_t lines = 0;    // cache lines per region
+    int64_t issued = 0;   // lines issued so far, over both regions
+    inline void step() {
+        if (issued < 2 * lines && region[issued & 1]) {
+            _mm_prefetch(region[issued & 1] + (issued >> 1) * 64, _MM_HINT_T0);
+        }
+        ++issued;
+    }
+};
+
 // sums[R rows, 32 columns] = a[R, K] (rows lda apart) . panel (+ bias[32]), then the epilogue E; `gate` holds the
 // R x 32 gate values between a kGate block and its kSiluMul block; `ncols` < 32 only in the last panel of an N that
 // is not a multiple of 32
 template <typename P, int R, int E>
 static inline void block(const typename P::T* a, int64_t lda, const typename P::T* panel, int64_t K,
-                         const typename P::T* bias, typename P::T* c, int64_t ldc, int64_t ncols, float* gate) {
+                         const typename P::T* bias, typename P::T* c, int64_t ldc, int64_t ncols, float* gate,
+                         NextPanels* pf = nullptr) {
     __m512 lo[R], hi[R];  // columns 0-15 and 16-31 of each row
     for (int r = 0; r < R; ++r) {
         lo[r] = _mm512_setzero_ps();
         hi[r] = _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < K; k += P::kStep) {  // one panel row (kStep K positions) per step
+        if (pf) pf->step();
         const typename P::WVec w_lo = P::w(panel + k * kPanel);
         const typename P::WVec w_hi = P::w(panel + k * kPanel + 16 * P::kStep);
         for (int r = 0; r < R; ++r) {
@@ -126,10 +142,18 @@ static inline void block(const typename P::T* a, int64_t lda, const typename P::
 // panel p and up panel p + N / 32 of the packed [2N/32, ...] matrix.
 template <typename P, bool kSilu>
 static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P::T* packed, const typename P::T* bias,
-                          typename P::T* c, int64_t ldc, int64_t m0, int64_t m1, int64_t p, int64_t N, int64_t K) {
+                          typename P::T* c, int64_t ldc, int64_t m0, int64_t m1, int64_t p, int64_t N, int64_t K,
+                          bool prefetch_next) {
     using T = typename P::T;
     const int64_t panel_size = K * kPanel, up = (N + kPanel - 1) / kPanel;  // elements per panel; up's first panel
     float gate[kRows * kPanel];
+    NextPanels next;
+    if (prefetch_next) {
+        next.region[0] = reinterpret_cast<const char*>(packed + (p + 1) * panel_size);
+        if (kSilu) next.region[1] = reinterpret_cast<const char*>(packed + (up + p + 1) * panel_size);
+        next.lines = panel_size * static_cast<int64_t>(sizeof(T)) / 64;
+    }
+    NextPanels* pf = nullptr;  // the first row block streams its own panel; the others fetch the next one
     auto run = [&](auto rows, int64_t m) {
         constexpr int R = decltype(rows)::value;
         const T* am = a + m * lda;
@@ -138,12 +162,13 @@ static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P:
         if constexpr (kSilu) {
             const T* gate_bias = bias ? bias + p * kPanel : nullptr;
             const T* up_bias = bias ? bias + N + p * kPanel : nullptr;
-            block<P, R, kGate>(am, lda, packed + p * panel_size, K, gate_bias, cm, ldc, ncols, gate);
-            block<P, R, kSiluMul>(am, lda, packed + (up + p) * panel_size, K, up_bias, cm, ldc, ncols, gate);
+            block<P, R, kGate>(am, lda, packed + p * panel_size, K, gate_bias, cm, ldc, ncols, gate, pf);
+            block<P, R, kSiluMul>(am, lda, packed + (up + p) * panel_size, K, up_bias, cm, ldc, ncols, gate, pf);
         } else {
             block<P, R, kStore>(am, lda, packed + p * panel_size, K, bias ? bias + p * kPanel : nullptr, cm, ldc, ncols,
-                                gate);
+                                gate, pf);
         }
+        if (prefetch_next) pf = &next;
     };
     int64_t m = m0;
     for (; m + kRows <= m1; m += kRows) run(std::integral_constant<int, kRows>(), m);
@@ -177,11 +202,11 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
             for (int64_t ch = 0; ch < chunks; ++ch)
                 for (int64_t p = p0; p < p1; ++p)
                     rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, ch * kRowChunk, std::min(M, (ch + 1) * kRowChunk), p,
-                                            N, K);
+                                            N, K, p + 1 < p1);
         } else {  // fewer panels than threads: split the rows instead
             const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
             for (int64_t p = 0; p < panels; ++p)
-                if (m1 > m0) rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, m0, m1, p, N, K);
+                if (m1 > m0) rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, m0, m1, p, N, K, false);
         }
     }
 }
