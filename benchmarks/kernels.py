@@ -135,7 +135,7 @@ def bench_prefill(dtype, device, iters, with_triton):
         label = f"prefill {num_seqs}x(prefix {prefix} + {q_len} new)"
         row = {"case": label, "sdpa": _time_ms(sdpa, device, iters), "torch": _time_ms(ref, device, iters)}
         if with_triton:
-            from vlserve.kernels.triton_attention import paged_prefill_attention_triton
+            from vlserve.kernels.triton_prefill import paged_prefill_attention_triton
 
             def tri():
                 return paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, seq_lens, scale,
