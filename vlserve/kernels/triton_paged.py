@@ -1,4 +1,5 @@
-"""What the Triton paged-attention kernels share: the K/V tile gather from the paged cache and small host helpers.
+"""What the Triton paged-attention kernels share: the K/V tile gather from the paged cache and small host helpers
+(the varlen kernel takes its constants from here too).
 
 Key positions are mapped to cache slots token by token (`block_table[p // BS] * BS + p % BS`), so a tile need not
 align with cache blocks.

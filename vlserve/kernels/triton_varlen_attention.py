@@ -10,8 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+from vlserve.kernels.triton_paged import LOG2E, MIN_DOT
 
 
 @triton.jit
@@ -92,14 +91,14 @@ def varlen_attention_triton(
         return out
     for t in (query, key, value, out):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    block_m = min(64, max(_MIN_DOT, triton.next_power_of_2(max_seqlen)))
+    block_m = min(64, max(MIN_DOT, triton.next_power_of_2(max_seqlen)))
     upcast = query.device.type != "cuda" and query.dtype == torch.bfloat16  # the CPU interpreter's bf16 dot is off
     _varlen_kernel[(triton.cdiv(max_seqlen, block_m), num_seqs, num_q_heads)](
-        query, key, value, cu_seqlens, out, scale * _LOG2E,
+        query, key, value, cu_seqlens, out, scale * LOG2E,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
         GROUP=num_q_heads // key.shape[1], HEAD_DIM=head_dim,
-        HEAD_DIM_P2=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_P2=max(MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=32, UPCAST=upcast,
     )
     return out
