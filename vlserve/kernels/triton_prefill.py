@@ -7,7 +7,7 @@ program's first query position are visible to all its rows: they run without the
 masks (flash attention's split); only the tiles on the diagonal are masked.
 
 Tile shapes come from `prefill_tile`: 128-row tiles of 64 keys for 16-bit inputs on CUDA (warps and pipeline
-stages by head dim and GPU generation), the small tile everywhere else. `benchmarks/kernels.py --prefill-sweep`
+stages by head dim and GPU generation), the small tile everywhere else. `benchmarks/prefill_attention.py --sweep`
 times the candidates on a GPU against flash SDPA.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ CPU: the torch path (`*_ref`) and, for decode, the C++ kernel (`kernels.cpu_deco
 CPU) against `scaled_dot_product_attention` on contiguous K/V of the same size, i.e. the cost of paging. With CUDA:
 Triton vs torch path vs SDPA.
 
-    python benchmarks/kernels.py [--dtype float32|bfloat16] [--iters 20] [--threads N]
+    python benchmarks/paged_attention.py [--dtype float32|bfloat16] [--iters 20] [--threads N]
 """
 from __future__ import annotations
 
