@@ -1,0 +1,31 @@
+"""benchmarks/step_overhead.py: the before/after per-step bench runs both code versions and prints their table."""
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead.py"
+
+
+@pytest.mark.slow
+def test_step_overhead_runs_baseline_and_current():
+    """Against HEAD itself (the clone CI runs in has it), one round of the demo workload: a row per version per
+    round, and the summary row with both medians and their ratio."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--baseline-rev", "HEAD", "--rounds", "1",
+                           "--workloads", "demo"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^round 1 demo (baseline|current) +([\d.]+) ms", proc.stdout, re.M)
+    assert [name for name, _ in rows] == ["baseline", "current"]
+    summary = re.search(r"^demo +([\d.]+) +([\d.]+) +([\d.]+)x$", proc.stdout, re.M)
+    assert summary, proc.stdout
+    base, cur, ratio = map(float, summary.groups())
+    assert base == pytest.approx(float(rows[0][1]), abs=1e-3) and cur == pytest.approx(float(rows[1][1]), abs=1e-3)
+    assert ratio == pytest.approx(base / cur, abs=0.01)
+
+
+def test_step_overhead_rejects_unknown_workloads():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "demo,nonsense", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "unknown workloads ['nonsense']" in proc.stderr
