@@ -187,7 +187,8 @@ def test_training_forward_matches_serving(text_target, method):
 
     from vlserve.kernels.metadata import AttentionMetadata
     from vlserve.models.loader import load_model
-    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, init_eagle_weights
+    from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights
+    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel
     from vlserve.testing.eagle_checkpoints import eagle_config_for
 
     torch.manual_seed(0)

@@ -53,8 +53,8 @@ import torch
 
 from vlserve.distributed.parallel_state import tp_size
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids, \
-    load_eagle_draft
+from vlserve.spec_decode.eagle_checkpoint import load_eagle_draft
+from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec
 
 

@@ -47,7 +47,8 @@ def eagle_config_for(text_cfg, method: str = "eagle", **overrides) -> dict:
 
 def build_eagle_checkpoint(out_dir: str, target_dir: str, method: str = "eagle", init: str = "random",
                            seed: int = 0, std: float = 0.02, **config_overrides) -> str:
-    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, init_eagle_weights, save_eagle_draft
+    from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights, save_eagle_draft
+    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel
 
     hf_config, text_cfg, target = _load_target(target_dir)
     overrides = dict(config_overrides)
