@@ -52,6 +52,11 @@ def default_compile_cache_dir() -> str:
     return os.path.join(base, "vlserve", "compile")
 
 
+# On CPU the compiled wrapper runs in Python every step: its per-op size/stride and alignment asserts (about 80 calls a
+# step at 8 layers) are host time the kernels wait for, and the shapes they check are fixed by the graph.
+CPU_INDUCTOR_DEFAULTS = {"freezing": True, "size_asserts": False, "alignment_asserts": False}
+
+
 @dataclass
 class CompilationConfig:
     """How the decoder forward runs (vLLM's -O levels). `level`: 0 eager; 1 torch.compile (inductor, dynamic token
@@ -59,9 +64,9 @@ class CompilationConfig:
     autotuning. `level=None` picks the device default: 0 on CPU (compiling costs minutes on small machines), 2 on
     CUDA. `cudagraph_capture_sizes`: padded batch sizes captured (default `default_capture_sizes(max_num_seqs)`);
     `cache_dir`: inductor's on-disk cache (default `default_compile_cache_dir()`). `inductor_compile_config`: options
-    handed to inductor (vLLM's name) over the defaults: on CPU `{"freezing": True}` (weights become constants and
-    linear layers run on oneDNN with prepacked weights, which keeps a second, packed copy of them), at level 3 on CUDA
-    `{"max_autotune": True}`."""
+    handed to inductor (vLLM's name) over the defaults: on CPU `CPU_INDUCTOR_DEFAULTS` (weights become constants and
+    linear layers run on oneDNN with prepacked weights, which keeps a second, packed copy of them; no size or alignment
+    asserts on every op's output in every step), at level 3 on CUDA `{"max_autotune": True}`."""
 
     level: int | None = None
     cudagraph_capture_sizes: list[int] | None = None
@@ -112,7 +117,7 @@ class CompilationConfig:
 
     def inductor_options(self, device_type: str) -> dict:
         """Inductor's options on this device: the defaults above, then `inductor_compile_config` over them."""
-        defaults = {"freezing": True} if device_type == "cpu" else {}
+        defaults = dict(CPU_INDUCTOR_DEFAULTS) if device_type == "cpu" else {}
         if device_type == "cuda" and self.level == 3:
             defaults["max_autotune"] = True
         return {**defaults, **(self.inductor_compile_config or {})}

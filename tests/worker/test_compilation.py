@@ -54,10 +54,12 @@ def test_compilation_config_values_and_defaults():
     assert default_capture_sizes(3) == [1, 2, 3] and default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert [bucket_for(n, [1, 2, 4, 8]) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
     # inductor options: frozen weights (prepacked oneDNN linears) on CPU, autotuning at -O3 on CUDA; the user's win
-    assert default.inductor_options("cpu") == {"freezing": True} and default.inductor_options("cuda") == {}
+    assert default.inductor_options("cpu") == {"freezing": True, "size_asserts": False, "alignment_asserts": False}
+    assert default.inductor_options("cuda") == {}
     assert CompilationConfig(level=3).inductor_options("cuda") == {"max_autotune": True}
     off = EngineArgs(compilation_config='{"level": 1, "inductor_compile_config": {"freezing": false}}')
-    assert off.compilation_config.inductor_options("cpu") == {"freezing": False}
+    assert off.compilation_config.inductor_options("cpu") == {"freezing": False, "size_asserts": False,
+                                                              "alignment_asserts": False}
 
 
 def test_serve_flags():
