@@ -100,8 +100,8 @@ def test_attention_forward_decodes_alike_with_and_without_the_kernel(monkeypatch
     # a mixed step: two decodes then a 3-token prefill; both decode paths give the reference's output
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, kernel)
     calls = []
-    real = attention_ref.attention_step_cpu
-    monkeypatch.setattr(attention_ref, "attention_step_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attention_ref.attend_rows
+    monkeypatch.setattr(attention_ref, "attend_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     seq_lens = [20, 37, 9]
     query, contexts, k_cache, v_cache, tables, lens = _case(4, 64, 16, seq_lens, torch.float32, seed=6)
     q = torch.cat([query[:2], torch.randn(3, 8, 64)])  # [T=5, Hq, D]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_decode import attention_step_cpu, attention_step_supported, kernel_rows
+from vlserve.kernels.cpu_decode import attend_rows, attention_step_supported, kernel_rows, step_rows
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -227,6 +227,13 @@ def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                plan=plan)
 
 
+def _cpu_step_rows(md: AttentionMetadata):
+    """The rows the step's C++ calls attend (the decodes, and short prefill chunks' tokens), converted once a step."""
+    num_rows, row_seqs, row_lens = kernel_rows(md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes)
+    return step_rows(md.slot_mapping, md.block_tables, md.seq_lens if row_lens is None else row_lens, num_rows,
+                     row_seqs)
+
+
 def attention_forward_ref(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -249,11 +256,9 @@ def attention_forward_ref(
             query, key, k_cache, v_cache)):
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
-        num_rows, row_seqs, row_lens = md.derive("cpu_kernel_rows", lambda: kernel_rows(
-            md.query_start_loc_cpu, md.seq_lens_cpu, num_decodes))
-        attention_step_cpu(query, key, value, k_cache, v_cache, md.slot_mapping, md.block_tables,
-                           md.seq_lens if row_lens is None else row_lens, num_rows, scale, out, row_seqs)
-        if row_seqs is not None:
+        rows = md.derive("cpu_step_rows", lambda: _cpu_step_rows(md))
+        attend_rows(query, key, value, k_cache, v_cache, rows, scale, out)
+        if rows.seqs.shape[0]:  # the prefill chunks' rows were in the call too
             kernel_seqs = md.num_seqs
     else:
         write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)))

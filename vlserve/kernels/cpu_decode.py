@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,6 +94,43 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0)
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """What every layer's `attend_rows` call of a step reads from its metadata, in the dtypes and layout the C++
+    call takes: converted once a step (`step_rows`) instead of once per layer."""
+
+    slots: torch.Tensor  # [T] int64 contiguous: where each row's key/value goes (-1: skipped)
+    tables: torch.Tensor  # [S, M] int32, each row contiguous
+    lens: torch.Tensor  # [>= num_rows] int32 contiguous: positions row r attends to
+    seqs: torch.Tensor  # [num_rows] int32: the table row of each query row; empty: row r reads table row r
+    num_rows: int
+
+
+def step_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, row_lens: torch.Tensor, num_rows: int,
+              row_seqs: torch.Tensor | None = None) -> StepRows:
+    """`StepRows` from a step's slot_mapping [T], block_tables [S, M], row_lens and (optional) row_seqs."""
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
+        block_tables.to(torch.int32).contiguous())
+    return StepRows(slot_mapping.to(torch.long).contiguous(), tables, row_lens.to(torch.int32).contiguous(),
+                    _NO_ROWS if row_seqs is None else row_seqs.to(torch.int32).contiguous(), num_rows)
+
+
+def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rows: StepRows, scale: float, out: torch.Tensor) -> None:
+    """One C++ call: write key/value [T, Hkv, D] into the caches at rows.slots, then attend the first rows.num_rows
+    rows of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller checks `attention_step_supported`."""
+    # k_cache, v_cache: [NB, BS, Hkv, D] contiguous
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    query, q_stride = _rows(query)
+    key, k_stride = _rows(key)
+    value, v_stride = _rows(value)
+    seqs = rows.seqs
+    cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, rows.slots, rows.slots.shape[0], k_cache,
+                        v_cache, rows.tables, rows.lens, seqs, int(seqs.shape[0] > 0), out, rows.num_rows,
+                        query.shape[1], num_kv_heads, head_dim, block_size, rows.tables.stride(0), float(scale),
+                        torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16)
+
+
 def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        row_lens: torch.Tensor, num_rows: int, scale: float, out: torch.Tensor,
@@ -101,20 +139,8 @@ def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     attend the first `num_rows` rows of query [T, Hq, D] into out [T, Hq, D] (contiguous): row r reads the positions
     0 .. row_lens[r] - 1 of table row row_seqs[r] (default: r, one decode token per sequence). The caller checks
     `attention_step_supported`; rows past `num_rows` are left to it."""
-    # k_cache, v_cache: [NB, BS, Hkv, D] contiguous; block_tables: [S, M]; row_lens, row_seqs: [>= num_rows]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    query, q_stride = _rows(query)
-    key, k_stride = _rows(key)
-    value, v_stride = _rows(value)
-    slots = slot_mapping.to(torch.long).contiguous()
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
-        block_tables.to(torch.int32).contiguous())
-    lens = row_lens.to(torch.int32).contiguous()
-    seqs = _NO_ROWS if row_seqs is None else row_seqs.to(torch.int32).contiguous()
-    cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, slots, slots.shape[0], k_cache, v_cache, tables,
-                        lens, seqs, int(row_seqs is not None), out, num_rows, query.shape[1], num_kv_heads, head_dim,
-                        block_size, tables.stride(0), float(scale), torch.get_num_threads(),
-                        int(query.dtype == torch.bfloat16), _DP_BF16)
+    attend_rows(query, key, value, k_cache, v_cache, step_rows(slot_mapping, block_tables, row_lens, num_rows,
+                                                               row_seqs), scale, out)
 
 
 def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
