@@ -51,6 +51,20 @@ def test_all_greedy_is_argmax():
     assert out.logprobs is None and out.logprob_token_ids is None and out.sampled_ranks is None
 
 
+def test_all_greedy_bf16_logits_match_their_float32_argmax_ties_included():
+    # the plain greedy path takes argmax in the logits' own dtype; widening to float32 must not change a pick
+    logits = torch.randn(6, 64).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins in both dtypes
+    logits[1, :] = -torch.inf
+    logits[1, 40] = 0.0
+    out = sample(logits, [SamplingParams(temperature=0.0) for _ in range(6)])
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    assert out.sampled_token_ids.dtype == torch.int64 and out.sampled_token_ids[:2].tolist() == [5, 40]
+    # asking for logprobs takes the float32 path, which picks the same tokens
+    with_logprobs = sample(logits, [SamplingParams(temperature=0.0, logprobs=1) for _ in range(6)])
+    assert torch.equal(with_logprobs.sampled_token_ids, out.sampled_token_ids) and with_logprobs.logprobs is not None
+
+
 def test_top_k_1_equals_greedy():
     logits = torch.randn(16, 40)
     out = sample(logits, [SamplingParams(temperature=1.0, top_k=1) for _ in range(16)])

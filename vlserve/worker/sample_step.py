@@ -45,15 +45,20 @@ class StepSampler:
 
     def sample(self, model, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
                drafts: list[list[int]]) -> StepSamples:
-        """hidden: [T, H]; ends[i]: index after request i's last token in the batch; drafts[i]: its verified
-        draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus position)."""
+        """hidden: [T, H]; ends[i] (increasing): index after request i's last token in the batch; drafts[i]: its
+        verified draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus
+        position)."""
         # Rows: the k_i draft positions + the bonus position of each request (just the last token without drafts).
         any_drafts = any(drafts)
         if any_drafts:
             rows = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends.tolist(), drafts)])
         else:
             rows = np.asarray(ends, dtype=np.int64) - 1
-        logits = model.compute_logits(hidden[torch.from_numpy(rows).to(hidden.device)])  # [sum(k_i + 1), V]
+        if len(rows) and rows[-1] == len(rows) - 1:  # increasing rows that end at n - 1 are all of 0..n-1
+            picked = hidden[:len(rows)]
+        else:
+            picked = hidden.index_select(0, torch.from_numpy(rows).to(hidden.device))
+        logits = model.compute_logits(picked)  # [sum(k_i + 1), V]
         params = [s.sampling_params for s in states]
         gens = [s.generator for s in states]
         prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens rows

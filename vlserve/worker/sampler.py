@@ -148,6 +148,9 @@ class Sampler:
         return self.forward(logits, md)
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.all_greedy and md.max_num_logprobs is None and md.ban_rows is None and md.no_penalties:
+            # nothing changes the logits: argmax in their own dtype (widening to float32 keeps their order and ties)
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1).to(torch.int64))
         logits, raw_logprobs = prepare_logits(logits, md)
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
