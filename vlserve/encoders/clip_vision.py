@@ -17,6 +17,7 @@ from torch import nn
 
 from vlserve.encoders.vision_layers import AttentionSegments, VisionMLP
 from vlserve.kernels import varlen_attention
+from vlserve.kernels.packed_linear import PackableLinear, PatchConv2d
 
 # Checkpoint names that carry nothing we compute with (buffers saved by some versions).
 _IGNORED_SUFFIXES = ("position_ids",)
@@ -70,10 +71,10 @@ class VitAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.width // cfg.num_heads
-        self.q_proj = nn.Linear(cfg.width, cfg.width)
-        self.k_proj = nn.Linear(cfg.width, cfg.width)
-        self.v_proj = nn.Linear(cfg.width, cfg.width)
-        self.out_proj = nn.Linear(cfg.width, cfg.width)
+        self.q_proj = PackableLinear(cfg.width, cfg.width)
+        self.k_proj = PackableLinear(cfg.width, cfg.width)
+        self.v_proj = PackableLinear(cfg.width, cfg.width)
+        self.out_proj = PackableLinear(cfg.width, cfg.width)
 
     def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
         # x: [R, E] (rows of all tiles) -> [R, E]
@@ -128,14 +129,12 @@ class ClipEmbeddings(nn.Module):
     def __init__(self, cfg: VitConfig) -> None:
         super().__init__()
         self.class_embedding = nn.Parameter(torch.zeros(cfg.width))
-        self.patch_embedding = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, stride=cfg.patch_size,
-                                         bias=False)
+        self.patch_embedding = PatchConv2d(cfg.in_channels, cfg.width, cfg.patch_size, bias=False)
         self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.width)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # pixels: [N, C, S, S] -> [N, 1 + (S/p)**2, E]
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixels.to(weight.dtype)).flatten(2).transpose(1, 2)  # [N, np, E]
+        patches = self.patch_embedding(pixels)  # [N, np, E]
         cls = self.class_embedding.view(1, 1, -1).expand(patches.shape[0], 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight  # [N, 1 + np, E]
 
@@ -166,7 +165,7 @@ class ClipVisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor, feature_layers: list[int]) -> torch.Tensor:
         """`pixels [N, C, S, S]`, non-negative hidden-state indices -> `[N, L, E * len(feature_layers)]`."""
         self.check_pixels(pixels)
-        x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.weight.device)))
+        x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device)))
         return self.encoder(x, self.tokens_per_tile, feature_layers)
 
     def expected_weight_names(self) -> set[str]:

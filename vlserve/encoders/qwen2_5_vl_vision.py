@@ -22,6 +22,7 @@ from vlserve.encoders.vision_layers import (
     merge_ordered_positions,
 )
 from vlserve.kernels.activation import activation
+from vlserve.kernels.packed_linear import PackableLinear
 
 
 def qwen2_5_vl_tower_config(vision_config) -> VisionTowerConfig:
@@ -59,9 +60,9 @@ class Qwen2_5VisionMLP(nn.Module):
 
     def __init__(self, cfg: VisionTowerConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.up_proj = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.gate_proj = PackableLinear(cfg.width, cfg.mlp_hidden)
+        self.up_proj = PackableLinear(cfg.width, cfg.mlp_hidden)
+        self.down_proj = PackableLinear(cfg.mlp_hidden, cfg.width)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
         grids = as_grid_list(grid_thw)
         check_grids(grids, pixels, cfg)
         merge, unit = cfg.spatial_merge_size, cfg.spatial_merge_size**2
-        device = self.patch_embed.proj.weight.device
+        device = self.patch_embed.proj.param.device
         merged_grids = [(t, h // merge, w // merge) for t, h, w in grids]
         order, window_sizes = window_order(merged_grids, cfg.window_size // merge // cfg.patch_size)
         order_dev = order.to(device)  # [P / unit]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels import varlen_attention
+from vlserve.kernels.packed_linear import PackableLinear
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,10 @@ class AudioSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = width // num_heads
-        self.q_proj = nn.Linear(width, width)
-        self.k_proj = nn.Linear(width, width, bias=False)
-        self.v_proj = nn.Linear(width, width)
-        self.out_proj = nn.Linear(width, width)
+        self.q_proj = PackableLinear(width, width)
+        self.k_proj = PackableLinear(width, width, bias=False)
+        self.v_proj = PackableLinear(width, width)
+        self.out_proj = PackableLinear(width, width)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, bounds: list[int], max_len: int) -> torch.Tensor:
         n = x.shape[0]  # x: [N, E] (all clips' frames)
@@ -93,8 +94,8 @@ class AudioEncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = AudioSelfAttention(cfg.width, cfg.num_heads)
         self.self_attn_layer_norm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
-        self.fc1 = nn.Linear(cfg.width, cfg.ffn_dim)
-        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.width)
+        self.fc1 = PackableLinear(cfg.width, cfg.ffn_dim)
+        self.fc2 = PackableLinear(cfg.ffn_dim, cfg.width)
         self.final_layer_norm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.act = _activation(cfg.activation)
 

@@ -68,7 +68,7 @@ class Qwen2VisionTower(nn.Module):
         """`pixels [P, C*tp*p*p]` of N items concatenated, `grid_thw` N rows of (t, h, w) -> `[P / merge**2, O]`."""
         grids = as_grid_list(grid_thw)
         check_grids(grids, pixels, self.cfg)
-        device = self.patch_embed.proj.weight.device
+        device = self.patch_embed.proj.param.device
         x = self.patch_embed(pixels.to(device))  # [P, E]
         positions = merge_ordered_positions(grids, self.cfg.spatial_merge_size)  # [P, 2]
         rotary = build_vision_rotary(positions, self.cfg.width // self.cfg.num_heads, device)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vlserve.encoders.clip_vision import ClipVisionTower, VitConfig, VitEncoder
+from vlserve.kernels.packed_linear import PatchConv2d
 
 
 class SiglipEmbeddings(nn.Module):
@@ -17,13 +18,12 @@ class SiglipEmbeddings(nn.Module):
 
     def __init__(self, cfg: VitConfig) -> None:
         super().__init__()
-        self.patch_embedding = nn.Conv2d(cfg.in_channels, cfg.width, cfg.patch_size, stride=cfg.patch_size)
+        self.patch_embedding = PatchConv2d(cfg.in_channels, cfg.width, cfg.patch_size)
         self.position_embedding = nn.Embedding(cfg.num_patches, cfg.width)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # pixels: [N, C, S, S] -> [N, (S/p)**2, E]
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixels.to(weight.dtype)).flatten(2).transpose(1, 2)  # [N, np, E]
+        patches = self.patch_embedding(pixels)  # [N, np, E]
         return patches + self.position_embedding.weight
 
 
@@ -46,5 +46,5 @@ class SiglipVisionTower(ClipVisionTower):
     def forward(self, pixels: torch.Tensor, feature_layers: list[int]) -> torch.Tensor:
         """`pixels [N, C, S, S]`, non-negative hidden-state indices -> `[N, L, E * len(feature_layers)]`."""
         self.check_pixels(pixels)
-        x = self.embeddings(pixels.to(self.embeddings.patch_embedding.weight.device))
+        x = self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device))
         return self.encoder(x, self.tokens_per_tile, feature_layers)

@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from vlserve.kernels.packed_linear import packable
+
 
 def timm_tower_args(vision_config) -> tuple[str, dict]:
     """(architecture, model_args) of a TimmWrapperConfig (or any object / dict with those fields); ValueError
@@ -42,7 +44,8 @@ class TimmVisionTower(nn.Module):
         self.architecture = architecture
         self.model_args = dict(model_args or {})
         try:
-            self.timm_model = timm.create_model(architecture, pretrained=False, num_classes=0, **self.model_args)
+            self.timm_model = packable(timm.create_model(architecture, pretrained=False, num_classes=0,
+                                                         **self.model_args))
         except RuntimeError as e:
             if "Unknown model" in str(e):
                 raise ValueError(f"timm {timm.__version__} has no architecture {architecture!r} "

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels import apply_rotary, build_rotary_cache, varlen_attention
 from vlserve.kernels.activation import activation
+from vlserve.kernels.packed_linear import PackableLinear, PatchConv3d
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as the HF processors' *_grid_thw rows
 
@@ -121,11 +121,10 @@ class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionTowerConfig) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.width, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = PatchConv3d(cfg.in_channels, cfg.width, kernel, bias=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight  # [E, C, tp, p, p]
-        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))  # [P, E]
+        return self.proj(pixels)  # [P, C*tp*p*p] -> [P, E]
 
 
 class VisionAttention(nn.Module):
@@ -135,8 +134,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.width // cfg.num_heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=True)
-        self.proj = nn.Linear(cfg.width, cfg.width, bias=True)
+        self.qkv = PackableLinear(cfg.width, 3 * cfg.width, bias=True)
+        self.proj = PackableLinear(cfg.width, cfg.width, bias=True)
 
     def forward(self, x: torch.Tensor, rotary: VisionRotary, segments: AttentionSegments) -> torch.Tensor:
         # x: [P, E] -> [P, E]
@@ -155,8 +154,8 @@ class VisionMLP(nn.Module):
 
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.width, cfg.mlp_hidden)
-        self.fc2 = nn.Linear(cfg.mlp_hidden, cfg.width)
+        self.fc1 = PackableLinear(cfg.width, cfg.mlp_hidden)
+        self.fc2 = PackableLinear(cfg.mlp_hidden, cfg.width)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,8 +169,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged_width = cfg.width * cfg.spatial_merge_size**2
         self.ln_q = make_norm(norm, cfg.width)
-        self.mlp = nn.Sequential(nn.Linear(self.merged_width, self.merged_width), nn.GELU(),
-                                 nn.Linear(self.merged_width, cfg.out_dim))
+        self.mlp = nn.Sequential(PackableLinear(self.merged_width, self.merged_width), nn.GELU(),
+                                 PackableLinear(self.merged_width, cfg.out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.merged_width))

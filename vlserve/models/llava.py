@@ -19,6 +19,7 @@ from torch import nn
 from vlserve.encoders.clip_vision import ClipVisionTower, VitConfig, feature_layer_indices
 from vlserve.encoders.siglip_vision import SiglipVisionTower
 from vlserve.kernels.activation import activation
+from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.hf_config import token_id_of
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
@@ -55,8 +56,8 @@ class LlavaProjector(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int, act: str, bias: bool) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_dim, out_dim, bias=bias)
-        self.linear_2 = nn.Linear(out_dim, out_dim, bias=bias)
+        self.linear_1 = PackableLinear(in_dim, out_dim, bias=bias)
+        self.linear_2 = PackableLinear(out_dim, out_dim, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 
 from vlserve.distributed.communication import tp_all_gather, tp_all_reduce
 from vlserve.distributed.parallel_state import tp_rank, tp_size
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, pack_linear_weight
+from vlserve.kernels.packed_linear import PackableLinear, pack_linears_for_cpu  # noqa: F401 (re-exported)
 
 ShardSpec = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor that this rank reads
 
@@ -61,46 +61,6 @@ def check_tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate_
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     """KV heads one rank holds: `Hkv / tp`, or 1 (replicated) when there are fewer KV heads than ranks."""
     return max(1, num_kv_heads // tp)
-
-
-class PackableLinear(nn.Linear):
-    """An nn.Linear whose weight the runner may pack for the CPU kernel (`kernels.cpu_linear`) once loaded:
-    `pack_for_cpu()` swaps `weight` [O, I] for `packed_weight` (float32 [O/32, I, 32], bf16 [O/32, I/2, 32, 2]; the
-    matrix is then held once)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.register_parameter("packed_weight", None)
-
-    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
-        """Pack the weight if the kernel serves it here; whether it did. `keep_weight`: another module shares the
-        matrix (a tied LM head), so it stays and the packed one is a copy."""
-        if self.packed_weight is not None or not cpu_linear_supported(self.weight):
-            return False
-        self.packed_weight = nn.Parameter(pack_linear_weight(self.weight.data), requires_grad=False)
-        if not keep_weight:
-            self.weight = None  # held once; a stray F.linear now fails loudly
-        return True
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed."""
-        if self.packed_weight is not None:
-            return cpu_linear(x, self.packed_weight, bias, self.out_features)
-        return F.linear(x, self.weight, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
-
-
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Pack every `PackableLinear` of `model` the CPU linear kernel serves; how many were packed. A weight that
-    another module holds too (tying) stays where it is beside its packed copy."""
-    holders: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            holders[id(param)] = holders.get(id(param), 0) + 1
-    return sum(m.pack_for_cpu(keep_weight=holders.get(id(m.weight), 0) > 1)
-               for m in model.modules() if isinstance(m, PackableLinear))
 
 
 class ColumnParallelLinear(PackableLinear):

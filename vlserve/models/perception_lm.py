@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.encoders.timm_tower import TimmVisionTower, timm_tower_args
+from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -24,8 +25,8 @@ class PerceptionLMProjector(nn.Module):
 
     def __init__(self, in_features: int, hidden_size: int, pooling_ratio: int) -> None:
         super().__init__()
-        self.linear_1 = nn.Linear(in_features, hidden_size, bias=True)
-        self.linear_2 = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.linear_1 = PackableLinear(in_features, hidden_size, bias=True)
+        self.linear_2 = PackableLinear(hidden_size, hidden_size, bias=True)
         self.pooling_ratio = int(pooling_ratio)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

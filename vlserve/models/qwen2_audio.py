@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from vlserve.encoders import Qwen2AudioEncoder, qwen2_audio_encoder_config
+from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -31,7 +32,7 @@ class Qwen2AudioProjector(nn.Module):
 
     def __init__(self, in_dim: int, out_dim: int):
         super().__init__()
-        self.linear = nn.Linear(in_dim, out_dim)
+        self.linear = PackableLinear(in_dim, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)  # [N, E] -> [N, H]

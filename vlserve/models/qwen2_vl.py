@@ -66,7 +66,7 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
             pixels, grid = data["pixel_values_videos"], data["video_grid_thw"]
         else:
             raise ValueError(f"{type(self).__name__} supports image and video inputs, not {modality!r}")
-        param = self.visual.patch_embed.proj.weight
+        param = self.visual.patch_embed.proj.param
         grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3).tolist()  # N rows of (t, h, w)
         pixels = pixels.to(device=param.device, dtype=param.dtype)  # [P, C*tp*p*p]
         embeds = self.visual(pixels, grid)  # [P // merge**2, H]

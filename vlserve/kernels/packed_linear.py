@@ -1,0 +1,134 @@
+"""Linear layers whose weight the runner may pack for the CPU kernel (`kernels.cpu_linear`) once loaded.
+
+`PackableLinear` is an `nn.Linear` (same parameter names and shapes, so checkpoints load unchanged) that, after
+`pack_for_cpu()`, holds its matrix only as `packed_weight` and multiplies through the packed kernel. The decoder's
+parallel layers (`models.parallel_layers`) and the encoders' towers, projectors and mergers are built from it, and
+`pack_linears_for_cpu(model)` packs every one of them (and every other module with a `pack_for_cpu` method, such as
+the towers' patch embeddings) in one walk. `packable(module)` turns the plain `nn.Linear`s of a module built by
+someone else (timm) into PackableLinears in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, pack_linear_weight
+
+
+class PackableLinear(nn.Linear):
+    """An nn.Linear whose weight the runner may pack for the CPU kernel once loaded: `pack_for_cpu()` swaps
+    `weight` [O, I] for `packed_weight` (float32 [O/32, I, 32], bf16 [O/32, I/2, 32, 2]; the matrix is then held
+    once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_parameter("packed_weight", None)
+
+    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
+        """Pack the weight if the kernel serves it here; whether it did. `keep_weight`: another module shares the
+        matrix (a tied LM head), so it stays and the packed one is a copy."""
+        if self.packed_weight is not None or not cpu_linear_supported(self.weight):
+            return False
+        self.packed_weight = nn.Parameter(pack_linear_weight(self.weight.data), requires_grad=False)
+        if not keep_weight:
+            self.weight = None  # held once; a stray F.linear now fails loudly
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed."""
+        if self.packed_weight is not None:
+            return cpu_linear(x, self.packed_weight, bias, self.out_features)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+def packable(module: nn.Module) -> nn.Module:
+    """Turn every plain `nn.Linear` under `module` (itself included) into a PackableLinear in place, keeping its
+    parameters; returns `module`. For modules another library builds (timm towers): their code may read a
+    linear's `.weight` directly (timm's EVA attention does, with a separate q/v bias), so these keep the matrix
+    beside the packed copy."""
+    for sub in module.modules():
+        if type(sub) is nn.Linear:
+            sub.__class__ = PackableLinear
+            sub.register_parameter("packed_weight", None)
+            sub.keep_weight = True
+    return module
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
+    linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
+    beside its packed copy."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    packed = 0
+    for m in model.modules():
+        pack = getattr(m, "pack_for_cpu", None)
+        if pack is not None and getattr(m, "weight", None) is not None:
+            packed += pack(keep_weight=holders.get(id(m.weight), 0) > 1 or getattr(m, "keep_weight", False))
+    return packed
+
+
+class _PatchConv:
+    """A convolution whose kernel equals its stride over pre-cut patches is one matmul with the flattened weight
+    `[E, C*k...]`: `rows(x [..., C*k...]) -> [..., E]`, through the packed kernel once `pack_for_cpu()` ran. The
+    parameter keeps the checkpoint's conv shape (`weight [E, C, k...]`) so weights load by name."""
+
+    packed_weight: nn.Parameter | None
+
+    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
+        """Pack the flattened weight if the kernel serves it here; whether it did."""
+        if self.packed_weight is not None:
+            return False
+        flat = self.weight.data.reshape(self.out_channels, -1)  # [E, C*k...]
+        if not cpu_linear_supported(flat):
+            return False
+        self.packed_weight = nn.Parameter(pack_linear_weight(flat), requires_grad=False)
+        if not keep_weight:
+            self.weight = None
+        return True
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The matrix as held now (packed or not): for the dtype and device inputs are cast to."""
+        return self.weight if self.packed_weight is None else self.packed_weight
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch rows `[..., C*k...]` (in the weight's flattening order) -> `[..., E]`."""
+        x = x.to(self.param.dtype)
+        if self.packed_weight is not None:
+            return cpu_linear(x, self.packed_weight, self.bias, self.out_channels)
+        return F.linear(x, self.weight.reshape(self.out_channels, -1), self.bias)
+
+
+class PatchConv2d(_PatchConv, nn.Conv2d):
+    """`nn.Conv2d(C, E, p, stride=p)` over whole images, run as one GEMM: `[N, C, S, S]` -> `[N, (S/p)**2, E]`."""
+
+    def __init__(self, in_channels: int, out_channels: int, patch_size: int, bias: bool = True) -> None:
+        super().__init__(in_channels, out_channels, patch_size, stride=patch_size, bias=bias)
+        self.register_parameter("packed_weight", None)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        n, c, height, width = pixels.shape
+        p = self.kernel_size[0]
+        gh, gw = height // p, width // p
+        cut = pixels[:, :, :gh * p, :gw * p].reshape(n, c, gh, p, gw, p)
+        patches = cut.permute(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * p * p)  # [N, np, C*p*p], row-major grid
+        return self.rows(patches)  # [N, np, E]
+
+
+class PatchConv3d(_PatchConv, nn.Conv3d):
+    """`nn.Conv3d(C, E, (tp, p, p), stride=(tp, p, p))` over pre-cut patch rows `[P, C*tp*p*p]` -> `[P, E]` (the
+    Qwen-VL processors emit patches already cut and flattened in the weight's order)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: tuple[int, int, int], bias: bool = False) -> None:
+        super().__init__(in_channels, out_channels, kernel_size=kernel, stride=kernel, bias=bias)
+        self.register_parameter("packed_weight", None)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.rows(rows)
