@@ -3,6 +3,7 @@ the runner runs the profile and allocates every cache)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -23,6 +24,23 @@ def _available_host_bytes() -> int:
     return 4 << 30
 
 
+CPU_PROFILE_MAX_TOKENS = 1024  # a CPU profile runs at most this many tokens and scales its peak up
+
+
+def profile_peak_bytes(runner, num_tokens: int) -> int:
+    """Peak extra memory of a `num_tokens` forward. On a GPU that forward is run. On a CPU a prefill of
+    thousands of tokens takes a minute (attention grows with the square of its length), while its memory grows
+    with the length alone (no [T, T] scores are held), so at most CPU_PROFILE_MAX_TOKENS run and the peak is
+    scaled by num_tokens / tokens run, an upper bound."""
+    run = num_tokens if runner.device.type == "cuda" else min(num_tokens, CPU_PROFILE_MAX_TOKENS)
+    start = time.perf_counter()
+    peak = runner.profile_peak_activation_bytes(run)
+    scaled = peak if run == num_tokens else cdiv(peak * num_tokens, run)
+    logger.info("profile: a %d-token forward took %.1f s, peak %.1f MiB%s", run, time.perf_counter() - start,
+                peak / 2**20, "" if run == num_tokens else f", {scaled / 2**20:.1f} MiB scaled to {num_tokens} tokens")
+    return scaled
+
+
 def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None,
                             memory_fraction: float, max_num_batched_tokens: int, max_model_len: int,
                             max_num_seqs: int) -> int:
@@ -37,7 +55,7 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
             raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} is less than one KV block "
                              f"({per_block} bytes)")
         return int(n)
-    peak = runner.profile_peak_activation_bytes(min(max_num_batched_tokens, max_model_len))
+    peak = profile_peak_bytes(runner, min(max_num_batched_tokens, max_model_len))
     if runner.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info()
     else:
@@ -48,6 +66,7 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
     if n < cdiv(max_model_len, runner.block_size):
         raise ValueError(f"only {n} KV blocks fit in memory ({budget} bytes); a max_model_len sequence needs "
                          f"{cdiv(max_model_len, runner.block_size)}: lower max_model_len or free memory")
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), profiled peak %.1f MiB", n, runner.block_size,
-                n * per_block / 2**20, peak / 2**20)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB): %.0f%% of %.1f MiB free, less the profiled peak of "
+                "%.1f MiB, at most %d sequences of %d tokens", n, runner.block_size, n * per_block / 2**20,
+                100 * memory_fraction, free / 2**20, peak / 2**20, max_num_seqs, max_model_len)
     return int(n)
