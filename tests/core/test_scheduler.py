@@ -183,7 +183,7 @@ def test_unaffordable_item_cuts_window_to_text_before_it():
     run_to_end(s)
 
 
-def test_item_larger_than_budget_rejected_at_admission():
+def test_item_larger_than_encoder_cache_rejected_at_admission():
     s = make_sched(encoder_cache_size=8, encoder_compute_budget=8)
     with pytest.raises(ValueError, match="embeddings"):
         add(s, "a", 30, mm=[_image("big", 2, 10)])
@@ -209,12 +209,12 @@ def test_encoder_planning_is_a_pure_query():
     run_to_end(s)  # "old" is now freeable
     add(s, "b", 30, max_tokens=1, mm=[_image("new", 2, 10), _image("old", 16, 10)])
     req = s.requests["b"]
-    plan, num_new, budget = s._schedule_encoder_inputs(req, 0, 30, 32)
+    plan, num_new, num_encoding = s._schedule_encoder_inputs(req, 0, 30, 0)
     assert req.num_computed_tokens == 0 and s.encoder_cache.has("old") and s.encoder_cache.evictions == 0
     assert s.encoder_cache.req_to_hashes == {}
     # Keeping "old" would leave no room for "new": the window stops before "old", which is evicted on commit.
-    assert (plan.to_encode, plan.reuse, num_new, budget) == ([0], [], 16, 22)
-    plan, num_new, _ = s._schedule_encoder_inputs(req, 14, 10, 32)  # a later window reuses it
+    assert (plan.to_encode, plan.reuse, num_new, num_encoding) == ([0], [], 16, 10)
+    plan, num_new, _ = s._schedule_encoder_inputs(req, 14, 10, 0)  # a later window reuses it
     assert (plan.to_encode, plan.reuse, num_new) == ([], ["old"], 10)
     so = s.schedule()
     assert so.num_scheduled_tokens == {"b": 16} and so.scheduled_encoder_inputs == {"b": [0]}

@@ -57,6 +57,10 @@ class ModelRunnerOutput:
     # Per request with logprobs: list (per sampled token) of (token_ids, logprobs, sampled_rank).
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # next drafts, when spec decode is on
+    # Timings (wall seconds, device work included) the engine sizes the per-step encoder budget from.
+    encoder_seconds: float = 0.0  # in the encoder calls
+    num_encoded_embeds: int = 0  # embeddings those calls produced
+    step_seconds: float = 0.0  # the whole execute_model call
 
 
 @dataclass

@@ -3,6 +3,8 @@
 Each step it walks the running requests, then the waiting ones, giving each as many tokens as the token budget,
 the KV pool and the encoder cache allow. Prefill, chunked prefill, decode, prefix hits and spec tokens all fall out
 of that rule. Out of KV blocks, it preempts the most recently admitted request (frees it, recomputes it later).
+Media items are encoded within a per-step budget of embeddings (`encoder_budget`, which the engine may resize
+between steps); the first item of a step always runs, so one larger than the budget runs alone in its step.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Scheduler:
         self.config = config
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
+        self.encoder_budget = config.encoder_compute_budget  # embeddings encoded per step
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -59,11 +62,11 @@ class Scheduler:
         if n_prompt + 1 > max_kv_tokens:
             raise ValueError(f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
                              f"raise num_kv_blocks or kv_cache_memory_bytes")
-        limit = min(cfg.encoder_cache_size, cfg.encoder_compute_budget)
-        for i, f in enumerate(engine_req.mm_features):
-            if f.length > limit:
+        for i, f in enumerate(engine_req.mm_features):  # the per-step budget never refuses: a big item runs alone
+            if f.length > cfg.encoder_cache_size:
                 raise ValueError(f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
-                                 f"budget of {limit}; shrink it (e.g. max_pixels) or raise encoder_cache_size")
+                                 f"budget of {cfg.encoder_cache_size}; shrink it (e.g. max_pixels) or raise "
+                                 f"encoder_cache_size")
         if cfg.max_waiting_requests is not None and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
         params = engine_req.sampling_params
@@ -91,11 +94,17 @@ class Scheduler:
         return aborted
 
     # -- scheduling --------------------------------------------------------------------------------------------
+    def set_encoder_budget(self, num_embeds: int) -> None:
+        """Embeddings encoded per step from the next schedule() on (the engine sizes it from measured timings)."""
+        if num_embeds < 1:
+            raise ValueError(f"the encoder budget must be >= 1 embedding, got {num_embeds}")
+        self.encoder_budget = num_embeds
+
     def schedule(self) -> SchedulerOutput:
         """Plan one step."""
         cfg = self.config
         token_budget = cfg.max_num_batched_tokens
-        encoder_budget = cfg.encoder_compute_budget
+        num_encoding = 0  # embeddings this step encodes so far
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -114,9 +123,9 @@ class Scheduler:
             num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
                           token_budget,
                           last_position - computed)  # never past the model's length (late spec tokens unverified)
-            enc = _NO_MEDIA
+            enc, num_encoding_after = _NO_MEDIA, num_encoding
             if req.mm_features:
-                enc, num_new, encoder_budget = self._schedule_encoder_inputs(req, computed, num_new, encoder_budget)
+                enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -133,6 +142,7 @@ class Scheduler:
                 break  # the request preempted itself
             if enc is not _NO_MEDIA:
                 self._commit_encoder_inputs(req, enc, encoder_inputs)
+                num_encoding = num_encoding_after
             cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, computed))
             num_scheduled[req.request_id] = num_new
             token_budget -= num_new
@@ -148,14 +158,14 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, token_budget)
-            enc, num_new, encoder_budget_after = self._schedule_encoder_inputs(req, num_hit, num_new, encoder_budget)
+            enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
             if num_new <= 0:
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
-            encoder_budget = encoder_budget_after
+            num_encoding = num_encoding_after
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -190,13 +200,15 @@ class Scheduler:
         return (req.num_output_tokens + n >= req.max_tokens
                 or req.num_tokens + n >= self.config.max_model_len)
 
-    def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, budget: int
+    def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, num_encoding: int
                                  ) -> tuple[EncoderPlan, int, int]:
         """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
-        ones it reuses and the ones it must encode. An item that cannot be afforded (compute budget or cache space)
-        cuts the window to the text before it. Returns (plan, num_new, budget left)."""
+        ones it reuses and the ones it must encode. `num_encoding`: embeddings the step already encodes. An item
+        that cannot be afforded cuts the window to the text before it: one that does not fit the cache, or that
+        would take the step past `encoder_budget` (unless it is the step's first, which runs alone if need be).
+        Returns (plan, num_new, num_encoding with this plan's items)."""
         if not req.mm_features or num_new <= 0:
-            return _NO_MEDIA, num_new, budget
+            return _NO_MEDIA, num_new, num_encoding
         plan = EncoderPlan()
         cache = self.encoder_cache
         pending = 0
@@ -213,13 +225,14 @@ class Scheduler:
                 continue
             if any(req.mm_features[j].mm_hash == f.mm_hash for j in plan.to_encode):
                 continue  # the same item twice in one prompt: encoded once
-            if not cache.can_allocate(f.length, budget, pending, reuse=plan.reuse):
+            over_budget = num_encoding > 0 and num_encoding + f.length > self.encoder_budget
+            if over_budget or not cache.can_allocate(f.length, None, pending, reuse=plan.reuse):
                 num_new = f.offset - start
                 break
             plan.to_encode.append(i)
             pending += f.length
-            budget -= f.length
-        return plan, num_new, budget
+            num_encoding += f.length
+        return plan, num_new, num_encoding
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
         """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
@@ -357,6 +370,8 @@ class Scheduler:
         if not self.has_unfinished_requests():
             assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
             assert self.kv.pool.num_free_blocks == self.kv.num_blocks, "KV blocks leaked"
+            assert not self.encoder_cache.req_to_hashes, (
+                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")
 
 
 class QueueFullError(ValueError):

@@ -1,0 +1,53 @@
+"""The per-step encoder budget sized in time (pure Python, no torch): one step's encoder work should cost about as
+much as one decode step, so a burst of images delays running streams by about a step each, not by the whole burst.
+
+The runner reports per step the wall seconds its encoder calls took, the embeddings they produced and the step's
+own seconds (`ModelRunnerOutput`). Two exponential moving averages follow them: seconds per embedding (over steps
+that encoded) and the seconds of a decode step (one that encoded nothing and prefilled nothing). The budget is
+decode step seconds / seconds per embedding, at least 1; until both have been measured it is 1 (one item per
+step: the scheduler always admits a step's first item). A budget the user set is used as is.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class EncoderBudget:
+    """Embeddings to encode per step: `fixed` when the user set it, else adapted from measured timings."""
+
+    def __init__(self, fixed: int | None = None, smoothing: float = 0.25):
+        if fixed is not None and fixed < 1:
+            raise ValueError(f"the encoder budget must be >= 1 embedding, got {fixed}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.fixed = fixed
+        self.smoothing = smoothing  # weight of the newest sample in each moving average
+        self.seconds_per_embed: float | None = None  # moving average over steps that encoded
+        self.decode_step_seconds: float | None = None  # moving average over decode steps that encoded nothing
+        self.budget = fixed if fixed is not None else 1
+
+    def observe(self, encoder_seconds: float, num_encoded_embeds: int, step_seconds: float,
+                is_decode: bool = True) -> int:
+        """Fold one step's timings in; returns the budget for the steps planned from now on. `is_decode`: the step
+        computed one token (plus its drafts) per request; only such a step, when it encoded nothing, times a decode
+        step (a text prefill would make the budget as long as that prefill)."""
+        if self.fixed is not None:
+            return self.budget
+        if num_encoded_embeds > 0:
+            self.seconds_per_embed = self._average(self.seconds_per_embed, encoder_seconds / num_encoded_embeds)
+        elif is_decode and step_seconds > 0.0:
+            self.decode_step_seconds = self._average(self.decode_step_seconds, step_seconds)
+        if self.seconds_per_embed is None or self.decode_step_seconds is None:
+            return self.budget
+        budget = max(1, round(self.decode_step_seconds / max(self.seconds_per_embed, 1e-12)))
+        old = self.budget
+        if budget >= 2 * old or 2 * budget <= old:
+            logger.debug("encoder budget %d -> %d embeddings per step (decode step %.2f ms, %.3f ms per embedding)",
+                         old, budget, 1e3 * self.decode_step_seconds, 1e3 * self.seconds_per_embed)
+        self.budget = budget
+        return budget
+
+    def _average(self, avg: float | None, sample: float) -> float:
+        return sample if avg is None else avg + self.smoothing * (sample - avg)
