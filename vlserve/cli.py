@@ -43,8 +43,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--limit-mm-per-prompt", type=_json_dict, default=None,
                    help='per-prompt media caps, e.g. \'{"image":4,"video":1}\'')
-    p.add_argument("--mm-processor-kwargs", type=_json_dict, default=None)
+    p.add_argument("--mm-processor-kwargs", type=_json_dict, default=None,
+                   help='HF processor kwargs for every media item, e.g. \'{"max_pixels":200704}\'; '
+                        '\'{"use_fast":false}\' loads the slow (PIL) image processor instead of the '
+                        'torchvision-backed one (default: fast where transformers has one)')
+    p.add_argument("--mm-preprocess-workers", type=int, default=4,
+                   help="threads in the API process that tokenize prompts, decode and resize media and run the "
+                        "HF processor, off the event loop (default: 4)")
     p.add_argument("--encoder-cache-size", type=int, default=None)
+    p.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                   help="media embeddings encoded per step, so a burst of images does not stall running streams "
+                        "(a step's first item always runs; default: adaptive, about one decode step's time)")
     p.add_argument("--max-audio-seconds", type=float, default=None,
                    help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
                         "window, 30 s for Whisper's)")
@@ -102,7 +111,9 @@ def serve_config_from_args(args: argparse.Namespace):
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
+        mm_preprocess_workers=args.mm_preprocess_workers,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
         async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,

@@ -19,12 +19,13 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     encoder_cache_size: int = 8192  # in embeddings
-    encoder_compute_budget: int = 8192  # embeddings encoded per step
+    encoder_compute_budget: int = 8192  # embeddings encoded per step (a step's first item is always admitted)
     num_spec_tokens: int = 0
     max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "encoder_compute_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
@@ -149,8 +150,10 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
-    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # HF processor kwargs; {"use_fast": false}: the slow one
+    mm_preprocess_workers: int = 4  # threads that tokenize, decode media and run the HF processor off the loop
     encoder_cache_size: int | None = None
+    max_num_encoder_input_tokens: int | None = None  # embeddings encoded per step (None: sized to one decode step)
     max_waiting_requests: int | None = None
     speculative_config: dict[str, Any] | None = None
     served_model_name: str | None = None
@@ -184,6 +187,16 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        n_enc = self.max_num_encoder_input_tokens
+        if n_enc is not None and (isinstance(n_enc, bool) or not isinstance(n_enc, int) or n_enc < 1):
+            raise ValueError(f"max_num_encoder_input_tokens must be an integer >= 1, got {shorten(n_enc)}")
+        workers = self.mm_preprocess_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"mm_preprocess_workers must be an integer >= 1, got {shorten(workers)}")
+        mm_kwargs = self.mm_processor_kwargs if isinstance(self.mm_processor_kwargs, dict) else {}
+        use_fast = mm_kwargs.get("use_fast", True)
+        if not isinstance(use_fast, bool):
+            raise ValueError(f"mm_processor_kwargs.use_fast must be true or false, got {shorten(use_fast)}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(f"chat_template_content_format must be auto/string/openai, "
                              f"got {shorten(self.chat_template_content_format)}")

@@ -101,8 +101,9 @@ class LLM:
 
     # -- introspection -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
-        """Engine counters and gauges named as on /metrics (e.g. `vlserve:prefix_cache_hits_total`)."""
-        return self.engine.get_metrics()
+        """Engine counters and gauges named as on /metrics (e.g. `vlserve:prefix_cache_hits_total`), with the input
+        processor's (`vlserve:mm_processor_cache_hits_total`, ...)."""
+        return {**self.engine.get_metrics(), **self.input_processor.get_metrics()}
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel) or actors (Ray) now rather than at exit."""

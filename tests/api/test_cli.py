@@ -86,7 +86,7 @@ def test_cli_help_lists_vllm_flags(repo_root):
     for flag in ("--served-model-name", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                  "--kv-cache-memory-bytes", "--num-kv-blocks", "--block-size", "--limit-mm-per-prompt",
                  "--allowed-local-media-path", "--allowed-media-domains", "--api-key", "--speculative-config",
-                 "--max-waiting-requests", "--seed", "--dtype"):
+                 "--max-waiting-requests", "--max-num-encoder-input-tokens", "--seed", "--dtype"):
         assert flag in proc.stdout, flag
 
 
@@ -99,11 +99,13 @@ def test_serve_flags_map_to_engine_args_and_server_config():
         "--num-kv-blocks", "99", "--block-size", "32", "--limit-mm-per-prompt", '{"image":4,"video":1}',
         "--allowed-local-media-path", "/data", "--allowed-media-domains", "a.com,b.org", "c.net",
         "--api-key", "k", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}',
-        "--max-waiting-requests", "5", "--seed", "11", "--port", "9000", "--host", "127.0.0.1"])
+        "--max-waiting-requests", "5", "--seed", "11", "--port", "9000", "--host", "127.0.0.1",
+        "--max-num-encoder-input-tokens", "300"])
     engine, server = serve_config_from_args(args)
     assert (engine.model, engine.dtype, engine.max_model_len, engine.max_num_seqs) == ("/models/x", "bfloat16", 4096, 7)
     assert (engine.max_num_batched_tokens, engine.kv_cache_memory_bytes, engine.num_kv_blocks) == (1024, 123456, 99)
     assert engine.block_size == 32 and engine.seed == 11 and engine.max_waiting_requests == 5
+    assert engine.max_num_encoder_input_tokens == 300
     assert engine.limit_mm_per_prompt == {"image": 4, "video": 1}
     assert engine.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     assert engine.served_model_name == "a" and server.served_model_names == ["a", "b"]

@@ -2,10 +2,10 @@
 
 The engine core steps in one dedicated background thread, so the event loop never waits on model compute.
 Requests and aborts cross into that thread through a thread-safe queue; each step's outputs go back to
-per-request asyncio queues through `loop.call_soon_threadsafe`. Input processing (tokenizer, chat template, HF
-processor, media decoding) runs in a small thread pool, also off the event loop, so one slow request (a big image,
-a long prompt) does not hold up the others; only the multimodal processor, whose item cache is not thread-safe, is
-used by one worker at a time.
+per-request asyncio queues through `loop.call_soon_threadsafe`. Input processing (tokenizer, chat template, media
+decoding and resizing, HF processor) runs in a pool of `mm_preprocess_workers` threads (`--mm-preprocess-workers`),
+also off the event loop, so one slow request (a big image, a long prompt) does not hold up the others; the
+multimodal processor and its item cache are shared by the pool's threads (thread-safe).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from vlserve.config import EngineArgs
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.executor import WorkerDied
-from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS, SerializedProcessor
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
@@ -78,7 +77,7 @@ class AsyncLLM:
     Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS,
+    def __init__(self, engine_args: EngineArgs, input_workers: int | None = None,
                  engine_loop: EngineLoop | None = None):
         self.engine_args = engine_args
         if engine_loop is None and engine_args.data_parallel_size > 1:
@@ -91,11 +90,11 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.modalities = tuple(self.engine.loaded.modalities)
         self.input_processor = self.engine_loop.input_processor
-        if self.input_processor.mm_processor is not None:
-            self.input_processor.mm_processor = SerializedProcessor(self.input_processor.mm_processor)
         # Several workers: a slow input does not block the rest. The fast tokenizer is only read (no truncation or
-        # padding state changes), which is safe from several threads.
-        self._executor = ThreadPoolExecutor(max_workers=input_workers, thread_name_prefix="vlserve-input")
+        # padding state changes), which is safe from several threads; the multimodal processor locks its cache.
+        self.num_input_workers = input_workers or engine_args.mm_preprocess_workers
+        self._executor = ThreadPoolExecutor(max_workers=self.num_input_workers,
+                                            thread_name_prefix="vlserve-preprocess")
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
         self._ids = itertools.count()
@@ -183,8 +182,9 @@ class AsyncLLM:
         self._listeners.append(listener)
 
     def get_metrics(self) -> dict[str, float]:
-        """The core's `vlserve:` counters and gauges, as of the engine thread's last iteration."""
-        return dict(self._metrics)
+        """The core's `vlserve:` counters and gauges, as of the engine thread's last iteration, and the input
+        processor's (the multimodal processor cache: this process preprocesses)."""
+        return {**self._metrics, **self.input_processor.get_metrics()}
 
     @property
     def is_running(self) -> bool:

@@ -9,8 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
+from vlserve.core.encoder_budget import EncoderBudget
 from vlserve.core.request import EngineCoreRequest, RequestStatus
-from vlserve.core.sched_output import EngineCoreOutput, SchedulerOutput
+from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
 from vlserve.spec_decode import SpeculativeConfig
@@ -40,10 +41,12 @@ class EngineCore:
         self.runner = self.executor.runner  # the ModelRunner when it runs in this process, else None
         num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
+        # Embeddings encoded per step: the user's number, else about one decode step's time (measured as it runs).
+        self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            encoder_cache_size=enc_size, encoder_compute_budget=enc_size,
+            encoder_cache_size=enc_size, encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
@@ -81,6 +84,7 @@ class EngineCore:
             return []
         runner_out = self.executor.execute_model(sched_out)
         self.num_steps += 1
+        self._observe_timings(sched_out, runner_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self._flush_if_idle()
         return outputs
@@ -95,7 +99,9 @@ class EngineCore:
         if not self.spec_config:
             self._submit_next()  # placeholders stand in for the tokens step N is sampling
         sched_out, future = flight.popleft()
-        outputs = self.scheduler.update_from_output(sched_out, future.result())
+        runner_out = future.result()
+        self._observe_timings(sched_out, runner_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if not flight:
             self._submit_next()
         self._flush_if_idle()
@@ -109,6 +115,16 @@ class EngineCore:
         self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.execute_model, sched_out)))
         self.num_steps += 1
         return True
+
+    def _observe_timings(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Resize the per-step encoder budget from the step's measured timings (a user-set budget stays)."""
+        if sched_out.is_empty or self.encoder_budget.fixed is not None:
+            return
+        num_drafts = sum(len(t) for t in sched_out.scheduled_spec_decode_tokens.values())
+        is_decode = sched_out.total_num_scheduled_tokens == len(sched_out.num_scheduled_tokens) + num_drafts
+        budget = self.encoder_budget.observe(runner_out.encoder_seconds, runner_out.num_encoded_embeds,
+                                             runner_out.step_seconds, is_decode)
+        self.scheduler.set_encoder_budget(budget)
 
     def _drain_in_flight(self) -> None:
         """Wait for queued steps and fold back what they sampled (their requests may have finished meanwhile)."""
@@ -164,7 +180,6 @@ class EngineCore:
             "vlserve:encoder_cache_evictions_total": enc.evictions,
             "vlserve:encoder_cache_usage": enc.usage,
             "vlserve:encoder_runs_total": ranks.num_encoder_runs,
-            "vlserve:mm_processor_cache_hits_total": getattr(self.loaded.mm_processor, "cache_hits", 0),
             "vlserve:spec_decode_num_drafts_total": st.spec_num_drafts,
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,

@@ -137,6 +137,14 @@ class InputProcessor:
                                                         audios=mm_data.get("audio", []))
         return ProcessedPrompt(text, token_ids, features)
 
+    # -- metrics -----------------------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        """The multimodal processor cache's counters, as named on /metrics (0 for a text-only model): they count in
+        the process that runs this InputProcessor, which is where media are processed."""
+        proc = self.mm_processor
+        return {"vlserve:mm_processor_cache_hits_total": getattr(proc, "cache_hits", 0),
+                "vlserve:mm_processor_cache_misses_total": getattr(proc, "cache_misses", 0)}
+
     # -- requests ----------------------------------------------------------------------------------------------
     def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                             arrival_time: float) -> EngineCoreRequest:

@@ -19,17 +19,17 @@ class MultimodalParts:
 
 
 def load_multimodal(model_path: str, hf_config: Any, model: Any,
-                    max_audio_seconds: float | None = None) -> MultimodalParts:
-    """The checkpoint's own AutoProcessor (wrapped) and, for M-RoPE models, the function that turns an expanded
-    prompt + its media into 3-axis positions; empty parts when the model takes no media. Audio clips longer than
-    `max_audio_seconds` are refused."""
+                    max_audio_seconds: float | None = None, use_fast: bool = True) -> MultimodalParts:
+    """The checkpoint's own AutoProcessor (wrapped; `use_fast`: its torchvision-backed image processor where one
+    exists) and, for M-RoPE models, the function that turns an expanded prompt + its media into 3-axis positions;
+    empty parts when the model takes no media. Audio clips longer than `max_audio_seconds` are refused."""
     modalities = tuple(getattr(model, "supported_modalities", ()))
     if not modalities:
         return MultimodalParts()
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
         mm_processor = MultiModalProcessor.from_pretrained(
-            model_path, image_token_id=getattr(model, "image_token_id", None), **kwargs)
+            model_path, use_fast=use_fast, image_token_id=getattr(model, "image_token_id", None), **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
                          f"friends are needed for {', '.join(modalities)} input): {e}") from e

@@ -10,6 +10,7 @@ import torch
 
 from vlserve.config import EngineArgs
 from vlserve.engine.mm_setup import load_multimodal
+from vlserve.multimodal.processor import wants_fast_processor
 from vlserve.models.hf_config import text_config_of, token_id_of
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -97,7 +98,8 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
         model = facts = load_model(model_path, hf_config, dtype, device)
     else:
         model, facts = None, meta_model(hf_config)
-    mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds)
+    mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds,
+                         use_fast=wants_fast_processor(args.mm_processor_kwargs))
     return LoadedModel(model_path, hf_config, model, tokenizer, mm.processor, device, dtype, max_model_len,
                        _eos_token_ids(model_path, hf_config, tokenizer), mrope_positions_fn=mm.mrope_positions_fn,
                        modalities=mm.modalities, mm_processor=mm.mm_processor)

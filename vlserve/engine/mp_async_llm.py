@@ -21,7 +21,6 @@ from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, En
                                           StepOutputs)
 from vlserve.engine.dp_router import DPRouter
 from vlserve.engine.engine_loop import NewRequest
-from vlserve.engine.input_pool import DEFAULT_INPUT_WORKERS
 from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
@@ -37,7 +36,7 @@ def load_frontend(model_path: str, args: EngineArgs):
 
     from vlserve.engine.model_setup import load_tokenizer
     from vlserve.models.registry import get_model_class
-    from vlserve.multimodal.processor import MultiModalProcessor
+    from vlserve.multimodal.processor import MultiModalProcessor, wants_fast_processor
 
     try:
         hf_config = AutoConfig.from_pretrained(model_path)
@@ -45,7 +44,11 @@ def load_frontend(model_path: str, args: EngineArgs):
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     modalities = getattr(get_model_class(hf_config), "supported_modalities", ())
     tokenizer = load_tokenizer(model_path, args.tokenizer)
-    mm_processor = MultiModalProcessor.from_pretrained(model_path) if modalities else None
+    mm_processor = None
+    if modalities:
+        kwargs = {"max_audio_seconds": args.max_audio_seconds} if "audio" in modalities else {}
+        mm_processor = MultiModalProcessor.from_pretrained(
+            model_path, use_fast=wants_fast_processor(args.mm_processor_kwargs), **kwargs)
     return hf_config, tokenizer, mm_processor
 
 
@@ -177,7 +180,7 @@ class MPAsyncLLM(AsyncLLM):
     dies, every open request fails with `EngineDeadError` and `is_running` turns False.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int = DEFAULT_INPUT_WORKERS,
+    def __init__(self, engine_args: EngineArgs, input_workers: int | None = None,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
         model_path = resolve_model_path(engine_args.model)  # a bad path fails here, before any spawn
         client = EngineCoreClient(engine_args, startup_timeout=startup_timeout)  # data_parallel_size engines
@@ -221,8 +224,9 @@ class MPAsyncLLM(AsyncLLM):
 
     def get_metrics(self) -> dict[str, float]:
         """The engines' counters as of their last step messages (updated before that step's outputs go out),
-        summed over the replicas."""
-        return self.engine.get_metrics()
+        summed over the replicas, and this process's input processor counters (the multimodal processor cache
+        lives here, where the media are processed)."""
+        return {**self.engine.get_metrics(), **self.input_processor.get_metrics()}
 
     def get_replica_metrics(self) -> list[dict[str, float]]:
         """Each engine's counters, by engine index (what /metrics labels `engine="i"`)."""

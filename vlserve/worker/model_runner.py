@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import resource
+import time
 
 import numpy as np
 import torch
@@ -11,11 +12,12 @@ from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.models.llama import decoder_of, kv_cache_spec
-from vlserve.models.parallel_layers import pack_linears_for_cpu
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
+from vlserve.worker.cpu_allocator import tune_cpu_allocator
 from vlserve.worker.compiled_forward import ModelForward
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
@@ -46,7 +48,8 @@ class ModelRunner:
                  block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
                  compilation_config=None, enforce_eager: bool = False):
         self.model = model
-        if device.type == "cpu":  # projections through the packed C++ kernel, where this CPU has AVX-512
+        if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
+            tune_cpu_allocator()
             pack_linears_for_cpu(model)
         self.forward = ModelForward(model, device, compilation_config, enforce_eager)  # eager/compiled/graphs
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -210,15 +213,20 @@ class ModelRunner:
                 self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _run_encoders(self, so: SchedulerOutput) -> None:
+    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
         """Encode every item the scheduler released this step that is not cached yet: one encoder call per
-        modality over all of them (data concatenated in item order), the output split by each item's length."""
+        modality over all of them (data concatenated in item order), the output split by each item's length.
+        Returns (wall seconds spent, device work included; embeddings produced)."""
         pending: dict[str, dict[str, object]] = {}  # modality -> {mm_hash: feature}, first occurrence kept
         for rid, item_indices in so.scheduled_encoder_inputs.items():
             for i in item_indices:
                 feat = self.requests[rid].mm_features[i]
                 if feat.mm_hash not in self.encoder_outputs:
                     pending.setdefault(feat.modality, {}).setdefault(feat.mm_hash, feat)
+        if not pending:
+            return 0.0, 0
+        t0 = time.perf_counter()
+        num_embeds = 0
         for modality, by_hash in pending.items():
             feats = list(by_hash.values())
             emb = self.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
@@ -231,15 +239,21 @@ class ModelRunner:
                 self.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
             self.num_encoder_runs += len(feats)
             self.encoder_runs_by_modality[modality] = self.encoder_runs_by_modality.get(modality, 0) + len(feats)
+            num_embeds += emb.shape[0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the towers' kernels are queued, not done
+        return time.perf_counter() - t0, num_embeds
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the planned step; returns the sampled tokens of every request that reached its last token."""
+        """Run the planned step; returns the sampled tokens of every request that reached its last token, and the
+        step's timings."""
+        t0 = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        self._run_encoders(so)
+        encoder_seconds, num_encoded = self._run_encoders(so)
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
@@ -272,9 +286,15 @@ class ModelRunner:
             spec_tokens = self.proposer.propose_drafts(
                 self._draft_inputs(states, starts, q_lens, cu, positions, hidden, md, sample_idx))
         if samples is None:
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[samples.tokens.get(r, []) for r in req_ids],
-                                 logprobs=samples.logprobs, spec_token_ids=spec_tokens)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # nothing was read back: the forward may still be running
+            out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        else:  # the sampled ids were read back to the host: the device work is done
+            out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[samples.tokens.get(r, []) for r in req_ids],
+                                    logprobs=samples.logprobs, spec_token_ids=spec_tokens)
+        out.encoder_seconds, out.num_encoded_embeds = encoder_seconds, num_encoded
+        out.step_seconds = time.perf_counter() - t0
+        return out
 
     def _draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx) -> DraftInputs:
         """What the proposer gets after this step (after sampling: token_ids already hold the new tokens)."""
