@@ -51,9 +51,14 @@ class HFOracle:
     """The checkpoint's AutoProcessor + AutoModelForImageTextToText greedy generate (float32, the LLM's device)."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        from vlserve.multimodal.processor import load_hf_processor
+
+        # AutoProcessor with the image processor vlserve serves with (torchvision-backed; 4.57 would load the slow
+        # one these checkpoints were saved with), so that the models are compared on the same pixels; fast vs slow
+        # pixels are compared in test_fast_processors.py.
+        self.processor = load_hf_processor(model_dir)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
 

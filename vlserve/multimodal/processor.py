@@ -4,11 +4,16 @@ Qwen2.5-VL; Qwen2-Audio, whose per-clip work lives in audio.py).
 
 Each item is loaded (media.py), hashed (hashing.py) and run through the HF image / video processor on its own, so
 results can be cached per item: a repeated image (same pixels, same kwargs) skips the HF processor entirely.
+The image processor is the torchvision-backed ("fast") one where transformers has one (`use_fast=False`: the
+PIL / numpy one). Several threads may process items at once (the server's preprocessing pool).
 """
 from __future__ import annotations
 
+import logging
+import threading
 from collections import OrderedDict
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.hashing import hash_mm_item
@@ -21,8 +26,54 @@ from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
 VIDEO_SAMPLING_KEYS = ("fps", "num_frames", "max_frames")
+# mm_processor_kwargs read once, when the processor is loaded (`--mm-processor-kwargs '{"use_fast": false}'`).
+LOAD_TIME_KEYS = ("use_fast",)
 DEFAULT_VIDEO_FPS = 2.0  # what the HF Qwen2.5-VL processor assumes when no fps is known
 
+logger = logging.getLogger(__name__)
+
+
+def wants_fast_processor(mm_processor_kwargs: dict | None) -> bool:
+    """`use_fast` of the server's mm_processor_kwargs (default True: the torchvision-backed image processor;
+    EngineArgs checks that it is a bool)."""
+    return bool((mm_processor_kwargs or {}).get("use_fast", True))
+
+
+def is_fast_image_processor(image_processor: Any) -> bool:
+    """Whether an HF image processor is torchvision-backed (4.x: `*ImageProcessorFast`; 5.x: the default classes,
+    the PIL ones being `*ImageProcessorPil`)."""
+    try:
+        from transformers.image_processing_backends import TorchvisionBackend as FastBase  # transformers 5.x
+    except ImportError:
+        from transformers.image_processing_utils_fast import BaseImageProcessorFast as FastBase  # 4.x
+    return isinstance(image_processor, FastBase)
+
+
+def load_hf_processor(model_dir: str, use_fast: bool = True) -> Any:
+    """The checkpoint's AutoProcessor from a local directory (never the hub), its image processor swapped for the
+    fast or slow class as asked when transformers picked the other (4.57 picks the class the checkpoint was saved
+    with, 5.x torchvision). A family with one class only (PerceptionLM: torchvision) keeps it."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    hf_processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    current = getattr(hf_processor, "image_processor", None)
+    if current is None or is_fast_image_processor(current) == use_fast:
+        return hf_processor
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        backend = {"backend": "torchvision" if use_fast else "pil"}  # 5.x deprecates use_fast
+    else:
+        backend = {"use_fast": use_fast}
+    try:
+        other = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, **backend)
+    except ValueError:  # 4.57, a family with no class of that kind ("does not have a slow version")
+        other = None
+    if other is not None and is_fast_image_processor(other) == use_fast:
+        hf_processor.image_processor = other
+    else:
+        logger.info("%s has no %s image processor; keeping %s", model_dir, "fast" if use_fast else "slow",
+                    type(current).__name__)
+    return hf_processor
 
 
 def _last_line(error: Exception) -> str:
@@ -37,7 +88,9 @@ class MultiModalProcessor:
     image processor, the video processor, the tokenizer and the placeholder token ids (`image_token_id` overrides
     the image one: the model config's). PerceptionLM and LLaVA-family processors get their per-image rules from
     `perception_lm` / `llava_items` (`self.family`; None for Qwen, whose outputs carry grids). The cache holds at most
-    `cache_size` items and `cache_max_bytes` bytes of processed tensors (0 disables it). Not thread-safe.
+    `cache_size` items and `cache_max_bytes` bytes of processed tensors (0 disables it). Thread-safe: the cache and
+    its counters sit behind a lock, and a thread asking for an item another thread is processing waits for that
+    result (a hit) instead of running the HF processor again.
     """
 
     def __init__(self, hf_processor: Any, cache_size: int = 256, cache_max_bytes: int = 1 << 30,
@@ -68,20 +121,22 @@ class MultiModalProcessor:
         self.max_image_pixels = max_image_pixels
         self.max_video_frames = max_video_frames
         self._cache: OrderedDict[str, dict] = OrderedDict()  # mm_hash -> processed data (tensors)
+        self._in_flight: dict[str, Future] = {}  # mm_hash -> the result another thread is computing
+        self._lock = threading.Lock()  # guards the two dicts above, _cache_bytes and the counters
         self.cache_hits = 0
         self.cache_misses = 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, **kwargs: Any) -> "MultiModalProcessor":
-        """Load the checkpoint's HF processor from a local directory (never the hub) and wrap it."""
-        from transformers import AutoProcessor
-        return cls(AutoProcessor.from_pretrained(model_dir, local_files_only=True), **kwargs)
+    def from_pretrained(cls, model_dir: str, use_fast: bool = True, **kwargs: Any) -> "MultiModalProcessor":
+        """Load the checkpoint's HF processor from a local directory (never the hub) and wrap it; `use_fast`: the
+        torchvision-backed image processor where transformers has one (see `load_hf_processor`)."""
+        return cls(load_hf_processor(model_dir, use_fast), **kwargs)
 
     # ----------------------------------------------------------------------------------------------- kwargs
     @staticmethod
     def _split_kwargs(mm_kwargs: dict | None) -> tuple[dict, dict, dict]:
         """-> (image processor kwargs, video processor kwargs, video sampling kwargs)."""
-        mm_kwargs = dict(mm_kwargs or {})
+        mm_kwargs = {k: v for k, v in (mm_kwargs or {}).items() if k not in LOAD_TIME_KEYS}
         sampling = {k: mm_kwargs.pop(k) for k in VIDEO_SAMPLING_KEYS if k in mm_kwargs}
         return dict(mm_kwargs), dict(mm_kwargs), sampling
 
@@ -103,13 +158,35 @@ class MultiModalProcessor:
         return int(getattr(proc, "merge_size", 2))
 
     # ----------------------------------------------------------------------------------------------- cache
-    def _cached(self, mm_hash: str) -> dict | None:
-        data = self._cache.get(mm_hash)
-        if data is not None:
-            self._cache.move_to_end(mm_hash)
-            self.cache_hits += 1
-        else:
-            self.cache_misses += 1
+    def _get_or_compute(self, mm_hash: str, compute: Callable[[], dict]) -> dict:
+        """The cached data of `mm_hash` (a hit), else `compute()` run once (a miss) and stored; a thread that asks
+        while another computes the same item waits for its result (a hit; or its error)."""
+        with self._lock:
+            data = self._cache.get(mm_hash)
+            if data is not None:
+                self._cache.move_to_end(mm_hash)
+                self.cache_hits += 1
+                return data
+            pending = self._in_flight.get(mm_hash)
+            if pending is None:
+                self.cache_misses += 1
+                self._in_flight[mm_hash] = owned = Future()
+        if pending is not None:
+            data = pending.result()
+            with self._lock:
+                self.cache_hits += 1
+            return data
+        try:
+            data = compute()
+        except BaseException as e:
+            with self._lock:
+                del self._in_flight[mm_hash]
+            owned.set_exception(e)
+            raise
+        with self._lock:
+            self._store(mm_hash, data)
+            del self._in_flight[mm_hash]
+        owned.set_result(data)
         return data
 
     @staticmethod
@@ -117,6 +194,7 @@ class MultiModalProcessor:
         return sum(v.numel() * v.element_size() for v in data.values() if hasattr(v, "element_size"))
 
     def _store(self, mm_hash: str, data: dict) -> None:
+        """Keep `data` (the caller holds the lock), evicting the least recently used beyond the bounds."""
         size = self._nbytes(data)
         if self.cache_size <= 0 or size > self.cache_max_bytes or mm_hash in self._cache:
             return
@@ -128,8 +206,9 @@ class MultiModalProcessor:
 
     def clear_cache(self) -> None:
         """Drop all cached processor outputs."""
-        self._cache.clear()
-        self._cache_bytes = 0
+        with self._lock:
+            self._cache.clear()
+            self._cache_bytes = 0
 
     # ----------------------------------------------------------------------------------------------- items
     def process_image(self, image: Any, image_kwargs: dict | None = None) -> tuple[str, dict]:
@@ -141,20 +220,18 @@ class MultiModalProcessor:
         image_kwargs = image_kwargs or {}
         img = load_image(image, max_pixels=self.max_image_pixels)
         mm_hash = hash_mm_item("image", img, image_kwargs)
-        data = self._cached(mm_hash)
-        if data is None:
-            try:
-                kwargs = {**_layout_kwargs(img), **image_kwargs}
-                if self.family is not None:
-                    data = self.family.run_image(_unambiguous(img), kwargs)
-                else:
-                    out = self.image_processor(images=[_unambiguous(img)], return_tensors="pt", **kwargs)
-                    data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-            except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
-                raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
-                                 f"{_last_line(e)}") from None
-            self._store(mm_hash, data)
-        return mm_hash, data
+        return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_image(img, image_kwargs))
+
+    def _run_image(self, img: Any, image_kwargs: dict) -> dict:
+        try:
+            kwargs = {**_layout_kwargs(img), **image_kwargs}
+            if self.family is not None:
+                return self.family.run_image(_unambiguous(img), kwargs)
+            out = self.image_processor(images=[_unambiguous(img)], return_tensors="pt", **kwargs)
+            return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
+            raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
+                             f"{_last_line(e)}") from None
 
     def process_video(self, video: Any, video_kwargs: dict | None = None,
                       sampling_kwargs: dict | None = None) -> tuple[str, dict]:
@@ -164,8 +241,6 @@ class MultiModalProcessor:
                 "video_grid_thw": int64 [1, 3], "second_per_grid_ts": float32 [1]}; second_per_grid_ts is
         temporal_patch_size / sampled fps (2.0 fps assumed when the video's rate is unknown, like HF).
         """
-        import torch
-
         if self.video_processor is None:
             raise ValueError("this model's processor has no video processor; videos are not supported")
         video_kwargs, sampling = video_kwargs or {}, dict(sampling_kwargs or {})
@@ -174,21 +249,22 @@ class MultiModalProcessor:
             video = load_video(video, fps=sampling.get("fps"), num_frames=sampling.get("num_frames"),
                                max_frames=max_frames, max_pixels=self.max_image_pixels)
         mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames})
-        data = self._cached(mm_hash)
-        if data is None:
-            try:
-                out = self.video_processor(
-                    videos=[video.frames], return_tensors="pt", do_sample_frames=False,
-                    input_data_format="channels_last", **self._video_hf_kwargs(video_kwargs))
-            except Exception as e:  # as for images
-                raise ValueError(f"video processing failed (mm_processor_kwargs={shorten(video_kwargs)}): "
-                                 f"{_last_line(e)}") from None
-            fps = video.sampled_fps or sampling.get("fps") or DEFAULT_VIDEO_FPS
-            temporal_patch = int(getattr(self.video_processor, "temporal_patch_size", 2))
-            data = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
-                    "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32)}
-            self._store(mm_hash, data)
-        return mm_hash, data
+        return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(video, video_kwargs, sampling))
+
+    def _run_video(self, video: LoadedVideo, video_kwargs: dict, sampling: dict) -> dict:
+        import torch
+
+        try:
+            out = self.video_processor(
+                videos=[video.frames], return_tensors="pt", do_sample_frames=False,
+                input_data_format="channels_last", **self._video_hf_kwargs(video_kwargs))
+        except Exception as e:  # as for images
+            raise ValueError(f"video processing failed (mm_processor_kwargs={shorten(video_kwargs)}): "
+                             f"{_last_line(e)}") from None
+        fps = video.sampled_fps or sampling.get("fps") or DEFAULT_VIDEO_FPS
+        temporal_patch = int(getattr(self.video_processor, "temporal_patch_size", 2))
+        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
+                "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32)}
 
     def process_audio(self, audio: Any) -> tuple[str, dict]:
         """Decode (mono, the extractor's rate), hash and (on a cache miss) extract one clip's features
@@ -196,11 +272,7 @@ class MultiModalProcessor:
         if self.audio_processor is None:
             raise ValueError("this model's processor has no audio feature extractor; audio is not supported")
         clip, mm_hash = self.audio_processor.load_and_hash(audio)
-        data = self._cached(mm_hash)
-        if data is None:
-            data = self.audio_processor.features(clip)
-            self._store(mm_hash, data)
-        return mm_hash, data
+        return mm_hash, self._get_or_compute(mm_hash, lambda: self.audio_processor.features(clip))
 
     # ----------------------------------------------------------------------------------------------- prompt
     def process(self, prompt_token_ids: list[int], images: list | None = None, videos: list | None = None,
