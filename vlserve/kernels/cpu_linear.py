@@ -1,41 +1,56 @@
-"""`y = x W^T + b` in C++ on packed weights, for CPUs with AVX-512: the decoder's projections and LM head (float32,
-and bf16 where the CPU has AVX512-BF16), and a gated MLP's gate_up projection with SiLU(gate) * up in the same pass.
+"""`y = x W^T + b` in C++ on packed weights, for CPUs with AVX-512 or AVX2 + FMA: the decoder's projections and LM
+head and the encoders' linears (float32 and bf16), and a gated MLP's gate_up projection with SiLU(gate) * up in the
+same pass.
 
 oneDNN pays a fixed cost per call and keeps the cores busy only at large M; at the few rows of a decode step its bf16
-matmul ran at 250-310 GFLOP/s on 2 cores that do ~430, its float32 one at ~170 of ~210, and at M=1 both read the
-weights at a fraction of the memory bandwidth. Here each weight is packed once, at load time, into panels of 32
+matmul ran at 250-310 GFLOP/s on 2 AVX-512 cores that do ~430, its float32 one at ~170 of ~210, and at M=1 both
+read the weights at a fraction of the memory bandwidth; on AVX2 CPUs without AVX512-BF16 its bf16 matmul is many
+times slower than its float32 one. Here each weight is packed once, at load time, into panels of 32
 output columns: `[N/32, K, 32]` in float32, `[N/32, K/2, 32, 2]` in bf16 (K pairs interleaved, the layout
 `vdpbf16ps` reads: one instruction multiplies a broadcast pair of x's values with a pair from each of 16 columns
-and adds both products into float32 lanes). A register block of up to 8 rows x 32 columns runs down K; each thread
-streams its own contiguous range of panels once per chunk of 64 rows, so a decode step reads each weight once, in
-order. Only a panel's first row block waits on memory: while the later ones run from cache, the thread prefetches
-its next panel a line per step (3-6% of a batch-32 decode step on the bench model). The sums are float32 (the bias too), rounded to bf16 once at the end as oneDNN does; only the order of the
+and adds both products into float32 lanes). Each thread streams its own contiguous range of panels once per chunk of
+rows (or, with fewer panels than threads, takes a range of the rows), so a decode step reads each weight once, in
+order. The sums are float32 (the bias too), rounded to bf16 once at the end as oneDNN does; only the order of the
 additions differs.
+
+What runs where (`cpu_linear_isa(dtype)` says, as the built kernel reports it):
+- AVX-512 (the source is built for it when inductor builds for AVX-512): register blocks of up to 8 rows x 32
+  columns of zmm FMAs down K, bf16 through `vdpbf16ps` where the CPU has AVX512-BF16. Only a panel's first row block
+  waits on memory: while the later ones run from cache, the thread prefetches its next panel a line per step (3-6%
+  of a batch-32 decode step on the bench model).
+- AVX2 + FMA (where inductor builds for AVX2; on AVX-512 CPUs for bf16 without AVX512-BF16, and for everything with
+  $VLSERVE_CPU_ISA=avx2, read when the kernel is built, so both paths can be tested on one machine): register
+  blocks of 6 rows (bf16: 5) x 16 columns of ymm FMAs, each panel walked as two 16-column halves, K in blocks of 128
+  panel rows so a half panel's block stays in L1; blocks of 1-2 rows (decode) take all 32 columns in one pass. bf16
+  weights stay bf16 in memory and widen in registers (a 32-bit lane of a panel row holds one column's pair
+  (k, k+1): `lane << 16` is the k value, `lane & 0xffff0000` the k+1 one); x's rows are copied (bf16: widened) to
+  a float32 scratch once per chunk of rows, so its broadcasts read float32. On 2 Zen 3 cores (~200 GFLOP/s peak,
+  shared with other jobs) at vision-tower shapes (1024-4096 rows) it ran at a median 128 GFLOP/s in bf16 (83-174;
+  F.linear 11-21) and 146 in float32 (121-166; F.linear 136-171): `benchmarks/cpu_linear.py --gflops`.
 
 `cpu_linear_silu_mul` is the gate_up projection of a SiLU-gated MLP followed by `silu(gate) * up`: the thread that
 computes gate panel j computes up panel j next and writes only the product, rounded as the two elementwise ops
 would round (gate and up to the dtype, silu to the dtype, then the product), so the [M, 2I] projection is never
 written out and no separate activation kernel runs.
 
-The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where the CPU lacks AVX-512
-(or AVX512-BF16, for bf16), no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is
-False and the layers keep `F.linear`.
+The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where the CPU has neither
+AVX-512 nor AVX2 + FMA, no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is False
+and the layers keep `F.linear`.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # built for AVX512-BF16: bf16 panels through vdpbf16ps
-_SOURCE = ('#pragma GCC target("avx512bf16")\n' if _BF16_DOT else "") + (
-    Path(__file__).parent / "csrc" / "cpu_linear.cpp").read_text()
-
+_CSRC = Path(__file__).parent / "csrc"
+_BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # an AVX-512 build targets AVX512-BF16: bf16 through vdpbf16ps
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
@@ -46,32 +61,86 @@ _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t",
               "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"]
 PANEL = 32  # output columns per packed panel
 DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
+ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU has AVX-512
+ISAS = ("avx512", "avx2")
 _NO_BIAS = torch.empty(0)
 
 
+def _source(name: str) -> str:
+    """csrc/`name` with its quoted includes (other csrc files) pasted in: inductor compiles one string."""
+    return re.sub(r'^#include "([^"]+)"$', lambda m: _source(m.group(1)), (_CSRC / name).read_text(), flags=re.M)
+
+
+def _vec_isa() -> str | None:
+    """The vector ISA inductor builds kernel sources for on this machine: "avx512", "avx2", or None."""
+    from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
+
+    vec = pick_vec_isa()
+    return "avx512" if isinstance(vec, VecAVX512) else "avx2" if isinstance(vec, VecAVX2) else None
+
+
+def isas_here() -> list[str]:
+    """The paths this machine can build and run: ["avx512", "avx2"] on AVX-512 CPUs, ["avx2"] on AVX2 ones."""
+    native = _vec_isa()
+    return [] if native is None else ISAS[ISAS.index(native):]
+
+
 @functools.cache
-def cpu_linear_kernel():
-    """The compiled kernel (built on first use), or None where this CPU or toolchain cannot run it."""
-    if not torch.cpu._is_avx512_supported():
+def build_cpu_linear(isa: str):
+    """The kernel built with the `isa` path ("avx512" or "avx2", see the module docstring), or None where this CPU
+    or toolchain cannot run it. Inductor compiles it with this machine's vector flags; the AVX2 path built under
+    AVX-512 flags is the same code (and another source text, so another cache entry)."""
+    if isa not in isas_here():
         return None
+    prefix = ""
+    if isa == "avx2" and _vec_isa() == "avx512":
+        prefix = "#define VLSERVE_FORCE_AVX2 1\n"
+    elif isa == "avx512" and _BF16_DOT:
+        prefix = '#pragma GCC target("avx512bf16")\n'
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_SOURCE,
-                                                         kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=prefix + _source(
+            "cpu_linear.cpp"), kernel_needs_vec_isa=True)
     except Exception as exc:  # no compiler, or an inductor without this loader: F.linear stays
         logger.warning("the C++ CPU linear could not be built (%s: %s); using F.linear", type(exc).__name__, exc)
         return None
 
 
+@functools.cache
+def cpu_linear_kernel():
+    """The compiled kernel the layers call (built on first use): the AVX-512 path on AVX-512 CPUs, the AVX2 one on
+    AVX2 CPUs or where $VLSERVE_CPU_ISA is "avx2"; None where this CPU or toolchain cannot run either."""
+    requested = os.environ.get(ISA_ENV, "")
+    if requested not in ("", "avx2"):
+        logger.warning("$%s=%r is not a CPU linear path to force (only \"avx2\" is); ignored", ISA_ENV, requested)
+    native = _vec_isa()
+    isa = "avx2" if native and requested == "avx2" else native
+    kernel = build_cpu_linear(isa) if isa else None
+    if kernel is not None:
+        logger.info("packed CPU linear built: float32 on its %s path, bf16 on its %s path",
+                    cpu_linear_isa(torch.float32, kernel), cpu_linear_isa(torch.bfloat16, kernel))
+    return kernel
+
+
+def cpu_linear_isa(dtype: torch.dtype = torch.float32, kernel=None) -> str | None:
+    """Which path of `kernel` (default: the layers' `cpu_linear_kernel()`) serves `dtype`, as the compiled code
+    reports it: "avx512", "avx2", or None where there is no kernel."""
+    kernel = kernel or cpu_linear_kernel()
+    if kernel is None:
+        return None
+    width = torch.zeros(1, dtype=torch.int64)  # a call with M = -1 writes the path's vector width
+    kernel(_NO_BIAS, 0, _NO_BIAS, _NO_BIAS, 0, width, 0, -1, 0, 0, 1, dtype is torch.bfloat16, 0)
+    return {512: "avx512", 256: "avx2"}[int(width)]
+
+
 def _dtype_served(dtype: torch.dtype) -> bool:
-    return dtype is torch.float32 or (dtype is torch.bfloat16 and _BF16_DOT)
+    return dtype is torch.float32 or dtype is torch.bfloat16
 
 
 def cpu_linear_supported(weight: torch.Tensor) -> bool:
-    """Whether `pack_linear_weight(weight)` and `cpu_linear` serve this [N, K] weight: a CPU float32 matrix (bf16 on
-    CPUs with AVX512-BF16, with an even K), a kernel built here, and not switched off by
-    $VLSERVE_CPU_LINEAR_KERNEL=0."""
+    """Whether `pack_linear_weight(weight)` and `cpu_linear` serve this [N, K] weight: a CPU float32 or bf16 matrix
+    (bf16 with an even K), a kernel built here, and not switched off by $VLSERVE_CPU_LINEAR_KERNEL=0."""
     return (weight.device.type == "cpu" and _dtype_served(weight.dtype) and weight.dim() == 2
             and weight.shape[1] > 0 and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
             and os.environ.get(DISABLE_ENV, "1") != "0" and cpu_linear_kernel() is not None)
@@ -103,7 +172,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     dtype = x.dtype
     if dtype is not packed.dtype or not _dtype_served(dtype):
         raise ValueError(f"vlserve::{name} takes inputs in its packed weight's dtype ({packed.dtype}, float32 or "
-                         f"bfloat16 where served), got {dtype}")
+                         f"bfloat16), got {dtype}")
     shape = x.shape
     rows = x
     if len(shape) != 2 or x.stride(1) != 1:

@@ -13,11 +13,11 @@ With `tp` ranks (`r` = this rank):
 - VocabParallelEmbedding / ParallelLMHead: vocab rows split, padded up to a multiple of tp; ids outside this rank's
   rows embed to 0 before the sum; local logits are gathered along the vocab and the padding dropped.
 
-On CPUs with AVX-512 the runner packs the float32 linears once loaded (`PackableLinear.pack_for_cpu`), and the
-bf16 ones where the CPU has AVX512-BF16: `weight` becomes None and `packed_weight` holds the matrix in the layout of
-`kernels.cpu_linear`. The LM head is packed too; when it is tied to the embedding, the embedding keeps the matrix
-and the head holds a packed copy (oneDNN's unpacked matmul cost a decode step 0.24 ms at one stream on the bench
-model, the packed kernel 0.06).
+On CPUs with AVX-512 or AVX2 + FMA the runner packs the float32 and bf16 linears once loaded
+(`PackableLinear.pack_for_cpu`; bf16 with an even in_features): `weight` becomes None and `packed_weight` holds the
+matrix in the layout of `kernels.cpu_linear`, whose AVX-512 or AVX2 code path runs it (`cpu_linear_isa`). The LM
+head is packed too; when it is tied to the embedding, the embedding keeps the matrix and the head holds a packed
+copy (oneDNN's unpacked matmul cost a decode step 0.24 ms at one stream on the bench model, the packed kernel 0.06).
 
 Loading: `checkpoint_shard(param, piece)` says which `(dim, start, length)` of a checkpoint tensor this rank reads
 (None: the whole tensor), and `load_shard(param, piece, tensor, name)` copies that slice into place. `piece` names

@@ -1,230 +1,80 @@
-// Linear layers on packed weights for CPUs with AVX-512 (see vlserve/kernels/cpu_linear.py): float32 through FMAs,
-// bf16 through vdpbf16ps where the CPU has AVX512-BF16 (the source is then built for that target), and for a gated
-// MLP's gate_up projection SiLU(gate) * up in the same pass.
+// Linear layers on packed weights (see vlserve/kernels/cpu_linear.py), and for a gated MLP's gate_up projection
+// SiLU(gate) * up in the same pass. Two code paths over the same packed layouts:
+// - cpu_linear_avx512.cpp, where the source is built for AVX-512 (CPU_CAPABILITY_AVX512): float32 through FMAs on
+//   zmm registers, bf16 through vdpbf16ps where the CPU has AVX512-BF16;
+// - cpu_linear_avx2.cpp, built always (AVX2 + FMA, which every AVX-512 CPU has too): float32 FMAs on ymm registers,
+//   bf16 weights and inputs widened to float32 in registers. It serves both dtypes where the source is built for
+//   AVX2, bf16 on AVX-512 CPUs without AVX512-BF16, and everything where VLSERVE_FORCE_AVX2 is defined (cpu_linear.py
+//   prepends that for VLSERVE_CPU_ISA=avx2).
+// cpu_linear.py pastes the quoted includes below into one source: inductor compiles a single string.
 #include <immintrin.h>
+#include <omp.h>
 #include <algorithm>
 #include <cstdint>
-#include <omp.h>
+#include <cstring>
+#include <vector>
 
-#if !defined(CPU_CAPABILITY_AVX512)
-#error "cpu_linear is built for AVX-512 only"
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "cpu_linear is built for AVX2 + FMA or AVX-512 only"
 #endif
+
+// Unrolls a loop over a register block's rows or vectors: GCC keeps an accumulator array in registers only once its
+// loops are unrolled early (otherwise it stores every accumulator to the stack on every step)
+#define UNROLL _Pragma("GCC unroll 16")
 
 typedef uint16_t bf16;
-constexpr int64_t kPanel = 32;     // output columns per packed panel (two float32 vectors)
-constexpr int64_t kRows = 8;       // rows of the register block
-constexpr int64_t kRowChunk = 64;  // rows whose products with a panel are computed before the next panel
+constexpr int64_t kPanel = 32;  // output columns per packed panel
 
-// How a block multiplies: F32Panel reads float32 panels [K, 32] and broadcasts one x value per step; Bf16Panel
-// reads bf16 panels [K/2, 32, 2] and broadcasts a pair of x values, whose products with a pair from each of 16
-// columns vdpbf16ps adds into float32 lanes.
-struct F32Panel {
-    using T = float;
-    static constexpr int64_t kStep = 1;  // K positions per panel row
-    using XVec = __m512;
-    using WVec = __m512;
-    static inline XVec x(const float* a) { return _mm512_set1_ps(*a); }
-    static inline WVec w(const float* p) { return _mm512_loadu_ps(p); }
-    static inline __m512 dot(__m512 acc, XVec x, WVec w) { return _mm512_fmadd_ps(x, w, acc); }
-    static inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
-    static inline __m512 round(__m512 v) { return v; }  // to T's precision
-    static inline void store(float* c, __m512 lo, __m512 hi, int64_t ncols) {
-        const __mmask16 keep_lo = ncols >= 16 ? 0xffff : (1u << ncols) - 1;
-        const __mmask16 keep_hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1;
-        _mm512_mask_storeu_ps(c, keep_lo, lo);
-        _mm512_mask_storeu_ps(c + 16, keep_hi, hi);
-    }
-};
-
-#if defined(__AVX512BF16__)
-struct Bf16Panel {
-    using T = bf16;
-    static constexpr int64_t kStep = 2;
-    using XVec = __m512bh;
-    using WVec = __m512bh;
-    static inline XVec x(const bf16* a) { return (__m512bh)_mm512_set1_epi32(*(const int32_t*)a); }
-    static inline WVec w(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-    static inline __m512 dot(__m512 acc, XVec x, WVec w) { return _mm512_dpbf16_ps(acc, x, w); }
-    // 16 bf16 -> 16 float32 (exact: bf16 is the top half of a float32)
-    static inline __m512 widen(const bf16* p) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-    }
-    static inline __m512 round(__m512 v) {  // to bf16 (nearest even) and back
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-    }
-    static inline void store(bf16* c, __m512 lo, __m512 hi, int64_t ncols) {
-        const __mmask32 keep = ncols >= kPanel ? 0xffffffffu : (1u << ncols) - 1;
-        _mm512_mask_storeu_epi16(c, keep, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-};
-#endif
+static inline float to_float(float v) { return v; }
+static inline float to_float(bf16 v) {
+    const uint32_t bits = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
 
 // What a block does with its sums (float32, bias added): store them (rounded to T once), keep them as the gate of
 // SiLU(gate) * up (rounded to T, as the projection's output would be), or take them as up and store the product.
 enum Epilogue { kStore, kGate, kSiluMul };
 
-// exp(x) to about an ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial, times 2^n by
-// vscalefps (which gives inf past the float range and 0 below it)
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: n * ln2 exact enough
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
+#include "cpu_linear_avx2.cpp"
+#if defined(CPU_CAPABILITY_AVX512) && !defined(VLSERVE_FORCE_AVX2)
+#include "cpu_linear_avx512.cpp"
+#define VLSERVE_AVX512 1
+#endif
 
-static inline __m512 silu(__m512 g) {  // g / (1 + exp(-g)), torch's formula
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
+using LinearFn = void (*)(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc,
+                         int64_t M, int64_t N, int64_t K, int64_t threads);
 
-// Walks the next panels' cache lines, one prefetch per call, while a row block that reads its panel from cache
-// runs: the memory bus would otherwise idle until the next panel's first row block misses on every line.
-struct NextPanels {
-    const char* region[2] = {nullptr, nullptr};  // the next panel (and, fused, the next up panel)
-    int64_t lines = 0;    // cache lines per region
-    int64_t issued = 0;   // lines issued so far, over both regions
-    inline void step() {
-        if (issued < 2 * lines && region[issued & 1]) {
-            _mm_prefetch(region[issued & 1] + (issued >> 1) * 64, _MM_HINT_T0);
-        }
-        ++issued;
-    }
+// The path that serves a dtype here: its vector width, and its linear without and with SiLU(gate) * up
+struct Path {
+    int64_t width;
+    LinearFn plain, silu_mul;
 };
 
-// sums[R rows, 32 columns] = a[R, K] (rows lda apart) . panel (+ bias[32]), then the epilogue E; `gate` holds the
-// R x 32 gate values between a kGate block and its kSiluMul block; `ncols` < 32 only in the last panel of an N that
-// is not a multiple of 32
-template <typename P, int R, int E>
-static inline void block(const typename P::T* a, int64_t lda, const typename P::T* panel, int64_t K,
-                         const typename P::T* bias, typename P::T* c, int64_t ldc, int64_t ncols, float* gate,
-                         NextPanels* pf = nullptr) {
-    __m512 lo[R], hi[R];  // columns 0-15 and 16-31 of each row
-    for (int r = 0; r < R; ++r) {
-        lo[r] = _mm512_setzero_ps();
-        hi[r] = _mm512_setzero_ps();
-    }
-    for (int64_t k = 0; k < K; k += P::kStep) {  // one panel row (kStep K positions) per step
-        if (pf) pf->step();
-        const typename P::WVec w_lo = P::w(panel + k * kPanel);
-        const typename P::WVec w_hi = P::w(panel + k * kPanel + 16 * P::kStep);
-        for (int r = 0; r < R; ++r) {
-            const typename P::XVec x = P::x(a + r * lda + k);
-            lo[r] = P::dot(lo[r], x, w_lo);
-            hi[r] = P::dot(hi[r], x, w_hi);
-        }
-    }
-    const __m512 b_lo = bias ? P::widen(bias) : _mm512_setzero_ps();
-    const __m512 b_hi = bias ? P::widen(bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-        __m512 v_lo = _mm512_add_ps(lo[r], b_lo), v_hi = _mm512_add_ps(hi[r], b_hi);
-        if constexpr (E == kGate) {
-            _mm512_storeu_ps(gate + r * kPanel, P::round(v_lo));
-            _mm512_storeu_ps(gate + r * kPanel + 16, P::round(v_hi));
-            continue;
-        }
-        if constexpr (E == kSiluMul) {  // silu rounded to T, times up rounded to T, as two elementwise ops would
-            v_lo = _mm512_mul_ps(P::round(silu(_mm512_loadu_ps(gate + r * kPanel))), P::round(v_lo));
-            v_hi = _mm512_mul_ps(P::round(silu(_mm512_loadu_ps(gate + r * kPanel + 16))), P::round(v_hi));
-        }
-        P::store(c + r * ldc, v_lo, v_hi, ncols);
-    }
-}
-
-// Rows [m0, m1) against output panel p, in blocks of kRows and then the rest. With SiLU, output panel p is gate
-// panel p and up panel p + N / 32 of the packed [2N/32, ...] matrix.
-template <typename P, bool kSilu>
-static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P::T* packed, const typename P::T* bias,
-                          typename P::T* c, int64_t ldc, int64_t m0, int64_t m1, int64_t p, int64_t N, int64_t K,
-                          bool prefetch_next) {
-    using T = typename P::T;
-    const int64_t panel_size = K * kPanel, up = (N + kPanel - 1) / kPanel;  // elements per panel; up's first panel
-    float gate[kRows * kPanel];
-    NextPanels next;
-    if (prefetch_next) {
-        next.region[0] = reinterpret_cast<const char*>(packed + (p + 1) * panel_size);
-        if (kSilu) next.region[1] = reinterpret_cast<const char*>(packed + (up + p + 1) * panel_size);
-        next.lines = panel_size * static_cast<int64_t>(sizeof(T)) / 64;
-    }
-    NextPanels* pf = nullptr;  // the first row block streams its own panel; the others fetch the next one
-    auto run = [&](auto rows, int64_t m) {
-        constexpr int R = decltype(rows)::value;
-        const T* am = a + m * lda;
-        T* cm = c + m * ldc + p * kPanel;
-        const int64_t ncols = std::min<int64_t>(kPanel, N - p * kPanel);
-        if constexpr (kSilu) {
-            const T* gate_bias = bias ? bias + p * kPanel : nullptr;
-            const T* up_bias = bias ? bias + N + p * kPanel : nullptr;
-            block<P, R, kGate>(am, lda, packed + p * panel_size, K, gate_bias, cm, ldc, ncols, gate, pf);
-            block<P, R, kSiluMul>(am, lda, packed + (up + p) * panel_size, K, up_bias, cm, ldc, ncols, gate, pf);
-        } else {
-            block<P, R, kStore>(am, lda, packed + p * panel_size, K, bias ? bias + p * kPanel : nullptr, cm, ldc, ncols,
-                                gate, pf);
-        }
-        if (prefetch_next) pf = &next;
-    };
-    int64_t m = m0;
-    for (; m + kRows <= m1; m += kRows) run(std::integral_constant<int, kRows>(), m);
-    switch (m1 - m) {
-        case 1: run(std::integral_constant<int, 1>(), m); break;
-        case 2: run(std::integral_constant<int, 2>(), m); break;
-        case 3: run(std::integral_constant<int, 3>(), m); break;
-        case 4: run(std::integral_constant<int, 4>(), m); break;
-        case 5: run(std::integral_constant<int, 5>(), m); break;
-        case 6: run(std::integral_constant<int, 6>(), m); break;
-        case 7: run(std::integral_constant<int, 7>(), m); break;
-        default: break;
-    }
-}
-
-template <typename P, bool kSilu>
-static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
-                   int64_t N, int64_t K, int64_t threads) {
-    using T = typename P::T;
-    const T* A = (const T*)a;
-    const T* W = (const T*)packed;
-    const T* B = (const T*)bias;
-    T* C = (T*)c;
-    const int64_t panels = (N + kPanel - 1) / kPanel;
-    const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (panels >= nt) {  // each thread its contiguous range of panels, for every chunk of rows
-            const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-            for (int64_t ch = 0; ch < chunks; ++ch)
-                for (int64_t p = p0; p < p1; ++p)
-                    rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, ch * kRowChunk, std::min(M, (ch + 1) * kRowChunk), p,
-                                            N, K, p + 1 < p1);
-        } else {  // fewer panels than threads: split the rows instead
-            const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
-            for (int64_t p = 0; p < panels; ++p)
-                if (m1 > m0) rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, m0, m1, p, N, K, false);
-        }
-    }
+static Path path(bool is_bf16) {
+#if defined(VLSERVE_AVX512) && defined(__AVX512BF16__)
+    if (is_bf16) return {512, avx512::linear<avx512::Bf16Panel, false>, avx512::linear<avx512::Bf16Panel, true>};
+#endif
+    if (is_bf16) return {256, avx2::linear<avx2::Bf16, false>, avx2::linear<avx2::Bf16, true>};
+#if defined(VLSERVE_AVX512)
+    return {512, avx512::linear<avx512::F32Panel, false>, avx512::linear<avx512::F32Panel, true>};
+#else
+    return {256, avx2::linear<avx2::F32, false>, avx2::linear<avx2::F32, true>};
+#endif
 }
 
 // a: [M, K] (rows lda apart); packed: [ceil(N/32), K, 32] float32 or [ceil(N/32), K/2, 32, 2] bf16; bias: [N] or
 // null; c: [M, N] (rows ldc apart). silu_mul: packed holds [2N/32, ...] (gate panels, then up panels; N % 32 == 0),
 // bias [2N] or null, and c gets SiLU(x gate^T) * (x up^T).
+// M < 0 asks which path serves the dtype instead: c[0] (an int64) gets its vector width in bits, 512 or 256.
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
                        int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
                        int64_t silu_mul) {
-    if (!has_bias) bias = nullptr;
-    if (is_bf16) {
-#if defined(__AVX512BF16__)
-        if (silu_mul) linear<Bf16Panel, true>(a, lda, packed, bias, c, ldc, M, N, K, threads);
-        else linear<Bf16Panel, false>(a, lda, packed, bias, c, ldc, M, N, K, threads);
-#endif
+    const Path p = path(is_bf16);
+    if (M < 0) {
+        *(int64_t*)c = p.width;
         return;
     }
-    if (silu_mul) linear<F32Panel, true>(a, lda, packed, bias, c, ldc, M, N, K, threads);
-    else linear<F32Panel, false>(a, lda, packed, bias, c, ldc, M, N, K, threads);
+    (silu_mul ? p.silu_mul : p.plain)(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads);
 }
