@@ -211,8 +211,8 @@ def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compil
 
     from vlserve.kernels import cpu_linear as cl
 
-    if cl.cpu_linear_kernel() is None or (dtype == "bfloat16" and not cl._BF16_DOT):
-        pytest.skip("this CPU has no AVX-512 (AVX512-BF16 for bf16), or no toolchain")
+    if cl.cpu_linear_isa(getattr(torch, dtype)) is None:
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA, or no toolchain")
     calls = []  # (rows, silu_mul, out_features) of every kernel call
     kernel = cl.cpu_linear_kernel()
     monkeypatch.setattr(cl, "cpu_linear_kernel",

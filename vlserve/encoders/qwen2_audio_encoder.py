@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels import varlen_attention
-from vlserve.kernels.packed_linear import PackableLinear
+from vlserve.kernels.packed_linear import PackableConv1d, PackableLinear
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,8 @@ class Qwen2AudioEncoder(nn.Module):
     def __init__(self, cfg: AudioEncoderConfig):
         super().__init__()
         self.cfg = cfg
-        self.conv1 = nn.Conv1d(cfg.num_mel_bins, cfg.width, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(cfg.width, cfg.width, kernel_size=3, stride=2, padding=1)
+        self.conv1 = PackableConv1d(cfg.num_mel_bins, cfg.width, kernel_size=3, padding=1)
+        self.conv2 = PackableConv1d(cfg.width, cfg.width, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.width)
         self.layers = nn.ModuleList(AudioEncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.layer_norm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)

@@ -132,3 +132,22 @@ class PatchConv3d(_PatchConv, nn.Conv3d):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.rows(rows)
+
+
+class PackableConv1d(_PatchConv, nn.Conv1d):
+    """`nn.Conv1d` (zero padding, no dilation or groups) run as im2col + one GEMM on the flattened kernel, so it
+    packs like a linear: `[B, C, T]` -> `[B, E, T_out]` (torch's bf16 convolution on CPUs without native bf16 math
+    cost a Whisper stem seconds)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
+                 bias: bool = True) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
+        self.register_parameter("packed_weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return super().forward(x.to(self.weight.dtype))
+        (k,), (s,), (p,) = self.kernel_size, self.stride, self.padding
+        cols = F.pad(x, (p, p)).unfold(2, k, s)  # [B, C, T_out, k]
+        rows = cols.permute(0, 2, 1, 3).reshape(x.shape[0], cols.shape[2], -1)  # [B, T_out, C*k], the weight's order
+        return self.rows(rows).transpose(1, 2)  # [B, E, T_out]

@@ -70,7 +70,7 @@ class Qwen2AudioForConditionalGeneration(MultiModalLM):
         """
         if modality != "audio":
             raise ValueError(f"{type(self).__name__} supports audio inputs, not {modality!r}")
-        weight = self.audio_tower.conv1.weight
+        weight = self.audio_tower.conv1.param
         feats = data["input_features"].to(device=weight.device, dtype=weight.dtype)  # [sum F_i, M]
         stored = torch.as_tensor(data["feature_frames"]).reshape(-1).tolist()
         valid = torch.as_tensor(data["valid_frames"]).reshape(-1).tolist()
