@@ -11,21 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-
-import httpx
 
 from vlserve.bench import serve as serve_bench
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vlserve.bench.serve_harness import free_port, wait_healthy
 
 
 def _start_server(model: str, port: int, engine_process: bool, extra: list[str]) -> subprocess.Popen:
@@ -34,23 +25,16 @@ def _start_server(model: str, port: int, engine_process: bool, extra: list[str])
     if not engine_process:
         cmd.append("--no-engine-process")
     proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in 600 s")
+    why = wait_healthy(proc, f"http://127.0.0.1:{port}", 600)
+    if why:
+        proc.kill()
+        raise RuntimeError(f"server {why}: {' '.join(cmd)}")
+    return proc
 
 
 def run_one(args, engine_process: bool) -> dict:
     """Start a server in the given mode, warm it up, run the load, stop it; the bench summary."""
-    port = _free_port()
+    port = free_port()
     proc = _start_server(args.model, port, engine_process, args.server_args)
     try:
         load = argparse.Namespace(base_url=f"http://127.0.0.1:{port}", model="bench", api_key=None,

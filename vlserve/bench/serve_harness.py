@@ -85,6 +85,21 @@ def build_checkpoint(cache_dir: str, vision_depth: int, vision_width: int, hidde
     return path
 
 
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout: float) -> str | None:
+    """None once `base_url`/health answers 200; else why not (`proc` exited with its code, or timed out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with code {proc.returncode}"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2, trust_env=False).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return f"not healthy after {timeout:.0f} s"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,17 +118,7 @@ class Server:
 
     def wait_healthy(self, timeout: float) -> str | None:
         """None once /health answers 200; else why not (exited with its code, or timed out)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return f"exited with code {self.proc.returncode}"
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2, trust_env=False).status_code == 200:
-                    return None
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        return f"not healthy after {timeout:.0f} s"
+        return wait_healthy(self.proc, self.base_url, timeout)
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()
