@@ -56,7 +56,8 @@ def test_tower_matches_hf_on_mixed_batch(towers):
     expected = getattr(expected, "pooler_output", expected)  # transformers 5.x returns an output object
     out = ours(pixels, GRIDS)
     assert out.shape == (sum(ours.num_embeddings(GRIDS)), hf_tower.merger.mlp[2].out_features)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # HF patch-embeds with Conv3d, we with one GEMM: oneDNN sums those in another order (AVX2 machines: up to 1.1e-5)
+    torch.testing.assert_close(out, expected, atol=3e-5, rtol=1e-5)
 
 
 @torch.no_grad()
