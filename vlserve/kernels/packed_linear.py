@@ -16,6 +16,17 @@ from torch import nn
 from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, pack_linear_weight
 
 
+def _pack_matrix(module: nn.Module, matrix: torch.Tensor, keep_weight: bool) -> bool:
+    """Give `module` a `packed_weight` of `matrix` [N, K] if the kernel serves it here (dropping `weight` unless
+    `keep_weight`); whether it did."""
+    if module.packed_weight is not None or not cpu_linear_supported(matrix):
+        return False
+    module.packed_weight = nn.Parameter(pack_linear_weight(matrix), requires_grad=False)
+    if not keep_weight:
+        module.weight = None  # held once; a stray F.linear now fails loudly
+    return True
+
+
 class PackableLinear(nn.Linear):
     """An nn.Linear whose weight the runner may pack for the CPU kernel once loaded: `pack_for_cpu()` swaps
     `weight` [O, I] for `packed_weight` (float32 [O/32, I, 32], bf16 [O/32, I/2, 32, 2]; the matrix is then held
@@ -28,12 +39,7 @@ class PackableLinear(nn.Linear):
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Pack the weight if the kernel serves it here; whether it did. `keep_weight`: another module shares the
         matrix (a tied LM head), so it stays and the packed one is a copy."""
-        if self.packed_weight is not None or not cpu_linear_supported(self.weight):
-            return False
-        self.packed_weight = nn.Parameter(pack_linear_weight(self.weight.data), requires_grad=False)
-        if not keep_weight:
-            self.weight = None  # held once; a stray F.linear now fails loudly
-        return True
+        return _pack_matrix(self, self.weight.data, keep_weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed."""
@@ -85,13 +91,7 @@ class _PatchConv:
         """Pack the flattened weight if the kernel serves it here; whether it did."""
         if self.packed_weight is not None:
             return False
-        flat = self.weight.data.reshape(self.out_channels, -1)  # [E, C*k...]
-        if not cpu_linear_supported(flat):
-            return False
-        self.packed_weight = nn.Parameter(pack_linear_weight(flat), requires_grad=False)
-        if not keep_weight:
-            self.weight = None
-        return True
+        return _pack_matrix(self, self.weight.data.reshape(self.out_channels, -1), keep_weight)  # [E, C*k...]
 
     @property
     def param(self) -> torch.Tensor:
