@@ -120,9 +120,10 @@ class OpenAIServingChat:
         tracker = DeltaTracker(holdback)
         last: RequestOutput | None = None
         try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(n)])
             async for out in stream:
+                if last is None:  # the role goes out with the first output, as vLLM sends it (TTFT counts from it)
+                    yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                                 for i in range(n)])
                 last = out
                 choices = []
                 for c in out.outputs:

@@ -176,7 +176,7 @@ def run_vllm_client(python: str, base_url: str, model: str, name: str, w: Worklo
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", result_dir, "--result-filename", filename]
+           "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", filename]
     with open(os.path.join(result_dir, f"{tag}.client.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_cpu_env(), cwd=REPO_ROOT,
