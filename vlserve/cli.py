@@ -68,6 +68,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="largest request body accepted, in bytes (default: 64 MiB); larger ones get 413")
     p.add_argument("--speculative-config", type=_json_dict, default=None, help="JSON, passed to the engine")
+    p.add_argument("--structured-outputs-config", type=_json_dict, default=None,
+                   help='JSON: {"backend": "xgrammar" | "guidance", "disable_any_whitespace": false} (default: '
+                        'xgrammar, JSON with any whitespace)')
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read out of the model's text (hermes: <tool_call>{...}</tool_call>)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="reject new requests with 503 while this many wait")
     p.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
@@ -114,7 +121,8 @@ def serve_config_from_args(args: argparse.Namespace):
         mm_preprocess_workers=args.mm_preprocess_workers,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
         max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
-        speculative_config=args.speculative_config, served_model_name=names[0] if names else None,
+        speculative_config=args.speculative_config, structured_outputs_config=args.structured_outputs_config,
+        served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
         async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
         enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size,
@@ -123,6 +131,7 @@ def serve_config_from_args(args: argparse.Namespace):
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                           playground=not args.disable_playground,
                           media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                                             allowed_media_domains=_split_domains(args.allowed_media_domains)))

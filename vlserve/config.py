@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlserve.shorten import shorten
+from vlserve.structured_output.params import StructuredOutputsConfig
 
 
 @dataclass(slots=True)
@@ -156,6 +157,7 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = None  # embeddings encoded per step (None: sized to one decode step)
     max_waiting_requests: int | None = None
     speculative_config: dict[str, Any] | None = None
+    structured_outputs_config: Any = None  # StructuredOutputsConfig, its dict or JSON text (None: xgrammar)
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
     max_audio_seconds: float | None = None  # longest audio clip accepted (None: the feature extractor's window)
@@ -179,6 +181,7 @@ class EngineArgs:
                              f"{self.tensor_parallel_size}: use 'mp' or 'ray'")
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
+        self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"):

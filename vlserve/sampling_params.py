@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from vlserve.structured_output.params import StructuredOutputsParams
+
 _MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64  # each one is searched for in every step's new text
 _GREEDY_EPS = 1e-5
@@ -32,6 +34,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
     # Filled by the engine: ids that end the request (EOS plus generation_config's eos list).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -42,6 +45,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
         self._verify()
 
     def _verify(self) -> None:

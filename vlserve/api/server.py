@@ -45,6 +45,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # honour `chat_template` sent in requests (runs client Jinja)
     shutdown_engine: bool = True  # stop the engine thread when the app shuts down
     playground: bool = True  # serve the playground page at / and /playground (--disable-playground)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides (--enable-auto-tool-choice)
+    tool_call_parser: str | None = None  # how tool calls are read from the model's text (--tool-call-parser)
 
 
 class _GateMiddleware:
