@@ -20,6 +20,7 @@ MAX_LINES = 500
 RANKS = {
     "demo": 0,  # the checkpoint locator: imports nothing from vlserve
     "config": 1, "sampling_params": 1, "outputs": 1, "shorten": 1,
+    "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
     "core": 2, "kernels": 2, "multimodal": 2, "distributed": 2,
     "encoders": 3,
     "models": 4,

@@ -42,6 +42,10 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req -> mm_features indices
     finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since the last step
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # Structured outputs: int32 token bitmask [rows, ceil(V / 32)] (bit set = allowed), filled by the engine
+    # after planning; per constrained request that samples, its first row (drafts' rows, then the bonus row).
+    grammar_bitmask: Any = None  # numpy array or None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -8,16 +8,20 @@ between steps); the first item of a step always runs, so one larger than the bud
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
+from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
 from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
 from vlserve.core.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,11 +48,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.failed: list[EngineCoreOutput] = []  # ended while waiting (a grammar that failed to compile)
         self.stats = SchedulerStats()
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def add_request(self, engine_req: EngineCoreRequest) -> None:
-        """Validate against the engine's limits and queue it (ValueError says what to change)."""
+    def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
+        """Validate against the engine's limits and queue it (ValueError says what to change). `structured_output`:
+        the request's grammar matcher (compiling), when its output is constrained."""
         cfg = self.config
         rid, n_prompt = engine_req.request_id, len(engine_req.prompt_token_ids)
         if rid in self.requests:
@@ -73,6 +79,7 @@ class Scheduler:
         room = min(cfg.max_model_len, max_kv_tokens) - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(engine_req, max_tokens)
+        req.structured_output = structured_output
         self.stats.prompt_tokens += n_prompt
         self.requests[rid] = req
         self.waiting.append(req)
@@ -152,8 +159,15 @@ class Scheduler:
                     spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
             idx += 1
 
+        compiling: list[Request] = []  # constrained requests whose grammar is not ready: they keep their place
         while self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
+            if grammar_waiting(req):
+                compiling.append(self.waiting.popleft())
+                continue
+            if grammar_error(req) is not None:
+                self._abort_failed_grammar(self.waiting.popleft())
+                continue
             computed_blocks, num_hit = [], 0
             if req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -179,6 +193,8 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             token_budget -= num_new
 
+        if compiling:
+            self.waiting.extendleft(reversed(compiling))
         scheduled = num_scheduled.get
         for req in self.running:
             n = scheduled(req.request_id)
@@ -193,6 +209,13 @@ class Scheduler:
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
         self.finished_req_ids = set()
         return out
+
+    def _abort_failed_grammar(self, req: Request) -> None:
+        """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""
+        req.status = RequestStatus.FINISHED_ABORTED
+        logger.error("request %s: its grammar did not compile: %s", req.request_id, grammar_error(req))
+        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": grammar_error(req)}))
+        self._free_request(req)
 
     def _finishes_in_flight(self, req: Request) -> bool:
         """Whether the tokens already in flight end the request by length for sure (no step is scheduled then)."""
@@ -260,7 +283,7 @@ class Scheduler:
     # -- results -----------------------------------------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self.failed = self.failed, []
         finished: list[tuple[Request, bool]] = []  # (request, was running)
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
@@ -285,9 +308,12 @@ class Scheduler:
             if running and req.mm_features:
                 self._release_written_encoder_inputs(req)
             new_tokens = self._accept_tokens(req, sampled) if sampled else []
+            if req.structured_output is not None:
+                advance_matcher(req, new_tokens)
             is_finished = req.status >= FIRST_FINISHED
             if req.spec_token_ids or spec_next:
-                req.spec_token_ids = spec_next.get(rid, []) if running and not is_finished else []
+                req.spec_token_ids = (allowed_drafts(req, spec_next.get(rid, [])) if running and not is_finished
+                                      else [])
             if not new_tokens and not is_finished:
                 continue
             self.stats.generation_tokens += len(new_tokens)

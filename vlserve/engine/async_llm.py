@@ -137,6 +137,8 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running ({self._dead})")
         params = sampling_params or SamplingParams()
+        if params.structured_outputs is not None:  # a grammar that does not compile is the client's 400, now
+            await self._in_pool(self.input_processor.check_structured_outputs, params.structured_outputs)
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.time())

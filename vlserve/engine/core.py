@@ -10,6 +10,7 @@ import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
 from vlserve.core.encoder_budget import EncoderBudget
+from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlserve.core.scheduler import Scheduler
@@ -50,6 +51,8 @@ class EngineCore:
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
+        self.structured_outputs_config = args.structured_outputs_config
+        self._structured_output_manager = None  # built on the first constrained request
         self.num_steps = 0
         # Async scheduling: planned steps queued on one runner thread, oldest first (None when synchronous).
         self.steps_in_flight: deque[tuple[SchedulerOutput, Future]] | None = None
@@ -59,8 +62,33 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request (ValueError if it can never run)."""
-        self.scheduler.add_request(request)
+        """Queue a request (ValueError if it can never run); a constrained one starts compiling its grammar."""
+        constraint = request.sampling_params.structured_outputs
+        matcher = None if constraint is None else self.structured_output_manager.init_request(constraint)
+        self.scheduler.add_request(request, matcher)
+
+    @property
+    def structured_output_manager(self):
+        """Compiles grammars (off the step loop) and fills token bitmasks; built on first use."""
+        if self._structured_output_manager is None:
+            from vlserve.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
+            loaded = self.loaded
+            self._structured_output_manager = StructuredOutputManager(
+                loaded.tokenizer, loaded.hf_config.get_text_config().vocab_size, self.structured_outputs_config,
+                stop_token_ids=loaded.eos_token_ids)
+        return self._structured_output_manager
+
+    def _schedule(self) -> SchedulerOutput:
+        """Plan a step; constrained requests that sample in it get their rows of the token bitmask."""
+        sched_out = self.scheduler.schedule()
+        if self._structured_output_manager is not None and not sched_out.is_empty:
+            rows = bitmask_rows(self.scheduler.requests, sched_out.num_scheduled_tokens,
+                                sched_out.scheduled_spec_decode_tokens)
+            if rows.num_rows:
+                sched_out.grammar_bitmask = self._structured_output_manager.grammar_bitmask(rows.matchers,
+                                                                                            rows.drafts)
+                sched_out.grammar_rows = rows.first_row
+        return sched_out
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -79,7 +107,7 @@ class EngineCore:
         """Schedule, run the model, and fold the results back; returns per-request new tokens."""
         if self.steps_in_flight is not None:
             return self._step_async()
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return []
         runner_out = self.executor.execute_model(sched_out)
@@ -96,7 +124,7 @@ class EngineCore:
         flight = self.steps_in_flight
         if not flight and not self._submit_next():
             return []
-        if not self.spec_config:
+        if not self.spec_config and not self._constrained_running():
             self._submit_next()  # placeholders stand in for the tokens step N is sampling
         sched_out, future = flight.popleft()
         runner_out = future.result()
@@ -109,12 +137,18 @@ class EngineCore:
 
     def _submit_next(self) -> bool:
         """Plan a step and queue it on the runner thread; False when there is nothing to run."""
-        sched_out = self.scheduler.schedule()
+        sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             return False
         self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.execute_model, sched_out)))
         self.num_steps += 1
         return True
+
+    def _constrained_running(self) -> bool:
+        """Whether a running request follows a grammar: its next bitmask needs the tokens of the step in flight,
+        so the next step is planned after them (as with spec decode)."""
+        return self._structured_output_manager is not None and any(
+            r.structured_output is not None for r in self.scheduler.running)
 
     def _observe_timings(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Resize the per-step encoder budget from the step's measured timings (a user-set budget stays)."""
@@ -146,7 +180,9 @@ class EngineCore:
                 self._runner_thread.submit(self.executor.execute_model, sched_out).result()
 
     def shutdown(self) -> None:
-        """Finish queued steps, stop the runner thread (async scheduling) and the executor's ranks."""
+        """Finish queued steps, stop the runner thread (async scheduling), the grammar compilers and the ranks."""
+        if self._structured_output_manager is not None:
+            self._structured_output_manager.shutdown()
         if self.steps_in_flight is not None:
             try:
                 self._drain_in_flight()

@@ -33,7 +33,7 @@ class EngineLoop:
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
         self.input_processor = InputProcessor(loaded, args.limit_mm_per_prompt, args.mm_processor_kwargs,
-                                              args.chat_template_content_format)
+                                              args.chat_template_content_format, args.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # -- requests ----------------------------------------------------------------------------------------------

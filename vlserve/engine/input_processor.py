@@ -29,7 +29,8 @@ class InputProcessor:
     """Tokenizes prompts, applies the chat template, runs the HF processor on media, validates limits."""
 
     def __init__(self, loaded: LoadedModel, limit_mm_per_prompt: dict[str, int] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None, chat_template_content_format: str = "auto"):
+                 mm_processor_kwargs: dict[str, Any] | None = None, chat_template_content_format: str = "auto",
+                 structured_outputs_config: Any = None):
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
                              f"got {shorten(chat_template_content_format)}")
@@ -40,6 +41,8 @@ class InputProcessor:
         self.default_mm_kwargs = dict(mm_processor_kwargs or {})
         self.mm_processor = getattr(loaded, "mm_processor", None)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)
+        self.structured_outputs_config = structured_outputs_config
+        self._grammar_checker = None  # a StructuredOutputManager that only validates (built on first use)
 
     # -- prompts -----------------------------------------------------------------------------------------------
     def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
@@ -146,9 +149,23 @@ class InputProcessor:
                 "vlserve:mm_processor_cache_misses_total": getattr(proc, "cache_misses", 0)}
 
     # -- requests ----------------------------------------------------------------------------------------------
+    def check_structured_outputs(self, constraint: Any) -> None:
+        """ValueError with the compiler's message when a constraint does not compile or accepts no output, before
+        the request reaches the engine (compiled grammars are cached, so a second check is cheap)."""
+        if self._grammar_checker is None:
+            from vlserve.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
+            from vlserve.structured_output.params import StructuredOutputsConfig
+            self._grammar_checker = StructuredOutputManager(
+                self.tokenizer, self.loaded.hf_config.get_text_config().vocab_size,
+                StructuredOutputsConfig.from_any(self.structured_outputs_config),
+                stop_token_ids=self.loaded.eos_token_ids)
+        self._grammar_checker.validate(constraint)
+
     def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                             arrival_time: float) -> EngineCoreRequest:
         """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint)."""
         params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time,
                                  processed.mm_features)

@@ -98,7 +98,7 @@ class RemoteEngineLoop:
         self.core = RemoteCore(loaded, [r.metrics for r in ready])
         self.tokenizer = loaded.tokenizer
         self.input_processor = InputProcessor(loaded, args.limit_mm_per_prompt, args.mm_processor_kwargs,
-                                              args.chat_template_content_format)
+                                              args.chat_template_content_format, args.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.router = DPRouter(len(ready), margin=args.max_num_seqs, block_size=args.block_size)
         self.staged: list[StepOutputs] = []

@@ -279,7 +279,8 @@ class ModelRunner:
             spec = so.scheduled_spec_decode_tokens
             drafts = ([spec.get(s.req_id, []) for s in sample_states] if spec
                       else [[] for _ in sample_states])
-            samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts)
+            samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts,
+                                               so.grammar_bitmask, so.grammar_rows)
         spec_tokens: dict[str, list[int]] = {}
         # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.
         if self.proposer is not None and (samples is not None or self.uses_hidden_states):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vlserve.worker.grammar_mask import apply_grammar_bitmask
 from vlserve.worker.rejection_sampler import RejectionSampler, build_spec_sampling_metadata
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sampler import Sampler, build_sampling_metadata
@@ -44,10 +45,12 @@ class StepSampler:
         self.rejection_sampler = RejectionSampler()
 
     def sample(self, model, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
-               drafts: list[list[int]]) -> StepSamples:
+               drafts: list[list[int]], grammar_bitmask: np.ndarray | None = None,
+               grammar_rows: dict[str, int] | None = None) -> StepSamples:
         """hidden: [T, H]; ends[i] (increasing): index after request i's last token in the batch; drafts[i]: its
         verified draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus
-        position)."""
+        position). grammar_bitmask / grammar_rows: the structured-output token bitmask of the step (see
+        SchedulerOutput), applied to the logits before sampling or verifying."""
         # Rows: the k_i draft positions + the bonus position of each request (just the last token without drafts).
         any_drafts = any(drafts)
         if any_drafts:
@@ -59,6 +62,9 @@ class StepSampler:
         else:
             picked = hidden.index_select(0, torch.from_numpy(rows).to(hidden.device))
         logits = model.compute_logits(picked)  # [sum(k_i + 1), V]
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, grammar_bitmask, grammar_rows, [s.req_id for s in states],
+                                  [len(d) + 1 for d in drafts])
         params = [s.sampling_params for s in states]
         gens = [s.generator for s in states]
         prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens rows

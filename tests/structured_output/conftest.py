@@ -1,0 +1,33 @@
+"""Fixtures for the structured-output tests: the demo model's real tokenizer (Qwen2 byte-level BPE, 467 tokens) and,
+when one is on this machine, a full-size tokenizer (never downloaded)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.structured_output.walks import DEMO_MODEL
+
+# Full-size tokenizers tried from the local Hugging Face cache only (VLSERVE_TEST_TOKENIZER: a directory to use).
+LOCAL_TOKENIZER_CANDIDATES = ("Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "gpt2")
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
+
+
+@pytest.fixture(scope="session")
+def big_tokenizer():
+    """A real tokenizer of tens of thousands of tokens from this machine, or a skip."""
+    from transformers import AutoTokenizer
+    explicit = os.environ.get("VLSERVE_TEST_TOKENIZER")
+    for name in ([explicit] if explicit else []) + list(LOCAL_TOKENIZER_CANDIDATES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except Exception:  # not cached here: try the next
+            continue
+        if len(tokenizer) > 10_000:
+            return tokenizer
+    pytest.skip("no full-size tokenizer on this machine (set VLSERVE_TEST_TOKENIZER to a local directory)")

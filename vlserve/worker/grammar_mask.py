@@ -1,0 +1,51 @@
+"""Applying structured outputs' token bitmask to a step's logits (the runner's half of constrained decoding)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [R, W] (bit j of word w: token 32 * w + j is allowed) -> bool [R, vocab_size]; tokens past
+    the bitmask's width are not allowed."""
+    bits = (words.unsqueeze(-1) >> _shifts(words.device)) & 1  # [R, W, 32]
+    allowed = bits.reshape(words.shape[0], -1).to(torch.bool)  # [R, 32 * W]
+    width = allowed.shape[1]
+    if width >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(words.shape[0], vocab_size - width, dtype=torch.bool, device=words.device)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, first_row: dict[str, int],
+                          req_ids: list[str], num_rows: list[int]) -> None:
+    """Set the logits of tokens a grammar forbids to -inf, in place. logits: [sum(num_rows), V], request i owning
+    num_rows[i] consecutive rows (its drafts' positions, then its bonus position); bitmask: int32 [R, W] with the
+    same per-request row layout starting at first_row[req_id], for constrained requests only."""
+    logit_rows: list[int] = []
+    mask_rows: list[int] = []
+    base = 0
+    for rid, n in zip(req_ids, num_rows):
+        start = first_row.get(rid)
+        if start is not None:
+            logit_rows.extend(range(base, base + n))
+            mask_rows.extend(range(start, start + n))
+        base += n
+    if not logit_rows:
+        return
+    words = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows])).to(logits.device)  # [r, W]
+    allowed = unpack_bitmask(words, logits.shape[-1])  # [r, V]
+    if len(logit_rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    rows = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
