@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from vlserve.api.request_fields import check_extra_fields
+from vlserve.api.structured_request import structured_outputs_from_request
 from vlserve.engine.request_limits import CHAT_ROLES, check_chat_template_kwargs
 from vlserve.sampling_params import SamplingParams
 from vlserve.shorten import shorten
@@ -40,8 +42,8 @@ def check_unicode(value: Any) -> Any:
 
 
 class OpenAIModel(BaseModel):
-    """Base for request bodies: unknown fields are accepted and ignored (as the OpenAI SDKs may send new ones);
-    NaN and infinite numbers are refused."""
+    """Base for request bodies: undeclared fields land in `model_extra` (vlserve.api.request_fields refuses the
+    ones that would change the output and logs the unknown ones); NaN and infinite numbers are refused."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -76,13 +78,24 @@ class _SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # output constraints (vlserve.api.structured_request maps them onto SamplingParams.structured_outputs)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     _check_stop = field_validator("stop")(check_unicode)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request (ValueError when a value is out of range)."""
-        if (self.model_extra or {}).get("logit_bias"):
-            raise ValueError("logit_bias is not supported by this server")
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, endpoint: str,
+                         tool_schema: dict | None, structured_backend: str) -> SamplingParams:
+        """SamplingParams for this request (ValueError when a value is out of range or a field is unsupported)."""
+        check_extra_fields(self.model_extra, endpoint)
+        structured = structured_outputs_from_request(self, tool_schema, structured_backend)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1] - MAX_N:
@@ -94,7 +107,7 @@ class _SamplingFields(OpenAIModel):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
 
     @property
     def include_usage(self) -> bool:
@@ -102,10 +115,15 @@ class _SamplingFields(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    """One message; content is a string or a list of content parts (text, image_url, video_url, input_audio)."""
+    """One message; content is a string or a list of content parts (text, image_url, video_url, input_audio).
+    Assistant messages may carry `tool_calls` (content may then be null); tool messages answer one by
+    `tool_call_id` (vlserve.engine.chat checks both)."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -127,15 +145,19 @@ class ChatCompletionRequest(_SamplingFields):
     mm_processor_kwargs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Any = None  # checked by vlserve.api.tool_choice
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens_positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:  # checked here so the error names the field the client sent
+            raise ValueError(f"max_completion_tokens must be an integer >= 1, got {value}")
+        return value
 
     def check_supported(self) -> None:
-        """ValueError for features this server does not implement."""
-        if self.tools:
-            raise ValueError("tools / function calling is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported by this server")
+        """ValueError for logprob settings this server does not take."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
@@ -151,11 +173,15 @@ class ChatCompletionRequest(_SamplingFields):
             kwargs["chat_template"] = self.chat_template
         return kwargs
 
-    def to_sampling_params(self) -> SamplingParams:
-        """max_completion_tokens wins over the deprecated max_tokens; logprobs=true -> top_logprobs (default 0)."""
+    def to_sampling_params(self, *, tool_schema: dict | None = None,
+                           structured_backend: str = "xgrammar") -> SamplingParams:
+        """max_completion_tokens wins over the deprecated max_tokens; logprobs=true -> top_logprobs (default 0).
+        `tool_schema`: the JSON schema a tool_choice imposes (vlserve.api.tool_choice.ToolPlan.constraint);
+        `structured_backend`: the server's grammar backend (what guided_decoding_backend may name)."""
         self.check_supported()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, "chat",
+                                     tool_schema, structured_backend)
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=False) for m in self.messages]
@@ -185,14 +211,15 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         return out
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, *, structured_backend: str = "xgrammar") -> SamplingParams:
+        """SamplingParams of each prompt (ValueError for unsupported fields and bad values)."""
         if self.echo:
             raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, "completion", None, structured_backend)
 
 
 # -- responses ----------------------------------------------------------------------------------------------------
@@ -223,9 +250,58 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
-class ChatResponseMessage(BaseModel):
+class _OmitNone(BaseModel):
+    """Serializes without the fields named in `omit_if_none` while they are None (OpenAI leaves them out)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_nones(self, handler):
+        data = handler(self)
+        for name in self.omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str = Field(default_factory=lambda: ToolCall.new_id())
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @staticmethod
+    def new_id() -> str:
+        return random_id("chatcmpl-tool")
+
+
+class DeltaFunctionCall(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    """A streamed piece of tool call `index`: id, type and name come once, then argument fragments."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("id", "type")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ChatResponseMessage(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -247,9 +323,11 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

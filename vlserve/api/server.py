@@ -136,7 +136,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     models = ServedModels(names, engine.engine.loaded.model_path, engine.max_model_len)
     fetcher = MediaFetcher(config.media)
     metrics = ServerMetrics(engine)
-    chat = OpenAIServingChat(engine, models, fetcher, config.trust_request_chat_template)
+    chat = OpenAIServingChat(engine, models, fetcher, config.trust_request_chat_template,
+                             enable_auto_tool_choice=config.enable_auto_tool_choice,
+                             tool_call_parser=config.tool_call_parser)
     completion = OpenAIServingCompletion(engine, models)
 
     @asynccontextmanager

@@ -100,6 +100,12 @@ def check_fits_context(max_tokens: int | None, prompt_tokens: int, max_model_len
         raise APIError(str(e), 400, "max_tokens") from None
 
 
+def structured_backend(engine: Any) -> str:
+    """The grammar backend the engine compiles output constraints with (what guided_decoding_backend may name)."""
+    config = getattr(engine.engine_args, "structured_outputs_config", None)
+    return getattr(config, "backend", None) or "xgrammar"
+
+
 def sse(payload: Any) -> str:
     """One server-sent event (`data: <json>`)."""
     text = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)

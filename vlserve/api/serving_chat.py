@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream."""
+"""POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream;
+tools / tool_choice (vlserve.api.tool_choice) -> tool_calls in the message or as streamed deltas."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,9 @@ from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletio
                                   TopLogprob, random_id)
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, MMKwargLimits, ServedModels,
                                       check_fits_context, check_mm_processor_kwargs, run_unless_disconnected, sse,
-                                      usage_of)
+                                      structured_backend, usage_of)
+from vlserve.api.tool_choice import ToolPlan, plan_tools
+from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
 
@@ -62,13 +65,20 @@ class OpenAIServingChat:
     """Validates, fetches media, processes, queues, and renders chat completions."""
 
     def __init__(self, engine: AsyncLLM, models: ServedModels, fetcher: MediaFetcher,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.models = models
         self.fetcher = fetcher
         self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
         self.mm_kwarg_limits = MMKwargLimits.from_engine(engine)
         self.trust_request_chat_template = trust_request_chat_template
+        parser = None if tool_call_parser is None else ToolParserManager.get(tool_call_parser)
+        if enable_auto_tool_choice and parser is None:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(ToolParserManager.names())})")
+        self.auto_tool_parser = parser if enable_auto_tool_choice else None  # tool_choice "auto" is refused without
+        self.structured_backend = structured_backend(engine)
 
     def _check_media(self, messages: list[dict]) -> None:
         """Fail fast (before any download) on modalities the model lacks and on too many items."""
@@ -86,8 +96,11 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
-        params = req.to_sampling_params()
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
+        params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         template_kwargs = req.template_kwargs(self.trust_request_chat_template)
+        if plan.tools:  # after the kwargs check, which refuses a client's own "tools" key
+            template_kwargs["tools"] = plan.tools
         mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs, self.mm_kwarg_limits)
         messages = req.messages_as_dicts()
         self._check_media(messages)
@@ -102,17 +115,23 @@ class OpenAIServingChat:
             holdback = max((len(s) for s in params.stop), default=1) - 1
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return EngineStreamingResponse(self._stream(stream, request_id, model, params.n, top_k, holdback,
-                                                        req.include_usage, continuous))
+                                                        req.include_usage, continuous, plan))
         final = await run_unless_disconnected(raw, _last(stream), stream.abort)
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=chat_logprobs(c.logprobs, top_k), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = _message(plan, c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c.logprobs, top_k),
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
         return JSONResponse(body.model_dump())
 
     async def _stream(self, stream: RequestStream, request_id: str, model: str, n: int, top_k: int, holdback: int,
-                      include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+                      include_usage: bool, continuous_usage: bool = False,
+                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
         created = int(time.time())
+        plan = plan or ToolPlan()
+        parsers = {i: plan.new_parser() for i in range(n)}  # per choice; None: plain content
+        released = {i: "" for i in range(n)}  # each choice's text sent through its parser so far
 
         def chunk(choices, usage=None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
@@ -131,10 +150,17 @@ class OpenAIServingChat:
                         continue
                     finished = c.finish_reason is not None
                     text, lps = tracker.delta(c.index, c.text, c.logprobs, finished)
-                    if text or finished or lps:
+                    delta, finish_reason, parser = DeltaMessage(content=text), c.finish_reason, parsers.get(c.index)
+                    news = bool(text)
+                    if parser is not None:
+                        released[c.index] += text
+                        parsed = parser.extract_tool_calls_streaming(released[c.index], finished)
+                        delta, news = parsed or DeltaMessage(content=""), parsed is not None
+                        finish_reason = plan.finish_reason(finish_reason, parser.streamed_calls > 0)
+                    if news or finished or lps:
                         choices.append(ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=text), logprobs=chat_logprobs(lps, top_k),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                            index=c.index, delta=delta, logprobs=chat_logprobs(lps, top_k),
+                            finish_reason=finish_reason, stop_reason=c.stop_reason))
                 if choices:
                     yield chunk(choices, usage_of([out]) if continuous_usage else None)
             if include_usage and last is not None:
@@ -145,6 +171,16 @@ class OpenAIServingChat:
         finally:
             stream.abort()
         yield SSE_DONE
+
+
+def _message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message (tool calls read out of the text when the plan asks) and its finish_reason."""
+    parser = plan.new_parser()
+    if parser is None:
+        return ChatResponseMessage(content=text), finish_reason
+    content, calls = parser.extract_tool_calls(text)
+    return (ChatResponseMessage(content=content, tool_calls=calls or None),
+            plan.finish_reason(finish_reason, bool(calls)))
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

@@ -12,7 +12,7 @@ from vlserve.api.errors import sse_error, to_api_error
 from vlserve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                   random_id)
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
-                                      check_fits_context, run_unless_disconnected, sse, usage_of)
+                                      check_fits_context, run_unless_disconnected, sse, structured_backend, usage_of)
 from vlserve.api.serving_chat import prepare_input
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
@@ -46,11 +46,12 @@ class OpenAIServingCompletion:
     def __init__(self, engine: AsyncLLM, models: ServedModels):
         self.engine = engine
         self.models = models
+        self.structured_backend = structured_backend(engine)
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(structured_backend=self.structured_backend)
         prompts = req.prompts()
         processed = [await prepare_input(self.engine.process_prompt(p)) for p in prompts]
         for proc in processed:

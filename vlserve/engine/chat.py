@@ -9,6 +9,7 @@ Chat templates take message content in one of two shapes (vLLM's "content format
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Callable
 
 from vlserve.engine.request_limits import check_role
@@ -65,8 +66,9 @@ def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict]
             raise ValueError(f"message {i} must be a dict with a 'role'")
         check_role(msg["role"], f"message {i}")
         content = msg.get("content")
+        fields = _tool_fields(msg, i)
         if content is None or isinstance(content, str):
-            out_messages.append({"role": msg["role"], "content": content or ""})
+            out_messages.append({"role": msg["role"], "content": content or "", **fields})
             continue
         if not isinstance(content, list):
             raise ValueError(f"message {i} content must be a string or a list of content parts")
@@ -83,8 +85,53 @@ def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict]
                 parts.append({"type": modality})
             else:
                 raise ValueError(f"message {i} part {j}: unsupported content part type {shorten(ptype)}")
-        out_messages.append({"role": msg["role"], "content": parts})
+        out_messages.append({"role": msg["role"], "content": parts, **fields})
     return out_messages, mm_data
+
+
+def _tool_fields(msg: dict, i: int) -> dict:
+    """A message's `name`, an assistant's `tool_calls` (arguments as objects: HF templates print them with tojson)
+    and a tool message's `tool_call_id`, checked."""
+    out: dict[str, Any] = {}
+    if msg.get("name") is not None:
+        if not isinstance(msg["name"], str):
+            raise ValueError(f"message {i}: name must be a string")
+        out["name"] = msg["name"]
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if msg["role"] != "assistant":
+            raise ValueError(f"message {i}: only assistant messages carry tool_calls")
+        if not isinstance(calls, list):
+            raise ValueError(f"message {i}: tool_calls must be a list")
+        out["tool_calls"] = [_template_tool_call(call, f"message {i} tool_calls[{j}]") for j, call in enumerate(calls)]
+    call_id = msg.get("tool_call_id")
+    if call_id is not None:
+        if msg["role"] != "tool":
+            raise ValueError(f"message {i}: only tool messages carry tool_call_id")
+        if not isinstance(call_id, str):
+            raise ValueError(f"message {i}: tool_call_id must be a string")
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _template_tool_call(call: Any, where: str) -> dict:
+    """An OpenAI tool call {id, type, function: {name, arguments: JSON text}} with its arguments parsed."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or call.get("type", "function") != "function":
+        raise ValueError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                         f'"arguments": ...}}}}')
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"{where}.function.name must be a non-empty string")
+    arguments = fn.get("arguments")
+    if arguments is None or isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments and arguments.strip() else {}
+        except ValueError:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {shorten(arguments)}") from None
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+    if call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
 
 
 def flatten_content(parts: list[dict], placeholders: dict[str, str] = MEDIA_PLACEHOLDERS) -> str:

@@ -1,0 +1,77 @@
+"""No request field silently dropped: the fields a request may carry beyond the ones this server implements.
+
+- A field vLLM (or OpenAI) accepts that would change the output here, sent with a value other than its no-op
+  default, is a 400 naming it (the table below: field -> the values that change nothing).
+- Fields that change no output (bookkeeping: metadata, store, request_id, ...) are accepted quietly.
+- A field neither vLLM nor OpenAI knows is accepted and ignored with one warning in the log per field name.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vlserve.shorten import shorten
+
+logger = logging.getLogger(__name__)
+
+_NONE = (None,)
+_FALSE = (None, False)
+_EMPTY = (None, [], {})
+
+# Both endpoints (vLLM's sampling and extra parameters, OpenAI's fields vLLM lacks), field -> no-op values.
+_UNSUPPORTED_COMMON: dict[str, tuple] = {
+    "logit_bias": _EMPTY, "best_of": (None, 1), "use_beam_search": _FALSE, "length_penalty": (None, 1, 1.0),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": _NONE, "prompt_logprobs": _NONE,
+    "allowed_token_ids": _NONE, "bad_words": _EMPTY, "priority": (None, 0), "logits_processors": _EMPTY,
+    "return_tokens_as_token_ids": _FALSE, "return_token_ids": _FALSE, "cache_salt": _NONE,
+    "kv_transfer_params": _NONE, "vllm_xargs": _EMPTY, "prompt_embeds": _NONE, "media_io_kwargs": _EMPTY,
+    "thinking_token_budget": _NONE,
+}
+_UNSUPPORTED_CHAT: dict[str, tuple] = {
+    **_UNSUPPORTED_COMMON,
+    "echo": _FALSE, "add_generation_prompt": (None, True), "continue_final_message": _FALSE,
+    "add_special_tokens": _FALSE, "documents": _EMPTY, "reasoning_effort": _NONE,
+    # OpenAI's: the legacy function-calling fields (use tools / tool_choice), audio output, predicted outputs
+    "functions": _EMPTY, "function_call": (None, "none"), "audio": _NONE, "modalities": (None, ["text"]),
+    "prediction": _NONE, "web_search_options": _NONE,
+}
+_UNSUPPORTED_COMPLETION: dict[str, tuple] = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
+
+# Known fields that change nothing a response carries (ids, bookkeeping, options of parts we do not have).
+_NO_EFFECT = frozenset({
+    "request_id", "include_reasoning", "store", "metadata", "service_tier", "safety_identifier",
+    "prompt_cache_key", "prompt_cache_retention", "verbosity"})
+
+_MAX_WARNED = 1024  # field names remembered for the once-per-name warning (a client may invent many)
+_warned: set[str] = set()
+
+
+def _is_noop(value: Any, noops: tuple) -> bool:
+    return any(value == v for v in noops)
+
+
+def check_extra_fields(extra: dict[str, Any] | None, endpoint: str) -> None:
+    """ValueError naming the first field that this server does not implement and that would change the output;
+    one log warning per other unknown field name. `endpoint`: "chat" or "completion"."""
+    table = _UNSUPPORTED_CHAT if endpoint == "chat" else _UNSUPPORTED_COMPLETION
+    for name, value in (extra or {}).items():
+        noops = table.get(name)
+        if noops is not None:
+            if not _is_noop(value, noops):
+                raise ValueError(f"{name} is not supported by this server (it would change the output); leave it "
+                                 f"out{_default_hint(noops)}")
+        elif name not in _NO_EFFECT:
+            _warn_once(name)
+
+
+def _default_hint(noops: tuple) -> str:
+    shown = [v for v in noops if v is not None]
+    return f" or send {shorten(shown[0])}" if shown else ""
+
+
+def _warn_once(name: str) -> None:
+    if name in _warned:
+        return
+    if len(_warned) < _MAX_WARNED:
+        _warned.add(name)
+        logger.warning("request field %s is not one this server knows; it was ignored", shorten(name))
