@@ -61,11 +61,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, mm_processor_kwargs: dict | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template."""
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template; `tools`
+        (OpenAI function tools) go to the template as vLLM's `LLM.chat(tools=...)` passes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         # The caller's own code: a chat_template in the kwargs is trusted here (the server refuses it by default).
         chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, allow_template=True)
+        if tools is not None:
+            if not isinstance(tools, list) or any(not isinstance(t, dict) for t in tools):
+                raise ValueError("tools must be a list of OpenAI tool objects (dicts)")
+            chat_template_kwargs["tools"] = tools
         processed = [self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs)
                      for c in conversations]
         return self._run(processed, sampling_params, use_tqdm)

@@ -147,3 +147,24 @@ def test_params_refuse_two_constraints_and_empty_choice():
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="unsupported field"):
         SamplingParams(structured_outputs={"json": SCHEMA, "whitespace": "x"})
+
+
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "<|im_start|>assistant\n")
+
+
+def test_llm_chat_passes_tools_to_the_template(llm):
+    tools = [{"type": "function", "function": {"name": "count_shapes", "description": "Count the shapes",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "How many shapes are there?"}]
+    kw = {"chat_template": TOOLS_TEMPLATE}
+    tok = llm.input_processor.tokenizer
+    expected = tok.apply_chat_template(msgs, tools=tools, chat_template=TOOLS_TEMPLATE, tokenize=False)
+    assert "<tools>count_shapes;</tools>" in expected
+    out = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, tools=tools, chat_template_kwargs=kw)[0]
+    base = llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs=kw)[0]
+    assert out.prompt_token_ids == tok(expected, add_special_tokens=False)["input_ids"]
+    assert len(out.prompt_token_ids) > len(base.prompt_token_ids)
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, tools="count_shapes")
