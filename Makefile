@@ -6,11 +6,16 @@ HF4_VERSION ?= 4.57.6
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
+# First run: a few minutes, with pip's own progress (one line per package it collects, downloads and installs).
 $(VENV)/.installed: pyproject.toml
+	@echo "[setup 1/3] creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,ray]'
-	touch $@
+	@echo "[setup 2/3] upgrading pip in $(VENV)"
+	$(PY) -m pip install --upgrade pip
+	@echo "[setup 3/3] installing vlserve and its dependencies (torch, transformers, ...) into $(VENV)"
+	$(PY) -m pip install -e '.[dev,ray]'
+	@touch $@
+	@echo "[setup] done: $(VENV) is ready (commands: $(VENV)/bin/python, $(VENV)/bin/vlserve)"
 
 setup: $(VENV)/.installed
 
@@ -37,10 +42,13 @@ browser:
 	fi
 
 $(VENV_HF4)/.installed: pyproject.toml
+	@echo "[setup 1/3] creating $(VENV_HF4) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV_HF4)
-	$(VENV_HF4)/bin/python -m pip install -q --upgrade pip
-	$(VENV_HF4)/bin/python -m pip install -q -e '.[dev]' 'transformers==$(HF4_VERSION)'
-	touch $@
+	@echo "[setup 2/3] upgrading pip in $(VENV_HF4)"
+	$(VENV_HF4)/bin/python -m pip install --upgrade pip
+	@echo "[setup 3/3] installing vlserve with transformers $(HF4_VERSION) into $(VENV_HF4)"
+	$(VENV_HF4)/bin/python -m pip install -e '.[dev]' 'transformers==$(HF4_VERSION)'
+	@touch $@
 
 test-hf4: $(VENV_HF4)/.installed
 	$(VENV_HF4)/bin/python -m pytest -q -m hf_parity $(PYTEST_ARGS)
