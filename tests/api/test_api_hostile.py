@@ -152,6 +152,11 @@ def test_max_tokens_over_the_context_left_is_400(server):
     ok = server.http.post(COMPL, json={"model": "tiny-text", "prompt": [5] * 1000, "max_tokens": 24})
     assert ok.status_code == 200, ok.text
     long_chat = chat(messages=[{"role": "user", "content": "a b " * 300}], max_completion_tokens=1000)
+    r = server.http.post(CHAT, json=long_chat)
+    assert_error_shape(r, 400, "max_completion_tokens is too large")  # the field the client sent
+    assert r.json()["error"]["param"] == "max_completion_tokens"
+    del long_chat["max_completion_tokens"]
+    long_chat["max_tokens"] = 1000
     assert_error_shape(server.http.post(CHAT, json=long_chat), 400, "max_tokens is too large")
 
 

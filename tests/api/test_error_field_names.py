@@ -39,3 +39,9 @@ def test_max_tokens_zero_still_names_max_tokens():
     req = ChatCompletionRequest.model_validate({"messages": MSG, "max_tokens": 0})
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
         req.to_sampling_params()
+
+
+def test_min_tokens_over_max_completion_tokens_names_that_field():
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "max_completion_tokens": 3, "min_tokens": 5})
+    with pytest.raises(ValueError, match=r"min_tokens \(5\) must be <= max_completion_tokens \(3\)"):
+        req.to_sampling_params()

@@ -180,6 +180,9 @@ class ChatCompletionRequest(_SamplingFields):
         `structured_backend`: the server's grammar backend (what guided_decoding_backend may name)."""
         self.check_supported()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None and self.min_tokens > self.max_completion_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_completion_tokens "
+                             f"({self.max_completion_tokens}).")
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, "chat",
                                      tool_schema, structured_backend)
 

@@ -92,12 +92,14 @@ def check_mm_processor_kwargs(kwargs: dict[str, Any] | None, limits: MMKwargLimi
     return dict(kwargs)
 
 
-def check_fits_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> None:
-    """400 (param max_tokens) when the prompt plus the requested completion exceed the model's context."""
+def check_fits_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int,
+                       field: str = "max_tokens") -> None:
+    """400 (param `field`, the name the client used) when the prompt plus the requested completion exceed the
+    model's context."""
     try:
-        check_max_tokens_fit(max_tokens, prompt_tokens, max_model_len)
+        check_max_tokens_fit(max_tokens, prompt_tokens, max_model_len, field)
     except ValueError as e:
-        raise APIError(str(e), 400, "max_tokens") from None
+        raise APIError(str(e), 400, field) from None
 
 
 def structured_backend(engine: Any) -> str:

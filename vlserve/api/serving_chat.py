@@ -107,7 +107,8 @@ class OpenAIServingChat:
         payloads = await self.fetcher.resolve(messages)
         processed = await prepare_input(self.engine.process_chat(
             messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)]))
-        check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len)
+        check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len,
+                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params)
         top_k = req.top_logprobs or 0

@@ -82,13 +82,15 @@ def check_prompt_chars(text: str, limit: int, max_model_len: int) -> None:
                          f"is a lone UTF-16 surrogate") from None
 
 
-def check_max_tokens_fit(max_tokens: int | None, prompt_tokens: int, max_model_len: int) -> None:
+def check_max_tokens_fit(max_tokens: int | None, prompt_tokens: int, max_model_len: int,
+                         field: str = "max_tokens") -> None:
     """ValueError when the prompt plus `max_tokens` exceed the model's context (None means "whatever is left").
-    A prompt that alone fills the context is left to the engine's own check, which says so."""
+    A prompt that alone fills the context is left to the engine's own check, which says so. `field`: the name the
+    client gave the limit (max_tokens or max_completion_tokens), which the message uses."""
     if max_tokens is None or prompt_tokens >= max_model_len or prompt_tokens + max_tokens <= max_model_len:
         return
     room = max_model_len - prompt_tokens
-    raise ValueError(f"max_tokens is too large: this model's context (max_model_len) holds {max_model_len} tokens, the prompt uses "
+    raise ValueError(f"{field} is too large: this model's context (max_model_len) holds {max_model_len} tokens, the prompt uses "
                      f"{prompt_tokens}, and {max_tokens} were requested for the completion "
                      f"({prompt_tokens + max_tokens} in all); ask for at most {max(room, 0)} completion tokens or "
                      f"shorten the prompt")
