@@ -62,12 +62,7 @@ class StructuredOutputsParams:
         """From a request's dict; a key this class does not know is a ValueError that names it."""
         if not isinstance(d, dict):
             raise ValueError(f"structured_outputs must be an object, got {shorten(d)}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs has unsupported field(s) {', '.join(unknown)}; supported: "
-                             f"{', '.join(sorted(known))}")
-        return cls(**d)
+        return _from_known_keys(cls, d, "structured_outputs")
 
     @property
     def kind(self) -> str:
@@ -112,9 +107,14 @@ class StructuredOutputsConfig:
             return value
         if isinstance(value, str):
             value = _json.loads(value)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"--structured-outputs-config has unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
-        return cls(**value)
+        return _from_known_keys(cls, value, "--structured-outputs-config")
+
+
+def _from_known_keys(cls, d: dict[str, Any], where: str):
+    """cls(**d), with a ValueError naming the keys of d that are not fields of cls."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where} has unsupported field(s) {', '.join(unknown)}; supported: "
+                         f"{', '.join(sorted(known))}")
+    return cls(**d)

@@ -14,6 +14,7 @@ class StructuredOutputRequest:
     def __init__(self, params: StructuredOutputsParams, future: "Future[StructuredOutputGrammar]") -> None:
         self.params = params
         self.future = future
+        self._grammar: StructuredOutputGrammar | None = None  # the matcher, kept once compiled (read every step)
 
     def is_ready(self) -> bool:
         """True once compiling finished, successfully or not; never blocks."""
@@ -26,9 +27,9 @@ class StructuredOutputRequest:
     @property
     def grammar(self) -> StructuredOutputGrammar | None:
         """The request's matcher; None while compiling or when compiling failed."""
-        if not self.future.done() or self.future.exception() is not None:
-            return None
-        return self.future.result()
+        if self._grammar is None and self.future.done() and self.future.exception() is None:
+            self._grammar = self.future.result()
+        return self._grammar
 
     @property
     def error(self) -> str | None:
@@ -40,7 +41,7 @@ class StructuredOutputRequest:
 
     def require_grammar(self) -> StructuredOutputGrammar:
         """The matcher; a RuntimeError while compiling or when compiling failed."""
-        grammar = self.grammar
+        grammar = self._grammar or self.grammar
         if grammar is None:
             state = f"failed to compile: {self.error}" if self.is_ready() else "is still compiling"
             raise RuntimeError(f"the structured output grammar {state}")

@@ -26,6 +26,18 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([allowed, pad], dim=1)
 
 
+def _unpack_rows(bitmask: np.ndarray, rows: list[int], vocab_size: int) -> torch.Tensor:
+    """bool [len(rows), vocab_size] of the given rows of an int32 bitmask, unpacked by numpy (little-endian bits:
+    the same layout unpack_bitmask reads)."""
+    words = bitmask if len(rows) == bitmask.shape[0] else bitmask[rows]  # [r, W]
+    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")  # [r, 32 W]
+    if bits.shape[1] >= vocab_size:
+        return torch.from_numpy(bits[:, :vocab_size]).to(torch.bool)
+    padded = np.zeros((bits.shape[0], vocab_size), dtype=np.uint8)
+    padded[:, :bits.shape[1]] = bits
+    return torch.from_numpy(padded).to(torch.bool)
+
+
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, first_row: dict[str, int],
                           req_ids: list[str], num_rows: list[int]) -> None:
     """Set the logits of tokens a grammar forbids to -inf, in place. logits: [sum(num_rows), V], request i owning
@@ -42,8 +54,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, first_row: 
         base += n
     if not logit_rows:
         return
-    words = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows])).to(logits.device)  # [r, W]
-    allowed = unpack_bitmask(words, logits.shape[-1])  # [r, V]
+    allowed = _unpack_rows(bitmask, mask_rows, logits.shape[-1]).to(logits.device)  # [r, V]
     if len(logit_rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
         return
