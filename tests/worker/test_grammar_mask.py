@@ -44,3 +44,12 @@ def test_all_rows_constrained_in_place():
     apply_grammar_bitmask(logits, _pack([{32}, {0, 1}], vocab), {"x": 0, "y": 1}, ["x", "y"], [1, 1])
     assert logits[0].argmax().item() == 32 and torch.isinf(logits[0, :32]).all()
     assert set(torch.nonzero(torch.isfinite(logits[1])).flatten().tolist()) == {0, 1}
+
+
+def test_rows_in_another_order_than_the_bitmask():
+    """The runner orders requests (decodes first) unlike the scheduler: every row must take its own mask row."""
+    vocab = 40
+    logits = torch.zeros(2, vocab)
+    apply_grammar_bitmask(logits, _pack([{1}, {2}], vocab), {"x": 0, "y": 1}, ["y", "x"], [1, 1])
+    assert logits[0].argmax().item() == 2 and logits[1].argmax().item() == 1
+    assert torch.isfinite(logits).sum().item() == 2

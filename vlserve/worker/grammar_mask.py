@@ -29,7 +29,8 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def _unpack_rows(bitmask: np.ndarray, rows: list[int], vocab_size: int) -> torch.Tensor:
     """bool [len(rows), vocab_size] of the given rows of an int32 bitmask, unpacked by numpy (little-endian bits:
     the same layout unpack_bitmask reads)."""
-    words = bitmask if len(rows) == bitmask.shape[0] else bitmask[rows]  # [r, W]
+    in_order = len(rows) == bitmask.shape[0] and all(r == i for i, r in enumerate(rows))
+    words = bitmask if in_order else bitmask[rows]  # [r, W]
     bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")  # [r, 32 W]
     if bits.shape[1] >= vocab_size:
         return torch.from_numpy(bits[:, :vocab_size]).to(torch.bool)
