@@ -53,3 +53,19 @@ def test_rows_in_another_order_than_the_bitmask():
     apply_grammar_bitmask(logits, _pack([{1}, {2}], vocab), {"x": 0, "y": 1}, ["y", "x"], [1, 1])
     assert logits[0].argmax().item() == 2 and logits[1].argmax().item() == 1
     assert torch.isfinite(logits).sum().item() == 2
+
+
+def test_word_level_masking_equals_bit_by_bit():
+    """All-allowed, all-forbidden and mixed words, a vocabulary that is not a multiple of 32, bf16 and float32."""
+    rng = np.random.default_rng(0)
+    for vocab, dtype in ((151, torch.float32), (160, torch.bfloat16), (1000, torch.float32)):
+        words = (vocab + 31) // 32
+        mask = rng.integers(-2**31, 2**31 - 1, size=(6, words), dtype=np.int64).astype(np.int32)
+        mask[0] = -1
+        mask[1] = 0
+        mask[2, ::2] = 0
+        mask[3, 1::2] = -1
+        logits = torch.randn(6, vocab).to(dtype)
+        expected = logits.masked_fill(~unpack_bitmask(torch.from_numpy(mask), vocab), float("-inf"))
+        apply_grammar_bitmask(logits, mask, {str(i): i for i in range(6)}, [str(i) for i in range(6)], [1] * 6)
+        assert torch.equal(logits, expected)
