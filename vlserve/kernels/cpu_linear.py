@@ -118,7 +118,7 @@ def cpu_linear_kernel():
     isa = "avx2" if native and requested == "avx2" else native
     kernel = build_cpu_linear(isa) if isa else None
     if kernel is not None:
-        logger.info("packed CPU linear built: float32 on its %s path, bf16 on its %s path",
+        logger.debug("packed CPU linear built: float32 on its %s path, bf16 on its %s path",
                     cpu_linear_isa(torch.float32, kernel), cpu_linear_isa(torch.bfloat16, kernel))
     return kernel
 
