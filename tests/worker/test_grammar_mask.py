@@ -18,10 +18,10 @@ def _pack(allowed: list[set[int]], vocab: int) -> np.ndarray:
 def test_unpack_matches_the_bits_including_bit_31_and_the_tail():
     vocab = 70
     rows = [{0, 31, 32, 63, 69}, set(), set(range(vocab))]
-    got = unpack_bitmask(torch.from_numpy(_pack(rows, vocab)), vocab)
+    got = unpack_bitmask(_pack(rows, vocab), vocab)
     for r, toks in enumerate(rows):
         assert set(torch.nonzero(got[r]).flatten().tolist()) == toks
-    wider = unpack_bitmask(torch.from_numpy(_pack(rows, vocab)), 100)  # logits wider than the bitmask
+    wider = unpack_bitmask(_pack(rows, vocab), 100)  # logits wider than the bitmask
     assert not wider[:, 96:].any()
 
 
@@ -66,6 +66,6 @@ def test_word_level_masking_equals_bit_by_bit():
         mask[2, ::2] = 0
         mask[3, 1::2] = -1
         logits = torch.randn(6, vocab).to(dtype)
-        expected = logits.masked_fill(~unpack_bitmask(torch.from_numpy(mask), vocab), float("-inf"))
+        expected = logits.masked_fill(~unpack_bitmask(mask, vocab), float("-inf"))
         apply_grammar_bitmask(logits, mask, {str(i): i for i in range(6)}, [str(i) for i in range(6)], [1] * 6)
         assert torch.equal(logits, expected)

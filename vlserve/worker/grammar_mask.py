@@ -4,34 +4,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _shifts(device: torch.device) -> torch.Tensor:
-    shifts = _BIT_SHIFTS.get(device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    return shifts
-
-
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 words [R, W] (bit j of word w: token 32 * w + j is allowed) -> bool [R, vocab_size]; tokens past
-    the bitmask's width are not allowed."""
-    bits = (words.unsqueeze(-1) >> _shifts(words.device)) & 1  # [R, W, 32]
-    allowed = bits.reshape(words.shape[0], -1).to(torch.bool)  # [R, 32 * W]
-    width = allowed.shape[1]
-    if width >= vocab_size:
-        return allowed[:, :vocab_size]
-    pad = torch.zeros(words.shape[0], vocab_size - width, dtype=torch.bool, device=words.device)
-    return torch.cat([allowed, pad], dim=1)
-
-
-def _unpack_rows(bitmask: np.ndarray, rows: list[int], vocab_size: int) -> torch.Tensor:
-    """bool [len(rows), vocab_size] of the given rows of an int32 bitmask, unpacked by numpy (little-endian bits:
-    the same layout unpack_bitmask reads)."""
-    in_order = len(rows) == bitmask.shape[0] and all(r == i for i, r in enumerate(rows))
-    words = bitmask if in_order else bitmask[rows]  # [r, W]
-    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")  # [r, 32 W]
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """int32 words [R, W] (bit j of word w: token 32 * w + j is allowed) -> bool [R, vocab_size]; tokens past the
+    bitmask's width are not allowed. Unpacked by numpy from the words' bytes (little-endian hosts)."""
+    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")  # [R, 32 W]
     if bits.shape[1] >= vocab_size:
         return torch.from_numpy(bits[:, :vocab_size]).to(torch.bool)
     padded = np.zeros((bits.shape[0], vocab_size), dtype=np.uint8)
@@ -55,7 +31,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, first_row: 
         base += n
     if not logit_rows:
         return
-    allowed = _unpack_rows(bitmask, mask_rows, logits.shape[-1]).to(logits.device)  # [r, V]
+    in_order = len(mask_rows) == bitmask.shape[0] and all(r == i for i, r in enumerate(mask_rows))
+    words = bitmask if in_order else bitmask[mask_rows]  # [r, W]
+    allowed = unpack_bitmask(words, logits.shape[-1]).to(logits.device)  # [r, V]
     if len(logit_rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
         return
