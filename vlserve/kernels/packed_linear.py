@@ -35,6 +35,7 @@ class PackableLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("packed_weight", None)
+        self.quant_scheme = None  # set by models.quantization: the matmul then runs through the scheme
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Pack the weight if the kernel serves it here; whether it did. `keep_weight`: another module shares the
@@ -42,7 +43,10 @@ class PackableLinear(nn.Linear):
         return _pack_matrix(self, self.weight.data, keep_weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed."""
+        """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed, through the quantization
+        scheme's kernel when the layer is quantized."""
+        if self.quant_scheme is not None:
+            return self.quant_scheme.apply(self, x, bias)
         if self.packed_weight is not None:
             return cpu_linear(x, self.packed_weight, bias, self.out_features)
         return F.linear(x, self.weight, bias)
@@ -60,6 +64,7 @@ def packable(module: nn.Module) -> nn.Module:
         if type(sub) is nn.Linear:
             sub.__class__ = PackableLinear
             sub.register_parameter("packed_weight", None)
+            sub.quant_scheme = None
             sub.keep_weight = True
     return module
 

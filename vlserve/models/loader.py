@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from vlserve.distributed.parallel_state import tp_size
+from vlserve.models.llama import decoder_of
+from vlserve.models.quantization import apply_quantization, get_quantization_config, process_quantized_weights
 from vlserve.models.registry import get_model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -77,6 +79,27 @@ def iter_safetensors_weights(model_dir: str, shard_of: ShardFn | None = None) ->
                 yield name, f.get_slice(name)[index]
 
 
+def checkpoint_tensor_names(model_dir: str) -> list[str]:
+    """Every tensor name of the checkpoint (read from the safetensors headers only)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
+def decoder_prefix(names: list[str]) -> str:
+    """The checkpoint prefix of the language decoder's tensors (`model.`, `model.language_model.`,
+    `language_model.model.`): where its `embed_tokens.weight` lies."""
+    found = sorted(n[:-len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight"))
+    if len(found) != 1:
+        raise ValueError(f"cannot tell the language decoder's tensors apart in this checkpoint ({len(found)} "
+                         "embed_tokens.weight tensors)")
+    return found[0]
+
+
 def meta_model(hf_config) -> nn.Module:
     """The registered class for `hf_config` built on the meta device: its attributes (modalities, token ids, M-RoPE)
     without any weight memory."""
@@ -84,7 +107,7 @@ def meta_model(hf_config) -> nn.Module:
         return get_model_class(hf_config)(hf_config)
 
 
-def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
+def load_model(model_dir: str, hf_config, dtype, device, quantization: str | None = None) -> nn.Module:
     """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
 
     The module is built on the meta device (no random init), materialized with `to_empty`, then every module
@@ -93,11 +116,16 @@ def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
 
     Under tensor parallelism (`vlserve.distributed.init_tensor_parallel` called first) the model is built with this
     rank's shard sizes and each rank reads only its slices of the sharded tensors (`model.checkpoint_shard`).
+
+    A quantized checkpoint (`quantization_config` in its config; `quantization` may name the method and must
+    match) gets its decoder's linear layers swapped for the format's tensors before loading and turned into the
+    kernels' form after (`models.quantization`).
     """
     cls = get_model_class(hf_config)
     dtype = resolve_dtype(dtype, hf_config)
     device = torch.device(device)
     safetensors_files(model_dir)  # fail fast, before building anything
+    qconfig = get_quantization_config(hf_config, quantization)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -105,6 +133,9 @@ def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
             model = cls(hf_config)
     finally:
         torch.set_default_dtype(prev)
+    if qconfig is not None:
+        names = checkpoint_tensor_names(model_dir)
+        apply_quantization(decoder_of(model), decoder_prefix(names), qconfig, names)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -120,4 +151,6 @@ def load_model(model_dir: str, hf_config, dtype, device) -> nn.Module:
         model.load_weights(iter_safetensors_weights(model_dir, shard_of))
     except ValueError as e:
         raise ValueError(f"{e} (checkpoint {model_dir})") from e
+    if qconfig is not None:
+        process_quantized_weights(model)
     return model.eval()

@@ -34,6 +34,7 @@ from torch import nn
 from vlserve.distributed.communication import tp_all_gather, tp_all_reduce
 from vlserve.distributed.parallel_state import tp_rank, tp_size
 from vlserve.kernels.packed_linear import PackableLinear, pack_linears_for_cpu  # noqa: F401 (re-exported)
+from vlserve.models.quantization.base import copy_into_rows, layout_of, shard_range
 
 ShardSpec = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor that this rank reads
 
@@ -82,15 +83,18 @@ class ColumnParallelLinear(PackableLinear):
         return self.tp_rank * count, count
 
     def checkpoint_shard(self, param: str, piece: str | None = None) -> ShardSpec | None:
-        """Rows of the checkpoint tensor (weight or bias) this rank reads; None when unsharded."""
-        if self.tp_size == 1:
+        """Rows of the checkpoint tensor this rank reads (along the parameter's output dim, in its elements: a
+        packed or grouped quantized tensor covers several rows an element); None when unsharded."""
+        layout = layout_of(self, param)
+        if self.tp_size == 1 or layout.output_dim is None or layout.per_piece_scalar:
             return None
-        return (0, *self.checkpoint_rows(piece))
+        start, count = self.checkpoint_rows(piece)
+        return (layout.output_dim, *shard_range(start, count, layout.output_div, f"{param} of {piece or 'layer'}"))
 
     def load_shard(self, param: str, piece: str | None, tensor: torch.Tensor, name: str) -> None:
         """Copy this rank's slice of checkpoint tensor `name` into `piece`'s rows of `param`."""
         offset, count = self.local_rows(piece)
-        copy_weight(getattr(self, param).data[offset:offset + count], tensor, name)
+        copy_into_rows(self, param, offset, count, tensor, name)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,6 +148,7 @@ class RowParallelLinear(PackableLinear):
         if in_features % self.tp_size:
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {self.tp_size}")
         super().__init__(in_features // self.tp_size, out_features, bias=bias)
+        self.shards_input = self.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, I/tp] -> partial [T, O] -> summed over ranks [T, O] (+ bias)
@@ -153,14 +158,17 @@ class RowParallelLinear(PackableLinear):
         return out if self.bias is None else out + self.bias
 
     def checkpoint_shard(self, param: str, piece: str | None = None) -> ShardSpec | None:
-        """Columns of the weight this rank reads (dim 1); the bias is read whole."""
-        if self.tp_size == 1 or param != "weight":
+        """Columns of the weight this rank reads (along the parameter's input dim, in its elements); the bias and
+        tensors without an input dim (per-channel scales) are read whole."""
+        layout = layout_of(self, param)
+        if self.tp_size == 1 or layout.input_dim is None:
             return None
-        return 1, self.tp_rank * self.in_features, self.in_features
+        return (layout.input_dim, *shard_range(self.tp_rank * self.in_features, self.in_features, layout.input_div,
+                                               param))
 
     def load_shard(self, param: str, piece: str | None, tensor: torch.Tensor, name: str) -> None:
         """Copy this rank's columns (or the whole bias) of checkpoint tensor `name`."""
-        copy_weight(getattr(self, param), tensor, name)
+        copy_into_rows(self, param, None, None, tensor, name)
 
 
 @dataclass(frozen=True)
