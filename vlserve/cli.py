@@ -83,6 +83,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"],
                        help="weight and activation dtype (default: auto, the checkpoint's dtype)")
+    model.add_argument("--quantization", "-q", default=None,
+                       choices=["compressed-tensors", "gptq", "awq"],
+                       help="the checkpoint's quantization method; it must match quantization_config in its "
+                            "config.json, which is read either way (default: from the checkpoint)")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="longest sequence, prompt plus completion, in tokens (default: the model's "
                             "max_position_embeddings)")
@@ -173,7 +177,7 @@ def serve_config_from_args(args: argparse.Namespace):
 
     names = args.served_model_name
     engine_args = EngineArgs(
-        model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+        model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,

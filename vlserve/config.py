@@ -140,6 +140,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # the checkpoint's quant method, checked against its quantization_config
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None

@@ -78,6 +78,7 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
     from transformers import AutoConfig
 
     from vlserve.models.loader import load_model, meta_model, resolve_dtype
+    from vlserve.models.quantization import get_quantization_config
     from vlserve.models.registry import get_model_class
 
     try:
@@ -85,6 +86,7 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
+    get_quantization_config(hf_config, args.quantization)  # an unsupported or mismatched quantization, too
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config)
     tokenizer = load_tokenizer(model_path, args.tokenizer)
@@ -95,7 +97,7 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     torch.manual_seed(args.seed)
     if build_model:
-        model = facts = load_model(model_path, hf_config, dtype, device)
+        model = facts = load_model(model_path, hf_config, dtype, device, args.quantization)
     else:
         model, facts = None, meta_model(hf_config)
     mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds,

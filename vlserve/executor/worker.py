@@ -84,7 +84,7 @@ def load_rank_model(settings: WorkerSettings, rank: int) -> RankModel:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(settings.args.dtype, hf_config)
     torch.manual_seed(settings.args.seed)
-    model = load_model(settings.model_path, hf_config, dtype, device)
+    model = load_model(settings.model_path, hf_config, dtype, device, settings.args.quantization)
     return RankModel(settings.model_path, hf_config, model, device, dtype, mrope_positions_fn_for(model, hf_config))
 
 
