@@ -194,8 +194,9 @@ def _scheme_of_group(name: str, group: dict, default_format: str | None) -> Line
     if fmt != "pack-quantized" and bits != 8:
         raise ValueError(f"{where}: {bits}-bit weights must be pack-quantized")
     group_size = weights.get("group_size") if strategy == "group" else None
-    return CTWNA16(bits, group_size, weights.get("symmetric", True), weights.get("actorder") in ("group", "weight")
-                   and strategy == "group", fmt == "pack-quantized")
+    # actorder "group" stores a weight_g_idx; "weight" (act order with static groups) stores the weight as usual
+    return CTWNA16(bits, group_size, weights.get("symmetric", True),
+                   weights.get("actorder") == "group" and strategy == "group", fmt == "pack-quantized")
 
 
 class CompressedTensorsConfig(QuantizationConfig):

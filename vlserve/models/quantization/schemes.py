@@ -12,17 +12,16 @@ from vlserve.models.quantization.base import LinearScheme
 
 def replace_params(layer: nn.Module, drop: tuple[str, ...], prepared) -> None:
     """Set `layer.quant_weights = prepared` and remove the checkpoint-form parameters `drop` (and `weight`)."""
-    for name in drop + ("weight",):
+    for name in drop:
         if name in layer._parameters:
             del layer._parameters[name]
-    layer.weight = None
+    layer.register_parameter("weight", None)
     layer.quant_weights = prepared
 
 
 def remove_weight(layer: nn.Module) -> None:
     """Drop the layer's float `weight` parameter (a quantized layer never holds one)."""
-    del layer._parameters["weight"]
-    layer.weight = None
+    layer.register_parameter("weight", None)
 
 
 class WNA16Scheme(LinearScheme):
