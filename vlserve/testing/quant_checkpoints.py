@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from vlserve.models.quantization.packing import AWQ_ORDER, pack_int32, unpack_int32
 
 _DECODER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_TOWER = re.compile(r"vision|visual|audio")  # CLIP / Whisper towers have `layers.N.self_attn.q_proj` too
 FP8_MAX = 448.0
 
 
@@ -171,7 +172,7 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 64, s
         out: dict[str, torch.Tensor] = {}
         float_copy = dict(tensors)
         for name, w in tensors.items():
-            if not _DECODER_LINEAR.search(name):
+            if not _DECODER_LINEAR.search(name) or _TOWER.search(name):
                 out[name] = w
                 continue
             module = name[:-len(".weight")]

@@ -50,7 +50,8 @@ class CTWNA16(WNA16Scheme):
         group = self.group_size_for(inp)
         check_divides(f"{type(layer).__name__} input size", inp, group, f"{METHOD} group_size")
         groups = inp // group
-        scale_layout = QuantParamLayout(input_dim=1 if groups > 1 else None, input_div=group)
+        grouped = bool(self.group_size and self.group_size > 0)  # per-channel scales do not run along the input
+        scale_layout = QuantParamLayout(input_dim=1 if grouped else None, input_div=group)
         remove_weight(layer)
         if self.packed:
             per_word = 32 // self.bits

@@ -25,7 +25,7 @@ class _PackedGroupScheme(WNA16Scheme):
     """The parameters GPTQ and AWQ share: [G, O] scales, packed zero points along the output."""
 
     def _add_group_params(self, layer: nn.Module, groups: int, group: int, zero_div: int) -> None:
-        input_dim = 0 if groups > 1 else None
+        input_dim = 0 if self.group_size and self.group_size > 0 else None  # per-channel: not along the input
         add_quant_param(layer, "qzeros", (groups, layer.out_features // zero_div), torch.int32,
                         QuantParamLayout(output_dim=1, output_div=zero_div, input_dim=input_dim, input_div=group))
         add_quant_param(layer, "scales", (groups, layer.out_features), torch.float32,
