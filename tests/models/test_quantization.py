@@ -139,7 +139,7 @@ def test_two_ranks_match_unsharded(quantized):
     logits equal the unsharded ones. With dynamic activation quantization each rank of a row-parallel layer scales
     its own half of a token (as vLLM does), so those are held to the top-1 token."""
     exact = ["ct-w4a16-asym", "ct-w4a16-channel", "gptq-8", "awq"]
-    schemes = exact + ["ct-w8a8", "ct-fp8"]
+    schemes = exact + ["ct-w8a8", "ct-fp8", "ct-fp8-block"]
     cases = {s: (quantized(s)[0], False) for s in schemes}
     ranks = run_tensor_parallel(paged_step_logits_of_cases, 2, cases, PROMPTS, DECODES)
     for name, (model_dir, _) in cases.items():
@@ -258,10 +258,10 @@ def test_quantized_lm_head_is_refused_by_name(quantized, tmp_path):
         _load(qdir)
 
 
-def test_tensor_parallel_split_off_a_block_boundary_is_a_value_error(quantized):
-    """FP8 blocks of 64 rows cannot be split where a rank's KV rows (32) end."""
+def test_tensor_parallel_split_off_a_group_boundary_is_a_value_error(base_dir, tmp_path):
+    """Groups of 128 input columns cannot be split where a rank's half of o_proj's 128 columns ends."""
     from tests.models.test_tensor_parallel import fake_rank
 
-    qdir, _ = quantized("ct-fp8-block")
-    with fake_rank(0, 2), pytest.raises(ValueError, match="k_proj: .* cannot be split over the tensor-parallel ranks"):
+    qdir = quantize_checkpoint(base_dir, str(tmp_path / "q"), "gptq-4", group_size=128)
+    with fake_rank(0, 2), pytest.raises(ValueError, match="o_proj: gptq group_size: .*input size 64 is not divisible by 128"):
         _load(qdir)

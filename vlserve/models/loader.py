@@ -70,7 +70,10 @@ def iter_safetensors_weights(model_dir: str, shard_of: ShardFn | None = None) ->
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                shard = shard_of(name) if shard_of is not None else None
+                try:
+                    shard = shard_of(name) if shard_of is not None else None
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from e
                 if shard is None:
                     yield name, f.get_tensor(name)
                     continue

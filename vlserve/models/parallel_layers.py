@@ -86,7 +86,7 @@ class ColumnParallelLinear(PackableLinear):
         """Rows of the checkpoint tensor this rank reads (along the parameter's output dim, in its elements: a
         packed or grouped quantized tensor covers several rows an element); None when unsharded."""
         layout = layout_of(self, param)
-        if self.tp_size == 1 or layout.output_dim is None or layout.per_piece_scalar:
+        if self.tp_size == 1 or layout.output_dim is None or layout.per_piece_scalar or layout.expand_rows > 1:
             return None
         start, count = self.checkpoint_rows(piece)
         return (layout.output_dim, *shard_range(start, count, layout.output_div, f"{param} of {piece or 'layer'}"))
@@ -94,7 +94,7 @@ class ColumnParallelLinear(PackableLinear):
     def load_shard(self, param: str, piece: str | None, tensor: torch.Tensor, name: str) -> None:
         """Copy this rank's slice of checkpoint tensor `name` into `piece`'s rows of `param`."""
         offset, count = self.local_rows(piece)
-        copy_into_rows(self, param, offset, count, tensor, name)
+        copy_into_rows(self, param, offset, count, tensor, name, source_start=self.checkpoint_rows(piece)[0])
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

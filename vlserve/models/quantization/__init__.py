@@ -97,7 +97,10 @@ def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: Quantiza
                              f"{'different schemes' if len(schemes) > 1 else 'no scheme (ignore list)'}")
         scheme: LinearScheme = next(iter(schemes.values()))
         layer.quant_device = layer.weight.device
-        scheme.create_weights(layer)
+        try:
+            scheme.create_weights(layer)
+        except ValueError as e:
+            raise ValueError(f"{', '.join(names)}: {e}") from e
         layer.quant_scheme = scheme
         claimed.update(names)
         count += 1

@@ -22,7 +22,10 @@ class QuantParamLayout:
     """How a quantized parameter lies against its layer's `[out, in]` matrix: `output_dim` / `input_dim` (None: the
     tensor does not run along it), and the units of the matrix one element covers along each (`output_div`,
     `input_div`). `per_piece_scalar`: one value per fused piece in the checkpoint (a per-tensor scale), broadcast
-    over that piece's rows. `same_in_pieces`: every fused piece carries the same tensor (GPTQ's g_idx)."""
+    over that piece's rows. `same_in_pieces`: every fused piece carries the same tensor (GPTQ's g_idx).
+    `expand_rows`: the checkpoint holds one row per block of this many output rows (FP8 block scales, the last
+    block of a piece possibly partial); the parameter holds one row per output row, so fused pieces and
+    tensor-parallel splits need not fall on block boundaries."""
 
     output_dim: int | None = 0
     input_dim: int | None = 1
@@ -30,6 +33,7 @@ class QuantParamLayout:
     input_div: int = 1
     per_piece_scalar: bool = False
     same_in_pieces: bool = False
+    expand_rows: int = 1
 
 
 PLAIN_WEIGHT = QuantParamLayout()
@@ -110,15 +114,20 @@ def shard_range(start: int, count: int, div: int, what: str) -> tuple[int, int]:
 
 
 def copy_into_rows(layer: nn.Module, param_name: str, offset: int | None, count: int | None,
-                   tensor: torch.Tensor, name: str) -> None:
+                   tensor: torch.Tensor, name: str, source_start: int = 0) -> None:
     """Copy checkpoint tensor `name` into `param`: into output units `[offset, offset + count)` along the layout's
     output dim (a fused piece), or the whole parameter when `offset` is None or the tensor has no output dim.
-    A per-piece scalar is broadcast over its rows; a `same_in_pieces` tensor already loaded must be equal."""
+    A per-piece scalar is broadcast over its rows; a `same_in_pieces` tensor already loaded must be equal; an
+    `expand_rows` tensor (read whole) is expanded to rows, and rows from `source_start` on are taken."""
     layout = layout_of(layer, param_name)
     dst = getattr(layer, param_name).data
     if offset is not None and layout.output_dim is not None:
         first, length = shard_range(offset, count, layout.output_div, name)
         dst = dst.narrow(layout.output_dim, first, length)
+    if layout.expand_rows > 1:
+        rows = tensor.repeat_interleave(layout.expand_rows, dim=layout.output_dim)
+        tensor = rows.narrow(layout.output_dim, source_start, min(dst.shape[layout.output_dim],
+                                                                  rows.shape[layout.output_dim] - source_start))
     if layout.per_piece_scalar and tensor.numel() == 1:
         dst.fill_(tensor.reshape(()).item())
         return

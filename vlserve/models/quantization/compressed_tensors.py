@@ -124,12 +124,12 @@ class CTFP8(FP8Scheme):
         out, inp = layer.out_features, layer.in_features
         remove_weight(layer)
         add_quant_param(layer, "weight", (out, inp), torch.float8_e4m3fn, QuantParamLayout())
-        if self.strategy == "block":
+        if self.strategy == "block":  # held one scale row per output row: see QuantParamLayout.expand_rows
             bn, bk = self.block
-            check_divides("output size", out, bn, f"{METHOD} FP8 block")
-            check_divides("input size", inp, bk, f"{METHOD} FP8 block")
-            add_quant_param(layer, "weight_scale", (out // bn, inp // bk), torch.float32,
-                            QuantParamLayout(output_div=bn, input_div=bk))
+            if getattr(layer, "shards_input", False):
+                check_divides("input size of a rank", inp, bk, f"{METHOD} FP8 block")
+            add_quant_param(layer, "weight_scale", (out, -(-inp // bk)), torch.float32,
+                            QuantParamLayout(input_div=bk, expand_rows=bn))
         else:
             add_quant_param(layer, "weight_scale", (out, 1), torch.float32,
                             QuantParamLayout(input_dim=None, per_piece_scalar=self.strategy == "tensor"))
@@ -140,9 +140,9 @@ class CTFP8(FP8Scheme):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scale = layer.weight_scale.data
         input_scale = layer.input_scale.data.max().reshape(1) if self.act == "static" else None
-        prepared = prepare_fp8(layer.weight.data, scale if self.strategy == "block" else scale.reshape(-1),
-                               self.block if self.strategy == "block" else None, self.act, self.act_group,
-                               input_scale)
+        block = (1, self.block[1]) if self.strategy == "block" else None  # scales already expanded to rows
+        prepared = prepare_fp8(layer.weight.data, scale if block else scale.reshape(-1), block, self.act,
+                               self.act_group, input_scale)
         replace_params(layer, ("weight_scale", "input_scale"), prepared)
 
 
