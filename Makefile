@@ -56,4 +56,33 @@ test-hf4: $(VENV_HF4)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m vlserve.bench.throughput
 
-.PHONY: setup serve demo test browser test-hf4 bench
+.PHONY: setup serve demo test browser test-hf4 bench quant-fixtures quant-tools
+
+# `make quant-fixtures` remakes tests/fixtures/quant/ (issue 42) with the real tools, each in its own venv because
+# their torch / transformers pins exclude each other and the main venv's: llm-compressor (compressed-tensors
+# fixtures) in .venv-quant, GPTQModel (GPTQ / AWQ fixtures, on the CPU; it JIT-compiles
+# its CPU packing extension with the system g++ on first use) in .venv-gptq.
+# QUANT_ARGS passes options to tools/make_quant_fixtures.py, e.g. QUANT_ARGS='--only ct_w4a16'.
+QUANT_VENV ?= .venv-quant
+GPTQ_VENV ?= .venv-gptq
+
+$(QUANT_VENV)/.installed:
+	$(PYTHON) -m venv $(QUANT_VENV)
+	$(QUANT_VENV)/bin/python -m pip install --upgrade pip
+	$(QUANT_VENV)/bin/python -m pip install torch==2.14.0 torchvision==0.29.0 llmcompressor==0.14.0.1 \
+	    compressed-tensors==0.19.0 transformers==5.17.0
+	$(QUANT_VENV)/bin/python -m pip install -e . --no-deps
+	@touch $@
+
+$(GPTQ_VENV)/.installed:
+	$(PYTHON) -m venv $(GPTQ_VENV)
+	$(GPTQ_VENV)/bin/python -m pip install --upgrade pip
+	$(GPTQ_VENV)/bin/python -m pip install torch==2.14.1 torchvision==0.29.1 gptqmodel==7.7.0 transformers==5.24.0
+	$(GPTQ_VENV)/bin/python -m pip install -e . --no-deps
+	@touch $@
+
+quant-fixtures: $(QUANT_VENV)/.installed $(GPTQ_VENV)/.installed
+	$(QUANT_VENV)/bin/python tools/make_quant_fixtures.py --gptq-python $(GPTQ_VENV)/bin/python $(QUANT_ARGS)
+
+# `make quant-tools`: only the llm-compressor venv (.venv-quant), for examples/quantize_llmcompressor.py (README).
+quant-tools: $(QUANT_VENV)/.installed

@@ -2,7 +2,7 @@
 compressed-tensors format vlserve loads. Run it with a python that has llmcompressor (it pins its own torch and
 transformers, so give it a venv of its own):
 
-    python -m venv .venv-quant && .venv-quant/bin/pip install llmcompressor
+    make quant-tools        # .venv-quant: llm-compressor with the torch / transformers it pins
     .venv-quant/bin/python examples/quantize_llmcompressor.py MODEL_DIR OUT_DIR --scheme W4A16
     .venv/bin/vlserve serve OUT_DIR
 

@@ -135,6 +135,9 @@ def problems(cmd: str) -> list[str]:
         return []  # talks to a running `make serve`
     if exe == "source":
         return [] if args and args[0] == ".venv/bin/activate" else [f"sources {args}"]
+    if exe == ".venv-quant/bin/python":  # the llm-compressor venv that `make quant-tools` creates
+        script = args[0] if args else ""
+        return [] if os.path.isfile(os.path.join(ROOT, script)) else [f"no script {script!r}"]
     if not exe.startswith(".venv/bin/"):
         return [f"unknown executable {exe!r} (README commands use .venv/bin/..., make or curl)"]
     name = exe.rsplit("/", 1)[1]
