@@ -171,6 +171,28 @@ def test_quantized_qwen2_vl_runs_an_image(tmp_path):
             torch.testing.assert_close(got_step[seq], want_step[seq], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_audio"])
+def test_other_families_load_quantized_language_models(tmp_path, family):
+    """LLaVA-1.5 / -NeXT (CLIP tower, whose layers are named like a decoder's) and Qwen2-Audio (a Whisper tower):
+    only the language model is quantized, found under its own prefix, and its logits equal the dequantized
+    model's."""
+    if family == "qwen2_audio":
+        from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+        base = build_qwen2_audio_checkpoint(str(tmp_path / "b"))
+    else:
+        from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+        base = build_llava_checkpoint(str(tmp_path / "b"), variant=family)
+    qdir = quantize_checkpoint(base, str(tmp_path / "q"), "gptq-4", group_size=32,
+                               dequantized_dst=str(tmp_path / "f"))
+    model = _load(qdir)
+    assert sum(getattr(m, "quant_scheme", None) is not None for m in model.modules()) == 2 * 4  # 2 layers x 4
+    got = paged_step_logits(qdir, PROMPTS, DECODES)["logits"]
+    want = paged_step_logits(str(tmp_path / "f"), PROMPTS, DECODES)["logits"]
+    for got_step, want_step in zip(got, want, strict=True):
+        for seq in want_step:
+            torch.testing.assert_close(got_step[seq], want_step[seq], atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 
 def _edit_config(model_dir: str, fn) -> None:
