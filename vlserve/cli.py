@@ -122,6 +122,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             "profiled forward; the start-up log says what was reserved and why)")
     cache.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV cache size in blocks; wins over --kv-cache-memory-bytes (default: sized in bytes)")
+    cache.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                       help="KV cache dtype: auto = the model's dtype; fp8 / fp8_e4m3 = float8_e4m3fn, half of bf16's "
+                            "memory, scaled per layer by the checkpoint's k_scale / v_scale, else 1.0 (default: auto)")
     cache.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn prefix caching off (default: on)")
 
@@ -181,6 +184,7 @@ def serve_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
         mm_preprocess_workers=args.mm_preprocess_workers,

@@ -33,6 +33,7 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
 DEFAULT_CAPTURE_SIZES_HEAD = (1, 2, 4, 8)  # then every multiple of 8 up to max_num_seqs
 COMPILE_CACHE_ENV = "VLSERVE_COMPILE_CACHE_DIR"
 
@@ -148,6 +149,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.25  # of available memory, when profiling decides the KV size
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: the model dtype, or float8_e4m3fn with per-layer scales
     enable_prefix_caching: bool = True
     seed: int = 0
     device: str = "auto"
@@ -187,6 +189,9 @@ class EngineArgs:
             self.speculative_config = json.loads(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"):
             raise ValueError(f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {shorten(self.kv_cache_dtype)}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

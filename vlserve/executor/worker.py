@@ -12,6 +12,7 @@ import torch
 from vlserve.config import EngineArgs
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.distributed.parallel_state import init_tensor_parallel
+from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
@@ -99,7 +100,8 @@ class Worker:
             rank_model.model, rank_model.hf_config, rank_model.device, rank_model.dtype, args.block_size,
             mrope_positions_fn=rank_model.mrope_positions_fn,
             proposer=build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size),
-            compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
+            compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+            kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device))
 
     @classmethod
     def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> "Worker":

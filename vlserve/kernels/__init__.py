@@ -5,6 +5,9 @@ The exported names dispatch per call on the device of their tensor arguments (cu
 otherwise torch); `VLSERVE_ATTENTION_BACKEND=torch|triton` forces one. Triton modules are
 imported lazily, only when the triton backend is used (on CPU that needs TRITON_INTERPRET=1); on
 CUDA that variable would make them interpreter kernels, so the first CUDA call warns if it is set.
+
+The KV caches are in the model's dtype or float8_e4m3fn (`kv_quant`); with an FP8 cache the writers and the paged
+attention take the layer's `k_scale` / `v_scale` (keyword arguments, 1.0 by default; other caches ignore them).
 """
 from __future__ import annotations
 
@@ -113,9 +116,13 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
-    _impl("write_kv_cache", key.device)(key, value, k_cache, v_cache, slot_mapping)
+    """Scatter key/value [T, Hkv, D] into the paged caches at slot_mapping [T]; slot -1 is skipped (FP8 caches:
+    `clamp(x / scale, +-448)` as float8_e4m3fn)."""
+    _impl("write_kv_cache", key.device)(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_decode(
@@ -129,12 +136,14 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Single-token decode attention: query [B, Hq, D] at position seq_len-1 over seq_len cached keys
     (`workspace`: the torch path's scratch buffer, see `decode_workspace_numel`; the Triton path ignores it)."""
     return _impl("paged_attention_decode", query.device)(
         query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out,
-        workspace=workspace,
+        workspace=workspace, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -149,11 +158,13 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen prefill: query [T, Hq, D] over each sequence's cached prefix plus its new tokens."""
     return _impl("paged_prefill_attention", query.device)(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len=max_query_len, out=out,
+        max_query_len=max_query_len, out=out, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -165,9 +176,14 @@ def attention_forward(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Write K/V through md.slot_mapping, then decode md.num_decodes sequences and prefill the rest -> [T, Hq, D]."""
-    return _impl("attention_forward", query.device)(query, key, value, k_cache, v_cache, md, scale)
+    """Write K/V through md.slot_mapping, then decode md.num_decodes sequences and prefill the rest -> [T, Hq, D]
+    (FP8 caches: with the layer's k_scale / v_scale)."""
+    return _impl("attention_forward", query.device)(query, key, value, k_cache, v_cache, md, scale, k_scale=k_scale,
+                                                    v_scale=v_scale)
 
 
 def varlen_attention(

@@ -1,8 +1,8 @@
 """Torch paged attention: the production CPU path and the reference for the Triton kernels.
 
 On CPU, `attention_forward_ref` hands the step's K/V write and its decode sequences to one C++ call of
-`cpu_decode` when it is built (float32/bf16; $VLSERVE_CPU_DECODE_KERNEL=0 turns it off); the torch write and
-decode below are the reference it is tested against and the fallback.
+`cpu_decode` when it is built (float32/bf16, caches of that dtype or FP8; $VLSERVE_CPU_DECODE_KERNEL=0 turns it
+off); the torch write and decode below are the reference it is tested against and the fallback.
 
 Decode gathers whole KV blocks through the block tables with one `index_select` per chunk of
 sequences into a reusable workspace, and runs the fused CPU SDPA kernel (float32 softmax) on
@@ -15,6 +15,9 @@ so garbage (even NaN) in unwritten cache slots never reaches the output.
 
 Prefill loops over the (few) sequences of a step: gather one context, then SDPA with an
 `is_causal` or bottom-right-aligned causal mask (queries are the last q_len of seq_len positions).
+
+FP8 caches (`kv_quant`): the write stores `quantize_kv(x, scale)`; the gathered K/V are dequantized (times
+k_scale / v_scale in float32, then in the query's dtype) before SDPA. Other caches ignore the scales.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.kernels.cpu_decode import attend_rows, attention_step_supported, kernel_rows, step_rows
+from vlserve.kernels.kv_quant import dequantize_kv, is_fp8, kv_bytes
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
 
@@ -104,10 +108,13 @@ def paged_attention_decode_ref(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     plan: list[DecodeChunk] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys. K/V are gathered
     into `workspace` (flat, the cache's dtype; see decode_workspace_numel) when it is given and large enough, else
-    into a buffer of this call's own. `plan`: this step's `plan_decode` (built here when not given)."""
+    into a buffer of this call's own. `plan`: this step's `plan_decode` (built here when not given). FP8 caches:
+    the gathered K/V are dequantized with k_scale / v_scale."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     del max_seq_len  # chunks are padded to their own longest sequence, read from seq_lens
     num_seqs, num_q_heads, head_dim = query.shape
@@ -120,6 +127,7 @@ def paged_attention_decode_ref(
     if plan is None:
         token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
         plan = plan_decode(block_tables, seq_lens, seq_lens.tolist(), block_size, token_bytes)
+    fp8 = is_fp8(k_cache)
     q4 = query.reshape(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
     out4 = out.view(num_seqs, num_kv_heads, group, head_dim)
     for chunk in plan:
@@ -134,22 +142,28 @@ def paged_attention_decode_ref(
         torch.index_select(v_cache, 0, chunk.block_ids, out=ws_v)
         if chunk.pad_rows is not None:
             # zero the (few) padded positions: stale or never-written slots may hold NaN/inf, and NaN * 0 or
-            # NaN - inf would leak through the mask
-            ws_k.view(n * padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
-            ws_v.view(n * padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
+            # NaN - inf would leak through the mask (FP8: through a byte view; byte 0 is +0.0)
+            fill_k, fill_v = (kv_bytes(ws_k), kv_bytes(ws_v)) if fp8 else (ws_k, ws_v)
+            fill_k.view(n * padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
+            fill_v.view(n * padded_len, -1).index_fill_(0, chunk.pad_rows, 0)
         L = chunk.context_len
         k = ws_k.view(n, padded_len, num_kv_heads, head_dim)[:, :L].transpose(1, 2)  # [n, Hkv, L, D] (strided)
         v = ws_v.view(n, padded_len, num_kv_heads, head_dim)[:, :L].transpose(1, 2)
+        if fp8:
+            k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
         out4[chunk.rows] = F.scaled_dot_product_attention(q4[chunk.rows], k, v, attn_mask=chunk.mask, scale=scale)
     return out
 
 
-def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    # cache: [NB, BS, Hkv, D]; table: [M] -> [Hkv, seq_len, D] contiguous (SDPA is faster on it)
+def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    # cache: [NB, BS, Hkv, D]; table: [M] -> [Hkv, seq_len, D] contiguous (SDPA is faster on it), in `dtype`
+    # (FP8 caches: dequantized with `scale`)
     _, block_size, num_kv_heads, head_dim = cache.shape
     num_blocks = -(-seq_len // block_size)
     blocks = cache.index_select(0, table[:num_blocks].to(torch.long))  # [nblk, BS, Hkv, D]
-    return blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).contiguous()
+    context = blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    return dequantize_kv(context.contiguous(), scale, dtype) if is_fp8(cache) else context.contiguous()
 
 
 def _prefill_from_lists(
@@ -161,6 +175,8 @@ def _prefill_from_lists(
     seq_lens: list[int],
     scale: float,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     # query, out: [T, Hq, D]; query_start_loc: B+1 ints; seq_lens: B ints
     num_q_heads = query.shape[1]
@@ -173,8 +189,8 @@ def _prefill_from_lists(
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
         q = query[q_start:q_end].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq, q_len, D]
-        k = _gather_context(k_cache, block_tables[b], seq_len).unsqueeze(0)  # [1, Hkv, S, D]
-        v = _gather_context(v_cache, block_tables[b], seq_len).unsqueeze(0)
+        k = _gather_context(k_cache, block_tables[b], seq_len, k_scale, query.dtype).unsqueeze(0)  # [1, Hkv, S, D]
+        v = _gather_context(v_cache, block_tables[b], seq_len, v_scale, query.dtype).unsqueeze(0)
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
@@ -202,19 +218,23 @@ def paged_prefill_attention_ref(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves."""
+    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves (FP8 caches:
+    dequantized with k_scale / v_scale)."""
     # query: [T, Hq, D]; block_tables: [B, M] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
     del max_query_len  # only the Triton grid needs it
     if out is None:
         out = torch.zeros_like(query)
     return _prefill_from_lists(
-        query, k_cache, v_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale, out
+        query, k_cache, v_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale, out,
+        k_scale, v_scale,
     )
 
 
 def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                       scale: float, out: torch.Tensor) -> None:
+                       scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
     """The step's decode rows through the gather + SDPA path, its plan made once per step for all layers."""
     num_decodes = md.num_decodes
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -224,7 +244,7 @@ def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         token_bytes))
     paged_attention_decode_ref(query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes],
                                md.seq_lens[:num_decodes], scale, out=out[:num_decodes], workspace=md.workspace,
-                               plan=plan)
+                               plan=plan, k_scale=k_scale, v_scale=v_scale)
 
 
 def _cpu_step_rows(md: AttentionMetadata):
@@ -242,8 +262,12 @@ def attention_forward_ref(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest."""
+    """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest
+    (FP8 caches: written and read with k_scale / v_scale)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
     out = torch.empty_like(query)
     num_decodes = md.num_decodes
@@ -251,19 +275,20 @@ def attention_forward_ref(
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
-    # the runner allocates every layer's caches alike: one check per step and dtype
-    if md.derive(("cpu_attention_step", query.dtype, key.dtype), lambda: attention_step_supported(
+    # the runner allocates every layer's caches alike: one check per step and dtypes (a draft's cache may differ)
+    if md.derive(("cpu_attention_step", query.dtype, key.dtype, k_cache.dtype), lambda: attention_step_supported(
             query, key, k_cache, v_cache)):
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
         rows = md.derive("cpu_step_rows", lambda: _cpu_step_rows(md))
-        attend_rows(query, key, value, k_cache, v_cache, rows, scale, out)
+        attend_rows(query, key, value, k_cache, v_cache, rows, scale, out, k_scale, v_scale)
         if rows.seqs.shape[0]:  # the prefill chunks' rows were in the call too
             kernel_seqs = md.num_seqs
     else:
-        write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)))
+        write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)),
+                       k_scale, v_scale)
         if num_decodes > 0:
-            _decode_with_torch(query, k_cache, v_cache, md, scale, out)
+            _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale)
     if kernel_seqs < md.num_seqs:
         qsl = md.query_start_loc_cpu
         _prefill_from_lists(
@@ -275,6 +300,8 @@ def attention_forward_ref(
             md.seq_lens_cpu[num_decodes:],
             scale,
             out,
+            k_scale,
+            v_scale,
         )
     return out
 

@@ -13,6 +13,11 @@ loaded, or, on CPUs with AVX512-BF16, its scores are vdpbf16ps dot products of t
 128 get code whose query rows and accumulators stay in registers, two or four query rows share each key or value
 load, and the scores of eight positions are summed in one shuffle tree.
 
+FP8 caches (float8_e4m3fn, `kv_quant`): the write divides by k_scale / v_scale, clamps and rounds each element;
+reads widen each e4m3 byte to float32 in registers (shifted into an IEEE half, which the hardware widens: exact,
+subnormals included), k_scale is folded into the scaled query rows and v_scale into the final normalization. The
+float32/bf16 caches run the same code as before (their scales are 1).
+
 The source is compiled once per process, through the C++ toolchain torch's inductor uses for its CPU kernels (its
 on-disk cache keeps the library across processes). Where no compiler works, `cpu_decode_kernel()` returns None and
 the torch path (`attention_ref.paged_attention_decode_ref`, `kv_write_ref`) runs instead.
@@ -27,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from vlserve.kernels.kv_quant import is_fp8
+
 logger = logging.getLogger(__name__)
 
 _BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # built for AVX512-BF16: bf16 scores through vdpbf16ps
@@ -39,11 +46,12 @@ extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const v
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, const int32_t* row_seq, int64_t has_row_seq, void* out, int64_t B,
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale, int64_t threads,
-                       int64_t is_bf16, int64_t dp_bf16);
+                       int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8);
 """
 _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t", "void*",
               "void*", "const int32_t*", "const int32_t*", "const int32_t*", "int64_t", "void*", "int64_t", "int64_t",
-              "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t"]
+              "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t", "float", "float",
+              "int64_t"]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 _NO_ROWS = torch.empty(0, dtype=torch.int32)
 MAX_KERNEL_QUERY_LEN = 32  # a prefill chunk of up to this many tokens runs in the kernel, row by row
@@ -71,20 +79,20 @@ def cpu_decode_kernel():
 
 def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `paged_attention_decode_cpu` and `attention_step_cpu` take these tensors: CPU, float32 or bfloat16
-    query and cache, a head dim that is a multiple of 16 (whole vectors) up to 256, a kernel built here, and not
-    switched off by $VLSERVE_CPU_DECODE_KERNEL=0."""
+    query, a cache of the query's dtype or float8_e4m3fn, a head dim that is a multiple of 16 (whole vectors) up to
+    256, a kernel built here, and not switched off by $VLSERVE_CPU_DECODE_KERNEL=0."""
     head_dim = query.shape[-1]
-    return (query.device.type == "cpu" and query.dtype in _DTYPES and k_cache.dtype == query.dtype
+    return (query.device.type == "cpu" and query.dtype in _DTYPES and (k_cache.dtype == query.dtype or is_fp8(k_cache))
             and head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM and os.environ.get(DISABLE_ENV, "1") != "0"
             and cpu_decode_kernel() is not None)
 
 
 def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor) -> bool:
-    """Whether `attention_step_cpu` takes these tensors: `cpu_decode_supported`, key in the caches' dtype (it is
-    copied in as it is), and caches it can write in place (contiguous)."""
-    return (cpu_decode_supported(query, k_cache) and key.dtype == k_cache.dtype and k_cache.is_contiguous()
-            and v_cache.is_contiguous())
+    """Whether `attention_step_cpu` takes these tensors: `cpu_decode_supported`, key in the query's dtype (copied
+    in as it is, or quantized into an FP8 cache), and caches it can write in place (contiguous, one dtype)."""
+    return (cpu_decode_supported(query, k_cache) and key.dtype == query.dtype and v_cache.dtype == k_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -116,31 +124,35 @@ def step_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, row_lens: 
 
 
 def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, rows: StepRows, scale: float, out: torch.Tensor) -> None:
+                v_cache: torch.Tensor, rows: StepRows, scale: float, out: torch.Tensor, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at rows.slots, then attend the first rows.num_rows
-    rows of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller checks `attention_step_supported`."""
+    rows of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller checks `attention_step_supported`. FP8
+    caches are written and read with k_scale / v_scale; other caches ignore them."""
     # k_cache, v_cache: [NB, BS, Hkv, D] contiguous
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     query, q_stride = _rows(query)
     key, k_stride = _rows(key)
     value, v_stride = _rows(value)
     seqs = rows.seqs
+    fp8 = is_fp8(k_cache)
     cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, rows.slots, rows.slots.shape[0], k_cache,
                         v_cache, rows.tables, rows.lens, seqs, int(seqs.shape[0] > 0), out, rows.num_rows,
                         query.shape[1], num_kv_heads, head_dim, block_size, rows.tables.stride(0), float(scale),
-                        torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16)
+                        torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16,
+                        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, int(fp8))
 
 
 def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        row_lens: torch.Tensor, num_rows: int, scale: float, out: torch.Tensor,
-                       row_seqs: torch.Tensor | None = None) -> None:
+                       row_seqs: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int64; -1 skipped), then
     attend the first `num_rows` rows of query [T, Hq, D] into out [T, Hq, D] (contiguous): row r reads the positions
     0 .. row_lens[r] - 1 of table row row_seqs[r] (default: r, one decode token per sequence). The caller checks
-    `attention_step_supported`; rows past `num_rows` are left to it."""
+    `attention_step_supported`; rows past `num_rows` are left to it. FP8 caches: see `attend_rows`."""
     attend_rows(query, key, value, k_cache, v_cache, step_rows(slot_mapping, block_tables, row_lens, num_rows,
-                                                               row_seqs), scale, out)
+                                                               row_seqs), scale, out, k_scale, v_scale)
 
 
 def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
@@ -164,7 +176,8 @@ def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: in
 
 def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
     """`paged_attention_decode_ref`'s contract in one C++ call (check `cpu_decode_supported` first)."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
     if out is None:
@@ -173,7 +186,7 @@ def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         return out
     result = out if out.is_contiguous() else torch.empty_like(query)
     attention_step_cpu(query, query[:0], query[:0], k_cache.contiguous(), v_cache.contiguous(), _NO_SLOTS,
-                       block_tables, seq_lens, query.shape[0], scale, result)
+                       block_tables, seq_lens, query.shape[0], scale, result, k_scale=k_scale, v_scale=v_scale)
     if result is not out:
         out.copy_(result)
     return out

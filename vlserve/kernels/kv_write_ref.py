@@ -1,7 +1,9 @@
-"""Torch implementation of the paged KV-cache write (reshape-and-cache)."""
+"""Torch implementation of the paged KV-cache write (reshape-and-cache); FP8 caches store `quantize_kv(x, scale)`."""
 from __future__ import annotations
 
 import torch
+
+from vlserve.kernels.kv_quant import is_fp8, kv_bytes, quantize_kv
 
 
 def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -17,8 +19,10 @@ def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
 
 
 def write_kv_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots_and_rows: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    """Scatter key/value rows into the caches at `valid_slots`' slots."""
+                   slots_and_rows: tuple[torch.Tensor, torch.Tensor | None], k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """Scatter key/value rows into the caches at `valid_slots`' slots (FP8 caches: divided by k_scale / v_scale,
+    clamped and rounded to float8_e4m3fn)."""
     # key, value: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]
     slots, rows = slots_and_rows
     if slots.shape[0] == 0:
@@ -28,6 +32,12 @@ def write_kv_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         key, value = key[: slots.shape[0]], value[: slots.shape[0]]
     else:
         key, value = key[rows], value[rows]
+    if is_fp8(k_cache):  # torch has no float8 index_copy_ on CPU: copy the bytes
+        kv_bytes(k_cache).view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
+            0, slots, kv_bytes(quantize_kv(key, k_scale)))
+        kv_bytes(v_cache).view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
+            0, slots, kv_bytes(quantize_kv(value, v_scale)))
+        return
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -38,7 +48,11 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter key/value rows into the paged caches at their flat slots; slot -1 is skipped."""
+    """Scatter key/value rows into the paged caches at their flat slots; slot -1 is skipped. FP8 caches store
+    `quantize_kv(key, k_scale)` and `quantize_kv(value, v_scale)`; other caches ignore the scales."""
     # key, value: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]; slot_mapping: [T] int64
-    write_kv_slots(key, value, k_cache, v_cache, valid_slots(slot_mapping))
+    write_kv_slots(key, value, k_cache, v_cache, valid_slots(slot_mapping), k_scale, v_scale)

@@ -2,7 +2,7 @@
 layer's step (write this step's K/V, decode the decodes, prefill the rest through `triton_prefill`).
 
 The decode kernel gives one program a whole GQA group (the Hq/Hkv query heads that share one KV head), so each K/V
-tile is loaded once per group.
+tile is loaded once per group. FP8 caches: tiles are dequantized as they are loaded (`triton_paged.load_kv_tile`).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vlserve.kernels.kv_quant import is_fp8
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.triton_kv_write import write_kv_cache_triton
 from vlserve.kernels.triton_paged import LOG2E, MIN_DOT, check_cache, load_kv_tile, upcast_dots
@@ -22,10 +23,10 @@ from vlserve.kernels.triton_prefill import paged_prefill_attention_triton
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, split_len, num_splits,
-    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ob, stride_oh, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     # grid: (B, Hkv, num_splits); program covers key positions [split * split_len, +split_len) of one group
     b = tl.program_id(0)
@@ -55,15 +56,15 @@ def _decode_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         k = load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                         BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2)  # [BLOCK_N, HEAD_DIM_P2]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_P2, BLOCK_N]
+                         k_scale, BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2, FP8)  # [BLOCK_N, HEAD_DIM_P2]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2  # [GROUP_P2, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                         BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2)
+                         v_scale, BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2, FP8).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -135,8 +136,11 @@ def paged_attention_decode_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys."""
+    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys (FP8 caches:
+    dequantized with k_scale / v_scale)."""
     del workspace  # the torch path's scratch buffer; the kernel needs none
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     num_seqs, num_q_heads, head_dim = query.shape
@@ -165,11 +169,11 @@ def paged_attention_decode_triton(
         query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * LOG2E, split_len, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), float(k_scale), float(v_scale),
         BLOCK_SIZE=block_size, NUM_Q_HEADS=num_q_heads, GROUP=group,
         GROUP_P2=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        UPCAST=upcast_dots(query),
+        UPCAST=upcast_dots(query), FP8=is_fp8(k_cache),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -188,10 +192,14 @@ def attention_forward_triton(
     v_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest."""
+    """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest
+    (FP8 caches: written and read with k_scale / v_scale)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
-    write_kv_cache_triton(key, value, k_cache, v_cache, md.slot_mapping)
+    write_kv_cache_triton(key, value, k_cache, v_cache, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(query)
     num_decodes = md.num_decodes
     num_actual = md.query_start_loc_cpu[-1]
@@ -200,7 +208,8 @@ def attention_forward_triton(
     if num_decodes > 0:
         paged_attention_decode_triton(
             query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes], md.seq_lens[:num_decodes],
-            scale, max_seq_len=max(md.seq_lens_cpu[:num_decodes]), out=out[:num_decodes],
+            scale, max_seq_len=max(md.seq_lens_cpu[:num_decodes]), out=out[:num_decodes], k_scale=k_scale,
+            v_scale=v_scale,
         )
     if num_decodes < md.num_seqs:
         # decode tokens come first, so the prefill sequences' query offsets are shifted by num_decodes
@@ -209,7 +218,7 @@ def attention_forward_triton(
         max_q = max(b - a for a, b in zip(qsl_cpu[:-1], qsl_cpu[1:]))
         paged_prefill_attention_triton(
             query, k_cache, v_cache, md.block_tables[num_decodes:], qsl, md.seq_lens[num_decodes:],
-            scale, max_query_len=max_q, out=out,
+            scale, max_query_len=max_q, out=out, k_scale=k_scale, v_scale=v_scale,
         )
     return out
 

@@ -2,7 +2,8 @@
 (the varlen kernel takes its constants from here too).
 
 Key positions are mapped to cache slots token by token (`block_table[p // BS] * BS + p % BS`), so a tile need not
-align with cache blocks.
+align with cache blocks. FP8 caches (float8_e4m3fn, `kv_quant`) are dequantized as their tiles are loaded: times the
+layer's k_scale / v_scale in float32 (the kernels then cast the tile to the query's dtype for the dot products).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 @triton.jit
 def load_kv_tile(
-    cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+    cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, kv_scale,
+    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     # rows of cache for token positions n: [BLOCK_N, HEAD_DIM_P2]. MASK_N=False: every n is a valid position;
     # MASK_D=False: the head dim is a power of two (no padded columns). Unmasked loads vectorize fully.
+    # FP8: the tile comes back dequantized, float32 times kv_scale
     if MASK_N:
         blk = tl.load(bt_row_ptr + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     else:
@@ -37,7 +39,9 @@ def load_kv_tile(
             tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
         else:
             tile = tl.load(ptrs)
-    if UPCAST:
+    if FP8:
+        tile = tile.to(tl.float32) * kv_scale
+    elif UPCAST:
         tile = tile.to(tl.float32)
     return tile
 

@@ -6,6 +6,8 @@ K/V tile is loaded once per group) and runs an online softmax over key tiles of 
 program's first query position are visible to all its rows: they run without the causal mask and without bounds
 masks (flash attention's split); only the tiles on the diagonal are masked.
 
+FP8 caches: tiles are dequantized as they are loaded (`triton_paged.load_kv_tile`), then cast to the query's dtype.
+
 Tile shapes come from `prefill_tile`: 128-row tiles of 64 keys for 16-bit inputs on CUDA (warps and pipeline
 stages by head dim and GPU generation), the small tile everywhere else. `benchmarks/prefill_attention.py --sweep`
 times the candidates on a GPU against flash SDPA.
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from vlserve.kernels.kv_quant import is_fp8
 from vlserve.kernels.triton_paged import LOG2E, MIN_DOT, check_cache, load_kv_tile, upcast_dots
 
 logger = logging.getLogger(__name__)
@@ -55,16 +58,16 @@ def prefill_tile(head_dim: int, dtype: torch.dtype, device: torch.device) -> Pre
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, d, d_mask,
-    stride_cb, stride_cs, stride_ch, scale_log2,
+    stride_cb, stride_cs, stride_ch, scale_log2, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK_D: tl.constexpr,
-    DIAGONAL: tl.constexpr,
+    DIAGONAL: tl.constexpr, FP8: tl.constexpr,
 ):
     # one online-softmax step over keys [n0, n0 + BLOCK_N); DIAGONAL: apply the causal and the length masks
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < end
     k = load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                     BLOCK_SIZE, UPCAST, DIAGONAL, MASK_D)  # [BLOCK_N, HEAD_DIM_P2]
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N]
+                     k_scale, BLOCK_SIZE, UPCAST, DIAGONAL, MASK_D, FP8)  # [BLOCK_N, HEAD_DIM_P2]
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N]
     if DIAGONAL:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is in the first tile and visible to every row
@@ -72,7 +75,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                     BLOCK_SIZE, UPCAST, DIAGONAL, MASK_D)
+                     v_scale, BLOCK_SIZE, UPCAST, DIAGONAL, MASK_D, FP8).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l_i
 
@@ -80,10 +83,10 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, scale_log2,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ot, stride_oh, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     # grid: (cdiv(max_q_len, BLOCK_M), B, Hkv); rows = BLOCK_M query tokens x GROUP_P2 heads of one group
     m0 = tl.program_id(0) * BLOCK_M
@@ -115,12 +118,12 @@ def _prefill_kernel(
         below = (ctx_start + m0 + 1) // BLOCK_N * BLOCK_N
         for n0 in range(0, below, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                         kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2,
-                                         BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2, False)
+                                         kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2, k_scale,
+                                         v_scale, BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2, False, FP8)
         for n0 in range(below, end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                         kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2,
-                                         BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2, True)
+                                         kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2, k_scale,
+                                         v_scale, BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2, True, FP8)
         o = acc / l_i[:, None]
         o_off = (q_start + tok).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
         tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -142,10 +145,12 @@ def paged_prefill_attention_triton(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     tile: PrefillTile | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves. `tile`
     overrides `prefill_tile`'s launch shape (benchmark sweeps) and then runs as given: only the chosen shape falls
-    back to MIN_TILE where the GPU lacks its shared memory."""
+    back to MIN_TILE where the GPU lacks its shared memory. FP8 caches: dequantized with k_scale / v_scale."""
     # query: [T, Hq, D]; block_tables: [B, M] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -174,10 +179,10 @@ def paged_prefill_attention_triton(
         _prefill_kernel[(triton.cdiv(max_query_len, bm), num_seqs, num_kv_heads)](
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1), float(k_scale), float(v_scale),
             BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2,
             HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_M=bm, BLOCK_N=t.block_n,
-            UPCAST=upcast_dots(query), num_warps=t.num_warps, num_stages=t.num_stages,
+            UPCAST=upcast_dots(query), FP8=is_fp8(k_cache), num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     try:

@@ -33,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 # HF checkpoint names that carry no weights we need (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Per-tensor FP8 KV-cache scales (compressed-tensors' kv_cache_scheme; older FP8 checkpoints: the k/v projections'
+# output_scale, or one kv_scale) -> the attention attributes they set; used only by FP8 caches (kernels.kv_quant).
+_KV_SCALE_SUFFIXES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
+                      "self_attn.k_proj.output_scale": ("k_scale",), "self_attn.v_proj.output_scale": ("v_scale",),
+                      "self_attn.kv_scale": ("k_scale", "v_scale")}
 # HF projections that live inside our fused matrices: HF name -> (module kind in the name, fused parameter).
 _FUSED_PIECES = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
                  "v_proj": ("self_attn", "qkv_proj"), "gate_proj": ("mlp", "gate_up_proj"),
@@ -74,6 +79,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        self.k_scale = self.v_scale = 1.0  # FP8 KV cache scales (the checkpoint's, if any): stored x / scale
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
@@ -93,11 +99,12 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(k)
         if torch.compiler.is_compiling():
             q, k = self.rotary[0].forward_native(positions, q, k)
-            out = paged_attention(q, k, v, self.layer_idx, self.scale)  # [T, Hq, D]
+            out = paged_attention(q, k, v, self.layer_idx, self.scale, self.k_scale, self.v_scale)  # [T, Hq, D]
             return self.o_proj(out.reshape(T, self.q_size))
         self.rotary[0](positions, q, k)  # in place
         k_cache, v_cache = kv_cache
-        out = kernels.attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale)
+        out = kernels.attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale, k_scale=self.k_scale,
+                                        v_scale=self.v_scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -219,6 +226,9 @@ class LlamaDecoderModel(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if self._load_kv_scale(name, tensor):
+                loaded.add(name)
+                continue
             target, piece = self._route(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
@@ -230,10 +240,22 @@ class LlamaDecoderModel(nn.Module):
             loaded.add(name)
         return loaded
 
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Set layer i's k_scale / v_scale from `layers.{i}.self_attn.<scale>`; False for other names."""
+        suffix = next((s for s in _KV_SCALE_SUFFIXES if name.endswith("." + s)), None)
+        if suffix is None or not name.startswith("layers."):
+            return False
+        layer = int(name.split(".")[1])
+        if tensor.numel() != 1:
+            raise ValueError(f"{name}: FP8 KV-cache scales must be per tensor, got shape {tuple(tensor.shape)}")
+        for attr in _KV_SCALE_SUFFIXES[suffix]:
+            setattr(self.layers[layer].self_attn, attr, float(tensor.reshape(())))
+        return True
+
     def checkpoint_shard(self, name: str) -> ShardSpec | None:
         """`(dim, start, length)` of HF tensor `name` (relative to this module) that this tensor-parallel rank
-        reads, or None to read it whole (always None with one rank)."""
-        if tp_size() == 1 or name.endswith(_IGNORED_SUFFIXES):
+        reads, or None to read it whole (always None with one rank; KV-cache scales are read whole)."""
+        if tp_size() == 1 or name.endswith(_IGNORED_SUFFIXES) or name.endswith(tuple(_KV_SCALE_SUFFIXES)):
             return None
         target, piece = self._route(name)
         module, param = self._owner(target)

@@ -94,7 +94,8 @@ def _bytes_budget(per_block: int, budget: int, what: str) -> int:
 def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None,
                             memory_fraction: float, max_num_batched_tokens: int, max_model_len: int,
                             max_num_seqs: int) -> int:
-    """num_kv_blocks if given; else kv_cache_memory_bytes / bytes per block; else, on CPU,
+    """num_kv_blocks if given; else kv_cache_memory_bytes / bytes per block (the runner's: its KV cache dtype's
+    element size, so an FP8 cache holds twice the blocks of a bf16 one in the same bytes); else, on CPU,
     $VLSERVE_CPU_KVCACHE_SPACE GiB; else `default_num_kv_blocks`: max_num_seqs x max_model_len tokens' worth, capped
     by the memory budget (a fraction of the free memory minus a dummy forward's profiled peak). Logs one line: what
     was reserved and why."""
@@ -120,6 +121,8 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
         if n < cdiv(max_model_len, runner.block_size):
             raise ValueError(f"only {n} KV blocks fit in memory ({budget} bytes); a max_model_len sequence needs "
                              f"{cdiv(max_model_len, runner.block_size)}: lower max_model_len or free memory")
-    logger.info("KV cache: %.1f MiB reserved, %d blocks of %d tokens = %d tokens at %d bytes/token (%s)",
-                n * per_block / 2**20, n, runner.block_size, n * runner.block_size, round(per_token), why)
+    kv_dtype = str(getattr(runner, "kv_cache_dtype", "")).replace("torch.", "")
+    logger.info("KV cache: %.1f MiB reserved, %d blocks of %d tokens = %d tokens at %d bytes/token%s (%s)",
+                n * per_block / 2**20, n, runner.block_size, n * runner.block_size, round(per_token),
+                f" in {kv_dtype}" if kv_dtype else "", why)
     return int(n)

@@ -46,7 +46,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
                  block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
-                 compilation_config=None, enforce_eager: bool = False):
+                 compilation_config=None, enforce_eager: bool = False, kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
             tune_cpu_allocator()
@@ -55,6 +55,7 @@ class ModelRunner:
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # the target's caches (FP8 or the model's); the draft's: its own
         self.block_size = block_size
         self.vocab_size = self.text_config.vocab_size
         self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
@@ -92,34 +93,37 @@ class ModelRunner:
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def bytes_per_block(self) -> int:
-        """KV bytes one block id costs: every target layer, plus the draft's own layer (same block ids)."""
+        """KV bytes one block id costs: every target layer at the KV cache dtype's size (an FP8 cache half of bf16's),
+        plus the draft's own layer (same block ids)."""
         _, bs, h, d = self.kv_cache_shape(1)
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         per_block = 2 * self.text_config.num_hidden_layers * bs * h * d * elem
         if self.draft_kv_spec is not None:
             per_block += self.draft_kv_spec.bytes_per_block()
         return per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each (and the draft's, if any)."""
+        """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each in the KV cache dtype (and the
+        draft's, if any)."""
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                           for _ in range(self.text_config.num_hidden_layers)]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
         self.forward.graph_runner = None  # graphs point at the old caches; `warm_up_model` captures anew
 
     def _allocate_attn_workspace(self, num_blocks: int) -> torch.Tensor | None:
-        """The decode scratch buffer the torch attention path gathers K/V into (None on the Triton backend), sized
-        for the longest sequence the cache can hold (capped at max_position_embeddings)."""
+        """The decode scratch buffer the torch attention path gathers K/V into (None on the Triton backend), in the
+        KV cache dtype, sized for the longest sequence the cache can hold (capped at max_position_embeddings)."""
         if kernels.get_attention_backend(self.device) != "torch":
             return None
         _, bs, h, d = self.kv_cache_shape(1)
         longest = min(num_blocks * bs, getattr(self.text_config, "max_position_embeddings", None) or num_blocks * bs)
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         with torch.inference_mode(False):  # written in and out of inference mode (profiling, steps)
-            return torch.empty(decode_workspace_numel(longest, bs, h, d, elem), dtype=self.dtype, device=self.device)
+            return torch.empty(decode_workspace_numel(longest, bs, h, d, elem), dtype=self.kv_cache_dtype,
+                               device=self.device)
 
     def _allocate_draft_kv(self, num_blocks: int) -> None:
         spec = self.draft_kv_spec

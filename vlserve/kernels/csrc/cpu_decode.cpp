@@ -2,6 +2,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -16,6 +17,8 @@
 
 using fVec = at::vec::Vectorized<float>;
 using bf16 = c10::BFloat16;
+using fp8 = c10::Float8_e4m3fn;  // FP8 KV caches: one byte per element, scaled per layer (k_scale / v_scale)
+constexpr float kFp8Max = 448.f;  // the largest finite e4m3 value
 constexpr int64_t kMaxVecs = 32;  // vectors in a row of up to 256 floats (AVX2: 8 lanes)
 
 // fVec::size() consecutive elements as float32
@@ -24,6 +27,42 @@ static inline fVec load(const bf16* p) {
     fVec out;
     at::vec::load_fp32_from_bf16(p, out);
     return out;
+}
+
+// fVec::size() float8_e4m3fn bytes as float32, exactly, in registers: a byte sign-extended to 16 bits, shifted left by
+// 7 and with bit 14 cleared is the IEEE half with the same sign, exponent field and mantissa (bits 15 | 13..10 | 9..7)
+// whose value is the e4m3 value / 256 (half's exponent bias is 15, e4m3's 7; subnormals map onto subnormals); the
+// two NaN codes (0x7f, 0xff) get half's all-ones exponent; the hardware widens the halves, and * 256 is exact
+static inline fVec load(const fp8* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+    const __m256i mag = _mm256_set1_epi16(0x3F80);
+    h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h, mag), mag),
+                                            _mm256_set1_epi16(0x7C00)));
+    return fVec(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+    const __m128i mag = _mm_set1_epi16(0x3F80);
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(h, mag), mag), _mm_set1_epi16(0x7C00)));
+    return fVec(_mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f)));
+#else
+    float f[kMaxVecs];
+    for (int64_t i = 0; i < fVec::size(); ++i) f[i] = static_cast<float>(p[i]);
+    return fVec::loadu(f);
+#endif
+}
+
+// one position's keys or values (n elements) into the cache: copied as they are, or, into an FP8 cache, divided by
+// the scale, clamped to +-448 and rounded to the nearest e4m3 value (ties to even, as torch's cast rounds)
+template <typename T, typename C>
+static inline void store_row(C* dst, const T* src, int64_t n, float scale) {
+    if constexpr (std::is_same_v<T, C>) {
+        std::memcpy(dst, src, n * sizeof(T));
+    } else {
+        for (int64_t i = 0; i < n; ++i) dst[i] = C(std::clamp(static_cast<float>(src[i]) / scale, -kFp8Max, kFp8Max));
+    }
 }
 
 // fVec::size() float32 values to consecutive elements (bf16: rounded to nearest even, as static_cast rounds)
@@ -193,12 +232,14 @@ static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, 
 // written into kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any row is read; tables: [S, M] int32;
 // lens: [B] int32, the positions row b attends to (0 .. lens[b] - 1); row_seq: [B] int32, the table row of each
 // query row (several rows of one sequence: its new tokens, each with its own causal length), or null: row b reads
-// table row b; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs
-template <typename T, int64_t NV>
+// table row b; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs. C: the caches' element type, T or fp8
+// (then keys and values are stored divided by k_scale / v_scale, and read back times them: k_scale is folded
+// into the scaled query rows, v_scale into the final normalization)
+template <typename T, typename C, int64_t NV>
 static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t k_stride, int64_t v_stride,
-                 const int64_t* slots, int64_t num_writes, T* kc, T* vc, const int32_t* tables, const int32_t* lens,
+                 const int64_t* slots, int64_t num_writes, C* kc, C* vc, const int32_t* tables, const int32_t* lens,
                  const int32_t* row_seq, T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
-                 int64_t threads, bool dp_bf16) {
+                 float k_scale, float v_scale, int64_t threads, bool dp_bf16) {
     const int64_t G = Hq / Hkv;
     const int64_t W = fVec::size();
     const int64_t V = NV > 0 ? NV : D / W;  // vectors per row (a constant where NV > 0)
@@ -214,13 +255,14 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
     while (group % 2 == 0 && B * (Hkv / group) < 2 * threads) group /= 2;
     const int64_t R = group * G;  // query rows per task; row r reads KV head h0 + r / G
     const int64_t tasks = B * (Hkv / group);
+    const float q_scale = scale * k_scale;  // scores of dequantized keys: (q * scale * k_scale) . k_stored
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_writes; ++i) {  // this step's keys and values first: decodes attend to them
             if (slots[i] < 0) continue;
-            std::memcpy(kc + slots[i] * pos_stride, key + i * k_stride, pos_stride * sizeof(T));
-            std::memcpy(vc + slots[i] * pos_stride, value + i * v_stride, pos_stride * sizeof(T));
+            store_row(kc + slots[i] * pos_stride, key + i * k_stride, pos_stride, k_scale);
+            store_row(vc + slots[i] * pos_stride, value + i * v_stride, pos_stride, v_scale);
         }
         // per thread: the query rows (scaled), their accumulators, running max and sum, a block's scores, and
         // the partial dot products of eight positions before their reduction
@@ -237,7 +279,7 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
             const int64_t len = lens[b], seq = row_seq ? row_seq[b] : b;  // this row's context and table row
             const T* qb = q + b * q_stride + h0 * G * D;  // the task's R query rows are consecutive
             for (int64_t r = 0; r < R; ++r) {
-                for (int64_t d = 0; d < D; d += W) (load(qb + r * D + d) * fVec(scale)).store(&qf[r * D + d]);
+                for (int64_t d = 0; d < D; d += W) (load(qb + r * D + d) * fVec(q_scale)).store(&qf[r * D + d]);
                 m[r] = -FLT_MAX;
                 l[r] = 0.f;
             }
@@ -250,11 +292,11 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                     const int64_t offset = static_cast<int64_t>(tables[seq * M + blk]) * BS * pos_stride + h0 * D;
                     const int64_t n = std::min(BS, len - blk * BS);
                     for (int64_t r = 0; r < R; r += (r % G + PS <= G ? PS : 1)) {
-                        const T* kh = kc + offset + (r / G) * D;
+                        const C* kh = kc + offset + (r / G) * D;
                         float* sr = &s[r * SC + (blk - c0) * BS];
                         const int64_t P = r % G + PS <= G ? PS : 1;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-                        if constexpr (std::is_same_v<T, bf16> && NV > 0 && NV % 2 == 0) {
+                        if constexpr (std::is_same_v<C, bf16> && NV > 0 && NV % 2 == 0) {
                             if (dp_bf16) {
                                 const bf16* qr = qb + r * D;
                                 if (P == PS) score_rows_512<Bf16PairDot, T, NV / 2, PS>(qr, kh, pos_stride, n, sr, SC, scale);
@@ -263,8 +305,8 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                             }
                         }
 #endif
-                        if (P == PS) score_rows<T, NV, PS>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
-                        else score_rows<T, NV, 1>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
+                        if (P == PS) score_rows<C, NV, PS>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
+                        else score_rows<C, NV, 1>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
                     }
                 }
                 for (int64_t r = 0; r < R; ++r) {  // online softmax: rescale what came before to the new max
@@ -295,15 +337,15 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                     const int64_t offset = static_cast<int64_t>(tables[seq * M + blk]) * BS * pos_stride + h0 * D;
                     const int64_t n = std::min(BS, len - blk * BS);
                     for (int64_t r = 0; r < R; r += (r % G + PV <= G ? PV : 1)) {
-                        const T* vh = vc + offset + (r / G) * D;
+                        const C* vh = vc + offset + (r / G) * D;
                         const float* sr = &s[r * SC + (blk - c0) * BS];
-                        if (r % G + PV <= G) accumulate_rows<T, NV, PV>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
-                        else accumulate_rows<T, NV, 1>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
+                        if (r % G + PV <= G) accumulate_rows<C, NV, PV>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
+                        else accumulate_rows<C, NV, 1>(&acc[r * D], vh, pos_stride, n, V, sr, SC);
                     }
                 }
             }
             for (int64_t r = 0; r < R; ++r) {
-                const fVec inv(l[r] > 0.f ? 1.f / l[r] : 0.f);
+                const fVec inv(l[r] > 0.f ? v_scale / l[r] : 0.f);
                 T* orow = out + (b * Hq + h0 * G + r) * D;
                 for (int64_t d = 0; d < D; d += W) store(orow + d, fVec::loadu(&acc[r * D + d]) * inv);
             }
@@ -311,17 +353,19 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
     }
 }
 
-template <typename T>
+template <typename T, typename C>
 static void step_typed(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, const int32_t* row_seq, void* out, int64_t B, int64_t Hq, int64_t Hkv,
-                       int64_t D, int64_t BS, int64_t M, float scale, int64_t threads, bool dp_bf16) {
+                       int64_t D, int64_t BS, int64_t M, float scale, float k_scale, float v_scale, int64_t threads,
+                       bool dp_bf16) {
     // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
     auto run = [&](auto nv) {
-        step<T, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
-                                     static_cast<const T*>(value), k_stride, v_stride, slots, num_writes, static_cast<T*>(kc),
-                                     static_cast<T*>(vc), tables, lens, row_seq, static_cast<T*>(out), B, Hq, Hkv, D, BS, M,
-                                     scale, threads, dp_bf16);
+        step<T, C, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
+                                        static_cast<const T*>(value), k_stride, v_stride, slots, num_writes,
+                                        static_cast<C*>(kc), static_cast<C*>(vc), tables, lens, row_seq,
+                                        static_cast<T*>(out), B, Hq, Hkv, D, BS, M, scale, k_scale, v_scale, threads,
+                                        dp_bf16);
     };
     const int64_t V = D / fVec::size();
     if (V == 4) run(std::integral_constant<int64_t, 4>());
@@ -329,16 +373,20 @@ static void step_typed(const void* q, int64_t q_stride, const void* key, const v
     else run(std::integral_constant<int64_t, 0>());
 }
 
+// is_bf16: the query, key, value and output dtype (else float32); cache_fp8: the caches hold float8_e4m3fn scaled
+// by k_scale / v_scale (else the query's dtype, and the scales are 1)
 extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, const int32_t* row_seq, int64_t has_row_seq, void* out, int64_t B,
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale, int64_t threads,
-                       int64_t is_bf16, int64_t dp_bf16) {
+                       int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8) {
     if (!has_row_seq) row_seq = nullptr;
-    if (is_bf16)
-        step_typed<bf16>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, row_seq, out, B, Hq, Hkv,
-                         D, BS, M, scale, threads, dp_bf16 != 0);
-    else
-        step_typed<float>(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, row_seq, out, B, Hq,
-                          Hkv, D, BS, M, scale, threads, false);
+    auto run = [&](auto typed) {
+        typed(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, row_seq, out, B, Hq,
+              Hkv, D, BS, M, scale, k_scale, v_scale, threads, is_bf16 && dp_bf16 != 0);
+    };
+    if (is_bf16 && cache_fp8) run(step_typed<bf16, fp8>);
+    else if (is_bf16) run(step_typed<bf16, bf16>);
+    else if (cache_fp8) run(step_typed<float, fp8>);
+    else run(step_typed<float, float>);
 }
