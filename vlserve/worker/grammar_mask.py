@@ -1,18 +1,15 @@
-"""Applying structured outputs' token bitmask to a step's logits (the runner's half of constrained decoding)."""
+"""Applying structured outputs' token bitmask to a step's logits (the runner's half of constrained decoding): the
+C++ pass of `vlserve.kernels.grammar_mask` for CPU logits where it is built, numpy's unpack + `masked_fill`
+otherwise (GPU logits, no compiler)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-def unpack_bitmask(words: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """int32 words [R, W] (bit j of word w: token 32 * w + j is allowed) -> bool [R, vocab_size]; tokens past the
-    bitmask's width are not allowed. Unpacked by numpy from the words' bytes (little-endian hosts)."""
-    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")  # [R, 32 W]
-    if bits.shape[1] >= vocab_size:
-        return torch.from_numpy(bits[:, :vocab_size]).to(torch.bool)
-    padded = np.zeros((bits.shape[0], vocab_size), dtype=np.uint8)
-    padded[:, :bits.shape[1]] = bits
-    return torch.from_numpy(padded).to(torch.bool)
+from vlserve.kernels.grammar_mask import (apply_token_bitmask_cpu, apply_token_bitmask_ref, grammar_mask_supported,
+                                          unpack_bitmask)
+
+__all__ = ["apply_grammar_bitmask", "unpack_bitmask"]
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, first_row: dict[str, int],
@@ -31,11 +28,15 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, first_row: 
         base += n
     if not logit_rows:
         return
-    in_order = len(mask_rows) == bitmask.shape[0] and all(r == i for i, r in enumerate(mask_rows))
-    words = bitmask if in_order else bitmask[mask_rows]  # [r, W]
-    allowed = unpack_bitmask(words, logits.shape[-1]).to(logits.device)  # [r, V]
-    if len(logit_rows) == logits.shape[0]:
-        logits.masked_fill_(~allowed, float("-inf"))
+    # every logit row taking the bitmask row of the same index: no row mapping
+    identity = (len(logit_rows) == logits.shape[0] == bitmask.shape[0]
+                and all(lr == i and mr == i for i, (lr, mr) in enumerate(zip(logit_rows, mask_rows))))
+    if grammar_mask_supported(logits):
+        if identity:
+            apply_token_bitmask_cpu(logits, bitmask)
+        else:
+            apply_token_bitmask_cpu(logits, bitmask, logit_rows, mask_rows)
         return
-    rows = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    in_order = len(mask_rows) == bitmask.shape[0] and all(r == i for i, r in enumerate(mask_rows))
+    apply_token_bitmask_ref(logits, bitmask, None if len(logit_rows) == logits.shape[0] else logit_rows,
+                            None if in_order else mask_rows)
