@@ -4,7 +4,8 @@
 Three families, each as a `prepare_*` (run once, after loading: canonical tensors -> the layout the kernel of this
 device reads) and a `*_linear` that multiplies; each has a `*_ref` twin in plain torch that states the math:
 - W8A8 INT8 (`prepare_int8` / `int8_linear`): int8 weights with a float scale per output channel; the activations
-  are quantized to int8 per token at run time (symmetric, scale = absmax / 127), the products summed in int32.
+  are quantized to int8 per token at run time (symmetric, scale absmax / 127.5 as compressed-tensors defines it), the
+  products summed in int32.
 - WNA16 (`prepare_wna16` / `wna16_linear`): 4- or 8-bit integer weights in groups along the input dim, each group
   with a float scale and an integer zero point (`w = (q - z) * s`); activations stay float. GPTQ's act order (a
   `g_idx` that maps each input column to its group) becomes a permutation of the input columns, applied to x.
@@ -13,6 +14,39 @@ device reads) and a `*_linear` that multiplies; each has a `*_ref` twin in plain
 
 Canonical inputs (what the checkpoint formats are unpacked to): `q` uint8 [N, K] holding unsigned values in
 [0, 2^bits), `scales` float [N, G] and `zeros` int [N, G] with G = K / group_size groups along the input dim.
+
+What runs where:
+- CUDA tensors: the references here; the model's schemes (`models.quantization.schemes`) send CUDA layers to
+  `quant_linear_cuda` instead (Triton W4A16 / W8A16, `_int_mm`, `_scaled_mm`).
+- CPU tensors where `quant_linear_cpu.quant_kernel()` builds (AVX2 + FMA or AVX-512): `prepare_*` pack the weights
+  once into the C++ kernel's panels (`cpu`; the canonical tensors stay unless `keep_canonical=False`, which the
+  model's schemes pass, so a served layer holds its weights once) and `*_linear` run csrc/quant_linear*.cpp,
+  float32 sums, one rounding to x.dtype (float16 x through float32). WNA16: 4- or 8-bit values widened to float32
+  in registers; at 1-2 rows (decode) each group's x . (q - z) (and, convert, subtract, FMA per 8 weights) times the
+  group's scale, at more rows each weight exactly as `dequantize_wna16_ref` makes it, a 128-deep K block at a time,
+  into cpu_linear's float32 register blocks: within float32 rounding of the reference. INT8: x quantized in C++
+  exactly as `quantize_rows_int8`, int8 products summed in int32 through int16 pairs (vpmaddwd; vpdpwssd where the
+  CPU has AVX512-VNNI), rescaled as the reference: bit-identical to it. FP8: no FP8 math on these CPUs, so the e4m3
+  weights are decoded to float32 in registers (a shift, a shift, a mask and the scale multiply per 8) and x is
+  rounded through e4m3 in C++ exactly as `quantize_fp8_ref`. Layouts the kernel cannot hold (WNA16 groups that are
+  not a multiple of 8 positions, FP8 block columns likewise, FP8 scales of 256 or more) are not packed: the
+  references run.
+- AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32
+  vector registers, vpdpwssd with VNNI): the tests run both builds there, but neither has run on such a CPU yet,
+  and no AMX or zmm-wide kernel exists. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
+  and 18944x3584 M=1 / 32): `_weight_int4pack_mm_for_cpu` 0.31 / 3.2 / 4.9 / 50 against W4A16's 0.13 / 1.7 / 2.4 /
+  27 here (and it keeps scales and zeros in x's dtype, so bf16 x rounds them: not float32's accuracy; float32 x
+  takes a slow path, 11 ms at 4864x896 M=1); `_weight_int8pack_mm` (weight-only) 0.17 / 3.2 / 3.9 / 55 against
+  W8A8's 0.12 / 1.0 / 2.9 / 17; `torch._int_mm` is a plain loop on this CPU (24 ms at 4864x896 M=1); oneDNN's
+  qlinear takes one scale for all of x, not one a token. Whether `_int_mm` reaches oneDNN on AVX512-VNNI / AMX CPUs
+  was not checked.
+- Measured (`benchmarks/quant_linear.py --stat min`, 2 Zen 3 cores shared with other jobs; float32 and bf16 x
+  alike), speed against the packed bf16 `cpu_linear` at M = 1 / 8 / 32 / 512 on the 0.5B MLP and 7B shapes (hot):
+  W4A16 g128 1.6-2.0x / 1.15-1.23x / 0.99-1.04x / 0.98-1.07x, W8A8 INT8 1.9-2.1x / 2.0-2.1x / 1.6-1.7x / 1.5-1.7x,
+  FP8 (per channel or 128x128 blocks) 1.45-1.75x / 1.15-1.24x / 0.98-1.06x / 0.96-1.09x. At the 0.5B's small qkv
+  and o (896-1152 x 896, bf16 matrices that stay in L3 when hot) hot M=1 gave W4A16 1.05-1.5x, FP8 0.9-1.4x, INT8
+  2.0x; with the caches flushed before each call, as a decode step's weights are (`--cold`), M=1 ran W4A16
+  1.7-2.0x, INT8 1.7-2.4x, FP8 1.4-2.1x as fast on all five shapes.
 """
 from __future__ import annotations
 
@@ -21,29 +55,45 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlserve.kernels import quant_linear_cpu as QC
+from vlserve.kernels.quant_linear_cpu import PackedQuant
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _packs_here(weight: torch.Tensor) -> bool:
+    """Whether `prepare_*` packs this canonical weight for the C++ CPU kernel: a CPU tensor and a kernel built."""
+    return weight.device.type == "cpu" and QC.quant_kernel() is not None
 
 
 # ----------------------------------------------------------------------------------------------------- W8A8 INT8
 
 @dataclass
 class Int8Weights:
-    """A W8A8 matrix: `weight` int8 [N, K], `scale` float32 [N] (one per output channel)."""
+    """A W8A8 matrix: `weight` int8 [N, K], `scale` float32 [N] (one per output channel); `cpu` the C++ kernel's
+    packed form, or None (then the reference runs)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
+    cpu: PackedQuant | None = None
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (int8 [M, K], float32 scale [M, 1]): symmetric per-row quantization, scale absmax / 127."""
+    """x [M, K] float -> (int8 [M, K], float32 scale [M, 1]): symmetric per-row quantization with compressed-tensors'
+    scale, absmax / 127.5 (half the int8 range [-128, 127]; vLLM's kernels divide by 127), clamped to the range."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127.0  # [M, 1]
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127.5  # [M, 1]
     return torch.round(xf / scale).clamp(-128, 127).to(torch.int8), scale
 
 
-def prepare_int8(weight: torch.Tensor, scale: torch.Tensor) -> Int8Weights:
-    """Canonical int8 [N, K] weight and its per-channel scale ([N] or [N, 1]) -> the kernel's form."""
-    return Int8Weights(weight.to(torch.int8).contiguous(), scale.reshape(-1).float().contiguous())
+def prepare_int8(weight: torch.Tensor, scale: torch.Tensor, keep_canonical: bool = True) -> Int8Weights:
+    """Canonical int8 [N, K] weight and its per-channel scale ([N] or [N, 1]) -> the kernel's form. Without
+    `keep_canonical`, a weight packed for the CPU kernel is held only packed (`weight` None)."""
+    weight, scale = weight.to(torch.int8).contiguous(), scale.reshape(-1).float().contiguous()
+    w = Int8Weights(weight, scale, QC.pack_int8(weight, scale) if _packs_here(weight) else None)
+    if w.cpu is not None and not keep_canonical:
+        w.weight = None
+    return w
 
 
 def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -60,6 +110,10 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 matmul: x [..., K] -> [..., N] in x.dtype."""
+    if x.is_cuda:  # the CUDA route goes here; the reference meanwhile
+        return int8_linear_ref(x, w.weight, w.scale, bias)
+    if w.cpu is not None:
+        return QC.quant_matmul(x, w.cpu, bias)
     return int8_linear_ref(x, w.weight, w.scale, bias)
 
 
@@ -68,7 +122,8 @@ def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> t
 @dataclass
 class WNA16Weights:
     """A weight-only quantized matrix: `q` uint8 [N, K] (values < 2^bits), `scales` float [N, G], `zeros` uint8
-    [N, G]; `perm` int64 [K] or None: the input columns in group order (act order), applied to x first."""
+    [N, G]; `perm` int64 [K] or None: the input columns in group order (act order), applied to x first; `cpu` the C++
+    kernel's packed form, or None (then the reference runs)."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -76,6 +131,7 @@ class WNA16Weights:
     group_size: int
     bits: int
     perm: torch.Tensor | None = None
+    cpu: PackedQuant | None = None
 
 
 def group_index(in_features: int, group_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
@@ -103,9 +159,10 @@ def wna16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zer
 
 
 def prepare_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
-                  g_idx: torch.Tensor | None = None) -> WNA16Weights:
+                  g_idx: torch.Tensor | None = None, keep_canonical: bool = True) -> WNA16Weights:
     """Canonical q / scales / zeros (+ act-order g_idx) -> the kernel's form. With a g_idx that is not k // group
-    size the columns are sorted by group (`perm`), so every group is contiguous."""
+    size the columns are sorted by group (`perm`), so every group is contiguous. Without `keep_canonical`, a matrix
+    packed for the CPU kernel is held only packed (`q` None)."""
     if bits not in (4, 8):
         raise ValueError(f"weight-only quantization with {bits} bits is not supported (4 or 8)")
     perm = None
@@ -114,14 +171,25 @@ def prepare_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
         if not torch.equal(groups, torch.arange(q.shape[1], device=q.device) // group_size):
             perm = torch.argsort(groups, stable=True)
             q = q[:, perm]
-    return WNA16Weights(q.to(torch.uint8).contiguous(), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
-                        group_size, bits, perm)
+    w = WNA16Weights(q.to(torch.uint8).contiguous(), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
+                     group_size, bits, perm)
+    if _packs_here(q):
+        w.cpu = QC.pack_wna16(w.q, w.scales, w.zeros, group_size, bits)
+        if not keep_canonical:
+            w.q = None
+    return w
 
 
 def wna16_linear(x: torch.Tensor, w: WNA16Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """Weight-only matmul: x [..., K] -> [..., N] in x.dtype."""
+    if x.is_cuda:  # the CUDA route goes here; the reference meanwhile
+        if w.perm is not None:
+            x = x.index_select(-1, w.perm)
+        return wna16_linear_ref(x, w.q, w.scales, w.zeros, w.group_size, None, bias)
     if w.perm is not None:
         x = x.index_select(-1, w.perm)
+    if w.cpu is not None:
+        return QC.quant_matmul(x, w.cpu, bias)
     return wna16_linear_ref(x, w.q, w.scales, w.zeros, w.group_size, None, bias)
 
 
@@ -131,7 +199,7 @@ def wna16_linear(x: torch.Tensor, w: WNA16Weights, bias: torch.Tensor | None) ->
 class FP8Weights:
     """An FP8 matrix: `weight` float8_e4m3fn [N, K]; `scale` float32 [] (tensor), [N] (channel) or [N/bn, K/bk]
     (`block` = (bn, bk)). Activations: `act` "token" / "group" (dynamic, `act_group` columns a group) or "static"
-    (`input_scale`, one per tensor)."""
+    (`input_scale`, one per tensor). `cpu`: the C++ kernel's packed form, or None (then the reference runs)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -139,6 +207,7 @@ class FP8Weights:
     act: str
     act_group: int = 0
     input_scale: torch.Tensor | None = None
+    cpu: PackedQuant | None = None
 
 
 def quantize_fp8_ref(x: torch.Tensor, act: str, act_group: int = 0,
@@ -179,12 +248,23 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8Weights, bias: torch.Tensor | None) ->
 
 
 def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, act: str,
-                act_group: int = 0, input_scale: torch.Tensor | None = None) -> FP8Weights:
-    """float8_e4m3fn [N, K] weight, its scale and the activation scheme -> the kernel's form."""
-    return FP8Weights(weight.contiguous(), scale.float().contiguous(), block, act, act_group,
-                      None if input_scale is None else input_scale.float())
+                act_group: int = 0, input_scale: torch.Tensor | None = None,
+                keep_canonical: bool = True) -> FP8Weights:
+    """float8_e4m3fn [N, K] weight, its scale and the activation scheme -> the kernel's form. Without
+    `keep_canonical`, a weight packed for the CPU kernel is held only packed (`weight` None)."""
+    w = FP8Weights(weight.contiguous(), scale.float().contiguous(), block, act, act_group,
+                   None if input_scale is None else input_scale.float())
+    if _packs_here(weight):
+        w.cpu = QC.pack_fp8(w.weight, w.scale, block, act, act_group, w.input_scale)
+        if not keep_canonical:
+            w.weight = None
+    return w
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """FP8 matmul: x [..., K] -> [..., N] in x.dtype."""
+    if x.is_cuda:  # the CUDA route goes here; the reference meanwhile
+        return fp8_linear_ref(x, w, bias)
+    if w.cpu is not None:  # x rounded through fp8 as quantize_fp8_ref rounds it, then float32 sums, in C++
+        return QC.quant_matmul(x, w.cpu, bias)
     return fp8_linear_ref(x, w, bias)

@@ -1,5 +1,5 @@
 """CUDA matmuls for the quantized linear layers of `quant_linear` (same arguments and semantics as its `*_ref`s):
-- W8A8 INT8 (`int8_linear_cuda`): x quantized per token to int8 (scale absmax / 127, as `quantize_rows_int8`), then
+- W8A8 INT8 (`int8_linear_cuda`): x quantized per token to int8 (`quantize_rows_int8`: scale absmax / 127.5), then
   `torch._int_mm` (int32 sums) and a float32 rescale by the token and channel scales.
 - FP8 (`fp8_linear_cuda`): x quantized to float8_e4m3fn per token / statically, then `torch._scaled_mm` with the
   token (row-wise) or tensor scale of x and the channel (row-wise) or tensor scale of W, on sm89+. Block-scaled

@@ -89,7 +89,7 @@ class CTWNA16(WNA16Scheme):
         else:
             zeros = (layer.weight_zero_point.data.to(torch.int16) + offset).to(torch.uint8)
         g_idx = layer.weight_g_idx.data if self.actorder else None
-        prepared = prepare_wna16(q, scales, zeros, self.group_size_for(inp), self.bits, g_idx)
+        prepared = prepare_wna16(q, scales, zeros, self.group_size_for(inp), self.bits, g_idx, keep_canonical=False)
         replace_params(layer, ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
                                "weight_g_idx"), prepared)
 
@@ -109,7 +109,8 @@ class CTInt8(Int8Scheme):
                         QuantParamLayout(input_dim=None, per_piece_scalar=self.per_tensor))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        replace_params(layer, ("weight_scale",), prepare_int8(layer.weight.data, layer.weight_scale.data))
+        replace_params(layer, ("weight_scale",),
+                       prepare_int8(layer.weight.data, layer.weight_scale.data, keep_canonical=False))
 
 
 class CTFP8(FP8Scheme):
@@ -142,7 +143,7 @@ class CTFP8(FP8Scheme):
         input_scale = layer.input_scale.data.max().reshape(1) if self.act == "static" else None
         block = (1, self.block[1]) if self.strategy == "block" else None  # scales already expanded to rows
         prepared = prepare_fp8(layer.weight.data, scale if block else scale.reshape(-1), block, self.act,
-                               self.act_group, input_scale)
+                               self.act_group, input_scale, keep_canonical=False)
         replace_params(layer, ("weight_scale", "input_scale"), prepared)
 
 

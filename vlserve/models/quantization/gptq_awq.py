@@ -65,7 +65,8 @@ class GPTQScheme(_PackedGroupScheme):
         zeros = ((zeros.to(torch.int16) + self.zero_offset) & ((1 << self.bits) - 1)).to(torch.uint8)
         scales = layer.scales.data.t()  # [O, G]
         g_idx = layer.g_idx.data if self.desc_act else None
-        prepared = prepare_wna16(q, scales, zeros, self.group_size_for(layer.in_features), self.bits, g_idx)
+        prepared = prepare_wna16(q, scales, zeros, self.group_size_for(layer.in_features), self.bits, g_idx,
+                                 keep_canonical=False)
         replace_params(layer, ("qweight", "qzeros", "scales", "g_idx"), prepared)
 
 
@@ -85,7 +86,8 @@ class AWQScheme(_PackedGroupScheme):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32(layer.qweight.data, 4, 1, layer.out_features, AWQ_ORDER).t()  # [O, I]
         zeros = unpack_int32(layer.qzeros.data, 4, 1, layer.out_features, AWQ_ORDER).t()  # [O, G]
-        prepared = prepare_wna16(q, layer.scales.data.t(), zeros, self.group_size_for(layer.in_features), 4)
+        prepared = prepare_wna16(q, layer.scales.data.t(), zeros, self.group_size_for(layer.in_features), 4,
+                                 keep_canonical=False)
         replace_params(layer, ("qweight", "qzeros", "scales"), prepared)
 
 

@@ -6,16 +6,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlserve.kernels.quant_linear import fp8_linear, int8_linear, wna16_linear
+from vlserve.kernels.quant_linear import WNA16Weights, fp8_linear, int8_linear, wna16_linear
+from vlserve.kernels.quant_linear_cuda import (
+    TritonWNA16Weights, fp8_linear_cuda, int8_linear_cuda, prepare_wna16_cuda, wna16_linear_cuda)
 from vlserve.models.quantization.base import LinearScheme
 
 
 def replace_params(layer: nn.Module, drop: tuple[str, ...], prepared) -> None:
-    """Set `layer.quant_weights = prepared` and remove the checkpoint-form parameters `drop` (and `weight`)."""
+    """Set `layer.quant_weights = prepared` (on CUDA, a WNA16 matrix repacked for the Triton kernel) and remove the
+    checkpoint-form parameters `drop` (and `weight`)."""
     for name in drop:
         if name in layer._parameters:
             del layer._parameters[name]
     layer.register_parameter("weight", None)
+    if isinstance(prepared, WNA16Weights) and prepared.q is not None and prepared.q.is_cuda:
+        prepared = prepare_wna16_cuda(prepared)
     layer.quant_weights = prepared
 
 
@@ -37,7 +42,10 @@ class WNA16Scheme(LinearScheme):
         return self.group_size if self.group_size and self.group_size > 0 else in_features
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return wna16_linear(x, layer.quant_weights, bias)
+        w = layer.quant_weights
+        if isinstance(w, TritonWNA16Weights):
+            return wna16_linear_cuda(x, w, bias)
+        return wna16_linear(x, w, bias)
 
     def describe(self) -> str:
         return f"{self.method} w{self.bits}a16 g{self.group_size or 'channel'}"
@@ -47,7 +55,10 @@ class Int8Scheme(LinearScheme):
     """INT8 weights with a scale per output channel; activations quantized to INT8 per token at run time."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8_linear(x, layer.quant_weights, bias)
+        w = layer.quant_weights
+        if x.is_cuda:
+            return int8_linear_cuda(x, w.weight, w.scale, bias)
+        return int8_linear(x, w, bias)
 
     def describe(self) -> str:
         return f"{self.method} w8a8 int8"
@@ -57,7 +68,10 @@ class FP8Scheme(LinearScheme):
     """FP8 (e4m3) weights with per-tensor, per-channel or block scales; FP8 activations, dynamic or static."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.quant_weights, bias)
+        w = layer.quant_weights
+        if x.is_cuda:
+            return fp8_linear_cuda(x, w.weight, w.scale, w.block, w.act, w.act_group, w.input_scale, bias)
+        return fp8_linear(x, w, bias)
 
     def describe(self) -> str:
         return f"{self.method} fp8"
