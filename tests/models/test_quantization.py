@@ -134,6 +134,23 @@ def test_prefix_cache_and_ngram_drafts_leave_output_unchanged(quantized):
     assert [list(o.outputs[0].token_ids) for o in spec] == want * 2
 
 
+def test_eagle_head_stays_float_on_a_quantized_target(quantized, tmp_path):
+    """An EAGLE head (float, mimicking the float model's last layer) drafting for a GPTQ target: greedy output
+    equals the target's own."""
+    from vlserve import LLM, SamplingParams
+    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+
+    qdir, fdir = quantized("gptq-4")
+    head = build_eagle_checkpoint(str(tmp_path / "eagle"), fdir, init="mimic")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(qdir, dtype="float32", num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    spec = LLM(qdir, dtype="float32", num_kv_blocks=64,
+               speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": head})
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+
+
 def test_two_ranks_match_unsharded(quantized):
     """TP=2: packed weights, group scales, packed zero points and g_idx are split on the right dims: weight-only
     logits equal the unsharded ones. With dynamic activation quantization each rank of a row-parallel layer scales

@@ -21,30 +21,31 @@ from vlserve.bench.throughput import make_prompts, vllm_cpu_env
 
 _CASE = r"""
 import json, resource, sys, time
-cfg = json.loads(sys.argv[1])
-import torch
-torch.set_num_threads(cfg["threads"])
-if cfg["engine"] == "vllm":
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
-              max_num_seqs=max(cfg["batches"]), seed=0)
-else:
-    from vlserve import LLM, SamplingParams
-    llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-              max_num_seqs=max(cfg["batches"]))
-result = {}
-for batch in cfg["batches"]:
-    prompts = [{"prompt_token_ids": p} for p in cfg["prompts"][:batch]]
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    best = float("inf")
-    for _ in range(cfg["repeats"]):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        best = min(best, time.perf_counter() - t)
-    result[str(batch)] = sum(len(o.outputs[0].token_ids) for o in outs) / best
-result["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-print("CASE_RESULT " + json.dumps(result))
+if __name__ == "__main__":  # vLLM spawns its engine core: the script must be importable
+    cfg = json.loads(sys.argv[1])
+    import torch
+    torch.set_num_threads(cfg["threads"])
+    if cfg["engine"] == "vllm":
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
+                  max_num_seqs=max(cfg["batches"]), seed=0)
+    else:
+        from vlserve import LLM, SamplingParams
+        llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
+                  max_num_seqs=max(cfg["batches"]))
+    result = {}
+    for batch in cfg["batches"]:
+        prompts = [{"prompt_token_ids": p} for p in cfg["prompts"][:batch]]
+        sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        best = float("inf")
+        for _ in range(cfg["repeats"]):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            best = min(best, time.perf_counter() - t)
+        result[str(batch)] = sum(len(o.outputs[0].token_ids) for o in outs) / best
+    result["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    print("CASE_RESULT " + json.dumps(result))
 """
 
 
@@ -65,6 +66,7 @@ def run_case(python: str, engine: str, model: str, cfg: dict) -> dict | str:
         if line.startswith("CASE_RESULT "):
             return json.loads(line[len("CASE_RESULT "):])
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    print(f"{engine} on {model} failed (exit {proc.returncode}):\n" + "\n".join(tail[-15:]), file=sys.stderr)
     return f"failed: {tail[-1][:160] if tail else proc.returncode}"
 
 
