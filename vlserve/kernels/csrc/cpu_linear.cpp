@@ -18,24 +18,7 @@
 #error "cpu_linear is built for AVX2 + FMA or AVX-512 only"
 #endif
 
-// Unrolls a loop over a register block's rows or vectors: GCC keeps an accumulator array in registers only once its
-// loops are unrolled early (otherwise it stores every accumulator to the stack on every step)
-#define UNROLL _Pragma("GCC unroll 16")
-
-typedef uint16_t bf16;
-constexpr int64_t kPanel = 32;  // output columns per packed panel
-
-static inline float to_float(float v) { return v; }
-static inline float to_float(bf16 v) {
-    const uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-
-// What a block does with its sums (float32, bias added): store them (rounded to T once), keep them as the gate of
-// SiLU(gate) * up (rounded to T, as the projection's output would be), or take them as up and store the product.
-enum Epilogue { kStore, kGate, kSiluMul };
+#include "cpu_linear_common.h"
 
 #include "cpu_linear_avx2.cpp"
 #if defined(CPU_CAPABILITY_AVX512) && !defined(VLSERVE_FORCE_AVX2)

@@ -22,19 +22,8 @@
 #error "quant_linear is built for AVX2 + FMA or AVX-512 only"
 #endif
 
-// What cpu_linear_avx2.cpp expects from cpu_linear.cpp (the float32 register blocks come from there)
-#define UNROLL _Pragma("GCC unroll 16")
-typedef uint16_t bf16;
-constexpr int64_t kPanel = 32;  // output columns per packed panel
-static inline float to_float(float v) { return v; }
-static inline float to_float(bf16 v) {
-    const uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
-enum Epilogue { kStore, kGate, kSiluMul };
-
+// what cpu_linear_avx2.cpp expects (the float32 register blocks come from there)
+#include "cpu_linear_common.h"
 #include "cpu_linear_avx2.cpp"
 #include "quant_linear_avx2.cpp"
 #include "quant_linear_int8.cpp"
