@@ -56,9 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.kernels import quant_linear_cpu as QC
+from vlserve.kernels.kv_quant import FP8_MAX  # the largest finite float8_e4m3fn
 from vlserve.kernels.quant_linear_cpu import PackedQuant
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def _packs_here(weight: torch.Tensor) -> bool:

@@ -18,11 +18,11 @@ import zlib
 import torch
 from safetensors.torch import load_file, save_file
 
+from vlserve.kernels.kv_quant import FP8_MAX
 from vlserve.models.quantization.packing import AWQ_ORDER, pack_int32, unpack_int32
 
 _DECODER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 _TOWER = re.compile(r"vision|visual|audio")  # CLIP / Whisper towers have `layers.N.self_attn.q_proj` too
-FP8_MAX = 448.0
 
 
 def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
