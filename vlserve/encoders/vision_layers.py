@@ -118,10 +118,10 @@ class PatchEmbed(nn.Module):
     """Patch rows `[P, C*tp*p*p]` -> `[P, E]`. The weight keeps HF's Conv3d shape `[E, C, tp, p, p]`; a Conv3d
     whose kernel equals its stride over one pre-cut patch is a matmul with the flattened weight, so it runs as one."""
 
-    def __init__(self, cfg: VisionTowerConfig) -> None:
+    def __init__(self, cfg: VisionTowerConfig, bias: bool = False) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = PatchConv3d(cfg.in_channels, cfg.width, kernel, bias=False)
+        self.proj = PatchConv3d(cfg.in_channels, cfg.width, kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.proj(pixels)  # [P, C*tp*p*p] -> [P, E]

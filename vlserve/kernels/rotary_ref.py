@@ -19,11 +19,19 @@ def build_rotary_cache(
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
-def mrope_frequency_axes(mrope_section: list[int], device: torch.device | None = None) -> torch.Tensor:
-    """Axis (0=t, 1=h, 2=w) that each of the R/2 frequencies takes its position from."""
+def mrope_frequency_axes(mrope_section: list[int], device: torch.device | None = None,
+                         interleaved: bool = False) -> torch.Tensor:
+    """Axis (0=t, 1=h, 2=w) that each of the R/2 frequencies takes its position from: contiguous sections
+    (Qwen2-VL), or interleaved t, h, w, t, h, w, ... with h and w taking every third frequency from 1 and 2 for
+    section[1] and section[2] turns, the rest t (Qwen3-VL)."""
     # returns: [R/2] int64, R/2 == sum(mrope_section)
-    axes = [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
-    return torch.tensor(axes, dtype=torch.long, device=device)
+    if not interleaved:
+        axes = [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
+        return torch.tensor(axes, dtype=torch.long, device=device)
+    axes = torch.zeros(sum(mrope_section), dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis:3 * mrope_section[axis]:3] = axis
+    return axes.to(device)
 
 
 def rotary_cos_sin(
@@ -31,8 +39,10 @@ def rotary_cos_sin(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     mrope_section: list[int] | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token half-width cos/sin tables, [T, R/2] each, in the cache dtype."""
+    """Per-token half-width cos/sin tables, [T, R/2] each, in the cache dtype (`interleaved`: see
+    `mrope_frequency_axes`)."""
     # positions: [T] or [3, T] int64; cos_cache, sin_cache: [P, R/2]
     half = cos_cache.shape[-1]
     if positions.dim() == 1:
@@ -44,7 +54,7 @@ def rotary_cos_sin(
         raise ValueError("positions of shape [3, T] need mrope_section")
     if sum(mrope_section) != half:
         raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must equal rotary_dim/2={half}")
-    axes = mrope_frequency_axes(mrope_section, positions.device)  # [R/2]
+    axes = mrope_frequency_axes(mrope_section, positions.device, interleaved)  # [R/2]
     pos = positions.to(torch.long)[axes].t()  # [T, R/2]: position of token t for frequency j
     freq = torch.arange(half, device=positions.device)  # [R/2]
     return cos_cache[pos, freq], sin_cache[pos, freq]

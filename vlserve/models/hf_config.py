@@ -28,6 +28,7 @@ class RopeParams:
     max_position_embeddings: int
     partial_rotary_factor: float = 1.0
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's t, h, w, t, h, w, ... frequency layout
     scaling: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,6 +99,7 @@ def rope_params_of(text_config) -> RopeParams:
     dict_theta = d.pop("rope_theta", None)
     theta = theta if theta is not None else dict_theta if dict_theta is not None else DEFAULT_ROPE_THETA
     section = d.pop("mrope_section", None)
+    interleaved = bool(d.pop("mrope_interleaved", False))
     partial = d.pop("partial_rotary_factor", None)
     if partial is None:
         partial = getattr(text_config, "partial_rotary_factor", None)
@@ -108,4 +110,5 @@ def rope_params_of(text_config) -> RopeParams:
         max_position_embeddings=int(text_config.max_position_embeddings),
         partial_rotary_factor=float(partial if partial is not None else 1.0),
         mrope_section=tuple(int(s) for s in section) if section is not None else None,
+        mrope_interleaved=interleaved,
         scaling=d)

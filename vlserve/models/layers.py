@@ -118,6 +118,8 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.numel()
         self.max_positions = int(max_positions or config.max_position_embeddings)
         self.mrope_section = list(params.mrope_section) if params.mrope_section is not None else None
+        self.mrope_interleaved = params.mrope_interleaved  # Qwen3-VL (a model may also switch it on)
+        self._step_tables: tuple | None = None  # (positions, cos [T, R/2], sin) of the last interleaved call
         self._inv_freq = inv_freq
         self._scaling = scaling
         dtype = dtype or torch.get_default_dtype()
@@ -143,6 +145,16 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() == 2 and self.mrope_section is None:
             raise ValueError("positions of shape [3, T] need an 'mrope_section' in the config's rope parameters")
         mrope = self.mrope_section if positions.dim() == 2 else None
+        if mrope is not None and self.mrope_interleaved:
+            # the kernels take contiguous sections: gather this step's per-token tables once (every layer of the
+            # step passes the same positions tensor) and rotate token t at row t of them
+            if self._step_tables is None or self._step_tables[0] is not positions:
+                cos, sin = rotary_cos_sin(positions, self.cos_cache, self.sin_cache, mrope, interleaved=True)
+                rows = torch.arange(positions.shape[1], device=positions.device)  # [T]
+                self._step_tables = (positions, cos, sin, rows)
+            _, cos, sin, rows = self._step_tables
+            kernels.apply_rotary(query, key, rows, cos, sin)
+            return
         kernels.apply_rotary(query, key, positions, self.cos_cache, self.sin_cache, mrope)
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
@@ -150,8 +162,10 @@ class RotaryEmbedding(nn.Module):
         """Out-of-place twin of `forward` in plain torch, for compiled forwards (inductor fuses the table gather,
         the casts and the rotation into one kernel per tensor): returns rotated `(query, key)`."""
         mrope = self.mrope_section if positions.dim() == 2 else None
-        cos, sin = rotary_cos_sin(positions, self.cos_cache, self.sin_cache, mrope)  # [T, R/2] each
+        cos, sin = rotary_cos_sin(positions, self.cos_cache, self.sin_cache, mrope,
+                                  interleaved=self.mrope_interleaved)  # [T, R/2] each
         return _rotate_native(query, cos, sin), _rotate_native(key, cos, sin)
 
     def extra_repr(self) -> str:
-        return f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, mrope={self.mrope_section}"
+        return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, mrope={self.mrope_section}"
+                f"{', interleaved' if self.mrope_interleaved else ''}")

@@ -183,17 +183,23 @@ class LlamaDecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`."""
+                inputs_embeds: torch.Tensor | None = None,
+                layer_additions: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`.
+        `layer_additions[i] [T, H]` is added to the output of layer i (Qwen3-VL's DeepStack features; zero rows
+        for text tokens)."""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         residual = None
         want = self.aux_hidden_state_layers
         kept: dict[int, torch.Tensor] = {}
+        additions = layer_additions or []
         for i, layer in enumerate(self.layers):
             if i in want:
                 kept[i] = hidden if residual is None else hidden + residual
             kv_cache = kv_caches[i] if kv_caches is not None else None  # None when compiled (see DecoderAttention)
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+            if i < len(additions):  # the block output, then the addition (HF's order of the two sums)
+                hidden, residual = (residual + hidden) + additions[i], None
         hidden, stream = self.norm(hidden, residual) if residual is not None else (self.norm(hidden), hidden)
         if want:
             kept[self.num_layers] = stream

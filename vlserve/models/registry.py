@@ -15,6 +15,7 @@ _REGISTRY: dict[str, type | str] = {
     "Qwen3ForCausalLM": "vlserve.models.llama:Qwen3ForCausalLM",
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "PerceptionLMForConditionalGeneration": "vlserve.models.perception_lm:PerceptionLMForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "vlserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "LlavaForConditionalGeneration": "vlserve.models.llava:LlavaForConditionalGeneration",

@@ -1,0 +1,67 @@
+"""Qwen3-VL (dense): our vision tower (vlserve.encoders.Qwen3VisionTower, `visual.*` weights) feeding a Qwen3
+decoder (per-head q/k RMSNorm) with interleaved M-RoPE and DeepStack.
+
+DeepStack: the tower also projects the output of K of its blocks; those K features of each image token are added
+to the output of decoder layers 0..K-1 at that token. They travel with the image embeddings: `embed_multimodal`
+returns `[n, H * (1 + K)]` (main embedding, then the K features), the encoder cache keeps them so, and
+`get_input_embeddings` returns `[T, H * (1 + K)]` rows (text rows zero past H) for the runner to write item rows
+over. `forward` splits them again. Videos arrive one frame per item (`vlserve.multimodal.qwen3_vl_video`), each
+with grid (1, h, w); positions are Qwen2-VL's rules on those grids (`vlserve.multimodal.mrope`).
+
+T = tokens in the step, H = LLM hidden size, K = DeepStack levels.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlserve.encoders.qwen3_vl_vision import Qwen3VisionTower, qwen3_vl_tower_config
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from vlserve.models.registry import register_model
+
+
+class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen3-VL: `visual` (Qwen3VisionTower) + `language_model` (Qwen3 decoder, interleaved M-RoPE, DeepStack) +
+    `lm_head`; loads the `model.visual.*` / `model.language_model.*` / `lm_head.weight` layout."""
+
+    @staticmethod
+    def _build_vision_tower(vision_config) -> nn.Module:
+        return Qwen3VisionTower(qwen3_vl_tower_config(vision_config))
+
+    def __init__(self, config) -> None:
+        super(Qwen2VLForConditionalGeneration, self).__init__(config)
+        self.visual = self._build_vision_tower(config.vision_config)
+        self.build_language_model(qk_norm=True)
+        self.language_model.rotary_emb.mrope_interleaved = True  # Qwen3-VL's layout, whatever the config says
+        if self.visual.num_deepstack_levels > self.language_model.num_layers:
+            raise ValueError(f"{self.visual.num_deepstack_levels} DeepStack levels but only "
+                             f"{self.language_model.num_layers} decoder layers")
+        self.image_token_id = config.image_token_id
+        self.video_token_id = config.video_token_id
+
+    @property
+    def mm_embed_width(self) -> int:
+        """Width of one item embedding row: H * (1 + K)."""
+        return self.text_config.hidden_size * (1 + self.visual.num_deepstack_levels)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids [T]` -> `[T, H * (1 + K)]`: token embeddings, then zeros where DeepStack features go."""
+        embeds = self.language_model.get_input_embeddings(input_ids)  # [T, H]
+        out = embeds.new_zeros(embeds.shape[0], self.mm_embed_width)
+        out[:, :embeds.shape[1]] = embeds
+        return out
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """As the other models; `inputs_embeds`, when given, is `[T, H * (1 + K)]` (see get_input_embeddings)."""
+        additions = None
+        if inputs_embeds is not None and inputs_embeds.shape[1] != self.text_config.hidden_size:
+            parts = inputs_embeds.split(self.text_config.hidden_size, dim=1)  # 1 + K of [T, H]
+            inputs_embeds, additions = parts[0], list(parts[1:])
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds,
+                                   layer_additions=additions)
+
+
+register_model("Qwen3VLForConditionalGeneration", "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration")

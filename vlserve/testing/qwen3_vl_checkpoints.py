@@ -1,0 +1,88 @@
+"""Tiny random Qwen3-VL checkpoints (model + real HF processor) built offline for tests and demos."""
+from __future__ import annotations
+
+import os
+
+# Images between these pixel counts become (pixels / 32**2) tokens: a few dozen at most (16-pixel patches, 2x2 merge).
+TINY_MIN_PIXELS = 4 * 32 * 32
+TINY_MAX_PIXELS = 48 * 32 * 32
+
+
+def build_qwen3_vl_checkpoint(
+    out_dir: str,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 3,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 16,
+    vision_depth: int = 3,
+    vision_hidden_size: int = 32,
+    vision_num_heads: int = 2,
+    deepstack_visual_indexes: tuple[int, ...] = (0, 1),
+    num_position_embeddings: int = 16,
+    mrope_section: tuple[int, int, int] = (2, 3, 3),
+    min_pixels: int = TINY_MIN_PIXELS,
+    max_pixels: int = TINY_MAX_PIXELS,
+    initializer_range: float = 0.2,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    chat_template: str | None = None,
+) -> str:
+    """Write a random tiny Qwen3VLForConditionalGeneration plus its processor (Qwen2VL image processor, Qwen3VL
+    video processor, the offline Qwen-style tokenizer) to `out_dir`; return out_dir.
+
+    sum(mrope_section) must equal head_dim // 2; the text layers get DeepStack features from the vision blocks in
+    `deepstack_visual_indexes` (one per decoder layer, from layer 0), so there must be at most `num_layers` of them.
+    `num_position_embeddings` (a square) sizes the learned position grid the tower resamples to every image.
+    """
+    import torch
+    from transformers import (Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor)
+
+    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer, extra_special_tokens
+
+    chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
+    if 2 * sum(mrope_section) != head_dim:
+        raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must be head_dim/2={head_dim // 2}")
+    if len(deepstack_visual_indexes) > num_layers:
+        raise ValueError(f"{len(deepstack_visual_indexes)} DeepStack levels need at least as many decoder layers")
+    os.makedirs(out_dir, exist_ok=True)
+    base = build_tokenizer()
+    tok = Qwen2TokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
+        clean_up_tokenization_spaces=False)
+    tok.chat_template = chat_template
+    ids = {t: tok.convert_tokens_to_ids(t) for t in
+           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
+    text_cfg = dict(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads, head_dim=head_dim,
+        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section),
+                         "mrope_interleaved": True},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    vision_cfg = dict(
+        depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
+        num_heads=vision_num_heads, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2, num_position_embeddings=num_position_embeddings,
+        deepstack_visual_indexes=list(deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh",
+        initializer_range=initializer_range)
+    config = Qwen3VLConfig(
+        text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=tie_word_embeddings,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2)
+    video_processor = Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2)
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                                 chat_template=chat_template)
+    processor.save_pretrained(out_dir)
+    return out_dir
