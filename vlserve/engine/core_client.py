@@ -142,8 +142,17 @@ class EngineCoreClient:
             for i, process in enumerate(self.processes):
                 if not process.is_alive():
                     if not self._stopping.is_set():
+                        self._drain(on_message)  # its last words (e.g. which rank died) come before the EngineGone
                         on_message(EngineGone(i, process.exitcode))
                     return
+
+    def _drain(self, on_message: Callable[[object], None], grace_ms: int = 200) -> None:
+        """Hand on every message still queued from engines that have exited (they flush before exiting)."""
+        try:
+            while self._output.poll(grace_ms):
+                on_message(decode(self._output.recv()))
+        except Exception:  # a callback that raises (e.g. the engine reported it is dead) ends the drain
+            logger.debug("draining the engine socket stopped", exc_info=True)
 
     # -- talking -----------------------------------------------------------------------------------------------
     def send(self, msg: object, engine_index: int = 0) -> None:
