@@ -1,6 +1,7 @@
 """Turns a tokenized prompt with `<|image_pad|>` / `<|video_pad|>` / `<|AUDIO|>` placeholders plus raw media into the
 expanded prompt and one MultiModalFeature per media item, using the checkpoint's own HF processor (Qwen2-VL /
-Qwen2.5-VL; Qwen2-Audio, whose per-clip work lives in audio.py).
+Qwen2.5-VL; Qwen2-Audio, whose per-clip work lives in audio.py; Qwen3-VL, whose videos become one feature per
+frame pair, see qwen3_vl_video.py).
 
 Each item is loaded (media.py), hashed (hashing.py) and run through the HF image / video processor on its own, so
 results can be cached per item: a repeated image (same pixels, same kwargs) skips the HF processor entirely.
@@ -22,6 +23,7 @@ from vlserve.multimodal.llava_items import image_items_for
 from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
                                       load_video)
 from vlserve.multimodal.perception_lm import family_items
+from vlserve.multimodal.qwen3_vl_video import Qwen3VLVideos, is_qwen3_vl_processor
 from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
@@ -87,7 +89,8 @@ class MultiModalProcessor:
     `hf_processor` is the checkpoint's AutoProcessor (Qwen2VLProcessor / Qwen2_5_VLProcessor): it provides the
     image processor, the video processor, the tokenizer and the placeholder token ids (`image_token_id` overrides
     the image one: the model config's). PerceptionLM and LLaVA-family processors get their per-image rules from
-    `perception_lm` / `llava_items` (`self.family`; None for Qwen, whose outputs carry grids). The cache holds at most
+    `perception_lm` / `llava_items` (`self.family`; None for Qwen, whose outputs carry grids); Qwen3-VL videos
+    become one feature per temporal grid step (`qwen3_vl_video`). The cache holds at most
     `cache_size` items and `cache_max_bytes` bytes of processed tensors (0 disables it). Thread-safe: the cache and
     its counters sit behind a lock, and a thread asking for an item another thread is processing waits for that
     result (a hit) instead of running the HF processor again.
@@ -111,6 +114,9 @@ class MultiModalProcessor:
         # A family's own per-image processing (tiling, placeholder counts: PerceptionLM, LLaVA-1.5 / NeXT);
         # None = Qwen2-VL's grid rules below.
         self.family = family_items(hf_processor) or image_items_for(hf_processor)
+        # Qwen3-VL: a video becomes per-frame placeholder runs with timestamp text between them (qwen3_vl_video)
+        self.qwen3_videos = Qwen3VLVideos(hf_processor) \
+            if self.video_processor is not None and is_qwen3_vl_processor(hf_processor) else None
         # modality -> its placeholder token text, for the modalities this checkpoint has
         self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t) for m, t in (
             ("image", self.image_token_id), ("video", self.video_token_id), ("audio", self.audio_token_id))
@@ -239,7 +245,8 @@ class MultiModalProcessor:
 
         data = {"pixel_values_videos": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
                 "video_grid_thw": int64 [1, 3], "second_per_grid_ts": float32 [1]}; second_per_grid_ts is
-        temporal_patch_size / sampled fps (2.0 fps assumed when the video's rate is unknown, like HF).
+        temporal_patch_size / sampled fps (2.0 fps assumed when the video's rate is unknown, like HF). Qwen3-VL
+        adds "timestamp_fps" and "frame_indices" (see qwen3_vl_video.Qwen3VLVideos.timing).
         """
         if self.video_processor is None:
             raise ValueError("this model's processor has no video processor; videos are not supported")
@@ -248,7 +255,8 @@ class MultiModalProcessor:
         if not isinstance(video, LoadedVideo):
             video = load_video(video, fps=sampling.get("fps"), num_frames=sampling.get("num_frames"),
                                max_frames=max_frames, max_pixels=self.max_image_pixels)
-        mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames})
+        timing = {"qwen3_vl_timing": self.qwen3_videos.timing(video)} if self.qwen3_videos is not None else {}
+        mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames, **timing})
         return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(video, video_kwargs, sampling))
 
     def _run_video(self, video: LoadedVideo, video_kwargs: dict, sampling: dict) -> dict:
@@ -263,8 +271,9 @@ class MultiModalProcessor:
                              f"{_last_line(e)}") from None
         fps = video.sampled_fps or sampling.get("fps") or DEFAULT_VIDEO_FPS
         temporal_patch = int(getattr(self.video_processor, "temporal_patch_size", 2))
+        timing = self.qwen3_videos.timing(video) if self.qwen3_videos is not None else {}
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
-                "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32)}
+                "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32), **timing}
 
     def process_audio(self, audio: Any) -> tuple[str, dict]:
         """Decode (mono, the extractor's rate), hash and (on a cache miss) extract one clip's features
@@ -283,7 +292,8 @@ class MultiModalProcessor:
 
         The i-th image placeholder (in prompt order) belongs to images[i], likewise for videos; a count mismatch
         raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
-        processors / frame sampling and are folded into each item's mm_hash.
+        processors / frame sampling and are folded into each item's mm_hash. A Qwen3-VL video placeholder becomes
+        timestamp text plus one pad run (and one feature) per frame pair.
         """
         images, videos, audios = list(images or []), list(videos or []), list(audios or [])
         ids = list(prompt_token_ids)
@@ -314,6 +324,13 @@ class MultiModalProcessor:
         features: list[MultiModalFeature] = []
         prev = 0
         for pos, modality, mm_hash, data in items:
+            if modality == "video" and self.qwen3_videos is not None:  # per-frame runs, timestamps between
+                new_ids.extend(ids[prev:pos])
+                run, frame_features = self.qwen3_videos.expand(mm_hash, data, offset=len(new_ids))
+                new_ids.extend(run)
+                features.extend(frame_features)
+                prev = pos + 1
+                continue
             if modality == "audio":
                 num = audio_tokens(int(data["valid_frames"][0]))
             elif self.family is not None:
