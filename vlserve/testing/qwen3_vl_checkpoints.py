@@ -61,8 +61,8 @@ def build_qwen3_vl_checkpoint(
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads, head_dim=head_dim,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
         initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(mrope_section),
-                         "mrope_interleaved": True},
+        rope_theta=10000.0,  # the 4.57 spelling; 5.x folds both into rope_parameters
+        rope_scaling={"rope_type": "default", "mrope_section": list(mrope_section), "mrope_interleaved": True},
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     vision_cfg = dict(
         depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
