@@ -208,3 +208,25 @@ def test_server_image_url_parity_with_hf(q3_dir, oracle, expected):
         served.wait_idle()
     finally:
         served.close()
+
+
+def test_eagle_over_qwen3_vl_keeps_greedy_output(tmp_path_factory):
+    # One decoder layer with a zero attention output: a draft copying that layer (which has no q/k norm) predicts
+    # the target exactly on text rows, so drafts get accepted; on image rows the target adds DeepStack features
+    # the draft never sees. Output must equal plain decoding either way.
+    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint, zero_attention_output
+    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
+    root = tmp_path_factory.mktemp("q3_eagle")
+    target = build_qwen3_vl_checkpoint(str(root / "t"), num_layers=1, deepstack_visual_indexes=(0,))
+    zero_attention_output(target)
+    head = build_eagle_checkpoint(str(root / "h"), target, "eagle", "mimic")
+    imgs = [[Image.fromarray(rand_image(64, 64 + 32 * s, seed=s))] for s in range(3)]
+    prompts = ["red red red square square square red red red square", "one two one two one two", "Describe."]
+    kw = {"dtype": "float32", "num_kv_blocks": 128, "max_num_batched_tokens": 16}
+    base = LLM(target, **kw).generate(prompts, _greedy(16), images=imgs, use_tqdm=False)
+    spec_llm = LLM(target, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3}, **kw)
+    spec = spec_llm.generate(prompts, _greedy(16), images=imgs, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert spec_llm.get_metrics()["vlserve:spec_decode_num_accepted_tokens_total"] > 0
+    spec_llm.check_integrity()

@@ -316,8 +316,10 @@ class ModelRunner:
                 ids.extend([0] * (n - len(nxt)))
         inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         if any(state.mm_features for state in states):
-            inputs.inputs_embeds = self._merge_mm_embeddings(inputs.input_ids, states, starts + 1, q_lens, cu,
-                                                             skip_missing=True)  # [T, H] or None
+            embeds = self._merge_mm_embeddings(inputs.input_ids, states, starts + 1, q_lens, cu,
+                                               skip_missing=True)  # [T, W] or None
+            # the draft takes the H-wide token rows (Qwen3-VL's rows also carry DeepStack features past H)
+            inputs.inputs_embeds = None if embeds is None else embeds[:, :decoder_of(self.model).hidden_size]
         L = np.array([len(s.token_ids) for s in sampled], dtype=np.int64)
         inputs.positions, inputs.hidden_states, inputs.attn_metadata = positions, hidden, md
         inputs.aux_hidden_states = decoder_of(self.model).aux_hidden_states
