@@ -49,7 +49,12 @@ def _hf_call(hf, text: str, images=(), videos=()):
         kw["video_metadata"] = [VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(idx))
                                 for frames, fps, idx in videos]
         kw["do_sample_frames"] = False
-    return hf(text=[text], return_tensors="pt", **kw)
+    from vlserve.testing.qwen3_vl_checkpoints import trained_video_layout
+
+    tok = hf.tokenizer
+    special = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                      "<|video_pad|>")]
+    return trained_video_layout(hf(text=[text], return_tensors="pt", **kw), *special)
 
 
 def _ours(proc, text: str, images=(), videos=(), kwargs=None):

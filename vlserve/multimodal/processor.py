@@ -325,11 +325,12 @@ class MultiModalProcessor:
         prev = 0
         for pos, modality, mm_hash, data in items:
             if modality == "video" and self.qwen3_videos is not None:  # per-frame runs, timestamps between
-                new_ids.extend(ids[prev:pos])
+                start, end = self.qwen3_videos.placeholder_span(ids, pos)
+                new_ids.extend(ids[prev:start])
                 run, frame_features = self.qwen3_videos.expand(mm_hash, data, offset=len(new_ids))
                 new_ids.extend(run)
                 features.extend(frame_features)
-                prev = pos + 1
+                prev = end
                 continue
             if modality == "audio":
                 num = audio_tokens(int(data["valid_frames"][0]))

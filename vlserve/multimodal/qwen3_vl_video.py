@@ -77,6 +77,14 @@ class Qwen3VLVideos:
                 self._memo[text] = ids
         return ids
 
+    def placeholder_span(self, ids: list[int], pos: int) -> tuple[int, int]:
+        """`[start, end)` of the prompt tokens one video replaces: the `<|vision_start|><|video_pad|><|vision_end|>`
+        the chat template writes when the pad at `pos` sits inside one (every frame brings its own pair: the layout
+        Qwen3-VL was trained on, as transformers 4.57 writes it; 5.x keeps the outer pair too), else the pad alone."""
+        if 0 < pos < len(ids) - 1 and ids[pos - 1] == self.vision_start_id and ids[pos + 1] == self.vision_end_id:
+            return pos - 1, pos + 2
+        return pos, pos + 1
+
     def expand(self, video_hash: str, data: dict, offset: int) -> tuple[list[int], list[MultiModalFeature]]:
         """One processed video (processor.py's cached data plus `timing`) -> (the token ids replacing its single
         placeholder, one "video" feature per grid step with offsets counted from `offset`)."""

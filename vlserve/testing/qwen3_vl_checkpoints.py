@@ -86,3 +86,34 @@ def build_qwen3_vl_checkpoint(
                                  chat_template=chat_template)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def trained_video_layout(inputs: dict, vision_start_id: int, vision_end_id: int, image_id: int,
+                         video_id: int) -> dict:
+    """HF processor output -> the same with every video in the layout Qwen3-VL was trained on (and transformers
+    4.57 writes): transformers 5.x keeps the chat template's outer `<|vision_start|>` / `<|vision_end|>` around a
+    video's per-frame runs, which bring their own pairs; those outer two tokens are dropped (input_ids,
+    attention_mask, and mm_token_type_ids recomputed: 1 image pad, 2 video pad). Unchanged when nothing is nested."""
+    import torch
+
+    ids = inputs["input_ids"][0].tolist()
+    drop, opened = set(), []  # indexes of the outer pair's tokens; vision_start positions not yet closed
+    for i, t in enumerate(ids):
+        if t == vision_start_id:
+            opened.append(i)
+        elif t == vision_end_id and opened:
+            opened.pop()
+            if len(opened) == 1 and i + 1 < len(ids) and ids[i + 1] == vision_end_id:
+                drop.update((opened.pop(), i + 1))
+    if not drop:
+        return inputs
+    keep = torch.tensor([i not in drop for i in range(len(ids))])
+    out = dict(inputs)
+    out["input_ids"] = inputs["input_ids"][:, keep]
+    if "attention_mask" in inputs:
+        out["attention_mask"] = inputs["attention_mask"][:, keep]
+    if "mm_token_type_ids" in inputs:
+        kept = out["input_ids"]
+        out["mm_token_type_ids"] = ((kept == image_id).long() + 2 * (kept == video_id).long()).to(
+            inputs["mm_token_type_ids"].dtype)
+    return out
