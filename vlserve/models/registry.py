@@ -20,6 +20,8 @@ _REGISTRY: dict[str, type | str] = {
     "Qwen2AudioForConditionalGeneration": "vlserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "LlavaForConditionalGeneration": "vlserve.models.llava:LlavaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "vlserve.models.llava_next:LlavaNextForConditionalGeneration",
+    "InternVLForConditionalGeneration": "vlserve.models.internvl:InternVLForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "vlserve.models.mistral3:Mistral3ForConditionalGeneration",
 }
 
 

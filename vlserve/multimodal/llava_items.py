@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from vlserve.multimodal.anyres import anyres_layout, max_grid_features
+from vlserve.multimodal.internvl_items import InternVLImageItems
+from vlserve.multimodal.mistral3_items import PixtralImageItems
 
 
 def _processed_side(image_processor: Any) -> tuple[int, int]:
@@ -82,7 +84,9 @@ class LlavaNextImageItems(LlavaImageItems):
         return self._count(tile, tile) + max_grid_features(self.pinpoints, tile, tile // self.patch_size)
 
 
-_FAMILIES = {"LlavaProcessor": LlavaImageItems, "LlavaNextProcessor": LlavaNextImageItems}
+_FAMILIES = {"LlavaProcessor": LlavaImageItems, "LlavaNextProcessor": LlavaNextImageItems,
+             "PixtralProcessor": PixtralImageItems,  # Mistral 3: vlserve.multimodal.mistral3_items
+             "InternVLProcessor": InternVLImageItems}  # InternVL: vlserve.multimodal.internvl_items
 
 
 def image_items_for(hf_processor: Any) -> LlavaImageItems | None:

@@ -340,9 +340,13 @@ class MultiModalProcessor:
                 grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
                 num = int(grid.prod()) // self._merge_size(modality) ** 2
             new_ids.extend(ids[prev:pos])
-            features.append(MultiModalFeature(modality=modality, mm_hash=mm_hash, offset=len(new_ids),
+            # a family may spell the run out: tokens around it (InternVL's <img> ... </img>) or inside it (Pixtral's
+            # row breaks, which are then rows of the item's embeddings too); `start`: where the embeddings begin
+            spell = getattr(self.family, "placeholder_run", None) if modality == "image" else None
+            run, start = spell(ids[pos], num, data) if spell is not None else ([ids[pos]] * num, 0)
+            features.append(MultiModalFeature(modality=modality, mm_hash=mm_hash, offset=len(new_ids) + start,
                                               length=num, data=data))
-            new_ids.extend([ids[pos]] * num)
+            new_ids.extend(run)
             prev = pos + 1
         new_ids.extend(ids[prev:])
         return new_ids, features

@@ -1,0 +1,229 @@
+"""InternVL (InternVL3 layout): the InternViT tower + pixel shuffle + projector against HF's modules, placeholder
+expansion (`<img>` + tiles * `<IMG_CONTEXT>` + `</img>`) against InternVLProcessor for several tilings, then greedy
+parity with HF generate through LLM.generate / LLM.chat / the server for text, one image and two images; chunked
+prefill with forced preemption, prefix caching with the encoder cache, and tensor parallel 2."""
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.multimodal.mm_media import rand_image
+from vlserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.hf_parity
+
+MAX_NEW = 8
+# (height, width) -> different tile grids: wide, tall, square, tiny, a long strip
+SIZES = [(40, 60), (64, 200), (200, 64), (130, 130), (9, 13), (30, 400)]
+
+
+def _img(size, seed):
+    return Image.fromarray(rand_image(*size, seed=seed))
+
+
+def _greedy(n: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def ivl_dir(tmp_path_factory):
+    from vlserve.testing.internvl_checkpoints import build_internvl_checkpoint
+    return build_internvl_checkpoint(str(tmp_path_factory.mktemp("internvl")))
+
+
+class InternVLOracle:
+    """The checkpoint's processor (the image processor vlserve serves with) + HF greedy generate (float32)."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForImageTextToText
+
+        from vlserve.multimodal.processor import load_hf_processor
+
+        self.processor = load_hf_processor(model_dir)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
+
+    def text(self, n_images: int, question: str) -> str:
+        parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+        return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def inputs(self, text: str, images=None):
+        return self.processor(text=[text], images=images or None, return_tensors="pt").to(self.device)
+
+    def greedy(self, text: str, images=None) -> tuple[list[int], list[int]]:
+        """(prompt ids after placeholder expansion, greedy new tokens)."""
+        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+
+        inputs = self.inputs(text, images)
+        n = inputs["input_ids"].shape[1]
+        return inputs["input_ids"][0].tolist(), hf_greedy_ignoring_eos(self.model, inputs, MAX_NEW)[0, n:].tolist()
+
+
+@pytest.fixture(scope="module")
+def oracle(ivl_dir):
+    return InternVLOracle(ivl_dir)
+
+
+def _cases(oracle):
+    return [
+        ("one image", oracle.text(1, "What is this?"), [_img(SIZES[0], seed=1)]),
+        ("other image", oracle.text(1, "What is this?"), [_img(SIZES[3], seed=2)]),
+        ("two images", oracle.text(2, "Compare them."), [_img(SIZES[1], seed=3), _img(SIZES[4], seed=4)]),
+        ("text only", oracle.text(0, "Hello there"), []),
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(oracle):
+    return [oracle.greedy(text, imgs) for _, text, imgs in _cases(oracle)]
+
+
+def _run(llm, cases):
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for _, text, imgs in cases]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
+
+
+def test_tower_and_projector_match_hf(oracle):
+    from vlserve.models.internvl import InternVLForConditionalGeneration
+
+    hf = oracle.model.model
+    ours = InternVLForConditionalGeneration(oracle.model.config)
+    state = {k: v for k, v in hf.state_dict().items() if k.startswith(("vision_tower.", "multi_modal_projector."))}
+    ours.load_weights(list(state.items()) + [(f"model.language_model.{k}", v) for k, v in
+                                             hf.language_model.state_dict().items()]
+                      + [("lm_head.weight", oracle.model.lm_head.weight)])
+    pixels = oracle.inputs("<IMG_CONTEXT><IMG_CONTEXT>", [_img(SIZES[0], seed=1), _img(SIZES[1], seed=2)])["pixel_values"]
+    with torch.no_grad():
+        want = hf.get_image_features(pixel_values=pixels).pooler_output  # [N, F, H]
+        got = ours.to(oracle.device).tile_features(pixels)
+    assert got.shape == want.shape == (pixels.shape[0], 4, oracle.model.config.text_config.hidden_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(norm_type="rms_norm", use_qk_norm=True, attention_bias=False, use_mean_pooling=False),
+    dict(norm_type="layer_norm", use_qk_norm=True, attention_bias=True, use_mean_pooling=True, depth=3),
+])
+def test_tower_variants_match_hf(variant):
+    """RMSNorm / qk-norm / final LayerNorm towers (InternVL3's larger checkpoints) against HF InternVLVisionModel."""
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    from vlserve.encoders.intern_vit import InternVitConfig, InternVitTower
+    from vlserve.testing.internvl_checkpoints import internvl_vision_config, randomize_
+
+    variant = dict(variant)
+    cfg = InternVLVisionConfig(**internvl_vision_config(depth=variant.pop("depth", 2), **variant))
+    torch.manual_seed(0)
+    hf = InternVLVisionModel(cfg).eval()
+    randomize_(hf, scale=0.3)
+    ours = InternVitTower(InternVitConfig.from_hf(cfg))
+    ours.load_state_dict(hf.state_dict(), strict=True)  # same names and shapes as the checkpoint
+    pixels = torch.randn(3, 3, cfg.image_size[0], cfg.image_size[1])
+    with torch.no_grad():
+        want = hf(pixel_values=pixels).last_hidden_state
+        got = ours(pixels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_placeholder_ids_match_hf_processor(ivl_dir, oracle):
+    """Our expansion equals InternVLProcessor's input_ids for many tilings; max_image_embeds bounds them all."""
+    from vlserve.multimodal.processor import MultiModalProcessor
+
+    proc = MultiModalProcessor.from_pretrained(ivl_dir)
+    hf = oracle.processor
+    text = "Look: <IMG_CONTEXT>\nand <IMG_CONTEXT> done"
+    counts = []
+    for i, size in enumerate(SIZES + [(64, 64), (1, 1), (100, 7), (300, 301)]):
+        imgs = [_img(size, seed=i), _img(SIZES[i % len(SIZES)], seed=i + 50)]
+        ids, feats = proc.process(hf.tokenizer(text)["input_ids"], imgs)
+        assert ids == hf(text=[text], images=imgs, return_tensors="pt")["input_ids"][0].tolist(), size
+        for f in feats:
+            assert set(ids[f.offset:f.end]) == {hf.image_token_id}
+            assert ids[f.offset - 1] == hf.start_image_token_id and ids[f.end] == hf.end_image_token_id
+        counts.append(feats[0].length)
+    assert max(counts) <= proc.max_image_embeds()
+    assert len(set(counts)) > 3  # the tile count follows size and aspect ratio
+
+
+def test_generate_and_chat_parity_with_hf(ivl_dir, oracle, expected):
+    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=256)
+    cases = _cases(oracle)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for _, text, imgs in cases]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for (name, *_), out, (hf_prompt, hf_new) in zip(cases, outs, expected):
+        assert out.prompt_token_ids == hf_prompt, f"{name}: placeholder expansion differs"
+        assert list(out.outputs[0].token_ids) == hf_new, name
+    assert expected[0][1] != expected[1][1], "different images must give different outputs"
+    url = _data_url(cases[0][2][0])
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                  {"type": "text", "text": "What is this?"}]}], _greedy(),
+                    use_tqdm=False)
+    assert list(chat[0].outputs[0].token_ids) == expected[0][1]
+    llm.check_integrity()
+
+
+def test_chunked_prefill_8_with_forced_preemption(ivl_dir, oracle, expected):
+    # 8-token steps split every image's placeholder run; 6 blocks x 16 slots cannot hold the batch at once
+    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8,
+              enable_prefix_caching=False)
+    assert _run(llm, _cases(oracle)) == [e[1] for e in expected]
+    assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
+    llm.check_integrity()
+
+
+def test_prefix_caching_and_encoder_cache(ivl_dir, oracle, expected):
+    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=128, block_size=16)
+    cases = _cases(oracle)[:2]
+    first = _run(llm, cases)
+    again = _run(llm, cases)  # same images, same prompts: prefix blocks shared, nothing encoded again
+    assert first == again == [e[1] for e in expected[:2]]
+    m = llm.get_metrics()
+    assert m["vlserve:prefix_cache_hits_total"] > 0
+    assert m["vlserve:encoder_runs_total"] == 2
+    img = _img((60, 90), seed=11)
+    outs = llm.generate([f"Question {i}?" for i in range(6)], _greedy(3), images=[[img]] * 6, use_tqdm=False)
+    assert len(outs) == 6 and llm.get_metrics()["vlserve:encoder_runs_total"] == 3
+    llm.check_integrity()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_hf(ivl_dir, oracle, expected):
+    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8, tensor_parallel_size=2)
+    try:
+        assert _run(llm, _cases(oracle)) == [e[1] for e in expected]
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_server_image_url_parity_with_hf(ivl_dir, oracle, expected):
+    from tests.api.conftest import start_server
+    from vlserve.config import EngineArgs
+
+    _, text, imgs = _cases(oracle)[0]
+    served = start_server(EngineArgs(model=ivl_dir, served_model_name="tiny-internvl", dtype="float32",
+                                     num_kv_blocks=128, max_num_batched_tokens=16))
+    try:
+        r = served.client.chat.completions.create(
+            model="tiny-internvl", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(imgs[0])}},
+                                                   {"type": "text", "text": "What is this?"}]}])
+        tok = oracle.processor.tokenizer
+        # a stream ending inside a UTF-8 sequence holds that partial character back
+        want = tok.decode(expected[0][1], skip_special_tokens=True).rstrip("\ufffd")
+        assert r.choices[0].message.content.rstrip("\ufffd") == want and want
+        assert r.usage.prompt_tokens == len(expected[0][0])
+        served.wait_idle()
+    finally:
+        served.close()
