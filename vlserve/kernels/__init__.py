@@ -28,6 +28,7 @@ from vlserve.kernels.attention_ref import (
 )
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.fused_moe_ref import fused_moe_ref
 from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
 
 BACKEND_ENV = "VLSERVE_ATTENTION_BACKEND"
@@ -40,6 +41,7 @@ _REF_IMPLS: dict[str, Callable] = {
     "attention_forward": attention_forward_ref,
     "apply_rotary": apply_rotary_ref,
     "varlen_attention": varlen_attention_ref,
+    "fused_moe": fused_moe_ref,
 }
 _TRITON_IMPLS: dict[str, tuple[str, str]] = {
     "write_kv_cache": ("vlserve.kernels.triton_kv_write", "write_kv_cache_triton"),
@@ -48,6 +50,7 @@ _TRITON_IMPLS: dict[str, tuple[str, str]] = {
     "attention_forward": ("vlserve.kernels.triton_attention", "attention_forward_triton"),
     "apply_rotary": ("vlserve.kernels.triton_rotary", "apply_rotary_triton"),
     "varlen_attention": ("vlserve.kernels.triton_varlen_attention", "varlen_attention_triton"),
+    "fused_moe": ("vlserve.kernels.triton_fused_moe", "fused_moe_triton"),
 }
 
 
@@ -204,6 +207,13 @@ def varlen_attention(
     )
 
 
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation_name: str = "silu", expert_offset: int = 0) -> torch.Tensor:
+    """Mixture-of-experts FFN over the chosen experts: `x [T, H]`, `w13 [E, 2I, H]`, `w2 [E, H, I]`,
+    `topk_weights / topk_ids [T, k]` -> `[T, H]` (see kernels.fused_moe_ref; experts [expert_offset, +E) only)."""
+    return _impl("fused_moe", x.device)(x, w13, w2, topk_weights, topk_ids, activation_name, expert_offset)
+
+
 def apply_rotary(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -221,6 +231,7 @@ __all__ = [
     "AttentionMetadata",
     "BACKEND_ENV",
     "apply_rotary",
+    "fused_moe",
     "apply_rotary_ref",
     "attention_forward",
     "attention_forward_ref",

@@ -14,7 +14,7 @@ loader which slice of each checkpoint tensor this rank reads. With one rank noth
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -42,6 +42,10 @@ _KV_SCALE_SUFFIXES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("
 _FUSED_PIECES = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
                  "v_proj": ("self_attn", "qkv_proj"), "gate_proj": ("mlp", "gate_up_proj"),
                  "up_proj": ("mlp", "gate_up_proj")}
+
+
+# (text config, layer index) -> the layer's FFN module, or None for the dense GatedMLP (MoE models pass one).
+MlpFactory = Callable[[object, int], "nn.Module | None"]
 
 
 def head_dim_of(config) -> int:
@@ -112,11 +116,13 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: `h = x + attn(norm(x)); out = h + mlp(norm(h))`, residual adds fused into the norms."""
 
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 layer_idx: int = 0) -> None:
+                 layer_idx: int = 0, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary, qkv_bias, o_bias, qk_norm, layer_idx)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                            bias=bool(getattr(config, "mlp_bias", False)))
+        mlp = mlp_factory(config, layer_idx) if mlp_factory is not None else None
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+            bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -143,7 +149,7 @@ class LlamaDecoderModel(nn.Module):
     """
 
     def __init__(self, config, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
@@ -160,7 +166,8 @@ class LlamaDecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i) for i in range(self.num_layers))
+            DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i, mlp_factory)
+            for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # EAGLE drafts read intermediate states: layer ids i whose INPUT (the residual stream after layer i - 1;
         # 0 = the embeddings, num_layers = the final stream before the last norm) `forward` keeps in

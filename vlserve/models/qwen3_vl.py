@@ -17,6 +17,7 @@ from torch import nn
 
 from vlserve.encoders.qwen3_vl_vision import Qwen3VisionTower, qwen3_vl_tower_config
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.moe import SparseMoeBlock, is_sparse_layer
 from vlserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vlserve.models.registry import register_model
 
@@ -32,13 +33,15 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     def __init__(self, config) -> None:
         super(Qwen2VLForConditionalGeneration, self).__init__(config)
         self.visual = self._build_vision_tower(config.vision_config)
-        self.build_language_model(qk_norm=True)
+        self.build_language_model(qk_norm=True, mlp_factory=self.mlp_factory)
         self.language_model.rotary_emb.mrope_interleaved = True  # Qwen3-VL's layout, whatever the config says
         if self.visual.num_deepstack_levels > self.language_model.num_layers:
             raise ValueError(f"{self.visual.num_deepstack_levels} DeepStack levels but only "
                              f"{self.language_model.num_layers} decoder layers")
         self.image_token_id = config.image_token_id
         self.video_token_id = config.video_token_id
+
+    mlp_factory = None  # dense FFNs; Qwen3-VL-MoE puts sparse MoE blocks in
 
     @property
     def mm_embed_width(self) -> int:
@@ -64,4 +67,16 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
                                    layer_additions=additions)
 
 
+def _moe_or_dense(config, layer_idx: int) -> nn.Module | None:
+    return SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else None
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE: Qwen3-VL with sparse MoE blocks (vlserve.models.moe: top-k routing, fused experts, expert
+    parallelism over the tensor-parallel ranks) in the layers `decoder_sparse_step` / `mlp_only_layers` pick."""
+
+    mlp_factory = staticmethod(_moe_or_dense)
+
+
 register_model("Qwen3VLForConditionalGeneration", "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration")
+register_model("Qwen3VLMoeForConditionalGeneration", "vlserve.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration")

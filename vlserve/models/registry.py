@@ -16,6 +16,7 @@ _REGISTRY: dict[str, type | str] = {
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "vlserve.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
     "PerceptionLMForConditionalGeneration": "vlserve.models.perception_lm:PerceptionLMForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "vlserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "LlavaForConditionalGeneration": "vlserve.models.llava:LlavaForConditionalGeneration",

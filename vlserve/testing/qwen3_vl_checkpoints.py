@@ -28,6 +28,7 @@ def build_qwen3_vl_checkpoint(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     chat_template: str | None = None,
+    moe: dict | None = None,
 ) -> str:
     """Write a random tiny Qwen3VLForConditionalGeneration plus its processor (Qwen2VL image processor, Qwen3VL
     video processor, the offline Qwen-style tokenizer) to `out_dir`; return out_dir.
@@ -35,10 +36,17 @@ def build_qwen3_vl_checkpoint(
     sum(mrope_section) must equal head_dim // 2; the text layers get DeepStack features from the vision blocks in
     `deepstack_visual_indexes` (one per decoder layer, from layer 0), so there must be at most `num_layers` of them.
     `num_position_embeddings` (a square) sizes the learned position grid the tower resamples to every image.
+    `moe` (e.g. {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48}, optionally
+    "decoder_sparse_step" / "mlp_only_layers") builds a Qwen3VLMoeForConditionalGeneration instead.
     """
     import torch
-    from transformers import (Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    if moe:
+        from transformers import Qwen3VLMoeConfig as Config
+        from transformers import Qwen3VLMoeForConditionalGeneration as Model
+    else:
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLForConditionalGeneration as Model
 
     from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer, extra_special_tokens
 
@@ -63,20 +71,21 @@ def build_qwen3_vl_checkpoint(
         initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
         rope_theta=10000.0,  # the 4.57 spelling; 5.x folds both into rope_parameters
         rope_scaling={"rope_type": "default", "mrope_section": list(mrope_section), "mrope_interleaved": True},
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        **(moe or {}))
     vision_cfg = dict(
         depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
         num_heads=vision_num_heads, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
         temporal_patch_size=2, num_position_embeddings=num_position_embeddings,
         deepstack_visual_indexes=list(deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh",
         initializer_range=initializer_range)
-    config = Qwen3VLConfig(
+    config = Config(
         text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=tie_word_embeddings,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.architectures = [Model.__name__]
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = Model(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
 
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
