@@ -94,6 +94,12 @@ def _run(llm, cases):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
 
 
+def _image_features(out):
+    """get_image_features' [tiles, F, H] features: 5.x returns an output object (`.pooler_output`), 4.57 a plain
+    tensor."""
+    return out.pooler_output if hasattr(out, "pooler_output") else out
+
+
 def test_tower_and_projector_match_hf(oracle):
     from vlserve.models.internvl import InternVLForConditionalGeneration
 
@@ -105,7 +111,7 @@ def test_tower_and_projector_match_hf(oracle):
                       + [("lm_head.weight", oracle.model.lm_head.weight)])
     pixels = oracle.inputs("<IMG_CONTEXT><IMG_CONTEXT>", [_img(SIZES[0], seed=1), _img(SIZES[1], seed=2)])["pixel_values"]
     with torch.no_grad():
-        want = hf.get_image_features(pixel_values=pixels).pooler_output  # [N, F, H]
+        want = _image_features(hf.get_image_features(pixel_values=pixels))  # [N, F, H]
         got = ours.to(oracle.device).tile_features(pixels)
     assert got.shape == want.shape == (pixels.shape[0], 4, oracle.model.config.text_config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -98,6 +98,12 @@ def _as_image_tokens(ids: list[int], tok) -> list[int]:
     return [img if t in (brk, end) else t for t in ids]
 
 
+def _image_features(out):
+    """get_image_features' per-image features: 5.x returns an output object (`.pooler_output`), 4.57 a plain
+    tuple of tensors."""
+    return out.pooler_output if hasattr(out, "pooler_output") else out
+
+
 def test_tower_and_projector_match_hf(oracle):
     from vlserve.models.mistral3 import Mistral3ForConditionalGeneration
     from vlserve.multimodal.mistral3_items import patch_rows
@@ -111,8 +117,8 @@ def test_tower_and_projector_match_hf(oracle):
     inputs = oracle.processor.image_processor(images=imgs, return_tensors="pt", patch_size=32)  # padded batch
     sizes = inputs["image_sizes"]
     with torch.no_grad():
-        want = torch.cat(hf.model.get_image_features(pixel_values=inputs["pixel_values"].to(oracle.device),
-                                                     image_sizes=sizes.to(oracle.device)).pooler_output)
+        want = torch.cat(_image_features(hf.model.get_image_features(
+            pixel_values=inputs["pixel_values"].to(oracle.device), image_sizes=sizes.to(oracle.device))))
         rows = torch.cat([patch_rows(px[:, :h, :w], 16) for px, (h, w) in zip(inputs["pixel_values"], sizes.tolist())])
         got = ours.image_features(rows, ours.patch_grids(sizes))  # [sum of tokens, H]
     assert got.shape == want.shape and len({tuple(s) for s in sizes.tolist()}) == 4

@@ -37,12 +37,18 @@ def internvl_tokenizer():
     from vlserve.testing.tokenizer import build_tokenizer, extra_special_tokens
 
     base = build_tokenizer()
-    tok = Qwen2TokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, clean_up_tokenization_spaces=False,
-        model_input_names=["input_ids", "attention_mask"],
-        start_image_token=START, end_image_token=END, context_image_token=CONTEXT, video_token=VIDEO)
-    tok.add_special_tokens({"extra_special_tokens": extra_special_tokens(base) + [START, END, CONTEXT, VIDEO]})
+    common = dict(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                  unk_token=None, bos_token=None, clean_up_tokenization_spaces=False,
+                  model_input_names=["input_ids", "attention_mask"])
+    named = dict(start_image_token=START, end_image_token=END, context_image_token=CONTEXT, video_token=VIDEO)
+    special = extra_special_tokens(base) + [START, END, CONTEXT, VIDEO]
+    if "additional_special_tokens" in Qwen2TokenizerFast.SPECIAL_TOKENS_ATTRIBUTES:
+        # transformers 4.x: the special-token list is `additional_special_tokens`; named tokens (read by
+        # InternVLProcessor as tok.start_image_token, ...) go in an `extra_special_tokens` dict
+        tok = Qwen2TokenizerFast(**common, additional_special_tokens=special, extra_special_tokens=named)
+    else:  # 5.x: named tokens are plain keyword arguments, the list is `extra_special_tokens`
+        tok = Qwen2TokenizerFast(**common, **named)
+        tok.add_special_tokens({"extra_special_tokens": special})
     tok.chat_template = INTERNVL_CHAT_TEMPLATE
     return tok
 
