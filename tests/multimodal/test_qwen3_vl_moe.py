@@ -60,17 +60,20 @@ def test_generate_parity_with_hf(moe_dir, oracle, expected):
     llm.check_integrity()
 
 
-def test_released_layout_of_stacked_experts_loads(moe_dir, oracle, expected, tmp_path):
-    # transformers 4.57 and the released checkpoints store gate_up_proj [E, H, 2I] and down_proj [E, I, H]
+def test_both_layouts_of_stacked_experts_load(moe_dir, oracle, expected, tmp_path):
+    # the builder writes the released layout (gate_up_proj [E, H, 2I], down_proj [E, I, H], as transformers 4.57
+    # and vLLM read it); transformers 5.x's save_pretrained writes them transposed: load that too
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    out = tmp_path / "released"
+    out = tmp_path / "transposed"
     shutil.copytree(moe_dir, out)
     tensors = load_file(os.path.join(moe_dir, "model.safetensors"))
     flipped = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
                for k, v in tensors.items()}
+    inter = MOE["moe_intermediate_size"]
+    assert tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape[2] == 2 * inter  # released
     assert any(tuple(flipped[k].shape) != tuple(tensors[k].shape) for k in tensors)
     save_file(flipped, str(out / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(out), dtype="float32", num_kv_blocks=128)

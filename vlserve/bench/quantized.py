@@ -11,63 +11,16 @@ the base checkpoint on the same engine, and vlserve against vLLM-CPU on the same
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 
-from vlserve.bench.throughput import make_prompts, vllm_cpu_env
-
-_CASE = r"""
-import json, resource, sys, time
-if __name__ == "__main__":  # vLLM spawns its engine core: the script must be importable
-    cfg = json.loads(sys.argv[1])
-    import torch
-    torch.set_num_threads(cfg["threads"])
-    if cfg["engine"] == "vllm":
-        from vllm import LLM, SamplingParams
-        llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], block_size=32,
-                  max_num_seqs=max(cfg["batches"]), seed=0)
-    else:
-        from vlserve import LLM, SamplingParams
-        llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-                  max_num_seqs=max(cfg["batches"]))
-    result = {}
-    for batch in cfg["batches"]:
-        prompts = [{"prompt_token_ids": p} for p in cfg["prompts"][:batch]]
-        sp = SamplingParams(temperature=0.0, max_tokens=cfg["output_len"], ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        best = float("inf")
-        for _ in range(cfg["repeats"]):
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            best = min(best, time.perf_counter() - t)
-        result[str(batch)] = sum(len(o.outputs[0].token_ids) for o in outs) / best
-    result["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-    print("CASE_RESULT " + json.dumps(result))
-"""
-
+from vlserve.bench.offline_case import run_case
+from vlserve.bench.throughput import make_prompts
 
 def weight_bytes(model_dir: str) -> int:
     """Bytes of the checkpoint's safetensors files."""
     return sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
                if f.endswith(".safetensors"))
-
-
-def run_case(python: str, engine: str, model: str, cfg: dict) -> dict | str:
-    """One engine on one checkpoint in its own process: {batch: tok/s, "rss_gib": ...} or the error's last line."""
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_CASE)
-    env = vllm_cpu_env() if engine == "vllm" else dict(os.environ)
-    proc = subprocess.run([python, f.name, json.dumps({**cfg, "engine": engine, "model": model})],
-                          capture_output=True, text=True, env=env, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE_RESULT "):
-            return json.loads(line[len("CASE_RESULT "):])
-    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    print(f"{engine} on {model} failed (exit {proc.returncode}):\n" + "\n".join(tail[-15:]), file=sys.stderr)
-    return f"failed: {tail[-1][:160] if tail else proc.returncode}"
 
 
 def main(argv: list[str] | None = None) -> None:

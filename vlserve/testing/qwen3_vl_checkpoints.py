@@ -87,6 +87,16 @@ def build_qwen3_vl_checkpoint(
     torch.manual_seed(seed)
     model = Model(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    if moe:
+        _write_released_expert_layout(out_dir, int(moe["moe_intermediate_size"]))
+        # the released configs state the renormalized top-k (HF's Qwen3-VL-MoE always renormalizes; vLLM reads it)
+        import json
+
+        path = os.path.join(out_dir, "config.json")
+        saved = json.load(open(path))
+        saved["text_config"].setdefault("norm_topk_prob", True)
+        with open(path, "w") as f:
+            json.dump(saved, f, indent=2)
 
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2)
@@ -95,6 +105,23 @@ def build_qwen3_vl_checkpoint(
                                  chat_template=chat_template)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def _write_released_expert_layout(out_dir: str, moe_intermediate_size: int) -> None:
+    """Store the stacked experts as the released checkpoints (and transformers 4.57, and vLLM) do:
+    `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`; transformers 5.x saves them transposed (it reads both)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    changed = False
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj") and t.shape[1] == 2 * moe_intermediate_size or \
+                name.endswith("experts.down_proj") and t.shape[2] == moe_intermediate_size:
+            tensors[name] = t.transpose(1, 2).contiguous()
+            changed = True
+    if changed:
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 def trained_video_layout(inputs: dict, vision_start_id: int, vision_end_id: int, image_id: int,
