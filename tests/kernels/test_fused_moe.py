@@ -262,3 +262,26 @@ def test_moe_kernel_compiles_for_sm90():
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.count("ok ") == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_cpu_experts_match_the_reference(dtype):
+    """FusedExperts packed for the CPU linear kernel (SiLU fused into the first pass) against the torch twin."""
+    from vlserve.kernels.cpu_linear import cpu_linear_kernel
+    from vlserve.models.moe import FusedExperts
+
+    if cpu_linear_kernel() is None:
+        pytest.skip("the CPU linear kernel is not built here")
+    torch.manual_seed(0)
+    experts = FusedExperts(num_experts=6, hidden_size=64, intermediate_size=64).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    x = torch.randn(9, 64).to(dtype)
+    weights = torch.softmax(torch.randn(9, 2), -1).to(dtype)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(9)])  # [9, 2]
+    want = fused_moe_ref(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids)
+    assert experts.pack_for_cpu() and experts.gate_up_proj is None
+    got = experts(x, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -13,7 +13,7 @@ from vlserve import LLM
 
 pytestmark = pytest.mark.hf_parity
 
-MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]}
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "mlp_only_layers": [1]}  # 96: packs on CPU
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +46,17 @@ def test_sparse_block_matches_hf(oracle):
         want = hf_block(x.to(oracle.device)[None])
         want = (want[0] if isinstance(want, tuple) else want).reshape(x.shape).cpu()  # 4.57 adds router logits
         got = ours(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # every expert got tokens and some got none in a small batch: both paths are exercised
-    torch.testing.assert_close(ours(x[:1]), want[:1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours(x[:1]), want[:1], rtol=1e-4, atol=1e-5)
 
 
 def test_generate_parity_with_hf(moe_dir, oracle, expected):
+    from vlserve.kernels.cpu_linear import cpu_linear_kernel
+
     llm = LLM(moe_dir, dtype="float32", num_kv_blocks=256)
+    if cpu_linear_kernel() is not None:  # the experts run on the packed CPU kernel here
+        assert llm.engine.runner.model.language_model.layers[0].mlp.experts.packed_gate_up is not None
     cases = _cases(oracle)
     for (name, *_), got, want in zip(cases, _run(llm, cases), expected):
         assert got == want, f"{name}: {got} vs HF {want}"

@@ -80,8 +80,10 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
     packed = 0
     for m in model.modules():
         pack = getattr(m, "pack_for_cpu", None)
-        if pack is not None and getattr(m, "weight", None) is not None:
-            packed += pack(keep_weight=holders.get(id(m.weight), 0) > 1 or getattr(m, "keep_weight", False))
+        # modules without a `weight` (stacked MoE experts) decide for themselves whether they are packed already
+        if pack is not None and (getattr(m, "weight", None) is not None or not hasattr(m, "weight")):
+            shared = hasattr(m, "weight") and holders.get(id(m.weight), 0) > 1
+            packed += pack(keep_weight=shared or getattr(m, "keep_weight", False))
     return packed
 
 

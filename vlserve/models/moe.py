@@ -17,7 +17,8 @@ from torch import nn
 from vlserve import kernels
 from vlserve.distributed.communication import tp_all_reduce
 from vlserve.distributed.parallel_state import tp_rank, tp_size
-from vlserve.kernels.fused_moe_ref import route_topk
+from vlserve.kernels.cpu_linear import PANEL, cpu_linear_supported, pack_linear_weight
+from vlserve.kernels.fused_moe_ref import fused_moe_packed_cpu, route_topk
 from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.parallel_layers import ShardSpec, copy_weight
 
@@ -37,23 +38,47 @@ class FusedExperts(nn.Module):
         self.hidden_act = hidden_act
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden_size, intermediate_size))
+        self.register_parameter("packed_gate_up", None)  # set by pack_for_cpu
+        self.register_parameter("packed_down", None)
 
     def checkpoint_shard(self, param: str, piece: str | None = None) -> ShardSpec | None:
         """This rank's experts: a slice of dim 0 (the expert axis in both layouts)."""
         return None if tp_size() == 1 else (0, self.expert_offset, self.num_local)
 
     def load_shard(self, param: str, piece: str | None, tensor: torch.Tensor, name: str) -> None:
-        """Copy this rank's experts of `gate_up_proj` / `down_proj`, transposing the 4.57 layout."""
+        """Copy this rank's experts of `gate_up_proj` / `down_proj`, transposing the released layout. A square
+        matrix (I == H for down_proj) cannot tell the layouts apart: it is read as released, the layout of every
+        published checkpoint."""
         dst = getattr(self, param)
-        ours, theirs = tuple(dst.shape), (dst.shape[0], dst.shape[2], dst.shape[1])
-        if tuple(tensor.shape) != ours and tuple(tensor.shape) == theirs:
+        theirs = (dst.shape[0], dst.shape[2], dst.shape[1])
+        if tuple(tensor.shape) == theirs:
             tensor = tensor.transpose(1, 2)  # [E, H, 2I] -> [E, 2I, H]; [E, I, H] -> [E, H, I]
         copy_weight(dst, tensor, name)
 
+    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
+        """Pack every expert's two matrices for the CPU linear kernel (SiLU experts whose widths fill its 32-wide
+        panels, as GatedMLP's fused path needs); the stacked weights are then dropped. Whether it packed."""
+        if self.packed_gate_up is not None or self.gate_up_proj is None:
+            return False
+        fits = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
+        if not fits or not cpu_linear_supported(self.gate_up_proj[0].data):
+            return False
+        self.packed_gate_up = nn.Parameter(torch.stack([pack_linear_weight(w) for w in self.gate_up_proj.data]),
+                                           requires_grad=False)  # [E/tp, 2I/32, H, 32] (float32 panels)
+        self.packed_down = nn.Parameter(torch.stack([pack_linear_weight(w) for w in self.down_proj.data]),
+                                        requires_grad=False)  # [E/tp, H/32, I, 32]
+        if not keep_weight:
+            self.gate_up_proj = self.down_proj = None  # held once
+        return True
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`x [T, H]`, the routing `[T, k]` -> `[T, H]` summed over the ranks."""
-        out = kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.hidden_act,
-                                self.expert_offset)
+        if self.packed_gate_up is not None:
+            out = fused_moe_packed_cpu(x.to(self.packed_gate_up.dtype), self.packed_gate_up, self.packed_down,
+                                       topk_weights, topk_ids, self.intermediate_size, self.expert_offset)
+        else:
+            out = kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.hidden_act,
+                                    self.expert_offset)
         return tp_all_reduce(out) if tp_size() > 1 else out
 
 
