@@ -144,6 +144,8 @@ class AsyncLLM:
         stream = _Stream(loop, asyncio.Queue(), time.time())
         done = loop.create_future()
         self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done))
+        if self._dead is not None:  # the engine died between the check above and the put: nobody will read it
+            self._fail_all(EngineDeadError(f"the engine is not running ({self._dead})"), drain_inbox=True)
         try:
             await done  # raises what add_request raised in the engine thread
         except asyncio.CancelledError:

@@ -1,0 +1,63 @@
+"""N-gram and EAGLE speculation over the newer VLM families (InternVL3, Mistral 3, Qwen3-VL-MoE): greedy output with
+drafts equals plain decoding on image prompts, through chunked prefill, and EAGLE drafts get accepted.
+
+Each target has one decoder layer with a zero attention output (a draft that copies that layer predicts the target
+exactly on text rows, so acceptance is not luck); Qwen3-VL-MoE gets two layers, the last dense, as the draft copies
+a dense MLP (its drafts are checked for exactness, not acceptance)."""
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from tests.multimodal.mm_media import rand_image
+from vlserve import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = ["red red red square square square red red red square", "one two one two one two", "Describe."]
+
+
+def _build(family: str, out: str) -> str:
+    if family == "internvl":
+        from vlserve.testing.internvl_checkpoints import build_internvl_checkpoint
+        return build_internvl_checkpoint(out, num_layers=1)
+    if family == "mistral3":
+        from vlserve.testing.mistral3_checkpoints import build_mistral3_checkpoint
+        return build_mistral3_checkpoint(out, num_layers=1)
+    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    return build_qwen3_vl_checkpoint(out, num_layers=2, deepstack_visual_indexes=(0,), moe={
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]})
+
+
+@pytest.fixture(scope="module", params=["internvl", "mistral3", "qwen3_vl_moe"])
+def target(request, tmp_path_factory):
+    from vlserve.testing.eagle_checkpoints import zero_attention_output
+
+    path = _build(request.param, str(tmp_path_factory.mktemp(request.param) / "t"))
+    zero_attention_output(path)
+    return path
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _outputs(llm) -> list[list[int]]:
+    imgs = [[Image.fromarray(rand_image(64, 64 + 32 * s, seed=s))] for s in range(3)]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy(), images=imgs, use_tqdm=False)]
+
+
+def test_ngram_and_eagle_keep_greedy_output(target, tmp_path):
+    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+
+    kw = {"dtype": "float32", "num_kv_blocks": 128, "max_num_batched_tokens": 16}
+    base = _outputs(LLM(target, **kw))
+    head = build_eagle_checkpoint(str(tmp_path / "head"), target, "eagle", "mimic")
+    for spec in (NGRAM, {"method": "eagle", "model": head, "num_speculative_tokens": 3}):
+        llm = LLM(target, speculative_config=spec, **kw)
+        assert _outputs(llm) == base, spec["method"]
+        if spec["method"] == "eagle":  # n-gram drafts depend on what random weights happen to repeat
+            m = llm.get_metrics()
+            assert m["vlserve:spec_decode_num_draft_tokens_total"] > 0
+            if "moe" not in target:  # the MoE target's first layer is not the one the draft copies
+                assert m["vlserve:spec_decode_num_accepted_tokens_total"] > 0
+        llm.check_integrity()
