@@ -3,7 +3,8 @@ conv without bias, an RMSNorm before the transformer, 2-D rotary attention over 
 image attending only to itself, and SiLU-gated MLPs.
 
 `PixtralVisionTower(cfg)(rows [P, C*p*p], grids, feature_layers)` -> `[P, E * len(feature_layers)]`: the patches of
-every image of a step (each image's patches row-major, images one after another, see `patch_rows`) go through in
+every image of a step (each image's patches row-major, images one after another, cut by the prompt side) go
+through in
 one call, one varlen attention call per layer. Module names follow HF's `PixtralVisionModel` (`patch_conv`,
 `ln_pre`, `transformer.layers.N.attention.q_proj`, `...feed_forward.gate_proj`, ...) so weights load by name.
 P = patch rows of the step, E = tower width, Hd = E // num_heads.
@@ -51,15 +52,6 @@ class PixtralConfig:
                    num_heads=vision_config.num_attention_heads, mlp_hidden=vision_config.intermediate_size,
                    hidden_act=vision_config.hidden_act, patch_size=int(vision_config.patch_size),
                    rope_theta=float(theta), in_channels=getattr(vision_config, "num_channels", 3))
-
-
-def patch_rows(pixels: torch.Tensor, patch: int) -> torch.Tensor:
-    """One image `[C, H, W]` (H, W multiples of `patch`) -> its patches row-major `[(H/p) * (W/p), C*p*p]`, each
-    flattened in the conv weight's (C, p, p) order."""
-    c, height, width = pixels.shape
-    gh, gw = height // patch, width // patch
-    cut = pixels[:, :gh * patch, :gw * patch].reshape(c, gh, patch, gw, patch)
-    return cut.permute(1, 3, 0, 2, 4).reshape(gh * gw, c * patch * patch)
 
 
 def pixtral_rotary(grids: list[PatchGrid], head_dim: int, theta: float, device: torch.device) -> VisionRotary:

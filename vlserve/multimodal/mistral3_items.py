@@ -8,7 +8,7 @@ item has rows for the break / end positions too, filled with those tokens' own i
 the item's data as `special_token_ids`), so the runner can write the whole run over the placeholders whichever
 ids the prompt holds there. `placeholder_ids` gives HF's exact ids for the run.
 
-Item data: {"pixel_values": float [P, C*p*p] (patches row-major, see pixtral_vision.patch_rows), "image_sizes":
+Item data: {"pixel_values": float [P, C*p*p] (patches row-major, see `patch_rows`), "image_sizes":
 int64 [1, 2] (resized height, width in pixels), "special_token_ids": int64 [1, 2] ([IMG_BREAK], [IMG_END] ids)}; rows
 of several items concatenate along dim 0, which is how the runner batches them.
 """
@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from vlserve.encoders.pixtral_vision import patch_rows
 
 
 def merged_grid(image_size, unit: int) -> tuple[int, int]:
@@ -33,6 +32,15 @@ def run_token_ids(rows: int, cols: int, image_id: int, break_id: int, end_id: in
     ids[-1] = end_id
     return ids
 
+
+
+def patch_rows(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """One image `[C, H, W]` (H, W multiples of `patch`) -> its patches row-major `[(H/p) * (W/p), C*p*p]`, each
+    flattened in the conv weight's (C, p, p) order."""
+    c, height, width = pixels.shape
+    gh, gw = height // patch, width // patch
+    cut = pixels[:, :gh * patch, :gw * patch].reshape(c, gh, patch, gw, patch)
+    return cut.permute(1, 3, 0, 2, 4).reshape(gh * gw, c * patch * patch)
 
 class PixtralImageItems:
     """Runs the HF image processor on one image and counts / spells its placeholder run (as PixtralProcessor)."""
