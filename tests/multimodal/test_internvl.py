@@ -1,7 +1,9 @@
 """InternVL (InternVL3 layout): the InternViT tower + pixel shuffle + projector against HF's modules, placeholder
 expansion (`<img>` + tiles * `<IMG_CONTEXT>` + `</img>`) against InternVLProcessor for several tilings, then greedy
 parity with HF generate through LLM.generate / LLM.chat / the server for text, one image and two images; chunked
-prefill with forced preemption, prefix caching with the encoder cache, and tensor parallel 2."""
+prefill with forced preemption, prefix caching with the encoder cache, and tensor parallel 2. Videos (one tile and
+one feature per frame, `FrameN: <img>...</img>` lines): prompt ids, greedy parity alone and after an image, and the
+per-frame encoder cache."""
 from __future__ import annotations
 
 import base64
@@ -11,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.multimodal.mm_media import rand_image
+from tests.multimodal.mm_media import rand_image, rand_video
 from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity
@@ -53,19 +55,22 @@ class InternVLOracle:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
 
-    def text(self, n_images: int, question: str) -> str:
-        parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
+    def text(self, n_images: int, question: str, n_videos: int = 0) -> str:
+        parts = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos + [{"type": "text", "text": question}]
         return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
                                                   add_generation_prompt=True)
 
-    def inputs(self, text: str, images=None):
-        return self.processor(text=[text], images=images or None, return_tensors="pt").to(self.device)
+    def inputs(self, text: str, images=None, videos=None):
+        # frames as given (vlserve samples before processing): no sampling by the video processor
+        video_kwargs = {"videos": videos, "do_sample_frames": False} if videos else {}
+        return self.processor(text=[text], images=images or None, return_tensors="pt",
+                              **video_kwargs).to(self.device)
 
-    def greedy(self, text: str, images=None) -> tuple[list[int], list[int]]:
+    def greedy(self, text: str, images=None, videos=None) -> tuple[list[int], list[int]]:
         """(prompt ids after placeholder expansion, greedy new tokens)."""
         from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
 
-        inputs = self.inputs(text, images)
+        inputs = self.inputs(text, images, videos)
         n = inputs["input_ids"].shape[1]
         return inputs["input_ids"][0].tolist(), hf_greedy_ignoring_eos(self.model, inputs, MAX_NEW)[0, n:].tolist()
 
@@ -233,3 +238,82 @@ def test_server_image_url_parity_with_hf(ivl_dir, oracle, expected):
         served.wait_idle()
     finally:
         served.close()
+
+
+# ---- videos -----------------------------------------------------------------------------------------------------
+
+def _video_cases(oracle):
+    """(name, prompt, images, videos): frames [T, H, W, 3] uint8 of several sizes (each resized to one tile)."""
+    return [
+        ("4-frame video", oracle.text(0, "What happens?", n_videos=1), [], [rand_video(4, 40, 50, seed=21)]),
+        ("image + 3-frame video", oracle.text(1, "Compare them.", n_videos=1), [_img(SIZES[1], seed=22)],
+         [rand_video(3, 70, 30, seed=23)]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def video_expected(oracle):
+    return [oracle.greedy(text, imgs, vids) for _, text, imgs, vids in _video_cases(oracle)]
+
+
+def test_video_placeholder_ids_match_hf_processor(ivl_dir, oracle):
+    """`<video>` -> `Frame1: <img>..</img>\\nFrame2: ..` as InternVLProcessor writes it, one feature per frame whose
+    tile equals HF's pixel_values row; with and without an image, with text glued to the placeholder."""
+    from vlserve.multimodal.processor import MultiModalProcessor
+
+    proc = MultiModalProcessor.from_pretrained(ivl_dir)
+    hf = oracle.processor
+    cases = [(text, imgs, vids) for _, text, imgs, vids in _video_cases(oracle)] + [
+        ("Look:<video> now", [], [rand_video(3, 20, 90, seed=24)]),
+        ("(<video>\nthen<IMG_CONTEXT>", [_img(SIZES[5], seed=25)], [rand_video(4, 64, 64, seed=26)]),
+    ]
+    for text, imgs, vids in cases:
+        ids, feats = proc.process(hf.tokenizer(text)["input_ids"], imgs, vids)
+        out = oracle.inputs(text, imgs, vids)
+        assert ids == out["input_ids"][0].tolist(), text
+        frames = [f for f in feats if f.modality == "video"]
+        assert len(frames) == len(vids[0]) and len({f.mm_hash for f in frames}) == len(frames)
+        for f in frames:
+            assert set(ids[f.offset:f.end]) == {hf.image_token_id} and f.length == hf.image_seq_length
+            assert ids[f.offset - 1] == hf.start_image_token_id and ids[f.end] == hf.end_image_token_id
+        pixels = torch.cat([f.data.get("pixel_values", f.data.get("pixel_values_videos")) for f in feats])
+        torch.testing.assert_close(pixels, out["pixel_values"].cpu(), rtol=0, atol=0)  # items in prompt order
+    assert proc.max_video_embeds(5) == 5 * hf.image_seq_length
+
+
+def test_video_ids_not_from_text_are_kept(ivl_dir, oracle):
+    """Prompt ids that are no tokenization of their text keep their tokens before the video's first frame."""
+    from vlserve.multimodal.processor import MultiModalProcessor
+
+    proc = MultiModalProcessor.from_pretrained(ivl_dir)
+    tok = oracle.processor.tokenizer
+    odd = [i for ch in "Frame" for i in tok(ch, add_special_tokens=False)["input_ids"]]  # spelled out, letter by letter
+    assert odd != tok("Frame", add_special_tokens=False)["input_ids"]
+    ids, feats = proc.process(odd + tok("<video>")["input_ids"], [], [rand_video(2, 40, 40, seed=27)])
+    assert ids[:len(odd)] == odd and len(feats) == 2
+
+
+def test_video_generate_parity_with_hf(ivl_dir, oracle, video_expected):
+    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16)
+    cases = _video_cases(oracle)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs, "video": vids}} for _, text, imgs, vids in cases]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for (name, *_), out, (hf_prompt, hf_new) in zip(cases, outs, video_expected):
+        assert out.prompt_token_ids == hf_prompt, f"{name}: placeholder expansion differs"
+        assert list(out.outputs[0].token_ids) == hf_new, name
+    llm.check_integrity()
+
+
+def test_video_frames_encoded_once(ivl_dir, oracle, video_expected):
+    """The same video in two requests (prefix caching off): its frames are encoded in the first one only."""
+    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    _, text, _, vids = _video_cases(oracle)[0]
+    first = llm.generate([{"prompt": text, "multi_modal_data": {"video": vids}}], _greedy(), use_tqdm=False)
+    other = oracle.text(0, "Describe the clip.", n_videos=1)
+    llm.generate([{"prompt": other, "multi_modal_data": {"video": vids}}], _greedy(), use_tqdm=False)
+    m = llm.get_metrics()
+    assert list(first[0].outputs[0].token_ids) == video_expected[0][1]
+    assert m["vlserve:encoder_runs_total"] == len(vids[0]) == 4
+    assert m['vlserve:encoder_runs_by_modality_total{modality="video"}'] == 4
+    assert m["vlserve:encoder_cache_hits_total"] >= 4
+    llm.check_integrity()

@@ -4,8 +4,7 @@ image attending only to itself, and SiLU-gated MLPs.
 
 `PixtralVisionTower(cfg)(rows [P, C*p*p], grids, feature_layers)` -> `[P, E * len(feature_layers)]`: the patches of
 every image of a step (each image's patches row-major, images one after another, cut by the prompt side) go
-through in
-one call, one varlen attention call per layer. Module names follow HF's `PixtralVisionModel` (`patch_conv`,
+through in one call, one varlen attention call per layer. Module names follow HF's `PixtralVisionModel` (`patch_conv`,
 `ln_pre`, `transformer.layers.N.attention.q_proj`, `...feed_forward.gate_proj`, ...) so weights load by name.
 P = patch rows of the step, E = tower width, Hd = E // num_heads.
 """

@@ -5,7 +5,9 @@ Linear) and a Qwen2 decoder (vlserve's LlamaDecoderModel) with plain 1-D RoPE.
 Flow per step (the runner drives it):
   1. `embed_multimodal("image", data)` for every image the scheduler released, tiles concatenated in item order:
      data = {"pixel_values": [N, C, S, S]} (each image: its crop_to_patches tiles plus a thumbnail) -> `[N * F, H]`,
-     F = (S / patch)**2 * downsample_ratio**2 tokens per tile.
+     F = (S / patch)**2 * downsample_ratio**2 tokens per tile. Videos come one feature per frame
+     (vlserve.multimodal.internvl_items): `embed_multimodal("video", {"pixel_values_videos": [N, C, S, S]})`, every
+     frame one tile through the same tower and projector.
   2. `get_input_embeddings(input_ids [T])` -> `[T, H]`; the runner writes image embeddings over the `<IMG_CONTEXT>`
      placeholders (the `<img>` / `</img>` tokens around each image keep their token embeddings).
   3. `forward(None, positions [T], kv_caches, attn_metadata, inputs_embeds)` -> hidden `[T, H]`;
@@ -75,7 +77,7 @@ class InternVLForConditionalGeneration(MultiModalLM):
     `language_model.lm_head.weight`); the original OpenGVLab remote-code layout is not read.
     """
 
-    supported_modalities = ("image",)
+    supported_modalities = ("image", "video")
     weight_prefixes = _PREFIXES
     copied_parts = ("vision_tower", "multi_modal_projector")
 
@@ -117,10 +119,12 @@ class InternVLForConditionalGeneration(MultiModalLM):
 
     @torch.no_grad()
     def embed_multimodal(self, modality: str, data: dict) -> torch.Tensor:
-        """Images of the step, `data["pixel_values"] [N, C, S, S]` (tiles of every image) -> `[N * F, H]`."""
-        if modality != "image":
-            raise ValueError(f"{type(self).__name__} supports image inputs, not {modality!r}")
-        feats = self.tile_features(data["pixel_values"])
+        """Tiles of the step's images (`data["pixel_values"]`) or video frames (`data["pixel_values_videos"]`),
+        `[N, C, S, S]` -> `[N * F, H]`."""
+        key = {"image": "pixel_values", "video": "pixel_values_videos"}.get(modality)
+        if key is None:
+            raise ValueError(f"{type(self).__name__} supports image and video inputs, not {modality!r}")
+        feats = self.tile_features(data[key])
         return feats.reshape(-1, feats.shape[-1]).to(self.embed_dtype)
 
 

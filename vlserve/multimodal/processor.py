@@ -1,7 +1,7 @@
 """Turns a tokenized prompt with `<|image_pad|>` / `<|video_pad|>` / `<|AUDIO|>` placeholders plus raw media into the
 expanded prompt and one MultiModalFeature per media item, using the checkpoint's own HF processor (Qwen2-VL /
-Qwen2.5-VL; Qwen2-Audio, whose per-clip work lives in audio.py; Qwen3-VL, whose videos become one feature per
-frame pair, see qwen3_vl_video.py).
+Qwen2.5-VL; Qwen2-Audio, whose per-clip work lives in audio.py; Qwen3-VL and InternVL, whose videos become one
+feature per frame (pair), see qwen3_vl_video.py and internvl_items.py).
 
 Each item is loaded (media.py), hashed (hashing.py) and run through the HF image / video processor on its own, so
 results can be cached per item: a repeated image (same pixels, same kwargs) skips the HF processor entirely.
@@ -114,9 +114,14 @@ class MultiModalProcessor:
         # A family's own per-image processing (tiling, placeholder counts: PerceptionLM, LLaVA-1.5 / NeXT);
         # None = Qwen2-VL's grid rules below.
         self.family = family_items(hf_processor) or image_items_for(hf_processor)
+        if self.video_token_id is None:  # InternVLProcessor names its `<video>` token only as text
+            self.video_token_id = getattr(self.family, "video_token_id", None)
         # Qwen3-VL: a video becomes per-frame placeholder runs with timestamp text between them (qwen3_vl_video)
         self.qwen3_videos = Qwen3VLVideos(hf_processor) \
             if self.video_processor is not None and is_qwen3_vl_processor(hf_processor) else None
+        # whoever spells a video out as per-frame runs with text between them (`expand_video`): Qwen3-VL, InternVL
+        self.video_expander = self.qwen3_videos or \
+            (self.family if hasattr(self.family, "expand_video") and self.video_processor is not None else None)
         # modality -> its placeholder token text, for the modalities this checkpoint has
         self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t) for m, t in (
             ("image", self.image_token_id), ("video", self.video_token_id), ("audio", self.audio_token_id))
@@ -246,7 +251,8 @@ class MultiModalProcessor:
         data = {"pixel_values_videos": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
                 "video_grid_thw": int64 [1, 3], "second_per_grid_ts": float32 [1]}; second_per_grid_ts is
         temporal_patch_size / sampled fps (2.0 fps assumed when the video's rate is unknown, like HF). Qwen3-VL
-        adds "timestamp_fps" and "frame_indices" (see qwen3_vl_video.Qwen3VLVideos.timing).
+        adds "timestamp_fps" and "frame_indices" (see qwen3_vl_video.Qwen3VLVideos.timing); InternVL's: see
+        internvl_items.
         """
         if self.video_processor is None:
             raise ValueError("this model's processor has no video processor; videos are not supported")
@@ -263,6 +269,8 @@ class MultiModalProcessor:
         import torch
 
         try:
+            if hasattr(self.family, "run_video"):  # a family's own video rules (InternVL: one tile per frame)
+                return self.family.run_video(video.frames, video_kwargs)
             out = self.video_processor(
                 videos=[video.frames], return_tensors="pt", do_sample_frames=False,
                 input_data_format="channels_last", **self._video_hf_kwargs(video_kwargs))
@@ -293,7 +301,8 @@ class MultiModalProcessor:
         The i-th image placeholder (in prompt order) belongs to images[i], likewise for videos; a count mismatch
         raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
         processors / frame sampling and are folded into each item's mm_hash. A Qwen3-VL video placeholder becomes
-        timestamp text plus one pad run (and one feature) per frame pair.
+        timestamp text plus one pad run (and one feature) per frame pair; an InternVL one `FrameN: <img>...</img>`
+        per frame (the family's `expand_video`).
         """
         images, videos, audios = list(images or []), list(videos or []), list(audios or [])
         ids = list(prompt_token_ids)
@@ -324,10 +333,11 @@ class MultiModalProcessor:
         features: list[MultiModalFeature] = []
         prev = 0
         for pos, modality, mm_hash, data in items:
-            if modality == "video" and self.qwen3_videos is not None:  # per-frame runs, timestamps between
-                start, end = self.qwen3_videos.placeholder_span(ids, pos)
+            if modality == "video" and self.video_expander is not None:  # per-frame runs, text between them
+                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos)
                 new_ids.extend(ids[prev:start])
-                run, frame_features = self.qwen3_videos.expand(mm_hash, data, offset=len(new_ids))
+                for f in frame_features:  # offsets in `run` -> in the new prompt
+                    f.offset += len(new_ids)
                 new_ids.extend(run)
                 features.extend(frame_features)
                 prev = end
@@ -369,6 +379,8 @@ class MultiModalProcessor:
             return 0
         kw = mm_processor_kwargs or {}
         num_frames = num_frames or int(kw.get("max_frames", self.max_video_frames))
+        if hasattr(self.family, "max_video_embeds"):
+            return self.family.max_video_embeds(num_frames, kw)
         max_pixels = kw.get("max_pixels") or self.video_processor.size["longest_edge"]
         unit = int(self.video_processor.patch_size) * self._merge_size("video")
         temporal = int(self.video_processor.temporal_patch_size)

@@ -113,3 +113,11 @@ class Qwen3VLVideos:
             ids.extend([self.video_token_id] * num)
             ids.append(self.vision_end_id)
         return ids, features
+
+    def expand_video(self, video_hash: str, data: dict, ids: list[int], pos: int
+                     ) -> tuple[int, int, list[int], list[MultiModalFeature]]:
+        """The video placeholder at `ids[pos]` -> (start, end, run, features): `ids[start:end]` becomes `run`, the
+        features' offsets counted from the start of `run` (MultiModalProcessor.process's video seam)."""
+        start, end = self.placeholder_span(ids, pos)
+        run, features = self.expand(video_hash, data, offset=0)
+        return start, end, run, features

@@ -1,14 +1,15 @@
 """Tiny random InternVL (InternVL3-style) checkpoints built offline the way HF does it (config -> model ->
 save_pretrained, a real InternVLProcessor with a tiling GotOcr2ImageProcessor, the offline tokenizer with InternVL's
-`<img>` / `</img>` / `<IMG_CONTEXT>` / `<video>` tokens and a ChatML template that writes `<IMG_CONTEXT>\\n` per image,
-all saved together)."""
+`<img>` / `</img>` / `<IMG_CONTEXT>` / `<video>` tokens and a ChatML template that writes `<IMG_CONTEXT>\\n` per image
+and `<video>\\n` per video, an InternVLVideoProcessor that makes every frame one tile, all saved together)."""
 from __future__ import annotations
 
 import os
 
 START, END, CONTEXT, VIDEO = "<img>", "</img>", "<IMG_CONTEXT>", "<video>"
 
-# ChatML like InternVL3's template: every image part becomes `<IMG_CONTEXT>\n` before the turn's text.
+# ChatML like InternVL3's template: every image part becomes `<IMG_CONTEXT>\n`, every video part `<video>\n`
+# (InternVLProcessor writes its frames there), in the order of the parts.
 INTERNVL_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
