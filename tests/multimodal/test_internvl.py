@@ -6,8 +6,6 @@ one feature per frame, `FrameN: <img>...</img>` lines): prompt ids, greedy parit
 per-frame encoder cache."""
 from __future__ import annotations
 
-import base64
-import io
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from PIL import Image
 
 from tests.multimodal.mm_media import rand_image, rand_video
 from vlserve import LLM, SamplingParams
+from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity
 
@@ -31,48 +30,17 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def _data_url(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
 def ivl_dir(tmp_path_factory):
     from vlserve.testing.internvl_checkpoints import build_internvl_checkpoint
     return build_internvl_checkpoint(str(tmp_path_factory.mktemp("internvl")))
 
 
-class InternVLOracle:
+class InternVLOracle(HFImageTextOracle):
     """The checkpoint's processor (the image processor vlserve serves with) + HF greedy generate (float32)."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoModelForImageTextToText
-
-        from vlserve.multimodal.processor import load_hf_processor
-
-        self.processor = load_hf_processor(model_dir)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
-
-    def text(self, n_images: int, question: str, n_videos: int = 0) -> str:
-        parts = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos + [{"type": "text", "text": question}]
-        return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def inputs(self, text: str, images=None, videos=None):
-        # frames as given (vlserve samples before processing): no sampling by the video processor
-        video_kwargs = {"videos": videos, "do_sample_frames": False} if videos else {}
-        return self.processor(text=[text], images=images or None, return_tensors="pt",
-                              **video_kwargs).to(self.device)
-
-    def greedy(self, text: str, images=None, videos=None) -> tuple[list[int], list[int]]:
-        """(prompt ids after placeholder expansion, greedy new tokens)."""
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-
-        inputs = self.inputs(text, images, videos)
-        n = inputs["input_ids"].shape[1]
-        return inputs["input_ids"][0].tolist(), hf_greedy_ignoring_eos(self.model, inputs, MAX_NEW)[0, n:].tolist()
+        super().__init__(model_dir, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +59,7 @@ def _cases(oracle):
 
 @pytest.fixture(scope="module")
 def expected(oracle):
-    return [oracle.greedy(text, imgs) for _, text, imgs in _cases(oracle)]
+    return [oracle.run(text, imgs) for _, text, imgs in _cases(oracle)]
 
 
 def _run(llm, cases):
@@ -176,7 +144,7 @@ def test_generate_and_chat_parity_with_hf(ivl_dir, oracle, expected):
         assert out.prompt_token_ids == hf_prompt, f"{name}: placeholder expansion differs"
         assert list(out.outputs[0].token_ids) == hf_new, name
     assert expected[0][1] != expected[1][1], "different images must give different outputs"
-    url = _data_url(cases[0][2][0])
+    url = data_url(cases[0][2][0])
     chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                   {"type": "text", "text": "What is this?"}]}], _greedy(),
                     use_tqdm=False)
@@ -228,7 +196,7 @@ def test_server_image_url_parity_with_hf(ivl_dir, oracle, expected):
     try:
         r = served.client.chat.completions.create(
             model="tiny-internvl", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(imgs[0])}},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(imgs[0])}},
                                                    {"type": "text", "text": "What is this?"}]}])
         tok = oracle.processor.tokenizer
         # a stream ending inside a UTF-8 sequence holds that partial character back
@@ -253,7 +221,7 @@ def _video_cases(oracle):
 
 @pytest.fixture(scope="module")
 def video_expected(oracle):
-    return [oracle.greedy(text, imgs, vids) for _, text, imgs, vids in _video_cases(oracle)]
+    return [oracle.run(text, imgs, vids) for _, text, imgs, vids in _video_cases(oracle)]
 
 
 def test_video_placeholder_ids_match_hf_processor(ivl_dir, oracle):

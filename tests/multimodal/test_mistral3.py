@@ -5,8 +5,6 @@ sizes; chunked prefill through image runs with forced preemption, prefix caching
 parallel 2."""
 from __future__ import annotations
 
-import base64
-import io
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
 from vlserve import LLM, SamplingParams
+from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -36,34 +35,11 @@ def m3_dir(tmp_path_factory):
     return build_mistral3_checkpoint(str(tmp_path_factory.mktemp("mistral3")))
 
 
-class Mistral3Oracle:
-    """The checkpoint's AutoProcessor + AutoModelForImageTextToText greedy generate (float32, the LLM's device)."""
+class Mistral3Oracle(HFImageTextOracle):
+    """The checkpoint's AutoProcessor + AutoModelForImageTextToText greedy generate (float32)."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoModelForImageTextToText
-
-        from vlserve.multimodal.processor import load_hf_processor
-
-        self.processor = load_hf_processor(model_dir)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
-
-    def text(self, n_images: int, question: str) -> str:
-        parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
-        return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def inputs(self, text: str, images=None):
-        return self.processor(text=[text], images=images or None, return_tensors="pt").to(self.device)
-
-    def greedy(self, text: str, images=None) -> tuple[list[int], list[int]]:
-        """(prompt ids after placeholder expansion, greedy new tokens)."""
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-
-        inputs = self.inputs(text, images)
-        out = hf_greedy_ignoring_eos(self.model, inputs, MAX_NEW)
-        n = inputs["input_ids"].shape[1]
-        return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+        super().__init__(model_dir, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +59,7 @@ def _cases(oracle):
 
 @pytest.fixture(scope="module")
 def expected(oracle):
-    return [oracle.greedy(text, imgs) for _, text, imgs in _cases(oracle)]
+    return [oracle.run(text, imgs) for _, text, imgs in _cases(oracle)]
 
 
 def _run(llm, cases, sp=None):
@@ -156,9 +132,7 @@ def test_generate_and_chat_parity_with_hf(m3_dir, oracle, expected):
         assert _as_image_tokens(out.prompt_token_ids, tok) == _as_image_tokens(hf_prompt, tok), name
         assert list(out.outputs[0].token_ids) == hf_new, name
     assert expected[0][1] != expected[1][1], "different images must give different outputs"
-    buf = io.BytesIO()
-    cases[0][2][0].save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(cases[0][2][0])
     chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                    {"type": "text", "text": "What is this?"}]}], _greedy(),
                     use_tqdm=False)
@@ -195,9 +169,7 @@ def test_server_image_url_parity_with_hf(m3_dir, oracle, expected):
     from vlserve.config import EngineArgs
 
     _, text, imgs = _cases(oracle)[0]
-    buf = io.BytesIO()
-    imgs[0].save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(imgs[0])
     served = start_server(EngineArgs(model=m3_dir, served_model_name="tiny-mistral3", dtype="float32",
                                      num_kv_blocks=128, max_num_batched_tokens=16))
     try:

@@ -2,15 +2,13 @@
 the server; chunked prefill and preemption; placeholder counts as HF's processor computes them; the encoder cache."""
 from __future__ import annotations
 
-import base64
-import io
 
 import pytest
-import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
 from vlserve import LLM, SamplingParams
+from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -25,31 +23,11 @@ def plm_dir(tmp_path_factory):
     return build_plm_checkpoint(str(tmp_path_factory.mktemp("plm")))
 
 
-class PLMOracle:
+class PLMOracle(HFImageTextOracle):
     """HF AutoProcessor + AutoModelForImageTextToText greedy generate on the same checkpoint (float32)."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
-
-    def text(self, n_images: int, question: str) -> str:
-        parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
-        return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def inputs(self, text: str, images, **kwargs):
-        inputs = self.processor(text=[text], images=images or None, return_tensors="pt", **kwargs)
-        inputs.pop("token_type_ids", None)  # 4.57's tokenizer call adds it; the model takes none
-        return inputs.to(self.device)
-
-    def greedy(self, text: str, images=None, n: int = MAX_NEW, **kwargs) -> list[int]:
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-
-        inputs = self.inputs(text, images, **kwargs)
-        return hf_greedy_ignoring_eos(self.model, inputs, n)[0, inputs["input_ids"].shape[1]:].tolist()
+        super().__init__(model_dir, MAX_NEW, vlserve_processor=False)
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +92,7 @@ def test_generate_and_chat_parity_with_hf(plm_dir, oracle, expected):
     _, text, imgs = cases[0]
     wrapped = llm.generate("What is this?", _greedy(), images=[imgs], use_tqdm=False)
     assert wrapped[0].outputs[0].token_ids == expected[0]
-    buf = io.BytesIO()
-    imgs[0].save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(imgs[0])
     chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                    {"type": "text", "text": "What is this?"}]}], _greedy(),
                     use_tqdm=False)
@@ -167,9 +143,7 @@ def test_server_image_url_parity_with_hf(plm_dir, oracle, expected):
     from vlserve.config import EngineArgs
 
     _, text, imgs = _cases(oracle)[0]
-    buf = io.BytesIO()
-    imgs[0].save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(imgs[0])
     served = start_server(EngineArgs(model=plm_dir, served_model_name="tiny-plm", dtype="float32",
                                      num_kv_blocks=128, max_num_batched_tokens=32))
     try:

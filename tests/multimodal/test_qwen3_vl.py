@@ -4,15 +4,13 @@ video; chunked prefill through image spans with forced preemption, prefix cachin
 n-gram speculation and tensor parallel 2."""
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
 import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image, rand_video
 from vlserve import LLM, SamplingParams
+from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
 from vlserve.testing.qwen3_vl_checkpoints import trained_video_layout
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
@@ -26,41 +24,26 @@ def q3_dir(tmp_path_factory):
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")))
 
 
-class Qwen3Oracle:
-    """HF AutoProcessor + AutoModelForImageTextToText greedy generate on the same checkpoint (float32)."""
+class Qwen3Oracle(HFImageTextOracle):
+    """HF on the checkpoint, raw video frames at HF's default 24 fps, 5.x's video layout read as trained."""
 
     def __init__(self, model_dir: str):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        super().__init__(model_dir, MAX_NEW, vlserve_processor=False)
 
-        self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
+    def video_kwargs(self, videos: list) -> dict:
+        from transformers.video_utils import VideoMetadata
 
-    def text(self, n_images: int, n_videos: int, question: str) -> str:
-        parts = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos + [{"type": "text", "text": question}]
-        return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                  add_generation_prompt=True)
+        # what vlserve assumes for raw frames: indices 0..T-1 at HF's default 24 fps
+        return {"video_metadata": [VideoMetadata(total_num_frames=len(v), fps=24.0, frames_indices=list(range(len(v))))
+                                   for v in videos], "do_sample_frames": False}
 
-    def inputs(self, text: str, images=None, videos=None):
+    def adjust(self, inputs):
         from transformers import BatchFeature
 
-        kw = {}
-        if videos:  # what vlserve assumes for raw frames: indices 0..T-1 at HF's default 24 fps
-            from transformers.video_utils import VideoMetadata
-            kw = {"video_metadata": [VideoMetadata(total_num_frames=len(v), fps=24.0, frames_indices=list(range(len(v))))
-                                     for v in videos], "do_sample_frames": False}
-        inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt", **kw)
-        inputs.pop("token_type_ids", None)
         tok = self.processor.tokenizer
         special = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                                                           "<|video_pad|>")]
-        return BatchFeature(trained_video_layout(inputs, *special)).to(self.device)
-
-    def greedy(self, text: str, images=None, videos=None, n: int = MAX_NEW) -> list[int]:
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-
-        inputs = self.inputs(text, images, videos)
-        return hf_greedy_ignoring_eos(self.model, inputs, n)[0, inputs["input_ids"].shape[1]:].tolist()
+        return BatchFeature(trained_video_layout(inputs, *special))
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +60,12 @@ def _cases(oracle):
     img_small = Image.fromarray(rand_image(40, 36, seed=3))
     frames = rand_video(4, 64, 96, seed=4)
     return [
-        ("one image", oracle.text(1, 0, "What is this?"), [img_a], []),
-        ("other image", oracle.text(1, 0, "What is this?"), [img_b], []),
-        ("two sizes", oracle.text(2, 0, "Compare them."), [img_a, img_small], []),
-        ("video", oracle.text(0, 1, "What happens?"), [], [frames]),
-        ("image+video", oracle.text(1, 1, "Both?"), [img_b], [frames]),
-        ("text only", oracle.text(0, 0, "Hello there"), [], []),
+        ("one image", oracle.text(1, "What is this?"), [img_a], []),
+        ("other image", oracle.text(1, "What is this?"), [img_b], []),
+        ("two sizes", oracle.text(2, "Compare them."), [img_a, img_small], []),
+        ("video", oracle.text(0, "What happens?", n_videos=1), [], [frames]),
+        ("image+video", oracle.text(1, "Both?", n_videos=1), [img_b], [frames]),
+        ("text only", oracle.text(0, "Hello there"), [], []),
     ]
 
 
@@ -143,9 +126,7 @@ def test_generate_and_chat_parity_with_hf(q3_dir, oracle, expected):
         assert g == e, f"{name}: {g} vs HF {e}"
     assert expected[0] != expected[1], "different images must give different outputs"
     _, text, imgs, _ = cases[0]
-    buf = io.BytesIO()
-    imgs[0].save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(imgs[0])
     chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                    {"type": "text", "text": "What is this?"}]}], _greedy(),
                     use_tqdm=False)
@@ -200,9 +181,7 @@ def test_server_image_url_parity_with_hf(q3_dir, oracle, expected):
     from vlserve.config import EngineArgs
 
     _, text, imgs, _ = _cases(oracle)[0]
-    buf = io.BytesIO()
-    imgs[0].save(buf, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(imgs[0])
     served = start_server(EngineArgs(model=q3_dir, served_model_name="tiny-qwen3-vl", dtype="float32",
                                      num_kv_blocks=128, max_num_batched_tokens=16))
     try:

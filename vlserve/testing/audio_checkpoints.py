@@ -29,19 +29,14 @@ def build_qwen2_audio_checkpoint(
     """
     import torch
     from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
-                              Qwen2TokenizerFast, WhisperFeatureExtractor)
+                              WhisperFeatureExtractor)
 
     from vlserve.testing.chat_templates import QWEN2_AUDIO_CHAT_TEMPLATE
-    from vlserve.testing.tokenizer import build_tokenizer, extra_special_tokens
+    from vlserve.testing.tokenizer import build_qwen2_tokenizer
 
     chat_template = QWEN2_AUDIO_CHAT_TEMPLATE if chat_template is None else chat_template
     os.makedirs(out_dir, exist_ok=True)
-    base = build_tokenizer()
-    tok = Qwen2TokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
-        clean_up_tokenization_spaces=False)
-    tok.chat_template = chat_template
+    tok = build_qwen2_tokenizer(chat_template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|AUDIO|>", "<|im_end|>", "<|endoftext|>")}
     text_cfg = dict(
         model_type="qwen2", vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,

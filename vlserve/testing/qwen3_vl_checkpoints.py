@@ -40,7 +40,7 @@ def build_qwen3_vl_checkpoint(
     "decoder_sparse_step" / "mlp_only_layers") builds a Qwen3VLMoeForConditionalGeneration instead.
     """
     import torch
-    from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
     if moe:
         from transformers import Qwen3VLMoeConfig as Config
         from transformers import Qwen3VLMoeForConditionalGeneration as Model
@@ -48,7 +48,7 @@ def build_qwen3_vl_checkpoint(
         from transformers import Qwen3VLConfig as Config
         from transformers import Qwen3VLForConditionalGeneration as Model
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer, extra_special_tokens
+    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer
 
     chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     if 2 * sum(mrope_section) != head_dim:
@@ -56,12 +56,7 @@ def build_qwen3_vl_checkpoint(
     if len(deepstack_visual_indexes) > num_layers:
         raise ValueError(f"{len(deepstack_visual_indexes)} DeepStack levels need at least as many decoder layers")
     os.makedirs(out_dir, exist_ok=True)
-    base = build_tokenizer()
-    tok = Qwen2TokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
-        clean_up_tokenization_spaces=False)
-    tok.chat_template = chat_template
+    tok = build_qwen2_tokenizer(chat_template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in
            ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
     text_cfg = dict(

@@ -87,3 +87,17 @@ def build_tokenizer(out_dir: str | None = None, vocab_size: int = 1024):
         os.makedirs(out_dir, exist_ok=True)
         fast.save_pretrained(out_dir)
     return fast
+
+
+def build_qwen2_tokenizer(chat_template: str | None = None):
+    """The offline tokenizer wrapped in a `Qwen2TokenizerFast` (the Qwen processors insist on that class), with
+    `chat_template` (default CHAT_TEMPLATE)."""
+    from transformers import Qwen2TokenizerFast
+
+    base = build_tokenizer()
+    tok = Qwen2TokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
+        clean_up_tokenization_spaces=False)
+    tok.chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
+    return tok

@@ -41,22 +41,16 @@ def build_qwen2_vl_checkpoint(
     vlserve.testing.chat_templates.QWEN2_VL_CHAT_TEMPLATE behaves like the real checkpoints' template).
     """
     import torch
-    from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_tokenizer, extra_special_tokens
+    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer
 
     chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     head_dim = hidden_size // num_attention_heads
     if 2 * sum(mrope_section) != head_dim:
         raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must be head_dim/2={head_dim // 2}")
     os.makedirs(out_dir, exist_ok=True)
-    # The Qwen processors insist on a Qwen2 tokenizer class: wrap the offline tokenizer's model in one.
-    base = build_tokenizer()
-    tok = Qwen2TokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
-        clean_up_tokenization_spaces=False)
-    tok.chat_template = chat_template
+    tok = build_qwen2_tokenizer(chat_template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in
            ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
     text_cfg = dict(
