@@ -147,9 +147,11 @@ class EngineCoreClient:
                     return
 
     def _drain(self, on_message: Callable[[object], None], grace_ms: int = 200) -> None:
-        """Hand on every message still queued from engines that have exited (they flush before exiting)."""
+        """Hand on the messages queued within `grace_ms` (an exited engine flushed its last ones before exiting;
+        live replicas keep sending, so the drain is bounded in time, not by an empty socket)."""
+        deadline = time.monotonic() + grace_ms / 1000
         try:
-            while self._output.poll(grace_ms):
+            while (left := deadline - time.monotonic()) > 0 and self._output.poll(max(1, int(left * 1000))):
                 on_message(decode(self._output.recv()))
         except Exception:  # a callback that raises (e.g. the engine reported it is dead) ends the drain
             logger.debug("draining the engine socket stopped", exc_info=True)
