@@ -35,11 +35,12 @@ def _compile(fn, types: dict[str, str], consts: dict, default: str = "i32", **op
     print(f"ok {fn.__name__} {consts} {options} shared={shared}", flush=True)
 
 
-def _compile_prefill(ptrs: dict, group: int, head_dim: int, block_size: int, tile, fp8: bool = False) -> None:
+def _compile_prefill(ptrs: dict, group: int, head_dim: int, block_size: int, tile, fp8: bool = False,
+                     sliding: bool = False) -> None:
     p2 = triton.next_power_of_2
     _compile(tp._prefill_kernel, ptrs, dict(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=p2(group), HEAD_DIM=head_dim, HEAD_DIM_P2=p2(head_dim),
-        BLOCK_M=max(1, tile.rows // p2(group)), BLOCK_N=tile.block_n, UPCAST=False, FP8=fp8),
+        BLOCK_M=max(1, tile.rows // p2(group)), BLOCK_N=tile.block_n, UPCAST=False, FP8=fp8, SLIDING=sliding),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
@@ -71,6 +72,8 @@ def main() -> None:
                 v_scale="fp32")
     for group, head_dim in [(4, 128), (7, 80), (1, 64), (2, 256)]:
         _compile_prefill(ptrs, group, head_dim, 16, tp.prefill_tile(head_dim, torch.bfloat16, torch.device("cuda", 0)))
+    # sliding-window layers (Mistral, Gemma 3): the prefill's extra masked loop
+    _compile_prefill(ptrs, 4, 128, 16, tp.prefill_tile(128, torch.bfloat16, torch.device("cuda", 0)), sliding=True)
     _compile_prefill(fp8, 4, 128, 16, tp.prefill_tile(128, torch.bfloat16, torch.device("cuda", 0)), fp8=True)
     _compile(ta._decode_reduce_kernel, dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
                                             out_ptr="*bf16"),

@@ -8,6 +8,9 @@ CUDA that variable would make them interpreter kernels, so the first CUDA call w
 
 The KV caches are in the model's dtype or float8_e4m3fn (`kv_quant`); with an FP8 cache the writers and the paged
 attention take the layer's `k_scale` / `v_scale` (keyword arguments, 1.0 by default; other caches ignore them).
+
+The paged attentions take an optional `sliding_window` W (None: full causal attention): the query at position p
+then attends only to keys at positions p - W + 1 .. p (HF's `sliding_window_causal_mask_function`).
 """
 from __future__ import annotations
 
@@ -141,12 +144,14 @@ def paged_attention_decode(
     workspace: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Single-token decode attention: query [B, Hq, D] at position seq_len-1 over seq_len cached keys
-    (`workspace`: the torch path's scratch buffer, see `decode_workspace_numel`; the Triton path ignores it)."""
+    """Single-token decode attention: query [B, Hq, D] at position seq_len-1 over seq_len cached keys (the last
+    `sliding_window` of them when given; `workspace`: the torch path's scratch buffer, see `decode_workspace_numel`;
+    the Triton path ignores it)."""
     return _impl("paged_attention_decode", query.device)(
         query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out,
-        workspace=workspace, k_scale=k_scale, v_scale=v_scale,
+        workspace=workspace, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
     )
 
 
@@ -163,11 +168,13 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal varlen prefill: query [T, Hq, D] over each sequence's cached prefix plus its new tokens."""
+    """Causal varlen prefill: query [T, Hq, D] over each sequence's cached prefix plus its new tokens (within
+    `sliding_window` when given)."""
     return _impl("paged_prefill_attention", query.device)(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len=max_query_len, out=out, k_scale=k_scale, v_scale=v_scale,
+        max_query_len=max_query_len, out=out, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
     )
 
 
@@ -182,11 +189,12 @@ def attention_forward(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write K/V through md.slot_mapping, then decode md.num_decodes sequences and prefill the rest -> [T, Hq, D]
-    (FP8 caches: with the layer's k_scale / v_scale)."""
+    (FP8 caches: with the layer's k_scale / v_scale; `sliding_window` W: each query sees its last W positions)."""
     return _impl("attention_forward", query.device)(query, key, value, k_cache, v_cache, md, scale, k_scale=k_scale,
-                                                    v_scale=v_scale)
+                                                    v_scale=v_scale, sliding_window=sliding_window)
 
 
 def varlen_attention(

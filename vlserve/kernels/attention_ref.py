@@ -16,6 +16,10 @@ so garbage (even NaN) in unwritten cache slots never reaches the output.
 Prefill loops over the (few) sequences of a step: gather one context, then SDPA with an
 `is_causal` or bottom-right-aligned causal mask (queries are the last q_len of seq_len positions).
 
+Sliding-window layers (`sliding_window` W, HF's convention): the query at position p sees keys p - W + 1 .. p only.
+Decode masks the keys below each sequence's window; prefill gathers from the block holding its first query's window
+start and masks per query row.
+
 FP8 caches (`kv_quant`): the write stores `quantize_kv(x, scale)`; the gathered K/V are dequantized (times
 k_scale / v_scale in float32, then in the query's dtype) before SDPA. Other caches ignore the scales.
 """
@@ -110,11 +114,13 @@ def paged_attention_decode_ref(
     plan: list[DecodeChunk] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys. K/V are gathered
-    into `workspace` (flat, the cache's dtype; see decode_workspace_numel) when it is given and large enough, else
-    into a buffer of this call's own. `plan`: this step's `plan_decode` (built here when not given). FP8 caches:
-    the gathered K/V are dequantized with k_scale / v_scale."""
+    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys (its last
+    `sliding_window` keys when given). K/V are gathered into `workspace` (flat, the cache's dtype; see
+    decode_workspace_numel) when it is given and large enough, else into a buffer of this call's own. `plan`: this
+    step's `plan_decode` (built here when not given). FP8 caches: the gathered K/V are dequantized with k_scale /
+    v_scale."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     del max_seq_len  # chunks are padded to their own longest sequence, read from seq_lens
     num_seqs, num_q_heads, head_dim = query.shape
@@ -151,18 +157,24 @@ def paged_attention_decode_ref(
         v = ws_v.view(n, padded_len, num_kv_heads, head_dim)[:, :L].transpose(1, 2)
         if fp8:
             k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
-        out4[chunk.rows] = F.scaled_dot_product_attention(q4[chunk.rows], k, v, attn_mask=chunk.mask, scale=scale)
+        mask = chunk.mask
+        if sliding_window is not None:  # keys below each sequence's window: masked too
+            lens = seq_lens[chunk.rows].to(device=query.device, dtype=torch.long)  # [n]
+            window = torch.arange(L, device=query.device) >= (lens - sliding_window)[:, None]  # [n, L]
+            mask = window[:, None, None, :] if mask is None else mask & window[:, None, None, :]
+        out4[chunk.rows] = F.scaled_dot_product_attention(q4[chunk.rows], k, v, attn_mask=mask, scale=scale)
     return out
 
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float,
-                    dtype: torch.dtype) -> torch.Tensor:
-    # cache: [NB, BS, Hkv, D]; table: [M] -> [Hkv, seq_len, D] contiguous (SDPA is faster on it), in `dtype`
-    # (FP8 caches: dequantized with `scale`)
+                    dtype: torch.dtype, first_block: int = 0) -> torch.Tensor:
+    # cache: [NB, BS, Hkv, D]; table: [M] -> [Hkv, S, D] contiguous (SDPA is faster on it), in `dtype`: positions
+    # first_block * BS .. seq_len - 1, S of them (FP8 caches: dequantized with `scale`)
     _, block_size, num_kv_heads, head_dim = cache.shape
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, table[:num_blocks].to(torch.long))  # [nblk, BS, Hkv, D]
-    context = blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    num_blocks = -(-seq_len // block_size) - first_block
+    blocks = cache.index_select(0, table[first_block:first_block + num_blocks].to(torch.long))  # [nblk, BS, Hkv, D]
+    context = blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len - first_block * block_size]
+    context = context.transpose(0, 1)
     return dequantize_kv(context.contiguous(), scale, dtype) if is_fp8(cache) else context.contiguous()
 
 
@@ -177,10 +189,11 @@ def _prefill_from_lists(
     out: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     # query, out: [T, Hq, D]; query_start_loc: B+1 ints; seq_lens: B ints
     num_q_heads = query.shape[1]
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[b], query_start_loc[b + 1]
         q_len = q_end - q_start
@@ -189,9 +202,18 @@ def _prefill_from_lists(
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
         q = query[q_start:q_end].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq, q_len, D]
-        k = _gather_context(k_cache, block_tables[b], seq_len, k_scale, query.dtype).unsqueeze(0)  # [1, Hkv, S, D]
-        v = _gather_context(v_cache, block_tables[b], seq_len, v_scale, query.dtype).unsqueeze(0)
-        if q_len == seq_len:
+        # sliding window: the blocks wholly below the first query's window are not gathered
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size
+        k = _gather_context(k_cache, block_tables[b], seq_len, k_scale, query.dtype, first).unsqueeze(0)  # [1,Hkv,S,D]
+        v = _gather_context(v_cache, block_tables[b], seq_len, v_scale, query.dtype, first).unsqueeze(0)
+        if sliding_window is not None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+            k_pos = torch.arange(first * block_size, seq_len, device=query.device)  # [S]
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads
+            )
+        elif q_len == seq_len:
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
             )
@@ -220,21 +242,23 @@ def paged_prefill_attention_ref(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves (FP8 caches:
-    dequantized with k_scale / v_scale)."""
+    """Causal varlen attention of each sequence's new tokens over its cached prefix plus themselves (the last
+    `sliding_window` positions up to each query's, when given; FP8 caches: dequantized with k_scale / v_scale)."""
     # query: [T, Hq, D]; block_tables: [B, M] int32; query_start_loc: [B+1] int32; seq_lens: [B] int32
     del max_query_len  # only the Triton grid needs it
     if out is None:
         out = torch.zeros_like(query)
     return _prefill_from_lists(
         query, k_cache, v_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale, out,
-        k_scale, v_scale,
+        k_scale, v_scale, sliding_window,
     )
 
 
 def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                       scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> None:
+                       scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
+                       sliding_window: int | None) -> None:
     """The step's decode rows through the gather + SDPA path, its plan made once per step for all layers."""
     num_decodes = md.num_decodes
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -244,7 +268,7 @@ def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         token_bytes))
     paged_attention_decode_ref(query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes],
                                md.seq_lens[:num_decodes], scale, out=out[:num_decodes], workspace=md.workspace,
-                               plan=plan, k_scale=k_scale, v_scale=v_scale)
+                               plan=plan, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
 
 
 def _cpu_step_rows(md: AttentionMetadata):
@@ -265,9 +289,10 @@ def attention_forward_ref(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest
-    (FP8 caches: written and read with k_scale / v_scale)."""
+    (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
     out = torch.empty_like(query)
     num_decodes = md.num_decodes
@@ -281,14 +306,14 @@ def attention_forward_ref(
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
         rows = md.derive("cpu_step_rows", lambda: _cpu_step_rows(md))
-        attend_rows(query, key, value, k_cache, v_cache, rows, scale, out, k_scale, v_scale)
+        attend_rows(query, key, value, k_cache, v_cache, rows, scale, out, k_scale, v_scale, sliding_window)
         if rows.seqs.shape[0]:  # the prefill chunks' rows were in the call too
             kernel_seqs = md.num_seqs
     else:
         write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)),
                        k_scale, v_scale)
         if num_decodes > 0:
-            _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale)
+            _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
     if kernel_seqs < md.num_seqs:
         qsl = md.query_start_loc_cpu
         _prefill_from_lists(
@@ -302,6 +327,7 @@ def attention_forward_ref(
             out,
             k_scale,
             v_scale,
+            sliding_window,
         )
     return out
 

@@ -3,7 +3,8 @@
 One call per layer and step (`attention_step_cpu`) first writes the step's keys and values into the paged caches,
 then attends its query rows: the decodes, and the tokens of short prefill chunks (`kernel_rows`: up to
 MAX_KERNEL_QUERY_LEN tokens each, e.g. chunked prefill or speculative verification), each such token a row of its
-own that reads its sequence's table up to its causal length. Each OpenMP task is one row with all its KV heads (or
+own that reads its sequence's table up to its causal length (with a sliding window W: only its last W positions,
+the blocks wholly below them skipped). Each OpenMP task is one row with all its KV heads (or
 a group of them when the batch is too small to keep every thread busy). Its query heads (Hq/Hkv per KV head: GQA) read the sequence's keys and values
 straight from the paged caches, a chunk of blocks (~256 positions) at a time: the chunk's scores, one online
 softmax update in float32 (running max and sum, as flash attention does), then its values. Positions past a
@@ -46,12 +47,13 @@ extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const v
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, const int32_t* row_seq, int64_t has_row_seq, void* out, int64_t B,
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale, int64_t threads,
-                       int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8);
+                       int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8,
+                       int64_t window);
 """
 _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t", "void*",
               "void*", "const int32_t*", "const int32_t*", "const int32_t*", "int64_t", "void*", "int64_t", "int64_t",
               "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t", "float", "float",
-              "int64_t"]
+              "int64_t", "int64_t"]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 _NO_ROWS = torch.empty(0, dtype=torch.int32)
 MAX_KERNEL_QUERY_LEN = 32  # a prefill chunk of up to this many tokens runs in the kernel, row by row
@@ -125,10 +127,11 @@ def step_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, row_lens: 
 
 def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, rows: StepRows, scale: float, out: torch.Tensor, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> None:
+                v_scale: float = 1.0, sliding_window: int | None = None) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at rows.slots, then attend the first rows.num_rows
     rows of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller checks `attention_step_supported`. FP8
-    caches are written and read with k_scale / v_scale; other caches ignore them."""
+    caches are written and read with k_scale / v_scale; other caches ignore them. `sliding_window` W: a row of
+    length L attends only to positions max(0, L - W) .. L - 1 (None: all)."""
     # k_cache, v_cache: [NB, BS, Hkv, D] contiguous
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     query, q_stride = _rows(query)
@@ -140,19 +143,22 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_c
                         v_cache, rows.tables, rows.lens, seqs, int(seqs.shape[0] > 0), out, rows.num_rows,
                         query.shape[1], num_kv_heads, head_dim, block_size, rows.tables.stride(0), float(scale),
                         torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16,
-                        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, int(fp8))
+                        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, int(fp8),
+                        int(sliding_window or 0))
 
 
 def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        row_lens: torch.Tensor, num_rows: int, scale: float, out: torch.Tensor,
-                       row_seqs: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                       row_seqs: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                       sliding_window: int | None = None) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int64; -1 skipped), then
     attend the first `num_rows` rows of query [T, Hq, D] into out [T, Hq, D] (contiguous): row r reads the positions
     0 .. row_lens[r] - 1 of table row row_seqs[r] (default: r, one decode token per sequence). The caller checks
-    `attention_step_supported`; rows past `num_rows` are left to it. FP8 caches: see `attend_rows`."""
+    `attention_step_supported`; rows past `num_rows` are left to it. FP8 caches and `sliding_window`: see
+    `attend_rows`."""
     attend_rows(query, key, value, k_cache, v_cache, step_rows(slot_mapping, block_tables, row_lens, num_rows,
-                                                               row_seqs), scale, out, k_scale, v_scale)
+                                                               row_seqs), scale, out, k_scale, v_scale, sliding_window)
 
 
 def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
@@ -177,7 +183,7 @@ def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: in
 def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, sliding_window: int | None = None) -> torch.Tensor:
     """`paged_attention_decode_ref`'s contract in one C++ call (check `cpu_decode_supported` first)."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
     if out is None:
@@ -186,7 +192,8 @@ def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cac
         return out
     result = out if out.is_contiguous() else torch.empty_like(query)
     attention_step_cpu(query, query[:0], query[:0], k_cache.contiguous(), v_cache.contiguous(), _NO_SLOTS,
-                       block_tables, seq_lens, query.shape[0], scale, result, k_scale=k_scale, v_scale=v_scale)
+                       block_tables, seq_lens, query.shape[0], scale, result, k_scale=k_scale, v_scale=v_scale,
+                       sliding_window=sliding_window)
     if result is not out:
         out.copy_(result)
     return out

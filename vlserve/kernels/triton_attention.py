@@ -2,7 +2,9 @@
 layer's step (write this step's K/V, decode the decodes, prefill the rest through `triton_prefill`).
 
 The decode kernel gives one program a whole GQA group (the Hq/Hkv query heads that share one KV head), so each K/V
-tile is loaded once per group. FP8 caches: tiles are dequantized as they are loaded (`triton_paged.load_kv_tile`).
+tile is loaded once per group. With a sliding window W a sequence's splits cover only its last W positions
+(`window`: the keys below are never loaded). FP8 caches: tiles are dequantized as they are loaded
+(`triton_paged.load_kv_tile`).
 """
 from __future__ import annotations
 
@@ -22,18 +24,20 @@ from vlserve.kernels.triton_prefill import paged_prefill_attention_triton
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, split_len, num_splits,
+    scale_log2, split_len, num_splits, window,
     stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ob, stride_oh, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
-    # grid: (B, Hkv, num_splits); program covers key positions [split * split_len, +split_len) of one group
+    # grid: (B, Hkv, num_splits); program covers key positions [lo + split * split_len, +split_len) of one group,
+    # lo: the first position attended (0, or seq_len - window with a sliding window; window <= 0: none)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * split_len
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, GROUP_P2)
@@ -138,9 +142,10 @@ def paged_attention_decode_triton(
     workspace: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys (FP8 caches:
-    dequantized with k_scale / v_scale)."""
+    """One query token per sequence (at position seq_len-1) attending to its seq_len cached keys, or its last
+    `sliding_window` of them (FP8 caches: dequantized with k_scale / v_scale)."""
     del workspace  # the torch path's scratch buffer; the kernel needs none
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B]
     num_seqs, num_q_heads, head_dim = query.shape
@@ -154,6 +159,8 @@ def paged_attention_decode_triton(
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and block_tables.stride(-1) == 1
     block_n = 64
     max_len = max(1, max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size)
+    if sliding_window is not None:
+        max_len = min(max_len, sliding_window)  # keys any sequence attends to: the splits cover only those
     if num_splits is None:
         num_splits = _default_num_splits(num_seqs, num_kv_heads, max_len, block_n, query.device)
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
@@ -167,7 +174,7 @@ def paged_attention_decode_triton(
     head_dim_p2 = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, split_len, num_splits,
+        scale * LOG2E, split_len, num_splits, int(sliding_window or 0),
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), float(k_scale), float(v_scale),
         BLOCK_SIZE=block_size, NUM_Q_HEADS=num_q_heads, GROUP=group,
@@ -195,9 +202,10 @@ def attention_forward_triton(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest
-    (FP8 caches: written and read with k_scale / v_scale)."""
+    (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
     write_kv_cache_triton(key, value, k_cache, v_cache, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(query)
@@ -209,7 +217,7 @@ def attention_forward_triton(
         paged_attention_decode_triton(
             query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes], md.seq_lens[:num_decodes],
             scale, max_seq_len=max(md.seq_lens_cpu[:num_decodes]), out=out[:num_decodes], k_scale=k_scale,
-            v_scale=v_scale,
+            v_scale=v_scale, sliding_window=sliding_window,
         )
     if num_decodes < md.num_seqs:
         # decode tokens come first, so the prefill sequences' query offsets are shifted by num_decodes
@@ -218,7 +226,7 @@ def attention_forward_triton(
         max_q = max(b - a for a, b in zip(qsl_cpu[:-1], qsl_cpu[1:]))
         paged_prefill_attention_triton(
             query, k_cache, v_cache, md.block_tables[num_decodes:], qsl, md.seq_lens[num_decodes:],
-            scale, max_query_len=max_q, out=out, k_scale=k_scale, v_scale=v_scale,
+            scale, max_query_len=max_q, out=out, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
         )
     return out
 

@@ -112,3 +112,21 @@ def rope_params_of(text_config) -> RopeParams:
         mrope_section=tuple(int(s) for s in section) if section is not None else None,
         mrope_interleaved=interleaved,
         scaling=d)
+
+
+def sliding_window_of(text_config, layer_idx: int) -> int | None:
+    """The sliding window W of decoder layer `layer_idx` (its query at p sees keys p - W + 1 .. p), None for full
+    attention, as HF's models decide it: no window when `sliding_window` is unset or `use_sliding_window` is False
+    (Qwen2/Qwen3); Mistral slides every layer (its model ignores `layer_types`); otherwise a layer slides when
+    `layer_types[i] == "sliding_attention"`, or, without layer_types, when i >= `max_window_layers` (Qwen2/Qwen3's
+    older configs; a config without that field slides every layer)."""
+    window = getattr(text_config, "sliding_window", None)
+    if not window or getattr(text_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types and getattr(text_config, "model_type", None) != "mistral":
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    max_window_layers = getattr(text_config, "max_window_layers", None)
+    if max_window_layers is not None and getattr(text_config, "model_type", None) != "mistral":
+        return int(window) if layer_idx >= max_window_layers else None
+    return int(window)

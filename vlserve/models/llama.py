@@ -1,4 +1,5 @@
-"""Llama-family decoders (Llama, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache; sliding-window layers (Mistral,
+Qwen2/Qwen3 with `use_sliding_window`) pass their window to the attention kernels (`hf_config.sliding_window_of`).
 
 Tokens of a step are flattened: `T` tokens, `H` hidden, `Hq`/`Hkv` heads, `D` head dim, `I` MLP width.
 q/k/v are fused into one `qkv_proj` Linear and gate/up into one `gate_up_proj`; weights keep HF names in the
@@ -13,7 +14,6 @@ loader which slice of each checkpoint tensor this rank reads. With one rank noth
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Iterable
 
 import torch
@@ -23,13 +23,11 @@ from vlserve import kernels
 from vlserve.distributed.parallel_state import tp_size
 from vlserve.kernels.attention_op import paged_attention
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.models.hf_config import text_config_of, tie_word_embeddings_of
+from vlserve.models.hf_config import sliding_window_of, text_config_of, tie_word_embeddings_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from vlserve.models.parallel_layers import (ParallelLMHead, QKVParallelLinear, RowParallelLinear, ShardSpec,
                                             VocabParallelEmbedding, check_tensor_parallel_sizes, copy_weight,
                                             local_kv_heads)
-
-logger = logging.getLogger(__name__)
 
 # HF checkpoint names that carry no weights we need (old checkpoints saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -84,6 +82,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
         self.k_scale = self.v_scale = 1.0  # FP8 KV cache scales (the checkpoint's, if any): stored x / scale
+        self.sliding_window = sliding_window_of(config, layer_idx)  # W: queries see their last W positions; None: all
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
@@ -103,12 +102,13 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(k)
         if torch.compiler.is_compiling():
             q, k = self.rotary[0].forward_native(positions, q, k)
-            out = paged_attention(q, k, v, self.layer_idx, self.scale, self.k_scale, self.v_scale)  # [T, Hq, D]
+            out = paged_attention(q, k, v, self.layer_idx, self.scale, self.k_scale, self.v_scale,
+                                  self.sliding_window)  # [T, Hq, D]
             return self.o_proj(out.reshape(T, self.q_size))
         self.rotary[0](positions, q, k)  # in place
         k_cache, v_cache = kv_cache
         out = kernels.attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale, k_scale=self.k_scale,
-                                        v_scale=self.v_scale)
+                                        v_scale=self.v_scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -154,9 +154,6 @@ class LlamaDecoderModel(nn.Module):
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
-        layer_types = getattr(config, "layer_types", None) or []
-        if "sliding_attention" in layer_types:
-            logger.warning("sliding-window attention layers are run with full attention")
         check_tensor_parallel_sizes(config.num_attention_heads,
                                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                                     config.intermediate_size, tp_size())

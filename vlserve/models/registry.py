@@ -11,6 +11,7 @@ from vlserve.models.hf_config import architectures_of
 
 _REGISTRY: dict[str, type | str] = {
     "LlamaForCausalLM": "vlserve.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "vlserve.models.llama:LlamaForCausalLM",  # Llama plus a sliding window, no biases
     "Qwen2ForCausalLM": "vlserve.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "vlserve.models.llama:Qwen3ForCausalLM",
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",

@@ -232,14 +232,16 @@ static inline void accumulate_rows(float* acc, const T* vh, int64_t pos_stride, 
 // written into kc, vc: [NB, BS, Hkv, D] at slots [T] (-1: skip) before any row is read; tables: [S, M] int32;
 // lens: [B] int32, the positions row b attends to (0 .. lens[b] - 1); row_seq: [B] int32, the table row of each
 // query row (several rows of one sequence: its new tokens, each with its own causal length), or null: row b reads
-// table row b; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs. C: the caches' element type, T or fp8
+// table row b; D % fVec::size() == 0 and D / fVec::size() <= kMaxVecs. window > 0: sliding-window attention, row b
+// attends only to positions lens[b] - window .. lens[b] - 1 (blocks wholly below are skipped, the rest masked).
+// C: the caches' element type, T or fp8
 // (then keys and values are stored divided by k_scale / v_scale, and read back times them: k_scale is folded
 // into the scaled query rows, v_scale into the final normalization)
 template <typename T, typename C, int64_t NV>
 static void step(const T* q, int64_t q_stride, const T* key, const T* value, int64_t k_stride, int64_t v_stride,
                  const int64_t* slots, int64_t num_writes, C* kc, C* vc, const int32_t* tables, const int32_t* lens,
                  const int32_t* row_seq, T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale,
-                 float k_scale, float v_scale, int64_t threads, bool dp_bf16) {
+                 float k_scale, float v_scale, int64_t threads, bool dp_bf16, int64_t window) {
     const int64_t G = Hq / Hkv;
     const int64_t W = fVec::size();
     const int64_t V = NV > 0 ? NV : D / W;  // vectors per row (a constant where NV > 0)
@@ -285,7 +287,9 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
             }
             for (int64_t i = 0; i < R * D; i += W) fVec(0.f).store(acc + i);
             const int64_t nblk = (len + BS - 1) / BS;
-            for (int64_t c0 = 0; c0 < nblk; c0 += CB) {  // a chunk of CB blocks: scores, one softmax update, values
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the first position attended
+            const int64_t blk0 = lo / BS;  // blocks below it are never read
+            for (int64_t c0 = blk0; c0 < nblk; c0 += CB) {  // a chunk of CB blocks: scores, one softmax update, values
                 const int64_t c1 = std::min(nblk, c0 + CB);
                 const int64_t npos = std::min(len, c1 * BS) - c0 * BS;
                 for (int64_t blk = c0; blk < c1; ++blk) {  // scores: PS query rows of a head at a time
@@ -309,6 +313,9 @@ static void step(const T* q, int64_t q_stride, const T* key, const T* value, int
                         else score_rows<C, NV, 1>(&qf[r * D], kh, pos_stride, n, V, sr, SC);
                     }
                 }
+                if (c0 == blk0 && lo > c0 * BS)  // positions of the first block below the window: weight 0
+                    for (int64_t r = 0; r < R; ++r)
+                        for (int64_t t = 0; t < lo - c0 * BS; ++t) s[r * SC + t] = -INFINITY;
                 for (int64_t r = 0; r < R; ++r) {  // online softmax: rescale what came before to the new max
                     float* sr = &s[r * SC];
                     fVec vmax(-FLT_MAX);
@@ -358,14 +365,14 @@ static void step_typed(const void* q, int64_t q_stride, const void* key, const v
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, const int32_t* row_seq, void* out, int64_t B, int64_t Hq, int64_t Hkv,
                        int64_t D, int64_t BS, int64_t M, float scale, float k_scale, float v_scale, int64_t threads,
-                       bool dp_bf16) {
+                       bool dp_bf16, int64_t window) {
     // rows of 4 or 8 vectors (head dim 64 or 128 with AVX-512) get code with their loops unrolled into registers
     auto run = [&](auto nv) {
         step<T, C, decltype(nv)::value>(static_cast<const T*>(q), q_stride, static_cast<const T*>(key),
                                         static_cast<const T*>(value), k_stride, v_stride, slots, num_writes,
                                         static_cast<C*>(kc), static_cast<C*>(vc), tables, lens, row_seq,
                                         static_cast<T*>(out), B, Hq, Hkv, D, BS, M, scale, k_scale, v_scale, threads,
-                                        dp_bf16);
+                                        dp_bf16, window);
     };
     const int64_t V = D / fVec::size();
     if (V == 4) run(std::integral_constant<int64_t, 4>());
@@ -374,16 +381,17 @@ static void step_typed(const void* q, int64_t q_stride, const void* key, const v
 }
 
 // is_bf16: the query, key, value and output dtype (else float32); cache_fp8: the caches hold float8_e4m3fn scaled
-// by k_scale / v_scale (else the query's dtype, and the scales are 1)
+// by k_scale / v_scale (else the query's dtype, and the scales are 1); window: the sliding window (0: none)
 extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const void* value, int64_t k_stride, int64_t v_stride,
                        const int64_t* slots, int64_t num_writes, void* kc, void* vc, const int32_t* tables,
                        const int32_t* lens, const int32_t* row_seq, int64_t has_row_seq, void* out, int64_t B,
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t BS, int64_t M, float scale, int64_t threads,
-                       int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8) {
+                       int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8,
+                       int64_t window) {
     if (!has_row_seq) row_seq = nullptr;
     auto run = [&](auto typed) {
         typed(q, q_stride, key, value, k_stride, v_stride, slots, num_writes, kc, vc, tables, lens, row_seq, out, B, Hq,
-              Hkv, D, BS, M, scale, k_scale, v_scale, threads, is_bf16 && dp_bf16 != 0);
+              Hkv, D, BS, M, scale, k_scale, v_scale, threads, is_bf16 && dp_bf16 != 0, window);
     };
     if (is_bf16 && cache_fp8) run(step_typed<bf16, fp8>);
     else if (is_bf16) run(step_typed<bf16, bf16>);
