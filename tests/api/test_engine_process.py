@@ -154,6 +154,16 @@ def test_killed_engine_fails_requests_with_5xx_and_health_503(proc_server):
     assert proc_server.http.get("/metrics").status_code == 200
     r = proc_server.http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
     assert r.status_code >= 500 and r.json()["error"]["message"]
+    # a message for the dead engine (the abort sent while failing its requests) must not block: a PUSH socket with
+    # no peer would wait forever, and the requests in flight with it
+    import threading
+
+    from vlserve.engine.core_messages import AbortRequests
+
+    sender = threading.Thread(target=proc_server.engine.client.send, args=(AbortRequests(["gone-1"]),), daemon=True)
+    sender.start()
+    sender.join(5)
+    assert not sender.is_alive(), "sending to a dead engine blocked"
 
 
 def test_bad_checkpoint_error_reaches_the_user(text_ckpt, tmp_path, capsys):

@@ -158,8 +158,21 @@ class EngineCoreClient:
 
     # -- talking -----------------------------------------------------------------------------------------------
     def send(self, msg: object, engine_index: int = 0) -> None:
-        """Queue a message for one engine (never blocks; call from one thread)."""
-        self._inputs[engine_index].send(encode(msg))
+        """Queue a message for one engine (call from one thread). A PUSH socket whose peer is gone would block
+        forever (the abort sent while failing the requests of a dead engine): the message is dropped once the
+        engine process has exited; a full queue to a live engine waits for room."""
+        import zmq
+
+        data, sock = encode(msg), self._inputs[engine_index]
+        while True:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if engine_index < len(self.processes) and not self.processes[engine_index].is_alive():
+                    logger.debug("engine %d is gone: %s not sent", engine_index, type(msg).__name__)
+                    return
+                sock.poll(50, zmq.POLLOUT)
 
     def is_alive(self) -> bool:
         """Every engine process runs (one gone stops the whole server)."""
