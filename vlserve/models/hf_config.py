@@ -90,12 +90,33 @@ def rope_params_of(text_config) -> RopeParams:
     "default" with an M-RoPE section. A `rope_theta` attribute (4.x, or an override set on a copy) wins over
     the one inside the dict (5.x).
     """
-    d = _rope_dict(text_config)
+    return _rope_params(text_config, _rope_dict(text_config), getattr(text_config, "rope_theta", None))
+
+
+def layer_type_rope_params_of(text_config, layer_type: str) -> RopeParams:
+    """The RoPE settings of the layers of `layer_type` ("full_attention" | "sliding_attention"), e.g. Gemma 3's:
+    5.x keys `rope_parameters` by layer type (each entry has its own `rope_theta`); 4.x gives the full layers
+    `rope_theta` + `rope_scaling` and the sliding ones default RoPE at `rope_local_base_freq`. A config with one
+    RoPE for all layers gives it to every type."""
+    for key in ("rope_parameters", "rope_scaling"):
+        per_type = getattr(text_config, key, None)
+        if isinstance(per_type, dict) and any(isinstance(v, dict) for v in per_type.values()):
+            if not isinstance(per_type.get(layer_type), dict):
+                raise ValueError(f"{key} has no RoPE parameters for layer type {layer_type!r} "
+                                 f"(it has {sorted(per_type)})")
+            return _rope_params(text_config, dict(per_type[layer_type]), None)
+    local_theta = getattr(text_config, "rope_local_base_freq", None)
+    if layer_type == "sliding_attention" and local_theta is not None:
+        return _rope_params(text_config, {}, local_theta)
+    return rope_params_of(text_config)
+
+
+def _rope_params(text_config, d: dict[str, Any], theta: float | None) -> RopeParams:
+    """RopeParams from a (copied) flat RoPE dict `d`; `theta`, when not None, wins over `d`'s `rope_theta`."""
     rope_type = d.pop("rope_type", None) or d.pop("type", None) or "default"
     d.pop("type", None)
     if rope_type == "mrope":
         rope_type = "default"
-    theta = getattr(text_config, "rope_theta", None)
     dict_theta = d.pop("rope_theta", None)
     theta = theta if theta is not None else dict_theta if dict_theta is not None else DEFAULT_ROPE_THETA
     section = d.pop("mrope_section", None)

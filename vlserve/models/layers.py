@@ -12,7 +12,7 @@ from vlserve import kernels
 from vlserve.kernels.activation import activation
 from vlserve.kernels.cpu_linear import PANEL, cpu_linear_silu_mul
 from vlserve.kernels.rotary_ref import rotary_cos_sin
-from vlserve.models.hf_config import rope_params_of
+from vlserve.models.hf_config import RopeParams, rope_params_of
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 from vlserve.models.rope import rope_inv_freq
 
@@ -108,12 +108,14 @@ class RotaryEmbedding(nn.Module):
 
     Tables are non-persistent buffers `cos_cache`/`sin_cache` `[max_position_embeddings, R/2]` in the model dtype
     (HF casts cos/sin to the activation dtype before multiplying). `mrope_section` (from
-    the config's rope parameters) switches on M-RoPE, where positions are `[3, T]`.
+    the config's rope parameters) switches on M-RoPE, where positions are `[3, T]`. `params` overrides the config's
+    RoPE settings (Gemma 3 gives each layer type its own table).
     """
 
-    def __init__(self, config, max_positions: int | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config, max_positions: int | None = None, dtype: torch.dtype | None = None,
+                 params: RopeParams | None = None) -> None:
         super().__init__()
-        params = rope_params_of(config)
+        params = params if params is not None else rope_params_of(config)
         inv_freq, scaling = rope_inv_freq(params)
         self.rotary_dim = 2 * inv_freq.numel()
         self.max_positions = int(max_positions or config.max_position_embeddings)

@@ -148,6 +148,9 @@ class LlamaDecoderModel(nn.Module):
     Biases default to `config.attention_bias` (qkv and o); Qwen2 passes `qkv_bias=True, o_bias=False`.
     """
 
+    # Subclass seams (Gemma 3): same-signature embedding/block/norm classes; `rotary_cls(config)` goes to each layer
+    embedding_cls, layer_cls, norm_cls, rotary_cls = VocabParallelEmbedding, DecoderLayer, RMSNorm, RotaryEmbedding
+
     def __init__(self, config, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
                  qk_norm: bool = False, mlp_factory: MlpFactory | None = None) -> None:
         super().__init__()
@@ -160,12 +163,12 @@ class LlamaDecoderModel(nn.Module):
         self.config = config
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.embed_tokens = self.embedding_cls(config.vocab_size, config.hidden_size)
+        self.rotary_emb = self.rotary_cls(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i, mlp_factory)
+            self.layer_cls(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i, mlp_factory)
             for i in range(self.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         # EAGLE drafts read intermediate states: layer ids i whose INPUT (the residual stream after layer i - 1;
         # 0 = the embeddings, num_layers = the final stream before the last norm) `forward` keeps in
         # `aux_hidden_states` (a list in this order). Empty = nothing kept (the default).
@@ -361,13 +364,13 @@ class DecoderWithLMHead(nn.Module):
 class LlamaForCausalLM(DecoderWithLMHead):
     """Llama causal LM: `model` (LlamaDecoderModel) + `lm_head` (tied to embeddings if `tie_word_embeddings`)."""
 
-    # Keyword arguments for LlamaDecoderModel; subclasses override.
-    decoder_kwargs: dict = {}
+    # The decoder class and its keyword arguments; subclasses override.
+    decoder_cls, decoder_kwargs = LlamaDecoderModel, {}
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaDecoderModel(config, **self.decoder_kwargs)
+        self.model = self.decoder_cls(config, **self.decoder_kwargs)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 

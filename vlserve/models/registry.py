@@ -14,6 +14,7 @@ _REGISTRY: dict[str, type | str] = {
     "MistralForCausalLM": "vlserve.models.llama:LlamaForCausalLM",  # Llama plus a sliding window, no biases
     "Qwen2ForCausalLM": "vlserve.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "vlserve.models.llama:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "vlserve.models.gemma3:Gemma3ForCausalLM",
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration",
