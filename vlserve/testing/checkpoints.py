@@ -46,7 +46,7 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
     config.json carries eos/pad ids of the tokenizer (eos = <|im_end|>, pad = <|endoftext|>), as does
     generation_config.json. `attention_bias` (llama, qwen3) adds biases to q/k/v/o_proj. Returns `out_dir`.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     tok = _tokenizer()
     vocab_size = vocab_size or len(tok)
@@ -68,6 +68,14 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
                 elif name.endswith(".bias"):
                     p.copy_(initializer_range * torch.randn(p.shape, generator=gen))
+    return save_text_checkpoint(model, tok, out_dir, dtype)
+
+
+def save_text_checkpoint(model, tok, out_dir: str, dtype) -> str:
+    """Cast `model` to `dtype`, give it a generation config with the tokenizer's EOS / pad, and save both to
+    `out_dir` (safetensors); returns out_dir."""
+    from transformers import GenerationConfig
+
     model = model.to(dtype)
     model.config.dtype = dtype
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

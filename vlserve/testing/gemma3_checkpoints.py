@@ -1,8 +1,6 @@
 """A tiny random HF Gemma 3 text checkpoint (`Gemma3ForCausalLM`) with the offline test tokenizer, for tests."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 # 3 sliding layers then a full one (Gemma 3's pattern, shortened); the window fits in the test prompts.
@@ -22,9 +20,9 @@ def build_gemma3_text_checkpoint(out_dir: str, hidden_size: int = 64, num_heads:
     head_dim ** -0.5. Norm weights (applied as `1 + w`) become `0.3 * N(0,1)` instead of HF's zeros, so a loader
     or norm that drops them is caught. `config_kw` goes to Gemma3TextConfig (e.g. final_logit_softcapping).
     """
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, GenerationConfig
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    from vlserve.testing.checkpoints import _tokenizer
+    from vlserve.testing.checkpoints import _tokenizer, save_text_checkpoint
 
     tok = _tokenizer()
     config = Gemma3TextConfig(
@@ -42,10 +40,4 @@ def build_gemma3_text_checkpoint(out_dir: str, hidden_size: int = 64, num_heads:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    model = model.to(dtype)
-    model.config.dtype = dtype
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    return str(out_dir)
+    return save_text_checkpoint(model, tok, out_dir, dtype)
