@@ -42,10 +42,12 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
     def _build_vision_tower(vision_config) -> nn.Module:
         return Qwen2VisionTower(qwen2_vl_tower_config(vision_config))
 
+    decoder_kwargs: dict = {"qkv_bias": True, "o_bias": False}  # for LlamaDecoderModel; subclasses override
+
     def __init__(self, config) -> None:
         super().__init__(config)
         self.visual = self._build_vision_tower(config.vision_config)
-        self.build_language_model(qkv_bias=True, o_bias=False)
+        self.build_language_model(**self.decoder_kwargs)
         self.image_token_id = config.image_token_id
         self.video_token_id = config.video_token_id
 

@@ -30,18 +30,14 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     def _build_vision_tower(vision_config) -> nn.Module:
         return Qwen3VisionTower(qwen3_vl_tower_config(vision_config))
 
+    decoder_kwargs: dict = {"qk_norm": True}  # dense FFNs; Qwen3-VL-MoE adds an mlp_factory
+
     def __init__(self, config) -> None:
-        super(Qwen2VLForConditionalGeneration, self).__init__(config)
-        self.visual = self._build_vision_tower(config.vision_config)
-        self.build_language_model(qk_norm=True, mlp_factory=self.mlp_factory)
+        super().__init__(config)
         self.language_model.rotary_emb.mrope_interleaved = True  # Qwen3-VL's layout, whatever the config says
         if self.visual.num_deepstack_levels > self.language_model.num_layers:
             raise ValueError(f"{self.visual.num_deepstack_levels} DeepStack levels but only "
                              f"{self.language_model.num_layers} decoder layers")
-        self.image_token_id = config.image_token_id
-        self.video_token_id = config.video_token_id
-
-    mlp_factory = None  # dense FFNs; Qwen3-VL-MoE puts sparse MoE blocks in
 
     @property
     def mm_embed_width(self) -> int:
@@ -75,7 +71,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     """Qwen3-VL-MoE: Qwen3-VL with sparse MoE blocks (vlserve.models.moe: top-k routing, fused experts, expert
     parallelism over the tensor-parallel ranks) in the layers `decoder_sparse_step` / `mlp_only_layers` pick."""
 
-    mlp_factory = staticmethod(_moe_or_dense)
+    decoder_kwargs = {"qk_norm": True, "mlp_factory": _moe_or_dense}
 
 
 register_model("Qwen3VLForConditionalGeneration", "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration")
