@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vlserve.encoders.clip_vision import feature_layer_indices
+from vlserve.encoders.clip_vision import VitConfig, feature_layer_indices
 from vlserve.encoders.vision_layers import AttentionSegments, RMSNorm, VisionMLP
 from vlserve.kernels import varlen_attention
 from vlserve.kernels.packed_linear import PackableLinear, PatchConv2d
@@ -30,23 +30,14 @@ def _side(value) -> int:
 
 
 @dataclass(frozen=True)
-class InternVitConfig:
-    """The fields of an HF `InternVLVisionConfig` the tower reads."""
+class InternVitConfig(VitConfig):
+    """The CLIP-style tower fields plus what an HF `InternVLVisionConfig` adds."""
 
-    depth: int
-    width: int  # E
-    num_heads: int
-    mlp_hidden: int
-    hidden_act: str
-    image_size: int
-    patch_size: int
-    layer_norm_eps: float
     norm_type: str = "layer_norm"  # or "rms_norm"
     qk_norm: bool = False
     qkv_bias: bool = False
     use_mean_pooling: bool = True  # False: a final LayerNorm on the last hidden state
     absolute_positions: bool = True
-    in_channels: int = 3
 
     @classmethod
     def from_hf(cls, vc) -> "InternVitConfig":
