@@ -23,6 +23,8 @@ class SchedulerConfig:
     encoder_compute_budget: int = 8192  # embeddings encoded per step (a step's first item is always admitted)
     num_spec_tokens: int = 0
     max_waiting_requests: int | None = None
+    # never end a step inside a media item's placeholder run (models whose image tokens attend both ways: Gemma 3)
+    disable_chunked_mm_input: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
+from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
@@ -22,18 +22,6 @@ from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, Mode
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EncoderPlan:
-    """The media items a planned token window needs: cached ones it reuses (mm_hashes) and ones to encode (item
-    indices into the request's mm_features)."""
-
-    reuse: list[str] = field(default_factory=list)
-    to_encode: list[int] = field(default_factory=list)
-
-
-_NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, never filled)
 
 
 class Scheduler:
@@ -73,6 +61,10 @@ class Scheduler:
                 raise ValueError(f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
                                  f"budget of {cfg.encoder_cache_size}; shrink it (e.g. max_pixels) or raise "
                                  f"encoder_cache_size")
+            if cfg.disable_chunked_mm_input and f.length > cfg.max_num_batched_tokens:
+                raise ValueError(f"{f.modality} item {i} has {f.length} placeholder tokens, more than "
+                                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}; this model needs a whole "
+                                 f"item in one step: raise max_num_batched_tokens or shrink the item")
         if cfg.max_waiting_requests is not None and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
         params = engine_req.sampling_params
@@ -130,7 +122,7 @@ class Scheduler:
             num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
                           token_budget,
                           last_position - computed)  # never past the model's length (late spec tokens unverified)
-            enc, num_encoding_after = _NO_MEDIA, num_encoding
+            enc, num_encoding_after = NO_MEDIA, num_encoding
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
             if num_new <= 0:
@@ -147,7 +139,7 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break  # the request preempted itself
-            if enc is not _NO_MEDIA:
+            if enc is not NO_MEDIA:
                 self._commit_encoder_inputs(req, enc, encoder_inputs)
                 num_encoding = num_encoding_after
             cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, computed))
@@ -225,37 +217,9 @@ class Scheduler:
 
     def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, num_encoding: int
                                  ) -> tuple[EncoderPlan, int, int]:
-        """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
-        ones it reuses and the ones it must encode. `num_encoding`: embeddings the step already encodes. An item
-        that cannot be afforded cuts the window to the text before it: one that does not fit the cache, or that
-        would take the step past `encoder_budget` (unless it is the step's first, which runs alone if need be).
-        Returns (plan, num_new, num_encoding with this plan's items)."""
-        if not req.mm_features or num_new <= 0:
-            return _NO_MEDIA, num_new, num_encoding
-        plan = EncoderPlan()
-        cache = self.encoder_cache
-        pending = 0
-        for i, f in enumerate(req.mm_features):
-            if f.offset >= start + num_new:
-                break
-            if f.end <= start:
-                continue  # its KV is already written
-            if cache.has(f.mm_hash):
-                if not cache.can_allocate(0, None, pending, reuse=[*plan.reuse, f.mm_hash]):
-                    num_new = f.offset - start  # keeping it would leave no room for the items before it
-                    break
-                plan.reuse.append(f.mm_hash)
-                continue
-            if any(req.mm_features[j].mm_hash == f.mm_hash for j in plan.to_encode):
-                continue  # the same item twice in one prompt: encoded once
-            over_budget = num_encoding > 0 and num_encoding + f.length > self.encoder_budget
-            if over_budget or not cache.can_allocate(f.length, None, pending, reuse=plan.reuse):
-                num_new = f.offset - start
-                break
-            plan.to_encode.append(i)
-            pending += f.length
-            num_encoding += f.length
-        return plan, num_new, num_encoding
+        """Plan the media items the token window [start, start + num_new) reaches (see `plan_encoder_inputs`)."""
+        return plan_encoder_inputs(req.mm_features, self.encoder_cache, self.encoder_budget, start, num_new,
+                                   num_encoding, self.config.disable_chunked_mm_input)
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
         """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
@@ -402,3 +366,4 @@ class Scheduler:
 
 class QueueFullError(ValueError):
     """The waiting queue is at max_waiting_requests (HTTP 503/429)."""
+

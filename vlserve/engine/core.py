@@ -15,6 +15,7 @@ from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.models.registry import get_model_class
 from vlserve.spec_decode import SpeculativeConfig
 from vlserve.spec_decode.config import fill_default_draft
 from vlserve.executor import build_executor
@@ -49,7 +50,8 @@ class EngineCore:
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             encoder_cache_size=enc_size, encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
-            max_waiting_requests=args.max_waiting_requests)
+            max_waiting_requests=args.max_waiting_requests,
+            disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False))
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request
