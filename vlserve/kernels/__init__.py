@@ -11,6 +11,10 @@ attention take the layer's `k_scale` / `v_scale` (keyword arguments, 1.0 by defa
 
 The paged attentions take an optional `sliding_window` W (None: full causal attention): the query at position p
 then attends only to keys at positions p - W + 1 .. p (HF's `sliding_window_causal_mask_function`).
+
+`attention_forward` also honours `md.key_limits` (per-query highest key position, Gemma 3's bidirectional image
+tokens; see `key_limits`): the torch path masks those prefill sequences per row; on the GPU (Triton backend) a step
+with such tokens runs its prefill sequences through that torch path as a fallback, its decodes stay on Triton.
 """
 from __future__ import annotations
 

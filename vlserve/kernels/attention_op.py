@@ -63,8 +63,8 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     step = current_attention_step()
     k_cache, v_cache = step.kv_caches[layer_idx]
     # an op's output may not alias its inputs; attention_forward always returns a new tensor
-    return kernels.attention_forward(query, key, value, k_cache, v_cache, step.metadata, scale, k_scale=k_scale,
-                                     v_scale=v_scale, sliding_window=sliding_window)
+    return kernels.attention_forward(query, key, value, k_cache, v_cache, step.metadata.for_layer(layer_idx), scale,
+                                     k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
 
 
 _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")

@@ -20,6 +20,10 @@ Sliding-window layers (`sliding_window` W, HF's convention): the query at positi
 Decode masks the keys below each sequence's window; prefill gathers from the block holding its first query's window
 start and masks per query row.
 
+Key limits (`md.key_limits`, see `key_limits`): a prefill sequence with a token that may attend past its own position
+is masked per query row by its limits (the window still counts back from the row's own position); the C++ call then
+attends the decodes only and every prefill chunk runs here.
+
 FP8 caches (`kv_quant`): the write stores `quantize_kv(x, scale)`; the gathered K/V are dequantized (times
 k_scale / v_scale in float32, then in the query's dtype) before SDPA. Other caches ignore the scales.
 """
@@ -30,7 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_decode import attend_rows, attention_step_supported, kernel_rows, step_rows
+from vlserve.kernels.cpu_decode import (MAX_KERNEL_QUERY_LEN, attend_rows, attention_step_supported, kernel_rows,
+                                        step_rows)
+from vlserve.kernels.key_limits import bidirectional_prefills, key_limit_mask
 from vlserve.kernels.kv_quant import dequantize_kv, is_fp8, kv_bytes
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
@@ -190,8 +196,11 @@ def _prefill_from_lists(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     sliding_window: int | None = None,
+    key_limits: torch.Tensor | None = None,
+    bidirectional: tuple[bool, ...] = (),
 ) -> torch.Tensor:
-    # query, out: [T, Hq, D]; query_start_loc: B+1 ints; seq_lens: B ints
+    # query, out: [T, Hq, D]; query_start_loc: B+1 ints; seq_lens: B ints; key_limits: [T] int64 (read for sequence b
+    # when bidirectional[b]: see `key_limits.bidirectional_prefills`; the other sequences stay causal)
     num_q_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     for b, seq_len in enumerate(seq_lens):
@@ -206,25 +215,22 @@ def _prefill_from_lists(
         first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size
         k = _gather_context(k_cache, block_tables[b], seq_len, k_scale, query.dtype, first).unsqueeze(0)  # [1,Hkv,S,D]
         v = _gather_context(v_cache, block_tables[b], seq_len, v_scale, query.dtype, first).unsqueeze(0)
-        if sliding_window is not None:
+        if bidirectional and bidirectional[b]:
+            mask = key_limit_mask(key_limits[q_start:q_end], seq_len - q_len, first * block_size, seq_len,
+                                  sliding_window)  # [q_len, S]
+        elif sliding_window is not None:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
             k_pos = torch.arange(first * block_size, seq_len, device=query.device)  # [S]
             mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-            )
         elif q_len == seq_len:
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-            )
+            mask = None  # SDPA's own causal mask
         else:
             # query i sits at position seq_len - q_len + i and sees keys 0..that position
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
             k_pos = torch.arange(seq_len, device=query.device)  # [S]
             mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, S]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-            )
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=num_q_heads != num_kv_heads)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
@@ -271,9 +277,24 @@ def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                plan=plan, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
 
 
+def prefill_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                scale: float, out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                sliding_window: int | None = None) -> None:
+    """The step's prefill sequences (md.num_decodes ..) through the torch path into `out`, with md.key_limits when
+    set (also the Triton path's fallback for a step with bidirectional tokens); the K/V are already written."""
+    # query, out: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]
+    num_decodes = md.num_decodes
+    _prefill_from_lists(query, k_cache, v_cache, md.block_tables[num_decodes:], md.query_start_loc_cpu[num_decodes:],
+                        md.seq_lens_cpu[num_decodes:], scale, out, k_scale, v_scale, sliding_window, md.key_limits,
+                        bidirectional_prefills(md))
+
+
 def _cpu_step_rows(md: AttentionMetadata):
-    """The rows the step's C++ calls attend (the decodes, and short prefill chunks' tokens), converted once a step."""
-    num_rows, row_seqs, row_lens = kernel_rows(md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes)
+    """The rows the step's C++ calls attend (the decodes, and short prefill chunks' tokens unless a prefill token
+    attends past its own position), converted once a step."""
+    causal = not bidirectional_prefills(md)
+    num_rows, row_seqs, row_lens = kernel_rows(md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes,
+                                               MAX_KERNEL_QUERY_LEN if causal else 0)
     return step_rows(md.slot_mapping, md.block_tables, md.seq_lens if row_lens is None else row_lens, num_rows,
                      row_seqs)
 
@@ -292,7 +313,8 @@ def attention_forward_ref(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest
-    (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions)."""
+    (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions;
+    md.key_limits: see `key_limits`)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
     out = torch.empty_like(query)
     num_decodes = md.num_decodes
@@ -315,20 +337,7 @@ def attention_forward_ref(
         if num_decodes > 0:
             _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
     if kernel_seqs < md.num_seqs:
-        qsl = md.query_start_loc_cpu
-        _prefill_from_lists(
-            query,
-            k_cache,
-            v_cache,
-            md.block_tables[num_decodes:],
-            qsl[num_decodes:],
-            md.seq_lens_cpu[num_decodes:],
-            scale,
-            out,
-            k_scale,
-            v_scale,
-            sliding_window,
-        )
+        prefill_ref(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
     return out
 
 

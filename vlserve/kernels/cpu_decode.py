@@ -165,8 +165,9 @@ def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: in
                 max_query_len: int = MAX_KERNEL_QUERY_LEN) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
     """The query rows `attention_step_cpu` takes in a step: `(num_rows, row_seqs, row_lens)`. The decodes always;
     the prefill chunks too when none is longer than `max_query_len` (token i of a chunk of q over a context of L
-    attends to positions 0 .. L - q + i), with row_seqs/row_lens to say so. Without prefill rows both are None (the
-    caller passes seq_lens). ValueError when a chunk is longer than its context."""
+    attends to positions 0 .. L - q + i), with row_seqs/row_lens to say so (max_query_len 0: the decodes only, as for
+    a step with key limits). Without prefill rows both are None (the caller passes seq_lens). ValueError when a chunk
+    is longer than its context."""
     chunks = [(query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]) for b in range(num_decodes, len(seq_lens))]
     for b, (q_len, seq_len) in enumerate(chunks, start=num_decodes):
         if q_len > seq_len:

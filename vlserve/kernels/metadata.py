@@ -14,6 +14,8 @@ class AttentionMetadata:
     The runner orders sequences so that the first `num_decodes` have exactly one query token
     (pure decode); their tokens are the first `num_decode_tokens == num_decodes` tokens.
     The remaining sequences are prefill chunks (one or more query tokens over a cached prefix).
+    With `key_limits`, a query at position q with limit h attends key k iff k <= h (and, with a sliding window W,
+    k > q - W: the window counts back from q itself), as HF's Gemma 3 masks do for its image tokens.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset); -1 = padding, skip
@@ -26,6 +28,13 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # same as query_start_loc, as Python ints (no device sync needed)
     seq_lens_cpu: list[int]  # same as seq_lens, as Python ints
     workspace: torch.Tensor | None = None  # flat scratch for the torch decode path, owned by the runner
+    # [T] int64 on the step's device: the highest key position each query token may attend (its own position, or the
+    # last position of the bidirectional image run it belongs to); None: causal. Positions are absolute (query i of a
+    # sequence sits at seq_len - q_len + i); each limit is < its sequence's seq_len, and a decode's is its own position
+    key_limits: torch.Tensor | None = None
+    # per decoder layer, the metadata of its KV cache group (its own slot_mapping and block_tables; the rest the
+    # same), when the model keeps several groups (core/kv_cache_groups.py); None: every layer reads this one
+    layer_views: list[AttentionMetadata] | None = field(default=None, repr=False, compare=False)
     # what the kernels derive from this step once and reuse in every layer (gather plans, int64 slots)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -35,6 +44,16 @@ class AttentionMetadata:
         if value is None:
             value = self.derived[key] = build()
         return value
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata decoder layer `layer_idx` attends with (its KV cache group's view, else this)."""
+        return self if self.layer_views is None else self.layer_views[layer_idx]
+
+    def set_key_limits(self, key_limits: torch.Tensor | None) -> None:
+        """Set `key_limits` here and on every group view."""
+        self.key_limits = key_limits
+        for view in self.layer_views or ():
+            view.key_limits = key_limits
 
     @property
     def num_decode_tokens(self) -> int:

@@ -5,6 +5,10 @@ The decode kernel gives one program a whole GQA group (the Hq/Hkv query heads th
 tile is loaded once per group. With a sliding window W a sequence's splits cover only its last W positions
 (`window`: the keys below are never loaded). FP8 caches: tiles are dequantized as they are loaded
 (`triton_paged.load_kv_tile`).
+
+Key limits (`md.key_limits`, Gemma 3's bidirectional image tokens): when a prefill token of the step may attend past
+its own position, `attention_forward_triton` runs the step's prefill sequences through the torch reference path
+(`attention_ref.prefill_ref`, on the GPU) instead of `triton_prefill`; the decodes stay on the decode kernel.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vlserve.kernels.attention_ref import prefill_ref
+from vlserve.kernels.key_limits import bidirectional_prefills
 from vlserve.kernels.kv_quant import is_fp8
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.triton_kv_write import write_kv_cache_triton
@@ -205,7 +211,8 @@ def attention_forward_triton(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then decode the first md.num_decodes sequences and prefill the rest
-    (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions)."""
+    (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions;
+    md.key_limits: the prefill sequences go through the torch path, see the module docstring)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
     write_kv_cache_triton(key, value, k_cache, v_cache, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(query)
@@ -219,7 +226,10 @@ def attention_forward_triton(
             scale, max_seq_len=max(md.seq_lens_cpu[:num_decodes]), out=out[:num_decodes], k_scale=k_scale,
             v_scale=v_scale, sliding_window=sliding_window,
         )
-    if num_decodes < md.num_seqs:
+    if num_decodes < md.num_seqs and md.key_limits is not None and bidirectional_prefills(md):
+        # the GPU fallback for bidirectional tokens: no Triton kernel takes key limits
+        prefill_ref(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
+    elif num_decodes < md.num_seqs:
         # decode tokens come first, so the prefill sequences' query offsets are shifted by num_decodes
         qsl = md.query_start_loc[num_decodes:]
         qsl_cpu = md.query_start_loc_cpu[num_decodes:]
