@@ -25,6 +25,8 @@ class SchedulerConfig:
     max_waiting_requests: int | None = None
     # never end a step inside a media item's placeholder run (models whose image tokens attend both ways: Gemma 3)
     disable_chunked_mm_input: bool = False
+    # the sliding window of each KV cache group (core/kv_cache_groups.py; None: full attention)
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",

@@ -59,15 +59,15 @@ def test_decode_fast_path_still_registers_a_block_filled_without_a_new_one():
     """With lookahead the last block is allocated early; it must be registered for reuse the step it fills."""
     kv = KVCacheManager(num_blocks=8, block_size=4)
     req = Request(EngineCoreRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), 0.0), 8)
-    assert len(kv.allocate_slots(req, 5, num_lookahead_tokens=3)) == 2  # 8 slots: 2 blocks
+    assert len(kv.allocate_slots(req, 5, num_lookahead_tokens=3)[0]) == 2  # 8 slots: 2 blocks
     req.num_computed_tokens = 5
     for tok in (6, 7, 8):  # decode steps: each fits in the 2 blocks
         req.append_output_token_ids([tok])
-        assert kv.allocate_slots(req, 1) == []
+        assert kv.allocate_slots(req, 1) == ()
         req.num_computed_tokens += 1
-    assert len(kv.get_block_ids("a")) == 2
+    assert len(kv.get_block_ids("a")[0]) == 2
     # tokens 1..8 are written: both blocks are registered, so a request continuing them hits all 8 tokens
     twin = Request(EngineCoreRequest("b", [1, 2, 3, 4, 5, 6, 7, 8, 99], SamplingParams(max_tokens=8), 0.0), 8)
     hits, n = kv.get_computed_blocks(twin)
-    assert n == 8 and [b.block_id for b in hits] == kv.get_block_ids("a")
+    assert n == 8 and [b.block_id for b in hits[0]] == kv.get_block_ids("a")[0]
     kv.check_integrity()

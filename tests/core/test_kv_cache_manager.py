@@ -28,10 +28,10 @@ def test_allocate_grows_block_table_and_refuses_when_full():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     req = make_req("a", range(10))
     assert kv.allocate_slots(req, 10) is not None
-    assert len(kv.get_block_ids("a")) == 3
+    assert len(kv.get_block_ids("a")[0]) == 3
     req.num_computed_tokens = 10
     assert kv.allocate_slots(req, 3) is not None  # 13 tokens -> 4 blocks
-    assert len(kv.get_block_ids("a")) == 4
+    assert len(kv.get_block_ids("a")[0]) == 4
     other = make_req("b", range(100, 105))
     assert kv.allocate_slots(other, 5) is None  # nothing left; state unchanged
     assert "b" not in kv.req_to_blocks
@@ -44,13 +44,13 @@ def test_allocate_grows_block_table_and_refuses_when_full():
 def test_prefix_hit_shares_blocks_and_counts():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     a = make_req("a", range(10))
-    assert kv.get_computed_blocks(a) == ([], 0)
+    assert kv.get_computed_blocks(a) == (None, 0)
     kv.allocate_slots(a, 10)
     b = make_req("b", list(range(8)) + [99, 98, 97])
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [h.block_id for h in hits] == kv.get_block_ids("a")[:2]
+    assert n == 8 and [h.block_id for h in hits[0]] == kv.get_block_ids("a")[0][:2]
     kv.allocate_slots(b, 3, hits)
-    assert kv.pool.blocks[hits[0].block_id].ref_cnt == 2
+    assert kv.pool.blocks[hits[0][0].block_id].ref_cnt == 2
     assert kv.prefix_hits == 8 and kv.prefix_queries == 21
     kv.check_integrity()
     kv.free(a)
@@ -102,4 +102,4 @@ def test_disabled_caching_never_hits():
     kv = KVCacheManager(num_blocks=8, block_size=2, enable_caching=False)
     a = make_req("a", range(6))
     kv.allocate_slots(a, 6)
-    assert kv.get_computed_blocks(make_req("b", range(6))) == ([], 0)
+    assert kv.get_computed_blocks(make_req("b", range(6))) == (None, 0)

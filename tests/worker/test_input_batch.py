@@ -40,23 +40,23 @@ def test_block_table_growth_preemption_and_spec_tokens():
     # Tiny starting sizes so rows, block-table width and token buffers all have to grow.
     batch = InputBatch(bs, torch.device("cpu"), max_num_tokens=4, max_num_reqs=1, max_blocks_per_req=1)
     lists = {"a": [7, 3], "b": [9]}
-    batch.add_request("a", lists["a"])
-    batch.add_request("b", lists["b"])
+    batch.add_request("a", (lists["a"],))
+    batch.add_request("b", (lists["b"],))
     _check(batch, ["a", "b"], lists, [[11, 12, 13, 14, 15], [21, 22, 23]], [0, 0])  # two prefills
     # decode of a; b's chunk reaches into a new block, then carries two draft tokens past its known ones
-    batch.append_blocks("b", [5])
+    batch.append_blocks("b", ([5],))
     lists["b"].append(5)
     _check(batch, ["a", "b"], lists, [[16], [24, 25, 90, 91]], [5, 3])
     # b is preempted (row freed) and comes back with other blocks; a third request takes a row meanwhile
     batch.remove_request("b")
     lists["c"] = [2, 4, 6]
-    batch.add_request("c", lists["c"])
+    batch.add_request("c", (lists["c"],))
     lists["b"] = [8, 1]
-    batch.add_request("b", lists["b"])
-    batch.append_blocks("a", [0, 10])
+    batch.add_request("b", (lists["b"],))
+    batch.append_blocks("a", ([0, 10],))
     lists["a"] += [0, 10]
     _check(batch, ["a", "c", "b"], lists, [[17], [31] * 9, [21, 22, 23, 24, 25]], [9, 0, 0])
-    assert batch.block_ids("a") == [7, 3, 0, 10] and batch.block_ids("b") == [8, 1]
+    assert batch.block_ids("a") == ([7, 3, 0, 10],) and batch.block_ids("b") == ([8, 1],)
     batch.remove_request("a")
     batch.remove_request("missing")  # finished ids the runner never saw are ignored
     _check(batch, ["c", "b"], lists, [[32], [26]], [9, 5])  # the step table is re-gathered: stale rows gone

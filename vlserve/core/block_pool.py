@@ -23,18 +23,29 @@ class BlockPool:
     """Owns every block. Free blocks sit in an LRU queue (oldest first); a free block keeps its hash, so a later
     request can revive it as a prefix hit until it is handed out again (lazy eviction)."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least 1 block, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False):
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"the KV cache needs at least {1 + reserve_null_block} blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block holding those tokens
+        # Block 0 as a placeholder in block tables where a sliding window dropped a block: never handed out, never
+        # written, never freed (None when no group drops blocks).
+        self.null_block: KVBlock | None = None
+        if reserve_null_block:
+            self.null_block = self._free.pop(0)
+            self.null_block.ref_cnt = 1
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (all but the null block)."""
+        return self.num_blocks - (self.null_block is not None)
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
@@ -87,7 +98,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -17,7 +17,7 @@ class NewRequestData:
     output_token_ids: list[int]  # non-empty when resumed after preemption
     sampling_params: SamplingParams
     mm_features: list[MultiModalFeature]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group
     num_computed_tokens: int
 
 
@@ -26,7 +26,7 @@ class CachedRequestData:
     """A request the runner already tracks: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per KV cache group; () when the step adds none
     num_computed_tokens: int
 
 

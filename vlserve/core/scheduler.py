@@ -29,7 +29,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
         self.config = config
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.kv_group_windows)
+        self.max_kv_tokens = self.kv.max_request_tokens(config.max_num_batched_tokens)  # one request, alone
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.encoder_budget = config.encoder_compute_budget  # embeddings encoded per step
         self.requests: dict[str, Request] = {}
@@ -52,7 +54,7 @@ class Scheduler:
         if n_prompt >= cfg.max_model_len:
             raise ValueError(f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
                              f"the prompt or raise max_model_len (one position must stay free for output)")
-        max_kv_tokens = self.kv.num_blocks * cfg.block_size
+        max_kv_tokens = self.max_kv_tokens
         if n_prompt + 1 > max_kv_tokens:
             raise ValueError(f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
                              f"raise num_kv_blocks or kv_cache_memory_bytes")
@@ -160,7 +162,7 @@ class Scheduler:
             if grammar_error(req) is not None:
                 self._abort_failed_grammar(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit = [], 0
+            computed_blocks, num_hit = None, 0
             if req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, token_budget)
@@ -359,7 +361,7 @@ class Scheduler:
         self.encoder_cache.check_integrity()
         if not self.has_unfinished_requests():
             assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
-            assert self.kv.pool.num_free_blocks == self.kv.num_blocks, "KV blocks leaked"
+            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
             assert not self.encoder_cache.req_to_hashes, (
                 f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")
 

@@ -11,10 +11,12 @@ import torch
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
 from vlserve.core.encoder_budget import EncoderBudget
 from vlserve.core.grammar_sync import bitmask_rows
+from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.registry import get_model_class
 from vlserve.spec_decode import SpeculativeConfig
 from vlserve.spec_decode.config import fill_default_draft
@@ -51,7 +53,8 @@ class EngineCore:
             encoder_cache_size=enc_size, encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests,
-            disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False))
+            disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False),
+            kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request

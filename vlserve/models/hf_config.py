@@ -151,3 +151,9 @@ def sliding_window_of(text_config, layer_idx: int) -> int | None:
     if max_window_layers is not None and getattr(text_config, "model_type", None) != "mistral":
         return int(window) if layer_idx >= max_window_layers else None
     return int(window)
+
+
+def layer_windows_of(text_config) -> list[int | None]:
+    """Every decoder layer's sliding window (`sliding_window_of`), in layer order: what the KV cache groups of
+    core/kv_cache_groups.py are made from."""
+    return [sliding_window_of(text_config, i) for i in range(text_config.num_hidden_layers)]

@@ -204,7 +204,8 @@ class LlamaDecoderModel(nn.Module):
             if i in want:
                 kept[i] = hidden if residual is None else hidden + residual
             kv_cache = kv_caches[i] if kv_caches is not None else None  # None when compiled (see DecoderAttention)
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+            layer_md = attn_metadata.for_layer(i) if attn_metadata is not None else None  # its KV group's view
+            hidden, residual = layer(positions, hidden, residual, kv_cache, layer_md)
             if i < len(additions):  # the block output, then the addition (HF's order of the two sums)
                 hidden, residual = (residual + hidden) + additions[i], None
         hidden, stream = self.norm(hidden, residual) if residual is not None else (self.norm(hidden), hidden)

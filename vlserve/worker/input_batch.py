@@ -65,46 +65,54 @@ class _HostDeviceBuffer:
 
 
 class InputBatch:
-    """Persistent block tables per request and the per-step input buffers of a ModelRunner."""
+    """Persistent block tables per request (one per KV cache group) and the per-step input buffers of a
+    ModelRunner. `layer_groups[l]`: decoder layer l's KV cache group (None: a single group)."""
 
     def __init__(self, block_size: int, device: torch.device, max_num_tokens: int = 2048,
-                 max_num_reqs: int = 64, max_blocks_per_req: int = 32):
+                 max_num_reqs: int = 64, max_blocks_per_req: int = 32,
+                 layer_groups: tuple[int, ...] | None = None):
         self.block_size = block_size
         self.device = device
-        self.rows: dict[str, int] = {}  # req_id -> row of the persistent block table
+        self.layer_groups = layer_groups
+        self.num_groups = 1 if layer_groups is None else max(layer_groups) + 1
+        G = self.num_groups
+        self.rows: dict[str, int] = {}  # req_id -> row of the persistent block tables
         self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)  # [R, W]
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # [R]
+        self.block_table = np.zeros((G, max_num_reqs, max_blocks_per_req), dtype=np.int32)  # [G, R, W]
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # [R] (every group holds as many)
         self.input_ids = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
         self.positions = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
-        self.slot_mapping = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
         self.query_start_loc = _HostDeviceBuffer(max_num_reqs + 1, torch.int32, device)
         self.seq_lens = _HostDeviceBuffer(max_num_reqs, torch.int32, device)
-        self.step_block_table = _HostDeviceBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
+        # per group: the step's slot mapping and block table
+        self.slot_mappings = [_HostDeviceBuffer(max_num_tokens, torch.int64, device) for _ in range(G)]
+        self.step_block_tables = [_HostDeviceBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
+                                  for _ in range(G)]
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
 
     # -- block tables ------------------------------------------------------------------------------------------
-    def add_request(self, req_id: str, block_ids: list[int]) -> None:
-        """Start (or restart, after preemption) a request's block-table row."""
+    def add_request(self, req_id: str, block_ids: tuple[list[int], ...]) -> None:
+        """Start (or restart, after preemption) a request's block-table rows (`block_ids`: one list per group)."""
         self.remove_request(req_id)
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
         self.rows[req_id] = row
-        self.block_table[row] = 0
+        self.block_table[:, row] = 0
         self.num_blocks[row] = 0
         self.append_blocks(req_id, block_ids)
 
-    def append_blocks(self, req_id: str, new_block_ids: list[int]) -> None:
-        """Append the step's new block ids to the request's row."""
-        if not new_block_ids:
+    def append_blocks(self, req_id: str, new_block_ids: tuple[list[int], ...]) -> None:
+        """Append the step's new block ids (one list per group, all as long; `()`: none) to the request's rows."""
+        if not new_block_ids or not new_block_ids[0]:
             return
         row = self.rows[req_id]
-        n, k = int(self.num_blocks[row]), len(new_block_ids)
-        if n + k > self.block_table.shape[1]:
-            width = max(n + k, 2 * self.block_table.shape[1])
-            self.block_table = np.pad(self.block_table, ((0, 0), (0, width - self.block_table.shape[1])))
-        self.block_table[row, n:n + k] = new_block_ids
+        n, k = int(self.num_blocks[row]), len(new_block_ids[0])
+        if n + k > self.block_table.shape[2]:
+            width = max(n + k, 2 * self.block_table.shape[2])
+            self.block_table = np.pad(self.block_table, ((0, 0), (0, 0), (0, width - self.block_table.shape[2])))
+        for g, ids in enumerate(new_block_ids):
+            self.block_table[g, row, n:n + k] = ids
         self.num_blocks[row] = n + k
 
     def remove_request(self, req_id: str) -> None:
@@ -112,14 +120,14 @@ class InputBatch:
         if row is not None:
             self.free_rows.append(row)
 
-    def block_ids(self, req_id: str) -> list[int]:
-        """The request's block ids, as the scheduler allocated them."""
+    def block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group, as the scheduler allocated them."""
         row = self.rows[req_id]
-        return self.block_table[row, : self.num_blocks[row]].tolist()
+        return tuple(self.block_table[g, row, : self.num_blocks[row]].tolist() for g in range(self.num_groups))
 
     def _grow_rows(self) -> None:
-        old = self.block_table.shape[0]
-        self.block_table = np.pad(self.block_table, ((0, old), (0, 0)))
+        old = self.block_table.shape[1]
+        self.block_table = np.pad(self.block_table, ((0, 0), (0, old), (0, 0)))
         self.num_blocks = np.pad(self.num_blocks, (0, old))
         self.free_rows.extend(range(2 * old - 1, old - 1, -1))
 
@@ -135,7 +143,7 @@ class InputBatch:
         T = int(cu[-1])
         if T > self._arange.shape[0]:
             self._arange = np.arange(max(T, 2 * self._arange.shape[0]), dtype=np.int64)
-        for buf in (self.input_ids, self.positions, self.slot_mapping):
+        for buf in (self.input_ids, self.positions, *self.slot_mappings):
             buf.ensure(T)
         for buf in (self.query_start_loc, self.seq_lens):
             buf.ensure(B + 1)
@@ -146,29 +154,39 @@ class InputBatch:
         req_index = np.repeat(np.arange(B), q_lens)  # [T]
         positions = self.positions.np[:T]
         np.add(self._arange[:T] - cu[:-1][req_index], starts[req_index], out=positions)
-
-        rows = np.fromiter((self.rows[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
-        M = max(int(self.num_blocks[rows].max()), 1)
-        self.step_block_table.ensure(B * M)
-        table = self.step_block_table.np[: B * M].reshape(B, M)  # [B, M]
-        np.take(self.block_table[:, :M], rows, axis=0, out=table)
-        bs = self.block_size
-        slots = self.slot_mapping.np[:T]
-        np.multiply(table[req_index, positions // bs], bs, out=slots)
-        slots += positions % bs
         self.query_start_loc.np[: B + 1] = cu
         self.seq_lens.np[:B] = seq_lens
 
-        md = AttentionMetadata(
-            slot_mapping=self.slot_mapping.to_device(T),
-            query_start_loc=self.query_start_loc.to_device(B + 1),
-            seq_lens=self.seq_lens.to_device(B),
-            block_tables=self.step_block_table.to_device(B * M, (B, M)),
-            num_decodes=int(np.count_nonzero(q_lens == 1)), max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            workspace=workspace)
+        rows = np.fromiter((self.rows[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
+        M = max(int(self.num_blocks[rows].max()), 1)
+        shared = dict(query_start_loc=self.query_start_loc.to_device(B + 1), seq_lens=self.seq_lens.to_device(B),
+                      num_decodes=int(np.count_nonzero(q_lens == 1)), max_query_len=int(q_lens.max()),
+                      max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(),
+                      seq_lens_cpu=seq_lens.tolist(), workspace=workspace)
+        views = []
+        for g in range(self.num_groups):
+            slots, block_tables = self._group_slots(g, rows, M, req_index, positions)
+            views.append(AttentionMetadata(slot_mapping=slots, block_tables=block_tables, **shared))
+        md = views[0]  # group 0's: the draft's too
+        if self.layer_groups is not None:
+            md.layer_views = [views[g] for g in self.layer_groups]
         return StepInputs(req_ids=req_ids, q_lens=q_lens, starts=starts, seq_lens=seq_lens, cu=cu,
                           positions_np=positions, input_ids=self.input_ids.to_device(T), attn_metadata=md)
+
+    def _group_slots(self, g: int, rows: np.ndarray, M: int, req_index: np.ndarray,
+                     positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group g's step block table `[B, M]` and slot mapping `[T]` (flat KV slots), on the device."""
+        B, T = rows.shape[0], positions.shape[0]
+        buf = self.step_block_tables[g]
+        buf.ensure(B * M)
+        table = buf.np[: B * M].reshape(B, M)  # [B, M]
+        np.take(self.block_table[g, :, :M], rows, axis=0, out=table)
+        bs = self.block_size
+        slot_buf = self.slot_mappings[g]
+        slots = slot_buf.np[:T]
+        np.multiply(table[req_index, positions // bs], bs, out=slots)
+        slots += positions % bs
+        return slot_buf.to_device(T), buf.to_device(B * M, (B, M))
 
     def positions_on_device(self, num_tokens: int) -> torch.Tensor:
         """The step's [T] positions on the device (one copy off CPU)."""

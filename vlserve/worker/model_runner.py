@@ -8,15 +8,18 @@ import numpy as np
 import torch
 
 from vlserve import kernels
+from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
+from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.llama import decoder_of, kv_cache_spec
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
+from vlserve.worker.bidirectional import step_key_limits, token_runs
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
 from vlserve.worker.compiled_forward import ModelForward
 from vlserve.worker.input_batch import InputBatch
@@ -59,8 +62,14 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = self.text_config.vocab_size
         self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
+        # runs of this token attend to themselves both ways in prefill (Gemma 3's image tokens), else None
+        self.bidirectional_token_id: int | None = getattr(model, "bidirectional_token_id", None)
         self.step_sampler = StepSampler()
-        self.input_batch = InputBatch(block_size, device)
+        # full and sliding-window layers in KV cache groups (core/kv_cache_groups.py): one group for most models
+        self.kv_groups = group_layers(layer_windows_of(text_config_of(hf_config)))
+        num_layers = self.kv_groups.num_layers
+        self.input_batch = InputBatch(block_size, device, layer_groups=None if self.kv_groups.num_groups == 1 else
+                                      tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)))
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -93,22 +102,25 @@ class ModelRunner:
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def bytes_per_block(self) -> int:
-        """KV bytes one block id costs: every target layer at the KV cache dtype's size (an FP8 cache half of bf16's),
-        plus the draft's own layer (same block ids)."""
+        """KV bytes one block id costs: a page of every slot (every layer, unless the model keeps several KV cache
+        groups) at the KV cache dtype's size (an FP8 cache half of bf16's), plus the draft's own layer (same block
+        ids)."""
         _, bs, h, d = self.kv_cache_shape(1)
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        per_block = 2 * self.text_config.num_hidden_layers * bs * h * d * elem
+        per_block = 2 * self.kv_groups.num_slots * bs * h * d * elem
         if self.draft_kv_spec is not None:
             per_block += self.draft_kv_spec.bytes_per_block()
         return per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed K and V caches for every layer: [NB, BS, Hkv, D] each in the KV cache dtype (and the
-        draft's, if any)."""
+        """Allocate zeroed K and V caches for every slot: [NB, BS, Hkv, D] each in the KV cache dtype (and the
+        draft's, if any); layer l uses its slot's pair (every layer its own, unless the model keeps KV groups)."""
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-                          for _ in range(self.text_config.num_hidden_layers)]
+        slots = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
+                 for _ in range(self.kv_groups.num_slots)]
+        groups = self.kv_groups
+        self.kv_caches = [slots[groups.slot_of(layer)] for layer in range(groups.num_layers)]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
         self.forward.graph_runner = None  # graphs point at the old caches; `warm_up_model` captures anew
@@ -140,7 +152,8 @@ class ModelRunner:
         and restored); return its peak extra memory in bytes."""
         saved, saved_draft, saved_ws = self.kv_caches, self.draft_kv_cache, self.attn_workspace
         num_blocks = cdiv(num_tokens, self.block_size)
-        self.initialize_kv_cache(num_blocks)
+        num_groups = self.kv_groups.num_groups
+        self.initialize_kv_cache(num_blocks * num_groups)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -149,7 +162,7 @@ class ModelRunner:
         else:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
-                               list(range(num_blocks)), 0)
+                               tuple(list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(num_groups)), 0)
         with self.forward.eager():  # no compile here: its memory would count as activations
             self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
             self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
@@ -184,8 +197,9 @@ class ModelRunner:
                 self.forward(ids, positions, self.kv_caches, md)
 
         self.forward.timed_warm_up(dummy_steps)
-        self.forward.capture_cuda_graphs(self.kv_caches, max_num_seqs, max_model_len, self.block_size,
-                                         mrope=self.mrope_positions_fn is not None)
+        if self.kv_groups.num_groups == 1:  # a graph replays one block table for every layer
+            self.forward.capture_cuda_graphs(self.kv_caches, max_num_seqs, max_model_len, self.block_size,
+                                             mrope=self.mrope_positions_fn is not None)
 
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -202,18 +216,20 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
                 generator=make_generator(params.seed, self.device) if params.seed is not None else None,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                block_ids=list(new.block_ids[0]), num_computed_tokens=new.num_computed_tokens,
                 mm_features=new.mm_features)
             if self.mrope_positions_fn is not None:
                 state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(
                     new.prompt_token_ids, new.mm_features)
+            if self.bidirectional_token_id is not None:
+                state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
             self.input_batch.add_request(new.req_id, new.block_ids)
         requests = self.requests
         for cached in so.scheduled_cached_reqs:
             state = requests[cached.req_id]
             if cached.new_block_ids:  # most decode steps add none
-                state.block_ids.extend(cached.new_block_ids)
+                state.block_ids.extend(cached.new_block_ids[0])
                 self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -269,6 +285,9 @@ class ModelRunner:
         step = self.input_batch.prepare(req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts,
                                         self.attn_workspace)
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
+        if self.bidirectional_token_id is not None:
+            limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, input_ids.shape[0], self.device)
+            md.set_key_limits(limits)
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
 

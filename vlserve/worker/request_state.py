@@ -18,11 +18,12 @@ class CachedRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_ids: list[int]  # KV cache group 0's (the full-attention group; the draft reads it)
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64, M-RoPE models only
     mrope_delta: int = 0  # text position after the prompt = index + mrope_delta
+    key_runs: list[tuple[int, int]] = field(default_factory=list)  # bidirectional image runs (first, last), if any
 
     @property
     def prompt_token_ids(self) -> list[int]:
