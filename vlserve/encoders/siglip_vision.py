@@ -1,7 +1,9 @@
 """The SigLIP vision tower on vlserve's kernels, as LLaVA uses it: no class token, patch conv with a bias, learned
 positions, the shared ViT encoder (clip_vision.py), post_layernorm loaded but unused for hidden-state features.
 
-`SiglipVisionTower(cfg)(pixels [N, C, S, S], feature_layers)` -> `[N, (S / patch)**2, E * len(feature_layers)]`.
+`SiglipVisionTower(cfg)(pixels [N, C, S, S], feature_layers)` -> `[N, (S / patch)**2, E * len(feature_layers)]`;
+`last_hidden_state(pixels)` -> `[N, (S / patch)**2, E]`, the last layer's output through post_layernorm (HF's
+`SiglipVisionModel(...).last_hidden_state`, what Gemma 3 reads).
 The attention-pooling `head.*` weights of checkpoints that have one are skipped: LLaVA reads hidden states only.
 """
 from __future__ import annotations
@@ -48,3 +50,7 @@ class SiglipVisionTower(ClipVisionTower):
         self.check_pixels(pixels)
         x = self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device))
         return self.encoder(x, self.tokens_per_tile, feature_layers)
+
+    def last_hidden_state(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`pixels [N, C, S, S]` -> the last layer's output after post_layernorm `[N, (S/p)**2, E]`."""
+        return self.post_layernorm(self(pixels, [self.cfg.depth]))

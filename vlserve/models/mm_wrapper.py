@@ -45,6 +45,8 @@ class MultiModalLM(DecoderWithLMHead):
     delegated_parts: tuple[str, ...] = ()
     # Checkpoint names ending so carry nothing we need (RoPE buffers older checkpoints saved).
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # The decoder `build_language_model` makes (Gemma 3: its own text decoder, a LlamaDecoderModel subclass).
+    decoder_cls: type[LlamaDecoderModel] = LlamaDecoderModel
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -53,7 +55,7 @@ class MultiModalLM(DecoderWithLMHead):
 
     def build_language_model(self, **decoder_kwargs) -> None:
         """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""
-        self.language_model = LlamaDecoderModel(self.text_config, **decoder_kwargs)
+        self.language_model = self.decoder_cls(self.text_config, **decoder_kwargs)
         self.lm_head = ParallelLMHead(self.text_config.hidden_size, self.text_config.vocab_size)
         self.tie_weights()
 

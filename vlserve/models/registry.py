@@ -25,6 +25,7 @@ _REGISTRY: dict[str, type | str] = {
     "LlavaNextForConditionalGeneration": "vlserve.models.llava_next:LlavaNextForConditionalGeneration",
     "InternVLForConditionalGeneration": "vlserve.models.internvl:InternVLForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "vlserve.models.mistral3:Mistral3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "vlserve.models.gemma3_mm:Gemma3ForConditionalGeneration",
 }
 
 

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
+from vlserve.multimodal.gemma3_items import gemma3_items_for
 from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.llava_items import image_items_for
@@ -113,7 +114,9 @@ class MultiModalProcessor:
             AudioItemProcessor(extractor, max_audio_seconds)
         # A family's own per-image processing (tiling, placeholder counts: PerceptionLM, LLaVA-1.5 / NeXT);
         # None = Qwen2-VL's grid rules below.
-        self.family = family_items(hf_processor) or image_items_for(hf_processor)
+        self.family = family_items(hf_processor) or image_items_for(hf_processor) or gemma3_items_for(hf_processor)
+        if hasattr(self.family, "placeholder_token_id"):  # Gemma 3's `<start_of_image>`, whatever HF's names
+            self.image_token_id = self.family.placeholder_token_id
         if self.video_token_id is None:  # InternVLProcessor names its `<video>` token only as text
             self.video_token_id = getattr(self.family, "video_token_id", None)
         # Qwen3-VL: a video becomes per-frame placeholder runs with timestamp text between them (qwen3_vl_video)
@@ -328,6 +331,8 @@ class MultiModalProcessor:
         for pos, audio in zip(aud_pos, audios):
             items.append((pos, "audio", *self.process_audio(audio)))
         items.sort(key=lambda it: it[0])
+        if hasattr(self.family, "expand_prompt"):  # Gemma 3: the text next to each image is tokenized anew
+            return self.family.expand_prompt(ids, items)
 
         new_ids: list[int] = []
         features: list[MultiModalFeature] = []
