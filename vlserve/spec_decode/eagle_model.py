@@ -129,6 +129,11 @@ class EagleConfig:
     def layer_config(self, target_text_config):
         """A config object for RotaryEmbedding/GatedMLP: the target's rope settings with the draft's sizes."""
         cfg = copy.copy(target_text_config)
+        per_type = getattr(cfg, "rope_parameters", None)
+        if isinstance(per_type, dict) and isinstance(per_type.get("full_attention"), dict):
+            # RoPE per layer type (Gemma 3 on transformers 5.x): the draft attends the whole context, so it takes
+            # the full-attention layers' RoPE, as 4.x configs give it
+            cfg.rope_parameters = dict(per_type["full_attention"])
         for k in ("rope_theta", "rope_scaling", "max_position_embeddings"):
             if k in self.extra:
                 setattr(cfg, k, self.extra[k])
