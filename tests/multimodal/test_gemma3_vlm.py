@@ -280,6 +280,10 @@ def test_prefix_caching_and_encoder_cache(g3_dir, oracle, expected):
     assert first == again == [e[1] for e in expected[1:4]]
     m = llm.get_metrics()
     assert m["vlserve:prefix_cache_hits_total"] > 0 and m["vlserve:encoder_runs_total"] == runs == 3
+    img = _img((60, 90), seed=11)
+    outs = llm.generate([oracle.text(1, f"Question {i}?") for i in range(6)], _greedy(3), images=[[img]] * 6,
+                        use_tqdm=False)
+    assert len(outs) == 6 and llm.get_metrics()["vlserve:encoder_runs_total"] == 4  # the same image: once
     llm.check_integrity()
 
 
