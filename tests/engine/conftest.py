@@ -25,19 +25,10 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 
     Runs on the device `LLM(device="auto")` picks (cuda when present), so both sides do the same math.
     """
-    from transformers import AutoModelForCausalLM
+    from vlserve.testing.hf_generate import hf_greedy_continuations
 
-    from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                                     max_new_tokens)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_continuations(model_dir, prompts, max_new_tokens,
+                                   "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def varied_prompts(vocab_size: int, lengths=(1, 3, 17, 40, 95, 160), seed: int = 0) -> list[list[int]]:

@@ -13,7 +13,7 @@ import torch
 
 from vlserve import LLM, SamplingParams
 from vlserve.testing.gemma3_checkpoints import build_gemma3_text_checkpoint
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+from vlserve.testing.hf_generate import hf_greedy_continuations
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -35,15 +35,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def hf_greedy(model_dir, prompts):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, MAX_NEW)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_continuations(model_dir, prompts, MAX_NEW, attn_implementation="eager")
 
 
 def _generate(llm: LLM, prompts) -> list[list[int]]:

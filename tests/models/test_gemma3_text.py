@@ -17,7 +17,7 @@ from vlserve.models.gemma3 import GemmaRMSNorm, ScaledEmbedding
 from vlserve.models.hf_config import layer_type_rope_params_of, rope_params_of, sliding_window_of
 from vlserve.models.layers import RMSNorm
 from vlserve.testing.gemma3_checkpoints import build_gemma3_text_checkpoint
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+from vlserve.testing.hf_generate import hf_greedy_continuations
 from vlserve.testing.paged_runner import PagedRunner
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
@@ -40,13 +40,7 @@ def prompts():
 @pytest.fixture(scope="module")
 def hf_greedy(model_dir, prompts):
     """HF's greedy continuations of the prompts."""
-    model = _hf_model(model_dir)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, MAX_NEW)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_continuations(model_dir, prompts, MAX_NEW, attn_implementation="eager")
 
 
 def _hf_model(model_dir: str):

@@ -12,7 +12,7 @@ import torch
 
 from vlserve import LLM, SamplingParams
 from vlserve.models.hf_config import sliding_window_of
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+from vlserve.testing.hf_generate import hf_greedy_continuations
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -69,15 +69,7 @@ def _without_window(model_dir: str, out_dir: str) -> str:
 
 
 def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, MAX_NEW)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_continuations(model_dir, prompts, MAX_NEW, attn_implementation="eager")
 
 
 def _vlserve_greedy(model_dir: str, prompts: list[list[int]], **kwargs) -> list[list[int]]:

@@ -22,6 +22,23 @@ def hf_greedy_ignoring_eos(model, inputs: dict, max_new_tokens: int) -> torch.Te
     return out
 
 
+def hf_greedy_continuations(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+                            device: torch.device | str = "cpu", attn_implementation: str | None = None
+                            ) -> list[list[int]]:
+    """HF's greedy continuations (EOS ignored) of token-id prompts, one at a time, by a float32
+    AutoModelForCausalLM of the text checkpoint at `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval().to(device)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                     max_new_tokens)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
 
 def transformers_major() -> int:
     """The installed transformers' major version (tests compare with HF behaviour that changed between 4.x and 5.x)."""
