@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from vlserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from vlserve.config import EngineArgs
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.input_processor import ProcessedPrompt
@@ -75,6 +76,52 @@ class LLM:
                      for c in conversations]
         return self._run(processed, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False,
+                    images: list | None = None, videos: list | None = None, audios: list | None = None,
+                    mm_processor_kwargs: dict | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: per prompt (a string, token ids, a {"prompt", "multi_modal_data"} dict, or an
+        OpenAI-format conversation: a list of message dicts), the `params.beam_width` best beams, best first, each
+        with its tokens (prompt + generated), text and cumulative logprob (vlserve.beam_search)."""
+        if _one_prompt(prompts):
+            prompts = [prompts]
+        processed = []
+        for i, p in enumerate(prompts):
+            if _is_conversation(p):
+                processed.append(self.input_processor.process_chat(p, mm_processor_kwargs))
+            else:
+                processed.append(self.input_processor.process_prompt(
+                    p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
+                    mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i]))
+        max_len = self.engine.max_model_len
+        for proc in processed:
+            if len(proc.prompt_token_ids) + params.max_tokens > max_len:
+                raise ValueError(f"a prompt of {len(proc.prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
+                                 f"exceeds max_model_len={max_len}")
+        eos = tuple(self.engine.loaded.eos_token_ids)
+        searches = [BeamSearch(proc.prompt_token_ids, params, eos) for proc in processed]
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while not all(s.done for s in searches):
+                live = [(s, proc) for s, proc in zip(searches, processed) if not s.done]
+                now = time.time()
+                requests = [NewRequest(str(next(self._ids)), ProcessedPrompt(None, beam.tokens, proc.mm_features),
+                                       s.step_params(), now) for s, proc in live for beam in s.live]
+                self.engine_loop.add_requests(requests)
+                outs = iter(self._drain([r.request_id for r in requests], use_tqdm=False))
+                for s, _ in live:
+                    s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()}
+                               for _ in s.live])
+                bar.update(1)
+        finally:
+            bar.close()
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
+
     def _run(self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -117,3 +164,14 @@ class LLM:
     def check_integrity(self) -> None:
         """Assert the KV pool / encoder cache invariants (tests call this after runs)."""
         self.engine.check_integrity()
+
+
+def _is_conversation(prompt: Any) -> bool:
+    """An OpenAI-format conversation: a list of message dicts."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def _one_prompt(prompts: Any) -> bool:
+    """Whether `prompts` is one prompt (a string, a dict, token ids, a conversation) rather than a list of them."""
+    return (isinstance(prompts, (str, dict)) or _is_conversation(prompts)
+            or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))

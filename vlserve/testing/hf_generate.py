@@ -40,6 +40,20 @@ def hf_greedy_continuations(model_dir: str, prompts: list[list[int]], max_new_to
     return outs
 
 
+@torch.no_grad()
+def hf_beam_search_ignoring_eos(model, inputs: dict, num_beams: int, max_new_tokens: int) -> list[list[int]]:
+    """HF `generate` beam search (`num_beams` = `num_return_sequences`, no sampling, length_penalty 1, no early
+    stopping) for exactly `max_new_tokens` tokens with no EOS -> the `num_beams` sequences' new tokens, best first."""
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, num_beams=num_beams, num_return_sequences=num_beams,
+                           do_sample=False, early_stopping=False, length_penalty=1.0, eos_token_id=None,
+                           pad_token_id=0)
+    out = model.generate(**inputs, generation_config=cfg)
+    return out[:, inputs["input_ids"].shape[1]:].tolist()
+
+
 def transformers_major() -> int:
     """The installed transformers' major version (tests compare with HF behaviour that changed between 4.x and 5.x)."""
     import transformers
