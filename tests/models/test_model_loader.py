@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from vlserve.kernels.cpu_linear import cpu_linear_kernel
 from vlserve.models import get_model_class, load_model, register_model, supported_architectures
-from vlserve.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from vlserve.models.causal_lm import LlamaForCausalLM, Qwen2ForCausalLM
 from vlserve.models.loader import resolve_dtype
 from vlserve.models.parallel_layers import pack_linears_for_cpu
 from vlserve.testing.checkpoints import build_text_checkpoint
@@ -144,9 +144,9 @@ def test_registry():
         get_model_class(cfg)
 
     from vlserve.models import registry
-    from vlserve.models.llama import Qwen3ForCausalLM
+    from vlserve.models.causal_lm import Qwen3ForCausalLM
 
-    register_model("MyTestArchForCausalLM", "vlserve.models.llama:Qwen3ForCausalLM")  # lazy entry
+    register_model("MyTestArchForCausalLM", "vlserve.models.causal_lm:Qwen3ForCausalLM")  # lazy entry
     try:
         cfg.architectures = ["MyTestArchForCausalLM"]
         assert get_model_class(cfg) is Qwen3ForCausalLM

@@ -175,7 +175,7 @@ def test_towers_are_replicated_in_checkpoint_shard(tmp_path):
 def test_unsplittable_sizes_are_value_errors(heads, kv_heads, inter, match):
     from transformers import LlamaConfig
 
-    from vlserve.models.llama import LlamaForCausalLM
+    from vlserve.models.causal_lm import LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=48, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       intermediate_size=inter, num_hidden_layers=1, vocab_size=100)

@@ -19,7 +19,8 @@ from torch import nn
 
 from vlserve.models.hf_config import layer_type_rope_params_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from vlserve.models.llama import DecoderAttention, LlamaDecoderModel, LlamaForCausalLM
+from vlserve.models.causal_lm import LlamaForCausalLM
+from vlserve.models.llama import DecoderAttention, LlamaDecoderModel
 from vlserve.models.parallel_layers import VocabParallelEmbedding
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # HF fills `layer_types` (4.57 and 5.x alike)

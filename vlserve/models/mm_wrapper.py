@@ -20,7 +20,8 @@ from typing import Iterable
 import torch
 
 from vlserve.models.hf_config import text_config_of
-from vlserve.models.llama import DecoderWithLMHead, LlamaDecoderModel
+from vlserve.models.causal_lm import DecoderWithLMHead
+from vlserve.models.llama import LlamaDecoderModel
 from vlserve.models.parallel_layers import ParallelLMHead, copy_weight
 
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")

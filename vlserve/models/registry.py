@@ -10,10 +10,10 @@ import importlib
 from vlserve.models.hf_config import architectures_of
 
 _REGISTRY: dict[str, type | str] = {
-    "LlamaForCausalLM": "vlserve.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "vlserve.models.llama:LlamaForCausalLM",  # Llama plus a sliding window, no biases
-    "Qwen2ForCausalLM": "vlserve.models.llama:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "vlserve.models.llama:Qwen3ForCausalLM",
+    "LlamaForCausalLM": "vlserve.models.causal_lm:LlamaForCausalLM",
+    "MistralForCausalLM": "vlserve.models.causal_lm:LlamaForCausalLM",  # Llama plus a sliding window, no biases
+    "Qwen2ForCausalLM": "vlserve.models.causal_lm:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "vlserve.models.causal_lm:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "vlserve.models.gemma3:Gemma3ForCausalLM",
     "Qwen2VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "vlserve.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
