@@ -248,7 +248,7 @@ def test_http_completions(server):
 @pytest.mark.parametrize("extra,words", [
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex and guided_choice"),
     ({"best_of": 3}, "best_of"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "guided_choice": ["a", "b"]}, "guided_choice"),  # beam search takes no constraint
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"structured_outputs": {"regex": "a", "backend": "x"}}, "backend"),
     ({"guided_json": SCHEMA, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),

@@ -21,6 +21,7 @@ _EMPTY = (None, [], {})
 # Both endpoints (vLLM's sampling and extra parameters, OpenAI's fields vLLM lacks), field -> no-op values.
 _UNSUPPORTED_COMMON: dict[str, tuple] = {
     "logit_bias": _EMPTY, "best_of": (None, 1), "use_beam_search": _FALSE, "length_penalty": (None, 1, 1.0),
+    "early_stopping": _FALSE,
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": _NONE, "prompt_logprobs": _NONE,
     "allowed_token_ids": _NONE, "bad_words": _EMPTY, "priority": (None, 0), "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _FALSE, "return_token_ids": _FALSE, "cache_salt": _NONE,
@@ -42,6 +43,11 @@ _NO_EFFECT = frozenset({
     "request_id", "include_reasoning", "store", "metadata", "service_tier", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "verbosity"})
 
+# Refused above unless the request runs beam search, which takes them (vlserve.api.serving_beam).
+BEAM_SEARCH_FIELDS = frozenset({"use_beam_search", "length_penalty", "early_stopping"})
+_BEAM_ONLY = BEAM_SEARCH_FIELDS - {"use_beam_search"}
+_BEAM_ONLY_HINT = " (it applies to beam search only: send use_beam_search=true with it)"
+
 _MAX_WARNED = 1024  # field names remembered for the once-per-name warning (a client may invent many)
 _warned: set[str] = set()
 
@@ -59,7 +65,7 @@ def check_extra_fields(extra: dict[str, Any] | None, endpoint: str) -> None:
         if noops is not None:
             if not _is_noop(value, noops):
                 raise ValueError(f"{name} is not supported by this server (it would change the output); leave it "
-                                 f"out{_default_hint(noops)}")
+                                 f"out{_default_hint(noops)}{_BEAM_ONLY_HINT if name in _BEAM_ONLY else ''}")
         elif name not in _NO_EFFECT:
             _warn_once(name)
 

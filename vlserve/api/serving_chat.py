@@ -15,12 +15,14 @@ from vlserve.api.media import URL_PARTS, PASSTHROUGH_PARTS, MediaFetcher
 from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                   ChatLogprobs, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
                                   TopLogprob, random_id)
+from vlserve.api.serving_beam import beam_chat, wants_beam_search
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, MMKwargLimits, ServedModels,
                                       check_fits_context, check_mm_processor_kwargs, run_unless_disconnected, sse,
                                       structured_backend, usage_of)
 from vlserve.api.tool_choice import ToolPlan, plan_tools
 from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
+from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -93,20 +95,27 @@ class OpenAIServingChat:
                 raise APIError(f"{count} {modality} items exceed the limit of {limit} per prompt "
                                f"(--limit-mm-per-prompt)", 400, "messages")
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
-        model = self.models.check(req.model)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
-        params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
+    async def _process(self, req: ChatCompletionRequest, tools: list | None = None) -> ProcessedPrompt:
+        """The request's messages (media fetched) through the chat template and the processor; `tools` go to the
+        template."""
         template_kwargs = req.template_kwargs(self.trust_request_chat_template)
-        if plan.tools:  # after the kwargs check, which refuses a client's own "tools" key
-            template_kwargs["tools"] = plan.tools
+        if tools:  # after the kwargs check, which refuses a client's own "tools" key
+            template_kwargs["tools"] = tools
         mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs, self.mm_kwarg_limits)
         messages = req.messages_as_dicts()
         self._check_media(messages)
         payloads = await self.fetcher.resolve(messages)
-        processed = await prepare_input(self.engine.process_chat(
+        return await prepare_input(self.engine.process_chat(
             messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)]))
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
+        model = self.models.check(req.model)
+        if wants_beam_search(req):
+            return await beam_chat(self.engine, req, raw, model, self._process)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
+        params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
+        processed = await self._process(req, plan.tools)
         check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len,
                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         request_id = random_id("chatcmpl")

@@ -13,6 +13,7 @@ from vlserve.api.protocol import (CompletionChoice, CompletionLogprobs, Completi
                                   random_id)
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
                                       check_fits_context, run_unless_disconnected, sse, structured_backend, usage_of)
+from vlserve.api.serving_beam import beam_completion, wants_beam_search
 from vlserve.api.serving_chat import prepare_input
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
@@ -51,6 +52,9 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
+        if wants_beam_search(req):
+            return await beam_completion(self.engine, req, raw, model,
+                                         lambda p: prepare_input(self.engine.process_prompt(p)))
         params = req.to_sampling_params(structured_backend=self.structured_backend)
         prompts = req.prompts()
         processed = [await prepare_input(self.engine.process_prompt(p)) for p in prompts]
