@@ -122,3 +122,12 @@ def test_errors(base, tmp_path):
     err(r"do not fit the base layer \(in 64, out 64\)", wide)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("x", 0, path)
+
+
+def test_regex_target_modules(base, tmp_path):
+    model_dir, _, manager = base
+    path, _ = make_adapter(model_dir, tmp_path, r".*layers\.1\.(self_attn\.k_proj|mlp\.up_proj)")
+    adapter = load_peft_adapter(path, manager.targets, 16)
+    assert isinstance(adapter.config.target_modules, str)
+    assert sorted(adapter.weights) == [("layers.1.mlp.gate_up_proj", "up_proj"),
+                                       ("layers.1.self_attn.qkv_proj", "k_proj")]
