@@ -108,13 +108,16 @@ class LoRAModelManager:
         None / 0 for the base model, in batch order; `num_tokens[i]`: its scheduled tokens (None: `adapters` is
         per token). Returns `token_slots [T]` int64 on the model's device (-1: base). ValueError when the step
         uses more than max_loras distinct adapters or an unknown id."""
-        ids = [self._id_of(a) for a in adapters]
+        ids = [_ref_id(a) for a in adapters]
         distinct = list(dict.fromkeys(i for i in ids if i))
         if len(distinct) > self.max_loras:
             raise ValueError(f"a step uses {len(distinct)} distinct LoRA adapters, more than max_loras "
                              f"({self.max_loras})")
-        for i in distinct:  # touch first, so loading the others evicts none of this step's
-            self._adapters.move_to_end(i)
+        for i in distinct:  # touch the held ones first, so loading the others evicts none of this step's
+            if i in self._adapters:
+                self._adapters.move_to_end(i)
+        for a in adapters:
+            self._id_of(a)  # loads a LoRARequest not held; an unknown bare id is a ValueError
         slot_of = {i: self._activate(i, distinct) for i in distinct}
         slots = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int64)  # [B] or [T]
         if num_tokens is not None:
@@ -130,7 +133,7 @@ class LoRAModelManager:
     def step(self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None):
         """`prepare_step` + `lora_step` in one call: the runner's seam. A step without adapters sets no context
         (the layers run as their base, adding nothing)."""
-        if not any(self._id_of(a) for a in adapters):
+        if not any(_ref_id(a) for a in adapters):
             return contextlib.nullcontext()
         return lora_step(self.prepare_step(adapters, num_tokens))
 
@@ -165,3 +168,10 @@ class LoRAModelManager:
         self._slots[slot] = lora_int_id
         self._slot_lru[lora_int_id] = slot
         return slot
+
+
+def _ref_id(ref: AdapterRef) -> int:
+    """The lora_int_id a reference names (0: base), loading nothing."""
+    if ref is None:
+        return 0
+    return ref.lora_int_id if isinstance(ref, LoRARequest) else int(ref)
