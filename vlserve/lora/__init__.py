@@ -7,21 +7,15 @@
 - `punica_ref`: the torch twin of punica's shrink / expand (grouped by slot; per-token reference).
 - `model_manager.LoRAModelManager`: wraps the layers once, host LRU of adapters, device slots, per-step slots.
 
-The runner seam (not wired yet). `ModelRunner.__init__`, after `pack_linears_for_cpu(model)`, when LoRA is on:
-
-    self.lora_manager = LoRAModelManager(model, max_loras, max_lora_rank, max_cpu_loras)
-
-`execute_model`, one call per step around the decoder call, with `states` in batch order (decodes first, as the
-runner orders them), each request's `lora_request` (from its NewRequestData; None = base) and `q_lens` its
-scheduled tokens:
-
-    with self.lora_manager.step([s.lora_request for s in states], q_lens):
-        hidden = self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)
-
-A step with no adapter sets no context (the layers add nothing). Still to do around it: the scheduler caps the
-distinct adapters of a step at max_loras; prefix-cache block hashes include lora_int_id; compiled / CUDA-graph
-forwards run LoRA steps eager (`self.forward.eager()`) until the slots become graph inputs; spec-decode drafts
-run without the adapter.
+The engine wiring (issue 38). `EngineArgs(enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules)`;
+`ModelRunner` builds `LoRAModelManager` after `pack_linears_for_cpu` and runs each step's decoder call under
+`lora_manager.step([s.lora_request for s in states], q_lens)` (states in batch order). Requests carry their
+LoRARequest EngineCoreRequest -> Request -> NewRequestData -> runner state; the scheduler caps a step's distinct
+adapters at max_loras and block hashes carry "lora:<id>". `EngineCore.add_lora` loads an adapter synchronously on
+every rank when a request (or the server) first names it, so a bad adapter fails the request, not a step; a step
+that meets an adapter evicted from the host LRU reloads it synchronously. LoRA engines run eager (no compile, no
+CUDA graphs); spec-decode drafts (n-gram, EAGLE) come from the base model and the adapter model verifies them.
+Not yet: tower LoRA, tensor parallel, async scheduling, graph-captured LoRA, loading off the step loop.
 """
 from vlserve.lora.layers import current_lora_step, lora_step
 from vlserve.lora.model_manager import LoRAModelManager
