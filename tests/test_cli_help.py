@@ -22,6 +22,7 @@ DEFAULTS = {
     "chat_template_content_format": "auto", "async_scheduling": False, "disable_playground": False,
     "compilation_config": None, "enforce_eager": False, "seed": 0, "device": "auto", "data_parallel_size": 1,
     "tensor_parallel_size": 1, "distributed_executor_backend": None, "engine_process": True, "log_level": "info",
+    "enable_lora": False, "lora_modules": None, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
     "Frontend": ["--host", "--port", "--api-key", "--chat-template-content-format", "--trust-request-chat-template",
@@ -40,6 +41,7 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
                        "--distributed-executor-backend"],
     "SpeculativeConfig": ["--speculative-config"],
     "StructuredOutputsConfig": ["--structured-outputs-config"],
+    "LoRAConfig": ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras"],
     "CompilationConfig": ["-O", "--compilation-config"],
 }
 

@@ -23,7 +23,7 @@ RANKS = {
     "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
     "core": 2, "kernels": 2, "multimodal": 2, "distributed": 2,
     "encoders": 3,
-    "models": 4,
+    "models": 4, "lora": 4,  # lora wraps the decoder's layers (models); the runner (worker) will own it
     "worker": 5,
     "spec_decode": 6,
     "executor": 7,

@@ -165,6 +165,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             help='JSON: {"backend": "xgrammar" | "guidance", "disable_any_whitespace": false} '
                                  '(default: xgrammar, JSON with any whitespace)')
 
+    lora = p.add_argument_group("LoRAConfig", "PEFT LoRA adapters served next to the base model")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (a request picks one by model name; LoRA engines run eager)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help="adapters to serve: NAME=PATH of a PEFT adapter directory, one or more "
+                           "(default: none; VLSERVE_ALLOW_RUNTIME_LORA_UPDATING=1 allows loading more at runtime)")
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one engine step")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="parsed adapters kept in host memory (default: --max-loras)")
+
     comp = p.add_argument_group("CompilationConfig")
     comp.add_argument("-O", "--compilation-config", dest="compilation_config", default=None,
                       help="compilation level 0..3 (-O0 eager, -O1 torch.compile, -O2 + CUDA graphs, -O3 + "
@@ -196,7 +207,9 @@ def serve_config_from_args(args: argparse.Namespace):
         async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
         enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend)
+        distributed_executor_backend=args.distributed_executor_backend,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

@@ -27,6 +27,7 @@ class SchedulerConfig:
     disable_chunked_mm_input: bool = False
     # the sliding window of each KV cache group (core/kv_cache_groups.py; None: full attention)
     kv_group_windows: tuple[int | None, ...] = (None,)
+    max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, adapter requests are refused)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -174,6 +175,12 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
     tensor_parallel_size: int = 1  # worker processes (ranks) the model is sharded over
     distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
+    # LoRA (vlserve.lora): PEFT adapters on the decoder's projections, chosen per request
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step (device slots)
+    max_lora_rank: int = 16  # the largest adapter rank accepted
+    max_cpu_loras: int | None = None  # parsed adapters kept in host memory (None: max_loras)
+    lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, served as models by name
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size"):
@@ -218,6 +225,52 @@ class EngineArgs:
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA knobs: integers >= 1, max_cpu_loras >= max_loras, adapters only with enable_lora; `lora_modules`
+        also as vLLM's "name=path" strings (or {"name", "path"} dicts)."""
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {shorten(cpu)}")
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules were given but LoRA is off: add enable_lora=True (--enable-lora)")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA with tensor_parallel_size > 1 is not supported yet")
+        if self.enable_lora and self.async_scheduling:  # adapters load between steps, none may be in flight
+            raise ValueError("LoRA with async_scheduling is not supported yet")
+
+
+def parse_lora_modules(value) -> dict[str, str] | None:
+    """`lora_modules` as {name: path}: from a dict, or a list of "name=path" strings / {"name", "path"} dicts."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for v in value:
+            if isinstance(v, str) and "=" in v:
+                items.append(tuple(v.split("=", 1)))
+            elif isinstance(v, dict) and "name" in v and "path" in v:
+                items.append((v["name"], v["path"]))
+            else:
+                raise ValueError(f"a LoRA module must be 'name=path' or {{\"name\", \"path\"}}, got {shorten(v)}")
+    else:
+        raise ValueError(f"lora_modules must be a dict of name -> path or a list of 'name=path', got {shorten(value)}")
+    out: dict[str, str] = {}
+    for name, path in items:
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"a LoRA module needs a non-empty name and path, got {shorten((name, path))}")
+        if name in out:
+            raise ValueError(f"LoRA module name {name!r} is given twice")
+        out[name] = os.path.expanduser(path)
+    return out
 
 
 def resolve_model_path(model: str | None) -> str:

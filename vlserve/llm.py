@@ -12,6 +12,7 @@ from vlserve.config import EngineArgs
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
+from vlserve.lora.request import LoRARequest
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
 
@@ -41,11 +42,13 @@ class LLM:
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, images: list | None = None, videos: list | None = None,
-                 mm_processor_kwargs: dict | None = None, audios: list | None = None) -> list[RequestOutput]:
+                 mm_processor_kwargs: dict | None = None, audios: list | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings, token-id lists, or {"prompt", "multi_modal_data"} dicts).
 
         `images`/`videos`/`audios`, when given, hold one entry per prompt (an item or a list of items); an audio
-        item is `(np.ndarray, sample_rate)`, encoded bytes, a path or a data URL.
+        item is `(np.ndarray, sample_rate)`, encoded bytes, a path or a data URL. `lora_request`: the LoRA adapter
+        every prompt runs with, or one per prompt (None: the base model); needs `enable_lora=True`.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -58,13 +61,15 @@ class LLM:
             p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
             mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i])
             for i, p in enumerate(prompts)]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, mm_processor_kwargs: dict | None = None,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template; `tools`
-        (OpenAI function tools) go to the template as vLLM's `LLM.chat(tools=...)` passes them."""
+        (OpenAI function tools) go to the template as vLLM's `LLM.chat(tools=...)` passes them; `lora_request` as
+        in `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         # The caller's own code: a chat_template in the kwargs is trusted here (the server refuses it by default).
         chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, allow_template=True)
@@ -74,7 +79,7 @@ class LLM:
             chat_template_kwargs["tools"] = tools
         processed = [self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs)
                      for c in conversations]
-        return self._run(processed, sampling_params, use_tqdm)
+        return self._run(processed, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False,
                     images: list | None = None, videos: list | None = None, audios: list | None = None,
@@ -122,18 +127,32 @@ class LLM:
             results.append(BeamSearchOutput(best))
         return results
 
-    def _run(self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool,
+             lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params] * len(processed))
         if len(params_list) != len(processed):
             raise ValueError(f"got {len(params_list)} sampling params for {len(processed)} prompts")
+        loras = self._lora_requests(lora_request, len(processed))
         now = time.time()
-        requests = [NewRequest(str(next(self._ids)), proc, params, now)
-                    for proc, params in zip(processed, params_list)]
+        requests = [NewRequest(str(next(self._ids)), proc, params, now, lora)
+                    for proc, params, lora in zip(processed, params_list, loras)]
         self.engine_loop.add_requests(requests)  # all or none: one bad prompt leaves the engine untouched
         return self._drain([r.request_id for r in requests], use_tqdm)
+
+    def _lora_requests(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt; ValueError when adapters are asked of an engine without LoRA."""
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+        for lora in loras:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora).__name__}")
+        if any(loras) and not self.engine_args.enable_lora:
+            raise ValueError("a LoRA request was given but this LLM runs without LoRA: LLM(..., enable_lora=True)")
+        return loras
 
     def _drain(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

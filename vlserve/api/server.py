@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlserve import __version__
 from vlserve.api.errors import error_response, install_error_handlers
+from vlserve.api.lora_adapters import install_lora_routes, load_adapter, runtime_lora_updating_allowed
 from vlserve.api.media import MediaConfig, MediaFetcher
 from vlserve.api.metrics import ServerMetrics
 from vlserve.api.playground import install_playground
@@ -143,6 +144,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        for name, path in (engine.engine_args.lora_modules or {}).items():  # --lora-modules: loaded before serving
+            await load_adapter(engine, models, name, path)
         yield
         await fetcher.aclose()
         if config.shutdown_engine:
@@ -182,6 +185,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await completion.create(body, raw)
 
+    if runtime_lora_updating_allowed():
+        install_lora_routes(app, engine, models)
     if config.playground:
         install_playground(app, models, engine.modalities)
     return app

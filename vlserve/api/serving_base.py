@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
@@ -22,24 +22,38 @@ _MM_KWARG_KEYS = {"min_pixels", "max_pixels", "fps", "num_frames", "max_frames"}
 
 @dataclass
 class ServedModels:
-    """The model names this server answers to (the first is reported in responses)."""
+    """The model names this server answers to (the first is reported in responses), and the LoRA adapters served
+    as models of their own (`loras`: name -> its LoRARequest; see api/lora_adapters.py)."""
 
     names: list[str]
     root: str
     max_model_len: int
+    loras: dict[str, Any] = field(default_factory=dict)
+    _last_lora_id: int = 0
 
     def check(self, model: str | None) -> str:
         """The name to report; 404 when a name was given that we do not serve."""
         if model in (None, ""):
             return self.names[0]
-        if model not in self.names:
-            raise APIError(f"model {shorten(model)} does not exist; this server serves: {', '.join(self.names)}", 404,
-                           "model")
+        if model not in self.names and model not in self.loras:
+            served = ", ".join(self.names + list(self.loras))
+            raise APIError(f"model {shorten(model)} does not exist; this server serves: {served}", 404, "model")
         return model
 
+    def lora_of(self, model: str) -> Any:
+        """The LoRARequest a (checked) model name runs with; None for the base model."""
+        return self.loras.get(model)
+
+    def next_lora_id(self) -> int:
+        """A fresh adapter id (increasing, never reused: prefix-cache blocks are keyed by it)."""
+        self._last_lora_id += 1
+        return self._last_lora_id
+
     def list(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=n, root=self.root, max_model_len=self.max_model_len)
-                               for n in self.names])
+        cards = [ModelCard(id=n, root=self.root, max_model_len=self.max_model_len) for n in self.names]
+        cards += [ModelCard(id=name, root=lora.lora_path, parent=self.names[0], max_model_len=self.max_model_len)
+                  for name, lora in self.loras.items()]
+        return ModelList(data=cards)
 
 
 @dataclass

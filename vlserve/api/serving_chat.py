@@ -111,7 +111,10 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
+        lora = self.models.lora_of(model)
         if wants_beam_search(req):
+            if lora is not None:
+                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
             return await beam_chat(self.engine, req, raw, model, self._process)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
@@ -119,7 +122,7 @@ class OpenAIServingChat:
         check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len,
                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         request_id = random_id("chatcmpl")
-        stream = await self.engine.add_request(request_id, processed, params)
+        stream = await self.engine.add_request(request_id, processed, params, lora)
         top_k = req.top_logprobs or 0
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1

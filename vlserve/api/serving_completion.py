@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from vlserve.api.errors import sse_error, to_api_error
+from vlserve.api.errors import APIError, sse_error, to_api_error
 from vlserve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                   random_id)
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
@@ -52,7 +52,10 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
+        lora = self.models.lora_of(model)
         if wants_beam_search(req):
+            if lora is not None:
+                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
             return await beam_completion(self.engine, req, raw, model,
                                          lambda p: prepare_input(self.engine.process_prompt(p)))
         params = req.to_sampling_params(structured_backend=self.structured_backend)
@@ -64,7 +67,7 @@ class OpenAIServingCompletion:
         streams: list[RequestStream] = []
         try:
             for i, proc in enumerate(processed):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", proc, params))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", proc, params, lora))
         except BaseException:
             for s in streams:
                 s.abort()

@@ -19,7 +19,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple[str, ...]) -> int:
-    """Chained hash of one full block: the parent's hash, its tokens and the mm_hash of every overlapping item."""
+    """Chained hash of one full block: the parent's hash, its tokens and the mm_hash of every overlapping item
+    (and "lora:<lora_int_id>" for a request run with a LoRA adapter)."""
     return hash((parent_hash, token_ids, extra_keys))
 
 
@@ -69,12 +70,14 @@ class KVCacheManager:
         """Extend request.block_hashes to cover every full block within the first num_tokens known tokens."""
         bs = self.block_size
         hashes = request.block_hashes
-        feats = request.mm_features
+        feats, lora_id = request.mm_features, request.lora_int_id
         num_full = min(num_tokens, request.num_tokens) // bs
         while len(hashes) < num_full:
             i = len(hashes)
             start, end = i * bs, (i + 1) * bs
             extra = tuple(f.mm_hash for f in feats if f.offset < end and f.offset + f.length > start)
+            if lora_id:  # an adapter's KV is its own: never shared with the base or another adapter
+                extra += (f"lora:{lora_id}",)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tuple(request.all_token_ids[start:end]), extra))
 

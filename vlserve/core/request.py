@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # The LoRA adapter to run with: a vlserve.lora.LoRARequest (plain data; core reads only lora_int_id), None: base
+    lora_request: Any = None
 
 
 class Request:
@@ -52,6 +55,7 @@ class Request:
         self.sampling_params = req.sampling_params
         self.arrival_time = req.arrival_time
         self.mm_features = req.mm_features
+        self.lora_request = req.lora_request
         self.max_tokens = max_tokens  # resolved: min(params.max_tokens, max_model_len - prompt_len)
         self.stop_token_ids = req.sampling_params.all_stop_token_ids()
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
@@ -67,6 +71,11 @@ class Request:
         # The output constraint's matcher (a StructuredOutputRequest, duck-typed: the scheduler only calls
         # is_ready / error / accept_tokens / validate_tokens / is_terminated); None when unconstrained.
         self.structured_output = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id inside the engine (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

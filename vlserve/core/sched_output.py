@@ -19,6 +19,7 @@ class NewRequestData:
     mm_features: list[MultiModalFeature]
     block_ids: tuple[list[int], ...]  # per KV cache group
     num_computed_tokens: int
+    lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
 
 
 @dataclass

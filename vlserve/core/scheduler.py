@@ -67,6 +67,8 @@ class Scheduler:
                 raise ValueError(f"{f.modality} item {i} has {f.length} placeholder tokens, more than "
                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens}; this model needs a whole "
                                  f"item in one step: raise max_num_batched_tokens or shrink the item")
+        if engine_req.lora_request is not None and not cfg.max_loras:
+            raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
         if cfg.max_waiting_requests is not None and len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
         params = engine_req.sampling_params
@@ -112,6 +114,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         encoder_inputs: dict[str, list[int]] = {}
         preempted = False
+        loras: set[int] = set()  # the adapters of this step's requests (at most max_loras)
 
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
@@ -127,7 +130,7 @@ class Scheduler:
             enc, num_encoding_after = NO_MEDIA, num_encoding
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
-            if num_new <= 0:
+            if num_new <= 0 or self._lora_blocked(req, loras):
                 idx += 1
                 continue
             while True:
@@ -141,6 +144,8 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break  # the request preempted itself
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             if enc is not NO_MEDIA:
                 self._commit_encoder_inputs(req, enc, encoder_inputs)
                 num_encoding = num_encoding_after
@@ -153,14 +158,19 @@ class Scheduler:
                     spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
             idx += 1
 
-        compiling: list[Request] = []  # constrained requests whose grammar is not ready: they keep their place
+        # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
+        # (max_loras): they keep their place
+        set_aside: list[Request] = []
         while self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             if grammar_waiting(req):
-                compiling.append(self.waiting.popleft())
+                set_aside.append(self.waiting.popleft())
                 continue
             if grammar_error(req) is not None:
                 self._abort_failed_grammar(self.waiting.popleft())
+                continue
+            if self._lora_blocked(req, loras):  # waits for a step with room for its adapter
+                set_aside.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit = None, 0
             if req.num_computed_tokens == 0:
@@ -175,6 +185,8 @@ class Scheduler:
                 break
             num_encoding = num_encoding_after
             self.waiting.popleft()
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
@@ -183,12 +195,12 @@ class Scheduler:
             self._commit_encoder_inputs(req, enc, encoder_inputs)
             new_reqs.append(NewRequestData(
                 req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                req.mm_features, self.kv.get_block_ids(req.request_id), num_hit))
+                req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
             num_scheduled[req.request_id] = num_new
             token_budget -= num_new
 
-        if compiling:
-            self.waiting.extendleft(reversed(compiling))
+        if set_aside:
+            self.waiting.extendleft(reversed(set_aside))
         scheduled = num_scheduled.get
         for req in self.running:
             n = scheduled(req.request_id)
@@ -203,6 +215,11 @@ class Scheduler:
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
         self.finished_req_ids = set()
         return out
+
+    def _lora_blocked(self, req: Request, loras: set[int]) -> bool:
+        """Whether req's adapter would be one more than max_loras distinct adapters in this step (base: never)."""
+        lora_id = req.lora_int_id
+        return bool(lora_id) and lora_id not in loras and len(loras) >= self.config.max_loras
 
     def _abort_failed_grammar(self, req: Request) -> None:
         """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from vlserve.config import EngineArgs
+from vlserve.engine.engine_control import Control, ControlCalls, EngineDeadError, _post, _settle, settle_control
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.executor import WorkerDied
 from vlserve.engine.input_processor import ProcessedPrompt
@@ -28,10 +29,6 @@ from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shutdown, or a fatal error); no more requests are accepted."""
 
 
 class StatsListener(Protocol):
@@ -63,6 +60,7 @@ class _Add:
     arrival: float
     stream: _Stream
     done: asyncio.Future = field(repr=False)
+    lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
 
 
 @dataclass
@@ -71,7 +69,7 @@ class _Abort:
 
 
 _STOP = object()
-class AsyncLLM:
+class AsyncLLM(ControlCalls):
     """Async engine client: `generate()` yields cumulative `RequestOutput`s while a background thread steps the core.
 
     Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
@@ -132,7 +130,7 @@ class AsyncLLM:
 
     # -- requests --------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: ProcessedPrompt,
-                          sampling_params: SamplingParams | None = None) -> "RequestStream":
+                          sampling_params: SamplingParams | None = None, lora_request=None) -> "RequestStream":
         """Queue a processed prompt; returns once the engine accepted it (ValueError / QueueFullError if not)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running ({self._dead})")
@@ -143,7 +141,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.time())
         done = loop.create_future()
-        self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done))
+        self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done, lora_request))
         if self._dead is not None:  # the engine died between the check above and the put: nobody will read it
             self._fail_all(EngineDeadError(f"the engine is not running ({self._dead})"), drain_inbox=True)
         try:
@@ -155,7 +153,7 @@ class AsyncLLM:
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, images: list | None = None, videos: list | None = None,
-                       mm_processor_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       mm_processor_kwargs: dict | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes (the last one has `finished=True`).
 
         `prompt` is a string, token ids, a vLLM-style dict or an already `ProcessedPrompt`. Closing or cancelling
@@ -163,17 +161,17 @@ class AsyncLLM:
         """
         if not isinstance(prompt, ProcessedPrompt):
             prompt = await self.process_prompt(prompt, images, videos, mm_processor_kwargs)
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
         async with stream:
             async for out in stream:
                 yield out
 
     async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
                    request_id: str | None = None, *, mm_processor_kwargs: dict | None = None,
-                   chat_template_kwargs: dict | None = None) -> AsyncIterator[RequestOutput]:
+                   chat_template_kwargs: dict | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Like `generate`, for OpenAI-format messages."""
         processed = await self.process_chat(messages, mm_processor_kwargs, chat_template_kwargs)
-        async for out in self.generate(processed, sampling_params, request_id):
+        async for out in self.generate(processed, sampling_params, request_id, lora_request=lora_request):
             yield out
 
     def abort(self, request_id: str) -> None:
@@ -245,6 +243,8 @@ class AsyncLLM:
                 return False
             if isinstance(msg, _Abort):
                 self._do_abort(msg.request_id)
+            elif isinstance(msg, Control):
+                self._do_control(msg)
             else:
                 self._do_add(msg)
 
@@ -252,7 +252,8 @@ class AsyncLLM:
         """Hand the request to the engine loop and register its stream; False (and the caller told why) when the
         engine refuses it."""
         try:
-            self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival)])
+            self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival,
+                                                      msg.lora_request)])
         except Exception as e:
             _post(msg.stream.loop, _settle, msg.done, e)
             return False
@@ -331,24 +332,8 @@ class AsyncLLM:
                 return
             if isinstance(msg, _Add):
                 _post(msg.stream.loop, _settle, msg.done, err)
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
-    """call_soon_threadsafe that tolerates a caller's loop having closed (False then)."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-        return True
-    except RuntimeError:  # "Event loop is closed": nobody is listening any more
-        return False
-
-
-def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(err)
+            elif isinstance(msg, Control):
+                settle_control(msg, err)
 
 
 def _deliver(items: list) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -54,7 +55,10 @@ class EngineCore:
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests,
             disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False),
-            kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows)
+            kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
+            max_loras=args.max_loras if args.enable_lora else 0)
+        self.enable_lora = args.enable_lora
+        self.lora_requests: dict[int, Any] = {}  # lora_int_id -> the LoRARequest the ranks parsed (add_lora)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request
@@ -68,9 +72,39 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request (ValueError if it can never run); a constrained one starts compiling its grammar."""
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)  # a bad adapter is this request's error, not a failed step
         constraint = request.sampling_params.structured_outputs
         matcher = None if constraint is None else self.structured_output_manager.init_request(constraint)
         self.scheduler.add_request(request, matcher)
+
+    # -- LoRA adapters -----------------------------------------------------------------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Load a LoRA adapter on every rank now (ValueError: LoRA off, a bad adapter, or its id taken by another
+        adapter); False when this adapter is registered already."""
+        if not self.enable_lora:
+            raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
+        known = self.lora_requests.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is {known.lora_name!r} "
+                                 f"({known.lora_path}); {lora_request.lora_name!r} needs its own id")
+            return False
+        self.executor.collective_rpc("add_lora", lora_request)
+        self.lora_requests[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its host copy and device slot); False if unknown. Requests still running with it
+        reload it from its path."""
+        if self.lora_requests.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", lora_int_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        """The registered adapters' ids."""
+        return sorted(self.lora_requests)
 
     @property
     def structured_output_manager(self):

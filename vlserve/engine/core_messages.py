@@ -1,7 +1,8 @@
 """Plain-data messages between the API process and an engine-core process (pickled over pyzmq).
 
-The client pushes `AddRequests` / `AbortRequests` / `FinishStopped` / `ShutdownEngine` to one engine's input
-socket; every engine pushes `EngineReady` / `EngineFailed` / `AddAck` / `StepOutputs` to the client's one output
+The client pushes `AddRequests` / `AbortRequests` / `FinishStopped` / `ControlCall` / `ShutdownEngine` to one
+engine's input socket; every engine pushes `EngineReady` / `EngineFailed` / `AddAck` / `ControlAck` / `StepOutputs`
+to the client's one output
 socket, each tagged with its `engine_index`, so one client can later drive N engine processes (DP replicas).
 """
 from __future__ import annotations
@@ -34,6 +35,16 @@ class FinishStopped:
     """Engine request ids the front end's detokenizer stopped on a stop string."""
 
     request_ids: list[str]
+
+
+@dataclass
+class ControlCall:
+    """Run `EngineCore.<op>(arg)` (an op of `engine_control.CONTROL_OPS`: add_lora, remove_lora) and answer with a
+    `ControlAck` carrying `call_id`."""
+
+    call_id: int
+    op: str
+    arg: object
 
 
 @dataclass
@@ -71,6 +82,16 @@ class AddAck:
     user_request_id: str
     error: BaseException | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ControlAck:
+    """The answer to one `ControlCall`: its result, or the error the core raised."""
+
+    engine_index: int
+    call_id: int
+    result: object = None
+    error: BaseException | None = None
 
 
 @dataclass

@@ -16,9 +16,10 @@ import sys
 from vlserve.config import EngineArgs
 from vlserve.executor import WorkerDied
 from vlserve.executor.worker import share_cpu_threads
-from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, EngineFailed, EngineReady,
-                                          FinishStopped, ShutdownEngine, StepOutputs, decode, encode,
+from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, ControlAck, ControlCall, EngineFailed,
+                                          EngineReady, FinishStopped, ShutdownEngine, StepOutputs, decode, encode,
                                           portable_error)
+from vlserve.engine.engine_control import CONTROL_OPS
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class _EngineLoopProc:
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, FinishStopped):
             self.core.finish_requests_stopped(msg.request_ids)
+        elif isinstance(msg, ControlCall):
+            self._control(msg)
         elif isinstance(msg, ShutdownEngine):
             return False
         else:
@@ -141,6 +144,15 @@ class _EngineLoopProc:
             self._send(AddAck(self.engine_index, msg.user_request_id, portable_error(e), self._metrics()))
             return
         self._send(AddAck(self.engine_index, msg.user_request_id, None, self._metrics()))
+
+    def _control(self, msg: ControlCall) -> None:
+        try:
+            if msg.op not in CONTROL_OPS:
+                raise ValueError(f"unknown control call {msg.op!r}")
+            ack = ControlAck(self.engine_index, msg.call_id, getattr(self.core, msg.op)(msg.arg))
+        except Exception as e:
+            ack = ControlAck(self.engine_index, msg.call_id, error=portable_error(e))
+        self._send(ack)
 
     def _step(self) -> None:
         try:

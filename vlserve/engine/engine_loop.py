@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from vlserve.config import EngineArgs
 from vlserve.engine.core import EngineCore
@@ -23,6 +24,7 @@ class NewRequest:
     processed: ProcessedPrompt
     params: SamplingParams
     arrival: float
+    lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
 
 
 class EngineLoop:
@@ -49,7 +51,7 @@ class EngineLoop:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
         engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
-                                                                r.arrival)
+                                                                r.arrival, r.lora_request)
                        for r in requests for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
         tracked: list[str] = []
         queued: list[str] = []

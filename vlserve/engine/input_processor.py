@@ -162,10 +162,11 @@ class InputProcessor:
         self._grammar_checker.validate(constraint)
 
     def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                            arrival_time: float) -> EngineCoreRequest:
-        """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint)."""
+                            arrival_time: float, lora_request: Any = None) -> EngineCoreRequest:
+        """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint) and the LoRA adapter
+        it runs with (None: the base model)."""
         params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time,
-                                 processed.mm_features)
+                                 processed.mm_features, lora_request)

@@ -11,14 +11,16 @@ adds and aborts, and the engine's messages, which the client's receiver thread p
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
 from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.async_llm import _STOP, AsyncLLM, EngineDeadError, _Abort, _Add, _post, _settle
 from vlserve.engine.core_client import DEFAULT_STARTUP_TIMEOUT, EngineCoreClient, EngineGone
-from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, EngineReady, FinishStopped,
-                                          StepOutputs)
+from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, ControlAck, ControlCall, EngineReady,
+                                          FinishStopped, StepOutputs)
+from vlserve.engine.engine_control import Control, settle_control
 from vlserve.engine.dp_router import DPRouter
 from vlserve.engine.engine_loop import NewRequest
 from vlserve.engine.input_processor import InputProcessor
@@ -110,7 +112,7 @@ class RemoteEngineLoop:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
         for r in requests:
             engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
-                                                                    r.arrival)
+                                                                    r.arrival, r.lora_request)
                            for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
             self.output_processor.add_request(r.request_id, r.processed.prompt, r.processed.prompt_token_ids,
                                               r.params, r.arrival)
@@ -199,6 +201,8 @@ class MPAsyncLLM(AsyncLLM):
                              ready[0].eos_token_ids, modalities=ready[0].modalities, mm_processor=mm_processor)
         self.client = client
         self._pending: dict[str, _Add] = {}  # adds sent, AddAck not yet back
+        self._controls: dict[int, list] = {}  # control calls sent: call_id -> [Control, engines left, first error]
+        self._control_ids = itertools.count()
         super().__init__(engine_args, input_workers, engine_loop=RemoteEngineLoop(engine_args, client, loaded,
                                                                                   ready))
         client.start_receiver(self._inbox.put)
@@ -248,6 +252,8 @@ class MPAsyncLLM(AsyncLLM):
                     self._do_abort(msg.request_id)
                 elif isinstance(msg, _Add):
                     self._do_add(msg)
+                elif isinstance(msg, Control):
+                    self._do_control(msg)
                 else:
                     self._on_engine_message(msg)
                 self._metrics = self.engine.get_metrics()
@@ -273,6 +279,8 @@ class MPAsyncLLM(AsyncLLM):
                 self._recover(e)
         elif isinstance(msg, AddAck):
             self._on_ack(msg)
+        elif isinstance(msg, ControlAck):
+            self._on_control_ack(msg)
         elif isinstance(msg, EngineGone):
             code = "" if msg.exitcode is None else f" (exit code {msg.exitcode})"
             which = f" {msg.engine_index}" if self.client.num_engines > 1 else ""
@@ -293,8 +301,28 @@ class MPAsyncLLM(AsyncLLM):
         elif not _post(add.stream.loop, _settle, add.done, None):
             self._do_abort(ack.user_request_id)
 
+    def _do_control(self, msg: Control) -> None:
+        """Send the call to every engine (data-parallel replicas each hold the adapters); settled by their acks."""
+        call_id = next(self._control_ids)
+        self._controls[call_id] = [msg, self.client.num_engines, None]
+        for engine in range(self.client.num_engines):
+            self.client.send(ControlCall(call_id, msg.op, msg.arg), engine)
+
+    def _on_control_ack(self, ack: ControlAck) -> None:
+        entry = self._controls.get(ack.call_id)
+        if entry is None:
+            return
+        entry[1] -= 1
+        entry[2] = entry[2] or ack.error
+        if entry[1] == 0:
+            del self._controls[ack.call_id]
+            settle_control(entry[0], entry[2], ack.result)
+
     def _fail_all(self, err: BaseException, drain_inbox: bool = True) -> None:
         pending, self._pending = list(self._pending.values()), {}
+        for entry in self._controls.values():
+            settle_control(entry[0], err)
+        self._controls = {}
         for add in pending:
             _post(add.stream.loop, _settle, add.done, err)
         super()._fail_all(err, drain_inbox)

@@ -101,7 +101,10 @@ class Worker:
             mrope_positions_fn=rank_model.mrope_positions_fn,
             proposer=build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size),
             compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
-            kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device))
+            kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device),
+            lora_config=None if not args.enable_lora else {
+                "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+                "max_cpu_loras": args.max_cpu_loras})
 
     @classmethod
     def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> "Worker":
@@ -128,6 +131,19 @@ class Worker:
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step on this rank."""
         return self.runner.execute_model(sched_out)
+
+    def add_lora(self, lora_request) -> bool:
+        """Parse a LoRA adapter into host memory (ValueError on a bad adapter); False if it was held already."""
+        return self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from host memory and its device slot; False if it was not held."""
+        return self._lora_manager().remove_adapter(lora_int_id)
+
+    def _lora_manager(self):
+        if self.runner.lora_manager is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora)")
+        return self.runner.lora_manager
 
     def shard_info(self, _=None) -> dict:
         """What this rank holds: its rank, the group size, its parameter count and its KV cache shape."""

@@ -1,6 +1,7 @@
 """The model runner: owns every tensor (weights, KV cache, encoder outputs) and runs one scheduled step."""
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 
@@ -14,6 +15,7 @@ from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, Schedul
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
+from vlserve.lora import LoRAModelManager
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.llama import decoder_of, kv_cache_spec
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
@@ -49,12 +51,17 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
                  block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
-                 compilation_config=None, enforce_eager: bool = False, kv_cache_dtype: torch.dtype | None = None):
+                 compilation_config=None, enforce_eager: bool = False, kv_cache_dtype: torch.dtype | None = None,
+                 lora_config: dict | None = None):
         self.model = model
         if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
             tune_cpu_allocator()
             pack_linears_for_cpu(model)
-        self.forward = ModelForward(model, device, compilation_config, enforce_eager)  # eager/compiled/graphs
+        # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
+        # become LoRA layers; an engine with LoRA runs eager (no compile, no CUDA graphs: the adapters' slots are not
+        # graph inputs yet). Adapters load synchronously on the step that first uses them (or on add_lora).
+        self.lora_manager = None if lora_config is None else LoRAModelManager(model, **lora_config)
+        self.forward = ModelForward(model, device, compilation_config, enforce_eager or lora_config is not None)
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
         self.dtype = dtype
@@ -217,7 +224,7 @@ class ModelRunner:
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
                 generator=make_generator(params.seed, self.device) if params.seed is not None else None,
                 block_ids=list(new.block_ids[0]), num_computed_tokens=new.num_computed_tokens,
-                mm_features=new.mm_features)
+                mm_features=new.mm_features, lora_request=new.lora_request)
             if self.mrope_positions_fn is not None:
                 state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(
                     new.prompt_token_ids, new.mm_features)
@@ -291,7 +298,10 @@ class ModelRunner:
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
 
-        hidden = self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
+        lora = (contextlib.nullcontext() if self.lora_manager is None  # each token runs its request's adapter
+                else self.lora_manager.step([s.lora_request for s in states], q_lens.tolist()))
+        with lora:
+            hidden = self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
 
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)

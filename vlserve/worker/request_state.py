@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class CachedRequestState:
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64, M-RoPE models only
     mrope_delta: int = 0  # text position after the prompt = index + mrope_delta
     key_runs: list[tuple[int, int]] = field(default_factory=list)  # bidirectional image runs (first, last), if any
+    lora_request: Any = None  # its vlserve.lora.LoRARequest, or None (the base model)
 
     @property
     def prompt_token_ids(self) -> list[int]:

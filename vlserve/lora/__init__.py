@@ -1,0 +1,26 @@
+"""LoRA adapters (issue 38), laid out as vLLM's `vllm/lora`: PEFT adapters applied per token over the decoder.
+
+- `request.LoRARequest(lora_name, lora_int_id, lora_path)`: which adapter a request runs with.
+- `peft_checkpoint`: a PEFT adapter directory -> per-module A / B prepared for our fused layers (scaling folded).
+- `layers`: LoRA-capable qkv_proj / o_proj / gate_up_proj / down_proj (in place, same parameters), the per-step
+  context `lora_step(token_slots)` they read (as `kernels.attention_op.attention_step`).
+- `punica_ref`: the torch twin of punica's shrink / expand (grouped by slot; per-token reference).
+- `model_manager.LoRAModelManager`: wraps the layers once, host LRU of adapters, device slots, per-step slots.
+
+The engine wiring (issue 38). `EngineArgs(enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules)`;
+`ModelRunner` builds `LoRAModelManager` after `pack_linears_for_cpu` and runs each step's decoder call under
+`lora_manager.step([s.lora_request for s in states], q_lens)` (states in batch order). Requests carry their
+LoRARequest EngineCoreRequest -> Request -> NewRequestData -> runner state; the scheduler caps a step's distinct
+adapters at max_loras and block hashes carry "lora:<id>". `EngineCore.add_lora` loads an adapter synchronously on
+every rank when a request (or the server) first names it, so a bad adapter fails the request, not a step; a step
+that meets an adapter evicted from the host LRU reloads it synchronously. LoRA engines run eager (no compile, no
+CUDA graphs); spec-decode drafts (n-gram, EAGLE) come from the base model and the adapter model verifies them.
+Not yet: tower LoRA, tensor parallel, async scheduling, graph-captured LoRA, loading off the step loop.
+"""
+from vlserve.lora.layers import current_lora_step, lora_step
+from vlserve.lora.model_manager import LoRAModelManager
+from vlserve.lora.peft_checkpoint import LoRAAdapter, PeftLoRAConfig, load_peft_adapter
+from vlserve.lora.request import LoRARequest
+
+__all__ = ["LoRAAdapter", "LoRAModelManager", "LoRARequest", "PeftLoRAConfig", "current_lora_step",
+           "load_peft_adapter", "lora_step"]

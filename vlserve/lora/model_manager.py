@@ -1,0 +1,177 @@
+"""`LoRAModelManager`: the LoRA layers of one model, the adapters in host memory and the device slots.
+
+Built once per model (after loading, and after `pack_linears_for_cpu` or not: either order works): it turns the
+decoder's qkv_proj / o_proj / gate_up_proj / down_proj (and each dense GatedMLP) into their LoRA classes in place
+(`vlserve.lora.layers`). Adapters are parsed from PEFT directories into a host LRU of up to `max_cpu_loras`
+(by `lora_int_id`); `max_loras` device slots hold the adapters a step uses. Each step,
+`prepare_step(adapters per request, tokens per request)` gives every adapter of the step a slot (loading it,
+evicting the least recently used slot no request of this step needs) and returns the per-token slots, which
+`lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from vlserve.lora.layers import LoRALayerMixin, lora_step, unwrap, wrap_layer, wrap_mlp
+from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter
+from vlserve.lora.request import LoRARequest
+from vlserve.models.layers import GatedMLP
+from vlserve.models.llama import decoder_of
+
+AdapterRef = LoRARequest | int | None  # per request: a request's adapter, a known lora_int_id, or None / 0 (base)
+
+
+class LoRAModelManager:
+    """LoRA for `model`'s decoder: `max_loras` device slots of rank up to `max_lora_rank`, an LRU of up to
+    `max_cpu_loras` parsed adapters in host memory (default: max_loras)."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
+                 ) -> None:
+        max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1")
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self.model = model
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        decoder = decoder_of(model)
+        if any(isinstance(m, LoRALayerMixin) for m in decoder.modules()):
+            raise ValueError("this model's layers already belong to a LoRAModelManager")
+        emb = decoder.embed_tokens.weight
+        self.dtype, self.device = emb.dtype, emb.device
+        self.targets: dict[str, LoRALayerMixin] = {}  # decoder-relative module name -> LoRA layer
+        self._wrapped: list[nn.Module] = []
+        for i, layer in enumerate(decoder.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self._wrap(f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj)
+            self._wrap(f"layers.{i}.self_attn.o_proj", attn.o_proj, ("o_proj",))
+            if type(mlp) is GatedMLP:  # MoE blocks: attention only
+                self._wrapped.append(wrap_mlp(mlp))
+                self._wrap(f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj)
+                self._wrap(f"layers.{i}.mlp.down_proj", mlp.down_proj, ("down_proj",))
+        self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # host LRU, oldest first
+        self._slots: list[int | None] = [None] * max_loras  # slot -> lora_int_id
+        self._slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
+
+    def _wrap(self, name: str, module: nn.Module, pieces: tuple[str, ...] | None = None) -> None:
+        self.targets[name] = wrap_layer(module, self.max_loras, self.max_lora_rank, self.dtype, self.device, pieces)
+        self._wrapped.append(module)
+
+    def unwrap_model(self) -> None:
+        """Turn the model's layers back into their base classes (the manager is unusable afterwards)."""
+        for module in self._wrapped:
+            unwrap(module)
+        self._wrapped, self.targets = [], {}
+        self._adapters.clear()
+        self._slot_lru.clear()
+
+    # -- host adapters ----------------------------------------------------------------------------------------
+    def add_adapter(self, request: LoRARequest) -> bool:
+        """Parse `request.lora_path` into host memory (evicting the least recently used adapter, and its slot, when
+        `max_cpu_loras` are held); False if its lora_int_id is held already (then only marked as used)."""
+        if request.lora_int_id in self._adapters:
+            self._adapters.move_to_end(request.lora_int_id)
+            return False
+        adapter = load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id)
+        while len(self._adapters) >= self.max_cpu_loras:
+            self.remove_adapter(next(iter(self._adapters)))
+        self._adapters[request.lora_int_id] = (request, adapter)
+        return True
+
+    def remove_adapter(self, lora_int_id: int) -> bool:
+        """Drop an adapter from host memory and its device slot; False if it was not held."""
+        if self._adapters.pop(lora_int_id, None) is None:
+            return False
+        slot = self._slot_lru.pop(lora_int_id, None)
+        if slot is not None:
+            self._slots[slot] = None
+            for layer in self.targets.values():
+                layer.reset_lora(slot)
+        return True
+
+    def list_adapters(self) -> dict[int, LoRARequest]:
+        """The adapters in host memory: lora_int_id -> its LoRARequest (least recently used first)."""
+        return {i: req for i, (req, _) in self._adapters.items()}
+
+    def slot_of(self, lora_int_id: int) -> int | None:
+        """The device slot holding the adapter, or None."""
+        return self._slot_lru.get(lora_int_id)
+
+    # -- per step ---------------------------------------------------------------------------------------------
+    def prepare_step(self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None) -> torch.Tensor:
+        """Slots for one step. `adapters[i]`: request i's LoRARequest (added if not held), a held lora_int_id, or
+        None / 0 for the base model, in batch order; `num_tokens[i]`: its scheduled tokens (None: `adapters` is
+        per token). Returns `token_slots [T]` int64 on the model's device (-1: base). ValueError when the step
+        uses more than max_loras distinct adapters or an unknown id."""
+        ids = [_ref_id(a) for a in adapters]
+        distinct = list(dict.fromkeys(i for i in ids if i))
+        if len(distinct) > self.max_loras:
+            raise ValueError(f"a step uses {len(distinct)} distinct LoRA adapters, more than max_loras "
+                             f"({self.max_loras})")
+        for i in distinct:  # touch the held ones first, so loading the others evicts none of this step's
+            if i in self._adapters:
+                self._adapters.move_to_end(i)
+        for a in adapters:
+            self._id_of(a)  # loads a LoRARequest not held; an unknown bare id is a ValueError
+        slot_of = {i: self._activate(i, distinct) for i in distinct}
+        slots = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int64)  # [B] or [T]
+        if num_tokens is not None:
+            if len(num_tokens) != len(ids):
+                raise ValueError(f"{len(ids)} adapters for {len(num_tokens)} requests")
+            slots = slots.repeat_interleave(torch.as_tensor(num_tokens, dtype=torch.int64))  # [T]
+        return slots.to(self.device)
+
+    def lora_step(self, token_slots: torch.Tensor):
+        """Context manager: the LoRA layers apply `token_slots [T]` during the block (see `layers.lora_step`)."""
+        return lora_step(token_slots)
+
+    def step(self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None):
+        """`prepare_step` + `lora_step` in one call: the runner's seam. A step without adapters sets no context
+        (the layers run as their base, adding nothing)."""
+        if not any(_ref_id(a) for a in adapters):
+            return contextlib.nullcontext()
+        return lora_step(self.prepare_step(adapters, num_tokens))
+
+    def _id_of(self, ref: AdapterRef) -> int:
+        if ref is None:
+            return 0
+        if isinstance(ref, LoRARequest):
+            if ref.lora_int_id not in self._adapters:
+                self.add_adapter(ref)
+            return ref.lora_int_id
+        if ref and ref not in self._adapters:
+            raise ValueError(f"LoRA adapter id {ref} is not loaded (add_adapter first)")
+        return int(ref)
+
+    def _activate(self, lora_int_id: int, keep: list[int]) -> int:
+        """The slot of a host adapter, loading it into a free slot or the least recently used one not in `keep`."""
+        slot = self._slot_lru.get(lora_int_id)
+        if slot is not None:
+            self._slot_lru.move_to_end(lora_int_id)
+            return slot
+        if None in self._slots:
+            slot = self._slots.index(None)
+        else:
+            victim = next(i for i in self._slot_lru if i not in keep)  # exists: len(keep) <= max_loras
+            slot = self._slot_lru.pop(victim)
+        _, adapter = self._adapters[lora_int_id]
+        by_module: dict[str, dict] = {}
+        for (module, piece), w in adapter.weights.items():
+            by_module.setdefault(module, {})[piece] = w
+        for name, layer in self.targets.items():
+            layer.set_lora(slot, by_module.get(name, {}))
+        self._slots[slot] = lora_int_id
+        self._slot_lru[lora_int_id] = slot
+        return slot
+
+
+def _ref_id(ref: AdapterRef) -> int:
+    """The lora_int_id a reference names (0: base), loading nothing."""
+    if ref is None:
+        return 0
+    return ref.lora_int_id if isinstance(ref, LoRARequest) else int(ref)
