@@ -6,7 +6,7 @@ from vlserve.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "__version__"]
 
 
 def __getattr__(name):
@@ -15,6 +15,10 @@ def __getattr__(name):
         from vlserve.llm import LLM
 
         return LLM
+    if name == "LoRARequest":  # vlserve.lora pulls in torch
+        from vlserve.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "AsyncLLM":
         from vlserve.engine.async_llm import AsyncLLM
 
