@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.multimodal.mm_server import assert_server_image_parity
 from tests.multimodal.test_gemma3_vlm import MAX_NEW, Gemma3Oracle, _cases, _img, _run
 from vlserve import LLM
-from vlserve.testing.hf_oracle import data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -106,23 +106,7 @@ def test_item_longer_than_step_budget_is_refused(g3_dir, oracle, expected):
 
 
 def test_server_image_url_parity_with_hf(g3_dir, oracle, expected):
-    from tests.api.conftest import start_server
-    from vlserve.config import EngineArgs
-
     _, text, imgs, _ = _cases(oracle)[1]
-    url = data_url(imgs[0])
-    served = start_server(EngineArgs(model=g3_dir, served_model_name="tiny-gemma3", dtype="float32",
-                                     num_kv_blocks=128, max_num_batched_tokens=ITEM + 4))
-    try:
-        r = served.client.chat.completions.create(
-            model="tiny-gemma3", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}])
-        tok = oracle.processor.tokenizer
-        # a stream ending inside a UTF-8 sequence holds that partial character back
-        want = tok.decode(expected[1][1], skip_special_tokens=True).rstrip("\ufffd")
-        assert r.choices[0].message.content.rstrip("\ufffd") == want and want
-        assert r.usage.prompt_tokens == len(expected[1][0]) == oracle.inputs(text, imgs)["input_ids"].shape[1]
-        served.wait_idle()
-    finally:
-        served.close()
+    assert len(expected[1][0]) == oracle.inputs(text, imgs)["input_ids"].shape[1]
+    assert_server_image_parity(g3_dir, imgs[0], expected[1][1], oracle.processor.tokenizer, len(expected[1][0]),
+                               MAX_NEW, "tiny-gemma3", max_num_batched_tokens=ITEM + 4)

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
+from tests.multimodal.mm_server import assert_server_image_parity
 from vlserve import LLM, SamplingParams
 from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
 
@@ -165,26 +166,9 @@ def test_prefix_caching_and_encoder_cache(m3_dir, oracle, expected):
 
 
 def test_server_image_url_parity_with_hf(m3_dir, oracle, expected):
-    from tests.api.conftest import start_server
-    from vlserve.config import EngineArgs
-
     _, text, imgs = _cases(oracle)[0]
-    url = data_url(imgs[0])
-    served = start_server(EngineArgs(model=m3_dir, served_model_name="tiny-mistral3", dtype="float32",
-                                     num_kv_blocks=128, max_num_batched_tokens=16))
-    try:
-        r = served.client.chat.completions.create(
-            model="tiny-mistral3", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}])
-        tok = oracle.processor.tokenizer
-        # a stream ending inside a UTF-8 sequence holds that partial character back
-        want = tok.decode(expected[0][1], skip_special_tokens=True).rstrip("\ufffd")
-        assert r.choices[0].message.content.rstrip("\ufffd") == want and want
-        assert r.usage.prompt_tokens == oracle.inputs(text, imgs)["input_ids"].shape[1]
-        served.wait_idle()
-    finally:
-        served.close()
+    assert_server_image_parity(m3_dir, imgs[0], expected[0][1], oracle.processor.tokenizer,
+                               oracle.inputs(text, imgs)["input_ids"].shape[1], MAX_NEW, "tiny-mistral3")
 
 
 

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image, rand_video
+from tests.multimodal.mm_server import assert_server_image_parity
 from vlserve import LLM, SamplingParams
 from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
 from vlserve.testing.qwen3_vl_checkpoints import trained_video_layout
@@ -177,26 +178,9 @@ def test_tensor_parallel_2_matches_hf(q3_dir, oracle, expected):
 
 
 def test_server_image_url_parity_with_hf(q3_dir, oracle, expected):
-    from tests.api.conftest import start_server
-    from vlserve.config import EngineArgs
-
     _, text, imgs, _ = _cases(oracle)[0]
-    url = data_url(imgs[0])
-    served = start_server(EngineArgs(model=q3_dir, served_model_name="tiny-qwen3-vl", dtype="float32",
-                                     num_kv_blocks=128, max_num_batched_tokens=16))
-    try:
-        r = served.client.chat.completions.create(
-            model="tiny-qwen3-vl", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}])
-        tok = oracle.processor.tokenizer
-        # a stream ending inside a UTF-8 sequence holds that partial character back
-        want = tok.decode(expected[0], skip_special_tokens=True).rstrip("\ufffd")
-        assert r.choices[0].message.content.rstrip("\ufffd") == want and want
-        assert r.usage.prompt_tokens == oracle.inputs(text, imgs)["input_ids"].shape[1]
-        served.wait_idle()
-    finally:
-        served.close()
+    assert_server_image_parity(q3_dir, imgs[0], expected[0], oracle.processor.tokenizer,
+                               oracle.inputs(text, imgs)["input_ids"].shape[1], MAX_NEW, "tiny-qwen3-vl")
 
 
 def test_eagle_over_qwen3_vl_keeps_greedy_output(tmp_path_factory):

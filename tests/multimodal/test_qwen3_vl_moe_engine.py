@@ -8,10 +8,10 @@ import pytest
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
+from tests.multimodal.mm_server import assert_server_image_parity
 from tests.multimodal.test_qwen3_vl import MAX_NEW, Qwen3Oracle, _cases, _greedy, _run
 from tests.multimodal.test_qwen3_vl_moe import MOE
 from vlserve import LLM
-from vlserve.testing.hf_oracle import data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -65,23 +65,6 @@ def test_chunked_prefill_8_with_forced_preemption(moe_dir, oracle, expected):
 
 
 def test_server_image_url_parity_with_hf(moe_dir, oracle, expected):
-    from tests.api.conftest import start_server
-    from vlserve.config import EngineArgs
-
     _, text, imgs, _ = _image_cases(oracle)[0]
-    url = data_url(imgs[0])
-    served = start_server(EngineArgs(model=moe_dir, served_model_name="tiny-qwen3-vl-moe", dtype="float32",
-                                     num_kv_blocks=128, max_num_batched_tokens=16))
-    try:
-        r = served.client.chat.completions.create(
-            model="tiny-qwen3-vl-moe", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}])
-        tok = oracle.processor.tokenizer
-        # a stream ending inside a UTF-8 sequence holds that partial character back
-        want = tok.decode(expected[0], skip_special_tokens=True).rstrip("\ufffd")
-        assert r.choices[0].message.content.rstrip("\ufffd") == want and want
-        assert r.usage.prompt_tokens == oracle.inputs(text, imgs)["input_ids"].shape[1]
-        served.wait_idle()
-    finally:
-        served.close()
+    assert_server_image_parity(moe_dir, imgs[0], expected[0], oracle.processor.tokenizer,
+                               oracle.inputs(text, imgs)["input_ids"].shape[1], MAX_NEW, "tiny-qwen3-vl-moe")

