@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from conftest import TEXT_ENGINE_KW, start_server
+from tests.api.conftest import TEXT_ENGINE_KW, start_server
 
 PROMPT = "the quick brown fox jumps over"
 LORA_KW = dict(enable_lora=True, max_loras=2, max_lora_rank=8)

@@ -1,32 +1,10 @@
-"""Helpers for the LoRA tests: tiny checkpoints (built once per session), random PEFT adapters over them, the HF
-reference and our model with a LoRAModelManager."""
+"""The LoRA tests' session fixture: tiny checkpoints, built once per arch (helpers: lora_helpers.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
-from vlserve.models import load_model
 from vlserve.testing.checkpoints import build_text_checkpoint
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def hf_model(model_dir: str):
-    """The HF reference (float32, eager attention, eval)."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def make_adapter(model_dir: str, out_dir: str, targets=ALL, r: int = 4, alpha: float = 8, seed: int = 0, **kw):
-    """Save a random PEFT adapter (B not zero: init_lora_weights=False) over `model_dir` to `out_dir`; returns
-    `(out_dir, the PeftModel)` (the reference forward)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0, **kw)
-    peft_model = get_peft_model(hf_model(model_dir), cfg).eval()
-    peft_model.save_pretrained(out_dir)
-    return str(out_dir), peft_model
 
 
 @pytest.fixture(scope="session")
@@ -41,8 +19,3 @@ def checkpoint(tmp_path_factory):
         return cache[arch]
 
     return get
-
-
-def our_model(model_dir: str, hf_config):
-    """Our float32 CPU model of the checkpoint."""
-    return load_model(model_dir, hf_config, torch.float32, "cpu")

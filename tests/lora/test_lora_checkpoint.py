@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from vlserve.lora import LoRAModelManager, LoRARequest, load_peft_adapter
 from vlserve.testing.checkpoints import build_text_checkpoint
 
-from conftest import ALL, make_adapter, our_model
+from tests.lora.lora_helpers import ALL, make_adapter, our_model
 
 
 @pytest.fixture(scope="module")

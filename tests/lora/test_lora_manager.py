@@ -9,7 +9,7 @@ from vlserve.lora import LoRAModelManager, LoRARequest
 from vlserve.lora.layers import LoRALayerMixin
 from vlserve.testing.paged_runner import PagedRunner
 
-from conftest import ALL, make_adapter, our_model
+from tests.lora.lora_helpers import ALL, make_adapter, our_model
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 
