@@ -12,10 +12,9 @@ beam-step would recompute its whole prompt. Ratios compare engines in the same r
 from __future__ import annotations
 
 import argparse
-import sys
 
-from vlserve.bench.offline_case import run_script
-from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE, build_random_model, make_prompts
+from vlserve.bench.offline_case import add_case_args, case_setup, run_engines
+from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE
 
 _CASE = r"""
 import json, sys, time
@@ -59,28 +58,12 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--vllm-python", help="python of a venv with vLLM-CPU")
+    add_case_args(p, num_prompts=8, input_len=200, output_len=32)
     p.add_argument("--beam-width", type=int, default=4)
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=200)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    model = args.model or build_random_model(args)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
-    cfg = dict(prompts=make_prompts(args.num_prompts, args.input_len, vocab, args.seed), dtype=args.dtype,
-               output_len=args.output_len, beam_width=args.beam_width, repeats=args.repeats,
-               max_model_len=args.input_len + args.output_len + 8, vllm_block_size=VLLM_CPU_BLOCK_SIZE)
-    results = {"vlserve": run_script(sys.executable, _CASE, "vlserve", model, cfg)}
-    if args.vllm_python:
-        results["vllm"] = run_script(args.vllm_python, _CASE, "vllm", model, cfg)
+    model, cfg = case_setup(args)
+    cfg.update(beam_width=args.beam_width, vllm_block_size=VLLM_CPU_BLOCK_SIZE)
+    results = run_engines(_CASE, model, cfg, args.vllm_python)
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, beam width "
           f"{args.beam_width}, {args.dtype}, model {model}")
     print("| engine | greedy s | beam search s | beam / greedy |")

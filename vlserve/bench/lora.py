@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
-from vlserve.bench.offline_case import run_script
-from vlserve.bench.throughput import build_random_model, make_prompts
+from vlserve.bench.offline_case import add_case_args, case_setup, run_engines
 
 _CASE = r"""
 import json, sys, time
@@ -73,29 +71,12 @@ def build_adapters(model: str, out_dir: str, rank: int, n: int = 4) -> list[str]
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--vllm-python", help="python of a venv with vLLM-CPU")
+    add_case_args(p, num_prompts=32, input_len=64, output_len=64)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    model = args.model or build_random_model(args)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
-    adapters = build_adapters(model, tempfile.mkdtemp(prefix="vlserve-lora-"), args.rank)
-    cfg = dict(prompts=make_prompts(args.num_prompts, args.input_len, vocab, args.seed), dtype=args.dtype,
-               output_len=args.output_len, repeats=args.repeats, rank=args.rank, adapters=adapters,
-               max_model_len=args.input_len + args.output_len + 8)
-    results = {"vlserve": run_script(sys.executable, _CASE, "vlserve", model, cfg)}
-    if args.vllm_python:
-        results["vllm"] = run_script(args.vllm_python, _CASE, "vllm", model, cfg)
+    model, cfg = case_setup(args)
+    cfg.update(rank=args.rank, adapters=build_adapters(model, tempfile.mkdtemp(prefix="vlserve-lora-"), args.rank))
+    results = run_engines(_CASE, model, cfg, args.vllm_python)
     print(f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, 4 adapters of rank "
           f"{args.rank} on all projections, {args.dtype}, model {model}")
     print("| engine | base, no LoRA (tok/s) | base on the LoRA engine | 4 adapters mixed | mixed / base |")

