@@ -186,12 +186,15 @@ class KVCacheManager:
         null = self.pool.null_block
         for g in self._dropping:
             group_blocks = blocks[g]
-            gone = [i for i in range(min(self._first_in_window(g, num_computed), len(group_blocks)))
-                    if group_blocks[i] is not null]
+            # the dropped blocks are always a leading run: walk back from the window's edge to the last one dropped
+            i = min(self._first_in_window(g, num_computed), len(group_blocks)) - 1
+            gone = []
+            while i >= 0 and group_blocks[i] is not null:
+                gone.append(group_blocks[i])
+                group_blocks[i] = null
+                i -= 1
             if gone:
-                self.pool.free_blocks([group_blocks[i] for i in reversed(gone)])
-                for i in gone:
-                    group_blocks[i] = null
+                self.pool.free_blocks(gone)  # the block nearest the window first, as before
 
     def _cache_full_blocks(self, request: Request, blocks: GroupBlocks, num_tokens: int) -> None:
         self._update_block_hashes(request, num_tokens)
