@@ -14,10 +14,11 @@ def test_token_runs_finds_maximal_runs():
     assert token_runs([IMG, IMG], IMG) == [(0, 1)]
 
 
-def _limits(runs_per_row, starts, q_lens, pad=0):
+def _limits(runs_per_row, starts, q_lens):
     starts, q_lens = np.array(starts, dtype=np.int64), np.array(q_lens, dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(q_lens)])
-    out = step_key_limits(runs_per_row, starts, q_lens, cu, int(q_lens.sum()) + pad, torch.device("cpu"))
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])  # [T], as InputBatch's
+    out = step_key_limits(runs_per_row, starts, q_lens, cu, positions, torch.device("cpu"))
     return None if out is None else out.tolist()
 
 
@@ -28,8 +29,8 @@ def test_decodes_and_text_only_prefills_need_no_limits():
 
 def test_limits_raise_tokens_of_a_run_to_its_last_position():
     # a decode (position 7) then a prefill of positions 0..7 with a run at 2..4 and a one-token run at 6
-    got = _limits([[(0, 1)], [(2, 4), (6, 6)]], [7, 0], [1, 8], pad=2)
-    assert got == [7] + [0, 1, 4, 4, 4, 5, 6, 7] + [0, 0]
+    got = _limits([[(0, 1)], [(2, 4), (6, 6)]], [7, 0], [1, 8])
+    assert got == [7] + [0, 1, 4, 4, 4, 5, 6, 7]
 
 
 def test_a_chunk_starting_inside_a_run_keeps_the_whole_rest():

@@ -29,8 +29,9 @@ def token_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
 
 
 def step_key_limits(runs_per_row: list[list[tuple[int, int]]], starts: np.ndarray, q_lens: np.ndarray,
-                    cu: np.ndarray, num_tokens: int, device: torch.device) -> torch.Tensor | None:
-    """The step's key limits `[num_tokens]` int64, or None when no row's window reaches a run (causal everywhere).
+                    cu: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor | None:
+    """The step's key limits `[T]` int64 (`positions [T]`: each flat token's own position, the step's), or None
+    when no row's window reaches a run (causal everywhere).
 
     Row i's tokens sit at flat indices cu[i] .. cu[i] + q_lens[i] - 1 and positions starts[i] + j. ValueError when a
     run ends past the row's window (its last keys would not be written yet: the scheduler split it)."""
@@ -46,17 +47,8 @@ def step_key_limits(runs_per_row: list[list[tuple[int, int]]], starts: np.ndarra
                 raise ValueError(f"an image run at positions {first}..{last} is cut by the step's window "
                                  f"{s}..{s + n - 1}; bidirectional image attention needs the whole run in one step")
             if limits is None:
-                limits = _own_positions(starts, q_lens, num_tokens)
+                limits = positions.astype(np.int64, copy=True)
             lo = max(first, s)
             limits[row + lo - s: row + last - s + 1] = last
     return None if limits is None else torch.from_numpy(limits).to(device)
 
-
-def _own_positions(starts: np.ndarray, q_lens: np.ndarray, num_tokens: int) -> np.ndarray:
-    """Each flat token's own position `[num_tokens]` int64 (padding rows past the batch: 0)."""
-    out = np.zeros(num_tokens, dtype=np.int64)
-    total = int(q_lens.sum())
-    row_of = np.repeat(np.arange(len(q_lens)), q_lens)  # [total]
-    offsets = np.arange(total) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
-    out[:total] = starts[row_of] + offsets
-    return out

@@ -293,7 +293,7 @@ class ModelRunner:
                                         self.attn_workspace)
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
         if self.bidirectional_token_id is not None:
-            limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, input_ids.shape[0], self.device)
+            limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, step.positions_np, self.device)
             md.set_key_limits(limits)
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
