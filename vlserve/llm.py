@@ -50,17 +50,7 @@ class LLM:
         item is `(np.ndarray, sample_rate)`, encoded bytes, a path or a data URL. `lora_request`: the LoRA adapter
         every prompt runs with, or one per prompt (None: the base model); needs `enable_lora=True`.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        for name, media in (("images", images), ("videos", videos), ("audios", audios)):
-            if media is not None and len(media) != len(prompts):
-                raise ValueError(f"{name} must have one entry per prompt ({len(prompts)}), got {len(media)}")
-        processed = [self.input_processor.process_prompt(
-            p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
-            mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i])
-            for i, p in enumerate(prompts)]
+        processed = self._process_prompts(prompts, images, videos, audios, mm_processor_kwargs)
         return self._run(processed, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -81,22 +71,30 @@ class LLM:
                      for c in conversations]
         return self._run(processed, sampling_params, use_tqdm, lora_request)
 
+    def _process_prompts(self, prompts: Any, images: list | None, videos: list | None, audios: list | None,
+                         mm_processor_kwargs: dict | None, conversations: bool = False) -> list[ProcessedPrompt]:
+        """One prompt or a list of them, processed; `images`/`videos`/`audios` hold one entry per prompt. With
+        `conversations`, a list of message dicts is a conversation, through the chat template."""
+        if _one_prompt(prompts, conversations):
+            prompts = [prompts]
+        prompts = list(prompts)
+        for name, media in (("images", images), ("videos", videos), ("audios", audios)):
+            if media is not None and len(media) != len(prompts):
+                raise ValueError(f"{name} must have one entry per prompt ({len(prompts)}), got {len(media)}")
+        return [self.input_processor.process_chat(p, mm_processor_kwargs)
+                if conversations and _is_conversation(p) else self.input_processor.process_prompt(
+                    p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
+                    mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i])
+                for i, p in enumerate(prompts)]
+
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False,
                     images: list | None = None, videos: list | None = None, audios: list | None = None,
                     mm_processor_kwargs: dict | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: per prompt (a string, token ids, a {"prompt", "multi_modal_data"} dict, or an
         OpenAI-format conversation: a list of message dicts), the `params.beam_width` best beams, best first, each
         with its tokens (prompt + generated), text and cumulative logprob (vlserve.beam_search)."""
-        if _one_prompt(prompts):
-            prompts = [prompts]
-        processed = []
-        for i, p in enumerate(prompts):
-            if _is_conversation(p):
-                processed.append(self.input_processor.process_chat(p, mm_processor_kwargs))
-            else:
-                processed.append(self.input_processor.process_prompt(
-                    p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
-                    mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i]))
+        processed = self._process_prompts(prompts, images, videos, audios, mm_processor_kwargs,
+                                          conversations=True)
         max_len = self.engine.max_model_len
         for proc in processed:
             if len(proc.prompt_token_ids) + params.max_tokens > max_len:
@@ -190,7 +188,8 @@ def _is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
 
 
-def _one_prompt(prompts: Any) -> bool:
-    """Whether `prompts` is one prompt (a string, a dict, token ids, a conversation) rather than a list of them."""
-    return (isinstance(prompts, (str, dict)) or _is_conversation(prompts)
+def _one_prompt(prompts: Any, conversations: bool) -> bool:
+    """Whether `prompts` is one prompt (a string, a dict, token ids, with `conversations` a conversation) rather
+    than a list of them."""
+    return (isinstance(prompts, (str, dict)) or (conversations and _is_conversation(prompts))
             or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
