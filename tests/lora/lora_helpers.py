@@ -29,3 +29,20 @@ def make_adapter(model_dir: str, out_dir: str, targets=ALL, r: int = 4, alpha: f
 def our_model(model_dir: str, hf_config):
     """Our float32 CPU model of the checkpoint."""
     return load_model(model_dir, hf_config, torch.float32, "cpu")
+
+
+def hf_vlm_greedy(model_dir: str, adapter_dir: str | None, text: str, image, max_new: int):
+    """HF (+ PEFT merged when `adapter_dir`) greedy on one image prompt, EOS ignored -> (prompt ids, new ids)."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from vlserve.multimodal.processor import load_hf_processor
+    from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
+    inputs = load_hf_processor(model_dir)(text=[text], images=[image], return_tensors="pt")
+    out = hf_greedy_ignoring_eos(model, inputs, max_new)
+    n = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()

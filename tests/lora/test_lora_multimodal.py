@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.lora.lora_helpers import hf_vlm_greedy
 from tests.multimodal.mm_media import rand_image
 from vlserve import LLM, SamplingParams
 from vlserve.lora import LoRARequest
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
 
 MAX_NEW = 8
 LM_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -37,21 +37,6 @@ def llava(tmp_path_factory):
     return model_dir, str(root / "adapter")
 
 
-def hf_greedy(model_dir: str, adapter_dir: str | None, text: str, image) -> tuple[list[int], list[int]]:
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    from vlserve.multimodal.processor import load_hf_processor
-
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
-    inputs = load_hf_processor(model_dir)(text=[text], images=[image], return_tensors="pt")
-    out = hf_greedy_ignoring_eos(model, inputs, MAX_NEW)
-    n = inputs["input_ids"].shape[1]
-    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
-
-
 def test_image_prompts_with_an_adapter_match_hf_peft(llava):
     from vlserve.multimodal.processor import load_hf_processor
 
@@ -66,7 +51,7 @@ def test_image_prompts_with_an_adapter_match_hf_peft(llava):
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False,
                         lora_request=[r for _, r in batch])
     for (img, r), out in zip(batch, outs):
-        prompt_ids, new = hf_greedy(model_dir, adapter_dir if r else None, text, img)
+        prompt_ids, new = hf_vlm_greedy(model_dir, adapter_dir if r else None, text, img, MAX_NEW)
         assert out.prompt_token_ids == prompt_ids
         assert list(out.outputs[0].token_ids) == new, "adapter" if r else "base"
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids  # the adapter changes the output

@@ -67,7 +67,7 @@ def test_encoder_embeddings_match_hf(audio_dir, oracle, llm):
     proc = llm.engine_loop.core.loaded.mm_processor
     ids, feats = proc.process(oracle.processor.tokenizer(text)["input_ids"], audios=pair)
     assert ids == inputs["input_ids"][0].tolist()
-    from vlserve.worker.model_runner import concat_mm_data
+    from vlserve.worker.encoder_runs import concat_mm_data
     model = llm.engine_loop.core.loaded.model
     ours = model.embed_multimodal("audio", concat_mm_data([f.data for f in feats]))
     assert ours.shape == hf_rows.shape and ours.shape[0] == 12 + 75  # 25 tokens a second

@@ -9,6 +9,7 @@ from vlserve.engine.chat import (CONTENT_FORMATS, default_media_source, parse_ch
                                  to_content_format)
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
+from vlserve.lora.peft_checkpoint import adapter_targets_encoder
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.shorten import shorten
 from vlserve.sampling_params import SamplingParams
@@ -164,9 +165,13 @@ class InputProcessor:
     def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                             arrival_time: float, lora_request: Any = None) -> EngineCoreRequest:
         """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint) and the LoRA adapter
-        it runs with (None: the base model)."""
+        it runs with (None: the base model). An adapter with tower / projector weights makes the items' embeddings
+        its own: their mm_hash gains `:lora:<id>`, so the encoder cache never mixes them with the base's."""
         params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
-        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time,
-                                 processed.mm_features, lora_request)
+        features = processed.mm_features
+        if lora_request is not None and features and adapter_targets_encoder(lora_request.lora_path):
+            features = [replace(f, mm_hash=f"{f.mm_hash}:lora:{lora_request.lora_int_id}") for f in features]
+        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time, features,
+                                 lora_request)

@@ -15,7 +15,10 @@ adapters at max_loras and block hashes carry "lora:<id>". `EngineCore.add_lora` 
 every rank when a request (or the server) first names it, so a bad adapter fails the request, not a step; a step
 that meets an adapter evicted from the host LRU reloads it synchronously. LoRA engines run eager (no compile, no
 CUDA graphs); spec-decode drafts (n-gram, EAGLE) come from the base model and the adapter model verifies them.
-Not yet: tower LoRA, tensor parallel, async scheduling, graph-captured LoRA, loading off the step loop.
+Tower LoRA: an adapter may also target the linears of a multimodal model's tower and projector; the runner
+encodes its items in their own encoder run (`LoRAModelManager.encoder_step`) and the input processor keys their
+mm_hash by the adapter, so the encoder cache never serves one adapter's embeddings to another.
+Not yet: tensor parallel, async scheduling, graph-captured LoRA, loading off the step loop.
 """
 from vlserve.lora.layers import current_lora_step, lora_step
 from vlserve.lora.model_manager import LoRAModelManager

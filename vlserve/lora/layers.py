@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from vlserve.distributed.communication import tp_all_reduce
 from vlserve.kernels.cpu_linear import PANEL, cpu_linear_silu_mul
+from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.lora.punica_ref import add_lora_grouped, take_rows, token_groups
 from vlserve.models.layers import GatedMLP
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -33,9 +34,10 @@ from vlserve.models.parallel_layers import MergedColumnParallelLinear, QKVParall
 @dataclass(frozen=True)
 class LoRAStep:
     """What every LoRA layer reads during one forward: `token_slots [T]` int64 (-1: no adapter) and its groups
-    `((slot, rows), ...)` (see `punica_ref.token_groups`), computed once per step."""
+    `((slot, rows), ...)` (see `punica_ref.token_groups`), computed once per step. An encoder run has one adapter
+    for all its rows, whatever their count: `token_slots` None and one group `(slot, slice(None))`."""
 
-    token_slots: torch.Tensor
+    token_slots: torch.Tensor | None
     groups: tuple
 
 
@@ -47,6 +49,17 @@ def lora_step(token_slots: torch.Tensor):
     """Make `token_slots [T]` (int64, one device slot per token, -1 = base) what the LoRA layers apply during the
     block (mirrors `kernels.attention_op.attention_step`)."""
     _current.append(LoRAStep(token_slots, token_groups(token_slots)))
+    try:
+        yield _current[-1]
+    finally:
+        _current.pop()
+
+
+@contextlib.contextmanager
+def uniform_lora_step(slot: int):
+    """Make `slot` the adapter of every row the LoRA layers see during the block (an encoder run: the tower's
+    items all belong to requests of one adapter)."""
+    _current.append(LoRAStep(None, ((slot, slice(None)),)))
     try:
         yield _current[-1]
     finally:
@@ -192,15 +205,35 @@ class GatedMLPWithLoRA(GatedMLP):
         return self.down_proj(act)
 
 
+class LinearWithLoRA(LoRALayerMixin, PackableLinear):
+    """A vision / audio tower's or a projector's linear with LoRA: one output slice (the whole output), inputs of
+    any leading shape (`[..., I]`), never sharded (the encoder parts are replicated under tensor parallelism)."""
+
+    base_class = PackableLinear
+
+    def checkpoint_out_rows(self, piece: str) -> tuple[int, int, int | None]:
+        return 0, self.out_features, self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., I] -> [..., O] (+ delta on the step's adapter rows)
+        out = self.matmul(x, self.bias)
+        groups = self.lora_groups(current_lora_step())
+        if groups:
+            self.add_lora(x.reshape(-1, self.in_features), out.view(-1, self.out_features), groups)  # [R, I] -> [R, O]
+        return out
+
+
 _LORA_CLASSES = {QKVParallelLinear: QKVParallelLinearWithLoRA,
                  MergedColumnParallelLinear: MergedColumnParallelLinearWithLoRA,
-                 RowParallelLinear: RowParallelLinearWithLoRA}
+                 RowParallelLinear: RowParallelLinearWithLoRA,
+                 PackableLinear: LinearWithLoRA}
 
 
 def wrap_layer(module: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
                pieces: tuple[str, ...] | None = None):
     """Turn a decoder linear into its LoRA class in place (same module, same parameters) with zeroed slots;
-    `pieces` names its output slices (default: a fused layer's pieces). ValueError for other layer types."""
+    `pieces` names its output slices (default: a fused layer's pieces; an encoder linear needs them given).
+    ValueError for other layer types."""
     cls = _LORA_CLASSES.get(type(module))
     if cls is None:
         raise ValueError(f"LoRA is not supported on {type(module).__name__}")

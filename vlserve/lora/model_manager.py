@@ -7,6 +7,11 @@ decoder's qkv_proj / o_proj / gate_up_proj / down_proj (and each dense GatedMLP)
 `prepare_step(adapters per request, tokens per request)` gives every adapter of the step a slot (loading it,
 evicting the least recently used slot no request of this step needs) and returns the per-token slots, which
 `lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
+
+Tower LoRA: on a multimodal model an adapter may also target the linears of the vision / audio tower and the
+projector. Those linears become LoRA layers the first time an adapter names them (so an engine whose adapters
+never do pays nothing there), and `encoder_step(adapter)` makes that adapter apply to every row of an encoder run
+(the runner encodes each adapter's items apart; their embeddings are cached under adapter-specific keys).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from vlserve.lora.layers import LoRALayerMixin, lora_step, unwrap, wrap_layer, wrap_mlp
+from vlserve.lora.layers import LoRALayerMixin, lora_step, uniform_lora_step, unwrap, wrap_layer, wrap_mlp
 from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter
 from vlserve.lora.request import LoRARequest
 from vlserve.models.layers import GatedMLP
@@ -77,11 +82,42 @@ class LoRAModelManager:
         if request.lora_int_id in self._adapters:
             self._adapters.move_to_end(request.lora_int_id)
             return False
-        adapter = load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id)
+        encoder_target = self._encoder_target if hasattr(self.model, "encoder_linear_name") else None
+        adapter = load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id,
+                                    encoder_target)
         while len(self._adapters) >= self.max_cpu_loras:
             self.remove_adapter(next(iter(self._adapters)))
         self._adapters[request.lora_int_id] = (request, adapter)
         return True
+
+    def _encoder_target(self, hf_module: str) -> tuple[str, LoRALayerMixin] | None:
+        """A PEFT module name of the model's encoder parts -> (our linear's name, its LoRA layer, wrapped now if it
+        was not yet), or None when the model has no such linear."""
+        name = self.model.encoder_linear_name(hf_module)
+        if name is None:
+            return None
+        if name not in self.targets:
+            module = self.model.get_submodule(name)
+            weight = module.packed_weight if module.packed_weight is not None else module.weight
+            self.targets[name] = wrap_layer(module, self.max_loras, self.max_lora_rank, weight.dtype, weight.device,
+                                            (name.rpartition(".")[2],))
+            self._wrapped.append(module)
+        return name, self.targets[name]
+
+    def touches_encoder(self, adapter: AdapterRef) -> bool:
+        """Whether the adapter (loaded now if it is a LoRARequest not held) changes a tower or projector linear."""
+        lora_id = self._id_of(adapter)
+        return bool(lora_id) and bool(self._adapters[lora_id][1].encoder_modules)
+
+    def encoder_step(self, adapter: AdapterRef, keep: Sequence[AdapterRef] = ()):
+        """Context manager for one encoder run of `adapter`'s items: the tower / projector LoRA layers apply its
+        slot to every row (nothing for the base or an adapter without encoder weights). `keep`: the step's other
+        adapters, whose slots are not evicted to make room."""
+        if not self.touches_encoder(adapter):
+            return contextlib.nullcontext()
+        lora_id = _ref_id(adapter)
+        keep_ids = list(dict.fromkeys([lora_id] + [i for i in map(_ref_id, keep) if i]))
+        return uniform_lora_step(self._activate(lora_id, keep_ids))
 
     def remove_adapter(self, lora_int_id: int) -> bool:
         """Drop an adapter from host memory and its device slot; False if it was not held."""

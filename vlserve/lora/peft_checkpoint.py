@@ -12,6 +12,10 @@ projections maps onto one of our modules: q/k/v_proj -> a slice of `self_attn.qk
 (qkv_proj, gate_up_proj) reads A whole and its rank's rows of B; a row-parallel one (o_proj, down_proj) its rank's
 columns of A and B whole (the partial deltas are summed with the base output). The target layer object says which
 rows and columns (`vlserve.lora.layers.LoRALayerMixin`), so this module knows no model class.
+
+On a multimodal model an adapter may also target linears of the vision / audio tower and the projector (tower
+LoRA): the caller passes `encoder_target`, which maps such a PEFT module name onto our linear (or None), and
+each of those is one whole-output slice named by its leaf (`qkv`, `fc1`, `linear_1`, ...).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -114,6 +118,7 @@ class LoRAAdapter:
     lora_int_id: int
     config: PeftLoRAConfig
     weights: dict[tuple[str, str], LoRAWeights]
+    encoder_modules: frozenset[str] = frozenset()  # our tower / projector linears it changes (tower LoRA)
 
     @property
     def rank(self) -> int:
@@ -136,6 +141,27 @@ def read_peft_files(path: str) -> tuple[PeftLoRAConfig, dict[str, torch.Tensor]]
     with open(cfg_path) as f:
         config = PeftLoRAConfig.from_dict(json.load(f), cfg_path)
     return config, load_file(w_path)
+
+
+_ENCODER_TOUCH_CACHE: dict[tuple[str, int], bool] = {}
+
+
+def adapter_targets_encoder(path: str) -> bool:
+    """Whether the adapter at `path` holds weights outside the text decoder (a tower or projector: its image
+    embeddings then depend on the adapter); reads only the safetensors header, cached per (path, mtime). False
+    when the file cannot be read (loading it reports that)."""
+    from safetensors import safe_open
+
+    w_path = os.path.join(path, WEIGHTS_FILE)
+    try:
+        key = (w_path, os.stat(w_path).st_mtime_ns)
+    except OSError:
+        return False
+    if key not in _ENCODER_TOUCH_CACHE:
+        with safe_open(w_path, framework="pt") as f:
+            modules = {m["module"] for m in map(_KEY.match, f.keys()) if m is not None}
+        _ENCODER_TOUCH_CACHE[key] = any(decoder_module_of(m) is None for m in modules)
+    return _ENCODER_TOUCH_CACHE[key]
 
 
 def decoder_module_of(module_key: str) -> str | None:
@@ -162,16 +188,22 @@ def _check_targets(config: PeftLoRAConfig, where: str) -> None:
                          f"projections only ({', '.join(PROJECTIONS)})")
 
 
+EncoderTarget = Callable[[str], "tuple[str, object] | None"]
+
+
 def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: int,
-                      lora_int_id: int = 0) -> LoRAAdapter:
+                      lora_int_id: int = 0, encoder_target: EncoderTarget | None = None) -> LoRAAdapter:
     """Parse the PEFT adapter at `path` onto `targets` (decoder-relative module name -> LoRA-capable layer, see
     `vlserve.lora.layers`), slicing A and B for this tensor-parallel rank and folding the scaling into B.
+    `encoder_target(PEFT module name)` -> `(our module name, its LoRA layer)` or None resolves the modules outside
+    the decoder (a multimodal model's tower and projector); without it those are refused.
 
     ValueError: missing files, unsupported config fields, modules outside the decoder's projections (named),
     modules the model has no LoRA layer for, a rank above `max_lora_rank`, A/B shapes that do not fit the base.
     """
     config, tensors = read_peft_files(path)
-    _check_targets(config, path)
+    if encoder_target is None:
+        _check_targets(config, path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     others = []
     for name, tensor in tensors.items():
@@ -184,16 +216,26 @@ def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: i
         raise ValueError(f"LoRA adapter {path!r}: unsupported tensors {sorted(others)[:5]} (only lora_A / lora_B "
                          "weights of linear projections are supported)")
     outside = sorted(k for k in pairs if decoder_module_of(k) is None)
-    if outside:
-        raise ValueError(f"LoRA adapter {path!r} targets modules outside the text decoder's projections: "
-                         f"{outside[:6]}{' ...' if len(outside) > 6 else ''} (LoRA on vision towers, projectors, "
-                         "embeddings and lm_head is not supported)")
+    encoder = {k: encoder_target(k) for k in outside} if encoder_target is not None else {}
+    unresolved = [k for k in outside if encoder.get(k) is None]
+    if unresolved:
+        where = ("the text decoder's projections or a linear of the vision / audio tower or projector"
+                 if encoder_target is not None else "the text decoder's projections")
+        raise ValueError(f"LoRA adapter {path!r} targets modules outside {where}: {unresolved[:6]}"
+                         f"{' ...' if len(unresolved) > 6 else ''} (LoRA on embeddings, lm_head"
+                         f"{'' if encoder_target is not None else ', vision towers, projectors'} and non-linear "
+                         "layers is not supported)")
     if not pairs:
         raise ValueError(f"LoRA adapter {path!r} holds no lora_A / lora_B weights")
     weights: dict[tuple[str, str], LoRAWeights] = {}
     for key, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {path!r}: {key} has lora_{'A' if 'A' in ab else 'B'} without its pair")
+        if key in encoder:
+            ours, target = encoder[key]
+            proj = ours.rpartition(".")[2]
+            weights[(ours, proj)] = _prepare(key, ours, proj, ab["A"], ab["B"], config, target, max_lora_rank, path)
+            continue
         rel = decoder_module_of(key)
         layer_path, _, proj = rel.rpartition(".")
         ours = f"{layer_path}.{PROJECTIONS[proj][1]}"
@@ -201,7 +243,7 @@ def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: i
         if target is None:
             raise ValueError(f"LoRA adapter {path!r}: {key} has no LoRA-capable layer in this model ({ours})")
         weights[(ours, proj)] = _prepare(key, ours, proj, ab["A"], ab["B"], config, target, max_lora_rank, path)
-    return LoRAAdapter(lora_int_id, config, weights)
+    return LoRAAdapter(lora_int_id, config, weights, frozenset(ours for ours, _ in encoder.values()))
 
 
 def _prepare(key: str, module: str, piece: str, a: torch.Tensor, b: torch.Tensor, config: PeftLoRAConfig, target,

@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.hf_config import text_config_of
 from vlserve.models.causal_lm import DecoderWithLMHead
 from vlserve.models.llama import LlamaDecoderModel
@@ -75,6 +76,20 @@ class MultiModalLM(DecoderWithLMHead):
             if name.startswith(prefix):
                 return part, name[len(prefix):]
         return "", name
+
+    def encoder_linear_name(self, hf_module: str) -> str | None:
+        """A checkpoint module name of the encoder parts (e.g. `model.visual.blocks.0.attn.qkv`) -> the name of our
+        PackableLinear holding the same matrix (`visual.blocks.0.attn.qkv`), or None (a decoder module, or no such
+        linear here: a fused or renamed one). Tower LoRA maps PEFT's targets through it."""
+        part, rel = self._split_name(hf_module + ".weight")
+        if part in ("", "language_model", "lm_head") or not hasattr(self, part):
+            return None
+        rel = rel[:-len(".weight")]
+        modules = dict(getattr(self, part).named_modules())
+        for candidate in (rel, rel.removeprefix("vision_model.")):  # CLIP-style towers load without it
+            if isinstance(modules.get(candidate), PackableLinear):
+                return f"{part}.{candidate}"
+        return None
 
     def _load_extra(self, part: str, rel: str, tensor: torch.Tensor) -> str | None:
         """Hook for parts beyond the listed ones; returns the loaded name, or None for an unexpected weight."""

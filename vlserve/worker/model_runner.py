@@ -23,27 +23,14 @@ from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
 from vlserve.worker.bidirectional import step_key_limits, token_runs
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
+from vlserve.worker.encoder_runs import run_encoders
 from vlserve.worker.compiled_forward import ModelForward
 from vlserve.worker.input_batch import InputBatch
+from vlserve.worker.kv_memory import zeroed_kv_tensor
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler
 from vlserve.worker.sampler import make_generator
-
-
-def concat_mm_data(items: list[dict]) -> dict:
-    """Processed data of several items of one modality -> one dict: tensors concatenated along dim 0 (pixel rows,
-    grid rows, per-item scalars), lists joined, in item order. All items carry the same keys."""
-    if len(items) == 1:
-        return items[0]
-    merged = {}
-    for key in items[0]:
-        values = [item[key] for item in items]
-        if isinstance(values[0], torch.Tensor):
-            merged[key] = torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values], dim=0)
-        else:
-            merged[key] = [x for v in values for x in (v if isinstance(v, (list, tuple)) else [v])]
-    return merged
 
 
 class ModelRunner:
@@ -121,10 +108,11 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate zeroed K and V caches for every slot: [NB, BS, Hkv, D] each in the KV cache dtype (and the
-        draft's, if any); layer l uses its slot's pair (every layer its own, unless the model keeps KV groups)."""
+        draft's, if any); layer l uses its slot's pair (every layer its own, unless the model keeps KV groups). On
+        CPU their pages become resident only as blocks are written (`kv_memory`)."""
         shape = self.kv_cache_shape(num_blocks)
-        slots = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
+        slots = [(zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
+                  zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device))
                  for _ in range(self.kv_groups.num_slots)]
         groups = self.kv_groups
         self.kv_caches = [slots[groups.slot_of(layer)] for layer in range(groups.num_layers)]
@@ -150,8 +138,8 @@ class ModelRunner:
             self.draft_kv_cache = None
             return
         shape = (num_blocks, *spec.block_shape())  # [NB, BS, Hkv_draft, D_draft]
-        self.draft_kv_cache = (torch.zeros(shape, dtype=spec.dtype, device=self.device),
-                               torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        self.draft_kv_cache = (zeroed_kv_tensor(shape, spec.dtype, self.device),
+                               zeroed_kv_tensor(shape, spec.dtype, self.device))
         self.proposer.bind_kv_cache(self.draft_kv_cache)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
@@ -240,37 +228,6 @@ class ModelRunner:
                 self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
-        """Encode every item the scheduler released this step that is not cached yet: one encoder call per
-        modality over all of them (data concatenated in item order), the output split by each item's length.
-        Returns (wall seconds spent, device work included; embeddings produced)."""
-        pending: dict[str, dict[str, object]] = {}  # modality -> {mm_hash: feature}, first occurrence kept
-        for rid, item_indices in so.scheduled_encoder_inputs.items():
-            for i in item_indices:
-                feat = self.requests[rid].mm_features[i]
-                if feat.mm_hash not in self.encoder_outputs:
-                    pending.setdefault(feat.modality, {}).setdefault(feat.mm_hash, feat)
-        if not pending:
-            return 0.0, 0
-        t0 = time.perf_counter()
-        num_embeds = 0
-        for modality, by_hash in pending.items():
-            feats = list(by_hash.values())
-            emb = self.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
-            lengths = [f.length for f in feats]
-            if emb.shape[0] != sum(lengths):
-                raise RuntimeError(f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
-                                   f"{lengths} tokens ({[f.mm_hash for f in feats]})")
-            for feat, item_emb in zip(feats, emb.split(lengths)):
-                # own storage per entry, so dropping one cache entry frees its memory
-                self.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
-            self.num_encoder_runs += len(feats)
-            self.encoder_runs_by_modality[modality] = self.encoder_runs_by_modality.get(modality, 0) + len(feats)
-            num_embeds += emb.shape[0]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the towers' kernels are queued, not done
-        return time.perf_counter() - t0, num_embeds
-
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -280,7 +237,7 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        encoder_seconds, num_encoded = self._run_encoders(so)
+        encoder_seconds, num_encoded = run_encoders(self, so)
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order

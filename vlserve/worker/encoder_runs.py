@@ -1,0 +1,67 @@
+"""The encoder part of a step: the multimodal items the scheduler released are encoded and their embeddings cached
+in the runner's `encoder_outputs` (mm_hash -> `[n, H]`), which the step's embedding merge reads."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from vlserve.core.sched_output import SchedulerOutput
+
+
+def concat_mm_data(items: list[dict]) -> dict:
+    """Processed data of several items of one modality -> one dict: tensors concatenated along dim 0 (pixel rows,
+    grid rows, per-item scalars), lists joined, in item order. All items carry the same keys."""
+    if len(items) == 1:
+        return items[0]
+    merged = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if isinstance(values[0], torch.Tensor):
+            merged[key] = torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values], dim=0)
+        else:
+            merged[key] = [x for v in values for x in (v if isinstance(v, (list, tuple)) else [v])]
+    return merged
+
+
+def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
+    """Encode every item the scheduler released this step that is not cached yet: one encoder call per
+    modality (and per LoRA adapter with tower weights) over all of them (data concatenated in item order), the
+    output split by each item's length. Returns (wall seconds spent, device work included; embeddings
+    produced)."""
+    pending: dict[tuple[str, int], dict[str, object]] = {}  # (modality, adapter) -> {mm_hash: feature}
+    adapters: dict[int, object] = {0: None}  # lora_int_id -> its LoRARequest (0: the base model)
+    for rid, item_indices in so.scheduled_encoder_inputs.items():
+        state = runner.requests[rid]
+        lora = state.lora_request
+        lora_id = lora.lora_int_id if lora is not None and runner.lora_manager.touches_encoder(lora) else 0
+        adapters[lora_id] = lora if lora_id else None
+        for i in item_indices:
+            feat = state.mm_features[i]
+            if feat.mm_hash not in runner.encoder_outputs:
+                pending.setdefault((feat.modality, lora_id), {}).setdefault(feat.mm_hash, feat)
+    if not pending:
+        return 0.0, 0
+    t0 = time.perf_counter()
+    num_embeds = 0
+    step_adapters = [runner.requests[r].lora_request for r in so.num_scheduled_tokens]
+    for (modality, lora_id), by_hash in pending.items():
+        feats = list(by_hash.values())
+        lora = (contextlib.nullcontext() if not lora_id  # the adapter's tower / projector weights apply
+                else runner.lora_manager.encoder_step(adapters[lora_id], step_adapters))
+        with lora:
+            emb = runner.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
+        lengths = [f.length for f in feats]
+        if emb.shape[0] != sum(lengths):
+            raise RuntimeError(f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
+                               f"{lengths} tokens ({[f.mm_hash for f in feats]})")
+        for feat, item_emb in zip(feats, emb.split(lengths)):
+            # own storage per entry, so dropping one cache entry frees its memory
+            runner.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
+        runner.num_encoder_runs += len(feats)
+        runner.encoder_runs_by_modality[modality] = runner.encoder_runs_by_modality.get(modality, 0) + len(feats)
+        num_embeds += emb.shape[0]
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()  # the towers' kernels are queued, not done
+    return time.perf_counter() - t0, num_embeds
