@@ -107,3 +107,35 @@ def test_tower_adapter_on_a_conv_is_refused(tower_case, tmp_path):
     with pytest.raises(ValueError, match="patch_embed"):
         llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("conv", 3, bad))
+
+
+def test_tower_adapter_over_the_server_with_the_engine_in_its_own_process(tower_case):
+    """`--lora-modules tower=...` with the engine in its own process (the API process keys the items by adapter):
+    an image chat with the tower adapter and one with the base each equal HF (+ PEFT merged) greedy."""
+    import sys
+
+    from vlserve.config import EngineArgs
+    from vlserve.multimodal.processor import load_hf_processor
+    from vlserve.testing.hf_oracle import data_url
+
+    sys.path.insert(0, "tests/api")
+    from test_engine_process import start_proc_server
+
+    model_dir, tower_dir, _ = tower_case
+    image = Image.fromarray(rand_image(56, 84, seed=5))
+    tokenizer = load_hf_processor(model_dir).tokenizer
+    served = start_proc_server(EngineArgs(model=model_dir, served_model_name="base", dtype="float32",
+                                          num_kv_blocks=128, enable_lora=True, max_lora_rank=8,
+                                          lora_modules={"tower": tower_dir}))
+    try:
+        for name, adapter in (("tower", tower_dir), ("base", None)):
+            _, want = hf_vlm_greedy(model_dir, adapter, _prompt(model_dir), image, MAX_NEW)
+            r = served.client.chat.completions.create(
+                model=name, temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                                       {"type": "text", "text": "Describe it."}]}])
+            # a reply ending inside a UTF-8 sequence holds that partial character back
+            want_text = tokenizer.decode(want, skip_special_tokens=True).rstrip("\ufffd")
+            assert r.choices[0].message.content.rstrip("\ufffd") == want_text and want_text, name
+    finally:
+        served.close()
