@@ -240,8 +240,6 @@ class EngineArgs:
         self.lora_modules = parse_lora_modules(self.lora_modules)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules were given but LoRA is off: add enable_lora=True (--enable-lora)")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA with tensor_parallel_size > 1 is not supported yet")
         if self.enable_lora and self.async_scheduling:  # adapters load between steps, none may be in flight
             raise ValueError("LoRA with async_scheduling is not supported yet")
 

@@ -18,7 +18,8 @@ CUDA graphs); spec-decode drafts (n-gram, EAGLE) come from the base model and th
 Tower LoRA: an adapter may also target the linears of a multimodal model's tower and projector; the runner
 encodes its items in their own encoder run (`LoRAModelManager.encoder_step`) and the input processor keys their
 mm_hash by the adapter, so the encoder cache never serves one adapter's embeddings to another.
-Not yet: tensor parallel, async scheduling, graph-captured LoRA, loading off the step loop.
+Tensor parallel: A and B are sharded with their base layer (see peft_checkpoint); the encoder parts stay whole.
+Not yet: async scheduling, graph-captured LoRA, loading off the step loop.
 """
 from vlserve.lora.layers import current_lora_step, lora_step
 from vlserve.lora.model_manager import LoRAModelManager
