@@ -90,3 +90,23 @@ def test_lora_request_without_lora_is_refused():
     s = make_sched()
     with pytest.raises(ValueError, match="enable_lora"):
         add(s, "x", Lora("a", 1))
+
+
+def test_requests_wait_while_their_adapter_loads_and_fail_with_its_error():
+    s = make_sched(max_loras=2)
+    s.loras_loading.update({1, 2})
+    add(s, "a", Lora("a", 1))
+    add(s, "base", None)
+    add(s, "b", Lora("b", 2))
+    so = s.schedule()
+    assert set(so.num_scheduled_tokens) == {"base"}  # the others keep their place in the queue
+    assert [r.request_id for r in s.waiting] == ["a", "b"]
+    s.loras_loading.discard(1)
+    s.fail_lora(2, "missing adapter_model.safetensors")
+    assert [(o.request_id, o.finish_reason, o.extra["error"]) for o in s.failed] == [
+        ("b", "abort", "missing adapter_model.safetensors")]
+    assert "b" not in s.requests and not s.loras_loading
+    fake_run(s, so)
+    so = s.schedule()
+    assert "a" in so.num_scheduled_tokens
+    s.check_integrity()

@@ -90,3 +90,29 @@ def test_construction_errors_and_unwrap(setup):
     manager.unwrap_model()
     assert not any(isinstance(m, LoRALayerMixin) for m in model.modules())
     assert torch.equal(_logits(model, cfg, None, None), base)
+
+
+def test_loading_off_the_step_loop(setup, tmp_path):
+    """start_loading reads the files on a background thread; finished_loads holds the adapter (the same logits as
+    a synchronous add) or reports its error; a step needing an adapter still being read waits for that read."""
+    import time
+
+    model_dir, cfg, reqs = setup
+    manager = LoRAModelManager(our_model(model_dir, cfg), max_loras=2, max_lora_rank=8, max_cpu_loras=4)
+    sync = LoRAModelManager(our_model(model_dir, cfg), max_loras=2, max_lora_rank=8, max_cpu_loras=4)
+    bad = LoRARequest("bad", 7, str(tmp_path / "nowhere"))
+    assert manager.start_loading(reqs[1]) and manager.start_loading(bad)
+    assert not manager.start_loading(reqs[1])  # being read already
+    done: dict = {}
+    deadline = time.monotonic() + 30
+    while len(done) < 2 and time.monotonic() < deadline:
+        done.update(manager.finished_loads())
+        time.sleep(0.01)
+    assert done[1] is None and "missing adapter_config.json" in done[7]
+    assert set(manager.list_adapters()) == {1}
+    torch.testing.assert_close(_logits(manager.model, cfg, manager, 1), _logits(sync.model, cfg, sync, reqs[1]))
+    assert manager.start_loading(reqs[2])
+    _logits(manager.model, cfg, manager, reqs[2])  # the step waits for the read under way, then holds it
+    assert set(manager.list_adapters()) == {1, 2} and manager.finished_loads() == {}
+    assert manager.start_loading(reqs[3]) and manager.remove_adapter(3)  # a load under way can be dropped
+    assert manager.finished_loads() == {} and 3 not in manager.list_adapters()

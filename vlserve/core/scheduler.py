@@ -38,7 +38,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        self.failed: list[EngineCoreOutput] = []  # ended while waiting (a grammar that failed to compile)
+        self.failed: list[EngineCoreOutput] = []  # ended while waiting (a grammar or an adapter that failed)
+        self.loras_loading: set[int] = set()  # adapters being loaded off the step loop: their requests wait
         self.stats = SchedulerStats()
 
     # -- admission ---------------------------------------------------------------------------------------------
@@ -169,7 +170,8 @@ class Scheduler:
             if grammar_error(req) is not None:
                 self._abort_failed_grammar(self.waiting.popleft())
                 continue
-            if self._lora_blocked(req, loras):  # waits for a step with room for its adapter
+            if req.lora_int_id in self.loras_loading or self._lora_blocked(req, loras):  # its adapter is loading, or
+                # this step has no room for it
                 set_aside.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit = None, 0
@@ -220,6 +222,16 @@ class Scheduler:
         """Whether req's adapter would be one more than max_loras distinct adapters in this step (base: never)."""
         lora_id = req.lora_int_id
         return bool(lora_id) and lora_id not in loras and len(loras) >= self.config.max_loras
+
+    def fail_lora(self, lora_int_id: int, error: str) -> None:
+        """The adapter failed to load: its waiting requests end "abort" with the error."""
+        self.loras_loading.discard(lora_int_id)
+        for req in [r for r in self.waiting if r.lora_int_id == lora_int_id]:
+            self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            logger.error("request %s: its LoRA adapter did not load: %s", req.request_id, error)
+            self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
+            self._free_request(req)
 
     def _abort_failed_grammar(self, req: Request) -> None:
         """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""

@@ -136,6 +136,14 @@ class Worker:
         """Parse a LoRA adapter into host memory (ValueError on a bad adapter); False if it was held already."""
         return self._lora_manager().add_adapter(lora_request)
 
+    def start_lora_load(self, lora_request) -> bool:
+        """Start reading a LoRA adapter's files off the step loop; False if it is held or loading already."""
+        return self._lora_manager().start_loading(lora_request)
+
+    def finished_lora_loads(self, _=None) -> dict[int, str | None]:
+        """The adapter loads that ended since the last call: lora_int_id -> None (held now) or the error."""
+        return self._lora_manager().finished_loads()
+
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop a LoRA adapter from host memory and its device slot; False if it was not held."""
         return self._lora_manager().remove_adapter(lora_int_id)

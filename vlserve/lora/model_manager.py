@@ -8,6 +8,11 @@ decoder's qkv_proj / o_proj / gate_up_proj / down_proj (and each dense GatedMLP)
 evicting the least recently used slot no request of this step needs) and returns the per-token slots, which
 `lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
 
+Loading off the step loop: `start_loading(request)` reads the adapter's files on a background thread;
+`finished_loads()` (called between steps) prepares the ones read and puts them in the host LRU, so only the cheap
+part (slicing for this rank, folding the scaling) runs on the caller's thread. A step that needs an adapter not
+held still loads it synchronously (waiting for its read when one is under way).
+
 Tower LoRA: on a multimodal model an adapter may also target the linears of the vision / audio tower and the
 projector. Those linears become LoRA layers the first time an adapter names them (so an engine whose adapters
 never do pays nothing there), and `encoder_step(adapter)` makes that adapter apply to every row of an encoder run
@@ -17,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from vlserve.lora.layers import LoRALayerMixin, lora_step, uniform_lora_step, unwrap, wrap_layer, wrap_mlp
-from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter
+from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter, read_peft_files
 from vlserve.lora.request import LoRARequest
 from vlserve.models.layers import GatedMLP
 from vlserve.models.llama import decoder_of
@@ -62,6 +68,8 @@ class LoRAModelManager:
         self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # host LRU, oldest first
         self._slots: list[int | None] = [None] * max_loras  # slot -> lora_int_id
         self._slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
+        self._reading: dict[int, tuple[LoRARequest, Future]] = {}  # adapters whose files a background thread reads
+        self._reader: ThreadPoolExecutor | None = None
 
     def _wrap(self, name: str, module: nn.Module, pieces: tuple[str, ...] | None = None) -> None:
         self.targets[name] = wrap_layer(module, self.max_loras, self.max_lora_rank, self.dtype, self.device, pieces)
@@ -74,6 +82,9 @@ class LoRAModelManager:
         self._wrapped, self.targets = [], {}
         self._adapters.clear()
         self._slot_lru.clear()
+        self._reading.clear()
+        if self._reader is not None:
+            self._reader.shutdown(wait=False)
 
     # -- host adapters ----------------------------------------------------------------------------------------
     def add_adapter(self, request: LoRARequest) -> bool:
@@ -82,13 +93,45 @@ class LoRAModelManager:
         if request.lora_int_id in self._adapters:
             self._adapters.move_to_end(request.lora_int_id)
             return False
+        reading = self._reading.pop(request.lora_int_id, None)
+        files = reading[1].result() if reading is not None else None  # its read's error, if any, is raised here
+        self._hold(request, self._parse(request, files))
+        return True
+
+    def _parse(self, request: LoRARequest, files=None) -> LoRAAdapter:
         encoder_target = self._encoder_target if hasattr(self.model, "encoder_linear_name") else None
-        adapter = load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id,
-                                    encoder_target)
+        return load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id,
+                                 encoder_target, files)
+
+    def _hold(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Put a parsed adapter in the host LRU, evicting the least recently used ones past max_cpu_loras."""
         while len(self._adapters) >= self.max_cpu_loras:
             self.remove_adapter(next(iter(self._adapters)))
         self._adapters[request.lora_int_id] = (request, adapter)
+
+    def start_loading(self, request: LoRARequest) -> bool:
+        """Start reading the adapter's files on the background thread; False when it is held or being read."""
+        if request.lora_int_id in self._adapters or request.lora_int_id in self._reading:
+            return False
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="vlserve-lora-load")
+        self._reading[request.lora_int_id] = (request, self._reader.submit(read_peft_files, request.lora_path))
         return True
+
+    def finished_loads(self) -> dict[int, str | None]:
+        """The background loads that ended since the last call: lora_int_id -> None (the adapter is now held) or
+        the error that stopped it (missing files, a bad config, weights that do not fit the model)."""
+        done: dict[int, str | None] = {}
+        for lora_id, (request, fut) in list(self._reading.items()):
+            if not fut.done():
+                continue
+            del self._reading[lora_id]
+            try:
+                self._hold(request, self._parse(request, fut.result()))
+                done[lora_id] = None
+            except Exception as e:  # the adapter's own error, reported to the requests that wait for it
+                done[lora_id] = str(e)
+        return done
 
     def _encoder_target(self, hf_module: str) -> tuple[str, LoRALayerMixin] | None:
         """A PEFT module name of the model's encoder parts -> (our linear's name, its LoRA layer, wrapped now if it
@@ -120,7 +163,10 @@ class LoRAModelManager:
         return uniform_lora_step(self._activate(lora_id, keep_ids))
 
     def remove_adapter(self, lora_int_id: int) -> bool:
-        """Drop an adapter from host memory and its device slot; False if it was not held."""
+        """Drop an adapter from host memory and its device slot (or forget its load under way); False if it was
+        neither held nor loading."""
+        if self._reading.pop(lora_int_id, None) is not None:
+            return True
         if self._adapters.pop(lora_int_id, None) is None:
             return False
         slot = self._slot_lru.pop(lora_int_id, None)

@@ -192,16 +192,18 @@ EncoderTarget = Callable[[str], "tuple[str, object] | None"]
 
 
 def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: int,
-                      lora_int_id: int = 0, encoder_target: EncoderTarget | None = None) -> LoRAAdapter:
+                      lora_int_id: int = 0, encoder_target: EncoderTarget | None = None,
+                      files: tuple[PeftLoRAConfig, dict[str, torch.Tensor]] | None = None) -> LoRAAdapter:
     """Parse the PEFT adapter at `path` onto `targets` (decoder-relative module name -> LoRA-capable layer, see
     `vlserve.lora.layers`), slicing A and B for this tensor-parallel rank and folding the scaling into B.
     `encoder_target(PEFT module name)` -> `(our module name, its LoRA layer)` or None resolves the modules outside
-    the decoder (a multimodal model's tower and projector); without it those are refused.
+    the decoder (a multimodal model's tower and projector); without it those are refused. `files`: what
+    `read_peft_files(path)` returned, when the caller read them already (on another thread).
 
     ValueError: missing files, unsupported config fields, modules outside the decoder's projections (named),
     modules the model has no LoRA layer for, a rank above `max_lora_rank`, A/B shapes that do not fit the base.
     """
-    config, tensors = read_peft_files(path)
+    config, tensors = read_peft_files(path) if files is None else files
     if encoder_target is None:
         _check_targets(config, path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
