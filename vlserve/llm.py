@@ -134,6 +134,8 @@ class LLM:
         if len(params_list) != len(processed):
             raise ValueError(f"got {len(params_list)} sampling params for {len(processed)} prompts")
         loras = self._lora_requests(lora_request, len(processed))
+        for lora in dict.fromkeys(r for r in loras if r is not None):  # offline: load now, so a bad one raises here
+            self.engine_loop.core.add_lora(lora)
         now = time.time()
         requests = [NewRequest(str(next(self._ids)), proc, params, now, lora)
                     for proc, params, lora in zip(processed, params_list, loras)]

@@ -223,6 +223,11 @@ class Scheduler:
         lora_id = req.lora_int_id
         return bool(lora_id) and lora_id not in loras and len(loras) >= self.config.max_loras
 
+    def take_failed(self) -> list[EngineCoreOutput]:
+        """The requests that ended while waiting since the last step's results (reported with the next ones)."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def fail_lora(self, lora_int_id: int, error: str) -> None:
         """The adapter failed to load: its waiting requests end "abort" with the error."""
         self.loras_loading.discard(lora_int_id)

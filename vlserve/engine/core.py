@@ -23,6 +23,7 @@ from vlserve.spec_decode import SpeculativeConfig
 from vlserve.spec_decode.config import fill_default_draft
 from vlserve.executor import build_executor
 from vlserve.executor.worker import RankModel, WorkerSettings
+from vlserve.engine.lora_loads import LoRALoads
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ class EngineCore:
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
             max_loras=args.max_loras if args.enable_lora else 0)
         self.enable_lora = args.enable_lora
-        self.lora_requests: dict[int, Any] = {}  # lora_int_id -> the LoRARequest the ranks parsed (add_lora)
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
+        # the adapters registered on every rank, and those loading there off the step loop
+        self.loras = LoRALoads(self.executor, self.scheduler, args.max_lora_rank)
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request
         self.num_steps = 0
@@ -72,39 +74,48 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request (ValueError if it can never run); a constrained one starts compiling its grammar."""
-        if request.lora_request is not None:
-            self.add_lora(request.lora_request)  # a bad adapter is this request's error, not a failed step
+        if request.lora_request is not None:  # a new adapter loads off the step loop; the request waits for it
+            self._check_lora_on()
+            self.loras.begin(request.lora_request)
         constraint = request.sampling_params.structured_outputs
         matcher = None if constraint is None else self.structured_output_manager.init_request(constraint)
         self.scheduler.add_request(request, matcher)
 
     # -- LoRA adapters -----------------------------------------------------------------------------------------
     def add_lora(self, lora_request) -> bool:
-        """Load a LoRA adapter on every rank now (ValueError: LoRA off, a bad adapter, or its id taken by another
-        adapter); False when this adapter is registered already."""
-        if not self.enable_lora:
-            raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
-        known = self.lora_requests.get(lora_request.lora_int_id)
-        if known is not None:
-            if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
-                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is {known.lora_name!r} "
-                                 f"({known.lora_path}); {lora_request.lora_name!r} needs its own id")
+        """Load a LoRA adapter on every rank and wait for it (ValueError: LoRA off, a bad adapter, or its id taken by
+        another adapter); False when it was registered already. Steps run while it loads only through
+        `add_lora_async`."""
+        self._check_lora_on()
+        if not self.loras.begin(lora_request):
             return False
-        self.executor.collective_rpc("add_lora", lora_request)
-        self.lora_requests[lora_request.lora_int_id] = lora_request
+        error = self.loras.wait(lora_request.lora_int_id)
+        if error is not None:
+            raise ValueError(error)
         return True
 
+    def add_lora_async(self, lora_request, on_done) -> None:
+        """Start loading a LoRA adapter on every rank; `on_done(error, result)` fires between steps once it is
+        registered (result True; False when it was already) or failed (a ValueError), or at once on a quick-check
+        error. The engine loop keeps stepping meanwhile."""
+        try:
+            self._check_lora_on()
+            self.loras.begin(lora_request, on_done)
+        except Exception as e:
+            on_done(e, None)
+
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its host copy and device slot); False if unknown. Requests still running with it
-        reload it from its path."""
-        if self.lora_requests.pop(lora_int_id, None) is None:
-            return False
-        self.executor.collective_rpc("remove_lora", lora_int_id)
-        return True
+        """Forget an adapter (its host copy and device slot, or its load under way); False if unknown. Requests
+        still running with it reload it from its path."""
+        return self.loras.remove(lora_int_id)
 
     def list_loras(self) -> list[int]:
         """The registered adapters' ids."""
-        return sorted(self.lora_requests)
+        return sorted(self.loras.registered)
+
+    def _check_lora_on(self) -> None:
+        if not self.enable_lora:
+            raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
 
     @property
     def structured_output_manager(self):
@@ -139,16 +150,20 @@ class EngineCore:
         self._flush_if_idle()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or adapter loads to poll."""
+        return self.scheduler.has_unfinished_requests() or bool(self.loras.loading)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and fold the results back; returns per-request new tokens."""
+        self.loras.poll()  # adapters that finished loading let their requests in (or fail them)
         if self.steps_in_flight is not None:
             return self._step_async()
         sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
-            return []
+            if self.loras.loading:
+                time.sleep(0.002)  # nothing runs until a load ends: leave the cores to the loading thread
+            return self.scheduler.take_failed()
         runner_out = self.executor.execute_model(sched_out)
         self.num_steps += 1
         self._observe_timings(sched_out, runner_out)

@@ -146,6 +146,10 @@ class _EngineLoopProc:
         self._send(AddAck(self.engine_index, msg.user_request_id, None, self._metrics()))
 
     def _control(self, msg: ControlCall) -> None:
+        if msg.op == "add_lora":  # loads off the step loop: acknowledged between steps when it ends
+            self.core.add_lora_async(msg.arg, lambda err, result: self._send(
+                ControlAck(self.engine_index, msg.call_id, result, None if err is None else portable_error(err))))
+            return
         try:
             if msg.op not in CONTROL_OPS:
                 raise ValueError(f"unknown control call {msg.op!r}")
@@ -166,7 +170,8 @@ class _EngineLoopProc:
             self.core.abort_requests(list(self.core.scheduler.requests))
             self._send(StepOutputs(self.engine_index, [], self._metrics(), f"{type(e).__name__}: {e}"))
             return
-        self._send(StepOutputs(self.engine_index, outputs, self._metrics()))
+        if outputs or self.core.scheduler.has_unfinished_requests():  # not for steps that only polled adapter loads
+            self._send(StepOutputs(self.engine_index, outputs, self._metrics()))
 
     def _metrics(self) -> dict[str, float]:
         return engine_metrics(self.core)

@@ -73,7 +73,11 @@ class ControlCalls:
         return await msg.done
 
     def _do_control(self, msg: Control) -> None:
-        """On the engine thread, the core in this process: run the call now."""
+        """On the engine thread, the core in this process: run the call now (an adapter load starts now and is
+        settled between steps when it ends, so running requests keep stepping)."""
+        if msg.op == "add_lora":
+            self.engine.add_lora_async(msg.arg, lambda err, result: settle_control(msg, err, result))
+            return
         try:
             result = getattr(self.engine, msg.op)(msg.arg)
         except Exception as e:

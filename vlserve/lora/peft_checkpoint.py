@@ -143,6 +143,27 @@ def read_peft_files(path: str) -> tuple[PeftLoRAConfig, dict[str, torch.Tensor]]
     return config, load_file(w_path)
 
 
+def check_adapter_dir(path: str, max_lora_rank: int) -> PeftLoRAConfig:
+    """The quick checks of an adapter directory, before its weights are read: both files present, the config valid,
+    no rank (r or a rank_pattern entry) above `max_lora_rank`. ValueError names what fails."""
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    for p in (cfg_path, os.path.join(path, WEIGHTS_FILE)):
+        if not os.path.isfile(p):
+            raise ValueError(f"LoRA adapter {path!r}: missing {os.path.basename(p)}")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} does not parse ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not a JSON object")
+    config = PeftLoRAConfig.from_dict(raw, cfg_path)
+    rank = max([config.r, *(int(r) for r in config.rank_pattern.values())])
+    if rank > max_lora_rank:
+        raise ValueError(f"LoRA adapter {path!r}: rank {rank} is above max_lora_rank {max_lora_rank}")
+    return config
+
+
 _ENCODER_TOUCH_CACHE: dict[tuple[str, int], bool] = {}
 
 
