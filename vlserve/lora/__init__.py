@@ -11,15 +11,17 @@ The engine wiring (issue 38). `EngineArgs(enable_lora, max_loras, max_lora_rank,
 `ModelRunner` builds `LoRAModelManager` after `pack_linears_for_cpu` and runs each step's decoder call under
 `lora_manager.step([s.lora_request for s in states], q_lens)` (states in batch order). Requests carry their
 LoRARequest EngineCoreRequest -> Request -> NewRequestData -> runner state; the scheduler caps a step's distinct
-adapters at max_loras and block hashes carry "lora:<id>". `EngineCore.add_lora` loads an adapter synchronously on
-every rank when a request (or the server) first names it, so a bad adapter fails the request, not a step; a step
-that meets an adapter evicted from the host LRU reloads it synchronously. LoRA engines run eager (no compile, no
+adapters at max_loras and block hashes carry "lora:<id>". Quick checks (files, config, rank) run when a request (or
+the server) first names an adapter, so a bad one fails the request, not a step; a step that meets an adapter
+evicted from the host LRU reloads it synchronously. LoRA engines run eager (no compile, no
 CUDA graphs); spec-decode drafts (n-gram, EAGLE) come from the base model and the adapter model verifies them.
 Tower LoRA: an adapter may also target the linears of a multimodal model's tower and projector; the runner
 encodes its items in their own encoder run (`LoRAModelManager.encoder_step`) and the input processor keys their
 mm_hash by the adapter, so the encoder cache never serves one adapter's embeddings to another.
 Tensor parallel: A and B are sharded with their base layer (see peft_checkpoint); the encoder parts stay whole.
-Not yet: async scheduling, graph-captured LoRA, loading off the step loop.
+Loading: a new adapter's files are read on a background thread of each rank while steps go on (the engine core's
+`engine/lora_loads.py` polls the ranks between steps; requests naming it wait in the scheduler's queue).
+Not yet: async scheduling, graph-captured LoRA.
 """
 from vlserve.lora.layers import current_lora_step, lora_step
 from vlserve.lora.model_manager import LoRAModelManager
