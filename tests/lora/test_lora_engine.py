@@ -1,6 +1,6 @@
 """LoRA through `LLM`: greedy outputs token-exact against HF + PEFT merged (`merge_and_unload`), one batch mixing
 three adapters and base prompts with max_loras=2 (the scheduler rotates adapters), chunked prefill and prefix
-caching on (one prompt under two adapters gives each adapter's own output); n-gram spec decode keeps the outputs;
+caching on (one prompt under two adapters gives each adapter's own output); n-gram and EAGLE spec decode keep the outputs;
 the errors of asking for LoRA on an engine without it."""
 from __future__ import annotations
 
@@ -92,6 +92,28 @@ def test_ngram_spec_decode_keeps_adapter_outputs(setup):
                                   "prompt_lookup_max": 3})
     outs = llm.generate([p for p, _ in batch], params, use_tqdm=False,
                         lora_request=[loras[n] if n else None for _, n in batch])
+    for (p, n), out in zip(batch, outs):
+        assert out.outputs[0].token_ids == hf_reference(model_dir, adapters[n] if n else None, p), n
+    assert llm.get_metrics()["vlserve:spec_decode_num_draft_tokens_total"] > 0
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_drafts_from_the_base_keep_adapter_outputs(setup, method, tmp_path):
+    """EAGLE heads are trained on the base: they draft for adapter requests too (from the adapter model's hidden
+    states), and the adapter model verifies, so outputs stay equal to HF + PEFT; drafts are proposed."""
+    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+
+    model_dir, adapters = setup
+    loras = requests_of(adapters)
+    head = build_eagle_checkpoint(str(tmp_path / "head"), model_dir, method, "mimic" if method == "eagle" else
+                                  "random")
+    batch = [(NGRAMMY, "a"), (SHARED, None), (OTHER, "b")]
+    llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              block_size=4, num_kv_blocks=128,
+              speculative_config={"method": method, "model": head, "num_speculative_tokens": 2})
+    outs = llm.generate([p for p, _ in batch], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False, lora_request=[loras[n] if n else None for _, n in batch])
     for (p, n), out in zip(batch, outs):
         assert out.outputs[0].token_ids == hf_reference(model_dir, adapters[n] if n else None, p), n
     assert llm.get_metrics()["vlserve:spec_decode_num_draft_tokens_total"] > 0
