@@ -31,10 +31,11 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
 
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, processor: bool = True):
         sharded = args.tensor_parallel_size > 1 or args.distributed_executor_backend not in (None, "uni")
-        if loaded is None:  # the ranks load their own shards when they run elsewhere
-            loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded)
+        if loaded is None:  # the ranks load their own shards when they run elsewhere; `processor`: see load_for_serving
+            loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded,
+                                      processor=processor)
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head

@@ -46,7 +46,7 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         share_cpu_threads(engine_args.data_parallel_size)
         from vlserve.engine.core import EngineCore
 
-        core = EngineCore(engine_args)
+        core = EngineCore(engine_args, processor=False)  # requests arrive processed by the API process
     except BaseException as e:  # the user must see why: a bad checkpoint, an unsupported architecture...
         logger.exception("engine failed to load")
         outbox.send(encode(EngineFailed(engine_index, f"{type(e).__name__}: {e}")))

@@ -19,13 +19,17 @@ class MultimodalParts:
 
 
 def load_multimodal(model_path: str, hf_config: Any, model: Any,
-                    max_audio_seconds: float | None = None, use_fast: bool = True) -> MultimodalParts:
+                    max_audio_seconds: float | None = None, use_fast: bool = True,
+                    processor: bool = True) -> MultimodalParts:
     """The checkpoint's own AutoProcessor (wrapped; `use_fast`: its torchvision-backed image processor where one
-    exists) and, for M-RoPE models, the function that turns an expanded prompt + its media into 3-axis positions;
-    empty parts when the model takes no media. Audio clips longer than `max_audio_seconds` are refused."""
+    exists; none without `processor`) and, for M-RoPE models, the function that turns an expanded prompt + its
+    media into 3-axis positions; empty parts when the model takes no media. Audio clips longer than
+    `max_audio_seconds` are refused."""
     modalities = tuple(getattr(model, "supported_modalities", ()))
     if not modalities:
         return MultimodalParts()
+    if not processor:
+        return MultimodalParts(modalities, mrope_positions_fn=mrope_positions_fn_for(model, hf_config))
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
         mm_processor = MultiModalProcessor.from_pretrained(

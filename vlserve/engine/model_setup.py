@@ -71,10 +71,13 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True) -> LoadedModel:
+def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True,
+                     processor: bool = True) -> LoadedModel:
     """Read the checkpoint at model_path and build the model on the chosen device and dtype. Without
     `build_model` (the ranks load their own shards elsewhere) no weight is read: `model` is None, and the model's
-    facts (modalities, M-RoPE) come from an instance on the meta device, which holds no memory."""
+    facts (modalities, M-RoPE) come from an instance on the meta device, which holds no memory. Without
+    `processor` (an engine process: its requests arrive processed) no HF processor is loaded, nor transformers'
+    image-processing modules (torchvision, scipy: about 70 MiB of the process)."""
     from transformers import AutoConfig
 
     from vlserve.models.loader import load_model, meta_model, resolve_dtype
@@ -101,7 +104,7 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
     else:
         model, facts = None, meta_model(hf_config)
     mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds,
-                         use_fast=wants_fast_processor(args.mm_processor_kwargs))
+                         use_fast=wants_fast_processor(args.mm_processor_kwargs), processor=processor)
     return LoadedModel(model_path, hf_config, model, tokenizer, mm.processor, device, dtype, max_model_len,
                        _eos_token_ids(model_path, hf_config, tokenizer), mrope_positions_fn=mm.mrope_positions_fn,
                        modalities=mm.modalities, mm_processor=mm.mm_processor)

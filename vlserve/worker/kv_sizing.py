@@ -98,7 +98,7 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
     element size, so an FP8 cache holds twice the blocks of a bf16 one in the same bytes); else, on CPU,
     $VLSERVE_CPU_KVCACHE_SPACE GiB; else `default_num_kv_blocks`: max_num_seqs x max_model_len tokens' worth, capped
     by the memory budget (a fraction of the free memory minus a dummy forward's profiled peak). Logs one line: what
-    was reserved and why."""
+    was reserved and why (on CPU the pool's pages become resident only as blocks are written: `kv_memory`)."""
     per_block = runner.bytes_per_block()
     cpu = runner.device.type != "cuda"
     per_token = per_block / runner.block_size
@@ -122,7 +122,8 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
             raise ValueError(f"only {n} KV blocks fit in memory ({budget} bytes); a max_model_len sequence needs "
                              f"{cdiv(max_model_len, runner.block_size)}: lower max_model_len or free memory")
     kv_dtype = str(getattr(runner, "kv_cache_dtype", "")).replace("torch.", "")
-    logger.info("KV cache: %.1f MiB reserved, %d blocks of %d tokens = %d tokens at %d bytes/token%s (%s)",
-                n * per_block / 2**20, n, runner.block_size, n * runner.block_size, round(per_token),
+    logger.info("KV cache: %.1f MiB reserved%s, %d blocks of %d tokens = %d tokens at %d bytes/token%s (%s)",
+                n * per_block / 2**20, " (resident as blocks are first used)" if cpu else "", n, runner.block_size,
+                n * runner.block_size, round(per_token),
                 f" in {kv_dtype}" if kv_dtype else "", why)
     return int(n)
