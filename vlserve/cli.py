@@ -68,6 +68,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                        help="do not serve the playground page at / and /playground (default: served)")
     front.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                        help="run the engine core in a thread of the API process (default: in its own process)")
+    front.add_argument("--engine-process", dest="engine_process", action="store_true",
+                       help="run the engine core in its own process (the default; `make serve` of the demo model "
+                            "turns it off)")
     front.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of both processes")
 

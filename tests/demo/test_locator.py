@@ -23,7 +23,11 @@ def test_quickstart_serves_the_given_model_or_the_demo(monkeypatch):
     monkeypatch.setattr(vlserve.cli, "main", lambda argv: seen.append(argv) or 0)
     assert quickstart.pick_model("/some/ckpt") == ("/some/ckpt", None)
     assert quickstart.main(["--", "--port", "0"]) == 0
-    assert seen == [["serve", MODEL_DIR, "--served-model-name", "vlserve-demo", "--port", "0"]]
+    assert quickstart.main(["--", "--engine-process"]) == 0
+    assert quickstart.main(["/some/ckpt"]) == 0
+    assert seen == [["serve", MODEL_DIR, "--no-engine-process", "--served-model-name", "vlserve-demo", "--port", "0"],
+                    ["serve", MODEL_DIR, "--served-model-name", "vlserve-demo", "--engine-process"],
+                    ["serve", "/some/ckpt"]]  # a given model: its engine in its own process, as `vlserve serve`
 
 
 def test_cli_train_eagle_reaches_the_training_package(capsys):
