@@ -1,4 +1,4 @@
-"""The Triton LoRA kernels (`triton_lora`) against the per-token torch reference (`punica_ref.bgmv_shrink` /
+"""The Triton LoRA kernels (`triton_lora`) against the per-token torch reference (`lora_ref.bgmv_shrink` /
 `bgmv_expand_slice`) and the layers' grouped path (`add_lora_grouped`).
 
 Triton: on CPU an interpreted copy (imported inside a TRITON_INTERPRET=1 window, as test_triton_wna16.py does), on a
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from _interpreted import INTERPRET_ENV, _import_fresh, _wrap_kernels
-from vlserve.lora.punica_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
+from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
 
 MODULE = "vlserve.kernels.triton_lora"
 L, R, I = 4, 8, 48

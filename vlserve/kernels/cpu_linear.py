@@ -31,7 +31,11 @@ What runs where (`cpu_linear_isa(dtype)` says, as the built kernel reports it):
 `cpu_linear_silu_mul` is the gate_up projection of a SiLU-gated MLP followed by `silu(gate) * up`: the thread that
 computes gate panel j computes up panel j next and writes only the product, rounded as the two elementwise ops
 would round (gate and up to the dtype, silu to the dtype, then the product), so the [M, 2I] projection is never
-written out and no separate activation kernel runs.
+written out and no separate activation kernel runs. Its optional `pre_act_add [M, 2I]` (float32) joins the gate and
+up sums after the bias, before the rounding and the activation: a LoRA layer passes its gate_up delta there
+(`lora_cpu.lora_add_cpu` into a zeroed float32 buffer) instead of recomputing gate_up unfused for its adapter rows;
+rows of zeros come out bit-identical to the call without it (the sums are never -0, so adding +0 changes no bit).
+That variant is its own instantiation: the kernel without the argument runs unchanged code.
 
 The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where the CPU has neither
 AVX-512 nor AVX2 + FMA, no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is False
@@ -55,10 +59,10 @@ _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
                        int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
-                       int64_t silu_mul);
+                       int64_t silu_mul, const void* add, int64_t ldadd, int64_t has_add);
 """
 _ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "void*", "int64_t", "int64_t",
-              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"]
+              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "const void*", "int64_t", "int64_t"]
 PANEL = 32  # output columns per packed panel
 DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
 ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU has AVX-512
@@ -130,7 +134,7 @@ def cpu_linear_isa(dtype: torch.dtype = torch.float32, kernel=None) -> str | Non
     if kernel is None:
         return None
     width = torch.zeros(1, dtype=torch.int64)  # a call with M = -1 writes the path's vector width
-    kernel(_NO_BIAS, 0, _NO_BIAS, _NO_BIAS, 0, width, 0, -1, 0, 0, 1, dtype is torch.bfloat16, 0)
+    kernel(_NO_BIAS, 0, _NO_BIAS, _NO_BIAS, 0, width, 0, -1, 0, 0, 1, dtype is torch.bfloat16, 0, _NO_BIAS, 0, 0)
     return {512: "avx512", 256: "avx2"}[int(width)]
 
 
@@ -162,13 +166,24 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 # instead of ~14, and a decode step makes three or four calls per layer.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
 _LIB.define("cpu_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
-_LIB.define("cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? pre_act_add=None) "
+            "-> Tensor")
+
+
+def _addend(add: torch.Tensor, m: int, out_features: int) -> torch.Tensor:
+    """`pre_act_add [..., 2I]` float32 as rows [m, 2I] with unit column stride (ValueError otherwise)."""
+    if add.dtype is not torch.float32 or add.shape[-1] != 2 * out_features or add.numel() != m * 2 * out_features:
+        raise ValueError(f"vlserve::cpu_linear_silu_mul's pre_act_add must be float32 [{m}, {2 * out_features}], got "
+                         f"{add.dtype} {tuple(add.shape)}")
+    add = add.reshape(m, 2 * out_features)
+    return add if add.stride(1) == 1 else add.contiguous()
 
 
 def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu_mul: bool,
-         name: str) -> torch.Tensor:
-    """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul).
-    Runs four times per layer and step: the common case (2-D rows, unit stride) takes no detours."""
+         name: str, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul, after
+    `add [..., 2 out_features]` float32 joins the gate and up sums where given). Runs four times per layer and step:
+    the common case (2-D rows, unit stride, no add) takes no detours."""
     dtype = x.dtype
     if dtype is not packed.dtype or not _dtype_served(dtype):
         raise ValueError(f"vlserve::{name} takes inputs in its packed weight's dtype ({packed.dtype}, float32 or "
@@ -181,10 +196,13 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
             rows = rows.contiguous()
     m, k = rows.shape
     out = x.new_empty(m, out_features)
+    if add is not None:
+        add = _addend(add, m, out_features)
     if m:
         cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
                             out_features, m, out_features, k, torch.get_num_threads(), dtype is torch.bfloat16,
-                            silu_mul)
+                            silu_mul, _NO_BIAS if add is None else add, 0 if add is None else add.stride(0),
+                            add is not None)
     return out if len(shape) == 2 else out.view(*shape[:-1], out_features)
 
 
@@ -193,21 +211,24 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _run(x, packed, bias, out_features, False, "cpu_linear")
 
 
-def _cpu_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                         out_features: int) -> torch.Tensor:
+def _cpu_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                         pre_act_add: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times a packed gate_up matrix [2I, K] (+ bias [2I]), I = out_features a multiple of 32 ->
-    silu(gate) * up [..., I]."""
+    silu(gate) * up [..., I]; `pre_act_add [..., 2I]` float32 (e.g. a LoRA delta of gate_up) joins the float32 gate
+    and up sums after the bias: silu(gate + add[:I]) * (up + add[I:]). A zero row of it leaves that row's output
+    bit-identical to the call without it."""
     if out_features % PANEL or packed.shape[0] * PANEL != 2 * out_features:
         raise ValueError(f"vlserve::cpu_linear_silu_mul needs a packed [2I, K] matrix with I a multiple of {PANEL}; "
                          f"got {packed.shape[0]} panels for I = {out_features}")
-    return _run(x, packed, bias, out_features, True, "cpu_linear_silu_mul")
+    return _run(x, packed, bias, out_features, True, "cpu_linear_silu_mul", pre_act_add)
 
 
 _LIB.impl("cpu_linear", _cpu_linear, "CPU")
 _LIB.impl("cpu_linear_silu_mul", _cpu_linear_silu_mul, "CPU")
 
 
-def _fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+          pre_act_add: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -216,4 +237,5 @@ for _op in ("cpu_linear", "cpu_linear_silu_mul"):  # both return [..., out_featu
 
 
 cpu_linear = torch.ops.vlserve.cpu_linear  # the op: (x, packed, bias or None, out_features) -> [..., N]
-cpu_linear_silu_mul = torch.ops.vlserve.cpu_linear_silu_mul  # (x, packed gate_up, bias or None, I) -> [..., I]
+# (x, packed gate_up, bias or None, I, pre_act_add=None float32 [..., 2I]) -> [..., I]
+cpu_linear_silu_mul = torch.ops.vlserve.cpu_linear_silu_mul

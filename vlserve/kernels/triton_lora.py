@@ -7,7 +7,7 @@ gate/up of gate_up_proj, the whole output of o_proj/down_proj):
     shrink:  y[t, q*R:(q+1)*R]            = scale * x[t] @ A_q[s_t]^T          (zero rows for slot -1)
     expand:  out[t, off_q:off_q + O_q]   += y[t, q*R:(q+1)*R] @ B_q[s_t]^T     (rows of slot -1 untouched)
 
-i.e. `punica_ref.bgmv_shrink` / `bgmv_expand_slice` (and `add_lora_grouped`, per token, for `add_lora_triton`).
+i.e. `lora_ref.bgmv_shrink` / `bgmv_expand_slice` (and `add_lora_grouped`, per token, for `add_lora_triton`).
 
 Layouts (the layer's `lora_a` / `lora_b` lists, unchanged):
 - `lora_a[q] [L, R, I]`, `lora_b[q] [L, O_q, R]`, any strides (views into one stacked tensor work: `lora_cpu`'s
@@ -31,7 +31,7 @@ known on the host; the slot values only steer loads inside the kernels and the d
 can therefore be captured in a CUDA graph whose `token_slots` buffer is refilled before each replay (compute
 `lora_token_blocks` inside the captured region, once per step, and pass it to every layer).
 
-Where this has run: Triton's CPU interpreter (tests/kernels/test_triton_lora.py, against punica_ref) and, as a slow
+Where this has run: Triton's CPU interpreter (tests/kernels/test_triton_lora.py, against kernels.lora_ref) and, as a slow
 test there, the sm_90 ahead-of-time compile (lowered to a cubin, never launched). Not yet executed on a GPU; the
 tiles of `lora_config` are untuned guesses.
 """
@@ -289,7 +289,7 @@ def lora_expand(y: torch.Tensor, lora_b_stack, token_slots: torch.Tensor, out: t
 def add_lora_triton(x: torch.Tensor, out: torch.Tensor, lora_a, lora_b, offsets: list[int],
                     token_slots: torch.Tensor, *, blocks: LoRATokenBlocks | None = None,
                     config: dict | None = None) -> torch.Tensor:
-    """`punica_ref.add_lora_grouped` per token: `out[t, off_s:...] += x[t] @ A_s[slot_t]^T @ B_s[slot_t]^T` for
+    """`lora_ref.add_lora_grouped` per token: `out[t, off_s:...] += x[t] @ A_s[slot_t]^T @ B_s[slot_t]^T` for
     every slice s and every token with slot_t >= 0 (others untouched); `x [T, I]`, `out [T, O]`, `lora_a[s]
     [L, R, I]`, `lora_b[s] [L, O_s, R]`. Shrink into a float32 `[T, S*R]`, then expand. Returns out."""
     a_slices, b_slices = _as_slices(lora_a), _as_slices(lora_b)

@@ -4,7 +4,7 @@
 - `peft_checkpoint`: a PEFT adapter directory -> per-module A / B prepared for our fused layers (scaling folded).
 - `layers`: LoRA-capable qkv_proj / o_proj / gate_up_proj / down_proj (in place, same parameters), the per-step
   context `lora_step(token_slots)` they read (as `kernels.attention_op.attention_step`).
-- `punica_ref`: the torch twin of punica's shrink / expand (grouped by slot; per-token reference).
+- `kernels.lora_ref`: the torch twin of punica's shrink / expand (grouped by slot; per-token reference).
 - `model_manager.LoRAModelManager`: wraps the layers once, host LRU of adapters, device slots, per-step slots.
 
 The engine wiring (issue 38). `EngineArgs(enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules)`;

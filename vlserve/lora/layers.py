@@ -10,15 +10,20 @@ of gate_up_proj, the whole output of o_proj/down_proj):
   PEFT's scaling folded into B), written by the manager into device slots;
 - `lora_ranks[slot][s]`: the rank slot `slot` has there (0: no weights).
 
-`forward(x)` = the base layer's output (through the packed kernel or quantization scheme, as before), then for
-each `(slot, rows)` group of the step (`lora_step`) the delta `x[rows] @ A^T @ B^T` added in place on those rows
-(`punica_ref.add_lora_grouped`). Tokens with slot -1 keep exactly the base output; with no active step, or no
-slot of the step holding weights for this layer, nothing is added at all.
+The slots live in one `kernels.lora_cpu.LoRAStack` per layer (`a [L, S*R, I]`, `b [L, R, O]`, ranks); `lora_a`
+and `lora_b` are views into it, so every path reads the same copy.
+
+`forward(x)` = the base layer's output (through the packed kernel or quantization scheme, as before), then the
+delta `x[t] @ A[slot_t]^T @ B[slot_t]^T` added in place on the rows of tokens with a slot (`lora_step`): on CPU in
+one C++ call per layer (`kernels.lora_cpu`), on CUDA through the Triton shrink / expand (`kernels.triton_lora`, no
+host sync), else (and for an encoder run's single slot) grouped by slot in torch (`kernels.lora_ref`). Tokens with
+slot -1 keep exactly the base output; with no active step, or no slot of the step holding weights for this layer,
+nothing is added at all.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,29 +31,44 @@ import torch.nn.functional as F
 from vlserve.distributed.communication import tp_all_reduce
 from vlserve.kernels.cpu_linear import PANEL, cpu_linear_silu_mul
 from vlserve.kernels.packed_linear import PackableLinear
-from vlserve.lora.punica_ref import add_lora_grouped, take_rows, token_groups
+from vlserve.kernels.lora_cpu import LoRAStack, lora_add_cpu, lora_cpu_supported
+from vlserve.kernels.lora_ref import add_lora_grouped, take_rows, token_groups
 from vlserve.models.layers import GatedMLP
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoRAStep:
-    """What every LoRA layer reads during one forward: `token_slots [T]` int64 (-1: no adapter) and its groups
-    `((slot, rows), ...)` (see `punica_ref.token_groups`), computed once per step. An encoder run has one adapter
-    for all its rows, whatever their count: `token_slots` None and one group `(slot, slice(None))`."""
+    """What every LoRA layer reads during one forward: `token_slots [T]` int64 on the model's device (-1: no
+    adapter) and the distinct slots it uses (known on the host, so layers never read the slots back). An encoder
+    run has one adapter for all its rows, whatever their count: `token_slots` None and `uniform_slot` set."""
 
     token_slots: torch.Tensor | None
-    groups: tuple
+    active_slots: tuple[int, ...]
+    uniform_slot: int | None = None
+    _groups: tuple | None = None
+    triton_blocks: dict = field(default_factory=dict)  # (max_loras, BLOCK_M) -> the step's Triton token blocks
+
+    @property
+    def groups(self) -> tuple:
+        """`((slot, rows), ...)` for the torch twin (`lora_ref.token_groups`; made once a step, on first use)."""
+        if self._groups is None:
+            self._groups = (((self.uniform_slot, slice(None)),) if self.token_slots is None
+                            else token_groups(self.token_slots))
+        return self._groups
 
 
 _current: list[LoRAStep] = []  # a stack, as kernels.attention_op's steps
 
 
 @contextlib.contextmanager
-def lora_step(token_slots: torch.Tensor):
+def lora_step(token_slots: torch.Tensor, active_slots: tuple[int, ...] | None = None):
     """Make `token_slots [T]` (int64, one device slot per token, -1 = base) what the LoRA layers apply during the
-    block (mirrors `kernels.attention_op.attention_step`)."""
-    _current.append(LoRAStep(token_slots, token_groups(token_slots)))
+    block (mirrors `kernels.attention_op.attention_step`); `active_slots`: its distinct slots >= 0 (read from the
+    tensor when not given)."""
+    if active_slots is None:
+        active_slots = tuple(sorted(set(token_slots.tolist()) - {-1}))
+    _current.append(LoRAStep(token_slots, tuple(active_slots)))
     try:
         yield _current[-1]
     finally:
@@ -59,7 +79,7 @@ def lora_step(token_slots: torch.Tensor):
 def uniform_lora_step(slot: int):
     """Make `slot` the adapter of every row the LoRA layers see during the block (an encoder run: the tower's
     items all belong to requests of one adapter)."""
-    _current.append(LoRAStep(None, ((slot, slice(None)),)))
+    _current.append(LoRAStep(None, (slot,), uniform_slot=slot))
     try:
         yield _current[-1]
     finally:
@@ -82,11 +102,13 @@ class LoRALayerMixin:
         """Allocate zeroed slot storage for `pieces` (the HF projections filling this layer's output)."""
         self.lora_pieces, self.max_loras, self.max_lora_rank = tuple(pieces), max_loras, max_rank
         self.lora_offsets = [self.lora_slice_rows(p)[0] for p in pieces]
-        self.lora_a = [torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
-                       for _ in pieces]  # each [L, R, in_local]
-        self.lora_b = [torch.zeros(max_loras, self.lora_slice_rows(p)[1], max_rank, dtype=dtype, device=device)
-                       for p in pieces]  # each [L, out_s, R]
+        sizes = [self.lora_slice_rows(p)[1] for p in pieces]
+        self.lora_stack = LoRAStack.zeros(max_loras, max_rank, self.in_features, self.lora_offsets, sizes, dtype,
+                                          device)  # a [L, S*R, in_local], b [L, R, out_local], ranks [L, S]
+        self.lora_a = self.lora_stack.lora_a_views()  # each [L, R, in_local], a view into lora_stack.a
+        self.lora_b = self.lora_stack.lora_b_views()  # each [L, out_s, R], a view into lora_stack.b
         self.lora_ranks = [[0] * len(pieces) for _ in range(max_loras)]
+        self.lora_cpu_kernel = lora_cpu_supported(dtype, device)
 
     # -- the shapes the checkpoint reader checks against (vlserve.lora.peft_checkpoint) ----------------------------
     def lora_slice_rows(self, piece: str) -> tuple[int, int]:
@@ -118,31 +140,49 @@ class LoRALayerMixin:
             self.lora_a[i][slot, :r].copy_(w.lora_a)  # [r, in_local]
             self.lora_b[i][slot, :, :r].copy_(w.lora_b)  # [out_s, r]
             self.lora_ranks[slot][i] = r
+        self.lora_stack.ranks[slot] = torch.tensor(self.lora_ranks[slot], dtype=torch.int32)
 
     def reset_lora(self, slot: int) -> None:
         """Empty `slot`."""
-        for a, b in zip(self.lora_a, self.lora_b):
-            a[slot].zero_()
-            b[slot].zero_()
+        self.lora_stack.a[slot].zero_()
+        self.lora_stack.b[slot].zero_()
+        self.lora_stack.ranks[slot] = 0
         self.lora_ranks[slot] = [0] * len(self.lora_pieces)
 
-    def lora_groups(self, step: LoRAStep | None) -> tuple:
-        """The step's `(slot, rows)` groups whose slot holds weights for this layer."""
-        if step is None:
-            return ()
-        return tuple(g for g in step.groups if any(self.lora_ranks[g[0]]))
+    def lora_active(self, step: LoRAStep | None) -> bool:
+        """Whether a slot of the step holds weights for this layer (else the layer adds nothing)."""
+        return step is not None and any(any(self.lora_ranks[slot]) for slot in step.active_slots)
 
-    def add_lora(self, x: torch.Tensor, out: torch.Tensor, groups) -> torch.Tensor:
-        """`out [T, O] += delta` on the groups' rows (in place; `x [T, I]`); returns out."""
-        if groups:
-            add_lora_grouped(x, out, self.lora_a, self.lora_b, self.lora_offsets, self.lora_ranks, groups)
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        """`out [T, O] += delta` on the rows of tokens with a slot (in place; `x [T, I]`; out may be a float32 delta
+        buffer on CPU); returns out."""
+        slots = step.token_slots
+        if slots is not None and x.stride(-1) == 1 and out.stride(-1) == 1:
+            if self.lora_cpu_kernel and x.is_cpu and x.dtype is self.lora_stack.a.dtype:
+                return lora_add_cpu(x, out, slots, self.lora_stack)
+            if x.is_cuda:
+                return self._add_lora_triton(x, out, step)
+        groups = tuple(g for g in step.groups if any(self.lora_ranks[g[0]]))
+        add_lora_grouped(x, out, self.lora_a, self.lora_b, self.lora_offsets, self.lora_ranks, groups)
         return out
+
+    def _add_lora_triton(self, x: torch.Tensor, out: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        from vlserve.kernels import triton_lora  # Triton only where there is a GPU
+
+        config = triton_lora.lora_config(x.shape[0])  # [T, I] -> block sizes (depend on T only)
+        key = (self.max_loras, config["BLOCK_M"])
+        blocks = step.triton_blocks.get(key)
+        if blocks is None:  # tokens grouped by slot on the device, once a step
+            blocks = step.triton_blocks[key] = triton_lora.lora_token_blocks(step.token_slots, self.max_loras,
+                                                                              config["BLOCK_M"])
+        return triton_lora.add_lora_triton(x, out, self.lora_a, self.lora_b, self.lora_offsets, step.token_slots,
+                                           blocks=blocks, config=config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, I] -> base [T, O] (+ delta on the step's adapter rows)
         out = super().forward(x)
-        groups = self.lora_groups(current_lora_step())
-        return self.add_lora(x, out, groups) if groups else out
+        step = current_lora_step()
+        return self.add_lora(x, out, step) if self.lora_active(step) else out
 
 
 class QKVParallelLinearWithLoRA(LoRALayerMixin, QKVParallelLinear):
@@ -171,31 +211,45 @@ class RowParallelLinearWithLoRA(LoRALayerMixin, RowParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, I/tp] -> partial [T, O] (+ delta) -> summed over ranks (+ bias)
-        groups = self.lora_groups(current_lora_step())
+        step = current_lora_step()
+        active = self.lora_active(step)
         if self.tp_size == 1:
             out = self.matmul(x, self.bias)
-            return self.add_lora(x, out, groups) if groups else out
-        out = tp_all_reduce(self.add_lora(x, self.matmul(x, None), groups))
+            return self.add_lora(x, out, step) if active else out
+        out = self.matmul(x, None)
+        out = tp_all_reduce(self.add_lora(x, out, step) if active else out)
         return out if self.bias is None else out + self.bias
 
 
 class GatedMLPWithLoRA(GatedMLP):
-    """GatedMLP whose packed fused `silu(gate) * up` path stays for rows without a gate_up adapter: it runs on the
-    whole step (base rows bit-identical), then adapter rows are recomputed unfused with their delta."""
+    """GatedMLP whose packed fused `silu(gate) * up` path stays when gate_up has adapter rows: their gate_up delta
+    (C++ kernel, into a float32 buffer, zero on base rows) is added to the sums before the activation in the same
+    pass, so base rows stay bit-identical. Without the C++ LoRA kernel, adapter rows are recomputed unfused."""
 
     base_class = GatedMLP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> act [T, I] -> [T, H]
         proj = self.gate_up_proj
-        groups = proj.lora_groups(current_lora_step()) if isinstance(proj, LoRALayerMixin) else ()
+        step = current_lora_step()
         fusable = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
-        if not groups or proj.packed_weight is None or not fusable:
+        if (not isinstance(proj, LoRALayerMixin) or not proj.lora_active(step) or proj.packed_weight is None
+                or not fusable):
             return super().forward(x)  # gate_up_proj adds its own delta on the unfused path
+        slots = step.token_slots
+        if proj.lora_cpu_kernel and slots is not None and x.dim() == 2 and x.stride(-1) == 1 \
+                and x.dtype is proj.lora_stack.a.dtype:
+            delta = lora_add_cpu(x, x.new_zeros(x.shape[0], 2 * self.intermediate_size, dtype=torch.float32), slots,
+                                 proj.lora_stack)  # [T, 2I] float32: gate_up's delta, 0 on base rows
+            return self.down_proj(cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size,
+                                                      delta))  # silu(gate + dg) * (up + du)
         act = cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size)  # [T, I]
-        for slot, rows in groups:
+        for slot, rows in step.groups:
+            if not any(proj.lora_ranks[slot]):
+                continue
             xs = take_rows(x, rows)  # [n, H]
-            gate_up = proj.add_lora(xs, proj.matmul(xs, proj.bias), ((slot, slice(0, xs.shape[0])),))  # [n, 2I]
+            one = LoRAStep(None, (slot,), uniform_slot=slot)
+            gate_up = proj.add_lora(xs, proj.matmul(xs, proj.bias), one)  # [n, 2I]
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             rows_act = F.silu(gate) * up  # [n, I]
             if isinstance(rows, slice):
@@ -217,9 +271,9 @@ class LinearWithLoRA(LoRALayerMixin, PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., I] -> [..., O] (+ delta on the step's adapter rows)
         out = self.matmul(x, self.bias)
-        groups = self.lora_groups(current_lora_step())
-        if groups:
-            self.add_lora(x.reshape(-1, self.in_features), out.view(-1, self.out_features), groups)  # [R, I] -> [R, O]
+        step = current_lora_step()
+        if self.lora_active(step):
+            self.add_lora(x.reshape(-1, self.in_features), out.view(-1, self.out_features), step)  # [R, I] -> [R, O]
         return out
 
 
@@ -255,6 +309,7 @@ def unwrap(module: torch.nn.Module) -> None:
     base = getattr(type(module), "base_class", None)
     if base is None:
         return
-    for attr in ("lora_a", "lora_b", "lora_ranks", "lora_pieces", "lora_offsets", "max_loras", "max_lora_rank"):
+    for attr in ("lora_a", "lora_b", "lora_ranks", "lora_pieces", "lora_offsets", "max_loras", "max_lora_rank",
+                 "lora_stack", "lora_cpu_kernel"):
         module.__dict__.pop(attr, None)
     module.__class__ = base

@@ -68,6 +68,7 @@ class LoRAModelManager:
         self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # host LRU, oldest first
         self._slots: list[int | None] = [None] * max_loras  # slot -> lora_int_id
         self._slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
+        self.step_slots: tuple[int, ...] = ()  # the device slots the last prepared step uses
         self._reading: dict[int, tuple[LoRARequest, Future]] = {}  # adapters whose files a background thread reads
         self._reader: ThreadPoolExecutor | None = None
 
@@ -201,6 +202,7 @@ class LoRAModelManager:
         for a in adapters:
             self._id_of(a)  # loads a LoRARequest not held; an unknown bare id is a ValueError
         slot_of = {i: self._activate(i, distinct) for i in distinct}
+        self.step_slots = tuple(sorted(slot_of.values()))  # the slots this step uses (host-known)
         slots = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int64)  # [B] or [T]
         if num_tokens is not None:
             if len(num_tokens) != len(ids):
@@ -217,7 +219,8 @@ class LoRAModelManager:
         (the layers run as their base, adding nothing)."""
         if not any(_ref_id(a) for a in adapters):
             return contextlib.nullcontext()
-        return lora_step(self.prepare_step(adapters, num_tokens))
+        slots = self.prepare_step(adapters, num_tokens)
+        return lora_step(slots, self.step_slots)
 
     def _id_of(self, ref: AdapterRef) -> int:
         if ref is None:

@@ -27,37 +27,50 @@
 #endif
 
 using LinearFn = void (*)(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc,
-                         int64_t M, int64_t N, int64_t K, int64_t threads);
+                         int64_t M, int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd);
 
-// The path that serves a dtype here: its vector width, and its linear without and with SiLU(gate) * up
+// The path that serves a dtype here: its vector width, and its linear without SiLU(gate) * up, with it, and with it
+// after a float32 [M, 2N] addend (pre_act_add) joins the gate and up sums
 struct Path {
     int64_t width;
-    LinearFn plain, silu_mul;
+    LinearFn plain, silu_mul, silu_mul_add;
 };
 
 static Path path(bool is_bf16) {
 #if defined(VLSERVE_AVX512) && defined(__AVX512BF16__)
-    if (is_bf16) return {512, avx512::linear<avx512::Bf16Panel, false>, avx512::linear<avx512::Bf16Panel, true>};
+    using avx512::Bf16Panel;
+    if (is_bf16)
+        return {512, avx512::linear<Bf16Panel, false, false>, avx512::linear<Bf16Panel, true, false>,
+                avx512::linear<Bf16Panel, true, true>};
 #endif
-    if (is_bf16) return {256, avx2::linear<avx2::Bf16, false>, avx2::linear<avx2::Bf16, true>};
+    if (is_bf16)
+        return {256, avx2::linear<avx2::Bf16, false, false>, avx2::linear<avx2::Bf16, true, false>,
+                avx2::linear<avx2::Bf16, true, true>};
 #if defined(VLSERVE_AVX512)
-    return {512, avx512::linear<avx512::F32Panel, false>, avx512::linear<avx512::F32Panel, true>};
+    using avx512::F32Panel;
+    return {512, avx512::linear<F32Panel, false, false>, avx512::linear<F32Panel, true, false>,
+            avx512::linear<F32Panel, true, true>};
 #else
-    return {256, avx2::linear<avx2::F32, false>, avx2::linear<avx2::F32, true>};
+    return {256, avx2::linear<avx2::F32, false, false>, avx2::linear<avx2::F32, true, false>,
+            avx2::linear<avx2::F32, true, true>};
 #endif
 }
 
 // a: [M, K] (rows lda apart); packed: [ceil(N/32), K, 32] float32 or [ceil(N/32), K/2, 32, 2] bf16; bias: [N] or
 // null; c: [M, N] (rows ldc apart). silu_mul: packed holds [2N/32, ...] (gate panels, then up panels; N % 32 == 0),
 // bias [2N] or null, and c gets SiLU(x gate^T) * (x up^T).
+// has_add (silu_mul only): add [M, 2N] float32 (rows ldadd apart) joins the gate sums (columns 0..N) and the up
+// sums (N..2N) after the bias, before the rounding and the activation: c = SiLU(gate + add_g) * (up + add_u).
 // M < 0 asks which path serves the dtype instead: c[0] (an int64) gets its vector width in bits, 512 or 256.
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
                        int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
-                       int64_t silu_mul) {
+                       int64_t silu_mul, const void* add, int64_t ldadd, int64_t has_add) {
     const Path p = path(is_bf16);
     if (M < 0) {
         *(int64_t*)c = p.width;
         return;
     }
-    (silu_mul ? p.silu_mul : p.plain)(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads);
+    const LinearFn f = !silu_mul ? p.plain : has_add ? p.silu_mul_add : p.silu_mul;
+    f(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads, has_add ? (const float*)add : nullptr,
+      ldadd);
 }

@@ -170,11 +170,12 @@ static void panel_sums(const float* x, int64_t ldx, const typename P::T* panel, 
     }
 }
 
-// The epilogue of rows x 32 sums (see Epilogue): bias added, then stored (rounded to T once), kept as the gate
-// (rounded to T), or taken as up: silu(gate) rounded to T times up rounded to T, as two elementwise ops would round
-template <typename P, int E>
+// The epilogue of rows x 32 sums (see Epilogue): bias added (and with kAdd, add's rows [rows, 32], ldadd apart),
+// then stored (rounded to T once), kept as the gate (rounded to T), or taken as up: silu(gate) rounded to T times up
+// rounded to T, as two elementwise ops would round
+template <typename P, int E, bool kAdd = false>
 static void finish(const float* sums, int64_t rows, const typename P::T* bias, typename P::T* c, int64_t ldc,
-                   int64_t ncols, float* gate) {
+                   int64_t ncols, float* gate, const float* add = nullptr, int64_t ldadd = 0) {
     using T = typename P::T;
     T padded[kPanel] = {};  // the bias of a ragged last panel, zero-padded: bias[N] ends there
     if (bias && ncols < kPanel) {
@@ -186,6 +187,9 @@ static void finish(const float* sums, int64_t rows, const typename P::T* bias, t
     for (int64_t r = 0; r < rows; ++r) {
         __m256 v[4];
         UNROLL for (int i = 0; i < 4; ++i) v[i] = _mm256_add_ps(_mm256_loadu_ps(sums + r * kPanel + 8 * i), b[i]);
+        if constexpr (kAdd) {
+            UNROLL for (int i = 0; i < 4; ++i) v[i] = _mm256_add_ps(v[i], _mm256_loadu_ps(add + r * ldadd + 8 * i));
+        }
         if constexpr (E == kGate) {
             UNROLL for (int i = 0; i < 4; ++i) _mm256_storeu_ps(gate + r * kPanel + 8 * i, P::round(v[i]));
             continue;
@@ -204,9 +208,10 @@ static void finish(const float* sums, int64_t rows, const typename P::T* bias, t
     }
 }
 
-template <typename P, bool kSilu>
+// kAdd (with kSilu): add [M, 2N] float32 (rows ldadd apart) joins the gate and up sums before the activation
+template <typename P, bool kSilu, bool kAdd>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
-                   int64_t N, int64_t K, int64_t threads) {
+                   int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
     using T = typename P::T;
     const T* A = (const T*)a;
     const T* W = (const T*)packed;
@@ -236,9 +241,11 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
                 const int64_t ncols = std::min(kPanel, N - p * kPanel);
                 panel_sums<P>(x, ldx, W + p * panel_size, K, rows, sums);
                 if constexpr (kSilu) {  // gate panel p, then up panel p (N / 32 panels further)
-                    finish<P, kGate>(sums, rows, B ? B + p * kPanel : nullptr, cp, ldc, ncols, gate);
+                    const float* ap = kAdd ? add + m * ldadd + p * kPanel : nullptr;  // gate's addend; up's: + N
+                    finish<P, kGate, kAdd>(sums, rows, B ? B + p * kPanel : nullptr, cp, ldc, ncols, gate, ap, ldadd);
                     panel_sums<P>(x, ldx, W + (panels + p) * panel_size, K, rows, sums);
-                    finish<P, kSiluMul>(sums, rows, B ? B + N + p * kPanel : nullptr, cp, ldc, ncols, gate);
+                    finish<P, kSiluMul, kAdd>(sums, rows, B ? B + N + p * kPanel : nullptr, cp, ldc, ncols, gate,
+                                              kAdd ? ap + N : nullptr, ldadd);
                 } else {
                     finish<P, kStore>(sums, rows, B ? B + p * kPanel : nullptr, cp, ldc, ncols, gate);
                 }

@@ -86,13 +86,13 @@ struct NextPanels {
     }
 };
 
-// sums[R rows, 32 columns] = a[R, K] (rows lda apart) . panel (+ bias[32]), then the epilogue E; `gate` holds the
-// R x 32 gate values between a kGate block and its kSiluMul block; `ncols` < 32 only in the last panel of an N that
-// is not a multiple of 32
-template <typename P, int R, int E>
+// sums[R rows, 32 columns] = a[R, K] (rows lda apart) . panel (+ bias[32]) (with kAdd, + add[R, 32], rows ldadd
+// apart), then the epilogue E; `gate` holds the R x 32 gate values between a kGate block and its kSiluMul block;
+// `ncols` < 32 only in the last panel of an N that is not a multiple of 32
+template <typename P, int R, int E, bool kAdd = false>
 static inline void block(const typename P::T* a, int64_t lda, const typename P::T* panel, int64_t K,
                          const typename P::T* bias, typename P::T* c, int64_t ldc, int64_t ncols, float* gate,
-                         NextPanels* pf = nullptr) {
+                         NextPanels* pf = nullptr, const float* add = nullptr, int64_t ldadd = 0) {
     __m512 lo[R], hi[R];  // columns 0-15 and 16-31 of each row
     for (int r = 0; r < R; ++r) {
         lo[r] = _mm512_setzero_ps();
@@ -112,6 +112,10 @@ static inline void block(const typename P::T* a, int64_t lda, const typename P::
     const __m512 b_hi = bias ? P::widen(bias + 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
         __m512 v_lo = _mm512_add_ps(lo[r], b_lo), v_hi = _mm512_add_ps(hi[r], b_hi);
+        if constexpr (kAdd) {
+            v_lo = _mm512_add_ps(v_lo, _mm512_loadu_ps(add + r * ldadd));
+            v_hi = _mm512_add_ps(v_hi, _mm512_loadu_ps(add + r * ldadd + 16));
+        }
         if constexpr (E == kGate) {
             _mm512_storeu_ps(gate + r * kPanel, P::round(v_lo));
             _mm512_storeu_ps(gate + r * kPanel + 16, P::round(v_hi));
@@ -126,11 +130,11 @@ static inline void block(const typename P::T* a, int64_t lda, const typename P::
 }
 
 // Rows [m0, m1) against output panel p, in blocks of kRows and then the rest. With SiLU, output panel p is gate
-// panel p and up panel p + N / 32 of the packed [2N/32, ...] matrix.
-template <typename P, bool kSilu>
+// panel p and up panel p + N / 32 of the packed [2N/32, ...] matrix; with kAdd, add [M, 2N] joins their sums.
+template <typename P, bool kSilu, bool kAdd>
 static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P::T* packed, const typename P::T* bias,
                           typename P::T* c, int64_t ldc, int64_t m0, int64_t m1, int64_t p, int64_t N, int64_t K,
-                          bool prefetch_next) {
+                          bool prefetch_next, const float* add, int64_t ldadd) {
     using T = typename P::T;
     const int64_t panel_size = K * kPanel, up = (N + kPanel - 1) / kPanel;  // elements per panel; up's first panel
     float gate[kRows * kPanel];
@@ -149,8 +153,11 @@ static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P:
         if constexpr (kSilu) {
             const T* gate_bias = bias ? bias + p * kPanel : nullptr;
             const T* up_bias = bias ? bias + N + p * kPanel : nullptr;
-            block<P, R, kGate>(am, lda, packed + p * panel_size, K, gate_bias, cm, ldc, ncols, gate, pf);
-            block<P, R, kSiluMul>(am, lda, packed + (up + p) * panel_size, K, up_bias, cm, ldc, ncols, gate, pf);
+            const float* ap = kAdd ? add + m * ldadd + p * kPanel : nullptr;  // gate's addend; up's: + N
+            block<P, R, kGate, kAdd>(am, lda, packed + p * panel_size, K, gate_bias, cm, ldc, ncols, gate, pf, ap,
+                                     ldadd);
+            block<P, R, kSiluMul, kAdd>(am, lda, packed + (up + p) * panel_size, K, up_bias, cm, ldc, ncols, gate, pf,
+                                        kAdd ? ap + N : nullptr, ldadd);
         } else {
             block<P, R, kStore>(am, lda, packed + p * panel_size, K, bias ? bias + p * kPanel : nullptr, cm, ldc, ncols,
                                 gate, pf);
@@ -171,9 +178,9 @@ static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P:
     }
 }
 
-template <typename P, bool kSilu>
+template <typename P, bool kSilu, bool kAdd>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
-                   int64_t N, int64_t K, int64_t threads) {
+                   int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
     using T = typename P::T;
     const T* A = (const T*)a;
     const T* W = (const T*)packed;
@@ -188,12 +195,12 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
             const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
             for (int64_t ch = 0; ch < chunks; ++ch)
                 for (int64_t p = p0; p < p1; ++p)
-                    rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, ch * kRowChunk, std::min(M, (ch + 1) * kRowChunk), p,
-                                            N, K, p + 1 < p1);
+                    rows_by_panel<P, kSilu, kAdd>(A, lda, W, B, C, ldc, ch * kRowChunk,
+                                                  std::min(M, (ch + 1) * kRowChunk), p, N, K, p + 1 < p1, add, ldadd);
         } else {  // fewer panels than threads: split the rows instead
             const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
             for (int64_t p = 0; p < panels; ++p)
-                if (m1 > m0) rows_by_panel<P, kSilu>(A, lda, W, B, C, ldc, m0, m1, p, N, K, false);
+                if (m1 > m0) rows_by_panel<P, kSilu, kAdd>(A, lda, W, B, C, ldc, m0, m1, p, N, K, false, add, ldadd);
         }
     }
 }
