@@ -46,6 +46,7 @@ class LoRAStep:
     token_slots: torch.Tensor | None
     active_slots: tuple[int, ...]
     uniform_slot: int | None = None
+    captured: bool = False  # a CUDA graph's step: every layer adds its delta, whatever the slots hold now
     _groups: tuple | None = None
     triton_blocks: dict = field(default_factory=dict)  # (max_loras, BLOCK_M) -> the step's Triton token blocks
 
@@ -80,6 +81,18 @@ def uniform_lora_step(slot: int):
     """Make `slot` the adapter of every row the LoRA layers see during the block (an encoder run: the tower's
     items all belong to requests of one adapter)."""
     _current.append(LoRAStep(None, (slot,), uniform_slot=slot))
+    try:
+        yield _current[-1]
+    finally:
+        _current.pop()
+
+
+@contextlib.contextmanager
+def captured_lora_step(slot_buffer: torch.Tensor):
+    """The step a CUDA graph is captured (or its replay emulated) under: slots read from `slot_buffer [T]` (a
+    persistent graph input), and every LoRA layer launches its delta, since what runs must not depend on the
+    adapters held at capture time."""
+    _current.append(LoRAStep(slot_buffer, (), captured=True))
     try:
         yield _current[-1]
     finally:
@@ -150,8 +163,9 @@ class LoRALayerMixin:
         self.lora_ranks[slot] = [0] * len(self.lora_pieces)
 
     def lora_active(self, step: LoRAStep | None) -> bool:
-        """Whether a slot of the step holds weights for this layer (else the layer adds nothing)."""
-        return step is not None and any(any(self.lora_ranks[slot]) for slot in step.active_slots)
+        """Whether a slot of the step holds weights for this layer (else the layer adds nothing); always within a
+        captured step."""
+        return step is not None and (step.captured or any(any(self.lora_ranks[slot]) for slot in step.active_slots))
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         """`out [T, O] += delta` on the rows of tokens with a slot (in place; `x [T, I]`; out may be a float32 delta

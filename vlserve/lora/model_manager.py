@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from vlserve.lora.layers import LoRALayerMixin, lora_step, uniform_lora_step, unwrap, wrap_layer, wrap_mlp
+from vlserve.lora.layers import (LoRALayerMixin, captured_lora_step, current_lora_step, lora_step, uniform_lora_step,
+                                 unwrap, wrap_layer, wrap_mlp)
 from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter, read_peft_files
 from vlserve.lora.request import LoRARequest
 from vlserve.models.layers import GatedMLP
@@ -221,6 +222,25 @@ class LoRAModelManager:
             return contextlib.nullcontext()
         slots = self.prepare_step(adapters, num_tokens)
         return lora_step(slots, self.step_slots)
+
+    # -- CUDA graphs ------------------------------------------------------------------------------------------
+    def enable_graph_slots(self, max_tokens: int) -> None:
+        """Allocate the persistent slot buffer decode graphs read (`graph_slots [max_tokens]` int64, -1 = base)."""
+        self.graph_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
+
+    def graph_step(self, num_tokens: int):
+        """Context manager a decode graph of `num_tokens` rows is captured under (see `layers.captured_lora_step`)."""
+        return captured_lora_step(self.graph_slots[:num_tokens])
+
+    def load_graph_slots(self, num_rows: int, bucket: int) -> None:
+        """Before a replay: the current step's slots (`step(...)`'s, one per row; none: base) into the buffer's
+        first `num_rows`, -1 on the padding rows up to `bucket`."""
+        step = current_lora_step()
+        if step is None or step.token_slots is None:
+            self.graph_slots[:bucket].fill_(-1)
+            return
+        self.graph_slots[:num_rows].copy_(step.token_slots, non_blocking=True)
+        self.graph_slots[num_rows:bucket].fill_(-1)
 
     def _id_of(self, ref: AdapterRef) -> int:
         if ref is None:

@@ -65,7 +65,7 @@ class ModelForward:
     """`forward(input_ids, positions, kv_caches, md, inputs_embeds) -> hidden [T, H]` at the configured level."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, config: CompilationConfig | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, lora=None):
         config = config or CompilationConfig()
         self.model = model
         self.device = device
@@ -74,7 +74,13 @@ class ModelForward:
         self.compiled = None
         self.compile_seconds = 0.0
         self.graph_runner: CudaGraphRunner | None = None
-        if self.level >= 1:
+        # LoRA (`lora`: the LoRAModelManager): no torch.compile (the adapters' slots change between steps and the
+        # layers' kernels are not traced), but CUDA graphs at level >= 2, with the slots as a graph input
+        self.lora = lora
+        if self.level >= 1 and lora is not None:
+            logger.info("LoRA: the decoder runs without torch.compile%s",
+                        "; decode steps replay CUDA graphs" if self.uses_cuda_graphs else "")
+        if self.level >= 1 and lora is None:
             self.cache_dir = use_compile_cache_dir(config.cache_dir or default_compile_cache_dir())
             self.inductor_options = config.inductor_options(device.type)
             self.compiled = torch.compile(_own_code(self._decoder_call), backend="inductor", fullgraph=True,
@@ -152,7 +158,9 @@ class ModelForward:
         max_blocks = -(-max_model_len // block_size)
         buffers = DecodeBuffers(max(sizes), max_blocks, block_size, mrope, self.device)
         decoder = decoder_of(self.model)
+        if self.lora is not None:
+            self.lora.enable_graph_slots(max(sizes))
         runner = CudaGraphRunner(lambda step: self.run(step, kv_caches), buffers, sizes, max_model_len,
-                                 aux_source=decoder)
+                                 aux_source=decoder, lora=self.lora)
         runner.capture()
         self.graph_runner = runner

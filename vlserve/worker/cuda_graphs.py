@@ -7,6 +7,10 @@ skips it: nothing is written) and a sequence length of 1 (they read one cached k
 Steps with prefill tokens, drafts to verify, media embeddings (decode tokens are never media placeholders), or more
 sequences than the largest bucket run without a graph.
 
+With LoRA, the adapters' per-token slots are one more graph input: the manager's persistent slot buffer
+(`LoRAModelManager.graph_slots`), filled before each replay with the step's slots and -1 on the padding rows; the
+graphs are captured under `graph_step`, where every LoRA layer launches its delta whatever the adapters loaded then.
+
 `DecodeBuffers` (loading and padding) is plain torch and runs on any device: on CPU the tests push padded batches
 through the same forward the graphs capture. `CudaGraphRunner` captures and replays (CUDA only); built with
 `use_graphs=False` it pads and runs the forward eagerly instead of replaying (the device-independent check).
@@ -14,6 +18,7 @@ through the same forward the graphs capture. `CudaGraphRunner` captures and repl
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -102,8 +107,9 @@ class CudaGraphRunner:
     """Captures `forward(step) -> hidden [T, H]` once per bucket size and replays it for decode steps."""
 
     def __init__(self, forward: Callable[[StepInputs], torch.Tensor], buffers: DecodeBuffers, sizes: list[int],
-                 max_seq_len: int, aux_source=None, use_graphs: bool = True):
+                 max_seq_len: int, aux_source=None, use_graphs: bool = True, lora=None):
         self.forward = forward
+        self.lora = lora  # the LoRAModelManager whose slot buffer the graphs read, or None
         self.use_graphs = use_graphs
         self.buffers = buffers
         self.sizes = sorted(n for n in sizes if n <= buffers.max_seqs)
@@ -125,11 +131,12 @@ class CudaGraphRunner:
         sizes = sorted(self.sizes, reverse=True)
         for bucket in tqdm(sizes, desc="Capturing CUDA graphs", disable=not show_progress):
             step = self.buffers.view(bucket, [self.max_seq_len] * bucket)
-            self.forward(step)  # warm-up: compiles this shape class, autotunes, allocates lazily built state
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self.forward(step)
+            with self._lora_graph_step(bucket):
+                self.forward(step)  # warm-up: compiles this shape class, autotunes, allocates lazily built state
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bucket] = self.forward(step)
             self.graphs[bucket] = graph
             if self.aux_source is not None and self.aux_source.aux_hidden_state_layers:
                 self.aux_outputs[bucket] = list(self.aux_source.aux_hidden_states)
@@ -137,6 +144,9 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(sizes), self.sizes,
                     self.capture_seconds)
+
+    def _lora_graph_step(self, bucket: int):
+        return contextlib.nullcontext() if self.lora is None else self.lora.graph_step(bucket)
 
     def try_replay(self, step: StepInputs) -> torch.Tensor | None:
         """hidden [B, H] from a replay, or None when no captured graph fits this step."""
@@ -147,8 +157,11 @@ class CudaGraphRunner:
             return None
         padded = self.buffers.load(step, bucket)
         b = step.metadata.num_seqs
+        if self.lora is not None:
+            self.lora.load_graph_slots(b, bucket)  # this step's adapter slots, -1 on the padding rows
         if not self.use_graphs:
-            return self.forward(padded)[:b]
+            with self._lora_graph_step(bucket):  # what a replay reads: the slot buffer, every layer's delta on
+                return self.forward(padded)[:b]
         self.graphs[bucket].replay()
         if bucket in self.aux_outputs:
             self.aux_source.aux_hidden_states = [t[:b] for t in self.aux_outputs[bucket]]

@@ -45,10 +45,10 @@ class ModelRunner:
             tune_cpu_allocator()
             pack_linears_for_cpu(model)
         # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
-        # become LoRA layers; an engine with LoRA runs eager (no compile, no CUDA graphs: the adapters' slots are not
-        # graph inputs yet). Adapters load synchronously on the step that first uses them (or on add_lora).
+        # become LoRA layers; an engine with LoRA runs its decoder without torch.compile, and on CUDA replays decode
+        # graphs with the adapters' slots as a graph input (ModelForward). Adapters load off the step loop.
         self.lora_manager = None if lora_config is None else LoRAModelManager(model, **lora_config)
-        self.forward = ModelForward(model, device, compilation_config, enforce_eager or lora_config is not None)
+        self.forward = ModelForward(model, device, compilation_config, enforce_eager, lora=self.lora_manager)
         self.text_config = getattr(hf_config, "text_config", None) or hf_config
         self.device = device
         self.dtype = dtype
