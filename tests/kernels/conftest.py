@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _interpreted import TRITON_MODULES, interpreted_triton_modules, native_triton_modules
+from vlserve.kernels import cpu_linear
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +42,13 @@ def triton_dispatch(device: torch.device, triton_kernels: SimpleNamespace, monke
         # kernels are interpreted, so tell it so (for this test only) without touching the environment
         monkeypatch.setattr(K, "_interpreter_enabled", lambda: True)
     return triton_kernels
+
+
+@pytest.fixture(params=cpu_linear.isas_here())
+def isa(request, monkeypatch):
+    """The packed-linear ops (and layers) of the test call the kernel built with each path this CPU runs; test files
+    with kernels of their own (quant_linear) define their own `isa`."""
+    kernel = cpu_linear.build_cpu_linear(request.param)
+    assert kernel is not None
+    monkeypatch.setattr(cpu_linear, "cpu_linear_kernel", lambda: kernel)
+    return request.param

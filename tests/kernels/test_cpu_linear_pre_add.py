@@ -8,20 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels import cpu_linear as cl
-from vlserve.kernels.cpu_linear import build_cpu_linear, cpu_linear_kernel, cpu_linear_silu_mul, pack_linear_weight
+from vlserve.kernels.cpu_linear import cpu_linear_kernel, cpu_linear_silu_mul, pack_linear_weight
 
 pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="no AVX2 + FMA or AVX-512 here (or no toolchain)")
 DTYPES = [torch.float32, torch.bfloat16]
 
-
-@pytest.fixture(params=cl.isas_here())
-def isa(request, monkeypatch):
-    """The ops of the test call the kernel built with this path."""
-    kernel = build_cpu_linear(request.param)
-    assert kernel is not None
-    monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: kernel)
-    return request.param
 
 
 def _operands(m, i, k, bias, dtype, seed=0):

@@ -24,14 +24,6 @@ pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="no AVX2 + F
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(params=cl.isas_here())
-def isa(request, monkeypatch):
-    """The ops (and layers) of the test call the kernel built with this path."""
-    kernel = build_cpu_linear(request.param)
-    assert kernel is not None
-    monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: kernel)
-    return request.param
-
 
 def _operands(m, n, k, bias, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -34,13 +34,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = (Path(__file__).parent / "csrc" / "lora_cpu.cpp").read_text()
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* x, int64_t ldx, void* out, int64_t ldo, const int64_t* slots, int64_t T,
@@ -60,7 +58,9 @@ def lora_cpu_kernel():
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_SOURCE,
+        from vlserve.kernels.cpu_linear import _source  # pastes the shared header in
+
+        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_source("lora_cpu.cpp"),
                                                          kernel_needs_vec_isa=True)
     except Exception as exc:  # no compiler, or an inductor without this loader: the torch twin runs instead
         logger.warning("the C++ LoRA kernel could not be built (%s: %s); using the torch path", type(exc).__name__,

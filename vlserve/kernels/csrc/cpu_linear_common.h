@@ -1,4 +1,4 @@
-// Shared by cpu_linear.cpp and quant_linear.cpp (pasted into each, once): what cpu_linear_avx2.cpp's register
+// Shared by cpu_linear.cpp, quant_linear.cpp and lora_cpu.cpp (pasted into each, once): what cpu_linear_avx2.cpp's register
 // blocks expect.
 #include <cstdint>
 #include <cstring>

@@ -8,6 +8,7 @@
 // Two phases over the same OpenMP team: the shrink y[t, qR + j] = x[t] . A[s, qR + j] (units: a slot's tokens in
 // chunks x its active A rows in blocks), a barrier, then the expand (units: 64-column blocks of a slice, every
 // token). A unit's arithmetic never depends on the thread count, so results are the same with 1 or N threads.
+#include "cpu_linear_common.h"
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
@@ -23,19 +24,12 @@
 
 namespace lora {
 
-typedef uint16_t bf16;
+using ::bf16;  // cpu_linear_common.h's
 constexpr int64_t kTokenChunk = 16;     // tokens of one shrink unit
 constexpr int64_t kRowBlock = 16;       // A rows of one shrink unit
 constexpr int64_t kColBlock = 64;       // output columns of one expand unit
 constexpr int64_t kMinPerThread = 1 << 15;  // multiply-adds below which another thread costs more than it saves
 
-static inline float f32(float v) { return v; }
-static inline float f32(bf16 v) {
-    const uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-}
 static inline void put(float* p, float v) { *p = v; }
 static inline void put(bf16* p, float v) {  // round to nearest even; NaN -> 0x7fc0, as torch rounds
     uint32_t u;
@@ -81,7 +75,7 @@ static inline V8 vset1(float v) {
 template <typename T>
 static inline V8 vload(const T* p) {
     V8 r;
-    for (int i = 0; i < 8; ++i) r.f[i] = f32(p[i]);
+    for (int i = 0; i < 8; ++i) r.f[i] = to_float(p[i]);
     return r;
 }
 static inline V8 vfma(V8 a, V8 b, V8 c) {
@@ -95,7 +89,7 @@ static inline float vsum(V8 v) {
 }
 template <typename T>
 static inline void vadd_store(T* p, V8 v) {
-    for (int i = 0; i < 8; ++i) put(p + i, f32(p[i]) + v.f[i]);
+    for (int i = 0; i < 8; ++i) put(p + i, to_float(p[i]) + v.f[i]);
 }
 static inline float sfma(float a, float b, float c) { return c + a * b; }
 #endif
@@ -118,7 +112,7 @@ static inline void dots(const T* const* x, const T* const* a, int64_t I, float* 
     for (int t = 0; t < NT; ++t)
         for (int j = 0; j < NJ; ++j) {
             float s = vsum(acc[t][j]);
-            for (int64_t kk = k; kk < I; ++kk) s = sfma(f32(x[t][kk]), f32(a[j][kk]), s);
+            for (int64_t kk = k; kk < I; ++kk) s = sfma(to_float(x[t][kk]), to_float(a[j][kk]), s);
             y[t][cols[j]] = s;
         }
 }
@@ -172,8 +166,8 @@ static inline void expand_cols(const float* const* y, int64_t r, const T* b, int
     for (; c < n; ++c)
         for (int t = 0; t < NT; ++t) {
             float s = 0.f;
-            for (int64_t q = 0; q < r; ++q) s = sfma(y[t][q], f32(b[q * ldb + c]), s);
-            put(out[t] + c, f32(out[t][c]) + s);
+            for (int64_t q = 0; q < r; ++q) s = sfma(y[t][q], to_float(b[q * ldb + c]), s);
+            put(out[t] + c, to_float(out[t][c]) + s);
         }
 }
 
