@@ -100,6 +100,19 @@ def interpreted_triton_modules() -> SimpleNamespace:
     return SimpleNamespace(**{short: fresh[name] for short, name in TRITON_MODULES.items()})
 
 
+@functools.cache
+def interpreted_module(name: str) -> ModuleType:
+    """A private copy of the one Triton module `name` (e.g. vlserve.kernels.triton_lora) whose kernels run in the
+    interpreter (the kernel modules with tests of their own: fused MoE, WNA16, LoRA)."""
+    import triton  # noqa: F401  (imported outside the window: its library keeps its run-wide mode)
+    import triton.language  # noqa: F401
+
+    with mock.patch.dict(os.environ, {INTERPRET_ENV: "1"}):
+        module = _import_fresh([name])[name]
+    _wrap_kernels(module)
+    return module
+
+
 def native_triton_modules() -> SimpleNamespace:
     """Namespace (kv_write, rotary, paged, prefill, attention, varlen) of the ordinary, process-wide vlserve Triton
     modules."""

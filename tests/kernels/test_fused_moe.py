@@ -8,18 +8,16 @@ between the GEMMs, and the interpreter truncates float32 -> bf16 where a GPU rou
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import subprocess
 import sys
 import textwrap
-from unittest import mock
 
 import pytest
 import torch
 
-from _interpreted import INTERPRET_ENV, _import_fresh, _wrap_kernels
+from _interpreted import INTERPRET_ENV, interpreted_module
 from vlserve.kernels.activation import activation
 from vlserve.kernels.fused_moe_ref import fused_moe_ref, route_topk
 
@@ -27,15 +25,8 @@ MODULE = "vlserve.kernels.triton_fused_moe"
 H = 64
 
 
-@functools.cache
 def _interpreted_moe():
-    import triton  # noqa: F401  (outside the window: triton's own library stays compiled-mode)
-    import triton.language  # noqa: F401
-
-    with mock.patch.dict(os.environ, {INTERPRET_ENV: "1"}):
-        module = _import_fresh([MODULE])[MODULE]
-    _wrap_kernels(module)
-    return module
+    return interpreted_module(MODULE)
 
 
 @pytest.fixture(scope="module")

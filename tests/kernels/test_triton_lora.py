@@ -11,18 +11,16 @@ zero after the shrink, bit-identical to the input after the expand.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import subprocess
 import sys
 import textwrap
-from unittest import mock
 
 import pytest
 import torch
 
-from _interpreted import INTERPRET_ENV, _import_fresh, _wrap_kernels
+from _interpreted import INTERPRET_ENV, interpreted_module
 from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
 
 MODULE = "vlserve.kernels.triton_lora"
@@ -31,15 +29,8 @@ RANKS = [[8, 8, 8], [4, 2, 0], [0, 0, 0], [1, 8, 5]]  # per slot, per slice (slo
 LAYOUTS = {1: ([40], [0]), 3: ([32, 24, 20], [0, 32, 56])}  # slices -> (widths O_s, offsets)
 
 
-@functools.cache
 def _interpreted_lora():
-    import triton  # noqa: F401  (outside the window: triton's own library stays compiled-mode)
-    import triton.language  # noqa: F401
-
-    with mock.patch.dict(os.environ, {INTERPRET_ENV: "1"}):
-        module = _import_fresh([MODULE])[MODULE]
-    _wrap_kernels(module)
-    return module
+    return interpreted_module(MODULE)
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,17 @@ quantization, padding, scale shapes and rescaling, not cuBLAS's constraints.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import subprocess
 import sys
 import textwrap
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from _interpreted import INTERPRET_ENV, _import_fresh, _wrap_kernels
+from _interpreted import INTERPRET_ENV, interpreted_module
 from vlserve.kernels import quant_linear as QL
 from vlserve.kernels import quant_linear_cuda as QC
 
@@ -35,15 +33,8 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-@functools.cache
 def _interpreted_wna16():
-    import triton  # noqa: F401  (outside the window: triton's own library stays compiled-mode)
-    import triton.language  # noqa: F401
-
-    with mock.patch.dict(os.environ, {INTERPRET_ENV: "1"}):
-        module = _import_fresh([MODULE])[MODULE]
-    _wrap_kernels(module)
-    return module
+    return interpreted_module(MODULE)
 
 
 @pytest.fixture(scope="module")
