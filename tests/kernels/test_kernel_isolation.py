@@ -69,7 +69,10 @@ def test_cuda_run_refuses_interpreter(monkeypatch):
     with pytest.raises(pytest.UsageError, match="TRITON_INTERPRET is set on a CUDA machine"):
         root_conftest.pytest_configure(None)
     monkeypatch.setenv(INTERPRET_ENV, "0")
+    monkeypatch.setenv("VLSERVE_DEFAULT_COMPILE_LEVEL", "")  # recorded, so what a CUDA run sets is undone after
+    monkeypatch.delenv("VLSERVE_DEFAULT_COMPILE_LEVEL")
     root_conftest.pytest_configure(None)
+    assert os.environ["VLSERVE_DEFAULT_COMPILE_LEVEL"] == "0"  # a CUDA run's engines default to -O0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
