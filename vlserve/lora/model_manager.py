@@ -69,7 +69,6 @@ class LoRAModelManager:
         self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # host LRU, oldest first
         self._slots: list[int | None] = [None] * max_loras  # slot -> lora_int_id
         self._slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
-        self.step_slots: tuple[int, ...] = ()  # the device slots the last prepared step uses
         self._reading: dict[int, tuple[LoRARequest, Future]] = {}  # adapters whose files a background thread reads
         self._reader: ThreadPoolExecutor | None = None
 
@@ -188,10 +187,16 @@ class LoRAModelManager:
 
     # -- per step ---------------------------------------------------------------------------------------------
     def prepare_step(self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None) -> torch.Tensor:
+        """`_prepare_step`'s token slots alone (see there)."""
+        return self._prepare_step(adapters, num_tokens)[0]
+
+    def _prepare_step(self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None
+                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Slots for one step. `adapters[i]`: request i's LoRARequest (added if not held), a held lora_int_id, or
         None / 0 for the base model, in batch order; `num_tokens[i]`: its scheduled tokens (None: `adapters` is
-        per token). Returns `token_slots [T]` int64 on the model's device (-1: base). ValueError when the step
-        uses more than max_loras distinct adapters or an unknown id."""
+        per token). Returns `token_slots [T]` int64 on the model's device (-1: base) and the distinct slots it
+        uses (known on the host). ValueError when the step uses more than max_loras distinct adapters or an
+        unknown id."""
         ids = [_ref_id(a) for a in adapters]
         distinct = list(dict.fromkeys(i for i in ids if i))
         if len(distinct) > self.max_loras:
@@ -203,13 +208,12 @@ class LoRAModelManager:
         for a in adapters:
             self._id_of(a)  # loads a LoRARequest not held; an unknown bare id is a ValueError
         slot_of = {i: self._activate(i, distinct) for i in distinct}
-        self.step_slots = tuple(sorted(slot_of.values()))  # the slots this step uses (host-known)
         slots = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int64)  # [B] or [T]
         if num_tokens is not None:
             if len(num_tokens) != len(ids):
                 raise ValueError(f"{len(ids)} adapters for {len(num_tokens)} requests")
             slots = slots.repeat_interleave(torch.as_tensor(num_tokens, dtype=torch.int64))  # [T]
-        return slots.to(self.device)
+        return slots.to(self.device), tuple(sorted(slot_of.values()))
 
     def lora_step(self, token_slots: torch.Tensor):
         """Context manager: the LoRA layers apply `token_slots [T]` during the block (see `layers.lora_step`)."""
@@ -220,8 +224,7 @@ class LoRAModelManager:
         (the layers run as their base, adding nothing)."""
         if not any(_ref_id(a) for a in adapters):
             return contextlib.nullcontext()
-        slots = self.prepare_step(adapters, num_tokens)
-        return lora_step(slots, self.step_slots)
+        return lora_step(*self._prepare_step(adapters, num_tokens))
 
     # -- CUDA graphs ------------------------------------------------------------------------------------------
     def enable_graph_slots(self, max_tokens: int) -> None:

@@ -45,11 +45,11 @@ def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
         return 0.0, 0
     t0 = time.perf_counter()
     num_embeds = 0
-    step_adapters = [runner.requests[r].lora_request for r in so.num_scheduled_tokens]
     for (modality, lora_id), by_hash in pending.items():
         feats = list(by_hash.values())
         lora = (contextlib.nullcontext() if not lora_id  # the adapter's tower / projector weights apply
-                else runner.lora_manager.encoder_step(adapters[lora_id], step_adapters))
+                else runner.lora_manager.encoder_step(  # the step's other adapters keep their slots
+                    adapters[lora_id], [runner.requests[r].lora_request for r in so.num_scheduled_tokens]))
         with lora:
             emb = runner.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
         lengths = [f.length for f in feats]
