@@ -111,7 +111,8 @@ def metadata_to(md: AttentionMetadata, device: torch.device | str) -> AttentionM
     """`md` with its tensor fields moved to `device`."""
     moved = {f.name: getattr(md, f.name).to(device) for f in dataclasses.fields(md)
              if isinstance(getattr(md, f.name), torch.Tensor)}
-    return dataclasses.replace(md, **moved)
+    # what the kernels derived on md's device (int64 slots, gather plans) is not carried over
+    return dataclasses.replace(md, **moved, derived={})
 
 
 def kernel_tol(device: torch.device | str, dtype: torch.dtype) -> dict[str, float]:

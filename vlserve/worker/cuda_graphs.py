@@ -60,6 +60,10 @@ class DecodeBuffers:
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks
         self.block_size = block_size
+        with torch.inference_mode(False):  # normal tensors, as the step buffers are: one dynamo guard for both
+            self._allocate(max_seqs, max_blocks, mrope, device)
+
+    def _allocate(self, max_seqs: int, max_blocks: int, mrope: bool, device: torch.device) -> None:
         self.input_ids = torch.zeros(max_seqs, dtype=torch.long, device=device)  # [S]
         self.positions = torch.zeros((3, max_seqs) if mrope else (max_seqs,), dtype=torch.long,
                                      device=device)  # [S] or [3, S]

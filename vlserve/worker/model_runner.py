@@ -177,24 +177,28 @@ class ModelRunner:
         and a 1-token decode that write no KV) and capture CUDA graphs, per the compilation level."""
         def dummy_steps():
             for q_len in (2, 1):
-                md = AttentionMetadata(
-                    slot_mapping=torch.full((q_len,), -1, dtype=torch.long, device=self.device),
-                    query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=self.device),
-                    seq_lens=torch.tensor([q_len], dtype=torch.int32, device=self.device),
-                    block_tables=torch.zeros((1, cdiv(q_len, self.block_size)), dtype=torch.int32,
-                                             device=self.device),
-                    num_decodes=int(q_len == 1), max_query_len=q_len, max_seq_len=q_len,
-                    query_start_loc_cpu=[0, q_len], seq_lens_cpu=[q_len], workspace=self.attn_workspace)
-                positions = torch.arange(q_len, device=self.device)  # [T]
-                if self.mrope_positions_fn is not None:
-                    positions = positions.expand(3, q_len).contiguous()  # [3, T]
-                ids = torch.zeros(q_len, dtype=torch.long, device=self.device)
+                with torch.inference_mode(False):  # normal tensors, as the step buffers are: one dynamo guard
+                    ids, positions, md = self._dummy_inputs(q_len)
                 self.forward(ids, positions, self.kv_caches, md)
 
         self.forward.timed_warm_up(dummy_steps)
         if self.kv_groups.num_groups == 1:  # a graph replays one block table for every layer
             self.forward.capture_cuda_graphs(self.kv_caches, max_num_seqs, max_model_len, self.block_size,
                                              mrope=self.mrope_positions_fn is not None)
+
+    def _dummy_inputs(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A `q_len`-token prefill (2) or decode (1) that writes no KV: input ids [T], positions [T] or [3, T]."""
+        md = AttentionMetadata(
+            slot_mapping=torch.full((q_len,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([q_len], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((1, cdiv(q_len, self.block_size)), dtype=torch.int32, device=self.device),
+            num_decodes=int(q_len == 1), max_query_len=q_len, max_seq_len=q_len,
+            query_start_loc_cpu=[0, q_len], seq_lens_cpu=[q_len], workspace=self.attn_workspace)
+        positions = torch.arange(q_len, device=self.device)  # [T]
+        if self.mrope_positions_fn is not None:
+            positions = positions.expand(3, q_len).contiguous()  # [3, T]
+        return torch.zeros(q_len, dtype=torch.long, device=self.device), positions, md
 
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -337,7 +341,8 @@ class ModelRunner:
             return self.input_batch.positions_on_device(step.num_tokens)  # [T]
         parts = [mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
                  for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
-        return torch.cat(parts, dim=1).to(self.device)  # [3, T]
+        with torch.inference_mode(False):  # a normal tensor, as the text positions are: one dynamo guard for both
+            return torch.cat(parts, dim=1).to(self.device)  # [3, T]
 
     def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
                              skip_missing: bool = False) -> torch.Tensor | None:
