@@ -56,7 +56,8 @@ test-hf4: $(VENV_HF4)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m vlserve.bench.throughput
 
-# `make gpu-check OUT=DIR` (issue 40): on a CUDA machine, every GPU test and figure in one run (~10 minutes) into
+# `make gpu-check OUT=DIR` (issue 40): on a CUDA machine, every GPU test and figure in one run (~15 minutes; split
+# it with GPU_CHECK_ARGS="--only STEP ..." to fit a lease, see vlserve/bench/gpu_check.py) into
 # DIR/report.md + DIR/report.json (+ log.txt); DRY_RUN=1 runs the same script on CPU with tiny sizes (CI does).
 # It needs no venv: on a GPU machine it runs the system python3 (its torch / triton / transformers) and installs
 # what else it needs from ./wheelhouse, which `make gpu-wheels` fills here (Python 3.12 manylinux wheels, pinned to

@@ -1,6 +1,6 @@
 """One-command GPU check (issue 40): every CUDA figure and test of the project in one run, one report.
 
-    make gpu-check OUT=gpu-report            # on a CUDA machine: ~10 minutes, writes gpu-report/report.{md,json}
+    make gpu-check OUT=gpu-report            # on a CUDA machine: writes gpu-report/report.{md,json}
     make gpu-check DRY_RUN=1                 # on CPU with tiny sizes (what CI runs, so the script cannot rot)
     python -m vlserve.bench.gpu_check --out DIR [--dry-run] [--only STEP ...] [--skip STEP ...] [--budget S]
     python -m vlserve.bench.gpu_check --wheel-requirements   # the pins `make gpu-wheels` downloads
@@ -9,6 +9,12 @@ Each step (`gpu_check_steps.STEPS`) runs in a process of its own, under its own 
 budget), so a crash, a hang or a CUDA error in one leaves the others running; its pass/fail, figures, notes, command
 and seconds go into OUT/report.json and OUT/report.md, rewritten after every step (a run killed midway still leaves
 a report), and its output into OUT/log.txt. Three files in all: they fit what a lent GPU machine sends back.
+
+The steps' limits add up to more than one 10-minute call, and a session's 15 minutes of device time include the
+machine's start: run it as calls on the same warm machine, split with --only (the work dir under the temp dir keeps
+the 1.2B checkpoint and inductor's cache between them), e.g. `--only pytest_cuda kernel_sweep chunked_prefill_race`,
+then `--only build_model throughput_O0 throughput_O2 throughput_async hf_generate`, then the rest (2026-11-26's
+first run: docs/benchmarks.md, "First run on a GPU").
 
 Before the steps, on a real run, the packages the check needs beyond the machine's own torch / triton / transformers
 (vlserve's dependencies and pytest; `wheel_requirements`) are installed from ./wheelhouse, which `make gpu-wheels`

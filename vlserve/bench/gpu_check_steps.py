@@ -21,7 +21,8 @@ import traceback
 SIZES = {
     "model": dict(hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=4, intermediate_size=6144),
     "dtype": "bfloat16", "num_prompts": 256, "input_len": 128, "output_len": 128, "single_len": 256,
-    "race": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
+    "race": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768,
+                 max_position_embeddings=4096),  # holds race_prompt + 64
     "race_prompt": 3000, "race_chunk": 256, "race_repeats": 3,
     "pytest": ["tests/kernels", "tests/worker", "tests/engine/test_async_scheduling.py",
                "tests/lora/test_lora_graphs.py",
@@ -76,10 +77,17 @@ def _checkpoint(cfg: dict, key: str, **kw) -> str:
 
 # -- (a) the CUDA subset of the tests -------------------------------------------------------------------------------
 def step_pytest(cfg):
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sizes(cfg)["pytest"]]
-    proc = subprocess.run(args, cwd=cfg["repo"], capture_output=True, text=True)
-    print(proc.stdout[-20000:], proc.stderr[-5000:])
-    summary = next((line.strip("= ") for line in reversed(proc.stdout.splitlines())
+    # -v -rfE: each test's name and verdict reach the log as it ends, so a run killed at its limit still shows
+    # which tests failed and where it stopped; the durations show what ate the time
+    args = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", "-p", "no:cacheprovider",
+            *sizes(cfg)["pytest"]]
+    proc = subprocess.Popen(args, cwd=cfg["repo"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line.rstrip("\n"))
+    proc.wait()
+    summary = next((line.strip("= ") for line in reversed(lines)
                     if re.search(r"\d+ (passed|failed|error)", line)), "no summary line")
     notes = [] if not cfg["dry_run"] else ["dry run: a handful of fast CPU tests stand in for the CUDA subset"]
     return {"figures": {"summary": summary, "exit code": proc.returncode}, "headline": summary, "notes": notes,
@@ -302,7 +310,9 @@ def step_hf_generate(cfg):
     prompts = _prompts(cfg, path)
     dev = device()
     dt, n, _ = bench_hf(path, prompts, [s["output_len"]] * len(prompts), s["dtype"], len(prompts), device=dev)
+    print(f"HF batched: {n} tokens in {dt:.2f} s", flush=True)  # a run killed at its limit shows how far it got
     sdt, n1, _ = bench_hf(path, prompts[:1], [s["single_len"]], s["dtype"], 1, device=dev)
+    print(f"HF single stream: {n1} tokens in {sdt:.2f} s", flush=True)
     return {"figures": {"throughput tok/s": round(n / dt, 1), "tokens": n, "seconds": round(dt, 3),
                         "single-stream tok/s": round(n1 / sdt, 1), "device": dev},
             "headline": f"HF generate {n / dt:.1f} tok/s, single stream {n1 / sdt:.1f} tok/s",
@@ -324,7 +334,7 @@ def _step(name, what, budget, dry_budget, fn, **extra):
 # first, so a run that runs out of time loses figures rather than verdicts.
 STEPS = [
     _step("pytest_cuda", "(a) the CUDA subset of the tests: kernels, worker (compile, graphs), async scheduling, "
-          "LoRA graphs, GPU report", 170, 60, step_pytest),
+          "LoRA graphs, GPU report", 300, 60, step_pytest),
     _step("kernel_sweep", "(b) Triton paged decode / prefill vs torch SDPA (paged_attention.py) and the Triton "
           "prefill vs flash SDPA (prefill_attention.py)", 60, 40, step_kernel_sweep),
     _step("chunked_prefill_race", "(c) a long prompt in many chunks under async scheduling at the device default "
@@ -338,12 +348,12 @@ STEPS = [
     *[_step(name, f"(e) throughput (256 prompts x 128 -> 128), single stream (1 x 256) and GPU busy at "
             f"-O{lvl}{' with --async-scheduling' if a else ''}", 75, 45, lambda cfg, n=name: step_throughput(cfg, n))
       for name, (lvl, a) in LEVELS.items()],
-    _step("hf_generate", "(f) HF generate on the same device, same prompts (the baseline)", 40, 20, step_hf_generate),
-    _step("demo_single_stream", "(g) the demo model (vlserve-demo), one stream", 30, 20,
+    _step("hf_generate", "(f) HF generate on the same device, same prompts (the baseline)", 90, 20, step_hf_generate),
+    _step("demo_single_stream", "(g) the demo model (vlserve-demo), one stream", 90, 20,
           lambda cfg: _demo_steps().step_demo_single_stream(cfg, sizes(cfg))),
-    _step("encoder_cache", "(h) encoder cache on vs off (vlserve.bench.mm_cache)", 40, 30,
+    _step("encoder_cache", "(h) encoder cache on vs off (vlserve.bench.mm_cache)", 90, 30,
           lambda cfg: _demo_steps().step_encoder_cache(cfg, sizes(cfg))),
-    _step("eagle", "(h) EAGLE (the demo's shipped head) vs plain decoding (vlserve.bench.spec_demo)", 40, 30,
+    _step("eagle", "(h) EAGLE (the demo's shipped head) vs plain decoding (vlserve.bench.spec_demo)", 90, 30,
           lambda cfg: _demo_steps().step_eagle(cfg, sizes(cfg))),
 ]
 
