@@ -1,7 +1,8 @@
 """Structured outputs through the engine on the demo model (tiny random weights: its free text is noise, so every
 valid output is the grammar's doing): JSON schema, choice, regex and grammar outputs valid for greedy and sampled
 requests, n > 1, logprobs, chunked prefill, async scheduling, n-gram and EAGLE drafts, an image in the prompt; a
-constraint cut by max_tokens ends "length"; a bad constraint is a ValueError before any compute."""
+constraint cut by max_tokens ends "length"; a bad constraint is a ValueError before any compute; and the same on a
+random model with a real 131k-token vocabulary."""
 import json
 import re
 
@@ -9,6 +10,7 @@ import jsonschema
 import pytest
 from PIL import Image
 
+from tests.structured_output.conftest import big_tokenizer  # noqa: F401  (session fixture)
 from vlserve import LLM, SamplingParams, StructuredOutputsParams
 from vlserve.demo import default_model_path
 
@@ -168,3 +170,29 @@ def test_llm_chat_passes_tools_to_the_template(llm):
     assert len(out.prompt_token_ids) > len(base.prompt_token_ids)
     with pytest.raises(ValueError, match="tools"):
         llm.chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, tools="count_shapes")
+
+
+def test_real_size_vocabulary(big_tokenizer, tmp_path):
+    """A random model with a real 131k-token vocabulary (4,096 bitmask words a row; hundreds of whitespace and
+    long tokens): sampled JSON, choice and regex outputs are valid, and the batch's mixed rows (constrained next to
+    free) leave the free request's output equal to its run alone."""
+    from vlserve.testing.checkpoints import build_text_checkpoint
+
+    tok_dir = tmp_path / "tokenizer"
+    big_tokenizer.save_pretrained(tok_dir)
+    model = build_text_checkpoint(str(tmp_path / "model"), hidden_size=64, num_layers=1, tokenizer_dir=str(tok_dir))
+    llm = LLM(model, dtype="float32", num_kv_blocks=128, max_model_len=512, seed=0)
+    prompts = ["Describe the picture as JSON.", "What is it?", "Count the shapes please", "x"]
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(prompts[:1], free, use_tqdm=False)[0].outputs[0].token_ids
+    params = [free, _json(temperature=1.0, seed=5),
+              SamplingParams(temperature=1.0, seed=6, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(regex=REGEX))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    _check_json(outs[1])
+    assert outs[2].outputs[0].text in CHOICES
+    assert re.fullmatch(REGEX, outs[3].outputs[0].text), outs[3].outputs[0].text
+    llm.check_integrity()

@@ -1,8 +1,10 @@
-"""Fixtures for the structured-output tests: the demo model's real tokenizer (Qwen2 byte-level BPE, 467 tokens) and,
-when one is on this machine, a full-size tokenizer (never downloaded)."""
+"""Fixtures for the structured-output tests: the demo model's real tokenizer (Qwen2 byte-level BPE, 467 tokens) and a
+full-size one: a local Hugging Face cache's when there is one (never downloaded from a hub), else Mistral's Tekken
+(131,072 tokens) built from the mistral_common wheel (`vlserve.testing.tekken_tokenizer`, package registry only)."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -30,4 +32,9 @@ def big_tokenizer():
             continue
         if len(tokenizer) > 10_000:
             return tokenizer
-    pytest.skip("no full-size tokenizer on this machine (set VLSERVE_TEST_TOKENIZER to a local directory)")
+    from vlserve.testing.tekken_tokenizer import tekken_tokenizer_dir
+
+    try:
+        return AutoTokenizer.from_pretrained(tekken_tokenizer_dir())
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:  # no package registry reachable
+        pytest.skip(f"no full-size tokenizer on this machine and none could be built: {exc}")

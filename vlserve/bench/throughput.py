@@ -167,7 +167,7 @@ def build_random_model(args) -> str:
     build_text_checkpoint(out, arch="qwen2", hidden_size=args.hidden_size, num_layers=args.num_layers,
                           num_heads=heads, num_kv_heads=kv_heads,
                           intermediate_size=getattr(args, "intermediate_size", None) or args.hidden_size * 3,
-                          initializer_range=0.02, seed=args.seed)
+                          initializer_range=0.02, seed=args.seed, tokenizer_dir=getattr(args, "tokenizer", None))
     return out
 
 

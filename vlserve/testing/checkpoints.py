@@ -36,7 +36,8 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
                           vocab_size: int | None = None, tie_word_embeddings: bool | None = None,
                           initializer_range: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32,
                           max_position_embeddings: int = 2048, rope_scaling: dict | None = None,
-                          randomize_norms_and_biases: bool = True, attention_bias: bool = False) -> str:
+                          randomize_norms_and_biases: bool = True, attention_bias: bool = False,
+                          tokenizer_dir: str | None = None) -> str:
     """Save a random `arch` ("llama" | "qwen2" | "qwen3") HF causal LM with the test tokenizer to `out_dir`.
 
     vocab_size defaults to `len(tokenizer)`; tie_word_embeddings defaults to True for Qwen, False for Llama.
@@ -44,11 +45,12 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
     `randomize_norms_and_biases` the RMSNorm weights become `1 + 0.1 * N(0,1)` and linear biases
     `N(0, initializer_range)` (HF initializes them to 1 and 0), so loaders that drop them are caught.
     config.json carries eos/pad ids of the tokenizer (eos = <|im_end|>, pad = <|endoftext|>), as does
-    generation_config.json. `attention_bias` (llama, qwen3) adds biases to q/k/v/o_proj. Returns `out_dir`.
+    generation_config.json. `attention_bias` (llama, qwen3) adds biases to q/k/v/o_proj. `tokenizer_dir`: a local
+    tokenizer to ship instead of the test one (e.g. `vlserve.testing.tekken_tokenizer`'s). Returns `out_dir`.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = _tokenizer()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else _tokenizer()
     vocab_size = vocab_size or len(tok)
     tie = _DEFAULT_TIE[arch] if tie_word_embeddings is None and arch in _DEFAULT_TIE else tie_word_embeddings
     config = _make_config(
