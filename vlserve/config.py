@@ -174,6 +174,9 @@ class EngineArgs:
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
     data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
     tensor_parallel_size: int = 1  # worker processes (ranks) the model is sharded over
+    # pipeline stages, one worker process each: the decoder layers split into contiguous runs (even, or as
+    # $VLSERVE_PP_LAYER_PARTITION says); synchronous, TP=1 per stage, text-only causal LMs for now
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
     # LoRA (vlserve.lora): PEFT adapters on the decoder's projections, chosen per request
     enable_lora: bool = False
@@ -183,16 +186,16 @@ class EngineArgs:
     lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, served as models by name
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_size", "tensor_parallel_size"):
+        for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {shorten(self.distributed_executor_backend)}")
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size is "
-                             f"{self.tensor_parallel_size}: use 'mp' or 'ray'")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size}: use 'mp' or 'ray'")
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
@@ -226,6 +229,32 @@ class EngineArgs:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
         self._check_lora()
+        self._check_pipeline_parallel()
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline_parallel(self) -> None:
+        """Refuse what pipeline parallelism does not support yet, rather than ignore it."""
+        if self.pipeline_parallel_size == 1:
+            return
+        pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
+        refused = [
+            (self.tensor_parallel_size > 1, "with tensor_parallel_size > 1"),
+            (self.distributed_executor_backend == "ray", "on the Ray executor (use 'mp')"),
+            (self.data_parallel_size > 1, "with data_parallel_size > 1"),
+            (bool(self.speculative_config), "with speculative decoding"),
+            (self.async_scheduling, "with async_scheduling"),
+            (self.enable_lora, "with LoRA"),
+            (self.quantization is not None, "with a quantized checkpoint"),
+            (self.compilation_config.level not in (None, 0), "with torch.compile or CUDA graphs (the stages run "
+                                                             "eager: compilation level 0 or enforce_eager)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"{pp} is not supported {what} yet")
 
     def _check_lora(self) -> None:
         """LoRA knobs: integers >= 1, max_cpu_loras >= max_loras, adapters only with enable_lora; `lora_modules`

@@ -32,7 +32,7 @@ class EngineCore:
     """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, processor: bool = True):
-        sharded = args.tensor_parallel_size > 1 or args.distributed_executor_backend not in (None, "uni")
+        sharded = args.world_size > 1 or args.distributed_executor_backend not in (None, "uni")
         if loaded is None:  # the ranks load their own shards when they run elsewhere; `processor`: see load_for_serving
             loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded,
                                       processor=processor)

@@ -15,7 +15,8 @@ class WorkerDied(RuntimeError):
 
 
 class Executor(ABC):
-    """Runs each planned step on every rank and returns rank 0's sampled tokens.
+    """Runs each planned step on every rank and returns the sampled tokens (rank 0's; under pipeline parallelism the
+    last stage's).
 
     Built whole: the constructor loads the ranks, agrees on the KV block count (`num_blocks`, the smallest any rank
     can hold) and allocates the caches. Called from one thread at a time.
@@ -27,7 +28,7 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; rank 0's output."""
+        """Run one step on every rank; the sampling rank's output."""
 
     @abstractmethod
     def collective_rpc(self, method: str, arg=None) -> list:
@@ -35,18 +36,19 @@ class Executor(ABC):
 
     @abstractmethod
     def stats(self) -> WorkerStats:
-        """Rank 0's counters after the latest step."""
+        """The sampling rank's counters after the latest step."""
 
     def shutdown(self) -> None:
         """Stop the ranks (no-op in process)."""
 
 
 class RankGroupExecutor(Executor):
-    """An executor whose ranks run elsewhere (processes, actors): rank 0's output, the ranks checked against each
-    other, and one failure ends the group. Subclasses set up `_dead = None`, `_stats = WorkerStats()` and implement
+    """An executor whose ranks run elsewhere (processes, actors): the output rank's output (rank 0, or the last
+    pipeline stage's first rank: the one that samples), the ranks checked against it, and one failure ends the group. Subclasses set up `_dead = None`, `_stats = WorkerStats()` and implement
     `collective_rpc` and `_stop_ranks` (stop every rank at once)."""
 
     world_size: int
+    output_rank: int = 0  # whose ModelRunnerOutput is the step's (the last pipeline stage's first rank)
     _dead: str | None = None  # why the ranks can no longer run steps
     _stats: WorkerStats = WorkerStats()
 
@@ -67,10 +69,11 @@ class RankGroupExecutor(Executor):
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         results = self.collective_rpc("execute_model", sched_out)
-        output, self._stats = results[0]
-        for rank, (other, _) in enumerate(results[1:], start=1):
-            if other.sampled_token_ids != output.sampled_token_ids:
-                self._fail(f"tensor-parallel rank {rank} sampled {other.sampled_token_ids} where rank 0 sampled "
+        ref = self.output_rank
+        output, self._stats = results[ref]
+        for rank, (other, _) in enumerate(results):
+            if rank != ref and other.sampled_token_ids != output.sampled_token_ids:
+                self._fail(f"rank {rank} sampled {other.sampled_token_ids} where rank {ref} sampled "
                            f"{output.sampled_token_ids}: the ranks diverged")
         return output
 

@@ -1,9 +1,12 @@
-"""Tensor-parallel ranks as worker processes on this machine (multiprocessing, spawn), one pipe each.
+"""Tensor-parallel ranks and pipeline stages as worker processes on this machine (multiprocessing, spawn), one pipe
+each.
 
 Each step the executor pickles the SchedulerOutput once and writes it to every rank's pipe; every rank runs the
-step (the collectives inside the model join them over torch.distributed) and answers with its output. Rank 0's
-output is the step's result; the others' sampled ids must equal it (the logits are all-gathered, so every rank
-samples the same tokens with the same generator state), which the executor checks.
+step (the collectives inside the model, and the hand-over between pipeline stages, join them over
+torch.distributed) and answers with its output. The sampling rank's output is the step's result (rank 0's, or the
+last stage's under pipeline parallelism); the others' sampled ids must equal it (the logits are all-gathered, so
+every tensor-parallel rank samples the same tokens with the same generator state, and the last stage broadcasts its
+tokens to the other stages), which the executor checks.
 
 While it waits, the executor also watches every rank's process sentinel: a rank that dies (killed, out of memory, a
 crash inside a collective) turns into `WorkerDied` at once, naming the rank and its exit code; the remaining ranks
@@ -43,7 +46,7 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
     """A rank's process: load its shard, say ready (or why not), then answer calls until told to stop or until the
     executor's end of the pipe closes (the engine is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops the ranks
-    logging.basicConfig(level=log_level, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     if rank_device(settings.args.device, rank).type == "cpu":
         share_cpu_threads(world_size)
     try:
@@ -72,11 +75,13 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
 
 
 class MultiprocExecutor(RankGroupExecutor):
-    """`tensor_parallel_size` worker processes, one per rank (gloo on CPU, NCCL on CUDA)."""
+    """`tensor_parallel_size x pipeline_parallel_size` worker processes, one per rank (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, settings: WorkerSettings):
         args = settings.args
-        self.world_size = args.tensor_parallel_size
+        self.world_size = args.world_size
+        self.tp_size, self.pp_size = args.tensor_parallel_size, args.pipeline_parallel_size
+        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank samples
         self.device = rank_device(args.device, 0)
         self._dead: str | None = None  # why the ranks can no longer run steps
         self._stats = WorkerStats()
@@ -87,7 +92,7 @@ class MultiprocExecutor(RankGroupExecutor):
         try:
             for rank in range(self.world_size):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=run_worker_process, name=f"vlserve-tp-rank{rank}", daemon=True,
+                proc = ctx.Process(target=run_worker_process, name=f"vlserve-rank{rank}", daemon=True,
                                    args=(settings, rank, self.world_size, init_method, theirs,
                                          logging.getLogger("vlserve").getEffectiveLevel()))
                 proc.start()
@@ -99,7 +104,7 @@ class MultiprocExecutor(RankGroupExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s), %d KV blocks each", self.world_size,
+        logger.info("%d TP x %d PP ranks (pids %s), %d KV blocks each", self.tp_size, self.pp_size,
                     [p.pid for p in self.procs], self.num_blocks)
 
     # -- calls -------------------------------------------------------------------------------------------------
@@ -130,7 +135,7 @@ class MultiprocExecutor(RankGroupExecutor):
                     except (EOFError, OSError):
                         self._fail(self._death_of(rank))
                     if status != "ok":
-                        self._fail(f"tensor-parallel rank {rank} failed during {what}: {value}")
+                        self._fail(f"{self._rank_name(rank)} failed during {what}: {value}")
                     results[rank] = value
                 elif sentinels[ready] in pending.values():  # a rank that has not answered is gone
                     rank = sentinels[ready]
@@ -146,7 +151,12 @@ class MultiprocExecutor(RankGroupExecutor):
         code = proc.exitcode
         how = (f"was killed by signal {-code}" if code is not None and code < 0
                else f"exited with code {code}" if code is not None else "stopped answering")
-        return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot continue"
+        return f"{self._rank_name(rank)} (pid {proc.pid}) {how}; the engine cannot continue"
+
+    def _rank_name(self, rank: int) -> str:
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {rank}"
+        return f"rank {rank} (pipeline stage {rank // self.tp_size})"
 
     def _stop_ranks(self) -> None:
         self.shutdown(kill=True)

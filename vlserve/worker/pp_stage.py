@@ -1,0 +1,57 @@
+"""One pipeline stage's model runner: the step as `ModelRunner` plans it, with the stream handed between stages.
+
+Every stage runs `execute_model` on the same SchedulerOutput and so builds the same batch (the same token rows,
+positions and attention metadata; each its own layers' KV). Stage k > 0 receives `(hidden, residual)` `[T, H]`
+from stage k - 1 instead of embedding token ids; stage k < last sends its own on and samples nothing. The last stage
+applies the final norm, the LM head and the sampler, then broadcasts the sampled tokens to the other stages, which
+append them to their request states as if they had sampled them: the next step's batch is the same on every stage.
+The last stage's output (with logprobs) is the step's result.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vlserve.core.sched_output import SchedulerOutput
+from vlserve.distributed.pipeline import (IntermediateTensors, broadcast_sampled_tokens, is_first_stage,
+                                          is_last_stage, recv_intermediate, send_intermediate)
+from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.worker.model_runner import ModelRunner
+from vlserve.worker.request_state import CachedRequestState
+from vlserve.worker.sample_step import StepSamples
+
+
+class PipelineStageRunner(ModelRunner):
+    """A ModelRunner over one pipeline stage's layers (eager: no torch.compile or CUDA graphs yet)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
+        self.hidden_size = self.text_config.hidden_size
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                   inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Receive the stream (stage > 0), run this stage's layers, send it on (stage < last). Returns the normed
+        hidden `[T, H]` on the last stage, this stage's hidden (unused) on the others."""
+        T = input_ids.shape[0]
+        received = None if self.first_stage else recv_intermediate(T, self.hidden_size, self.dtype, self.device)
+        out = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds,
+                         intermediate=received)
+        if isinstance(out, IntermediateTensors):
+            send_intermediate(out)
+            return out.hidden
+        return out
+
+    def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
+                     drafts: list[list[int]], so: SchedulerOutput) -> StepSamples:
+        """The last stage samples; every stage ends with the same tokens appended to the same states."""
+        if self.last_stage:
+            samples = super()._sample_step(hidden, states, ends, drafts, so)
+            broadcast_sampled_tokens([samples.tokens[s.req_id] for s in states], len(states), self.device)
+            return samples
+        tokens = broadcast_sampled_tokens(None, len(states), self.device)
+        samples = StepSamples()
+        for state, toks in zip(states, tokens):
+            state.token_ids.extend(toks)
+            samples.tokens[state.req_id] = toks
+        return samples
