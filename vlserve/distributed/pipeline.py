@@ -29,11 +29,12 @@ class IntermediateTensors:
 
 
 def layer_partition(num_layers: int, num_stages: int, spec: str | None = None) -> list[int]:
-    """Layers per stage: `spec` ("a,b,..." summing to num_layers, every count >= 1; default
-    `$VLSERVE_PP_LAYER_PARTITION`), else an even split. ValueError on a bad spec or too few layers."""
+    """Layers per stage: `spec` ("a,b,..." summing to num_layers, every count >= 1; None: read
+    `$VLSERVE_PP_LAYER_PARTITION`), else (empty) an even split. ValueError on a bad spec or too few layers."""
     if spec is None:
-        spec = os.environ.get(PARTITION_ENV, "").strip() or None
-    if spec is None:
+        spec = os.environ.get(PARTITION_ENV, "")
+    spec = spec.strip()
+    if not spec:
         if num_layers < num_stages:
             raise ValueError(f"cannot split {num_layers} decoder layers over {num_stages} pipeline stages")
         base, extra = divmod(num_layers, num_stages)
