@@ -93,11 +93,16 @@ def test_uneven_partition_untied_llama_with_logprobs(llama_4l_dir, monkeypatch):
     monkeypatch.setenv(PARTITION_ENV, "1,3")
     prompts = varied_prompts(_vocab(llama_4l_dir), lengths=(2, 33, 64))
     expected = hf_greedy(llama_4l_dir, prompts, MAX_NEW)
-    llm = LLM(llama_4l_dir, dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2)
+    # KV sized per stage: a block costs 2 (K, V) x 16 slots x 1 KV head x 16 dims x 4 bytes = 2 KiB per layer, so
+    # this budget holds 150 blocks of stage 0's one layer, 50 of stage 1's three (37 of all four at PP=1)
+    budget = 50 * 3 * 2048
+    llm = LLM(llama_4l_dir, dtype="float32", kv_cache_memory_bytes=budget, pipeline_parallel_size=2)
     try:
         info = llm.engine.executor.collective_rpc("shard_info")
         assert [i["layers"] for i in info] == [(0, 1), (1, 4)]
         assert [i["num_kv_layers"] for i in info] == [1, 3]
+        assert llm.engine.executor.num_blocks == 50  # the smaller stage's count, on every stage
+        assert [i["kv_cache_shape"] for i in info] == [(50, 16, 1, 16)] * 2
         assert info[0]["num_params"] < info[1]["num_params"]  # embeddings + 1 layer vs 3 layers + norm + lm_head
         assert _tokens(llm, prompts) == expected
         out = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
@@ -110,9 +115,13 @@ def test_uneven_partition_untied_llama_with_logprobs(llama_4l_dir, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_killed_stage_fails_the_engine_promptly(qwen2_4l_dir):
-    llm = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64, pipeline_parallel_size=2)
+def test_profiled_kv_size_then_a_killed_stage_fails_the_engine(qwen2_4l_dir):
+    # no KV size given: both stages profile a dummy prefill at once (handing its stream over), then size their pools
+    llm = LLM(qwen2_4l_dir, dtype="float32", max_model_len=256, max_num_seqs=4, pipeline_parallel_size=2)
     try:
+        assert llm.engine.executor.num_blocks == 4 * 256 // 16 + 1  # max_num_seqs x max_model_len, within memory
+        prompts = varied_prompts(_vocab(qwen2_4l_dir), lengths=(7,))
+        assert _tokens(llm, prompts) == hf_greedy(qwen2_4l_dir, prompts, MAX_NEW)
         pids = [p.pid for p in llm.engine.executor.procs]
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()

@@ -9,6 +9,8 @@ The last stage's output (with logprobs) is the step's result.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -20,6 +22,8 @@ from vlserve.worker.model_runner import ModelRunner
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSamples
 
+logger = logging.getLogger(__name__)
+
 
 class PipelineStageRunner(ModelRunner):
     """A ModelRunner over one pipeline stage's layers (eager: no torch.compile or CUDA graphs yet)."""
@@ -28,6 +32,9 @@ class PipelineStageRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
         self.hidden_size = self.text_config.hidden_size
+        logger.info("pipeline stage: decoder layers [%d, %d)%s%s, eager", self.kv_layers.start, self.kv_layers.stop,
+                    " + embeddings" if self.first_stage else "", " + final norm, LM head, sampler" if self.last_stage
+                    else "")
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                    inputs_embeds: torch.Tensor | None) -> torch.Tensor:
