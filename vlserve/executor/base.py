@@ -44,8 +44,9 @@ class Executor(ABC):
 
 class RankGroupExecutor(Executor):
     """An executor whose ranks run elsewhere (processes, actors): the output rank's output (rank 0, or the last
-    pipeline stage's first rank: the one that samples), the ranks checked against it, and one failure ends the group. Subclasses set up `_dead = None`, `_stats = WorkerStats()` and implement
-    `collective_rpc` and `_stop_ranks` (stop every rank at once)."""
+    pipeline stage's first rank: the one that samples), the ranks checked against it, and one failure ends the
+    group. Subclasses set up `_dead = None`, `_stats = WorkerStats()` and implement `collective_rpc` and
+    `_stop_ranks` (stop every rank at once)."""
 
     world_size: int
     output_rank: int = 0  # whose ModelRunnerOutput is the step's (the last pipeline stage's first rank)

@@ -1,5 +1,6 @@
 """One rank's share of the model: its weights (a tensor-parallel shard, a pipeline stage's layers, or the whole
-model), its KV cache and the model runner that executes each step. The executors build one `Worker` per rank, in this process or in another."""
+model), its KV cache and the model runner that executes each step. The executors build one `Worker` per rank, in
+this process or in another."""
 from __future__ import annotations
 
 import logging
@@ -114,7 +115,8 @@ class Worker:
         backend = "nccl" if rank_device(settings.args.device, rank).type == "cuda" else "gloo"
         args = settings.args
         if world_size != args.tensor_parallel_size * args.pipeline_parallel_size:
-            raise ValueError(f"{world_size} ranks for {args.tensor_parallel_size} TP x {args.pipeline_parallel_size} PP")
+            raise ValueError(f"{world_size} ranks for {args.tensor_parallel_size} TP x "
+                             f"{args.pipeline_parallel_size} PP")
         init_model_parallel(rank, args.tensor_parallel_size, args.pipeline_parallel_size, init_method, backend)
         return cls(settings, load_rank_model(settings, rank))
 

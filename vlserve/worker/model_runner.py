@@ -111,15 +111,16 @@ class ModelRunner:
         return per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed K and V caches for every slot of this stage's layers: [NB, BS, Hkv, D] each in the KV cache dtype (and the
-        draft's, if any); layer l uses its slot's pair (every layer its own, unless the model keeps KV groups). On
-        CPU their pages become resident only as blocks are written (`kv_memory`)."""
+        """Allocate zeroed K and V caches for every slot this stage's layers use: [NB, BS, Hkv, D] each in the KV
+        cache dtype (and the draft's, if any); layer l uses its slot's pair (every layer its own, unless the model
+        keeps KV groups; None for another pipeline stage's layers). On CPU their pages become resident only as blocks
+        are written (`kv_memory`)."""
         shape = self.kv_cache_shape(num_blocks)
         slots = {slot: (zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
                         zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device)) for slot in self.kv_slots}
         groups = self.kv_groups
         # None for the layers another pipeline stage holds
-        self.kv_caches = [slots.get(groups.slot_of(layer)) if layer in self.kv_layers else None
+        self.kv_caches = [slots[groups.slot_of(layer)] if layer in self.kv_layers else None
                           for layer in range(groups.num_layers)]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
