@@ -1,7 +1,7 @@
-"""Pipeline parallel over two gloo stages (worker processes on this CPU): greedy token for token with PP=1 and HF
-under chunked prefill, preemption and prefix hits; each stage holds only its layers (weights and KV); an uneven
-$VLSERVE_PP_LAYER_PARTITION; bad partitions and what PP does not support yet are ValueErrors before any process
-starts; a killed stage fails the engine at once."""
+"""Pipeline parallel over gloo stages (worker processes on this CPU): PP=2 greedy token for token with PP=1 and HF
+under chunked prefill, preemption and prefix hits; each stage holds only its layers (weights and KV, sized per
+stage); an uneven $VLSERVE_PP_LAYER_PARTITION; PP=3 (a middle stage both receives and sends); bad partitions and
+what PP does not support yet are ValueErrors before any process starts; a killed stage fails the engine at once."""
 from __future__ import annotations
 
 import os
@@ -166,3 +166,28 @@ def test_bad_partitions_and_unsupported_settings_are_refused(qwen2_4l_dir, monke
             LLM(qwen2_4l_dir, pipeline_parallel_size=2, **kwargs)
     with pytest.raises(ValueError, match="does not support pipeline_parallel_size > 1 yet"):
         LLM(None, pipeline_parallel_size=2)  # the demo model: a vision-language model
+
+
+@pytest.mark.slow  # three stage processes on two cores
+def test_pp3_middle_stage_receives_and_sends(qwen2_4l_dir):
+    prompts = varied_prompts(_vocab(qwen2_4l_dir), lengths=(3, 40, 95))
+    llm = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48, pipeline_parallel_size=3)
+    try:
+        info = llm.engine.executor.collective_rpc("shard_info")
+        assert [i["layers"] for i in info] == [(0, 2), (2, 3), (3, 4)]  # 4 layers: the first stage takes the extra
+        assert [i["num_kv_layers"] for i in info] == [2, 1, 1]
+        assert _tokens(llm, prompts) == hf_greedy(qwen2_4l_dir, prompts, MAX_NEW)
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_cli_flag_reaches_engine_args():
+    from vlserve.cli import build_parser, serve_config_from_args
+
+    args = build_parser().parse_args(["serve", "some-model", "-pp", "2"])
+    engine_args, _ = serve_config_from_args(args)
+    assert engine_args.pipeline_parallel_size == 2 and engine_args.world_size == 2
+    args = build_parser().parse_args(["serve", "some-model", "--pipeline-parallel-size", "2", "-tp", "2"])
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
+        serve_config_from_args(args)
