@@ -106,6 +106,14 @@ class LlamaForCausalLM(DecoderWithLMHead):
             return "lm_head.weight"
         return None if self.model.first_stage else "model.embed_tokens.weight"
 
+    def on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to another pipeline stage only (the loader does not read it)."""
+        if name == self._lm_head_source():
+            return False
+        if name == "lm_head.weight":
+            return isinstance(self.lm_head, AbsentOnStage)
+        return name.startswith("model.") and self.model.on_other_stage(name[len("model."):])
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a full HF checkpoint (`model.*`, `lm_head.weight`); ValueError lists missing/unexpected names."""
