@@ -56,7 +56,28 @@ test-hf4: $(VENV_HF4)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m vlserve.bench.throughput
 
-.PHONY: setup serve demo test browser test-hf4 bench quant-fixtures quant-tools
+# `make gpu-check OUT=DIR` (issue 40): on a CUDA machine, every GPU test and figure in one run (~10 minutes) into
+# DIR/report.md + DIR/report.json (+ log.txt); DRY_RUN=1 runs the same script on CPU with tiny sizes (CI does).
+# It needs no venv: on a GPU machine it runs the system python3 (its torch / triton / transformers) and installs
+# what else it needs from ./wheelhouse, which `make gpu-wheels` fills here (Python 3.12 manylinux wheels, pinned to
+# this venv's versions; ~15 MB) and which must travel with the working tree.
+OUT ?= gpu-report
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+# pip matches platform tags exactly: every glibc from 2.17 to 2.39 (the lent GPU image's Python 3.12.3 is Ubuntu 24.04's)
+WHEEL_PLATFORMS := $(foreach n,$(shell seq 39 -1 17),--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64
+gpu-check:
+	$(GPU_PY) -m vlserve.bench.gpu_check --out $(OUT) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+
+gpu-wheels: $(VENV)/.installed
+	rm -rf wheelhouse && mkdir -p wheelhouse
+	$(PY) -m vlserve.bench.gpu_check --wheel-requirements > wheelhouse/requirements.txt
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    $(WHEEL_PLATFORMS) -d wheelhouse -r wheelhouse/requirements.txt
+	@du -sh wheelhouse
+
+.PHONY: setup serve demo test browser test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
 
 # `make quant-fixtures` remakes tests/fixtures/quant/ (issue 42) with the real tools, each in its own venv because
 # their torch / transformers pins exclude each other and the main venv's: llm-compressor (compressed-tensors

@@ -63,6 +63,7 @@ def default_compile_cache_dir() -> str:
 # On CPU the compiled wrapper runs in Python every step: its per-op size/stride and alignment asserts (about 80 calls a
 # step at 8 layers) are host time the kernels wait for, and the shapes they check are fixed by the graph.
 CPU_INDUCTOR_DEFAULTS = {"freezing": True, "size_asserts": False, "alignment_asserts": False}
+DEFAULT_LEVEL_ENV = "VLSERVE_DEFAULT_COMPILE_LEVEL"  # 0..3: the level of configs that leave it unset (tests: 0)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class CompilationConfig:
     """How the decoder forward runs (vLLM's -O levels). `level`: 0 eager; 1 torch.compile (inductor, dynamic token
     dimension, attention kept opaque); 2 = 1 plus CUDA graphs for decode batches (CUDA only); 3 = 2 with inductor's
     autotuning. `level=None` picks the device default: 0 on CPU (compiling costs minutes on small machines), 2 on
-    CUDA. `cudagraph_capture_sizes`: padded batch sizes captured (default `default_capture_sizes(max_num_seqs)`);
+    CUDA; $VLSERVE_DEFAULT_COMPILE_LEVEL, when set, replaces that default (the test suite sets 0 on CUDA). `cudagraph_capture_sizes`: padded batch sizes captured (default `default_capture_sizes(max_num_seqs)`);
     `cache_dir`: inductor's on-disk cache (default `default_compile_cache_dir()`). `inductor_compile_config`: options
     handed to inductor (vLLM's name) over the defaults: on CPU `CPU_INDUCTOR_DEFAULTS` (weights become constants and
     linear layers run on oneDNN with prepacked weights, which keeps a second, packed copy of them; no size or alignment
@@ -135,6 +136,11 @@ class CompilationConfig:
         if enforce_eager:
             return 0
         if self.level is None:
+            forced = os.environ.get(DEFAULT_LEVEL_ENV, "").strip()
+            if forced:
+                if forced not in ("0", "1", "2", "3"):
+                    raise ValueError(f"${DEFAULT_LEVEL_ENV} must be 0..3, got {forced[:20]!r}")
+                return int(forced)
             return 2 if device_type == "cuda" else 0
         return self.level
 

@@ -103,6 +103,7 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     from vlserve.models import load_model
     from vlserve.multimodal.processor import MultiModalProcessor
     from vlserve.sampling_params import SamplingParams
+    from vlserve.worker.encoder_runs import run_encoders
     from vlserve.worker.model_runner import ModelRunner
     from vlserve.worker.request_state import CachedRequestState
 
@@ -127,7 +128,7 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     calls = []
     encode = model.embed_multimodal
     model.embed_multimodal = lambda modality, data: calls.append(modality) or encode(modality, data)
-    runner._run_encoders(SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}))
+    run_encoders(runner, SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}))
     assert sorted(calls) == ["image", "video"]
     assert runner.num_encoder_runs == 3 and len(runner.encoder_outputs) == 3  # the shared image once
     for _, feats in prompts.values():

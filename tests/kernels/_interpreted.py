@@ -113,6 +113,19 @@ def interpreted_module(name: str) -> ModuleType:
     return module
 
 
+def run_aot_script(script: str) -> str:
+    """Run an ahead-of-time compile script (`triton.compile` to an sm_90 cubin; needs no GPU) in a fresh Python
+    outside the interpreter, from the repository root; its stdout (AssertionError with its output on failure)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
 def native_triton_modules() -> SimpleNamespace:
     """Namespace (kv_write, rotary, paged, prefill, attention, varlen) of the ordinary, process-wide vlserve Triton
     modules."""

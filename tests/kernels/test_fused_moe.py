@@ -9,15 +9,12 @@ between the GEMMs, and the interpreter truncates float32 -> bf16 where a GPU rou
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from _interpreted import INTERPRET_ENV, interpreted_module
+from _interpreted import interpreted_module, run_aot_script
 from vlserve.kernels.activation import activation
 from vlserve.kernels.fused_moe_ref import fused_moe_ref, route_topk
 
@@ -247,12 +244,8 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_moe_kernel_compiles_for_sm90():
     # lowers the kernel (each GPU tile of moe_config, both launches, three dtypes) to an sm_90 cubin: the GPU-only
     # checks the interpreter skips (tl.dot operand layouts, shared memory). Needs no GPU.
-    env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 8
+    stdout = run_aot_script(AOT_SCRIPT)
+    assert stdout.count("ok ") == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

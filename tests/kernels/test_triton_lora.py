@@ -12,15 +12,12 @@ zero after the shrink, bit-identical to the input after the expand.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from _interpreted import INTERPRET_ENV, interpreted_module
+from _interpreted import interpreted_module, run_aot_script
 from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
 
 MODULE = "vlserve.kernels.triton_lora"
@@ -259,9 +256,5 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_lora_kernels_compile_for_sm90():
     # lowers both kernels (each GPU tile of lora_config, three dtypes, ranks 8..64) to an sm_90 cubin: the GPU-only
     # checks the interpreter skips (tl.dot operand layouts, the pointer select, shared memory). Needs no GPU.
-    env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 8
+    stdout = run_aot_script(AOT_SCRIPT)
+    assert stdout.count("ok ") == 8

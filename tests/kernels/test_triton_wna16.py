@@ -15,7 +15,6 @@ quantization, padding, scale shapes and rescaling, not cuBLAS's constraints.
 from __future__ import annotations
 
 import importlib
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _interpreted import INTERPRET_ENV, interpreted_module
+from _interpreted import interpreted_module, run_aot_script
 from vlserve.kernels import quant_linear as QL
 from vlserve.kernels import quant_linear_cuda as QC
 
@@ -303,11 +302,7 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_wna16_kernel_compiles_for_sm90():
     # lowers the kernel (every autotune candidate, both bit widths, all three group-row modes) to an sm_90 cubin:
     # the GPU-only checks the interpreter skips (tl.dot operand layouts, reshape, shared memory). Needs no GPU.
-    env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    stdout = run_aot_script(AOT_SCRIPT)
     w = _interpreted_wna16()
     candidates = dict.fromkeys(w.DECODE_CONFIGS + w.MID_CONFIGS + w.PREFILL_CONFIGS)
-    assert proc.stdout.count("ok ") == len(candidates) + 4
+    assert stdout.count("ok ") == len(candidates) + 4

@@ -135,6 +135,8 @@ def test_padded_decode_buckets_match_unpadded(qwen2_dir):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert {(5, 8), (3, 4), (1, 1)} <= set(seen)  # padded and exact buckets both ran
+    m = llm.get_metrics()  # every decode step went through the graph runner, the prefills did not
+    assert m["vlserve:cuda_graph_replays_total"] == len(seen) and m["vlserve:eager_forwards_total"] > 0
     llm.check_integrity()
 
 
@@ -173,6 +175,7 @@ def test_cuda_graphs_equal_eager(qwen2_dir, compile_cache):
     assert sorted(graphed.engine.runner.forward.graph_runner.graphs) == [1, 2, 4, 8]
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == expected
+    assert graphed.get_metrics()["vlserve:cuda_graph_replays_total"] > 0  # the graphs ran, not only eager
 
 
 @pytest.mark.slow
@@ -241,3 +244,16 @@ def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compil
         fused = sum(bool(s) for _, s in projections)
         assert fused == (len(projections) // 4 if cfg.intermediate_size % cl.PANEL == 0 else 0)
         llm.check_integrity()
+
+
+def test_default_level_env_replaces_the_device_default(monkeypatch):
+    from vlserve.config import CompilationConfig
+
+    monkeypatch.delenv("VLSERVE_DEFAULT_COMPILE_LEVEL", raising=False)
+    assert (CompilationConfig().resolved_level("cuda"), CompilationConfig().resolved_level("cpu")) == (2, 0)
+    monkeypatch.setenv("VLSERVE_DEFAULT_COMPILE_LEVEL", "0")
+    assert CompilationConfig().resolved_level("cuda") == 0
+    assert CompilationConfig(level=2).resolved_level("cuda") == 2  # a level the config sets wins
+    monkeypatch.setenv("VLSERVE_DEFAULT_COMPILE_LEVEL", "fast")
+    with pytest.raises(ValueError, match="VLSERVE_DEFAULT_COMPILE_LEVEL must be 0..3"):
+        CompilationConfig().resolved_level("cuda")

@@ -60,3 +60,34 @@ def test_block_table_growth_preemption_and_spec_tokens():
     batch.remove_request("a")
     batch.remove_request("missing")  # finished ids the runner never saw are ignored
     _check(batch, ["c", "b"], lists, [[32], [26]], [9, 5])  # the step table is re-gathered: stale rows gone
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on CPU: counts records and waits."""
+
+    def __init__(self):
+        self.records = self.waits = 0
+
+    def record(self):
+        self.records += 1
+
+    def synchronize(self):
+        self.waits += 1
+
+
+def test_host_buffers_wait_for_their_pending_copy_before_being_rewritten():
+    """Off CPU each copy out of a pinned host buffer is non_blocking: the buffer records an event after it, and the
+    next step's `prepare` (through `ensure`) waits on that event before writing the host side again; once only."""
+    batch = InputBatch(4, torch.device("cpu"))
+    buffers = [batch.input_ids, batch.positions, batch.query_start_loc, batch.seq_lens, *batch.slot_mappings,
+               *batch.step_block_tables]
+    for buf in buffers:  # what _allocate makes on CUDA: a device twin and an event
+        buf.dev, buf.copied = torch.zeros_like(buf.host), _FakeEvent()
+    batch.add_request("a", ([1, 2],))
+    batch.prepare(["a"], [[5, 6, 7]], np.array([3]), np.array([0]), None)
+    batch.positions_on_device(3)  # as the runner does for the model's positions
+    assert all(buf.copied.records == 1 and buf.copy_pending for buf in buffers)
+    assert all(buf.copied.waits == 0 for buf in buffers)
+    step = batch.prepare(["a"], [[8]], np.array([1]), np.array([3]), None)
+    assert all(buf.copied.waits == 1 for buf in buffers)  # each waited once before being rewritten
+    assert step.input_ids.tolist() == [8] and step.positions_np.tolist() == [3]

@@ -89,27 +89,36 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
 
         print_gpu_report(llm, prompts, sp, dt, steps)
     compile_s = runner.forward.compile_seconds if runner is not None else 0.0
+    m = llm.get_metrics()
+    print(f"decoder forwards: {int(m['vlserve:cuda_graph_replays_total'])} CUDA graph replays, "
+          f"{int(m['vlserve:eager_forwards_total'])} without a graph (all runs, warm-up included)")
     llm.shutdown()
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), load, steps, compile_s
 
 
 def bench_hf(model: str, prompts, output_lens: list[int], dtype: str,
-             batch_size: int, repeats: int = 1) -> tuple[float, int, int]:
-    """HF generate, batched with left padding; each batch runs to its longest request. Returns (seconds of the
-    fastest of `repeats` runs, requested tokens, generated tokens): only the requested ones count for tokens/s."""
+             batch_size: int, repeats: int = 1, device: str = "auto") -> tuple[float, int, int]:
+    """HF generate, batched with left padding; each batch runs to its longest request, on `device` ("auto": where
+    vlserve's LLM runs by default, the GPU when there is one). Returns (seconds of the fastest of `repeats` runs,
+    requested tokens, generated tokens): only the requested ones count for tokens/s."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from vlserve.engine.model_setup import pick_device
+
+    dev = pick_device(device)
     torch_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") else torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval().to(dev)
 
     def run(batch, lens):
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=dev)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
         cfg = GenerationConfig(max_new_tokens=max(lens), min_new_tokens=max(lens), do_sample=False,
                                eos_token_id=None, pad_token_id=0)
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, generation_config=cfg)  # [B, width + max(lens)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         new = out.shape[1] - width
         return sum(min(n, new) for n in lens), new * len(batch)
 
@@ -262,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                                        args.repeats)
         extra = f"; it generated {generated}, {generated / hdt:.1f} tok/s" if generated != hn else ""
         print(f"HF generate: {hn / hdt:8.1f} tok/s, {1000 * hdt / per_stream:.2f} ms/token per stream  "
-              f"({hn} tokens in {hdt:.2f} s{extra})")
+              f"({hn} tokens in {hdt:.2f} s{extra}; on {'cuda' if torch.cuda.is_available() else 'cpu'})")
         print(f"ratio vlserve/HF: {(n / dt) / (hn / hdt):.2f}x")
         rates["HF"] = hn / hdt
     if args.vllm_python:

@@ -271,6 +271,8 @@ class EngineCore:
             "vlserve:encoder_cache_evictions_total": enc.evictions,
             "vlserve:encoder_cache_usage": enc.usage,
             "vlserve:encoder_runs_total": ranks.num_encoder_runs,
+            "vlserve:cuda_graph_replays_total": ranks.num_graph_replays,
+            "vlserve:eager_forwards_total": ranks.num_eager_forwards,
             "vlserve:spec_decode_num_drafts_total": st.spec_num_drafts,
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,

@@ -53,6 +53,8 @@ class WorkerStats:
     num_encoder_runs: int = 0
     encoder_runs_by_modality: dict[str, int] = field(default_factory=dict)
     num_requests: int = 0  # requests the runner still holds state for
+    num_graph_replays: int = 0  # decoder forwards answered by a CUDA graph replay
+    num_eager_forwards: int = 0  # decoder forwards run without a graph
 
 
 def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
@@ -175,7 +177,8 @@ class Worker:
     def stats(self) -> WorkerStats:
         """This rank's counters now."""
         r = self.runner
-        return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests))
+        return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests),
+                           r.forward.num_graph_replays, r.forward.num_eager_forwards)
 
 
 FRONTEND_CORE_FROM = 4  # machines with at least this many cores keep one core for the API process

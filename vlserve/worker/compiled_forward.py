@@ -74,6 +74,10 @@ class ModelForward:
         self.compiled = None
         self.compile_seconds = 0.0
         self.graph_runner: CudaGraphRunner | None = None
+        # forwards answered by a CUDA graph replay, and those that ran without one (prefill or mixed steps, batches
+        # past the largest graph, graphs off): /metrics' vlserve:cuda_graph_replays_total / _eager_forwards_total
+        self.num_graph_replays = 0
+        self.num_eager_forwards = 0
         # LoRA (`lora`: the LoRAModelManager): no torch.compile (the adapters' slots change between steps and the
         # layers' kernels are not traced), but CUDA graphs at level >= 2, with the slots as a graph input
         self.lora = lora
@@ -111,7 +115,9 @@ class ModelForward:
         if self.graph_runner is not None:
             hidden = self.graph_runner.try_replay(step)
             if hidden is not None:
+                self.num_graph_replays += 1
                 return hidden
+        self.num_eager_forwards += 1
         return self.run(step, kv_caches)
 
     def run(self, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -4,6 +4,10 @@ Block-table rows live here between steps (one row per tracked request, grown by 
 token ids, positions, slot mapping, query_start_loc and seq_lens are written with vectorised numpy into buffers
 allocated once (pinned on CUDA, so each becomes one non_blocking copy into a persistent device buffer). On CPU the
 model reads the host buffers directly: no tensor is created per request or per step.
+
+On CUDA a buffer's copy may still be in flight when the next step is prepared (steps that sample nothing, such as
+consecutive prefill chunks, never synchronize with the device), so each buffer records an event after its copy and
+`prepare` waits for it before writing the host side again.
 """
 from __future__ import annotations
 
@@ -47,9 +51,19 @@ class _HostDeviceBuffer:
             self.dev = (None if self.device.type == "cpu"
                         else torch.zeros(numel, dtype=self.dtype, device=self.device))
         self.np = self.host.numpy()
+        self.copied = torch.cuda.Event() if on_cuda else None  # recorded after each copy out of `host`
+        self.copy_pending = False
+
+    def wait_for_copy(self) -> None:
+        """Block until the last copy out of the host buffer has read it (before the host side is written again)."""
+        if self.copy_pending:
+            self.copied.synchronize()
+            self.copy_pending = False
 
     def ensure(self, numel: int) -> None:
-        """Grow (doubling) to hold numel elements; the contents are not kept."""
+        """Grow (doubling) to hold numel elements; the contents are not kept. Waits for a pending copy first, so
+        the host side may be written afterwards."""
+        self.wait_for_copy()
         if numel > self.np.shape[0]:
             self._allocate(max(numel, 2 * self.np.shape[0]))
 
@@ -61,6 +75,9 @@ class _HostDeviceBuffer:
         else:
             out = self.dev[:numel]
             out.copy_(src, non_blocking=True)
+            if self.copied is not None:
+                self.copied.record()
+                self.copy_pending = True
         return out if shape is None else out.view(shape)
 
 
@@ -144,7 +161,7 @@ class InputBatch:
         if T > self._arange.shape[0]:
             self._arange = np.arange(max(T, 2 * self._arange.shape[0]), dtype=np.int64)
         for buf in (self.input_ids, self.positions, *self.slot_mappings):
-            buf.ensure(T)
+            buf.ensure(T)  # (after the previous step's copy out of it has read it)
         for buf in (self.query_start_loc, self.seq_lens):
             buf.ensure(B + 1)
 
