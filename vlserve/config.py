@@ -181,7 +181,7 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
     tensor_parallel_size: int = 1  # worker processes (ranks) the model is sharded over
     # pipeline stages, one worker process each: the decoder layers split into contiguous runs (even, or as
-    # $VLSERVE_PP_LAYER_PARTITION says); synchronous, TP=1 per stage, text-only causal LMs for now
+    # $VLSERVE_PP_LAYER_PARTITION says); synchronous, TP=1 per stage for now; a VLM encodes on the first stage
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
     # LoRA (vlserve.lora): PEFT adapters on the decoder's projections, chosen per request

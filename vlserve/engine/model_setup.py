@@ -77,8 +77,10 @@ def check_pipeline_stages(model_cls, hf_config, num_stages: int) -> None:
     from vlserve.distributed.pipeline import layer_partition
 
     if not getattr(model_cls, "supports_pipeline_parallel", False):
-        raise ValueError(f"{model_cls.__name__} does not support pipeline_parallel_size > 1 yet (the text-only "
-                         "Llama, Mistral, Qwen2 and Qwen3 causal LMs do)")
+        why = getattr(model_cls, "pipeline_parallel_refusal", "")
+        raise ValueError(f"{model_cls.__name__} does not support pipeline_parallel_size > 1 yet"
+                         + (f": {why}" if why else "") + " (the Llama, Mistral, Qwen2 and Qwen3 causal LMs, "
+                         "Qwen2-VL, Qwen2.5-VL, LLaVA and LLaVA-NeXT do)")
     layer_partition(text_config_of(hf_config).num_hidden_layers, num_stages)
 
 

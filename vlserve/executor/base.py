@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -72,6 +73,11 @@ class RankGroupExecutor(Executor):
         results = self.collective_rpc("execute_model", sched_out)
         ref = self.output_rank
         output, self._stats = results[ref]
+        if ref != 0:  # pipeline stages: the first one runs the encoders, so its encoder counters are the step's
+            first, first_stats = results[0]
+            output.encoder_seconds, output.num_encoded_embeds = first.encoder_seconds, first.num_encoded_embeds
+            self._stats = replace(self._stats, num_encoder_runs=first_stats.num_encoder_runs,
+                                  encoder_runs_by_modality=first_stats.encoder_runs_by_modality)
         for rank, (other, _) in enumerate(results):
             if rank != ref and other.sampled_token_ids != output.sampled_token_ids:
                 self._fail(f"rank {rank} sampled {other.sampled_token_ids} where rank {ref} sampled "

@@ -123,7 +123,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
 
     Under tensor parallelism (`vlserve.distributed.init_tensor_parallel` called first) the model is built with this
     rank's shard sizes and each rank reads only its slices of the sharded tensors (`model.checkpoint_shard`). A
-    pipeline stage builds its own layers and reads only their tensors (`model.on_other_stage`).
+    pipeline stage builds its own layers and reads only their tensors (`model.on_other_stage`); a VLM's encoder parts
+    are dropped off its later stages (`model.keep_stage_parts`).
 
     A quantized checkpoint (`quantization_config` in its config; `quantization` may name the method and must
     match) gets its decoder's linear layers swapped for the format's tensors before loading and turned into the
@@ -139,6 +140,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     try:
         with torch.device("meta"):
             model = cls(hf_config)
+            if pp_size() > 1 and hasattr(model, "keep_stage_parts"):
+                model.keep_stage_parts()  # a VLM's later stages hold no encoder parts
     finally:
         torch.set_default_dtype(prev)
     if qconfig is not None:

@@ -243,7 +243,7 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        encoder_seconds, num_encoded = run_encoders(self, so)
+        encoder_seconds, num_encoded = self._run_encoders(so)
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
@@ -291,6 +291,11 @@ class ModelRunner:
         out.encoder_seconds, out.num_encoded_embeds = encoder_seconds, num_encoded
         out.step_seconds = time.perf_counter() - t0
         return out
+
+    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
+        """Encode the items the scheduler released (see `encoder_runs.run_encoders`; a later pipeline stage encodes
+        nothing)."""
+        return run_encoders(self, so)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                    inputs_embeds: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,10 @@ from stage k - 1 instead of embedding token ids; stage k < last sends its own on
 applies the final norm, the LM head and the sampler, then broadcasts the sampled tokens to the other stages, which
 append them to their request states as if they had sampled them: the next step's batch is the same on every stage.
 The last stage's output (with logprobs) is the step's result.
+
+Multimodal models: only the first stage holds the encoder parts, so only it encodes the released items, caches
+their embeddings and writes them over the placeholder rows; later stages start from the stream they receive. Every
+stage keeps the requests' mm features (M-RoPE positions are computed from them on every stage).
 """
 from __future__ import annotations
 
@@ -35,6 +39,18 @@ class PipelineStageRunner(ModelRunner):
         logger.info("pipeline stage: decoder layers [%d, %d)%s%s, eager", self.kv_layers.start, self.kv_layers.stop,
                     " + embeddings" if self.first_stage else "", " + final norm, LM head, sampler" if self.last_stage
                     else "")
+
+    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
+        """The first stage encodes; the others hold no encoder (and their `encoder_outputs` stay empty)."""
+        return super()._run_encoders(so) if self.first_stage else (0.0, 0)
+
+    def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
+                             skip_missing: bool = False) -> torch.Tensor | None:
+        """`inputs_embeds [T, H]` on the first stage (see ModelRunner); None on the others, which receive hidden
+        states instead of embedding tokens."""
+        if not self.first_stage:
+            return None
+        return super()._merge_mm_embeddings(input_ids, states, starts, q_lens, cu, skip_missing)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                    inputs_embeds: torch.Tensor | None) -> torch.Tensor:
