@@ -180,8 +180,8 @@ class EngineArgs:
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
     data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
     tensor_parallel_size: int = 1  # worker processes (ranks) the model is sharded over
-    # pipeline stages, one worker process each: the decoder layers split into contiguous runs (even, or as
-    # $VLSERVE_PP_LAYER_PARTITION says); synchronous, TP=1 per stage for now; a VLM encodes on the first stage
+    # pipeline stages: the decoder layers split into contiguous runs (even, or as $VLSERVE_PP_LAYER_PARTITION says),
+    # tensor_parallel_size ranks (processes) each; synchronous; a VLM encodes on the first stage
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
     # LoRA (vlserve.lora): PEFT adapters on the decoder's projections, chosen per request
@@ -248,7 +248,6 @@ class EngineArgs:
             return
         pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
         refused = [
-            (self.tensor_parallel_size > 1, "with tensor_parallel_size > 1"),
             (self.distributed_executor_backend == "ray", "on the Ray executor (use 'mp')"),
             (self.data_parallel_size > 1, "with data_parallel_size > 1"),
             (bool(self.speculative_config), "with speculative decoding"),

@@ -1,5 +1,5 @@
 """Pipeline parallel over gloo stages (worker processes on this CPU): PP=2 greedy token for token with PP=1 and HF
-under chunked prefill, preemption and prefix hits; each stage holds only its layers (weights and KV, sized per
+under chunked prefill, preemption and prefix hits; TP=2 x PP=2 (four ranks); each stage holds only its layers (weights and KV, sized per
 stage); an uneven $VLSERVE_PP_LAYER_PARTITION; PP=3 (a middle stage both receives and sends); bad partitions and
 what PP does not support yet are ValueErrors before any process starts; a killed stage fails the engine at once."""
 from __future__ import annotations
@@ -153,8 +153,7 @@ def test_bad_partitions_and_unsupported_settings_are_refused(qwen2_4l_dir, monke
         LLM(qwen2_4l_dir, pipeline_parallel_size=8)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1, got 0"):
         LLM(qwen2_4l_dir, pipeline_parallel_size=0)
-    refused = [({"tensor_parallel_size": 2}, "with tensor_parallel_size > 1"),
-               ({"distributed_executor_backend": "ray"}, "on the Ray executor"),
+    refused = [({"distributed_executor_backend": "ray"}, "on the Ray executor"),
                ({"distributed_executor_backend": "uni"}, "'uni' runs one rank"),
                ({"data_parallel_size": 2}, "with data_parallel_size > 1"),
                ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
@@ -189,5 +188,32 @@ def test_cli_flag_reaches_engine_args():
     engine_args, _ = serve_config_from_args(args)
     assert engine_args.pipeline_parallel_size == 2 and engine_args.world_size == 2
     args = build_parser().parse_args(["serve", "some-model", "--pipeline-parallel-size", "2", "-tp", "2"])
-    with pytest.raises(ValueError, match="not supported with tensor_parallel_size > 1"):
-        serve_config_from_args(args)
+    engine_args, _ = serve_config_from_args(args)
+    assert engine_args.world_size == 4  # TP x PP ranks
+
+
+@pytest.mark.slow  # four rank processes on two cores
+def test_tp2_x_pp2_matches_pp1_and_hf(qwen2_4l_dir):
+    # tied embeddings: the last stage reads its vocab rows of the LM head from embed_tokens.weight
+    prompts = varied_prompts(_vocab(qwen2_4l_dir), lengths=(3, 40, 95))
+    expected = hf_greedy(qwen2_4l_dir, prompts, MAX_NEW)
+    one = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64)
+    try:
+        assert _tokens(one, prompts) == expected
+    finally:
+        one.shutdown()
+    llm = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48, tensor_parallel_size=2,
+              pipeline_parallel_size=2)
+    try:
+        info = llm.engine.executor.collective_rpc("shard_info")
+        assert [(i["pp_rank"], i["rank"], i["world_size"]) for i in info] == [(0, 0, 2), (0, 1, 2), (1, 0, 2),
+                                                                              (1, 1, 2)]
+        assert [i["layers"] for i in info] == [(0, 2), (0, 2), (2, 4), (2, 4)]
+        assert all(i["kv_cache_shape"] == (64, 16, 1, 16) for i in info)  # 2 KV heads split over 2 ranks
+        assert llm.engine.executor.output_rank == 2  # the last stage's first rank
+        got = _tokens(llm, prompts)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g == e, f"prompt {i} (len {len(prompts[i])}) diverged under TP=2 x PP=2: {g} vs HF {e}"
+        llm.check_integrity()
+    finally:
+        llm.shutdown()

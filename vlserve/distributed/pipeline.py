@@ -3,8 +3,9 @@
 The decoder's layers are split into `pp_size` contiguous runs, evenly by default (the first stages take one layer
 more when it does not divide) or as `$VLSERVE_PP_LAYER_PARTITION` says ("10,14": 10 layers on stage 0, 14 on stage
 1, as vLLM spells it). Each step stage k > 0 receives `(hidden, residual)` `[T, H]` from stage k - 1 and stage
-k < last sends its own on (point to point: gloo on CPU, NCCL on CUDA); the last stage samples and broadcasts the
-sampled tokens back so every stage's request state stays in step.
+k < last sends its own on (point to point: gloo on CPU, NCCL on CUDA; under TP x PP between the ranks of adjacent
+stages that hold the same tensor-parallel shard, over `pp_group`); the last stage samples and broadcasts the sampled
+tokens back so every stage's request state stays in step.
 """
 from __future__ import annotations
 

@@ -43,6 +43,11 @@ class DecoderWithLMHead(nn.Module):
         if self.tied and not isinstance(self.lm_head, AbsentOnStage) and self.decoder.first_stage:
             self.lm_head.weight = self.decoder.embed_tokens.weight
 
+    def head_reads_embeddings(self) -> bool:
+        """Whether this stage's `lm_head` is loaded from the decoder's `embed_tokens.weight`: tied, with the embeddings
+        on another pipeline stage (on the same stage the two are one parameter)."""
+        return self.tied and not isinstance(self.lm_head, AbsentOnStage) and not self.decoder.first_stage
+
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids [T]` -> token embeddings `[T, H]` (a VLM's runner writes item embeddings over placeholders)."""
         return self.decoder.get_input_embeddings(input_ids)
@@ -77,6 +82,8 @@ class DecoderWithLMHead(nn.Module):
             return None
         part, rel = self._split_name(name)
         if part == self.decoder_attr:
+            if rel == "embed_tokens.weight" and self.head_reads_embeddings():
+                return self.lm_head.checkpoint_shard("weight")  # a tied head's rows, on a stage without embeddings
             return self.decoder.checkpoint_shard(rel)
         if part == "lm_head":
             return self.lm_head.checkpoint_shard("weight")

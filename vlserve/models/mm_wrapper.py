@@ -86,17 +86,11 @@ class MultiModalLM(DecoderWithLMHead):
         for name in list(self._parameters):
             setattr(self, name, None)
 
-    def _head_reads_embeddings(self) -> bool:
-        """Whether `lm_head` is loaded from the decoder's `embed_tokens.weight`: tied, with the embeddings on another
-        stage (on the first stage the two are one parameter)."""
-        return (self.tied and not isinstance(self.lm_head, AbsentOnStage)
-                and not self.language_model.first_stage)
-
     def on_other_stage(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to another pipeline stage only (the loader does not read it)."""
         part, rel = self._split_name(name)
         if part == "language_model":
-            if rel == "embed_tokens.weight" and self._head_reads_embeddings():
+            if rel == "embed_tokens.weight" and self.head_reads_embeddings():
                 return False
             return self.language_model.on_other_stage(rel)
         if part == "lm_head":
@@ -145,7 +139,7 @@ class MultiModalLM(DecoderWithLMHead):
         for part in self.delegated_parts:
             if not isinstance(getattr(self, part), AbsentOnStage):
                 expected.update(f"{part}.{n}" for n in getattr(self, part).expected_weight_names())
-        if not isinstance(self.lm_head, AbsentOnStage) and (not self.tied or self._head_reads_embeddings()):
+        if not isinstance(self.lm_head, AbsentOnStage) and (not self.tied or self.head_reads_embeddings()):
             expected.add("lm_head.weight")
         return expected
 
@@ -156,7 +150,7 @@ class MultiModalLM(DecoderWithLMHead):
         delegated: dict[str, list[tuple[str, torch.Tensor]]] = {part: [] for part in self.delegated_parts}
         loaded: set[str] = set()
         unexpected: list[str] = []
-        head_reads_embeddings = self._head_reads_embeddings()
+        head_reads_embeddings = self.head_reads_embeddings()
 
         def decoder_weights():
             for name, tensor in weights:
