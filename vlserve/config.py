@@ -250,7 +250,9 @@ class EngineArgs:
         refused = [
             (self.distributed_executor_backend == "ray", "on the Ray executor (use 'mp')"),
             (self.data_parallel_size > 1, "with data_parallel_size > 1"),
-            (bool(self.speculative_config), "with speculative decoding"),
+            (_names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
+                                                    "target's hidden states and embeddings, which live on different "
+                                                    "stages; use method 'ngram')"),
             (self.async_scheduling, "with async_scheduling"),
             (self.enable_lora, "with LoRA"),
             (self.quantization is not None, "with a quantized checkpoint"),
@@ -276,6 +278,15 @@ class EngineArgs:
             raise ValueError("lora_modules were given but LoRA is off: add enable_lora=True (--enable-lora)")
         if self.enable_lora and self.async_scheduling:  # adapters load between steps, none may be in flight
             raise ValueError("LoRA with async_scheduling is not supported yet")
+
+
+def _names_eagle(speculative_config: Any) -> bool:
+    """Whether a speculative_config (dict, before validation) asks for an EAGLE draft: by method, or by a draft model
+    whose name says so (as SpeculativeConfig infers a missing method)."""
+    if not isinstance(speculative_config, dict):
+        return bool(getattr(speculative_config, "use_eagle", False))  # a SpeculativeConfig, or None
+    what = speculative_config.get("method") or speculative_config.get("model") or ""
+    return "eagle" in str(what).lower()
 
 
 def parse_lora_modules(value) -> dict[str, str] | None:

@@ -1,7 +1,8 @@
 """Pipeline parallel over gloo stages (worker processes on this CPU): PP=2 greedy token for token with PP=1 and HF
 under chunked prefill, preemption and prefix hits; TP=2 x PP=2 (four ranks); each stage holds only its layers (weights and KV, sized per
 stage); an uneven $VLSERVE_PP_LAYER_PARTITION; PP=3 (a middle stage both receives and sends); bad partitions and
-what PP does not support yet are ValueErrors before any process starts; a killed stage fails the engine at once."""
+what PP does not support yet are ValueErrors before any process starts; a killed stage fails the engine at once;
+n-gram drafts proposed and verified on the last stage (EAGLE refused)."""
 from __future__ import annotations
 
 import os
@@ -156,7 +157,9 @@ def test_bad_partitions_and_unsupported_settings_are_refused(qwen2_4l_dir, monke
     refused = [({"distributed_executor_backend": "ray"}, "on the Ray executor"),
                ({"distributed_executor_backend": "uni"}, "'uni' runs one rank"),
                ({"data_parallel_size": 2}, "with data_parallel_size > 1"),
-               ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
+               ({"speculative_config": {"method": "eagle", "num_speculative_tokens": 2, "model": "d"}},
+                "with EAGLE speculative decoding .*use method 'ngram'"),
+               ({"speculative_config": {"num_speculative_tokens": 2, "model": "/ckpt/EAGLE3-x"}}, "with EAGLE"),
                ({"async_scheduling": True}, "with async_scheduling"),
                ({"enable_lora": True}, "with LoRA"),
                ({"compilation_config": 1}, "with torch.compile or CUDA graphs")]
@@ -214,6 +217,40 @@ def test_tp2_x_pp2_matches_pp1_and_hf(qwen2_4l_dir):
         got = _tokens(llm, prompts)
         for i, (g, e) in enumerate(zip(got, expected)):
             assert g == e, f"prompt {i} (len {len(prompts[i])}) diverged under TP=2 x PP=2: {g} vs HF {e}"
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow  # two stage processes
+def test_pp2_ngram_drafts_verified_on_the_last_stage(tmp_path):
+    # the last stage proposes (token ids only) and verifies; the drafts reach every stage in the SchedulerOutput and
+    # the accepted tokens (several per request and step) are broadcast back. The 2-layer random model accepts a few.
+    from tests.spec_decode.test_spec_engine import NGRAM, copy_heavy_prompts
+    from vlserve.testing.checkpoints import build_text_checkpoint
+
+    model_dir = build_text_checkpoint(str(tmp_path), arch="qwen2", num_layers=2)
+    prompts = copy_heavy_prompts(8)
+    expected = hf_greedy(model_dir, prompts, 24)
+    spec_metrics = ("vlserve:spec_decode_num_drafts_total", "vlserve:spec_decode_num_draft_tokens_total",
+                    "vlserve:spec_decode_num_accepted_tokens_total")
+    one = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, speculative_config=NGRAM)
+    try:
+        assert _tokens(one, prompts, 24) == expected
+        want = [one.get_metrics()[k] for k in spec_metrics]
+    finally:
+        one.shutdown()
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, pipeline_parallel_size=2,
+              speculative_config=NGRAM)
+    try:
+        got = _tokens(llm, prompts, 24)
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g == e, f"prompt {i} diverged under PP=2 with n-gram drafts: {g} vs HF {e}"
+        m = llm.get_metrics()
+        drafts, draft_tokens, accepted = (m[k] for k in spec_metrics)
+        assert drafts > 0 and 0 < accepted <= draft_tokens
+        assert [drafts, draft_tokens, accepted] == want  # the same drafts and verdicts as one process
+        assert m["vlserve:generation_tokens_total"] == 24 * len(prompts)
         llm.check_integrity()
     finally:
         llm.shutdown()

@@ -13,6 +13,7 @@ import torch
 from vlserve.config import EngineArgs
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.distributed.parallel_state import init_model_parallel, pp_size
+from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
@@ -101,10 +102,14 @@ class Worker:
         args = settings.args
         self.rank_model = rank_model
         staged = pp_size() > 1  # a pipeline stage: eager for now (EngineArgs refuses a compilation level)
+        # Drafts are proposed where tokens are sampled: the last stage (the n-gram proposer reads only token ids; the
+        # scheduler hands its drafts to every stage in the next SchedulerOutput, the last stage verifies them).
+        proposer = (build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size)
+                    if is_last_stage() else None)
         self.runner = (PipelineStageRunner if staged else ModelRunner)(
             rank_model.model, rank_model.hf_config, rank_model.device, rank_model.dtype, args.block_size,
             mrope_positions_fn=rank_model.mrope_positions_fn,
-            proposer=build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size),
+            proposer=proposer,
             compilation_config=args.compilation_config, enforce_eager=args.enforce_eager or staged,
             kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device),
             lora_config=None if not args.enable_lora else {
