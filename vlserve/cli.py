@@ -155,8 +155,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help="ranks (worker processes, one device each; gloo on CPU, NCCL on CUDA) the model is "
                           "sharded over")
     par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                     help="pipeline stages (worker processes) the decoder layers are split over, evenly or as "
-                          "$VLSERVE_PP_LAYER_PARTITION says (e.g. '10,14'); text-only models, one rank per stage")
+                     help="pipeline stages the decoder layers are split over, evenly or as "
+                          "$VLSERVE_PP_LAYER_PARTITION says (e.g. '10,14'); each stage is --tensor-parallel-size "
+                          "ranks (processes or Ray actors)")
     par.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                      help="what starts the ranks: mp (multiprocessing) or ray (Ray actors on the cluster at "
                           "RAY_ADDRESS, or a local one) (default: mp above one rank)")

@@ -248,7 +248,6 @@ class EngineArgs:
             return
         pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
         refused = [
-            (self.distributed_executor_backend == "ray", "on the Ray executor (use 'mp')"),
             (self.data_parallel_size > 1, "with data_parallel_size > 1"),
             (_names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
                                                     "target's hidden states and embeddings, which live on different "

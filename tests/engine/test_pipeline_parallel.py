@@ -154,8 +154,7 @@ def test_bad_partitions_and_unsupported_settings_are_refused(qwen2_4l_dir, monke
         LLM(qwen2_4l_dir, pipeline_parallel_size=8)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1, got 0"):
         LLM(qwen2_4l_dir, pipeline_parallel_size=0)
-    refused = [({"distributed_executor_backend": "ray"}, "on the Ray executor"),
-               ({"distributed_executor_backend": "uni"}, "'uni' runs one rank"),
+    refused = [({"distributed_executor_backend": "uni"}, "'uni' runs one rank"),
                ({"data_parallel_size": 2}, "with data_parallel_size > 1"),
                ({"speculative_config": {"method": "eagle", "num_speculative_tokens": 2, "model": "d"}},
                 "with EAGLE speculative decoding .*use method 'ngram'"),

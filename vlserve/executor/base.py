@@ -50,6 +50,8 @@ class RankGroupExecutor(Executor):
     `_stop_ranks` (stop every rank at once)."""
 
     world_size: int
+    tp_size: int = 1
+    pp_size: int = 1
     output_rank: int = 0  # whose ModelRunnerOutput is the step's (the last pipeline stage's first rank)
     _dead: str | None = None  # why the ranks can no longer run steps
     _stats: WorkerStats = WorkerStats()
@@ -63,6 +65,12 @@ class RankGroupExecutor(Executor):
         share = 1.0 / self.world_size if self.device.type == "cpu" else 1.0
         self.num_blocks = min(self.collective_rpc("determine_num_blocks", share))
         self.collective_rpc("initialize", self.num_blocks)
+
+    def _rank_name(self, rank: int) -> str:
+        """How errors name a rank: "tensor-parallel rank 1", or "rank 3 (pipeline stage 1)"."""
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {rank}"
+        return f"rank {rank} (pipeline stage {rank // self.tp_size})"
 
     def _fail(self, why: str):
         self._dead = why

@@ -153,11 +153,6 @@ class MultiprocExecutor(RankGroupExecutor):
                else f"exited with code {code}" if code is not None else "stopped answering")
         return f"{self._rank_name(rank)} (pid {proc.pid}) {how}; the engine cannot continue"
 
-    def _rank_name(self, rank: int) -> str:
-        if self.pp_size == 1:
-            return f"tensor-parallel rank {rank}"
-        return f"rank {rank} (pipeline stage {rank // self.tp_size})"
-
     def _stop_ranks(self) -> None:
         self.shutdown(kill=True)
 
