@@ -1,8 +1,8 @@
 """Pipeline parallel over gloo stages (worker processes on this CPU): PP=2 greedy token for token with PP=1 and HF
-under chunked prefill, preemption and prefix hits; TP=2 x PP=2 (four ranks); each stage holds only its layers (weights and KV, sized per
-stage); an uneven $VLSERVE_PP_LAYER_PARTITION; PP=3 (a middle stage both receives and sends); bad partitions and
-what PP does not support yet are ValueErrors before any process starts; a killed stage fails the engine at once;
-n-gram drafts proposed and verified on the last stage (EAGLE refused)."""
+under chunked prefill, preemption and prefix hits; TP=2 x PP=2 (four ranks); each stage holds only its layers
+(weights and KV, sized per stage); an uneven $VLSERVE_PP_LAYER_PARTITION; PP=3 (a middle stage both receives and
+sends); bad partitions and what PP does not support yet are ValueErrors before any process starts; a killed stage
+fails the engine at once; n-gram drafts proposed and verified on the last stage (EAGLE refused)."""
 from __future__ import annotations
 
 import os

@@ -6,11 +6,11 @@ then shuts it down again in `shutdown`). It reserves one bundle per rank ({"CPU"
 CUDA; `tensor_parallel_size x pipeline_parallel_size` of them, rank = stage x TP + TP rank as under the mp backend),
 starts one actor per bundle, and lets rank 0's actor name the rendezvous address (its node IP and a free port). The
 PACK strategy keeps ranks together where they fit; what does not fit spills onto the next node, so a two-node
-cluster with one GPU each runs `pipeline_parallel_size=2` with a stage per node. Each call goes to every actor at once; the executor waits on all the futures with `ray.wait`, so the first
-rank that dies or fails stops the rest at once (a rank blocked in a collective with the lost one is killed, not
-waited for) and surfaces as `WorkerDied` naming the rank (and its stage). Like the mp backend, the sampling rank's
-output (rank 0's, or the last stage's first rank's) is the step's result and the other ranks' sampled ids must equal
-it.
+cluster with one GPU each runs `pipeline_parallel_size=2` with a stage per node. Each call goes to every actor at
+once; the executor waits on all the futures with `ray.wait`, so the first rank that dies or fails stops the rest at
+once (a rank blocked in a collective with the lost one is killed, not waited for) and surfaces as `WorkerDied`
+naming the rank (and its stage). Like the mp backend, the sampling rank's output (rank 0's, or the last stage's
+first rank's) is the step's result and the other ranks' sampled ids must equal it.
 """
 from __future__ import annotations
 
