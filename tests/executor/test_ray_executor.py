@@ -138,5 +138,6 @@ def test_ray_pp2_matches_one_rank(ray_cluster, model_dir):
     assert got == expected
     assert metrics["vlserve:num_preemptions_total"] > 0
     assert metrics["vlserve:prefix_cache_hits_total"] > 0
+    assert metrics["vlserve:max_batches_in_flight"] == 2  # the actors queue steps: two batches at once
     assert [(s["pp_rank"], s["pp_size"], s["layers"]) for s in shards] == [(0, 2, (0, 1)), (1, 2, (1, 2))]
     assert _live_placement_groups(ray_cluster) == []

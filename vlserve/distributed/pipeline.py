@@ -4,8 +4,8 @@ The decoder's layers are split into `pp_size` contiguous runs, evenly by default
 more when it does not divide) or as `$VLSERVE_PP_LAYER_PARTITION` says ("10,14": 10 layers on stage 0, 14 on stage
 1, as vLLM spells it). Each step stage k > 0 receives `(hidden, residual)` `[T, H]` from stage k - 1 and stage
 k < last sends its own on (point to point: gloo on CPU, NCCL on CUDA; under TP x PP between the ranks of adjacent
-stages that hold the same tensor-parallel shard, over `pp_group`); the last stage samples and broadcasts the sampled
-tokens back so every stage's request state stays in step.
+stages that hold the same tensor-parallel shard, over `pp_group`); the last stage samples, and the other stages learn
+the sampled tokens from the scheduler's next SchedulerOutput (so no stage waits for a later one).
 """
 from __future__ import annotations
 
@@ -93,25 +93,3 @@ def recv_intermediate(num_tokens: int, hidden_size: int, dtype: torch.dtype,
         dist.recv(t, src, group=pp_group())
     return IntermediateTensors(hidden, residual)
 
-
-def broadcast_sampled_tokens(tokens: list[list[int]] | None, num_sampled: int,
-                             device: torch.device) -> list[list[int]]:
-    """The last stage's sampled tokens (one list per sampled request, `num_sampled` of them) on every stage: the last
-    stage passes its `tokens`, the others None."""
-    info = pp_info()
-    src = info.global_rank_of(info.world_size - 1)
-    mine = tokens is not None
-    lens = (torch.tensor([len(t) for t in tokens], dtype=torch.int64) if mine
-            else torch.empty(num_sampled, dtype=torch.int64)).to(device)  # [S]
-    dist.broadcast(lens, src, group=pp_group())
-    flat = (torch.tensor([x for t in tokens for x in t], dtype=torch.int64) if mine
-            else torch.empty(int(lens.sum()), dtype=torch.int64)).to(device)  # [sum(lens)]
-    dist.broadcast(flat, src, group=pp_group())
-    if mine:
-        return tokens
-    out, pos = [], 0
-    values = flat.tolist()
-    for n in lens.tolist():
-        out.append(values[pos:pos + n])
-        pos += n
-    return out

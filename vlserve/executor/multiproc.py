@@ -1,7 +1,9 @@
 """Tensor-parallel ranks and pipeline stages as worker processes on this machine (multiprocessing, spawn), one pipe
 each.
 
-Each step the executor pickles the SchedulerOutput once and writes it to every rank's pipe; every rank runs the
+Each step the executor pickles the SchedulerOutput once and writes it to every rank's pipe (`submit_execute`; the
+answers are read by `collect_execute`, oldest first, so under pipeline parallelism several steps can be queued on
+the pipes: stage 0 runs step k + 1 while the last stage runs step k); every rank runs the
 step (the collectives inside the model, and the hand-over between pipeline stages, join them over
 torch.distributed) and answers with its output. The sampling rank's output is the step's result (rank 0's, or the
 last stage's under pipeline parallelism); the others' sampled ids must equal it (the logits are all-gathered, so
@@ -22,7 +24,7 @@ import socket
 import traceback
 from multiprocessing.connection import Connection, wait
 
-from vlserve.executor.base import RankGroupExecutor, WorkerDied
+from vlserve.executor.base import RankGroupExecutor
 from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class MultiprocExecutor(RankGroupExecutor):
         self.device = rank_device(args.device, 0)
         self._dead: str | None = None  # why the ranks can no longer run steps
         self._stats = WorkerStats()
+        self._num_sent = self._num_collected = 0  # calls written to the pipes, and answered (FIFO)
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -108,17 +111,25 @@ class MultiprocExecutor(RankGroupExecutor):
                     [p.pid for p in self.procs], self.num_blocks)
 
     # -- calls -------------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, arg=None) -> list:
-        """Send one call to every rank; every rank's result, in rank order."""
-        if self._dead:
-            raise WorkerDied(self._dead)
+    def _submit(self, method: str, arg=None) -> int:
+        """Write one call to every rank's pipe (pickled once); its number, for `_collect_call`."""
         blob = pickle.dumps((method, arg), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(blob)
             except OSError:
                 self._fail(self._death_of(rank))
-        return self._collect(method)
+        self._num_sent += 1
+        return self._num_sent - 1
+
+    def _collect_call(self, handle: int, method: str) -> list:
+        """The answers to call number `handle`: each rank answers its calls in order, so the next answer on every
+        pipe is the oldest uncollected call's."""
+        if handle != self._num_collected:
+            raise RuntimeError(f"call {handle} collected out of order (call {self._num_collected} is older)")
+        results = self._collect(method)
+        self._num_collected += 1
+        return results
 
     def _collect(self, what: str) -> list:
         """Wait for every rank's answer to `what`, watching the processes: a death or an error raises at once."""
@@ -135,6 +146,7 @@ class MultiprocExecutor(RankGroupExecutor):
                     except (EOFError, OSError):
                         self._fail(self._death_of(rank))
                     if status != "ok":
+                        self._fail_dead_peer(rank)  # e.g. a stage whose neighbour died mid-hand-over
                         self._fail(f"{self._rank_name(rank)} failed during {what}: {value}")
                     results[rank] = value
                 elif sentinels[ready] in pending.values():  # a rank that has not answered is gone
@@ -144,6 +156,13 @@ class MultiprocExecutor(RankGroupExecutor):
                         continue
                     self._fail(self._death_of(rank))
         return results
+
+    def _fail_dead_peer(self, rank: int, grace_s: float = 1.0) -> None:
+        """When a rank reports an error, fail naming another rank that died (its error is likely the consequence)."""
+        others = {p.sentinel: r for r, p in enumerate(self.procs) if r != rank}
+        dead = wait(list(others), timeout=grace_s)
+        if dead:
+            self._fail(self._death_of(others[dead[0]]))
 
     def _death_of(self, rank: int) -> str:
         proc = self.procs[rank]

@@ -7,7 +7,8 @@ CUDA; `tensor_parallel_size x pipeline_parallel_size` of them, rank = stage x TP
 starts one actor per bundle, and lets rank 0's actor name the rendezvous address (its node IP and a free port). The
 PACK strategy keeps ranks together where they fit; what does not fit spills onto the next node, so a two-node
 cluster with one GPU each runs `pipeline_parallel_size=2` with a stage per node. Each call goes to every actor at
-once; the executor waits on all the futures with `ray.wait`, so the first rank that dies or fails stops the rest at
+once (`submit_execute`: several steps may be queued on the actors under pipeline parallelism, each actor runs them
+in order); the executor waits on all the futures with `ray.wait`, so the first rank that dies or fails stops the rest at
 once (a rank blocked in a collective with the lost one is killed, not waited for) and surfaces as `WorkerDied`
 naming the rank (and its stage). Like the mp backend, the sampling rank's output (rank 0's, or the last stage's
 first rank's) is the step's result and the other ranks' sampled ids must equal it.
@@ -19,7 +20,7 @@ import os
 import socket
 from dataclasses import replace
 
-from vlserve.executor.base import RankGroupExecutor, WorkerDied
+from vlserve.executor.base import RankGroupExecutor
 from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -134,12 +135,13 @@ class RayExecutor(RankGroupExecutor):
                         for rank, a in enumerate(self.actors)], "start-up")
 
     # -- calls -------------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, arg=None) -> list:
-        """Send one call to every rank; every rank's result, in rank order."""
-        if self._dead:
-            raise WorkerDied(self._dead)
+    def _submit(self, method: str, arg=None) -> list:
+        """One call to every actor (an actor runs its calls in order, so steps can queue); their futures."""
         arg_ref = self.ray.put(arg)  # serialised once, shared by every actor
-        return self._wait_all([a.call.remote(method, arg_ref) for a in self.actors], method)
+        return [a.call.remote(method, arg_ref) for a in self.actors]
+
+    def _collect_call(self, handle: list, method: str) -> list:
+        return self._wait_all(handle, method)
 
     def _wait_all(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """Every future's value, in order; the first rank to die or fail stops all ranks and raises WorkerDied."""

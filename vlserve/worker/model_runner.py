@@ -233,6 +233,9 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids[0])
                 self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids is not None:  # pipeline stages: the tokens sampled since, up to the window's end
+                c = cached.token_start
+                state.token_ids[c:c + len(cached.new_token_ids)] = cached.new_token_ids
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -3,9 +3,10 @@
 Every stage runs `execute_model` on the same SchedulerOutput and so builds the same batch (the same token rows,
 positions and attention metadata; each its own layers' KV). Stage k > 0 receives `(hidden, residual)` `[T, H]`
 from stage k - 1 instead of embedding token ids; stage k < last sends its own on and samples nothing. The last stage
-applies the final norm, the LM head and the sampler, then broadcasts the sampled tokens to the other stages, which
-append them to their request states as if they had sampled them: the next step's batch is the same on every stage.
-The last stage's output (with logprobs) is the step's result.
+applies the final norm, the LM head and the sampler; the other stages sample nothing and do not wait for it: they
+learn the tokens sampled since a request's last step from the next SchedulerOutput that schedules it
+(`CachedRequestData.new_token_ids`), so stage 0 can start the next batch while the last stage still runs this one
+(the engine's batch queue). The last stage's output (with logprobs) is the step's result.
 
 Multimodal models: only the first stage holds the encoder parts, so only it encodes the released items, caches
 their embeddings and writes them over the placeholder rows; later stages start from the stream they receive. Every
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 
 from vlserve.core.sched_output import SchedulerOutput
-from vlserve.distributed.pipeline import (IntermediateTensors, broadcast_sampled_tokens, is_first_stage,
-                                          is_last_stage, recv_intermediate, send_intermediate)
+from vlserve.distributed.pipeline import (IntermediateTensors, is_first_stage, is_last_stage, recv_intermediate,
+                                          send_intermediate)
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.worker.model_runner import ModelRunner
 from vlserve.worker.request_state import CachedRequestState
@@ -67,14 +68,7 @@ class PipelineStageRunner(ModelRunner):
 
     def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
                      drafts: list[list[int]], so: SchedulerOutput) -> StepSamples:
-        """The last stage samples; every stage ends with the same tokens appended to the same states."""
+        """The last stage samples; the others return no tokens (the scheduler sends them the tokens later)."""
         if self.last_stage:
-            samples = super()._sample_step(hidden, states, ends, drafts, so)
-            broadcast_sampled_tokens([samples.tokens[s.req_id] for s in states], len(states), self.device)
-            return samples
-        tokens = broadcast_sampled_tokens(None, len(states), self.device)
-        samples = StepSamples()
-        for state, toks in zip(states, tokens):
-            state.token_ids.extend(toks)
-            samples.tokens[state.req_id] = toks
-        return samples
+            return super()._sample_step(hidden, states, ends, drafts, so)
+        return StepSamples()
