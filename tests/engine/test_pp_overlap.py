@@ -1,9 +1,10 @@
 """The pipeline-parallel batch queue (vlserve/engine/batch_queue.py): up to pipeline_parallel_size batches in flight
 with disjoint requests. The scheduler skips requests in flight and caps a batch at its share; PP=2 with overlap is
 greedy token for token with PP=1 under many concurrent requests, chunked prefill, preemption and prefix hits, with
-two batches really in flight (the engine's vlserve:max_batches_in_flight); one request alone runs one batch at a time;
-aborting requests whose batch is in flight (and re-using an aborted id meanwhile) leaks no KV block and corrupts no
-output; a stage killed with batches in flight fails the engine naming it."""
+two batches really in flight (the engine's vlserve:max_batches_in_flight), and with JSON-constrained requests; one
+request alone runs one batch at a time; aborting requests whose batch is in flight (and re-using an aborted id
+meanwhile) leaks no KV block and corrupts no output; a stage killed with batches in flight fails the engine naming
+it. The queue's own logic (balanced, disjoint batches under max_num_seqs) is also checked without processes."""
 from __future__ import annotations
 
 import os
@@ -79,6 +80,49 @@ def test_scheduler_skips_requests_in_flight_caps_the_batch_and_sends_tokens():
     s.update_from_output(second, fake_run(s, second))
     s.in_flight_req_ids.clear()
     s.abort_requests(["a", "b", "c"])
+    s.check_integrity()
+
+
+class _FakeCore:
+    """What BatchQueue uses of EngineCore, over a real scheduler and an executor that answers in order."""
+
+    def __init__(self, sched):
+        self.scheduler, self.num_steps, self.submitted = sched, 0, []
+        self.executor = self
+        self._observe_timings = lambda so, out: None
+
+    def _schedule(self, max_num_reqs=None):
+        return self.scheduler.schedule(max_num_reqs)
+
+    def submit_execute(self, so):
+        self.submitted.append(set(so.num_scheduled_tokens))
+        return so
+
+    def collect_execute(self, so):
+        return fake_run(self.scheduler, so)
+
+
+def test_batch_queue_keeps_two_balanced_disjoint_batches_in_flight():
+    from vlserve.engine.batch_queue import BatchQueue
+
+    s = make_sched(max_num_seqs=4)
+    for i in range(6):  # more than max_num_seqs: a batch takes half of the 4 that can run, not of all 6
+        add(s, f"q{i}", 5, max_tokens=3)
+    core = _FakeCore(s)
+    queue = BatchQueue(core, 2)
+    tokens: dict[str, list[int]] = {}
+    assert queue.step() == [] and len(queue) == 1  # submitted, room for one more: no wait
+    for _ in range(50):
+        if not s.has_unfinished_requests():
+            break
+        _collect(queue.step(), tokens)
+        in_flight = [b.requests.keys() for b in queue.batches]
+        assert sum(map(len, in_flight)) == len(set().union(*in_flight))  # disjoint
+        assert s.in_flight_req_ids == set().union(*in_flight)
+    queue.drain()
+    assert tokens == {f"q{i}": [7, 7, 7] for i in range(6)}
+    assert core.submitted[:2] == [{"q0", "q1"}, {"q2", "q3"}] and queue.max_in_flight == 2
+    assert all(len(b) <= 2 for b in core.submitted)
     s.check_integrity()
 
 
@@ -165,5 +209,31 @@ def test_stage_killed_with_batches_in_flight_fails_naming_it(model_dir):
         with pytest.raises(WorkerDied, match=r"rank 1 \(pipeline stage 1\) \(pid \d+\) was killed by signal 9"):
             for _ in range(100):
                 core.step()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow  # two stage processes
+def test_pp2_overlap_structured_outputs_match_pp1():
+    # a batch's grammar bitmask is built from its requests' matchers, which are up to date: requests in flight are
+    # not scheduled again until their tokens are folded back
+    from tests.engine.test_structured_engine import PROMPTS, _check_json, _json
+    from vlserve.demo import default_model_path
+
+    kw = dict(dtype="float32", num_kv_blocks=256, max_model_len=1024, seed=0)
+    params = _json(temperature=0.0)
+    one = LLM(default_model_path(), **kw)
+    try:
+        want = [o.outputs[0].token_ids for o in one.generate(PROMPTS * 2, params, use_tqdm=False)]
+    finally:
+        one.shutdown()
+    llm = LLM(default_model_path(), pipeline_parallel_size=2, **kw)
+    try:
+        outs = llm.generate(PROMPTS * 2, params, use_tqdm=False)
+        for o in outs:
+            _check_json(o)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.get_metrics()[IN_FLIGHT] == 2
+        llm.check_integrity()
     finally:
         llm.shutdown()

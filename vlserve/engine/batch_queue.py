@@ -8,11 +8,12 @@ that, then refills the queue so the stages keep working while the caller process
 A request is in at most one batch in flight: the scheduler skips `in_flight_req_ids` until its batch is folded
 back, so batches hold disjoint requests and every batch is planned from known tokens (n-gram drafts, grammar
 bitmasks and the tokens the non-sampling stages are sent included); one request alone runs as without the queue.
-Each batch takes at most its share of the active requests (ceil(active / max_batches)), so decode batches stay
-balanced instead of the first one taking every request. A request aborted, stopped or preempted while its batch is in
-flight is freed at once: its KV blocks (and encoder-cache entries) are only reused by later batches, which every
-stage runs after the one in flight, and its tokens are dropped at fold (or kept, when preempted, as under async
-scheduling), since the fold only reaches requests that are still the ones it scheduled.
+Each batch takes at most its share of the requests that can run (ceil(min(running + waiting, max_num_seqs) /
+max_batches)), so decode batches stay balanced instead of the first one taking every request. A request aborted,
+stopped or preempted while its batch is in flight is freed at once: its KV blocks (and encoder-cache entries) are
+only reused by later batches, which every stage runs after the one in flight, and its tokens are dropped at fold (or
+kept, when preempted, as under async scheduling), since the fold only reaches requests that are still the ones it
+scheduled.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class BatchQueue:
         """Plan a batch of requests not in flight and submit it; False when there was nothing to send."""
         core = self.core
         sched = core.scheduler
-        active = len(sched.running) + len(sched.waiting)
+        active = min(len(sched.running) + len(sched.waiting), sched.config.max_num_seqs)  # those that can run
         sched_out = core._schedule(max_num_reqs=max(-(-active // self.max_batches), 1))
         if sched_out.is_empty and not sched_out.finished_req_ids and not sched_out.free_encoder_mm_hashes:
             return False
