@@ -21,7 +21,8 @@ DEFAULTS = {
     "enable_auto_tool_choice": False, "tool_call_parser": None, "max_waiting_requests": None,
     "chat_template_content_format": "auto", "async_scheduling": False, "disable_playground": False,
     "compilation_config": None, "enforce_eager": False, "seed": 0, "device": "auto", "data_parallel_size": 1,
-    "tensor_parallel_size": 1, "distributed_executor_backend": None, "engine_process": True, "log_level": "info",
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "distributed_executor_backend": None,
+    "engine_process": True, "log_level": "info",
     "enable_lora": False, "lora_modules": None, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
@@ -37,8 +38,8 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
                     "--no-enable-prefix-caching"],
     "SchedulerConfig": ["--max-num-seqs", "--max-num-batched-tokens", "--max-waiting-requests", "--async-scheduling",
                         "--max-num-encoder-input-tokens", "--encoder-cache-size"],
-    "ParallelConfig": ["--data-parallel-size", "-dp", "--tensor-parallel-size", "-tp",
-                       "--distributed-executor-backend"],
+    "ParallelConfig": ["--data-parallel-size", "-dp", "--tensor-parallel-size", "-tp", "--pipeline-parallel-size",
+                       "-pp", "--distributed-executor-backend"],
     "SpeculativeConfig": ["--speculative-config"],
     "StructuredOutputsConfig": ["--structured-outputs-config"],
     "LoRAConfig": ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras"],

@@ -154,6 +154,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="ranks (worker processes, one device each; gloo on CPU, NCCL on CUDA) the model is "
                           "sharded over")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                     help="pipeline stages the decoder layers are split over, evenly or as "
+                          "$VLSERVE_PP_LAYER_PARTITION says (e.g. '10,14'); each stage is --tensor-parallel-size "
+                          "ranks (processes or Ray actors)")
     par.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                      help="what starts the ranks: mp (multiprocessing) or ray (Ray actors on the cluster at "
                           "RAY_ADDRESS, or a local one) (default: mp above one rank)")
@@ -209,7 +213,7 @@ def serve_config_from_args(args: argparse.Namespace):
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
         async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
         enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules)

@@ -180,6 +180,9 @@ class EngineArgs:
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
     data_parallel_size: int = 1  # engine processes (replicas) behind one `vlserve serve`
     tensor_parallel_size: int = 1  # worker processes (ranks) the model is sharded over
+    # pipeline stages: the decoder layers split into contiguous runs (even, or as $VLSERVE_PP_LAYER_PARTITION says),
+    # tensor_parallel_size ranks (processes) each; synchronous; a VLM encodes on the first stage
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
     # LoRA (vlserve.lora): PEFT adapters on the decoder's projections, chosen per request
     enable_lora: bool = False
@@ -189,16 +192,16 @@ class EngineArgs:
     lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, served as models by name
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel_size", "tensor_parallel_size"):
+        for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', "
                              f"got {shorten(self.distributed_executor_backend)}")
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size is "
-                             f"{self.tensor_parallel_size}: use 'mp' or 'ray'")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size}: use 'mp' or 'ray'")
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
@@ -232,6 +235,32 @@ class EngineArgs:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
         self._check_lora()
+        self._check_pipeline_parallel()
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline_parallel(self) -> None:
+        """Refuse what pipeline parallelism does not support yet, rather than ignore it."""
+        if self.pipeline_parallel_size == 1:
+            return
+        pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
+        refused = [
+            (self.data_parallel_size > 1, "with data_parallel_size > 1"),
+            (_names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
+                                                    "target's hidden states and embeddings, which live on different "
+                                                    "stages; use method 'ngram')"),
+            (self.async_scheduling, "with async_scheduling"),
+            (self.enable_lora, "with LoRA"),
+            (self.quantization is not None, "with a quantized checkpoint"),
+            (self.compilation_config.level not in (None, 0), "with torch.compile or CUDA graphs (the stages run "
+                                                             "eager: compilation level 0 or enforce_eager)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"{pp} is not supported {what} yet")
 
     def _check_lora(self) -> None:
         """LoRA knobs: integers >= 1, max_cpu_loras >= max_loras, adapters only with enable_lora; `lora_modules`
@@ -248,6 +277,15 @@ class EngineArgs:
             raise ValueError("lora_modules were given but LoRA is off: add enable_lora=True (--enable-lora)")
         if self.enable_lora and self.async_scheduling:  # adapters load between steps, none may be in flight
             raise ValueError("LoRA with async_scheduling is not supported yet")
+
+
+def _names_eagle(speculative_config: Any) -> bool:
+    """Whether a speculative_config (dict, before validation) asks for an EAGLE draft: by method, or by a draft model
+    whose name says so (as SpeculativeConfig infers a missing method)."""
+    if not isinstance(speculative_config, dict):
+        return bool(getattr(speculative_config, "use_eagle", False))  # a SpeculativeConfig, or None
+    what = speculative_config.get("method") or speculative_config.get("model") or ""
+    return "eagle" in str(what).lower()
 
 
 def parse_lora_modules(value) -> dict[str, str] | None:

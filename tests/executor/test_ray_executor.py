@@ -1,4 +1,5 @@
-"""The Ray executor backend: tensor-parallel ranks as Ray actors on a local cluster, against one rank in process.
+"""The Ray executor backend: tensor-parallel ranks and pipeline stages as Ray actors on a local cluster, against one
+rank in process.
 
 One module-scoped local Ray cluster (4 CPUs, no dashboard) serves every test and is shut down at the end. Until the
 model layers are sharded, each rank holds the whole model; the outputs must match token for token either way.
@@ -98,7 +99,7 @@ def test_missing_resources_named_after_timeout(ray_cluster, model_dir, monkeypat
     from vlserve.executor import ray_executor
 
     monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 1.0)
-    with pytest.raises(RuntimeError, match=r"could not place 8 tensor-parallel ranks \(\{'CPU': 1\} each\)"):
+    with pytest.raises(RuntimeError, match=r"could not place 8 ranks \(8 TP x 1 PP, \{'CPU': 1\} each\)"):
         LLM(model=model_dir, tensor_parallel_size=8, distributed_executor_backend="ray", **ENGINE_KW)
     assert _live_placement_groups(ray_cluster) == []
 
@@ -109,3 +110,34 @@ def test_factory_without_ray_says_how_to_install(monkeypatch):
     settings = WorkerSettings(args, "unused", max_model_len=64, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match=r"install vlserve\[ray\]"):
         build_executor(settings)
+
+
+@pytest.mark.slow
+def test_ray_pp2_matches_one_rank(ray_cluster, model_dir):
+    # two stage actors (one layer each) in one placement group; the last stage's output is the step's
+    reference = LLM(model=model_dir, tensor_parallel_size=1, **ENGINE_KW)
+    try:
+        expected = _run(reference)
+    finally:
+        reference.shutdown()
+    llm = LLM(model=model_dir, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KW)
+    try:
+        executor = llm.engine.executor
+        assert type(executor).__name__ == "RayExecutor" and executor.output_rank == 1
+        got = _run(llm)
+        metrics = llm.get_metrics()
+        shards = executor.collective_rpc("shard_info")
+        llm.check_integrity()
+        ray_cluster.kill(executor.actors[0], no_restart=True)  # the first stage: the last one waits on its hand-over
+        start = time.monotonic()
+        with pytest.raises(WorkerDied, match=r"rank 0 \(pipeline stage 0\) \(Ray actor \w+\) died"):
+            llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert metrics["vlserve:num_preemptions_total"] > 0
+    assert metrics["vlserve:prefix_cache_hits_total"] > 0
+    assert metrics["vlserve:max_batches_in_flight"] == 2  # the actors queue steps: two batches at once
+    assert [(s["pp_rank"], s["pp_size"], s["layers"]) for s in shards] == [(0, 2, (0, 1)), (1, 2, (1, 2))]
+    assert _live_placement_groups(ray_cluster) == []

@@ -63,6 +63,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0  # sampled in a step still in flight (async scheduling), not yet known
+        self.num_tokens_sent = 0  # pipeline parallel: the leading tokens every stage's runner holds
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1 = not scheduled yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -29,6 +29,11 @@ class CachedRequestData:
     req_id: str
     new_block_ids: tuple[list[int], ...]  # per KV cache group; () when the step adds none
     num_computed_tokens: int
+    # Pipeline parallel: the request's tokens from position token_start (<= what the runner holds) to the end of the
+    # step's window, drafts aside, so the stages that do not sample learn the tokens sampled (or accepted) since;
+    # None otherwise (the runner sampled them itself)
+    new_token_ids: list[int] | None = None
+    token_start: int = 0
 
 
 @dataclass

@@ -40,6 +40,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.failed: list[EngineCoreOutput] = []  # ended while waiting (a grammar or an adapter that failed)
         self.loras_loading: set[int] = set()  # adapters being loaded off the step loop: their requests wait
+        # Pipeline parallel: requests in a batch still in flight (the engine's batch queue keeps this set); they are
+        # not scheduled again until its output is folded back. `send_token_ids`: cached requests carry their tokens.
+        self.in_flight_req_ids: set[str] = set()
+        self.send_token_ids = False
         self.stats = SchedulerStats()
 
     # -- admission ---------------------------------------------------------------------------------------------
@@ -104,8 +108,8 @@ class Scheduler:
             raise ValueError(f"the encoder budget must be >= 1 embedding, got {num_embeds}")
         self.encoder_budget = num_embeds
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step."""
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
+        """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them)."""
         cfg = self.config
         token_budget = cfg.max_num_batched_tokens
         num_encoding = 0  # embeddings this step encodes so far
@@ -115,13 +119,14 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         encoder_inputs: dict[str, list[int]] = {}
         preempted = False
+        in_flight, max_reqs = self.in_flight_req_ids, max_num_reqs or cfg.max_num_seqs
         loras: set[int] = set()  # the adapters of this step's requests (at most max_loras)
 
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
-        while idx < len(self.running) and token_budget > 0:
+        while idx < len(self.running) and token_budget > 0 and len(num_scheduled) < max_reqs:
             req = self.running[idx]
-            if req.num_output_placeholders and self._finishes_in_flight(req):
+            if (req.num_output_placeholders and self._finishes_in_flight(req)) or req.request_id in in_flight:
                 idx += 1
                 continue
             computed = req.num_computed_tokens
@@ -150,7 +155,12 @@ class Scheduler:
             if enc is not NO_MEDIA:
                 self._commit_encoder_inputs(req, enc, encoder_inputs)
                 num_encoding = num_encoding_after
-            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, computed))
+            cached = CachedRequestData(req.request_id, new_block_ids, computed)
+            if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
+                cached.token_start = start = min(computed, req.num_tokens_sent)
+                cached.new_token_ids = req.all_token_ids[start:computed + num_new]
+                req.num_tokens_sent = max(req.num_tokens_sent, start + len(cached.new_token_ids))
+            cached_reqs.append(cached)
             num_scheduled[req.request_id] = num_new
             token_budget -= num_new
             if req.spec_token_ids:
@@ -162,9 +172,10 @@ class Scheduler:
         # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
         # (max_loras): they keep their place
         set_aside: list[Request] = []
-        while self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs
+               and len(num_scheduled) < max_reqs):
             req = self.waiting[0]
-            if grammar_waiting(req):
+            if grammar_waiting(req) or req.request_id in in_flight:  # preempted while its batch is in flight
                 set_aside.append(self.waiting.popleft())
                 continue
             if grammar_error(req) is not None:
@@ -195,6 +206,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._commit_encoder_inputs(req, enc, encoder_inputs)
+            req.num_tokens_sent = req.num_tokens
             new_reqs.append(NewRequestData(
                 req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
                 req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))

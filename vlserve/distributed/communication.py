@@ -1,7 +1,8 @@
 """Collectives over the tensor-parallel group, as opaque custom ops so compiled forwards keep them whole.
 
 `tp_all_reduce` and `tp_all_gather` return their input unchanged when there is one rank (no torch.distributed
-call at all). With several ranks they call `torch.ops.vlserve.tp_all_reduce` / `tp_all_gather`: out-of-place
+call at all). They run on this stage's tensor-parallel group (`tp_group`; the default group without pipeline
+stages). With several ranks they call `torch.ops.vlserve.tp_all_reduce` / `tp_all_gather`: out-of-place
 custom ops (a fresh output tensor), so dynamo records one node per collective instead of tracing
 torch.distributed, and their fake implementations give inductor the output shape.
 """
@@ -10,14 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vlserve.distributed.parallel_state import tp_size
+from vlserve.distributed.parallel_state import tp_group, tp_size
 
 
 @torch.library.custom_op("vlserve::tp_all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over every rank of the group (a new tensor of x's shape)."""
     out = x.clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=tp_group())
     return out
 
 
@@ -31,7 +32,7 @@ def _all_gather_op(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
     """The ranks' `x` concatenated along `dim` in rank order (`x.shape[dim] * world_size` there)."""
     x = x.contiguous()
     pieces = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(pieces, x)
+    dist.all_gather(pieces, x, group=tp_group())
     return torch.cat(pieces, dim=dim)
 
 

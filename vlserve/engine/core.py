@@ -24,6 +24,7 @@ from vlserve.spec_decode.config import fill_default_draft
 from vlserve.executor import build_executor
 from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.engine.lora_loads import LoRALoads
+from vlserve.engine.batch_queue import BatchQueue
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class EngineCore:
     """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, processor: bool = True):
-        sharded = args.tensor_parallel_size > 1 or args.distributed_executor_backend not in (None, "uni")
+        sharded = args.world_size > 1 or args.distributed_executor_backend not in (None, "uni")
         if loaded is None:  # the ranks load their own shards when they run elsewhere; `processor`: see load_for_serving
             loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded,
                                       processor=processor)
@@ -71,6 +72,11 @@ class EngineCore:
         if args.async_scheduling:
             self.steps_in_flight = deque()
             self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="vlserve-runner")
+        # Pipeline parallel: up to one batch per stage in flight (batch_queue.py); the stages that do not sample
+        # learn the tokens from the SchedulerOutputs. None: one step at a time.
+        pp = args.pipeline_parallel_size
+        self.scheduler.send_token_ids = pp > 1
+        self.batch_queue = BatchQueue(self, pp) if pp > 1 else None
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -129,9 +135,9 @@ class EngineCore:
                 stop_token_ids=loaded.eos_token_ids)
         return self._structured_output_manager
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Plan a step; constrained requests that sample in it get their rows of the token bitmask."""
-        sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule(max_num_reqs)
         if self._structured_output_manager is not None and not sched_out.is_empty:
             rows = bitmask_rows(self.scheduler.requests, sched_out.num_scheduled_tokens,
                                 sched_out.scheduled_spec_decode_tokens)
@@ -160,6 +166,10 @@ class EngineCore:
         self.loras.poll()  # adapters that finished loading let their requests in (or fail them)
         if self.steps_in_flight is not None:
             return self._step_async()
+        if self.batch_queue is not None:
+            outputs = self.batch_queue.step()
+            self._flush_if_idle()
+            return outputs
         sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids:
             if self.loras.loading:
@@ -227,6 +237,8 @@ class EngineCore:
             return
         if self.steps_in_flight:
             self._drain_in_flight()
+        if self.batch_queue:
+            self.batch_queue.drain()
         if self.scheduler.finished_req_ids:
             sched_out = self.scheduler.schedule()
             if self.steps_in_flight is None:
@@ -243,6 +255,8 @@ class EngineCore:
                 self._drain_in_flight()
             finally:
                 self._runner_thread.shutdown(wait=True)
+        if self.batch_queue:
+            self.batch_queue.discard()
         self.executor.shutdown()
 
     # -- metrics -----------------------------------------------------------------------------------------------
@@ -276,6 +290,7 @@ class EngineCore:
             "vlserve:spec_decode_num_drafts_total": st.spec_num_drafts,
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
+            **({} if self.batch_queue is None else {"vlserve:max_batches_in_flight": self.batch_queue.max_in_flight}),
         }
 
     def check_integrity(self) -> None:

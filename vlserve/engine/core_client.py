@@ -78,7 +78,7 @@ class EngineCoreClient:
                                         logging.getLogger().getEffectiveLevel()),
                                   # an engine that starts rank processes of its own cannot be a daemon; it still
                                   # exits with this process (it watches its parent) and `close` stops it
-                                  daemon=not self.engine_args.tensor_parallel_size > 1
+                                  daemon=not self.engine_args.world_size > 1
                                   and self.engine_args.distributed_executor_backend in (None, "uni"))
             process.start()
             self.processes.append(process)

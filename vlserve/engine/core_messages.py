@@ -98,12 +98,14 @@ class ControlAck:
 class StepOutputs:
     """One engine step's new tokens, and the core's counters after it (also sent after aborts when idle).
 
-    `step_error` is set when the step raised: the engine then dropped every request it held."""
+    `step_error` is set when the step raised: the engine then dropped every request it held. `fatal`: the engine
+    cannot go on (a rank died) and exits right after this message."""
 
     engine_index: int
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     step_error: str | None = None
+    fatal: bool = False
 
 
 def encode(msg: object) -> bytes:

@@ -163,7 +163,7 @@ class _EngineLoopProc:
             outputs = self.core.step()
         except WorkerDied as e:  # a rank is gone: fail the requests in flight, then exit non-zero
             logger.error("%s", e)
-            self._send(StepOutputs(self.engine_index, [], self._metrics(), f"{type(e).__name__}: {e}"))
+            self._send(StepOutputs(self.engine_index, [], self._metrics(), f"{type(e).__name__}: {e}", fatal=True))
             raise
         except Exception as e:
             logger.exception("engine step failed; dropping the requests in flight")

@@ -71,6 +71,19 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_pipeline_stages(model_cls, hf_config, num_stages: int) -> None:
+    """ValueError unless `model_cls` splits over pipeline stages and its layers over `num_stages` (the partition
+    $VLSERVE_PP_LAYER_PARTITION asks for, or an even one)."""
+    from vlserve.distributed.pipeline import layer_partition
+
+    if not getattr(model_cls, "supports_pipeline_parallel", False):
+        why = getattr(model_cls, "pipeline_parallel_refusal", "")
+        raise ValueError(f"{model_cls.__name__} does not support pipeline_parallel_size > 1 yet"
+                         + (f": {why}" if why else "") + " (the Llama, Mistral, Qwen2 and Qwen3 causal LMs, "
+                         "Qwen2-VL, Qwen2.5-VL, LLaVA and LLaVA-NeXT do)")
+    layer_partition(text_config_of(hf_config).num_hidden_layers, num_stages)
+
+
 def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True,
                      processor: bool = True) -> LoadedModel:
     """Read the checkpoint at model_path and build the model on the chosen device and dtype. Without
@@ -88,7 +101,9 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
         hf_config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
-    get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
+    model_cls = get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
+    if args.pipeline_parallel_size > 1:
+        check_pipeline_stages(model_cls, hf_config, args.pipeline_parallel_size)
     get_quantization_config(hf_config, args.quantization)  # an unsupported or mismatched quantization, too
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, hf_config)

@@ -270,6 +270,8 @@ class MPAsyncLLM(AsyncLLM):
             self._pending[msg.request_id] = msg
 
     def _on_engine_message(self, msg: object) -> None:
+        if isinstance(msg, StepOutputs) and msg.fatal:  # a rank died and the engine process exits next: dead now
+            raise EngineDeadError(f"the engine stopped: {msg.step_error}")  # (/health 503 before requests fail)
         if isinstance(msg, StepOutputs):
             self.engine_loop.staged.append(msg)
             try:

@@ -7,12 +7,12 @@ from vlserve.executor.worker import RankModel, WorkerSettings
 
 
 def build_executor(settings: WorkerSettings, rank_model: RankModel | None = None) -> Executor:
-    """The executor `settings.args` asks for: in process (tensor_parallel_size 1, no backend named; needs
+    """The executor `settings.args` asks for: in process (one rank, no backend named; needs
     `rank_model`), worker processes ("mp", the default above one rank) or Ray actors ("ray")."""
     args = settings.args
     backend = args.distributed_executor_backend
     if backend is None:
-        backend = "uni" if args.tensor_parallel_size == 1 else "mp"
+        backend = "uni" if args.world_size == 1 else "mp"
     if backend == "uni":
         if rank_model is None:
             raise ValueError("the in-process executor needs the loaded model")

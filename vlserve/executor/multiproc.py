@@ -1,9 +1,14 @@
-"""Tensor-parallel ranks as worker processes on this machine (multiprocessing, spawn), one pipe each.
+"""Tensor-parallel ranks and pipeline stages as worker processes on this machine (multiprocessing, spawn), one pipe
+each.
 
-Each step the executor pickles the SchedulerOutput once and writes it to every rank's pipe; every rank runs the
-step (the collectives inside the model join them over torch.distributed) and answers with its output. Rank 0's
-output is the step's result; the others' sampled ids must equal it (the logits are all-gathered, so every rank
-samples the same tokens with the same generator state), which the executor checks.
+Each step the executor pickles the SchedulerOutput once and writes it to every rank's pipe (`submit_execute`; the
+answers are read by `collect_execute`, oldest first, so under pipeline parallelism several steps can be queued on
+the pipes: stage 0 runs step k + 1 while the last stage runs step k); every rank runs the
+step (the collectives inside the model, and the hand-over between pipeline stages, join them over
+torch.distributed) and answers with its output. The sampling rank's output is the step's result (rank 0's, or the
+last stage's under pipeline parallelism); the others' sampled ids must equal it (the logits are all-gathered, so
+every tensor-parallel rank samples the same tokens with the same generator state, and the last stage broadcasts its
+tokens to the other stages), which the executor checks.
 
 While it waits, the executor also watches every rank's process sentinel: a rank that dies (killed, out of memory, a
 crash inside a collective) turns into `WorkerDied` at once, naming the rank and its exit code; the remaining ranks
@@ -19,7 +24,7 @@ import socket
 import traceback
 from multiprocessing.connection import Connection, wait
 
-from vlserve.executor.base import RankGroupExecutor, WorkerDied
+from vlserve.executor.base import RankGroupExecutor
 from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -43,7 +48,7 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
     """A rank's process: load its shard, say ready (or why not), then answer calls until told to stop or until the
     executor's end of the pipe closes (the engine is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops the ranks
-    logging.basicConfig(level=log_level, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     if rank_device(settings.args.device, rank).type == "cpu":
         share_cpu_threads(world_size)
     try:
@@ -72,14 +77,17 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
 
 
 class MultiprocExecutor(RankGroupExecutor):
-    """`tensor_parallel_size` worker processes, one per rank (gloo on CPU, NCCL on CUDA)."""
+    """`tensor_parallel_size x pipeline_parallel_size` worker processes, one per rank (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, settings: WorkerSettings):
         args = settings.args
-        self.world_size = args.tensor_parallel_size
+        self.world_size = args.world_size
+        self.tp_size, self.pp_size = args.tensor_parallel_size, args.pipeline_parallel_size
+        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank samples
         self.device = rank_device(args.device, 0)
         self._dead: str | None = None  # why the ranks can no longer run steps
         self._stats = WorkerStats()
+        self._num_sent = self._num_collected = 0  # calls written to the pipes, and answered (FIFO)
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -87,7 +95,7 @@ class MultiprocExecutor(RankGroupExecutor):
         try:
             for rank in range(self.world_size):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=run_worker_process, name=f"vlserve-tp-rank{rank}", daemon=True,
+                proc = ctx.Process(target=run_worker_process, name=f"vlserve-rank{rank}", daemon=True,
                                    args=(settings, rank, self.world_size, init_method, theirs,
                                          logging.getLogger("vlserve").getEffectiveLevel()))
                 proc.start()
@@ -99,21 +107,29 @@ class MultiprocExecutor(RankGroupExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s), %d KV blocks each", self.world_size,
+        logger.info("%d TP x %d PP ranks (pids %s), %d KV blocks each", self.tp_size, self.pp_size,
                     [p.pid for p in self.procs], self.num_blocks)
 
     # -- calls -------------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, arg=None) -> list:
-        """Send one call to every rank; every rank's result, in rank order."""
-        if self._dead:
-            raise WorkerDied(self._dead)
+    def _submit(self, method: str, arg=None) -> int:
+        """Write one call to every rank's pipe (pickled once); its number, for `_collect_call`."""
         blob = pickle.dumps((method, arg), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(blob)
             except OSError:
                 self._fail(self._death_of(rank))
-        return self._collect(method)
+        self._num_sent += 1
+        return self._num_sent - 1
+
+    def _collect_call(self, handle: int, method: str) -> list:
+        """The answers to call number `handle`: each rank answers its calls in order, so the next answer on every
+        pipe is the oldest uncollected call's."""
+        if handle != self._num_collected:
+            raise RuntimeError(f"call {handle} collected out of order (call {self._num_collected} is older)")
+        results = self._collect(method)
+        self._num_collected += 1
+        return results
 
     def _collect(self, what: str) -> list:
         """Wait for every rank's answer to `what`, watching the processes: a death or an error raises at once."""
@@ -130,7 +146,8 @@ class MultiprocExecutor(RankGroupExecutor):
                     except (EOFError, OSError):
                         self._fail(self._death_of(rank))
                     if status != "ok":
-                        self._fail(f"tensor-parallel rank {rank} failed during {what}: {value}")
+                        self._fail_dead_peer(rank)  # e.g. a stage whose neighbour died mid-hand-over
+                        self._fail(f"{self._rank_name(rank)} failed during {what}: {value}")
                     results[rank] = value
                 elif sentinels[ready] in pending.values():  # a rank that has not answered is gone
                     rank = sentinels[ready]
@@ -140,13 +157,20 @@ class MultiprocExecutor(RankGroupExecutor):
                     self._fail(self._death_of(rank))
         return results
 
+    def _fail_dead_peer(self, rank: int, grace_s: float = 1.0) -> None:
+        """When a rank reports an error, fail naming another rank that died (its error is likely the consequence)."""
+        others = {p.sentinel: r for r, p in enumerate(self.procs) if r != rank}
+        dead = wait(list(others), timeout=grace_s)
+        if dead:
+            self._fail(self._death_of(others[dead[0]]))
+
     def _death_of(self, rank: int) -> str:
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         code = proc.exitcode
         how = (f"was killed by signal {-code}" if code is not None and code < 0
                else f"exited with code {code}" if code is not None else "stopped answering")
-        return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot continue"
+        return f"{self._rank_name(rank)} (pid {proc.pid}) {how}; the engine cannot continue"
 
     def _stop_ranks(self) -> None:
         self.shutdown(kill=True)

@@ -1,12 +1,17 @@
-"""Tensor-parallel ranks as Ray actors (`--distributed-executor-backend ray`), placed by one placement group.
+"""Tensor-parallel ranks and pipeline stages as Ray actors (`--distributed-executor-backend ray`), placed by one
+placement group.
 
 The executor joins the Ray cluster at RAY_ADDRESS, or an already initialised one, or else starts a local one (and
 then shuts it down again in `shutdown`). It reserves one bundle per rank ({"CPU": 1}, or {"GPU": 1, "CPU": 1} on
-CUDA), starts one actor per bundle, and lets rank 0's actor name the rendezvous address (its node IP and a free
-port). Each call goes to every actor at once; the executor waits on all the futures with `ray.wait`, so the first
-rank that dies or fails stops the rest at once (a rank blocked in a collective with the lost one is killed, not
-waited for) and surfaces as `WorkerDied` naming the rank. Like the mp backend, rank 0's output is the step's result
-and the other ranks' sampled ids must equal it.
+CUDA; `tensor_parallel_size x pipeline_parallel_size` of them, rank = stage x TP + TP rank as under the mp backend),
+starts one actor per bundle, and lets rank 0's actor name the rendezvous address (its node IP and a free port). The
+PACK strategy keeps ranks together where they fit; what does not fit spills onto the next node, so a two-node
+cluster with one GPU each runs `pipeline_parallel_size=2` with a stage per node. Each call goes to every actor at
+once (`submit_execute`: several steps may be queued on the actors under pipeline parallelism, each actor runs them
+in order); the executor waits on all the futures with `ray.wait`, so the first rank that dies or fails stops the rest at
+once (a rank blocked in a collective with the lost one is killed, not waited for) and surfaces as `WorkerDied`
+naming the rank (and its stage). Like the mp backend, the sampling rank's output (rank 0's, or the last stage's
+first rank's) is the step's result and the other ranks' sampled ids must equal it.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import os
 import socket
 from dataclasses import replace
 
-from vlserve.executor.base import RankGroupExecutor, WorkerDied
+from vlserve.executor.base import RankGroupExecutor
 from vlserve.executor.worker import Worker, WorkerSettings, WorkerStats, rank_device, share_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -66,12 +71,14 @@ class RankActor:
 
 
 class RayExecutor(RankGroupExecutor):
-    """`tensor_parallel_size` Ray actors, one per rank (gloo on CPU, NCCL on CUDA)."""
+    """`tensor_parallel_size x pipeline_parallel_size` Ray actors, one per rank (gloo on CPU, NCCL on CUDA)."""
 
     def __init__(self, settings: WorkerSettings):
         self.ray = ray = import_ray()
         args = settings.args
-        self.world_size = args.tensor_parallel_size
+        self.world_size = args.world_size
+        self.tp_size, self.pp_size = args.tensor_parallel_size, args.pipeline_parallel_size
+        self.output_rank = (self.pp_size - 1) * self.tp_size  # the last stage's first rank samples
         self.device = rank_device(args.device, 0)
         self._dead: str | None = None  # why the ranks can no longer run steps
         self._stats = WorkerStats()
@@ -86,7 +93,7 @@ class RayExecutor(RankGroupExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel on Ray: %d ranks, %d KV blocks each", self.world_size, self.num_blocks)
+        logger.info("on Ray: %d TP x %d PP ranks, %d KV blocks each", self.tp_size, self.pp_size, self.num_blocks)
 
     def _init_ray(self) -> None:
         """Join the cluster at RAY_ADDRESS, or start a local one with room for every rank (no dashboard)."""
@@ -109,9 +116,10 @@ class RayExecutor(RankGroupExecutor):
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             raise RuntimeError(
-                f"Ray could not place {self.world_size} tensor-parallel ranks ({bundle} each) within "
-                f"{PLACEMENT_TIMEOUT_S:g} s: the cluster has {ray.available_resources()} available and "
-                f"{ray.cluster_resources()} in all; add resources or lower tensor_parallel_size")
+                f"Ray could not place {self.world_size} ranks ({self.tp_size} TP x {self.pp_size} PP, {bundle} "
+                f"each) within {PLACEMENT_TIMEOUT_S:g} s: the cluster has {ray.available_resources()} available "
+                f"and {ray.cluster_resources()} in all; add resources or lower tensor_parallel_size / "
+                f"pipeline_parallel_size")
         if on_gpu:  # Ray shows each actor only its own GPU, which is cuda:0 inside the actor
             settings = replace(settings, args=replace(settings.args, device="cuda:0"))
         actor_cls = ray.remote(RankActor)
@@ -127,12 +135,13 @@ class RayExecutor(RankGroupExecutor):
                         for rank, a in enumerate(self.actors)], "start-up")
 
     # -- calls -------------------------------------------------------------------------------------------------
-    def collective_rpc(self, method: str, arg=None) -> list:
-        """Send one call to every rank; every rank's result, in rank order."""
-        if self._dead:
-            raise WorkerDied(self._dead)
+    def _submit(self, method: str, arg=None) -> list:
+        """One call to every actor (an actor runs its calls in order, so steps can queue); their futures."""
         arg_ref = self.ray.put(arg)  # serialised once, shared by every actor
-        return self._wait_all([a.call.remote(method, arg_ref) for a in self.actors], method)
+        return [a.call.remote(method, arg_ref) for a in self.actors]
+
+    def _collect_call(self, handle: list, method: str) -> list:
+        return self._wait_all(handle, method)
 
     def _wait_all(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         """Every future's value, in order; the first rank to die or fail stops all ranks and raises WorkerDied."""
@@ -150,10 +159,10 @@ class RayExecutor(RankGroupExecutor):
                 try:
                     results[i] = ray.get(ref)
                 except (rex.RayActorError, rex.WorkerCrashedError) as e:
-                    self._fail(f"tensor-parallel rank {rank} (Ray actor {self._actor_id(rank)}) died during "
+                    self._fail(f"{self._rank_name(rank)} (Ray actor {self._actor_id(rank)}) died during "
                                f"{what}: {type(e).__name__}; the engine cannot continue")
                 except rex.RayError as e:
-                    self._fail(f"tensor-parallel rank {rank} (Ray actor {self._actor_id(rank)}) failed during "
+                    self._fail(f"{self._rank_name(rank)} (Ray actor {self._actor_id(rank)}) failed during "
                                f"{what}: {e}")
         return results
 

@@ -1,5 +1,6 @@
-"""One rank's share of the model: its weights (a tensor-parallel shard, or the whole model), its KV cache and the
-model runner that executes each step. The executors build one `Worker` per rank, in this process or in another."""
+"""One rank's share of the model: its weights (a tensor-parallel shard, a pipeline stage's layers, or the whole
+model), its KV cache and the model runner that executes each step. The executors build one `Worker` per rank, in
+this process or in another."""
 from __future__ import annotations
 
 import logging
@@ -11,12 +12,14 @@ import torch
 
 from vlserve.config import EngineArgs
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from vlserve.distributed.parallel_state import init_tensor_parallel
+from vlserve.distributed.parallel_state import init_model_parallel, pp_size
+from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
+from vlserve.worker.pp_stage import PipelineStageRunner
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +101,16 @@ class Worker:
         self.settings = settings
         args = settings.args
         self.rank_model = rank_model
-        self.runner = ModelRunner(
+        staged = pp_size() > 1  # a pipeline stage: eager for now (EngineArgs refuses a compilation level)
+        # Drafts are proposed where tokens are sampled: the last stage (the n-gram proposer reads only token ids; the
+        # scheduler hands its drafts to every stage in the next SchedulerOutput, the last stage verifies them).
+        proposer = (build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size)
+                    if is_last_stage() else None)
+        self.runner = (PipelineStageRunner if staged else ModelRunner)(
             rank_model.model, rank_model.hf_config, rank_model.device, rank_model.dtype, args.block_size,
             mrope_positions_fn=rank_model.mrope_positions_fn,
-            proposer=build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size),
-            compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+            proposer=proposer,
+            compilation_config=args.compilation_config, enforce_eager=args.enforce_eager or staged,
             kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device),
             lora_config=None if not args.enable_lora else {
                 "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
@@ -110,9 +118,13 @@ class Worker:
 
     @classmethod
     def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> "Worker":
-        """In a rank's own process: join the tensor-parallel group, then load this rank's shard."""
+        """In a rank's own process: join the tensor- and pipeline-parallel groups, then load this rank's shard."""
         backend = "nccl" if rank_device(settings.args.device, rank).type == "cuda" else "gloo"
-        init_tensor_parallel(rank, world_size, init_method, backend)
+        args = settings.args
+        if world_size != args.tensor_parallel_size * args.pipeline_parallel_size:
+            raise ValueError(f"{world_size} ranks for {args.tensor_parallel_size} TP x "
+                             f"{args.pipeline_parallel_size} PP")
+        init_model_parallel(rank, args.tensor_parallel_size, args.pipeline_parallel_size, init_method, backend)
         return cls(settings, load_rank_model(settings, rank))
 
     def determine_num_blocks(self, memory_share: float = 1.0) -> int:
@@ -156,13 +168,16 @@ class Worker:
         return self.runner.lora_manager
 
     def shard_info(self, _=None) -> dict:
-        """What this rank holds: its rank, the group size, its parameter count and its KV cache shape."""
-        from vlserve.distributed.parallel_state import tp_rank, tp_size
+        """What this rank holds: its tensor-parallel rank and group size, its pipeline stage and the number of
+        stages, its parameter count, its KV cache shape and how many layers have a KV cache here."""
+        from vlserve.distributed.parallel_state import pp_rank, tp_rank, tp_size
 
         model = self.rank_model.model
         numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied weights once
-        kv = tuple(self.runner.kv_caches[0][0].shape) if self.runner.kv_caches else None
-        return {"rank": tp_rank(), "world_size": tp_size(), "num_params": numel, "kv_cache_shape": kv}
+        held = [kv for kv in self.runner.kv_caches if kv is not None]
+        return {"rank": tp_rank(), "world_size": tp_size(), "pp_rank": pp_rank(), "pp_size": pp_size(),
+                "num_params": numel, "kv_cache_shape": tuple(held[0][0].shape) if held else None,
+                "num_kv_layers": len(held), "layers": (self.runner.kv_layers.start, self.runner.kv_layers.stop)}
 
     def stats(self) -> WorkerStats:
         """This rank's counters now."""

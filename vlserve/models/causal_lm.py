@@ -1,6 +1,8 @@
 """Causal LMs over the Llama-family decoder (vlserve.models.llama): `DecoderWithLMHead` (a decoder + `lm_head`,
 tying and the calls the runner makes, shared with the multimodal models) and the text-only Llama / Mistral, Qwen2
-and Qwen3 causal LMs, which load a HF checkpoint's `model.*` and `lm_head.weight`.
+and Qwen3 causal LMs, which load a HF checkpoint's `model.*` and `lm_head.weight`. The text-only causal LMs split
+over pipeline stages (`supports_pipeline_parallel`): `lm_head` lives on the last stage, which reads it from
+`model.embed_tokens.weight` when the two are tied and the embeddings are on another stage.
 """
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import torch
 from torch import nn
 
 from vlserve.distributed.parallel_state import tp_size
+from vlserve.distributed.pipeline import IntermediateTensors, is_last_stage
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.hf_config import tie_word_embeddings_of
-from vlserve.models.llama import IGNORED_SUFFIXES, LlamaDecoderModel
+from vlserve.models.llama import IGNORED_SUFFIXES, AbsentOnStage, LlamaDecoderModel
 from vlserve.models.parallel_layers import ParallelLMHead, ShardSpec
 
 
@@ -23,6 +26,7 @@ class DecoderWithLMHead(nn.Module):
     """
 
     decoder_attr = "model"
+    supports_pipeline_parallel = False  # whether this class builds and loads one pipeline stage's share
 
     @property
     def decoder(self) -> "LlamaDecoderModel":
@@ -36,8 +40,13 @@ class DecoderWithLMHead(nn.Module):
 
     def tie_weights(self) -> None:
         """Point lm_head at the embedding matrix when the config ties them (re-run after materializing)."""
-        if self.tied:
+        if self.tied and not isinstance(self.lm_head, AbsentOnStage) and self.decoder.first_stage:
             self.lm_head.weight = self.decoder.embed_tokens.weight
+
+    def head_reads_embeddings(self) -> bool:
+        """Whether this stage's `lm_head` is loaded from the decoder's `embed_tokens.weight`: tied, with the embeddings
+        on another pipeline stage (on the same stage the two are one parameter)."""
+        return self.tied and not isinstance(self.lm_head, AbsentOnStage) and not self.decoder.first_stage
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids [T]` -> token embeddings `[T, H]` (a VLM's runner writes item embeddings over placeholders)."""
@@ -45,10 +54,13 @@ class DecoderWithLMHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """Flattened step -> hidden states `[T, H]`; positions `[T]`, or `[3, T]` under M-RoPE (see
-        `LlamaDecoderModel.forward`)."""
-        return self.decoder(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        `LlamaDecoderModel.forward`, also for the pipeline stages' `intermediate`)."""
+        if intermediate is None:
+            return self.decoder(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        return self.decoder(input_ids, positions, kv_caches, attn_metadata, inputs_embeds, intermediate=intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden [N, H]` -> logits `[N, V]` float32 (every tensor-parallel rank gets the whole vocab)."""
@@ -70,6 +82,8 @@ class DecoderWithLMHead(nn.Module):
             return None
         part, rel = self._split_name(name)
         if part == self.decoder_attr:
+            if rel == "embed_tokens.weight" and self.head_reads_embeddings():
+                return self.lm_head.checkpoint_shard("weight")  # a tied head's rows, on a stage without embeddings
             return self.decoder.checkpoint_shard(rel)
         if part == "lm_head":
             return self.lm_head.checkpoint_shard("weight")
@@ -81,35 +95,55 @@ class LlamaForCausalLM(DecoderWithLMHead):
 
     # The decoder class and its keyword arguments; subclasses override.
     decoder_cls, decoder_kwargs = LlamaDecoderModel, {}
+    supports_pipeline_parallel = True
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.model = self.decoder_cls(config, **self.decoder_kwargs)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size) if is_last_stage() else AbsentOnStage()
         self.tie_weights()
+
+    def _lm_head_source(self) -> str | None:
+        """The checkpoint tensor this stage loads `lm_head` from: None when lm_head is on another stage or is the
+        embedding matrix itself (tied, both here)."""
+        if isinstance(self.lm_head, AbsentOnStage):
+            return None
+        if not self.tied:
+            return "lm_head.weight"
+        return None if self.model.first_stage else "model.embed_tokens.weight"
+
+    def on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to another pipeline stage only (the loader does not read it)."""
+        if name == self._lm_head_source():
+            return False
+        if name == "lm_head.weight":
+            return isinstance(self.lm_head, AbsentOnStage)
+        return name.startswith("model.") and self.model.on_other_stage(name[len("model."):])
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a full HF checkpoint (`model.*`, `lm_head.weight`); ValueError lists missing/unexpected names."""
         loaded: set[str] = set()
         unexpected: list[str] = []
+        head_source = self._lm_head_source()
 
         def decoder_weights():
             for name, tensor in weights:
-                if name.startswith("model."):
+                if name == head_source:
+                    self.lm_head.load_shard("weight", None, tensor, name)
+                    loaded.add(name)
+                elif name.startswith("model."):
                     yield name[len("model."):], tensor
                 elif name == "lm_head.weight":
-                    if not self.tied:
-                        self.lm_head.load_shard("weight", None, tensor, name)
-                        loaded.add(name)
+                    pass  # tied to the embeddings, or on another pipeline stage
                 elif not name.endswith(IGNORED_SUFFIXES):
                     unexpected.append(name)
 
         loaded.update("model." + n for n in self.model.load_weights(decoder_weights()))
         expected = {"model." + n for n in self.model.expected_weight_names()}
-        if not self.tied:
-            expected.add("lm_head.weight")
+        if head_source is not None:
+            expected.add(head_source)
         missing = sorted(expected - loaded)
         if unexpected:
             raise ValueError(f"unexpected weights in checkpoint: {unexpected[:10]}")

@@ -143,6 +143,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     `final_logit_softcapping` when the config sets it."""
 
     decoder_cls = Gemma3TextDecoderModel
+    supports_pipeline_parallel = False  # not tried over pipeline stages yet
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden [N, H]` -> logits `[N, V]` float32; `cap * tanh(logits / cap)` in the model dtype, as HF."""

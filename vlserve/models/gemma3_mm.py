@@ -75,6 +75,8 @@ class Gemma3ForConditionalGeneration(MultiModalLM):
     delegated_parts = ("vision_tower",)
     decoder_cls = Gemma3TextDecoderModel
     unsplit_mm_items = True  # the scheduler keeps each crop's soft-token run inside one step
+    pipeline_parallel_refusal = ("the Gemma 3 decoder (scaled embeddings, per-layer-type RoPE, bidirectional image "
+                                 "runs) has not been split over pipeline stages")
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -11,6 +11,10 @@ checkpoint and are sliced into the fused matrices by `load_weights`.
 Under tensor parallelism (vlserve.distributed) the decoder is sharded Megatron-style by
 `vlserve.models.parallel_layers`: heads, MLP width and vocab split by rank; `checkpoint_shard(name)` tells the
 loader which slice of each checkpoint tensor this rank reads. With one rank nothing changes.
+
+Under pipeline parallelism (`vlserve.distributed.pipeline`) a stage builds only its run of layers (the others are
+`AbsentOnStage` placeholders without weights, whose checkpoint tensors the loader skips), the embeddings on the first
+stage and the final norm on the last; a later stage's forward takes the previous one's `IntermediateTensors`.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from torch import nn
 
 from vlserve import kernels
 from vlserve.distributed.parallel_state import tp_size
+from vlserve.distributed.pipeline import IntermediateTensors, is_first_stage, is_last_stage, stage_layer_range
 from vlserve.kernels.attention_op import paged_attention
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.hf_config import sliding_window_of, text_config_of
@@ -58,6 +63,13 @@ def kv_cache_spec(hf_config) -> tuple[int, int, int]:
     cfg = text_config_of(hf_config)
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return cfg.num_hidden_layers, local_kv_heads(num_kv_heads, tp_size()), head_dim_of(cfg)
+
+
+class AbsentOnStage(nn.Module):
+    """Stands for a module another pipeline stage holds: no weights, never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another pipeline stage")
 
 
 class DecoderAttention(nn.Module):
@@ -163,12 +175,16 @@ class LlamaDecoderModel(nn.Module):
         self.config = config
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
-        self.embed_tokens = self.embedding_cls(config.vocab_size, config.hidden_size)
+        # this pipeline stage's layers [start_layer, end_layer) (all of them without pipeline parallelism)
+        self.start_layer, self.end_layer = stage_layer_range(self.num_layers)
+        self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
+        self.embed_tokens = (self.embedding_cls(config.vocab_size, config.hidden_size) if self.first_stage
+                             else AbsentOnStage())
         self.rotary_emb = self.rotary_cls(config)
         self.layers = nn.ModuleList(
             self.layer_cls(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i, mlp_factory)
-            for i in range(self.num_layers))
-        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+            if self.start_layer <= i < self.end_layer else AbsentOnStage() for i in range(self.num_layers))
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if self.last_stage else AbsentOnStage()
         # EAGLE drafts read intermediate states: layer ids i whose INPUT (the residual stream after layer i - 1;
         # 0 = the embeddings, num_layers = the final stream before the last norm) `forward` keeps in
         # `aux_hidden_states` (a list in this order). Empty = nothing kept (the default).
@@ -191,16 +207,22 @@ class LlamaDecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
-                layer_additions: list[torch.Tensor] | None = None) -> torch.Tensor:
+                layer_additions: list[torch.Tensor] | None = None,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`.
         `layer_additions[i] [T, H]` is added to the output of layer i (Qwen3-VL's DeepStack features; zero rows
-        for text tokens)."""
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        residual = None
+        for text tokens). Pipeline stages: a later stage starts from `intermediate` (the previous stage's output);
+        every stage but the last returns its `IntermediateTensors` instead of normed hidden states."""
+        if self.first_stage:
+            hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+            residual = None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual  # [T, H] each
         want = self.aux_hidden_state_layers
         kept: dict[int, torch.Tensor] = {}
         additions = layer_additions or []
-        for i, layer in enumerate(self.layers):
+        for i in range(self.start_layer, self.end_layer):
+            layer = self.layers[i]
             if i in want:
                 kept[i] = hidden if residual is None else hidden + residual
             kv_cache = kv_caches[i] if kv_caches is not None else None  # None when compiled (see DecoderAttention)
@@ -208,6 +230,8 @@ class LlamaDecoderModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, kv_cache, layer_md)
             if i < len(additions):  # the block output, then the addition (HF's order of the two sums)
                 hidden, residual = (residual + hidden) + additions[i], None
+        if not self.last_stage:
+            return IntermediateTensors(hidden, torch.zeros_like(hidden) if residual is None else residual)
         hidden, stream = self.norm(hidden, residual) if residual is not None else (self.norm(hidden), hidden)
         if want:
             kept[self.num_layers] = stream
@@ -238,7 +262,7 @@ class LlamaDecoderModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or self.on_other_stage(name):
                 continue
             if self._load_kv_scale(name, tensor):
                 loaded.add(name)
@@ -253,6 +277,13 @@ class LlamaDecoderModel(nn.Module):
                 copy_weight(params[target], tensor, name)
             loaded.add(name)
         return loaded
+
+    def on_other_stage(self, name: str) -> bool:
+        """Whether HF tensor `name` (relative to this module) belongs to a module another pipeline stage holds."""
+        head = name.split(".", 1)[0]
+        if head == "layers":
+            return not self.start_layer <= int(name.split(".")[1]) < self.end_layer
+        return isinstance(getattr(self, head, None), AbsentOnStage)
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
         """Set layer i's k_scale / v_scale from `layers.{i}.self_attn.<scale>`; False for other names."""

@@ -73,6 +73,7 @@ class LlavaForConditionalGeneration(MultiModalLM):
     """
 
     supported_modalities = ("image",)
+    supports_pipeline_parallel = True  # the tower and projector on the first stage (LLaVA-NeXT's image_newline too)
     weight_prefixes = _PREFIXES
     copied_parts = ("multi_modal_projector",)
     delegated_parts = ("vision_tower",)

@@ -70,7 +70,8 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         return None
 
     def expected_weight_names(self) -> set[str]:
-        return super().expected_weight_names() | {"image_newline"}
+        held = {"image_newline"} if self.image_newline is not None else set()  # None off the first pipeline stage
+        return super().expected_weight_names() | held
 
 
 register_model("LlavaNextForConditionalGeneration", "vlserve.models.llava_next:LlavaNextForConditionalGeneration")

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from vlserve.distributed.parallel_state import tp_size
+from vlserve.distributed.parallel_state import pp_size, tp_size
 from vlserve.models.llama import decoder_of
 from vlserve.models.quantization import apply_quantization, get_quantization_config, process_quantized_weights
 from vlserve.models.registry import get_model_class
@@ -59,17 +59,21 @@ def safetensors_files(model_dir: str) -> list[str]:
 ShardFn = Callable[[str], "tuple[int, int, int] | None"]
 
 
-def iter_safetensors_weights(model_dir: str, shard_of: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(model_dir: str, shard_of: ShardFn | None = None,
+                             skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(HF name, CPU tensor)` for every tensor of the checkpoint in `model_dir`.
 
     With `shard_of` (a model's `checkpoint_shard`), a name it maps to `(dim, start, length)` yields only that slice,
     read from the file through `get_slice` (the rest of the tensor is never read); None yields the whole tensor.
+    Names `skip` is true for (another pipeline stage's tensors) are neither read nor yielded.
     """
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 try:
                     shard = shard_of(name) if shard_of is not None else None
                 except ValueError as e:
@@ -118,7 +122,9 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     re-ties lm_head, and `model.load_weights(iter_safetensors_weights(model_dir))` fills all parameters.
 
     Under tensor parallelism (`vlserve.distributed.init_tensor_parallel` called first) the model is built with this
-    rank's shard sizes and each rank reads only its slices of the sharded tensors (`model.checkpoint_shard`).
+    rank's shard sizes and each rank reads only its slices of the sharded tensors (`model.checkpoint_shard`). A
+    pipeline stage builds its own layers and reads only their tensors (`model.on_other_stage`); a VLM's encoder parts
+    are dropped off its later stages (`model.keep_stage_parts`).
 
     A quantized checkpoint (`quantization_config` in its config; `quantization` may name the method and must
     match) gets its decoder's linear layers swapped for the format's tensors before loading and turned into the
@@ -134,6 +140,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     try:
         with torch.device("meta"):
             model = cls(hf_config)
+            if pp_size() > 1 and hasattr(model, "keep_stage_parts"):
+                model.keep_stage_parts()  # a VLM's later stages hold no encoder parts
     finally:
         torch.set_default_dtype(prev)
     if qconfig is not None:
@@ -151,7 +159,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
         if shard_of is None:
             raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1")
     try:
-        model.load_weights(iter_safetensors_weights(model_dir, shard_of))
+        skip = model.on_other_stage if pp_size() > 1 else None  # pipeline stages read only their own tensors
+        model.load_weights(iter_safetensors_weights(model_dir, shard_of, skip))
     except ValueError as e:
         raise ValueError(f"{e} (checkpoint {model_dir})") from e
     if qconfig is not None:

@@ -12,6 +12,13 @@ Flow per step (the runner drives it):
   3. `forward(None, positions, kv_caches, attn_metadata, inputs_embeds)` -> hidden `[T, H]`;
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 T = tokens in the step, H = LLM hidden size, V = vocab size.
+
+Pipeline parallel (families with `supports_pipeline_parallel`): the encoder parts (every part but `language_model`
+and `lm_head`) live on the first stage only, which encodes the items and merges their embeddings; later stages get
+the residual stream from the previous one. `keep_stage_parts` (the loader calls it before materializing) drops the
+encoder parts off the other stages; `on_other_stage` tells the loader which checkpoint tensors this stage skips.
+`lm_head` is on the last stage, read from the decoder's `embed_tokens.weight` when tied and the embeddings live
+elsewhere.
 """
 from __future__ import annotations
 
@@ -19,10 +26,11 @@ from typing import Iterable
 
 import torch
 
+from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.hf_config import text_config_of
 from vlserve.models.causal_lm import DecoderWithLMHead
-from vlserve.models.llama import LlamaDecoderModel
+from vlserve.models.llama import AbsentOnStage, LlamaDecoderModel
 from vlserve.models.parallel_layers import ParallelLMHead, copy_weight
 
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
@@ -49,6 +57,8 @@ class MultiModalLM(DecoderWithLMHead):
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
     # The decoder `build_language_model` makes (Gemma 3: its own text decoder, a LlamaDecoderModel subclass).
     decoder_cls: type[LlamaDecoderModel] = LlamaDecoderModel
+    # why a family does not split over pipeline stages (the ValueError says it; "" for the generic reason)
+    pipeline_parallel_refusal: str = ""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -58,8 +68,34 @@ class MultiModalLM(DecoderWithLMHead):
     def build_language_model(self, **decoder_kwargs) -> None:
         """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""
         self.language_model = self.decoder_cls(self.text_config, **decoder_kwargs)
-        self.lm_head = ParallelLMHead(self.text_config.hidden_size, self.text_config.vocab_size)
+        self.lm_head = (ParallelLMHead(self.text_config.hidden_size, self.text_config.vocab_size) if is_last_stage()
+                        else AbsentOnStage())
         self.tie_weights()
+
+    # ---- pipeline stages -------------------------------------------------------------------------------------------
+
+    def keep_stage_parts(self) -> None:
+        """Off the first pipeline stage: replace every encoder part (child module other than `language_model` and
+        `lm_head`) by an `AbsentOnStage` and drop the model's own parameters (LLaVA-NeXT's `image_newline`). A no-op
+        on the first stage; the loader calls it on the meta-device model, before any memory is allocated."""
+        if self.language_model.first_stage:
+            return
+        for name, _ in list(self.named_children()):
+            if name not in ("language_model", "lm_head"):
+                setattr(self, name, AbsentOnStage())
+        for name in list(self._parameters):
+            setattr(self, name, None)
+
+    def on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to another pipeline stage only (the loader does not read it)."""
+        part, rel = self._split_name(name)
+        if part == "language_model":
+            if rel == "embed_tokens.weight" and self.head_reads_embeddings():
+                return False
+            return self.language_model.on_other_stage(rel)
+        if part == "lm_head":
+            return isinstance(self.lm_head, AbsentOnStage) or self.tied
+        return not self.language_model.first_stage  # encoder parts (and names of no part) are the first stage's
 
     @property
     def embed_dtype(self) -> torch.dtype:
@@ -101,8 +137,9 @@ class MultiModalLM(DecoderWithLMHead):
         for part in self.copied_parts:
             expected.update(f"{part}.{n}" for n, _ in getattr(self, part).named_parameters())
         for part in self.delegated_parts:
-            expected.update(f"{part}.{n}" for n in getattr(self, part).expected_weight_names())
-        if not self.tied:
+            if not isinstance(getattr(self, part), AbsentOnStage):
+                expected.update(f"{part}.{n}" for n in getattr(self, part).expected_weight_names())
+        if not isinstance(self.lm_head, AbsentOnStage) and (not self.tied or self.head_reads_embeddings()):
             expected.add("lm_head.weight")
         return expected
 
@@ -113,13 +150,19 @@ class MultiModalLM(DecoderWithLMHead):
         delegated: dict[str, list[tuple[str, torch.Tensor]]] = {part: [] for part in self.delegated_parts}
         loaded: set[str] = set()
         unexpected: list[str] = []
+        head_reads_embeddings = self.head_reads_embeddings()
 
         def decoder_weights():
             for name, tensor in weights:
                 if name.endswith(self.ignored_suffixes):
                     continue
                 part, rel = self._split_name(name)
-                if part == "language_model":
+                if part == "language_model" and rel == "embed_tokens.weight" and head_reads_embeddings:
+                    self.lm_head.load_shard("weight", None, tensor, name)
+                    loaded.add("lm_head.weight")
+                elif self.on_other_stage(name):
+                    continue
+                elif part == "language_model":
                     yield rel, tensor
                 elif part in delegated:
                     delegated[part].append((rel, tensor))
@@ -141,6 +184,8 @@ class MultiModalLM(DecoderWithLMHead):
         if unexpected:
             raise ValueError(f"unexpected weights in checkpoint: {unexpected[:10]}")
         for part, pairs in delegated.items():
+            if isinstance(getattr(self, part), AbsentOnStage):
+                continue
             loaded.update(f"{part}.{n}" for n in getattr(self, part).load_weights(pairs))
         missing = sorted(self.expected_weight_names() - loaded)
         if missing:

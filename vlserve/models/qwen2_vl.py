@@ -32,6 +32,7 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
 
     uses_mrope = True
     supported_modalities = ("image", "video")
+    supports_pipeline_parallel = True  # the tower on the first stage; every stage computes the M-RoPE positions
     weight_prefixes = (("model.visual.", "visual"), ("visual.", "visual"),
                        ("model.language_model.", "language_model"), ("language_model.model.", "language_model"),
                        ("model.", "language_model"))

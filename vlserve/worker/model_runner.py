@@ -12,6 +12,7 @@ from vlserve import kernels
 from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vlserve.distributed.pipeline import stage_layer_range
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
@@ -29,7 +30,7 @@ from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
-from vlserve.worker.sample_step import StepSampler
+from vlserve.worker.sample_step import StepSampler, StepSamples
 from vlserve.worker.sampler import make_generator
 
 
@@ -62,6 +63,9 @@ class ModelRunner:
         # full and sliding-window layers in KV cache groups (core/kv_cache_groups.py): one group for most models
         self.kv_groups = group_layers(layer_windows_of(text_config_of(hf_config)))
         num_layers = self.kv_groups.num_layers
+        # the layers whose KV this runner holds (a pipeline stage: its own run), and the cache slots they use
+        self.kv_layers = range(*stage_layer_range(num_layers))
+        self.kv_slots = sorted({self.kv_groups.slot_of(layer) for layer in self.kv_layers})
         self.input_batch = InputBatch(block_size, device, layer_groups=None if self.kv_groups.num_groups == 1 else
                                       tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)))
         self.requests: dict[str, CachedRequestState] = {}
@@ -101,21 +105,23 @@ class ModelRunner:
         ids)."""
         _, bs, h, d = self.kv_cache_shape(1)
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        per_block = 2 * self.kv_groups.num_slots * bs * h * d * elem
+        per_block = 2 * len(self.kv_slots) * bs * h * d * elem
         if self.draft_kv_spec is not None:
             per_block += self.draft_kv_spec.bytes_per_block()
         return per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed K and V caches for every slot: [NB, BS, Hkv, D] each in the KV cache dtype (and the
-        draft's, if any); layer l uses its slot's pair (every layer its own, unless the model keeps KV groups). On
-        CPU their pages become resident only as blocks are written (`kv_memory`)."""
+        """Allocate zeroed K and V caches for every slot this stage's layers use: [NB, BS, Hkv, D] each in the KV
+        cache dtype (and the draft's, if any); layer l uses its slot's pair (every layer its own, unless the model
+        keeps KV groups; None for another pipeline stage's layers). On CPU their pages become resident only as blocks
+        are written (`kv_memory`)."""
         shape = self.kv_cache_shape(num_blocks)
-        slots = [(zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
-                  zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device))
-                 for _ in range(self.kv_groups.num_slots)]
+        slots = {slot: (zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
+                        zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device)) for slot in self.kv_slots}
         groups = self.kv_groups
-        self.kv_caches = [slots[groups.slot_of(layer)] for layer in range(groups.num_layers)]
+        # None for the layers another pipeline stage holds
+        self.kv_caches = [slots[groups.slot_of(layer)] if layer in self.kv_layers else None
+                          for layer in range(groups.num_layers)]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
         self.forward.graph_runner = None  # graphs point at the old caches; `warm_up_model` captures anew
@@ -231,6 +237,9 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids[0])
                 self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids is not None:  # pipeline stages: the tokens sampled since, up to the window's end
+                c = cached.token_start
+                state.token_ids[c:c + len(cached.new_token_ids)] = cached.new_token_ids
 
     # -- one step ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -241,7 +250,7 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        encoder_seconds, num_encoded = run_encoders(self, so)
+        encoder_seconds, num_encoded = self._run_encoders(so)
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
@@ -262,7 +271,7 @@ class ModelRunner:
         lora = (contextlib.nullcontext() if self.lora_manager is None  # each token runs its request's adapter
                 else self.lora_manager.step([s.lora_request for s in states], q_lens.tolist()))
         with lora:
-            hidden = self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)  # [T, H]
+            hidden = self._run_model(input_ids, positions, md, inputs_embeds)  # [T, H]
 
         # Sample for requests whose window reached their last known token (partial prefills sample nothing).
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
@@ -273,8 +282,7 @@ class ModelRunner:
             spec = so.scheduled_spec_decode_tokens
             drafts = ([spec.get(s.req_id, []) for s in sample_states] if spec
                       else [[] for _ in sample_states])
-            samples = self.step_sampler.sample(self.model, hidden, sample_states, cu[1:][sample_idx], drafts,
-                                               so.grammar_bitmask, so.grammar_rows)
+            samples = self._sample_step(hidden, sample_states, cu[1:][sample_idx], drafts, so)
         spec_tokens: dict[str, list[int]] = {}
         # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.
         if self.proposer is not None and (samples is not None or self.uses_hidden_states):
@@ -290,6 +298,22 @@ class ModelRunner:
         out.encoder_seconds, out.num_encoded_embeds = encoder_seconds, num_encoded
         out.step_seconds = time.perf_counter() - t0
         return out
+
+    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
+        """Encode the items the scheduler released (see `encoder_runs.run_encoders`; a later pipeline stage encodes
+        nothing)."""
+        return run_encoders(self, so)
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                   inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The decoder over this step: `input_ids [T]`, `positions [T]|[3, T]` -> hidden `[T, H]` (a pipeline stage
+        overrides it to receive and send the stream between stages)."""
+        return self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)
+
+    def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
+                     drafts: list[list[int]], so: SchedulerOutput) -> StepSamples:
+        """Sample the requests in `states` (appending their tokens); see `StepSampler.sample`."""
+        return self.step_sampler.sample(self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows)
 
     def _draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx) -> DraftInputs:
         """What the proposer gets after this step (after sampling: token_ids already hold the new tokens)."""
