@@ -1,5 +1,6 @@
 """Pipeline-parallel overlap on CPU: output throughput of PP=1, PP=2 with one batch in flight, and PP=2 with the batch
-queue (two batches in flight), all in one run, with ratios against PP=1 from that run.
+queue (two batches in flight), all in one run, with ratios against PP=1 from that run, and each stage's idle
+fraction (the pipeline bubble) with one and with two batches in flight.
 
     python benchmarks/pp_overlap.py [--requests 16] [--prompt-len 64] [--output-len 64] [--hidden 1024] [--layers 8]
 
@@ -54,11 +55,16 @@ def _child(model: str, pp: int, threads: int | None, overlap: bool, args) -> dic
                for i in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    times, tokens = [], None
+    times, tokens, idle = [], None, []
+    executor = llm.engine.executor
     for _ in range(args.rounds):
+        if pp > 1:
+            executor.collective_rpc("stage_timing", True)  # each round's own bubble
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+        if pp > 1:
+            idle.append([t["idle_fraction"] for t in executor.collective_rpc("stage_timing")])
         toks = [o.outputs[0].token_ids for o in outs]
         assert tokens is None or toks == tokens
         tokens = toks
@@ -66,7 +72,11 @@ def _child(model: str, pp: int, threads: int | None, overlap: bool, args) -> dic
     llm.shutdown()
     n_out = sum(len(t) for t in tokens)
     wall = statistics.median(times)
-    return {"tok_s": n_out / wall, "wall_s": wall, "max_in_flight": in_flight, "first": tokens[0][:8],
+    # per stage, the idle fraction of the median round (by wall time)
+    median_round = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+    stage_idle = idle[median_round] if idle else []
+    return {"tok_s": n_out / wall, "wall_s": wall, "max_in_flight": in_flight, "stage_idle": stage_idle,
+            "first": tokens[0][:8],
             "digest": hash(tuple(tuple(t) for t in tokens))}
 
 
@@ -109,10 +119,14 @@ def main() -> None:
             results[name] = json.loads(line[0][len("RESULT "):])
     base = results[CONFIGS[0][0]]["tok_s"]
     base2 = results[CONFIGS[1][0]]["tok_s"]
-    print(f"{'configuration':<30} {'tok/s':>8} {'wall s':>7} {'vs PP=1 1t':>10} {'vs PP=1 2t':>10} {'in flight':>9}")
+    print(f"{'configuration':<30} {'tok/s':>8} {'wall s':>7} {'vs PP=1 1t':>10} {'vs PP=1 2t':>10} {'in flight':>9} "
+          f"{'stage idle (bubble)':>20}")
     for name, r in results.items():
+        idle = " / ".join(f"{100 * f:.0f}%" for f in r["stage_idle"]) or "-"
         print(f"{name:<30} {r['tok_s']:8.1f} {r['wall_s']:7.2f} {r['tok_s'] / base:10.2f} {r['tok_s'] / base2:10.2f} "
-              f"{r['max_in_flight']:9d}")
+              f"{r['max_in_flight']:9d} {idle:>20}")
+    print("stage idle: per stage, 1 - (time in steps - time blocked receiving / sending the stream) / the span from "
+          "its first step to its last, in the median round")
     same = len({r["digest"] for r in results.values()}) == 1
     print("greedy outputs identical across configurations:", same)
 

@@ -150,8 +150,26 @@ def test_pp2_overlap_matches_pp1_with_chunks_preemption_and_prefix_hits(model_di
         assert llm.get_metrics()["vlserve:prefix_cache_hits_total"] >= 64  # 4 full blocks of the shared prefix
         llm.check_integrity()
         assert not llm.engine.scheduler.in_flight_req_ids and not len(llm.engine.batch_queue)
+        # each stage timed its steps (the bubble the benchmark reports): both ran every step, some time blocked
+        # handing the stream over, and an idle fraction between 0 and 1
+        timings = llm.engine.executor.collective_rpc("stage_timing", True)
+        assert len(timings) == 2 and timings[0]["steps"] == timings[1]["steps"] > 0
+        for t in timings:
+            assert 0 < t["wait_s"] < t["busy_s"] <= t["span_s"] and 0 <= t["idle_fraction"] < 1, t
+        assert llm.engine.executor.collective_rpc("stage_timing")[0]["steps"] == 0  # reset
     finally:
         llm.shutdown()
+
+
+def test_stage_timing_idle_fraction():
+    from vlserve.worker.pp_stage import StageTiming
+
+    t = StageTiming()
+    assert t.idle_fraction == 0.0 and t.span_s == 0.0
+    t.steps, t.busy_s, t.wait_s, t.first_start, t.last_end = 2, 3.0, 1.0, 10.0, 14.0
+    # 3 s in steps, 1 of them blocked on the hand-over: 2 s of work in a 4 s span
+    assert t.span_s == 4.0 and t.idle_fraction == 0.5
+    assert t.summary() == {"steps": 2, "span_s": 4.0, "busy_s": 3.0, "wait_s": 1.0, "idle_fraction": 0.5}
 
 
 @pytest.mark.slow  # two stage processes

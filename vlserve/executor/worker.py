@@ -146,6 +146,11 @@ class Worker:
         """Run one planned step on this rank."""
         return self.runner.execute_model(sched_out)
 
+    def stage_timing(self, reset: bool = False) -> dict | None:
+        """A pipeline stage's busy / hand-over wait / span seconds since the last reset (None without PP)."""
+        timing = getattr(self.runner, "stage_timing", None)
+        return None if timing is None else timing(reset)
+
     def add_lora(self, lora_request) -> bool:
         """Parse a LoRA adapter into host memory (ValueError on a bad adapter); False if it was held already."""
         return self._lora_manager().add_adapter(lora_request)

@@ -15,6 +15,8 @@ stage keeps the requests' mm features (M-RoPE positions are computed from them o
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +32,31 @@ from vlserve.worker.sample_step import StepSamples
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StageTiming:
+    """Where one stage's time went since the last reset: `busy_s` inside steps, less `wait_s` blocked handing the
+    stream over (receiving from the stage before, sending to the one after), over `span_s`, the wall time from the
+    first step's start to the last one's end. `idle_fraction` is the pipeline bubble as this stage sees it."""
+    steps: int = 0
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    first_start: float | None = None
+    last_end: float = 0.0
+
+    @property
+    def span_s(self) -> float:
+        return 0.0 if self.first_start is None else self.last_end - self.first_start
+
+    @property
+    def idle_fraction(self) -> float:
+        span = self.span_s
+        return 0.0 if span <= 0 else 1.0 - (self.busy_s - self.wait_s) / span
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "span_s": self.span_s, "busy_s": self.busy_s, "wait_s": self.wait_s,
+                "idle_fraction": self.idle_fraction}
+
+
 class PipelineStageRunner(ModelRunner):
     """A ModelRunner over one pipeline stage's layers (eager: no torch.compile or CUDA graphs yet)."""
 
@@ -37,9 +64,30 @@ class PipelineStageRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
         self.hidden_size = self.text_config.hidden_size
+        self.timing = StageTiming()
         logger.info("pipeline stage: decoder layers [%d, %d)%s%s, eager", self.kv_layers.start, self.kv_layers.stop,
                     " + embeddings" if self.first_stage else "", " + final norm, LM head, sampler" if self.last_stage
                     else "")
+
+    def execute_model(self, so: SchedulerOutput):
+        """ModelRunner's step, timed into `self.timing` (steps that run no tokens are not counted)."""
+        start = time.perf_counter()
+        out = super().execute_model(so)
+        if so.total_num_scheduled_tokens:
+            end = time.perf_counter()
+            t = self.timing
+            t.steps += 1
+            t.busy_s += end - start
+            t.first_start = start if t.first_start is None else t.first_start
+            t.last_end = end
+        return out
+
+    def stage_timing(self, reset: bool = False) -> dict:
+        """This stage's StageTiming summary (then a fresh one when `reset`)."""
+        summary = self.timing.summary()
+        if reset:
+            self.timing = StageTiming()
+        return summary
 
     def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
         """The first stage encodes; the others hold no encoder (and their `encoder_outputs` stay empty)."""
@@ -58,11 +106,15 @@ class PipelineStageRunner(ModelRunner):
         """Receive the stream (stage > 0), run this stage's layers, send it on (stage < last). Returns the normed
         hidden `[T, H]` on the last stage, this stage's hidden (unused) on the others."""
         T = input_ids.shape[0]
+        t0 = time.perf_counter()
         received = None if self.first_stage else recv_intermediate(T, self.hidden_size, self.dtype, self.device)
+        self.timing.wait_s += time.perf_counter() - t0
         out = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds,
                          intermediate=received)
         if isinstance(out, IntermediateTensors):
+            t0 = time.perf_counter()
             send_intermediate(out)
+            self.timing.wait_s += time.perf_counter() - t0
             return out.hidden
         return out
 
