@@ -5,7 +5,7 @@ import torch
 
 import vlserve.kernels.attention_ref as attention_ref
 from vlserve import LLM, SamplingParams
-from vlserve.kernels import cpu_decode, decode_workspace_numel, paged_attention_decode_ref
+from vlserve.kernels import BACKEND_ENV, cpu_decode, decode_workspace_numel, paged_attention_decode_ref
 from vlserve.testing.checkpoints import build_text_checkpoint
 
 
@@ -36,6 +36,7 @@ def test_decode_same_with_or_without_a_workspace():
 
 def test_runner_passes_its_workspace_to_decode(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "0")  # the torch decode path, not the C++ kernel, reads the workspace
+    monkeypatch.setenv(BACKEND_ENV, "torch")  # on CUDA too (its default, Triton, needs no workspace)
     path = build_text_checkpoint(str(tmp_path / "m"))
     llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)
     runner = llm.engine.runner

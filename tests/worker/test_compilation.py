@@ -42,7 +42,8 @@ def test_bad_compilation_config_is_a_value_error(value, match):
         EngineArgs(compilation_config=value)
 
 
-def test_compilation_config_values_and_defaults():
+def test_compilation_config_values_and_defaults(monkeypatch):
+    monkeypatch.delenv("VLSERVE_DEFAULT_COMPILE_LEVEL", raising=False)  # tests/conftest sets it to 0 on CUDA
     assert EngineArgs(compilation_config=3).compilation_config.level == 3
     assert EngineArgs(compilation_config="1").compilation_config.level == 1
     cfg = EngineArgs(compilation_config='{"level": 2, "cudagraph_capture_sizes": [8, 1, 8]}').compilation_config

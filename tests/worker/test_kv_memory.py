@@ -68,6 +68,8 @@ _ENGINE_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU KV pool (anonymous mmap): on CUDA the engine's KV "
+                                                    "lives in GPU memory")
 def test_engine_process_core_starts_with_an_untouched_kv_pool_and_no_hf_processor():
     """What core_proc builds: EngineCore(args, processor=False) on the demo model, profile and warm-up included, in a
     fresh interpreter (this one has imported everything already)."""
