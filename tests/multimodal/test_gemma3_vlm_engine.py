@@ -41,8 +41,8 @@ def _record_steps(llm) -> list[tuple[int, int, list[tuple[int, int]]]]:
     sched = llm.engine.scheduler
     plan, steps = sched.schedule, []
 
-    def schedule():
-        out = plan()
+    def schedule(*args, **kwargs):  # the engine may pass the batch queue's max_num_reqs
+        out = plan(*args, **kwargs)
         for rid, n in out.num_scheduled_tokens.items():
             req = sched.requests[rid]
             end = req.num_computed_tokens  # schedule() has already advanced it over this step
