@@ -24,6 +24,7 @@ DEFAULTS = {
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "distributed_executor_backend": None,
     "engine_process": True, "log_level": "info",
     "enable_lora": False, "lora_modules": None, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
+    "kv_offloading_size": None, "kv_offloading_dir": None, "kv_transfer_config": None,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
     "Frontend": ["--host", "--port", "--api-key", "--chat-template-content-format", "--trust-request-chat-template",
@@ -35,7 +36,8 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
     "DeviceConfig": ["--device"],
     "MultiModalConfig": ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--max-audio-seconds"],
     "CacheConfig": ["--block-size", "--kv-cache-memory-bytes", "--num-kv-blocks", "--kv-cache-dtype",
-                    "--no-enable-prefix-caching"],
+                    "--no-enable-prefix-caching", "--kv-offloading-size", "--kv-offloading-dir"],
+    "KVTransferConfig": ["--kv-transfer-config"],
     "SchedulerConfig": ["--max-num-seqs", "--max-num-batched-tokens", "--max-waiting-requests", "--async-scheduling",
                         "--max-num-encoder-input-tokens", "--encoder-cache-size"],
     "ParallelConfig": ["--data-parallel-size", "-dp", "--tensor-parallel-size", "-tp", "--pipeline-parallel-size",

@@ -128,6 +128,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                        help="KV cache dtype: auto = the model's dtype; fp8 / fp8_e4m3 = float8_e4m3fn, half of bf16's "
                             "memory, scaled per layer by the checkpoint's k_scale / v_scale, else 1.0 (default: auto)")
+    cache.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="GiB of host memory for a KV tier below the device pool: full blocks are offloaded "
+                            "there (LRU) and loaded back on a prefix hit instead of recomputed (default: off)")
+    cache.add_argument("--kv-offloading-dir", default=None,
+                       help="a directory for a disk KV tier under the host one (one file per block; it outlives "
+                            "the server, and another server of the same model can read it) (default: off)")
     cache.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn prefix caching off (default: on)")
 
@@ -161,6 +167,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                      help="what starts the ranks: mp (multiprocessing) or ray (Ray actors on the cluster at "
                           "RAY_ADDRESS, or a local one) (default: mp above one rank)")
+
+    kvt = p.add_argument_group("KVTransferConfig", "KV connectors (disaggregated serving, KV offloading)")
+    kvt.add_argument("--kv-transfer-config", type=_json_dict, default=None,
+                     help='JSON, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+                          '"kv_connector_extra_config": {"cpu_bytes_to_use": 4e9, "disk_dir": "/tmp/kv"}}\' '
+                          '(kv_role: kv_producer | kv_consumer | kv_both) (default: none)')
 
     spec = p.add_argument_group("SpeculativeConfig")
     spec.add_argument("--speculative-config", type=_json_dict, default=None,
@@ -216,7 +228,9 @@ def serve_config_from_args(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules)
+        max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules,
+        kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_dir=args.kv_offloading_dir)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

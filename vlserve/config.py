@@ -28,6 +28,7 @@ class SchedulerConfig:
     # the sliding window of each KV cache group (core/kv_cache_groups.py; None: full attention)
     kv_group_windows: tuple[int | None, ...] = (None,)
     max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, adapter requests are refused)
+    kv_transfer_config: "KVTransferConfig | None" = None  # the KV connector (distributed/kv_transfer), None: off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -36,6 +37,57 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """The KV connector, spelled as vLLM's `--kv-transfer-config`: `kv_connector` names a class the connector factory
+    knows (vlserve/distributed/kv_transfer/factory.py), `kv_role` says whether this engine saves KV (producer),
+    loads it (consumer) or both, `kv_connector_extra_config` is the connector's own settings."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError(f"kv_transfer_config.kv_connector must name a connector, got {shorten(self.kv_connector)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {shorten(self.kv_role)}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config must be a JSON object, "
+                             f"got {shorten(self.kv_connector_extra_config)}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_any(cls, value: "KVTransferConfig | dict | str | None") -> "KVTransferConfig | None":
+        """From the dataclass, its dict or its JSON text (None stays None); unknown keys are a ValueError."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {shorten(value)}")
+        unknown = set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys: {', '.join(sorted(unknown))}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config needs kv_connector (e.g. \"OffloadingConnector\")")
+        return cls(**value)
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
@@ -190,6 +242,12 @@ class EngineArgs:
     max_lora_rank: int = 16  # the largest adapter rank accepted
     max_cpu_loras: int | None = None  # parsed adapters kept in host memory (None: max_loras)
     lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, served as models by name
+    # KV connector (vlserve/distributed/kv_transfer): KVTransferConfig, its dict or JSON text; None: off
+    kv_transfer_config: Any = None
+    # KV offloading below the device pool (vLLM's --kv-offloading-size, GiB of host memory), and a disk tier under
+    # it (a directory that outlives the engine); either one turns on the OffloadingConnector
+    kv_offloading_size: float | None = None
+    kv_offloading_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -234,8 +292,30 @@ class EngineArgs:
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
+        self._resolve_kv_transfer()
         self._check_lora()
         self._check_pipeline_parallel()
+
+    def _resolve_kv_transfer(self) -> None:
+        """kv_transfer_config to a KVTransferConfig; --kv-offloading-size / --kv-offloading-dir are the
+        OffloadingConnector's settings (vLLM: the size flag sets up the offloading connector)."""
+        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        size, path = self.kv_offloading_size, self.kv_offloading_dir
+        if size is None and path is None:
+            return
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0):
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {shorten(size)}")
+        extra = {"cpu_bytes_to_use": int((size or 0) * (1 << 30))}
+        if path is not None:
+            extra["disk_dir"] = os.path.expanduser(str(path))
+        cfg = self.kv_transfer_config
+        if cfg is None:
+            self.kv_transfer_config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
+        elif cfg.kv_connector != "OffloadingConnector":
+            raise ValueError(f"kv_offloading_size / kv_offloading_dir configure the OffloadingConnector, but "
+                             f"kv_transfer_config names {shorten(cfg.kv_connector)}")
+        else:
+            cfg.kv_connector_extra_config = {**extra, **cfg.kv_connector_extra_config}
 
     @property
     def world_size(self) -> int:

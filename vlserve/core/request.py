@@ -69,6 +69,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily by the KV manager
+        self.block_keys: list[bytes] = []  # stable keys of full blocks (KV connectors only: kv_transfer)
         # The output constraint's matcher (a StructuredOutputRequest, duck-typed: the scheduler only calls
         # is_ready / error / accept_tokens / validate_tokens / is_terminated); None when unconstrained.
         self.structured_output = None

@@ -15,11 +15,13 @@ from vlserve.config import SchedulerConfig
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
 from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
-from vlserve.core.kv_cache_manager import KVCacheManager
+from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
 from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
 from vlserve.core.stats import SchedulerStats
+from vlserve.distributed.kv_transfer.base import KVConnectorRole
+from vlserve.distributed.kv_transfer.factory import create_connector
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,19 @@ class Scheduler:
         self.in_flight_req_ids: set[str] = set()
         self.send_token_ids = False
         self.stats = SchedulerStats()
+        # KV connector (distributed/kv_transfer), scheduler side: prefix blocks it can load from outside the device
+        # pool. A request whose blocks are being loaded waits in `waiting_for_kv` (its blocks allocated, not yet
+        # in the prefix cache) until a worker reports the load; then it goes back to the head of `waiting` with
+        # `kv_load_done[id]` computed tokens (the loaded ones, or only its device hit when the load failed).
+        self.connector = None
+        if config.kv_transfer_config is not None:
+            if len(config.kv_group_windows) > 1:
+                raise ValueError("KV connectors support models with one KV cache group (no sliding-window layers "
+                                 "beside full ones) for now")
+            self.connector = create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
+                                              block_size=config.block_size, extra_keys_of=block_extra_keys)
+        self.waiting_for_kv: dict[str, tuple[Request, int]] = {}  # id -> (request, computed tokens once loaded)
+        self.kv_load_done: dict[str, int] = {}
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
@@ -94,8 +109,9 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif self.waiting_for_kv.pop(rid, None) is None:
                 self.waiting.remove(req)
+            self.kv_load_done.pop(rid, None)
             req.status = RequestStatus.FINISHED_ABORTED
             self._free_request(req)
             aborted.append(rid)
@@ -185,9 +201,18 @@ class Scheduler:
                 # this step has no room for it
                 set_aside.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit = None, 0
-            if req.num_computed_tokens == 0:
+            computed_blocks, num_hit, num_external = None, 0, 0
+            resume = self.kv_load_done.get(req.request_id) if self.kv_load_done else None
+            if resume is not None:  # its KV load ended: it holds its blocks, `resume` tokens of them computed
+                num_hit = req.num_computed_tokens = resume
+            elif req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+                if self.connector is not None:
+                    num_external, _ = self.connector.get_num_new_matched_tokens(req, num_hit)
+            if num_external:
+                if not self._start_kv_load(req, computed_blocks, num_hit, num_external):
+                    break
+                continue
             num_new = min(req.num_tokens - num_hit, token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
             if num_new <= 0:
@@ -198,6 +223,8 @@ class Scheduler:
                 break
             num_encoding = num_encoding_after
             self.waiting.popleft()
+            if resume is not None:
+                del self.kv_load_done[req.request_id]
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             req.num_computed_tokens = num_hit
@@ -227,8 +254,33 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
         return out
+
+    def _start_kv_load(self, req: Request, computed_blocks, num_hit: int, num_external: int) -> bool:
+        """Give the connector's `num_external` tokens past the device hit their blocks (not registered for prefix
+        reuse until loaded) and park the request until a worker reports the load; False when the pool is full."""
+        if self.kv.allocate_slots(req, num_external, computed_blocks, delay_cache_blocks=True) is None:
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit
+        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id)[0], num_external)
+        self.waiting_for_kv[req.request_id] = (req, num_hit + num_external)
+        return True
+
+    def _update_from_kv_output(self, kv_out) -> None:
+        """Loads that ended: their requests go back to the head of the queue (a failed one keeps only its device
+        hit and recomputes the rest)."""
+        self.connector.update_connector_output(kv_out)
+        for rid in kv_out.finished_recving:
+            entry = self.waiting_for_kv.pop(rid, None)
+            if entry is None:  # aborted meanwhile
+                continue
+            req, loaded = entry
+            self.kv_load_done[rid] = req.num_computed_tokens if rid in kv_out.failed_recving else loaded
+            self.waiting.appendleft(req)
 
     def _lora_blocked(self, req: Request, loras: set[int]) -> bool:
         """Whether req's adapter would be one more than max_loras distinct adapters in this step (base: never)."""
@@ -296,6 +348,8 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
         outputs, self.failed = self.failed, []
+        if runner_out.kv_connector_output is not None and self.connector is not None:
+            self._update_from_kv_output(runner_out.kv_connector_output)
         finished: list[tuple[Request, bool]] = []  # (request, was running)
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
@@ -390,16 +444,19 @@ class Scheduler:
         self.encoder_cache.free(req.request_id)
 
     def _free_request(self, req: Request) -> None:
+        if self.connector is not None:  # (a connector that keeps blocks until sent is not supported yet)
+            keep = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id)[:1])
+            assert not keep, "delayed block freeing (request_finished -> True) is not implemented yet"
         self._free_blocks_and_encoder_refs(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
 
     # -- introspection -----------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
     def check_integrity(self) -> None:
         """KV pool and encoder cache invariants; when idle, nothing may be held at all."""

@@ -25,6 +25,7 @@ from vlserve.executor import build_executor
 from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.engine.lora_loads import LoRALoads
 from vlserve.engine.batch_queue import BatchQueue
+from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,13 @@ class EngineCore:
     """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, processor: bool = True):
+        check_kv_transfer(args)  # before loading anything: an unknown connector is a ValueError at once
         sharded = args.world_size > 1 or args.distributed_executor_backend not in (None, "uni")
         if loaded is None:  # the ranks load their own shards when they run elsewhere; `processor`: see load_for_serving
             loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded,
                                       processor=processor)
         self.loaded = loaded
+        args = resolve_kv_transfer(args, loaded)  # the connector checked, the offloading tier sized and keyed
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
@@ -59,7 +62,7 @@ class EngineCore:
             max_waiting_requests=args.max_waiting_requests,
             disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False),
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
-            max_loras=args.max_loras if args.enable_lora else 0)
+            max_loras=args.max_loras if args.enable_lora else 0, kv_transfer_config=args.kv_transfer_config)
         self.enable_lora = args.enable_lora
         self.scheduler = Scheduler(self.scheduler_config, num_blocks)
         # the adapters registered on every rank, and those loading there off the step loop
@@ -171,7 +174,7 @@ class EngineCore:
             self._flush_if_idle()
             return outputs
         sched_out = self._schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
+        if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             if self.loras.loading:
                 time.sleep(0.002)  # nothing runs until a load ends: leave the cores to the loading thread
             return self.scheduler.take_failed()
@@ -203,7 +206,7 @@ class EngineCore:
     def _submit_next(self) -> bool:
         """Plan a step and queue it on the runner thread; False when there is nothing to run."""
         sched_out = self._schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
+        if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             return False
         self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.execute_model, sched_out)))
         self.num_steps += 1
@@ -291,6 +294,7 @@ class EngineCore:
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
             **({} if self.batch_queue is None else {"vlserve:max_batches_in_flight": self.batch_queue.max_in_flight}),
+            **({} if s.connector is None else {f"vlserve:{k}": v for k, v in s.connector.stats().items()}),
         }
 
     def check_integrity(self) -> None:

@@ -140,6 +140,15 @@ class Worker:
     def initialize(self, num_blocks: int) -> None:
         """Allocate the KV cache (the same block count on every rank) and compile / capture per the level."""
         self.runner.initialize_kv_cache(num_blocks)
+        cfg = self.settings.args.kv_transfer_config
+        if cfg is not None:  # the KV connector's worker side, given this rank's KV tensors
+            from vlserve.distributed.kv_transfer.base import KVConnectorRole
+            from vlserve.distributed.kv_transfer.factory import create_connector
+            from vlserve.distributed.parallel_state import pp_rank, tp_rank
+
+            self.runner.set_kv_connector(create_connector(
+                cfg, KVConnectorRole.WORKER, block_size=self.settings.args.block_size,
+                rank=pp_rank() * self.settings.args.tensor_parallel_size + tp_rank()))
         self.runner.warm_up_model(self.settings.args.max_num_seqs, self.settings.max_model_len)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,68 @@
+"""The engine's part of KV transfer: check the configured connector, and give the offloading connector what both of
+its sides must agree on (the host tier's size in blocks, the namespace its stable keys start from)."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+
+import torch
+
+from vlserve.config import EngineArgs, KVTransferConfig
+from vlserve.distributed.kv_transfer.factory import check_kv_transfer_config
+from vlserve.distributed.kv_transfer.offloading.keys import namespace_key
+from vlserve.kernels.kv_quant import kv_cache_torch_dtype
+from vlserve.models.hf_config import text_config_of
+from vlserve.models.llama import kv_cache_spec
+
+
+def kv_bytes_per_block(hf_config, block_size: int, kv_dtype: torch.dtype) -> int:
+    """KV bytes of one block over all layers and KV heads (the whole model, every rank together)."""
+    num_layers, num_kv_heads, head_dim = kv_cache_spec(text_config_of(hf_config))
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
+def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
+    """What makes a block's KV differ for the same tokens: the checkpoint (its config, and its weight files by name,
+    size and mtime), the KV dtype, the block size and the sharding."""
+    files = []
+    path = loaded.model_path
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            if name.endswith((".safetensors", ".bin", ".pt")):
+                st = os.stat(os.path.join(path, name))
+                files.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    config = loaded.hf_config.to_dict() if hasattr(loaded.hf_config, "to_dict") else {}
+    config.pop("_name_or_path", None)
+    return namespace_key(json.dumps(config, sort_keys=True, default=str), ",".join(files), str(kv_dtype),
+                         str(args.block_size), f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}",
+                         args.quantization or "")
+
+
+def check_kv_transfer(args: EngineArgs) -> None:
+    """ValueError for an unknown connector, and for what the connectors do not support yet."""
+    cfg = args.kv_transfer_config
+    if cfg is None:
+        return
+    check_kv_transfer_config(cfg)
+    if args.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
+        raise ValueError("KV connectors run with one rank in the engine's process for now "
+                         "(tensor_parallel_size = pipeline_parallel_size = 1, no distributed executor)")
+
+
+def resolve_kv_transfer(args: EngineArgs, loaded) -> EngineArgs:
+    """`args` unchanged without a connector; else a copy whose kv_transfer_config carries the engine-filled keys."""
+    cfg = args.kv_transfer_config
+    if cfg is None:
+        return args
+    check_kv_transfer(args)
+    extra = dict(cfg.kv_connector_extra_config)
+    if cfg.kv_connector == "OffloadingConnector":
+        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, loaded.dtype, loaded.device)
+        per_block = kv_bytes_per_block(loaded.hf_config, args.block_size, kv_dtype)
+        extra["_num_cpu_blocks"] = int(extra.get("cpu_bytes_to_use", 0)) // per_block
+        extra["_namespace"] = model_namespace(args, loaded, kv_dtype).hex()
+    args = copy.copy(args)
+    args.kv_transfer_config = KVTransferConfig(cfg.kv_connector, cfg.kv_role, extra)
+    return args
