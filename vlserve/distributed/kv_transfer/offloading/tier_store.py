@@ -1,0 +1,159 @@
+"""The offloading connector's worker side: copies KV blocks between the runner's caches, a host buffer and files.
+
+A block's data, as stored: `[L, 2, block_size, Hkv, D]` (every layer this rank holds, K then V) in the KV cache
+dtype. A file is one JSON header line (format, dtype, shape, payload bytes, blake2b of the payload) and the raw
+payload; it is written to a temporary name and renamed, so a reader never sees half a file unless the disk lies.
+A file that fails any check (header, dtype, shape, size, checksum) is deleted and reported; the request then
+recomputes. A write that fails (disk full) is reported and the block simply is not on disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import torch
+
+from vlserve.distributed.kv_transfer.base import KVConnectorOutput
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "vlserve-kv-block-1"
+FILE_SUFFIX = ".kvb"
+
+
+class TierFileError(Exception):
+    """A tier file that is missing or fails its checks."""
+
+
+class TierStore:
+
+    def __init__(self, num_cpu_blocks: int, disk_dir: str | None):
+        self.num_cpu_blocks = num_cpu_blocks
+        self.disk_dir = disk_dir
+        if disk_dir is not None:
+            os.makedirs(disk_dir, exist_ok=True)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host: torch.Tensor | None = None
+        self._out = KVConnectorOutput()
+        self._warned_write = False
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.layers = [pair for pair in kv_caches if pair is not None]
+        k = self.layers[0][0]
+        self.block_shape = (len(self.layers), 2, *k.shape[1:])
+        self.dtype = k.dtype
+        self.device = k.device
+        if self.num_cpu_blocks:
+            self.host = torch.empty((self.num_cpu_blocks, *self.block_shape), dtype=self.dtype,
+                                    pin_memory=k.device.type == "cuda")
+
+    # -- copies ------------------------------------------------------------------------------------------------
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """`[n, L, 2, BS, H, D]` of these device blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                            for k, v in self.layers], dim=1)
+
+    def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device, non_blocking=False)
+        for layer, (k, v) in enumerate(self.layers):
+            k.index_copy_(0, idx, data[:, layer, 0])
+            v.index_copy_(0, idx, data[:, layer, 1])
+
+    # -- files -------------------------------------------------------------------------------------------------
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.disk_dir, key.hex() + FILE_SUFFIX)
+
+    def _write_file(self, key: bytes, block: torch.Tensor) -> None:
+        payload = block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        header = {"format": FORMAT, "dtype": str(self.dtype), "shape": list(self.block_shape),
+                  "nbytes": len(payload), "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
+        path = self._path(key)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(json.dumps(header).encode() + b"\n")
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:
+            with _quiet():
+                os.remove(tmp)
+            if not self._warned_write:
+                logger.warning("KV offloading: could not write %s (%s); blocks that do not fit stay off the disk "
+                               "tier", path, e)
+                self._warned_write = True
+            self._out.extra.setdefault("failed_store_keys", []).append(key)
+
+    def _read_file(self, key: bytes) -> torch.Tensor:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.readline(4096))
+                payload = f.read()
+        except (OSError, ValueError) as e:
+            raise TierFileError(f"{path}: {e}") from None
+        expected = {"format": FORMAT, "dtype": str(self.dtype), "shape": list(self.block_shape)}
+        if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
+            raise TierFileError(f"{path}: header {header} does not match {expected}")
+        if header.get("nbytes") != len(payload):
+            raise TierFileError(f"{path}: {len(payload)} payload bytes, the header says {header.get('nbytes')}")
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("blake2b"):
+            raise TierFileError(f"{path}: checksum mismatch")
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def load(self, loads: dict[str, list[tuple[int, int, bytes]]]) -> None:
+        """Before the forward: each request's blocks from the host slots or files, all or nothing per request."""
+        out = self._out
+        for rid, items in loads.items():
+            out.finished_recving.add(rid)
+            try:
+                blocks = [b for b, _, _ in items]
+                data = [self.host[slot] if slot >= 0 else self._read_file(key) for _, slot, key in items]
+                self._scatter(blocks, torch.stack(data))
+            except TierFileError as e:
+                logger.warning("KV offloading: request %s recomputes its prefix: %s", rid, e)
+                out.failed_recving.add(rid)
+                bad = [key for _, slot, key in items if slot < 0 and not self._file_ok(key)]
+                out.extra.setdefault("bad_keys", []).extend(bad)
+
+    def _file_ok(self, key: bytes) -> bool:
+        try:
+            self._read_file(key)
+            return True
+        except TierFileError:
+            with _quiet():
+                os.remove(self._path(key))
+            return False
+
+    def store(self, stores: list[tuple[int, int, bytes, bool]]) -> None:
+        """After the forward: the blocks it completed, to their host slots and / or files."""
+        data = self._gather([b for b, _, _, _ in stores])  # [n, L, 2, BS, H, D]
+        last: dict[int, int] = {}  # host slot -> the last store into it (an LRU slot reused in the same step)
+        for i, (_, slot, key, to_disk) in enumerate(stores):
+            if slot >= 0:
+                last[slot] = i
+            if to_disk:
+                self._write_file(key, data[i])
+        if last:
+            slots = torch.tensor(list(last), dtype=torch.long)
+            rows = torch.tensor(list(last.values()), dtype=torch.long, device=data.device)
+            self.host.index_copy_(0, slots, data.index_select(0, rows).cpu())
+
+    def take_output(self) -> KVConnectorOutput | None:
+        out = self._out
+        if out.is_empty():
+            return None
+        self._out = KVConnectorOutput()
+        return out
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], OSError)
