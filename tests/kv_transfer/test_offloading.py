@@ -1,0 +1,122 @@
+"""The offloading connector end to end: greedy tokens with a host / disk KV tier equal those without it, on a
+workload whose shared prefixes do not fit a tiny device pool; the disk tier across engines; bad files recompute."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from vlserve import LLM, SamplingParams
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _workload(vocab: int = 200, num_prefixes: int = 4, prefix_len: int = 64, seed: int = 0) -> list[list[int]]:
+    """Requests over `num_prefixes` shared prefixes of 4 blocks, visited round robin: A1 B1 C1 D1 A2 B2 ..., so a
+    pool of ~2 requests' blocks has evicted A's prefix by the time A2 comes."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = [torch.randint(3, vocab, (prefix_len,), generator=g).tolist() for _ in range(num_prefixes)]
+    out = []
+    for round_ in range(3):
+        for p in prefixes:
+            out.append(p + torch.randint(3, vocab, (5 + round_,), generator=g).tolist())
+    return out
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """One request at a time (the device pool is too small to keep an earlier prefix)."""
+    outs = []
+    for p in prompts:
+        outs.append(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+        llm.check_integrity()
+    return outs
+
+
+def _llm(model_dir: str, **kw) -> LLM:
+    return LLM(model_dir, dtype="float32", num_kv_blocks=12, max_model_len=160, block_size=BLOCK, seed=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_dir):
+    llm = _llm(qwen2_dir)
+    prompts = _workload()
+    out = _run(llm, prompts)
+    metrics = llm.get_metrics()
+    assert "vlserve:kv_offload_hit_tokens_total" not in metrics
+    return prompts, out, metrics["vlserve:prefix_cache_hits_total"]
+
+
+def test_host_tier_same_tokens_and_hits(qwen2_dir, reference):
+    prompts, expected, device_hits_alone = reference
+    llm = _llm(qwen2_dir, kv_offloading_size=0.01)
+    assert _run(llm, prompts) == expected
+    m = llm.get_metrics()
+    assert m["vlserve:kv_offload_hit_tokens_total"] > 0  # prefixes the device pool had evicted
+    assert m["vlserve:kv_offload_stores_total"] > 0
+    assert m["vlserve:kv_offload_load_failures_total"] == 0
+    llm.check_integrity()
+
+
+def test_host_tier_lru_evicts(qwen2_dir, reference):
+    """A host tier of 6 blocks: it evicts, stays correct, and still hits."""
+    prompts, expected, _ = reference
+    per_block = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 KV heads, head dim 16, float32
+    llm = _llm(qwen2_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                              "kv_connector_extra_config": {"cpu_bytes_to_use": 6 * per_block}})
+    assert _run(llm, prompts) == expected
+    m = llm.get_metrics()
+    assert m["vlserve:kv_offload_host_blocks"] <= 6
+    assert m["vlserve:kv_offload_evictions_total"] > 0
+    llm.check_integrity()
+
+
+def test_disk_tier_across_engines_and_corrupt_files(qwen2_dir, reference, tmp_path):
+    prompts, expected, _ = reference
+    first = _llm(qwen2_dir, kv_offloading_dir=str(tmp_path))
+    assert _run(first, prompts[:4]) == expected[:4]
+    files = glob.glob(os.path.join(str(tmp_path), "*", "rank0", "*.kvb"))
+    assert files, "the disk tier wrote no block files"
+    del first
+    # a fresh engine (the host tier off) finds the first one's files
+    second = _llm(qwen2_dir, kv_offloading_dir=str(tmp_path))
+    assert _run(second, prompts[4:8]) == expected[4:8]
+    m = second.get_metrics()
+    assert m["vlserve:kv_offload_hit_tokens_total"] > 0
+    assert m["vlserve:kv_offload_load_failures_total"] == 0
+    # truncate / corrupt every file: a third engine warns, recomputes, and gets the same tokens
+    for i, path in enumerate(glob.glob(os.path.join(str(tmp_path), "*", "rank0", "*.kvb"))):
+        data = open(path, "rb").read()
+        with open(path, "wb") as f:
+            if i % 2:
+                f.write(data[: len(data) - 7])  # truncated
+            else:
+                f.write(data[:-1] + bytes([data[-1] ^ 0xFF]))  # one flipped byte: the checksum catches it
+    third = _llm(qwen2_dir, kv_offloading_dir=str(tmp_path))
+    assert _run(third, prompts[8:]) == expected[8:]
+    m = third.get_metrics()
+    assert m["vlserve:kv_offload_load_failures_total"] > 0
+    third.check_integrity()
+
+
+def test_disk_full_recomputes(qwen2_dir, reference, tmp_path, monkeypatch):
+    """Writes that fail (a full disk) leave the blocks off the disk tier; tokens do not change."""
+    from vlserve.distributed.kv_transfer.offloading import tier_store
+
+    real_open = open
+
+    def full_disk_open(path, mode="r", *a, **kw):
+        if "w" in mode and str(path).endswith(tuple(f".tmp{os.getpid()}" for _ in [0])):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(tier_store, "open", full_disk_open, raising=False)
+    prompts, expected, _ = reference
+    llm = _llm(qwen2_dir, kv_offloading_dir=str(tmp_path))
+    assert _run(llm, prompts) == expected
+    m = llm.get_metrics()
+    assert m["vlserve:kv_offload_store_failures_total"] > 0
+    assert m["vlserve:kv_offload_disk_blocks"] == 0
+    llm.check_integrity()
