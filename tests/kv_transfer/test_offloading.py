@@ -57,6 +57,9 @@ def test_host_tier_same_tokens_and_hits(qwen2_dir, reference):
     assert m["vlserve:kv_offload_hit_tokens_total"] > 0  # prefixes the device pool had evicted
     assert m["vlserve:kv_offload_stores_total"] > 0
     assert m["vlserve:kv_offload_load_failures_total"] == 0
+    # all at once: requests preempt each other in the tiny pool while others wait for or hold loaded blocks
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
     llm.check_integrity()
 
 
@@ -119,4 +122,15 @@ def test_disk_full_recomputes(qwen2_dir, reference, tmp_path, monkeypatch):
     m = llm.get_metrics()
     assert m["vlserve:kv_offload_store_failures_total"] > 0
     assert m["vlserve:kv_offload_disk_blocks"] == 0
+    llm.check_integrity()
+
+
+def test_async_scheduling_and_batched(qwen2_dir, reference):
+    """The load step and the stores under async scheduling, all prompts in one batch: same tokens."""
+    prompts, expected, _ = reference
+    llm = _llm(qwen2_dir, kv_offloading_size=0.01, async_scheduling=True)
+    assert _run(llm, prompts) == expected
+    assert llm.get_metrics()["vlserve:kv_offload_hit_tokens_total"] > 0
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
     llm.check_integrity()

@@ -16,6 +16,7 @@ from vlserve.core.encoder_cache_manager import EncoderCacheManager
 from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
 from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
+from vlserve.core.kv_connector_sched import KVConnectorScheduling
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
 from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
@@ -26,7 +27,7 @@ from vlserve.distributed.kv_transfer.factory import create_connector
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(KVConnectorScheduling):
     """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
@@ -188,6 +189,8 @@ class Scheduler:
         # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
         # (max_loras): they keep their place
         set_aside: list[Request] = []
+        if self.kv_load_done:
+            self._resumed_first()
         while (self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs
                and len(num_scheduled) < max_reqs):
             req = self.waiting[0]
@@ -219,6 +222,8 @@ class Scheduler:
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
+            if new_block_ids is None and resume is not None and not num_scheduled and self._release_parked(req):
+                new_block_ids = self.kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
             num_encoding = num_encoding_after
@@ -258,29 +263,6 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
         return out
-
-    def _start_kv_load(self, req: Request, computed_blocks, num_hit: int, num_external: int) -> bool:
-        """Give the connector's `num_external` tokens past the device hit their blocks (not registered for prefix
-        reuse until loaded) and park the request until a worker reports the load; False when the pool is full."""
-        if self.kv.allocate_slots(req, num_external, computed_blocks, delay_cache_blocks=True) is None:
-            return False
-        self.waiting.popleft()
-        req.num_computed_tokens = num_hit
-        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id)[0], num_external)
-        self.waiting_for_kv[req.request_id] = (req, num_hit + num_external)
-        return True
-
-    def _update_from_kv_output(self, kv_out) -> None:
-        """Loads that ended: their requests go back to the head of the queue (a failed one keeps only its device
-        hit and recomputes the rest)."""
-        self.connector.update_connector_output(kv_out)
-        for rid in kv_out.finished_recving:
-            entry = self.waiting_for_kv.pop(rid, None)
-            if entry is None:  # aborted meanwhile
-                continue
-            req, loaded = entry
-            self.kv_load_done[rid] = req.num_computed_tokens if rid in kv_out.failed_recving else loaded
-            self.waiting.appendleft(req)
 
     def _lora_blocked(self, req: Request, loras: set[int]) -> bool:
         """Whether req's adapter would be one more than max_loras distinct adapters in this step (base: never)."""
@@ -394,8 +376,9 @@ class Scheduler:
             if done:
                 self.running = [r for r in self.running if id(r) not in done]
             for req, running in finished:
-                if not running:
+                if not running and self.waiting_for_kv.pop(req.request_id, None) is None:
                     self.waiting.remove(req)
+                self.kv_load_done.pop(req.request_id, None)
                 self._free_request(req)
         return outputs
 
