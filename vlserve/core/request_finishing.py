@@ -1,0 +1,100 @@
+"""How the scheduler's requests end (kept beside scheduler.py): aborts, finishes from outside (stop strings), failed
+adapters and grammars, the freeing of a finished request's KV blocks and encoder references (through the KV
+connector's `request_finished`), and the queue / integrity introspection."""
+from __future__ import annotations
+
+import logging
+
+from vlserve.core.grammar_sync import grammar_error
+from vlserve.core.request import Request, RequestStatus
+from vlserve.core.sched_output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFinishing:
+    """Mixed into Scheduler (which owns requests, waiting, running, waiting_for_kv, kv_load_done, kv, encoder_cache,
+    connector, failed, finished_req_ids)."""
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish these requests now; returns the ids that were still alive."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif self.waiting_for_kv.pop(rid, None) is None:
+                self.waiting.remove(req)
+            self.kv_load_done.pop(rid, None)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(req)
+            aborted.append(rid)
+        return aborted
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        """The requests that ended while waiting since the last step's results (reported with the next ones)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def fail_lora(self, lora_int_id: int, error: str) -> None:
+        """The adapter failed to load: its waiting requests end "abort" with the error."""
+        self.loras_loading.discard(lora_int_id)
+        for req in [r for r in self.waiting if r.lora_int_id == lora_int_id]:
+            self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            logger.error("request %s: its LoRA adapter did not load: %s", req.request_id, error)
+            self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
+            self._free_request(req)
+
+    def _abort_failed_grammar(self, req: Request) -> None:
+        """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""
+        req.status = RequestStatus.FINISHED_ABORTED
+        logger.error("request %s: its grammar did not compile: %s", req.request_id, grammar_error(req))
+        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": grammar_error(req)}))
+        self._free_request(req)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (stop strings found by the detokenizer)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            req.status = status
+            self._free_request(req)
+
+    def _release_written_encoder_inputs(self, req: Request) -> None:
+        for f in req.mm_features:
+            if f.end <= req.num_computed_tokens:
+                self.encoder_cache.free_encoder_input(req.request_id, f.mm_hash)
+
+    def _free_blocks_and_encoder_refs(self, req: Request) -> None:
+        self.kv.free(req)
+        self.encoder_cache.free(req.request_id)
+
+    def _free_request(self, req: Request) -> None:
+        if self.connector is not None:  # (a connector that keeps blocks until sent is not supported yet)
+            keep = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id)[:1])
+            assert not keep, "delayed block freeing (request_finished -> True) is not implemented yet"
+        self._free_blocks_and_encoder_refs(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    # -- introspection ------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    def check_integrity(self) -> None:
+        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
+        self.kv.check_integrity()
+        self.encoder_cache.check_integrity()
+        if not self.has_unfinished_requests():
+            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
+            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
+            assert not self.encoder_cache.req_to_hashes, (
+                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")
