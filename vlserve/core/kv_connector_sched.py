@@ -50,6 +50,8 @@ class KVConnectorScheduling:
         """Loads that ended: their requests go back to the head of the queue (a failed one keeps only its device
         hit and recomputes the rest)."""
         self.connector.update_connector_output(kv_out)
+        if kv_out.finished_sending:
+            self._free_sent(kv_out.finished_sending)
         for rid in kv_out.finished_recving:
             entry = self.waiting_for_kv.pop(rid, None)
             if entry is None:  # aborted meanwhile

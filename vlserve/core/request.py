@@ -56,6 +56,7 @@ class Request:
         self.arrival_time = req.arrival_time
         self.mm_features = req.mm_features
         self.lora_request = req.lora_request
+        self.kv_transfer_params = req.sampling_params.kv_transfer_params  # KV transfer (kv_transfer/p2p), or None
         self.max_tokens = max_tokens  # resolved: min(params.max_tokens, max_model_len - prompt_len)
         self.stop_token_ids = req.sampling_params.all_stop_token_ids()
         self.all_token_ids: list[int] = list(req.prompt_token_ids)

@@ -74,13 +74,30 @@ class RequestFinishing:
         self.kv.free(req)
         self.encoder_cache.free(req.request_id)
 
-    def _free_request(self, req: Request) -> None:
-        if self.connector is not None:  # (a connector that keeps blocks until sent is not supported yet)
-            keep = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id)[:1])
-            assert not keep, "delayed block freeing (request_finished -> True) is not implemented yet"
-        self._free_blocks_and_encoder_refs(req)
+    def _free_request(self, req: Request) -> dict | None:
+        """Free a finished request's blocks and encoder references, unless the connector keeps its blocks until
+        they are sent (`kept_blocks`: freed when a worker lists the request in `finished_sending`, which a
+        producer's worker does on the consumer's confirmation or a timeout). Returns the connector's
+        kv_transfer_params for the client (or None)."""
+        keep, params = False, None
+        if self.connector is not None:
+            block_ids = self.kv.get_block_ids(req.request_id)
+            keep, params = self.connector.request_finished(req, block_ids[0] if block_ids else [])
+        self.encoder_cache.free(req.request_id)
+        if keep:
+            self.kept_blocks[req.request_id] = req
+        else:
+            self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
+        return params
+
+    def _free_sent(self, request_ids) -> None:
+        """The kept blocks of these finished requests were sent (or given up on): free them."""
+        for rid in request_ids:
+            req = self.kept_blocks.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
 
     # -- introspection ------------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -93,8 +110,13 @@ class RequestFinishing:
         """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
         self.kv.check_integrity()
         self.encoder_cache.check_integrity()
-        if not self.has_unfinished_requests():
+        held = set(self.kv.req_to_blocks)
+        assert set(self.kept_blocks) <= held, f"kept blocks not held: {set(self.kept_blocks) - held}"
+        assert not set(self.kept_blocks) & set(self.requests), "a request both alive and kept for sending"
+        if not self.has_unfinished_requests() and not self.kept_blocks:
             assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
             assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
+        elif not self.has_unfinished_requests():
+            assert held == set(self.kept_blocks), f"KV blocks leaked: {held - set(self.kept_blocks)}"
             assert not self.encoder_cache.req_to_hashes, (
                 f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")

@@ -88,6 +88,7 @@ class EngineCoreOutput:
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     num_cached_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # a KV connector's, with the request's last output
 
     @property
     def finished(self) -> bool:

@@ -59,6 +59,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                                               block_size=config.block_size, extra_keys_of=block_extra_keys)
         self.waiting_for_kv: dict[str, tuple[Request, int]] = {}  # id -> (request, computed tokens once loaded)
         self.kv_load_done: dict[str, int] = {}
+        self.kept_blocks: dict[str, Request] = {}  # finished; blocks kept until the connector sent them
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
@@ -66,7 +67,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         the request's grammar matcher (compiling), when its output is constrained."""
         cfg = self.config
         rid, n_prompt = engine_req.request_id, len(engine_req.prompt_token_ids)
-        if rid in self.requests:
+        if rid in self.requests or rid in self.kept_blocks:
             raise ValueError(f"request id {rid!r} is already in use")
         if n_prompt == 0:
             raise ValueError("the prompt is empty; give at least one token")
@@ -338,7 +339,10 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 if not running and self.waiting_for_kv.pop(req.request_id, None) is None:
                     self.waiting.remove(req)
                 self.kv_load_done.pop(req.request_id, None)
-                self._free_request(req)
+                params = self._free_request(req)
+                if params is not None:
+                    outputs[-1 - next(i for i, o in enumerate(reversed(outputs))
+                                      if o.request_id == req.request_id)].kv_transfer_params = params
         return outputs
 
     def _accept_tokens(self, req: Request, sampled: list[int]) -> list[int]:

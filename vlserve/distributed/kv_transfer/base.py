@@ -7,8 +7,10 @@ Scheduler side (pure Python, in the engine core; no torch):
   `build_connector_meta(scheduler_output, scheduler)` -> the step's `KVConnectorMetadata` (None: nothing to do),
       carried to every worker in `SchedulerOutput.kv_connector_metadata`,
   `update_connector_output(output)` with what the workers reported (`KVConnectorOutput`),
-  `request_finished(request, block_ids)` -> True when the connector keeps the blocks until they are saved/sent (the
-      scheduler then frees them once a later output lists the request in `finished_sending`).
+  `request_finished(request, block_ids)` -> (keep, kv_transfer_params): keep = True when the connector keeps the
+      blocks until they are saved/sent (the scheduler then frees them once a later output lists the request in
+      `finished_sending`); kv_transfer_params (or None) go back to the client with the request's last output (a
+      producer's: where a consumer finds the blocks).
 
 Worker side (in the model runner, around each step's forward: `ModelRunner.execute_model` is the one seam):
   `register_kv_caches(kv_caches)` once after the KV cache is allocated (per layer a (K, V) pair of
@@ -83,8 +85,8 @@ class KVConnectorBase:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         pass
 
-    def request_finished(self, request, block_ids: list[int]) -> bool:
-        return False
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, None
 
     def stats(self) -> dict[str, int]:
         """Counters for /metrics, by name without the `vlserve:` prefix."""

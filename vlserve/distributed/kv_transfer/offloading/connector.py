@@ -172,9 +172,9 @@ class OffloadingConnector(KVConnectorBase):
             self.disk.discard(key)
             self.counters["kv_offload_store_failures_total"] += 1
 
-    def request_finished(self, request, block_ids: list[int]) -> bool:
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._stored_upto.pop(request.request_id, None)
-        return False  # stores run in the step that completed a block: nothing left to wait for
+        return False, None  # stores run in the step that completed a block: nothing left to wait for
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, "kv_offload_host_blocks": len(self.host), "kv_offload_disk_blocks": len(self.disk)}
