@@ -63,6 +63,14 @@ def resolve_kv_transfer(args: EngineArgs, loaded) -> EngineArgs:
         per_block = kv_bytes_per_block(loaded.hf_config, args.block_size, kv_dtype)
         extra["_num_cpu_blocks"] = int(extra.get("cpu_bytes_to_use", 0)) // per_block
         extra["_namespace"] = model_namespace(args, loaded, kv_dtype).hex()
+    elif cfg.kv_connector == "P2PConnector":
+        import uuid
+
+        from vlserve.distributed.kv_transfer.p2p.side_channel import free_port
+
+        extra.setdefault("_engine_id", uuid.uuid4().hex)
+        if cfg.is_producer and "side_channel_port" not in extra:  # the scheduler and the worker agree on it here
+            extra["_side_channel_port"] = free_port(extra.get("side_channel_host", "127.0.0.1"))
     args = copy.copy(args)
     args.kv_transfer_config = KVTransferConfig(cfg.kv_connector, cfg.kv_role, extra)
     return args

@@ -8,6 +8,7 @@ from vlserve.distributed.kv_transfer.base import KVConnectorBase, KVConnectorRol
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "OffloadingConnector": ("vlserve.distributed.kv_transfer.offloading.connector", "OffloadingConnector"),
+    "P2PConnector": ("vlserve.distributed.kv_transfer.p2p.connector", "P2PConnector"),
 }
 
 

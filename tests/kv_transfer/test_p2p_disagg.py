@@ -1,0 +1,113 @@
+"""Disaggregated prefill / decode with the P2PConnector (two engines in this process, Mooncake over TCP): prefill
+on A (max_tokens=1, producer) then decode on B (consumer, reading A's blocks) gives the tokens one engine gives,
+token for token; A frees its kept blocks on B's confirmation (or a timeout), B's other requests keep stepping while
+a read runs, and nothing leaks on either side."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vlserve import LLM, SamplingParams
+from vlserve.config import KVTransferConfig
+
+BLOCK = 4
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _llm(model_dir, role=None, **extra):
+    cfg = None if role is None else KVTransferConfig("P2PConnector", role, extra)
+    return LLM(model_dir, dtype="float32", num_kv_blocks=32, max_model_len=96, block_size=BLOCK, seed=0,
+               kv_transfer_config=cfg)
+
+
+def _prompts(seed=0, lengths=(13, 16, 30)):
+    """Fresh prompts per test (no prefix hit on either engine from an earlier test)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths]
+
+
+def _gen(llm, prompt, max_tokens, params=None):
+    sp = SamplingParams(max_tokens=max_tokens, kv_transfer_params=params, **GREEDY)
+    return llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+
+
+def _idle_steps(llm, until, limit_s=10.0):
+    """Step an idle engine (its worker reports kept blocks confirmed) until `until()`."""
+    t0 = time.monotonic()
+    while not until():
+        llm.engine.step()
+        assert time.monotonic() - t0 < limit_s
+        time.sleep(0.005)
+
+
+def _sched(llm):
+    return llm.engine.scheduler
+
+
+@pytest.fixture(scope="module")
+def engines(qwen2_dir, mooncake):
+    ref = _llm(qwen2_dir)
+    outs = [list(_gen(ref, p, 8).outputs[0].token_ids) for p in _prompts() + _prompts(1, (30,)) + _prompts(2, (30,))]
+    del ref
+    return _llm(qwen2_dir, "kv_producer"), _llm(qwen2_dir, "kv_consumer"), outs
+
+
+def test_prefill_on_a_decode_on_b_same_tokens(engines):
+    a, b, ref = engines
+    for prompt, want in zip(_prompts(), ref[:3]):
+        pre = _gen(a, prompt, 1, {"do_remote_decode": True})
+        params = pre.kv_transfer_params
+        assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt)
+        assert len(params["remote_block_ids"]) == -(-len(prompt) // BLOCK)
+        assert list(pre.outputs[0].token_ids) == want[:1]
+        assert _sched(a).kept_blocks  # A keeps the blocks for B
+        out = _gen(b, prompt, 8, params)
+        assert list(out.outputs[0].token_ids) == want
+        _idle_steps(a, lambda: not _sched(a).kept_blocks)  # B's confirmation frees them
+        a.check_integrity()
+        b.check_integrity()
+    m = b.get_metrics()  # every prompt token but the last read from A: 12, 15, 29 tokens = 3 + 4 + 8 blocks
+    assert m["vlserve:kv_p2p_loaded_blocks_total"] == 15 and m["vlserve:kv_p2p_failed_loads_total"] == 0
+    assert a.get_metrics()["vlserve:kv_p2p_kept_requests_total"] == 3
+
+
+def test_unreachable_producer_recomputes(engines):
+    a, b, ref = engines
+    prompt = _prompts(1, (30,))[0]
+    bogus = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "x",
+             "remote_engine_id": "?", "remote_block_ids": list(range(8)), "remote_num_tokens": len(prompt)}
+    before = b.get_metrics()["vlserve:kv_p2p_failed_loads_total"]
+    out = _gen(b, prompt, 8, bogus)
+    assert list(out.outputs[0].token_ids) == ref[3]
+    assert b.get_metrics()["vlserve:kv_p2p_failed_loads_total"] == before + 1
+    b.check_integrity()
+
+
+def test_producer_frees_on_timeout(qwen2_dir, mooncake):
+    a = _llm(qwen2_dir, "kv_producer", send_timeout_s=0.2)
+    _gen(a, _prompts()[0], 1, {"do_remote_decode": True})
+    assert _sched(a).kept_blocks
+    _idle_steps(a, lambda: not _sched(a).kept_blocks)
+    a.check_integrity()
+
+
+def test_decode_reads_the_producers_blocks(engines):
+    """The consumer's tokens come from A's KV: scrambling A's kept blocks before B reads them changes B's output
+    (and its first token still comes from B's own forward over the last prompt token)."""
+    import torch
+
+    a, b, ref = engines
+    prompt = _prompts(2, (30,))[0]
+    params = _gen(a, prompt, 1, {"do_remote_decode": True}).kv_transfer_params
+    with torch.no_grad():
+        for pair in a.engine.executor.worker.runner.kv_caches:
+            for t in pair:
+                t[params["remote_block_ids"]] = torch.randn_like(t[params["remote_block_ids"]]) * 10
+    out = _gen(b, prompt, 8, params)
+    assert list(out.outputs[0].token_ids) != ref[4]
+    _idle_steps(a, lambda: not _sched(a).kept_blocks)
+    a.check_integrity()
+    b.check_integrity()
