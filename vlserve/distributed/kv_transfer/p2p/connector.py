@@ -35,6 +35,7 @@ class P2PLoad:
     remote_request_id: str
     remote_block_ids: list[int]  # empty: nothing to read, only tell the producer to free its blocks
     local_block_ids: list[int]
+    remote_engine_id: str = ""  # the producer's run: a restarted producer on the same port is described anew
 
 
 @dataclass
@@ -106,7 +107,8 @@ class P2PConnector(KVConnectorBase):
     def _plan(self, request, p: dict, remote: list[int], local: list[int]) -> None:
         self._done_with_params.add(request.request_id)
         self._loads[request.request_id] = P2PLoad(str(p["remote_host"]), int(p["remote_port"]),
-                                                  str(p["remote_request_id"]), remote, local)
+                                                  str(p["remote_request_id"]), remote, local,
+                                                  str(p.get("remote_engine_id", "")))
 
     def build_connector_meta(self, scheduler_output, scheduler) -> KVConnectorMetadata | None:
         if not (self._loads or self._new_sends or self._loading or scheduler.kept_blocks):

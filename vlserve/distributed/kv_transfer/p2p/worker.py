@@ -27,7 +27,7 @@ class P2PWorker:
         self._deadlines: dict[str, float] = {}  # kept requests -> when to give up on the consumer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-p2p-read")
         self._reads: dict[str, Future] = {}
-        self._peers: dict[tuple[str, int], CacheDescriptor] = {}
+        self._peers: dict[tuple[str, int, str], CacheDescriptor] = {}
 
     def register_kv_caches(self, kv_caches) -> None:
         self.agent = TransferAgent(self.host)
@@ -52,7 +52,7 @@ class P2PWorker:
         ok = True
         try:
             if load.remote_block_ids:
-                key = (load.host, load.port)
+                key = (load.host, load.port, load.remote_engine_id)
                 peer = self._peers.get(key)
                 if peer is None:
                     peer = self._peers[key] = CacheDescriptor.from_dict(ask(load.host, load.port,
