@@ -34,13 +34,12 @@ def _gen(llm, prompt, max_tokens, params=None):
     return llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
 
 
-def _idle_steps(llm, until, limit_s=10.0):
-    """Step an idle engine (its worker reports kept blocks confirmed) until `until()`."""
+def _wait_freed(llm, limit_s=10.0):
+    """Wait (without stepping the engine here) until the idle LLM's own poller has freed its kept blocks."""
     t0 = time.monotonic()
-    while not until():
-        llm.engine.step()
-        assert time.monotonic() - t0 < limit_s
-        time.sleep(0.005)
+    while _sched(llm).kept_blocks:
+        assert time.monotonic() - t0 < limit_s, "kept blocks not freed by the idle engine"
+        time.sleep(0.01)
 
 
 def _sched(llm):
@@ -66,7 +65,7 @@ def test_prefill_on_a_decode_on_b_same_tokens(engines):
         assert _sched(a).kept_blocks  # A keeps the blocks for B
         out = _gen(b, prompt, 8, params)
         assert list(out.outputs[0].token_ids) == want
-        _idle_steps(a, lambda: not _sched(a).kept_blocks)  # B's confirmation frees them
+        _wait_freed(a)  # B's confirmation frees them, A idle (its poller steps it)
         a.check_integrity()
         b.check_integrity()
     m = b.get_metrics()  # every prompt token but the last read from A: 12, 15, 29 tokens = 3 + 4 + 8 blocks
@@ -87,11 +86,34 @@ def test_unreachable_producer_recomputes(engines):
 
 
 def test_producer_frees_on_timeout(qwen2_dir, mooncake):
-    a = _llm(qwen2_dir, "kv_producer", send_timeout_s=0.2)
+    """No consumer ever reads: the idle producer frees its kept blocks after send_timeout_s on its own."""
+    a = _llm(qwen2_dir, "kv_producer", send_timeout_s=0.5)
     _gen(a, _prompts()[0], 1, {"do_remote_decode": True})
     assert _sched(a).kept_blocks
-    _idle_steps(a, lambda: not _sched(a).kept_blocks)
+    steps = a.engine.num_steps
+    _wait_freed(a)
+    assert a.engine.num_steps > steps  # the poller stepped it
     a.check_integrity()
+    a.shutdown()
+
+
+def test_idle_producer_frees_on_confirmation_without_steps(engines):
+    """A finishes its prefill and nothing else runs on A; B reads and confirms; A's kept blocks are freed by A's own
+    idle poller (this test never steps A)."""
+    a, b, ref = engines
+    prompt = _prompts(3, (21,))[0]
+    params = _gen(a, prompt, 1, {"do_remote_decode": True}).kv_transfer_params
+    assert _sched(a).kept_blocks and a._kv_poller is not None
+    time.sleep(0.1)
+    assert _sched(a).kept_blocks  # nobody confirmed yet: still kept (send_timeout_s is 120 s)
+    _gen(b, prompt, 4, params)
+    _wait_freed(a)
+    t0 = time.monotonic()
+    while a._kv_poller is not None:  # the poller ends once nothing is kept
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.01)
+    a.check_integrity()
+    b.check_integrity()
 
 
 def test_decode_reads_the_producers_blocks(engines):
@@ -108,6 +130,6 @@ def test_decode_reads_the_producers_blocks(engines):
                 t[params["remote_block_ids"]] = torch.randn_like(t[params["remote_block_ids"]]) * 10
     out = _gen(b, prompt, 8, params)
     assert list(out.outputs[0].token_ids) != ref[4]
-    _idle_steps(a, lambda: not _sched(a).kept_blocks)
+    _wait_freed(a)
     a.check_integrity()
     b.check_integrity()

@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
+from vlserve.engine.core_messages import KV_POLL_S  # noqa: F401 (the idle loops poll kept KV blocks this often)
 from vlserve.core.encoder_budget import EncoderBudget
 from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.kv_cache_groups import group_layers
@@ -162,6 +163,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or adapter loads to poll."""
         return self.scheduler.has_unfinished_requests() or bool(self.loras.loading)
+
+    def has_kept_kv_blocks(self) -> bool:
+        """Finished requests whose blocks the KV connector keeps (a P2P producer's, until the consumer confirms its
+        read or the send times out): an idle engine keeps stepping every `KV_POLL_S` while there are any, so its
+        worker can report them sent and they are freed."""
+        return bool(self.scheduler.kept_blocks)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -97,3 +97,7 @@ class EngineLoop:
     def has_unfinished_requests(self) -> bool:
         """Whether the core still has requests to run."""
         return self.core.has_unfinished_requests()
+
+    def has_kept_kv_blocks(self) -> bool:
+        """Whether the core holds blocks for a KV transfer (poll it with `step` while idle: `EngineCore.KV_POLL_S`)."""
+        return self.core.has_kept_kv_blocks()
