@@ -17,8 +17,8 @@ from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletio
                                   TopLogprob, random_id)
 from vlserve.api.serving_beam import beam_chat, wants_beam_search
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, MMKwargLimits, ServedModels,
-                                      check_fits_context, check_mm_processor_kwargs, run_unless_disconnected, sse,
-                                      structured_backend, usage_of)
+                                      check_fits_context, check_kv_transfer_params, check_mm_processor_kwargs,
+                                      run_unless_disconnected, sse, structured_backend, usage_of)
 from vlserve.api.tool_choice import ToolPlan, plan_tools
 from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
@@ -112,6 +112,7 @@ class OpenAIServingChat:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
         lora = self.models.lora_of(model)
+        check_kv_transfer_params(self.engine, req)
         if wants_beam_search(req):
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
@@ -135,7 +136,8 @@ class OpenAIServingChat:
             message, finish_reason = _message(plan, c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c.logprobs, top_k),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]),
+                                      kv_transfer_params=final.kv_transfer_params)
         return JSONResponse(body.model_dump())
 
     async def _stream(self, stream: RequestStream, request_id: str, model: str, n: int, top_k: int, holdback: int,
