@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser("mm-cache", help="repeated images: encoder cache on vs off", add_help=False)
     bench.add_parser("spec-decode", help="speculative vs plain decoding", add_help=False)
     bench.add_parser("spec-demo", help="speculative vs plain decoding on the demo model's task", add_help=False)
+    sub.add_parser("proxy", help="disaggregated prefill/decode proxy in front of vlserve servers (see --help)",
+                   add_help=False)
     sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
                    add_help=False)
     return parser
@@ -297,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlserve.bench.spec_demo import main as spec_demo_main
 
         return spec_demo_main(argv[2:]) or 0
+    if argv[:1] == ["proxy"]:
+        from vlserve.api.disagg_proxy import main as proxy_main
+
+        return proxy_main(argv[1:]) or 0
     if argv[:1] == ["train-eagle"]:
         from vlserve.training.train_eagle import main as train_eagle_main
 
