@@ -55,6 +55,19 @@ class RequestFinishing:
         self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": grammar_error(req)}))
         self._free_request(req)
 
+    def _fail_remote_media(self, req: Request) -> None:
+        """A disaggregated consumer's request (the waiting queue's head) that must recompute a media item its
+        producer encoded (the KV read failed, or its blocks were evicted since): it has no media, so it ends "abort"
+        with the error."""
+        self.waiting.popleft()
+        self.kv_load_done.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED_ABORTED
+        error = ("the producer's KV for this request's media could not be used and the decode server has no media "
+                 "to encode; send the request again")
+        logger.error("request %s: %s", req.request_id, error)
+        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
+        self._free_request(req)
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish requests from outside (stop strings found by the detokenizer)."""
         for rid in request_ids:

@@ -200,6 +200,9 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 continue
             num_new = min(req.num_tokens - num_hit, token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
+            if any(req.mm_features[i].data.get("remote_media") for i in enc.to_encode):
+                self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
+                continue
             if num_new <= 0:
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from vlserve.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, \
     KVConnectorRole
+from vlserve.multimodal.inputs import feature_to_remote
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +142,14 @@ class P2PConnector(KVConnectorBase):
         n_prompt = len(request.prompt_token_ids)
         self._new_sends.append(rid)
         self.counters["kv_p2p_kept_requests_total"] += 1
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                      "remote_host": self.host, "remote_port": self.port, "remote_request_id": rid,
-                      "remote_block_ids": list(block_ids[:-(-n_prompt // self.block_size)]),
-                      "remote_num_tokens": n_prompt}
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                  "remote_host": self.host, "remote_port": self.port, "remote_request_id": rid,
+                  "remote_block_ids": list(block_ids[:-(-n_prompt // self.block_size)]),
+                  "remote_num_tokens": n_prompt}
+        if request.mm_features:  # the consumer takes the expanded prompt and media-less items, never the media
+            params["remote_prompt_token_ids"] = list(request.prompt_token_ids)
+            params["remote_mm_features"] = [feature_to_remote(f) for f in request.mm_features]
+        return True, params
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
