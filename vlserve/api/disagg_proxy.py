@@ -5,8 +5,10 @@ Each /v1/completions or /v1/chat/completions request goes first to a prefill ser
 max_tokens=1, stream off and `kv_transfer_params: {"do_remote_decode": true}`; the producer keeps the prompt's KV
 blocks and answers with `kv_transfer_params` saying where they are. The original request then goes, with those
 params, to a decode server (a P2P kv_consumer), which reads the blocks instead of recomputing the prompt; its answer
-(streamed or not) is the client's. Each list of servers is used round-robin. /v1/models comes from a decode server;
-/health is 200 when every server's /health is.
+(streamed or not) is the client's. Media are encoded on the prefill side only: when the producer's params carry
+the expanded prompt and media items (`remote_mm_features`), the decode server gets the messages without their media
+parts and takes the prompt from the params. Each list of servers is used round-robin. /v1/models comes from a
+decode server; /health is 200 when every server's /health is.
 
     vlserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
@@ -31,6 +33,22 @@ logger = logging.getLogger(__name__)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
+_MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio", "image", "video", "audio", "image_pil")
+
+
+def _without_media(messages: Any) -> Any:
+    """The chat messages without their media parts (a part left empty becomes ""): what a decode server gets when
+    the prefill server's kv_transfer_params carry the expanded prompt and the media items without their data."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            kept = [p for p in content if not (isinstance(p, dict) and p.get("type") in _MEDIA_PARTS)]
+            m = {**m, "content": kept or ""}
+        out.append(m)
+    return out
 
 
 def _base(url: str) -> str:
@@ -88,6 +106,8 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
             return error_response(f"prefill server {p_url} returned no kv_transfer_params (is it started with "
                                   "--kv-transfer-config and kv_role kv_producer?)", 502)
         dec = {**body, "kv_transfer_params": params}
+        if params.get("remote_mm_features") and "messages" in body:  # the producer encoded the media: the decode
+            dec["messages"] = _without_media(body["messages"])  # server gets its expanded prompt, never the media
         d_url = next(next_decode)
         try:
             if not body.get("stream"):

@@ -120,7 +120,11 @@ class OpenAIServingChat:
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         processed = await self._process(req, plan.tools)
-        check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len,
+        kv = params.kv_transfer_params or {}
+        remote_ids = kv.get("remote_prompt_token_ids") if kv.get("remote_mm_features") and not processed.mm_features \
+            else None  # a decode server's media-less request: the producer's expanded prompt is what runs
+        num_prompt = len(remote_ids) if isinstance(remote_ids, list) else len(processed.prompt_token_ids)
+        check_fits_context(params.max_tokens, num_prompt, self.engine.max_model_len,
                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params, lora)
