@@ -73,3 +73,25 @@ def test_media_less_request_whose_read_fails_ends_with_an_error(qwen2_vl_dir, mo
     assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
     assert b.get_metrics()["vlserve:encoder_runs_total"] == 0
     b.check_integrity()
+
+
+@pytest.mark.slow
+def test_bad_remote_items_are_refused_before_the_engine(qwen2_vl_dir, mooncake):
+    """Params whose items do not fit the prompt or their grid: ValueError when the request is added, the engine
+    untouched."""
+    a = _llm(qwen2_vl_dir, "kv_producer")
+    params = a.generate(TEXT, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **GREEDY),
+                        images=[_image(4)], use_tqdm=False)[0].kv_transfer_params
+    a.shutdown()
+    b = _llm(qwen2_vl_dir, "kv_consumer")
+    (item,) = params["remote_mm_features"]
+    bad = [{**params, "remote_mm_features": [{**item, "length": item["length"] - 1}]},  # grid says otherwise
+           {**params, "remote_mm_features": [{**item, "data": {}}]},  # no grid for M-RoPE
+           {**params, "remote_mm_features": [{**item, "offset": 10_000}]},  # past the prompt
+           {**params, "remote_prompt_token_ids": ["x"]}]
+    for p in bad:
+        with pytest.raises(ValueError, match="remote_"):
+            b.generate({"prompt_token_ids": [0]}, SamplingParams(max_tokens=2, kv_transfer_params=p, **GREEDY),
+                       use_tqdm=False)
+    b.check_integrity()
+    assert not b.engine.scheduler.requests

@@ -181,6 +181,12 @@ class InputProcessor:
             if f.modality not in self.loaded.modalities or f.offset < 0 or f.length <= 0 or f.end > len(ids):
                 raise ValueError(f"bad kv_transfer_params.remote_mm_features item ({f.modality} at {f.offset}, "
                                  f"{f.length} tokens) for this model and prompt")
+        mrope = getattr(self.loaded, "mrope_positions_fn", None)
+        if mrope is not None:  # the items' grids must give their spans (what the runner computes positions from)
+            try:
+                mrope(ids, features)
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
         return ProcessedPrompt(processed.prompt, list(ids), features)
 
     def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
