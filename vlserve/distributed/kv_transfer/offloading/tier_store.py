@@ -27,6 +27,53 @@ class TierFileError(Exception):
     """A tier file that is missing or fails its checks."""
 
 
+def write_checked_file(path: str, fmt: str, tensor: torch.Tensor) -> None:
+    """One JSON header line (format, dtype, shape, payload bytes, blake2b of the payload), then the raw payload of
+    `tensor`; written to a temporary name and renamed. OSError when it cannot be written (nothing left behind)."""
+    tensor = tensor.detach().contiguous().cpu()
+    payload = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    header = {"format": fmt, "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+              "nbytes": len(payload), "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(header).encode() + b"\n")
+            f.write(payload)
+        os.replace(tmp, path)
+    except OSError:
+        with _quiet():
+            os.remove(tmp)
+        raise
+
+
+def read_checked_file(path: str, fmt: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor `write_checked_file` wrote at `path`; TierFileError when the file is missing, or its format,
+    dtype, shape (-1 in `shape`: any size), size or checksum is not what it should be."""
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.readline(4096))
+            payload = f.read()
+    except (OSError, ValueError) as e:
+        raise TierFileError(f"{path}: {e}") from None
+    got = header.get("shape") if isinstance(header, dict) else None
+    if (not isinstance(header, dict) or header.get("format") != fmt or header.get("dtype") != str(dtype)
+            or not isinstance(got, list) or len(got) != len(shape)
+            or any(not isinstance(g, int) or g < 0 or (s != -1 and g != s) for g, s in zip(got, shape))):
+        raise TierFileError(f"{path}: header {header} does not match format {fmt}, dtype {dtype}, shape {shape}")
+    if header.get("nbytes") != len(payload):
+        raise TierFileError(f"{path}: {len(payload)} payload bytes, the header says {header.get('nbytes')}")
+    if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("blake2b"):
+        raise TierFileError(f"{path}: checksum mismatch")
+    numel = 1
+    for g in got:
+        numel *= g
+    if numel * torch.empty((), dtype=dtype).element_size() != len(payload):
+        raise TierFileError(f"{path}: {len(payload)} payload bytes for shape {got} of {dtype}")
+    if not payload:
+        return torch.empty(got, dtype=dtype)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(got)
+
+
 class TierStore:
 
     def __init__(self, num_cpu_blocks: int, disk_dir: str | None):
@@ -68,19 +115,10 @@ class TierStore:
         return os.path.join(self.disk_dir, key.hex() + FILE_SUFFIX)
 
     def _write_file(self, key: bytes, block: torch.Tensor) -> None:
-        payload = block.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        header = {"format": FORMAT, "dtype": str(self.dtype), "shape": list(self.block_shape),
-                  "nbytes": len(payload), "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
         path = self._path(key)
-        tmp = f"{path}.tmp{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(json.dumps(header).encode() + b"\n")
-                f.write(payload)
-            os.replace(tmp, path)
+            write_checked_file(path, FORMAT, block)
         except OSError as e:
-            with _quiet():
-                os.remove(tmp)
             if not self._warned_write:
                 logger.warning("KV offloading: could not write %s (%s); blocks that do not fit stay off the disk "
                                "tier", path, e)
@@ -88,21 +126,7 @@ class TierStore:
             self._out.extra.setdefault("failed_store_keys", []).append(key)
 
     def _read_file(self, key: bytes) -> torch.Tensor:
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                header = json.loads(f.readline(4096))
-                payload = f.read()
-        except (OSError, ValueError) as e:
-            raise TierFileError(f"{path}: {e}") from None
-        expected = {"format": FORMAT, "dtype": str(self.dtype), "shape": list(self.block_shape)}
-        if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
-            raise TierFileError(f"{path}: header {header} does not match {expected}")
-        if header.get("nbytes") != len(payload):
-            raise TierFileError(f"{path}: {len(payload)} payload bytes, the header says {header.get('nbytes')}")
-        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("blake2b"):
-            raise TierFileError(f"{path}: checksum mismatch")
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        return read_checked_file(self._path(key), FORMAT, self.dtype, list(self.block_shape))
 
     # -- the step ----------------------------------------------------------------------------------------------
     def load(self, loads: dict[str, list[tuple[int, int, bytes]]]) -> None:
