@@ -25,6 +25,7 @@ DEFAULTS = {
     "engine_process": True, "log_level": "info",
     "enable_lora": False, "lora_modules": None, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
     "kv_offloading_size": None, "kv_offloading_dir": None, "kv_transfer_config": None,
+    "ec_transfer_config": None,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
     "Frontend": ["--host", "--port", "--api-key", "--chat-template-content-format", "--trust-request-chat-template",

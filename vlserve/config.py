@@ -90,6 +90,71 @@ class KVTransferConfig:
         return cls(**value)
 
 
+EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+EC_CONNECTORS = {"shared_storage": "shared_storage", "ECSharedStorageConnector": "shared_storage"}  # vLLM's names
+
+
+@dataclass
+class ECTransferConfig:
+    """The encoder-cache connector, spelled as vLLM's `--ec-transfer-config`: `ec_connector` ("shared_storage", or
+    vLLM's class name "ECSharedStorageConnector"), `ec_role` (a producer writes the encoder outputs it computes, a
+    consumer loads them instead of running the tower, both does both), `ec_connector_extra_config`
+    ({"shared_storage_path": DIR}). See vlserve/distributed/ec_transfer/."""
+
+    ec_connector: str
+    ec_role: str = "ec_both"
+    ec_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ec_connector not in EC_CONNECTORS:
+            raise ValueError(f"ec_transfer_config.ec_connector must be one of {', '.join(EC_CONNECTORS)}, "
+                             f"got {shorten(self.ec_connector)}")
+        self.ec_connector = EC_CONNECTORS[self.ec_connector]
+        if self.ec_role not in EC_ROLES:
+            raise ValueError(f"ec_transfer_config.ec_role must be one of {', '.join(EC_ROLES)}, "
+                             f"got {shorten(self.ec_role)}")
+        extra = self.ec_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError(f"ec_transfer_config.ec_connector_extra_config must be a JSON object, "
+                             f"got {shorten(extra)}")
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"ec_transfer_config.ec_connector_extra_config.shared_storage_path must name a "
+                             f"directory, got {shorten(path)}")
+        unknown = set(extra) - {"shared_storage_path", "_namespace"}
+        if unknown:
+            raise ValueError(f"ec_transfer_config.ec_connector_extra_config has unknown keys: "
+                             f"{', '.join(sorted(unknown))}")
+        self.ec_connector_extra_config = {**extra, "shared_storage_path": os.path.expanduser(path)}
+
+    @property
+    def is_producer(self) -> bool:
+        return self.ec_role in ("ec_producer", "ec_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.ec_role in ("ec_consumer", "ec_both")
+
+    @classmethod
+    def from_any(cls, value: "ECTransferConfig | dict | str | None") -> "ECTransferConfig | None":
+        """From the dataclass, its dict or its JSON text (None stays None); unknown keys are a ValueError."""
+        if value is None or isinstance(value, ECTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"ec_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"ec_transfer_config must be a JSON object, got {shorten(value)}")
+        unknown = set(value) - {"ec_connector", "ec_role", "ec_connector_extra_config"}
+        if unknown:
+            raise ValueError(f"ec_transfer_config has unknown keys: {', '.join(sorted(unknown))}")
+        if "ec_connector" not in value:
+            raise ValueError("ec_transfer_config needs ec_connector (\"shared_storage\")")
+        return cls(**value)
+
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
 DEFAULT_CAPTURE_SIZES_HEAD = (1, 2, 4, 8)  # then every multiple of 8 up to max_num_seqs
 COMPILE_CACHE_ENV = "VLSERVE_COMPILE_CACHE_DIR"
@@ -248,6 +313,8 @@ class EngineArgs:
     # it (a directory that outlives the engine); either one turns on the OffloadingConnector
     kv_offloading_size: float | None = None
     kv_offloading_dir: str | None = None
+    # encoder-cache connector (vlserve/distributed/ec_transfer): ECTransferConfig, its dict or JSON text; None: off
+    ec_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -293,6 +360,7 @@ class EngineArgs:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
         self._resolve_kv_transfer()
+        self.ec_transfer_config = ECTransferConfig.from_any(self.ec_transfer_config)
         self._check_lora()
         self._check_pipeline_parallel()
 

@@ -26,7 +26,7 @@ from vlserve.executor import build_executor
 from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.engine.lora_loads import LoRALoads
 from vlserve.engine.batch_queue import BatchQueue
-from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_kv_transfer
+from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_ec_transfer, resolve_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class EngineCore:
                                       processor=processor)
         self.loaded = loaded
         args = resolve_kv_transfer(args, loaded)  # the connector checked, the offloading tier sized and keyed
+        args = resolve_ec_transfer(args, loaded)  # the encoder-cache connector's namespace
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
@@ -302,6 +303,7 @@ class EngineCore:
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
             **({} if self.batch_queue is None else {"vlserve:max_batches_in_flight": self.batch_queue.max_in_flight}),
             **({} if s.connector is None else {f"vlserve:{k}": v for k, v in s.connector.stats().items()}),
+            **{f"vlserve:{k}": v for k, v in ranks.ec_counters.items()},
         }
 
     def check_integrity(self) -> None:

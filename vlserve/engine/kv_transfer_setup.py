@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from vlserve.config import EngineArgs, KVTransferConfig
+from vlserve.config import ECTransferConfig, EngineArgs, KVTransferConfig
 from vlserve.distributed.kv_transfer.factory import check_kv_transfer_config
 from vlserve.distributed.kv_transfer.offloading.keys import namespace_key
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
@@ -23,9 +23,9 @@ def kv_bytes_per_block(hf_config, block_size: int, kv_dtype: torch.dtype) -> int
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
 
-def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
-    """What makes a block's KV differ for the same tokens: the checkpoint (its config, and its weight files by name,
-    size and mtime), the KV dtype, the block size and the sharding."""
+def checkpoint_parts(loaded) -> tuple[str, str]:
+    """The checkpoint's identity: its config (JSON, without its path) and its weight files by name, size and
+    mtime."""
     files = []
     path = loaded.model_path
     if os.path.isdir(path):
@@ -35,9 +35,44 @@ def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
                 files.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
     config = loaded.hf_config.to_dict() if hasattr(loaded.hf_config, "to_dict") else {}
     config.pop("_name_or_path", None)
-    return namespace_key(json.dumps(config, sort_keys=True, default=str), ",".join(files), str(kv_dtype),
+    return json.dumps(config, sort_keys=True, default=str), ",".join(files)
+
+
+def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
+    """What makes a block's KV differ for the same tokens: the checkpoint (its config, and its weight files by name,
+    size and mtime), the KV dtype, the block size and the sharding."""
+    return namespace_key(*checkpoint_parts(loaded), str(kv_dtype),
                          str(args.block_size), f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}",
                          args.quantization or "")
+
+
+def encoder_namespace(args: EngineArgs, loaded) -> bytes:
+    """What makes an item's encoder output differ for the same mm_hash: the checkpoint (its config holds the tower's
+    and projector's), the model dtype, the model class running the tower, the processor's settings and the
+    quantization."""
+    from vlserve.models.registry import get_model_class
+
+    return namespace_key("encoder-outputs", *checkpoint_parts(loaded), str(loaded.dtype),
+                         get_model_class(loaded.hf_config).__name__,
+                         json.dumps(args.mm_processor_kwargs or {}, sort_keys=True, default=str),
+                         args.quantization or "")
+
+
+def resolve_ec_transfer(args: EngineArgs, loaded) -> EngineArgs:
+    """`args` unchanged without an encoder-cache connector; else a copy whose ec_transfer_config carries the
+    namespace its files live under. ValueError for what it does not support."""
+    cfg = args.ec_transfer_config
+    if cfg is None:
+        return args
+    if args.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
+        raise ValueError("ec_transfer_config runs with one rank in the engine's process for now "
+                         "(tensor_parallel_size = pipeline_parallel_size = 1, no distributed executor)")
+    if not loaded.modalities:
+        raise ValueError(f"ec_transfer_config needs a multimodal model; {loaded.model_path} has no encoder")
+    extra = {**cfg.ec_connector_extra_config, "_namespace": encoder_namespace(args, loaded).hex()}
+    args = copy.copy(args)
+    args.ec_transfer_config = ECTransferConfig(cfg.ec_connector, cfg.ec_role, extra)
+    return args
 
 
 def check_kv_transfer(args: EngineArgs) -> None:

@@ -56,6 +56,7 @@ class WorkerStats:
     num_requests: int = 0  # requests the runner still holds state for
     num_graph_replays: int = 0  # decoder forwards answered by a CUDA graph replay
     num_eager_forwards: int = 0  # decoder forwards run without a graph
+    ec_counters: dict[str, int] = field(default_factory=dict)  # the encoder-cache connector's (ec_*_total)
 
 
 def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
@@ -149,6 +150,11 @@ class Worker:
             self.runner.set_kv_connector(create_connector(
                 cfg, KVConnectorRole.WORKER, block_size=self.settings.args.block_size,
                 rank=pp_rank() * self.settings.args.tensor_parallel_size + tp_rank()))
+        ec_cfg = self.settings.args.ec_transfer_config
+        if ec_cfg is not None:  # encoder outputs through a shared directory (distributed/ec_transfer)
+            from vlserve.distributed.ec_transfer.shared_storage import ECSharedStorageConnector
+
+            self.runner.ec_connector = ECSharedStorageConnector(ec_cfg, self.runner.device, self.runner.dtype)
         self.runner.warm_up_model(self.settings.args.max_num_seqs, self.settings.max_model_len)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -197,7 +203,8 @@ class Worker:
         """This rank's counters now."""
         r = self.runner
         return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests),
-                           r.forward.num_graph_replays, r.forward.num_eager_forwards)
+                           r.forward.num_graph_replays, r.forward.num_eager_forwards,
+                           {} if r.ec_connector is None else dict(r.ec_connector.counters))
 
 
 FRONTEND_CORE_FROM = 4  # machines with at least this many cores keep one core for the API process

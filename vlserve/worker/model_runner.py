@@ -78,6 +78,7 @@ class ModelRunner:
         self.num_encoder_runs = 0
         self.encoder_runs_by_modality: dict[str, int] = {}  # items encoded, per modality
         self.kv_connector = None  # a kv_transfer connector's worker side (`set_kv_connector`), or None
+        self.ec_connector = None  # the encoder-cache connector (distributed/ec_transfer), or None
 
     def set_kv_connector(self, connector) -> None:
         """Install a KV connector's worker side (after `initialize_kv_cache`): it gets the KV tensors now, and each
