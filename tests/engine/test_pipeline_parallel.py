@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.engine.conftest import hf_greedy, varied_prompts
+from tests.engine.conftest import (check_exact_with_preemption_and_prefix_hits, greedy_tokens, hf_greedy,
+                                   varied_prompts, vocab_size)
 from vlserve import LLM, SamplingParams
 from vlserve.distributed.pipeline import PARTITION_ENV, layer_partition
 from vlserve.executor import WorkerDied
@@ -39,13 +40,8 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 
 def _tokens(llm, prompts, n: int = MAX_NEW) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(n), use_tqdm=False)]
+    return greedy_tokens(llm, prompts, n)
 
-
-def _vocab(model_dir: str) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir).vocab_size
 
 
 def _num_params(model) -> int:
@@ -54,7 +50,7 @@ def _num_params(model) -> int:
 
 @pytest.mark.slow  # two stage processes (~10 s on 2 cores)
 def test_pp2_equals_pp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_4l_dir):
-    prompts = varied_prompts(_vocab(qwen2_4l_dir))
+    prompts = varied_prompts(vocab_size(qwen2_4l_dir))
     expected = hf_greedy(qwen2_4l_dir, prompts, MAX_NEW)
     one = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=256)
     assert _tokens(one, prompts) == expected
@@ -70,21 +66,7 @@ def test_pp2_equals_pp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_4l_d
         assert [i["num_kv_layers"] for i in info] == [2, 2]  # each stage caches only its own layers
         assert all(i["kv_cache_shape"] == (24, 16, 2, 16) for i in info)  # the same block count on both
         assert all(i["num_params"] < 0.75 * full for i in info), (info, full)  # the embeddings/lm_head + 2 layers
-        got = _tokens(llm, prompts)
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert g == e, f"prompt {i} (len {len(prompts[i])}) diverged under PP=2: {g} vs HF {e}"
-        m = llm.get_metrics()
-        assert m["vlserve:num_preemptions_total"] > 0
-        assert m["vlserve:generation_tokens_total"] == MAX_NEW * len(prompts)
-        llm.check_integrity()
-
-        base = varied_prompts(_vocab(qwen2_4l_dir), lengths=(70,), seed=3)[0]
-        shared = [base + tail for tail in varied_prompts(_vocab(qwen2_4l_dir), lengths=(5, 9), seed=4)]
-        want = hf_greedy(qwen2_4l_dir, shared, MAX_NEW)
-        assert _tokens(llm, shared[:1]) == want[:1]
-        assert _tokens(llm, shared[1:]) == want[1:]
-        assert llm.get_metrics()["vlserve:prefix_cache_hits_total"] >= 64  # 4 full blocks of the shared prefix
-        llm.check_integrity()
+        check_exact_with_preemption_and_prefix_hits(llm, qwen2_4l_dir, prompts, expected, MAX_NEW, "PP=2")
     finally:
         llm.shutdown()
 
@@ -92,7 +74,7 @@ def test_pp2_equals_pp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_4l_d
 @pytest.mark.slow
 def test_uneven_partition_untied_llama_with_logprobs(llama_4l_dir, monkeypatch):
     monkeypatch.setenv(PARTITION_ENV, "1,3")
-    prompts = varied_prompts(_vocab(llama_4l_dir), lengths=(2, 33, 64))
+    prompts = varied_prompts(vocab_size(llama_4l_dir), lengths=(2, 33, 64))
     expected = hf_greedy(llama_4l_dir, prompts, MAX_NEW)
     # KV sized per stage: a block costs 2 (K, V) x 16 slots x 1 KV head x 16 dims x 4 bytes = 2 KiB per layer, so
     # this budget holds 150 blocks of stage 0's one layer, 50 of stage 1's three (37 of all four at PP=1)
@@ -121,13 +103,13 @@ def test_profiled_kv_size_then_a_killed_stage_fails_the_engine(qwen2_4l_dir):
     llm = LLM(qwen2_4l_dir, dtype="float32", max_model_len=256, max_num_seqs=4, pipeline_parallel_size=2)
     try:
         assert llm.engine.executor.num_blocks == 4 * 256 // 16 + 1  # max_num_seqs x max_model_len, within memory
-        prompts = varied_prompts(_vocab(qwen2_4l_dir), lengths=(7,))
+        prompts = varied_prompts(vocab_size(qwen2_4l_dir), lengths=(7,))
         assert _tokens(llm, prompts) == hf_greedy(qwen2_4l_dir, prompts, MAX_NEW)
         pids = [p.pid for p in llm.engine.executor.procs]
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerDied, match=r"rank 1 \(pipeline stage 1\) \(pid \d+\) was killed by signal 9"):
-            llm.generate(varied_prompts(_vocab(qwen2_4l_dir), lengths=(40,)), _greedy(), use_tqdm=False)
+            llm.generate(varied_prompts(vocab_size(qwen2_4l_dir), lengths=(40,)), _greedy(), use_tqdm=False)
         assert time.monotonic() - start < 20
     finally:
         llm.shutdown()
@@ -171,7 +153,7 @@ def test_bad_partitions_and_unsupported_settings_are_refused(qwen2_4l_dir, monke
 
 @pytest.mark.slow  # three stage processes on two cores
 def test_pp3_middle_stage_receives_and_sends(qwen2_4l_dir):
-    prompts = varied_prompts(_vocab(qwen2_4l_dir), lengths=(3, 40, 95))
+    prompts = varied_prompts(vocab_size(qwen2_4l_dir), lengths=(3, 40, 95))
     llm = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48, pipeline_parallel_size=3)
     try:
         info = llm.engine.executor.collective_rpc("shard_info")
@@ -197,7 +179,7 @@ def test_cli_flag_reaches_engine_args():
 @pytest.mark.slow  # four rank processes on two cores
 def test_tp2_x_pp2_matches_pp1_and_hf(qwen2_4l_dir):
     # tied embeddings: the last stage reads its vocab rows of the LM head from embed_tokens.weight
-    prompts = varied_prompts(_vocab(qwen2_4l_dir), lengths=(3, 40, 95))
+    prompts = varied_prompts(vocab_size(qwen2_4l_dir), lengths=(3, 40, 95))
     expected = hf_greedy(qwen2_4l_dir, prompts, MAX_NEW)
     one = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64)
     try:

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.engine.conftest import hf_greedy, varied_prompts
+from tests.engine.conftest import (check_exact_with_preemption_and_prefix_hits, greedy_tokens, hf_greedy,
+                                   varied_prompts, vocab_size)
 from vlserve import LLM, SamplingParams
 from vlserve.executor import WorkerDied
 
@@ -23,17 +24,12 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 
 def _tokens(llm, prompts, n: int = MAX_NEW) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(n), use_tqdm=False)]
+    return greedy_tokens(llm, prompts, n)
 
-
-def _vocab(model_dir: str) -> int:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir).vocab_size
 
 
 def test_tp2_equals_tp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_dir):
-    prompts = varied_prompts(_vocab(qwen2_dir))
+    prompts = varied_prompts(vocab_size(qwen2_dir))
     expected = hf_greedy(qwen2_dir, prompts, MAX_NEW)
     one = LLM(qwen2_dir, dtype="float32", num_kv_blocks=256)
     assert _tokens(one, prompts) == expected
@@ -46,27 +42,13 @@ def test_tp2_equals_tp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_dir)
         assert [i["rank"] for i in info] == [0, 1] and all(i["world_size"] == 2 for i in info)
         assert all(i["num_params"] < 0.75 * full for i in info), (info, full)  # norms are replicated, the rest split
         assert all(i["kv_cache_shape"][2] == 1 for i in info)  # 2 KV heads over 2 ranks: one each
-        got = _tokens(llm, prompts)
-        for i, (g, e) in enumerate(zip(got, expected)):
-            assert g == e, f"prompt {i} (len {len(prompts[i])}) diverged under TP=2: {g} vs HF {e}"
-        m = llm.get_metrics()
-        assert m["vlserve:num_preemptions_total"] > 0
-        assert m["vlserve:generation_tokens_total"] == MAX_NEW * len(prompts)
-        llm.check_integrity()
-
-        base = varied_prompts(_vocab(qwen2_dir), lengths=(70,), seed=3)[0]
-        shared = [base + tail for tail in varied_prompts(_vocab(qwen2_dir), lengths=(5, 9), seed=4)]
-        want = hf_greedy(qwen2_dir, shared, MAX_NEW)
-        assert _tokens(llm, shared[:1]) == want[:1]
-        assert _tokens(llm, shared[1:]) == want[1:]
-        assert llm.get_metrics()["vlserve:prefix_cache_hits_total"] >= 64  # 4 full blocks of the shared prefix
-        llm.check_integrity()
+        check_exact_with_preemption_and_prefix_hits(llm, qwen2_dir, prompts, expected, MAX_NEW, "TP=2")
     finally:
         llm.shutdown()
 
 
 def test_tp2_replicates_a_single_kv_head_untied_llama(llama_dir):
-    prompts = varied_prompts(_vocab(llama_dir), lengths=(2, 33, 64))
+    prompts = varied_prompts(vocab_size(llama_dir), lengths=(2, 33, 64))
     expected = hf_greedy(llama_dir, prompts, MAX_NEW)
     llm = LLM(llama_dir, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     try:
@@ -99,12 +81,12 @@ def test_a_killed_rank_fails_the_engine_promptly(qwen2_dir):
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerDied, match=r"tensor-parallel rank 1 \(pid \d+\) was killed by signal 9"):
-            llm.generate(varied_prompts(_vocab(qwen2_dir), lengths=(40,)), _greedy(), use_tqdm=False)
+            llm.generate(varied_prompts(vocab_size(qwen2_dir), lengths=(40,)), _greedy(), use_tqdm=False)
         assert time.monotonic() - start < 20
         time.sleep(0.5)
         assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in pids)  # rank 0 was stopped too
         with pytest.raises(WorkerDied):  # the engine stays failed, it does not pretend to run
-            llm.generate(varied_prompts(_vocab(qwen2_dir), lengths=(3,)), _greedy(), use_tqdm=False)
+            llm.generate(varied_prompts(vocab_size(qwen2_dir), lengths=(3,)), _greedy(), use_tqdm=False)
     finally:
         llm.shutdown()
 

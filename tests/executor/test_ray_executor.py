@@ -41,6 +41,16 @@ def model_dir(tmp_path_factory):
     return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2-ray")), arch="qwen2", num_layers=2)
 
 
+@pytest.fixture(scope="module")
+def one_rank_tokens(model_dir) -> list[list[int]]:
+    """What one process makes of PROMPTS: the tokens every Ray engine here must equal."""
+    reference = LLM(model=model_dir, tensor_parallel_size=1, **ENGINE_KW)
+    try:
+        return _run(reference)
+    finally:
+        reference.shutdown()
+
+
 def _run(llm: LLM) -> list[list[int]]:
     first = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     again = llm.generate(PROMPTS[3:], GREEDY, use_tqdm=False)  # shares SHARED's cached blocks
@@ -52,12 +62,7 @@ def _live_placement_groups(ray) -> list:
 
 
 @pytest.mark.slow
-def test_ray_tp2_matches_one_rank(ray_cluster, model_dir):
-    reference = LLM(model=model_dir, tensor_parallel_size=1, **ENGINE_KW)
-    try:
-        expected = _run(reference)
-    finally:
-        reference.shutdown()
+def test_ray_tp2_matches_one_rank(ray_cluster, model_dir, one_rank_tokens):
     llm = LLM(model=model_dir, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KW)
     try:
         assert type(llm.engine.executor).__name__ == "RayExecutor"
@@ -67,7 +72,7 @@ def test_ray_tp2_matches_one_rank(ray_cluster, model_dir):
         llm.check_integrity()
     finally:
         llm.shutdown()
-    assert got == expected
+    assert got == one_rank_tokens
     assert metrics["vlserve:num_preemptions_total"] > 0
     assert metrics["vlserve:prefix_cache_hits_total"] > 0
     assert [s["rank"] for s in shards] == [0, 1] and {s["world_size"] for s in shards} == {2}
@@ -113,13 +118,8 @@ def test_factory_without_ray_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ray_pp2_matches_one_rank(ray_cluster, model_dir):
+def test_ray_pp2_matches_one_rank(ray_cluster, model_dir, one_rank_tokens):
     # two stage actors (one layer each) in one placement group; the last stage's output is the step's
-    reference = LLM(model=model_dir, tensor_parallel_size=1, **ENGINE_KW)
-    try:
-        expected = _run(reference)
-    finally:
-        reference.shutdown()
     llm = LLM(model=model_dir, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KW)
     try:
         executor = llm.engine.executor
@@ -135,7 +135,7 @@ def test_ray_pp2_matches_one_rank(ray_cluster, model_dir):
         assert time.monotonic() - start < 30
     finally:
         llm.shutdown()
-    assert got == expected
+    assert got == one_rank_tokens
     assert metrics["vlserve:num_preemptions_total"] > 0
     assert metrics["vlserve:prefix_cache_hits_total"] > 0
     assert metrics["vlserve:max_batches_in_flight"] == 2  # the actors queue steps: two batches at once

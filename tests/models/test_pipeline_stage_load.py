@@ -3,6 +3,8 @@ its layers (the embeddings on the first stage, the final norm and LM head on the
 tensors, and they equal the whole model's."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -41,21 +43,32 @@ def _load(model_dir, monkeypatch, stage=None, num_stages=2):
     return model, read
 
 
+def load_two_stages(model_dir, monkeypatch) -> SimpleNamespace:
+    """The whole model's parameters, and each of two stages' model, parameters and tensor names read."""
+    full, _ = _load(model_dir, monkeypatch)
+    first, read0 = _load(model_dir, monkeypatch, stage=0)
+    last, read1 = _load(model_dir, monkeypatch, stage=1)
+    return SimpleNamespace(whole=dict(full.named_parameters()), first=first, last=last, read0=read0, read1=read1,
+                           p0=dict(first.named_parameters()), p1=dict(last.named_parameters()))
+
+
+def assert_stage_params_are_the_models(stages: SimpleNamespace, embed_name: str, tied: bool) -> None:
+    """Every stage parameter equals the whole model's (a tied LM head: the embeddings)."""
+    for name, param in list(stages.p0.items()) + list(stages.p1.items()):
+        want = stages.whole[embed_name] if (tied and name == "lm_head.weight") else stages.whole[name]
+        assert torch.equal(param, want), name
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_stages_hold_and_read_only_their_layers(ckpts, tied, monkeypatch):
-    full, _ = _load(ckpts[tied], monkeypatch)
-    whole = dict(full.named_parameters())
-    first, read0 = _load(ckpts[tied], monkeypatch, stage=0)
-    last, read1 = _load(ckpts[tied], monkeypatch, stage=1)
-    p0, p1 = dict(first.named_parameters()), dict(last.named_parameters())
+    stages = load_two_stages(ckpts[tied], monkeypatch)
+    p0, p1, read0, read1 = stages.p0, stages.p1, stages.read0, stages.read1
     layers = {n.split(".")[2] for n in list(p0) + list(p1) if n.startswith("model.layers.")}
     assert layers == {"0", "1", "2", "3"}
     assert {n.split(".")[2] for n in p0 if n.startswith("model.layers.")} == {"0", "1"}
     assert "model.embed_tokens.weight" in p0 and "lm_head.weight" not in p0 and "model.norm.weight" not in p0
     assert "model.embed_tokens.weight" not in p1 and {"lm_head.weight", "model.norm.weight"} <= set(p1)
-    for name, param in list(p0.items()) + list(p1.items()):
-        want = whole["model.embed_tokens.weight"] if (tied and name == "lm_head.weight") else whole[name]
-        assert torch.equal(param, want), name
+    assert_stage_params_are_the_models(stages, "model.embed_tokens.weight", tied)
     assert not any(n.startswith(("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")) for n in read0)
     assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in read1)
     # the last stage reads the embeddings only when its LM head is tied to them

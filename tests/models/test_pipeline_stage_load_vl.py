@@ -7,9 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from tests.models.test_pipeline_stage_load import _load
+from tests.models.test_pipeline_stage_load import assert_stage_params_are_the_models, load_two_stages
 from vlserve.models.llama import AbsentOnStage
 
 ENCODER_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
@@ -28,11 +27,8 @@ def vl_ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["qwen2_vl_tied", "llava_next"])
 def test_encoder_parts_live_on_the_first_stage_only(vl_ckpts, kind, monkeypatch):
-    full, _ = _load(vl_ckpts[kind], monkeypatch)
-    whole = dict(full.named_parameters())
-    first, read0 = _load(vl_ckpts[kind], monkeypatch, stage=0)
-    last, read1 = _load(vl_ckpts[kind], monkeypatch, stage=1)
-    p0, p1 = dict(first.named_parameters()), dict(last.named_parameters())
+    stages = load_two_stages(vl_ckpts[kind], monkeypatch)
+    last, p0, p1, read0, read1 = stages.last, stages.p0, stages.p1, stages.read0, stages.read1
     tower = "visual" if kind.startswith("qwen") else "vision_tower"
     assert any(n.startswith(tower + ".") for n in p0) and not any(n.startswith(tower + ".") for n in p1)
     assert isinstance(getattr(last, tower), AbsentOnStage)
@@ -45,9 +41,7 @@ def test_encoder_parts_live_on_the_first_stage_only(vl_ckpts, kind, monkeypatch)
     assert "language_model.embed_tokens.weight" in p0 and "lm_head.weight" not in p0
     assert "language_model.embed_tokens.weight" not in p1 and "lm_head.weight" in p1
     tied = kind == "qwen2_vl_tied"
-    for name, param in list(p0.items()) + list(p1.items()):
-        want = whole["language_model.embed_tokens.weight"] if (tied and name == "lm_head.weight") else whole[name]
-        assert torch.equal(param, want), name
+    assert_stage_params_are_the_models(stages, "language_model.embed_tokens.weight", tied)
     assert not any(n.startswith(ENCODER_PREFIXES) for n in read1)
     assert any(n.startswith(ENCODER_PREFIXES) for n in read0)
     assert any(n.endswith("embed_tokens.weight") for n in read1) == tied  # the tied head's source only

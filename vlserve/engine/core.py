@@ -248,7 +248,7 @@ class EngineCore:
             return
         if self.steps_in_flight:
             self._drain_in_flight()
-        if self.batch_queue:
+        if self.batch_queue is not None:
             self.batch_queue.drain()
         if self.scheduler.finished_req_ids:
             sched_out = self.scheduler.schedule()
@@ -266,7 +266,7 @@ class EngineCore:
                 self._drain_in_flight()
             finally:
                 self._runner_thread.shutdown(wait=True)
-        if self.batch_queue:
+        if self.batch_queue is not None:
             self.batch_queue.discard()
         self.executor.shutdown()
 
