@@ -86,3 +86,22 @@ def test_proxy_image_chat_equals_one_server_and_decode_never_sees_media(vl_stack
     assert _metric(cons, "vlserve:encoder_runs_total") == 0  # the decode server never ran the tower
     assert _metric(cons, "vlserve:mm_processor_cache_misses_total") == 0  # nor processed any media
     assert _metric(prod, "vlserve:encoder_runs_total") > 0
+
+
+@pytest.mark.slow
+def test_proxy_video_chat_equals_one_server(vl_stack):
+    """A video_url part (an mp4 data URL): sampled and encoded on the prefill server only."""
+    from tests.multimodal.mm_media import encode_video, rand_video
+
+    prod, cons, plain, proxy = vl_stack
+    runs = _metric(cons, "vlserve:encoder_runs_total")
+    url = "data:video/mp4;base64," + base64.b64encode(encode_video(rand_video(8, 56, 56, seed=5), fps=4)).decode()
+    msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": "What happens in the clip?"}]}]
+    body = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    want = _post(plain, "/v1/chat/completions", body)
+    got = _post(proxy, "/v1/chat/completions", body)
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert _metric(cons, "vlserve:encoder_runs_total") == runs == 0
+    assert _metric(cons, "vlserve:mm_processor_cache_misses_total") == 0

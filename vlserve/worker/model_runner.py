@@ -81,11 +81,11 @@ class ModelRunner:
         self.ec_connector = None  # the encoder-cache connector (distributed/ec_transfer), or None
 
     def set_kv_connector(self, connector) -> None:
-        """Install a KV connector's worker side (after `initialize_kv_cache`): it gets the KV tensors now, and each
-        step loads before the forward and saves after it (`execute_model`)."""
+        """Install a KV connector's worker side (after `initialize_kv_cache`): it gets the KV tensors (the EAGLE
+        draft's too) now, and each step loads before the forward and saves after it (`execute_model`)."""
         self.kv_connector = connector
         if connector is not None:
-            connector.register_kv_caches(self.kv_caches)
+            connector.register_kv_caches(self.kv_caches, self.draft_kv_cache)
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Install the spec-decode draft proposer or None. One with `uses_target_hidden_states` gets the target

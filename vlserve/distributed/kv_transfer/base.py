@@ -13,9 +13,10 @@ Scheduler side (pure Python, in the engine core; no torch):
       producer's: where a consumer finds the blocks).
 
 Worker side (in the model runner, around each step's forward: `ModelRunner.execute_model` is the one seam):
-  `register_kv_caches(kv_caches)` once after the KV cache is allocated (per layer a (K, V) pair of
-      `[num_blocks, block_size, num_kv_heads, head_dim]` tensors; a transfer engine registers their memory and
-      addresses block b of a layer at `data_ptr() + b * stride(0) * element_size()`, see `kv_block_regions`),
+  `register_kv_caches(kv_caches, draft_kv_cache)` once after the KV cache is allocated (per layer a (K, V) pair
+      of `[num_blocks, block_size, num_kv_heads, head_dim]` tensors, and the EAGLE draft's own (K, V) pair under
+      the same block ids, or None; a transfer engine registers their memory and addresses block b of a layer at
+      `data_ptr() + b * stride(0) * element_size()`, see `kv_block_regions`),
   `start_load_kv(metadata)` before the forward, `wait_for_layer_load(layer)` / `save_kv_layer(layer, ...)`
       (optional per-layer hooks), `wait_for_save()` after the forward, and `get_finished()` -> the step's
       `KVConnectorOutput` (loads and saves that ended, loads that failed), returned in `ModelRunnerOutput`.
@@ -93,7 +94,7 @@ class KVConnectorBase:
         return {}
 
     # -- worker side -----------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
+    def register_kv_caches(self, kv_caches, draft_kv_cache=None) -> None:
         pass
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:

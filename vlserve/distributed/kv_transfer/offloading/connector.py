@@ -180,8 +180,8 @@ class OffloadingConnector(KVConnectorBase):
         return {**self.counters, "kv_offload_host_blocks": len(self.host), "kv_offload_disk_blocks": len(self.disk)}
 
     # -- worker side -----------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
-        self.worker.register_kv_caches(kv_caches)
+    def register_kv_caches(self, kv_caches, draft_kv_cache=None) -> None:
+        self.worker.register_kv_caches(kv_caches)  # (the tier keeps the target's layers; see docs/architecture.md)
 
     def start_load_kv(self, metadata) -> None:
         if metadata is not None and metadata.loads:

@@ -155,8 +155,8 @@ class P2PConnector(KVConnectorBase):
         return dict(self.counters)
 
     # -- worker side -------------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches) -> None:
-        self.worker.register_kv_caches(kv_caches)
+    def register_kv_caches(self, kv_caches, draft_kv_cache=None) -> None:
+        self.worker.register_kv_caches(kv_caches, draft_kv_cache)
 
     def start_load_kv(self, metadata) -> None:
         if metadata is not None:

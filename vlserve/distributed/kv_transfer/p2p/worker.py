@@ -29,9 +29,9 @@ class P2PWorker:
         self._reads: dict[str, Future] = {}
         self._peers: dict[tuple[str, int, str], CacheDescriptor] = {}
 
-    def register_kv_caches(self, kv_caches) -> None:
+    def register_kv_caches(self, kv_caches, draft_kv_cache=None) -> None:
         self.agent = TransferAgent(self.host)
-        self.agent.register(kv_caches)
+        self.agent.register(kv_caches, draft_kv_cache)
         if self.side_channel_port is not None:
             self.server = SideChannelServer(self.host, self.side_channel_port, lambda: self.agent.describe().to_dict(),
                                             self._on_done)
@@ -57,6 +57,10 @@ class P2PWorker:
                 if peer is None:
                     peer = self._peers[key] = CacheDescriptor.from_dict(ask(load.host, load.port,
                                                                             {"op": "describe"})["cache"])
+                    if self.agent.draft_block_bytes and not self.agent.reads_draft_from(peer):
+                        logger.warning("the producer at %s:%s runs no EAGLE draft like this server's: its drafts "
+                                       "will see no prompt KV (fewer accepted, same output); start the prefill "
+                                       "server with the same --speculative-config", load.host, load.port)
                 ok = self.agent.read_blocks(peer, load.remote_block_ids, load.local_block_ids)
         except Exception as e:  # noqa: BLE001 - a failed read recomputes
             logger.warning("KV read from %s:%s failed: %s", load.host, load.port, e)
