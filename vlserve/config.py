@@ -397,7 +397,7 @@ class EngineArgs:
         pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
         refused = [
             (self.data_parallel_size > 1, "with data_parallel_size > 1"),
-            (_names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
+            (names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
                                                     "target's hidden states and embeddings, which live on different "
                                                     "stages; use method 'ngram')"),
             (self.async_scheduling, "with async_scheduling"),
@@ -427,7 +427,7 @@ class EngineArgs:
             raise ValueError("LoRA with async_scheduling is not supported yet")
 
 
-def _names_eagle(speculative_config: Any) -> bool:
+def names_eagle(speculative_config: Any) -> bool:
     """Whether a speculative_config (dict, before validation) asks for an EAGLE draft: by method, or by a draft model
     whose name says so (as SpeculativeConfig infers a missing method)."""
     if not isinstance(speculative_config, dict):

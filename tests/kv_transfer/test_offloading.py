@@ -134,3 +134,25 @@ def test_async_scheduling_and_batched(qwen2_dir, reference):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     llm.check_integrity()
+
+
+def test_eagle_head_layer_rides_in_the_tier(tmp_path_factory):
+    """With an EAGLE head the tier keeps the head's KV layer too: a prefix loaded back from the tier drafts as well
+    as one the device pool kept (same accepted drafts as an engine big enough to keep every prefix), same tokens."""
+    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+
+    root = tmp_path_factory.mktemp("tier_eagle")
+    target = build_text_checkpoint(str(root / "t"), arch="qwen2", num_layers=1)
+    spec = {"method": "eagle", "num_speculative_tokens": 3,
+            "model": build_eagle_checkpoint(str(root / "h"), target, "eagle", "mimic")}
+    prompts = _workload()
+    big = LLM(target, dtype="float32", num_kv_blocks=128, max_model_len=160, block_size=BLOCK, seed=0,
+              speculative_config=spec)
+    expected = _run(big, prompts)
+    tier = _llm(target, kv_offloading_size=0.01, speculative_config=spec)
+    assert _run(tier, prompts) == expected
+    mb, mt = big.get_metrics(), tier.get_metrics()
+    assert mt["vlserve:kv_offload_hit_tokens_total"] >= 4 * 64  # the second and third rounds' prefixes
+    accepted = mb["vlserve:spec_decode_num_accepted_tokens_total"]
+    assert accepted > 0 and abs(mt["vlserve:spec_decode_num_accepted_tokens_total"] - accepted) <= 0.1 * accepted

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from vlserve.config import ECTransferConfig, EngineArgs, KVTransferConfig
+from vlserve.config import ECTransferConfig, EngineArgs, KVTransferConfig, names_eagle
 from vlserve.distributed.kv_transfer.factory import check_kv_transfer_config
 from vlserve.distributed.kv_transfer.offloading.keys import namespace_key
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
@@ -26,24 +26,40 @@ def kv_bytes_per_block(hf_config, block_size: int, kv_dtype: torch.dtype) -> int
 def checkpoint_parts(loaded) -> tuple[str, str]:
     """The checkpoint's identity: its config (JSON, without its path) and its weight files by name, size and
     mtime."""
+    config = loaded.hf_config.to_dict() if hasattr(loaded.hf_config, "to_dict") else {}
+    config.pop("_name_or_path", None)
+    return json.dumps(config, sort_keys=True, default=str), _weight_files(loaded.model_path)
+
+
+def _weight_files(path: str) -> str:
+    """A checkpoint folder's weight files by name, size and mtime ("" for a path that is not a folder)."""
     files = []
-    path = loaded.model_path
     if os.path.isdir(path):
         for name in sorted(os.listdir(path)):
             if name.endswith((".safetensors", ".bin", ".pt")):
                 st = os.stat(os.path.join(path, name))
                 files.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
-    config = loaded.hf_config.to_dict() if hasattr(loaded.hf_config, "to_dict") else {}
-    config.pop("_name_or_path", None)
-    return json.dumps(config, sort_keys=True, default=str), ",".join(files)
+    return ",".join(files)
+
+
+def _eagle_part(args: EngineArgs) -> str:
+    """The EAGLE head whose KV layer the offloading tier keeps beside the target's ("" without one)."""
+    spec = args.speculative_config
+    if not names_eagle(spec):
+        return ""
+    model = spec.get("model") if isinstance(spec, dict) else getattr(spec, "model", None)
+    return f"eagle:{model}:{_weight_files(str(model))}"
 
 
 def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
     """What makes a block's KV differ for the same tokens: the checkpoint (its config, and its weight files by name,
-    size and mtime), the KV dtype, the block size and the sharding."""
-    return namespace_key(*checkpoint_parts(loaded), str(kv_dtype),
-                         str(args.block_size), f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}",
-                         args.quantization or "")
+    size and mtime), the KV dtype, the block size, the sharding, and the EAGLE head whose layer the blocks hold."""
+    parts = [*checkpoint_parts(loaded), str(kv_dtype), str(args.block_size),
+             f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}", args.quantization or ""]
+    eagle = _eagle_part(args)
+    if eagle:  # the tier's blocks then hold the head's layer too (an older namespace stays the same without one)
+        parts.append(eagle)
+    return namespace_key(*parts)
 
 
 def encoder_namespace(args: EngineArgs, loaded) -> bytes:
@@ -96,6 +112,8 @@ def resolve_kv_transfer(args: EngineArgs, loaded) -> EngineArgs:
     if cfg.kv_connector == "OffloadingConnector":
         kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, loaded.dtype, loaded.device)
         per_block = kv_bytes_per_block(loaded.hf_config, args.block_size, kv_dtype)
+        if _eagle_part(args):  # the head's layer, about one more of the target's
+            per_block += per_block // kv_cache_spec(text_config_of(loaded.hf_config))[0]
         extra["_num_cpu_blocks"] = int(extra.get("cpu_bytes_to_use", 0)) // per_block
         extra["_namespace"] = model_namespace(args, loaded, kv_dtype).hex()
     elif cfg.kv_connector == "P2PConnector":

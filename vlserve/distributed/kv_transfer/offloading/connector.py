@@ -181,7 +181,7 @@ class OffloadingConnector(KVConnectorBase):
 
     # -- worker side -----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches, draft_kv_cache=None) -> None:
-        self.worker.register_kv_caches(kv_caches)  # (the tier keeps the target's layers; see docs/architecture.md)
+        self.worker.register_kv_caches(kv_caches, draft_kv_cache)
 
     def start_load_kv(self, metadata) -> None:
         if metadata is not None and metadata.loads:

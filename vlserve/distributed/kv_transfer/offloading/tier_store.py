@@ -86,9 +86,18 @@ class TierStore:
         self._out = KVConnectorOutput()
         self._warned_write = False
 
-    def register_kv_caches(self, kv_caches) -> None:
+    def register_kv_caches(self, kv_caches, draft_kv_cache=None) -> None:
+        """The target's layers, and the EAGLE draft's pair as one more layer when its pages have the same shape
+        and dtype (else the draft's prompt KV is not kept: a tier hit then gets fewer drafts accepted)."""
         self.layers = [pair for pair in kv_caches if pair is not None]
         k = self.layers[0][0]
+        if draft_kv_cache is not None:
+            d = draft_kv_cache[0]
+            if d.shape[1:] == k.shape[1:] and d.dtype == k.dtype:
+                self.layers.append(draft_kv_cache)
+            else:
+                logger.warning("KV offloading: the EAGLE draft's KV pages %s differ from the target's %s: the tier "
+                               "keeps the target's only", tuple(d.shape[1:]), tuple(k.shape[1:]))
         self.block_shape = (len(self.layers), 2, *k.shape[1:])
         self.dtype = k.dtype
         self.device = k.device
