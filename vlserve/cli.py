@@ -178,6 +178,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help='JSON, as vLLM: \'{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
                           '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}\' (ec_role: ec_producer | '
                           'ec_consumer | ec_both): encoder outputs through a shared directory (default: none)')
+    kvt.add_argument("--mm-encoder-only", action="store_true",
+                     help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
+                          "and run, no KV cache; each request's media items are encoded and published through "
+                          "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
+                          "with no tokens (finish_reason \"length\")")
 
     spec = p.add_argument_group("SpeculativeConfig")
     spec.add_argument("--speculative-config", type=_json_dict, default=None,
@@ -235,7 +240,8 @@ def serve_config_from_args(args: argparse.Namespace):
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules,
         kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
-        kv_offloading_dir=args.kv_offloading_dir, ec_transfer_config=args.ec_transfer_config)
+        kv_offloading_dir=args.kv_offloading_dir, ec_transfer_config=args.ec_transfer_config,
+        mm_encoder_only=args.mm_encoder_only)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,
