@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser("mm-cache", help="repeated images: encoder cache on vs off", add_help=False)
     bench.add_parser("spec-decode", help="speculative vs plain decoding", add_help=False)
     bench.add_parser("spec-demo", help="speculative vs plain decoding on the demo model's task", add_help=False)
-    sub.add_parser("proxy", help="disaggregated prefill/decode proxy in front of vlserve servers (see --help)",
+    sub.add_parser("proxy", help="disaggregated serving proxy (encode, prefill, decode) in front of vlserve servers (see --help)",
                    add_help=False)
     sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
                    add_help=False)
