@@ -63,6 +63,7 @@ def test_encode_server_many_items_over_steps(qwen2_vl_dir, tmp_path):
                         images=[[_image(21), _image(22)], [_image(23)], [_image(21)]], use_tqdm=False)
     assert [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [([], "length")] * 3
     assert len(_files(tmp_path)) == 3 and _m(enc, "encoder_runs_total") == 3
+    assert enc.engine.num_steps >= 3  # one new item per step (a step's first item always runs)
     enc.check_integrity()
 
 
@@ -96,3 +97,35 @@ def test_cli_mm_encoder_only_flag():
         .mm_encoder_only
     with pytest.raises(ValueError, match="ec_producer"):
         serve_config_from_args(p.parse_args(["serve", "--mm-encoder-only"]))
+
+
+def _family_dir(family: str, out: str) -> str:
+    if family == "mistral3":  # its image break / end rows come from the token embeddings the encode server keeps
+        from vlserve.testing.mistral3_checkpoints import build_mistral3_checkpoint
+        return build_mistral3_checkpoint(out)
+    if family == "gemma3":  # sliding-window layers: KV cache groups on a full engine
+        from vlserve.testing.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+        return build_gemma3_vlm_checkpoint(out)
+    if family == "qwen3_vl":  # DeepStack: rows wider than the hidden size
+        from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+        return build_qwen3_vl_checkpoint(out)
+    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    return build_llava_checkpoint(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llava", "mistral3", "gemma3", "qwen3_vl"])
+def test_encode_server_other_families(family, tmp_path):
+    from tests.kv_transfer.test_p2p_proxy_vl import _msgs
+
+    model = _family_dir(family, str(tmp_path / "ckpt"))
+    kw = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=512, seed=0)
+    msgs = [_msgs(5), _msgs(6)]
+    want = [list(o.outputs[0].token_ids) for o in LLM(model, **kw).chat(msgs, GREEDY, use_tqdm=False)]
+    enc = LLM(model, ec_transfer_config=_ec("ec_producer", tmp_path / "ec"), **kw)
+    assert not [n for n, _ in enc.engine.runner.model.named_parameters() if n.startswith(DROPPED)]
+    assert [list(o.outputs[0].token_ids) for o in enc.chat(msgs, GREEDY, use_tqdm=False)] == [[], []]
+    enc.check_integrity()
+    consumer = LLM(model, ec_transfer_config=_ec("ec_consumer", tmp_path / "ec"), **kw)
+    assert [list(o.outputs[0].token_ids) for o in consumer.chat(msgs, GREEDY, use_tqdm=False)] == want
+    assert _m(consumer, "encoder_runs_total") == 0 and _m(consumer, "ec_load_hits_total") == 2
