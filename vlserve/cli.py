@@ -116,6 +116,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     mm.add_argument("--max-audio-seconds", type=float, default=None,
                     help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
                          "window, 30 s for Whisper's)")
+    mm.add_argument("--mm-encoder-only", action="store_true",
+                    help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
+                         "and run, no KV cache; each request's media items are encoded and published through "
+                         "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
+                         "with no tokens (finish_reason \"length\")")
 
     cache = p.add_argument_group("CacheConfig", "the paged KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -178,11 +183,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help='JSON, as vLLM: \'{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
                           '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}\' (ec_role: ec_producer | '
                           'ec_consumer | ec_both): encoder outputs through a shared directory (default: none)')
-    kvt.add_argument("--mm-encoder-only", action="store_true",
-                     help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
-                          "and run, no KV cache; each request's media items are encoded and published through "
-                          "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
-                          "with no tokens (finish_reason \"length\")")
 
     spec = p.add_argument_group("SpeculativeConfig")
     spec.add_argument("--speculative-config", type=_json_dict, default=None,
