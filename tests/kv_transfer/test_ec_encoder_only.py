@@ -129,3 +129,26 @@ def test_encode_server_other_families(family, tmp_path):
     consumer = LLM(model, ec_transfer_config=_ec("ec_consumer", tmp_path / "ec"), **kw)
     assert [list(o.outputs[0].token_ids) for o in consumer.chat(msgs, GREEDY, use_tqdm=False)] == want
     assert _m(consumer, "encoder_runs_total") == 0 and _m(consumer, "ec_load_hits_total") == 2
+
+
+@pytest.mark.slow
+def test_encode_server_audio(tmp_path):
+    """Qwen2-Audio: an input_audio part through an encode server, then a consumer == a plain engine."""
+    import base64
+
+    from tests.multimodal.audio_media import encode_audio, tones
+    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+
+    model = build_qwen2_audio_checkpoint(str(tmp_path / "ckpt"))
+    kw = dict(dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=512, seed=0)
+    msgs = [[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(encode_audio(tones(1.0, seed=s), 16000))
+                                                .decode(), "format": "wav"}},
+        {"type": "text", "text": "What is this?"}]}] for s in (1, 2)]
+    want = [list(o.outputs[0].token_ids) for o in LLM(model, **kw).chat(msgs, GREEDY, use_tqdm=False)]
+    enc = LLM(model, ec_transfer_config=_ec("ec_producer", tmp_path / "ec"), **kw)
+    assert [list(o.outputs[0].token_ids) for o in enc.chat(msgs, GREEDY, use_tqdm=False)] == [[], []]
+    assert _m(enc, "ec_stores_total") == 2
+    consumer = LLM(model, ec_transfer_config=_ec("ec_consumer", tmp_path / "ec"), **kw)
+    assert [list(o.outputs[0].token_ids) for o in consumer.chat(msgs, GREEDY, use_tqdm=False)] == want
+    assert _m(consumer, "encoder_runs_total") == 0 and _m(consumer, "ec_load_hits_total") == 2
