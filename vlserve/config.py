@@ -315,8 +315,7 @@ class EngineArgs:
     kv_offloading_dir: str | None = None
     # encoder-cache connector (vlserve/distributed/ec_transfer): ECTransferConfig, its dict or JSON text; None: off
     ec_transfer_config: Any = None
-    # an encode server (E/PD disaggregation, vLLM's --mm-encoder-only): the towers only, no KV cache; requests encode
-    # their media, publish them through the ec connector and end with no tokens. An ec_producer role turns it on.
+    # an encode server (E/PD, vLLM's --mm-encoder-only; an ec_producer turns it on): core/encoder_only_scheduler.py
     mm_encoder_only: bool = False
 
     def __post_init__(self) -> None:
@@ -390,23 +389,18 @@ class EngineArgs:
             cfg.kv_connector_extra_config = {**extra, **cfg.kv_connector_extra_config}
 
     def _check_encoder_only(self) -> None:
-        """As vLLM: an ec_producer is an encode server (mm_encoder_only), and an encode server needs an ec_producer
-        to publish through; what it cannot do (generate: KV connectors, drafts, LoRA, async steps) is refused."""
+        """As vLLM: an ec_producer is an encode server (mm_encoder_only): it needs that role and generates nothing."""
         ec = self.ec_transfer_config
-        if ec is not None and ec.ec_role == "ec_producer":
-            self.mm_encoder_only = True
-        if not self.mm_encoder_only:
-            return
-        if ec is None or ec.ec_role != "ec_producer":
+        self.mm_encoder_only = bool(self.mm_encoder_only or (ec is not None and ec.ec_role == "ec_producer"))
+        if self.mm_encoder_only and (ec is None or ec.ec_role != "ec_producer"):
             raise ValueError("mm_encoder_only publishes encoder outputs: it needs ec_transfer_config with ec_role "
-                             "\"ec_producer\" (ec_both encodes, publishes and generates)"
-                             + ("" if ec is None else f"; got ec_role {ec.ec_role!r}"))
-        refused = [(self.kv_transfer_config is not None, "kv_transfer_config"),
-                   (self.speculative_config is not None, "speculative_config"),
-                   (self.enable_lora, "enable_lora"), (self.async_scheduling, "async_scheduling")]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"mm_encoder_only (an ec_producer) generates nothing: {what} does not apply")
+                             f"\"ec_producer\" (ec_both encodes, publishes and generates), got {ec and ec.ec_role!r}")
+        bad = [name for name, on in (("kv_transfer_config", self.kv_transfer_config is not None),
+                                     ("speculative_config", self.speculative_config is not None),
+                                     ("enable_lora", self.enable_lora), ("async_scheduling", self.async_scheduling))
+               if on and self.mm_encoder_only]
+        if bad:
+            raise ValueError(f"mm_encoder_only (an ec_producer) generates nothing: {bad[0]} does not apply")
 
     @property
     def world_size(self) -> int:
