@@ -25,7 +25,7 @@ DEFAULTS = {
     "engine_process": True, "log_level": "info",
     "enable_lora": False, "lora_modules": None, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
     "kv_offloading_size": None, "kv_offloading_dir": None, "kv_transfer_config": None,
-    "ec_transfer_config": None,
+    "ec_transfer_config": None, "mm_encoder_only": False,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
     "Frontend": ["--host", "--port", "--api-key", "--chat-template-content-format", "--trust-request-chat-template",
@@ -35,7 +35,8 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
                     "--max-model-len", "--seed",
                     "--allowed-local-media-path", "--allowed-media-domains", "--enforce-eager"],
     "DeviceConfig": ["--device"],
-    "MultiModalConfig": ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--max-audio-seconds"],
+    "MultiModalConfig": ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--max-audio-seconds",
+                         "--mm-encoder-only"],
     "CacheConfig": ["--block-size", "--kv-cache-memory-bytes", "--num-kv-blocks", "--kv-cache-dtype",
                     "--no-enable-prefix-caching", "--kv-offloading-size", "--kv-offloading-dir"],
     "KVTransferConfig": ["--kv-transfer-config"],

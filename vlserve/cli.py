@@ -116,6 +116,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     mm.add_argument("--max-audio-seconds", type=float, default=None,
                     help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
                          "window, 30 s for Whisper's)")
+    mm.add_argument("--mm-encoder-only", action="store_true",
+                    help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
+                         "and run, no KV cache; each request's media items are encoded and published through "
+                         "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
+                         "with no tokens (finish_reason \"length\")")
 
     cache = p.add_argument_group("CacheConfig", "the paged KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -235,7 +240,8 @@ def serve_config_from_args(args: argparse.Namespace):
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules,
         kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
-        kv_offloading_dir=args.kv_offloading_dir, ec_transfer_config=args.ec_transfer_config)
+        kv_offloading_dir=args.kv_offloading_dir, ec_transfer_config=args.ec_transfer_config,
+        mm_encoder_only=args.mm_encoder_only)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,
@@ -267,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser("mm-cache", help="repeated images: encoder cache on vs off", add_help=False)
     bench.add_parser("spec-decode", help="speculative vs plain decoding", add_help=False)
     bench.add_parser("spec-demo", help="speculative vs plain decoding on the demo model's task", add_help=False)
-    sub.add_parser("proxy", help="disaggregated prefill/decode proxy in front of vlserve servers (see --help)",
+    sub.add_parser("proxy", help="disaggregated serving proxy (encode, prefill, decode) in front of vlserve servers (see --help)",
                    add_help=False)
     sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
                    add_help=False)

@@ -315,6 +315,8 @@ class EngineArgs:
     kv_offloading_dir: str | None = None
     # encoder-cache connector (vlserve/distributed/ec_transfer): ECTransferConfig, its dict or JSON text; None: off
     ec_transfer_config: Any = None
+    # an encode server (E/PD, vLLM's --mm-encoder-only; an ec_producer turns it on): core/encoder_only_scheduler.py
+    mm_encoder_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -361,6 +363,7 @@ class EngineArgs:
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
         self._resolve_kv_transfer()
         self.ec_transfer_config = ECTransferConfig.from_any(self.ec_transfer_config)
+        self._check_encoder_only()
         self._check_lora()
         self._check_pipeline_parallel()
 
@@ -384,6 +387,20 @@ class EngineArgs:
                              f"kv_transfer_config names {shorten(cfg.kv_connector)}")
         else:
             cfg.kv_connector_extra_config = {**extra, **cfg.kv_connector_extra_config}
+
+    def _check_encoder_only(self) -> None:
+        """As vLLM: an ec_producer is an encode server (mm_encoder_only): it needs that role and generates nothing."""
+        ec = self.ec_transfer_config
+        self.mm_encoder_only = bool(self.mm_encoder_only or (ec is not None and ec.ec_role == "ec_producer"))
+        if self.mm_encoder_only and (ec is None or ec.ec_role != "ec_producer"):
+            raise ValueError("mm_encoder_only publishes encoder outputs: it needs ec_transfer_config with ec_role "
+                             f"\"ec_producer\" (ec_both encodes, publishes and generates), got {ec and ec.ec_role!r}")
+        bad = [name for name, on in (("kv_transfer_config", self.kv_transfer_config is not None),
+                                     ("speculative_config", self.speculative_config is not None),
+                                     ("enable_lora", self.enable_lora), ("async_scheduling", self.async_scheduling))
+               if on and self.mm_encoder_only]
+        if bad:
+            raise ValueError(f"mm_encoder_only (an ec_producer) generates nothing: {bad[0]} does not apply")
 
     @property
     def world_size(self) -> int:

@@ -42,9 +42,9 @@ def _m(llm: LLM, name: str) -> float:
 
 
 @pytest.mark.slow
-def test_ec_producer_then_consumer_skips_the_tower(qwen2_vl_dir, tmp_path):
+def test_ec_both_then_consumer_skips_the_tower(qwen2_vl_dir, tmp_path):
     imgs = [_image(1), _image(2), _image(3)]
-    producer = LLM(qwen2_vl_dir, ec_transfer_config=_ec("ec_producer", tmp_path), **KW)
+    producer = LLM(qwen2_vl_dir, ec_transfer_config=_ec("ec_both", tmp_path), **KW)  # encodes, publishes, generates
     expected, files = [], []
     for img in imgs[:2]:
         before = _files(tmp_path)
@@ -127,3 +127,4 @@ def test_cli_takes_ec_transfer_config():
                                       '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}'])
     cfg = serve_config_from_args(args)[0].ec_transfer_config
     assert isinstance(cfg, ECTransferConfig) and cfg.is_producer and not cfg.is_consumer
+    assert serve_config_from_args(args)[0].mm_encoder_only  # as vLLM: an ec_producer is an encode server

@@ -1,16 +1,29 @@
-"""`vlserve proxy`: disaggregated prefill / decode in front of `vlserve serve` processes (issue 37; the shape of vLLM's
-disagg proxy examples).
+"""`vlserve proxy`: disaggregated serving in front of `vlserve serve` processes (issue 37; the shape of vLLM's
+disagg proxy examples): E/P/D, P/D, or E + PD.
 
-Each /v1/completions or /v1/chat/completions request goes first to a prefill server (a P2P kv_producer) with
-max_tokens=1, stream off and `kv_transfer_params: {"do_remote_decode": true}`; the producer keeps the prompt's KV
-blocks and answers with `kv_transfer_params` saying where they are. The original request then goes, with those
-params, to a decode server (a P2P kv_consumer), which reads the blocks instead of recomputing the prompt; its answer
-(streamed or not) is the client's. Media are encoded on the prefill side only: when the producer's params carry
-the expanded prompt and media items (`remote_mm_features`), the decode server gets the messages without their media
-parts and takes the prompt from the params. Each list of servers is used round-robin. /v1/models comes from a
-decode server; /health is 200 when every server's /health is.
+Encode stage (`--encode`, vLLM's E/PD): a chat request with media parts (image_url, video_url, input_audio, ...)
+goes first to an encode server (`--mm-encoder-only`, an ec_producer) with max_tokens=1 and stream off; that server
+encodes the media, writes the encoder outputs to the shared directory and answers with no tokens. Then the request
+goes on as below; the server that next sees the media (an ec_consumer) loads their encoder outputs instead of
+running its tower. Text-only requests skip the encode stage. An encode failure (unreachable server, an error
+status) is logged and counted (`vlserve:proxy_encode_failures_total` on the proxy's /metrics) and the request goes
+on: the consumer encodes on a miss.
+
+Prefill / decode (`--prefill`): each /v1/completions or /v1/chat/completions request goes to a prefill server (a P2P
+kv_producer) with max_tokens=1, stream off and `kv_transfer_params: {"do_remote_decode": true}`; the producer keeps
+the prompt's KV blocks and answers with `kv_transfer_params` saying where they are. The original request then goes,
+with those params, to a decode server (a P2P kv_consumer), which reads the blocks instead of recomputing the prompt;
+its answer (streamed or not) is the client's. Media are encoded on the prefill side only: when the producer's params
+carry the expanded prompt and media items (`remote_mm_features`), the decode server gets the messages without their
+media parts and takes the prompt from the params. Without --prefill the --decode servers prefill and decode
+themselves (E + PD: plain servers, ec_consumers), and get the request as the client sent it.
+
+Each list of servers is used round-robin. /v1/models comes from a decode server; /health is 200 when every server's
+/health is; /metrics counts the encode stage.
 
     vlserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    vlserve proxy --encode http://127.0.0.1:8300 --decode http://127.0.0.1:8200 --port 8000
+    vlserve proxy --encode http://127.0.0.1:8300 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 """
 from __future__ import annotations
 
@@ -51,18 +64,43 @@ def _without_media(messages: Any) -> Any:
     return out
 
 
+def has_media(body: dict) -> bool:
+    """Whether a chat request has media parts (what an encode server would encode)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(p, dict) and p.get("type") in _MEDIA_PARTS
+               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
+
+
+def _one_token(body: dict) -> dict:
+    """The request as a stage that only needs the prompt run gets it: one token, not streamed."""
+    out = {**body, "max_tokens": 1, "stream": False}
+    out.pop("stream_options", None)
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
 def _base(url: str) -> str:
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
 
 
-def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0):
-    """The proxy's FastAPI app over these prefill and decode base URLs (e.g. http://127.0.0.1:8100)."""
-    if not prefill or not decode:
-        raise ValueError("the proxy needs at least one --prefill and one --decode server")
-    prefill, decode = [_base(u) for u in prefill], [_base(u) for u in decode]
+def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float = 600.0,
+                    encode: list[str] | None = None):
+    """The proxy's FastAPI app over these base URLs (e.g. http://127.0.0.1:8100): encode servers (optional, for
+    requests with media), prefill servers (optional: without them the decode servers prefill too), decode servers."""
+    prefill, encode = list(prefill or []), list(encode or [])
+    if not decode:
+        raise ValueError("the proxy needs at least one --decode server")
+    if not prefill and not encode:
+        raise ValueError("the proxy needs --prefill servers, --encode servers or both in front of --decode")
+    prefill, decode, encode = [_base(u) for u in prefill], [_base(u) for u in decode], [_base(u) for u in encode]
     next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
+    next_encode = itertools.cycle(encode)
     state: dict[str, Any] = {}
+    counters = {"proxy_encode_requests_total": 0, "proxy_encode_failures_total": 0}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -72,7 +110,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
         finally:
             await state["client"].aclose()
 
-    app = FastAPI(title="vlserve disaggregated prefill/decode proxy", lifespan=lifespan)
+    app = FastAPI(title="vlserve disaggregated serving proxy", lifespan=lifespan)
 
     def _passthrough(r) -> Response:
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
@@ -80,6 +118,41 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
     def _unreachable(url: str, e: Exception) -> Response:
         logger.warning("backend %s failed: %r", url, e)
         return error_response(f"backend server {url} failed: {type(e).__name__}: {e}", 503)
+
+    async def encode_first(path: str, body: dict, headers: dict) -> None:
+        """Run the request's media through an encode server (it publishes their encoder outputs); a failure is
+        logged and counted, never the client's: the next server encodes what it does not find."""
+        e_url = next(next_encode)
+        counters["proxy_encode_requests_total"] += 1
+        enc = _one_token(body)
+        enc.pop("kv_transfer_params", None)
+        try:
+            r = await state["client"].post(e_url + path, json=enc, headers=headers)
+            why = None if r.status_code == 200 else f"status {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            counters["proxy_encode_failures_total"] += 1
+            logger.warning("encode server %s failed (%s); the request goes on and is encoded where it runs",
+                           e_url, why)
+
+    async def relay(url: str, path: str, body: dict, headers: dict) -> Response:
+        """The answer of the server that generates, streamed or not."""
+        client = state["client"]
+        try:
+            if not body.get("stream"):
+                return _passthrough(await client.post(url + path, json=body, headers=headers))
+            resp = await client.send(client.build_request("POST", url + path, json=body, headers=headers),
+                                     stream=True)
+        except httpx.HTTPError as e:
+            return _unreachable(url, e)
+        if resp.status_code != 200:
+            await resp.aread()
+            await resp.aclose()
+            return _passthrough(resp)
+        return StreamingResponse(resp.aiter_raw(), status_code=200,
+                                 media_type=resp.headers.get("content-type", "text/event-stream"),
+                                 background=BackgroundTask(resp.aclose))
 
     async def forward(path: str, raw: Request) -> Response:
         try:
@@ -89,14 +162,14 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
         if not isinstance(body, dict):
             return error_response("the request body must be a JSON object", 400)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        client = state["client"]
-        pre = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-        pre.pop("stream_options", None)
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
+        if encode and has_media(body):
+            await encode_first(path, body, headers)
+        if not prefill:  # E + PD: the decode server prefills too
+            return await relay(next(next_decode), path, body, headers)
+        pre = {**_one_token(body), "kv_transfer_params": {"do_remote_decode": True}}
         p_url = next(next_prefill)
         try:
-            r = await client.post(p_url + path, json=pre, headers=headers)
+            r = await state["client"].post(p_url + path, json=pre, headers=headers)
         except httpx.HTTPError as e:
             return _unreachable(p_url, e)
         if r.status_code != 200:  # the client's error (or the prefill server's): as the prefill server said it
@@ -108,21 +181,7 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
         dec = {**body, "kv_transfer_params": params}
         if params.get("remote_mm_features") and "messages" in body:  # the producer encoded the media: the decode
             dec["messages"] = _without_media(body["messages"])  # server gets its expanded prompt, never the media
-        d_url = next(next_decode)
-        try:
-            if not body.get("stream"):
-                return _passthrough(await client.post(d_url + path, json=dec, headers=headers))
-            resp = await client.send(client.build_request("POST", d_url + path, json=dec, headers=headers),
-                                     stream=True)
-        except httpx.HTTPError as e:
-            return _unreachable(d_url, e)
-        if resp.status_code != 200:
-            await resp.aread()
-            await resp.aclose()
-            return _passthrough(resp)
-        return StreamingResponse(resp.aiter_raw(), status_code=200,
-                                 media_type=resp.headers.get("content-type", "text/event-stream"),
-                                 background=BackgroundTask(resp.aclose))
+        return await relay(next(next_decode), path, dec, headers)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -149,12 +208,19 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
             except httpx.HTTPError:
                 return False
 
-        urls = list(dict.fromkeys(prefill + decode))
+        urls = list(dict.fromkeys(encode + prefill + decode))
         results = await asyncio.gather(*(ok(u) for u in urls))
         down = [u for u, good in zip(urls, results) if not good]
         if down:
             return JSONResponse({"status": "unhealthy", "down": down}, status_code=503)
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        lines = []
+        for name, value in counters.items():
+            lines += [f"# TYPE vlserve:{name} counter", f"vlserve:{name} {value}"]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -162,10 +228,15 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlserve proxy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="base URLs of the prefill servers (vlserve serve with a P2PConnector kv_producer)")
+    p.add_argument("--encode", nargs="+", default=None, metavar="URL",
+                   help="base URLs of the encode servers (vlserve serve --mm-encoder-only with an ec_producer "
+                        "--ec-transfer-config): requests with media are encoded there first")
+    p.add_argument("--prefill", nargs="+", default=None, metavar="URL",
+                   help="base URLs of the prefill servers (vlserve serve with a P2PConnector kv_producer); without "
+                        "them the --decode servers prefill too (E + PD: needs --encode)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="base URLs of the decode servers (vlserve serve with a P2PConnector kv_consumer)")
+                   help="base URLs of the decode servers (a P2PConnector kv_consumer; without --prefill, plain "
+                        "servers: ec_consumers behind --encode)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a backend's answer")
@@ -178,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
-    app = build_proxy_app(args.prefill, args.decode, args.timeout)
+    if not args.prefill and not args.encode:
+        build_parser().error("give --prefill servers, --encode servers or both in front of --decode")
+    app = build_proxy_app(args.prefill, args.decode, args.timeout, encode=args.encode)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

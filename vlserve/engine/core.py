@@ -16,6 +16,7 @@ from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from vlserve.core.encoder_only_scheduler import EncoderOnlyScheduler
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
 from vlserve.models.hf_config import layer_windows_of, text_config_of
@@ -55,7 +56,9 @@ class EngineCore:
         num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         # Embeddings encoded per step: the user's number, else about one decode step's time (measured as it runs).
-        self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens)
+        # An encode server has no decode steps to keep short: its budget is the user's, else the encoder cache.
+        self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens
+                                            or (enc_size if args.mm_encoder_only else None))
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -66,7 +69,9 @@ class EngineCore:
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
             max_loras=args.max_loras if args.enable_lora else 0, kv_transfer_config=args.kv_transfer_config)
         self.enable_lora = args.enable_lora
-        self.scheduler = Scheduler(self.scheduler_config, num_blocks)
+        # an encode server (mm_encoder_only): plans encoder work only, ends requests with no tokens
+        self.scheduler = (EncoderOnlyScheduler if args.mm_encoder_only else Scheduler)(self.scheduler_config,
+                                                                                      num_blocks)
         # the adapters registered on every rank, and those loading there off the step loop
         self.loras = LoRALoads(self.executor, self.scheduler, args.max_lora_rank)
         self.structured_outputs_config = args.structured_outputs_config
@@ -285,7 +290,7 @@ class EngineCore:
             "vlserve:num_requests_running": len(s.running),
             "vlserve:num_requests_waiting": len(s.waiting),
             "vlserve:kv_cache_usage": s.kv.usage,
-            "vlserve:num_kv_blocks": s.kv.num_blocks,
+            "vlserve:num_kv_blocks": self.executor.num_blocks,  # 0 on an encode server
             "vlserve:prefix_cache_queries_total": s.kv.prefix_queries,
             "vlserve:prefix_cache_hits_total": s.kv.prefix_hits,
             "vlserve:num_preemptions_total": st.num_preemptions,

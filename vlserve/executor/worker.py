@@ -17,6 +17,7 @@ from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
+from vlserve.worker.encoder_only_runner import EncoderOnlyRunner
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
 from vlserve.worker.pp_stage import PipelineStageRunner
@@ -102,6 +103,9 @@ class Worker:
         self.settings = settings
         args = settings.args
         self.rank_model = rank_model
+        if args.mm_encoder_only:  # an encode server: the towers only, no KV cache, nothing sampled
+            self.runner = EncoderOnlyRunner(rank_model.model, rank_model.device, rank_model.dtype)
+            return
         staged = pp_size() > 1  # a pipeline stage: eager for now (EngineArgs refuses a compilation level)
         # Drafts are proposed where tokens are sampled: the last stage (the n-gram proposer reads only token ids; the
         # scheduler hands its drafts to every stage in the next SchedulerOutput, the last stage verifies them).
@@ -132,6 +136,8 @@ class Worker:
         """How many KV blocks this rank can hold (`memory_share`: the part of the host memory budget that is this
         rank's when several ranks share one machine's RAM)."""
         args = self.settings.args
+        if args.mm_encoder_only:
+            return 0  # an encode server holds no KV cache
         return determine_num_kv_blocks(
             self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_fraction=args.kv_cache_memory_fraction * memory_share,
@@ -202,8 +208,9 @@ class Worker:
     def stats(self) -> WorkerStats:
         """This rank's counters now."""
         r = self.runner
+        fwd = r.forward  # None on an encode server (no decoder forward)
         return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests),
-                           r.forward.num_graph_replays, r.forward.num_eager_forwards,
+                           0 if fwd is None else fwd.num_graph_replays, 0 if fwd is None else fwd.num_eager_forwards,
                            {} if r.ec_connector is None else dict(r.ec_connector.counters))
 
 
