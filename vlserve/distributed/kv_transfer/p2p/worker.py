@@ -81,6 +81,7 @@ class P2PWorker:
                     out.failed_recving.add(rid)
                 else:
                     out.stats["loaded_blocks"] = out.stats.get("loaded_blocks", 0) + n
+                    out.stats["loads_done"] = out.stats.get("loads_done", 0) + 1
         if self._deadlines:
             with self._lock:
                 confirmed = self._confirmed & self._deadlines.keys()  # (one may come before its new_sends)
@@ -88,6 +89,8 @@ class P2PWorker:
             now = time.monotonic()
             for rid, deadline in list(self._deadlines.items()):
                 if rid in confirmed or now >= deadline:
+                    stat = "sends_confirmed" if rid in confirmed else "send_timeouts"
+                    out.stats[stat] = out.stats.get(stat, 0) + 1
                     if rid not in confirmed:
                         logger.warning("request %s: no consumer read its KV within %.0f s; freeing it", rid,
                                        self.send_timeout_s)
