@@ -7,8 +7,10 @@ blocks and answers with `kv_transfer_params` saying where they are. The original
 params, to a decode server (a P2P kv_consumer), which reads the blocks instead of recomputing the prompt; its answer
 (streamed or not) is the client's. Media are encoded on the prefill side only: when the producer's params carry
 the expanded prompt and media items (`remote_mm_features`), the decode server gets the messages without their media
-parts and takes the prompt from the params. Each list of servers is used round-robin. /v1/models comes from a
-decode server; /health is 200 when every server's /health is.
+parts and takes the prompt from the params. Each list of servers is used round-robin, skipping a server whose last
+call failed for a back-off and failing over to the next (`backend_pool.py`); with none left the client gets an
+OpenAI-style JSON error, 503 (504 for a timeout). /v1/models comes from a decode server; /health is 200 when every
+server's /health is.
 
     vlserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from vlserve.api.backend_pool import BackendPool, NoBackendError
 from vlserve.api.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -56,12 +58,13 @@ def _base(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0):
-    """The proxy's FastAPI app over these prefill and decode base URLs (e.g. http://127.0.0.1:8100)."""
+def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.0, backoff_s: float = 5.0):
+    """The proxy's FastAPI app over these prefill and decode base URLs (e.g. http://127.0.0.1:8100); a backend
+    whose call failed is skipped for `backoff_s` (`backend_pool.BackendPool`)."""
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one --prefill and one --decode server")
     prefill, decode = [_base(u) for u in prefill], [_base(u) for u in decode]
-    next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
+    prefills, decodes = BackendPool("prefill", prefill, backoff_s), BackendPool("decode", decode, backoff_s)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -77,10 +80,6 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
     def _passthrough(r) -> Response:
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
-    def _unreachable(url: str, e: Exception) -> Response:
-        logger.warning("backend %s failed: %r", url, e)
-        return error_response(f"backend server {url} failed: {type(e).__name__}: {e}", 503)
-
     async def forward(path: str, raw: Request) -> Response:
         try:
             body = json.loads(await raw.body())
@@ -94,11 +93,10 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
         pre.pop("stream_options", None)
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
-        p_url = next(next_prefill)
         try:
-            r = await client.post(p_url + path, json=pre, headers=headers)
-        except httpx.HTTPError as e:
-            return _unreachable(p_url, e)
+            p_url, r = await prefills.send(client, "POST", path, json=pre, headers=headers)
+        except NoBackendError as e:
+            return error_response(str(e), e.status)
         if r.status_code != 200:  # the client's error (or the prefill server's): as the prefill server said it
             return _passthrough(r)
         params = r.json().get("kv_transfer_params")
@@ -108,14 +106,13 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
         dec = {**body, "kv_transfer_params": params}
         if params.get("remote_mm_features") and "messages" in body:  # the producer encoded the media: the decode
             dec["messages"] = _without_media(body["messages"])  # server gets its expanded prompt, never the media
-        d_url = next(next_decode)
-        try:
-            if not body.get("stream"):
-                return _passthrough(await client.post(d_url + path, json=dec, headers=headers))
-            resp = await client.send(client.build_request("POST", d_url + path, json=dec, headers=headers),
-                                     stream=True)
-        except httpx.HTTPError as e:
-            return _unreachable(d_url, e)
+        stream = bool(body.get("stream"))
+        try:  # (a decode server that fails makes the producer keep the blocks until its send_timeout_s)
+            _, resp = await decodes.send(client, "POST", path, stream=stream, json=dec, headers=headers)
+        except NoBackendError as e:
+            return error_response(str(e), e.status)
+        if not stream:
+            return _passthrough(resp)
         if resp.status_code != 200:
             await resp.aread()
             await resp.aclose()
@@ -134,12 +131,11 @@ def build_proxy_app(prefill: list[str], decode: list[str], timeout: float = 600.
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        url = next(next_decode)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
         try:
-            return _passthrough(await state["client"].get(url + "/v1/models", headers=headers))
-        except httpx.HTTPError as e:
-            return _unreachable(url, e)
+            return _passthrough((await decodes.send(state["client"], "GET", "/v1/models", headers=headers))[1])
+        except NoBackendError as e:
+            return error_response(str(e), e.status)
 
     @app.get("/health")
     async def health() -> Response:
@@ -169,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a backend's answer")
+    p.add_argument("--backoff", type=float, default=5.0, metavar="SECONDS",
+                   help="skip a backend for this long after a call to it failed (it is still tried when every "
+                        "backend of its kind is skipped)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -178,6 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
-    app = build_proxy_app(args.prefill, args.decode, args.timeout)
+    app = build_proxy_app(args.prefill, args.decode, args.timeout, args.backoff)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
