@@ -1,8 +1,8 @@
-"""Faults in disaggregated serving (issue 37 item 6), with `vlserve serve` processes killed with SIGKILL: a producer
-that dies after its prefill answered (the consumer still answers, recomputing, as a plain server), a consumer that
-never pulls (the producer frees what it kept after send_timeout_s), and the proxy with dead prefill / decode servers
-(it fails over to live ones, or answers a JSON 503 when none is left). Nothing leaks on either side: the /metrics
-gauges (kept blocks, requests waiting for remote KV, used blocks) return to 0."""
+"""Faults in disaggregated serving (issue 37 item 6), with `vlserve serve` processes stopped (SIGSTOP) or killed
+(SIGKILL): a producer that hangs or dies after its prefill answered (the consumer still answers, recomputing, as a
+plain server), a consumer that never pulls (the producer frees what it kept after send_timeout_s), and the proxy
+with dead prefill / decode servers (it fails over to live ones, or answers a JSON 503 when none is left). Nothing
+leaks on either side: the /metrics gauges (kept blocks, requests waiting for remote KV, used blocks) return to 0."""
 from __future__ import annotations
 
 import contextlib
@@ -104,17 +104,47 @@ def _assert_no_leak(base):
     assert _metric(base, "vlserve:kv_kept_blocks") == 0
 
 
+def _signal_tree(proc, sig) -> None:
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        p.send_signal(sig)
+
+
+def _prefill(base, prompt):
+    return _post(base, "/v1/completions", _body(prompt, max_tokens=1,
+                                                kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
+
+
+def test_producer_hung_during_the_read_consumer_recomputes(stack):
+    """The producer stops answering (SIGSTOP) once its prefill answered: the consumer's read fails on Mooncake's
+    transfer timeout and it recomputes; resumed, the producer frees what it kept (confirmation or its timeout)."""
+    urls, procs = stack
+    p2, c1 = urls["p2"], urls["c1"]
+    params = _prefill(p2, PROMPTS[0])  # one good transfer: c1 knows p2's cache, the next read goes to Mooncake
+    got = _post(c1, "/v1/completions", _body(PROMPTS[0], kv_transfer_params=params))["choices"][0]["text"]
+    assert got == _reference(c1, PROMPTS[0])
+    failed = _metric(c1, "vlserve:kv_p2p_failed_loads_total")
+    params = _prefill(p2, PROMPTS[3])
+    _signal_tree(procs["p2"], signal.SIGSTOP)
+    try:
+        got = _post(c1, "/v1/completions", _body(PROMPTS[3], kv_transfer_params=params))["choices"][0]["text"]
+    finally:
+        _signal_tree(procs["p2"], signal.SIGCONT)
+    assert got == _reference(c1, PROMPTS[3])
+    assert _metric(c1, "vlserve:kv_p2p_failed_loads_total") == failed + 1
+    _assert_no_leak(c1)
+    _wait_metric(p2, "vlserve:kv_kept_requests", 0, SEND_TIMEOUT_S + 10)
+    _assert_no_leak(p2)
+
+
 def test_producer_killed_before_the_read_consumer_recomputes(stack):
     urls, procs = stack
     p2, c1 = urls["p2"], urls["c1"]
     # one good transfer first: c1 then knows p2's cache and reads it with Mooncake (not only the side channel)
-    params = _post(p2, "/v1/completions", _body(PROMPTS[0], max_tokens=1,
-                                                kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
-    got = _post(c1, "/v1/completions", _body(PROMPTS[0], kv_transfer_params=params))["choices"][0]["text"]
-    assert got == _reference(c1, PROMPTS[0])
+    params = _prefill(p2, PROMPTS[2])
+    got = _post(c1, "/v1/completions", _body(PROMPTS[2], kv_transfer_params=params))["choices"][0]["text"]
+    assert got == _reference(c1, PROMPTS[2])
     failed = _metric(c1, "vlserve:kv_p2p_failed_loads_total")
-    params = _post(p2, "/v1/completions", _body(PROMPTS[1], max_tokens=1,
-                                                kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
+    params = _prefill(p2, PROMPTS[1])
     assert _metric(p2, "vlserve:kv_kept_requests") == 1
     _kill(procs["p2"])  # the producer's answer is out; its KV is gone with it
     got = _post(c1, "/v1/completions", _body(PROMPTS[1], kv_transfer_params=params))["choices"][0]["text"]
@@ -127,8 +157,7 @@ def test_consumer_never_pulls_producer_frees_after_timeout(stack):
     urls, _ = stack
     p1 = urls["p1"]
     timeouts = _metric(p1, "vlserve:kv_p2p_send_timeouts_total")
-    params = _post(p1, "/v1/completions", _body(PROMPTS[2], max_tokens=1,
-                                                kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
+    params = _prefill(p1, PROMPTS[2])
     assert _metric(p1, "vlserve:kv_kept_requests") == 1
     assert _metric(p1, "vlserve:kv_kept_blocks") == len(params["remote_block_ids"]) > 0
     _wait_metric(p1, "vlserve:kv_kept_requests", 0, SEND_TIMEOUT_S + 10)
