@@ -56,3 +56,49 @@ def test_proxy_with_no_live_prefill_server_answers_503_json():
         r = client.get("/v1/models")
         assert r.status_code == 503 and "no decode server available" in r.json()["error"]["message"]
         assert client.get("/health").status_code == 503
+
+
+def test_send_fails_over_on_unreachable_and_5xx_but_not_on_a_timeout():
+    """Refused and 502/503/504 backends are skipped (and backed off); a 4xx is the answer; a read timeout is a 504
+    without a retry elsewhere (the work may be running there)."""
+    import asyncio
+
+    import httpx
+    import pytest
+
+    from vlserve.api.backend_pool import NoBackendError
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        calls.append(host)
+        if host == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        if host == "busy":
+            return httpx.Response(503, json={"error": "draining"})
+        if host == "slow":
+            raise httpx.ReadTimeout("slow", request=request)
+        if host == "bad":
+            return httpx.Response(400, json={"error": "yours"})
+        return httpx.Response(200, json={"ok": host})
+
+    async def run(pool, **kw):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await pool.send(client, "POST", "/v1/completions", json={}, **kw)
+
+    pool = BackendPool("decode", ["http://refused", "http://busy", "http://good"], backoff_s=60)
+    url, resp = asyncio.run(run(pool))
+    assert (url, resp.status_code, resp.json()) == ("http://good", 200, {"ok": "good"})
+    assert calls == ["refused", "busy", "good"] and pool.down() == ["http://refused", "http://busy"]
+    calls.clear()
+    assert asyncio.run(run(pool, stream=True))[0] == "http://good" and calls == ["good"]  # the others back off
+    url, resp = asyncio.run(run(BackendPool("prefill", ["http://bad", "http://good"])))
+    assert (url, resp.status_code) == ("http://bad", 400)  # the client's error, not the backend's: passed on
+    calls.clear()
+    with pytest.raises(NoBackendError) as e:
+        asyncio.run(run(BackendPool("decode", ["http://slow", "http://good"])))
+    assert e.value.status == 504 and "http://slow timed out" in str(e.value) and calls == ["slow"]
+    with pytest.raises(NoBackendError) as e:
+        asyncio.run(run(BackendPool("decode", ["http://refused", "http://busy"])))
+    assert e.value.status == 503 and "ConnectError" in str(e.value) and "HTTP 503" in str(e.value)
