@@ -20,7 +20,7 @@ from tests.api.conftest import serve_subprocess
 pytestmark = pytest.mark.slow
 
 NUM_BLOCKS = 64
-SEND_TIMEOUT_S = 4.0
+SEND_TIMEOUT_S = 5.0
 PROMPTS = ["the quick brown fox jumps over", "hello there my friend, how are", "one two three four five six seven",
            "a b c d e f g h i j k l m n o p q r s t u v w"]
 
@@ -102,6 +102,8 @@ def _assert_no_leak(base):
     assert _metric(base, "vlserve:kv_free_blocks") == NUM_BLOCKS
     assert _metric(base, "vlserve:num_requests_waiting_for_kv") == 0
     assert _metric(base, "vlserve:kv_kept_blocks") == 0
+    assert _metric(base, "vlserve:engine_requests_held") == 0
+    assert _metric(base, "vlserve:encoder_cache_referencing_requests") == 0
 
 
 def _signal_tree(proc, sig) -> None:
