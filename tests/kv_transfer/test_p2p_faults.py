@@ -23,6 +23,7 @@ NUM_BLOCKS = 64
 SEND_TIMEOUT_S = 5.0
 PROMPTS = ["the quick brown fox jumps over", "hello there my friend, how are", "one two three four five six seven",
            "a b c d e f g h i j k l m n o p q r s t u v w"]
+LATE = ["seven eight nine ten eleven twelve thirteen", "my dog likes to run in the park every day"]
 
 
 def _serve_args(model_dir, role, **extra):
@@ -138,7 +139,11 @@ def test_producer_hung_during_the_read_consumer_recomputes(stack):
     _assert_no_leak(p2)
 
 
-def test_producer_killed_before_the_read_consumer_recomputes(stack):
+def test_producer_killed_while_and_before_the_consumer_reads(stack):
+    """The producer is killed with a consumer's read in flight (it was stopped, so the read waits on it), and a
+    second request's params name it after it died: the consumer recomputes both, as a plain server answers."""
+    import threading
+
     urls, procs = stack
     p2, c1 = urls["p2"], urls["c1"]
     # one good transfer first: c1 then knows p2's cache and reads it with Mooncake (not only the side channel)
@@ -146,12 +151,25 @@ def test_producer_killed_before_the_read_consumer_recomputes(stack):
     got = _post(c1, "/v1/completions", _body(PROMPTS[2], kv_transfer_params=params))["choices"][0]["text"]
     assert got == _reference(c1, PROMPTS[2])
     failed = _metric(c1, "vlserve:kv_p2p_failed_loads_total")
-    params = _prefill(p2, PROMPTS[1])
-    assert _metric(p2, "vlserve:kv_kept_requests") == 1
-    _kill(procs["p2"])  # the producer's answer is out; its KV is gone with it
-    got = _post(c1, "/v1/completions", _body(PROMPTS[1], kv_transfer_params=params))["choices"][0]["text"]
-    assert got == _reference(c1, PROMPTS[1])
-    assert _metric(c1, "vlserve:kv_p2p_failed_loads_total") == failed + 1
+    during, after = _prefill(p2, LATE[0]), _prefill(p2, LATE[1])
+    assert _metric(p2, "vlserve:kv_kept_requests") == 2
+    _signal_tree(procs["p2"], signal.SIGSTOP)
+    answer = {}
+    reader = threading.Thread(target=lambda: answer.update(_post(c1, "/v1/completions", _body(
+        LATE[0], kv_transfer_params=during))))
+    reader.start()
+    try:
+        _wait_metric(c1, "vlserve:num_requests_waiting_for_kv", 1, 20)  # its read is in flight
+    finally:
+        _kill(procs["p2"])  # its KV is gone with it
+    t0 = time.monotonic()
+    reader.join(60)
+    assert not reader.is_alive()
+    assert answer["choices"][0]["text"] == _reference(c1, LATE[0])
+    got = _post(c1, "/v1/completions", _body(LATE[1], kv_transfer_params=after))["choices"][0]["text"]
+    assert got == _reference(c1, LATE[1])
+    assert time.monotonic() - t0 < 20  # a dead producer fails the reads at once (no transfer timeout)
+    assert _metric(c1, "vlserve:kv_p2p_failed_loads_total") == failed + 2
     _assert_no_leak(c1)
 
 
