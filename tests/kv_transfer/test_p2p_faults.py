@@ -229,3 +229,29 @@ def test_proxy_without_a_live_decode_server_errors_and_the_producer_frees(stack)
             assert "no decode server available" in err["message"] and urls["c2"] in err["message"]
     _wait_metric(p1, "vlserve:kv_p2p_send_timeouts_total", timeouts + 2, SEND_TIMEOUT_S + 10)
     _assert_no_leak(p1)
+
+
+def test_proxy_with_a_decode_server_that_times_out(stack):
+    """A decode server that stops answering (SIGSTOP) past the proxy's --timeout: a JSON 504, not retried; resumed,
+    it finishes or drops the request, and neither side keeps anything."""
+    from fastapi.testclient import TestClient
+
+    from vlserve.api.disagg_proxy import build_proxy_app
+
+    urls, procs = stack
+    p1, c1 = urls["p1"], urls["c1"]
+    with TestClient(build_proxy_app([p1], [c1], timeout=3, backoff_s=60)) as client:
+        _signal_tree(procs["c1"], signal.SIGSTOP)
+        try:
+            r = client.post("/v1/completions", json=_body(LATE[0]))
+        finally:
+            _signal_tree(procs["c1"], signal.SIGCONT)
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["code"] == 504 and f"decode server {c1} timed out" in r.json()["error"]["message"]
+    _wait_metric(p1, "vlserve:kv_kept_requests", 0, SEND_TIMEOUT_S + 10)
+    _assert_no_leak(p1)
+    # (the decode server resumes with the request in its socket: it may still read p1's blocks; a read that the
+    # stop left hanging ends on Mooncake's transfer timeout, ~30 s, and the request then recomputes or is dropped)
+    _wait_metric(c1, "vlserve:engine_requests_held", 0, 45)
+    _assert_no_leak(c1)
+    assert _post(c1, "/v1/completions", _body(LATE[0]))["choices"][0]["text"]  # c1 carries on
