@@ -24,7 +24,8 @@ DEFAULTS = {
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "distributed_executor_backend": None,
     "engine_process": True, "log_level": "info",
     "enable_lora": False, "lora_modules": None, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None,
-    "kv_offloading_size": None, "kv_offloading_dir": None, "kv_transfer_config": None,
+    "kv_offloading_size": None, "kv_offloading_dir": None, "kv_offloading_dir_size": None,
+    "kv_transfer_config": None,
     "ec_transfer_config": None, "mm_encoder_only": False,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
@@ -38,7 +39,8 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
     "MultiModalConfig": ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--max-audio-seconds",
                          "--mm-encoder-only"],
     "CacheConfig": ["--block-size", "--kv-cache-memory-bytes", "--num-kv-blocks", "--kv-cache-dtype",
-                    "--no-enable-prefix-caching", "--kv-offloading-size", "--kv-offloading-dir"],
+                    "--no-enable-prefix-caching", "--kv-offloading-size", "--kv-offloading-dir",
+                    "--kv-offloading-dir-size"],
     "KVTransferConfig": ["--kv-transfer-config"],
     "SchedulerConfig": ["--max-num-seqs", "--max-num-batched-tokens", "--max-waiting-requests", "--async-scheduling",
                         "--max-num-encoder-input-tokens", "--encoder-cache-size"],

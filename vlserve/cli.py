@@ -139,6 +139,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-offloading-dir", default=None,
                        help="a directory for a disk KV tier under the host one (one file per block; it outlives "
                             "the server, and another server of the same model can read it) (default: off)")
+    cache.add_argument("--kv-offloading-dir-size", type=float, default=None, metavar="GIB",
+                       help="cap of the disk KV tier in GiB: the least recently used block files are deleted to "
+                            "stay under it (default: no cap)")
     cache.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn prefix caching off (default: on)")
 
@@ -240,8 +243,8 @@ def serve_config_from_args(args: argparse.Namespace):
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules,
         kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
-        kv_offloading_dir=args.kv_offloading_dir, ec_transfer_config=args.ec_transfer_config,
-        mm_encoder_only=args.mm_encoder_only)
+        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_dir_size=args.kv_offloading_dir_size,
+        ec_transfer_config=args.ec_transfer_config, mm_encoder_only=args.mm_encoder_only)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,

@@ -313,6 +313,7 @@ class EngineArgs:
     # it (a directory that outlives the engine); either one turns on the OffloadingConnector
     kv_offloading_size: float | None = None
     kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float | None = None  # GiB cap of the disk tier (least recently used files go first)
     # encoder-cache connector (vlserve/distributed/ec_transfer): ECTransferConfig, its dict or JSON text; None: off
     ec_transfer_config: Any = None
     # an encode server (E/PD, vLLM's --mm-encoder-only; an ec_producer turns it on): core/encoder_only_scheduler.py
@@ -371,14 +372,19 @@ class EngineArgs:
         """kv_transfer_config to a KVTransferConfig; --kv-offloading-size / --kv-offloading-dir are the
         OffloadingConnector's settings (vLLM: the size flag sets up the offloading connector)."""
         self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
-        size, path = self.kv_offloading_size, self.kv_offloading_dir
-        if size is None and path is None:
+        size, path, dir_size = self.kv_offloading_size, self.kv_offloading_dir, self.kv_offloading_dir_size
+        if size is None and path is None and dir_size is None:
             return
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0):
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {shorten(size)}")
-        extra = {"cpu_bytes_to_use": int((size or 0) * (1 << 30))}
+        if dir_size is not None and (isinstance(dir_size, bool) or not isinstance(dir_size, (int, float))
+                                     or not dir_size > 0):
+            raise ValueError(f"kv_offloading_dir_size must be a number of GiB > 0, got {shorten(dir_size)}")
+        extra = {} if size is None and path is None else {"cpu_bytes_to_use": int((size or 0) * (1 << 30))}
         if path is not None:
             extra["disk_dir"] = os.path.expanduser(str(path))
+        if dir_size is not None:
+            extra["disk_bytes_to_use"] = int(dir_size * (1 << 30))
         cfg = self.kv_transfer_config
         if cfg is None:
             self.kv_transfer_config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
@@ -387,6 +393,9 @@ class EngineArgs:
                              f"kv_transfer_config names {shorten(cfg.kv_connector)}")
         else:
             cfg.kv_connector_extra_config = {**extra, **cfg.kv_connector_extra_config}
+        if "disk_dir" not in self.kv_transfer_config.kv_connector_extra_config:
+            if dir_size is not None:
+                raise ValueError("kv_offloading_dir_size caps the disk tier: give kv_offloading_dir too")
 
     def _check_encoder_only(self) -> None:
         """As vLLM: an ec_producer is an encode server (mm_encoder_only): it needs that role and generates nothing."""

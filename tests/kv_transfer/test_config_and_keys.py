@@ -39,6 +39,14 @@ def test_offloading_flags_make_the_offloading_connector():
         EngineArgs(kv_offloading_size=1, kv_transfer_config={"kv_connector": "SomeP2PConnector"})
     with pytest.raises(ValueError, match="kv_offloading_size"):
         EngineArgs(kv_offloading_size=-1)
+    args = EngineArgs(kv_offloading_dir="/tmp/x", kv_offloading_dir_size=0.5)
+    assert args.kv_transfer_config.kv_connector_extra_config == {"cpu_bytes_to_use": 0, "disk_dir": "/tmp/x",
+                                                                 "disk_bytes_to_use": 1 << 29}
+    for bad in (0, -1, "big", True):
+        with pytest.raises(ValueError, match="kv_offloading_dir_size"):
+            EngineArgs(kv_offloading_dir="/tmp/x", kv_offloading_dir_size=bad)
+    with pytest.raises(ValueError, match="kv_offloading_dir too"):
+        EngineArgs(kv_offloading_size=1, kv_offloading_dir_size=1)
 
 
 def test_unknown_connector_and_unsupported_layouts_refused_before_loading(tmp_path):

@@ -108,7 +108,7 @@ def test_encode_server_down_is_counted_and_the_request_goes_on(e_pd_stack):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == \
             _post(plain, "/v1/chat/completions", _body(3))["choices"][0]["message"]["content"]
-        assert "vlserve:proxy_encode_failures_total 1" in client.get("/metrics").text
+        assert "vlserve:proxy_encode_failures_total 1.0" in client.get("/metrics").text
     assert _metric(pd, "vlserve:encoder_runs_total") == runs + 1  # encoded where it ran
 
 

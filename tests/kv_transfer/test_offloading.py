@@ -125,6 +125,46 @@ def test_disk_full_recomputes(qwen2_dir, reference, tmp_path, monkeypatch):
     llm.check_integrity()
 
 
+def _tier_files(root) -> list[str]:
+    return glob.glob(os.path.join(str(root), "*", "rank0", "*.kvb"))
+
+
+def test_disk_tier_size_cap_evicts_least_recently_used(qwen2_dir, reference, tmp_path):
+    """--kv-offloading-dir-size: the files never take more than the cap (checked after every request), the least
+    recently used go first (counted), tokens do not change; a later engine with a smaller cap deletes the oldest
+    files it finds; a cap below one file is refused."""
+    from transformers import AutoConfig
+
+    from vlserve.engine.kv_transfer_setup import disk_file_bytes
+
+    prompts, expected, _ = reference
+    with pytest.raises(ValueError, match="less than one block file"):
+        _llm(qwen2_dir, kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=1e-9)
+    per_file = disk_file_bytes(AutoConfig.from_pretrained(qwen2_dir), BLOCK, torch.float32)
+    cap = 5 * per_file + per_file // 2
+    llm = _llm(qwen2_dir, kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=cap / (1 << 30))
+    outs = []
+    for p in prompts:
+        outs.append(llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+        files = _tier_files(tmp_path)
+        assert all(os.path.getsize(f) == per_file for f in files)
+        assert 0 < sum(os.path.getsize(f) for f in files) <= cap
+    assert outs == expected
+    m = llm.get_metrics()
+    assert m["vlserve:kv_offload_disk_blocks"] == len(_tier_files(tmp_path)) == 5
+    assert m["vlserve:kv_offload_disk_evictions_total"] == m["vlserve:kv_offload_stores_total"] - 5 > 0
+    llm.check_integrity()
+    del llm
+    found = sorted(_tier_files(tmp_path))
+    for i, f in enumerate(found):  # distinct mtimes: found[0] the oldest
+        os.utime(f, ns=(1_000_000_000 * (i + 1), 1_000_000_000 * (i + 1)))
+    small = _llm(qwen2_dir, kv_offloading_dir=str(tmp_path), kv_offloading_dir_size=2.5 * per_file / (1 << 30))
+    m = small.get_metrics()
+    assert m["vlserve:kv_offload_disk_evictions_total"] == 3 and m["vlserve:kv_offload_disk_blocks"] == 2
+    assert _run(small, prompts[:1]) == expected[:1]  # its first step deleted the 3 oldest
+    assert not set(found[:3]) & set(_tier_files(tmp_path)) and len(_tier_files(tmp_path)) <= 2
+
+
 def test_async_scheduling_and_batched(qwen2_dir, reference):
     """The load step and the stores under async scheduling, all prompts in one batch: same tokens."""
     prompts, expected, _ = reference

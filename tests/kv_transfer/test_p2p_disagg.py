@@ -63,6 +63,8 @@ def test_prefill_on_a_decode_on_b_same_tokens(engines):
         assert len(params["remote_block_ids"]) == -(-len(prompt) // BLOCK)
         assert list(pre.outputs[0].token_ids) == want[:1]
         assert _sched(a).kept_blocks  # A keeps the blocks for B
+        kept = a.get_metrics()
+        assert kept["vlserve:kv_kept_requests"] == 1 and kept["vlserve:kv_kept_blocks"] == -(-len(prompt) // BLOCK)
         out = _gen(b, prompt, 8, params)
         assert list(out.outputs[0].token_ids) == want
         _wait_freed(a)  # B's confirmation frees them, A idle (its poller steps it)
@@ -70,7 +72,12 @@ def test_prefill_on_a_decode_on_b_same_tokens(engines):
         b.check_integrity()
     m = b.get_metrics()  # every prompt token but the last read from A: 12, 15, 29 tokens = 3 + 4 + 8 blocks
     assert m["vlserve:kv_p2p_loaded_blocks_total"] == 15 and m["vlserve:kv_p2p_failed_loads_total"] == 0
-    assert a.get_metrics()["vlserve:kv_p2p_kept_requests_total"] == 3
+    assert m["vlserve:kv_p2p_loads_done_total"] == 3 and m["vlserve:num_requests_waiting_for_kv"] == 0
+    assert m["vlserve:kv_free_blocks"] == 32 and m["vlserve:kv_used_blocks"] == 0
+    ma = a.get_metrics()
+    assert ma["vlserve:kv_p2p_kept_requests_total"] == 3 and ma["vlserve:kv_p2p_sends_confirmed_total"] == 3
+    assert ma["vlserve:kv_kept_blocks"] == 0 and ma["vlserve:kv_free_blocks"] == 32
+    assert ma["vlserve:kv_p2p_send_timeouts_total"] == 0
 
 
 def test_unreachable_producer_recomputes(engines):
@@ -81,7 +88,9 @@ def test_unreachable_producer_recomputes(engines):
     before = b.get_metrics()["vlserve:kv_p2p_failed_loads_total"]
     out = _gen(b, prompt, 8, bogus)
     assert list(out.outputs[0].token_ids) == ref[3]
-    assert b.get_metrics()["vlserve:kv_p2p_failed_loads_total"] == before + 1
+    m = b.get_metrics()
+    assert m["vlserve:kv_p2p_failed_loads_total"] == before + 1
+    assert m["vlserve:num_requests_waiting_for_kv"] == 0 and m["vlserve:kv_used_blocks"] == 0
     b.check_integrity()
 
 
@@ -93,6 +102,9 @@ def test_producer_frees_on_timeout(qwen2_dir, mooncake):
     steps = a.engine.num_steps
     _wait_freed(a)
     assert a.engine.num_steps > steps  # the poller stepped it
+    m = a.get_metrics()
+    assert m["vlserve:kv_p2p_send_timeouts_total"] == 1 and m["vlserve:kv_p2p_sends_confirmed_total"] == 0
+    assert m["vlserve:kv_kept_blocks"] == 0 and m["vlserve:kv_free_blocks"] == 32
     a.check_integrity()
     a.shutdown()
 

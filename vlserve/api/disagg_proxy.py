@@ -18,8 +18,10 @@ carry the expanded prompt and media items (`remote_mm_features`), the decode ser
 media parts and takes the prompt from the params. Without --prefill the --decode servers prefill and decode
 themselves (E + PD: plain servers, ec_consumers), and get the request as the client sent it.
 
-Each list of servers is used round-robin. /v1/models comes from a decode server; /health is 200 when every server's
-/health is; /metrics counts the encode stage.
+Each list of servers is used round-robin, skipping a server whose last call failed for a back-off and failing over
+to the next (`backend_pool.py`); with none left the client gets an OpenAI-style JSON error, 503 (504 for a
+timeout). /v1/models comes from a decode server; /health is 200 when every server's /health is; /metrics
+(prometheus-client) counts the encode stage.
 
     vlserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
     vlserve proxy --encode http://127.0.0.1:8300 --decode http://127.0.0.1:8200 --port 8000
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from vlserve.api.backend_pool import BackendPool, NoBackendError
 from vlserve.api.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -88,19 +90,28 @@ def _base(url: str) -> str:
 
 
 def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float = 600.0,
-                    encode: list[str] | None = None):
+                    encode: list[str] | None = None, backoff_s: float = 5.0):
     """The proxy's FastAPI app over these base URLs (e.g. http://127.0.0.1:8100): encode servers (optional, for
-    requests with media), prefill servers (optional: without them the decode servers prefill too), decode servers."""
+    requests with media), prefill servers (optional: without them the decode servers prefill too), decode servers;
+    a backend whose call failed is skipped for `backoff_s` (`backend_pool.BackendPool`)."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
     prefill, encode = list(prefill or []), list(encode or [])
     if not decode:
         raise ValueError("the proxy needs at least one --decode server")
     if not prefill and not encode:
         raise ValueError("the proxy needs --prefill servers, --encode servers or both in front of --decode")
     prefill, decode, encode = [_base(u) for u in prefill], [_base(u) for u in decode], [_base(u) for u in encode]
-    next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
-    next_encode = itertools.cycle(encode)
+    encodes, prefills, decodes = (BackendPool(role, urls, backoff_s) for role, urls in
+                                  (("encode", encode), ("prefill", prefill), ("decode", decode)))
+    registry = CollectorRegistry()
+    encode_requests = Counter("vlserve:proxy_encode_requests", "requests sent to an encode server first",
+                              registry=registry)
+    encode_failures = Counter("vlserve:proxy_encode_failures",
+                              "encode stages that failed (the request went on, encoded where it ran)",
+                              registry=registry)
     state: dict[str, Any] = {}
-    counters = {"proxy_encode_requests_total": 0, "proxy_encode_failures_total": 0}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -115,37 +126,30 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
     def _passthrough(r) -> Response:
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
-    def _unreachable(url: str, e: Exception) -> Response:
-        logger.warning("backend %s failed: %r", url, e)
-        return error_response(f"backend server {url} failed: {type(e).__name__}: {e}", 503)
-
     async def encode_first(path: str, body: dict, headers: dict) -> None:
         """Run the request's media through an encode server (it publishes their encoder outputs); a failure is
         logged and counted, never the client's: the next server encodes what it does not find."""
-        e_url = next(next_encode)
-        counters["proxy_encode_requests_total"] += 1
+        encode_requests.inc()
         enc = _one_token(body)
         enc.pop("kv_transfer_params", None)
         try:
-            r = await state["client"].post(e_url + path, json=enc, headers=headers)
-            why = None if r.status_code == 200 else f"status {r.status_code}: {r.text[:200]}"
-        except httpx.HTTPError as e:
-            why = f"{type(e).__name__}: {e}"
+            url, r = await encodes.send(state["client"], "POST", path, json=enc, headers=headers)
+            why = None if r.status_code == 200 else f"{url}: status {r.status_code}: {r.text[:200]}"
+        except NoBackendError as e:
+            why = str(e)
         if why is not None:
-            counters["proxy_encode_failures_total"] += 1
-            logger.warning("encode server %s failed (%s); the request goes on and is encoded where it runs",
-                           e_url, why)
+            encode_failures.inc()
+            logger.warning("the encode stage failed (%s); the request goes on and is encoded where it runs", why)
 
-    async def relay(url: str, path: str, body: dict, headers: dict) -> Response:
-        """The answer of the server that generates, streamed or not."""
-        client = state["client"]
-        try:
-            if not body.get("stream"):
-                return _passthrough(await client.post(url + path, json=body, headers=headers))
-            resp = await client.send(client.build_request("POST", url + path, json=body, headers=headers),
-                                     stream=True)
-        except httpx.HTTPError as e:
-            return _unreachable(url, e)
+    async def relay(path: str, body: dict, headers: dict) -> Response:
+        """The answer of a decode server (failing over to the next), streamed or not."""
+        stream = bool(body.get("stream"))
+        try:  # (a decode server that fails makes the producer keep the blocks until its send_timeout_s)
+            _, resp = await decodes.send(state["client"], "POST", path, stream=stream, json=body, headers=headers)
+        except NoBackendError as e:
+            return error_response(str(e), e.status)
+        if not stream:
+            return _passthrough(resp)
         if resp.status_code != 200:
             await resp.aread()
             await resp.aclose()
@@ -165,13 +169,12 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
         if encode and has_media(body):
             await encode_first(path, body, headers)
         if not prefill:  # E + PD: the decode server prefills too
-            return await relay(next(next_decode), path, body, headers)
+            return await relay(path, body, headers)
         pre = {**_one_token(body), "kv_transfer_params": {"do_remote_decode": True}}
-        p_url = next(next_prefill)
         try:
-            r = await state["client"].post(p_url + path, json=pre, headers=headers)
-        except httpx.HTTPError as e:
-            return _unreachable(p_url, e)
+            p_url, r = await prefills.send(state["client"], "POST", path, json=pre, headers=headers)
+        except NoBackendError as e:
+            return error_response(str(e), e.status)
         if r.status_code != 200:  # the client's error (or the prefill server's): as the prefill server said it
             return _passthrough(r)
         params = r.json().get("kv_transfer_params")
@@ -181,7 +184,7 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
         dec = {**body, "kv_transfer_params": params}
         if params.get("remote_mm_features") and "messages" in body:  # the producer encoded the media: the decode
             dec["messages"] = _without_media(body["messages"])  # server gets its expanded prompt, never the media
-        return await relay(next(next_decode), path, dec, headers)
+        return await relay(path, dec, headers)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -193,12 +196,11 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
-        url = next(next_decode)
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARDED_HEADERS}
         try:
-            return _passthrough(await state["client"].get(url + "/v1/models", headers=headers))
-        except httpx.HTTPError as e:
-            return _unreachable(url, e)
+            return _passthrough((await decodes.send(state["client"], "GET", "/v1/models", headers=headers))[1])
+        except NoBackendError as e:
+            return error_response(str(e), e.status)
 
     @app.get("/health")
     async def health() -> Response:
@@ -217,10 +219,7 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        lines = []
-        for name, value in counters.items():
-            lines += [f"# TYPE vlserve:{name} counter", f"vlserve:{name} {value}"]
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -240,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a backend's answer")
+    p.add_argument("--backoff", type=float, default=5.0, metavar="SECONDS",
+                   help="skip a backend for this long after a call to it failed (it is still tried when every "
+                        "backend of its kind is skipped)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -251,6 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     if not args.prefill and not args.encode:
         build_parser().error("give --prefill servers, --encode servers or both in front of --decode")
-    app = build_proxy_app(args.prefill, args.decode, args.timeout, encode=args.encode)
+    app = build_proxy_app(args.prefill, args.decode, args.timeout, encode=args.encode, backoff_s=args.backoff)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

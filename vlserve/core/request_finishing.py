@@ -119,6 +119,16 @@ class RequestFinishing:
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
+    def kv_pool_gauges(self) -> dict[str, int]:
+        """Leak gauges for /metrics (names without `vlserve:`): the KV pool's free and used blocks, the blocks and
+        requests a producer keeps for a peer, and the requests waiting for remote / offloaded KV."""
+        pool = self.kv.pool
+        kept = sum(len(ids) for rid in self.kept_blocks for ids in self.kv.get_block_ids(rid))
+        return {"kv_free_blocks": pool.num_free_blocks,
+                "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
+                "kv_kept_blocks": kept, "kv_kept_requests": len(self.kept_blocks),
+                "num_requests_waiting_for_kv": len(self.waiting_for_kv)}
+
     def check_integrity(self) -> None:
         """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
         self.kv.check_integrity()

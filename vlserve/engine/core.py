@@ -307,6 +307,7 @@ class EngineCore:
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
             **({} if self.batch_queue is None else {"vlserve:max_batches_in_flight": self.batch_queue.max_in_flight}),
+            **{f"vlserve:{k}": v for k, v in s.kv_pool_gauges().items()},
             **({} if s.connector is None else {f"vlserve:{k}": v for k, v in s.connector.stats().items()}),
             **{f"vlserve:{k}": v for k, v in ranks.ec_counters.items()},
         }

@@ -23,6 +23,23 @@ def kv_bytes_per_block(hf_config, block_size: int, kv_dtype: torch.dtype) -> int
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
 
+def disk_file_bytes(hf_config, block_size: int, kv_dtype: torch.dtype) -> int:
+    """The size of one disk-tier block file (fixed: its header and the `[L, 2, block_size, Hkv, D]` payload)."""
+    from vlserve.distributed.kv_transfer.offloading.tier_store import FORMAT, checked_file_bytes
+
+    num_layers, num_kv_heads, head_dim = kv_cache_spec(text_config_of(hf_config))
+    return checked_file_bytes(FORMAT, kv_dtype, [num_layers, 2, block_size, num_kv_heads, head_dim])
+
+
+def disk_tier_blocks(hf_config, block_size: int, kv_dtype: torch.dtype, cap_bytes: int) -> int:
+    """How many block files fit the disk tier's cap; ValueError when not even one does."""
+    per_file = disk_file_bytes(hf_config, block_size, kv_dtype)
+    if cap_bytes < per_file:
+        raise ValueError(f"kv_offloading_dir_size / disk_bytes_to_use ({cap_bytes} bytes) is less than one block "
+                         f"file ({per_file} bytes)")
+    return cap_bytes // per_file
+
+
 def checkpoint_parts(loaded) -> tuple[str, str]:
     """The checkpoint's identity: its config (JSON, without its path) and its weight files by name, size and
     mtime."""
@@ -115,6 +132,9 @@ def resolve_kv_transfer(args: EngineArgs, loaded) -> EngineArgs:
         if _eagle_part(args):  # the head's layer, about one more of the target's
             per_block += per_block // kv_cache_spec(text_config_of(loaded.hf_config))[0]
         extra["_num_cpu_blocks"] = int(extra.get("cpu_bytes_to_use", 0)) // per_block
+        if extra.get("disk_bytes_to_use") is not None:
+            extra["_disk_max_blocks"] = disk_tier_blocks(loaded.hf_config, args.block_size, kv_dtype,
+                                                         int(extra["disk_bytes_to_use"]))
         extra["_namespace"] = model_namespace(args, loaded, kv_dtype).hex()
     elif cfg.kv_connector == "P2PConnector":
         import uuid

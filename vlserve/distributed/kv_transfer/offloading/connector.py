@@ -13,7 +13,9 @@ Worker side: `tier_store.TierStore` (imported only by a worker) copies blocks be
 buffer and the files.
 
 extra config: cpu_bytes_to_use (host tier size; `--kv-offloading-size` GiB), disk_dir (`--kv-offloading-dir`),
-and what the engine fills in: _num_cpu_blocks, _namespace (hex).
+disk_bytes_to_use (the disk tier's cap; `--kv-offloading-dir-size` GiB: past it the least recently used files are
+deleted, files an earlier engine left by their mtime; the cap is this engine's view of its own namespace folder),
+and what the engine fills in: _num_cpu_blocks, _disk_max_blocks (the cap in files), _namespace (hex).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     loads: dict[str, list[tuple[int, int, bytes]]] = field(default_factory=dict)
     # (device block id, host slot or NO_SLOT, key, write the file too)
     stores: list[tuple[int, int, bytes, bool]] = field(default_factory=list)
+    evictions: list[bytes] = field(default_factory=list)  # files to delete before this step's writes
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -69,22 +72,43 @@ class OffloadingConnector(KVConnectorBase):
         self._extra_keys_of = extra_keys_of
         self.host: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
-        self.disk: set[bytes] = set()
+        self.counters = {"kv_offload_hit_tokens_total": 0, "kv_offload_stores_total": 0,
+                         "kv_offload_evictions_total": 0, "kv_offload_load_failures_total": 0,
+                         "kv_offload_store_failures_total": 0, "kv_offload_disk_evictions_total": 0}
+        self.disk: OrderedDict[bytes, None] = OrderedDict()  # keys with a file, least recently used first
+        self.disk_max_blocks = int(extra.get("_disk_max_blocks", 0)) or None  # None: no cap
+        self._evictions: list[bytes] = []  # disk keys dropped from the index, their files not deleted yet
         if self.disk_dir is not None:
             os.makedirs(self.disk_dir, exist_ok=True)
-            for name in os.listdir(self.disk_dir):  # what an earlier engine (or another one) left
-                if name.endswith(FILE_SUFFIX) and len(name) == 32 + len(FILE_SUFFIX):
-                    self.disk.add(bytes.fromhex(name[:32]))
+            self._index_disk()
         self._loads: dict[str, list[tuple[int, int, bytes]]] = {}  # planned this step
         self._pending: dict[str, int] = {}  # request -> tokens being loaded (until a worker reports)
         self._stored_upto: dict[str, int] = {}  # request -> blocks already considered for storing
-        self.counters = {"kv_offload_hit_tokens_total": 0, "kv_offload_stores_total": 0,
-                         "kv_offload_evictions_total": 0, "kv_offload_load_failures_total": 0,
-                         "kv_offload_store_failures_total": 0}
 
     # -- scheduler side --------------------------------------------------------------------------------------
     def _keys(self, request, num_blocks: int) -> list[bytes]:
         return extend_block_keys(request, num_blocks, self.block_size, self.namespace, self._extra_keys_of)
+
+    def _index_disk(self) -> None:
+        """The files an earlier engine (or another one) left, oldest first; those over the cap go first."""
+        found = []
+        for name in os.listdir(self.disk_dir):
+            if name.endswith(FILE_SUFFIX) and len(name) == 32 + len(FILE_SUFFIX):
+                try:
+                    found.append((os.stat(os.path.join(self.disk_dir, name)).st_mtime_ns, bytes.fromhex(name[:32])))
+                except (OSError, ValueError):
+                    continue
+        for _, key in sorted(found):
+            self.disk[key] = None
+        self._evict_over_cap()
+
+    def _evict_over_cap(self) -> None:
+        """Drop the least recently used disk keys past the cap; their files are deleted in the step's metadata,
+        after that step's loads and before its writes."""
+        while self.disk_max_blocks is not None and len(self.disk) > self.disk_max_blocks:
+            key, _ = self.disk.popitem(last=False)
+            self._evictions.append(key)
+            self.counters["kv_offload_disk_evictions_total"] += 1
 
     def _in_tier(self, key: bytes) -> bool:
         return key in self.host or key in self.disk
@@ -112,6 +136,8 @@ class OffloadingConnector(KVConnectorBase):
             slot = self.host.get(key, NO_SLOT)
             if slot != NO_SLOT:
                 self.host.move_to_end(key)
+            if key in self.disk:
+                self.disk.move_to_end(key)
             loads.append((block_ids[i], slot, key))
         self._loads[request.request_id] = loads
         self._pending[request.request_id] = num_external_tokens
@@ -142,6 +168,8 @@ class OffloadingConnector(KVConnectorBase):
                     if in_host:
                         host.move_to_end(key)
                     to_disk = to_disk_ok and key not in disk
+                    if to_disk_ok and not to_disk:
+                        disk.move_to_end(key)
                     if in_host and not to_disk:
                         continue
                     slot = self._take_slot() if self.num_cpu_blocks and not in_host else NO_SLOT
@@ -151,13 +179,19 @@ class OffloadingConnector(KVConnectorBase):
                     if slot != NO_SLOT:
                         host[key] = slot
                     if to_disk:
-                        disk.add(key)
+                        disk[key] = None
                     self.counters["kv_offload_stores_total"] += 1
                 self._stored_upto[rid] = full
         loads, self._loads = self._loads, {}
-        if not stores and not loads:
+        if self.disk_max_blocks is not None and len(self.disk) > self.disk_max_blocks:
+            self._evict_over_cap()
+            evicted = set(self._evictions)  # a file this step would write and evict at once: not written
+            stores = [(b, slot, key, to_disk and key not in evicted) for b, slot, key, to_disk in stores
+                      if slot != NO_SLOT or key not in evicted]
+        evictions, self._evictions = self._evictions, []
+        if not stores and not loads and not evictions:
             return None
-        return OffloadingConnectorMetadata(loads, stores)
+        return OffloadingConnectorMetadata(loads, stores, evictions)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_recving:
@@ -167,9 +201,9 @@ class OffloadingConnector(KVConnectorBase):
             else:
                 self.counters["kv_offload_hit_tokens_total"] += n
         for key in output.extra.get("bad_keys", ()):  # a file that failed its checks (now deleted)
-            self.disk.discard(key)
+            self.disk.pop(key, None)
         for key in output.extra.get("failed_store_keys", ()):  # a file that could not be written (disk full)
-            self.disk.discard(key)
+            self.disk.pop(key, None)
             self.counters["kv_offload_store_failures_total"] += 1
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -188,6 +222,8 @@ class OffloadingConnector(KVConnectorBase):
             self.worker.load(metadata.loads)
 
     def wait_for_save(self, metadata) -> None:
+        if metadata is not None and metadata.evictions:
+            self.worker.evict(metadata.evictions)
         if metadata is not None and metadata.stores:
             self.worker.store(metadata.stores)
 

@@ -27,17 +27,30 @@ class TierFileError(Exception):
     """A tier file that is missing or fails its checks."""
 
 
+def _header_line(fmt: str, dtype: torch.dtype, shape: list[int], payload: bytes) -> bytes:
+    header = {"format": fmt, "dtype": str(dtype), "shape": list(shape), "nbytes": len(payload),
+              "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
+    return json.dumps(header).encode() + b"\n"
+
+
+def checked_file_bytes(fmt: str, dtype: torch.dtype, shape: list[int]) -> int:
+    """The size on disk of the file `write_checked_file` writes for a tensor of this dtype and shape."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return len(_header_line(fmt, dtype, shape, b"")) + len(str(nbytes)) - 1 + nbytes  # (the digest's length is fixed)
+
+
 def write_checked_file(path: str, fmt: str, tensor: torch.Tensor) -> None:
     """One JSON header line (format, dtype, shape, payload bytes, blake2b of the payload), then the raw payload of
     `tensor`; written to a temporary name and renamed. OSError when it cannot be written (nothing left behind)."""
     tensor = tensor.detach().contiguous().cpu()
     payload = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-    header = {"format": fmt, "dtype": str(tensor.dtype), "shape": list(tensor.shape),
-              "nbytes": len(payload), "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(json.dumps(header).encode() + b"\n")
+            f.write(_header_line(fmt, tensor.dtype, list(tensor.shape), payload))
             f.write(payload)
         os.replace(tmp, path)
     except OSError:
@@ -133,6 +146,12 @@ class TierStore:
                                "tier", path, e)
                 self._warned_write = True
             self._out.extra.setdefault("failed_store_keys", []).append(key)
+
+    def evict(self, keys: list[bytes]) -> None:
+        """Delete these blocks' files (the disk tier's least recently used, over its size cap)."""
+        for key in keys:
+            with _quiet():
+                os.remove(self._path(key))
 
     def _read_file(self, key: bytes) -> torch.Tensor:
         return read_checked_file(self._path(key), FORMAT, self.dtype, list(self.block_shape))

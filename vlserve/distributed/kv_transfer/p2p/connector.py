@@ -68,8 +68,11 @@ class P2PConnector(KVConnectorBase):
         self._loading: set[str] = set()  # planned loads not reported yet
         self._abandoned: set[str] = set()  # finished while loading: blocks kept until the read ends
         self._done_with_params: set[str] = set()  # consumer requests whose params were acted on
-        self.counters = {"kv_p2p_loaded_blocks_total": 0, "kv_p2p_failed_loads_total": 0,
-                         "kv_p2p_kept_requests_total": 0}
+        # loads: blocks read, requests read / failed (recomputed); sends: requests kept for a consumer, freed on
+        # its confirmation, freed after send_timeout_s without one
+        self.counters = {"kv_p2p_loaded_blocks_total": 0, "kv_p2p_loads_done_total": 0,
+                         "kv_p2p_failed_loads_total": 0, "kv_p2p_kept_requests_total": 0,
+                         "kv_p2p_sends_confirmed_total": 0, "kv_p2p_send_timeouts_total": 0}
 
     # -- scheduler side ----------------------------------------------------------------------------------------
     def _remote(self, request) -> dict | None:
@@ -127,7 +130,8 @@ class P2PConnector(KVConnectorBase):
             if rid in self._abandoned:  # ended while its read ran: its blocks can go now
                 self._abandoned.discard(rid)
                 output.finished_sending.add(rid)
-        self.counters["kv_p2p_loaded_blocks_total"] += output.stats.get("loaded_blocks", 0)
+        for stat in ("loaded_blocks", "loads_done", "sends_confirmed", "send_timeouts"):
+            self.counters[f"kv_p2p_{stat}_total"] += output.stats.get(stat, 0)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id

@@ -26,6 +26,8 @@ class P2PWorker:
         self._confirmed: set[str] = set()  # the consumer said done (side channel thread)
         self._deadlines: dict[str, float] = {}  # kept requests -> when to give up on the consumer
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-p2p-read")
+        # the "done" messages: after the read, never delaying its report (a hung producer takes ask's timeout)
+        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-p2p-done")
         self._reads: dict[str, Future] = {}
         self._peers: dict[tuple[str, int, str], CacheDescriptor] = {}
 
@@ -48,7 +50,7 @@ class P2PWorker:
             self._reads[rid] = self._pool.submit(self._read, load)
 
     def _read(self, load) -> tuple[bool, int]:
-        """Read the producer's blocks, then tell it to free them; (ok, blocks read)."""
+        """Read the producer's blocks, then have it told to free them; (ok, blocks read)."""
         ok = True
         try:
             if load.remote_block_ids:
@@ -65,11 +67,7 @@ class P2PWorker:
         except Exception as e:  # noqa: BLE001 - a failed read recomputes
             logger.warning("KV read from %s:%s failed: %s", load.host, load.port, e)
             ok = False
-        try:
-            ask(load.host, load.port, {"op": "done", "request_id": load.remote_request_id})
-        except Exception as e:  # noqa: BLE001 - the producer frees them on its timeout then
-            logger.warning("could not tell %s:%s that request %s is read: %s", load.host, load.port,
-                           load.remote_request_id, e)
+        self._notify.submit(_tell_done, load)
         return ok, len(load.remote_block_ids)
 
     def get_finished(self) -> KVConnectorOutput:
@@ -85,6 +83,7 @@ class P2PWorker:
                     out.failed_recving.add(rid)
                 else:
                     out.stats["loaded_blocks"] = out.stats.get("loaded_blocks", 0) + n
+                    out.stats["loads_done"] = out.stats.get("loads_done", 0) + 1
         if self._deadlines:
             with self._lock:
                 confirmed = self._confirmed & self._deadlines.keys()  # (one may come before its new_sends)
@@ -92,9 +91,20 @@ class P2PWorker:
             now = time.monotonic()
             for rid, deadline in list(self._deadlines.items()):
                 if rid in confirmed or now >= deadline:
+                    stat = "sends_confirmed" if rid in confirmed else "send_timeouts"
+                    out.stats[stat] = out.stats.get(stat, 0) + 1
                     if rid not in confirmed:
                         logger.warning("request %s: no consumer read its KV within %.0f s; freeing it", rid,
                                        self.send_timeout_s)
                     del self._deadlines[rid]
                     out.finished_sending.add(rid)
         return out
+
+
+def _tell_done(load) -> None:
+    """Tell the producer that `load`'s blocks are read (or given up on), so it frees them."""
+    try:
+        ask(load.host, load.port, {"op": "done", "request_id": load.remote_request_id})
+    except Exception as e:  # noqa: BLE001 - the producer frees them on its timeout then
+        logger.warning("could not tell %s:%s that request %s is read: %s", load.host, load.port,
+                       load.remote_request_id, e)
