@@ -9,11 +9,13 @@ import contextlib
 import json
 import os
 
-import httpx
 import pytest
 
 from tests.api.conftest import serve_subprocess
-from tests.kv_transfer.test_p2p_proxy import _metric, _post, _serve_args
+from tests.kv_transfer.servers import REPO_ROOT, mooncake_site, streamed_chat
+from tests.kv_transfer.servers import metric as _metric
+from tests.kv_transfer.servers import post as _post
+from tests.kv_transfer.servers import serve_args as _serve_args
 from tests.kv_transfer.test_p2p_proxy_vl import _msgs
 from vlserve.api.disagg_proxy import build_proxy_app, has_media
 
@@ -27,18 +29,6 @@ def _body(seed: int, **kw) -> dict:
     return {"model": "tiny", "messages": _msgs(seed), "temperature": 0, "max_tokens": 10, "ignore_eos": True, **kw}
 
 
-def _streamed(base: str, body: dict) -> str:
-    text = ""
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120,
-                      trust_env=False) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for c in json.loads(line[6:])["choices"]:
-                    text += c["delta"].get("content") or ""
-    return text
-
-
 def test_has_media_and_proxy_flags():
     assert has_media(_body(1)) and not has_media({"messages": [{"role": "user", "content": "hi"}]})
     assert not has_media({"prompt": "hi"})
@@ -49,20 +39,15 @@ def test_has_media_and_proxy_flags():
 
 
 @pytest.fixture(scope="module")
-def repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def e_pd_stack(qwen2_vl_dir, repo_root, tmp_path_factory):
+def e_pd_stack(qwen2_vl_dir, tmp_path_factory):
     ec_dir = tmp_path_factory.mktemp("ec")
     with contextlib.ExitStack() as es:
         enc = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + ["--mm-encoder-only"]
-                                                + _ec("ec_producer", ec_dir), repo_root, 240))
-        pd = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + _ec("ec_consumer", ec_dir), repo_root, 240))
-        plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), repo_root, 240))
+                                                + _ec("ec_producer", ec_dir), REPO_ROOT, 240))
+        pd = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + _ec("ec_consumer", ec_dir), REPO_ROOT, 240))
+        plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), REPO_ROOT, 240))
         proxy = es.enter_context(serve_subprocess(["--encode", enc, "--decode", pd, "--log-level", "warning"],
-                                                  repo_root, 60, command="proxy"))
+                                                  REPO_ROOT, 60, command="proxy"))
         yield enc, pd, plain, proxy
 
 
@@ -75,7 +60,7 @@ def test_e_pd_image_chat_equals_one_server_and_pd_never_runs_its_tower(e_pd_stac
         got = _post(proxy, "/v1/chat/completions", _body(seed))
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert got["usage"] == want["usage"]
-        assert _streamed(proxy, _body(seed)) == want["choices"][0]["message"]["content"]
+        assert streamed_chat(proxy, _body(seed)) == want["choices"][0]["message"]["content"]
         texts.append(want["choices"][0]["message"]["content"])
     assert texts[0] != texts[1]  # the image matters
     assert _metric(pd, "vlserve:encoder_runs_total") == 0  # the PD server loaded every image's encoder output
@@ -113,19 +98,19 @@ def test_encode_server_down_is_counted_and_the_request_goes_on(e_pd_stack):
 
 
 @pytest.fixture(scope="module")
-def e_p_d_stack(qwen2_vl_dir, mooncake, repo_root, tmp_path_factory):
+def e_p_d_stack(qwen2_vl_dir, mooncake, tmp_path_factory):
     ec_dir = tmp_path_factory.mktemp("ec3")
-    site = tuple(p for p in [os.environ.get("VLSERVE_MOONCAKE_SITE")] if p)
+    site = mooncake_site()
     with contextlib.ExitStack() as es:
         enc = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + _ec("ec_producer", ec_dir),
-                                                repo_root, 240))
+                                                REPO_ROOT, 240))
         prod = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_producer") + _ec("ec_consumer", ec_dir),
-                                                 repo_root, 240, extra_paths=site))
-        cons = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_consumer"), repo_root, 240,
+                                                 REPO_ROOT, 240, extra_paths=site))
+        cons = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_consumer"), REPO_ROOT, 240,
                                                  extra_paths=site))
-        plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), repo_root, 240))
+        plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), REPO_ROOT, 240))
         proxy = es.enter_context(serve_subprocess(["--encode", enc, "--prefill", prod, "--decode", cons,
-                                                   "--log-level", "warning"], repo_root, 60, command="proxy"))
+                                                   "--log-level", "warning"], REPO_ROOT, 60, command="proxy"))
         yield enc, prod, cons, plain, proxy
 
 
@@ -135,7 +120,7 @@ def test_e_p_d_image_chat_equals_one_server(e_p_d_stack):
     for seed in (1, 2):
         want = _post(plain, "/v1/chat/completions", _body(seed))["choices"][0]["message"]["content"]
         assert _post(proxy, "/v1/chat/completions", _body(seed))["choices"][0]["message"]["content"] == want
-        assert _streamed(proxy, _body(seed)) == want
+        assert streamed_chat(proxy, _body(seed)) == want
     assert _metric(prod, "vlserve:encoder_runs_total") == 0  # the prefill server loaded the encoder outputs
     assert _metric(cons, "vlserve:encoder_runs_total") == 0  # the decode server read the prefill server's KV
     assert _metric(cons, "vlserve:kv_p2p_loaded_blocks_total") > 0

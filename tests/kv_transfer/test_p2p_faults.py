@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import time
 
@@ -16,6 +15,10 @@ import psutil
 import pytest
 
 from tests.api.conftest import serve_subprocess
+from tests.kv_transfer.servers import REPO_ROOT, mooncake_site
+from tests.kv_transfer.servers import metric as _metric
+from tests.kv_transfer.servers import post as _post
+from tests.kv_transfer.servers import serve_args as _serve_args
 
 pytestmark = pytest.mark.slow
 
@@ -26,34 +29,23 @@ PROMPTS = ["the quick brown fox jumps over", "hello there my friend, how are", "
 LATE = ["seven eight nine ten eleven twelve thirteen", "my dog likes to run in the park every day"]
 
 
-def _serve_args(model_dir, role, **extra):
-    return [model_dir, "--dtype", "float32", "--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", "256",
-            "--block-size", "4", "--served-model-name", "tiny", "--log-level", "warning", "--kv-transfer-config",
-            json.dumps({"kv_connector": "P2PConnector", "kv_role": role, "kv_connector_extra_config": extra})]
-
-
 @pytest.fixture(scope="module")
-def repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def stack(qwen2_dir, mooncake, repo_root):
+def stack(qwen2_dir, mooncake):
     """Two producers (p1 stays up, p2 is killed) and two consumers (c1 stays up, c2 is killed) behind one proxy;
     `procs[name]` is each server's Popen."""
-    site = tuple(p for p in [os.environ.get("VLSERVE_MOONCAKE_SITE")] if p)
+    site = mooncake_site()
     with contextlib.ExitStack() as es:
         urls, procs = {}, {}
         for name, role in (("p1", "kv_producer"), ("p2", "kv_producer"), ("c1", "kv_consumer"),
                            ("c2", "kv_consumer")):
             started: list = []
             urls[name] = es.enter_context(serve_subprocess(
-                _serve_args(qwen2_dir, role, send_timeout_s=SEND_TIMEOUT_S), repo_root, 240, extra_paths=site,
+                _serve_args(qwen2_dir, role, send_timeout_s=SEND_TIMEOUT_S), REPO_ROOT, 240, extra_paths=site,
                 procs=started))
             procs[name] = started[0]
         urls["proxy"] = es.enter_context(serve_subprocess(
             ["--prefill", urls["p2"], urls["p1"], "--decode", urls["c2"], urls["c1"], "--backoff", "60",
-             "--log-level", "warning"], repo_root, 60, command="proxy"))
+             "--log-level", "warning"], REPO_ROOT, 60, command="proxy"))
         yield urls, procs
 
 
@@ -67,19 +59,6 @@ def _kill(proc) -> None:
             p.send_signal(signal.SIGKILL)
     proc.wait(10)
     psutil.wait_procs(tree, timeout=10)
-
-
-def _post(base, path, body, status=200):
-    r = httpx.post(f"{base}{path}", json=body, timeout=120, trust_env=False)
-    assert r.status_code == status, r.text
-    return r.json()
-
-
-def _metric(base, name):
-    for line in httpx.get(f"{base}/metrics", trust_env=False).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not on {base}/metrics")
 
 
 def _wait_metric(base, name, want, limit_s):

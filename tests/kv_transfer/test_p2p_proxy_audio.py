@@ -4,14 +4,13 @@ decodes the clip nor runs the audio tower."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
-import os
 
 import pytest
 
-from tests.api.conftest import serve_subprocess
-from tests.kv_transfer.test_p2p_proxy import _metric, _post, _serve_args
+from tests.kv_transfer.servers import metric as _metric
+from tests.kv_transfer.servers import p2p_stack
+from tests.kv_transfer.servers import post as _post
 from tests.multimodal.audio_media import encode_audio, tones
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -26,17 +25,8 @@ def audio_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def audio_stack(audio_dir, mooncake):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    site = tuple(p for p in [os.environ.get("VLSERVE_MOONCAKE_SITE")] if p)
-    with contextlib.ExitStack() as es:
-        prod = es.enter_context(serve_subprocess(_serve_args(audio_dir, "kv_producer"), root, 240, extra_paths=site))
-        cons = es.enter_context(serve_subprocess(
-            _serve_args(audio_dir, "kv_consumer") + ["--speculative-config", json.dumps(NGRAM)], root, 240,
-            extra_paths=site))
-        plain = es.enter_context(serve_subprocess(_serve_args(audio_dir), root, 240))
-        proxy = es.enter_context(serve_subprocess(["--prefill", prod, "--decode", cons, "--log-level", "warning"],
-                                                  root, 60, command="proxy"))
-        yield prod, cons, plain, proxy
+    with p2p_stack(audio_dir, ("--speculative-config", json.dumps(NGRAM))) as urls:
+        yield urls
 
 
 @pytest.mark.slow

@@ -5,18 +5,15 @@ prompt and the items without pixel data; the proxy strips the media parts from t
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
-import json
-import os
 
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.api.conftest import serve_subprocess
-from tests.kv_transfer.test_p2p_proxy import _metric, _post, _serve_args
+from tests.kv_transfer.servers import metric as _metric
+from tests.kv_transfer.servers import p2p_stack, streamed_chat
+from tests.kv_transfer.servers import post as _post
 from vlserve.api.disagg_proxy import _without_media
 
 
@@ -42,22 +39,9 @@ def test_without_media_keeps_text_parts_only():
 
 
 @pytest.fixture(scope="module")
-def repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def vl_stack(qwen2_vl_dir, mooncake, repo_root):
-    site = tuple(p for p in [os.environ.get("VLSERVE_MOONCAKE_SITE")] if p)
-    with contextlib.ExitStack() as es:
-        prod = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_producer"), repo_root, 240,
-                                                 extra_paths=site))
-        cons = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_consumer"), repo_root, 240,
-                                                 extra_paths=site))
-        plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), repo_root, 240))
-        proxy = es.enter_context(serve_subprocess(["--prefill", prod, "--decode", cons, "--log-level", "warning"],
-                                                  repo_root, 60, command="proxy"))
-        yield prod, cons, plain, proxy
+def vl_stack(qwen2_vl_dir, mooncake):
+    with p2p_stack(qwen2_vl_dir) as urls:
+        yield urls
 
 
 @pytest.mark.slow
@@ -71,15 +55,7 @@ def test_proxy_image_chat_equals_one_server_and_decode_never_sees_media(vl_stack
         assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]  # the expanded prompt ran
         texts.append(want["choices"][0]["message"]["content"])
-        streamed = ""
-        with httpx.stream("POST", f"{proxy}/v1/chat/completions", json={**body, "stream": True}, timeout=120,
-                          trust_env=False) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for c in json.loads(line[6:])["choices"]:
-                        streamed += c["delta"].get("content") or ""
-        assert streamed == want["choices"][0]["message"]["content"]
+        assert streamed_chat(proxy, body) == want["choices"][0]["message"]["content"]
     assert texts[0] != texts[1]  # the image matters
     assert _metric(cons, "vlserve:kv_p2p_loaded_blocks_total") > 0
     assert _metric(cons, "vlserve:kv_p2p_failed_loads_total") == 0
