@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	@echo "[setup 2/3] upgrading pip in $(VENV)"
 	$(PY) -m pip install --upgrade pip
 	@echo "[setup 3/3] installing vlserve and its dependencies (torch, transformers, ...) into $(VENV)"
-	$(PY) -m pip install -e '.[dev,ray]'
+	$(PY) -m pip install -e '.[dev,ray,kv-cpu]'
 	@touch $@
 	@echo "[setup] done: $(VENV) is ready (commands: $(VENV)/bin/python, $(VENV)/bin/vlserve)"
 

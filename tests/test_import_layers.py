@@ -19,7 +19,7 @@ MAX_LINES = 500
 # Lowest first. A unit is a top-level subpackage or module of vlserve; "vlserve" is the package's own __init__.
 RANKS = {
     "demo": 0,  # the checkpoint locator: imports nothing from vlserve
-    "config": 1, "sampling_params": 1, "outputs": 1, "shorten": 1, "beam_search": 1,
+    "config": 1, "transfer_config": 1, "sampling_params": 1, "outputs": 1, "shorten": 1, "beam_search": 1,
     "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
     "core": 2, "kernels": 2, "multimodal": 2, "distributed": 2,
     "encoders": 3,

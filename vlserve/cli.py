@@ -116,6 +116,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     mm.add_argument("--max-audio-seconds", type=float, default=None,
                     help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
                          "window, 30 s for Whisper's)")
+    mm.add_argument("--mm-encoder-only", action="store_true",
+                    help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
+                         "and run, no KV cache; each request's media items are encoded and published through "
+                         "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
+                         "with no tokens (finish_reason \"length\")")
 
     cache = p.add_argument_group("CacheConfig", "the paged KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -128,6 +133,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                        help="KV cache dtype: auto = the model's dtype; fp8 / fp8_e4m3 = float8_e4m3fn, half of bf16's "
                             "memory, scaled per layer by the checkpoint's k_scale / v_scale, else 1.0 (default: auto)")
+    cache.add_argument("--kv-offloading-size", type=float, default=None,
+                       help="GiB of host memory for a KV tier below the device pool: full blocks are offloaded "
+                            "there (LRU) and loaded back on a prefix hit instead of recomputed (default: off)")
+    cache.add_argument("--kv-offloading-dir", default=None,
+                       help="a directory for a disk KV tier under the host one (one file per block; it outlives "
+                            "the server, and another server of the same model can read it) (default: off)")
+    cache.add_argument("--kv-offloading-dir-size", type=float, default=None, metavar="GIB",
+                       help="cap of the disk KV tier in GiB: the least recently used block files are deleted to "
+                            "stay under it (default: no cap)")
     cache.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn prefix caching off (default: on)")
 
@@ -161,6 +175,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                      help="what starts the ranks: mp (multiprocessing) or ray (Ray actors on the cluster at "
                           "RAY_ADDRESS, or a local one) (default: mp above one rank)")
+
+    kvt = p.add_argument_group("KVTransferConfig", "KV connectors (disaggregated serving, KV offloading)")
+    kvt.add_argument("--kv-transfer-config", type=_json_dict, default=None,
+                     help='JSON, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+                          '"kv_connector_extra_config": {"cpu_bytes_to_use": 4e9, "disk_dir": "/tmp/kv"}}\' '
+                          '(kv_role: kv_producer | kv_consumer | kv_both) (default: none)')
+
+    kvt.add_argument("--ec-transfer-config", type=_json_dict, default=None,
+                     help='JSON, as vLLM: \'{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
+                          '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}\' (ec_role: ec_producer | '
+                          'ec_consumer | ec_both): encoder outputs through a shared directory (default: none)')
 
     spec = p.add_argument_group("SpeculativeConfig")
     spec.add_argument("--speculative-config", type=_json_dict, default=None,
@@ -216,7 +241,10 @@ def serve_config_from_args(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules)
+        max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules,
+        kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_dir_size=args.kv_offloading_dir_size,
+        ec_transfer_config=args.ec_transfer_config, mm_encoder_only=args.mm_encoder_only)
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(served_model_names=names, api_key=args.api_key,
                           trust_request_chat_template=args.trust_request_chat_template, **body_cap,
@@ -248,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser("mm-cache", help="repeated images: encoder cache on vs off", add_help=False)
     bench.add_parser("spec-decode", help="speculative vs plain decoding", add_help=False)
     bench.add_parser("spec-demo", help="speculative vs plain decoding on the demo model's task", add_help=False)
+    sub.add_parser("proxy", help="disaggregated serving proxy (encode, prefill, decode) in front of vlserve servers (see --help)",
+                   add_help=False)
     sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
                    add_help=False)
     return parser
@@ -283,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         from vlserve.bench.spec_demo import main as spec_demo_main
 
         return spec_demo_main(argv[2:]) or 0
+    if argv[:1] == ["proxy"]:
+        from vlserve.api.disagg_proxy import main as proxy_main
+
+        return proxy_main(argv[1:]) or 0
     if argv[:1] == ["train-eagle"]:
         from vlserve.training.train_eagle import main as train_eagle_main
 

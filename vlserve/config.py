@@ -8,6 +8,7 @@ from typing import Any
 
 from vlserve.shorten import shorten
 from vlserve.structured_output.params import StructuredOutputsConfig
+from vlserve.transfer_config import ECTransferConfig, KVTransferConfig  # noqa: F401 - re-exported (vlserve.config)
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class SchedulerConfig:
     # the sliding window of each KV cache group (core/kv_cache_groups.py; None: full attention)
     kv_group_windows: tuple[int | None, ...] = (None,)
     max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, adapter requests are refused)
+    kv_transfer_config: "KVTransferConfig | None" = None  # the KV connector (distributed/kv_transfer), None: off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -190,6 +192,17 @@ class EngineArgs:
     max_lora_rank: int = 16  # the largest adapter rank accepted
     max_cpu_loras: int | None = None  # parsed adapters kept in host memory (None: max_loras)
     lora_modules: dict[str, str] | None = None  # name -> PEFT adapter directory, served as models by name
+    # KV connector (vlserve/distributed/kv_transfer): KVTransferConfig, its dict or JSON text; None: off
+    kv_transfer_config: Any = None
+    # KV offloading below the device pool (vLLM's --kv-offloading-size, GiB of host memory), and a disk tier under
+    # it (a directory that outlives the engine); either one turns on the OffloadingConnector
+    kv_offloading_size: float | None = None
+    kv_offloading_dir: str | None = None
+    kv_offloading_dir_size: float | None = None  # GiB cap of the disk tier (least recently used files go first)
+    # encoder-cache connector (vlserve/distributed/ec_transfer): ECTransferConfig, its dict or JSON text; None: off
+    ec_transfer_config: Any = None
+    # an encode server (E/PD, vLLM's --mm-encoder-only; an ec_producer turns it on): core/encoder_only_scheduler.py
+    mm_encoder_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -234,8 +247,54 @@ class EngineArgs:
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
+        self._resolve_kv_transfer()
+        self.ec_transfer_config = ECTransferConfig.from_any(self.ec_transfer_config)
+        self._check_encoder_only()
         self._check_lora()
         self._check_pipeline_parallel()
+
+    def _resolve_kv_transfer(self) -> None:
+        """kv_transfer_config to a KVTransferConfig; --kv-offloading-size / --kv-offloading-dir are the
+        OffloadingConnector's settings (vLLM: the size flag sets up the offloading connector)."""
+        self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        size, path, dir_size = self.kv_offloading_size, self.kv_offloading_dir, self.kv_offloading_dir_size
+        if size is None and path is None and dir_size is None:
+            return
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0):
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {shorten(size)}")
+        if dir_size is not None and (isinstance(dir_size, bool) or not isinstance(dir_size, (int, float))
+                                     or not dir_size > 0):
+            raise ValueError(f"kv_offloading_dir_size must be a number of GiB > 0, got {shorten(dir_size)}")
+        extra = {} if size is None and path is None else {"cpu_bytes_to_use": int((size or 0) * (1 << 30))}
+        if path is not None:
+            extra["disk_dir"] = os.path.expanduser(str(path))
+        if dir_size is not None:
+            extra["disk_bytes_to_use"] = int(dir_size * (1 << 30))
+        cfg = self.kv_transfer_config
+        if cfg is None:
+            self.kv_transfer_config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
+        elif cfg.kv_connector != "OffloadingConnector":
+            raise ValueError(f"kv_offloading_size / kv_offloading_dir configure the OffloadingConnector, but "
+                             f"kv_transfer_config names {shorten(cfg.kv_connector)}")
+        else:
+            cfg.kv_connector_extra_config = {**extra, **cfg.kv_connector_extra_config}
+        if "disk_dir" not in self.kv_transfer_config.kv_connector_extra_config:
+            if dir_size is not None:
+                raise ValueError("kv_offloading_dir_size caps the disk tier: give kv_offloading_dir too")
+
+    def _check_encoder_only(self) -> None:
+        """As vLLM: an ec_producer is an encode server (mm_encoder_only): it needs that role and generates nothing."""
+        ec = self.ec_transfer_config
+        self.mm_encoder_only = bool(self.mm_encoder_only or (ec is not None and ec.ec_role == "ec_producer"))
+        if self.mm_encoder_only and (ec is None or ec.ec_role != "ec_producer"):
+            raise ValueError("mm_encoder_only publishes encoder outputs: it needs ec_transfer_config with ec_role "
+                             f"\"ec_producer\" (ec_both encodes, publishes and generates), got {ec and ec.ec_role!r}")
+        bad = [name for name, on in (("kv_transfer_config", self.kv_transfer_config is not None),
+                                     ("speculative_config", self.speculative_config is not None),
+                                     ("enable_lora", self.enable_lora), ("async_scheduling", self.async_scheduling))
+               if on and self.mm_encoder_only]
+        if bad:
+            raise ValueError(f"mm_encoder_only (an ec_producer) generates nothing: {bad[0]} does not apply")
 
     @property
     def world_size(self) -> int:
@@ -249,7 +308,7 @@ class EngineArgs:
         pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
         refused = [
             (self.data_parallel_size > 1, "with data_parallel_size > 1"),
-            (_names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
+            (names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
                                                     "target's hidden states and embeddings, which live on different "
                                                     "stages; use method 'ngram')"),
             (self.async_scheduling, "with async_scheduling"),
@@ -279,7 +338,7 @@ class EngineArgs:
             raise ValueError("LoRA with async_scheduling is not supported yet")
 
 
-def _names_eagle(speculative_config: Any) -> bool:
+def names_eagle(speculative_config: Any) -> bool:
     """Whether a speculative_config (dict, before validation) asks for an EAGLE draft: by method, or by a draft model
     whose name says so (as SpeculativeConfig infers a missing method)."""
     if not isinstance(speculative_config, dict):

@@ -2,19 +2,25 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
+import weakref
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
 from vlserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from vlserve.config import EngineArgs
+from vlserve.engine.core_messages import KV_POLL_S
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
 from vlserve.lora.request import LoRARequest
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -35,6 +41,12 @@ class LLM:
         self.input_processor = self.engine_loop.input_processor
         self.output_processor = self.engine_loop.output_processor
         self._ids = itertools.count()
+        # A P2P producer's finished requests keep their blocks until the consumer confirms its read (or the send
+        # times out); with no generate call running, a daemon thread steps the idle engine until they are freed.
+        # `_lock` serializes it with every call that drives the engine.
+        self._lock = threading.RLock()
+        self._kv_poller: threading.Thread | None = None
+        self._closed = False
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -103,20 +115,21 @@ class LLM:
         eos = tuple(self.engine.loaded.eos_token_ids)
         searches = [BeamSearch(proc.prompt_token_ids, params, eos) for proc in processed]
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
-        try:
-            while not all(s.done for s in searches):
-                live = [(s, proc) for s, proc in zip(searches, processed) if not s.done]
-                now = time.time()
-                requests = [NewRequest(str(next(self._ids)), ProcessedPrompt(None, beam.tokens, proc.mm_features),
-                                       s.step_params(), now) for s, proc in live for beam in s.live]
-                self.engine_loop.add_requests(requests)
-                outs = iter(self._drain([r.request_id for r in requests], use_tqdm=False))
-                for s, _ in live:
-                    s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()}
-                               for _ in s.live])
-                bar.update(1)
-        finally:
-            bar.close()
+        with self._lock:
+            try:
+                while not all(s.done for s in searches):
+                    live = [(s, proc) for s, proc in zip(searches, processed) if not s.done]
+                    now = time.time()
+                    requests = [NewRequest(str(next(self._ids)), ProcessedPrompt(None, beam.tokens, proc.mm_features),
+                                           s.step_params(), now) for s, proc in live for beam in s.live]
+                    self.engine_loop.add_requests(requests)
+                    outs = iter(self._drain([r.request_id for r in requests], use_tqdm=False))
+                    for s, _ in live:
+                        s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()}
+                                   for _ in s.live])
+                    bar.update(1)
+            finally:
+                bar.close()
         results = []
         for s in searches:
             best = s.best()
@@ -139,8 +152,9 @@ class LLM:
         now = time.time()
         requests = [NewRequest(str(next(self._ids)), proc, params, now, lora)
                     for proc, params, lora in zip(processed, params_list, loras)]
-        self.engine_loop.add_requests(requests)  # all or none: one bad prompt leaves the engine untouched
-        return self._drain([r.request_id for r in requests], use_tqdm)
+        with self._lock:
+            self.engine_loop.add_requests(requests)  # all or none: one bad prompt leaves the engine untouched
+            return self._drain([r.request_id for r in requests], use_tqdm)
 
     def _lora_requests(self, lora_request, n: int) -> list[LoRARequest | None]:
         """One adapter (or None) per prompt; ValueError when adapters are asked of an engine without LoRA."""
@@ -168,7 +182,16 @@ class LLM:
             raise
         finally:
             bar.close()
+            self._start_kv_poller()
         return [finished[rid] for rid in request_ids]
+
+    def _start_kv_poller(self) -> None:
+        """Called under `_lock`: start the idle poller when blocks are kept for a transfer and none runs."""
+        if self._closed or self._kv_poller is not None or not self.engine_loop.has_kept_kv_blocks():
+            return
+        self._kv_poller = threading.Thread(target=_poll_kept_blocks, args=(weakref.ref(self),), daemon=True,
+                                           name="vlserve-kv-poll")
+        self._kv_poller.start()
 
     # -- introspection -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
@@ -178,11 +201,14 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallel) or actors (Ray) now rather than at exit."""
-        self.engine.shutdown()
+        with self._lock:
+            self._closed = True
+            self.engine.shutdown()
 
     def check_integrity(self) -> None:
         """Assert the KV pool / encoder cache invariants (tests call this after runs)."""
-        self.engine.check_integrity()
+        with self._lock:
+            self.engine.check_integrity()
 
 
 def _is_conversation(prompt: Any) -> bool:
@@ -195,3 +221,24 @@ def _one_prompt(prompts: Any, conversations: bool) -> bool:
     than a list of them."""
     return (isinstance(prompts, (str, dict)) or (conversations and _is_conversation(prompts))
             or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
+
+
+def _poll_kept_blocks(ref) -> None:
+    """The idle LLM's poller: step its engine every KV_POLL_S while it keeps blocks for a KV transfer (a P2P
+    producer's, freed on the consumer's confirmation or the send timeout); ends when none are left."""
+    while True:
+        llm = ref()
+        if llm is None:
+            return
+        with llm._lock:
+            if llm._closed or not llm.engine_loop.has_kept_kv_blocks():
+                llm._kv_poller = None
+                return
+            try:
+                llm.engine_loop.step()
+            except Exception:
+                logger.exception("idle KV-transfer poll failed; kept blocks wait for the next generate call")
+                llm._kv_poller = None
+                return
+        del llm
+        time.sleep(KV_POLL_S)

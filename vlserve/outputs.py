@@ -56,3 +56,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: None = None
     encoder_stats: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # a KV connector's (a producer's: where the decode side finds the KV)

@@ -35,6 +35,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to follow
+    # KV transfer (disaggregated serving, vLLM's kv_transfer_params): {"do_remote_decode": True} on a prefill
+    # request asks its engine to keep the KV for a consumer; a decode request carries what the prefill's output
+    # returned ({"do_remote_prefill": True, "remote_host", "remote_port", "remote_block_ids", ...}).
+    kv_transfer_params: dict | None = None
     # Filled by the engine: ids that end the request (EOS plus generation_config's eos list).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

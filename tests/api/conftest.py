@@ -176,13 +176,17 @@ def http_file_server(files: dict[str, bytes], answer_first=None):
 
 
 @contextlib.contextmanager
-def serve_subprocess(serve_args: list[str], repo_root: str, timeout: float = 120.0):
-    """`vlserve serve <serve_args> --host 127.0.0.1 --port <free>` as a subprocess; yields its base URL once
-    /health answers 200 (AssertionError with its output if it exits first or never does), then stops it."""
+def serve_subprocess(serve_args: list[str], repo_root: str, timeout: float = 120.0, command: str = "serve",
+                     extra_paths: tuple[str, ...] = (), procs: list | None = None):
+    """`vlserve <command> <serve_args> --host 127.0.0.1 --port <free>` as a subprocess (`extra_paths` appended to its
+    PYTHONPATH; its Popen appended to `procs`, for tests that kill it); yields its base URL once /health answers 200
+    (AssertionError with its output if it exits first or never does), then stops it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "vlserve.cli", command, *serve_args, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": repo_root})
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join((repo_root, *extra_paths))})
+    if procs is not None:
+        procs.append(proc)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -149,7 +149,7 @@ CHANGING = {"logit_bias": {"5": 10}, "best_of": 2, "use_beam_search": True, "len
             "spaces_between_special_tokens": False, "truncate_prompt_tokens": 5, "prompt_logprobs": 1,
             "allowed_token_ids": [1, 2], "bad_words": ["x"], "priority": 1, "logits_processors": ["a.b"],
             "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
-            "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA"}
+            "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA"}
 CHAT_ONLY = {"echo": True, "add_generation_prompt": False, "continue_final_message": True,
              "add_special_tokens": True, "documents": [{"text": "x"}], "reasoning_effort": "low",
              "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},

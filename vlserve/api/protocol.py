@@ -88,6 +88,9 @@ class _SamplingFields(OpenAIModel):
     structural_tag: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    # disaggregated prefill / decode (P2PConnector): {"do_remote_decode": true} on a producer, or the params a
+    # producer returned on a consumer; the server refuses it without a KV connector (serving_base)
+    kv_transfer_params: dict[str, Any] | None = None
 
     _check_stop = field_validator("stop")(check_unicode)
 
@@ -107,7 +110,8 @@ class _SamplingFields(OpenAIModel):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured,
+            kv_transfer_params=self.kv_transfer_params)
 
     @property
     def include_usage(self) -> bool:
@@ -324,6 +328,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a P2P producer's: where a consumer reads the prompt's KV
 
 
 class DeltaMessage(_OmitNone):
@@ -376,6 +381,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a P2P producer's (non-streamed responses only)
 
 
 class ModelCard(BaseModel):

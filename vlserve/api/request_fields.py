@@ -25,7 +25,7 @@ _UNSUPPORTED_COMMON: dict[str, tuple] = {
     "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": _NONE, "prompt_logprobs": _NONE,
     "allowed_token_ids": _NONE, "bad_words": _EMPTY, "priority": (None, 0), "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _FALSE, "return_token_ids": _FALSE, "cache_salt": _NONE,
-    "kv_transfer_params": _NONE, "vllm_xargs": _EMPTY, "prompt_embeds": _NONE, "media_io_kwargs": _EMPTY,
+    "vllm_xargs": _EMPTY, "prompt_embeds": _NONE, "media_io_kwargs": _EMPTY,
     "thinking_token_budget": _NONE,
 }
 _UNSUPPORTED_CHAT: dict[str, tuple] = {

@@ -116,6 +116,19 @@ def check_fits_context(max_tokens: int | None, prompt_tokens: int, max_model_len
         raise APIError(str(e), 400, field) from None
 
 
+def check_kv_transfer_params(engine: Any, req: Any, num_prompts: int = 1) -> None:
+    """A request's kv_transfer_params need a server with a KV connector (no silent ignore) and one sequence: one
+    prompt, n=1, no beam search (APIError naming the field)."""
+    if req.kv_transfer_params is None:
+        return
+    if getattr(engine.engine_args, "kv_transfer_config", None) is None:
+        raise APIError("kv_transfer_params needs a server started with a KV connector (--kv-transfer-config); "
+                       "this one has none", 400, "kv_transfer_params")
+    if num_prompts != 1 or req.n != 1 or getattr(req, "use_beam_search", False):
+        raise APIError("kv_transfer_params applies to one sequence: send one prompt with n=1 and no beam search",
+                       400, "kv_transfer_params")
+
+
 def structured_backend(engine: Any) -> str:
     """The grammar backend the engine compiles output constraints with (what guided_decoding_backend may name)."""
     config = getattr(engine.engine_args, "structured_outputs_config", None)

@@ -17,8 +17,8 @@ from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletio
                                   TopLogprob, random_id)
 from vlserve.api.serving_beam import beam_chat, wants_beam_search
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, MMKwargLimits, ServedModels,
-                                      check_fits_context, check_mm_processor_kwargs, run_unless_disconnected, sse,
-                                      structured_backend, usage_of)
+                                      check_fits_context, check_kv_transfer_params, check_mm_processor_kwargs,
+                                      run_unless_disconnected, sse, structured_backend, usage_of)
 from vlserve.api.tool_choice import ToolPlan, plan_tools
 from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
@@ -112,6 +112,7 @@ class OpenAIServingChat:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
         lora = self.models.lora_of(model)
+        check_kv_transfer_params(self.engine, req)
         if wants_beam_search(req):
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
@@ -119,7 +120,11 @@ class OpenAIServingChat:
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         processed = await self._process(req, plan.tools)
-        check_fits_context(params.max_tokens, len(processed.prompt_token_ids), self.engine.max_model_len,
+        kv = params.kv_transfer_params or {}
+        remote_ids = kv.get("remote_prompt_token_ids") if kv.get("remote_mm_features") and not processed.mm_features \
+            else None  # a decode server's media-less request: the producer's expanded prompt is what runs
+        num_prompt = len(remote_ids) if isinstance(remote_ids, list) else len(processed.prompt_token_ids)
+        check_fits_context(params.max_tokens, num_prompt, self.engine.max_model_len,
                            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params, lora)
@@ -135,7 +140,8 @@ class OpenAIServingChat:
             message, finish_reason = _message(plan, c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c.logprobs, top_k),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]))
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]),
+                                      kv_transfer_params=final.kv_transfer_params)
         return JSONResponse(body.model_dump())
 
     async def _stream(self, stream: RequestStream, request_id: str, model: str, n: int, top_k: int, holdback: int,

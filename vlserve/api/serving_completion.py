@@ -12,7 +12,8 @@ from vlserve.api.errors import APIError, sse_error, to_api_error
 from vlserve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                   random_id)
 from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
-                                      check_fits_context, run_unless_disconnected, sse, structured_backend, usage_of)
+                                      check_fits_context, check_kv_transfer_params, run_unless_disconnected, sse,
+                                      structured_backend, usage_of)
 from vlserve.api.serving_beam import beam_completion, wants_beam_search
 from vlserve.api.serving_chat import prepare_input
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
@@ -53,6 +54,7 @@ class OpenAIServingCompletion:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
         lora = self.models.lora_of(model)
+        check_kv_transfer_params(self.engine, req, len(req.prompts()))
         if wants_beam_search(req):
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
@@ -91,7 +93,8 @@ class OpenAIServingCompletion:
                                     logprobs=completion_logprobs(c.logprobs, top_k, 0),
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for p, out in enumerate(finals) for c in out.outputs]
-        body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(finals))
+        body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(finals),
+                                  kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return JSONResponse(body.model_dump())
 
     async def _stream(self, streams: list[RequestStream], request_id: str, model: str, n: int, top_k: int,

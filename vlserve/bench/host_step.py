@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--kv-offloading-size", type=float, default=None,
+                    help="GiB of host KV tier (the offloading connector on: its keys and stores in every step)")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions (one run)")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         path = build_text_checkpoint(tmp, hidden_size=args.hidden_size, num_layers=args.num_layers)
         llm = LLM(path, dtype="float32", max_num_seqs=args.num_prompts,
                   max_model_len=args.input_len + args.output_len_range[1] + 16,
-                  async_scheduling=args.async_scheduling)
+                  async_scheduling=args.async_scheduling,
+                  **({} if args.kv_offloading_size is None else {"kv_offloading_size": args.kv_offloading_size}))
         vocab = llm.engine.loaded.hf_config.vocab_size
         prompts = [{"prompt_token_ids": p} for p in make_prompts(args.num_prompts, args.input_len, vocab, seed=0)]
         lens = random_lengths(args.output_len_range, args.num_prompts, seed=1)

@@ -18,6 +18,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_extra_keys(request: Request, start: int, end: int) -> tuple[str, ...]:
+    """What besides its tokens tells apart the KV of tokens start..end-1: the mm_hash of every media item
+    overlapping them, and "lora:<lora_int_id>" for a request run with a LoRA adapter."""
+    extra = tuple(f.mm_hash for f in request.mm_features if f.offset < end and f.offset + f.length > start)
+    lora_id = request.lora_int_id
+    if lora_id:  # an adapter's KV is its own: never shared with the base or another adapter
+        extra += (f"lora:{lora_id}",)
+    return extra
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple[str, ...]) -> int:
     """Chained hash of one full block: the parent's hash, its tokens and the mm_hash of every overlapping item
     (and "lora:<lora_int_id>" for a request run with a LoRA adapter)."""
@@ -70,14 +80,11 @@ class KVCacheManager:
         """Extend request.block_hashes to cover every full block within the first num_tokens known tokens."""
         bs = self.block_size
         hashes = request.block_hashes
-        feats, lora_id = request.mm_features, request.lora_int_id
         num_full = min(num_tokens, request.num_tokens) // bs
         while len(hashes) < num_full:
             i = len(hashes)
             start, end = i * bs, (i + 1) * bs
-            extra = tuple(f.mm_hash for f in feats if f.offset < end and f.offset + f.length > start)
-            if lora_id:  # an adapter's KV is its own: never shared with the base or another adapter
-                extra += (f"lora:{lora_id}",)
+            extra = block_extra_keys(request, start, end)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, tuple(request.all_token_ids[start:end]), extra))
 
@@ -139,13 +146,14 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: GroupBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> GroupBlockIds | None:
+                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> GroupBlockIds | None:
         """Make room for num_new_tokens (+ lookahead) after the request's computed tokens.
 
         Returns the ids of newly added blocks per group (`()` when none), or None when the pool cannot afford
         them; then nothing is changed. Full blocks whose tokens are known are registered for prefix reuse right
         away: their KV is written in this very step, before any later request in the step can read it. A
-        dropping group first hands back the blocks that left its window.
+        dropping group first hands back the blocks that left its window. `delay_cache_blocks`: register nothing
+        now (a KV connector loads those blocks later; the request's next allocation registers them).
         """
         bs = self.block_size
         rid = request.request_id
@@ -177,7 +185,7 @@ class KVCacheManager:
             new = self.pool.get_new_blocks(max(num_needed, 0))
             group_blocks.extend(new)
             new_ids.append([b.block_id for b in new])
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return tuple(new_ids) if any(new_ids) else ()
 

@@ -56,6 +56,7 @@ class Request:
         self.arrival_time = req.arrival_time
         self.mm_features = req.mm_features
         self.lora_request = req.lora_request
+        self.kv_transfer_params = req.sampling_params.kv_transfer_params  # KV transfer (kv_transfer/p2p), or None
         self.max_tokens = max_tokens  # resolved: min(params.max_tokens, max_model_len - prompt_len)
         self.stop_token_ids = req.sampling_params.all_stop_token_ids()
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
@@ -69,6 +70,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily by the KV manager
+        self.block_keys: list[bytes] = []  # stable keys of full blocks (KV connectors only: kv_transfer)
         # The output constraint's matcher (a StructuredOutputRequest, duck-typed: the scheduler only calls
         # is_ready / error / accept_tokens / validate_tokens / is_terminated); None when unconstrained.
         self.structured_output = None

@@ -52,6 +52,9 @@ class SchedulerOutput:
     # after planning; per constrained request that samples, its first row (drafts' rows, then the bonus row).
     grammar_bitmask: Any = None  # numpy array or None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # The KV connector's plan for this step (distributed/kv_transfer: loads before the forward, saves after); None
+    # when no connector is configured or it has nothing to do. A step may carry only this (no tokens scheduled).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +74,7 @@ class ModelRunnerOutput:
     encoder_seconds: float = 0.0  # in the encoder calls
     num_encoded_embeds: int = 0  # embeddings those calls produced
     step_seconds: float = 0.0  # the whole execute_model call
+    kv_connector_output: Any = None  # a kv_transfer KVConnectorOutput (loads / saves that ended), or None
 
 
 @dataclass
@@ -84,6 +88,7 @@ class EngineCoreOutput:
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     num_cached_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # a KV connector's, with the request's last output
 
     @property
     def finished(self) -> bool:

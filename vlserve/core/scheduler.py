@@ -8,23 +8,24 @@ between steps); the first item of a step always runs, so one larger than the bud
 """
 from __future__ import annotations
 
-import logging
 from collections import deque
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
 from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
-from vlserve.core.kv_cache_manager import KVCacheManager
+from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
+from vlserve.core.kv_connector_sched import KVConnectorScheduling
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
+from vlserve.core.request_finishing import RequestFinishing
 from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
 from vlserve.core.stats import SchedulerStats
+from vlserve.distributed.kv_transfer.base import KVConnectorRole
+from vlserve.distributed.kv_transfer.factory import create_connector
 
-logger = logging.getLogger(__name__)
 
-
-class Scheduler:
+class Scheduler(KVConnectorScheduling, RequestFinishing):
     """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
@@ -45,6 +46,20 @@ class Scheduler:
         self.in_flight_req_ids: set[str] = set()
         self.send_token_ids = False
         self.stats = SchedulerStats()
+        # KV connector (distributed/kv_transfer), scheduler side: prefix blocks it can load from outside the device
+        # pool. A request whose blocks are being loaded waits in `waiting_for_kv` (its blocks allocated, not yet
+        # in the prefix cache) until a worker reports the load; then it goes back to the head of `waiting` with
+        # `kv_load_done[id]` computed tokens (the loaded ones, or only its device hit when the load failed).
+        self.connector = None
+        if config.kv_transfer_config is not None:
+            if len(config.kv_group_windows) > 1:
+                raise ValueError("KV connectors support models with one KV cache group (no sliding-window layers "
+                                 "beside full ones) for now")
+            self.connector = create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
+                                              block_size=config.block_size, extra_keys_of=block_extra_keys)
+        self.waiting_for_kv: dict[str, tuple[Request, int]] = {}  # id -> (request, computed tokens once loaded)
+        self.kv_load_done: dict[str, int] = {}
+        self.kept_blocks: dict[str, Request] = {}  # finished; blocks kept until the connector sent them
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
@@ -52,7 +67,7 @@ class Scheduler:
         the request's grammar matcher (compiling), when its output is constrained."""
         cfg = self.config
         rid, n_prompt = engine_req.request_id, len(engine_req.prompt_token_ids)
-        if rid in self.requests:
+        if rid in self.requests or rid in self.kept_blocks:
             raise ValueError(f"request id {rid!r} is already in use")
         if n_prompt == 0:
             raise ValueError("the prompt is empty; give at least one token")
@@ -84,22 +99,6 @@ class Scheduler:
         self.stats.prompt_tokens += n_prompt
         self.requests[rid] = req
         self.waiting.append(req)
-
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Finish these requests now; returns the ids that were still alive."""
-        aborted = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.is_finished():
-                continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            req.status = RequestStatus.FINISHED_ABORTED
-            self._free_request(req)
-            aborted.append(rid)
-        return aborted
 
     # -- scheduling --------------------------------------------------------------------------------------------
     def set_encoder_budget(self, num_embeds: int) -> None:
@@ -172,6 +171,8 @@ class Scheduler:
         # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
         # (max_loras): they keep their place
         set_aside: list[Request] = []
+        if self.kv_load_done:
+            self._resumed_first()
         while (self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs
                and len(num_scheduled) < max_reqs):
             req = self.waiting[0]
@@ -185,19 +186,35 @@ class Scheduler:
                 # this step has no room for it
                 set_aside.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit = None, 0
-            if req.num_computed_tokens == 0:
+            computed_blocks, num_hit, num_external = None, 0, 0
+            resume = self.kv_load_done.get(req.request_id) if self.kv_load_done else None
+            if resume is not None:  # its KV load ended: it holds its blocks, `resume` tokens of them computed
+                num_hit = req.num_computed_tokens = resume
+            elif req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+                if self.connector is not None:
+                    num_external, _ = self.connector.get_num_new_matched_tokens(req, num_hit)
+            if num_external:
+                if not self._start_kv_load(req, computed_blocks, num_hit, num_external):
+                    break
+                continue
             num_new = min(req.num_tokens - num_hit, token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
+            if any(req.mm_features[i].data.get("remote_media") for i in enc.to_encode):
+                self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
+                continue
             if num_new <= 0:
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
+            if new_block_ids is None and resume is not None and not num_scheduled and self._release_parked(req):
+                new_block_ids = self.kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
             num_encoding = num_encoding_after
             self.waiting.popleft()
+            if resume is not None:
+                del self.kv_load_done[req.request_id]
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             req.num_computed_tokens = num_hit
@@ -227,6 +244,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
         return out
 
@@ -234,28 +253,6 @@ class Scheduler:
         """Whether req's adapter would be one more than max_loras distinct adapters in this step (base: never)."""
         lora_id = req.lora_int_id
         return bool(lora_id) and lora_id not in loras and len(loras) >= self.config.max_loras
-
-    def take_failed(self) -> list[EngineCoreOutput]:
-        """The requests that ended while waiting since the last step's results (reported with the next ones)."""
-        failed, self.failed = self.failed, []
-        return failed
-
-    def fail_lora(self, lora_int_id: int, error: str) -> None:
-        """The adapter failed to load: its waiting requests end "abort" with the error."""
-        self.loras_loading.discard(lora_int_id)
-        for req in [r for r in self.waiting if r.lora_int_id == lora_int_id]:
-            self.waiting.remove(req)
-            req.status = RequestStatus.FINISHED_ABORTED
-            logger.error("request %s: its LoRA adapter did not load: %s", req.request_id, error)
-            self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
-            self._free_request(req)
-
-    def _abort_failed_grammar(self, req: Request) -> None:
-        """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""
-        req.status = RequestStatus.FINISHED_ABORTED
-        logger.error("request %s: its grammar did not compile: %s", req.request_id, grammar_error(req))
-        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": grammar_error(req)}))
-        self._free_request(req)
 
     def _finishes_in_flight(self, req: Request) -> bool:
         """Whether the tokens already in flight end the request by length for sure (no step is scheduled then)."""
@@ -296,6 +293,8 @@ class Scheduler:
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
         outputs, self.failed = self.failed, []
+        if runner_out.kv_connector_output is not None and self.connector is not None:
+            self._update_from_kv_output(runner_out.kv_connector_output)
         finished: list[tuple[Request, bool]] = []  # (request, was running)
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
@@ -340,9 +339,13 @@ class Scheduler:
             if done:
                 self.running = [r for r in self.running if id(r) not in done]
             for req, running in finished:
-                if not running:
+                if not running and self.waiting_for_kv.pop(req.request_id, None) is None:
                     self.waiting.remove(req)
-                self._free_request(req)
+                self.kv_load_done.pop(req.request_id, None)
+                params = self._free_request(req)
+                if params is not None:
+                    outputs[-1 - next(i for i, o in enumerate(reversed(outputs))
+                                      if o.request_id == req.request_id)].kv_transfer_params = params
         return outputs
 
     def _accept_tokens(self, req: Request, sampled: list[int]) -> list[int]:
@@ -369,48 +372,6 @@ class Scheduler:
         if keep >= room:
             req.status = RequestStatus.FINISHED_LENGTH
         return kept
-
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Finish requests from outside (stop strings found by the detokenizer)."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.is_finished():
-                continue
-            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
-            req.status = status
-            self._free_request(req)
-
-    def _release_written_encoder_inputs(self, req: Request) -> None:
-        for f in req.mm_features:
-            if f.end <= req.num_computed_tokens:
-                self.encoder_cache.free_encoder_input(req.request_id, f.mm_hash)
-
-    def _free_blocks_and_encoder_refs(self, req: Request) -> None:
-        self.kv.free(req)
-        self.encoder_cache.free(req.request_id)
-
-    def _free_request(self, req: Request) -> None:
-        self._free_blocks_and_encoder_refs(req)
-        self.finished_req_ids.add(req.request_id)
-        del self.requests[req.request_id]
-
-    # -- introspection -----------------------------------------------------------------------------------------
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    def check_integrity(self) -> None:
-        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
-        self.kv.check_integrity()
-        self.encoder_cache.check_integrity()
-        if not self.has_unfinished_requests():
-            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
-            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
-            assert not self.encoder_cache.req_to_hashes, (
-                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")
-
 
 class QueueFullError(ValueError):
     """The waiting queue is at max_waiting_requests (HTTP 503/429)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from vlserve.config import EngineArgs
+from vlserve.engine.core_messages import KV_POLL_S
 from vlserve.engine.engine_control import Control, ControlCalls, EngineDeadError, _post, _settle, settle_control
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.executor import WorkerDied
@@ -205,10 +206,11 @@ class AsyncLLM(ControlCalls):
     def _run_engine_thread(self) -> None:
         try:
             while True:
-                block = not self.engine_loop.has_unfinished_requests()
-                if not self._drain_inbox(block):
+                busy = self.engine_loop.has_unfinished_requests()
+                polling = not busy and self.engine_loop.has_kept_kv_blocks()  # idle, but kept blocks to free
+                if not self._drain_inbox(not busy, KV_POLL_S if polling else None):
                     break
-                if self.engine_loop.has_unfinished_requests():
+                if self.engine_loop.has_unfinished_requests() or self.engine_loop.has_kept_kv_blocks():
                     try:
                         self._step()
                     except WorkerDied:
@@ -231,11 +233,12 @@ class AsyncLLM(ControlCalls):
             self._do_abort(rid)
         self._fail_all(EngineDeadError("the engine was shut down"))
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; False when asked to stop."""
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued adds/aborts (waiting at most `timeout` for the first when blocking); False when asked to
+        stop."""
         while True:
             try:
-                msg = self._inbox.get(block=block)
+                msg = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
             block = False

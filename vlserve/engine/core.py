@@ -10,11 +10,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
+from vlserve.engine.core_messages import KV_POLL_S  # noqa: F401 (the idle loops poll kept KV blocks this often)
 from vlserve.core.encoder_budget import EncoderBudget
 from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from vlserve.core.encoder_only_scheduler import EncoderOnlyScheduler
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
 from vlserve.models.hf_config import layer_windows_of, text_config_of
@@ -25,6 +27,7 @@ from vlserve.executor import build_executor
 from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.engine.lora_loads import LoRALoads
 from vlserve.engine.batch_queue import BatchQueue
+from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_ec_transfer, resolve_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +36,14 @@ class EngineCore:
     """Owns the scheduler (pure Python) and the model runner (tensors); knows nothing of text or HTTP."""
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None, processor: bool = True):
+        check_kv_transfer(args)  # before loading anything: an unknown connector is a ValueError at once
         sharded = args.world_size > 1 or args.distributed_executor_backend not in (None, "uni")
         if loaded is None:  # the ranks load their own shards when they run elsewhere; `processor`: see load_for_serving
             loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded,
                                       processor=processor)
         self.loaded = loaded
+        args = resolve_kv_transfer(args, loaded)  # the connector checked, the offloading tier sized and keyed
+        args = resolve_ec_transfer(args, loaded)  # the encoder-cache connector's namespace
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
@@ -50,7 +56,9 @@ class EngineCore:
         num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         # Embeddings encoded per step: the user's number, else about one decode step's time (measured as it runs).
-        self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens)
+        # An encode server has no decode steps to keep short: its budget is the user's, else the encoder cache.
+        self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens
+                                            or (enc_size if args.mm_encoder_only else None))
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -59,9 +67,11 @@ class EngineCore:
             max_waiting_requests=args.max_waiting_requests,
             disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False),
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
-            max_loras=args.max_loras if args.enable_lora else 0)
+            max_loras=args.max_loras if args.enable_lora else 0, kv_transfer_config=args.kv_transfer_config)
         self.enable_lora = args.enable_lora
-        self.scheduler = Scheduler(self.scheduler_config, num_blocks)
+        # an encode server (mm_encoder_only): plans encoder work only, ends requests with no tokens
+        self.scheduler = (EncoderOnlyScheduler if args.mm_encoder_only else Scheduler)(self.scheduler_config,
+                                                                                      num_blocks)
         # the adapters registered on every rank, and those loading there off the step loop
         self.loras = LoRALoads(self.executor, self.scheduler, args.max_lora_rank)
         self.structured_outputs_config = args.structured_outputs_config
@@ -160,6 +170,12 @@ class EngineCore:
         """Requests waiting or running, or adapter loads to poll."""
         return self.scheduler.has_unfinished_requests() or bool(self.loras.loading)
 
+    def has_kept_kv_blocks(self) -> bool:
+        """Finished requests whose blocks the KV connector keeps (a P2P producer's, until the consumer confirms its
+        read or the send times out): an idle engine keeps stepping every `KV_POLL_S` while there are any, so its
+        worker can report them sent and they are freed."""
+        return bool(self.scheduler.kept_blocks)
+
     # -- the loop ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, and fold the results back; returns per-request new tokens."""
@@ -171,7 +187,7 @@ class EngineCore:
             self._flush_if_idle()
             return outputs
         sched_out = self._schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
+        if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             if self.loras.loading:
                 time.sleep(0.002)  # nothing runs until a load ends: leave the cores to the loading thread
             return self.scheduler.take_failed()
@@ -203,7 +219,7 @@ class EngineCore:
     def _submit_next(self) -> bool:
         """Plan a step and queue it on the runner thread; False when there is nothing to run."""
         sched_out = self._schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
+        if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             return False
         self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.execute_model, sched_out)))
         self.num_steps += 1
@@ -274,7 +290,7 @@ class EngineCore:
             "vlserve:num_requests_running": len(s.running),
             "vlserve:num_requests_waiting": len(s.waiting),
             "vlserve:kv_cache_usage": s.kv.usage,
-            "vlserve:num_kv_blocks": s.kv.num_blocks,
+            "vlserve:num_kv_blocks": self.executor.num_blocks,  # 0 on an encode server
             "vlserve:prefix_cache_queries_total": s.kv.prefix_queries,
             "vlserve:prefix_cache_hits_total": s.kv.prefix_hits,
             "vlserve:num_preemptions_total": st.num_preemptions,
@@ -291,6 +307,9 @@ class EngineCore:
             "vlserve:spec_decode_num_draft_tokens_total": st.spec_num_draft_tokens,
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
             **({} if self.batch_queue is None else {"vlserve:max_batches_in_flight": self.batch_queue.max_in_flight}),
+            **{f"vlserve:{k}": v for k, v in s.kv_pool_gauges().items()},
+            **({} if s.connector is None else {f"vlserve:{k}": v for k, v in s.connector.stats().items()}),
+            **{f"vlserve:{k}": v for k, v in ranks.ec_counters.items()},
         }
 
     def check_integrity(self) -> None:

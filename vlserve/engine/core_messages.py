@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from vlserve.core.request import EngineCoreRequest
 from vlserve.core.sched_output import EngineCoreOutput
 
+KV_POLL_S = 0.005  # how often an idle engine holding kept KV blocks (a P2P producer) polls its connector
+
 
 # -- client -> engine -----------------------------------------------------------------------------------------------
 @dataclass

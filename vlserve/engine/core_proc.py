@@ -16,9 +16,9 @@ import sys
 from vlserve.config import EngineArgs
 from vlserve.executor import WorkerDied
 from vlserve.executor.worker import share_cpu_threads
-from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, ControlAck, ControlCall, EngineFailed,
-                                          EngineReady, FinishStopped, ShutdownEngine, StepOutputs, decode, encode,
-                                          portable_error)
+from vlserve.engine.core_messages import (KV_POLL_S, AbortRequests, AddAck, AddRequests, ControlAck, ControlCall,
+                                          EngineFailed, EngineReady, FinishStopped, ShutdownEngine, StepOutputs, decode,
+                                          encode, portable_error)
 from vlserve.engine.engine_control import CONTROL_OPS
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,11 @@ class _EngineLoopProc:
 
         while True:
             idle = not self.core.has_unfinished_requests()
-            if idle and not self.inbox.poll(PARENT_CHECK_MS, zmq.POLLIN):
+            polling = idle and self.core.has_kept_kv_blocks()  # kept KV blocks: poll the connector until freed
+            if idle and not self.inbox.poll(int(KV_POLL_S * 1000) if polling else PARENT_CHECK_MS, zmq.POLLIN):
+                if polling:
+                    self._poll_kv()
+                    continue
                 if not self._parent_alive():
                     logger.warning("the API process is gone; engine exiting")
                     return
@@ -114,6 +118,8 @@ class _EngineLoopProc:
                 handled += 1
             if self.core.has_unfinished_requests():
                 self._step()
+            elif self.core.has_kept_kv_blocks():
+                self._poll_kv()
             elif handled:  # aborts on an idle engine: let the client see the counters settle
                 self._send(StepOutputs(self.engine_index, [], self._metrics()))
 
@@ -172,6 +178,13 @@ class _EngineLoopProc:
             return
         if outputs or self.core.scheduler.has_unfinished_requests():  # not for steps that only polled adapter loads
             self._send(StepOutputs(self.engine_index, outputs, self._metrics()))
+
+    def _poll_kv(self) -> None:
+        """An idle step for the connector's kept blocks; the client hears of it when some were freed."""
+        kept = len(self.core.scheduler.kept_blocks)
+        self._step()
+        if len(self.core.scheduler.kept_blocks) != kept:
+            self._send(StepOutputs(self.engine_index, [], self._metrics()))
 
     def _metrics(self) -> dict[str, float]:
         return engine_metrics(self.core)

@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vlserve.config import EngineArgs
@@ -50,6 +50,10 @@ class EngineLoop:
             if r.request_id in self.output_processor.parents or r.request_id in seen:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
+        # a disaggregated consumer's media-less request: the producer's expanded prompt and items (no media)
+        requests = [replace(r, processed=self.input_processor.with_remote_media(r.processed,
+                                                                                r.params.kv_transfer_params))
+                    for r in requests]
         engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
                                                                 r.arrival, r.lora_request)
                        for r in requests for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
@@ -97,3 +101,7 @@ class EngineLoop:
     def has_unfinished_requests(self) -> bool:
         """Whether the core still has requests to run."""
         return self.core.has_unfinished_requests()
+
+    def has_kept_kv_blocks(self) -> bool:
+        """Whether the core holds blocks for a KV transfer (poll it with `step` while idle: `EngineCore.KV_POLL_S`)."""
+        return self.core.has_kept_kv_blocks()

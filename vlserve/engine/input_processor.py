@@ -10,7 +10,7 @@ from vlserve.engine.chat import (CONTENT_FORMATS, default_media_source, parse_ch
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.lora.peft_checkpoint import adapter_targets_encoder
-from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.inputs import MultiModalFeature, feature_from_remote
 from vlserve.shorten import shorten
 from vlserve.sampling_params import SamplingParams
 
@@ -161,6 +161,33 @@ class InputProcessor:
                 StructuredOutputsConfig.from_any(self.structured_outputs_config),
                 stop_token_ids=self.loaded.eos_token_ids)
         self._grammar_checker.validate(constraint)
+
+    def with_remote_media(self, processed: ProcessedPrompt, kv_params: dict | None) -> ProcessedPrompt:
+        """A disaggregated consumer's request whose media the producer encoded: the producer's kv_transfer_params
+        carry the expanded prompt and the items without pixel data (the request itself carries no media); they
+        replace the prompt this server rendered. A request that brought its media keeps it."""
+        if not kv_params or not kv_params.get("do_remote_prefill") or not kv_params.get("remote_mm_features") \
+                or processed.mm_features:
+            return processed
+        ids = kv_params.get("remote_prompt_token_ids")
+        vocab = self.loaded.hf_config.get_text_config().vocab_size
+        if not isinstance(ids, list) or not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError("kv_transfer_params.remote_prompt_token_ids must be a non-empty list of token ids")
+        try:
+            features = [feature_from_remote(d) for d in kv_params["remote_mm_features"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
+        for f in features:
+            if f.modality not in self.loaded.modalities or f.offset < 0 or f.length <= 0 or f.end > len(ids):
+                raise ValueError(f"bad kv_transfer_params.remote_mm_features item ({f.modality} at {f.offset}, "
+                                 f"{f.length} tokens) for this model and prompt")
+        mrope = getattr(self.loaded, "mrope_positions_fn", None)
+        if mrope is not None:  # the items' grids must give their spans (what the runner computes positions from)
+            try:
+                mrope(ids, features)
+            except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
+        return ProcessedPrompt(processed.prompt, list(ids), features)
 
     def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
                             arrival_time: float, lora_request: Any = None) -> EngineCoreRequest:

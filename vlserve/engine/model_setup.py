@@ -102,6 +102,9 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     model_cls = get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
+    if args.mm_encoder_only and not hasattr(model_cls, "keep_encoder_parts"):
+        raise ValueError(f"mm_encoder_only needs a multimodal model; {model_path} ({model_cls.__name__}) has no "
+                         f"media encoder")
     if args.pipeline_parallel_size > 1:
         check_pipeline_stages(model_cls, hf_config, args.pipeline_parallel_size)
     get_quantization_config(hf_config, args.quantization)  # an unsupported or mismatched quantization, too
@@ -115,7 +118,8 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     torch.manual_seed(args.seed)
     if build_model:
-        model = facts = load_model(model_path, hf_config, dtype, device, args.quantization)
+        model = facts = load_model(model_path, hf_config, dtype, device, args.quantization,
+                                   encoder_only=args.mm_encoder_only)
     else:
         model, facts = None, meta_model(hf_config)
     mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds,

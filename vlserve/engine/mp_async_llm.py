@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 from typing import Any
 
 from vlserve.config import EngineArgs, resolve_model_path
@@ -110,6 +111,10 @@ class RemoteEngineLoop:
         for r in requests:
             if r.request_id in self.output_processor.parents:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
+        # a disaggregated consumer's media-less request: the producer's expanded prompt and items (no media)
+        requests = [replace(r, processed=self.input_processor.with_remote_media(r.processed,
+                                                                                r.params.kv_transfer_params))
+                    for r in requests]
         for r in requests:
             engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
                                                                     r.arrival, r.lora_request)

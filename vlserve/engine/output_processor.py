@@ -34,6 +34,7 @@ class _ParentState:
     metrics: RequestMetrics
     seqs: dict[str, _SeqState]
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +99,8 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue
             parent.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                parent.kv_transfer_params = out.kv_transfer_params
             metrics = parent.metrics
             if metrics.first_token_time is None and out.new_token_ids:
                 metrics.first_token_time = now
@@ -173,4 +176,5 @@ class OutputProcessor:
             cumulative_logprob=s.cumulative_logprob, logprobs=None if s.logprobs is None else list(s.logprobs),
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in parent.seqs.values()]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, parent.finished,
-                             parent.metrics, parent.num_cached_tokens)
+                             parent.metrics, parent.num_cached_tokens,
+                             kv_transfer_params=parent.kv_transfer_params)

@@ -17,6 +17,7 @@ from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
+from vlserve.worker.encoder_only_runner import EncoderOnlyRunner
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
 from vlserve.worker.pp_stage import PipelineStageRunner
@@ -56,6 +57,7 @@ class WorkerStats:
     num_requests: int = 0  # requests the runner still holds state for
     num_graph_replays: int = 0  # decoder forwards answered by a CUDA graph replay
     num_eager_forwards: int = 0  # decoder forwards run without a graph
+    ec_counters: dict[str, int] = field(default_factory=dict)  # the encoder-cache connector's (ec_*_total)
 
 
 def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
@@ -101,6 +103,9 @@ class Worker:
         self.settings = settings
         args = settings.args
         self.rank_model = rank_model
+        if args.mm_encoder_only:  # an encode server: the towers only, no KV cache, nothing sampled
+            self.runner = EncoderOnlyRunner(rank_model.model, rank_model.device, rank_model.dtype)
+            return
         staged = pp_size() > 1  # a pipeline stage: eager for now (EngineArgs refuses a compilation level)
         # Drafts are proposed where tokens are sampled: the last stage (the n-gram proposer reads only token ids; the
         # scheduler hands its drafts to every stage in the next SchedulerOutput, the last stage verifies them).
@@ -131,6 +136,8 @@ class Worker:
         """How many KV blocks this rank can hold (`memory_share`: the part of the host memory budget that is this
         rank's when several ranks share one machine's RAM)."""
         args = self.settings.args
+        if args.mm_encoder_only:
+            return 0  # an encode server holds no KV cache
         return determine_num_kv_blocks(
             self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_fraction=args.kv_cache_memory_fraction * memory_share,
@@ -140,6 +147,20 @@ class Worker:
     def initialize(self, num_blocks: int) -> None:
         """Allocate the KV cache (the same block count on every rank) and compile / capture per the level."""
         self.runner.initialize_kv_cache(num_blocks)
+        cfg = self.settings.args.kv_transfer_config
+        if cfg is not None:  # the KV connector's worker side, given this rank's KV tensors
+            from vlserve.distributed.kv_transfer.base import KVConnectorRole
+            from vlserve.distributed.kv_transfer.factory import create_connector
+            from vlserve.distributed.parallel_state import pp_rank, tp_rank
+
+            self.runner.set_kv_connector(create_connector(
+                cfg, KVConnectorRole.WORKER, block_size=self.settings.args.block_size,
+                rank=pp_rank() * self.settings.args.tensor_parallel_size + tp_rank()))
+        ec_cfg = self.settings.args.ec_transfer_config
+        if ec_cfg is not None:  # encoder outputs through a shared directory (distributed/ec_transfer)
+            from vlserve.distributed.ec_transfer.shared_storage import ECSharedStorageConnector
+
+            self.runner.ec_connector = ECSharedStorageConnector(ec_cfg, self.runner.device, self.runner.dtype)
         self.runner.warm_up_model(self.settings.args.max_num_seqs, self.settings.max_model_len)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -187,8 +208,10 @@ class Worker:
     def stats(self) -> WorkerStats:
         """This rank's counters now."""
         r = self.runner
+        fwd = r.forward  # None on an encode server (no decoder forward)
         return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests),
-                           r.forward.num_graph_replays, r.forward.num_eager_forwards)
+                           0 if fwd is None else fwd.num_graph_replays, 0 if fwd is None else fwd.num_eager_forwards,
+                           {} if r.ec_connector is None else dict(r.ec_connector.counters))
 
 
 FRONTEND_CORE_FROM = 4  # machines with at least this many cores keep one core for the API process

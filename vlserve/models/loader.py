@@ -114,7 +114,8 @@ def meta_model(hf_config) -> nn.Module:
         return get_model_class(hf_config)(hf_config)
 
 
-def load_model(model_dir: str, hf_config, dtype, device, quantization: str | None = None) -> nn.Module:
+def load_model(model_dir: str, hf_config, dtype, device, quantization: str | None = None,
+               encoder_only: bool = False) -> nn.Module:
     """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
 
     The module is built on the meta device (no random init), materialized with `to_empty`, then every module
@@ -126,15 +127,24 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     pipeline stage builds its own layers and reads only their tensors (`model.on_other_stage`); a VLM's encoder parts
     are dropped off its later stages (`model.keep_stage_parts`).
 
+    `encoder_only` (an encode server): a multimodal model keeps its encoder parts and token embeddings only
+    (`keep_encoder_parts`); the decoder layers' and lm_head's tensors are never read. ValueError for a model with
+    no encoder.
+
     A quantized checkpoint (`quantization_config` in its config; `quantization` may name the method and must
     match) gets its decoder's linear layers swapped for the format's tensors before loading and turned into the
     kernels' form after (`models.quantization`).
     """
     cls = get_model_class(hf_config)
+    if encoder_only and not hasattr(cls, "keep_encoder_parts"):
+        raise ValueError(f"mm_encoder_only needs a multimodal model; {cls.__name__} has no media encoder")
     dtype = resolve_dtype(dtype, hf_config)
     device = torch.device(device)
     safetensors_files(model_dir)  # fail fast, before building anything
     qconfig = get_quantization_config(hf_config, quantization)
+    if encoder_only and qconfig is not None:
+        raise ValueError("mm_encoder_only does not load quantized checkpoints yet (their quantization is the "
+                         "decoder's, which an encode server does not hold)")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -142,6 +152,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
             model = cls(hf_config)
             if pp_size() > 1 and hasattr(model, "keep_stage_parts"):
                 model.keep_stage_parts()  # a VLM's later stages hold no encoder parts
+            if encoder_only:
+                model.keep_encoder_parts()  # an encode server holds no decoder layers nor lm_head
     finally:
         torch.set_default_dtype(prev)
     if qconfig is not None:
@@ -159,7 +171,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
         if shard_of is None:
             raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1")
     try:
-        skip = model.on_other_stage if pp_size() > 1 else None  # pipeline stages read only their own tensors
+        # pipeline stages and encode servers read only their own tensors
+        skip = model.on_other_stage if pp_size() > 1 or encoder_only else None
         model.load_weights(iter_safetensors_weights(model_dir, shard_of, skip))
     except ValueError as e:
         raise ValueError(f"{e} (checkpoint {model_dir})") from e

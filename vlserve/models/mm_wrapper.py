@@ -18,7 +18,8 @@ and `lm_head`) live on the first stage only, which encodes the items and merges 
 the residual stream from the previous one. `keep_stage_parts` (the loader calls it before materializing) drops the
 encoder parts off the other stages; `on_other_stage` tells the loader which checkpoint tensors this stage skips.
 `lm_head` is on the last stage, read from the decoder's `embed_tokens.weight` when tied and the embeddings live
-elsewhere.
+elsewhere. An encode server (mm_encoder_only) holds the encoder parts and the token embeddings only
+(`keep_encoder_parts`), through the same skipping.
 """
 from __future__ import annotations
 
@@ -85,6 +86,17 @@ class MultiModalLM(DecoderWithLMHead):
                 setattr(self, name, AbsentOnStage())
         for name in list(self._parameters):
             setattr(self, name, None)
+
+    def keep_encoder_parts(self) -> None:
+        """An encode server (mm_encoder_only): drop the decoder's layers, its final norm and `lm_head`, keeping the
+        encoder parts and the token embeddings (`embed_dtype`, and Mistral 3's image break / end rows are read
+        from them). The loader calls it on the meta-device model; `on_other_stage` then skips the dropped tensors
+        (they are never read from the checkpoint)."""
+        lm = self.language_model
+        lm.layers = torch.nn.ModuleList(AbsentOnStage() for _ in range(lm.num_layers))
+        lm.start_layer = lm.end_layer = 0
+        lm.norm = AbsentOnStage()
+        self.lm_head = AbsentOnStage()
 
     def on_other_stage(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to another pipeline stage only (the loader does not read it)."""

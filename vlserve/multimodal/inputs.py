@@ -22,3 +22,27 @@ class MultiModalFeature:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+# What a disaggregated consumer needs of an item the producer encoded (no media): the placeholders' span, the hash
+# (prefix-cache keys) and the grid keys M-RoPE positions come from.
+REMOTE_DATA_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def feature_to_remote(f: MultiModalFeature) -> dict:
+    """JSON-able description of an item without its pixel data (the producer's kv_transfer_params)."""
+    data = {}
+    for k in REMOTE_DATA_KEYS:
+        v = f.data.get(k)
+        if v is not None:
+            data[k] = v.tolist() if hasattr(v, "tolist") else v
+    return {"modality": f.modality, "mm_hash": f.mm_hash, "offset": f.offset, "length": f.length, "data": data}
+
+
+def feature_from_remote(d: dict) -> MultiModalFeature:
+    """The consumer's media-less item: `data["remote_media"]` marks it (the encoder can never run it)."""
+    import torch
+
+    data = {k: torch.tensor(v) for k, v in (d.get("data") or {}).items() if k in REMOTE_DATA_KEYS}
+    data["remote_media"] = True
+    return MultiModalFeature(str(d["modality"]), str(d["mm_hash"]), int(d["offset"]), int(d["length"]), data)

@@ -28,8 +28,10 @@ def concat_mm_data(items: list[dict]) -> dict:
 def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
     """Encode every item the scheduler released this step that is not cached yet: one encoder call per
     modality (and per LoRA adapter with tower weights) over all of them (data concatenated in item order), the
-    output split by each item's length. Returns (wall seconds spent, device work included; embeddings
+    output split by each item's length. With an encoder-cache connector, an item a producer stored is loaded
+    instead (a bad or missing file: encoded), and a producer stores what it encodes. Returns (wall seconds spent, device work included; embeddings
     produced)."""
+    ec = runner.ec_connector  # the encoder-cache connector: its items load instead of encoding (base weights only)
     pending: dict[tuple[str, int], dict[str, object]] = {}  # (modality, adapter) -> {mm_hash: feature}
     adapters: dict[int, object] = {0: None}  # lora_int_id -> its LoRARequest (0: the base model)
     for rid, item_indices in so.scheduled_encoder_inputs.items():
@@ -39,7 +41,11 @@ def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
         adapters[lora_id] = lora if lora_id else None
         for i in item_indices:
             feat = state.mm_features[i]
-            if feat.mm_hash not in runner.encoder_outputs:
+            if feat.mm_hash in runner.encoder_outputs:
+                continue
+            if ec is not None and not lora_id and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
+                runner.encoder_outputs[feat.mm_hash] = loaded  # [n, H] a producer encoded: the tower does not run
+            else:
                 pending.setdefault((feat.modality, lora_id), {}).setdefault(feat.mm_hash, feat)
     if not pending:
         return 0.0, 0
@@ -59,6 +65,8 @@ def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
         for feat, item_emb in zip(feats, emb.split(lengths)):
             # own storage per entry, so dropping one cache entry frees its memory
             runner.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
+            if ec is not None and not lora_id:
+                ec.save(feat.mm_hash, item_emb)  # a producer's: for the consumers sharing its directory
         runner.num_encoder_runs += len(feats)
         runner.encoder_runs_by_modality[modality] = runner.encoder_runs_by_modality.get(modality, 0) + len(feats)
         num_embeds += emb.shape[0]

@@ -77,6 +77,15 @@ class ModelRunner:
         self.set_proposer(proposer)
         self.num_encoder_runs = 0
         self.encoder_runs_by_modality: dict[str, int] = {}  # items encoded, per modality
+        self.kv_connector = None  # a kv_transfer connector's worker side (`set_kv_connector`), or None
+        self.ec_connector = None  # the encoder-cache connector (distributed/ec_transfer), or None
+
+    def set_kv_connector(self, connector) -> None:
+        """Install a KV connector's worker side (after `initialize_kv_cache`): it gets the KV tensors (the EAGLE
+        draft's too) now, and each step loads before the forward and saves after it (`execute_model`)."""
+        self.kv_connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches, self.draft_kv_cache)
 
     def set_proposer(self, proposer: Proposer | None) -> None:
         """Install the spec-decode draft proposer or None. One with `uses_target_hidden_states` gets the target
@@ -245,7 +254,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run the planned step; returns the sampled tokens of every request that reached its last token, and the
-        step's timings."""
+        step's timings. The one KV-connector seam: its loads land before the step runs (blocks of requests that
+        wait for them, or that this step reads), its saves read the blocks after, and what ended is reported."""
+        connector = self.kv_connector
+        if connector is None:
+            return self._execute_step(so)
+        meta = so.kv_connector_metadata
+        connector.start_load_kv(meta)
+        out = self._execute_step(so)
+        connector.wait_for_save(meta)
+        out.kv_connector_output = connector.get_finished()
+        return out
+
+    def _execute_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:

@@ -1,0 +1,1 @@
+"""Encoder-cache connectors (vLLM's EC connector): encoder outputs shared between engines."""

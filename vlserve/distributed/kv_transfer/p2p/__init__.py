@@ -1,0 +1,1 @@
+"""P2P KV transfer (disaggregated prefill / decode) over Mooncake's Transfer Engine."""
