@@ -10,7 +10,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
-from vlserve.engine.core_messages import KV_POLL_S  # noqa: F401 (the idle loops poll kept KV blocks this often)
 from vlserve.core.encoder_budget import EncoderBudget
 from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.kv_cache_groups import group_layers

@@ -103,5 +103,5 @@ class EngineLoop:
         return self.core.has_unfinished_requests()
 
     def has_kept_kv_blocks(self) -> bool:
-        """Whether the core holds blocks for a KV transfer (poll it with `step` while idle: `EngineCore.KV_POLL_S`)."""
+        """Whether the core holds blocks for a KV transfer (poll it with `step` while idle, every `core_messages.KV_POLL_S`)."""
         return self.core.has_kept_kv_blocks()
