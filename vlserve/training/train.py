@@ -10,6 +10,11 @@ briefly from scratch, does not learn to look at the image. AdamW with warmup + c
 The defaults (600 vision steps of 32 items, then 3000 steps of 8 conversations; one torch thread + one rendering
 worker) fit the default 40-minute cap on 2 CPU cores; on a slower machine the cap stops a stage early (still saving),
 and that stage's LR schedule then runs on the clock (`schedule.schedule_step`), so that it still ends decayed.
+
+`--init-from DIR` fine-tunes instead (e.g. the shipped vlserve/demo/model on a newly added question form): stage 2
+starts from DIR's weights, stage 1 is skipped, and DIR's tokenizer / processor files are copied unchanged. The
+"json" form was added this way: `--init-from vlserve/demo/model --minutes 25 --lr 5e-4 --seed 1` (1951 steps on
+2 CPU cores; a fresh seed so that the stream is not the one the checkpoint was trained on).
 """
 from __future__ import annotations
 
