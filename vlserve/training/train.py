@@ -10,6 +10,11 @@ briefly from scratch, does not learn to look at the image. AdamW with warmup + c
 The defaults (600 vision steps of 32 items, then 3000 steps of 8 conversations; one torch thread + one rendering
 worker) fit the default 40-minute cap on 2 CPU cores; on a slower machine the cap stops a stage early (still saving),
 and that stage's LR schedule then runs on the clock (`schedule.schedule_step`), so that it still ends decayed.
+
+`--init-from DIR` fine-tunes instead (e.g. the shipped vlserve/demo/model on a newly added question form): stage 2
+starts from DIR's weights, stage 1 is skipped, and DIR's tokenizer / processor files are copied unchanged. The
+"json" form was added this way: `--init-from vlserve/demo/model --minutes 25 --lr 5e-4 --seed 1` (1951 steps on
+2 CPU cores; a fresh seed so that the stream is not the one the checkpoint was trained on).
 """
 from __future__ import annotations
 
@@ -26,8 +31,10 @@ DEFAULT_BATCH = 8
 # How often each question form is asked in training conversations (relative, within images / within clips): the
 # forms that need every fact right in one sentence (descriptions, places) and the kind of the shape get more turns;
 # counting and direction are learned early and get fewer.
+# "json" (the picture as JSON, a long answer that restates the picture's facts) gets 1.5 so that a fine-tune
+# (`--init-from`) learns it quickly.
 FORM_WEIGHTS = {"shape": 1.5, "color": 1.0, "count": 0.5, "where": 1.5, "describe": 2.5,
-                "direction": 0.5, "moving_color": 0.75, "describe_video": 2.0}
+                "direction": 0.5, "moving_color": 0.75, "describe_video": 2.0, "json": 1.5}
 # Forms whose question names a shape's kind or color. A conversation asks them after the others: asked first, they
 # would hand a later "Describe the video." the kind to copy, which it cannot do at inference (one question, no hints).
 NAMING_FORMS = ("color", "where", "direction")
@@ -177,8 +184,13 @@ def eager_attention_only_in(model, layer: int):
 def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
           minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 5,
           warmup: int = 60, log_every: int = 50, threads: int = 1, workers: int = 1, aux_weight: float = 1.0,
-          size=None, vision_steps: int = DEFAULT_VISION_STEPS, vision_minutes: float | None = None) -> dict:
+          size=None, vision_steps: int = DEFAULT_VISION_STEPS, vision_minutes: float | None = None,
+          init_from: str | None = None) -> dict:
     """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict.
+
+    With `init_from` (a checkpoint directory, e.g. the shipped vlserve/demo/model) it fine-tunes instead: the model
+    starts from that checkpoint's weights, stage 1 is skipped (`vision_steps` ignored; the vision tower keeps
+    learning at half the LR, as after stage 1), and the tokenizer / processor files are copied from it unchanged.
 
     Stage 1 (`vision_steps`, vlserve.training.vision_stage) trains the vision tower alone on dense targets; stage 2
     (`steps`) trains everything on the answer-token cross entropy plus aux_weight times the dense auxiliary losses
@@ -195,9 +207,17 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tokenizer = build_demo_tokenizer()
-    processor = build_processor(tokenizer)
-    model = build_model(build_config(tokenizer, size), seed=seed).train()
+    if init_from is not None:
+        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+        processor = AutoProcessor.from_pretrained(init_from, local_files_only=True)
+        model = Qwen2VLForConditionalGeneration.from_pretrained(init_from, local_files_only=True,
+                                                                dtype=torch.float32).train()
+        vision_steps = 0
+    else:
+        tokenizer = build_demo_tokenizer()
+        processor = build_processor(tokenizer)
+        model = build_model(build_config(tokenizer, size), seed=seed).train()
     hidden = model.config.text_config.hidden_size
     cell_probe = torch.nn.Linear(hidden, NUM_CELL_OUTPUTS)
     restore_patch_embed = linear_patch_embed(model)
@@ -222,7 +242,7 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n) and id(p) not in seen]
     no_decay += [p for p in heads.parameters() if id(p) not in seen]
     # the vision tower comes pre-trained from stage 1: it keeps learning, at a fraction of the LM's rate
-    vision_scale = 0.5 if vision_steps > 0 else 1.0
+    vision_scale = 0.5 if vision_steps > 0 or init_from is not None else 1.0
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05, "scale": 1.0},
                              {"params": no_decay, "weight_decay": 0.0, "scale": 1.0},
                              {"params": vision_params, "weight_decay": 0.0, "scale": vision_scale}],
@@ -273,12 +293,31 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     restore_attention()  # back to SDPA everywhere, as saved
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
+    if init_from is None:
+        processor.save_pretrained(out)
+    else:
+        copy_processor_files(init_from, out)
     summary = {"steps": step + 1, "seconds": round(time.time() - t0, 1), "final_loss": ema,
-               "parameters": count_parameters(model), "history": history, "vision_stage": vision}
+               "parameters": count_parameters(model), "history": history, "vision_stage": vision,
+               "init_from": init_from}
     print(f"saved to {out}: {summary['parameters']:,} parameters, {vision['steps']} vision steps + "
           f"{summary['steps']} steps, {summary['seconds']:.0f}s, loss {ema:.4f}")
     return summary
+
+
+# A checkpoint's tokenizer / processor files (what a fine-tune copies unchanged from its --init-from directory).
+PROCESSOR_FILES = ("chat_template.jinja", "merges.txt", "preprocessor_config.json", "special_tokens_map.json",
+                   "tokenizer.json", "tokenizer_config.json", "video_preprocessor_config.json", "vocab.json")
+
+
+def copy_processor_files(src: str, dst: str) -> list[str]:
+    """Copy the PROCESSOR_FILES present in `src` into `dst` byte for byte; return the names copied."""
+    import shutil
+
+    names = [n for n in PROCESSOR_FILES if os.path.isfile(os.path.join(src, n))]
+    for n in names:
+        shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -298,11 +337,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=1, help="0 renders batches in the training process")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--aux-weight", type=float, default=1.0, help="weight of the dense auxiliary losses (0: off)")
+    p.add_argument("--init-from", default=None,
+                   help="fine-tune: start stage 2 from this checkpoint's weights (e.g. vlserve/demo/model), skip stage "
+                        "1, copy its tokenizer/processor files unchanged (a lower --lr, e.g. 5e-4, keeps its forms)")
     a = p.parse_args(argv)
     train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
           video_prob=a.video_prob, max_turns=a.max_turns, threads=a.threads,
           workers=a.workers, log_every=a.log_every, aux_weight=a.aux_weight, vision_steps=a.vision_steps,
-          vision_minutes=a.vision_minutes)
+          vision_minutes=a.vision_minutes, init_from=a.init_from)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ anti-aliasing style and noise seed), so `render_image(scene)` / `render_video(sc
 from __future__ import annotations
 
 import io
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -36,9 +37,12 @@ VIDEO_MAX_STEP = 0.06
 DIRECTIONS = ("left", "right", "up", "down")
 DIRECTION_XY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
-IMAGE_FORMS = ("shape", "color", "count", "where", "describe")
+# "json" (the picture described as JSON, see json_answer) is an image form, but last in FORMS (after the video
+# forms), so that the other forms keep their indices and a seeded held-out set (eval.held_out_set walks FORMS in
+# order) keeps its items.
+IMAGE_FORMS = ("shape", "color", "count", "where", "describe", "json")
 VIDEO_FORMS = ("direction", "moving_color", "describe_video")
-FORMS = IMAGE_FORMS + VIDEO_FORMS
+FORMS = ("shape", "color", "count", "where", "describe", "direction", "moving_color", "describe_video", "json")
 QUESTION_TEMPLATES = {
     "shape": "What shape is in the image?",
     "color": "What color is the {shape}?",
@@ -48,6 +52,26 @@ QUESTION_TEMPLATES = {
     "direction": "Which direction does the {shape} move?",
     "moving_color": "What color is the moving shape?",
     "describe_video": "Describe the video.",
+    "json": "Describe the image as JSON.",
+}
+# What a "json" answer fits: {"count": N, "shapes": [{"shape": KIND, "color": COLOR}, ...]} (json_answer's object).
+DEMO_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "count": {"type": "integer"},
+        "shapes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"shape": {"type": "string", "enum": list(SHAPES)},
+                               "color": {"type": "string", "enum": list(COLORS)}},
+                "required": ["shape", "color"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["count", "shapes"],
+    "additionalProperties": False,
 }
 MIN_SIDE, MAX_SIDE = 64, 448
 MAX_VIDEO_SIDE = 256  # frames are processed at ~100 px anyway
@@ -317,6 +341,48 @@ def describe_image(scene: Scene) -> str:
     return f"The image shows {n} shape{'s' if n > 1 else ''}: {parts}."
 
 
+def json_answer(scene: Scene) -> str:
+    """The "json" form's answer: `json.dumps` (default separators) of {"count": N, "shapes": [{"shape", "color"}, ...]},
+    the shapes in describe_image's order."""
+    return json.dumps({"count": len(scene.shapes),
+                       "shapes": [{"shape": s.kind, "color": s.color} for s in scene.shapes]})
+
+
+def _fits(value, schema: dict) -> bool:
+    """A small JSON-schema check covering what DEMO_JSON_SCHEMA uses (type, properties, required,
+    additionalProperties false, items, enum); used when the jsonschema package is not installed."""
+    kind = schema.get("type")
+    if kind == "object":
+        if not isinstance(value, dict) or any(k not in value for k in schema.get("required", ())):
+            return False
+        props = schema.get("properties", {})
+        if schema.get("additionalProperties", True) is False and any(k not in props for k in value):
+            return False
+        return all(_fits(value[k], sub) for k, sub in props.items() if k in value)
+    if kind == "array":
+        return isinstance(value, list) and all(_fits(v, schema.get("items", {})) for v in value)
+    if kind == "integer" and (not isinstance(value, int) or isinstance(value, bool)):
+        return False
+    if kind == "string" and not isinstance(value, str):
+        return False
+    return "enum" not in schema or value in schema["enum"]
+
+
+def fits_json_schema(text: str, schema: dict | None = None) -> bool:
+    """Whether `text` parses as JSON and the value fits `schema` (default DEMO_JSON_SCHEMA): with the jsonschema
+    package where installed, else with a small checker of the keywords DEMO_JSON_SCHEMA uses."""
+    schema = DEMO_JSON_SCHEMA if schema is None else schema
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return _fits(value, schema)
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
 def image_qas(scene: Scene) -> list[tuple[str, str, str]]:
     """Every question the scene supports, as (form, question, answer)."""
     n = len(scene.shapes)
@@ -329,6 +395,7 @@ def image_qas(scene: Scene) -> list[tuple[str, str, str]]:
         qas.append(("color", QUESTION_TEMPLATES["color"].format(shape=s.kind), f"The {s.kind} is {s.color}."))
         qas.append(("where", QUESTION_TEMPLATES["where"].format(color=s.color, shape=s.kind),
                     f"The {s.color} {s.kind} is at the {s.place}."))
+    qas.append(("json", QUESTION_TEMPLATES["json"], json_answer(scene)))
     return qas
 
 
