@@ -41,6 +41,19 @@ browser:
 	    echo "browser: no apt-get here; install Chromium and chromedriver by hand (the browser tests skip without them)"; \
 	fi
 
+# The system library Mooncake's transfer engine (the `kv-cpu` extra) links against: libibverbs.so.1, from Debian's
+# libibverbs1; without it `import mooncake.engine` fails and the KV-transfer tests skip (or fail under
+# VLSERVE_REQUIRE_MOONCAKE=1). Nothing to do when the loader finds it.
+kv-libs:
+	@if ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+	    echo "kv-libs: libibverbs.so.1 is installed"; \
+	elif command -v apt-get >/dev/null; then \
+	    sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq libibverbs1; \
+	else \
+	    echo "kv-libs: no apt-get here; install libibverbs (rdma-core) by hand (the KV-transfer tests skip without it)"; \
+	fi
+
 $(VENV_HF4)/.installed: pyproject.toml
 	@echo "[setup 1/3] creating $(VENV_HF4) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV_HF4)
@@ -78,7 +91,7 @@ gpu-wheels: $(VENV)/.installed
 	    $(WHEEL_PLATFORMS) -d wheelhouse -r wheelhouse/requirements.txt
 	@du -sh wheelhouse
 
-.PHONY: setup serve demo test browser test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
+.PHONY: setup serve demo test browser kv-libs test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
 
 # `make quant-fixtures` remakes tests/fixtures/quant/ (issue 42) with the real tools, each in its own venv because
 # their torch / transformers pins exclude each other and the main venv's: llm-compressor (compressed-tensors
