@@ -28,10 +28,10 @@ def _images():
     return [Image.fromarray(rand_image(112, 84, seed=1)), Image.fromarray(rand_image(56, 112, seed=2))]
 
 
-def _run(model_dir: str, budget: int):
+def _run(model_dir: str, budget: int, **engine_kwargs):
     """A text request runs one step, then two image requests arrive (one image each, then both images in one).
     Returns (per step after they arrived: (slices run, tokens the text request got), final tokens per request)."""
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, max_num_encoder_input_tokens=budget)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256, max_num_encoder_input_tokens=budget, **engine_kwargs)
     loop, ip = llm.engine_loop, llm.input_processor
     loop.add_requests([NewRequest("text", ip.process_prompt("Count to ten."), TEXT_PARAMS, 0.0)])
     loop.step()
@@ -70,6 +70,13 @@ def test_split_tower_equals_unsplit_and_text_decodes_every_step(deep_tower_dir):
     assert len(slice_steps) == 2 * DEPTH
     assert all(n == 1 for n, _ in split_steps if n)
     assert all(t == 1 for t in slice_steps)  # the text stream got a token in every slice step
+
+
+def test_split_tower_under_async_scheduling_equals_unsplit(deep_tower_dir):
+    """Step N + 1 (the next slice) is planned while step N runs: the runner runs the slices in order."""
+    split_steps, split_tokens = _run(deep_tower_dir, budget=1, async_scheduling=True)
+    _, whole_tokens = _run(deep_tower_dir, budget=100_000)
+    assert split_tokens == whole_tokens and sum(n for n, _ in split_steps) == 2 * DEPTH
 
 
 def test_abort_mid_encode_leaves_no_partial_state(deep_tower_dir):
