@@ -114,3 +114,24 @@ def test_preempted_mid_encode_starts_over_and_finishes():
     assert so.free_encoder_mm_hashes == ["img"] and _slices(so) == [("a", "img", 0, 2)]
     outs, _ = run_to_end(s)
     assert len(outs["a"]) == 2
+
+
+def test_the_same_item_twice_in_a_prompt_is_split_once():
+    s = _sched(budget=128)  # four stages per step
+    first, second = MultiModalFeature("image", "img", 10, IMG), MultiModalFeature("image", "img", 300, IMG)
+    add(s, "a", 600, max_tokens=2, mm=[first, second])
+    steps = [_step(s) for _ in range(2)]
+    assert [_slices(so) for so in steps] == [[("a", "img", 0, 4)], [("a", "img", 4, 8)]]
+    assert steps[1].num_scheduled_tokens["a"] == 600 - 10  # both runs of the item go in with its last slice
+    run_to_end(s)
+    assert s.encoder_cache.misses == 1
+
+
+def test_a_slice_takes_what_is_left_of_the_budget_after_a_whole_item():
+    s = _sched(budget=IMG)
+    add(s, "small", 10 + 64 + 5, max_tokens=2, mm=[MultiModalFeature("image", "small-img", 10, 64)])
+    _image_request(s, "a")
+    so = _step(s)
+    assert so.scheduled_encoder_inputs == {"small": [0]}
+    assert _slices(so) == [("a", "img", 0, 6)]  # 192 embeddings left: six of its eight 32-embedding stages
+    run_to_end(s)
