@@ -30,6 +30,9 @@ class SchedulerConfig:
     kv_group_windows: tuple[int | None, ...] = (None,)
     max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, adapter requests are refused)
     kv_transfer_config: "KVTransferConfig | None" = None  # the KV connector (distributed/kv_transfer), None: off
+    # per modality, the stages an item's tower may be split into across steps (absent: one piece); the model's
+    # `encoder_stage_counts`
+    encoder_stage_counts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",

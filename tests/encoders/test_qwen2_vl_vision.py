@@ -8,6 +8,7 @@ import torch
 
 from vlserve.encoders import Qwen2_5VisionTower, Qwen2VisionTower, qwen2_5_vl_tower_config, qwen2_vl_tower_config
 from vlserve.encoders.qwen2_5_vl_vision import window_order
+from vlserve.encoders.staged import StagedTower
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -69,6 +70,20 @@ def test_one_call_equals_separate_calls(towers):
     separate = [ours(p, [g]) for p, g in zip(pixels.split(rows), GRIDS)]
     torch.testing.assert_close(together, torch.cat(separate), atol=1e-5, rtol=1e-5)
 
+
+@torch.no_grad()
+def test_staged_slices_equal_one_forward(towers):
+    """begin -> blocks a slice at a time (every cut: windowed and full-attention blocks on both sides) -> finish
+    gives forward's embeddings exactly."""
+    ours, _ = towers
+    assert isinstance(ours, StagedTower) and ours.num_stages == 3
+    pixels = _pixels(GRIDS, seed=2)
+    whole = ours(pixels, GRIDS)
+    for cuts in ([0, 1, 2, 3], [0, 2, 3], [0, 1, 3]):
+        state = ours.begin_stages(pixels, GRIDS)
+        for start, end in zip(cuts, cuts[1:]):
+            state = ours.run_stages(state, start, end)
+        assert torch.equal(ours.finish_stages(state), whole)
 
 def test_bad_grids_are_value_errors(towers):
     ours, _ = towers

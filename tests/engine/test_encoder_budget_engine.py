@@ -1,5 +1,6 @@
 """The per-step encoder budget through the engine, on the demo Qwen2-VL: a burst of images is encoded a few at a
-time while a running text stream keeps producing a token every step, and greedy outputs do not depend on it."""
+time (at a tiny budget, a block of one image's tower per step) while a running text stream keeps producing a token
+every step, and greedy outputs do not depend on it."""
 import pytest
 from PIL import Image
 
@@ -35,10 +36,14 @@ def _burst(**engine_kwargs):
     return steps, tokens, llm
 
 
-def test_small_budget_encodes_one_image_per_step_while_text_decodes():
-    small, small_tokens, _ = _burst(max_num_encoder_input_tokens=1)
-    assert [n for n, _ in small[:NUM_IMAGES]] == [1] * NUM_IMAGES  # one image per step
-    assert all(t == 1 for _, t in small[:NUM_IMAGES])  # and the text stream got a token in each of those steps
+def test_small_budget_encodes_one_tower_block_per_step_while_text_decodes():
+    small, small_tokens, llm = _burst(max_num_encoder_input_tokens=1)
+    depth = llm.engine.scheduler_config.encoder_stage_counts["image"]  # the demo tower's blocks: its stages
+    assert depth > 1
+    # one block of one image per step: an image is done every `depth` steps
+    assert [n for n, _ in small[:NUM_IMAGES * depth]] == ([0] * (depth - 1) + [1]) * NUM_IMAGES
+    left = PARAMS.max_tokens - 1  # the text stream's tokens after the burst arrived: one in each step until done
+    assert [t for _, t in small[:left]] == [1] * left and left <= NUM_IMAGES * depth
     big, big_tokens, _ = _burst(max_num_encoder_input_tokens=100_000)
     assert big[0][0] == NUM_IMAGES  # the whole burst in one step
     assert small_tokens == big_tokens and len(small_tokens) == NUM_IMAGES + 1
@@ -50,7 +55,7 @@ def test_default_budget_is_measured_and_changes_no_output():
     assert tokens == fixed_tokens
     budget = llm.engine.encoder_budget
     assert budget.fixed is None and budget.seconds_per_embed > 0 and budget.decode_step_seconds > 0
-    assert steps[0][0] == 1  # the first burst step: nothing measured yet, so one item
+    assert steps[0][0] == 0  # the first burst step: nothing measured yet (budget 1), so one block of one image
     assert llm.engine.scheduler.encoder_budget == budget.budget >= 1
 
 

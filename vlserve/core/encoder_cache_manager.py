@@ -6,6 +6,11 @@ embeddings, and *freeable* once no request does: freeable entries stay cached (a
 media hits them) but count as reclaimable space and are evicted least-recently-released first, only when an
 allocation actually needs the room (in allocate(); can_allocate() only asks). The runner learns of evictions from get_freed_mm_hashes() and drops the
 tensors.
+
+A *partial* entry is allocated but still being encoded a slice of its tower per step (`partial`: stages done). No
+other request reuses it until it is complete, and once no request references it, it is dropped at once (not kept
+as freeable): its space is freed and its mm_hash goes out with the evicted ones, so the runner drops its partial
+state.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ class EncoderCacheManager:
         self.num_embeds: dict[str, int] = {}  # mm_hash -> embeddings it occupies
         self.freeable: OrderedDict[str, int] = OrderedDict()  # unreferenced entries, least recently released first
         self.req_to_hashes: dict[str, set[str]] = {}  # request id -> mm_hashes it references
-        self._freed: list[str] = []  # evicted since the last get_freed_mm_hashes()
+        self._freed: list[str] = []  # evicted (or abandoned partial) since the last get_freed_mm_hashes()
+        self.partial: dict[str, int] = {}  # mm_hash -> stages done, for entries encoded over several steps
         self.hits = 0
         self.misses = 0
         self.hits_by_modality: dict[str, int] = {}  # only items whose modality the caller named
@@ -104,6 +110,14 @@ class EncoderCacheManager:
         if modality is not None:
             self.misses_by_modality[modality] = self.misses_by_modality.get(modality, 0) + 1
 
+    def advance_partial(self, mm_hash: str, stages_done: int, num_stages: int) -> None:
+        """Record that an allocated entry's first `stages_done` of `num_stages` stages are encoded (complete at
+        num_stages: an ordinary entry from then on)."""
+        if stages_done >= num_stages:
+            self.partial.pop(mm_hash, None)
+        else:
+            self.partial[mm_hash] = stages_done
+
     def _evict_until_free(self, num_embeds: int) -> None:
         """Evict freeable entries, least recently released first, until num_embeds are free."""
         while num_embeds > self.num_free:
@@ -128,8 +142,13 @@ class EncoderCacheManager:
                 del self.req_to_hashes[request_id]
         if not refs:
             size = self.num_embeds[mm_hash]
-            self.freeable[mm_hash] = size
             self.num_freeable += size
+            if mm_hash in self.partial:  # abandoned mid-encode: nobody can use it, drop it now
+                del self.partial[mm_hash], self.cached[mm_hash], self.num_embeds[mm_hash]
+                self.num_free += size
+                self._freed.append(mm_hash)
+            else:
+                self.freeable[mm_hash] = size
 
     def free(self, request_id: str) -> None:
         """Drop every reference of a finished, aborted or preempted request."""
@@ -163,4 +182,5 @@ class EncoderCacheManager:
         pairs_from_reqs = {(r, h) for r, hashes in self.req_to_hashes.items() for h in hashes}
         assert pairs == pairs_from_reqs, "request -> mm_hash index disagrees with entry references"
         assert all(self.req_to_hashes.values()), "empty request entries kept"
+        assert all(self.cached.get(h) for h in self.partial), "a partial entry absent or referenced by no request"
         return True

@@ -56,7 +56,7 @@ class EncoderOnlyScheduler(Scheduler):
             if num_new <= 0:
                 continue  # its next item waits for room in the encoder cache or the step's budget
             num_encoding = num_encoding_after
-            self._commit_encoder_inputs(req, plan, encoder_inputs)
+            self._commit_encoder_inputs(req, plan, encoder_inputs, {})  # (no stage counts: never a slice)
             rid = req.request_id
             if rid in self.runner_req_ids:
                 cached_reqs.append(CachedRequestData(rid, (), start))

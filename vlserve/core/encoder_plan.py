@@ -5,28 +5,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
+from vlserve.core.sched_output import EncoderSlice
 
 
 @dataclass
 class EncoderPlan:
-    """The media items a planned token window needs: cached ones it reuses (mm_hashes) and ones to encode (item
-    indices into the request's mm_features)."""
+    """The media items a planned token window needs: cached ones it reuses (mm_hashes), ones to encode whole (item
+    indices into the request's mm_features) and slices of items encoded over several steps."""
 
     reuse: list[str] = field(default_factory=list)
     to_encode: list[int] = field(default_factory=list)
+    slices: list[EncoderSlice] = field(default_factory=list)
 
 
 NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, never filled)
 
 
 def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: int, start: int, num_new: int,
-                        num_encoding: int, keep_whole: bool = False) -> tuple[EncoderPlan, int, int]:
+                        num_encoding: int, keep_whole: bool = False, stage_counts: dict[str, int] | None = None,
+                        request_id: str | None = None) -> tuple[EncoderPlan, int, int]:
     """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
     ones it reuses and the ones it must encode. `num_encoding`: embeddings the step already encodes. An item
     that cannot be afforded cuts the window to the text before it: one that does not fit the cache, or that
     would take the step past `encoder_budget` (unless it is the step's first, which runs alone if need be).
     Returns (plan, num_new, num_encoding with this plan's items). `keep_whole`: never end the window inside an
-    item (`_keep_items_whole`)."""
+    item (`_keep_items_whole`).
+
+    Split encoding (`stage_counts`: per modality, the stages its tower splits into; `request_id` the planning
+    request): an item over what is left of the budget runs a slice of its stages instead (the stages it affords, at
+    least one when the step encodes nothing else; a stage costs length / stages embeddings) and the window stops
+    before it until its last slice, which may share the step with the item's tokens. A partial item is advanced
+    only by a request referencing it; any other request waits before it."""
     if not features or num_new <= 0:
         return NO_MEDIA, num_new, num_encoding
     if keep_whole:
@@ -40,6 +49,24 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
             break
         if f.end <= start:
             continue  # its KV is already written
+        if any(s.mm_hash == f.mm_hash for s in plan.slices):
+            continue  # the same item twice in one prompt: its slice finishes it in this step (else the window ended)
+        done = cache.partial.get(f.mm_hash)
+        if done is not None:  # encoded a slice per step: only one of its referencing requests advances it
+            stages = stage_counts.get(f.modality, 1) if stage_counts else 1
+            if request_id not in cache.cached[f.mm_hash] or stages <= done:
+                num_new = f.offset - start
+                break
+            piece = _affordable_slice(f, i, done, stages, encoder_budget - num_encoding, num_encoding == 0)
+            if piece is None:
+                num_new = f.offset - start
+                break
+            plan.slices.append(piece)
+            num_encoding += _slice_cost(f.length, piece)
+            if piece.end < stages:
+                num_new = f.offset - start
+                break
+            continue
         if cache.has(f.mm_hash):
             if not cache.can_allocate(0, None, pending, reuse=[*plan.reuse, f.mm_hash]):
                 num_new = f.offset - start  # keeping it would leave no room for the items before it
@@ -48,7 +75,17 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
             continue
         if any(features[j].mm_hash == f.mm_hash for j in plan.to_encode):
             continue  # the same item twice in one prompt: encoded once
-        over_budget = num_encoding > 0 and num_encoding + f.length > encoder_budget
+        fits = num_encoding + f.length <= encoder_budget
+        stages = stage_counts.get(f.modality, 1) if stage_counts else 1
+        if not fits and stages > 1 and cache.can_allocate(f.length, None, pending, reuse=plan.reuse):
+            piece = _affordable_slice(f, i, 0, stages, encoder_budget - num_encoding, num_encoding == 0)
+            if piece is not None:
+                plan.slices.append(piece)
+                pending += f.length
+                num_encoding += _slice_cost(f.length, piece)
+            num_new = f.offset - start
+            break
+        over_budget = num_encoding > 0 and not fits
         if over_budget or not cache.can_allocate(f.length, None, pending, reuse=plan.reuse):
             num_new = f.offset - start
             break
@@ -56,6 +93,21 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
         pending += f.length
         num_encoding += f.length
     return plan, num_new, num_encoding
+
+
+def _affordable_slice(f, item_index: int, done: int, stages: int, budget_left: int,
+                      alone: bool) -> EncoderSlice | None:
+    """The stages [done, end) of item f that `budget_left` embeddings pay for (at least one when `alone`: the step
+    encodes nothing else), or None when not even one fits."""
+    end = min(stages, done + max(budget_left, 0) * stages // f.length)
+    if end == done and alone:
+        end = done + 1
+    return EncoderSlice(f.mm_hash, item_index, done, end, stages) if end > done else None
+
+
+def _slice_cost(length: int, piece: EncoderSlice) -> int:
+    """Embeddings' worth of encoder work in a slice: length x its share of the stages (rounded up)."""
+    return -(-length * (piece.end - piece.start) // piece.num_stages)
 
 
 def _keep_items_whole(features, start: int, num_new: int) -> int:

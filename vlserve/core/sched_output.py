@@ -37,6 +37,19 @@ class CachedRequestData:
 
 
 @dataclass
+class EncoderSlice:
+    """Stages [start, end) of one media item's tower, run this step: an item too big for one step's encoder budget
+    is encoded over several steps (`vlserve.encoders.staged`); the runner keeps its partial state by mm_hash, and
+    the slice with end == num_stages yields the item's embeddings."""
+
+    mm_hash: str
+    item_index: int  # into the request's mm_features
+    start: int
+    end: int
+    num_stages: int
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan. num_scheduled_tokens counts spec tokens too."""
 
@@ -47,7 +60,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req -> mm_features indices
     finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since the last step
+    # encoder-cache entries the runner drops: evicted ones, and items abandoned mid-encode (their partial state too)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # req -> slices of items encoded over several steps (run even when the request has no token this step)
+    scheduled_encoder_slices: dict[str, list[EncoderSlice]] = field(default_factory=dict)
     # Structured outputs: int32 token bitmask [rows, ceil(V / 32)] (bit set = allowed), filled by the engine
     # after planning; per constrained request that samples, its first row (drafts' rows, then the bonus row).
     grammar_bitmask: Any = None  # numpy array or None
@@ -58,7 +74,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """No token and no encoder slice to run."""
+        return self.total_num_scheduled_tokens == 0 and not self.scheduled_encoder_slices
 
 
 @dataclass

@@ -4,7 +4,9 @@ Each step it walks the running requests, then the waiting ones, giving each as m
 the KV pool and the encoder cache allow. Prefill, chunked prefill, decode, prefix hits and spec tokens all fall out
 of that rule. Out of KV blocks, it preempts the most recently admitted request (frees it, recomputes it later).
 Media items are encoded within a per-step budget of embeddings (`encoder_budget`, which the engine may resize
-between steps); the first item of a step always runs, so one larger than the budget runs alone in its step.
+between steps); the first item of a step always runs, so one larger than the budget runs alone in its step, unless
+its tower runs in stages (`config.encoder_stage_counts`): then it is encoded a slice of stages per step within the
+budget, its request's prefill waits before it until the last slice, and other requests keep decoding meanwhile.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
 from vlserve.core.kv_connector_sched import KVConnectorScheduling
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
 from vlserve.core.request_finishing import RequestFinishing
-from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                       SchedulerOutput)
+from vlserve.core.sched_output import (CachedRequestData, EncoderSlice, EngineCoreOutput, ModelRunnerOutput,
+                                       NewRequestData, SchedulerOutput)
 from vlserve.core.stats import SchedulerStats
 from vlserve.distributed.kv_transfer.base import KVConnectorRole
 from vlserve.distributed.kv_transfer.factory import create_connector
@@ -117,6 +119,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         encoder_inputs: dict[str, list[int]] = {}
+        encoder_slices: dict[str, list[EncoderSlice]] = {}
         preempted = False
         in_flight, max_reqs = self.in_flight_req_ids, max_num_reqs or cfg.max_num_seqs
         loras: set[int] = set()  # the adapters of this step's requests (at most max_loras)
@@ -136,6 +139,9 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
             if num_new <= 0 or self._lora_blocked(req, loras):
+                if num_new <= 0 and enc.slices:  # only a slice of its next item's tower: no token until it is done
+                    self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
+                    num_encoding = num_encoding_after
                 idx += 1
                 continue
             while True:
@@ -152,7 +158,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             if enc is not NO_MEDIA:
-                self._commit_encoder_inputs(req, enc, encoder_inputs)
+                self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
                 num_encoding = num_encoding_after
             cached = CachedRequestData(req.request_id, new_block_ids, computed)
             if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
@@ -200,10 +206,11 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 continue
             num_new = min(req.num_tokens - num_hit, token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
-            if any(req.mm_features[i].data.get("remote_media") for i in enc.to_encode):
+            if any(req.mm_features[i].data.get("remote_media")
+                   for i in (*enc.to_encode, *(s.item_index for s in enc.slices))):
                 self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
                 continue
-            if num_new <= 0:
+            if num_new <= 0 and not enc.slices:  # (with a slice to run it is admitted with no token this step)
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
@@ -222,13 +229,14 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._commit_encoder_inputs(req, enc, encoder_inputs)
+            self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
             req.num_tokens_sent = req.num_tokens
             new_reqs.append(NewRequestData(
                 req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
                 req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
-            num_scheduled[req.request_id] = num_new
-            token_budget -= num_new
+            if num_new:
+                num_scheduled[req.request_id] = num_new
+                token_budget -= num_new
 
         if set_aside:
             self.waiting.extendleft(reversed(set_aside))
@@ -243,7 +251,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
-            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
+            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(), scheduled_encoder_slices=encoder_slices)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
@@ -262,13 +270,17 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
 
     def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, num_encoding: int
                                  ) -> tuple[EncoderPlan, int, int]:
-        """Plan the media items the token window [start, start + num_new) reaches (see `plan_encoder_inputs`)."""
+        """Plan the media items the token window [start, start + num_new) reaches (see `plan_encoder_inputs`; the
+        items of a request with a LoRA adapter are never split: its tower weights may differ)."""
+        stage_counts = None if req.lora_int_id else self.config.encoder_stage_counts
         return plan_encoder_inputs(req.mm_features, self.encoder_cache, self.encoder_budget, start, num_new,
-                                   num_encoding, self.config.disable_chunked_mm_input)
+                                   num_encoding, self.config.disable_chunked_mm_input, stage_counts, req.request_id)
 
-    def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]]) -> None:
-        """Reference the reused items, then allocate (evicting as needed) the ones to encode."""
-        if not plan.reuse and not plan.to_encode:
+    def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]],
+                               out_slices: dict[str, list[EncoderSlice]]) -> None:
+        """Reference the reused items, then allocate (evicting as needed) the ones to encode, whole or in slices
+        (a split item's entry is allocated at its first slice and partial until its last)."""
+        if not plan.reuse and not plan.to_encode and not plan.slices:
             return
         modality_of = {f.mm_hash: f.modality for f in req.mm_features}
         for mm_hash in plan.reuse:
@@ -278,6 +290,13 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
         if plan.to_encode:
             out[req.request_id] = plan.to_encode
+        for piece in plan.slices:
+            if piece.start == 0:
+                f = req.mm_features[piece.item_index]
+                self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
+            self.encoder_cache.advance_partial(piece.mm_hash, piece.end, piece.num_stages)
+        if plan.slices:
+            out_slices[req.request_id] = plan.slices
 
     def _preempt(self, req: Request) -> None:
         self._free_blocks_and_encoder_refs(req)

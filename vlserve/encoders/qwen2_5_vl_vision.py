@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vlserve.encoders.qwen2_vl_vision import Qwen2VisionTower, as_grid_list
+from vlserve.encoders.staged import TowerState
 from vlserve.encoders.vision_layers import (
     AttentionSegments,
     Grid,
@@ -70,7 +71,8 @@ class Qwen2_5VisionMLP(nn.Module):
 
 
 class Qwen2_5VisionTower(Qwen2VisionTower):
-    """Qwen2.5-VL's vision transformer: patch_embed -> window permutation -> blocks -> merger -> unpermute."""
+    """Qwen2.5-VL's vision transformer: patch_embed -> window permutation -> blocks -> merger -> unpermute (staged
+    as Qwen2-VL's: `forward` is Qwen2VisionTower's, over these stages)."""
 
     norm_kind = "rmsnorm"
 
@@ -85,8 +87,8 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
     def _make_block(cfg: VisionTowerConfig) -> nn.Module:
         return VisionBlock(cfg, "rmsnorm", Qwen2_5VisionMLP(cfg))
 
-    def forward(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
-        """`pixels [P, C*tp*p*p]` of N items concatenated, `grid_thw` N rows of (t, h, w) -> `[P / merge**2, O]`."""
+    def begin_stages(self, pixels: torch.Tensor, grid_thw) -> TowerState:
+        """`pixels [P, C*tp*p*p]`, N grids -> the state before block 0, its rows in window order."""
         cfg = self.cfg
         grids = as_grid_list(grid_thw)
         check_grids(grids, pixels, cfg)
@@ -105,9 +107,14 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
         # the permutation stays inside each frame, so frames are still contiguous row ranges
         frames = AttentionSegments.from_lengths(frame_lengths(grids), device)
         windows = AttentionSegments.from_lengths([n * unit for n in window_sizes], device)
-        for i, block in enumerate(self.blocks):
-            x = block(x, rotary, frames if i in cfg.fullatt_block_indexes else windows)
-        merged = self.merger(x)  # [P / unit, O], window order
+        return TowerState(x, rotary, frames, windows, order_dev)
+
+    def _segments(self, state: TowerState, block_index: int):
+        return state.frames if block_index in self.cfg.fullatt_block_indexes else state.windows
+
+    def finish_stages(self, state: TowerState) -> torch.Tensor:
+        """The merger, then the embeddings back in processor order -> `[P / merge**2, O]`."""
+        merged = self.merger(state.hidden)  # [P / unit, O], window order
         out = torch.empty_like(merged)
-        out[order_dev] = merged  # back to processor order
+        out[state.order] = merged  # back to processor order
         return out

@@ -22,6 +22,7 @@ from vlserve.encoders.vision_layers import (
     frame_lengths,
     merge_ordered_positions,
 )
+from vlserve.encoders.staged import TowerState
 
 
 def qwen2_vl_tower_config(vision_config) -> VisionTowerConfig:
@@ -64,15 +65,35 @@ class Qwen2VisionTower(nn.Module):
         unit = self.cfg.spatial_merge_size**2
         return [t * h * w // unit for t, h, w in as_grid_list(grids)]
 
-    def forward(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
-        """`pixels [P, C*tp*p*p]` of N items concatenated, `grid_thw` N rows of (t, h, w) -> `[P / merge**2, O]`."""
+    @property
+    def num_stages(self) -> int:
+        """Stages of staged execution (`vlserve.encoders.staged`): one per block."""
+        return len(self.blocks)
+
+    def begin_stages(self, pixels: torch.Tensor, grid_thw) -> TowerState:
+        """`pixels [P, C*tp*p*p]`, N grids -> the state before block 0: patch embeddings, rotary tables, frames."""
         grids = as_grid_list(grid_thw)
         check_grids(grids, pixels, self.cfg)
         device = self.patch_embed.proj.param.device
         x = self.patch_embed(pixels.to(device))  # [P, E]
         positions = merge_ordered_positions(grids, self.cfg.spatial_merge_size)  # [P, 2]
         rotary = build_vision_rotary(positions, self.cfg.width // self.cfg.num_heads, device)
-        frames = AttentionSegments.from_lengths(frame_lengths(grids), device)
-        for block in self.blocks:
-            x = block(x, rotary, frames)
-        return self.merger(x)  # [P / unit, O]
+        return TowerState(x, rotary, AttentionSegments.from_lengths(frame_lengths(grids), device))
+
+    def run_stages(self, state: TowerState, start: int, end: int) -> TowerState:
+        """Run blocks [start, end) on `state.hidden [P, E]` (in place of the state's rows)."""
+        for i in range(start, end):
+            state.hidden = self.blocks[i](state.hidden, state.rotary, self._segments(state, i))
+        return state
+
+    def _segments(self, state: TowerState, block_index: int):
+        return state.frames  # every Qwen2-VL block attends over whole frames
+
+    def finish_stages(self, state: TowerState) -> torch.Tensor:
+        """The merger over the last block's rows -> `[P / merge**2, O]`."""
+        return self.merger(state.hidden)
+
+    def forward(self, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
+        """`pixels [P, C*tp*p*p]` of N items concatenated, `grid_thw` N rows of (t, h, w) -> `[P / merge**2, O]`."""
+        state = self.begin_stages(pixels, grid_thw)
+        return self.finish_stages(self.run_stages(state, 0, self.num_stages))

@@ -65,7 +65,7 @@ class BatchQueue:
         if sched_out.is_empty and not sched_out.finished_req_ids and not sched_out.free_encoder_mm_hashes:
             return False
         handle = core.executor.submit_execute(sched_out)
-        ids = sched_out.num_scheduled_tokens
+        ids = dict.fromkeys([*sched_out.num_scheduled_tokens, *sched_out.scheduled_encoder_slices])  # (slices only too)
         self.batches.append(InFlightBatch(sched_out, handle, {rid: sched.requests[rid] for rid in ids}))
         sched.in_flight_req_ids.update(ids)
         if not sched_out.is_empty:

@@ -58,13 +58,16 @@ class EngineCore:
         # An encode server has no decode steps to keep short: its budget is the user's, else the encoder cache.
         self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens
                                             or (enc_size if args.mm_encoder_only else None))
+        model_cls = get_model_class(loaded.hf_config)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             encoder_cache_size=enc_size, encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests,
-            disable_chunked_mm_input=getattr(get_model_class(loaded.hf_config), "unsplit_mm_items", False),
+            disable_chunked_mm_input=getattr(model_cls, "unsplit_mm_items", False),
+            # towers that run a slice of their blocks per step (an item over the budget is split across steps)
+            encoder_stage_counts=getattr(model_cls, "encoder_stage_counts", lambda _: {})(loaded.hf_config),
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
             max_loras=args.max_loras if args.enable_lora else 0, kv_transfer_config=args.kv_transfer_config)
         self.enable_lora = args.enable_lora
@@ -235,7 +238,8 @@ class EngineCore:
         if sched_out.is_empty or self.encoder_budget.fixed is not None:
             return
         num_drafts = sum(len(t) for t in sched_out.scheduled_spec_decode_tokens.values())
-        is_decode = sched_out.total_num_scheduled_tokens == len(sched_out.num_scheduled_tokens) + num_drafts
+        is_decode = bool(sched_out.num_scheduled_tokens) and (  # (a step of encoder slices only is none)
+            sched_out.total_num_scheduled_tokens == len(sched_out.num_scheduled_tokens) + num_drafts)
         budget = self.encoder_budget.observe(runner_out.encoder_seconds, runner_out.num_encoded_embeds,
                                              runner_out.step_seconds, is_decode)
         self.scheduler.set_encoder_budget(budget)
@@ -314,8 +318,9 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if not self.has_unfinished_requests():
-            left = self.executor.stats().num_requests
-            assert not left, f"the runner still tracks {left} requests"
+            stats = self.executor.stats()
+            assert not stats.num_requests, f"the runner still tracks {stats.num_requests} requests"
+            assert not stats.num_partial_encodes, f"the runner still holds {stats.num_partial_encodes} partial encodes"
 
     @staticmethod
     def now() -> float:

@@ -58,6 +58,7 @@ class WorkerStats:
     num_graph_replays: int = 0  # decoder forwards answered by a CUDA graph replay
     num_eager_forwards: int = 0  # decoder forwards run without a graph
     ec_counters: dict[str, int] = field(default_factory=dict)  # the encoder-cache connector's (ec_*_total)
+    num_partial_encodes: int = 0  # items the runner holds a partial tower state of (encoded over several steps)
 
 
 def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
@@ -211,7 +212,8 @@ class Worker:
         fwd = r.forward  # None on an encode server (no decoder forward)
         return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests),
                            0 if fwd is None else fwd.num_graph_replays, 0 if fwd is None else fwd.num_eager_forwards,
-                           {} if r.ec_connector is None else dict(r.ec_connector.counters))
+                           {} if r.ec_connector is None else dict(r.ec_connector.counters),
+                           len(getattr(r, "partial_encodes", ())))  # (an encode server's runner splits nothing)
 
 
 FRONTEND_CORE_FROM = 4  # machines with at least this many cores keep one core for the API process

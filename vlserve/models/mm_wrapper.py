@@ -66,6 +66,13 @@ class MultiModalLM(DecoderWithLMHead):
         self.config = config
         self.text_config = text_config_of(config)
 
+    @classmethod
+    def encoder_stage_counts(cls, hf_config) -> dict[str, int]:
+        """Per modality, the stages one item's encoding may be split into across steps (`vlserve.encoders.staged`:
+        the family then has `begin_encode_stages` / `run_encode_stages` / `finish_encode_stages`); a modality not
+        named is encoded in one piece."""
+        return {}
+
     def build_language_model(self, **decoder_kwargs) -> None:
         """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""
         self.language_model = self.decoder_cls(self.text_config, **decoder_kwargs)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vlserve.encoders import Qwen2_5VisionTower, Qwen2VisionTower, qwen2_5_vl_tower_config, qwen2_vl_tower_config
+from vlserve.encoders.staged import TowerState
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -63,6 +64,40 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
         video: data = {"pixel_values_videos": [P, C*tp*p*p], "video_grid_thw": [N, 3], ...};
         num_embeds = sum(grid_t * grid_h * grid_w) // spatial_merge_size**2 (N items concatenated in order).
         """
+        pixels, grid = self._tower_inputs(modality, data)
+        embeds = self.visual(pixels, grid)  # [P // merge**2, H]
+        return embeds.to(self.embed_dtype)
+
+    # Staged encoding (vlserve.encoders.staged): one large item over several steps, a slice of the tower's blocks
+    # per step. The same math as `embed_multimodal`, cut between blocks. Qwen3-VL's tower runs in one piece.
+    staged_tower = True
+
+    @classmethod
+    def encoder_stage_counts(cls, hf_config) -> dict[str, int]:
+        """Per modality, the stages an item's encoding can be split into (the tower's blocks)."""
+        if not cls.staged_tower:
+            return {}
+        depth = hf_config.vision_config.depth
+        return {"image": depth, "video": depth}
+
+    @torch.no_grad()
+    def begin_encode_stages(self, modality: str, data: dict) -> TowerState:
+        """An item's tower state before its first block (data as `embed_multimodal`'s)."""
+        pixels, grid = self._tower_inputs(modality, data)
+        return self.visual.begin_stages(pixels, grid)
+
+    @torch.no_grad()
+    def run_encode_stages(self, state: TowerState, start: int, end: int) -> TowerState:
+        """Run the tower's blocks [start, end) on the carried state."""
+        return self.visual.run_stages(state, start, end)
+
+    @torch.no_grad()
+    def finish_encode_stages(self, state: TowerState) -> torch.Tensor:
+        """The merger after the last block -> `[num_embeds, H]` (as `embed_multimodal` returns)."""
+        return self.visual.finish_stages(state).to(self.embed_dtype)
+
+    def _tower_inputs(self, modality: str, data: dict) -> tuple[torch.Tensor, list[list[int]]]:
+        """Processed data -> (`pixels [P, C*tp*p*p]` on the tower's device and dtype, N rows of (t, h, w))."""
         if modality == "image":
             pixels, grid = data["pixel_values"], data["image_grid_thw"]
         elif modality == "video":
@@ -71,9 +106,7 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
             raise ValueError(f"{type(self).__name__} supports image and video inputs, not {modality!r}")
         param = self.visual.patch_embed.proj.param
         grid = torch.as_tensor(grid, dtype=torch.long).reshape(-1, 3).tolist()  # N rows of (t, h, w)
-        pixels = pixels.to(device=param.device, dtype=param.dtype)  # [P, C*tp*p*p]
-        embeds = self.visual(pixels, grid)  # [P // merge**2, H]
-        return embeds.to(self.embed_dtype)
+        return pixels.to(device=param.device, dtype=param.dtype), grid
 
     def get_mrope_input_positions(self, prompt_token_ids: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         """`(positions [3, L] int64, mrope_position_delta)` of a whole prompt (see vlserve.multimodal.mrope)."""

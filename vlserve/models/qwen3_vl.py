@@ -31,6 +31,7 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         return Qwen3VisionTower(qwen3_vl_tower_config(vision_config))
 
     decoder_kwargs: dict = {"qk_norm": True}  # dense FFNs; Qwen3-VL-MoE adds an mlp_factory
+    staged_tower = False  # its tower (DeepStack taps between blocks) runs in one piece
     supports_pipeline_parallel = False
     pipeline_parallel_refusal = ("its DeepStack features, added to the first decoder layers' outputs, would have to "
                                  "cross pipeline stages")

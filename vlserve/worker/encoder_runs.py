@@ -1,5 +1,7 @@
 """The encoder part of a step: the multimodal items the scheduler released are encoded and their embeddings cached
-in the runner's `encoder_outputs` (mm_hash -> `[n, H]`), which the step's embedding merge reads."""
+in the runner's `encoder_outputs` (mm_hash -> `[n, H]`), which the step's embedding merge reads. Items split over
+several steps run a slice of their tower's stages per step (`run_encoder_slices`), their state between steps in
+the runner's `partial_encodes` (mm_hash -> `vlserve.encoders.staged.TowerState`)."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +28,16 @@ def concat_mm_data(items: list[dict]) -> dict:
 
 
 def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
+    """This step's encoder work: the whole items (`encode_whole_items`), then the slices of split ones
+    (`run_encoder_slices`). Returns (wall seconds, embeddings' worth of work)."""
+    seconds, num_embeds = encode_whole_items(runner, so)
+    if so.scheduled_encoder_slices:
+        slice_seconds, slice_embeds = run_encoder_slices(runner, so)
+        seconds, num_embeds = seconds + slice_seconds, num_embeds + slice_embeds
+    return seconds, num_embeds
+
+
+def encode_whole_items(runner, so: SchedulerOutput) -> tuple[float, int]:
     """Encode every item the scheduler released this step that is not cached yet: one encoder call per
     modality (and per LoRA adapter with tower weights) over all of them (data concatenated in item order), the
     output split by each item's length. With an encoder-cache connector, an item a producer stored is loaded
@@ -73,3 +85,41 @@ def run_encoders(runner, so: SchedulerOutput) -> tuple[float, int]:
     if runner.device.type == "cuda":
         torch.cuda.synchronize()  # the towers' kernels are queued, not done
     return time.perf_counter() - t0, num_embeds
+
+
+def run_encoder_slices(runner, so: SchedulerOutput) -> tuple[float, int]:
+    """Run the step's slices of split items: the first slice begins the item's tower state (patch embedding, rotary
+    tables, attention segments), each runs its blocks, the last finishes it (merger) into `encoder_outputs` and
+    drops the state. An item a producer stored (encoder-cache connector) loads at its first slice instead; its
+    later slices then do nothing. Returns (wall seconds, embeddings' worth of work: length x share of stages)."""
+    model, ec, partial = runner.model, runner.ec_connector, runner.partial_encodes
+    t0 = time.perf_counter()
+    work = 0.0
+    for rid, slices in so.scheduled_encoder_slices.items():
+        features = runner.requests[rid].mm_features
+        for piece in slices:
+            feat = features[piece.item_index]
+            if feat.mm_hash in runner.encoder_outputs:
+                continue  # loaded from a producer at its first slice
+            if piece.start == 0:
+                if ec is not None and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
+                    runner.encoder_outputs[feat.mm_hash] = loaded  # [n, H]
+                    continue
+                partial[feat.mm_hash] = model.begin_encode_stages(feat.modality, feat.data)
+            state = model.run_encode_stages(partial[feat.mm_hash], piece.start, piece.end)
+            work += feat.length * (piece.end - piece.start) / piece.num_stages
+            if piece.end < piece.num_stages:
+                continue
+            del partial[feat.mm_hash]
+            emb = model.finish_encode_stages(state)  # [n, H]
+            if emb.shape[0] != feat.length:
+                raise RuntimeError(f"encoder produced {emb.shape[0]} {feat.modality} embeddings for a placeholder "
+                                   f"run of {feat.length} tokens ({feat.mm_hash})")
+            runner.encoder_outputs[feat.mm_hash] = emb
+            if ec is not None:
+                ec.save(feat.mm_hash, emb)
+            runner.num_encoder_runs += 1
+            runner.encoder_runs_by_modality[feat.modality] = runner.encoder_runs_by_modality.get(feat.modality, 0) + 1
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()  # the towers' kernels are queued, not done
+    return time.perf_counter() - t0, max(1, round(work)) if work else 0

@@ -70,6 +70,7 @@ class ModelRunner:
                                       tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)))
         self.requests: dict[str, CachedRequestState] = {}
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
+        self.partial_encodes: dict[str, object] = {}  # mm_hash -> TowerState of an item split over steps
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the proposer's own layer, if any
         self.attn_workspace: torch.Tensor | None = None  # flat scratch of the torch decode path (CPU backend only)
@@ -222,8 +223,9 @@ class ModelRunner:
             self.input_batch.remove_request(rid)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
-        for h in so.free_encoder_mm_hashes:
+        for h in so.free_encoder_mm_hashes:  # evicted, or abandoned mid-encode
             self.encoder_outputs.pop(h, None)
+            self.partial_encodes.pop(h, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             state = CachedRequestState(
@@ -269,9 +271,10 @@ class ModelRunner:
     def _execute_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(so)
+        encoder_seconds, num_encoded = self._run_encoders(so)  # (a step may carry only slices of a split item)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
-        encoder_seconds, num_encoded = self._run_encoders(so)
+            return ModelRunnerOutput([], [], encoder_seconds=encoder_seconds, num_encoded_embeds=num_encoded,
+                                     step_seconds=time.perf_counter() - t0)
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
