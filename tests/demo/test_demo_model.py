@@ -48,6 +48,32 @@ def test_quick_eval_through_vlserve(llm):
     assert acc["overall"] >= 0.9, acc
 
 
+def test_json_schema_answers_about_pictures_are_valid_and_right(llm):
+    """Issue 35: a JSON-schema request about a picture (count, shapes, colours) gets valid JSON with the right values."""
+    import json
+
+    from PIL import Image
+
+    from vlserve import SamplingParams, StructuredOutputsParams
+    from vlserve.training import world
+
+    sp = SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS,
+                        structured_outputs=StructuredOutputsParams(json=world.DEMO_JSON_SCHEMA))
+    items = [it for it in demo_eval.held_out_set(per_form=8, seed=demo_eval.EVAL_SEED + 2) if it["form"] == "json"]
+    outs = llm.chat([demo_eval.messages_for(it, "vlserve") for it in items], sp, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(world.fits_json_schema(t) for t in texts), texts
+    right = [json.loads(t) == json.loads(it["answer"]) for t, it in zip(texts, items)]
+    assert sum(right) >= len(items) - 1, list(zip(texts, [it["answer"] for it in items]))
+    # the README's picture: a yellow square and a red triangle
+    picture = Image.open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "demo_image.png")).convert("RGB")
+    msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture},
+                                         {"type": "text", "text": "Describe the image as JSON."}]}]
+    out = json.loads(llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text)
+    assert out == {"count": 2, "shapes": [{"shape": "square", "color": "yellow"},
+                                          {"shape": "triangle", "color": "red"}]}, out
+
+
 def test_hf_and_vlserve_give_identical_greedy_answers(llm):
     from vlserve import SamplingParams
 
