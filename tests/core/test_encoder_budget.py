@@ -180,22 +180,31 @@ def test_set_encoder_budget_applies_from_the_next_step():
 def test_adaptive_budget_is_one_until_both_timings_are_measured():
     b = EncoderBudget()
     assert b.budget == 1
-    assert b.observe(0.5, 250, 0.6) == 1  # seconds per embedding known, decode step not yet
+    assert b.observe(0.5, 250, 0.6, is_decode=False) == 1  # seconds per embedding known, decode step not yet
     assert b.observe(0.0, 0, 3.0, is_decode=False) == 1  # a text prefill does not time a decode step
     assert b.decode_step_seconds is None
     assert b.observe(0.0, 0, 0.02) == 10  # 0.02 s / (0.5 s / 250) = 10 embeddings
 
 
+def test_a_step_that_decodes_and_encodes_times_both():
+    """In a burst of images every step encodes: its seconds less its encoder seconds time the decode step, so the
+    budget grows past 1 without waiting for a step that encodes nothing."""
+    b = EncoderBudget()
+    assert b.observe(0.5, 250, 0.52) == 10  # 2 ms per embedding, a 20 ms decode step beside it
+    assert b.decode_step_seconds == pytest.approx(0.02)
+    assert b.observe(0.5, 250, 0.5) == 10  # no time beyond the encoder's: no decode sample
+
+
 def test_adaptive_budget_follows_moving_averages():
     b = EncoderBudget(smoothing=0.5)
     b.observe(0.0, 0, 0.010)  # decode step 10 ms
-    assert b.observe(0.1, 100, 0.2) == 10  # 1 ms per embedding -> 10
+    assert b.observe(0.1, 100, 0.2, is_decode=False) == 10  # 1 ms per embedding -> 10
     assert b.observe(0.0, 0, 0.030) == 20  # decode average 20 ms
-    assert b.observe(0.3, 100, 0.4) == 10  # per embedding (1 + 3) / 2 = 2 ms
-    assert b.observe(2e-9, 1000, 0.1) == 20  # per embedding ~1 ms
+    assert b.observe(0.3, 100, 0.4, is_decode=False) == 10  # per embedding (1 + 3) / 2 = 2 ms
+    assert b.observe(2e-9, 1000, 0.1, is_decode=False) == 20  # per embedding ~1 ms
     assert b.observe(0.0, 0, 1e-9) >= 1  # never below one embedding
     tiny = EncoderBudget()
-    tiny.observe(10.0, 1, 11.0)  # 10 s per embedding
+    tiny.observe(10.0, 1, 11.0, is_decode=False)  # 10 s per embedding
     assert tiny.observe(0.0, 0, 0.001) == 1
 
 

@@ -3,9 +3,10 @@ much as one decode step, so a burst of images delays running streams by about a 
 
 The runner reports per step the wall seconds its encoder calls took, the embeddings they produced and the step's
 own seconds (`ModelRunnerOutput`). Two exponential moving averages follow them: seconds per embedding (over steps
-that encoded) and the seconds of a decode step (one that encoded nothing and prefilled nothing). The budget is
-decode step seconds / seconds per embedding, at least 1; until both have been measured it is 1 (one item per
-step: the scheduler always admits a step's first item). A budget the user set is used as is.
+that encoded) and the seconds of a decode step (a step that prefilled nothing: its seconds less its encoder
+seconds, so the steps of a burst, which decode and encode at once, keep both measured). The budget is decode step
+seconds / seconds per embedding, at least 1; until both have been measured it is 1 (one item, or one stage of a
+split item, per step: the scheduler always admits a step's first item). A budget the user set is used as is.
 """
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ class EncoderBudget:
     def observe(self, encoder_seconds: float, num_encoded_embeds: int, step_seconds: float,
                 is_decode: bool = True) -> int:
         """Fold one step's timings in; returns the budget for the steps planned from now on. `is_decode`: the step
-        computed one token (plus its drafts) per request; only such a step, when it encoded nothing, times a decode
-        step (a text prefill would make the budget as long as that prefill)."""
+        computed one token (plus its drafts) per request; only such a step times a decode step, by its seconds
+        less its encoder seconds (a text prefill would make the budget as long as that prefill)."""
         if self.fixed is not None:
             return self.budget
         if num_encoded_embeds > 0:
             self.seconds_per_embed = self._average(self.seconds_per_embed, encoder_seconds / num_encoded_embeds)
-        elif is_decode and step_seconds > 0.0:
-            self.decode_step_seconds = self._average(self.decode_step_seconds, step_seconds)
+        if is_decode and step_seconds - encoder_seconds > 0.0:
+            self.decode_step_seconds = self._average(self.decode_step_seconds, step_seconds - encoder_seconds)
         if self.seconds_per_embed is None or self.decode_step_seconds is None:
             return self.budget
         budget = max(1, round(self.decode_step_seconds / max(self.seconds_per_embed, 1e-12)))
