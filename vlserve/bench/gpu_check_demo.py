@@ -65,16 +65,9 @@ def step_encoder_cache(cfg, s):
                        f"--vision-width {m['vision_width']} --output-len {m['output_len']} (in process)"}
 
 
-def forward_counts(llm) -> dict:
-    """The engine's decoder forwards so far: CUDA graph replays and forwards without one."""
-    m = llm.get_metrics()
-    return {"graph replays": int(m.get("vlserve:cuda_graph_replays_total", 0)),
-            "eager forwards": int(m.get("vlserve:eager_forwards_total", 0))}
-
-
 def step_eagle(cfg, s):
     from vlserve import LLM
-    from vlserve.bench import spec_demo
+    from vlserve.bench import mm_cache, spec_demo
 
     e = s["eagle"]
     convs = spec_demo.conversations(e["num_prompts"], 4242, repeat=False)
@@ -84,7 +77,7 @@ def step_eagle(cfg, s):
     for name, kw in (("plain", {}), ("eagle", {"speculative_config": {"method": "eagle", "num_speculative_tokens": 4}})):
         llm = LLM(None, **kw)
         runs[name] = {bs: spec_demo.run(llm, convs, bs) for bs in e["batch_sizes"]}
-        runs[name]["forwards"] = forward_counts(llm)
+        runs[name]["forwards"] = mm_cache.forward_counts(llm.get_metrics())
         llm.shutdown()
     figures, heads = {}, []
     for bs in e["batch_sizes"]:

@@ -46,8 +46,13 @@ def run(model: str, images, num_requests: int, output_len: int, cache_on: bool, 
     m = llm.get_metrics()
     return {"seconds": dt, "req_per_s": num_requests / dt, "tok_per_s": num_requests * output_len / dt,
             "mean_ttft": sum(ttft) / len(ttft), "encoder_runs": m["vlserve:encoder_runs_total"],
-            "preprocess_s": preprocess[0], "graph_replays": int(m.get("vlserve:cuda_graph_replays_total", 0)),
-            "eager_forwards": int(m.get("vlserve:eager_forwards_total", 0))}
+            "preprocess_s": preprocess[0], **forward_counts(m)}
+
+
+def forward_counts(metrics: dict) -> dict:
+    """The engine's decoder forwards so far (from `LLM.get_metrics()`): CUDA graph replays and forwards without one."""
+    return {"graph_replays": int(metrics.get("vlserve:cuda_graph_replays_total", 0)),
+            "eager_forwards": int(metrics.get("vlserve:eager_forwards_total", 0))}
 
 
 def time_preprocessing(llm) -> list[float]:

@@ -121,12 +121,15 @@ class EncoderCacheManager:
     def _evict_until_free(self, num_embeds: int) -> None:
         """Evict freeable entries, least recently released first, until num_embeds are free."""
         while num_embeds > self.num_free:
-            mm_hash, size = self.freeable.popitem(last=False)
-            del self.cached[mm_hash]
-            del self.num_embeds[mm_hash]
-            self.num_free += size
-            self._freed.append(mm_hash)
+            mm_hash, _ = self.freeable.popitem(last=False)
+            self._drop(mm_hash)
             self.evictions += 1
+
+    def _drop(self, mm_hash: str) -> None:
+        """Remove an unreferenced entry: its space is free, and the runner hears of it (get_freed_mm_hashes)."""
+        del self.cached[mm_hash]
+        self.num_free += self.num_embeds.pop(mm_hash)
+        self._freed.append(mm_hash)
 
     def free_encoder_input(self, request_id: str, mm_hash: str) -> None:
         """Drop one request's reference (its tokens for that item are in the KV cache now). The entry stays cached;
@@ -143,10 +146,8 @@ class EncoderCacheManager:
         if not refs:
             size = self.num_embeds[mm_hash]
             self.num_freeable += size
-            if mm_hash in self.partial:  # abandoned mid-encode: nobody can use it, drop it now
-                del self.partial[mm_hash], self.cached[mm_hash], self.num_embeds[mm_hash]
-                self.num_free += size
-                self._freed.append(mm_hash)
+            if self.partial.pop(mm_hash, None) is not None:  # abandoned mid-encode: nobody can use it, drop it now
+                self._drop(mm_hash)
             else:
                 self.freeable[mm_hash] = size
 

@@ -79,8 +79,7 @@ def encode_whole_items(runner, so: SchedulerOutput) -> tuple[float, int]:
             runner.encoder_outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
             if ec is not None and not lora_id:
                 ec.save(feat.mm_hash, item_emb)  # a producer's: for the consumers sharing its directory
-        runner.num_encoder_runs += len(feats)
-        runner.encoder_runs_by_modality[modality] = runner.encoder_runs_by_modality.get(modality, 0) + len(feats)
+        _count_runs(runner, modality, len(feats))
         num_embeds += emb.shape[0]
     if runner.device.type == "cuda":
         torch.cuda.synchronize()  # the towers' kernels are queued, not done
@@ -118,8 +117,13 @@ def run_encoder_slices(runner, so: SchedulerOutput) -> tuple[float, int]:
             runner.encoder_outputs[feat.mm_hash] = emb
             if ec is not None:
                 ec.save(feat.mm_hash, emb)
-            runner.num_encoder_runs += 1
-            runner.encoder_runs_by_modality[feat.modality] = runner.encoder_runs_by_modality.get(feat.modality, 0) + 1
+            _count_runs(runner, feat.modality, 1)
     if runner.device.type == "cuda":
         torch.cuda.synchronize()  # the towers' kernels are queued, not done
     return time.perf_counter() - t0, max(1, round(work)) if work else 0
+
+
+def _count_runs(runner, modality: str, n: int) -> None:
+    """Count n items encoded by the tower (/metrics' encoder runs, in all and per modality)."""
+    runner.num_encoder_runs += n
+    runner.encoder_runs_by_modality[modality] = runner.encoder_runs_by_modality.get(modality, 0) + n
