@@ -256,5 +256,7 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_lora_kernels_compile_for_sm90():
     # lowers both kernels (each GPU tile of lora_config, three dtypes, ranks 8..64) to an sm_90 cubin: the GPU-only
     # checks the interpreter skips (tl.dot operand layouts, the pointer select, shared memory). Needs no GPU.
+    if torch.cuda.is_available():  # there the kernels run for real (the tests above); this one hung on an H100
+        pytest.skip("a CPU stand-in for compiling on a GPU; on CUDA the kernels run for real")
     stdout = run_aot_script(AOT_SCRIPT)
     assert stdout.count("ok ") == 8

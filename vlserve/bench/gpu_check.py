@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -239,6 +240,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def _stamp_lines(stream, t0: float, lines: list[str]) -> None:
+    """Read a step's output line by line, each prefixed with the seconds since the step started (a step killed at
+    its limit then shows where its time went: compiling, capturing graphs, or running)."""
+    for line in stream:
+        lines.append(f"[{time.perf_counter() - t0:6.1f} s] {line.rstrip()}")
+
+
 def run_step(spec: dict, cfg: dict, timeout: float, report: Report, child_env: dict) -> dict:
     """One step in its own process (`python -m vlserve.bench.gpu_check_steps NAME`); its record for the report."""
     name = spec["name"]
@@ -251,18 +259,20 @@ def run_step(spec: dict, cfg: dict, timeout: float, report: Report, child_env: d
     record = {"name": name, "what": spec["what"], "command": shown, "timeout_s": round(timeout)}
     report.log(f"\n===== {name} (limit {timeout:.0f} s): {shown}")
     t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.wait()
-            rc = None
-        _kill_group(proc)  # whatever it left behind (engine-core or worker processes)
-        out.seek(0)
-        text = out.read()
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True,
+                            start_new_session=True)
+    reader = threading.Thread(target=_stamp_lines, args=(proc.stdout, t0, lines), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        proc.wait()
+        rc = None
+    _kill_group(proc)  # whatever it left behind (engine-core or worker processes)
+    reader.join(timeout=5)
+    text = "\n".join(lines)
     record["seconds"] = round(time.perf_counter() - t0, 1)
     report.log(text)
     result = {}
