@@ -19,6 +19,13 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True)
+def _packed_kernel_at_every_row_count(monkeypatch):
+    """These tests check the packed kernel itself: no row count is handed to torch's matmul (on AMX machines bf16
+    layers otherwise do so from 8 rows on; tests/kernels/test_onednn_rows.py checks that split)."""
+    monkeypatch.setenv("VLSERVE_CPU_ONEDNN_ROWS", "0")
+
+
 def _needs_kernel(dtype: torch.dtype) -> None:
     if cpu_linear_isa(dtype) is None:
         pytest.skip("no packed CPU linear kernel on this machine")

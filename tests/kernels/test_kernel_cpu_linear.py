@@ -24,6 +24,12 @@ pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="no AVX2 + F
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True)
+def _packed_kernel_at_every_row_count(monkeypatch):
+    """These tests check the packed kernel itself: no row count is handed to torch's matmul (on AMX machines bf16
+    layers otherwise do so from 8 rows on; tests/kernels/test_onednn_rows.py checks that split)."""
+    monkeypatch.setenv("VLSERVE_CPU_ONEDNN_ROWS", "0")
+
 
 def _operands(m, n, k, bias, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -67,6 +67,8 @@ PANEL = 32  # output columns per packed panel
 DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
 ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU has AVX-512
 ISAS = ("avx512", "avx2")
+ONEDNN_ROWS_ENV = "VLSERVE_CPU_ONEDNN_ROWS"  # "0": never hand rows to oneDNN; N: from N rows on, on any CPU
+AMX_BF16_ROWS = 8  # where torch's bf16 matmul (oneDNN on AMX tiles) overtakes the packed kernel on 2 cores
 _NO_BIAS = torch.empty(0)
 
 
@@ -148,6 +150,27 @@ def cpu_linear_supported(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and _dtype_served(weight.dtype) and weight.dim() == 2
             and weight.shape[1] > 0 and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
             and os.environ.get(DISABLE_ENV, "1") != "0" and cpu_linear_kernel() is not None)
+
+
+@functools.cache
+def _has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe()) and torch.backends.mkldnn.is_available()
+
+
+def onednn_min_rows(dtype: torch.dtype) -> int | None:
+    """From how many rows torch's own matmul beats the packed kernel for `dtype` here, or None where the packed
+    kernel wins at every size. bf16 on CPUs with AMX: torch runs oneDNN on the tile unit, measured on a 2-core
+    Xeon at 0.5-1.15x the packed kernel's time at 8 rows, 0.3x at 32 and 0.08x at 1024 (docs/benchmarks.md); a
+    GEMV (decode at small batches) stays faster packed. $VLSERVE_CPU_ONEDNN_ROWS overrides: "0" never, N from N."""
+    forced = os.environ.get(ONEDNN_ROWS_ENV, "")
+    if forced:
+        try:
+            rows = int(forced)
+        except ValueError:
+            raise ValueError(f"${ONEDNN_ROWS_ENV} must be a row count (0: never), got {forced!r}") from None
+        return rows if rows > 0 else None
+    return AMX_BF16_ROWS if dtype is torch.bfloat16 and _has_amx() else None
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -9,22 +9,35 @@ someone else (timm) into PackableLinears in place.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, pack_linear_weight
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, onednn_min_rows, pack_linear_weight
 
 
 def _pack_matrix(module: nn.Module, matrix: torch.Tensor, keep_weight: bool) -> bool:
     """Give `module` a `packed_weight` of `matrix` [N, K] if the kernel serves it here (dropping `weight` unless
-    `keep_weight`); whether it did."""
+    `keep_weight`, or unless torch's matmul beats the kernel from some row count on: then both are held and
+    `onednn_rows` says from where); whether it did."""
     if module.packed_weight is not None or not cpu_linear_supported(matrix):
         return False
     module.packed_weight = nn.Parameter(pack_linear_weight(matrix), requires_grad=False)
-    if not keep_weight:
+    module.onednn_rows = onednn_min_rows(matrix.dtype)
+    if not keep_weight and module.onednn_rows is None:
         module.weight = None  # held once; a stray F.linear now fails loudly
     return True
+
+
+def _packed_for(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The packed matrix to multiply `x [..., I]` by, or None for torch's matmul on `weight` (not packed, or
+    packed too but `x` has at least `onednn_rows` rows)."""
+    rows = module.onednn_rows
+    if module.packed_weight is None or (rows is not None and x.numel() >= rows * x.shape[-1]):
+        return None
+    return module.packed_weight
 
 
 class PackableLinear(nn.Linear):
@@ -35,6 +48,7 @@ class PackableLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("packed_weight", None)
+        self.onednn_rows: int | None = None  # packed, and from this many rows on torch's matmul on `weight`
         self.quant_scheme = None  # set by models.quantization: the matmul then runs through the scheme
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
@@ -42,13 +56,18 @@ class PackableLinear(nn.Linear):
         matrix (a tied LM head), so it stays and the packed one is a copy."""
         return _pack_matrix(self, self.weight.data, keep_weight)
 
+    def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed matrix the kernel multiplies `x [..., I]` by, or None when torch's matmul on `weight` runs."""
+        return _packed_for(self, x)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed, through the quantization
         scheme's kernel when the layer is quantized."""
         if self.quant_scheme is not None:
             return self.quant_scheme.apply(self, x, bias)
-        if self.packed_weight is not None:
-            return cpu_linear(x, self.packed_weight, bias, self.out_features)
+        packed = _packed_for(self, x)
+        if packed is not None:
+            return cpu_linear(x, packed, bias, self.out_features)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,21 +84,27 @@ def packable(module: nn.Module) -> nn.Module:
             sub.__class__ = PackableLinear
             sub.register_parameter("packed_weight", None)
             sub.quant_scheme = None
+            sub.onednn_rows = None
             sub.keep_weight = True
     return module
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
+def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) -> int:
     """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
     linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
-    beside its packed copy."""
+    beside its packed copy. Under the `many_rows` parts (towers: hundreds of patches a call), a weight whose dtype
+    torch's matmul serves faster from some row count on (`onednn_min_rows`) is left unpacked."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
+    unpacked = {id(m) for part in many_rows for m in part.modules()
+                if getattr(m, "weight", None) is not None and onednn_min_rows(m.weight.dtype) is not None}
     packed = 0
     for m in model.modules():
         pack = getattr(m, "pack_for_cpu", None)
+        if id(m) in unpacked:
+            continue
         # modules without a `weight` (stacked MoE experts) decide for themselves whether they are packed already
         if pack is not None and (getattr(m, "weight", None) is not None or not hasattr(m, "weight")):
             shared = hasattr(m, "weight") and holders.get(id(m.weight), 0) > 1
@@ -93,6 +118,7 @@ class _PatchConv:
     parameter keeps the checkpoint's conv shape (`weight [E, C, k...]`) so weights load by name."""
 
     packed_weight: nn.Parameter | None
+    onednn_rows: int | None = None
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Pack the flattened weight if the kernel serves it here; whether it did."""
@@ -108,8 +134,9 @@ class _PatchConv:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """Patch rows `[..., C*k...]` (in the weight's flattening order) -> `[..., E]`."""
         x = x.to(self.param.dtype)
-        if self.packed_weight is not None:
-            return cpu_linear(x, self.packed_weight, self.bias, self.out_channels)
+        packed = _packed_for(self, x)
+        if packed is not None:
+            return cpu_linear(x, packed, self.bias, self.out_channels)
         return F.linear(x, self.weight.reshape(self.out_channels, -1), self.bias)
 
 

@@ -247,7 +247,7 @@ class GatedMLPWithLoRA(GatedMLP):
         proj = self.gate_up_proj
         step = current_lora_step()
         fusable = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
-        if (not isinstance(proj, LoRALayerMixin) or not proj.lora_active(step) or proj.packed_weight is None
+        if (not isinstance(proj, LoRALayerMixin) or not proj.lora_active(step) or proj.packed_for(x) is None
                 or not fusable):
             return super().forward(x)  # gate_up_proj adds its own delta on the unfused path
         slots = step.token_slots

@@ -65,8 +65,9 @@ class GatedMLP(nn.Module):
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]
         proj = self.gate_up_proj
         fusable = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
-        if proj.packed_weight is not None and fusable:  # packed for the CPU kernel: silu(gate) * up in its pass
-            return self.down_proj(cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size))
+        packed = proj.packed_for(x)
+        if packed is not None and fusable:  # packed for the CPU kernel: silu(gate) * up in its pass
+            return self.down_proj(cpu_linear_silu_mul(x, packed, proj.bias, self.intermediate_size))
         gate_up = proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.hidden_act == "silu":

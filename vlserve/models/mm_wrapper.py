@@ -82,6 +82,10 @@ class MultiModalLM(DecoderWithLMHead):
 
     # ---- pipeline stages -------------------------------------------------------------------------------------------
 
+    def encoder_parts(self) -> list[torch.nn.Module]:
+        """The encoder parts: every child module but `language_model` and `lm_head` (towers, projectors, mergers)."""
+        return [m for name, m in self.named_children() if name not in ("language_model", "lm_head")]
+
     def keep_stage_parts(self) -> None:
         """Off the first pipeline stage: replace every encoder part (child module other than `language_model` and
         `lm_head`) by an `AbsentOnStage` and drop the model's own parameters (LLaVA-NeXT's `image_newline`). A no-op

@@ -18,6 +18,9 @@ On CPUs with AVX-512 or AVX2 + FMA the runner packs the float32 and bf16 linears
 matrix in the layout of `kernels.cpu_linear`, whose AVX-512 or AVX2 code path runs it (`cpu_linear_isa`). The LM
 head is packed too; when it is tied to the embedding, the embedding keeps the matrix and the head holds a packed
 copy (oneDNN's unpacked matmul cost a decode step 0.24 ms at one stream on the bench model, the packed kernel 0.06).
+Where torch's matmul beats the kernel from some row count on (bf16 on CPUs with AMX: `onednn_min_rows`), a layer
+keeps `weight` beside `packed_weight` and multiplies inputs of that many rows or more with it (prefill chunks and
+batched decode on the tile unit, small decode batches through the kernel); towers keep only `weight` there.
 
 Loading: `checkpoint_shard(param, piece)` says which `(dim, start, length)` of a checkpoint tensor this rank reads
 (None: the whole tensor), and `load_shard(param, piece, tensor, name)` copies that slice into place. `piece` names

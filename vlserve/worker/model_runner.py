@@ -44,7 +44,8 @@ class ModelRunner:
         self.model = model
         if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
             tune_cpu_allocator()
-            pack_linears_for_cpu(model)
+            encoder_parts = getattr(model, "encoder_parts", None)  # towers: many rows a call
+            pack_linears_for_cpu(model, many_rows=encoder_parts() if encoder_parts else ())
         # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
         # become LoRA layers; an engine with LoRA runs its decoder without torch.compile, and on CUDA replays decode
         # graphs with the adapters' slots as a graph input (ModelForward). Adapters load off the step loop.

@@ -1,0 +1,104 @@
+"""Where torch's matmul beats the packed kernel from some row count on (bf16 on AMX CPUs): layers keep both
+matrices and split by rows, towers stay unpacked. $VLSERVE_CPU_ONEDNN_ROWS forces the split on any CPU here."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlserve.kernels import cpu_linear as cl
+from vlserve.models.layers import GatedMLP
+from vlserve.models.parallel_layers import ColumnParallelLinear, pack_linears_for_cpu
+
+pytestmark = pytest.mark.skipif(cl.cpu_linear_kernel() is None, reason="no AVX2 + FMA or AVX-512 here")
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.fixture
+def kernel_rows(monkeypatch):
+    """The row counts of every packed-kernel call from now on."""
+    rows = []
+    kernel = cl.cpu_linear_kernel()
+    monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: lambda *args: rows.append(args[7]) or kernel(*args))
+    return rows
+
+
+def test_policy(monkeypatch):
+    monkeypatch.delenv(cl.ONEDNN_ROWS_ENV, raising=False)
+    assert cl.onednn_min_rows(torch.float32) is None  # float32: the packed kernel wins at every size measured
+    assert cl.onednn_min_rows(torch.bfloat16) == (cl.AMX_BF16_ROWS if cl._has_amx() else None)
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
+    assert cl.onednn_min_rows(torch.bfloat16) is None
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "5")
+    assert cl.onednn_min_rows(torch.float32) == 5
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "many")
+    with pytest.raises(ValueError, match=cl.ONEDNN_ROWS_ENV):
+        cl.onednn_min_rows(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_splits_by_rows(monkeypatch, kernel_rows, dtype):
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "8")
+    g = torch.Generator().manual_seed(0)
+    layer = ColumnParallelLinear(64, 96, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64, generator=g) / 8)
+        layer.bias.copy_(torch.randn(96, generator=g))
+    layer = layer.to(dtype)
+    ref_w, ref_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    assert layer.pack_for_cpu() and layer.onednn_rows == 8
+    assert layer.weight is not None and layer.packed_weight is not None  # both held
+    for rows, through_kernel in ((1, True), (7, True), (8, False), (3 * 7, False)):
+        kernel_rows.clear()
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, ref_w, ref_b), **TOL[dtype])
+        assert kernel_rows == ([rows] if through_kernel else []), rows
+    x3 = torch.randn(2, 5, 64, generator=g).to(dtype)  # rows count across leading dims: 10 >= 8
+    kernel_rows.clear()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x3), F.linear(x3, ref_w, ref_b), **TOL[dtype])
+    assert kernel_rows == []
+
+
+def test_without_the_split_the_weight_is_held_once(monkeypatch):
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
+    layer = ColumnParallelLinear(64, 96, bias=False).to(torch.bfloat16)
+    assert layer.pack_for_cpu() and layer.onednn_rows is None and layer.weight is None
+
+
+def test_gated_mlp_fuses_only_below_the_split(monkeypatch, kernel_rows):
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "8")
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 64).eval()
+    x_small, x_big = torch.randn(3, 64), torch.randn(12, 64)
+    with torch.inference_mode():
+        expected = [mlp(x_small), mlp(x_big)]  # unpacked: torch only
+        pack_linears_for_cpu(mlp)
+        kernel_rows.clear()
+        torch.testing.assert_close(mlp(x_small), expected[0], **TOL[torch.float32])
+        assert kernel_rows == [3, 3]  # gate_up with silu fused, then down
+        kernel_rows.clear()
+        torch.testing.assert_close(mlp(x_big), expected[1], **TOL[torch.float32])
+        assert kernel_rows == []
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tower = nn.Sequential(ColumnParallelLinear(32, 64), ColumnParallelLinear(64, 32))
+        self.decoder = ColumnParallelLinear(32, 32)
+
+
+@pytest.mark.parametrize("split", ["0", "8"])
+def test_towers_stay_unpacked_where_torch_wins(monkeypatch, split):
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, split)
+    model = _Model()
+    packed = pack_linears_for_cpu(model, many_rows=[model.tower])
+    tower = list(model.tower)
+    if split == "0":  # the kernel wins everywhere: everything packed, each matrix held once
+        assert packed == 3 and all(m.packed_weight is not None and m.weight is None for m in [*tower, model.decoder])
+    else:
+        assert packed == 1 and all(m.packed_weight is None and m.weight is not None for m in tower)
+        assert model.decoder.packed_weight is not None and model.decoder.weight is not None
