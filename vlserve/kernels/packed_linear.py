@@ -9,6 +9,7 @@ someone else (timm) into PackableLinears in place.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, onednn_min_rows, pack_linear_weight
+
+logger = logging.getLogger(__name__)
 
 
 def _pack_matrix(module: nn.Module, matrix: torch.Tensor, keep_weight: bool) -> bool:
@@ -109,6 +112,11 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
         if pack is not None and (getattr(m, "weight", None) is not None or not hasattr(m, "weight")):
             shared = hasattr(m, "weight") and holders.get(id(m.weight), 0) > 1
             packed += pack(keep_weight=shared or getattr(m, "keep_weight", False))
+    split = [m for m in model.modules() if getattr(m, "onednn_rows", None) and m.packed_weight is not None]
+    if split:
+        twice = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in split)
+        logger.info("%d packed CPU linears hand inputs of %d+ rows to torch's matmul (oneDNN): their matrices are "
+                    "held twice, %.2f GiB more", len(split), split[0].onednn_rows, twice / 2**30)
     return packed
 
 
