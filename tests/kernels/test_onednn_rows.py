@@ -27,7 +27,8 @@ def kernel_rows(monkeypatch):
 def test_policy(monkeypatch):
     monkeypatch.delenv(cl.ONEDNN_ROWS_ENV, raising=False)
     assert cl.onednn_min_rows(torch.float32) is None  # float32: the packed kernel wins at every size measured
-    assert cl.onednn_min_rows(torch.bfloat16) == (cl.AMX_BF16_ROWS if cl._has_amx() else None)
+    assert cl.onednn_min_rows(torch.bfloat16) == (8 if cl._has_amx() else None)
+    assert cl.onednn_min_rows(torch.int8) == (16 if cl._has_amx() else None)
     monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
     assert cl.onednn_min_rows(torch.bfloat16) is None
     monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "5")
@@ -102,3 +103,29 @@ def test_towers_stay_unpacked_where_torch_wins(monkeypatch, split):
     else:
         assert packed == 1 and all(m.packed_weight is None and m.weight is not None for m in tower)
         assert model.decoder.packed_weight is not None and model.decoder.weight is not None
+
+
+def test_w8a8_splits_by_rows(monkeypatch):
+    from vlserve.kernels import quant_linear as QL
+
+    if QL.QC.quant_kernel() is None:
+        pytest.skip("no quantized CPU kernel here")
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "16")
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randint(-128, 128, (96, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(96, generator=g) / 50
+    bias = torch.randn(96, generator=g)
+    w = QL.prepare_int8(weight, scale, keep_canonical=False)
+    assert w.onednn_rows == 16 and w.weight is not None and w.cpu is not None  # both held
+    calls = []
+    monkeypatch.setattr(QL.QC, "quant_matmul", lambda *a: calls.append(a[0].shape[0]) or QL.int8_linear_ref(
+        a[0], weight, w.scale, a[2]))
+    for rows, through_kernel in ((4, True), (15, True), (16, False), (40, False)):
+        calls.clear()
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        got = QL.int8_linear(x, w, bias)
+        assert calls == ([rows] if through_kernel else []), rows
+        # torch's int8 matmul: the reference's quantization, exact int32 sums, the same epilogue: equal bits
+        assert torch.equal(got, QL.int8_linear_ref(x, weight, w.scale, bias))
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
+    assert QL.prepare_int8(weight, scale, keep_canonical=False).weight is None  # held once without the split

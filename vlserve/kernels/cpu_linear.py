@@ -68,7 +68,7 @@ DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
 ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU has AVX-512
 ISAS = ("avx512", "avx2")
 ONEDNN_ROWS_ENV = "VLSERVE_CPU_ONEDNN_ROWS"  # "0": never hand rows to oneDNN; N: from N rows on, on any CPU
-AMX_BF16_ROWS = 8  # where torch's bf16 matmul (oneDNN on AMX tiles) overtakes the packed kernel on 2 cores
+AMX_ROWS = {torch.bfloat16: 8, torch.int8: 16}  # where torch's matmul (oneDNN on AMX tiles) overtakes our kernels
 _NO_BIAS = torch.empty(0)
 
 
@@ -159,10 +159,11 @@ def _has_amx() -> bool:
 
 
 def onednn_min_rows(dtype: torch.dtype) -> int | None:
-    """From how many rows torch's own matmul beats the packed kernel for `dtype` here, or None where the packed
-    kernel wins at every size. bf16 on CPUs with AMX: torch runs oneDNN on the tile unit, measured on a 2-core
-    Xeon at 0.5-1.15x the packed kernel's time at 8 rows, 0.3x at 32 and 0.08x at 1024 (docs/benchmarks.md); a
-    GEMV (decode at small batches) stays faster packed. $VLSERVE_CPU_ONEDNN_ROWS overrides: "0" never, N from N."""
+    """From how many rows torch's own matmul beats our kernel for weights of `dtype` here (bf16: the packed
+    kernel; int8: W8A8's), or None where ours wins at every size. On CPUs with AMX torch runs oneDNN on the tile
+    unit, measured on a 2-core Xeon: bf16 at 0.5-1.15x the packed kernel's time at 8 rows, 0.3x at 32, 0.08x at
+    1024; int8 (`torch._int_mm`, quantizing included) even at 16 rows, 0.6x at 32 (docs/benchmarks.md). A GEMV
+    (decode at small batches) stays faster in ours. $VLSERVE_CPU_ONEDNN_ROWS overrides: "0" never, N from N."""
     forced = os.environ.get(ONEDNN_ROWS_ENV, "")
     if forced:
         try:
@@ -170,7 +171,7 @@ def onednn_min_rows(dtype: torch.dtype) -> int | None:
         except ValueError:
             raise ValueError(f"${ONEDNN_ROWS_ENV} must be a row count (0: never), got {forced!r}") from None
         return rows if rows > 0 else None
-    return AMX_BF16_ROWS if dtype is torch.bfloat16 and _has_amx() else None
+    return AMX_ROWS.get(dtype) if _has_amx() else None
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.kernels import quant_linear_cpu as QC
+from vlserve.kernels.cpu_linear import onednn_min_rows
 from vlserve.kernels.kv_quant import FP8_MAX  # the largest finite float8_e4m3fn
 from vlserve.kernels.quant_linear_cpu import PackedQuant
 
@@ -75,6 +76,7 @@ class Int8Weights:
     weight: torch.Tensor
     scale: torch.Tensor
     cpu: PackedQuant | None = None
+    onednn_rows: int | None = None  # packed, and from this many rows on torch's int8 matmul on `weight` instead
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +92,9 @@ def prepare_int8(weight: torch.Tensor, scale: torch.Tensor, keep_canonical: bool
     `keep_canonical`, a weight packed for the CPU kernel is held only packed (`weight` None)."""
     weight, scale = weight.to(torch.int8).contiguous(), scale.reshape(-1).float().contiguous()
     w = Int8Weights(weight, scale, QC.pack_int8(weight, scale) if _packs_here(weight) else None)
-    if w.cpu is not None and not keep_canonical:
+    if w.cpu is not None:
+        w.onednn_rows = onednn_min_rows(torch.int8)  # AMX: oneDNN's int8 matmul wins from some row count on
+    if w.cpu is not None and not keep_canonical and w.onednn_rows is None:
         w.weight = None
     return w
 
@@ -107,11 +111,25 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+def int8_linear_onednn(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 through torch's int8 matmul (`torch._int_mm`: oneDNN, AMX tiles where the CPU has them): the
+    reference's quantization and epilogue, the same exact int32 sums. x [..., K] -> [..., N] in x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows_int8(x2)  # [M, K] int8, [M, 1]
+    y = torch._int_mm(xq, weight.t()).float().mul_(xs).mul_(scale.reshape(1, -1))  # [M, N]; weight [N, K] read
+    if bias is not None:                                                           # transposed, in place after
+        y.add_(bias.float())
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 matmul: x [..., K] -> [..., N] in x.dtype."""
     if x.is_cuda:  # the CUDA route goes here; the reference meanwhile
         return int8_linear_ref(x, w.weight, w.scale, bias)
     if w.cpu is not None:
+        if w.onednn_rows is not None and x.numel() >= w.onednn_rows * x.shape[-1]:
+            return int8_linear_onednn(x, w.weight, w.scale, bias)
         return QC.quant_matmul(x, w.cpu, bias)
     return int8_linear_ref(x, w.weight, w.scale, bias)
 
