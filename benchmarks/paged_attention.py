@@ -2,7 +2,8 @@
 
 CPU: the torch path (`*_ref`) and, for decode, the C++ kernel (`kernels.cpu_decode`, what the engine decodes with on
 CPU) against `scaled_dot_product_attention` on contiguous K/V of the same size, i.e. the cost of paging. With CUDA:
-Triton vs torch path vs SDPA.
+Triton vs torch path vs SDPA, each timed per call inside a CUDA graph (as a decode step replays them; call by call
+only where a function cannot be captured, named at the end).
 
     python benchmarks/paged_attention.py [--dtype float32|bfloat16] [--iters 20] [--threads N]
 """
@@ -28,10 +29,49 @@ DECODE_CASES = [(1, 1024, False), (16, 512, False), (64, 256, False), (64, 1024,
 PREFILL_CASES = [(1, 0, 512), (4, 0, 256), (2, 1024, 256)]  # (sequences, cached prefix, new tokens)
 
 
+GRAPH_CALLS = 20  # calls per captured CUDA graph when timing on a GPU
+EAGER_ON_CUDA: list[str] = []  # functions that could not be captured, so were timed call by call
+
+
+def _graph_ms(fn, device: torch.device, iters: int) -> float | None:
+    """Per-call GPU time of `fn` replayed from a CUDA graph of GRAPH_CALLS calls, best of `iters` replays: what a
+    decode step that replays its graph pays (no launcher overhead: Triton's Python launch costs tens of us, which
+    timed call by call swamps a kernel of a few us). None when `fn` cannot be captured (a host sync inside)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                fn()
+    except Exception:  # noqa: BLE001 - any capture failure means: time it eagerly
+        torch.cuda.synchronize(device)
+        return None
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / GRAPH_CALLS)
+    return min(samples)
+
+
 def _time_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Best of `iters` timed calls after warm-up; the minimum is robust to noisy neighbours on shared CPUs."""
+    """Best of `iters` timed calls after warm-up; the minimum is robust to noisy neighbours on shared CPUs. On CUDA
+    the time per call inside a CUDA graph (`_graph_ms`), or call by call where the function cannot be captured."""
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        graphed = _graph_ms(fn, device, iters)
+        if graphed is not None:
+            return graphed
+        EAGER_ON_CUDA.append(fn.__name__)
     samples = []
     for _ in range(iters):
         if device.type == "cuda":
@@ -187,6 +227,9 @@ def main() -> None:
             name = torch.cuda.get_device_name(device) if with_triton else "CPU"
             _print(bench_decode(dtype, device, args.iters, with_triton), f"[{name}] decode", with_triton)
             _print(bench_prefill(dtype, device, args.iters, with_triton), f"[{name}] prefill", with_triton)
+            if with_triton:
+                print(f"\nCUDA times: per call inside a graph of {GRAPH_CALLS} calls; timed call by call (no "
+                      f"capture): {', '.join(sorted(set(EAGER_ON_CUDA))) or 'none'}")
 
 
 if __name__ == "__main__":

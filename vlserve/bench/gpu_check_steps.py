@@ -33,6 +33,19 @@ SIZES = {
                *(f"--ignore=tests/kernels/{f}.py" for f in CPU_KERNEL_TESTS)],
     "mm_cache": dict(num_requests=32, num_images=4, image_size=448, vision_depth=8, vision_width=512, output_len=8),
     "eagle": dict(num_prompts=16, batch_sizes=(1, 16)), "demo_tokens": 128,
+    # one HF-parity test per family: the engines at -O2 (compiled, CUDA graphs), the oracle on the same GPU
+    "parity": [f"tests/{t}" for t in (
+        "engine/test_text_parity.py::test_parity_batch_of_varied_lengths",
+        "models/test_gemma3_text.py::test_greedy_matches_hf",
+        "multimodal/test_mm_engine_parity.py::test_batch_parity_with_hf",
+        "multimodal/test_llava.py::test_greedy_parity_with_hf",
+        "multimodal/test_perception_lm.py::test_generate_and_chat_parity_with_hf",
+        "multimodal/test_audio_parity.py::test_generate_audios_and_dicts_match_hf",
+        "multimodal/test_qwen3_vl.py::test_generate_and_chat_parity_with_hf",
+        "multimodal/test_internvl.py::test_generate_and_chat_parity_with_hf",
+        "multimodal/test_mistral3.py::test_generate_and_chat_parity_with_hf",
+        "multimodal/test_gemma3_vlm_engine.py::test_server_image_url_parity_with_hf",
+        "multimodal/test_qwen3_vl_moe_engine.py::test_server_image_url_parity_with_hf")],
 }
 DRY = {
     "model": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
@@ -42,6 +55,7 @@ DRY = {
     "pytest": ["tests/worker/test_compilation.py", "-k", "config or serve_flags or decode_buffers"],
     "mm_cache": dict(num_requests=3, num_images=2, image_size=56, vision_depth=1, vision_width=32, output_len=2),
     "eagle": dict(num_prompts=2, batch_sizes=(1,)), "demo_tokens": 8,
+    "parity": ["tests/engine/test_text_parity.py::test_parity_batch_of_varied_lengths"],
 }
 LEVELS = {"throughput_O0": (0, False), "throughput_O1": (1, False), "throughput_O2": (2, False),
           "throughput_async": (2, True)}
@@ -89,11 +103,11 @@ def _per_test_limit(seconds: int = 60) -> list[str]:
     return ["--timeout", str(seconds)] if importlib.util.find_spec("pytest_timeout") else []
 
 
-def step_pytest(cfg):
+def step_pytest(cfg, selection: str = "pytest", per_test_s: int = 60):
     # -v -rfE: each test's name and verdict reach the log as it ends, so a run killed at its limit still shows
     # which tests failed and where it stopped; the durations show what ate the time
     args = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", "-p", "no:cacheprovider",
-            *_per_test_limit(), *sizes(cfg)["pytest"]]
+            *_per_test_limit(per_test_s), *sizes(cfg)[selection]]
     proc = subprocess.Popen(args, cwd=cfg["repo"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -104,7 +118,9 @@ def step_pytest(cfg):
                     if re.search(r"\d+ (passed|failed|error)", line)), "no summary line")
     notes = [] if not cfg["dry_run"] else ["dry run: a handful of fast CPU tests stand in for the CUDA subset"]
     return {"figures": {"summary": summary, "exit code": proc.returncode}, "headline": summary, "notes": notes,
-            "status": "pass" if proc.returncode == 0 else "fail", "command": " ".join(["python", *args[1:]])}
+            "status": "pass" if proc.returncode == 0 else "fail",
+            "command": " ".join([*(f"{k}={os.environ[k]}" for k in ("VLSERVE_DEFAULT_COMPILE_LEVEL",)
+                                   if k in os.environ), "python", *args[1:]])}
 
 
 # -- (b) kernels vs torch SDPA --------------------------------------------------------------------------------------
@@ -152,7 +168,8 @@ def step_kernel_sweep(cfg):
             "headline": f"{key}/SDPA {min(ratios):.2f}x..{max(ratios):.2f}x (paged); flash prefill: "
                         f"{'ok' if proc.returncode == 0 else 'failed'}",
             "notes": ["dry run: torch path vs SDPA on CPU, prefill_attention under TRITON_INTERPRET"]
-            if cfg["dry_run"] else []}
+            if cfg["dry_run"] else [f"paged cases: per call inside a CUDA graph of {pa.GRAPH_CALLS} calls; timed "
+                                    f"call by call: {', '.join(sorted(set(pa.EAGER_ON_CUDA))) or 'none'}"]}
 
 
 # -- (c) chunked prefill under async scheduling vs an eager synchronous run -----------------------------------------
@@ -370,6 +387,9 @@ STEPS = [
           lambda cfg: _demo_steps().step_encoder_cache(cfg, sizes(cfg))),
     _step("eagle", "(h) EAGLE (the demo's shipped head) vs plain decoding (vlserve.bench.spec_demo)", 150, 30,
           lambda cfg: _demo_steps().step_eagle(cfg, sizes(cfg))),
+    _step("parity_cuda", "(i) greedy parity with HF, one test per family, every engine at -O2 (compiled, CUDA graphs "
+          "on a GPU)", 300, 90, lambda cfg: step_pytest(cfg, "parity", per_test_s=180),
+          env={"VLSERVE_DEFAULT_COMPILE_LEVEL": "2"}),
 ]
 
 
