@@ -75,11 +75,20 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return _run_experts(x, topk_weights, topk_ids, w13.shape[0], expert_offset, ffn)
 
 
-def fused_moe_packed_cpu(x: torch.Tensor, packed_w13: list[torch.Tensor], packed_w2: list[torch.Tensor],
+def fused_moe_packed_cpu(x: torch.Tensor, packed_w13: torch.Tensor, packed_w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, intermediate_size: int,
                          expert_offset: int = 0) -> torch.Tensor:
     """`fused_moe_ref` with SiLU on the packed CPU linear kernel: each expert's `w13` / `w2` packed
-    (kernels.cpu_linear.pack_linear_weight), silu(gate) * up fused into the first matmul's pass."""
+    (kernels.cpu_linear.pack_linear_weight, stacked `[E, ...]`), silu(gate) * up fused into the first matmul's
+    pass. Under torch.compile it is one opaque op (`vlserve::fused_moe_packed_cpu`): grouping tokens by expert
+    sizes tensors by the routing, which a compiled graph cannot guard on."""
+    run = torch.ops.vlserve.fused_moe_packed_cpu if torch.compiler.is_compiling() else _fused_moe_packed_cpu
+    return run(x, packed_w13, packed_w2, topk_weights, topk_ids, intermediate_size, expert_offset)
+
+
+def _fused_moe_packed_cpu(x: torch.Tensor, packed_w13: torch.Tensor, packed_w2: torch.Tensor,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, intermediate_size: int,
+                          expert_offset: int) -> torch.Tensor:
     from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_silu_mul
 
     hidden = x.shape[1]
@@ -89,3 +98,14 @@ def fused_moe_packed_cpu(x: torch.Tensor, packed_w13: list[torch.Tensor], packed
                           hidden)
 
     return _run_experts(x, topk_weights, topk_ids, len(packed_w13), expert_offset, ffn)
+
+
+_LIB = torch.library.Library("vlserve", "FRAGMENT")
+_LIB.define("fused_moe_packed_cpu(Tensor x, Tensor packed_w13, Tensor packed_w2, Tensor topk_weights, "
+            "Tensor topk_ids, int intermediate_size, int expert_offset) -> Tensor")
+_LIB.impl("fused_moe_packed_cpu", _fused_moe_packed_cpu, "CPU")
+
+
+@torch.library.register_fake("vlserve::fused_moe_packed_cpu")
+def _fused_moe_packed_cpu_fake(x, packed_w13, packed_w2, topk_weights, topk_ids, intermediate_size, expert_offset):
+    return torch.empty_like(x)  # [T, H]
