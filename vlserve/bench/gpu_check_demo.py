@@ -1,6 +1,6 @@
 """The GPU check's demo-model steps (issue 40, `vlserve.bench.gpu_check`): (g) the demo model's single stream,
 (h) the encoder cache on vs off and EAGLE vs plain decoding. Each returns the step's record (figures, headline,
-command); `s` is the run's size table (`gpu_check_steps.sizes(cfg)`)."""
+command); `s` is the run's size table (`gpu_check_sizes.sizes(cfg)`)."""
 from __future__ import annotations
 
 import os
