@@ -254,8 +254,8 @@ def run_step(spec: dict, cfg: dict, timeout: float, report: Report, child_env: d
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", STEPS_MODULE, name, "--config", json.dumps(cfg), "--result", str(result_path)]
     env = {**child_env, **spec.get("env", {})}
-    shown = " ".join([*(f"{k}={v}" for k, v in spec.get("env", {}).items()),
-                      "python -m", STEPS_MODULE, name, "--dry-run" if cfg["dry_run"] else ""]).strip()
+    env_shown = " ".join(f"{k}={v}" for k, v in spec.get("env", {}).items())  # the step's own env, as it runs
+    shown = " ".join([env_shown, "python -m", STEPS_MODULE, name, "--dry-run" if cfg["dry_run"] else ""]).strip()
     record = {"name": name, "what": spec["what"], "command": shown, "timeout_s": round(timeout)}
     report.log(f"\n===== {name} (limit {timeout:.0f} s): {shown}")
     t0 = time.perf_counter()
@@ -280,7 +280,7 @@ def run_step(spec: dict, cfg: dict, timeout: float, report: Report, child_env: d
         result = json.loads(result_path.read_text())
     record["figures"] = result.get("figures", {})
     record["notes"] = result.get("notes", [])
-    record["command"] = result.get("command") or shown
+    record["command"] = f"{env_shown} {result['command']}".strip() if result.get("command") else shown
     if spec.get("count_recompiles"):
         record["figures"]["recompiles (TORCH_LOGS=recompiles lines)"] = len(RECOMPILE_LINE.findall(text))
     if rc is None:

@@ -73,9 +73,7 @@ def step_pytest(cfg, selection: str = "pytest", per_test_s: int = 60):
                     if re.search(r"\d+ (passed|failed|error)", line)), "no summary line")
     notes = [] if not cfg["dry_run"] else ["dry run: a handful of fast CPU tests stand in for the CUDA subset"]
     return {"figures": {"summary": summary, "exit code": proc.returncode}, "headline": summary, "notes": notes,
-            "status": "pass" if proc.returncode == 0 else "fail",
-            "command": " ".join([*(f"{k}={os.environ[k]}" for k in ("VLSERVE_DEFAULT_COMPILE_LEVEL",)
-                                   if k in os.environ), "python", *args[1:]])}
+            "status": "pass" if proc.returncode == 0 else "fail", "command": " ".join(["python", *args[1:]])}
 
 
 # -- (b) kernels vs torch SDPA --------------------------------------------------------------------------------------
@@ -191,7 +189,7 @@ def step_recompiles_mrope(cfg):
         n += sum(len(o.outputs[0].token_ids) for o in outs)
     llm.shutdown()
     return {"figures": {"level": level, "tokens": n}, "headline": f"M-RoPE Qwen2-VL at -O{level}",
-            "command": f"TORCH_LOGS=recompiles: LLM(qwen2-vl, compilation_config={level}) text, image and mixed "
+            "command": f"LLM(qwen2-vl, compilation_config={level}) text, image and mixed "
                        f"batches, twice"}
 
 
@@ -213,7 +211,7 @@ def step_recompiles_async(cfg):
         n += sum(len(o.outputs[0].token_ids) for o in outs)
     llm.shutdown()
     return {"figures": {"level": level, "tokens": n}, "headline": f"async scheduling at -O{level}, chunked",
-            "command": f"TORCH_LOGS=recompiles: LLM(compilation_config={level}, async_scheduling=True, "
+            "command": f"LLM(compilation_config={level}, async_scheduling=True, "
                        f"max_num_batched_tokens=64), prompts of 1..160 tokens"}
 
 

@@ -174,6 +174,11 @@ def onednn_min_rows(dtype: torch.dtype) -> int | None:
     return AMX_ROWS.get(dtype) if _has_amx() else None
 
 
+def onednn_takes(x: torch.Tensor, min_rows: int | None) -> bool:
+    """Whether `x [..., K]` has at least `min_rows` rows (an `onednn_min_rows` result; None: never)."""
+    return min_rows is not None and x.numel() >= min_rows * x.shape[-1]
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels of 32 output rows (zero-padded): float32 [ceil(N/32), K, 32], bf16 [ceil(N/32), K/2, 32, 2]
     (K pairs interleaved)."""

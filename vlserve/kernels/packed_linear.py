@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_supported, onednn_min_rows, pack_linear_weight
+from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_supported, onednn_min_rows, onednn_takes,
+                                        pack_linear_weight)
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ def _pack_matrix(module: nn.Module, matrix: torch.Tensor, keep_weight: bool) -> 
 def _packed_for(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The packed matrix to multiply `x [..., I]` by, or None for torch's matmul on `weight` (not packed, or
     packed too but `x` has at least `onednn_rows` rows)."""
-    rows = module.onednn_rows
-    if module.packed_weight is None or (rows is not None and x.numel() >= rows * x.shape[-1]):
+    if module.packed_weight is None or onednn_takes(x, module.onednn_rows):
         return None
     return module.packed_weight
 

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.kernels import quant_linear_cpu as QC
-from vlserve.kernels.cpu_linear import onednn_min_rows
+from vlserve.kernels.cpu_linear import onednn_min_rows, onednn_takes
 from vlserve.kernels.kv_quant import FP8_MAX  # the largest finite float8_e4m3fn
 from vlserve.kernels.quant_linear_cpu import PackedQuant
 
@@ -128,7 +128,7 @@ def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> t
     if x.is_cuda:  # the CUDA route goes here; the reference meanwhile
         return int8_linear_ref(x, w.weight, w.scale, bias)
     if w.cpu is not None:
-        if w.onednn_rows is not None and x.numel() >= w.onednn_rows * x.shape[-1]:
+        if onednn_takes(x, w.onednn_rows):
             return int8_linear_onednn(x, w.weight, w.scale, bias)
         return QC.quant_matmul(x, w.cpu, bias)
     return int8_linear_ref(x, w.weight, w.scale, bias)
