@@ -116,7 +116,8 @@ def test_w8a8_splits_by_rows(monkeypatch):
     scale = torch.rand(96, generator=g) / 50
     bias = torch.randn(96, generator=g)
     w = QL.prepare_int8(weight, scale, keep_canonical=False)
-    assert w.onednn_rows == 16 and w.weight is not None and w.cpu is not None  # both held
+    assert w.onednn_rows == 16 and w.cpu is not None  # both held: the plain matrix, or oneDNN's prepacked one
+    assert (w.weight is None) == (w.onednn is not None) == cl._has_amx()
     calls = []
     monkeypatch.setattr(QL.QC, "quant_matmul", lambda *a: calls.append(a[0].shape[0]) or QL.int8_linear_ref(
         a[0], weight, w.scale, a[2]))
@@ -129,3 +130,43 @@ def test_w8a8_splits_by_rows(monkeypatch):
         assert torch.equal(got, QL.int8_linear_ref(x, weight, w.scale, bias))
     monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
     assert QL.prepare_int8(weight, scale, keep_canonical=False).weight is None  # held once without the split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_w8a8_onednn_ends_in_cpp_equal_the_reference(dtype, with_bias):
+    from vlserve.kernels import quant_linear as QL
+
+    if QL.QC.quant_kernel() is None:
+        pytest.skip("no quantized CPU kernel here")
+    g = torch.Generator().manual_seed(2)
+    for n, k, shape in ((70, 37, (3, 9)), (96, 64, (40,)), (33, 200, (2, 17))):  # K off the 16-wide loop, N off 32
+        weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g) / 50
+        bias = torch.randn(n, generator=g) if with_bias else None
+        x = (torch.randn(*shape, k, generator=g) * 3).to(dtype)
+        x[..., 0, :5] = 0.0  # zeros and a row's exact ties survive the C++ rounding as torch rounds them
+        want = QL.int8_linear_ref(x, weight, scale, bias)
+        x.view(-1, k)[1, :3] = torch.tensor([127.5, -128.0, 64.0]).to(dtype) * x.view(-1, k)[1].abs().amax() / 128
+        want = QL.int8_linear_ref(x, weight, scale, bias)
+        prepacked = QL.QC.prepack_int8_onednn(weight)  # None without AMX
+        for w in (weight, prepacked) if prepacked is not None else (weight,):
+            got = QL.QC.int8_matmul_onednn(x, w, scale, bias)
+            assert got.shape == want.shape and got.dtype == dtype
+            assert torch.equal(got, want), (n, k, shape, type(w))
+            torch._dynamo.reset()  # one graph per case (every case would count against one recompile limit)
+            layer = _Int8Layer(w, scale, bias)
+            assert torch.equal(torch.compile(layer, fullgraph=True, dynamic=False)(x), want)
+
+
+class _Int8Layer(torch.nn.Module):
+    """The matrix as a layer holds it (an attribute, as the model's schemes do), for torch.compile."""
+
+    def __init__(self, w, scale, bias):
+        super().__init__()
+        self.w, self.scale, self.bias = w, scale, bias
+
+    def forward(self, x):
+        from vlserve.kernels import quant_linear as QL
+
+        return QL.QC.int8_matmul_onednn(x, self.w, self.scale, self.bias)

@@ -76,7 +76,8 @@ class Int8Weights:
     weight: torch.Tensor
     scale: torch.Tensor
     cpu: PackedQuant | None = None
-    onednn_rows: int | None = None  # packed, and from this many rows on torch's int8 matmul on `weight` instead
+    onednn_rows: int | None = None  # packed, and from this many rows on oneDNN's int8 matmul instead
+    onednn: QC.OneDnnInt8 | None = None  # where the CPU has AMX: `weight` prepacked by oneDNN (then `weight` None)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +95,9 @@ def prepare_int8(weight: torch.Tensor, scale: torch.Tensor, keep_canonical: bool
     w = Int8Weights(weight, scale, QC.pack_int8(weight, scale) if _packs_here(weight) else None)
     if w.cpu is not None:
         w.onednn_rows = onednn_min_rows(torch.int8)  # AMX: oneDNN's int8 matmul wins from some row count on
-    if w.cpu is not None and not keep_canonical and w.onednn_rows is None:
+        if w.onednn_rows is not None:
+            w.onednn = QC.prepack_int8_onednn(weight)
+    if w.cpu is not None and not keep_canonical and (w.onednn_rows is None or w.onednn is not None):
         w.weight = None
     return w
 
@@ -111,10 +114,13 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def int8_linear_onednn(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def int8_linear_onednn(x: torch.Tensor, weight: torch.Tensor | QC.OneDnnInt8, scale: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8 through torch's int8 matmul (`torch._int_mm`: oneDNN, AMX tiles where the CPU has them): the
-    reference's quantization and epilogue, the same exact int32 sums. x [..., K] -> [..., N] in x.dtype."""
+    """W8A8 through oneDNN's int8 matmul (`torch._int_mm`, or the prepacked matrix's `qlinear_pointwise`; AMX
+    tiles where the CPU has them): the reference's quantization and epilogue, the same exact int32 sums. x [..., K]
+    -> [..., N] in x.dtype."""
+    if QC.quant_kernel() is not None and x.dtype in (torch.float32, torch.bfloat16):
+        return QC.int8_matmul_onednn(x, weight, scale, bias)  # the same, both ends in C++
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows_int8(x2)  # [M, K] int8, [M, 1]
     y = torch._int_mm(xq, weight.t()).float().mul_(xs).mul_(scale.reshape(1, -1))  # [M, N]; weight [N, K] read
@@ -129,7 +135,7 @@ def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> t
         return int8_linear_ref(x, w.weight, w.scale, bias)
     if w.cpu is not None:
         if onednn_takes(x, w.onednn_rows):
-            return int8_linear_onednn(x, w.weight, w.scale, bias)
+            return int8_linear_onednn(x, w.onednn or w.weight, w.scale, bias)
         return QC.quant_matmul(x, w.cpu, bias)
     return int8_linear_ref(x, w.weight, w.scale, bias)
 

@@ -28,7 +28,7 @@
 #include "quant_linear_avx2.cpp"
 #include "quant_linear_int8.cpp"
 
-enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4 };
+enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4, kInt8Quant = 5, kInt8Epilogue = 6 };
 
 // op: which family (Op); x: [M, K] float32 or bf16 (flags & 1: bf16, the output's dtype too), rows ldx apart;
 // w, scales, zeros: the packed operands of quant_linear_cpu.py's pack_* (zeros only for kW4 / kW8); bias: float32
@@ -36,6 +36,10 @@ enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4 };
 // (flags >> 1) & 3: the scales' dtype (0 float32, 1 float16, 2 bfloat16); flags & 8: bias is given. act (kFp8):
 // x rounded through e4m3 first, as quantize_fp8_ref: act & 3 a quant::Act, act >> 2 the columns of a group, and
 // for kActStatic zeros points at the float32 scale.
+// kInt8Quant and kInt8Epilogue are the two ends of W8A8 through torch's int8 matmul: x [M, K] -> int8 out [M, ldo]
+// and its row scales into `scales` (float32 [M]); then the sums x [M, N] (rows ldx apart; int32, or with act 1 the
+// float32 of int32 sums), row scales w (float32 [M]), column scales `scales` (float32 [N]) and the bias -> out
+// [M, N] in the output dtype (flags & 1: bf16).
 // op kReport writes out[0] (int64) = the vector width in bits (256) and out[1] = 1 where the INT8 sums go through
 // vpdpwssd (AVX512-VNNI), else 0.
 extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, const void* scales, const void* zeros,
@@ -47,7 +51,7 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
         return;
     }
     const float* b = (flags & 8) ? (const float*)bias : nullptr;
-    const int mode = op == kFp8 ? int(act & 3) : quant::kActNone;
+    const int mode = op == kFp8 ? int(act & 3) : op == kInt8Epilogue ? int(act) : quant::kActNone;
     const float act_scale = mode == quant::kActStatic ? *(const float*)zeros : 0.f;
     const quant::Call c{x, ldx, w, scales, zeros, b, out, ldo, M, N, K, group, threads, (flags & 1) != 0,
                         int((flags >> 1) & 3), mode, act >> 2, act_scale};
@@ -56,6 +60,8 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
         case kW8: quant::dequant_linear<quant::IntW<8>>(c); break;
         case kFp8: quant::dequant_linear<quant::Fp8W>(c); break;
         case kInt8: quant::int8_linear(c); break;
+        case kInt8Quant: quant::quantize_rows_int8(c); break;
+        case kInt8Epilogue: quant::int8_epilogue(c); break;
         default: break;
     }
 }

@@ -27,6 +27,7 @@ struct Call {  // one call's operands (see `kernel` in quant_linear.cpp)
     int act;  // FP8: how x is rounded through e4m3 first (kAct*), act_group columns a group, act_scale if static
     int64_t act_group;
     float act_scale;
+    const void* x_row(int64_t m) const { return (const char*)x + m * ldx * (bf16 ? 2 : 4); }
 };
 
 enum Act { kActNone = 0, kActToken = 1, kActGroup = 2, kActStatic = 3 };

@@ -19,38 +19,46 @@ constexpr int64_t kIntDepth = 128;  // panel rows (K pairs) per pass over the ro
 // accumulators spill; 4 ran 1.3x faster than 3 at 32 rows, and as fast as 5
 constexpr int64_t kIntRows = 4;
 
-// rows [m, m + rows) of x -> int16 [rows, ldq] (zero past K) and their scales, as quantize_rows_int8 computes them:
-// s = max(absmax, 1e-10) / 127.5 (compressed-tensors' scale), q = round-half-even(x / s) clamped to [-128, 127]
-static void quantize_rows(const Call& c, int64_t m, int64_t rows, int64_t ldq, int16_t* q, float* xs) {
+// One row of x (K values, float32 or bf16) -> Q [ldq] (int16 or int8; zero past K) and its scale, as
+// quantize_rows_int8 computes them: s = max(absmax, 1e-10) / 127.5 (compressed-tensors' scale), q =
+// round-half-even(x / s) clamped to [-128, 127]
+template <typename Q>
+static float quantize_row(const void* in, int64_t K, bool is_bf16, Q* out, int64_t ldq) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int64_t r = 0; r < rows; ++r) {
-        const void* in = (const char*)c.x + (m + r) * c.ldx * (c.bf16 ? 2 : 4);
-        __m256 mx = avx2::zero();
-        int64_t k = 0;
-        for (; k + 8 <= c.K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(in, k, c.bf16)));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, mx);
-        float amax = 0.f;
-        for (float v : lanes) amax = std::max(amax, v);
-        for (; k < c.K; ++k) amax = std::max(amax, std::fabs(load1(in, k, c.bf16)));
-        const float s = std::max(amax, 1e-10f) / 127.5f;
-        xs[r] = s;
-        const __m256 sv = _mm256_set1_ps(s);
-        const __m256i lo = _mm256_set1_epi32(-128), hi = _mm256_set1_epi32(127);
-        int16_t* out = q + r * ldq;
-        auto quant8 = [&](int64_t at) {
-            const __m256 t = _mm256_round_ps(_mm256_div_ps(load8(in, at, c.bf16), sv),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            return _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), lo), hi);
-        };
-        for (k = 0; k + 16 <= c.K; k += 16) {  // packs interleaves 128-bit lanes: 0-3, 8-11, 4-7, 12-15 -> reorder
-            const __m256i packed = _mm256_packs_epi32(quant8(k), quant8(k + 8));
-            _mm256_storeu_si256((__m256i*)(out + k), _mm256_permute4x64_epi64(packed, 0xd8));
+    __m256 mx = avx2::zero();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(in, k, is_bf16)));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    float amax = 0.f;
+    for (float v : lanes) amax = std::max(amax, v);
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(load1(in, k, is_bf16)));
+    const float s = std::max(amax, 1e-10f) / 127.5f;
+    const __m256 sv = _mm256_set1_ps(s);
+    const __m256i lo = _mm256_set1_epi32(-128), hi = _mm256_set1_epi32(127);
+    auto quant8 = [&](int64_t at) {
+        const __m256 t = _mm256_round_ps(_mm256_div_ps(load8(in, at, is_bf16), sv),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        return _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), lo), hi);
+    };
+    for (k = 0; k + 16 <= K; k += 16) {  // packs interleaves 128-bit lanes: 0-3, 8-11, 4-7, 12-15 -> reorder
+        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(quant8(k), quant8(k + 8)), 0xd8);
+        if constexpr (sizeof(Q) == 2) {
+            _mm256_storeu_si256((__m256i*)(out + k), q16);
+        } else {  // 16 int16 in order -> 16 int8 (in range already: no saturation)
+            const __m128i q8 = _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1));
+            _mm_storeu_si128((__m128i*)(out + k), q8);
         }
-        for (; k < c.K; ++k)
-            out[k] = int16_t(std::min(127.f, std::max(-128.f, std::nearbyint(load1(in, k, c.bf16) / s))));
-        std::fill(out + c.K, out + ldq, int16_t(0));
     }
+    for (; k < K; ++k) out[k] = Q(std::min(127.f, std::max(-128.f, std::nearbyint(load1(in, k, is_bf16) / s))));
+    std::fill(out + K, out + ldq, Q(0));
+    return s;
+}
+
+// rows [m, m + rows) of x -> int16 [rows, ldq] and their scales (quantize_row)
+static void quantize_rows(const Call& c, int64_t m, int64_t rows, int64_t ldq, int16_t* q, float* xs) {
+    for (int64_t r = 0; r < rows; ++r)
+        xs[r] = quantize_row(c.x_row(m + r), c.K, c.bf16, q + r * ldq, ldq);
 }
 
 static inline __m256i dot2(__m256i acc, __m256i w, __m256i x) {  // acc + w[2i] x[2i] + w[2i+1] x[2i+1], exact
@@ -144,6 +152,44 @@ static void int8_linear(const Call& c) {
             }
         }
     });
+}
+
+// x [M, K] -> int8 out [M, ldo] and float32 scales [M] (written to c.scales), as quantize_rows_int8: the activation
+// side of W8A8 when torch's int8 matmul (oneDNN, AMX tiles) multiplies
+static void quantize_rows_int8(const Call& c) {
+    float* xs = (float*)c.scales;
+#pragma omp parallel for num_threads(c.threads) schedule(static) if (c.M * c.K >= (1 << 15))
+    for (int64_t m = 0; m < c.M; ++m) xs[m] = quantize_row(c.x_row(m), c.K, c.bf16, (int8_t*)c.out + m * c.ldo, c.K);
+}
+
+// int32 sums acc [M, N] (c.x, rows ldx apart; c.act 1: already as float32), row scales xs [M] (c.w), column
+// scales ws [N] (c.scales) -> out = (float(acc) * xs) * ws + b in the output dtype: int8_linear's epilogue, the same
+// float32 operations
+static void int8_epilogue(const Call& c) {
+    const int32_t* A = (const int32_t*)c.x;
+    const bool float_sums = c.act == 1;
+    const float* XS = (const float*)c.w;
+    const float* S = (const float*)c.scales;
+    const int64_t panels = (c.N + kPanel - 1) / kPanel;
+#pragma omp parallel for num_threads(c.threads) schedule(static) if (c.M * c.N >= (1 << 16))
+    for (int64_t m = 0; m < c.M; ++m) {
+        const __m256 xr = _mm256_set1_ps(XS[m]);
+        for (int64_t p = 0; p < panels; ++p) {
+            const int64_t n0 = p * kPanel, ncols = std::min(kPanel, c.N - n0);
+            alignas(32) int32_t acc[kPanel] = {};
+            alignas(32) float ws[kPanel] = {};
+            std::copy(A + m * c.ldx + n0, A + m * c.ldx + n0 + ncols, acc);
+            std::copy(S + n0, S + n0 + ncols, ws);
+            __m256 b[4], v[4];
+            panel_bias(c, p, ncols, b);
+            UNROLL for (int i = 0; i < 4; ++i) {
+                const __m256i lanes = _mm256_load_si256((const __m256i*)(acc + 8 * i));
+                const __m256 a = float_sums ? _mm256_castsi256_ps(lanes) : _mm256_cvtepi32_ps(lanes);
+                v[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(a, xr), _mm256_load_ps(ws + 8 * i)), b[i]);
+            }
+            store_row(c, m, p, ncols, v);
+        }
+    }
 }
 
 }  // namespace quant
