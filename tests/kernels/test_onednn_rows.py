@@ -1,5 +1,5 @@
 """Where torch's matmul beats the packed kernel from some row count on (bf16 on AMX CPUs): layers keep both
-matrices and split by rows, towers stay unpacked. $VLSERVE_CPU_ONEDNN_ROWS forces the split on any CPU here."""
+matrices (bf16 on AMX: the second one prepacked for oneDNN) and split by rows, towers stay unpacked (held prepacked). $VLSERVE_CPU_ONEDNN_ROWS forces the split on any CPU here."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels import cpu_linear as cl
+from vlserve.kernels.onednn_linear import onednn_linear, onednn_prepacks, prepack_onednn
 from vlserve.models.layers import GatedMLP
 from vlserve.models.parallel_layers import ColumnParallelLinear, pack_linears_for_cpu
 
@@ -27,7 +28,7 @@ def kernel_rows(monkeypatch):
 def test_policy(monkeypatch):
     monkeypatch.delenv(cl.ONEDNN_ROWS_ENV, raising=False)
     assert cl.onednn_min_rows(torch.float32) is None  # float32: the packed kernel wins at every size measured
-    assert cl.onednn_min_rows(torch.bfloat16) == (8 if cl._has_amx() else None)
+    assert cl.onednn_min_rows(torch.bfloat16) == (4 if cl._has_amx() else None)
     assert cl.onednn_min_rows(torch.int8) == (16 if cl._has_amx() else None)
     monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
     assert cl.onednn_min_rows(torch.bfloat16) is None
@@ -49,7 +50,9 @@ def test_linear_splits_by_rows(monkeypatch, kernel_rows, dtype):
     layer = layer.to(dtype)
     ref_w, ref_b = layer.weight.detach().clone(), layer.bias.detach().clone()
     assert layer.pack_for_cpu() and layer.onednn_rows == 8
-    assert layer.weight is not None and layer.packed_weight is not None  # both held
+    assert layer.packed_weight is not None  # both held: bf16 on AMX as oneDNN's prepacked matrix, else as is
+    prepacked = dtype is torch.bfloat16 and onednn_prepacks(dtype)
+    assert (layer.onednn_weight is not None) == prepacked and (layer.weight is None) == prepacked
     for rows, through_kernel in ((1, True), (7, True), (8, False), (3 * 7, False)):
         kernel_rows.clear()
         x = torch.randn(rows, 64, generator=g).to(dtype)
@@ -103,6 +106,35 @@ def test_towers_stay_unpacked_where_torch_wins(monkeypatch, split):
     else:
         assert packed == 1 and all(m.packed_weight is None and m.weight is not None for m in tower)
         assert model.decoder.packed_weight is not None and model.decoder.weight is not None
+
+
+@pytest.mark.skipif(not onednn_prepacks(torch.bfloat16), reason="bf16 prepacking for oneDNN needs AMX")
+def test_bf16_towers_are_held_prepacked_and_match_f_linear():
+    torch.manual_seed(0)
+    model = _Model().to(torch.bfloat16)
+    plain = [m.weight.detach().clone() for m in model.tower]
+    x = torch.randn(300, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = F.linear(F.linear(x, plain[0], model.tower[0].bias), plain[1], model.tower[1].bias)
+        pack_linears_for_cpu(model, many_rows=[model.tower])
+        assert all(m.weight is None and m.packed_weight is None and m.onednn_weight is not None for m in model.tower)
+        assert torch.equal(model.tower(x), want)  # the same sums as torch's own bf16 linear
+
+
+@pytest.mark.skipif(not onednn_prepacks(torch.bfloat16), reason="bf16 prepacking for oneDNN needs AMX")
+@pytest.mark.parametrize("n, k, shape", [(96, 64, (5,)), (1152, 896, (33,)), (4864, 896, (2, 40)), (72, 40, (513,))])
+def test_onednn_linear_equals_f_linear(n, k, shape):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=g) / 8).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(*shape, k, generator=g).to(torch.bfloat16)
+    packed = prepack_onednn(w)
+    for bias in (b, None):
+        want = F.linear(x, w, bias)
+        assert torch.equal(onednn_linear(x, packed, bias, n), want)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: onednn_linear(t, packed, bias, n), fullgraph=True, dynamic=False)
+        assert torch.equal(compiled(x), want)
 
 
 def test_w8a8_splits_by_rows(monkeypatch):

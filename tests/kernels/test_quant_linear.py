@@ -80,8 +80,50 @@ def test_wna16_matches_reference(bits, group, n, k, act_order, m, dtype, isa):
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g) if m % 2 else None
     out = QL.wna16_linear(x, w, b)
-    ref = QL.wna16_linear_ref(x, q, scales, zeros, gs, g_idx, b)
-    _check(out, ref, _bound(x, QL.dequantize_wna16_ref(q, scales, zeros, gs, g_idx), b))
+    tiles = _on_tiles(w, x)  # the AMX path multiplies the weights rounded to bf16, as its reference twin states
+    weight_dtype = torch.bfloat16 if tiles else torch.float32
+    ref = QL.wna16_linear_ref(x, q, scales, zeros, gs, g_idx, b, weight_dtype)
+    _check(out, ref, _bound(x, QL.dequantize_wna16_ref(q, scales, zeros, gs, g_idx).to(weight_dtype), b))
+
+
+def _on_tiles(w, x) -> bool:
+    """Whether this WNA16 call runs on the AMX tiles (bf16 x of at least the packed matrix's row threshold)."""
+    return bool(w.cpu.act) and x.dtype is torch.bfloat16 and x.numel() // x.shape[-1] >= w.cpu.act
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_wna16_amx_tiles_match_the_bf16_weight_reference(bits, scale_dtype, monkeypatch):
+    kernel = QC.build_quant_linear("avx512")
+    if kernel is None or not QC.quant_kernel_info(kernel)["amx"]:
+        pytest.skip("no AMX build here")
+    monkeypatch.setattr(QC, "quant_kernel", lambda: kernel)
+    monkeypatch.setenv(QC.AMX_ROWS_ENV, "3")
+    for n, k, group, m in ((72, 96, 32, 3), (100, 200, 8, 40), (600, 448, 64, 33), (64, 1000, None, 16)):
+        q, scales, zeros, gs, _ = _wna16(n, k, group, bits, False, seed=n)
+        scales = scales.to(scale_dtype)
+        w = QL.prepare_wna16(q, scales, zeros, gs, bits)
+        assert w.cpu.act == 3
+        x = torch.randn(m, k, generator=_gen(m)).bfloat16()
+        b = torch.randn(n, generator=_gen(n))
+        assert _on_tiles(w, x)
+        ref = QL.wna16_linear_ref(x, q, scales, zeros, gs, None, b, torch.bfloat16)
+        wb = QL.dequantize_wna16_ref(q, scales, zeros, gs).bfloat16()
+        _check(QL.wna16_linear(x, w, b), ref, _bound(x, wb, b))
+        below = x[:2]  # under the threshold: the register kernel, float32 weights
+        _check(QL.wna16_linear(below, w, b), QL.wna16_linear_ref(below, q, scales, zeros, gs, None, b),
+               _bound(below, QL.dequantize_wna16_ref(q, scales, zeros, gs), b))
+
+
+def test_wna16_amx_rows_policy(monkeypatch):
+    monkeypatch.delenv(QC.AMX_ROWS_ENV, raising=False)
+    built = QC.quant_kernel_info()["amx"]
+    assert QC.amx_wna16_rows() == (QC.AMX_WNA16_ROWS if built else None)
+    monkeypatch.setenv(QC.AMX_ROWS_ENV, "0")
+    assert QC.amx_wna16_rows() is None
+    monkeypatch.setenv(QC.AMX_ROWS_ENV, "x")
+    with pytest.raises(ValueError, match="VLSERVE_QUANT_AMX_ROWS"):
+        QC.amx_wna16_rows()
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
@@ -215,9 +257,9 @@ def test_strided_and_empty_inputs(isa):
 
 def test_kernel_reports_its_build(isa):
     info = QC.quant_kernel_info()
-    assert info["width"] == 256 and isinstance(info["vnni"], bool)
+    assert info["width"] == 256 and isinstance(info["vnni"], bool) and isinstance(info["amx"], bool)
     if isa == "avx2":
-        assert not info["vnni"]
+        assert not info["vnni"] and not info["amx"]
 
 
 def test_ops_trace_into_a_full_graph(isa):

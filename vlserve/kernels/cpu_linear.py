@@ -68,7 +68,7 @@ DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
 ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU has AVX-512
 ISAS = ("avx512", "avx2")
 ONEDNN_ROWS_ENV = "VLSERVE_CPU_ONEDNN_ROWS"  # "0": never hand rows to oneDNN; N: from N rows on, on any CPU
-AMX_ROWS = {torch.bfloat16: 8, torch.int8: 16}  # where torch's matmul (oneDNN on AMX tiles) overtakes our kernels
+AMX_ROWS = {torch.bfloat16: 4, torch.int8: 16}  # where torch's matmul (oneDNN on AMX tiles) overtakes our kernels
 _NO_BIAS = torch.empty(0)
 
 

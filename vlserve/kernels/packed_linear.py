@@ -18,6 +18,7 @@ from torch import nn
 
 from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_supported, onednn_min_rows, onednn_takes,
                                         pack_linear_weight)
+from vlserve.kernels.onednn_linear import onednn_linear, prepack_onednn
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +31,35 @@ def _pack_matrix(module: nn.Module, matrix: torch.Tensor, keep_weight: bool) -> 
         return False
     module.packed_weight = nn.Parameter(pack_linear_weight(matrix), requires_grad=False)
     module.onednn_rows = onednn_min_rows(matrix.dtype)
-    if not keep_weight and module.onednn_rows is None:
-        module.weight = None  # held once; a stray F.linear now fails loudly
+    if module.onednn_rows is not None and not keep_weight:
+        _prepack_onednn(module, matrix)
+    if not keep_weight and (module.onednn_rows is None or module.onednn_weight is not None):
+        module.weight = None  # held once more at most; a stray F.linear now fails loudly
     return True
+
+
+def _prepack_onednn(module: nn.Module, matrix: torch.Tensor) -> bool:
+    """Give `module` oneDNN's prepacked form of `matrix` [N, K] where it serves this dtype here (`onednn_linear`);
+    whether it did. The caller drops `weight` then."""
+    module.onednn_weight = prepack_onednn(matrix)
+    return module.onednn_weight is not None
+
+
+def _prepack_only(module: nn.Module, matrix) -> bool:
+    """`prepack_for_onednn` of an unpacked module: `matrix()` [N, K] prepacked, `weight` dropped; whether it was."""
+    if module.packed_weight is not None or module.weight is None or not _prepack_onednn(module, matrix()):
+        return False
+    module.weight = None
+    return True
+
+
+def _unpacked_matmul(module: nn.Module, x: torch.Tensor, matrix, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) by torch: on oneDNN's prepacked matrix where the module holds one, else F.linear on
+    `matrix()` (the plain weight, as [N, K])."""
+    if getattr(module, "onednn_weight", None) is not None:
+        return onednn_linear(x, module.onednn_weight, bias, out_features)
+    return F.linear(x, matrix(), bias)
 
 
 def _packed_for(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -52,12 +79,18 @@ class PackableLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("packed_weight", None)
         self.onednn_rows: int | None = None  # packed, and from this many rows on torch's matmul on `weight`
+        self.onednn_weight: torch.Tensor | None = None  # oneDNN's prepacked matrix, held instead of `weight`
         self.quant_scheme = None  # set by models.quantization: the matmul then runs through the scheme
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Pack the weight if the kernel serves it here; whether it did. `keep_weight`: another module shares the
         matrix (a tied LM head), so it stays and the packed one is a copy."""
         return _pack_matrix(self, self.weight.data, keep_weight)
+
+    def prepack_for_onednn(self) -> bool:
+        """Hold the matrix only in oneDNN's prepacked form where that serves its dtype here (a tower's linears on
+        AMX, fed hundreds of rows a call); whether it did."""
+        return _prepack_only(self, lambda: self.weight.data)
 
     def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed matrix the kernel multiplies `x [..., I]` by, or None when torch's matmul on `weight` runs."""
@@ -71,7 +104,7 @@ class PackableLinear(nn.Linear):
         packed = _packed_for(self, x)
         if packed is not None:
             return cpu_linear(x, packed, bias, self.out_features)
-        return F.linear(x, self.weight, bias)
+        return _unpacked_matmul(self, x, lambda: self.weight, bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -88,6 +121,7 @@ def packable(module: nn.Module) -> nn.Module:
             sub.register_parameter("packed_weight", None)
             sub.quant_scheme = None
             sub.onednn_rows = None
+            sub.onednn_weight = None
             sub.keep_weight = True
     return module
 
@@ -96,7 +130,8 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
     """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
     linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
     beside its packed copy. Under the `many_rows` parts (towers: hundreds of patches a call), a weight whose dtype
-    torch's matmul serves faster from some row count on (`onednn_min_rows`) is left unpacked."""
+    torch's matmul serves faster from some row count on (`onednn_min_rows`) is left unpacked (and held in oneDNN's
+    prepacked form instead where that serves it: bf16 on AMX)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -107,6 +142,9 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
     for m in model.modules():
         pack = getattr(m, "pack_for_cpu", None)
         if id(m) in unpacked:
+            shared = holders.get(id(m.weight), 0) > 1 or getattr(m, "keep_weight", False)
+            if hasattr(m, "prepack_for_onednn") and not shared:
+                m.prepack_for_onednn()
             continue
         # modules without a `weight` (stacked MoE experts) decide for themselves whether they are packed already
         if pack is not None and (getattr(m, "weight", None) is not None or not hasattr(m, "weight")):
@@ -127,6 +165,7 @@ class _PatchConv:
 
     packed_weight: nn.Parameter | None
     onednn_rows: int | None = None
+    onednn_weight: torch.Tensor | None = None
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Pack the flattened weight if the kernel serves it here; whether it did."""
@@ -134,10 +173,17 @@ class _PatchConv:
             return False
         return _pack_matrix(self, self.weight.data.reshape(self.out_channels, -1), keep_weight)  # [E, C*k...]
 
+    def prepack_for_onednn(self) -> bool:
+        """Hold the flattened matrix only in oneDNN's prepacked form where that serves its dtype here; whether it
+        did."""
+        return _prepack_only(self, lambda: self.weight.data.reshape(self.out_channels, -1))
+
     @property
     def param(self) -> torch.Tensor:
         """The matrix as held now (packed or not): for the dtype and device inputs are cast to."""
-        return self.weight if self.packed_weight is None else self.packed_weight
+        if self.packed_weight is not None:
+            return self.packed_weight
+        return self.weight if self.weight is not None else self.onednn_weight
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """Patch rows `[..., C*k...]` (in the weight's flattening order) -> `[..., E]`."""
@@ -145,7 +191,8 @@ class _PatchConv:
         packed = _packed_for(self, x)
         if packed is not None:
             return cpu_linear(x, packed, self.bias, self.out_channels)
-        return F.linear(x, self.weight.reshape(self.out_channels, -1), self.bias)
+        return _unpacked_matmul(self, x, lambda: self.weight.reshape(self.out_channels, -1), self.bias,
+                                self.out_channels)
 
 
 class PatchConv2d(_PatchConv, nn.Conv2d):
@@ -187,7 +234,7 @@ class PackableConv1d(_PatchConv, nn.Conv1d):
         self.register_parameter("packed_weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
+        if self.packed_weight is None and self.onednn_weight is None:
             return super().forward(x.to(self.weight.dtype))
         (k,), (s,), (p,) = self.kernel_size, self.stride, self.padding
         cols = F.pad(x, (p, p)).unfold(2, k, s)  # [B, C, T_out, k]

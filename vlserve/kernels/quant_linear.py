@@ -174,9 +174,11 @@ def dequantize_wna16_ref(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def wna16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                     g_idx: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """Reference weight-only matmul: x [..., K] -> [..., N] in x.dtype, computed in float32."""
-    w = dequantize_wna16_ref(q, scales, zeros, group_size, g_idx)
+                     g_idx: torch.Tensor | None, bias: torch.Tensor | None,
+                     weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reference weight-only matmul: x [..., K] -> [..., N] in x.dtype, computed in float32. `weight_dtype` bf16:
+    each dequantized weight rounded to bf16 first (what the AMX tile path multiplies, as HF's bf16 models do)."""
+    w = dequantize_wna16_ref(q, scales, zeros, group_size, g_idx).to(weight_dtype).float()
     y = F.linear(x.float(), w, None if bias is None else bias.float())
     return y.to(x.dtype)
 

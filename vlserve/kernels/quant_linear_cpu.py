@@ -66,11 +66,38 @@ def quant_kernel():
 
 
 def quant_kernel_info(kernel=None) -> dict:
-    """What the kernel was built with: {"width": 256, "vnni": True where INT8 sums go through vpdpwssd}."""
+    """What the kernel was built with: {"width": 256, "vnni": True where INT8 sums go through vpdpwssd, "amx": True
+    where WNA16 can run on AMX tiles}."""
     kernel = kernel or quant_kernel()
-    report = torch.zeros(2, dtype=torch.int64)
+    report = torch.zeros(3, dtype=torch.int64)
     kernel(0, _NONE, 0, _NONE, _NONE, _NONE, _NONE, report, 0, 0, 0, 0, 0, 1, 0, 0)
-    return {"width": int(report[0]), "vnni": bool(report[1])}
+    return {"width": int(report[0]), "vnni": bool(report[1]), "amx": bool(report[2])}
+
+
+AMX_ROWS_ENV = "VLSERVE_QUANT_AMX_ROWS"  # "0": never; N: WNA16 bf16 inputs of N+ rows on AMX tiles
+AMX_WNA16_ROWS = 4  # from here the tile path beat the register kernel on a 2-core AMX Xeon (docs/benchmarks.md)
+
+
+def amx_wna16_rows() -> int | None:
+    """From how many rows a bf16 input to a WNA16 matrix runs on the AMX tiles (the panel dequantized to bf16 once
+    per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS overrides."""
+    forced = os.environ.get(AMX_ROWS_ENV, "")
+    if forced:
+        try:
+            rows = int(forced)
+        except ValueError:
+            raise ValueError(f"${AMX_ROWS_ENV} must be a row count (0: never), got {forced!r}") from None
+        if rows <= 0:
+            return None
+    else:
+        rows = AMX_WNA16_ROWS
+    kernel = quant_kernel()
+    return rows if kernel is not None and _amx_built(kernel) else None
+
+
+@functools.cache
+def _amx_built(kernel) -> bool:
+    return quant_kernel_info(kernel)["amx"]
 
 
 @dataclass
@@ -78,7 +105,8 @@ class PackedQuant:
     """A quantized matrix in the C++ kernel's layout (csrc/quant_linear_*.cpp say it): `weight` the packed panels,
     `scales` and `zeros` ([N/32, G, 32] groups or, INT8, [N/32 * 32] channels; zeros: FP8's static input scale,
     else empty but for WNA16), `group` K positions per group, `scale_dtype` 0/1/2 for float32/float16/bf16 scales,
-    `act` FP8's activation rounding (`fp8_act_code`)."""
+    `act` FP8's activation rounding (`fp8_act_code`); WNA16: from how many bf16 rows the AMX tiles multiply (0:
+    never; `amx_wna16_rows` when packed)."""
 
     op: int
     weight: torch.Tensor
@@ -132,7 +160,8 @@ def pack_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
     if scales.dtype not in _SCALE_DTYPES:
         scales = scales.float()
     return PackedQuant(OP_W4 if bits == 4 else OP_W8, _lanes(cols), _group_panels(scales),
-                       _group_panels(zeros[:, :groups].to(torch.uint8)), n, k, group, _SCALE_DTYPES[scales.dtype])
+                       _group_panels(zeros[:, :groups].to(torch.uint8)), n, k, group, _SCALE_DTYPES[scales.dtype],
+                       amx_wna16_rows() or 0)
 
 
 def fp8_act_code(act: str, act_group: int = 0) -> int:
@@ -203,6 +232,9 @@ def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     out = x.new_empty(m, out_features)
     if m:
         flags = (x.dtype is torch.bfloat16) | scale_dtype << 1 | (bias is not None) << 3
+        if op <= OP_W8:  # WNA16: `act` is the AMX row threshold, the C++ side reads flags & 16 instead
+            flags |= 16 * bool(act and flags & 1 and m >= act)
+            act = 0
         quant_kernel()(op, rows, rows.stride(0), w, scales, zeros, _NONE if bias is None else bias, out, out_features,
                        m, out_features, k, group, torch.get_num_threads(), flags, act)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

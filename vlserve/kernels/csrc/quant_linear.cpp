@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "quant_linear is built for AVX2 + FMA or AVX-512 only"
@@ -26,6 +28,7 @@
 #include "cpu_linear_common.h"
 #include "cpu_linear_avx2.cpp"
 #include "quant_linear_avx2.cpp"
+#include "quant_linear_amx.cpp"
 #include "quant_linear_int8.cpp"
 
 enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4, kInt8Quant = 5, kInt8Epilogue = 6 };
@@ -40,14 +43,15 @@ enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4, kInt8Quant = 5, kI
 // and its row scales into `scales` (float32 [M]); then the sums x [M, N] (rows ldx apart; int32, or with act 1 the
 // float32 of int32 sums), row scales w (float32 [M]), column scales `scales` (float32 [N]) and the bias -> out
 // [M, N] in the output dtype (flags & 1: bf16).
-// op kReport writes out[0] (int64) = the vector width in bits (256) and out[1] = 1 where the INT8 sums go through
-// vpdpwssd (AVX512-VNNI), else 0.
+// op kReport writes out[0] (int64) = the vector width in bits (256), out[1] = 1 where the INT8 sums go through
+// vpdpwssd (AVX512-VNNI), else 0, and out[2] = 1 where WNA16 may run on AMX tiles (flags & 16).
 extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, const void* scales, const void* zeros,
                        const void* bias, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t group,
                        int64_t threads, int64_t flags, int64_t act) {
     if (op == kReport) {
         ((int64_t*)out)[0] = 256;
         ((int64_t*)out)[1] = quant::kVnni;
+        ((int64_t*)out)[2] = quant::kAmx;
         return;
     }
     const float* b = (flags & 8) ? (const float*)bias : nullptr;
@@ -55,9 +59,11 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
     const float act_scale = mode == quant::kActStatic ? *(const float*)zeros : 0.f;
     const quant::Call c{x, ldx, w, scales, zeros, b, out, ldo, M, N, K, group, threads, (flags & 1) != 0,
                         int((flags >> 1) & 3), mode, act >> 2, act_scale};
+    // flags & 16: WNA16 on the tile unit where this build and process have it (bf16 x; the caller picks by rows)
+    const bool amx = (flags & 16) && (op == kW4 || op == kW8) && quant::amx_serves(c);
     switch (op) {
-        case kW4: quant::dequant_linear<quant::IntW<4>>(c); break;
-        case kW8: quant::dequant_linear<quant::IntW<8>>(c); break;
+        case kW4: amx ? quant::amx_dequant_linear<4>(c) : quant::dequant_linear<quant::IntW<4>>(c); break;
+        case kW8: amx ? quant::amx_dequant_linear<8>(c) : quant::dequant_linear<quant::IntW<8>>(c); break;
         case kFp8: quant::dequant_linear<quant::Fp8W>(c); break;
         case kInt8: quant::int8_linear(c); break;
         case kInt8Quant: quant::quantize_rows_int8(c); break;
