@@ -373,3 +373,19 @@ def test_mixed_batch_rows_behave_as_in_isolation():
     assert int(batched.sampled_token_ids[0]) == int(logits[0].argmax())
     # top_k=5 row stays inside its top 5
     assert int(batched.sampled_token_ids[3]) in logits[3].topk(5).indices.tolist()
+
+
+def test_greedy_ids_equal_argmax_with_ties_nan_and_inf():
+    from vlserve.worker.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for trial in range(60):
+            x = torch.randint(-3, 4, (7, 300), generator=g).to(dtype)  # many equal maxima: the first one wins
+            if trial % 3 == 0:
+                x[trial % 7, trial % 300] = float("nan")
+            if trial % 5 == 0:
+                x[1] = float("-inf")
+            assert torch.equal(greedy_ids(x), x.argmax(dim=-1)), (dtype, trial)
+        wide = torch.randn(300, 9, generator=g).to(dtype).t()  # a strided view
+        assert torch.equal(greedy_ids(wide), wide.argmax(dim=-1))

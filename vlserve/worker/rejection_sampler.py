@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.sampling_params import SamplingParams
-from vlserve.worker.sampler import SamplerOutput, compute_target_probs, gather_logprobs, prepare_logits
+from vlserve.worker.sampler import (SamplerOutput, compute_target_probs, gather_logprobs, greedy_ids,
+                                    prepare_logits)
 from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -258,10 +259,10 @@ class RejectionSampler:
 
         # ---- greedy requests: accept while draft == argmax of the processed logits.
         if any_greedy:
-            argmax = logits.argmax(dim=-1) if md.all_greedy else torch.zeros(T, dtype=torch.int64, device=dev)
+            argmax = greedy_ids(logits) if md.all_greedy else torch.zeros(T, dtype=torch.int64, device=dev)
             if not md.all_greedy:
                 g_rows = greedy_req[row_req].nonzero(as_tuple=True)[0]
-                argmax[g_rows] = logits.index_select(0, g_rows).argmax(dim=-1)
+                argmax[g_rows] = greedy_ids(logits.index_select(0, g_rows))
             g_d = greedy_req[d_req].nonzero(as_tuple=True)[0]
             if g_d.numel():
                 accepted[d_req[g_d], d_pos[g_d]] = argmax[d_row[g_d]] == x_all[g_d]
@@ -306,7 +307,7 @@ class RejectionSampler:
                 rej_d = dstart[ri[rej_r]] + m[ri[rej_r]]  # flat index of the rejected draft
                 dist[rej_r] = _residual(dist[rej_r], None if lay.q is None else lay.q[rej_d], x_all[rej_d])
             # Exponential race: argmax(dist / E) samples from dist / sum(dist) (no normalization needed).
-            final[ri] = dist.div_(noise).argmax(dim=-1)
+            final[ri] = greedy_ids(dist.div_(noise))
 
         # ---- [B, max_k + 1]: drafts[:m_i], final at m_i, -1 after.
         out = torch.full((B, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)

@@ -91,7 +91,13 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
                 q[j].exponential_(generator=g)
     # exponential_ can in principle return 0; keep 0-probability tokens at 0 instead of NaN.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return greedy_ids(probs.div_(q))
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first of equal maxima; NaN wins, as argmax). On CPU through `max(dim)`, which
+    returns the same index: torch's CPU argmax ran 2-4.7x slower (bf16 [32, 151936]: 8.0 vs 1.7 ms, 2 threads)."""
+    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
 
 def prepare_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -150,15 +156,15 @@ class Sampler:
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if md.all_greedy and md.max_num_logprobs is None and md.ban_rows is None and md.no_penalties:
             # nothing changes the logits: argmax in their own dtype (widening to float32 keeps their order and ties)
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1).to(torch.int64))
+            return SamplerOutput(sampled_token_ids=greedy_ids(logits).to(torch.int64))
         logits, raw_logprobs = prepare_logits(logits, md)
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_ids(logits)
         else:
-            greedy_ids = None if md.all_random else logits.argmax(dim=-1)
+            greedy = None if md.all_random else greedy_ids(logits)
             sampled = self._sample_random(logits, md)
-            if greedy_ids is not None:
-                sampled = torch.where(md.is_greedy, greedy_ids, sampled)
+            if greedy is not None:
+                sampled = torch.where(md.is_greedy, greedy, sampled)
         sampled = sampled.to(torch.int64)
 
         out = SamplerOutput(sampled_token_ids=sampled)

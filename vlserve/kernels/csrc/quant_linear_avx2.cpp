@@ -133,9 +133,12 @@ __attribute__((noinline)) static void fused(const Call& c, const uint32_t* lanes
 // convert, subtract, FMA. The panel is walked as two 16-column halves (a panel row's two cache lines), j outermost:
 // 2 lanes, their high halves and 2-4 accumulators per row stay in registers (one row keeps two accumulators per
 // column vector, for even and odd j, so 4 FMA chains are in flight).
+// `next` (the next panel's lanes, or null) is fetched one cache line per panel row as this one is walked: decode
+// reads every panel once, from memory, and the two strided halves alone left the prefetchers behind (a 4-bit 9728 x
+// 896 matrix at one row ran 3.1 GB/s from L3 without, against 21 for the bf16 kernel).
 template <int B, int R>
 __attribute__((noinline)) static void fused_int(const Call& c, const uint32_t* lanes, int64_t group_base, int64_t Kp,
-                                                const float* x, int64_t ldx, float* sums) {
+                                                const float* x, int64_t ldx, float* sums, const uint32_t* next) {
     constexpr int E = 32 / B, H = E / 2, P = R == 1 ? 2 : 1;
     const int64_t per_group = c.group / E, rows = Kp / E;
     for (int half = 0; half < 2; ++half) {
@@ -152,6 +155,7 @@ __attribute__((noinline)) static void fused_int(const Call& c, const uint32_t* l
             UNROLL for (int r = 0; r < R; ++r) UNROLL for (int v = 0; v < 2; ++v) UNROLL for (int p = 0; p < P; ++p)
                 acc[r][v][p] = avx2::zero();
             for (; l < end; ++l) {
+                if (next) _mm_prefetch((const char*)next + (half * rows + l) * 64, _MM_HINT_T0);
                 const float* xl = x + l * E;
                 __m256i q[2], high[2];
                 UNROLL for (int v = 0; v < 2; ++v) {
@@ -291,8 +295,9 @@ static void dequant_linear(const Call& c) {
                 const int64_t group_base = p * groups * kPanel;
                 if (rows <= kFusedRows) {
                     if constexpr (D::kPrescale > 0) {
-                        if (rows == 1) fused_int<D::kPrescale, 1>(c, lanes, group_base, Kp, x, ldx, sums);
-                        else fused_int<D::kPrescale, 2>(c, lanes, group_base, Kp, x, ldx, sums);
+                        const uint32_t* next = p + 1 < p1 ? lanes + panel_lanes : nullptr;
+                        if (rows == 1) fused_int<D::kPrescale, 1>(c, lanes, group_base, Kp, x, ldx, sums, next);
+                        else fused_int<D::kPrescale, 2>(c, lanes, group_base, Kp, x, ldx, sums, next);
                     } else {
                         if (rows == 1) fused<D, 1>(c, lanes, group_base, Kp, x, ldx, sums);
                         else fused<D, 2>(c, lanes, group_base, Kp, x, ldx, sums);
