@@ -161,9 +161,10 @@ def _has_amx() -> bool:
 def onednn_min_rows(dtype: torch.dtype) -> int | None:
     """From how many rows torch's own matmul beats our kernel for weights of `dtype` here (bf16: the packed
     kernel; int8: W8A8's), or None where ours wins at every size. On CPUs with AMX torch runs oneDNN on the tile
-    unit, measured on a 2-core Xeon: bf16 at 0.5-1.15x the packed kernel's time at 8 rows, 0.3x at 32, 0.08x at
-    1024; int8 (`torch._int_mm`, quantizing included) even at 16 rows, 0.6x at 32 (docs/benchmarks.md). A GEMV
-    (decode at small batches) stays faster in ours. $VLSERVE_CPU_ONEDNN_ROWS overrides: "0" never, N from N."""
+    unit, measured on a 2-core Xeon on matrices prepacked for it (`onednn_linear`, `prepack_int8_onednn`): bf16 at
+    0.4-0.9x the packed kernel's time at 4 rows, 0.3-0.4x at 8; int8 (quantizing included) even at 16 rows
+    (docs/benchmarks.md). A GEMV (decode at 1-3 rows) stays faster in ours. $VLSERVE_CPU_ONEDNN_ROWS overrides: "0"
+    never, N from N."""
     forced = os.environ.get(ONEDNN_ROWS_ENV, "")
     if forced:
         try:

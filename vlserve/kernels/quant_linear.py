@@ -31,6 +31,11 @@ What runs where:
   rounded through e4m3 in C++ exactly as `quantize_fp8_ref`. Layouts the kernel cannot hold (WNA16 groups that are
   not a multiple of 8 positions, FP8 block columns likewise, FP8 scales of 256 or more) are not packed: the
   references run.
+- CPUs with AMX (2-core Xeon figures in docs/benchmarks.md): W8A8 inputs of 16+ rows go to oneDNN's int8 matmul on
+  the matrix prepacked at load (`quant_linear_cpu.prepack_int8_onednn`, held instead of the plain int8 one) with
+  the row quantization and the epilogue in C++ (bit-equal to the reference); WNA16 bf16 inputs of 4+ rows run on
+  the tile unit (csrc/quant_linear_amx.cpp: each panel dequantized to bf16 once per call, tdpbf16ps), the weights
+  rounded to bf16 as `wna16_linear_ref(..., weight_dtype=torch.bfloat16)` states.
 - AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32
   vector registers, vpdpwssd with VNNI): the tests run both builds there, but neither has run on such a CPU yet,
   and no AMX or zmm-wide kernel exists. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
