@@ -36,6 +36,7 @@ from vlserve.kernels.attention_ref import (
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.fused_moe_ref import fused_moe_ref
+from vlserve.kernels.rotary_cpu import apply_rotary_cpu
 from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
 
 BACKEND_ENV = "VLSERVE_ATTENTION_BACKEND"
@@ -46,7 +47,7 @@ _REF_IMPLS: dict[str, Callable] = {
     "paged_attention_decode": paged_attention_decode_ref,
     "paged_prefill_attention": paged_prefill_attention_ref,
     "attention_forward": attention_forward_ref,
-    "apply_rotary": apply_rotary_ref,
+    "apply_rotary": apply_rotary_cpu,  # C++ on CPU tensors where it applies, else apply_rotary_ref
     "varlen_attention": varlen_attention_ref,
     "fused_moe": fused_moe_ref,
 }

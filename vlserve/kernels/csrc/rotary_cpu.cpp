@@ -1,0 +1,135 @@
+// NeoX / HF rotary embedding (with Qwen2-VL M-RoPE sections) on CPU, in place on query and key: see
+// vlserve/kernels/rotary_cpu.py. Bit-identical to rotary_ref.apply_rotary_ref: cos / sin are taken from the cache
+// and rounded to the tensor's dtype, and o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin are evaluated op by op, each
+// product and sum rounded to that dtype (bf16: computed in float32, rounded to nearest even, as torch's CPU bf16
+// ops do). No FMA: a fused multiply-add would round once where torch rounds twice.
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float widen(bf16 v) {
+    uint32_t u = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline bf16 narrow(float f) {  // nearest even; NaN -> 0x7fc0, as torch rounds
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return bf16((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float round_to(float f, bool is_bf16) { return is_bf16 ? widen(narrow(f)) : f; }
+
+// 8 floats rounded through bf16 (nearest even; NaN stays NaN, as torch's 0x7fc0 widens to a NaN)
+inline __m256 round8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                       _mm256_set1_epi32(int32_t(0xffff0000u)));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+
+template <bool kBf16>
+inline __m256 load8(const void* p, int64_t i) {
+    if constexpr (kBf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const bf16*)p + i))), 16));
+    else
+        return _mm256_loadu_ps((const float*)p + i);
+}
+
+template <bool kBf16>
+inline void store8(void* p, int64_t i, __m256 v) {  // v already a bf16 value where kBf16
+    if constexpr (kBf16) {
+        const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+        _mm_storeu_si128((__m128i*)((bf16*)p + i), packed);
+    } else {
+        _mm256_storeu_ps((float*)p + i, v);
+    }
+}
+
+template <bool kBf16>
+inline __m256 rnd(__m256 v) {
+    if constexpr (kBf16) return round8(v);
+    else return v;
+}
+
+// one head's first 2 * half dims rotated in place by per-frequency c / s (already in the tensor's dtype)
+template <bool kBf16>
+void rotate_head(void* x, int64_t half, const float* c, const float* s) {
+    int64_t j = 0;
+    for (; j + 8 <= half; j += 8) {
+        const __m256 x1 = load8<kBf16>(x, j), x2 = load8<kBf16>(x, half + j);
+        const __m256 cv = _mm256_loadu_ps(c + j), sv = _mm256_loadu_ps(s + j);
+        const __m256 o1 = rnd<kBf16>(_mm256_sub_ps(rnd<kBf16>(_mm256_mul_ps(x1, cv)), rnd<kBf16>(_mm256_mul_ps(x2, sv))));
+        const __m256 o2 = rnd<kBf16>(_mm256_add_ps(rnd<kBf16>(_mm256_mul_ps(x2, cv)), rnd<kBf16>(_mm256_mul_ps(x1, sv))));
+        store8<kBf16>(x, j, o1);
+        store8<kBf16>(x, half + j, o2);
+    }
+    for (; j < half; ++j) {
+        float x1, x2;
+        if constexpr (kBf16) x1 = widen(((bf16*)x)[j]), x2 = widen(((bf16*)x)[half + j]);
+        else x1 = ((float*)x)[j], x2 = ((float*)x)[half + j];
+        const float o1 = round_to(round_to(x1 * c[j], kBf16) - round_to(x2 * s[j], kBf16), kBf16);
+        const float o2 = round_to(round_to(x2 * c[j], kBf16) + round_to(x1 * s[j], kBf16), kBf16);
+        if constexpr (kBf16) ((bf16*)x)[half + j] = narrow(o2), ((bf16*)x)[j] = narrow(o1);
+        else ((float*)x)[j] = o1, ((float*)x)[half + j] = o2;
+    }
+}
+
+template <bool kBf16>
+void rotate_all(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int64_t k_tok, int64_t k_head,
+                int64_t Hk, const int64_t* pos, int64_t axes, int64_t T, const void* cos_cache,
+                const void* sin_cache, int64_t cache_bf16, int64_t half, const int64_t* section, int64_t threads) {
+    const int64_t esize = kBf16 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> c(half), s(half);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            for (int64_t j = 0, axis = 0, end = axes == 3 ? section[0] : half; j < half; ++j) {
+                while (axes == 3 && j >= end && axis < 2) end += section[++axis];
+                const int64_t p = pos[(axes == 3 ? axis * T : 0) + t];
+                const float cv = cache_bf16 ? widen(((const bf16*)cos_cache)[p * half + j])
+                                            : ((const float*)cos_cache)[p * half + j];
+                const float sv = cache_bf16 ? widen(((const bf16*)sin_cache)[p * half + j])
+                                            : ((const float*)sin_cache)[p * half + j];
+                c[j] = round_to(cv, kBf16);
+                s[j] = round_to(sv, kBf16);
+            }
+            for (int64_t h = 0; h < Hq; ++h)
+                rotate_head<kBf16>((char*)q + (t * q_tok + h * q_head) * esize, half, c.data(), s.data());
+            for (int64_t h = 0; h < Hk; ++h)
+                rotate_head<kBf16>((char*)k + (t * k_tok + h * k_head) * esize, half, c.data(), s.data());
+        }
+    }
+}
+
+}  // namespace
+
+// q [T, Hq, D], k [T, Hk, D] (float32 or bf16: is_bf16; strides in elements per token and per head, the last dim
+// contiguous); pos int64 [T] (axes 1) or [3, T] (axes 3, M-RoPE: frequency j takes its position from the axis whose
+// section holds it); cos / sin caches [P, half] float32 or bf16 (cache_bf16); the first 2 * half dims rotate.
+extern "C" void kernel(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int64_t k_tok, int64_t k_head,
+                       int64_t Hk, const int64_t* pos, int64_t axes, int64_t T, const void* cos_cache,
+                       const void* sin_cache, int64_t cache_bf16, int64_t half, const int64_t* section,
+                       int64_t is_bf16, int64_t threads) {
+    if (is_bf16)
+        rotate_all<true>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache, cache_bf16,
+                         half, section, threads);
+    else
+        rotate_all<false>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache,
+                          cache_bf16, half, section, threads);
+}
