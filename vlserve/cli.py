@@ -156,7 +156,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                             "(default: off)")
     sched.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
                        help="media embeddings encoded per step, so a burst of images does not stall running "
-                            "streams (default: adaptive, about one decode step's time)")
+                            "streams (default: adaptive, sized in time: see --encoder-step-ms)")
+    sched.add_argument("--encoder-step-ms", type=float, default=150.0,
+                       help="with the adaptive budget, the encoder work of one step takes about the longer of one "
+                            "decode step and this many ms: more lets images share tower calls and steps (more "
+                            "throughput), less keeps running streams' inter-token latency lower (0: one decode step)")
     sched.add_argument("--encoder-cache-size", type=int, default=None,
                        help="media embeddings the encoder cache holds (default: max-num-batched-tokens, at "
                             "least 8192)")
@@ -232,7 +236,7 @@ def serve_config_from_args(args: argparse.Namespace):
         limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
         mm_preprocess_workers=args.mm_preprocess_workers,
         encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
-        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens, encoder_step_ms=args.encoder_step_ms,
         speculative_config=args.speculative_config, structured_outputs_config=args.structured_outputs_config,
         served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,

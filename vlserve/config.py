@@ -173,7 +173,8 @@ class EngineArgs:
     mm_processor_kwargs: dict[str, Any] | None = None  # HF processor kwargs; {"use_fast": false}: the slow one
     mm_preprocess_workers: int = 4  # threads that tokenize, decode media and run the HF processor off the loop
     encoder_cache_size: int | None = None
-    max_num_encoder_input_tokens: int | None = None  # embeddings encoded per step (None: sized to one decode step)
+    max_num_encoder_input_tokens: int | None = None  # embeddings encoded per step (None: sized in time, below)
+    encoder_step_ms: float = 150.0  # adaptive budget: a step's encoder work ~ max(one decode step, this many ms)
     max_waiting_requests: int | None = None
     speculative_config: dict[str, Any] | None = None
     structured_outputs_config: Any = None  # StructuredOutputsConfig, its dict or JSON text (None: xgrammar)
@@ -235,6 +236,9 @@ class EngineArgs:
         n_enc = self.max_num_encoder_input_tokens
         if n_enc is not None and (isinstance(n_enc, bool) or not isinstance(n_enc, int) or n_enc < 1):
             raise ValueError(f"max_num_encoder_input_tokens must be an integer >= 1, got {shorten(n_enc)}")
+        step_ms = self.encoder_step_ms
+        if isinstance(step_ms, bool) or not isinstance(step_ms, (int, float)) or not step_ms >= 0:
+            raise ValueError(f"encoder_step_ms must be a number of milliseconds >= 0, got {shorten(step_ms)}")
         workers = self.mm_preprocess_workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"mm_preprocess_workers must be an integer >= 1, got {shorten(workers)}")

@@ -214,3 +214,25 @@ def test_fixed_budget_is_never_adapted():
         assert b.observe(*args) == 300
     with pytest.raises(ValueError):
         EncoderBudget(fixed=0)
+
+
+def test_a_floor_of_step_time_lets_images_share_steps():
+    """`min_step_seconds` (the engine's encoder_step_ms): with decode steps shorter than the floor, a step may
+    encode the floor's worth of embeddings; with longer decode steps, the decode step rules as before."""
+    b = EncoderBudget(min_step_seconds=0.1)
+    assert b.observe(0.5, 250, 0.6, is_decode=False) == 50  # 2 ms per embedding: 0.1 s of them, no decode yet
+    assert b.observe(0.0, 0, 0.01) == 50  # a 10 ms decode step: the floor is longer
+    slow = EncoderBudget(min_step_seconds=0.1, smoothing=1.0)
+    slow.observe(0.5, 250, 0.6, is_decode=False)
+    assert slow.observe(0.0, 0, 0.4) == 200  # a 400 ms decode step: longer than the floor
+    assert EncoderBudget(min_step_seconds=0.0).observe(0.5, 250, 0.6, is_decode=False) == 1  # no floor: as before
+    with pytest.raises(ValueError):
+        EncoderBudget(min_step_seconds=-1.0)
+
+
+def test_encoder_step_ms_is_validated():
+    from vlserve.config import EngineArgs
+
+    for bad in (-5, "fast", True, float("nan")):
+        with pytest.raises(ValueError, match="encoder_step_ms"):
+            EngineArgs(model="x", encoder_step_ms=bad)

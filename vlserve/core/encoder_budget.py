@@ -1,12 +1,19 @@
 """The per-step encoder budget sized in time (pure Python, no torch): one step's encoder work should cost about as
-much as one decode step, so a burst of images delays running streams by about a step each, not by the whole burst.
+much as one decode step or a floor of wall time (`min_step_seconds`, the engine's `encoder_step_ms`), whichever is
+longer, so a burst of images delays running streams by about that much a step, not by the whole burst.
 
 The runner reports per step the wall seconds its encoder calls took, the embeddings they produced and the step's
 own seconds (`ModelRunnerOutput`). Two exponential moving averages follow them: seconds per embedding (over steps
 that encoded) and the seconds of a decode step (a step that prefilled nothing: its seconds less its encoder
 seconds, so the steps of a burst, which decode and encode at once, keep both measured). The budget is decode step
-seconds / seconds per embedding, at least 1; until both have been measured it is 1 (one item, or one stage of a
-split item, per step: the scheduler always admits a step's first item). A budget the user set is used as is.
+seconds (or the floor, if longer) / seconds per embedding, at least 1; until seconds per embedding and one of the
+two have been measured it is 1 (one item, or one stage of a split item, per step: the scheduler always admits a
+step's first item). A budget the user set is used as is.
+
+Why a floor: a step that encodes a slice of an image also runs the decode rows and the LM head of every running
+request, and images cut into slices of one decode step each cannot share a tower call; on a 2-core CPU, 16 448x448
+requests to a small Qwen2-VL took 2.54 s offline at one decode step (~10 ms) of encoder work a step, 1.96 s at one
+image a step (~90 ms), 1.66 s at four (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -18,13 +25,16 @@ logger = logging.getLogger(__name__)
 class EncoderBudget:
     """Embeddings to encode per step: `fixed` when the user set it, else adapted from measured timings."""
 
-    def __init__(self, fixed: int | None = None, smoothing: float = 0.25):
+    def __init__(self, fixed: int | None = None, smoothing: float = 0.25, min_step_seconds: float = 0.0):
         if fixed is not None and fixed < 1:
             raise ValueError(f"the encoder budget must be >= 1 embedding, got {fixed}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not min_step_seconds >= 0.0:
+            raise ValueError(f"the encoder step floor must be >= 0 seconds, got {min_step_seconds}")
         self.fixed = fixed
         self.smoothing = smoothing  # weight of the newest sample in each moving average
+        self.min_step_seconds = min_step_seconds  # encoder seconds a step may take even when decode steps are shorter
         self.seconds_per_embed: float | None = None  # moving average over steps that encoded
         self.decode_step_seconds: float | None = None  # moving average over decode steps that encoded nothing
         self.budget = fixed if fixed is not None else 1
@@ -40,13 +50,14 @@ class EncoderBudget:
             self.seconds_per_embed = self._average(self.seconds_per_embed, encoder_seconds / num_encoded_embeds)
         if is_decode and step_seconds - encoder_seconds > 0.0:
             self.decode_step_seconds = self._average(self.decode_step_seconds, step_seconds - encoder_seconds)
-        if self.seconds_per_embed is None or self.decode_step_seconds is None:
+        step = max(self.decode_step_seconds or 0.0, self.min_step_seconds)
+        if self.seconds_per_embed is None or step <= 0.0:
             return self.budget
-        budget = max(1, round(self.decode_step_seconds / max(self.seconds_per_embed, 1e-12)))
+        budget = max(1, round(step / max(self.seconds_per_embed, 1e-12)))
         old = self.budget
         if budget >= 2 * old or 2 * budget <= old:
-            logger.debug("encoder budget %d -> %d embeddings per step (decode step %.2f ms, %.3f ms per embedding)",
-                         old, budget, 1e3 * self.decode_step_seconds, 1e3 * self.seconds_per_embed)
+            logger.debug("encoder budget %d -> %d embeddings per step (%.2f ms a step, %.3f ms per embedding)",
+                         old, budget, 1e3 * step, 1e3 * self.seconds_per_embed)
         self.budget = budget
         return budget
 

@@ -54,10 +54,11 @@ class EngineCore:
         self.runner = self.executor.runner  # the ModelRunner when it runs in this process, else None
         num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
-        # Embeddings encoded per step: the user's number, else about one decode step's time (measured as it runs).
-        # An encode server has no decode steps to keep short: its budget is the user's, else the encoder cache.
+        # Embeddings encoded per step: the user's number, else about max(one decode step, encoder_step_ms) of time
+        # (measured as it runs). An encode server has no decode steps to keep short: the user's, else the cache.
         self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens
-                                            or (enc_size if args.mm_encoder_only else None))
+                                            or (enc_size if args.mm_encoder_only else None),
+                                            min_step_seconds=args.encoder_step_ms / 1000.0)
         model_cls = get_model_class(loaded.hf_config)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
