@@ -46,7 +46,7 @@ def test_interpreter_on_cuda_warns_once(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert K._impl("apply_rotary", torch.device("cuda", 0)) is K.apply_rotary_ref
+            assert K._impl("apply_rotary", torch.device("cuda", 0)) is K._REF_IMPLS["apply_rotary"]
     finally:
         K._warn_if_interpreter_on_cuda.cache_clear()
 

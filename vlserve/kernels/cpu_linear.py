@@ -165,14 +165,22 @@ def onednn_min_rows(dtype: torch.dtype) -> int | None:
     0.4-0.9x the packed kernel's time at 4 rows, 0.3-0.4x at 8; int8 (quantizing included) even at 16 rows
     (docs/benchmarks.md). A GEMV (decode at 1-3 rows) stays faster in ours. $VLSERVE_CPU_ONEDNN_ROWS overrides: "0"
     never, N from N."""
-    forced = os.environ.get(ONEDNN_ROWS_ENV, "")
-    if forced:
-        try:
-            rows = int(forced)
-        except ValueError:
-            raise ValueError(f"${ONEDNN_ROWS_ENV} must be a row count (0: never), got {forced!r}") from None
-        return rows if rows > 0 else None
+    forced = forced_rows(ONEDNN_ROWS_ENV)
+    if forced is not None:
+        return forced or None
     return AMX_ROWS.get(dtype) if _has_amx() else None
+
+
+def forced_rows(env: str) -> int | None:
+    """A row-count switch from $`env`: None when unset, else its count (0 or less: never, as 0); a ValueError naming
+    the variable when it is not an integer."""
+    forced = os.environ.get(env, "")
+    if not forced:
+        return None
+    try:
+        return max(0, int(forced))
+    except ValueError:
+        raise ValueError(f"${env} must be a row count (0: never), got {forced!r}") from None
 
 
 def onednn_takes(x: torch.Tensor, min_rows: int | None) -> bool:

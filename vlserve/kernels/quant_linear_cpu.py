@@ -81,18 +81,10 @@ AMX_WNA16_ROWS = 4  # from here the tile path beat the register kernel on a 2-co
 def amx_wna16_rows() -> int | None:
     """From how many rows a bf16 input to a WNA16 matrix runs on the AMX tiles (the panel dequantized to bf16 once
     per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS overrides."""
-    forced = os.environ.get(AMX_ROWS_ENV, "")
-    if forced:
-        try:
-            rows = int(forced)
-        except ValueError:
-            raise ValueError(f"${AMX_ROWS_ENV} must be a row count (0: never), got {forced!r}") from None
-        if rows <= 0:
-            return None
-    else:
-        rows = AMX_WNA16_ROWS
+    forced = cpu_linear.forced_rows(AMX_ROWS_ENV)
+    rows = AMX_WNA16_ROWS if forced is None else forced
     kernel = quant_kernel()
-    return rows if kernel is not None and _amx_built(kernel) else None
+    return rows if rows and kernel is not None and _amx_built(kernel) else None
 
 
 @functools.cache

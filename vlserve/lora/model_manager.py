@@ -142,7 +142,8 @@ class LoRAModelManager:
             return None
         if name not in self.targets:
             module = self.model.get_submodule(name)
-            weight = module.packed_weight if module.packed_weight is not None else module.weight
+            held = (module.packed_weight, module.weight, getattr(module, "onednn_weight", None))
+            weight = next(w for w in held if w is not None)  # a tower's matrix may be held only prepacked (AMX)
             self.targets[name] = wrap_layer(module, self.max_loras, self.max_lora_rank, weight.dtype, weight.device,
                                             (name.rpartition(".")[2],))
             self._wrapped.append(module)
