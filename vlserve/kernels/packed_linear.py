@@ -53,13 +53,12 @@ def _prepack_only(module: nn.Module, matrix) -> bool:
     return True
 
 
-def _unpacked_matmul(module: nn.Module, x: torch.Tensor, matrix, bias: torch.Tensor | None,
-                     out_features: int) -> torch.Tensor:
+def _unpacked_matmul(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) by torch: on oneDNN's prepacked matrix where the module holds one, else F.linear on
-    `matrix()` (the plain weight, as [N, K])."""
-    if getattr(module, "onednn_weight", None) is not None:
+    the plain weight seen as [N, K] (a linear's as is, a patch convolution's flattened)."""
+    if module.onednn_weight is not None:
         return onednn_linear(x, module.onednn_weight, bias, out_features)
-    return F.linear(x, matrix(), bias)
+    return F.linear(x, module.weight.reshape(out_features, -1), bias)
 
 
 def _packed_for(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -74,6 +73,8 @@ class PackableLinear(nn.Linear):
     """An nn.Linear whose weight the runner may pack for the CPU kernel once loaded: `pack_for_cpu()` swaps
     `weight` [O, I] for `packed_weight` (float32 [O/32, I, 32], bf16 [O/32, I/2, 32, 2]; the matrix is then held
     once)."""
+
+    onednn_weight: torch.Tensor | None = None  # (class default for instances made by swapping __class__)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -104,7 +105,7 @@ class PackableLinear(nn.Linear):
         packed = _packed_for(self, x)
         if packed is not None:
             return cpu_linear(x, packed, bias, self.out_features)
-        return _unpacked_matmul(self, x, lambda: self.weight, bias, self.out_features)
+        return _unpacked_matmul(self, x, bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -191,8 +192,7 @@ class _PatchConv:
         packed = _packed_for(self, x)
         if packed is not None:
             return cpu_linear(x, packed, self.bias, self.out_channels)
-        return _unpacked_matmul(self, x, lambda: self.weight.reshape(self.out_channels, -1), self.bias,
-                                self.out_channels)
+        return _unpacked_matmul(self, x, self.bias, self.out_channels)
 
 
 class PatchConv2d(_PatchConv, nn.Conv2d):
