@@ -127,11 +127,24 @@ def test_the_same_item_twice_in_a_prompt_is_split_once():
     assert s.encoder_cache.misses == 1
 
 
-def test_a_slice_takes_what_is_left_of_the_budget_after_a_whole_item():
-    s = _sched(budget=IMG)
+def test_an_item_over_the_budget_takes_what_is_left_of_it_after_a_whole_item():
+    s = _sched(budget=IMG - 32)  # seven stages a step: the 256-embedding item cannot run whole in any step
     add(s, "small", 10 + 64 + 5, max_tokens=2, mm=[MultiModalFeature("image", "small-img", 10, 64)])
     _image_request(s, "a")
     so = _step(s)
     assert so.scheduled_encoder_inputs == {"small": [0]}
-    assert _slices(so) == [("a", "img", 0, 6)]  # 192 embeddings left: six of its eight 32-embedding stages
+    assert _slices(so) == [("a", "img", 0, 5)]  # 160 embeddings left: five of its eight 32-embedding stages
     run_to_end(s)
+
+
+def test_an_item_that_fits_a_step_waits_for_the_next_one_instead_of_being_sliced():
+    s = _sched(budget=IMG)
+    add(s, "small", 10 + 64 + 5, max_tokens=2, mm=[MultiModalFeature("image", "small-img", 10, 64)])
+    _image_request(s, "a")
+    first = _step(s)
+    assert first.scheduled_encoder_inputs == {"small": [0]} and _slices(first) == []
+    assert first.num_scheduled_tokens["a"] == 10  # its text up to the image
+    second = _step(s)
+    assert second.scheduled_encoder_inputs == {"a": [0]} and _slices(second) == []  # whole, in one step
+    run_to_end(s)
+    assert s.encoder_cache.misses == 2

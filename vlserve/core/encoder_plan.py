@@ -32,10 +32,12 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
     item (`_keep_items_whole`).
 
     Split encoding (`stage_counts`: per modality, the stages its tower splits into; `request_id` the planning
-    request): an item over what is left of the budget runs a slice of its stages instead (the stages it affords, at
-    least one when the step encodes nothing else; a stage costs length / stages embeddings) and the window stops
-    before it until its last slice, which may share the step with the item's tokens. A partial item is advanced
-    only by a request referencing it; any other request waits before it."""
+    request): an item over the whole budget runs a slice of its stages instead (the stages what is left of the
+    budget affords, at least one when the step encodes nothing else; a stage costs length / stages embeddings) and
+    the window stops before it until its last slice, which may share the step with the item's tokens. An item that
+    fits a step's budget but not what is left of it waits for the next step and is encoded whole there: slicing it
+    would finish it a step later (a later first token); the step leaves the rest of its budget unused. A partial
+    item is advanced only by a request referencing it; any other request waits before it."""
     if not features or num_new <= 0:
         return NO_MEDIA, num_new, num_encoding
     if keep_whole:
@@ -77,7 +79,9 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
             continue  # the same item twice in one prompt: encoded once
         fits = num_encoding + f.length <= encoder_budget
         stages = stage_counts.get(f.modality, 1) if stage_counts else 1
-        if not fits and stages > 1 and cache.can_allocate(f.length, None, pending, reuse=plan.reuse):
+        whole_next_step = num_encoding > 0 and f.length <= encoder_budget  # it fits a step of its own: wait for one
+        if not fits and stages > 1 and not whole_next_step and cache.can_allocate(f.length, None, pending,
+                                                                                    reuse=plan.reuse):
             piece = _affordable_slice(f, i, 0, stages, encoder_budget - num_encoding, num_encoding == 0)
             if piece is not None:
                 plan.slices.append(piece)
