@@ -88,7 +88,7 @@ def test_wna16_matches_reference(bits, group, n, k, act_order, m, dtype, isa):
 
 def _on_tiles(w, x) -> bool:
     """Whether this WNA16 call runs on the AMX tiles (bf16 x of at least the packed matrix's row threshold)."""
-    return bool(w.cpu.act) and x.dtype is torch.bfloat16 and x.numel() // x.shape[-1] >= w.cpu.act
+    return bool(w.cpu.amx_rows) and x.dtype is torch.bfloat16 and x.numel() // x.shape[-1] >= w.cpu.amx_rows
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -103,7 +103,7 @@ def test_wna16_amx_tiles_match_the_bf16_weight_reference(bits, scale_dtype, monk
         q, scales, zeros, gs, _ = _wna16(n, k, group, bits, False, seed=n)
         scales = scales.to(scale_dtype)
         w = QL.prepare_wna16(q, scales, zeros, gs, bits)
-        assert w.cpu.act == 3
+        assert w.cpu.amx_rows == 3
         x = torch.randn(m, k, generator=_gen(m)).bfloat16()
         b = torch.randn(n, generator=_gen(n))
         assert _on_tiles(w, x)
@@ -115,15 +115,15 @@ def test_wna16_amx_tiles_match_the_bf16_weight_reference(bits, scale_dtype, monk
                _bound(below, QL.dequantize_wna16_ref(q, scales, zeros, gs), b))
 
 
-def test_wna16_amx_rows_policy(monkeypatch):
+def test_amx_rows_policy(monkeypatch):
     monkeypatch.delenv(QC.AMX_ROWS_ENV, raising=False)
     built = QC.quant_kernel_info()["amx"]
-    assert QC.amx_wna16_rows() == (QC.AMX_WNA16_ROWS if built else None)
+    assert QC.amx_rows() == (QC.AMX_ROWS if built else None)
     monkeypatch.setenv(QC.AMX_ROWS_ENV, "0")
-    assert QC.amx_wna16_rows() is None
+    assert QC.amx_rows() is None
     monkeypatch.setenv(QC.AMX_ROWS_ENV, "x")
     with pytest.raises(ValueError, match="VLSERVE_QUANT_AMX_ROWS"):
-        QC.amx_wna16_rows()
+        QC.amx_rows()
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
@@ -167,9 +167,30 @@ def test_int8_is_exact(n, k, m, dtype, bias, isa):
     b = torch.randn(n, generator=g) if bias else None
     w = QL.prepare_int8(weight, scale)
     assert w.cpu is not None
+    assert bool(w.cpu.amx_rows) == (isa == "avx512" and QC.quant_kernel_info()["amx_int8"])  # the tile layout
     out = QL.int8_linear(x, w, b)
     ref = QL.int8_linear_ref(x, weight, scale, b)
     assert out.dtype == dtype and torch.equal(out, ref)
+
+
+def test_int8_amx_tiles_compiled_and_switched_off(monkeypatch):
+    kernel = QC.build_quant_linear("avx512")
+    if kernel is None or not QC.quant_kernel_info(kernel)["amx_int8"]:
+        pytest.skip("no AMX build here")
+    monkeypatch.setattr(QC, "quant_kernel", lambda: kernel)
+    g = _gen(13)
+    weight = torch.randint(-128, 128, (100, 200), generator=g, dtype=torch.int8)
+    scale = torch.rand(100, generator=g) * 0.01
+    b = torch.randn(100, generator=g)
+    w = QL.prepare_int8(weight, scale, keep_canonical=False)
+    assert w.cpu.amx_rows == 1 and w.onednn is None and w.onednn_rows is None and w.weight is None  # held once
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: QL.int8_linear(t, w, b), fullgraph=True, dynamic=False)
+    for m in (1, 17, 33):
+        x = torch.randn(m, 200, generator=g).bfloat16()
+        assert torch.equal(compiled(x), QL.int8_linear_ref(x, weight, scale, b)), m
+    monkeypatch.setenv(QC.AMX_ROWS_ENV, "0")  # off: the pair layout (and oneDNN from its row count)
+    assert QL.prepare_int8(weight, scale).cpu.amx_rows == 0
 
 
 def test_int8_leading_dims_and_float16(isa):
@@ -231,6 +252,41 @@ def test_fp8_activation_rounding_is_exact(act, act_group, dtype, isa):
     w = QL.prepare_fp8(eye, torch.tensor(1.0), None, act, act_group, input_scale)
     expected = QL.quantize_fp8_ref(x, act, act_group, input_scale).to(dtype)
     assert torch.equal(QL.fp8_linear(x, w, None), expected)
+
+
+@pytest.mark.parametrize("act", ["token", "static"])
+def test_fp8_amx_tiles_match_the_reference(act, monkeypatch):
+    kernel = QC.build_quant_linear("avx512")
+    if kernel is None or not QC.quant_kernel_info(kernel)["amx"]:
+        pytest.skip("no AMX build here")
+    monkeypatch.setattr(QC, "quant_kernel", lambda: kernel)
+    monkeypatch.setenv(QC.AMX_ROWS_ENV, "3")
+    input_scale = torch.tensor(0.02) if act == "static" else None
+    for kind, n, k, m in (("tensor", 40, 100, 3), ("channel", 72, 37, 16), ("channel", 600, 448, 33),
+                          ("tensor", 64, 1000, 40)):
+        weight, scale, block = _fp8(n, k, kind, seed=n)
+        w = QL.prepare_fp8(weight, scale, block, act, 0, input_scale)
+        ref_w = QL.FP8Weights(weight, scale.float(), block, act, 0, input_scale)
+        x = torch.randn(m, k, generator=_gen(m)).bfloat16()
+        b = torch.randn(n, generator=_gen(n))
+        assert w.cpu.amx_rows == 3 and _on_tiles(w, x)
+        xq = QL.quantize_fp8_ref(x, act, 0, input_scale)
+        _check(QL.fp8_linear(x, w, b), QL.fp8_linear_ref(x, ref_w, b),
+               _bound(xq, QL.dequantize_fp8_ref(weight, scale.float(), block), b))
+    # W = I on the tiles: x exactly as the reference rounds it through e4m3 (the sums hold one product each)
+    k = 40
+    x = (torch.randn(5, k, generator=_gen(12)) * 3).bfloat16()
+    x[0, :4] = torch.tensor([1.0625, 500.0, -500.0, 0.0])
+    eye = QL.prepare_fp8(torch.eye(k).to(torch.float8_e4m3fn), torch.tensor(1.0), None, act, 0,
+                         None if input_scale is None else torch.tensor(1.0))
+    assert _on_tiles(eye, x)
+    expected = QL.quantize_fp8_ref(x, act, 0, None if input_scale is None else torch.tensor(1.0)).bfloat16()
+    assert torch.equal(QL.fp8_linear(x, eye, None), expected)
+    # block scales along K and per-group activations stay on the register kernel
+    weight, scale, block = _fp8(100, 200, "block32x64")
+    assert QL.prepare_fp8(weight, scale, block, act, 0, input_scale).cpu.amx_rows == 0
+    weight, scale, _ = _fp8(72, 64, "channel")
+    assert QL.prepare_fp8(weight, scale, None, "group", 32).cpu.amx_rows == 0
 
 
 def test_fp8_large_scales_keep_the_reference(isa):

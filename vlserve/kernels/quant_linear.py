@@ -31,11 +31,16 @@ What runs where:
   rounded through e4m3 in C++ exactly as `quantize_fp8_ref`. Layouts the kernel cannot hold (WNA16 groups that are
   not a multiple of 8 positions, FP8 block columns likewise, FP8 scales of 256 or more) are not packed: the
   references run.
-- CPUs with AMX (2-core Xeon figures in docs/benchmarks.md): W8A8 inputs of 16+ rows go to oneDNN's int8 matmul on
-  the matrix prepacked at load (`quant_linear_cpu.prepack_int8_onednn`, held instead of the plain int8 one) with
-  the row quantization and the epilogue in C++ (bit-equal to the reference); WNA16 bf16 inputs of 4+ rows run on
-  the tile unit (csrc/quant_linear_amx.cpp: each panel dequantized to bf16 once per call, tdpbf16ps), the weights
-  rounded to bf16 as `wna16_linear_ref(..., weight_dtype=torch.bfloat16)` states.
+- CPUs with AMX (2-core Xeon figures in docs/benchmarks.md): W8A8 runs on the int8 tile unit at every row count
+  (csrc/quant_linear_amx_int8.cpp: the matrix packed once in the tile layout, held instead of the pair layout; x
+  quantized as the reference; tdpbssd's exact int32 sums, the reference's epilogue: bit-equal to it). Where that
+  build or the tile state is missing, inputs of 16+ rows go to oneDNN's int8 matmul on the matrix prepacked at load
+  (`quant_linear_cpu.prepack_int8_onednn`) with the row quantization and the epilogue in C++ (bit-equal too).
+  WNA16 bf16 inputs of 4+ rows run on the bf16 tile unit (csrc/quant_linear_amx.cpp: each panel dequantized to
+  bf16 once per call, tdpbf16ps), the weights rounded to bf16 as `wna16_linear_ref(..., weight_dtype=
+  torch.bfloat16)` states; so do FP8 bf16 inputs of 4+ rows where the matrix has one scale per column and x is
+  rounded per token or by a static scale (the e4m3 weights and x's e4m3 values are exact in bf16; the row and
+  column scales multiply the float32 sums: within float32 rounding of the reference).
 - AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32
   vector registers, vpdpwssd with VNNI): the tests run both builds there, but neither has run on such a CPU yet,
   and no AMX or zmm-wide kernel exists. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
@@ -98,7 +103,7 @@ def prepare_int8(weight: torch.Tensor, scale: torch.Tensor, keep_canonical: bool
     `keep_canonical`, a weight packed for the CPU kernel is held only packed (`weight` None)."""
     weight, scale = weight.to(torch.int8).contiguous(), scale.reshape(-1).float().contiguous()
     w = Int8Weights(weight, scale, QC.pack_int8(weight, scale) if _packs_here(weight) else None)
-    if w.cpu is not None:
+    if w.cpu is not None and not w.cpu.amx_rows:  # (on our AMX tiles every row count beats oneDNN's)
         w.onednn_rows = onednn_min_rows(torch.int8)  # AMX: oneDNN's int8 matmul wins from some row count on
         if w.onednn_rows is not None:
             w.onednn = QC.prepack_int8_onednn(weight)

@@ -67,22 +67,24 @@ def quant_kernel():
 
 def quant_kernel_info(kernel=None) -> dict:
     """What the kernel was built with: {"width": 256, "vnni": True where INT8 sums go through vpdpwssd, "amx": True
-    where WNA16 can run on AMX tiles}."""
+    where WNA16 and FP8 can run on AMX tiles, "amx_int8": True where W8A8 can}."""
     kernel = kernel or quant_kernel()
-    report = torch.zeros(3, dtype=torch.int64)
+    report = torch.zeros(4, dtype=torch.int64)
     kernel(0, _NONE, 0, _NONE, _NONE, _NONE, _NONE, report, 0, 0, 0, 0, 0, 1, 0, 0)
-    return {"width": int(report[0]), "vnni": bool(report[1]), "amx": bool(report[2])}
+    return {"width": int(report[0]), "vnni": bool(report[1]), "amx": bool(report[2]), "amx_int8": bool(report[3])}
 
 
-AMX_ROWS_ENV = "VLSERVE_QUANT_AMX_ROWS"  # "0": never; N: WNA16 bf16 inputs of N+ rows on AMX tiles
-AMX_WNA16_ROWS = 4  # from here the tile path beat the register kernel on a 2-core AMX Xeon (docs/benchmarks.md)
+AMX_ROWS_ENV = "VLSERVE_QUANT_AMX_ROWS"  # "0": never; N: WNA16 / FP8 bf16 inputs of N+ rows on AMX tiles
+AMX_ROWS = 4  # from here the tile path beat the register kernel on a 2-core AMX Xeon (docs/benchmarks.md)
+AMX_FP8_ROWS = 8  # FP8's (x rounded through e4m3 per row first): the register kernel was 5-30% faster at 4
 
 
-def amx_wna16_rows() -> int | None:
-    """From how many rows a bf16 input to a WNA16 matrix runs on the AMX tiles (the panel dequantized to bf16 once
-    per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS overrides."""
+def amx_rows(default: int = AMX_ROWS) -> int | None:
+    """From how many rows a bf16 input to a WNA16 or FP8 matrix runs on the AMX tiles (the panel dequantized to
+    bf16 once per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS
+    overrides."""
     forced = cpu_linear.forced_rows(AMX_ROWS_ENV)
-    rows = AMX_WNA16_ROWS if forced is None else forced
+    rows = default if forced is None else forced
     kernel = quant_kernel()
     return rows if rows and kernel is not None and _amx_built(kernel) else None
 
@@ -92,13 +94,19 @@ def _amx_built(kernel) -> bool:
     return quant_kernel_info(kernel)["amx"]
 
 
+@functools.cache
+def _amx_int8_built(kernel) -> bool:
+    return quant_kernel_info(kernel)["amx_int8"]
+
+
 @dataclass
 class PackedQuant:
     """A quantized matrix in the C++ kernel's layout (csrc/quant_linear_*.cpp say it): `weight` the packed panels,
     `scales` and `zeros` ([N/32, G, 32] groups or, INT8, [N/32 * 32] channels; zeros: FP8's static input scale,
     else empty but for WNA16), `group` K positions per group, `scale_dtype` 0/1/2 for float32/float16/bf16 scales,
-    `act` FP8's activation rounding (`fp8_act_code`); WNA16: from how many bf16 rows the AMX tiles multiply (0:
-    never; `amx_wna16_rows` when packed)."""
+    `act` FP8's activation rounding (`fp8_act_code`), `amx_rows` from how many bf16 rows the AMX tiles multiply
+    (0: never; `amx_rows()` when packed, for WNA16 and for FP8 with one scale per column and per-token or static
+    activations)."""
 
     op: int
     weight: torch.Tensor
@@ -109,6 +117,7 @@ class PackedQuant:
     group: int = 0
     scale_dtype: int = 0
     act: int = 0
+    amx_rows: int = 0
 
 
 def _pad_rows(t: torch.Tensor, multiple: int = PANEL) -> torch.Tensor:
@@ -153,7 +162,7 @@ def pack_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
         scales = scales.float()
     return PackedQuant(OP_W4 if bits == 4 else OP_W8, _lanes(cols), _group_panels(scales),
                        _group_panels(zeros[:, :groups].to(torch.uint8)), n, k, group, _SCALE_DTYPES[scales.dtype],
-                       amx_wna16_rows() or 0)
+                       amx_rows=amx_rows() or 0)
 
 
 def fp8_act_code(act: str, act_group: int = 0) -> int:
@@ -189,14 +198,20 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
     cols = torch.zeros(n, kp, dtype=torch.uint8)
     cols[:, :k] = weight.view(torch.uint8)
     static = _NONE if input_scale is None else input_scale.float().reshape(1).contiguous()
+    tiles = group == kp and act in ("token", "static")  # what the AMX path serves (csrc: amx_serves)
     return PackedQuant(OP_FP8, _lanes(cols), _group_panels(per_col.contiguous()), static, n, k, group, 0,
-                       fp8_act_code(act, act_group))
+                       fp8_act_code(act, act_group), (amx_rows(AMX_FP8_ROWS) or 0) if tiles else 0)
 
 
 def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedQuant:
     """int8 [N, K] and its per-channel scale [N] -> int8 [N/32, Kp/2, 32, 2] (K pairs interleaved) and float32
-    scales [N/32 * 32]."""
+    scales [N/32 * 32]; where the kernel multiplies int8 on AMX tiles (and $VLSERVE_QUANT_AMX_ROWS is not "0"), the
+    tile layout instead (`pack_int8_amx`, `amx_rows` 1: every row count runs there; 1.1-2x faster than oneDNN's
+    int8 matmul and than the register kernel from 1 to 512 rows on a 2-core Xeon, docs/benchmarks.md)."""
     n, k = weight.shape
+    if amx_rows() and _amx_int8_built(quant_kernel()):
+        return PackedQuant(OP_INT8, pack_int8_amx(weight), _pad_rows(scale.reshape(-1).float()), _NONE, n, k,
+                           amx_rows=1)
     kp = k + k % 2
     padded = torch.zeros(n, kp, dtype=torch.int8)
     padded[:, :k] = weight
@@ -204,15 +219,27 @@ def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedQuant:
     return PackedQuant(OP_INT8, packed, _pad_rows(scale.reshape(-1).float()), _NONE, n, k)
 
 
+def pack_int8_amx(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the tile unit's B layout: int8 [N/32, K64/64, 2, 16, 16, 4] (K64: K rounded up to 64): per
+    panel of 32 columns and K step of 64, two tiles (columns 0-15, 16-31) whose row r holds K positions 64 s + 4 r
+    .. + 3 of each of their 16 columns (csrc/quant_linear_amx_int8.cpp)."""
+    n, k = weight.shape
+    k64 = -(-k // 64) * 64
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k64, dtype=torch.int8)
+    padded[:n, :k] = weight
+    tiles = padded.view(-1, 2, 16, k64 // 64, 16, 4)  # [P, half, column, step, quad, 4]
+    return tiles.permute(0, 3, 1, 4, 2, 5).contiguous()  # [P, step, half, quad, column, 4]
+
+
 # Defined through torch.library.Library (as cpu_linear's ops): an opaque op to torch.compile, with a fake.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
 _LIB.define("quant_linear_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor? bias, int op, int out_features, "
-            "int group, int scale_dtype, int act) -> Tensor")
+            "int group, int scale_dtype, int act, int amx_rows=0) -> Tensor")
 
 
 def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bias: torch.Tensor | None, op: int, out_features: int, group: int, scale_dtype: int,
-                      act: int) -> torch.Tensor:
+                      act: int, amx_rows: int = 0) -> torch.Tensor:
     """x [..., K] float32 or bf16 times a packed matrix (+ float32 bias [N]) -> [..., N] in x.dtype. Runs for
     every quantized projection of a decode step: the common case (2-D rows, unit stride) takes no detours."""
     rows = x
@@ -224,15 +251,16 @@ def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     out = x.new_empty(m, out_features)
     if m:
         flags = (x.dtype is torch.bfloat16) | scale_dtype << 1 | (bias is not None) << 3
-        if op <= OP_W8:  # WNA16: `act` is the AMX row threshold, the C++ side reads flags & 16 instead
-            flags |= 16 * bool(act and flags & 1 and m >= act)
-            act = 0
+        if op == OP_INT8:
+            flags |= 32 * bool(amx_rows)  # a matrix in the tile layout: every row count on the AMX tiles
+        else:
+            flags |= 16 * bool(amx_rows and flags & 1 and m >= amx_rows)  # bf16 rows from the threshold on
         quant_kernel()(op, rows, rows.stride(0), w, scales, zeros, _NONE if bias is None else bias, out, out_features,
                        m, out_features, k, group, torch.get_num_threads(), flags, act)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-def _fake(x, w, scales, zeros, bias, op, out_features, group, scale_dtype, act):
+def _fake(x, w, scales, zeros, bias, op, out_features, group, scale_dtype, act, amx_rows=0):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -248,7 +276,7 @@ def quant_matmul(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None) -> 
     xk = x if dtype is torch.float32 or dtype is torch.bfloat16 else x.float()
     b = None if bias is None else bias.float().contiguous()
     run = torch.ops.vlserve.quant_linear_cpu if torch.compiler.is_compiling() else _quant_linear_cpu
-    y = run(xk, p.weight, p.scales, p.zeros, b, p.op, p.out_features, p.group, p.scale_dtype, p.act)
+    y = run(xk, p.weight, p.scales, p.zeros, b, p.op, p.out_features, p.group, p.scale_dtype, p.act, p.amx_rows)
     return y if y.dtype is dtype else y.to(dtype)
 
 

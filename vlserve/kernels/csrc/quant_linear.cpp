@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -30,6 +31,7 @@
 #include "quant_linear_avx2.cpp"
 #include "quant_linear_amx.cpp"
 #include "quant_linear_int8.cpp"
+#include "quant_linear_amx_int8.cpp"
 
 enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4, kInt8Quant = 5, kInt8Epilogue = 6 };
 
@@ -44,7 +46,8 @@ enum Op { kReport = 0, kW4 = 1, kW8 = 2, kFp8 = 3, kInt8 = 4, kInt8Quant = 5, kI
 // float32 of int32 sums), row scales w (float32 [M]), column scales `scales` (float32 [N]) and the bias -> out
 // [M, N] in the output dtype (flags & 1: bf16).
 // op kReport writes out[0] (int64) = the vector width in bits (256), out[1] = 1 where the INT8 sums go through
-// vpdpwssd (AVX512-VNNI), else 0, and out[2] = 1 where WNA16 may run on AMX tiles (flags & 16).
+// vpdpwssd (AVX512-VNNI), else 0, out[2] = 1 where WNA16 and FP8 may run on AMX tiles (flags & 16), and out[3] = 1
+// where W8A8 may (flags & 32, `w` packed by pack_int8_amx; the tile state granted, asked for here).
 extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, const void* scales, const void* zeros,
                        const void* bias, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t group,
                        int64_t threads, int64_t flags, int64_t act) {
@@ -52,6 +55,7 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
         ((int64_t*)out)[0] = 256;
         ((int64_t*)out)[1] = quant::kVnni;
         ((int64_t*)out)[2] = quant::kAmx;
+        ((int64_t*)out)[3] = quant::kAmxInt8 && quant::amx_permitted();
         return;
     }
     const float* b = (flags & 8) ? (const float*)bias : nullptr;
@@ -59,13 +63,16 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
     const float act_scale = mode == quant::kActStatic ? *(const float*)zeros : 0.f;
     const quant::Call c{x, ldx, w, scales, zeros, b, out, ldo, M, N, K, group, threads, (flags & 1) != 0,
                         int((flags >> 1) & 3), mode, act >> 2, act_scale};
-    // flags & 16: WNA16 on the tile unit where this build and process have it (bf16 x; the caller picks by rows)
-    const bool amx = (flags & 16) && (op == kW4 || op == kW8) && quant::amx_serves(c);
+    // flags & 16: WNA16 / FP8 on the tile unit where this build and process have it (bf16 x, and for FP8 one scale
+    // per column and per-token or static activations; the caller picks by rows)
+    const bool amx = (flags & 16) && (op == kW4 || op == kW8 || op == kFp8) && quant::amx_serves(c, op == kFp8);
+    // flags & 32: W8A8 on the int8 tile unit, `w` packed for it (pack_int8_amx)
+    const bool amx_int8 = (flags & 32) && op == kInt8 && quant::kAmxInt8;
     switch (op) {
-        case kW4: amx ? quant::amx_dequant_linear<4>(c) : quant::dequant_linear<quant::IntW<4>>(c); break;
-        case kW8: amx ? quant::amx_dequant_linear<8>(c) : quant::dequant_linear<quant::IntW<8>>(c); break;
-        case kFp8: quant::dequant_linear<quant::Fp8W>(c); break;
-        case kInt8: quant::int8_linear(c); break;
+        case kW4: amx ? quant::amx_dequant_linear<quant::IntV<4>>(c) : quant::dequant_linear<quant::IntW<4>>(c); break;
+        case kW8: amx ? quant::amx_dequant_linear<quant::IntV<8>>(c) : quant::dequant_linear<quant::IntW<8>>(c); break;
+        case kFp8: amx ? quant::amx_dequant_linear<quant::Fp8V>(c) : quant::dequant_linear<quant::Fp8W>(c); break;
+        case kInt8: amx_int8 ? quant::amx_int8_linear(c) : quant::int8_linear(c); break;
         case kInt8Quant: quant::quantize_rows_int8(c); break;
         case kInt8Epilogue: quant::int8_epilogue(c); break;
         default: break;

@@ -1,0 +1,99 @@
+// W8A8 INT8 on AMX (int8 tiles), included by quant_linear.cpp after quant_linear_amx.cpp (its tile config) and
+// quant_linear_int8.cpp (quantize_row, the epilogue's arithmetic). The matrix is packed once for the tile unit
+// (quant_linear_cpu.pack_int8_amx): int8 [N/32, K64/64, 2, 16, 16, 4], i.e. per panel of 32 columns and K step of
+// 64, two B tiles (columns 0-15 and 16-31), tile row r holding the 4 K positions 64 s + 4 r .. + 3 of each of its
+// 16 columns. x is quantized per row as quantize_rows_int8 does and laid out as A tiles; tdpbssd sums the int8
+// products exactly in int32, so the output is the reference's bit for bit: (float(acc) * xs) * ws + b.
+namespace quant {
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VL__) && !defined(VLSERVE_FORCE_AVX2)
+constexpr int64_t kAmxInt8 = 1;
+constexpr int64_t kTileKInt8 = 64;  // K positions of one tile step (16 quads)
+
+static void amx_int8_linear(const Call& c) {
+    const int64_t K64 = (c.K + kTileKInt8 - 1) / kTileKInt8 * kTileKInt8, steps = K64 / kTileKInt8;
+    const int64_t Mp = (c.M + 15) / 16 * 16, panels = (c.N + kPanel - 1) / kPanel;
+    const int8_t* W = (const int8_t*)c.w;
+    const float* S = (const float*)c.scales;
+    // x quantized per row, as A tiles [Mp / 16, steps, 16 rows, 64 K] (zero past M and K), and its row scales
+    static thread_local std::vector<int8_t> xt;
+    static thread_local std::vector<float> xs;
+    xt.assign(Mp * K64, 0);
+    xs.resize(c.M);
+    int8_t* const X = xt.data();  // (the thread_local vectors are this thread's: the workers take the pointers)
+    float* const XS = xs.data();
+#pragma omp parallel num_threads(c.threads) if (c.M * c.K >= (1 << 15))
+    {
+        std::vector<int8_t> row(K64);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < c.M; ++m) {
+            XS[m] = quantize_row(c.x_row(m), c.K, c.bf16, row.data(), K64);
+            int8_t* dst = X + (m / 16) * 16 * K64 + (m % 16) * kTileKInt8;
+            for (int64_t s = 0; s < steps; ++s)
+                std::memcpy(dst + s * 16 * kTileKInt8, row.data() + s * kTileKInt8, kTileKInt8);
+        }
+    }
+#pragma omp parallel num_threads(c.threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        if (p0 < p1) {
+            TileConfig cfg;
+            for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+            _tile_loadconfig(&cfg);
+            alignas(64) int32_t sums[32 * kPanel];
+            for (int64_t p = p0; p < p1; ++p) {
+                const int8_t* panel = W + p * steps * 2 * 1024;
+                const int64_t ncols = std::min(kPanel, c.N - p * kPanel);
+                __m256 b[4], ws[4];
+                panel_bias(c, p, ncols, b);
+                UNROLL for (int i = 0; i < 4; ++i) ws[i] = _mm256_loadu_ps(S + p * kPanel + 8 * i);
+                for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                    const bool two = m0 + 16 < Mp;  // a second 16-row block
+                    const int8_t* a = X + m0 * K64;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t s = 0; s < steps; ++s) {
+                        const int8_t* bt = panel + s * 2 * 1024;
+                        _tile_loadd(4, a + s * 16 * kTileKInt8, kTileKInt8);
+                        _tile_loadd(6, bt, 64);
+                        _tile_loadd(7, bt + 1024, 64);
+                        _tile_dpbssd(0, 4, 6);
+                        _tile_dpbssd(1, 4, 7);
+                        if (two) {
+                            _tile_loadd(5, a + 16 * K64 + s * 16 * kTileKInt8, kTileKInt8);
+                            _tile_dpbssd(2, 5, 6);
+                            _tile_dpbssd(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, sums, kPanel * 4);
+                    _tile_stored(1, sums + 16, kPanel * 4);
+                    if (two) {
+                        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
+                        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
+                    }
+                    for (int64_t r = 0; r < std::min<int64_t>(32, c.M - m0); ++r) {
+                        const __m256 xr = _mm256_set1_ps(XS[m0 + r]);
+                        __m256 v[4];
+                        UNROLL for (int i = 0; i < 4; ++i) {
+                            const __m256i acc = _mm256_loadu_si256((const __m256i*)(sums + r * kPanel + 8 * i));
+                            const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), xr);
+                            v[i] = _mm256_add_ps(_mm256_mul_ps(a, ws[i]), b[i]);
+                        }
+                        store_row(c, m0 + r, p, ncols, v);
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+}
+#else
+constexpr int64_t kAmxInt8 = 0;
+static void amx_int8_linear(const Call&) {}
+#endif
+
+}  // namespace quant
