@@ -242,7 +242,7 @@ def test_gated_mlp_fuses_silu_into_its_packed_gate_up(dtype, isa, monkeypatch):
     assert pack_linears_for_cpu(fused) == 2 and pack_linears_for_cpu(ragged) == 2
     calls = []
     real = cl.cpu_linear_silu_mul
-    monkeypatch.setattr("vlserve.models.layers.cpu_linear_silu_mul",
+    monkeypatch.setattr("vlserve.kernels.packed_linear.cpu_linear_silu_mul",
                         lambda *a: calls.append(a[-1]) or real(*a))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
     for mlp in (fused, ragged):

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_supported, onednn_min_rows, onednn_takes,
-                                        pack_linear_weight)
+from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_silu_mul, cpu_linear_supported, onednn_min_rows,
+                                        onednn_takes, pack_linear_weight)
 from vlserve.kernels.onednn_linear import onednn_linear, prepack_onednn
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,15 @@ class PackableLinear(nn.Linear):
     def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed matrix the kernel multiplies `x [..., I]` by, or None when torch's matmul on `weight` runs."""
         return _packed_for(self, x)
+
+    def silu_mul(self, x: torch.Tensor, intermediate: int) -> torch.Tensor | None:
+        """For a gate_up projection ([2I, H], gate rows first): silu(gate) * up [..., I] in one kernel pass (the
+        packed kernel's, or the quantization scheme's), rounded as the unfused ops round; None where no kernel here
+        fuses it for `x` (the caller then runs the projection and the activation apart)."""
+        if self.quant_scheme is not None:
+            return self.quant_scheme.apply_silu_mul(self, x, self.bias, intermediate)
+        packed = _packed_for(self, x)
+        return None if packed is None else cpu_linear_silu_mul(x, packed, self.bias, intermediate)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed, through the quantization

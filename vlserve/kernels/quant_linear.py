@@ -150,6 +150,17 @@ def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> t
     return int8_linear_ref(x, w.weight, w.scale, bias)
 
 
+def int8_linear_silu_mul(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None,
+                         intermediate: int) -> torch.Tensor | None:
+    """W8A8 gate_up ([2I, K], gate rows first) followed by silu(gate) * up: [..., K] -> [..., I] in one pass of the
+    AMX int8 kernel, rounded as the unfused ops round; None where the matrix is not in the tile layout or I is not a
+    multiple of 32 (the caller runs `int8_linear` and the activation apart)."""
+    if (w.cpu is None or not w.cpu.amx_rows or intermediate % QC.PANEL or 2 * intermediate != w.cpu.out_features
+            or x.dtype not in (torch.float32, torch.bfloat16)):  # (float16 would round through float32 here)
+        return None
+    return QC.quant_matmul(x, w.cpu, bias, silu_mul=True)
+
+
 # ----------------------------------------------------------------------------------------------------- WNA16
 
 @dataclass

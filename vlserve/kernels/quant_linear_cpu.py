@@ -234,25 +234,28 @@ def pack_int8_amx(weight: torch.Tensor) -> torch.Tensor:
 # Defined through torch.library.Library (as cpu_linear's ops): an opaque op to torch.compile, with a fake.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
 _LIB.define("quant_linear_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor? bias, int op, int out_features, "
-            "int group, int scale_dtype, int act, int amx_rows=0) -> Tensor")
+            "int group, int scale_dtype, int act, int amx_rows=0, bool silu_mul=False) -> Tensor")
 
 
 def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       bias: torch.Tensor | None, op: int, out_features: int, group: int, scale_dtype: int,
-                      act: int, amx_rows: int = 0) -> torch.Tensor:
-    """x [..., K] float32 or bf16 times a packed matrix (+ float32 bias [N]) -> [..., N] in x.dtype. Runs for
-    every quantized projection of a decode step: the common case (2-D rows, unit stride) takes no detours."""
+                      act: int, amx_rows: int = 0, silu_mul: bool = False) -> torch.Tensor:
+    """x [..., K] float32 or bf16 times a packed matrix (+ float32 bias [N]) -> [..., N] in x.dtype (`silu_mul`, a
+    W8A8 gate_up matrix in the tile layout: silu(gate) * up, [..., N / 2]). Runs for every quantized projection of
+    a decode step: the common case (2-D rows, unit stride) takes no detours."""
     rows = x
     if x.dim() != 2 or x.stride(1) != 1:
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(1) != 1:
             rows = rows.contiguous()
     m, k = rows.shape
+    if silu_mul:
+        out_features //= 2
     out = x.new_empty(m, out_features)
     if m:
         flags = (x.dtype is torch.bfloat16) | scale_dtype << 1 | (bias is not None) << 3
         if op == OP_INT8:
-            flags |= 32 * bool(amx_rows)  # a matrix in the tile layout: every row count on the AMX tiles
+            flags |= 32 * bool(amx_rows) | 64 * silu_mul  # the tile layout: every row count on the AMX tiles
         else:
             flags |= 16 * bool(amx_rows and flags & 1 and m >= amx_rows)  # bf16 rows from the threshold on
         quant_kernel()(op, rows, rows.stride(0), w, scales, zeros, _NONE if bias is None else bias, out, out_features,
@@ -260,23 +263,25 @@ def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-def _fake(x, w, scales, zeros, bias, op, out_features, group, scale_dtype, act, amx_rows=0):
-    return x.new_empty(*x.shape[:-1], out_features)
+def _fake(x, w, scales, zeros, bias, op, out_features, group, scale_dtype, act, amx_rows=0, silu_mul=False):
+    return x.new_empty(*x.shape[:-1], out_features // 2 if silu_mul else out_features)
 
 
 _LIB.impl("quant_linear_cpu", _quant_linear_cpu, "CPU")
 torch.library.register_fake("vlserve::quant_linear_cpu")(_fake)
 
 
-def quant_matmul(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
     """x [..., K] (float32, bf16 or float16: through float32) times the packed matrix (+ bias) -> [..., N] in
     x.dtype, the sums in float32 (INT8: x quantized per row first, int32 sums; FP8: x rounded through e4m3
-    first). Eager calls skip the op's dispatch (~7 us of a ~15 us decode call); torch.compile sees the op."""
+    first; `silu_mul`: see `_quant_linear_cpu`). Eager calls skip the op's dispatch (~7 us of a ~15 us decode
+    call); torch.compile sees the op."""
     dtype = x.dtype
     xk = x if dtype is torch.float32 or dtype is torch.bfloat16 else x.float()
     b = None if bias is None else bias.float().contiguous()
     run = torch.ops.vlserve.quant_linear_cpu if torch.compiler.is_compiling() else _quant_linear_cpu
-    y = run(xk, p.weight, p.scales, p.zeros, b, p.op, p.out_features, p.group, p.scale_dtype, p.act, p.amx_rows)
+    y = run(xk, p.weight, p.scales, p.zeros, b, p.op, p.out_features, p.group, p.scale_dtype, p.act, p.amx_rows,
+            silu_mul)
     return y if y.dtype is dtype else y.to(dtype)
 
 

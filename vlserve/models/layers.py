@@ -10,7 +10,7 @@ from torch import nn
 
 from vlserve import kernels
 from vlserve.kernels.activation import activation
-from vlserve.kernels.cpu_linear import PANEL, cpu_linear_silu_mul
+from vlserve.kernels.cpu_linear import PANEL
 from vlserve.kernels.rotary_ref import rotary_cos_sin
 from vlserve.models.hf_config import RopeParams, rope_params_of
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
@@ -64,10 +64,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]
         proj = self.gate_up_proj
-        fusable = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
-        packed = proj.packed_for(x)
-        if packed is not None and fusable:  # packed for the CPU kernel: silu(gate) * up in its pass
-            return self.down_proj(cpu_linear_silu_mul(x, packed, proj.bias, self.intermediate_size))
+        if self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0:
+            fused = proj.silu_mul(x, self.intermediate_size)  # silu(gate) * up in the kernel's pass, where one does
+            if fused is not None:
+                return self.down_proj(fused)
         gate_up = proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.hidden_act == "silu":

@@ -66,13 +66,14 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
     // flags & 16: WNA16 / FP8 on the tile unit where this build and process have it (bf16 x, and for FP8 one scale
     // per column and per-token or static activations; the caller picks by rows)
     const bool amx = (flags & 16) && (op == kW4 || op == kW8 || op == kFp8) && quant::amx_serves(c, op == kFp8);
-    // flags & 32: W8A8 on the int8 tile unit, `w` packed for it (pack_int8_amx)
+    // flags & 32: W8A8 on the int8 tile unit, `w` packed for it (pack_int8_amx); flags & 64 with it: `w` is a
+    // gate_up matrix [2N, K] and out gets silu(gate) * up [M, N]
     const bool amx_int8 = (flags & 32) && op == kInt8 && quant::kAmxInt8;
     switch (op) {
         case kW4: amx ? quant::amx_dequant_linear<quant::IntV<4>>(c) : quant::dequant_linear<quant::IntW<4>>(c); break;
         case kW8: amx ? quant::amx_dequant_linear<quant::IntV<8>>(c) : quant::dequant_linear<quant::IntW<8>>(c); break;
         case kFp8: amx ? quant::amx_dequant_linear<quant::Fp8V>(c) : quant::dequant_linear<quant::Fp8W>(c); break;
-        case kInt8: amx_int8 ? quant::amx_int8_linear(c) : quant::int8_linear(c); break;
+        case kInt8: amx_int8 ? quant::amx_int8_linear(c, flags & 64) : quant::int8_linear(c); break;
         case kInt8Quant: quant::quantize_rows_int8(c); break;
         case kInt8Epilogue: quant::int8_epilogue(c); break;
         default: break;

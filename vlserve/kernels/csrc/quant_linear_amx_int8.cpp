@@ -11,7 +11,49 @@ namespace quant {
 constexpr int64_t kAmxInt8 = 1;
 constexpr int64_t kTileKInt8 = 64;  // K positions of one tile step (16 quads)
 
-static void amx_int8_linear(const Call& c) {
+// int32 sums [rows m0 .. m0 + 31 (16 where !two), 32 columns] of one panel (steps B tile pairs from `panel`) with the
+// x tiles from `a` (K64 apart per 16 rows), rows kPanel apart in `sums`
+static inline void panel_sums_int8(const int8_t* a, int64_t K64, const int8_t* panel, int64_t steps, bool two,
+                                   int32_t* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; ++s) {
+        const int8_t* bt = panel + s * 2 * 1024;
+        _tile_loadd(4, a + s * 16 * kTileKInt8, kTileKInt8);
+        _tile_loadd(6, bt, 64);
+        _tile_loadd(7, bt + 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + 16 * K64 + s * 16 * kTileKInt8, kTileKInt8);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, kPanel * 4);
+    _tile_stored(1, sums + 16, kPanel * 4);
+    if (two) {
+        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
+        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
+    }
+}
+
+// One output row's 32 values of panel p: (float(acc) * xs) * ws + b, int8_linear's float32 operations
+static inline void rescale_row(const int32_t* acc, float xs, const __m256 (&ws)[4], const __m256 (&b)[4],
+                               __m256 (&v)[4]) {
+    const __m256 xr = _mm256_set1_ps(xs);
+    UNROLL for (int i = 0; i < 4; ++i) {
+        const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(acc + 8 * i))), xr);
+        v[i] = _mm256_add_ps(_mm256_mul_ps(a, ws[i]), b[i]);
+    }
+}
+
+// y = x W^T + b; with silu_mul, W is a gate_up matrix [2N, K] (gate panels, then up panels; N % 32 == 0) and
+// y = silu(gate) * up [M, N], rounded as the unfused ops round (gate and up to the output dtype, silu to it, then
+// the product), the projection never written out
+static void amx_int8_linear(const Call& c, bool silu_mul) {
     const int64_t K64 = (c.K + kTileKInt8 - 1) / kTileKInt8 * kTileKInt8, steps = K64 / kTileKInt8;
     const int64_t Mp = (c.M + 15) / 16 * 16, panels = (c.N + kPanel - 1) / kPanel;
     const int8_t* W = (const int8_t*)c.w;
@@ -42,46 +84,31 @@ static void amx_int8_linear(const Call& c) {
             TileConfig cfg;
             for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
             _tile_loadconfig(&cfg);
-            alignas(64) int32_t sums[32 * kPanel];
+            alignas(64) int32_t sums[32 * kPanel], up_sums[32 * kPanel];
+            const int64_t panel_bytes = steps * 2 * 1024;
             for (int64_t p = p0; p < p1; ++p) {
-                const int8_t* panel = W + p * steps * 2 * 1024;
-                const int64_t ncols = std::min(kPanel, c.N - p * kPanel);
-                __m256 b[4], ws[4];
+                const int64_t ncols = std::min(kPanel, c.N - p * kPanel), up = p + panels;  // (up: silu_mul)
+                __m256 b[4], ws[4], ub[4], uws[4];
                 panel_bias(c, p, ncols, b);
                 UNROLL for (int i = 0; i < 4; ++i) ws[i] = _mm256_loadu_ps(S + p * kPanel + 8 * i);
+                if (silu_mul) {
+                    panel_bias(c, up, ncols, ub);
+                    UNROLL for (int i = 0; i < 4; ++i) uws[i] = _mm256_loadu_ps(S + up * kPanel + 8 * i);
+                }
                 for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
                     const bool two = m0 + 16 < Mp;  // a second 16-row block
-                    const int8_t* a = X + m0 * K64;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t s = 0; s < steps; ++s) {
-                        const int8_t* bt = panel + s * 2 * 1024;
-                        _tile_loadd(4, a + s * 16 * kTileKInt8, kTileKInt8);
-                        _tile_loadd(6, bt, 64);
-                        _tile_loadd(7, bt + 1024, 64);
-                        _tile_dpbssd(0, 4, 6);
-                        _tile_dpbssd(1, 4, 7);
-                        if (two) {
-                            _tile_loadd(5, a + 16 * K64 + s * 16 * kTileKInt8, kTileKInt8);
-                            _tile_dpbssd(2, 5, 6);
-                            _tile_dpbssd(3, 5, 7);
-                        }
-                    }
-                    _tile_stored(0, sums, kPanel * 4);
-                    _tile_stored(1, sums + 16, kPanel * 4);
-                    if (two) {
-                        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
-                        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
-                    }
+                    panel_sums_int8(X + m0 * K64, K64, W + p * panel_bytes, steps, two, sums);
+                    if (silu_mul) panel_sums_int8(X + m0 * K64, K64, W + up * panel_bytes, steps, two, up_sums);
                     for (int64_t r = 0; r < std::min<int64_t>(32, c.M - m0); ++r) {
-                        const __m256 xr = _mm256_set1_ps(XS[m0 + r]);
                         __m256 v[4];
-                        UNROLL for (int i = 0; i < 4; ++i) {
-                            const __m256i acc = _mm256_loadu_si256((const __m256i*)(sums + r * kPanel + 8 * i));
-                            const __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(acc), xr);
-                            v[i] = _mm256_add_ps(_mm256_mul_ps(a, ws[i]), b[i]);
+                        rescale_row(sums + r * kPanel, XS[m0 + r], ws, b, v);
+                        if (silu_mul) {
+                            __m256 u[4];
+                            rescale_row(up_sums + r * kPanel, XS[m0 + r], uws, ub, u);
+                            UNROLL for (int i = 0; i < 4; ++i)
+                                v[i] = c.bf16 ? _mm256_mul_ps(avx2::Bf16::round(avx2::silu(avx2::Bf16::round(v[i]))),
+                                                              avx2::Bf16::round(u[i]))
+                                              : _mm256_mul_ps(avx2::silu(v[i]), u[i]);
                         }
                         store_row(c, m0 + r, p, ncols, v);
                     }
@@ -93,7 +120,7 @@ static void amx_int8_linear(const Call& c) {
 }
 #else
 constexpr int64_t kAmxInt8 = 0;
-static void amx_int8_linear(const Call&) {}
+static void amx_int8_linear(const Call&, bool) {}
 #endif
 
 }  // namespace quant

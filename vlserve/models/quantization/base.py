@@ -83,6 +83,12 @@ class LinearScheme(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]: the layer's matmul through this scheme's kernel."""
 
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       intermediate: int) -> torch.Tensor | None:
+        """For a gate_up layer: silu(gate) * up [..., intermediate] in one pass of this scheme's kernel, or None
+        where it has no fused form here (the default)."""
+        return None
+
     def describe(self) -> str:
         """A short name for logs and errors."""
         return self.method

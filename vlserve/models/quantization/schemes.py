@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlserve.kernels.quant_linear import WNA16Weights, fp8_linear, int8_linear, wna16_linear
+from vlserve.kernels.quant_linear import WNA16Weights, fp8_linear, int8_linear, int8_linear_silu_mul, wna16_linear
 from vlserve.kernels.quant_linear_cuda import (
     TritonWNA16Weights, fp8_linear_cuda, int8_linear_cuda, prepare_wna16_cuda, wna16_linear_cuda)
 from vlserve.models.quantization.base import LinearScheme
@@ -59,6 +59,10 @@ class Int8Scheme(LinearScheme):
         if x.is_cuda:
             return int8_linear_cuda(x, w.weight, w.scale, bias)
         return int8_linear(x, w, bias)
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       intermediate: int) -> torch.Tensor | None:
+        return None if x.is_cuda else int8_linear_silu_mul(x, layer.quant_weights, bias, intermediate)
 
     def describe(self) -> str:
         return f"{self.method} w8a8 int8"
