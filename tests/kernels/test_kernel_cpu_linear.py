@@ -83,6 +83,37 @@ def test_cpu_linear_is_float32_math(m, n, k, bias, dtype, isa):
     assert (out == F.linear(x, w, b)).float().mean() > 0.97
 
 
+def test_bf16_on_amx_tiles_rounds_once_and_fuses_silu(monkeypatch):
+    if not cl.tile_rows():
+        pytest.skip("no AMX tiles in the packed kernel here")
+    calls = []
+    kernel = cl.cpu_linear_kernel()
+    monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: lambda *a: calls.append(a[11]) or kernel(*a))
+    for m, n, k in ((2, 100, 64), (17, 96, 512), (33, 40, 1536), (70, 64, 96)):
+        x, w, b = _operands(m, n, k, True, seed=m)
+        calls.clear()
+        out = cpu_linear(x, pack_linear_weight(w), b, n)
+        assert calls == [3]  # the tile flag went down
+        _assert_one_bf16_rounding(out, x, w, b)
+        assert (out == F.linear(x, w, b)).float().mean() > 0.97
+        w2, b2 = torch.cat([w[:32], w[:32] * 0.5]), torch.cat([b[:32], -b[:32]])  # gate [32, K], up [32, K]
+        fused = cpu_linear_silu_mul(x, pack_linear_weight(w2), b2, 32)
+        want = _silu_mul_reference(x, w2, b2, 32)
+        torch.testing.assert_close(fused.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+        assert (fused == want).float().mean() > 0.95
+    x, w, b = _operands(1, 96, 512, False)
+    calls.clear()
+    cpu_linear(x, pack_linear_weight(w), b, 96)
+    assert calls == [True]  # one row: the register path
+    monkeypatch.setenv(cl.TILE_ROWS_ENV, "0")
+    cl.tile_rows.cache_clear()
+    try:
+        assert cl.tile_rows() == 0
+    finally:
+        monkeypatch.delenv(cl.TILE_ROWS_ENV)
+        cl.tile_rows.cache_clear()
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_sums_round_to_nearest_even_once(bias, isa):
     # out[i, j] = 1 * 1 + 1 * t_j (+ b_j) is exact in float32 and lands on and between bf16 values: ties go to even

@@ -28,7 +28,8 @@ def kernel_rows(monkeypatch):
 def test_policy(monkeypatch):
     monkeypatch.delenv(cl.ONEDNN_ROWS_ENV, raising=False)
     assert cl.onednn_min_rows(torch.float32) is None  # float32: the packed kernel wins at every size measured
-    assert cl.onednn_min_rows(torch.bfloat16) == (4 if cl._has_amx() else None)
+    bf16_rows = cl.ONEDNN_BF16_ROWS_OVER_TILES if cl.tile_rows() else 4  # (our own AMX tiles win below 128)
+    assert cl.onednn_min_rows(torch.bfloat16) == (bf16_rows if cl._has_amx() else None)
     assert cl.onednn_min_rows(torch.int8) == (16 if cl._has_amx() else None)
     monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")
     assert cl.onednn_min_rows(torch.bfloat16) is None

@@ -69,6 +69,9 @@ ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU ha
 ISAS = ("avx512", "avx2")
 ONEDNN_ROWS_ENV = "VLSERVE_CPU_ONEDNN_ROWS"  # "0": never hand rows to oneDNN; N: from N rows on, on any CPU
 AMX_ROWS = {torch.bfloat16: 4, torch.int8: 16}  # where torch's matmul (oneDNN on AMX tiles) overtakes our kernels
+ONEDNN_BF16_ROWS_OVER_TILES = 128  # bf16, where our kernel multiplies on AMX tiles too: oneDNN only from here
+TILE_ROWS_ENV = "VLSERVE_CPU_AMX_ROWS"  # "0": never; N: bf16 inputs of N+ rows on the packed kernel's AMX tiles
+TILE_ROWS = 2  # at 1 row the register path was as fast (2-core Xeon, docs/benchmarks.md)
 _NO_BIAS = torch.empty(0)
 
 
@@ -153,6 +156,22 @@ def cpu_linear_supported(weight: torch.Tensor) -> bool:
 
 
 @functools.cache
+def tile_rows() -> int:
+    """From how many rows a bf16 input to the packed kernel runs on its AMX tiles (csrc/cpu_linear_amx.cpp: the
+    packed panels read as B tiles, float32 sums), or 0 where the kernel here has none; $VLSERVE_CPU_AMX_ROWS
+    overrides (read once: `tile_rows.cache_clear()` after changing it)."""
+    kernel = cpu_linear_kernel()
+    if kernel is None:
+        return 0
+    report = torch.zeros(1, dtype=torch.int64)  # a call with M = -2 writes whether bf16 can run on AMX tiles
+    kernel(_NO_BIAS, 0, _NO_BIAS, _NO_BIAS, 0, report, 0, -2, 0, 0, 1, 1, 0, _NO_BIAS, 0, 0)
+    if not int(report):
+        return 0
+    forced = forced_rows(TILE_ROWS_ENV)
+    return TILE_ROWS if forced is None else forced
+
+
+@functools.cache
 def _has_amx() -> bool:
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe()) and torch.backends.mkldnn.is_available()
@@ -168,7 +187,11 @@ def onednn_min_rows(dtype: torch.dtype) -> int | None:
     forced = forced_rows(ONEDNN_ROWS_ENV)
     if forced is not None:
         return forced or None
-    return AMX_ROWS.get(dtype) if _has_amx() else None
+    if not _has_amx():
+        return None
+    if dtype is torch.bfloat16 and tile_rows():  # our tiles beat oneDNN's up to ~128 rows (docs/benchmarks.md)
+        return max(ONEDNN_BF16_ROWS_OVER_TILES, tile_rows())
+    return AMX_ROWS.get(dtype)
 
 
 def forced_rows(env: str) -> int | None:
@@ -237,8 +260,11 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if add is not None:
         add = _addend(add, m, out_features)
     if m:
+        is_bf16 = dtype is torch.bfloat16
+        if is_bf16 and 0 < tile_rows() <= m:
+            is_bf16 = 3  # on the AMX tiles (where K % 32 == 0 and no addend; the kernel checks)
         cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
-                            out_features, m, out_features, k, torch.get_num_threads(), dtype is torch.bfloat16,
+                            out_features, m, out_features, k, torch.get_num_threads(), is_bf16,
                             silu_mul, _NO_BIAS if add is None else add, 0 if add is None else add.stride(0),
                             add is not None)
     return out if len(shape) == 2 else out.view(*shape[:-1], out_features)

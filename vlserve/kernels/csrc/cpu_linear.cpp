@@ -25,6 +25,12 @@
 #include "cpu_linear_avx512.cpp"
 #define VLSERVE_AVX512 1
 #endif
+#if defined(VLSERVE_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include "cpu_linear_amx.cpp"
+#define VLSERVE_AMX 1
+#endif
 
 using LinearFn = void (*)(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc,
                          int64_t M, int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd);
@@ -61,15 +67,29 @@ static Path path(bool is_bf16) {
 // bias [2N] or null, and c gets SiLU(x gate^T) * (x up^T).
 // has_add (silu_mul only): add [M, 2N] float32 (rows ldadd apart) joins the gate sums (columns 0..N) and the up
 // sums (N..2N) after the bias, before the rounding and the activation: c = SiLU(gate + add_g) * (up + add_u).
-// M < 0 asks which path serves the dtype instead: c[0] (an int64) gets its vector width in bits, 512 or 256.
+// is_bf16 & 2 (bf16 only): on the AMX tiles where this build and process have them and K % 32 == 0 without an
+// addend (cpu_linear_amx.cpp), else as without it.
+// M = -1 asks which path serves the dtype instead: c[0] (an int64) gets its vector width in bits, 512 or 256;
+// M = -2 whether bf16 can run on the AMX tiles: c[0] = 1 or 0.
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
                        int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
                        int64_t silu_mul, const void* add, int64_t ldadd, int64_t has_add) {
-    const Path p = path(is_bf16);
+    const Path p = path(is_bf16 & 1);
     if (M < 0) {
-        *(int64_t*)c = p.width;
+#if defined(VLSERVE_AMX)
+        const int64_t amx = amx::permitted();
+#else
+        const int64_t amx = 0;
+#endif
+        *(int64_t*)c = M == -2 ? amx : p.width;
         return;
     }
+#if defined(VLSERVE_AMX)
+    if ((is_bf16 & 2) && amx::serves(K, has_add)) {
+        const LinearFn f = silu_mul ? amx::linear<true> : amx::linear<false>;
+        return f(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads, nullptr, 0);
+    }
+#endif
     const LinearFn f = !silu_mul ? p.plain : has_add ? p.silu_mul_add : p.silu_mul;
     f(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads, has_add ? (const float*)add : nullptr,
       ldadd);

@@ -1,0 +1,118 @@
+// The packed bf16 linear on AMX tiles, included by cpu_linear.cpp after cpu_linear_avx512.cpp (its Bf16Panel
+// epilogue helpers and silu) where the source is built for AVX-512 with AMX-BF16. The packed layout [N/32, K/2, 32,
+// 2] is already what tdpbf16ps reads as B: 16 K pairs of a panel, columns 0-15 (or 16-31), are 16 rows of 64 bytes
+// 128 bytes apart. x is copied into whole A tiles (16 rows of 32 K, zero past M), then every 32-row block of it
+// meets each panel a tile step (32 K) at a time, float32 sums. Used for K a multiple of 32 and no addend (the caller
+// checks `amx_linear_serves`); SiLU(gate) * up as the register path computes it.
+namespace amx {
+
+constexpr int64_t kTileK = 32;  // K positions of one tile step (16 bf16 pairs)
+
+struct alignas(64) TileConfig {  // palette 1: every tile 16 rows of 64 bytes
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tile data state on request (oneDNN asks too; asking twice is harmless)
+static bool permitted() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+static bool serves(int64_t K, bool has_add) { return K % kTileK == 0 && !has_add && permitted(); }
+
+// float32 sums [32 rows (16 where !two), 32 columns] of x tiles `a` (16 rows x 32 K each, K apart per 16 rows)
+// and a panel of K / 2 pair rows (`panel`), rows kPanel apart in `sums`
+static inline void panel_sums(const bf16* a, int64_t K, const bf16* panel, bool two, float* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+        const bf16* bt = panel + k0 * kPanel;  // pair row k0 / 2: 64 bf16 (32 columns x 2)
+        _tile_loadd(4, a + k0 * 16, 64);
+        _tile_loadd(6, bt, 2 * kPanel * sizeof(bf16));
+        _tile_loadd(7, bt + 2 * 16, 2 * kPanel * sizeof(bf16));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + 16 * K + k0 * 16, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, kPanel * 4);
+    _tile_stored(1, sums + 16, kPanel * 4);
+    if (two) {
+        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
+        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
+    }
+}
+
+// c [M, N] = a [M, K] . W^T + bias (kSilu: W is gate_up [2N/32 panels], c = SiLU(gate) * up), bf16 in and out
+template <bool kSilu>
+static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
+                   int64_t N, int64_t K, int64_t threads, const float*, int64_t) {
+    using P = avx512::Bf16Panel;
+    const bf16* A = (const bf16*)a;
+    const bf16* W = (const bf16*)packed;
+    const bf16* B = (const bf16*)bias;
+    bf16* C = (bf16*)c;
+    const int64_t Mp = (M + 15) / 16 * 16, panels = (N + kPanel - 1) / kPanel, panel_size = K * kPanel;
+    // x as A tiles [Mp / 16, K / 32, 16 rows, 32 K], zero past M: each tile 1 KB in one piece
+    static thread_local std::vector<bf16> xt;
+    xt.assign(Mp * K, bf16{});
+    bf16* const X = xt.data();  // (thread_local: the workers take the pointer)
+    for (int64_t m = 0; m < M; ++m) {
+        bf16* dst = X + (m / 16) * 16 * K + (m % 16) * kTileK;
+        for (int64_t k0 = 0; k0 < K; k0 += kTileK) std::memcpy(dst + k0 * 16, A + m * lda + k0, kTileK * sizeof(bf16));
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        if (p0 < p1) {
+            TileConfig cfg;
+            for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+            _tile_loadconfig(&cfg);
+            alignas(64) float sums[32 * kPanel], up_sums[32 * kPanel];
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t ncols = std::min<int64_t>(kPanel, N - p * kPanel);
+                bf16 padded[kPanel] = {};  // the bias of a ragged last panel, zero-padded
+                const bf16* pb = B ? B + p * kPanel : nullptr;
+                if (pb && ncols < kPanel) {
+                    std::copy(pb, pb + ncols, padded);
+                    pb = padded;
+                }
+                const __m512 b_lo = pb ? P::widen(pb) : _mm512_setzero_ps();
+                const __m512 b_hi = pb ? P::widen(pb + 16) : _mm512_setzero_ps();
+                __m512 u_lo = _mm512_setzero_ps(), u_hi = _mm512_setzero_ps();  // up's bias (kSilu)
+                if (kSilu && B) {
+                    u_lo = P::widen(B + N + p * kPanel);
+                    u_hi = P::widen(B + N + p * kPanel + 16);
+                }
+                for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                    const bool two = m0 + 16 < Mp;  // a second 16-row block
+                    panel_sums(X + m0 * K, K, W + p * panel_size, two, sums);
+                    if (kSilu) panel_sums(X + m0 * K, K, W + (panels + p) * panel_size, two, up_sums);
+                    for (int64_t r = 0; r < std::min<int64_t>(32, M - m0); ++r) {
+                        __m512 v_lo = _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel), b_lo);
+                        __m512 v_hi = _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel + 16), b_hi);
+                        if (kSilu) {  // silu of gate rounded to bf16, rounded, times up rounded, as the ops would
+                            const __m512 g_lo = v_lo, g_hi = v_hi;
+                            v_lo = _mm512_add_ps(_mm512_loadu_ps(up_sums + r * kPanel), u_lo);
+                            v_hi = _mm512_add_ps(_mm512_loadu_ps(up_sums + r * kPanel + 16), u_hi);
+                            v_lo = _mm512_mul_ps(P::round(avx512::silu(P::round(g_lo))), P::round(v_lo));
+                            v_hi = _mm512_mul_ps(P::round(avx512::silu(P::round(g_hi))), P::round(v_hi));
+                        }
+                        P::store(C + (m0 + r) * ldc + p * kPanel, v_lo, v_hi, ncols);
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+}
+
+}  // namespace amx
