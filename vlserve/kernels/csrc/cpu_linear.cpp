@@ -26,8 +26,6 @@
 #define VLSERVE_AVX512 1
 #endif
 #if defined(VLSERVE_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #include "cpu_linear_amx.cpp"
 #define VLSERVE_AMX 1
 #endif
@@ -77,7 +75,7 @@ extern "C" void kernel(const void* a, int64_t lda, const void* packed, const voi
     const Path p = path(is_bf16 & 1);
     if (M < 0) {
 #if defined(VLSERVE_AMX)
-        const int64_t amx = amx::permitted();
+        const int64_t amx = amx_tiles::permitted();
 #else
         const int64_t amx = 0;
 #endif

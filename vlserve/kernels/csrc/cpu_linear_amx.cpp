@@ -3,52 +3,14 @@
 // 2] is already what tdpbf16ps reads as B: 16 K pairs of a panel, columns 0-15 (or 16-31), are 16 rows of 64 bytes
 // 128 bytes apart. x is copied into whole A tiles (16 rows of 32 K, zero past M), then every 32-row block of it
 // meets each panel a tile step (32 K) at a time, float32 sums. Used for K a multiple of 32 and no addend (the caller
-// checks `amx_linear_serves`); SiLU(gate) * up as the register path computes it.
+// checks `serves`); SiLU(gate) * up as the register path computes it.
+#include "amx_tiles.h"
+
 namespace amx {
 
 constexpr int64_t kTileK = 32;  // K positions of one tile step (16 bf16 pairs)
 
-struct alignas(64) TileConfig {  // palette 1: every tile 16 rows of 64 bytes
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Linux hands a process the tile data state on request (oneDNN asks too; asking twice is harmless)
-static bool permitted() {
-    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return ok;
-}
-
-static bool serves(int64_t K, bool has_add) { return K % kTileK == 0 && !has_add && permitted(); }
-
-// float32 sums [32 rows (16 where !two), 32 columns] of x tiles `a` (16 rows x 32 K each, K apart per 16 rows)
-// and a panel of K / 2 pair rows (`panel`), rows kPanel apart in `sums`
-static inline void panel_sums(const bf16* a, int64_t K, const bf16* panel, bool two, float* sums) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-        const bf16* bt = panel + k0 * kPanel;  // pair row k0 / 2: 64 bf16 (32 columns x 2)
-        _tile_loadd(4, a + k0 * 16, 64);
-        _tile_loadd(6, bt, 2 * kPanel * sizeof(bf16));
-        _tile_loadd(7, bt + 2 * 16, 2 * kPanel * sizeof(bf16));
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-            _tile_loadd(5, a + 16 * K + k0 * 16, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, sums, kPanel * 4);
-    _tile_stored(1, sums + 16, kPanel * 4);
-    if (two) {
-        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
-        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
-    }
-}
+static bool serves(int64_t K, bool has_add) { return K % kTileK == 0 && !has_add && amx_tiles::permitted(); }
 
 // c [M, N] = a [M, K] . W^T + bias (kSilu: W is gate_up [2N/32 panels], c = SiLU(gate) * up), bf16 in and out
 template <bool kSilu>
@@ -73,9 +35,7 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         if (p0 < p1) {
-            TileConfig cfg;
-            for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-            _tile_loadconfig(&cfg);
+            amx_tiles::configure();
             alignas(64) float sums[32 * kPanel], up_sums[32 * kPanel];
             for (int64_t p = p0; p < p1; ++p) {
                 const int64_t ncols = std::min<int64_t>(kPanel, N - p * kPanel);
@@ -94,8 +54,13 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
                 }
                 for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
                     const bool two = m0 + 16 < Mp;  // a second 16-row block
-                    panel_sums(X + m0 * K, K, W + p * panel_size, two, sums);
-                    if (kSilu) panel_sums(X + m0 * K, K, W + (panels + p) * panel_size, two, up_sums);
+                    // A tiles 1 KB a step; B tiles 16 pair rows of the packed panel, 128 bytes apart
+                    auto sums_of = [&](int64_t panel, float* out) {
+                        amx_tiles::panel_sums<amx_tiles::Bf16Dot>(X + m0 * K, 1024, 32 * K, W + panel * panel_size,
+                                                                  2048, 64, 128, K / kTileK, two, out);
+                    };
+                    sums_of(p, sums);
+                    if (kSilu) sums_of(panels + p, up_sums);
                     for (int64_t r = 0; r < std::min<int64_t>(32, M - m0); ++r) {
                         __m512 v_lo = _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel), b_lo);
                         __m512 v_hi = _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel + 16), b_hi);

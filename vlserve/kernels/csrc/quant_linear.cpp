@@ -25,6 +25,8 @@
 #error "quant_linear is built for AVX2 + FMA or AVX-512 only"
 #endif
 
+#include "amx_tiles.h"
+
 // what cpu_linear_avx2.cpp expects (the float32 register blocks come from there)
 #include "cpu_linear_common.h"
 #include "cpu_linear_avx2.cpp"

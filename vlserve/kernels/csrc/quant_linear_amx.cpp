@@ -12,18 +12,7 @@ namespace quant {
     !defined(VLSERVE_FORCE_AVX2)
 constexpr int64_t kAmx = 1;
 constexpr int64_t kTileK = 32;  // K positions of one tile step (16 bf16 pairs); B tiles [16 pairs, 16 columns]
-
-struct alignas(64) TileConfig {  // palette 1: every tile 16 rows of 64 bytes
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Linux hands a process the tile data state on request (oneDNN asks too; asking twice is harmless)
-static bool amx_permitted() {
-    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return ok;
-}
+static inline bool amx_permitted() { return amx_tiles::permitted(); }
 
 // 16 group scales of consecutive columns (float32, float16 or bf16 as stored) as float32
 static inline __m512 load_scales16(const void* base, int64_t at, int dtype) {
@@ -150,9 +139,7 @@ static void amx_dequant_linear(const Call& c) {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         if (p0 < p1) {
-            TileConfig cfg;
-            for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-            _tile_loadconfig(&cfg);
+            amx_tiles::configure();
             // panels dequantized together (~1 MB of bf16 tiles, in L2): every row block of x then runs over all of
             // them, so the output is written a few hundred bytes of a row at a time, not 64 bytes rows far apart
             const int64_t tile_words = steps * 2 * 256, together = std::clamp<int64_t>((1 << 18) / tile_words, 1, 16);
@@ -170,27 +157,9 @@ static void amx_dequant_linear(const Call& c) {
                     for (int64_t i = 0; i < pn; ++i) {
                         const int64_t p = pg + i, ncols = std::min(kPanel, c.N - p * kPanel);
                         const uint32_t* bp = buf.data() + i * tile_words;
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        for (int64_t s = 0; s < steps; ++s) {
-                            const uint32_t* bt = bp + s * 2 * 256;
-                            _tile_loadd(4, a + s * 16 * kTileK, stride);
-                            _tile_loadd(6, bt, 64);
-                            _tile_loadd(7, bt + 256, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            if (two) {
-                                _tile_loadd(5, a + 16 * K32 + s * 16 * kTileK, stride);
-                                _tile_dpbf16ps(2, 5, 6);
-                                _tile_dpbf16ps(3, 5, 7);
-                            }
-                        }
-                        _tile_stored(0, sums, kPanel * 4);
-                        _tile_stored(1, sums + 16, kPanel * 4);
-                        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
-                        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
+                        // A tiles 1 KB a step; B tiles as dequant_panel_bf16 laid them out, 2 KB a step
+                        amx_tiles::panel_sums<amx_tiles::Bf16Dot>(a, 1024, 32 * K32, bp, 2048, 1024, 64, steps, two,
+                                                                  sums);
                         __m256 b[4], ws[4];
                         panel_bias(c, p, ncols, b);
                         if (kFp8)  // the panel's column scales (one group: float32 [32] per panel)

@@ -1,4 +1,4 @@
-// W8A8 INT8 on AMX (int8 tiles), included by quant_linear.cpp after quant_linear_amx.cpp (its tile config) and
+// W8A8 INT8 on AMX (int8 tiles), included by quant_linear.cpp after amx_tiles.h (the tile choreography) and
 // quant_linear_int8.cpp (quantize_row, the epilogue's arithmetic). The matrix is packed once for the tile unit
 // (quant_linear_cpu.pack_int8_amx): int8 [N/32, K64/64, 2, 16, 16, 4], i.e. per panel of 32 columns and K step of
 // 64, two B tiles (columns 0-15 and 16-31), tile row r holding the 4 K positions 64 s + 4 r .. + 3 of each of its
@@ -10,35 +10,6 @@ namespace quant {
     defined(__AVX512VL__) && !defined(VLSERVE_FORCE_AVX2)
 constexpr int64_t kAmxInt8 = 1;
 constexpr int64_t kTileKInt8 = 64;  // K positions of one tile step (16 quads)
-
-// int32 sums [rows m0 .. m0 + 31 (16 where !two), 32 columns] of one panel (steps B tile pairs from `panel`) with the
-// x tiles from `a` (K64 apart per 16 rows), rows kPanel apart in `sums`
-static inline void panel_sums_int8(const int8_t* a, int64_t K64, const int8_t* panel, int64_t steps, bool two,
-                                   int32_t* sums) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < steps; ++s) {
-        const int8_t* bt = panel + s * 2 * 1024;
-        _tile_loadd(4, a + s * 16 * kTileKInt8, kTileKInt8);
-        _tile_loadd(6, bt, 64);
-        _tile_loadd(7, bt + 1024, 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        if (two) {
-            _tile_loadd(5, a + 16 * K64 + s * 16 * kTileKInt8, kTileKInt8);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(3, 5, 7);
-        }
-    }
-    _tile_stored(0, sums, kPanel * 4);
-    _tile_stored(1, sums + 16, kPanel * 4);
-    if (two) {
-        _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
-        _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
-    }
-}
 
 // One output row's 32 values of panel p: (float(acc) * xs) * ws + b, int8_linear's float32 operations
 static inline void rescale_row(const int32_t* acc, float xs, const __m256 (&ws)[4], const __m256 (&b)[4],
@@ -81,9 +52,7 @@ static void amx_int8_linear(const Call& c, bool silu_mul) {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         if (p0 < p1) {
-            TileConfig cfg;
-            for (int i = 0; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-            _tile_loadconfig(&cfg);
+            amx_tiles::configure();
             alignas(64) int32_t sums[32 * kPanel], up_sums[32 * kPanel];
             const int64_t panel_bytes = steps * 2 * 1024;
             for (int64_t p = p0; p < p1; ++p) {
@@ -97,8 +66,13 @@ static void amx_int8_linear(const Call& c, bool silu_mul) {
                 }
                 for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
                     const bool two = m0 + 16 < Mp;  // a second 16-row block
-                    panel_sums_int8(X + m0 * K64, K64, W + p * panel_bytes, steps, two, sums);
-                    if (silu_mul) panel_sums_int8(X + m0 * K64, K64, W + up * panel_bytes, steps, two, up_sums);
+                    // A tiles 1 KB a step; B tiles as pack_int8_amx laid them out, 2 KB a step
+                    auto sums_of = [&](int64_t panel, int32_t* out) {
+                        amx_tiles::panel_sums<amx_tiles::Int8Dot>(X + m0 * K64, 1024, 16 * K64, W + panel * panel_bytes,
+                                                                  2048, 1024, 64, steps, two, out);
+                    };
+                    sums_of(p, sums);
+                    if (silu_mul) sums_of(up, up_sums);
                     for (int64_t r = 0; r < std::min<int64_t>(32, c.M - m0); ++r) {
                         __m256 v[4];
                         rescale_row(sums + r * kPanel, XS[m0 + r], ws, b, v);
