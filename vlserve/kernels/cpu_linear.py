@@ -262,7 +262,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
     if m:
         is_bf16 = dtype is torch.bfloat16
         if is_bf16 and 0 < tile_rows() <= m:
-            is_bf16 = 3  # on the AMX tiles (where K % 32 == 0 and no addend; the kernel checks)
+            is_bf16 = 3  # on the AMX tiles (where K % 32 == 0; the kernel checks)
         cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
                             out_features, m, out_features, k, torch.get_num_threads(), is_bf16,
                             silu_mul, _NO_BIAS if add is None else add, 0 if add is None else add.stride(0),

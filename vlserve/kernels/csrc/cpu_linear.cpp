@@ -65,8 +65,8 @@ static Path path(bool is_bf16) {
 // bias [2N] or null, and c gets SiLU(x gate^T) * (x up^T).
 // has_add (silu_mul only): add [M, 2N] float32 (rows ldadd apart) joins the gate sums (columns 0..N) and the up
 // sums (N..2N) after the bias, before the rounding and the activation: c = SiLU(gate + add_g) * (up + add_u).
-// is_bf16 & 2 (bf16 only): on the AMX tiles where this build and process have them and K % 32 == 0 without an
-// addend (cpu_linear_amx.cpp), else as without it.
+// is_bf16 & 2 (bf16 only): on the AMX tiles where this build and process have them and K % 32 == 0
+// (cpu_linear_amx.cpp), else as without it.
 // M = -1 asks which path serves the dtype instead: c[0] (an int64) gets its vector width in bits, 512 or 256;
 // M = -2 whether bf16 can run on the AMX tiles: c[0] = 1 or 0.
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
@@ -83,9 +83,10 @@ extern "C" void kernel(const void* a, int64_t lda, const void* packed, const voi
         return;
     }
 #if defined(VLSERVE_AMX)
-    if ((is_bf16 & 2) && amx::serves(K, has_add)) {
-        const LinearFn f = silu_mul ? amx::linear<true> : amx::linear<false>;
-        return f(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads, nullptr, 0);
+    if ((is_bf16 & 2) && amx::serves(K)) {
+        const LinearFn f = !silu_mul ? amx::linear<false> : has_add ? amx::linear<true, true> : amx::linear<true>;
+        return f(a, lda, packed, has_bias ? bias : nullptr, c, ldc, M, N, K, threads,
+                 has_add ? (const float*)add : nullptr, ldadd);
     }
 #endif
     const LinearFn f = !silu_mul ? p.plain : has_add ? p.silu_mul_add : p.silu_mul;

@@ -2,20 +2,21 @@
 // epilogue helpers and silu) where the source is built for AVX-512 with AMX-BF16. The packed layout [N/32, K/2, 32,
 // 2] is already what tdpbf16ps reads as B: 16 K pairs of a panel, columns 0-15 (or 16-31), are 16 rows of 64 bytes
 // 128 bytes apart. x is copied into whole A tiles (16 rows of 32 K, zero past M), then every 32-row block of it
-// meets each panel a tile step (32 K) at a time, float32 sums. Used for K a multiple of 32 and no addend (the caller
-// checks `serves`); SiLU(gate) * up as the register path computes it.
+// meets each panel a tile step (32 K) at a time, float32 sums. Used for K a multiple of 32 (the caller checks
+// `serves`); SiLU(gate) * up, and its float32 addend, as the register path computes them.
 #include "amx_tiles.h"
 
 namespace amx {
 
 constexpr int64_t kTileK = 32;  // K positions of one tile step (16 bf16 pairs)
 
-static bool serves(int64_t K, bool has_add) { return K % kTileK == 0 && !has_add && amx_tiles::permitted(); }
+static bool serves(int64_t K) { return K % kTileK == 0 && amx_tiles::permitted(); }
 
-// c [M, N] = a [M, K] . W^T + bias (kSilu: W is gate_up [2N/32 panels], c = SiLU(gate) * up), bf16 in and out
-template <bool kSilu>
+// c [M, N] = a [M, K] . W^T + bias (kSilu: W is gate_up [2N/32 panels], c = SiLU(gate) * up; kAdd: add [M, 2N]
+// float32, rows ldadd apart, joins the gate and up sums after the bias), bf16 in and out
+template <bool kSilu, bool kAdd = false>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
-                   int64_t N, int64_t K, int64_t threads, const float*, int64_t) {
+                   int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
     using P = avx512::Bf16Panel;
     const bf16* A = (const bf16*)a;
     const bf16* W = (const bf16*)packed;
@@ -64,10 +65,19 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
                     for (int64_t r = 0; r < std::min<int64_t>(32, M - m0); ++r) {
                         __m512 v_lo = _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel), b_lo);
                         __m512 v_hi = _mm512_add_ps(_mm512_loadu_ps(sums + r * kPanel + 16), b_hi);
+                        const float* ar = kAdd ? add + (m0 + r) * ldadd + p * kPanel : nullptr;  // gate's; up's + N
+                        if (kAdd) {
+                            v_lo = _mm512_add_ps(v_lo, _mm512_loadu_ps(ar));
+                            v_hi = _mm512_add_ps(v_hi, _mm512_loadu_ps(ar + 16));
+                        }
                         if (kSilu) {  // silu of gate rounded to bf16, rounded, times up rounded, as the ops would
                             const __m512 g_lo = v_lo, g_hi = v_hi;
                             v_lo = _mm512_add_ps(_mm512_loadu_ps(up_sums + r * kPanel), u_lo);
                             v_hi = _mm512_add_ps(_mm512_loadu_ps(up_sums + r * kPanel + 16), u_hi);
+                            if (kAdd) {
+                                v_lo = _mm512_add_ps(v_lo, _mm512_loadu_ps(ar + N));
+                                v_hi = _mm512_add_ps(v_hi, _mm512_loadu_ps(ar + N + 16));
+                            }
                             v_lo = _mm512_mul_ps(P::round(avx512::silu(P::round(g_lo))), P::round(v_lo));
                             v_hi = _mm512_mul_ps(P::round(avx512::silu(P::round(g_hi))), P::round(v_hi));
                         }
