@@ -230,6 +230,19 @@ def test_a_floor_of_step_time_lets_images_share_steps():
         EncoderBudget(min_step_seconds=-1.0)
 
 
+def test_the_slice_cap_is_about_a_second_of_measured_tower_work():
+    b = EncoderBudget(min_step_seconds=0.15)
+    assert b.slice_cap == 0  # nothing measured yet
+    b.observe(0.5, 250, 0.6, is_decode=False)  # 2 ms per embedding
+    assert b.slice_cap == 500  # 1 s of it
+    half = EncoderBudget(max_slice_seconds=0.5)
+    half.observe(0.5, 250, 0.6, is_decode=False)
+    assert half.slice_cap == 250
+    fixed = EncoderBudget(fixed=300)
+    fixed.observe(0.5, 250, 0.6)
+    assert fixed.slice_cap == 0  # a budget the user set is used as is: no floor past it
+
+
 def test_encoder_step_ms_is_validated():
     from vlserve.config import EngineArgs
 

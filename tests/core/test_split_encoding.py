@@ -148,3 +148,22 @@ def test_an_item_that_fits_a_step_waits_for_the_next_one_instead_of_being_sliced
     assert second.scheduled_encoder_inputs == {"a": [0]} and _slices(second) == []  # whole, in one step
     run_to_end(s)
     assert s.encoder_cache.misses == 2
+
+
+def test_a_lone_slice_takes_a_third_of_the_item_within_the_slice_cap():
+    s = _sched(budget=32)  # one 32-embedding stage a step by the budget alone
+    s.set_encoder_budget(32, slice_cap=1000)
+    _image_request(s, "a")
+    assert _slices(_step(s)) == [("a", "img", 0, 3)]  # ceil(8 / 3) stages: the item in three steps, not eight
+    assert _slices(_step(s)) == [("a", "img", 3, 6)]
+    assert _slices(_step(s)) == [("a", "img", 6, 8)]
+    run_to_end(s)
+    capped = _sched(budget=32)
+    capped.set_encoder_budget(32, slice_cap=64)  # a second's worth is two stages here
+    _image_request(capped, "a")
+    assert _slices(_step(capped)) == [("a", "img", 0, 2)]
+    run_to_end(capped)
+    plain = _sched(budget=32)  # no cap measured: one stage a step, as before
+    _image_request(plain, "a")
+    assert _slices(_step(plain)) == [("a", "img", 0, 1)]
+    run_to_end(plain)

@@ -10,6 +10,10 @@ seconds (or the floor, if longer) / seconds per embedding, at least 1; until sec
 two have been measured it is 1 (one item, or one stage of a split item, per step: the scheduler always admits a
 step's first item). A budget the user set is used as is.
 
+The budget also gives the plan a slice cap (`slice_cap`: embeddings of about `max_slice_seconds`, 1 s, at the measured
+rate): an item over the budget that a step encodes alone takes at least a third of its stages within that cap, so a
+float32 896x896 image (~1.4 s of tower here) is encoded in three steps rather than eight.
+
 Why a floor: a step that encodes a slice of an image also runs the decode rows and the LM head of every running
 request, and images cut into slices of one decode step each cannot share a tower call; on a 2-core CPU, 16 448x448
 requests to a small Qwen2-VL took 2.54 s offline at one decode step (~10 ms) of encoder work a step, 1.96 s at one
@@ -25,7 +29,8 @@ logger = logging.getLogger(__name__)
 class EncoderBudget:
     """Embeddings to encode per step: `fixed` when the user set it, else adapted from measured timings."""
 
-    def __init__(self, fixed: int | None = None, smoothing: float = 0.25, min_step_seconds: float = 0.0):
+    def __init__(self, fixed: int | None = None, smoothing: float = 0.25, min_step_seconds: float = 0.0,
+                 max_slice_seconds: float = 1.0):
         if fixed is not None and fixed < 1:
             raise ValueError(f"the encoder budget must be >= 1 embedding, got {fixed}")
         if not 0.0 < smoothing <= 1.0:
@@ -38,6 +43,10 @@ class EncoderBudget:
         self.seconds_per_embed: float | None = None  # moving average over steps that encoded
         self.decode_step_seconds: float | None = None  # moving average over decode steps that encoded nothing
         self.budget = fixed if fixed is not None else 1
+        # a slice of an item over the budget may take up to this many seconds of tower work (`slice_cap`), so a large
+        # item needs few steps (each carries a decode step) while running streams still get a token a second or so
+        self.max_slice_seconds = max_slice_seconds
+        self.slice_cap = 0  # embeddings of max_slice_seconds at the measured rate (0: unmeasured, or a fixed budget)
 
     def observe(self, encoder_seconds: float, num_encoded_embeds: int, step_seconds: float,
                 is_decode: bool = True) -> int:
@@ -50,6 +59,8 @@ class EncoderBudget:
             self.seconds_per_embed = self._average(self.seconds_per_embed, encoder_seconds / num_encoded_embeds)
         if is_decode and step_seconds - encoder_seconds > 0.0:
             self.decode_step_seconds = self._average(self.decode_step_seconds, step_seconds - encoder_seconds)
+        if self.seconds_per_embed is not None:
+            self.slice_cap = int(self.max_slice_seconds / max(self.seconds_per_embed, 1e-12))
         step = max(self.decode_step_seconds or 0.0, self.min_step_seconds)
         if self.seconds_per_embed is None or step <= 0.0:
             return self.budget

@@ -19,11 +19,12 @@ class EncoderPlan:
 
 
 NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, never filled)
+SLICES_PER_ITEM = 3  # a lone slice takes at least this share of an item's stages (within the slice cap)
 
 
 def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: int, start: int, num_new: int,
                         num_encoding: int, keep_whole: bool = False, stage_counts: dict[str, int] | None = None,
-                        request_id: str | None = None) -> tuple[EncoderPlan, int, int]:
+                        request_id: str | None = None, slice_cap: int = 0) -> tuple[EncoderPlan, int, int]:
     """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
     ones it reuses and the ones it must encode. `num_encoding`: embeddings the step already encodes. An item
     that cannot be afforded cuts the window to the text before it: one that does not fit the cache, or that
@@ -37,7 +38,10 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
     the window stops before it until its last slice, which may share the step with the item's tokens. An item that
     fits a step's budget but not what is left of it waits for the next step and is encoded whole there: slicing it
     would finish it a step later (a later first token); the step leaves the rest of its budget unused. A partial
-    item is advanced only by a request referencing it; any other request waits before it."""
+    item is advanced only by a request referencing it; any other request waits before it. A slice the step runs
+    alone takes at least 1 / SLICES_PER_ITEM of the item's stages, as far as `slice_cap` embeddings (about a second
+    of tower work, `EncoderBudget.slice_cap`; 0: no such floor) pay for: an item far over a short budget is then
+    encoded in a few steps rather than one stage a step, each of which also carries a decode step."""
     if not features or num_new <= 0:
         return NO_MEDIA, num_new, num_encoding
     if keep_whole:
@@ -59,7 +63,7 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
             if request_id not in cache.cached[f.mm_hash] or stages <= done:
                 num_new = f.offset - start
                 break
-            piece = _affordable_slice(f, i, done, stages, encoder_budget - num_encoding, num_encoding == 0)
+            piece = _affordable_slice(f, i, done, stages, encoder_budget - num_encoding, num_encoding == 0, slice_cap)
             if piece is None:
                 num_new = f.offset - start
                 break
@@ -82,7 +86,7 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
         whole_next_step = num_encoding > 0 and f.length <= encoder_budget  # it fits a step of its own: wait for one
         if not fits and stages > 1 and not whole_next_step and cache.can_allocate(f.length, None, pending,
                                                                                     reuse=plan.reuse):
-            piece = _affordable_slice(f, i, 0, stages, encoder_budget - num_encoding, num_encoding == 0)
+            piece = _affordable_slice(f, i, 0, stages, encoder_budget - num_encoding, num_encoding == 0, slice_cap)
             if piece is not None:
                 plan.slices.append(piece)
                 pending += f.length
@@ -99,13 +103,15 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
     return plan, num_new, num_encoding
 
 
-def _affordable_slice(f, item_index: int, done: int, stages: int, budget_left: int,
-                      alone: bool) -> EncoderSlice | None:
-    """The stages [done, end) of item f that `budget_left` embeddings pay for (at least one when `alone`: the step
-    encodes nothing else), or None when not even one fits."""
+def _affordable_slice(f, item_index: int, done: int, stages: int, budget_left: int, alone: bool,
+                      slice_cap: int = 0) -> EncoderSlice | None:
+    """The stages [done, end) of item f that `budget_left` embeddings pay for (when `alone`, the step encoding
+    nothing else: at least one, and at least stages / SLICES_PER_ITEM as far as `slice_cap` embeddings pay for),
+    or None when not even one fits."""
     end = min(stages, done + max(budget_left, 0) * stages // f.length)
-    if end == done and alone:
-        end = done + 1
+    if alone:
+        floor = min(-(-stages // SLICES_PER_ITEM), slice_cap * stages // f.length)
+        end = min(stages, max(end, done + 1, done + floor))
     return EncoderSlice(f.mm_hash, item_index, done, end, stages) if end > done else None
 
 
