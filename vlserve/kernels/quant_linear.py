@@ -38,7 +38,7 @@ What runs where:
   (`quant_linear_cpu.prepack_int8_onednn`) with the row quantization and the epilogue in C++ (bit-equal too).
   WNA16 bf16 inputs of 4+ rows run on the bf16 tile unit (csrc/quant_linear_amx.cpp: each panel dequantized to
   bf16 once per call, tdpbf16ps), the weights rounded to bf16 as `wna16_linear_ref(..., weight_dtype=
-  torch.bfloat16)` states; so do FP8 bf16 inputs of 4+ rows where the matrix has one scale per column and x is
+  torch.bfloat16)` states; so do FP8 bf16 inputs of 8+ rows where the matrix has one scale per column and x is
   rounded per token or by a static scale (the e4m3 weights and x's e4m3 values are exact in bf16; the row and
   column scales multiply the float32 sums: within float32 rounding of the reference).
 - AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32

@@ -25,11 +25,14 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
     const int64_t Mp = (M + 15) / 16 * 16, panels = (N + kPanel - 1) / kPanel, panel_size = K * kPanel;
     // x as A tiles [Mp / 16, K / 32, 16 rows, 32 K], zero past M: each tile 1 KB in one piece
     static thread_local std::vector<bf16> xt;
-    xt.assign(Mp * K, bf16{});
+    xt.resize(Mp * K);  // every element written once below: x's rows copied, the pad rows zeroed
     bf16* const X = xt.data();  // (thread_local: the workers take the pointer)
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < Mp; ++m) {
         bf16* dst = X + (m / 16) * 16 * K + (m % 16) * kTileK;
-        for (int64_t k0 = 0; k0 < K; k0 += kTileK) std::memcpy(dst + k0 * 16, A + m * lda + k0, kTileK * sizeof(bf16));
+        for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+            if (m < M) std::memcpy(dst + k0 * 16, A + m * lda + k0, kTileK * sizeof(bf16));
+            else std::memset(dst + k0 * 16, 0, kTileK * sizeof(bf16));
+        }
     }
 #pragma omp parallel num_threads(threads)
     {

@@ -32,7 +32,7 @@ static void amx_int8_linear(const Call& c, bool silu_mul) {
     // x quantized per row, as A tiles [Mp / 16, steps, 16 rows, 64 K] (zero past M and K), and its row scales
     static thread_local std::vector<int8_t> xt;
     static thread_local std::vector<float> xs;
-    xt.assign(Mp * K64, 0);
+    xt.resize(Mp * K64);  // every element written once below: x's rows quantized (zero past K), the pad rows zeroed
     xs.resize(c.M);
     int8_t* const X = xt.data();  // (the thread_local vectors are this thread's: the workers take the pointers)
     float* const XS = xs.data();
@@ -47,6 +47,9 @@ static void amx_int8_linear(const Call& c, bool silu_mul) {
                 std::memcpy(dst + s * 16 * kTileKInt8, row.data() + s * kTileKInt8, kTileKInt8);
         }
     }
+    for (int64_t m = c.M; m < Mp; ++m)
+        for (int64_t s = 0; s < steps; ++s)
+            std::memset(X + (m / 16) * 16 * K64 + (m % 16) * kTileKInt8 + s * 16 * kTileKInt8, 0, kTileKInt8);
 #pragma omp parallel num_threads(c.threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
