@@ -99,7 +99,10 @@ def test_wna16_amx_tiles_match_the_bf16_weight_reference(bits, scale_dtype, monk
         pytest.skip("no AMX build here")
     monkeypatch.setattr(QC, "quant_kernel", lambda: kernel)
     monkeypatch.setenv(QC.AMX_ROWS_ENV, "3")
-    for n, k, group, m in ((72, 96, 32, 3), (100, 200, 8, 40), (600, 448, 64, 33), (64, 1000, None, 16)):
+    # 4 bits: group 8 on the dequantizing tile path, the others by table lookup (one block of 16 or 32 rows, or
+    # several); K 1000 not a whole number of tile steps
+    for n, k, group, m in ((72, 96, 32, 3), (100, 200, 8, 40), (600, 448, 64, 33), (64, 1000, None, 16),
+                           (90, 320, 64, 24)):
         q, scales, zeros, gs, _ = _wna16(n, k, group, bits, False, seed=n)
         scales = scales.to(scale_dtype)
         w = QL.prepare_wna16(q, scales, zeros, gs, bits)

@@ -36,14 +36,14 @@ What runs where:
   quantized as the reference; tdpbssd's exact int32 sums, the reference's epilogue: bit-equal to it). Where that
   build or the tile state is missing, inputs of 16+ rows go to oneDNN's int8 matmul on the matrix prepacked at load
   (`quant_linear_cpu.prepack_int8_onednn`) with the row quantization and the epilogue in C++ (bit-equal too).
-  WNA16 bf16 inputs of 4+ rows run on the bf16 tile unit (csrc/quant_linear_amx.cpp: each panel dequantized to
-  bf16 once per call, tdpbf16ps), the weights rounded to bf16 as `wna16_linear_ref(..., weight_dtype=
-  torch.bfloat16)` states; so do FP8 bf16 inputs of 8+ rows where the matrix has one scale per column and x is
+  WNA16 bf16 inputs of 4+ rows run on the bf16 tile unit, the weights rounded to bf16 as `wna16_linear_ref(...,
+  weight_dtype=torch.bfloat16)` states: 4-bit ones by table lookup (csrc/quant_linear_amx_int4.cpp: the 16 bf16
+  values of each column's group computed once per call, a vpermw per 32 weights, the matrix as the A operand), 8-bit
+  ones and groups of 8 or 16 positions dequantized a panel at a time (csrc/quant_linear_amx.cpp); tdpbf16ps; so do FP8 bf16 inputs of 8+ rows where the matrix has one scale per column and x is
   rounded per token or by a static scale (the e4m3 weights and x's e4m3 values are exact in bf16; the row and
   column scales multiply the float32 sums: within float32 rounding of the reference).
 - AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32
-  vector registers, vpdpwssd with VNNI): the tests run both builds there, but neither has run on such a CPU yet,
-  and no AMX or zmm-wide kernel exists. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
+  vector registers, vpdpwssd with VNNI): the tests run both builds there; the register kernels stay 8 lanes wide. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
   and 18944x3584 M=1 / 32): `_weight_int4pack_mm_for_cpu` 0.31 / 3.2 / 4.9 / 50 against W4A16's 0.13 / 1.7 / 2.4 /
   27 here (and it keeps scales and zeros in x's dtype, so bf16 x rounds them: not float32's accuracy; float32 x
   takes a slow path, 11 ms at 4864x896 M=1); `_weight_int8pack_mm` (weight-only) 0.17 / 3.2 / 3.9 / 55 against

@@ -77,11 +77,12 @@ def quant_kernel_info(kernel=None) -> dict:
 AMX_ROWS_ENV = "VLSERVE_QUANT_AMX_ROWS"  # "0": never; N: WNA16 / FP8 bf16 inputs of N+ rows on AMX tiles
 AMX_ROWS = 4  # from here the tile path beat the register kernel on a 2-core AMX Xeon (docs/benchmarks.md)
 AMX_FP8_ROWS = 8  # FP8's (x rounded through e4m3 per row first): the register kernel was 5-30% faster at 4
+AMX_INT4_ROWS = 3  # 4-bit by table lookup (groups of whole tile steps): 0.6x the register kernel's time at 3 rows
 
 
 def amx_rows(default: int = AMX_ROWS) -> int | None:
-    """From how many rows a bf16 input to a WNA16 or FP8 matrix runs on the AMX tiles (the panel dequantized to
-    bf16 once per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS
+    """From how many rows a bf16 input to a WNA16 or FP8 matrix runs on the AMX tiles (the weights made bf16
+    once per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS
     overrides."""
     forced = cpu_linear.forced_rows(AMX_ROWS_ENV)
     rows = default if forced is None else forced
@@ -162,7 +163,8 @@ def pack_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
         scales = scales.float()
     return PackedQuant(OP_W4 if bits == 4 else OP_W8, _lanes(cols), _group_panels(scales),
                        _group_panels(zeros[:, :groups].to(torch.uint8)), n, k, group, _SCALE_DTYPES[scales.dtype],
-                       amx_rows=amx_rows() or 0)
+                       amx_rows=amx_rows(AMX_INT4_ROWS if bits == 4 and (groups == 1 or group % 32 == 0) else
+                                         AMX_ROWS) or 0)
 
 
 def fp8_act_code(act: str, act_group: int = 0) -> int:

@@ -49,10 +49,12 @@ VLSERVE_AMX_DOT(Int8Dot, _tile_dpbssd)
 // One panel's sums [32 rows (16 where !two), 32 columns] into `sums` (rows 128 bytes apart: 32 float32 or int32),
 // over `steps` tile steps. x: A tiles of 16 rows x 64 bytes, step s of the first row block at a + s * a_step
 // bytes, of the second a_block bytes further; the matrix: step s's two B tiles (columns 0-15, 16-31) at b + s *
-// b_step and b_half bytes after it, rows b_stride bytes apart.
+// b_step and b_half bytes after it, rows b_stride bytes apart. !b_two: the first B tile only (sums' columns 16-31
+// left as they were).
 template <typename Dot>
 static inline void panel_sums(const void* a, int64_t a_step, int64_t a_block, const void* b, int64_t b_step,
-                              int64_t b_half, int64_t b_stride, int64_t steps, bool two, void* sums) {
+                              int64_t b_half, int64_t b_stride, int64_t steps, bool two, void* sums,
+                              bool b_two = true) {
     const char* x = (const char*)a;
     const char* w = (const char*)b;
     _tile_zero(0);
@@ -63,21 +65,23 @@ static inline void panel_sums(const void* a, int64_t a_step, int64_t a_block, co
         const char* bt = w + s * b_step;
         _tile_loadd(4, x + s * a_step, 64);
         _tile_loadd(6, bt, b_stride);
-        _tile_loadd(7, bt + b_half, b_stride);
         Dot::lo0();
-        Dot::hi0();
+        if (b_two) {
+            _tile_loadd(7, bt + b_half, b_stride);
+            Dot::hi0();
+        }
         if (two) {
             _tile_loadd(5, x + a_block + s * a_step, 64);
             Dot::lo1();
-            Dot::hi1();
+            if (b_two) Dot::hi1();
         }
     }
     char* out = (char*)sums;
     _tile_stored(0, out, 128);
-    _tile_stored(1, out + 64, 128);
+    if (b_two) _tile_stored(1, out + 64, 128);
     if (two) {
         _tile_stored(2, out + 16 * 128, 128);
-        _tile_stored(3, out + 16 * 128 + 64, 128);
+        if (b_two) _tile_stored(3, out + 16 * 128 + 64, 128);
     }
 }
 

@@ -32,6 +32,7 @@
 #include "cpu_linear_avx2.cpp"
 #include "quant_linear_avx2.cpp"
 #include "quant_linear_amx.cpp"
+#include "quant_linear_amx_int4.cpp"
 #include "quant_linear_int8.cpp"
 #include "quant_linear_amx_int8.cpp"
 
@@ -72,7 +73,11 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
     // gate_up matrix [2N, K] and out gets silu(gate) * up [M, N]
     const bool amx_int8 = (flags & 32) && op == kInt8 && quant::kAmxInt8;
     switch (op) {
-        case kW4: amx ? quant::amx_dequant_linear<quant::IntV<4>>(c) : quant::dequant_linear<quant::IntW<4>>(c); break;
+        case kW4:
+            if (!amx) quant::dequant_linear<quant::IntW<4>>(c);
+            else if (quant::lookup_serves(c)) quant::amx_lookup_linear(c);
+            else quant::amx_dequant_linear<quant::IntV<4>>(c);
+            break;
         case kW8: amx ? quant::amx_dequant_linear<quant::IntV<8>>(c) : quant::dequant_linear<quant::IntW<8>>(c); break;
         case kFp8: amx ? quant::amx_dequant_linear<quant::Fp8V>(c) : quant::dequant_linear<quant::Fp8W>(c); break;
         case kInt8: amx_int8 ? quant::amx_int8_linear(c, flags & 64) : quant::int8_linear(c); break;
