@@ -36,62 +36,74 @@ static inline void transpose16(__m512i (&r)[16]) {
     UNROLL for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// The 16 values of lane n's table: bf16((i - z) * s), i = 0..15, in words 0-15 and again in 16-31 (vpermw reads an
-// index's low 5 bits; bit 4 is the neighbouring nibble's)
-static inline __m512i lookup_table(__m512 s16, __m512 z16, int n) {
-    const __m512i lane = _mm512_set1_epi32(n);
-    const __m512 s = _mm512_permutexvar_ps(lane, s16), z = _mm512_permutexvar_ps(lane, z16);
+// Column n's table: bf16((i - z) * s), i = 0..15, in words 0-15 and again in 16-31 (vpermw reads an index's low
+// 5 bits; bit 4 is the neighbouring nibble's). s and z broadcast from memory: no shuffle-port work.
+static inline __m512i lookup_table(const float* s, const float* z, int n) {
     const __m512 i = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(i, z), s));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+    const __m512 v = _mm512_mul_ps(_mm512_sub_ps(i, _mm512_set1_ps(z[n])), _mm512_set1_ps(s[n]));
+    return (__m512i)_mm512_cvtne2ps_pbh(v, v);
 }
+
+// A tile rows hold a column's 32 K positions in this order: word 8c + w is position 4w + c (x^T is permuted to
+// match). So a row is the column's 16 bytes broadcast to the four 128-bit lanes (a load, no shuffle), each word
+// shifted right by 4c (its low nibble is then the weight; bit 4, the next nibble's, is ignored by the table).
+static inline int64_t tile_position(int a) { return 4 * (a % 8) + a / 8; }
 
 // A tiles of one panel's steps [s0, s1): tiles [s1 - s0, 2 halves] of [16 columns, 32 K positions] bf16 (1 KB
 // each), K positions past the packed rows read as nibble 0 (x^T is zero there). Groups are a multiple of 32
 // positions, or one. `next` (or null): lanes fetched into the cache meanwhile, 8 lines a step.
+constexpr int64_t kColumnSteps = 8;  // steps whose columns are gathered before they are looked up
 static void lookup_panel(const Call& c, const uint32_t* lanes, int64_t group_base, int64_t Kp, int64_t groups,
                          int64_t s0, int64_t s1, uint16_t* tiles, const uint32_t* next) {
     const int64_t lane_rows = Kp / 8;
-    // word i of a column's tile row: byte i / 2 of its 16 bytes (in both halves of the word), shifted right 4 where
-    // i is odd, so its low nibble is the weight at K position i
-    alignas(64) uint8_t spread[4][64];
-    alignas(64) uint16_t odd[32];
-    for (int L = 0; L < 4; ++L)
-        for (int i = 0; i < 64; ++i) spread[L][i] = uint8_t(16 * L + i / 4);
-    for (int i = 0; i < 32; ++i) odd[i] = uint16_t(4 * (i & 1));
-    const __m512i shift = _mm512_load_si512(odd);
-    __m512i pick[4];
-    UNROLL for (int L = 0; L < 4; ++L) pick[L] = _mm512_load_si512(spread[L]);
-    for (int h = 0; h < 2; ++h) {
-        __m512i table[16];
-        int64_t current = -1;
-        for (int64_t s = s0; s < s1; ++s) {
-            const int64_t g = groups == 1 ? 0 : s * kTileK / c.group;
-            if (next && h == 0)
+    alignas(64) uint16_t by_lane[32];
+    for (int a = 0; a < 32; ++a) by_lane[a] = uint16_t(4 * (a / 8));
+    const __m512i shift = _mm512_load_si512(by_lane);
+    // columns [kColumnSteps, 2 halves, 4 j, 4 L] of 16 bytes: column 4L + j of a half, its 32 nibbles in K order
+    alignas(64) uint8_t columns[kColumnSteps * 2 * 256];
+    for (int64_t c0 = s0; c0 < s1; c0 += kColumnSteps) {
+        const int64_t c1 = std::min(s1, c0 + kColumnSteps);
+        for (int64_t s = c0; s < c1; ++s) {
+            if (next)
                 for (int i = 0; i < 8; ++i) _mm_prefetch((const char*)(next + 4 * s * kPanel) + 64 * i, _MM_HINT_T0);
-            if (g != current) {
-                const int64_t at = group_base + g * kPanel + 16 * h;
-                const __m512 s16 = load_scales16(c.scales, at, c.scale_dtype);
-                const __m512 z16 = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)c.zeros + at))));
-                UNROLL for (int n = 0; n < 16; ++n) table[n] = lookup_table(s16, z16, n);
-                current = g;
+            UNROLL for (int h = 0; h < 2; ++h) {
+                __m512i r[4];  // panel rows 4s..4s+3: 16 columns' 8 nibbles each
+                UNROLL for (int i = 0; i < 4; ++i) {
+                    const int64_t l = 4 * s + i;
+                    r[i] = l < lane_rows ? _mm512_loadu_si512(lanes + l * kPanel + 16 * h) : _mm512_setzero_si512();
+                }
+                // u[j], 128-bit lane L: column 4L + j's 4 lanes
+                const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+                const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+                uint8_t* at = columns + ((s - c0) * 2 + h) * 256;
+                _mm512_store_si512(at, _mm512_unpacklo_epi64(t0, t2));
+                _mm512_store_si512(at + 64, _mm512_unpackhi_epi64(t0, t2));
+                _mm512_store_si512(at + 128, _mm512_unpacklo_epi64(t1, t3));
+                _mm512_store_si512(at + 192, _mm512_unpackhi_epi64(t1, t3));
             }
-            __m512i r[4];  // panel rows 4s..4s+3: 16 columns' 8 nibbles each
-            UNROLL for (int i = 0; i < 4; ++i) {
-                const int64_t l = 4 * s + i;
-                r[i] = l < lane_rows ? _mm512_loadu_si512(lanes + l * kPanel + 16 * h) : _mm512_setzero_si512();
-            }
-            // u[j], 128-bit lane L: column 4L + j's 4 lanes (its 32 nibbles, K positions in order)
-            const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
-            const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
-            const __m512i u[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                                  _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
-            uint16_t* tile = tiles + ((s - s0) * 2 + h) * 512;
-            UNROLL for (int j = 0; j < 4; ++j) UNROLL for (int L = 0; L < 4; ++L) {
-                const int n = 4 * L + j;
-                const __m512i nibbles = _mm512_srlv_epi16(_mm512_permutexvar_epi8(pick[L], u[j]), shift);
-                _mm512_store_si512(tile + n * 32, _mm512_permutexvar_epi16(nibbles, table[n]));
+        }
+        for (int h = 0; h < 2; ++h) {
+            __m512i table[16];
+            int64_t current = -1;
+            for (int64_t s = c0; s < c1; ++s) {
+                const int64_t g = groups == 1 ? 0 : s * kTileK / c.group;
+                if (g != current) {
+                    const int64_t at = group_base + g * kPanel + 16 * h;
+                    alignas(64) float s16[16], z16[16];
+                    _mm512_store_ps(s16, load_scales16(c.scales, at, c.scale_dtype));
+                    _mm512_store_ps(z16, _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)((const uint8_t*)c.zeros + at)))));
+                    UNROLL for (int n = 0; n < 16; ++n) table[n] = lookup_table(s16, z16, n);
+                    current = g;
+                }
+                const uint8_t* col = columns + ((s - c0) * 2 + h) * 256;
+                uint16_t* tile = tiles + ((s - s0) * 2 + h) * 512;
+                UNROLL for (int j = 0; j < 4; ++j) UNROLL for (int L = 0; L < 4; ++L) {
+                    const int n = 4 * L + j;
+                    const __m512i bytes = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)(col + 64 * j + 16 * L)));
+                    _mm512_store_si512(tile + n * 32, _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shift),
+                                                                               table[n]));
+                }
             }
         }
     }
@@ -99,14 +111,18 @@ static void lookup_panel(const Call& c, const uint32_t* lanes, int64_t group_bas
 
 // x^T as B tiles [Mp / 16, steps] of [16 K pairs, 16 rows] (1 KB each; zero past M and K)
 static void transpose_rows(const Call& c, int64_t steps, uint32_t* xt) {
+    alignas(64) uint16_t positions[32];
+    for (int a = 0; a < 32; ++a) positions[a] = uint16_t(tile_position(a));
+    const __m512i order = _mm512_load_si512(positions);
     for (int64_t mb = 0; mb * 16 < c.M; ++mb)
         for (int64_t s = 0; s < steps; ++s) {
             const int64_t k0 = s * kTileK, n = std::min(kTileK, c.K - k0);
             const __mmask32 keep = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
             __m512i r[16];
-            UNROLL for (int i = 0; i < 16; ++i) {
+            UNROLL for (int i = 0; i < 16; ++i) {  // each row's 32 positions in the A tiles' order
                 const int64_t m = mb * 16 + i;
-                r[i] = m < c.M ? _mm512_maskz_loadu_epi16(keep, (const bf16*)c.x + m * c.ldx + k0)
+                r[i] = m < c.M ? _mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(
+                                                                     keep, (const bf16*)c.x + m * c.ldx + k0))
                                : _mm512_setzero_si512();
             }
             transpose16(r);
