@@ -185,6 +185,62 @@ __attribute__((noinline)) static void fused_int(const Call& c, const uint32_t* l
     }
 }
 
+#if defined(__AVX512F__) && !defined(VLSERVE_FORCE_AVX2)
+constexpr bool kZmmDecode = true;
+static inline __m512 join(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// fused_int on 16-lane zmm registers (AVX-512 builds): a half panel is one register, so each and / convert /
+// subtract / FMA covers 16 weights. The same operations per column in the same order: the same sums.
+template <int B, int R>
+__attribute__((noinline)) static void fused_int_zmm(const Call& c, const uint32_t* lanes, int64_t group_base,
+                                                    int64_t Kp, const float* x, int64_t ldx, float* sums,
+                                                    const uint32_t* next) {
+    constexpr int E = 32 / B, H = E / 2, P = R == 1 ? 2 : 1;
+    const int64_t per_group = c.group / E, rows = Kp / E;
+    for (int half = 0; half < 2; ++half) {
+        for (int64_t l = 0; l < rows;) {
+            const int64_t g = l / per_group, end = std::min(rows, (g + 1) * per_group);
+            const bool first = l == 0;
+            const int64_t at = group_base + g * kPanel + 16 * half;
+            const typename IntW<B>::Group lo = IntW<B>::group(c, at), hi = IntW<B>::group(c, at + 8);
+            const __m512 s = join(lo.s, hi.s), z = join(lo.z, hi.z);
+            __m512 zs[H];  // the group's zeros times 2^(B i)
+            UNROLL for (int i = 0; i < H; ++i) zs[i] = _mm512_mul_ps(z, _mm512_set1_ps(float(1 << (B * i))));
+            __m512 acc[R][P];
+            UNROLL for (int r = 0; r < R; ++r) UNROLL for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+            for (; l < end; ++l) {
+                if (next) _mm_prefetch((const char*)next + (half * rows + l) * 64, _MM_HINT_T0);
+                const float* xl = x + l * E;
+                const __m512i q = _mm512_loadu_si512(lanes + l * kPanel + 16 * half);
+                const __m512i high = _mm512_srli_epi32(q, 16);
+                UNROLL for (int j = 0; j < E; ++j) {
+                    const __m512i part = _mm512_and_si512(j < H ? q : high,
+                                                          _mm512_set1_epi32(((1 << B) - 1) << (B * (j % H))));
+                    const __m512 w = _mm512_sub_ps(_mm512_cvtepi32_ps(part), zs[j % H]);
+                    UNROLL for (int r = 0; r < R; ++r) {
+                        __m512& a = acc[r][j % P];
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(xl[r * ldx + j]), w, a);
+                    }
+                }
+            }
+            UNROLL for (int r = 0; r < R; ++r) {
+                __m512 total = acc[r][0];
+                UNROLL for (int p = 1; p < P; ++p) total = _mm512_add_ps(total, acc[r][p]);
+                float* out = sums + r * kPanel + 16 * half;
+                _mm512_storeu_ps(out, first ? _mm512_mul_ps(total, s) : _mm512_fmadd_ps(total, s, _mm512_loadu_ps(out)));
+            }
+        }
+    }
+}
+#else
+constexpr bool kZmmDecode = false;
+template <int B, int R>
+static void fused_int_zmm(const Call&, const uint32_t*, int64_t, int64_t, const float*, int64_t, float*,
+                          const uint32_t*) {}
+#endif
+
 // 8 values of row `in` from K position k as float32
 static inline __m256 load8(const void* in, int64_t k, bool is_bf16) {
     return is_bf16 ? avx2::widen8((const bf16*)in + k) : _mm256_loadu_ps((const float*)in + k);
@@ -296,8 +352,11 @@ static void dequant_linear(const Call& c) {
                 if (rows <= kFusedRows) {
                     if constexpr (D::kPrescale > 0) {
                         const uint32_t* next = p + 1 < p1 ? lanes + panel_lanes : nullptr;
-                        if (rows == 1) fused_int<D::kPrescale, 1>(c, lanes, group_base, Kp, x, ldx, sums, next);
-                        else fused_int<D::kPrescale, 2>(c, lanes, group_base, Kp, x, ldx, sums, next);
+                        constexpr int B = D::kPrescale;
+                        if (kZmmDecode && rows == 1) fused_int_zmm<B, 1>(c, lanes, group_base, Kp, x, ldx, sums, next);
+                        else if (kZmmDecode) fused_int_zmm<B, 2>(c, lanes, group_base, Kp, x, ldx, sums, next);
+                        else if (rows == 1) fused_int<B, 1>(c, lanes, group_base, Kp, x, ldx, sums, next);
+                        else fused_int<B, 2>(c, lanes, group_base, Kp, x, ldx, sums, next);
                     } else {
                         if (rows == 1) fused<D, 1>(c, lanes, group_base, Kp, x, ldx, sums);
                         else fused<D, 2>(c, lanes, group_base, Kp, x, ldx, sums);
