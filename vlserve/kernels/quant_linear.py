@@ -43,7 +43,8 @@ What runs where:
   rounded per token or by a static scale (the e4m3 weights and x's e4m3 values are exact in bf16; the row and
   column scales multiply the float32 sums: within float32 rounding of the reference).
 - AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32
-  vector registers, vpdpwssd with VNNI): the tests run both builds there; the register kernels stay 8 lanes wide. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
+  vector registers, vpdpwssd with VNNI): the tests run both builds there. There WNA16's 1-2 row kernel runs on
+  16-lane zmm registers (the same operations per column as the 8-lane one); the other register kernels stay 8 wide. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32
   and 18944x3584 M=1 / 32): `_weight_int4pack_mm_for_cpu` 0.31 / 3.2 / 4.9 / 50 against W4A16's 0.13 / 1.7 / 2.4 /
   27 here (and it keeps scales and zeros in x's dtype, so bf16 x rounds them: not float32's accuracy; float32 x
   takes a slow path, 11 ms at 4864x896 M=1); `_weight_int8pack_mm` (weight-only) 0.17 / 3.2 / 3.9 / 55 against
