@@ -45,7 +45,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
     else:
         from vlserve import LLM, SamplingParams
         llm = LLM(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-                  max_num_seqs=max(cfg["batches"]))
+                  max_num_seqs=max(cfg["batches"]), compilation_config=cfg.get("compilation_level"))
     result = {}
     for batch in cfg["batches"]:
         prompts = [{"prompt_token_ids": p} for p in cfg["prompts"][:batch]]

