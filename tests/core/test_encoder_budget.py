@@ -176,6 +176,27 @@ def test_set_encoder_budget_applies_from_the_next_step():
     run_to_end(s)
 
 
+def test_items_after_a_steps_first_join_it_only_within_the_pack_budget():
+    """A burst of small images with a budget of three but a pack budget of one: one image a step (each request's
+    first token a step after the previous one's), not three in one step; an item as long as the budget still runs
+    alone in its step."""
+    s = _burst_sched(budget=3 * IMG)
+    s.set_encoder_budget(3 * IMG, pack=IMG + IMG // 2)
+    steps = _run_burst(s, num_images=4)
+    assert [n for n, _ in steps[:4]] == [1, 1, 1, 1]
+    assert all(t == 1 for _, t in steps[:4])  # the running request decoded in every one of those steps
+    s = _burst_sched(budget=3 * IMG)
+    s.set_encoder_budget(3 * IMG, pack=2 * IMG)  # two fit the pack: two a step
+    assert [n for n, _ in _run_burst(s, num_images=4)[:2]] == [2, 2]
+    big = _burst_sched(budget=3 * IMG)
+    big.set_encoder_budget(3 * IMG, pack=IMG // 2)  # the first item of a step is never held to the pack
+    _image_request(big, "big", n_embeds=3 * IMG)
+    so = big.schedule()
+    assert list(so.scheduled_encoder_inputs.values()) == [[0]]
+    big.update_from_output(so, fake_run(big, so))
+    run_to_end(big)
+
+
 # -- EncoderBudget ---------------------------------------------------------------------------------------------
 def test_adaptive_budget_is_one_until_both_timings_are_measured():
     b = EncoderBudget()
@@ -228,6 +249,20 @@ def test_a_floor_of_step_time_lets_images_share_steps():
     assert EncoderBudget(min_step_seconds=0.0).observe(0.5, 250, 0.6, is_decode=False) == 1  # no floor: as before
     with pytest.raises(ValueError):
         EncoderBudget(min_step_seconds=-1.0)
+
+
+def test_the_pack_budget_is_one_decode_step():
+    b = EncoderBudget(min_step_seconds=0.15, smoothing=1.0)
+    assert b.pack == b.budget == 1  # nothing measured yet
+    b.observe(0.5, 250, 0.6, is_decode=False)  # 2 ms per embedding, no decode step timed yet
+    assert (b.budget, b.pack) == (75, 1)  # 150 ms of tower work; later items only as far as one embedding
+    b.observe(0.0, 0, 0.01)  # a 10 ms decode step
+    assert (b.budget, b.pack) == (75, 5)
+    b.observe(0.0, 0, 0.4)  # a 400 ms decode step: both follow it
+    assert (b.budget, b.pack) == (200, 200)
+    fixed = EncoderBudget(fixed=300)
+    fixed.observe(0.5, 250, 0.6)
+    assert fixed.pack == 300  # a budget the user set packs as before
 
 
 def test_the_slice_cap_is_about_a_second_of_measured_tower_work():

@@ -14,6 +14,14 @@ The budget also gives the plan a slice cap (`slice_cap`: embeddings of about `ma
 rate): an item over the budget that a step encodes alone takes at least a third of its stages within that cap, so a
 float32 896x896 image (~1.4 s of tower here) is encoded in three steps rather than eight.
 
+It gives a packing budget too (`pack`: one decode step's worth of embeddings, at least 1, at most the budget): a
+step's first item may take the whole budget, but further items join it only while its encoder work stays within
+one decode step. A burst of small images then gets its first tokens one step after another instead of all at the
+end of one step that encodes them all: on the 2-core AMX machine (bf16, concurrency 8, 48 requests, vlserve
+alone) 224x224 images went from 179 to 121 ms TTFT p50 and a 4-frame video from 372 to 203 ms, request rate
+level or up (docs/benchmarks.md). Items longer than a decode step but within the budget (448x448 and up here) ran
+one a step before and still do.
+
 Why a floor: a step that encodes a slice of an image also runs the decode rows and the LM head of every running
 request, and images cut into slices of one decode step each cannot share a tower call; on a 2-core CPU, 16 448x448
 requests to a small Qwen2-VL took 2.54 s offline at one decode step (~10 ms) of encoder work a step, 1.96 s at one
@@ -24,6 +32,7 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger(__name__)
+
 
 
 class EncoderBudget:
@@ -43,6 +52,7 @@ class EncoderBudget:
         self.seconds_per_embed: float | None = None  # moving average over steps that encoded
         self.decode_step_seconds: float | None = None  # moving average over decode steps that encoded nothing
         self.budget = fixed if fixed is not None else 1
+        self.pack = self.budget  # embeddings a step may reach with items after its first (<= budget)
         # a slice of an item over the budget may take up to this many seconds of tower work (`slice_cap`), so a large
         # item needs few steps (each carries a decode step) while running streams still get a token a second or so
         self.max_slice_seconds = max_slice_seconds
@@ -65,6 +75,7 @@ class EncoderBudget:
         if self.seconds_per_embed is None or step <= 0.0:
             return self.budget
         budget = max(1, round(step / max(self.seconds_per_embed, 1e-12)))
+        self.pack = min(budget, max(1, round((self.decode_step_seconds or 0.0) / max(self.seconds_per_embed, 1e-12))))
         old = self.budget
         if budget >= 2 * old or 2 * budget <= old:
             logger.debug("encoder budget %d -> %d embeddings per step (%.2f ms a step, %.3f ms per embedding)",

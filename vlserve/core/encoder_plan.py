@@ -24,7 +24,8 @@ SLICES_PER_ITEM = 3  # a lone slice takes at least this share of an item's stage
 
 def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: int, start: int, num_new: int,
                         num_encoding: int, keep_whole: bool = False, stage_counts: dict[str, int] | None = None,
-                        request_id: str | None = None, slice_cap: int = 0) -> tuple[EncoderPlan, int, int]:
+                        request_id: str | None = None, slice_cap: int = 0,
+                        pack_budget: int | None = None) -> tuple[EncoderPlan, int, int]:
     """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
     ones it reuses and the ones it must encode. `num_encoding`: embeddings the step already encodes. An item
     that cannot be afforded cuts the window to the text before it: one that does not fit the cache, or that
@@ -41,7 +42,9 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
     item is advanced only by a request referencing it; any other request waits before it. A slice the step runs
     alone takes at least 1 / SLICES_PER_ITEM of the item's stages, as far as `slice_cap` embeddings (about a second
     of tower work, `EncoderBudget.slice_cap`; 0: no such floor) pay for: an item far over a short budget is then
-    encoded in a few steps rather than one stage a step, each of which also carries a decode step."""
+    encoded in a few steps rather than one stage a step, each of which also carries a decode step. `pack_budget`
+    (default `encoder_budget`): a whole item joins a step that already encodes only while the step stays within it;
+    one that fits the budget but not that waits for a step of its own."""
     if not features or num_new <= 0:
         return NO_MEDIA, num_new, num_encoding
     if keep_whole:
@@ -81,7 +84,8 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
             continue
         if any(features[j].mm_hash == f.mm_hash for j in plan.to_encode):
             continue  # the same item twice in one prompt: encoded once
-        fits = num_encoding + f.length <= encoder_budget
+        limit = encoder_budget if num_encoding == 0 or pack_budget is None else min(encoder_budget, pack_budget)
+        fits = num_encoding + f.length <= limit
         stages = stage_counts.get(f.modality, 1) if stage_counts else 1
         whole_next_step = num_encoding > 0 and f.length <= encoder_budget  # it fits a step of its own: wait for one
         if not fits and stages > 1 and not whole_next_step and cache.can_allocate(f.length, None, pending,

@@ -38,6 +38,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.encoder_budget = config.encoder_compute_budget  # embeddings encoded per step
         self.encoder_slice_cap = 0  # embeddings a lone slice may take past the budget (set_encoder_budget)
+        self.encoder_pack_budget = self.encoder_budget  # how far a step's later items may bring it (set_encoder_budget)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,13 +105,15 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         self.waiting.append(req)
 
     # -- scheduling --------------------------------------------------------------------------------------------
-    def set_encoder_budget(self, num_embeds: int, slice_cap: int = 0) -> None:
-        """Embeddings encoded per step from the next schedule() on (the engine sizes it from measured timings), and
-        how many a slice of an item over the budget may take when it runs alone (`plan_encoder_inputs`)."""
+    def set_encoder_budget(self, num_embeds: int, slice_cap: int = 0, pack: int | None = None) -> None:
+        """Embeddings encoded per step from the next schedule() on (the engine sizes it from measured timings), how
+        many a slice of an item over the budget may take when it runs alone, and how far items after a step's first
+        may bring it (`pack`, default the budget; see `plan_encoder_inputs`)."""
         if num_embeds < 1:
             raise ValueError(f"the encoder budget must be >= 1 embedding, got {num_embeds}")
         self.encoder_budget = num_embeds
         self.encoder_slice_cap = max(0, slice_cap)
+        self.encoder_pack_budget = num_embeds if pack is None else max(1, min(pack, num_embeds))
 
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them)."""
@@ -278,7 +281,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         stage_counts = None if req.lora_int_id else self.config.encoder_stage_counts
         return plan_encoder_inputs(req.mm_features, self.encoder_cache, self.encoder_budget, start, num_new,
                                    num_encoding, self.config.disable_chunked_mm_input, stage_counts, req.request_id,
-                                   self.encoder_slice_cap)
+                                   self.encoder_slice_cap, self.encoder_pack_budget)
 
     def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]],
                                out_slices: dict[str, list[EncoderSlice]]) -> None:

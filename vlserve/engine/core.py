@@ -243,7 +243,7 @@ class EngineCore:
             sched_out.total_num_scheduled_tokens == len(sched_out.num_scheduled_tokens) + num_drafts)
         budget = self.encoder_budget.observe(runner_out.encoder_seconds, runner_out.num_encoded_embeds,
                                              runner_out.step_seconds, is_decode)
-        self.scheduler.set_encoder_budget(budget, self.encoder_budget.slice_cap)
+        self.scheduler.set_encoder_budget(budget, self.encoder_budget.slice_cap, self.encoder_budget.pack)
 
     def _drain_in_flight(self) -> None:
         """Wait for queued steps and fold back what they sampled (their requests may have finished meanwhile)."""

@@ -100,9 +100,9 @@ static void lookup_panel(const Call& c, const uint32_t* lanes, int64_t group_bas
                 uint16_t* tile = tiles + ((s - s0) * 2 + h) * 512;
                 UNROLL for (int j = 0; j < 4; ++j) UNROLL for (int L = 0; L < 4; ++L) {
                     const int n = 4 * L + j;
-                    const __m512i bytes = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)(col + 64 * j + 16 * L)));
-                    _mm512_store_si512(tile + n * 32, _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shift),
-                                                                               table[n]));
+                    const __m128i own = _mm_load_si128((const __m128i*)(col + 64 * j + 16 * L));  // its 16 bytes
+                    const __m512i nibbles = _mm512_srlv_epi16(_mm512_broadcast_i32x4(own), shift);
+                    _mm512_store_si512(tile + n * 32, _mm512_permutexvar_epi16(nibbles, table[n]));
                 }
             }
         }

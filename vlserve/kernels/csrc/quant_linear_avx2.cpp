@@ -229,7 +229,8 @@ __attribute__((noinline)) static void fused_int_zmm(const Call& c, const uint32_
                 __m512 total = acc[r][0];
                 UNROLL for (int p = 1; p < P; ++p) total = _mm512_add_ps(total, acc[r][p]);
                 float* out = sums + r * kPanel + 16 * half;
-                _mm512_storeu_ps(out, first ? _mm512_mul_ps(total, s) : _mm512_fmadd_ps(total, s, _mm512_loadu_ps(out)));
+                _mm512_storeu_ps(out, first ? _mm512_mul_ps(total, s)
+                                            : _mm512_fmadd_ps(total, s, _mm512_loadu_ps(out)));
             }
         }
     }
