@@ -18,9 +18,9 @@ It gives a packing budget too (`pack`: one decode step's worth of embeddings, at
 step's first item may take the whole budget, but further items join it only while its encoder work stays within
 one decode step. A burst of small images then gets its first tokens one step after another instead of all at the
 end of one step that encodes them all: on the 2-core AMX machine (bf16, concurrency 8, 48 requests, vlserve
-alone) 224x224 images went from 179 to 121 ms TTFT p50 and a 4-frame video from 372 to 203 ms, request rate
-level or up (docs/benchmarks.md). Items longer than a decode step but within the budget (448x448 and up here) ran
-one a step before and still do.
+alone, an A/B of alternating runs) 224x224 images went from 173-205 to 119-137 ms TTFT p50 and a 4-frame video
+from 379-435 to 268-270 ms; request rate level for the images, 2-7% lower for the video (docs/benchmarks.md).
+Items longer than a decode step but within the budget (448x448 and up here) ran one a step before and still do.
 
 Why a floor: a step that encodes a slice of an image also runs the decode rows and the LM head of every running
 request, and images cut into slices of one decode step each cannot share a tower call; on a 2-core CPU, 16 448x448
@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger(__name__)
-
 
 
 class EncoderBudget:

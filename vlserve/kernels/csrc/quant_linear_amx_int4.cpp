@@ -207,38 +207,40 @@ static void amx_lookup_linear(const Call& c) {
 #pragma omp parallel num_threads(c.threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = panels * t / nt;
-        int64_t p1 = panels * (t + 1) / nt;
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         if (p0 < p1) {
             amx_tiles::configure();
+            // one block of rows: a few steps looked up at a time, then multiplied while in L1; more: panels looked
+            // up together (~1 MB of tiles, in L2), then every block of rows multiplied by them
             const int64_t tile_words = steps * 2 * 512, together = std::clamp<int64_t>((1 << 19) / tile_words, 1, 16);
+            const bool one_block = Mp <= 32;
             static thread_local std::vector<uint16_t> buf;
-            buf.resize(together * tile_words + 32);
+            buf.resize((one_block ? std::min(steps, kChunkSteps) * 1024 : together * tile_words) + 32);
             uint16_t* tiles = (uint16_t*)(((uintptr_t)buf.data() + 63) & ~uintptr_t(63));
             alignas(64) float sums[32 * kPanel];
-            if (Mp <= 32) {  // one block of rows: a few steps looked up, then multiplied while in L1
+            if (one_block) {
                 for (int64_t p = p0; p < p1; ++p) {
                     const uint32_t* next = p + 1 < p1 ? W + (p + 1) * panel_lanes : nullptr;
                     one_block_panel(c, W + p * panel_lanes, p * groups * kPanel, Kp, groups, steps, xt, Mp > 16,
                                     tiles, next, sums);
                     store_transposed(c, p, 0, sums);
                 }
-                _tile_release();
-                p1 = p0;  // done
-            }
-            for (int64_t pg = p0; pg < p1; pg += together) {
-                const int64_t pn = std::min(together, p1 - pg);
-                for (int64_t i = 0; i < pn; ++i)
-                    lookup_panel(c, W + (pg + i) * panel_lanes, (pg + i) * groups * kPanel, Kp, groups, 0, steps,
-                                 tiles + i * tile_words, nullptr);
-                for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-                    const uint32_t* b = xt + m0 / 16 * steps * 256;
-                    for (int64_t i = 0; i < pn; ++i) {
-                        // A: step s's two column halves 1 KB apart, 2 KB a step; B: step s of the 16-row block at
-                        // 1 KB a step, the next 16 rows' block steps KB further
-                        amx_tiles::panel_sums<amx_tiles::Bf16Dot>(tiles + i * tile_words, 2048, 1024, b, 1024,
-                                                                  steps * 1024, 64, steps, true, sums, m0 + 16 < Mp);
-                        store_transposed(c, pg + i, m0, sums);
+            } else {
+                for (int64_t pg = p0; pg < p1; pg += together) {
+                    const int64_t pn = std::min(together, p1 - pg);
+                    for (int64_t i = 0; i < pn; ++i)
+                        lookup_panel(c, W + (pg + i) * panel_lanes, (pg + i) * groups * kPanel, Kp, groups, 0,
+                                     steps, tiles + i * tile_words, nullptr);
+                    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                        const uint32_t* b = xt + m0 / 16 * steps * 256;
+                        for (int64_t i = 0; i < pn; ++i) {
+                            // A: step s's two column halves 1 KB apart, 2 KB a step; B: step s of the 16-row block
+                            // at 1 KB a step, the next 16 rows' block steps KB further
+                            amx_tiles::panel_sums<amx_tiles::Bf16Dot>(tiles + i * tile_words, 2048, 1024, b, 1024,
+                                                                      steps * 1024, 64, steps, true, sums,
+                                                                      m0 + 16 < Mp);
+                            store_transposed(c, pg + i, m0, sums);
+                        }
                     }
                 }
             }
