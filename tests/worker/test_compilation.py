@@ -207,7 +207,13 @@ def test_compiled_equals_eager_qwen2_vl_with_images(tmp_path_factory, compile_ca
     guard_failures.clear()
     compiled = LLM(model_dir, **kw, compilation_config={"level": 1, "cache_dir": compile_cache})
     assert compiled.engine.runner.forward.compiled is not None
+    from torch._dynamo.utils import counters
+
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
     assert [o.outputs[0].token_ids for o in compiled.generate(prompts, _greedy(8), use_tqdm=False)] == expected
+    # the warm-up compiled every class the steps use, media embeddings included: serving compiles nothing more
+    # (a first image request used to wait seconds for its class to compile)
+    assert counters["stats"]["unique_graphs"] == graphs_after_warm_up
     compiled.check_integrity()
     # the warm-up's dummy inputs and the steps' (ids, [3, T] M-RoPE positions) are all normal tensors: no
     # recompile for a dispatch-key difference (inference-mode tensors) as the first GPU check saw

@@ -190,13 +190,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_model(self, max_num_seqs: int, max_model_len: int) -> None:
-        """At start-up, after `initialize_kv_cache`: compile the decoder's text shape classes (a 2-token prefill
-        and a 1-token decode that write no KV) and capture CUDA graphs, per the compilation level."""
+        """At start-up, after `initialize_kv_cache`: compile the decoder's shape classes (a 2-token prefill and a
+        1-token decode that write no KV, and for a multimodal model a 2-token prefill from embeddings, the class
+        of every step that carries media) and capture CUDA graphs, per the compilation level."""
+        classes = [(2, False), (1, False)] + ([(2, True)] if getattr(self.model, "supports_multimodal", False) else [])
+
         def dummy_steps():
-            for q_len in (2, 1):
+            for q_len, from_embeds in classes:
                 with torch.inference_mode(False):  # normal tensors, as the step buffers are: one dynamo guard
                     ids, positions, md = self._dummy_inputs(q_len)
-                self.forward(ids, positions, self.kv_caches, md)
+                # merged embeddings are made in inference mode, as a step's are [T, H]
+                embeds = self.model.get_input_embeddings(ids) if from_embeds else None
+                self.forward(ids, positions, self.kv_caches, md, inputs_embeds=embeds)
 
         self.forward.timed_warm_up(dummy_steps)
         if self.kv_groups.num_groups == 1:  # a graph replays one block table for every layer
