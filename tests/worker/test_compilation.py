@@ -222,6 +222,30 @@ def test_compiled_equals_eager_qwen2_vl_with_images(tmp_path_factory, compile_ca
 
 
 @pytest.mark.slow
+def test_warm_up_compiles_each_row_range(qwen2_dir, compile_cache, monkeypatch):
+    """From `onednn_rows` rows on a linear hands its rows to oneDNN, so the compiled forward guards there; the
+    warm-up compiles that range too and serving compiles nothing (the break forced to 8 rows, on any CPU)."""
+    from torch._dynamo.utils import counters
+
+    from vlserve.kernels import cpu_linear as cl
+    from vlserve.kernels.packed_linear import row_breaks
+    from vlserve.models.llama import decoder_of
+
+    if cl.cpu_linear_isa(torch.bfloat16) is None:
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA, or no toolchain")
+    monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "8")
+    kw = {"dtype": "bfloat16", "num_kv_blocks": 64, "max_num_batched_tokens": 16}
+    llm = LLM(qwen2_dir, **kw, compilation_config={"level": 1, "cache_dir": compile_cache})
+    assert row_breaks(decoder_of(llm.engine.runner.model)) == [8]
+    graphs_after_warm_up = counters["stats"]["unique_graphs"]
+    # 16-token chunks and decode batches of 1-3 rows: steps on both sides of the break
+    outs = llm.generate(varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40)), _greedy(6), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
+    assert counters["stats"]["unique_graphs"] == graphs_after_warm_up
+    llm.check_integrity()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compile_cache, monkeypatch, dtype):
     from transformers import AutoConfig

@@ -136,6 +136,12 @@ def packable(module: nn.Module) -> nn.Module:
     return module
 
 
+def row_breaks(model: nn.Module) -> list[int]:
+    """The row counts above 2 from which some linear of `model` hands its rows to oneDNN (`onednn_rows`): a
+    compiled forward guards on each, so every range between two is a shape class that compiles of its own."""
+    return sorted({r for m in model.modules() if (r := getattr(m, "onednn_rows", None)) is not None and r > 2})
+
+
 def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) -> int:
     """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
     linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
