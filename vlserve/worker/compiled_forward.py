@@ -24,6 +24,7 @@ import torch
 from vlserve.config import CompilationConfig, default_capture_sizes, default_compile_cache_dir
 from vlserve.kernels.attention_op import attention_step
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.packed_linear import row_breaks
 from vlserve.models.llama import decoder_of
 from vlserve.worker.cuda_graphs import CudaGraphRunner, DecodeBuffers, StepInputs
 
@@ -48,6 +49,19 @@ def _own_code(method):
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_INSTANCES)}")
     return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
                             method.__self__)
+
+
+def shape_classes(model: torch.nn.Module) -> list[tuple[int, bool]]:
+    """(tokens, from embeddings) of one step per shape class the compiled decoder meets: a 1-token decode, prefills
+    of 2 tokens and of each row count from which a linear takes another path (`row_breaks`: bf16 on AMX hands 128+
+    rows to oneDNN, and the graph guards there), and for a multimodal model those prefills again from embeddings, as
+    every step that carries media runs. A class the warm-up leaves out compiles on the first step that needs it,
+    seconds to minutes into serving."""
+    prefills = [2, *row_breaks(decoder_of(model))]
+    classes = [(n, False) for n in prefills] + [(1, False)]
+    if getattr(model, "supports_multimodal", False):
+        classes += [(n, True) for n in prefills]
+    return classes
 
 
 _INPUT_NAMES = ("input_ids", "positions", "inputs_embeds")  # `_decoder_call`'s arguments

@@ -15,7 +15,7 @@ from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, Schedul
 from vlserve.distributed.pipeline import stage_layer_range
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.kernels.packed_linear import pack_linears_for_cpu, row_breaks
+from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.llama import decoder_of, kv_cache_spec
@@ -25,7 +25,7 @@ from vlserve.sampling_params import SamplingParams
 from vlserve.worker.bidirectional import step_key_limits, token_runs
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
 from vlserve.worker.encoder_runs import run_encoders
-from vlserve.worker.compiled_forward import ModelForward
+from vlserve.worker.compiled_forward import ModelForward, shape_classes
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
@@ -190,18 +190,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_model(self, max_num_seqs: int, max_model_len: int) -> None:
-        """At start-up, after `initialize_kv_cache`: compile the decoder's shape classes and capture CUDA graphs,
-        per the compilation level. The classes: a 1-token decode and prefills of 2 tokens and of each row count
-        from which a linear takes another path (`row_breaks`: bf16 on AMX hands 128+ rows to oneDNN), all writing
-        no KV; for a multimodal model the prefills again from embeddings, as every step that carries media runs.
-        A class left out compiles on the first step that needs it, seconds to minutes into serving."""
-        prefills = [2, *row_breaks(decoder_of(self.model))]
-        classes = [(n, False) for n in prefills] + [(1, False)]
-        if getattr(self.model, "supports_multimodal", False):
-            classes += [(n, True) for n in prefills]
-
+        """At start-up, after `initialize_kv_cache`: compile every shape class of the decoder (`shape_classes`:
+        dummy steps that write no KV) and capture CUDA graphs, per the compilation level."""
         def dummy_steps():
-            for q_len, from_embeds in classes:
+            for q_len, from_embeds in shape_classes(self.model):
                 with torch.inference_mode(False):  # normal tensors, as the step buffers are: one dynamo guard
                     ids, positions, md = self._dummy_inputs(q_len)
                 # merged embeddings are made in inference mode, as a step's are [T, H]
