@@ -196,7 +196,8 @@ class ModelRunner:
             for q_len, from_embeds in shape_classes(self.model):
                 with torch.inference_mode(False):  # normal tensors, as the step buffers are: one dynamo guard
                     ids, positions, md = self._dummy_inputs(q_len)
-                # merged embeddings are made in inference mode, as a step's are [T, H]
+                # [T, E] (E = H, or H * (1 + DeepStack levels) for Qwen3-VL), made in inference mode as a
+                # step's merged embeddings are
                 embeds = self.model.get_input_embeddings(ids) if from_embeds else None
                 self.forward(ids, positions, self.kv_caches, md, inputs_embeds=embeds)
 
