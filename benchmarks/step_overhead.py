@@ -7,6 +7,7 @@ Two workloads whose time is the engine's own work, not FLOPs:
 - `host`: 256 requests at once on a random Qwen2 of hidden 64 and 2 layers, 16-token prompts, 48 tokens out.
 Each round runs every workload once per code version, each in a fresh process (the versions alternate, the
 baseline first), on the same checkpoints: the demo model of this checkout and one random checkpoint built here.
+`--async-scheduling` runs both versions with `async_scheduling=True`.
 A process warms up, times `generate` several times and reports its median: ms per output token for `demo`, wall
 time / 48 (ms per decode position, the prefill included) for `host`. The baseline's code comes from
 `git archive REV` and runs with this checkout's Python; both use only the public `LLM` API and the engine's
@@ -27,18 +28,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("demo", "host")
 
 
-def _child(workload: str, model: str) -> dict:
+def _child(workload: str, model: str, async_scheduling: bool = False) -> dict:
     """Runs in the measured process: the workload's median over timed runs, as a dict."""
     import torch
 
     from vlserve import LLM, SamplingParams
 
     if workload == "demo":
-        llm = LLM(model, max_num_seqs=1)
+        llm = LLM(model, max_num_seqs=1, async_scheduling=async_scheduling)
         prompts = [{"prompt_token_ids": list(range(100, 132))}]
         out_len, timed = 128, 7
     else:
-        llm = LLM(model, max_num_seqs=256, max_model_len=256, num_kv_blocks=2048)
+        llm = LLM(model, max_num_seqs=256, max_model_len=256, num_kv_blocks=2048, async_scheduling=async_scheduling)
         g = torch.Generator().manual_seed(0)
         prompts = [{"prompt_token_ids": torch.randint(3, 200, (16,), generator=g).tolist()} for _ in range(256)]
         out_len, timed = 48, 5
@@ -56,10 +57,11 @@ def _child(workload: str, model: str) -> dict:
     return {"ms": statistics.median(times), "runs": [round(x, 3) for x in times]}
 
 
-def _measure(src: str, workload: str, model: str) -> dict:
+def _measure(src: str, workload: str, model: str, async_scheduling: bool = False) -> dict:
     """One fresh process running `workload` with the vlserve package of `src` first on its path."""
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", workload, "--model", model],
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "--model", model]
+    proc = subprocess.run(cmd + (["--async-scheduling"] if async_scheduling else []),
                           env=env, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                    "issue 19's step-loop work)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: demo, host")
+    p.add_argument("--async-scheduling", action="store_true", help="both versions plan step N+1 while N runs")
     p.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != here]
         import vlserve
 
-        result = _child(args.child, args.model)
+        result = _child(args.child, args.model, args.async_scheduling)
         print("RESULT " + json.dumps(dict(result, package=os.path.dirname(vlserve.__file__))), flush=True)
         return
 
@@ -113,13 +116,14 @@ def main(argv: list[str] | None = None) -> None:
         for rnd in range(args.rounds):
             for w in workloads:
                 for name, src in (("baseline", base_src), ("current", REPO)):
-                    r = _measure(src, w, models[w])
+                    r = _measure(src, w, models[w], args.async_scheduling)
                     results.setdefault((w, name), []).append(r["ms"])
                     print(f"round {rnd + 1} {w:4s} {name:8s} {r['ms']:7.3f} ms  runs {r['runs']}", flush=True)
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     print(f"\nbaseline {args.baseline_rev} vs current {head}, median of {args.rounds} rounds (each a process's "
-          f"median); demo: ms/token, host: ms per decode position")
+          f"median){', async scheduling' if args.async_scheduling else ''}; demo: ms/token, host: ms per decode "
+          f"position")
     print(f"{'workload':8s} {'baseline':>10s} {'current':>10s} {'baseline/current':>17s}")
     for w in workloads:
         b, c = statistics.median(results[(w, 'baseline')]), statistics.median(results[(w, 'current')])

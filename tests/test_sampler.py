@@ -217,6 +217,12 @@ def test_top_k_top_p_helper_per_row():
     assert out.tolist() == [[inf, 3.0, 2.0, inf], [1.0, 3.0, 2.0, 0.0], [inf, 3.0, inf, inf]]
     out = apply_top_k_top_p(logits, k, torch.tensor([1.0, 1.0, 1.0]))
     assert out.tolist() == [[inf, 3.0, 2.0, inf], [1.0, 3.0, 2.0, 0.0], [inf, 3.0, inf, inf]]
+    # the largest enabled k known on the host (build_sampling_metadata's max_top_k): the same rows, no device read
+    for hint in (2, 3):
+        assert apply_top_k_top_p(logits, k, None, max_k=hint).tolist() == out.tolist()
+    md = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=t) for t in (2, 0, 3)], [None] * 3,
+                                 [[]] * 3, [[]] * 3, 4, "cpu")
+    assert md.max_top_k == 3 and md.top_k.tolist() == [2, 4, 3]
 
 
 # ---------------------------------------------------------------- penalties

@@ -48,6 +48,8 @@ def test_async_greedy_equals_sync(qwen2_dir, engine_kwargs):
     _same(sync, outs)
     m = llm.get_metrics()
     assert m["vlserve:generation_tokens_total"] == 20 * len(prompts)
+    # the decode steps took their input ids from the step before's samples on the device, not from the host
+    assert llm.engine.executor.runner.token_feed.num_fed_tokens >= 15 * len(prompts)
     if "num_kv_blocks" in engine_kwargs:
         assert m["vlserve:num_preemptions_total"] > 0
 
@@ -59,6 +61,24 @@ def test_async_seeded_sampling_and_mixed_lengths_equal_sync(qwen2_dir):
     sync, outs, _ = _both(qwen2_dir, prompts, params)
     _same(sync, outs)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3 + 5 * i for i in range(len(prompts))]
+
+
+def test_async_penalties_min_tokens_and_logprobs_equal_sync(qwen2_dir):
+    """Penalties count the output token sampled the step before (read back before sampling), min_tokens its count,
+    and logprobs steps read their samples back at once; requests of each kind share the batch."""
+    prompts = _prompts(qwen2_dir)
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, repetition_penalty=1.6),
+              SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=1.5, presence_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=14, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=14, min_tokens=10),
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
+    sync, outs, llm = _both(qwen2_dir, prompts, params)
+    _same(sync, outs)
+    assert outs[2].outputs[0].logprobs == sync[2].outputs[0].logprobs
+    plain = LLM(qwen2_dir, dtype="float32", num_kv_blocks=256).generate(
+        prompts[:2], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids != plain[0].outputs[0].token_ids  # the penalty changed the output
+    assert llm.engine.executor.runner.token_feed.num_fed_tokens > 0
 
 
 def test_async_stop_strings_and_stop_ids_equal_sync(qwen2_dir):

@@ -92,6 +92,9 @@ def bench_vlserve(model: str, prompts, output_lens: list[int], dtype: str,
     m = llm.get_metrics()
     print(f"decoder forwards: {int(m['vlserve:cuda_graph_replays_total'])} CUDA graph replays, "
           f"{int(m['vlserve:eager_forwards_total'])} without a graph (all runs, warm-up included)")
+    if runner is not None and runner.defer_readback:  # async scheduling: how many input ids never waited for the host
+        print(f"deferred read-back: {runner.token_feed.num_fed_tokens} input ids taken on the device from the step "
+              f"before's samples")
     llm.shutdown()
     return dt, sum(len(o.outputs[0].token_ids) for o in outs), load, steps, compile_s
 

@@ -211,7 +211,7 @@ class EngineCore:
         if not self.spec_config and not self._constrained_running():
             self._submit_next()  # placeholders stand in for the tokens step N is sampling
         sched_out, future = flight.popleft()
-        runner_out = future.result()
+        runner_out = self.executor.finish_step(future.result())  # (N+1 runs meanwhile, fed N's tokens on the device)
         self._observe_timings(sched_out, runner_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if not flight:
@@ -224,7 +224,7 @@ class EngineCore:
         sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             return False
-        self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.execute_model, sched_out)))
+        self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.launch_step, sched_out)))
         self.num_steps += 1
         return True
 
@@ -249,7 +249,7 @@ class EngineCore:
         """Wait for queued steps and fold back what they sampled (their requests may have finished meanwhile)."""
         while self.steps_in_flight:
             sched_out, future = self.steps_in_flight.popleft()
-            self.scheduler.update_from_output(sched_out, future.result())
+            self.scheduler.update_from_output(sched_out, self.executor.finish_step(future.result()))
 
     def _flush_if_idle(self) -> None:
         """When nothing is left to run, let the runner drop finished requests now rather than next step."""

@@ -40,6 +40,15 @@ class Executor(ABC):
         """The output of the oldest step submitted and not yet collected (`handle` is what submit returned)."""
         return handle
 
+    def launch_step(self, sched_out: SchedulerOutput) -> Any:
+        """Async scheduling, on the engine's runner thread: run a step at least until its sampled tokens are queued;
+        `finish_step(handle)`, on the engine's thread, returns its output. Here (ranks elsewhere): the whole step."""
+        return self.execute_model(sched_out)
+
+    def finish_step(self, handle: Any) -> ModelRunnerOutput:
+        """The output of a step `launch_step` returned (waiting for the device if need be)."""
+        return handle
+
     @abstractmethod
     def collective_rpc(self, method: str, arg=None) -> list:
         """Call `Worker.<method>(arg)` on every rank; the results in rank order (plain data)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.executor.base import Executor
 from vlserve.executor.worker import RankModel, Worker, WorkerSettings, WorkerStats
+from vlserve.worker.deferred_samples import StepHandle
 
 
 class UniprocExecutor(Executor):
@@ -18,6 +19,12 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched_out)
+
+    def launch_step(self, sched_out: SchedulerOutput) -> StepHandle:
+        return self.worker.launch_step(sched_out)
+
+    def finish_step(self, handle: StepHandle) -> ModelRunnerOutput:
+        return handle.output()
 
     def collective_rpc(self, method: str, arg=None) -> list:
         return [getattr(self.worker, method)(arg)]

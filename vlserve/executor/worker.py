@@ -17,6 +17,7 @@ from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
+from vlserve.worker.deferred_samples import StepHandle
 from vlserve.worker.encoder_only_runner import EncoderOnlyRunner
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
@@ -121,6 +122,8 @@ class Worker:
             lora_config=None if not args.enable_lora else {
                 "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
                 "max_cpu_loras": args.max_cpu_loras})
+        # async scheduling: a step may return with its sampled ids on the device; the next step reads them there
+        self.runner.defer_readback = bool(args.async_scheduling) and not staged
 
     @classmethod
     def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> "Worker":
@@ -167,6 +170,13 @@ class Worker:
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step on this rank."""
         return self.runner.execute_model(sched_out)
+
+    def launch_step(self, sched_out: SchedulerOutput) -> StepHandle:
+        """Run one step, its sampled ids possibly left on the device (`defer_readback`): a `StepHandle`, whose
+        `output()` is the step's output (in process only)."""
+        if getattr(self.runner, "defer_readback", False):
+            return self.runner.submit_step(sched_out)
+        return StepHandle(self.runner.execute_model(sched_out))
 
     def stage_timing(self, reset: bool = False) -> dict | None:
         """A pipeline stage's busy / hand-over wait / span seconds since the last reset (None without PP)."""

@@ -29,6 +29,7 @@ class StepInputs:
     seq_lens: np.ndarray  # [B] int64 context after this step
     cu: np.ndarray  # [B + 1] int64 query start offsets
     positions_np: np.ndarray  # [T] int64 (a view of a persistent buffer: valid until the next step)
+    input_ids_np: np.ndarray  # [T] int64, the host side of input_ids (likewise)
     input_ids: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
 
@@ -188,7 +189,8 @@ class InputBatch:
         if self.layer_groups is not None:
             md.layer_views = [views[g] for g in self.layer_groups]
         return StepInputs(req_ids=req_ids, q_lens=q_lens, starts=starts, seq_lens=seq_lens, cu=cu,
-                          positions_np=positions, input_ids=self.input_ids.to_device(T), attn_metadata=md)
+                          positions_np=positions, input_ids_np=ids, input_ids=self.input_ids.to_device(T),
+                          attn_metadata=md)
 
     def _group_slots(self, g: int, rows: np.ndarray, M: int, req_index: np.ndarray,
                      positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,11 +24,13 @@ from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
 from vlserve.worker.bidirectional import step_key_limits, token_runs
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
+from vlserve.worker.deferred_samples import DeviceTokenFeed, StepHandle
+from vlserve.worker.draft_inputs import build_draft_inputs
 from vlserve.worker.encoder_runs import run_encoders
 from vlserve.worker.compiled_forward import ModelForward, shape_classes
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
-from vlserve.worker.proposer import DraftInputs, DraftKVSpec, Proposer
+from vlserve.worker.proposer import DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler, StepSamples
 from vlserve.worker.sampler import make_generator
@@ -61,6 +63,9 @@ class ModelRunner:
         # runs of this token attend to themselves both ways in prefill (Gemma 3's image tokens), else None
         self.bidirectional_token_id: int | None = getattr(model, "bidirectional_token_id", None)
         self.step_sampler = StepSampler()
+        # Async scheduling: leave sampled ids on the device and feed the next step from them (deferred_samples.py)
+        self.defer_readback = False
+        self.token_feed = DeviceTokenFeed(device)
         # full and sliding-window layers in KV cache groups (core/kv_cache_groups.py): one group for most models
         self.kv_groups = group_layers(layer_windows_of(text_config_of(hf_config)))
         num_layers = self.kv_groups.num_layers
@@ -257,28 +262,35 @@ class ModelRunner:
                 state.token_ids[c:c + len(cached.new_token_ids)] = cached.new_token_ids
 
     # -- one step ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run the planned step; returns the sampled tokens of every request that reached its last token, and the
-        step's timings. The one KV-connector seam: its loads land before the step runs (blocks of requests that
-        wait for them, or that this step reads), its saves read the blocks after, and what ended is reported."""
+        step's timings."""
+        return self.submit_step(so).output()
+
+    @torch.inference_mode()
+    def submit_step(self, so: SchedulerOutput) -> StepHandle:
+        """Run the planned step up to its sampling; with `defer_readback` (async scheduling) the sampled ids may stay
+        on the device until `output()` (deferred_samples.py). The one KV-connector seam: its loads land before the
+        step runs (blocks of requests that wait for them, or that this step reads), its saves read the blocks after,
+        and what ended is reported."""
         connector = self.kv_connector
         if connector is None:
             return self._execute_step(so)
         meta = so.kv_connector_metadata
         connector.start_load_kv(meta)
-        out = self._execute_step(so)
+        out = self._execute_step(so, defer=False).output()
         connector.wait_for_save(meta)
         out.kv_connector_output = connector.get_finished()
-        return out
+        return StepHandle(out)
 
-    def _execute_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_step(self, so: SchedulerOutput, defer: bool | None = None) -> StepHandle:
         t0 = time.perf_counter()
+        defer = self.defer_readback if defer is None else defer
         self._update_states(so)
         encoder_seconds, num_encoded = self._run_encoders(so)  # (a step may carry only slices of a split item)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [], encoder_seconds=encoder_seconds, num_encoded_embeds=num_encoded,
-                                     step_seconds=time.perf_counter() - t0)
+            return StepHandle(ModelRunnerOutput([], [], encoder_seconds=encoder_seconds, num_encoded_embeds=num_encoded,
+                                                step_seconds=time.perf_counter() - t0))
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
@@ -290,6 +302,7 @@ class ModelRunner:
         step = self.input_batch.prepare(req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts,
                                         self.attn_workspace)
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
+        self.token_feed.fill(input_ids, step.input_ids_np, step.positions_np, cu, states)  # deferred samples' ids
         if self.bidirectional_token_id is not None:
             limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, step.positions_np, self.device)
             md.set_key_limits(limits)
@@ -305,27 +318,34 @@ class ModelRunner:
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
         sample_idx = np.nonzero(seq_lens >= known)[0]
         samples = None
+        handle = StepHandle(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]),
+                            t0 if defer else None)
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             spec = so.scheduled_spec_decode_tokens
             drafts = ([spec.get(s.req_id, []) for s in sample_states] if spec
                       else [[] for _ in sample_states])
-            samples = self._sample_step(hidden, sample_states, cu[1:][sample_idx], drafts, so)
+            defer = defer and self.proposer is None  # (a proposer reads the sampled tokens at once)
+            if defer and any(s.sampling_params.needs_penalties for s in sample_states):
+                self.token_feed.read_back_pending(sample_states)  # penalties count every output token
+            samples = self._sample_step(hidden, sample_states, cu[1:][sample_idx], drafts, so, keep_on_device=defer)
         spec_tokens: dict[str, list[int]] = {}
         # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.
         if self.proposer is not None and (samples is not None or self.uses_hidden_states):
             spec_tokens = self.proposer.propose_drafts(
-                self._draft_inputs(states, starts, q_lens, cu, positions, hidden, md, sample_idx))
-        if samples is None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()  # nothing was read back: the forward may still be running
-            out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        else:  # the sampled ids were read back to the host: the device work is done
-            out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[samples.tokens.get(r, []) for r in req_ids],
-                                    logprobs=samples.logprobs, spec_token_ids=spec_tokens)
+                build_draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx))
+        out = handle._out
+        if samples is not None and samples.device_tokens is not None:  # read back by handle.output()
+            self.token_feed.defer(handle, sample_states, sample_idx.tolist(), samples.device_tokens,
+                                  samples.device_logprobs)
+        elif samples is not None:  # the sampled ids were read back to the host: the device work is done
+            out.sampled_token_ids = [samples.tokens.get(r, []) for r in req_ids]
+            out.logprobs, out.spec_token_ids = samples.logprobs, spec_tokens
+        elif self.device.type == "cuda" and not defer:
+            torch.cuda.synchronize()  # nothing was read back: the forward may still be running
         out.encoder_seconds, out.num_encoded_embeds = encoder_seconds, num_encoded
         out.step_seconds = time.perf_counter() - t0
-        return out
+        return handle
 
     def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
         """Encode the items the scheduler released (see `encoder_runs.run_encoders`; a later pipeline stage encodes
@@ -339,42 +359,11 @@ class ModelRunner:
         return self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)
 
     def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
-                     drafts: list[list[int]], so: SchedulerOutput) -> StepSamples:
-        """Sample the requests in `states` (appending their tokens); see `StepSampler.sample`."""
-        return self.step_sampler.sample(self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows)
-
-    def _draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx) -> DraftInputs:
-        """What the proposer gets after this step (after sampling: token_ids already hold the new tokens)."""
-        sampled = [states[i] for i in sample_idx]
-        inputs = DraftInputs(req_ids=[s.req_id for s in sampled], token_ids=[s.token_ids for s in sampled])
-        if not self.uses_hidden_states:
-            return inputs
-        # Row of position p carries token p + 1 (0 past the known tokens: rejected drafts).
-        ids: list[int] = []
-        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            nxt = state.token_ids[s + 1:s + n + 1]
-            ids.extend(nxt)
-            if len(nxt) < n:
-                ids.extend([0] * (n - len(nxt)))
-        inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        if any(state.mm_features for state in states):
-            embeds = self._merge_mm_embeddings(inputs.input_ids, states, starts + 1, q_lens, cu,
-                                               skip_missing=True)  # [T, W] or None
-            # the draft takes the H-wide token rows (Qwen3-VL's rows also carry DeepStack features past H)
-            inputs.inputs_embeds = None if embeds is None else embeds[:, :decoder_of(self.model).hidden_size]
-        L = np.array([len(s.token_ids) for s in sampled], dtype=np.int64)
-        inputs.positions, inputs.hidden_states, inputs.attn_metadata = positions, hidden, md
-        inputs.aux_hidden_states = decoder_of(self.model).aux_hidden_states
-        inputs.last_rows = cu[:-1][sample_idx] + (L - 2 - starts[sample_idx])
-        inputs.seq_lens = L
-        inputs.batch_rows = np.asarray(sample_idx, dtype=np.int64)
-        inputs.num_slots = np.array([len(s.block_ids) * self.block_size for s in sampled], dtype=np.int64)
-        if self.mrope_positions_fn is not None:
-            inputs.mrope_deltas = np.array([s.mrope_delta for s in sampled], dtype=np.int64)
-        inputs.batch_req_ids = [s.req_id for s in states]
-        inputs.batch_starts = starts
-        inputs.batch_num_valid = np.minimum(q_lens, np.array([len(s.token_ids) for s in states]) - 1 - starts)
-        return inputs
+                     drafts: list[list[int]], so: SchedulerOutput, keep_on_device: bool = False) -> StepSamples:
+        """Sample the requests in `states` (appending their tokens, unless kept on the device); see
+        `StepSampler.sample`."""
+        return self.step_sampler.sample(self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows,
+                                        keep_on_device)
 
     @staticmethod
     def _token_windows(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray) -> list[list[int]]:

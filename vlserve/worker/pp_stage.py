@@ -119,8 +119,8 @@ class PipelineStageRunner(ModelRunner):
         return out
 
     def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
-                     drafts: list[list[int]], so: SchedulerOutput) -> StepSamples:
+                     drafts: list[list[int]], so: SchedulerOutput, keep_on_device: bool = False) -> StepSamples:
         """The last stage samples; the others return no tokens (the scheduler sends them the tokens later)."""
         if self.last_stage:
-            return super()._sample_step(hidden, states, ends, drafts, so)
+            return super()._sample_step(hidden, states, ends, drafts, so, keep_on_device)
         return StepSamples()

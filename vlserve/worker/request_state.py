@@ -26,6 +26,7 @@ class CachedRequestState:
     mrope_delta: int = 0  # text position after the prompt = index + mrope_delta
     key_runs: list[tuple[int, int]] = field(default_factory=list)  # bidirectional image runs (first, last), if any
     lora_request: Any = None  # its vlserve.lora.LoRARequest, or None (the base model)
+    pending_sample: Any = None  # (StepHandle, index) of its latest deferred sample (deferred_samples.py), or None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -19,6 +19,25 @@ class StepSamples:
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # `keep_on_device`: [S] int64 sampled ids, and (top ids [S, k+1], their logprobs, sampled ranks [S]) or None,
+    # left on the device unread (tokens and logprobs then stay empty)
+    device_tokens: torch.Tensor | None = None
+    device_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def logprob_lists(states: list[CachedRequestState], emitted: list[int], strides: list[int], lp_ids: list,
+                  lp_vals: list, ranks: list) -> dict[str, list[tuple[list[int], list[float], int]]]:
+    """Per request that asked for logprobs: (top ids, their logprobs, the sampled token's rank) per emitted token;
+    request i has emitted[i] tokens and its rows start at sum(strides[:i]) of the read-back lists."""
+    result = {}
+    base = 0
+    for state, n, stride in zip(states, emitted, strides):
+        k = state.sampling_params.logprobs
+        if k is not None:
+            result[state.req_id] = [(lp_ids[base + j][: k + 1], lp_vals[base + j][: k + 1], ranks[base + j])
+                                    for j in range(n)]
+        base += stride
+    return result
 
 
 class TokenSlices(Sequence):
@@ -46,11 +65,12 @@ class StepSampler:
 
     def sample(self, model, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
                drafts: list[list[int]], grammar_bitmask: np.ndarray | None = None,
-               grammar_rows: dict[str, int] | None = None) -> StepSamples:
+               grammar_rows: dict[str, int] | None = None, keep_on_device: bool = False) -> StepSamples:
         """hidden: [T, H]; ends[i] (increasing): index after request i's last token in the batch; drafts[i]: its
         verified draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus
         position). grammar_bitmask / grammar_rows: the structured-output token bitmask of the step (see
-        SchedulerOutput), applied to the logits before sampling or verifying."""
+        SchedulerOutput), applied to the logits before sampling or verifying. keep_on_device: a step without drafts
+        returns its one token per request (and logprobs) on the device, unread, and appends nothing."""
         # Rows: the k_i draft positions + the bonus position of each request (just the last token without drafts).
         any_drafts = any(drafts)
         if any_drafts:
@@ -77,18 +97,16 @@ class StepSampler:
         else:
             md = build_sampling_metadata(params, gens, prompts, outputs, vocab, logits.device)
             out = self.sampler(logits, md)
+            if keep_on_device:
+                return StepSamples(device_tokens=out.sampled_token_ids, device_logprobs=None if out.logprobs is None
+                                   else (out.logprob_token_ids, out.logprobs, out.sampled_ranks))
             token_lists = [[t] for t in out.sampled_token_ids.tolist()]
         result = StepSamples()
-        want_logprobs = out.logprobs is not None
-        if want_logprobs:
-            lp_ids, lp_vals, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.sampled_ranks.tolist()
-        base = 0
-        for state, toks, d in zip(states, token_lists, drafts):
+        for state, toks in zip(states, token_lists):
             state.token_ids.extend(toks)
             result.tokens[state.req_id] = toks
-            k = state.sampling_params.logprobs
-            if k is not None and want_logprobs:
-                result.logprobs[state.req_id] = [
-                    (lp_ids[base + j][: k + 1], lp_vals[base + j][: k + 1], ranks[base + j]) for j in range(len(toks))]
-            base += len(d) + 1
+        if out.logprobs is not None:
+            result.logprobs = logprob_lists(states, [len(t) for t in token_lists], [len(d) + 1 for d in drafts],
+                                            out.logprob_token_ids.tolist(), out.logprobs.tolist(),
+                                            out.sampled_ranks.tolist())
         return result

@@ -45,16 +45,20 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
+                      max_k: int | None = None) -> torch.Tensor:
     """Keep each row's top-k tokens (ties at the k-th value kept), then the smallest set of them whose
-    cumulative probability reaches top_p (always at least the most likely token). Returns new logits."""
+    cumulative probability reaches top_p (always at least the most likely token). Returns new logits. max_k: an
+    upper bound of the enabled k's, when the caller knows one (else it is read from the device)."""
     if k is None and p is None:
         return logits
     V = logits.shape[-1]
     if p is None:
         # top-k only: no full sort needed.
         enabled = k < V
-        max_k = int(k[enabled].max()) if bool(enabled.any()) else V
+        if max_k is None:
+            max_k = int(k[enabled].max()) if bool(enabled.any()) else V
+        max_k = min(max_k, V)
         top_vals = logits.topk(max_k, dim=-1).values  # [B, max_k] descending
         kth = top_vals.gather(1, (k.clamp(max=max_k) - 1).unsqueeze(1))
         # Rows whose k == V (disabled) keep everything.
@@ -129,7 +133,7 @@ def compute_target_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch
         logits = logits / temperature.unsqueeze(1)
     if min_p is not None:
         logits = apply_min_p(logits, min_p)
-    logits = apply_top_k_top_p(logits, top_k, top_p)
+    logits = apply_top_k_top_p(logits, top_k, top_p, md.max_top_k)
     return torch.softmax(logits, dim=-1)
 
 

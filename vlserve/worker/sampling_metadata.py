@@ -29,6 +29,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # [B] int64 top-k (disabled rows hold vocab_size); None when no random row uses top-k.
     top_k: torch.Tensor | None = None
+    max_top_k: int | None = None  # the largest top-k below vocab_size (known on the host: no device read)
     # [B] float32 top-p (disabled rows hold 1.0); None when no random row uses top-p.
     top_p: torch.Tensor | None = None
     # [B] float32 min-p (disabled rows hold 0.0); None when no random row uses min-p.
@@ -119,6 +120,7 @@ def build_sampling_metadata(
                   for p, g in zip(params, greedy)]
         if any(k < vocab_size for k in top_ks):
             md.top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
+            md.max_top_k = max(k for k in top_ks if k < vocab_size)
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         if any(tp < 1.0 for tp in top_ps):
             md.top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
