@@ -7,7 +7,8 @@ Two workloads whose time is the engine's own work, not FLOPs:
 - `host`: 256 requests at once on a random Qwen2 of hidden 64 and 2 layers, 16-token prompts, 48 tokens out.
 Each round runs every workload once per code version, each in a fresh process (the versions alternate, the
 baseline first), on the same checkpoints: the demo model of this checkout and one random checkpoint built here.
-`--async-scheduling` runs both versions with `async_scheduling=True`.
+`--async-scheduling` runs both versions with `async_scheduling=True`; `--versus-sync` adds this checkout without it
+in every round (a third column, and synchronous / async).
 A process warms up, times `generate` several times and reports its median: ms per output token for `demo`, wall
 time / 48 (ms per decode position, the prefill included) for `host`. The baseline's code comes from
 `git archive REV` and runs with this checkout's Python; both use only the public `LLM` API and the engine's
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: demo, host")
     p.add_argument("--async-scheduling", action="store_true", help="both versions plan step N+1 while N runs")
+    p.add_argument("--versus-sync", action="store_true", help="also this checkout without async scheduling")
     p.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -115,8 +117,11 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[tuple[str, str], list[float]] = {}
         for rnd in range(args.rounds):
             for w in workloads:
-                for name, src in (("baseline", base_src), ("current", REPO)):
-                    r = _measure(src, w, models[w], args.async_scheduling)
+                runs = [("baseline", base_src, args.async_scheduling), ("current", REPO, args.async_scheduling)]
+                if args.versus_sync:
+                    runs.append(("sync", REPO, False))
+                for name, src, use_async in runs:
+                    r = _measure(src, w, models[w], use_async)
                     results.setdefault((w, name), []).append(r["ms"])
                     print(f"round {rnd + 1} {w:4s} {name:8s} {r['ms']:7.3f} ms  runs {r['runs']}", flush=True)
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -124,10 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nbaseline {args.baseline_rev} vs current {head}, median of {args.rounds} rounds (each a process's "
           f"median){', async scheduling' if args.async_scheduling else ''}; demo: ms/token, host: ms per decode "
           f"position")
-    print(f"{'workload':8s} {'baseline':>10s} {'current':>10s} {'baseline/current':>17s}")
+    extra = f" {'sync':>10s} {'sync/current':>13s}" if args.versus_sync else ""
+    print(f"{'workload':8s} {'baseline':>10s} {'current':>10s} {'baseline/current':>17s}{extra}")
     for w in workloads:
         b, c = statistics.median(results[(w, 'baseline')]), statistics.median(results[(w, 'current')])
-        print(f"{w:8s} {b:10.3f} {c:10.3f} {b / c:16.2f}x")
+        row = f"{w:8s} {b:10.3f} {c:10.3f} {b / c:16.2f}x"
+        if args.versus_sync:
+            y = statistics.median(results[(w, 'sync')])
+            row += f" {y:10.3f} {y / c:12.2f}x"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -29,3 +29,19 @@ def test_step_overhead_rejects_unknown_workloads():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "demo,nonsense", "--rounds", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "unknown workloads ['nonsense']" in proc.stderr
+
+
+@pytest.mark.slow
+def test_step_overhead_async_versus_sync():
+    """`--async-scheduling --versus-sync`: both versions async, this checkout also synchronous, each ratio printed."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--baseline-rev", "HEAD", "--rounds", "1", "--workloads",
+                           "demo", "--async-scheduling", "--versus-sync"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = dict(re.findall(r"^round 1 demo (baseline|current|sync) +([\d.]+) ms", proc.stdout, re.M))
+    assert sorted(rows) == ["baseline", "current", "sync"]
+    assert "async scheduling" in proc.stdout
+    summary = re.search(r"^demo +([\d.]+) +([\d.]+) +([\d.]+)x +([\d.]+) +([\d.]+)x$", proc.stdout, re.M)
+    assert summary, proc.stdout
+    base, cur, ratio, sync, sync_ratio = map(float, summary.groups())
+    assert (cur, sync) == (pytest.approx(float(rows["current"]), abs=1e-3), pytest.approx(float(rows["sync"]), abs=1e-3))
+    assert sync_ratio == pytest.approx(sync / cur, abs=0.01)

@@ -5,7 +5,6 @@ import logging
 import time
 from collections import deque
 from typing import Any
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -80,11 +79,9 @@ class EngineCore:
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request
         self.num_steps = 0
-        # Async scheduling: planned steps queued on one runner thread, oldest first (None when synchronous).
-        self.steps_in_flight: deque[tuple[SchedulerOutput, Future]] | None = None
-        if args.async_scheduling:
-            self.steps_in_flight = deque()
-            self._runner_thread = ThreadPoolExecutor(1, thread_name_prefix="vlserve-runner")
+        # Async scheduling: launched steps not yet folded back, oldest first, with the executor's handle for
+        # `finish_step` (None when synchronous).
+        self.steps_in_flight: deque[tuple[SchedulerOutput, Any]] | None = deque() if args.async_scheduling else None
         # Pipeline parallel: up to one batch per stage in flight (batch_queue.py); the stages that do not sample
         # learn the tokens from the SchedulerOutputs. None: one step at a time.
         pp = args.pipeline_parallel_size
@@ -202,16 +199,16 @@ class EngineCore:
         return outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
-        """Async scheduling: step N+1 is planned and queued on the runner thread while step N runs, then N's
-        results are folded back; the caller processes them (detokenizing, stop strings) while N+1 runs. With
-        spec decode the next plan needs N's drafts, so it is made right after N's results instead."""
+        """Async scheduling: step N+1 is planned and launched while step N runs, then N's results are folded back;
+        the caller processes them (detokenizing, stop strings) while N+1 runs. With spec decode the next plan needs
+        N's drafts, so it is made right after N's results instead."""
         flight = self.steps_in_flight
         if not flight and not self._submit_next():
             return []
         if not self.spec_config and not self._constrained_running():
             self._submit_next()  # placeholders stand in for the tokens step N is sampling
-        sched_out, future = flight.popleft()
-        runner_out = self.executor.finish_step(future.result())  # (N+1 runs meanwhile, fed N's tokens on the device)
+        sched_out, handle = flight.popleft()
+        runner_out = self.executor.finish_step(handle)  # (N+1 runs meanwhile, fed N's tokens on the device)
         self._observe_timings(sched_out, runner_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if not flight:
@@ -220,11 +217,11 @@ class EngineCore:
         return outputs
 
     def _submit_next(self) -> bool:
-        """Plan a step and queue it on the runner thread; False when there is nothing to run."""
+        """Plan a step and launch it (`Executor.launch_step`); False when there is nothing to run."""
         sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             return False
-        self.steps_in_flight.append((sched_out, self._runner_thread.submit(self.executor.launch_step, sched_out)))
+        self.steps_in_flight.append((sched_out, self.executor.launch_step(sched_out)))
         self.num_steps += 1
         return True
 
@@ -248,8 +245,8 @@ class EngineCore:
     def _drain_in_flight(self) -> None:
         """Wait for queued steps and fold back what they sampled (their requests may have finished meanwhile)."""
         while self.steps_in_flight:
-            sched_out, future = self.steps_in_flight.popleft()
-            self.scheduler.update_from_output(sched_out, self.executor.finish_step(future.result()))
+            sched_out, handle = self.steps_in_flight.popleft()
+            self.scheduler.update_from_output(sched_out, self.executor.finish_step(handle))
 
     def _flush_if_idle(self) -> None:
         """When nothing is left to run, let the runner drop finished requests now rather than next step."""
@@ -260,21 +257,17 @@ class EngineCore:
         if self.batch_queue is not None:
             self.batch_queue.drain()
         if self.scheduler.finished_req_ids:
-            sched_out = self.scheduler.schedule()
-            if self.steps_in_flight is None:
-                self.executor.execute_model(sched_out)
-            else:
-                self._runner_thread.submit(self.executor.execute_model, sched_out).result()
+            self.executor.execute_model(self.scheduler.schedule())
 
     def shutdown(self) -> None:
-        """Finish queued steps, stop the runner thread (async scheduling), the grammar compilers and the ranks."""
+        """Finish the steps in flight (async scheduling), stop the grammar compilers and the ranks."""
         if self._structured_output_manager is not None:
             self._structured_output_manager.shutdown()
         if self.steps_in_flight is not None:
             try:
                 self._drain_in_flight()
             finally:
-                self._runner_thread.shutdown(wait=True)
+                self.steps_in_flight.clear()
         if self.batch_queue is not None:
             self.batch_queue.discard()
         self.executor.shutdown()

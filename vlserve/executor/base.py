@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -41,12 +42,13 @@ class Executor(ABC):
         return handle
 
     def launch_step(self, sched_out: SchedulerOutput) -> Any:
-        """Async scheduling, on the engine's runner thread: run a step at least until its sampled tokens are queued;
-        `finish_step(handle)`, on the engine's thread, returns its output. Here (ranks elsewhere): the whole step."""
+        """Async scheduling: start a step and return while it runs (at least until its sampled tokens are queued on
+        the device); `finish_step(handle)` returns its output. Steps are finished in the order they were launched.
+        Here: the whole step, at once."""
         return self.execute_model(sched_out)
 
     def finish_step(self, handle: Any) -> ModelRunnerOutput:
-        """The output of a step `launch_step` returned (waiting for the device if need be)."""
+        """The output of a step `launch_step` returned (waiting for it if need be)."""
         return handle
 
     @abstractmethod
@@ -74,6 +76,7 @@ class RankGroupExecutor(Executor):
     output_rank: int = 0  # whose ModelRunnerOutput is the step's (the last pipeline stage's first rank)
     _dead: str | None = None  # why the ranks can no longer run steps
     _stats: WorkerStats = WorkerStats()
+    _step_thread: ThreadPoolExecutor | None = None  # async scheduling's (launch_step), made on first use
 
     @abstractmethod
     def _submit(self, method: str, arg=None) -> Any:
@@ -112,6 +115,16 @@ class RankGroupExecutor(Executor):
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect_execute(self.submit_execute(sched_out))
+
+    def launch_step(self, sched_out: SchedulerOutput) -> Future:
+        """The step on a helper thread (the ranks run it elsewhere; the thread waits for their answers), so the engine
+        folds the step before back meanwhile."""
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="vlserve-steps")
+        return self._step_thread.submit(self.execute_model, sched_out)
+
+    def finish_step(self, handle: Future) -> ModelRunnerOutput:
+        return handle.result()
 
     def submit_execute(self, sched_out: SchedulerOutput) -> Any:
         if self._dead:

@@ -96,6 +96,15 @@ class DeviceTokenFeed:
         holes = np.flatnonzero(ids_np < 0)  # [K] rows whose token is still on the device
         if not len(holes):
             return
+        last = states[0].pending_sample
+        if len(holes) == len(ids_np) == len(states) and last is not None and last[0]._states == states:
+            # the usual decode step: the requests the step before sampled, in its order, one token each
+            handle = last[0]
+            if not np.array_equal(handle._positions, positions_np):
+                raise RuntimeError("a decode step's placeholders are not its requests' latest samples")
+            input_ids[:len(holes)].copy_(handle.tokens)
+            self.num_fed_tokens += len(holes)
+            return
         owners = np.searchsorted(cu, holes, side="right") - 1  # [K] each hole's request
         groups: dict[StepHandle, tuple[list[int], list[int]]] = {}
         for hole, owner in zip(holes.tolist(), owners.tolist()):
