@@ -273,6 +273,10 @@ def step_throughput(cfg, name):
 
         kernel_s, wall = gpu_busy_fraction(lambda: llm.generate(prompts, sp, use_tqdm=False))
         figures["GPU busy %"] = round(100 * kernel_s / wall, 1)
+        kernel_s, wall = gpu_busy_fraction(lambda: llm.generate(prompts[:1], one, use_tqdm=False))
+        figures["single-stream GPU busy %"] = round(100 * kernel_s / wall, 1)
+    if runner.defer_readback:  # async scheduling: input ids the device took from the step before's samples
+        figures["device-fed input ids"] = runner.token_feed.num_fed_tokens
     llm.shutdown()
     busy = f", GPU busy {figures['GPU busy %']}%" if "GPU busy %" in figures else ""
     return {"figures": figures,
