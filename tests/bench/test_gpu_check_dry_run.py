@@ -34,6 +34,9 @@ def test_gpu_check_dry_run_reports_every_step(tmp_path):
     assert " passed" in steps["pytest_cuda"]["figures"]["summary"]
     assert steps["throughput_O1"]["figures"]["resolved level"] == 1
     assert steps["throughput_async"]["figures"]["throughput tok/s"] > 0
+    assert steps["throughput_async"]["figures"]["device-fed input ids"] > 0  # deferred read-back was on
+    host = steps["host_step"]["figures"]
+    assert len(host) == 4 and all(isinstance(v, float) and v > 0 for v in host.values()), host
     assert steps["recompiles_mrope"]["figures"]["recompiles (TORCH_LOGS=recompiles lines)"] >= 1  # logs were read
     assert steps["chunked_prefill_race"]["figures"]["runs equal to eager sync"] == "1/1"
 

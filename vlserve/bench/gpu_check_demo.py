@@ -1,9 +1,12 @@
-"""The GPU check's demo-model steps (issue 40, `vlserve.bench.gpu_check`): (g) the demo model's single stream,
-(h) the encoder cache on vs off and EAGLE vs plain decoding. Each returns the step's record (figures, headline,
-command); `s` is the run's size table (`gpu_check_sizes.sizes(cfg)`)."""
+"""The GPU check's small-model steps (issue 40, `vlserve.bench.gpu_check`): (g) the demo model's single stream,
+(h) the encoder cache on vs off and EAGLE vs plain decoding, (j) the host's work per step on a tiny model. Each
+returns the step's record (figures, headline, command); `s` is the run's size table (`gpu_check_sizes.sizes(cfg)`)."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import time
 
 
@@ -94,3 +97,24 @@ def step_eagle(cfg, s):
     return {"figures": figures, "headline": "EAGLE " + ", ".join(heads),
             "command": f"python -m vlserve.bench.spec_demo --method eagle --num-prompts {e['num_prompts']} "
                        f"--batch-sizes {','.join(map(str, e['batch_sizes']))} (in process, one engine at a time)"}
+
+
+# -- (j) host work per step -----------------------------------------------------------------------------------------
+def step_host_step(cfg, s):
+    """`vlserve.bench.host_step` (a tiny model: the step is the host's work) at a large batch and at batch 1, each
+    synchronous and with async scheduling; the large batch's runs also print cProfile's top functions (the log)."""
+    n = s["num_prompts"]
+    runs = [(f"batch {n}", ["--num-prompts", str(n), "--profile"]),
+            ("batch 1", ["--num-prompts", "1", "--output-len-range", "128", "128"])]
+    figures, commands = {}, []
+    for label, extra in runs:
+        for mode in ("sync", "async"):
+            args = ["-m", "vlserve.bench.host_step", "--repeats", "2", "--top", "30", *extra]
+            args += ["--async-scheduling"] if mode == "async" else []
+            proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cfg["repo"])
+            print(proc.stdout, proc.stderr[-2000:], flush=True)
+            found = re.search(r"ms/step: wall median ([\d.]+)", proc.stdout)
+            figures[f"{label}, {mode}: ms/step"] = float(found.group(1)) if found else f"exit {proc.returncode}"
+            commands.append("python " + " ".join(args))
+    return {"figures": figures, "command": "; ".join(commands),
+            "headline": ", ".join(f"{k} {v}" for k, v in figures.items())}

@@ -344,6 +344,8 @@ STEPS = [
           lambda cfg: _demo_steps().step_encoder_cache(cfg, sizes(cfg))),
     _step("eagle", "(h) EAGLE (the demo's shipped head) vs plain decoding (vlserve.bench.spec_demo)", 150, 30,
           lambda cfg: _demo_steps().step_eagle(cfg, sizes(cfg))),
+    _step("host_step", "(j) host work per step on a tiny model, batch 256 and 1, synchronous and async (where it goes: "
+          "cProfile in the log)", 150, 90, lambda cfg: _demo_steps().step_host_step(cfg, sizes(cfg))),
     _step("parity_cuda", "(i) greedy parity with HF, one test per family, every engine at -O2 (compiled, CUDA graphs "
           "on a GPU)", 300, 90, lambda cfg: step_pytest(cfg, "parity", per_test_s=180),
           env={"VLSERVE_DEFAULT_COMPILE_LEVEL": "2"}),

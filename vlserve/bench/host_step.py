@@ -42,7 +42,7 @@ def component_breakdown(llm, prompts, params) -> tuple[dict[str, float], int]:
     targets = [(core.scheduler, "schedule", "scheduler.schedule"),
                (core.scheduler.kv, "allocate_slots", "  kv.allocate_slots"),
                (core.scheduler, "update_from_output", "scheduler.update_from_output"),
-               (core.runner, "execute_model", "runner.execute_model"),
+               (core.runner, "submit_step", "runner.submit_step"),
                (core.runner, "forward", "  runner.forward (model)"),
                (core.runner.step_sampler, "sample", "  runner sampling"),
                (loop.output_processor, "process_outputs", "output_processor.process_outputs")]
