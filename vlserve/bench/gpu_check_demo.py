@@ -61,7 +61,9 @@ def step_encoder_cache(cfg, s):
                         "encoder runs on / off": f"{on['encoder_runs']} / {off['encoder_runs']}",
                         "seconds on / off": f"{on['seconds']:.2f} / {off['seconds']:.2f}",
                         "of which in the HF processor, on / off": f"{on['preprocess_s']:.2f} / {off['preprocess_s']:.2f}",
-                        "decoder forwards on (graph replays / eager)": f"{on['graph_replays']} / {on['eager_forwards']}"},
+                        "decoder forwards on (graph replays / eager)": f"{on['graph_replays']} / {on['eager_forwards']}",
+                        "graphs compiled during the timed runs, on / off": f"{on['graphs_compiled']} / "
+                                                                          f"{off['graphs_compiled']}"},
             "headline": f"encoder cache {speed:.2f}x throughput",
             "command": f"python -m vlserve.bench.mm_cache --num-requests {m['num_requests']} --num-images "
                        f"{m['num_images']} --image-size {m['image_size']} --vision-depth {m['vision_depth']} "

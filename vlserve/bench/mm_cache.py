@@ -39,6 +39,7 @@ def run(model: str, images, num_requests: int, output_len: int, cache_on: bool, 
     prompts = [f"Describe picture {i}." for i in range(num_requests)]
     imgs = [[images[i % len(images)]] for i in range(num_requests)]
     preprocess[0] = 0.0
+    graphs0 = compiled_graphs()
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, images=imgs, use_tqdm=False)
     dt = time.perf_counter() - t
@@ -46,7 +47,14 @@ def run(model: str, images, num_requests: int, output_len: int, cache_on: bool, 
     m = llm.get_metrics()
     return {"seconds": dt, "req_per_s": num_requests / dt, "tok_per_s": num_requests * output_len / dt,
             "mean_ttft": sum(ttft) / len(ttft), "encoder_runs": m["vlserve:encoder_runs_total"],
-            "preprocess_s": preprocess[0], **forward_counts(m)}
+            "preprocess_s": preprocess[0], "graphs_compiled": compiled_graphs() - graphs0, **forward_counts(m)}
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (one more during a timed run: it compiled mid-run)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def forward_counts(metrics: dict) -> dict:
@@ -129,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     off = run(model, images, args.num_requests, args.output_len, False, mm_kwargs)
     for name, r in (("cache on ", on), ("cache off", off)):
         print(f"{name}: {r['req_per_s']:.2f} req/s, {r['tok_per_s']:.1f} tok/s, mean TTFT {r['mean_ttft']:.2f} s, "
-              f"{r['encoder_runs']} encoder runs, {r['seconds']:.1f} s ({r['preprocess_s']:.1f} s in the HF processor)")
+              f"{r['encoder_runs']} encoder runs, {r['seconds']:.1f} s ({r['preprocess_s']:.1f} s in the HF processor), "
+              f"{r['graphs_compiled']} graphs compiled during the run")
     print(f"throughput ratio on/off: {on['req_per_s'] / off['req_per_s']:.2f}x; "
           f"mean TTFT ratio off/on: {off['mean_ttft'] / on['mean_ttft']:.2f}x")
 
