@@ -144,3 +144,31 @@ def test_lora_errors(setup, tmp_path):
     out = llm.generate([OTHER], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=loras["a"])
     assert len(out[0].outputs[0].token_ids) == 2
     llm.check_integrity()
+
+
+def test_async_scheduling_keeps_adapter_outputs(setup):
+    """Async scheduling (step N+1 launched before N is folded back) with a batch mixing three adapters and the base
+    over two slots: the synchronous engine's outputs, which equal HF + PEFT (test above)."""
+    model_dir, adapters = setup
+    loras = requests_of(adapters)
+    batch = [(SHARED, "a"), (OTHER, "b"), (SHARED, None), (OTHER, "c"), (SHARED, "b"), (OTHER, "a")]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for use_async in (False, True):
+        llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2,
+                  max_lora_rank=16, block_size=4, num_kv_blocks=128, max_num_batched_tokens=16,
+                  async_scheduling=use_async)
+        got = llm.generate([p for p, _ in batch], params, use_tqdm=False,
+                           lora_request=[loras[n] if n else None for _, n in batch])
+        outs[use_async] = [o.outputs[0].token_ids for o in got]
+        llm.check_integrity()
+    assert outs[True] == outs[False]
+    assert outs[True][0] == hf_reference(model_dir, adapters["a"], SHARED)
+    assert llm.engine.executor.runner.token_feed.num_fed_tokens > 0
+
+
+def test_async_scheduling_with_lora_refused_across_ranks(setup):
+    from vlserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match="tensor or pipeline parallel"):
+        EngineArgs(model=setup[0], enable_lora=True, async_scheduling=True, tensor_parallel_size=2)

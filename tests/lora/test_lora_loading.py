@@ -21,7 +21,8 @@ def adapter(checkpoint, tmp_path_factory):
     return model_dir, make_adapter(model_dir, tmp_path_factory.mktemp("slow") / "a", ALL, r=4, seed=5)[0]
 
 
-def test_a_slow_load_does_not_stall_running_requests(adapter, monkeypatch, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_slow_load_does_not_stall_running_requests(adapter, monkeypatch, tmp_path, async_scheduling):
     import vlserve.lora.model_manager as mm
 
     model_dir, adapter_dir = adapter
@@ -35,7 +36,8 @@ def test_a_slow_load_does_not_stall_running_requests(adapter, monkeypatch, tmp_p
 
     monkeypatch.setattr(mm, "read_peft_files", slow_read)
     engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, dtype="float32", num_kv_blocks=128,
-                                                  enable_lora=True, max_lora_rank=8))
+                                                  enable_lora=True, max_lora_rank=8,
+                                                  async_scheduling=async_scheduling))
 
     async def run() -> tuple[int, list[int], list[int]]:
         tokens_during_load, base = 0, []
