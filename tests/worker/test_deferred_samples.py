@@ -87,3 +87,16 @@ def test_read_back_pending_makes_penalty_history_real(device):
     assert s.output_token_ids == [PENDING_TOKEN]
     feed.read_back_pending([s])
     assert s.output_token_ids == [9] and h.output().sampled_token_ids == [[9]]
+
+
+def test_step_seconds_count_the_launch_and_the_read_back_not_the_time_between():
+    """The engine sizes the per-step encoder budget from step_seconds: the steps run between a launch and its
+    read-back (the next step's launch, under async scheduling) must not count in it."""
+    import time
+
+    feed = DeviceTokenFeed(torch.device("cpu"))
+    s = _state("a", [1])
+    h = _launch(feed, [s], [4])
+    h._out.step_seconds = 0.5  # as the runner sets it when the launch ends
+    time.sleep(0.2)
+    assert 0.5 <= h.output().step_seconds < 0.6

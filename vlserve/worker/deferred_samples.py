@@ -28,9 +28,8 @@ class StepHandle:
     """One launched step. `output()` returns its ModelRunnerOutput, reading deferred samples back first (once, from
     any thread: the engine's, or the runner's when a later step needs the real ids on the host)."""
 
-    def __init__(self, out: ModelRunnerOutput, t0: float | None = None):
-        self._out = out
-        self._t0 = t0  # when the step began (its step_seconds then run to the read-back)
+    def __init__(self, out: ModelRunnerOutput):
+        self._out = out  # its step_seconds: the launch's, plus the read-back's wait when deferred
         self._lock = threading.Lock()
         self.tokens: torch.Tensor | None = None  # [S] int64 on the device while deferred
         self._states: list[CachedRequestState] = []  # the sampled requests, in `tokens` order
@@ -48,6 +47,7 @@ class StepHandle:
         return self._out
 
     def _read_back(self) -> None:
+        t0 = time.perf_counter()
         if self._copied is not None:
             self._copied.synchronize()
         ids = self._host[0].tolist()
@@ -59,8 +59,7 @@ class StepHandle:
             ones = [1] * len(ids)
             self._out.logprobs = logprob_lists(self._states, ones, ones, *(t.tolist() for t in self._host[1:]))
         self._states, self._host, self._copied = [], (), None
-        if self._t0 is not None:
-            self._out.step_seconds = time.perf_counter() - self._t0
+        self._out.step_seconds += time.perf_counter() - t0  # (not the time between: other steps ran in it)
 
 
 class DeviceTokenFeed:

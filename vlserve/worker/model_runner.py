@@ -318,8 +318,7 @@ class ModelRunner:
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
         sample_idx = np.nonzero(seq_lens >= known)[0]
         samples = None
-        handle = StepHandle(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]),
-                            t0 if defer else None)
+        handle = StepHandle(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]))
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             spec = so.scheduled_spec_decode_tokens
