@@ -144,7 +144,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             enc, num_encoding_after = NO_MEDIA, num_encoding
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
-            if num_new <= 0 or self._lora_blocked(req, loras):
+            if num_new <= 0 or (req.lora_request is not None and self._lora_blocked(req, loras)):
                 if num_new <= 0 and enc.slices:  # only a slice of its next item's tower: no token until it is done
                     self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
                     num_encoding = num_encoding_after

@@ -391,7 +391,9 @@ class ModelRunner:
         been encoded (the EAGLE draft's shifted window may reach one token into the next, unscheduled item)."""
         pieces = []  # (batch row, embeddings slice [n, H])
         for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
-            pieces += slice_mm_embeds(state.mm_features, self.encoder_outputs, s, s + n, int(cu[i]), skip_missing)
+            if state.mm_features:  # (most rows of most steps have none)
+                pieces += slice_mm_embeds(state.mm_features, self.encoder_outputs, s, s + n, int(cu[i]),
+                                          skip_missing)
         if not pieces:
             return None
         return merge_mm_embeds(self.model.get_input_embeddings(input_ids), pieces)  # [T, H]
