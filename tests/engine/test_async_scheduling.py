@@ -150,3 +150,24 @@ def test_async_abort_mid_run_leaks_nothing(qwen2_dir):
     loop.abort("x")
     assert not loop.has_unfinished_requests() and not loop.core.steps_in_flight
     loop.core.check_integrity()
+
+
+def test_async_beam_search_and_parallel_sampling_with_logprobs_equal_sync(qwen2_dir):
+    """Beam search (logprobs every step) and n > 1 seeded sampling with logprobs: deferred read-backs carry the
+    logprobs too, and the results equal the synchronous engine's."""
+    from vlserve import BeamSearchParams
+
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    beam = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=5, logprobs=2)
+    got = {}
+    for use_async in (False, True):
+        llm = LLM(qwen2_dir, dtype="float32", num_kv_blocks=256, async_scheduling=use_async)
+        beams = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts, beam)]
+        samples = [[(c.token_ids, c.logprobs) for c in o.outputs]
+                   for o in llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)]
+        got[use_async] = (beams, samples)
+        llm.check_integrity()
+    assert got[True] == got[False]
+    assert all(len(c[0]) == 5 and len(c[1]) == 5 for o in got[True][1] for c in o)
+    assert llm.engine.executor.runner.token_feed.num_fed_tokens > 0
