@@ -47,6 +47,21 @@ def test_tp2_equals_tp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_dir)
         llm.shutdown()
 
 
+def test_tp2_async_scheduling_equals_hf(qwen2_dir):
+    """Async scheduling over ranks in other processes: the executor's helper thread waits for step N+1's answers
+    while the engine folds step N back; greedy output equals HF's."""
+    prompts = varied_prompts(vocab_size(qwen2_dir), lengths=(2, 33, 64))
+    expected = hf_greedy(qwen2_dir, prompts, MAX_NEW)
+    llm = LLM(qwen2_dir, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, async_scheduling=True)
+    try:
+        assert _tokens(llm, prompts) == expected
+        assert llm.engine.executor._step_thread is not None  # the steps went through launch_step
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+    assert llm.engine.executor._step_thread is None
+
+
 def test_tp2_replicates_a_single_kv_head_untied_llama(llama_dir):
     prompts = varied_prompts(vocab_size(llama_dir), lengths=(2, 33, 64))
     expected = hf_greedy(llama_dir, prompts, MAX_NEW)

@@ -126,6 +126,12 @@ class RankGroupExecutor(Executor):
     def finish_step(self, handle: Future) -> ModelRunnerOutput:
         return handle.result()
 
+    def _stop_step_thread(self) -> None:
+        """At shutdown: let async scheduling's helper thread go (the engine has drained its steps)."""
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=False, cancel_futures=True)
+            self._step_thread = None
+
     def submit_execute(self, sched_out: SchedulerOutput) -> Any:
         if self._dead:
             raise WorkerDied(self._dead)
