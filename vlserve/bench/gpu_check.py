@@ -13,9 +13,9 @@ a report), and its output into OUT/log.txt. Three files in all: they fit what a 
 The steps' limits add up to more than one 10-minute call, and a session's 15 minutes of device time include the
 machine's start (a minute or more) and the machine goes back 30 s after a call: run it as calls on the same warm
 machine, prepared beforehand, split with --only (the work dir under the temp dir keeps the 1.2B checkpoint and
-inductor's cache between them), e.g. `--only pytest_cuda kernel_sweep chunked_prefill_race`, then `--only
-build_model throughput_O2 throughput_async hf_generate`, then the rest (2026-11-26's two runs: docs/benchmarks.md,
-"First run on a GPU" and "Second run on a GPU").
+inductor's cache between them), e.g. `--only pytest_cuda parity_cuda` (verdicts first), then `--only build_model
+throughput_O2 throughput_async hf_generate host_step`, then the rest (2026-11-26's runs: docs/benchmarks.md,
+"First run on a GPU" and after).
 
 Before the steps, on a real run, the packages the check needs beyond the machine's own torch / triton / transformers
 (vlserve's dependencies and pytest; `wheel_requirements`) are installed from ./wheelhouse, which `make gpu-wheels`
