@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlserve.kernels.host_copy import tensor_to_device, to_device
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = (Path(__file__).parent / "csrc" / "grammar_mask.cpp").read_text()
@@ -111,9 +113,9 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: np.ndarray, logit_row
                             mask_rows: list[int] | None = None) -> None:
     """`apply_token_bitmask_cpu`'s contract through numpy's unpack and `masked_fill` (any device)."""
     words = bitmask if mask_rows is None else bitmask[mask_rows]  # [R, W]
-    allowed = unpack_bitmask(words, logits.shape[-1]).to(logits.device)  # [R, V]
+    allowed = to_device(unpack_bitmask(words, logits.shape[-1]), logits.device)  # [R, V]
     if logit_rows is None:
         logits.masked_fill_(~allowed, float("-inf"))
         return
-    rows = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
+    rows = tensor_to_device(logit_rows, torch.long, logits.device)
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

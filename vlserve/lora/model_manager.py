@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from vlserve.kernels.host_copy import to_device
 from vlserve.lora.layers import (LoRALayerMixin, captured_lora_step, current_lora_step, lora_step, uniform_lora_step,
                                  unwrap, wrap_layer, wrap_mlp)
 from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter, read_peft_files
@@ -214,7 +215,7 @@ class LoRAModelManager:
             if len(num_tokens) != len(ids):
                 raise ValueError(f"{len(ids)} adapters for {len(num_tokens)} requests")
             slots = slots.repeat_interleave(torch.as_tensor(num_tokens, dtype=torch.int64))  # [T]
-        return slots.to(self.device), tuple(sorted(slot_of.values()))
+        return to_device(slots, self.device), tuple(sorted(slot_of.values()))
 
     def lora_step(self, token_slots: torch.Tensor):
         """Context manager: the LoRA layers apply `token_slots [T]` during the block (see `layers.lora_step`)."""

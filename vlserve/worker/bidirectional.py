@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vlserve.kernels.host_copy import to_device
+
 
 def token_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
     """The maximal runs of `token_id` in `token_ids` as (first, last) positions, in order."""
@@ -50,5 +52,5 @@ def step_key_limits(runs_per_row: list[list[tuple[int, int]]], starts: np.ndarra
                 limits = positions.astype(np.int64, copy=True)
             lo = max(first, s)
             limits[row + lo - s: row + last - s + 1] = last
-    return None if limits is None else torch.from_numpy(limits).to(device)
+    return None if limits is None else to_device(torch.from_numpy(limits), device)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vlserve.core.sched_output import ModelRunnerOutput
+from vlserve.kernels.host_copy import tensor_to_device
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import logprob_lists
 
@@ -119,8 +120,8 @@ class DeviceTokenFeed:
             if dst[0] == 0 and dst[-1] == k - 1 and src == list(range(k)):  # the usual decode step: rows 0..k-1
                 input_ids[:k].copy_(handle.tokens[:k])
             else:
-                dst_t = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-                src_t = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+                dst_t = tensor_to_device(dst, torch.long, self.device)
+                src_t = tensor_to_device(src, torch.long, self.device)
                 input_ids.index_copy_(0, dst_t, handle.tokens.index_select(0, src_t))
             self.num_fed_tokens += k
 

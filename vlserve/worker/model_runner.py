@@ -14,6 +14,7 @@ from vlserve.core.kv_cache_manager import cdiv
 from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.distributed.pipeline import stage_layer_range
 from vlserve.kernels import decode_workspace_numel
+from vlserve.kernels.host_copy import to_device
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager
@@ -382,7 +383,7 @@ class ModelRunner:
         parts = [mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
                  for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
         with torch.inference_mode(False):  # a normal tensor, as the text positions are: one dynamo guard for both
-            return torch.cat(parts, dim=1).to(self.device)  # [3, T]
+            return to_device(torch.cat(parts, dim=1), self.device)  # [3, T]
 
     def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
                              skip_missing: bool = False) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vlserve.kernels.host_copy import to_device
 from vlserve.worker.grammar_mask import apply_grammar_bitmask
 from vlserve.worker.rejection_sampler import RejectionSampler, build_spec_sampling_metadata
 from vlserve.worker.request_state import CachedRequestState
@@ -80,7 +81,7 @@ class StepSampler:
         if len(rows) and rows[-1] == len(rows) - 1:  # increasing rows that end at n - 1 are all of 0..n-1
             picked = hidden[:len(rows)]
         else:
-            picked = hidden.index_select(0, torch.from_numpy(rows).to(hidden.device))
+            picked = hidden.index_select(0, to_device(torch.from_numpy(rows), hidden.device))
         logits = model.compute_logits(picked)  # [sum(k_i + 1), V]
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, grammar_bitmask, grammar_rows, [s.req_id for s in states],

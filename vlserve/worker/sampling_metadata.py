@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlserve.kernels.host_copy import tensor_to_device, to_device
 from vlserve.sampling_params import SamplingParams
 
 
@@ -77,7 +78,7 @@ def _token_index(rows: list[int], token_lists: list[list[int]], vocab_size: int,
     keep = (ids >= 0) & (ids < vocab_size)
     if not bool(keep.all()):
         ids, row_idx = ids[keep], row_idx[keep]
-    return row_idx.to(device), ids.to(device)
+    return to_device(row_idx, device), to_device(ids, device)
 
 
 def build_sampling_metadata(
@@ -107,7 +108,7 @@ def build_sampling_metadata(
         vocab_size=vocab_size,
         all_greedy=all_greedy,
         all_random=all_random,
-        is_greedy=None if (all_greedy or all_random) else torch.tensor(greedy, dtype=torch.bool, device=device),
+        is_greedy=None if (all_greedy or all_random) else tensor_to_device(greedy, torch.bool, device),
         temperature=None,
     )
 
@@ -115,30 +116,27 @@ def build_sampling_metadata(
     if random_rows:
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         if any(t != 1.0 for t in temps):
-            md.temperature = torch.tensor(temps, dtype=torch.float32, device=device)
+            md.temperature = tensor_to_device(temps, torch.float32, device)
         top_ks = [vocab_size if (g or p.top_k < 1 or p.top_k >= vocab_size) else p.top_k
                   for p, g in zip(params, greedy)]
         if any(k < vocab_size for k in top_ks):
-            md.top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
+            md.top_k = tensor_to_device(top_ks, torch.int64, device)
             md.max_top_k = max(k for k in top_ks if k < vocab_size)
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         if any(tp < 1.0 for tp in top_ps):
-            md.top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
+            md.top_p = tensor_to_device(top_ps, torch.float32, device)
         min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         if any(mp > 0.0 for mp in min_ps):
-            md.min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+            md.min_p = tensor_to_device(min_ps, torch.float32, device)
         md.generators = {i: generators[i] for i in random_rows if generators[i] is not None}
 
     # Penalties: built only for the rows that need them; other rows get neutral values.
     pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
     if pen_rows:
         md.no_penalties = False
-        md.presence_penalties = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32,
-                                             device=device)
-        md.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32,
-                                              device=device)
-        md.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
-                                               device=device)
+        md.presence_penalties = tensor_to_device([p.presence_penalty for p in params], torch.float32, device)
+        md.frequency_penalties = tensor_to_device([p.frequency_penalty for p in params], torch.float32, device)
+        md.repetition_penalties = tensor_to_device([p.repetition_penalty for p in params], torch.float32, device)
         prompt_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
         r, t = _token_index(pen_rows, prompt_token_ids, vocab_size, device)
         prompt_mask[r, t] = True
@@ -158,8 +156,8 @@ def build_sampling_metadata(
                     ban_r.append(i)
                     ban_t.append(tok)
     if ban_r:
-        md.ban_rows = torch.tensor(ban_r, dtype=torch.int64, device=device)
-        md.ban_token_ids = torch.tensor(ban_t, dtype=torch.int64, device=device)
+        md.ban_rows = tensor_to_device(ban_r, torch.int64, device)
+        md.ban_token_ids = tensor_to_device(ban_t, torch.int64, device)
 
     nums = [p.logprobs for p in params if p.logprobs is not None]
     md.max_num_logprobs = max(nums) if nums else None
