@@ -319,7 +319,8 @@ class ModelRunner:
         known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
         sample_idx = np.nonzero(seq_lens >= known)[0]
         samples = None
-        handle = StepHandle(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]))
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        handle = StepHandle(out)
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             spec = so.scheduled_spec_decode_tokens
@@ -334,7 +335,6 @@ class ModelRunner:
         if self.proposer is not None and (samples is not None or self.uses_hidden_states):
             spec_tokens = self.proposer.propose_drafts(
                 build_draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx))
-        out = handle._out
         if samples is not None and samples.device_tokens is not None:  # read back by handle.output()
             self.token_feed.defer(handle, sample_states, sample_idx.tolist(), samples.device_tokens,
                                   samples.device_logprobs)
