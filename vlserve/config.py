@@ -342,7 +342,7 @@ class EngineArgs:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules were given but LoRA is off: add enable_lora=True (--enable-lora)")
         if self.enable_lora and self.async_scheduling and self.world_size > 1:  # ranks elsewhere answer the
-            # adapter loads' calls in order with the steps, one of which is in flight under async scheduling
+            # adapter loads' calls in order with the steps, and a step is in flight under async scheduling
             raise ValueError("LoRA with async_scheduling is not supported yet with tensor or pipeline parallel ranks")
 
 

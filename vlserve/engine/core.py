@@ -79,8 +79,8 @@ class EngineCore:
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request
         self.num_steps = 0
-        # Async scheduling: launched steps not yet folded back, oldest first, with the executor's handle for
-        # `finish_step` (None when synchronous).
+        # Async scheduling: submitted steps not yet folded back, oldest first, with the executor's handle for
+        # `collect_execute` (None when synchronous).
         self.steps_in_flight: deque[tuple[SchedulerOutput, Any]] | None = deque() if args.async_scheduling else None
         # Pipeline parallel: up to one batch per stage in flight (batch_queue.py); the stages that do not sample
         # learn the tokens from the SchedulerOutputs. None: one step at a time.
@@ -208,7 +208,7 @@ class EngineCore:
         if not self.spec_config and not self._constrained_running():
             self._submit_next()  # placeholders stand in for the tokens step N is sampling
         sched_out, handle = flight.popleft()
-        runner_out = self.executor.finish_step(handle)  # (N+1 runs meanwhile, fed N's tokens on the device)
+        runner_out = self.executor.collect_execute(handle)  # (N+1 runs meanwhile, fed N's tokens on the device)
         self._observe_timings(sched_out, runner_out)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if not flight:
@@ -217,11 +217,11 @@ class EngineCore:
         return outputs
 
     def _submit_next(self) -> bool:
-        """Plan a step and launch it (`Executor.launch_step`); False when there is nothing to run."""
+        """Plan a step and start it (`Executor.submit_execute`); False when there is nothing to run."""
         sched_out = self._schedule()
         if sched_out.is_empty and not sched_out.finished_req_ids and sched_out.kv_connector_metadata is None:
             return False
-        self.steps_in_flight.append((sched_out, self.executor.launch_step(sched_out)))
+        self.steps_in_flight.append((sched_out, self.executor.submit_execute(sched_out)))
         self.num_steps += 1
         return True
 
@@ -246,7 +246,7 @@ class EngineCore:
         """Wait for queued steps and fold back what they sampled (their requests may have finished meanwhile)."""
         while self.steps_in_flight:
             sched_out, handle = self.steps_in_flight.popleft()
-            self.scheduler.update_from_output(sched_out, self.executor.finish_step(handle))
+            self.scheduler.update_from_output(sched_out, self.executor.collect_execute(handle))
 
     def _flush_if_idle(self) -> None:
         """When nothing is left to run, let the runner drop finished requests now rather than next step."""

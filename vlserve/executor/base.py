@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -34,21 +33,12 @@ class Executor(ABC):
 
     def submit_execute(self, sched_out: SchedulerOutput) -> Any:
         """Start a step without waiting for it; `collect_execute(handle)` returns its output. Steps are collected in
-        the order they were submitted (here: run at once; ranks elsewhere queue them)."""
+        the order they were submitted (here: run at once; ranks elsewhere queue them). Pipeline parallelism's batch
+        queue and async scheduling keep steps in flight this way."""
         return self.execute_model(sched_out)
 
     def collect_execute(self, handle: Any) -> ModelRunnerOutput:
         """The output of the oldest step submitted and not yet collected (`handle` is what submit returned)."""
-        return handle
-
-    def launch_step(self, sched_out: SchedulerOutput) -> Any:
-        """Async scheduling: start a step and return while it runs (at least until its sampled tokens are queued on
-        the device); `finish_step(handle)` returns its output. Steps are finished in the order they were launched.
-        Here: the whole step, at once."""
-        return self.execute_model(sched_out)
-
-    def finish_step(self, handle: Any) -> ModelRunnerOutput:
-        """The output of a step `launch_step` returned (waiting for it if need be)."""
         return handle
 
     @abstractmethod
@@ -76,7 +66,6 @@ class RankGroupExecutor(Executor):
     output_rank: int = 0  # whose ModelRunnerOutput is the step's (the last pipeline stage's first rank)
     _dead: str | None = None  # why the ranks can no longer run steps
     _stats: WorkerStats = WorkerStats()
-    _step_thread: ThreadPoolExecutor | None = None  # async scheduling's (launch_step), made on first use
 
     @abstractmethod
     def _submit(self, method: str, arg=None) -> Any:
@@ -115,22 +104,6 @@ class RankGroupExecutor(Executor):
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect_execute(self.submit_execute(sched_out))
-
-    def launch_step(self, sched_out: SchedulerOutput) -> Future:
-        """The step on a helper thread (the ranks run it elsewhere; the thread waits for their answers), so the engine
-        folds the step before back meanwhile."""
-        if self._step_thread is None:
-            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="vlserve-steps")
-        return self._step_thread.submit(self.execute_model, sched_out)
-
-    def finish_step(self, handle: Future) -> ModelRunnerOutput:
-        return handle.result()
-
-    def _stop_step_thread(self) -> None:
-        """At shutdown: let async scheduling's helper thread go (the engine has drained its steps)."""
-        if self._step_thread is not None:
-            self._step_thread.shutdown(wait=False, cancel_futures=True)
-            self._step_thread = None
 
     def submit_execute(self, sched_out: SchedulerOutput) -> Any:
         if self._dead:

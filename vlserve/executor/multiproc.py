@@ -178,7 +178,6 @@ class MultiprocExecutor(RankGroupExecutor):
     # -- the executor interface --------------------------------------------------------------------------------
     def shutdown(self, kill: bool = False) -> None:
         """Ask every rank to stop, then kill the ones still running after a grace period (at once with `kill`)."""
-        self._stop_step_thread()
         for conn in self.conns:
             try:
                 _send(conn, ("shutdown", None))

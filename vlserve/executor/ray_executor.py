@@ -186,7 +186,6 @@ class RayExecutor(RankGroupExecutor):
 
     def shutdown(self) -> None:
         """Kill the actors and free their placement group; shut Ray down only if this executor started it."""
-        self._stop_step_thread()
         if not self.ray.is_initialized():
             return
         self._kill_actors()

@@ -20,10 +20,11 @@ class UniprocExecutor(Executor):
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched_out)
 
-    def launch_step(self, sched_out: SchedulerOutput) -> StepHandle:
+    def submit_execute(self, sched_out: SchedulerOutput) -> StepHandle:
+        """Run the step here; under async scheduling it returns with its sampled ids still on the device."""
         return self.worker.launch_step(sched_out)
 
-    def finish_step(self, handle: StepHandle) -> ModelRunnerOutput:
+    def collect_execute(self, handle: StepHandle) -> ModelRunnerOutput:
         return handle.output()
 
     def collective_rpc(self, method: str, arg=None) -> list:

@@ -11,7 +11,6 @@ ids over the placeholders and completes the `ModelRunnerOutput`.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -26,12 +25,12 @@ PENDING_TOKEN = -1  # a sampled token still on the device, in a CachedRequestSta
 
 
 class StepHandle:
-    """One launched step. `output()` returns its ModelRunnerOutput, reading deferred samples back first (once, from
-    any thread: the engine's, or the runner's when a later step needs the real ids on the host)."""
+    """One launched step. `output()` returns its ModelRunnerOutput, reading deferred samples back first (once: by the
+    engine when it folds the step back, or earlier by the runner when a later step needs the real ids on the
+    host). Launch and read-back run on the engine's one thread."""
 
     def __init__(self, out: ModelRunnerOutput):
         self._out = out  # its step_seconds: the launch's, plus the read-back's wait when deferred
-        self._lock = threading.Lock()
         self.tokens: torch.Tensor | None = None  # [S] int64 on the device while deferred
         self._states: list[CachedRequestState] = []  # the sampled requests, in `tokens` order
         self._positions: list[int] = []  # where each one's placeholder sits in its token_ids
@@ -42,9 +41,7 @@ class StepHandle:
     def output(self) -> ModelRunnerOutput:
         """The step's output with its sampled ids on the host (waits for the device if they are not yet)."""
         if self._states:
-            with self._lock:
-                if self._states:
-                    self._read_back()
+            self._read_back()
         return self._out
 
     def _read_back(self) -> None:
@@ -94,36 +91,30 @@ class DeviceTokenFeed:
         the model reads) from the sampled ids it stands for, on the device. `positions_np` [T]: each row's token
         position; cu [B + 1]: the requests' row offsets (states in batch order)."""
         holes = np.flatnonzero(ids_np < 0)  # [K] rows whose token is still on the device
-        if not len(holes):
-            return
-        last = states[0].pending_sample
-        if len(holes) == len(ids_np) == len(states) and last is not None and last[0]._states == states:
-            # the usual decode step: the requests the step before sampled, in its order, one token each
-            handle = last[0]
-            if not np.array_equal(handle._positions, positions_np):
-                raise RuntimeError("a decode step's placeholders are not its requests' latest samples")
-            input_ids[:len(holes)].copy_(handle.tokens)
-            self.num_fed_tokens += len(holes)
+        k = len(holes)
+        if not k:
             return
         owners = np.searchsorted(cu, holes, side="right") - 1  # [K] each hole's request
-        groups: dict[StepHandle, tuple[list[int], list[int]]] = {}
-        for hole, owner in zip(holes.tolist(), owners.tolist()):
-            handle, i = states[owner].pending_sample
-            if handle._positions[i] != positions_np[hole]:
-                raise RuntimeError(f"request {states[owner].req_id}: a placeholder at position {positions_np[hole]} "
-                                   f"is not its latest sample's ({handle._positions[i]})")
-            dst, src = groups.setdefault(handle, ([], []))
-            dst.append(hole)
-            src.append(i)
-        for handle, (dst, src) in groups.items():
-            k = len(dst)
-            if dst[0] == 0 and dst[-1] == k - 1 and src == list(range(k)):  # the usual decode step: rows 0..k-1
-                input_ids[:k].copy_(handle.tokens[:k])
-            else:
-                dst_t = tensor_to_device(dst, torch.long, self.device)
-                src_t = tensor_to_device(src, torch.long, self.device)
-                input_ids.index_copy_(0, dst_t, handle.tokens.index_select(0, src_t))
-            self.num_fed_tokens += k
+        first = states[owners[0]].pending_sample[0]
+        if holes[-1] == k - 1 and owners[-1] == k - 1 and first._states[:k] == states[:k]:
+            # the usual decode step: rows 0..k-1 are requests 0..k-1, which the step before sampled first, in order
+            if not np.array_equal(first._positions[:k], positions_np[:k]):
+                raise RuntimeError("a decode step's placeholders are not its requests' latest samples")
+            input_ids[:k].copy_(first.tokens[:k])
+        else:
+            groups: dict[StepHandle, tuple[list[int], list[int]]] = {}  # (rows to fill, indices into its tokens)
+            for hole, owner in zip(holes.tolist(), owners.tolist()):
+                handle, i = states[owner].pending_sample
+                if handle._positions[i] != positions_np[hole]:
+                    raise RuntimeError(f"request {states[owner].req_id}: a placeholder at position "
+                                       f"{positions_np[hole]} is not its latest sample's ({handle._positions[i]})")
+                dst, src = groups.setdefault(handle, ([], []))
+                dst.append(hole)
+                src.append(i)
+            for handle, (dst, src) in groups.items():
+                picked = handle.tokens.index_select(0, tensor_to_device(src, torch.long, self.device))
+                input_ids.index_copy_(0, tensor_to_device(dst, torch.long, self.device), picked)
+        self.num_fed_tokens += k
 
     @staticmethod
     def read_back_pending(states: list[CachedRequestState]) -> None:

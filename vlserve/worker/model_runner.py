@@ -303,7 +303,8 @@ class ModelRunner:
         step = self.input_batch.prepare(req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts,
                                         self.attn_workspace)
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
-        self.token_feed.fill(input_ids, step.input_ids_np, step.positions_np, cu, states)  # deferred samples' ids
+        if self.defer_readback:  # ids sampled by a step whose read-back is deferred
+            self.token_feed.fill(input_ids, step.input_ids_np, step.positions_np, cu, states)
         if self.bidirectional_token_id is not None:
             limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, step.positions_np, self.device)
             md.set_key_limits(limits)
