@@ -111,3 +111,28 @@ def test_keys_are_stable_across_processes():
         outs.append(run.stdout.split())
     assert outs[0][0] == outs[1][0]  # the tier key
     assert outs[0][1] != outs[1][1]  # what the device prefix cache uses differs per process
+
+
+def test_readme_kv_transfer_configs_parse_as_written():
+    """Every `--kv-transfer-config '...'` the README shows reaches EngineArgs as a config with the connector it names,
+    and the README does not promise a default connector the code does not have."""
+    import json
+    import os
+    import re
+    import shlex
+
+    from vlserve.cli import build_parser, serve_config_from_args
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    values = [shlex.split(m.group(0))[1] for m in re.finditer(r"--kv-transfer-config '[^']*'", readme)]
+    assert len(values) >= 2, "the README's P/D commands give --kv-transfer-config"
+    for value in values:
+        ns = build_parser().parse_args(["serve", "m", "--kv-transfer-config", value])
+        cfg = serve_config_from_args(ns)[0].kv_transfer_config
+        assert cfg.kv_connector == json.loads(value)["kv_connector"]
+    assert "may be left out" not in readme
+    ns = build_parser().parse_args(["serve", "m", "--kv-transfer-config", '{"kv_role": "kv_producer"}'])
+    with pytest.raises(ValueError, match="needs kv_connector"):
+        serve_config_from_args(ns)
