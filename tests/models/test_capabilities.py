@@ -157,3 +157,25 @@ def test_no_module_outside_models_probes_a_model():
         probes += [f"vlserve/{rel}:{line} ({attr})" for line, attr in model_probes(path.read_text())
                    if (rel.as_posix(), attr) not in ALLOWED]
     assert not probes, "read the model's ModelCapabilities (vlserve.models.capabilities) instead: " + ", ".join(probes)
+
+
+def test_lora_wraps_only_the_stated_targets():
+    import torch
+
+    from vlserve.lora.model_manager import LoRAModelManager
+    from vlserve.models.causal_lm import LlamaForCausalLM
+
+    class AttentionLoRA(LlamaForCausalLM):
+        capabilities = ModelCapabilities(lora_targets=("qkv_proj", "o_proj"))
+
+    class NoLoRA(LlamaForCausalLM):
+        capabilities = ModelCapabilities()
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        attention_only, no_lora = AttentionLoRA(config), NoLoRA(config)
+    manager = LoRAModelManager(attention_only, max_loras=1, max_lora_rank=4)
+    assert sorted(manager.targets) == [f"layers.{i}.self_attn.{p}" for i in range(2) for p in ("o_proj", "qkv_proj")]
+    with pytest.raises(ValueError, match="NoLoRA does not support LoRA adapters"):
+        LoRAModelManager(no_lora, max_loras=1, max_lora_rank=4)

@@ -1,22 +1,23 @@
 """`LoRAModelManager`: the LoRA layers of one model, the adapters in host memory and the device slots.
 
 Built once per model (after loading, and after `pack_linears_for_cpu` or not: either order works): it turns the
-decoder projections the model's `ModelCapabilities.lora_targets` name (qkv_proj / o_proj, and gate_up_proj /
-down_proj of each dense GatedMLP) into their LoRA classes in place (`vlserve.lora.layers`). Adapters are parsed from PEFT directories into a host LRU of up to `max_cpu_loras`
-(by `lora_int_id`); `max_loras` device slots hold the adapters a step uses. Each step,
-`prepare_step(adapters per request, tokens per request)` gives every adapter of the step a slot (loading it,
-evicting the least recently used slot no request of this step needs) and returns the per-token slots, which
-`lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
+decoder projections its `ModelCapabilities.lora_targets` name (qkv_proj / o_proj, and gate_up_proj / down_proj of
+each dense GatedMLP) into their LoRA classes in place (`vlserve.lora.layers`). Adapters are parsed from PEFT
+directories into a host LRU of up to `max_cpu_loras` (by `lora_int_id`); `max_loras` device slots hold the adapters
+a step uses. Each step, `prepare_step(adapters per request, tokens per request)` gives every adapter of the step a
+slot (loading it, evicting the least recently used slot no request of this step needs) and returns the per-token
+slots, which `lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
 
 Loading off the step loop: `start_loading(request)` reads the adapter's files on a background thread;
 `finished_loads()` (called between steps) prepares the ones read and puts them in the host LRU, so only the cheap
 part (slicing for this rank, folding the scaling) runs on the caller's thread. A step that needs an adapter not
 held still loads it synchronously (waiting for its read when one is under way).
 
-Tower LoRA: on a multimodal model (`ModelCapabilities.encoder_lora`) an adapter may also target the linears of the vision / audio tower and the
-projector. Those linears become LoRA layers the first time an adapter names them (so an engine whose adapters
-never do pays nothing there), and `encoder_step(adapter)` makes that adapter apply to every row of an encoder run
-(the runner encodes each adapter's items apart; their embeddings are cached under adapter-specific keys).
+Tower LoRA: on a multimodal model (`ModelCapabilities.encoder_lora`) an adapter may also target the linears of the
+vision / audio tower and the projector. Those linears become LoRA layers the first time an adapter names them (so
+an engine whose adapters never do pays nothing there), and `encoder_step(adapter)` makes that adapter apply to
+every row of an encoder run (the runner encodes each adapter's items apart; their embeddings are cached under
+adapter-specific keys).
 """
 from __future__ import annotations
 

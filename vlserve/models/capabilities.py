@@ -39,8 +39,7 @@ class ModelCapabilities:
     mm_encoder_only: bool = False
     """It can serve as an encode server: encoder parts and token embeddings only (`keep_encoder_parts`)."""
     pooling: bool = False
-    """A pooling (embedding) model: no lm_head, no sampling. Every model here generates; the pooling runner is
-    still to come."""
+    """A pooling (embedding) model: no lm_head, no sampling (EAGLE drafting refuses it). No model here pools."""
     image_token_id: int | None = None
     """From the config: the prompt's image placeholder token, before the processor expands it."""
     bidirectional_token_id: int | None = None

@@ -30,8 +30,8 @@ from torch import nn
 
 from vlserve.encoders.clip_vision import VitConfig
 from vlserve.encoders.siglip_vision import SiglipVisionTower
-from vlserve.models.gemma3 import Gemma3TextDecoderModel, GemmaRMSNorm
 from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
+from vlserve.models.gemma3 import Gemma3TextDecoderModel, GemmaRMSNorm
 from vlserve.models.hf_config import token_id_of
 from vlserve.models.mm_wrapper import MultiModalLM, image_token_of
 from vlserve.models.registry import register_model
