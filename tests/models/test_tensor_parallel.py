@@ -196,7 +196,8 @@ def test_kv_cache_shapes_are_per_rank(text_dirs):
 
     gqa = AutoConfig.from_pretrained(text_dirs["llama_gqa_untied"])
     mqa = AutoConfig.from_pretrained(text_dirs["qwen2_mqa_tied"])
-    runner = ModelRunner(torch.nn.Linear(1, 1), gqa, torch.device("cpu"), torch.float32, block_size=4)
+    runner = ModelRunner(load_model(text_dirs["llama_gqa_untied"], gqa, "float32", "cpu"), gqa, torch.device("cpu"),
+                         torch.float32, block_size=4)
     assert kv_cache_spec(gqa) == (2, 2, 16) and runner.kv_cache_shape(8) == (8, 4, 2, 16)
     whole_block = runner.bytes_per_block()
     with fake_rank(1, 2):

@@ -140,12 +140,14 @@ def test_weights_load_from_both_layouts(g3_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
+    from vlserve.models.capabilities import capabilities_of
     from vlserve.models.loader import load_model
 
     cfg = AutoConfig.from_pretrained(g3_dir)
     model = load_model(g3_dir, cfg, "float32", "cpu")
     assert type(model).__name__ == "Gemma3ForConditionalGeneration" and model.tied
-    assert model.bidirectional_token_id == cfg.image_token_index and model.unsplit_mm_items
+    caps = capabilities_of(model)
+    assert caps.bidirectional_token_id == cfg.image_token_index and caps.unsplit_mm_items
     params = dict(model.named_parameters())
     ckpt = load_file(os.path.join(g3_dir, "model.safetensors"))
     packed: dict[str, list] = {}  # the decoder's fused q/k/v and gate/up weights, from their pieces in order
@@ -197,6 +199,7 @@ def test_paged_logits_match_hf_with_bidirectional_images(g3_dir, oracle):
     does not."""
     from transformers import AutoConfig
 
+    from vlserve.models.capabilities import capabilities_of
     from vlserve.models.loader import load_model
     from vlserve.testing.paged_runner import PagedRunner
     from vlserve.worker.bidirectional import token_runs
@@ -214,7 +217,7 @@ def test_paged_logits_match_hf_with_bidirectional_images(g3_dir, oracle):
         want = hf(input_ids=full, pixel_values=inputs["pixel_values"], token_type_ids=types).logits[0].float()
         hf.to(oracle.device)
         feats = model.embed_multimodal("image", {"pixel_values": inputs["pixel_values"]})  # [2 * 16, H]
-    soft = model.bidirectional_token_id
+    soft = capabilities_of(model).bidirectional_token_id
     limits = list(range(len(ids)))
     for first, last in token_runs(ids, soft):
         limits[first:last + 1] = [last] * (last - first + 1)

@@ -17,6 +17,7 @@ from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sched
 from vlserve.core.encoder_only_scheduler import EncoderOnlyScheduler
 from vlserve.core.scheduler import Scheduler
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.models.capabilities import model_capabilities
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.registry import get_model_class
 from vlserve.spec_decode import SpeculativeConfig
@@ -58,16 +59,16 @@ class EngineCore:
         self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens
                                             or (enc_size if args.mm_encoder_only else None),
                                             min_step_seconds=args.encoder_step_ms / 1000.0)
-        model_cls = get_model_class(loaded.hf_config)
+        caps = model_capabilities(get_model_class(loaded.hf_config), loaded.hf_config)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             encoder_cache_size=enc_size, encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests,
-            disable_chunked_mm_input=getattr(model_cls, "unsplit_mm_items", False),
+            disable_chunked_mm_input=caps.unsplit_mm_items,
             # towers that run a slice of their blocks per step (an item over the budget is split across steps)
-            encoder_stage_counts=getattr(model_cls, "encoder_stage_counts", lambda _: {})(loaded.hf_config),
+            encoder_stage_counts=dict(caps.encoder_stage_counts),
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
             max_loras=args.max_loras if args.enable_lora else 0, kv_transfer_config=args.kv_transfer_config)
         self.enable_lora = args.enable_lora

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vlserve.executor.worker import mrope_positions_fn_for
+from vlserve.models.capabilities import capabilities_of
 from vlserve.multimodal.processor import MultiModalProcessor
 
 
@@ -25,7 +26,8 @@ def load_multimodal(model_path: str, hf_config: Any, model: Any,
     exists; none without `processor`) and, for M-RoPE models, the function that turns an expanded prompt + its
     media into 3-axis positions; empty parts when the model takes no media. Audio clips longer than
     `max_audio_seconds` are refused."""
-    modalities = tuple(getattr(model, "supported_modalities", ()))
+    caps = capabilities_of(model)
+    modalities = caps.modalities
     if not modalities:
         return MultimodalParts()
     if not processor:
@@ -33,7 +35,7 @@ def load_multimodal(model_path: str, hf_config: Any, model: Any,
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
         mm_processor = MultiModalProcessor.from_pretrained(
-            model_path, use_fast=use_fast, image_token_id=getattr(model, "image_token_id", None), **kwargs)
+            model_path, use_fast=use_fast, image_token_id=caps.image_token_id, **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
                          f"friends are needed for {', '.join(modalities)} input): {e}") from e

@@ -75,9 +75,11 @@ def check_pipeline_stages(model_cls, hf_config, num_stages: int) -> None:
     """ValueError unless `model_cls` splits over pipeline stages and its layers over `num_stages` (the partition
     $VLSERVE_PP_LAYER_PARTITION asks for, or an even one)."""
     from vlserve.distributed.pipeline import layer_partition
+    from vlserve.models.capabilities import stated_capabilities
 
-    if not getattr(model_cls, "supports_pipeline_parallel", False):
-        why = getattr(model_cls, "pipeline_parallel_refusal", "")
+    stated = stated_capabilities(model_cls)  # whether a class splits over stages does not depend on the checkpoint
+    if not stated.pipeline_parallel:
+        why = stated.pipeline_parallel_refusal
         raise ValueError(f"{model_cls.__name__} does not support pipeline_parallel_size > 1 yet"
                          + (f": {why}" if why else "") + " (the Llama, Mistral, Qwen2 and Qwen3 causal LMs, "
                          "Qwen2-VL, Qwen2.5-VL, LLaVA and LLaVA-NeXT do)")
@@ -87,12 +89,13 @@ def check_pipeline_stages(model_cls, hf_config, num_stages: int) -> None:
 def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True,
                      processor: bool = True) -> LoadedModel:
     """Read the checkpoint at model_path and build the model on the chosen device and dtype. Without
-    `build_model` (the ranks load their own shards elsewhere) no weight is read: `model` is None, and the model's
-    facts (modalities, M-RoPE) come from an instance on the meta device, which holds no memory. Without
+    `build_model` (the ranks load their own shards elsewhere) no weight is read: `model` is None, and the config is
+    checked by building the model on the meta device, which holds no memory. Without
     `processor` (an engine process: its requests arrive processed) no HF processor is loaded, nor transformers'
     image-processing modules (torchvision, scipy: about 70 MiB of the process)."""
     from transformers import AutoConfig
 
+    from vlserve.models.capabilities import model_capabilities
     from vlserve.models.loader import load_model, meta_model, resolve_dtype
     from vlserve.models.quantization import get_quantization_config
     from vlserve.models.registry import get_model_class
@@ -102,7 +105,7 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     model_cls = get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
-    if args.mm_encoder_only and not hasattr(model_cls, "keep_encoder_parts"):
+    if args.mm_encoder_only and not model_capabilities(model_cls, hf_config).mm_encoder_only:
         raise ValueError(f"mm_encoder_only needs a multimodal model; {model_path} ({model_cls.__name__}) has no "
                          f"media encoder")
     if args.pipeline_parallel_size > 1:

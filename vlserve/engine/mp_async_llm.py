@@ -38,6 +38,7 @@ def load_frontend(model_path: str, args: EngineArgs):
     from transformers import AutoConfig
 
     from vlserve.engine.model_setup import load_tokenizer
+    from vlserve.models.capabilities import model_capabilities
     from vlserve.models.registry import get_model_class
     from vlserve.multimodal.processor import MultiModalProcessor, wants_fast_processor
 
@@ -45,7 +46,7 @@ def load_frontend(model_path: str, args: EngineArgs):
         hf_config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
-    modalities = getattr(get_model_class(hf_config), "supported_modalities", ())
+    modalities = model_capabilities(get_model_class(hf_config), hf_config).modalities
     tokenizer = load_tokenizer(model_path, args.tokenizer)
     mm_processor = None
     if modalities:

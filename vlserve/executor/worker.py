@@ -15,6 +15,7 @@ from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.distributed.parallel_state import init_model_parallel, pp_size
 from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
+from vlserve.models.capabilities import capabilities_of
 from vlserve.multimodal.mrope import get_mrope_positions
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
 from vlserve.worker.deferred_samples import StepHandle
@@ -64,7 +65,7 @@ class WorkerStats:
 
 def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
     """For M-RoPE models: `(prompt_ids, mm_features) -> ([3, P] positions, delta)`; None otherwise."""
-    if not getattr(model, "uses_mrope", False):
+    if not capabilities_of(model).mrope:
         return None
 
     def mrope_fn(ids, feats):

@@ -1,22 +1,23 @@
 """`LoRAModelManager`: the LoRA layers of one model, the adapters in host memory and the device slots.
 
 Built once per model (after loading, and after `pack_linears_for_cpu` or not: either order works): it turns the
-decoder's qkv_proj / o_proj / gate_up_proj / down_proj (and each dense GatedMLP) into their LoRA classes in place
-(`vlserve.lora.layers`). Adapters are parsed from PEFT directories into a host LRU of up to `max_cpu_loras`
-(by `lora_int_id`); `max_loras` device slots hold the adapters a step uses. Each step,
-`prepare_step(adapters per request, tokens per request)` gives every adapter of the step a slot (loading it,
-evicting the least recently used slot no request of this step needs) and returns the per-token slots, which
-`lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
+decoder projections its `ModelCapabilities.lora_targets` name (qkv_proj / o_proj, and gate_up_proj / down_proj of
+each dense GatedMLP) into their LoRA classes in place (`vlserve.lora.layers`). Adapters are parsed from PEFT
+directories into a host LRU of up to `max_cpu_loras` (by `lora_int_id`); `max_loras` device slots hold the adapters
+a step uses. Each step, `prepare_step(adapters per request, tokens per request)` gives every adapter of the step a
+slot (loading it, evicting the least recently used slot no request of this step needs) and returns the per-token
+slots, which `lora_step` makes what the layers read during the forward; `step(...)` is the two in one call.
 
 Loading off the step loop: `start_loading(request)` reads the adapter's files on a background thread;
 `finished_loads()` (called between steps) prepares the ones read and puts them in the host LRU, so only the cheap
 part (slicing for this rank, folding the scaling) runs on the caller's thread. A step that needs an adapter not
 held still loads it synchronously (waiting for its read when one is under way).
 
-Tower LoRA: on a multimodal model an adapter may also target the linears of the vision / audio tower and the
-projector. Those linears become LoRA layers the first time an adapter names them (so an engine whose adapters
-never do pays nothing there), and `encoder_step(adapter)` makes that adapter apply to every row of an encoder run
-(the runner encodes each adapter's items apart; their embeddings are cached under adapter-specific keys).
+Tower LoRA: on a multimodal model (`ModelCapabilities.encoder_lora`) an adapter may also target the linears of the
+vision / audio tower and the projector. Those linears become LoRA layers the first time an adapter names them (so
+an engine whose adapters never do pays nothing there), and `encoder_step(adapter)` makes that adapter apply to
+every row of an encoder run (the runner encodes each adapter's items apart; their embeddings are cached under
+adapter-specific keys).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from vlserve.lora.layers import (LoRALayerMixin, captured_lora_step, current_lor
                                  unwrap, wrap_layer, wrap_mlp)
 from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter, read_peft_files
 from vlserve.lora.request import LoRARequest
+from vlserve.models.capabilities import capabilities_of
 from vlserve.models.layers import GatedMLP
 from vlserve.models.llama import decoder_of
 
@@ -52,6 +54,10 @@ class LoRAModelManager:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.model = model
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        caps = capabilities_of(model)
+        if not caps.lora_targets:
+            raise ValueError(f"{type(model).__name__} does not support LoRA adapters")
+        self.encoder_lora = caps.encoder_lora
         decoder = decoder_of(model)
         if any(isinstance(m, LoRALayerMixin) for m in decoder.modules()):
             raise ValueError("this model's layers already belong to a LoRAModelManager")
@@ -59,14 +65,19 @@ class LoRAModelManager:
         self.dtype, self.device = emb.dtype, emb.device
         self.targets: dict[str, LoRALayerMixin] = {}  # decoder-relative module name -> LoRA layer
         self._wrapped: list[nn.Module] = []
+        wanted = set(caps.lora_targets)
         for i, layer in enumerate(decoder.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            self._wrap(f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj)
-            self._wrap(f"layers.{i}.self_attn.o_proj", attn.o_proj, ("o_proj",))
-            if type(mlp) is GatedMLP:  # MoE blocks: attention only
+            if "qkv_proj" in wanted:
+                self._wrap(f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj)
+            if "o_proj" in wanted:
+                self._wrap(f"layers.{i}.self_attn.o_proj", attn.o_proj, ("o_proj",))
+            if type(mlp) is GatedMLP and wanted & {"gate_up_proj", "down_proj"}:  # MoE blocks: attention only
                 self._wrapped.append(wrap_mlp(mlp))
-                self._wrap(f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj)
-                self._wrap(f"layers.{i}.mlp.down_proj", mlp.down_proj, ("down_proj",))
+                if "gate_up_proj" in wanted:
+                    self._wrap(f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj)
+                if "down_proj" in wanted:
+                    self._wrap(f"layers.{i}.mlp.down_proj", mlp.down_proj, ("down_proj",))
         self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # host LRU, oldest first
         self._slots: list[int | None] = [None] * max_loras  # slot -> lora_int_id
         self._slot_lru: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
@@ -101,7 +112,7 @@ class LoRAModelManager:
         return True
 
     def _parse(self, request: LoRARequest, files=None) -> LoRAAdapter:
-        encoder_target = self._encoder_target if hasattr(self.model, "encoder_linear_name") else None
+        encoder_target = self._encoder_target if self.encoder_lora else None
         return load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id,
                                  encoder_target, files)
 

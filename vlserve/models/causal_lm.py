@@ -1,12 +1,12 @@
 """Causal LMs over the Llama-family decoder (vlserve.models.llama): `DecoderWithLMHead` (a decoder + `lm_head`,
 tying and the calls the runner makes, shared with the multimodal models) and the text-only Llama / Mistral, Qwen2
 and Qwen3 causal LMs, which load a HF checkpoint's `model.*` and `lm_head.weight`. The text-only causal LMs split
-over pipeline stages (`supports_pipeline_parallel`): `lm_head` lives on the last stage, which reads it from
-`model.embed_tokens.weight` when the two are tied and the embeddings are on another stage.
+over pipeline stages (`ModelCapabilities.pipeline_parallel`): `lm_head` lives on the last stage, which reads it
+from `model.embed_tokens.weight` when the two are tied and the embeddings are on another stage.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -14,6 +14,7 @@ from torch import nn
 from vlserve.distributed.parallel_state import tp_size
 from vlserve.distributed.pipeline import IntermediateTensors, is_last_stage
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.hf_config import tie_word_embeddings_of
 from vlserve.models.llama import IGNORED_SUFFIXES, AbsentOnStage, LlamaDecoderModel
 from vlserve.models.parallel_layers import ParallelLMHead, ShardSpec
@@ -22,11 +23,25 @@ from vlserve.models.parallel_layers import ParallelLMHead, ShardSpec
 class DecoderWithLMHead(nn.Module):
     """A LlamaDecoderModel (at attribute `decoder_attr`) + `lm_head`: tying and the calls the runner makes.
 
-    Subclasses build the decoder and `lm_head` themselves, then call `tie_weights()`.
+    Subclasses build the decoder and `lm_head` themselves, then call `tie_weights()`. Every registered class
+    states its `capabilities` in its own body (vlserve.models.capabilities).
     """
 
     decoder_attr = "model"
-    supports_pipeline_parallel = False  # whether this class builds and loads one pipeline stage's share
+    capabilities: ClassVar[ModelCapabilities]
+
+    @classmethod
+    def capabilities_for(cls, hf_config) -> ModelCapabilities:
+        """`capabilities` with the values `hf_config` decides filled in: a text LM's statement as is."""
+        return cls.capabilities
+
+    def encoder_parts(self) -> list[nn.Module]:
+        """The encoder parts (towers, projectors): none in a text LM."""
+        return []
+
+    def keep_stage_parts(self) -> None:
+        """Drop what this pipeline stage does not hold before materializing: nothing in a text LM (its decoder
+        builds only its stage's layers)."""
 
     @property
     def decoder(self) -> "LlamaDecoderModel":
@@ -95,7 +110,7 @@ class LlamaForCausalLM(DecoderWithLMHead):
 
     # The decoder class and its keyword arguments; subclasses override.
     decoder_cls, decoder_kwargs = LlamaDecoderModel, {}
-    supports_pipeline_parallel = True
+    capabilities = ModelCapabilities(pipeline_parallel=True, tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -155,9 +170,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on q/k/v (none on o_proj)."""
 
     decoder_kwargs = {"qkv_bias": True, "o_bias": False}
+    capabilities = LlamaForCausalLM.capabilities
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head RMSNorm on q and k before RoPE; biases follow `config.attention_bias`."""
 
     decoder_kwargs = {"qk_norm": True}
+    capabilities = LlamaForCausalLM.capabilities

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.hf_config import layer_type_rope_params_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from vlserve.models.causal_lm import LlamaForCausalLM
@@ -143,7 +144,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     `final_logit_softcapping` when the config sets it."""
 
     decoder_cls = Gemma3TextDecoderModel
-    supports_pipeline_parallel = False  # not tried over pipeline stages yet
+    # not tried over pipeline stages yet
+    capabilities = ModelCapabilities(tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden [N, H]` -> logits `[N, V]` float32; `cap * tanh(logits / cap)` in the model dtype, as HF."""

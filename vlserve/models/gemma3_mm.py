@@ -23,15 +23,17 @@ T = tokens in the step, H = LLM hidden size, V = vocab size, E = tower width, P 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from vlserve.encoders.clip_vision import VitConfig
 from vlserve.encoders.siglip_vision import SiglipVisionTower
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.gemma3 import Gemma3TextDecoderModel, GemmaRMSNorm
 from vlserve.models.hf_config import token_id_of
-from vlserve.models.mm_wrapper import MultiModalLM
+from vlserve.models.mm_wrapper import MultiModalLM, image_token_of
 from vlserve.models.registry import register_model
 
 # Checkpoint prefixes, longest first: 5.x writes `model.<part>.`, 4.57 the top-level names.
@@ -69,14 +71,27 @@ class Gemma3ForConditionalGeneration(MultiModalLM):
     tied `lm_head`; loads 5.x's layout (`model.vision_tower.*`, `model.multi_modal_projector.*`,
     `model.language_model.*`) and 4.57's top-level names."""
 
-    supported_modalities = ("image",)
+    # unsplit items: the scheduler keeps each crop's soft-token run inside one step
+    capabilities = ModelCapabilities(
+        modalities=("image",), unsplit_mm_items=True, tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True, mm_encoder_only=True,
+        pipeline_parallel_refusal=("the Gemma 3 decoder (scaled embeddings, per-layer-type RoPE, bidirectional "
+                                   "image runs) has not been split over pipeline stages"))
     weight_prefixes = _PREFIXES
     copied_parts = ("multi_modal_projector",)
     delegated_parts = ("vision_tower",)
     decoder_cls = Gemma3TextDecoderModel
-    unsplit_mm_items = True  # the scheduler keeps each crop's soft-token run inside one step
-    pipeline_parallel_refusal = ("the Gemma 3 decoder (scaled embeddings, per-layer-type RoPE, bidirectional image "
-                                 "runs) has not been split over pipeline stages")
+
+    @classmethod
+    def capabilities_for(cls, hf_config) -> ModelCapabilities:
+        """The prompt's placeholder is `<start_of_image>`, before expansion; the soft tokens it expands to attend
+        both ways, one run per crop. ValueError for a config without either token."""
+        soft = image_token_of(hf_config)
+        boi = token_id_of(hf_config, "boi_token_id")
+        boi = boi if boi is not None else token_id_of(hf_config, "boi_token_index")
+        if soft is None or boi is None:
+            raise ValueError("Gemma 3 config needs image_token_index and boi_token_index")
+        return replace(cls.capabilities, image_token_id=int(boi), bidirectional_token_id=int(soft))
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -91,14 +106,7 @@ class Gemma3ForConditionalGeneration(MultiModalLM):
                                                      cfg.image_size // cfg.patch_size, self.mm_tokens_per_image,
                                                      cfg.layer_norm_eps)
         self.build_language_model()
-        soft = token_id_of(config, "image_token_id")
-        soft = soft if soft is not None else token_id_of(config, "image_token_index")
-        boi = token_id_of(config, "boi_token_id")
-        boi = boi if boi is not None else token_id_of(config, "boi_token_index")
-        if soft is None or boi is None:
-            raise ValueError("Gemma 3 config needs image_token_index and boi_token_index")
-        self.bidirectional_token_id = int(soft)  # the soft tokens: one run per crop attends both ways
-        self.image_token_id = int(boi)  # the prompt's placeholder, `<start_of_image>`, before expansion
+        self.capabilities_for(config)  # ValueError for a config without its image tokens
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
 

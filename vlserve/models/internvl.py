@@ -22,7 +22,7 @@ from torch import nn
 from vlserve.encoders.intern_vit import InternVitConfig, InternVitTower
 from vlserve.kernels.activation import activation
 from vlserve.kernels.packed_linear import PackableLinear
-from vlserve.models.hf_config import token_id_of
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.llava import decoder_kwargs_for
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
@@ -77,7 +77,8 @@ class InternVLForConditionalGeneration(MultiModalLM):
     `language_model.lm_head.weight`); the original OpenGVLab remote-code layout is not read.
     """
 
-    supported_modalities = ("image", "video")
+    capabilities = ModelCapabilities(modalities=("image", "video"), tensor_parallel=True,
+                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
     weight_prefixes = _PREFIXES
     copied_parts = ("vision_tower", "multi_modal_projector")
 
@@ -97,7 +98,6 @@ class InternVLForConditionalGeneration(MultiModalLM):
             self.vision_tower.cfg.width * self.shuffle**2, self.text_config.hidden_size,
             getattr(config, "projector_hidden_act", "gelu"))
         self.build_language_model(**decoder_kwargs_for(self.text_config))
-        self.image_token_id = token_id_of(config, "image_token_id")
 
     def _load_extra(self, part: str, rel: str, tensor: torch.Tensor) -> str | None:
         """Accept (and drop) the tower weights listed in `_UNUSED_TOWER_WEIGHTS`."""

@@ -20,7 +20,7 @@ from vlserve.encoders.clip_vision import ClipVisionTower, VitConfig, feature_lay
 from vlserve.encoders.siglip_vision import SiglipVisionTower
 from vlserve.kernels.activation import activation
 from vlserve.kernels.packed_linear import PackableLinear
-from vlserve.models.hf_config import token_id_of
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -72,8 +72,9 @@ class LlavaForConditionalGeneration(MultiModalLM):
     `model.language_model.*`, `lm_head.weight`); tower names with or without `vision_model.`.
     """
 
-    supported_modalities = ("image",)
-    supports_pipeline_parallel = True  # the tower and projector on the first stage (LLaVA-NeXT's image_newline too)
+    # over pipeline stages: the tower and projector on the first stage (LLaVA-NeXT's image_newline too)
+    capabilities = ModelCapabilities(modalities=("image",), pipeline_parallel=True, tensor_parallel=True,
+                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
     weight_prefixes = _PREFIXES
     copied_parts = ("multi_modal_projector",)
     delegated_parts = ("vision_tower",)
@@ -90,8 +91,6 @@ class LlavaForConditionalGeneration(MultiModalLM):
             self.vision_tower.cfg.width * len(self.feature_layers), self.text_config.hidden_size,
             getattr(config, "projector_hidden_act", "gelu"), bool(getattr(config, "multimodal_projector_bias", True)))
         self.build_language_model(**decoder_kwargs_for(self.text_config))
-        image_token = token_id_of(config, "image_token_id")
-        self.image_token_id = image_token if image_token is not None else token_id_of(config, "image_token_index")
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ from vlserve.multimodal.anyres import anyres_layout
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     """LLaVA + anyres tiling, unpadding and `image_newline` rows (loaded as `image_newline` / `model.image_newline`)."""
 
+    capabilities = LlavaForConditionalGeneration.capabilities
+
     def __init__(self, config) -> None:
         super().__init__(config)
         self.image_newline = nn.Parameter(torch.zeros(self.text_config.hidden_size))

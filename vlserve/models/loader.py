@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from vlserve.distributed.parallel_state import pp_size, tp_size
+from vlserve.models.capabilities import model_capabilities
 from vlserve.models.llama import decoder_of
 from vlserve.models.quantization import apply_quantization, get_quantization_config, process_quantized_weights
 from vlserve.models.registry import get_model_class
@@ -108,8 +109,8 @@ def decoder_prefix(names: list[str]) -> str:
 
 
 def meta_model(hf_config) -> nn.Module:
-    """The registered class for `hf_config` built on the meta device: its attributes (modalities, token ids, M-RoPE)
-    without any weight memory."""
+    """The registered class for `hf_config` built on the meta device, without any weight memory (building it checks
+    the config as loading would)."""
     with torch.device("meta"):
         return get_model_class(hf_config)(hf_config)
 
@@ -136,7 +137,8 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     kernels' form after (`models.quantization`).
     """
     cls = get_model_class(hf_config)
-    if encoder_only and not hasattr(cls, "keep_encoder_parts"):
+    caps = model_capabilities(cls, hf_config)
+    if encoder_only and not caps.mm_encoder_only:
         raise ValueError(f"mm_encoder_only needs a multimodal model; {cls.__name__} has no media encoder")
     dtype = resolve_dtype(dtype, hf_config)
     device = torch.device(device)
@@ -150,7 +152,7 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     try:
         with torch.device("meta"):
             model = cls(hf_config)
-            if pp_size() > 1 and hasattr(model, "keep_stage_parts"):
+            if pp_size() > 1:
                 model.keep_stage_parts()  # a VLM's later stages hold no encoder parts
             if encoder_only:
                 model.keep_encoder_parts()  # an encode server holds no decoder layers nor lm_head
@@ -163,13 +165,12 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers(device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    model.tie_weights()
     shard_of = None
     if tp_size() > 1:
-        shard_of = getattr(model, "checkpoint_shard", None)
-        if shard_of is None:
+        if not caps.tensor_parallel:
             raise ValueError(f"{cls.__name__} does not support tensor_parallel_size > 1")
+        shard_of = model.checkpoint_shard
     try:
         # pipeline stages and encode servers read only their own tensors
         skip = model.on_other_stage if pp_size() > 1 or encoder_only else None

@@ -27,7 +27,7 @@ from vlserve.encoders.pixtral_vision import PatchGrid, PixtralConfig, PixtralVis
 from vlserve.encoders.vision_layers import RMSNorm
 from vlserve.kernels.activation import activation
 from vlserve.kernels.packed_linear import PackableLinear
-from vlserve.models.hf_config import token_id_of
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.llava import decoder_kwargs_for
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
@@ -78,7 +78,8 @@ class Mistral3ForConditionalGeneration(MultiModalLM):
     `lm_head`; loads 5.x's checkpoint layout (`model.vision_tower.*`, `model.multi_modal_projector.*`,
     `model.language_model.*`, `lm_head.weight`) and 4.57's top-level names."""
 
-    supported_modalities = ("image",)
+    capabilities = ModelCapabilities(modalities=("image",), tensor_parallel=True,
+                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
     weight_prefixes = _PREFIXES
     copied_parts = ("vision_tower", "multi_modal_projector")
 
@@ -95,8 +96,6 @@ class Mistral3ForConditionalGeneration(MultiModalLM):
             getattr(config, "projector_hidden_act", "gelu"), bool(getattr(config, "multimodal_projector_bias", False)),
             float(getattr(self.text_config, "rms_norm_eps", 1e-5)))
         self.build_language_model(**decoder_kwargs_for(self.text_config))
-        image_token = token_id_of(config, "image_token_id")
-        self.image_token_id = image_token if image_token is not None else token_id_of(config, "image_token_index")
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
 

@@ -13,28 +13,36 @@ Flow per step (the runner drives it):
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 T = tokens in the step, H = LLM hidden size, V = vocab size.
 
-Pipeline parallel (families with `supports_pipeline_parallel`): the encoder parts (every part but `language_model`
-and `lm_head`) live on the first stage only, which encodes the items and merges their embeddings; later stages get
-the residual stream from the previous one. `keep_stage_parts` (the loader calls it before materializing) drops the
-encoder parts off the other stages; `on_other_stage` tells the loader which checkpoint tensors this stage skips.
-`lm_head` is on the last stage, read from the decoder's `embed_tokens.weight` when tied and the embeddings live
-elsewhere. An encode server (mm_encoder_only) holds the encoder parts and the token embeddings only
-(`keep_encoder_parts`), through the same skipping.
+Pipeline parallel (families whose `ModelCapabilities` say `pipeline_parallel`): the encoder parts (every part but
+`language_model` and `lm_head`) live on the first stage only, which encodes the items and merges their embeddings;
+later stages get the residual stream from the previous one. `keep_stage_parts` (the loader calls it before
+materializing) drops the encoder parts off the other stages; `on_other_stage` tells the loader which checkpoint
+tensors this stage skips. `lm_head` is on the last stage, read from the decoder's `embed_tokens.weight` when tied
+and the embeddings live elsewhere. An encode server (mm_encoder_only) holds the encoder parts and the token
+embeddings only (`keep_encoder_parts`), through the same skipping.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 import torch
 
 from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.packed_linear import PackableLinear
-from vlserve.models.hf_config import text_config_of
+from vlserve.models.capabilities import ModelCapabilities
+from vlserve.models.hf_config import text_config_of, token_id_of
 from vlserve.models.causal_lm import DecoderWithLMHead
 from vlserve.models.llama import AbsentOnStage, LlamaDecoderModel
 from vlserve.models.parallel_layers import ParallelLMHead, copy_weight
 
 LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def image_token_of(hf_config) -> int | None:
+    """The config's image placeholder token: `image_token_id`, else `image_token_index` (older LLaVA spelling)."""
+    token = token_id_of(hf_config, "image_token_id")
+    return token if token is not None else token_id_of(hf_config, "image_token_index")
 
 
 class MultiModalLM(DecoderWithLMHead):
@@ -44,9 +52,6 @@ class MultiModalLM(DecoderWithLMHead):
     `_split_name`); the encoder parts are replicated: every rank loads and runs them whole."""
 
     decoder_attr = "language_model"
-    supports_multimodal = True
-    uses_mrope = False
-    supported_modalities: tuple[str, ...] = ()
     # (checkpoint prefix, part) pairs tried in order, longest prefix first; a part names an attribute of the
     # model, "language_model" the decoder. `lm_head.weight` / `language_model.lm_head.weight` go to lm_head.
     weight_prefixes: tuple[tuple[str, str], ...] = ()
@@ -58,8 +63,6 @@ class MultiModalLM(DecoderWithLMHead):
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
     # The decoder `build_language_model` makes (Gemma 3: its own text decoder, a LlamaDecoderModel subclass).
     decoder_cls: type[LlamaDecoderModel] = LlamaDecoderModel
-    # why a family does not split over pipeline stages (the ValueError says it; "" for the generic reason)
-    pipeline_parallel_refusal: str = ""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -67,11 +70,11 @@ class MultiModalLM(DecoderWithLMHead):
         self.text_config = text_config_of(config)
 
     @classmethod
-    def encoder_stage_counts(cls, hf_config) -> dict[str, int]:
-        """Per modality, the stages one item's encoding may be split into across steps (`vlserve.encoders.staged`:
-        the family then has `begin_encode_stages` / `run_encode_stages` / `finish_encode_stages`); a modality not
-        named is encoded in one piece."""
-        return {}
+    def capabilities_for(cls, hf_config) -> ModelCapabilities:
+        """`capabilities` with, for a family that takes images, the config's image placeholder token."""
+        if "image" not in cls.capabilities.modalities:
+            return cls.capabilities
+        return replace(cls.capabilities, image_token_id=image_token_of(hf_config))
 
     def build_language_model(self, **decoder_kwargs) -> None:
         """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""

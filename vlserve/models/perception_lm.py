@@ -15,6 +15,7 @@ from torch import nn
 
 from vlserve.encoders.timm_tower import TimmVisionTower, timm_tower_args
 from vlserve.kernels.packed_linear import PackableLinear
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -51,7 +52,8 @@ class PerceptionLMForConditionalGeneration(MultiModalLM):
     `vision_tower.*` / `multi_modal_projector.*` / `language_model.model.*` / `language_model.lm_head.*` spelling.
     """
 
-    supported_modalities = ("image",)
+    capabilities = ModelCapabilities(modalities=("image",), tensor_parallel=True,
+                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
     weight_prefixes = (("model.vision_tower.timm_model.", "vision_tower"),
                        ("vision_tower.timm_model.", "vision_tower"),
                        ("model.multi_modal_projector.", "multi_modal_projector"),
@@ -69,7 +71,6 @@ class PerceptionLMForConditionalGeneration(MultiModalLM):
         self.multi_modal_projector = PerceptionLMProjector(
             width, self.text_config.hidden_size, int(getattr(config, "projector_pooling_ratio", 1) or 1))
         self.build_language_model()
-        self.image_token_id = config.image_token_id
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
 

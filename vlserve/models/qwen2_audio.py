@@ -17,6 +17,7 @@ from torch import nn
 
 from vlserve.encoders import Qwen2AudioEncoder, qwen2_audio_encoder_config
 from vlserve.kernels.packed_linear import PackableLinear
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -46,7 +47,8 @@ class Qwen2AudioForConditionalGeneration(MultiModalLM):
     `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.weight`).
     """
 
-    supported_modalities = ("audio",)
+    capabilities = ModelCapabilities(modalities=("audio",), tensor_parallel=True,
+                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
     weight_prefixes = _PREFIXES
     copied_parts = ("audio_tower", "multi_modal_projector")
 

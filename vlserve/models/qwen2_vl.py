@@ -14,11 +14,14 @@ T = tokens in the step, H = LLM hidden size, V = vocab size.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from vlserve.encoders import Qwen2_5VisionTower, Qwen2VisionTower, qwen2_5_vl_tower_config, qwen2_vl_tower_config
 from vlserve.encoders.staged import TowerState
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
@@ -31,9 +34,10 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
     `lm_head.weight`) and the newer module layout (`model.visual.*`, `model.language_model.*`, `lm_head.weight`).
     """
 
-    uses_mrope = True
-    supported_modalities = ("image", "video")
-    supports_pipeline_parallel = True  # the tower on the first stage; every stage computes the M-RoPE positions
+    # over pipeline stages: the tower on the first stage; every stage computes the M-RoPE positions
+    capabilities = ModelCapabilities(modalities=("image", "video"), mrope=True, pipeline_parallel=True,
+                                     tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS, encoder_lora=True,
+                                     mm_encoder_only=True)
     weight_prefixes = (("model.visual.", "visual"), ("visual.", "visual"),
                        ("model.language_model.", "language_model"), ("language_model.model.", "language_model"),
                        ("model.", "language_model"))
@@ -50,8 +54,6 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
         super().__init__(config)
         self.visual = self._build_vision_tower(config.vision_config)
         self.build_language_model(**self.decoder_kwargs)
-        self.image_token_id = config.image_token_id
-        self.video_token_id = config.video_token_id
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
 
@@ -73,12 +75,13 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
     staged_tower = True
 
     @classmethod
-    def encoder_stage_counts(cls, hf_config) -> dict[str, int]:
-        """Per modality, the stages an item's encoding can be split into (the tower's blocks)."""
+    def capabilities_for(cls, hf_config) -> ModelCapabilities:
+        """As every family's, and with `staged_tower` an item's encoding stages: the tower's blocks."""
+        caps = super().capabilities_for(hf_config)
         if not cls.staged_tower:
-            return {}
+            return caps
         depth = hf_config.vision_config.depth
-        return {"image": depth, "video": depth}
+        return replace(caps, encoder_stage_counts={"image": depth, "video": depth})
 
     @torch.no_grad()
     def begin_encode_stages(self, modality: str, data: dict) -> TowerState:
@@ -118,6 +121,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: same structure; the vision tower (RMSNorm, SwiGLU, windowed attention with full-attention blocks
     at `fullatt_block_indexes`) is vlserve.encoders.Qwen2_5VisionTower. Video temporal positions scale with
     second_per_grid_ts * tokens_per_second (handled in vlserve.multimodal.mrope)."""
+
+    capabilities = Qwen2VLForConditionalGeneration.capabilities
 
     @staticmethod
     def _build_vision_tower(vision_config) -> nn.Module:

@@ -17,6 +17,7 @@ from torch import nn
 
 from vlserve.encoders.qwen3_vl_vision import Qwen3VisionTower, qwen3_vl_tower_config
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
 from vlserve.models.moe import SparseMoeBlock, is_sparse_layer
 from vlserve.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from vlserve.models.registry import register_model
@@ -32,9 +33,11 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
 
     decoder_kwargs: dict = {"qk_norm": True}  # dense FFNs; Qwen3-VL-MoE adds an mlp_factory
     staged_tower = False  # its tower (DeepStack taps between blocks) runs in one piece
-    supports_pipeline_parallel = False
-    pipeline_parallel_refusal = ("its DeepStack features, added to the first decoder layers' outputs, would have to "
-                                 "cross pipeline stages")
+    capabilities = ModelCapabilities(
+        modalities=("image", "video"), mrope=True, tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True, mm_encoder_only=True,
+        pipeline_parallel_refusal=("its DeepStack features, added to the first decoder layers' outputs, would have "
+                                   "to cross pipeline stages"))
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -76,6 +79,7 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     parallelism over the tensor-parallel ranks) in the layers `decoder_sparse_step` / `mlp_only_layers` pick."""
 
     decoder_kwargs = {"qk_norm": True, "mlp_factory": _moe_or_dense}
+    capabilities = Qwen3VLForConditionalGeneration.capabilities  # LoRA: attention only in the MoE layers
 
 
 register_model("Qwen3VLForConditionalGeneration", "vlserve.models.qwen3_vl:Qwen3VLForConditionalGeneration")

@@ -53,6 +53,7 @@ import torch
 
 from vlserve.distributed.parallel_state import tp_size
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.models.capabilities import capabilities_of
 from vlserve.spec_decode.eagle_checkpoint import load_eagle_draft
 from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids
 from vlserve.worker.proposer import DraftInputs, DraftKVSpec
@@ -188,7 +189,8 @@ def build_eagle_proposer(spec_config, loaded, max_model_len: int, block_size: in
     if tp_size() > 1:
         raise ValueError(f"EAGLE speculative decoding is not supported with tensor_parallel_size > 1 (got "
                          f"{tp_size()}); use method 'ngram' or tensor_parallel_size=1")
-    if not hasattr(loaded.model, "lm_head"):
-        raise ValueError(f"EAGLE drafting needs a target with an lm_head; {type(loaded.model).__name__} has none")
+    if capabilities_of(loaded.model).pooling:
+        raise ValueError(f"EAGLE drafting needs a target with an lm_head; {type(loaded.model).__name__} is a pooling "
+                         "model")
     return EagleProposer.from_config(spec_config, loaded.model, loaded.hf_config, loaded.device, loaded.dtype,
                                      max_model_len, block_size)

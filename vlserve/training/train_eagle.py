@@ -115,7 +115,7 @@ def _unit_rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def train_head(draft, target_lm_head, train: list[Sequence], args, device) -> dict:
+def train_head(draft, target_lm_head, train: list[Sequence], args, device, vocab_ids=None) -> dict:
     from tqdm.auto import tqdm
 
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -131,7 +131,6 @@ def train_head(draft, target_lm_head, train: list[Sequence], args, device) -> di
             progress = max(progress, elapsed / args.time_budget)
         return args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
     rng = random.Random(args.seed)
-    vocab_ids = getattr(draft, "_train_vocab_ids", None)
     step, t0, last = 0, time.time(), {}
     bar = tqdm(total=total, desc="train-eagle", disable=args.quiet, dynamic_ncols=True)
     draft.train()
@@ -309,19 +308,19 @@ def train_eagle(args: argparse.Namespace) -> dict:
         with torch.no_grad():  # x = fc([e; h]) starts as e + small noise: the target's residual stream base
             H = cfg.hidden_size
             draft.fc.weight[:, :H] += torch.eye(H, device=device)
+    vocab_ids = None  # the target ids of a reduced draft vocabulary
     if reduced:
         vocab_ids = _frequent_tokens(seqs, target.lm_head, cfg.draft_vocab_size, device)
         with torch.no_grad():
             draft.lm_head.weight.copy_(target.lm_head.weight[vocab_ids])
             draft.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids), device=device))
-        draft._train_vocab_ids = vocab_ids
     report = {"method": args.method, "target": os.path.abspath(args.target), "train_items": len(train_items),
               "eval_items": len(eval_items), "train_sequences": len(seqs), "train_tokens": n_tokens,
               "generation_seconds": round(gen_seconds, 1),
               "draft_params": sum(p.numel() for p in draft.parameters())}
     with tempfile.TemporaryDirectory(prefix="vlserve-eagle-untrained-") as untrained_dir:
         save_eagle_draft(draft, untrained_dir)  # the starting point: the report's untrained baseline
-        report["train"] = train_head(draft, target.lm_head, seqs, args, device)
+        report["train"] = train_head(draft, target.lm_head, seqs, args, device, vocab_ids)
         save_eagle_draft(draft, args.out)
         del target
 

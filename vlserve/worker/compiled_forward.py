@@ -25,6 +25,7 @@ from vlserve.config import CompilationConfig, default_capture_sizes, default_com
 from vlserve.kernels.attention_op import attention_step
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.packed_linear import row_breaks
+from vlserve.models.capabilities import capabilities_of
 from vlserve.models.llama import decoder_of
 from vlserve.worker.cuda_graphs import CudaGraphRunner, DecodeBuffers, StepInputs
 
@@ -59,7 +60,7 @@ def shape_classes(model: torch.nn.Module) -> list[tuple[int, bool]]:
     seconds to minutes into serving."""
     prefills = [2, *row_breaks(decoder_of(model))]
     classes = [(n, False) for n in prefills] + [(1, False)]
-    if getattr(model, "supports_multimodal", False):
+    if capabilities_of(model).multimodal:
         classes += [(n, True) for n in prefills]
     return classes
 

@@ -18,6 +18,7 @@ from vlserve.kernels.host_copy import to_device
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager
+from vlserve.models.capabilities import capabilities_of
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.llama import decoder_of, kv_cache_spec
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
@@ -47,8 +48,7 @@ class ModelRunner:
         self.model = model
         if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
             tune_cpu_allocator()
-            encoder_parts = getattr(model, "encoder_parts", None)  # towers: many rows a call
-            pack_linears_for_cpu(model, many_rows=encoder_parts() if encoder_parts else ())
+            pack_linears_for_cpu(model, many_rows=model.encoder_parts())  # towers: many rows a call
         # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
         # become LoRA layers; an engine with LoRA runs its decoder without torch.compile, and on CUDA replays decode
         # graphs with the adapters' slots as a graph input (ModelForward). Adapters load off the step loop.
@@ -62,7 +62,7 @@ class ModelRunner:
         self.vocab_size = self.text_config.vocab_size
         self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
         # runs of this token attend to themselves both ways in prefill (Gemma 3's image tokens), else None
-        self.bidirectional_token_id: int | None = getattr(model, "bidirectional_token_id", None)
+        self.bidirectional_token_id: int | None = capabilities_of(model).bidirectional_token_id
         self.step_sampler = StepSampler()
         # Async scheduling: leave sampled ids on the device and feed the next step from them (deferred_samples.py)
         self.defer_readback = False
