@@ -93,11 +93,11 @@ gpu-wheels: $(VENV)/.installed
 
 .PHONY: setup serve demo test browser kv-libs test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
 
-# `make quant-fixtures` remakes tests/fixtures/quant/ (issue 42) with the real tools, each in its own venv because
+# `make quant-fixtures` remakes tests/fixtures/quant/ with the real tools, each in its own venv because
 # their torch / transformers pins exclude each other and the main venv's: llm-compressor (compressed-tensors
 # fixtures) in .venv-quant, GPTQModel (GPTQ / AWQ fixtures, on the CPU; it JIT-compiles
 # its CPU packing extension with the system g++ on first use) in .venv-gptq.
-# QUANT_ARGS passes options to tools/make_quant_fixtures.py, e.g. QUANT_ARGS='--only ct_w4a16'.
+# QUANT_ARGS passes options to `python -m tools.make_quant_fixtures`, e.g. QUANT_ARGS='--only ct_w4a16'.
 QUANT_VENV ?= .venv-quant
 GPTQ_VENV ?= .venv-gptq
 
@@ -117,7 +117,7 @@ $(GPTQ_VENV)/.installed:
 	@touch $@
 
 quant-fixtures: $(QUANT_VENV)/.installed $(GPTQ_VENV)/.installed
-	$(QUANT_VENV)/bin/python tools/make_quant_fixtures.py --gptq-python $(GPTQ_VENV)/bin/python $(QUANT_ARGS)
+	$(QUANT_VENV)/bin/python -m tools.make_quant_fixtures --gptq-python $(GPTQ_VENV)/bin/python $(QUANT_ARGS)
 
 # `make quant-tools`: only the llm-compressor venv (.venv-quant), for examples/quantize_llmcompressor.py (README).
 quant-tools: $(QUANT_VENV)/.installed

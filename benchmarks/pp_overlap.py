@@ -95,7 +95,7 @@ def main() -> None:
         print("RESULT " + json.dumps(_child(model, pp, threads, overlap, args)), flush=True)
         return
 
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:

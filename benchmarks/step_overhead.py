@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sys.path.insert(0, REPO)
     from vlserve.demo import default_model_path
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))

@@ -18,7 +18,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 @pytest.fixture(scope="module")
 def audio_dir(tmp_path_factory):
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
 
     return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("proxy_audio")), num_layers=1)
 

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
-            from vlserve.testing.checkpoints import build_text_checkpoint
+            from vlserve.demo.checkpoints import build_text_checkpoint
 
             args.model = build_text_checkpoint(os.path.join(tmp, "ckpt"), arch="qwen2", hidden_size=args.hidden_size,
                                                num_layers=args.num_layers, num_heads=8, num_kv_heads=2,

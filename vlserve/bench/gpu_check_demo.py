@@ -38,7 +38,7 @@ def step_demo_single_stream(cfg, s):
 # -- (h) encoder cache and EAGLE ------------------------------------------------------------------------------------
 def step_encoder_cache(cfg, s):
     from vlserve.bench import mm_cache
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     m = s["mm_cache"]
     path = os.path.join(cfg["work_dir"], f"qwen2-vl-mm-{m['vision_depth']}-{m['vision_width']}-{m['image_size']}")

@@ -36,7 +36,7 @@ def _checkpoint(cfg: dict, key: str, **kw) -> str:
     """A random Qwen2 checkpoint of `sizes(cfg)[key]` in the work dir, built once (config.json marks it done)."""
     import torch
 
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     shape = {**sizes(cfg)[key], **kw}
     name = f"{key}-" + "-".join(f"{v}" for v in shape.values())
@@ -169,7 +169,7 @@ def step_recompiles_mrope(cfg):
     import numpy as np
 
     from vlserve import LLM, SamplingParams
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     path = os.path.join(cfg["work_dir"], "qwen2-vl-mrope")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from vlserve import LLM, SamplingParams
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with tempfile.TemporaryDirectory(prefix="vlserve-host-step-") as tmp:

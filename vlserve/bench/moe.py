@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model
     if args.build:
-        from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+        from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
         model = build_qwen3_vl_checkpoint(args.build, **DEFAULT_MODEL)
     total, active = parameter_counts(model)
     batches = [int(b) for b in args.batches.split(",")]

@@ -65,8 +65,8 @@ def build_checkpoint(cache_dir: str, vision_depth: int, vision_width: int, hidde
     LM heads of 64 dims (kv heads a quarter, as the throughput bench's Qwen2), MLP 3 x hidden, M-RoPE split
     t/h/w = 1/4, 3/8, 3/8 of head_dim / 2 (Qwen2-VL's 16/24/24 of 64); vision heads of 64 dims; weights float32.
     """
-    from vlserve.testing.chat_templates import QWEN2_VL_CHAT_TEMPLATE
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     path = os.path.join(cache_dir, f"qwen2-vl-vit{vision_depth}x{vision_width}-lm{num_layers}x{hidden_size}-s{seed}")
     done = os.path.join(path, ".complete")

@@ -151,10 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--tokenizer", default=None, help="a local tokenizer directory for the random model")
     p.add_argument("--tekken", action="store_true",
-                   help="the random model gets a real 131,072-token vocabulary (vlserve.testing.tekken_tokenizer)")
+                   help="the random model gets a real 131,072-token vocabulary (tests.support.tekken_tokenizer)")
     args = p.parse_args(argv)
     if args.tekken:
-        from vlserve.testing.tekken_tokenizer import tekken_tokenizer_dir
+        from tests.support.tekken_tokenizer import tekken_tokenizer_dir
 
         args.tokenizer = tekken_tokenizer_dir()
     model = args.model or build_random_model(args)

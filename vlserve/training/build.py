@@ -35,7 +35,7 @@ def build_processor(tokenizer):
     """A Qwen2VLProcessor around `tokenizer` with fixed small pixel budgets for images and video frames."""
     from transformers import Qwen2VLImageProcessorFast, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE
+    from vlserve.demo.tokenizer import CHAT_TEMPLATE
 
     # The fast (torch) image processor: what AutoProcessor loads by default, so training sees inference's pixels.
     image_processor = Qwen2VLImageProcessorFast(min_pixels=IMAGE_TOKENS * TOKEN_PIXELS,

@@ -1,5 +1,5 @@
 """The demo model's domain tokenizer: byte-level BPE trained with `tokenizers` on the world's questions and answers
-wrapped in ChatML, with Qwen2-VL's special tokens and chat template (shared with vlserve.testing.tokenizer).
+wrapped in ChatML, with Qwen2-VL's special tokens and chat template (shared with vlserve.demo.tokenizer).
 
 Every byte is in the alphabet, so any text encodes; the world's words are single tokens. Training depends only on
 a seeded corpus, so the vocabulary is reproducible.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from vlserve.testing.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+from vlserve.demo.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 DEFAULT_VOCAB_SIZE = 512
 SYSTEM_PROMPT = "You are a helpful assistant."

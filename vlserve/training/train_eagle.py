@@ -236,7 +236,7 @@ def train_eagle(args: argparse.Namespace) -> dict:
     from vlserve.models.loader import load_model
     from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights, save_eagle_draft
     from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids
-    from vlserve.testing.eagle_checkpoints import copy_last_layer, eagle_config_for, target_has_qkv_bias
+    from vlserve.spec_decode.eagle_heads import copy_last_layer, eagle_config_for, target_has_qkv_bias
 
     torch.manual_seed(args.seed)
     if args.threads:

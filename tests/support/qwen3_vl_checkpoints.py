@@ -48,7 +48,7 @@ def build_qwen3_vl_checkpoint(
         from transformers import Qwen3VLConfig as Config
         from transformers import Qwen3VLForConditionalGeneration as Model
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer
+    from vlserve.demo.tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer
 
     chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     if 2 * sum(mrope_section) != head_dim:

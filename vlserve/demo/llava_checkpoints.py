@@ -32,7 +32,7 @@ GRID_PINPOINTS = ((28, 56), (56, 28), (56, 56), (28, 84), (84, 28))
 def _tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from vlserve.testing.tokenizer import build_tokenizer, extra_special_tokens
+    from vlserve.demo.tokenizer import build_tokenizer, extra_special_tokens
 
     base = build_tokenizer()
     tok = PreTrainedTokenizerFast(

@@ -14,7 +14,7 @@ _DEFAULT_TIE = {"llama": False, "qwen2": True, "qwen3": True}
 @functools.lru_cache(maxsize=1)
 def _tokenizer():
     """The offline test tokenizer, trained once per process."""
-    from vlserve.testing.tokenizer import build_tokenizer
+    from vlserve.demo.tokenizer import build_tokenizer
 
     return build_tokenizer()
 
@@ -46,7 +46,7 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
     `N(0, initializer_range)` (HF initializes them to 1 and 0), so loaders that drop them are caught.
     config.json carries eos/pad ids of the tokenizer (eos = <|im_end|>, pad = <|endoftext|>), as does
     generation_config.json. `attention_bias` (llama, qwen3) adds biases to q/k/v/o_proj. `tokenizer_dir`: a local
-    tokenizer to ship instead of the test one (e.g. `vlserve.testing.tekken_tokenizer`'s). Returns `out_dir`.
+    tokenizer to ship instead of the test one (e.g. `tests.support.tekken_tokenizer`'s). Returns `out_dir`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

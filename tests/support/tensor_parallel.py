@@ -75,7 +75,7 @@ def paged_step_logits(model_dir: str, prompts: list[list[int]], decode_tokens: l
 
     from vlserve.config import CompilationConfig
     from vlserve.models import iter_safetensors_weights, load_model
-    from vlserve.testing.paged_runner import PagedRunner
+    from tests.support.paged_runner import PagedRunner
     from vlserve.worker.compiled_forward import ModelForward
 
     cfg = AutoConfig.from_pretrained(model_dir)

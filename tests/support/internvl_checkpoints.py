@@ -35,7 +35,7 @@ def internvl_tokenizer():
     """The offline tokenizer plus InternVL's image tokens, named as InternVLProcessor reads them."""
     from transformers import Qwen2TokenizerFast
 
-    from vlserve.testing.tokenizer import build_tokenizer, extra_special_tokens
+    from vlserve.demo.tokenizer import build_tokenizer, extra_special_tokens
 
     base = build_tokenizer()
     common = dict(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",

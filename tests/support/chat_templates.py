@@ -3,7 +3,7 @@
 QWEN2_VL_CHAT_TEMPLATE follows the logic of the template Qwen2-VL / Qwen2.5-VL checkpoints carry: a default system
 prompt, ChatML turns, and a media part recognised by `part['type'] == 'image'` or an 'image' / 'image_url' key
 (videos by `part['type'] == 'video'` or a 'video' key); `add_vision_id=True` numbers them ("Picture 1: ").
-Unlike vlserve.testing.tokenizer.CHAT_TEMPLATE it does not know `{"type": "image_url"}` without the key.
+Unlike vlserve.demo.tokenizer.CHAT_TEMPLATE it does not know `{"type": "image_url"}` without the key.
 
 STRING_CHAT_TEMPLATE is ChatML that prints each message's content as one string (no content parts).
 """

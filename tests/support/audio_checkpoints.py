@@ -25,14 +25,14 @@ def build_qwen2_audio_checkpoint(
 
     The encoder keeps Whisper's 30 s window (1500 positions, 3000 mel frames) so the real feature extractor's output
     fits it. `AutoProcessor.from_pretrained(out_dir)` and `Qwen2AudioForConditionalGeneration.from_pretrained(out_dir)`
-    load it offline. `chat_template` defaults to vlserve.testing.chat_templates.QWEN2_AUDIO_CHAT_TEMPLATE.
+    load it offline. `chat_template` defaults to tests.support.chat_templates.QWEN2_AUDIO_CHAT_TEMPLATE.
     """
     import torch
     from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
                               WhisperFeatureExtractor)
 
-    from vlserve.testing.chat_templates import QWEN2_AUDIO_CHAT_TEMPLATE
-    from vlserve.testing.tokenizer import build_qwen2_tokenizer
+    from tests.support.chat_templates import QWEN2_AUDIO_CHAT_TEMPLATE
+    from vlserve.demo.tokenizer import build_qwen2_tokenizer
 
     chat_template = QWEN2_AUDIO_CHAT_TEMPLATE if chat_template is None else chat_template
     os.makedirs(out_dir, exist_ok=True)

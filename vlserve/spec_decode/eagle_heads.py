@@ -1,4 +1,4 @@
-"""EAGLE draft checkpoints for tests and benchmarks: random heads, and heads copied from the target.
+"""Untrained EAGLE draft heads sized for a target: random heads, and heads copied from the target.
 
 `build_eagle_checkpoint(out_dir, target_dir, method, init)`:
   * init="random": normal(0, 0.02) weights (an untrained head, acceptance ~ 0);
@@ -6,12 +6,9 @@
     decoder layer (with its input norm), sharing the target's final norm and lm_head. For a 1-layer target the
     draft then computes the target's own next hidden state except that its context lacks the first token
     (RoPE is relative), so most drafts are accepted, some are not; with `zero_attention=True` on a target whose
-    attention output is zero (see `zero_attention_output`) it reproduces the target exactly (acceptance 1).
+    attention output is zero (every o_proj zeroed) it reproduces the target exactly (acceptance 1).
 """
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 
@@ -99,29 +96,3 @@ def copy_last_layer(draft, target) -> None:
     dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight)
     dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
     dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
-
-
-def zero_attention_output(target_dir: str) -> None:
-    """Rewrite a checkpoint in place with every o_proj zeroed (attention contributes nothing), so each token's
-    hidden state depends on that token alone: a mimic head then reproduces the target exactly."""
-    scale_attention_output(target_dir, 0.0)
-
-
-def scale_attention_output(target_dir: str, factor: float) -> None:
-    """Rewrite a checkpoint in place with every language-model o_proj multiplied by `factor` (< 1: the next
-    token depends more on the current one, a target a small head can learn from little data)."""
-    from safetensors.torch import load_file, save_file
-
-    for f in os.listdir(target_dir):
-        if f.endswith(".safetensors"):
-            path = os.path.join(target_dir, f)
-            tensors = load_file(path)
-            for name in tensors:
-                if "self_attn.o_proj." in name and "visual" not in name:
-                    tensors[name] = tensors[name] * factor
-            save_file(tensors, path, metadata={"format": "pt"})
-
-
-def read_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)

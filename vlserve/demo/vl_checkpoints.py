@@ -37,13 +37,13 @@ def build_qwen2_vl_checkpoint(
     offline. sum(mrope_section) must equal head_dim // 2 (head_dim = hidden_size // num_attention_heads).
     Qwen2.5-VL only: `window_size` (pixels) sets windowed vision attention, `fullatt_block_indexes` the vision blocks
     that attend globally, `tokens_per_second` the temporal position scale of videos.
-    `chat_template` goes to both the tokenizer and the processor (default: vlserve.testing.tokenizer.CHAT_TEMPLATE;
-    vlserve.testing.chat_templates.QWEN2_VL_CHAT_TEMPLATE behaves like the real checkpoints' template).
+    `chat_template` goes to both the tokenizer and the processor (default: vlserve.demo.tokenizer.CHAT_TEMPLATE;
+    tests.support.chat_templates.QWEN2_VL_CHAT_TEMPLATE behaves like the real checkpoints' template).
     """
     import torch
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from vlserve.testing.tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer
+    from vlserve.demo.tokenizer import CHAT_TEMPLATE, build_qwen2_tokenizer
 
     chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     head_dim = hidden_size // num_attention_heads

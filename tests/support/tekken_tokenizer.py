@@ -2,7 +2,7 @@
 Mistral NeMo and Pixtral), from the `tekken_240911.json` that the `mistral_common` wheel ships, converted by
 transformers' own `convert_tekken_tokenizer` and saved as a Hugging Face tokenizer directory.
 
-    python -m vlserve.testing.tekken_tokenizer            # prints the directory (built once, then reused)
+    python -m tests.support.tekken_tokenizer            # prints the directory (built once, then reused)
 
 The wheel comes from the package registry (`pip download`); the conversion runs in a child process with
 mistral_common and its few pure-Python needs on PYTHONPATH from a private folder, so this venv's packages (numpy

@@ -29,12 +29,12 @@ PLM_CHAT_TEMPLATE = (
 
 
 def build_plm_tokenizer(vocab_size: int = 1024):
-    """The offline byte-level BPE (vlserve.testing.tokenizer's corpus) with PerceptionLM's special tokens; the
+    """The offline byte-level BPE (vlserve.demo.tokenizer's corpus) with PerceptionLM's special tokens; the
     processor reads `tokenizer.image_token` / `video_token` (and their ids) from its named special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from vlserve.testing.tokenizer import _corpus
+    from vlserve.demo.tokenizer import _corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -7,7 +7,7 @@ import io
 
 import torch
 
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+from tests.support.hf_generate import hf_greedy_ignoring_eos
 
 
 def data_url(img) -> str:

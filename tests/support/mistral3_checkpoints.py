@@ -33,7 +33,7 @@ def _tokenizer():
     """The offline tokenizer plus Pixtral's image tokens (tokenizer.py's defaults untouched)."""
     from transformers import PreTrainedTokenizerFast
 
-    from vlserve.testing.tokenizer import build_tokenizer, extra_special_tokens
+    from vlserve.demo.tokenizer import build_tokenizer, extra_special_tokens
 
     base = build_tokenizer()
     tok = PreTrainedTokenizerFast(

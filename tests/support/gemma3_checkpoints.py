@@ -25,7 +25,7 @@ def build_gemma3_text_checkpoint(out_dir: str, hidden_size: int = 64, num_heads:
     """
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    from vlserve.testing.checkpoints import _tokenizer, save_text_checkpoint
+    from vlserve.demo.checkpoints import _tokenizer, save_text_checkpoint
 
     tok = _tokenizer()
     config = Gemma3TextConfig(
@@ -85,7 +85,7 @@ def gemma_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from vlserve.testing.tokenizer import _corpus
+    from vlserve.demo.tokenizer import _corpus
 
     lines = _corpus(2000)
     corpus = [a + "\n" * (1 + i % 3) + b for i, (a, b) in enumerate(zip(lines, lines[1:]))]
@@ -117,7 +117,7 @@ def build_gemma3_vlm_checkpoint(out_dir: str, hidden_size: int = 64, num_heads: 
     Norm weights and the projector matrix (HF initializes both to zeros) become random so nothing is trivial."""
     import transformers as tf
 
-    from vlserve.testing.checkpoints import save_text_checkpoint
+    from vlserve.demo.checkpoints import save_text_checkpoint
 
     os.makedirs(out_dir, exist_ok=True)
     tok = gemma_tokenizer()
