@@ -78,7 +78,8 @@ def test_page_files_load_nothing_from_elsewhere():
 
 
 def test_shipped_examples_are_the_demo_world(tmp_path):
-    from vlserve.training import playground_examples, world
+    from training import playground_examples
+    from vlserve.demo import world
 
     entries = playground_examples.write_examples(str(tmp_path))
     assert json.load(open(os.path.join(EXAMPLES_DIR, "examples.json"))) == entries

@@ -263,7 +263,7 @@ def small_target(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_train_eagle_beats_untrained(small_target, tmp_path, method, capsys):
-    from vlserve.training.train_eagle import build_parser, main, train_eagle
+    from training.train_eagle import build_parser, main, train_eagle
 
     target, data = small_target
     out = str(tmp_path / "head")

@@ -4,7 +4,7 @@
     python -m vlserve.bench.spec_decode --model TARGET --method eagle --draft DRAFT_DIR   (or --method eagle3)
 
 With --method eagle and no --draft, a head copied from the target's last layer is built (init "mimic" of
-vlserve.spec_decode.eagle_heads): it shows the machinery, not what a trained head (vlserve train-eagle) gets.
+vlserve.spec_decode.eagle_heads): it shows the machinery, not what a trained head (python -m training.train_eagle) gets.
 
 Copy-heavy prompts (a random span repeated), greedy, ignore_eos. Prints decode tokens/s for both, the speedup,
 the acceptance rate and the mean accepted length (accepted drafts per verification step + 1).

@@ -1,7 +1,7 @@
 """The playground's example media: a few pictures and one clip from the demo world, rendered once and shipped as
 static files beside the page (the api layer may not import training/).
 
-    python -m vlserve.training.playground_examples [--out vlserve/api/static/examples]
+    python -m training.playground_examples [--out vlserve/api/static/examples]
 
 writes img1.png ... and clip1.mp4 plus examples.json: for each file its kind and every question the world supports
 about it with the world's answer (the page offers them as chips and shows the expected answer).
@@ -13,9 +13,10 @@ import json
 import os
 import random
 
-from vlserve.training import world
+import vlserve
+from vlserve.demo import world
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "api", "static", "examples")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(vlserve.__file__)), "api", "static", "examples")
 SEED = 2024
 NUM_IMAGES = 3  # one scene of each size: 1, 2 and 3 shapes
 IMAGE_SIDE = 160  # small files; the processor maps every square picture to the same token grid anyway

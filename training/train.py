@@ -1,10 +1,10 @@
-"""Train the demo model from scratch on freshly rendered scenes: `python -m vlserve.training.train --out DIR`.
+"""Train the demo model from scratch on freshly rendered scenes: `python -m training.train --out DIR`.
 
 Every step renders a new batch (infinite data), so the model learns the world rather than a fixed set. Stage 1
-(vlserve.training.vision_stage) trains the vision tower alone on dense per-patch / per-cell targets. Stage 2 trains the
+(training.vision_stage) trains the vision tower alone on dense per-patch / per-cell targets. Stage 2 trains the
 whole model on short conversations about one image or clip (the first question right after the media, like at
 inference; follow-up questions reuse the same visual tokens): the loss covers the assistant answers (+ <|im_end|>),
-plus deep supervision of intermediate states (vlserve.training.targets) without which a model this small, trained this
+plus deep supervision of intermediate states (training.targets) without which a model this small, trained this
 briefly from scratch, does not learn to look at the image. AdamW with warmup + cosine decay; everything is seeded
 (scenes from random.Random(seed), weights from torch.manual_seed(seed)), so the same arguments give the same run.
 The defaults (600 vision steps of 32 items, then 3000 steps of 8 conversations; one torch thread + one rendering
@@ -23,7 +23,7 @@ import os
 import random
 import time
 
-from vlserve.training.schedule import in_background, lr_at, schedule_step
+from training.schedule import in_background, lr_at, schedule_step
 
 DEFAULT_VISION_STEPS = 600
 DEFAULT_STEPS = 3000
@@ -43,7 +43,7 @@ NAMING_FORMS = ("color", "where", "direction")
 def render_sample(rng: random.Random, is_video: bool, max_turns: int):
     """-> (kind "image" | "video", media (PIL image | list of frames), [(form, question, answer), ...], scene); the
     turns that name a kind or color (NAMING_FORMS) come last."""
-    from vlserve.training import world
+    from vlserve.demo import world
 
     scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
     all_qas = world.qas(scene)
@@ -91,8 +91,8 @@ def answer_labels(input_ids, tokenizer):
 def make_batch(rng: random.Random, processor, batch_size: int, video_prob: float = 0.3, max_turns: int = 3):
     """Render batch_size fresh samples (all clips with probability video_prob, else all images: a batch padded to
     its longest clip would waste most of an image batch) and run them through the processor; adds answer-only
-    "labels" and the auxiliary per-visual-token targets ("aux_*", see vlserve.training.targets)."""
-    from vlserve.training.targets import batch_targets
+    "labels" and the auxiliary per-visual-token targets ("aux_*", see training.targets)."""
+    from training.targets import batch_targets
 
     is_video = rng.random() < video_prob
     samples = [render_sample(rng, is_video, max_turns) for _ in range(batch_size)]
@@ -192,18 +192,18 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     starts from that checkpoint's weights, stage 1 is skipped (`vision_steps` ignored; the vision tower keeps
     learning at half the LR, as after stage 1), and the tokenizer / processor files are copied from it unchanged.
 
-    Stage 1 (`vision_steps`, vlserve.training.vision_stage) trains the vision tower alone on dense targets; stage 2
+    Stage 1 (`vision_steps`, training.vision_stage) trains the vision tower alone on dense targets; stage 2
     (`steps`) trains everything on the answer-token cross entropy plus aux_weight times the dense auxiliary losses
-    (vlserve.training.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs
+    (training.targets). Either stage stops early if its share of `minutes` (vision_minutes for stage 1) runs
     out; the checkpoint is saved either way (a stage's LR schedule follows the clock when the clock is ahead).
     """
     import torch
     from tqdm import tqdm
 
-    from vlserve.training.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
-    from vlserve.training.vision_stage import pretrain_vision
-    from vlserve.training.build import build_config, build_model, build_processor, count_parameters
-    from vlserve.training.tokenizer import build_demo_tokenizer
+    from training.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
+    from training.vision_stage import pretrain_vision
+    from training.build import build_config, build_model, build_processor, count_parameters
+    from training.tokenizer import build_demo_tokenizer
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -1,5 +1,5 @@
 """Evaluate the demo model on a fresh, seeded held-out set:
-`python -m vlserve.training.eval [--engine vlserve|hf|both]`.
+`python -m training.eval [--engine vlserve|hf|both]`.
 
 Renders `--per-form` new scenes for every question form (a seed the training stream never uses), asks the question
 greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored); a "json" answer
@@ -9,39 +9,13 @@ the schema at all, is printed too). Prints accuracy per form and overall; the la
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
-EVAL_SEED = 20240917
+from vlserve.demo.held_out import EVAL_SEED, held_out_set, messages_for
+
 # A "json" answer about 3 shapes is 109 tokens (the demo vocabulary has no JSON merges); the other forms stop well
 # within 48, so the larger cap leaves their answers as they were.
 MAX_NEW_TOKENS = 128
-
-
-def held_out_set(per_form: int, seed: int = EVAL_SEED) -> list[dict]:
-    """per_form items per question form: {"form", "kind" ("image"|"video"), "media", "question", "answer"}."""
-    from vlserve.training import world
-
-    rng = random.Random(seed)
-    items = []
-    for form in world.FORMS:
-        is_video = form in world.VIDEO_FORMS
-        for _ in range(per_form):
-            scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
-            _, q, a = world.sample_qa(rng, scene, form)
-            media = world.render_video(scene) if is_video else world.render_image(scene)
-            items.append({"form": form, "kind": "video" if is_video else "image", "media": media,
-                          "question": q, "answer": a})
-    return items
-
-
-def messages_for(item: dict, engine: str) -> list[dict]:
-    """One user turn with the media part (HF processor or vlserve chat format) and the question."""
-    if item["kind"] == "image":
-        media = {"type": "image"} if engine == "hf" else {"type": "image_pil", "image_pil": item["media"]}
-    else:
-        media = {"type": "video"} if engine == "hf" else {"type": "video", "video": item["media"]}
-    return [{"role": "user", "content": [media, {"type": "text", "text": item["question"]}]}]
 
 
 def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads: int = 2) -> list[str]:
@@ -89,7 +63,7 @@ def json_right(output: str, expected: str) -> bool:
     """A "json" answer is right when it parses to exactly the expected object and fits world.DEMO_JSON_SCHEMA."""
     import json
 
-    from vlserve.training import world
+    from vlserve.demo import world
 
     try:
         value = json.loads(output)
@@ -109,7 +83,7 @@ def is_right(item: dict, output: str) -> bool:
 def score(items: list[dict], outputs: list[str], forms: tuple[str, ...] | None = None) -> dict[str, float]:
     """Accuracy per form (default: the vision world's forms; see is_right) plus "overall", and "json_valid" (the
     share of "json" answers that fit world.DEMO_JSON_SCHEMA) when there are "json" items."""
-    from vlserve.training import world
+    from vlserve.demo import world
 
     per: dict[str, list[bool]] = {f: [] for f in (forms or world.FORMS)}
     valid = []
@@ -129,7 +103,7 @@ def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: in
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
     from vlserve.demo import default_model_path
-    from vlserve.training import world
+    from vlserve.demo import world
 
     import os
 

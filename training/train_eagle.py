@@ -1,7 +1,6 @@
 """Train an EAGLE / EAGLE-3 draft head on a target's own hidden states (self-distillation).
 
-    vlserve train-eagle --target MODEL --data prompts.jsonl --out DRAFT_DIR [--method eagle|eagle3]
-    python -m vlserve.training.train_eagle --target MODEL --data prompts.jsonl --out DRAFT_DIR
+    python -m training.train_eagle --target MODEL --data prompts.jsonl --out DRAFT_DIR [--method eagle|eagle3]
 
 Data: JSONL, one item per line: {"prompt": "text"} or {"messages": [OpenAI chat messages]} (image parts as
 {"type": "image_url", "image_url": {"url": "data:image/png;base64,..." | "file:///abs/path" | "/abs/path"}}),
@@ -36,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vlserve.training.eagle_recording import Sequence, generate_items, read_items, record_target
+from training.eagle_recording import Sequence, generate_items, read_items, record_target
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -183,14 +182,14 @@ def acceptance(target: str, draft_dir: str, method: str, items: list[dict], k: i
 # ------------------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vlserve train-eagle", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m training.train_eagle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     return p
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """The flags of `vlserve train-eagle` (for a CLI subparser; run it with `run(args)`)."""
+    """The flags of `python -m training.train_eagle` (for a CLI subparser; run it with `run(args)`)."""
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--data", required=True, help="JSONL of {\"prompt\": str} or {\"messages\": [...]}")
     p.add_argument("--out", required=True, help="output directory for the draft checkpoint")
@@ -374,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`vlserve train-eagle ...` / `python -m vlserve.training.train_eagle ...`."""
+    """`python -m training.train_eagle ...`."""
     return run(build_parser().parse_args(argv))
 
 

@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from vlserve.training.audio_world import MAX_SECONDS, SAMPLE_RATE
+from vlserve.demo.audio_world import MAX_SECONDS, SAMPLE_RATE
 
 NUM_MEL_BINS = 80
 HOP_LENGTH = 160
@@ -57,8 +57,8 @@ class AudioDemoSize:
 
 def audio_corpus(num_clips: int = 1000, seed: int = 0) -> list[str]:
     """ChatML-shaped Q/A lines over sampled clips (no rendering), special tokens left out."""
-    from vlserve.training import audio_world
-    from vlserve.training.tokenizer import GENERIC_LINES, SYSTEM_PROMPT
+    from vlserve.demo import audio_world
+    from training.tokenizer import GENERIC_LINES, SYSTEM_PROMPT
 
     rng = random.Random(seed)
     lines = []
@@ -69,8 +69,8 @@ def audio_corpus(num_clips: int = 1000, seed: int = 0) -> list[str]:
 
 
 def build_audio_tokenizer():
-    """The demo tokenizer (vlserve.training.tokenizer) trained on the audio world, with AUDIO_CHAT_TEMPLATE."""
-    from vlserve.training.tokenizer import build_demo_tokenizer
+    """The demo tokenizer (training.tokenizer) trained on the audio world, with AUDIO_CHAT_TEMPLATE."""
+    from training.tokenizer import build_demo_tokenizer
 
     return build_demo_tokenizer(vocab_size=AUDIO_VOCAB_SIZE, lines=audio_corpus(),
                                 chat_template=AUDIO_CHAT_TEMPLATE)

@@ -7,7 +7,7 @@ there in minutes:
     patch covered by a shape (7x7 values; for clips averaged over the two frames the patch holds);
   - per cell (the merger's output, one LM token): shape present, its kind, its color, and for clips its motion
     direction (the Conv3d sees both frames of a pair, so the leading and trailing edges are visible).
-The probe heads are discarded afterwards, except the cell probe, which stage 2 keeps using (vlserve.training.targets).
+The probe heads are discarded afterwards, except the cell probe, which stage 2 keeps using (training.targets).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from vlserve.training import world
-from vlserve.training.targets import KIND_SLICE, batch_targets, cell_losses
+from vlserve.demo import world
+from training.targets import KIND_SLICE, batch_targets, cell_losses
 
 SUB = 7  # silhouette resolution per patch side
 MASK_BLOCK = 0  # vision block whose output predicts the silhouettes
@@ -104,7 +104,7 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from vlserve.training.schedule import in_background, lr_at, schedule_step
+    from training.schedule import in_background, lr_at, schedule_step
 
     visual = model.model.visual
     embed_dim = model.config.vision_config.embed_dim

@@ -1,5 +1,5 @@
 """Evaluate the audio demo model on fresh, seeded held-out clips:
-`python -m vlserve.training.eval_audio [--engine hf|vlserve|both]`.
+`python -m training.eval_audio [--engine hf|vlserve|both]`.
 
 Renders `--per-form` new clips for every question form (a seed the training stream never uses), asks the question
 greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored). HF generate gets
@@ -20,7 +20,7 @@ MAX_NEW_TOKENS = 40
 
 def held_out_set(per_form: int, seed: int = EVAL_SEED) -> list[dict]:
     """per_form items per question form: {"form", "clip", "audio" (float32 [samples]), "question", "answer"}."""
-    from vlserve.training import audio_world
+    from vlserve.demo import audio_world
 
     rng = random.Random(seed)
     items = []
@@ -35,7 +35,7 @@ def held_out_set(per_form: int, seed: int = EVAL_SEED) -> list[dict]:
 def messages_for(item: dict, engine: str) -> list[dict]:
     """One user turn: the audio part (HF processor format, or an OpenAI input_audio part with base64 WAV for
     vlserve) and the question."""
-    from vlserve.training import audio_world
+    from vlserve.demo import audio_world
 
     if engine == "hf":
         audio = {"type": "audio"}
@@ -50,7 +50,7 @@ def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads
     import torch
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-    from vlserve.training.audio_world import SAMPLE_RATE
+    from vlserve.demo.audio_world import SAMPLE_RATE
 
     torch.set_num_threads(threads)
     processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
@@ -73,14 +73,15 @@ def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads
 
 def generate_vlserve(model_dir: str, items: list[dict]) -> list[str]:
     """Greedy answers from vlserve's `LLM.chat` with input_audio parts (the whole set in one continuous batch)."""
-    from vlserve.training.eval import chat_answers
+    from training.eval import chat_answers
 
     return chat_answers(model_dir, [messages_for(it, "vlserve") for it in items], MAX_NEW_TOKENS)
 
 
 def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
     """Exact-match accuracy per audio form plus "overall"."""
-    from vlserve.training import audio_world, eval as vision_eval
+    from training import eval as vision_eval
+    from vlserve.demo import audio_world
 
     return vision_eval.score(items, outputs, audio_world.FORMS)
 
@@ -90,14 +91,14 @@ def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 1
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
     from vlserve.demo import demo_model_path
-    from vlserve.training import audio_world
+    from vlserve.demo import audio_world
 
     model_dir = model_dir or demo_model_path("vlserve-demo-audio")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"no checkpoint at {model_dir!r} (expected a directory with config.json)")
     if engine not in ("hf", "vlserve", "both"):
         raise ValueError(f"engine must be hf, vlserve or both, got {engine[:50]!r}")
-    from vlserve.training.eval import run_and_report
+    from training.eval import run_and_report
 
     items = held_out_set(per_form, seed)
     return run_and_report(model_dir, engine, items, lambda d, its: generate_hf(d, its, batch_size, threads),

@@ -5,7 +5,7 @@ Trained from scratch in a few hundred steps, the LM otherwise sits at chance for
 which of ~36 visual tokens hold the shapes. So each stage gets its own signal:
   1. vision tower output, per visual token (one 28x28 cell of the image, or of a pair of video frames): whether a
      shape covers the cell's center (or is centered in it), and then its kind, color and, in clips, motion direction
-     (`cell_losses`; the same probe is first trained alone in vlserve.training.vision_stage);
+     (`cell_losses`; the same probe is first trained alone in training.vision_stage);
   2. LM after POSITION_LAYER layers, per visual token: the cell's center (x, y) in [0, 1], a linear regression (the
      LM has to derive absolute positions from M-RoPE offsets, e.g. to <|vision_start|>);
   3. LM layer ATTN_LAYER at every text token after the media: heads 0-2 put their attention on the cells of
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from vlserve.training import world
+from vlserve.demo import world
 
 POSITION_LAYER = 1
 ATTN_LAYER = 2

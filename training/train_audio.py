@@ -1,14 +1,14 @@
 """Train the audio demo model from scratch on freshly rendered clips:
-`python -m vlserve.training.train_audio --out vlserve/demo/audio_model`.
+`python -m training.train_audio --out vlserve/demo/audio_model`.
 
-HF's Qwen2AudioForConditionalGeneration (built by vlserve.training.audio_build) is trained on short conversations
+HF's Qwen2AudioForConditionalGeneration (built by training.audio_build) is trained on short conversations
 about one clip: the first question right after the audio (as at inference), follow-up questions reusing its tokens,
 "Describe the audio." always last (asked earlier, it would hand the other answers to copy, which they cannot do at
-inference). The loss is the answer-token cross entropy (vlserve.training.train.answer_labels) plus a dense auxiliary
+inference). The loss is the answer-token cross entropy (training.train.answer_labels) plus a dense auxiliary
 loss on the encoder's output: per audio token (40 ms) linear probes predict the pitch, the length and the ordinal of
 the beep sounding there (targets from the clip, see `token_targets`), which makes a model this small learn to listen
 in minutes. The probes are dropped when saving. Every step renders a new batch; everything is seeded, so the same
-arguments give the same run. AdamW, warmup + cosine (vlserve.training.schedule, on the clock when the `--minutes`
+arguments give the same run. AdamW, warmup + cosine (training.schedule, on the clock when the `--minutes`
 cap would stop the run first). The defaults (2600 steps of 8 clips, one torch thread + one rendering worker, a
 45-minute cap) took 31 minutes on a 2-core machine running a test suite beside it, so the cap did not act.
 """
@@ -19,7 +19,7 @@ import os
 import random
 import time
 
-from vlserve.training.schedule import in_background, lr_at, schedule_step
+from training.schedule import in_background, lr_at, schedule_step
 
 DEFAULT_STEPS = 2600
 DEFAULT_BATCH = 8
@@ -34,7 +34,7 @@ NUM_ORDINAL_CLASSES = 6  # none, 1..5
 
 def sample_turns(rng: random.Random, clip, max_turns: int) -> list[tuple[str, str, str]]:
     """1..max_turns distinct (form, question, answer) turns about `clip`, "describe" last when present."""
-    from vlserve.training import audio_world
+    from vlserve.demo import audio_world
 
     forms = list(audio_world.FORMS)
     chosen: list[str] = []
@@ -58,8 +58,8 @@ def conversation(turns: list[tuple[str, str, str]]) -> list[dict]:
 def token_targets(clip, num_tokens: int) -> list[tuple[int, int, int]]:
     """Per audio token (SAMPLES_PER_TOKEN samples each): (pitch class, length class, ordinal) of the beep sounding at
     the token's center, (0, 0, 0) between beeps."""
-    from vlserve.training import audio_world
-    from vlserve.training.audio_build import SAMPLES_PER_TOKEN
+    from vlserve.demo import audio_world
+    from training.audio_build import SAMPLES_PER_TOKEN
 
     out = []
     for t in range(num_tokens):
@@ -77,8 +77,8 @@ def make_batch(rng: random.Random, processor, batch_size: int, max_turns: int) -
     "labels", per-audio-token "aux_targets" [B, T, 3] (-100 past a clip's tokens) and "meta_forms"."""
     import torch
 
-    from vlserve.training import audio_world
-    from vlserve.training.train import answer_labels
+    from vlserve.demo import audio_world
+    from training.train import answer_labels
 
     clips = [audio_world.sample_clip(rng) for _ in range(batch_size)]
     turns = [sample_turns(rng, c, max_turns) for c in clips]
@@ -121,10 +121,10 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     import torch
     from tqdm import tqdm
 
-    from vlserve.training.audio_build import (audio_tower, build_audio_config, build_audio_model,
+    from training.audio_build import (audio_tower, build_audio_config, build_audio_model,
                                               build_audio_processor, build_audio_tokenizer)
-    from vlserve.training.build import count_parameters
-    from vlserve.training.train import first_answer_correct
+    from training.build import count_parameters
+    from training.train import first_answer_correct
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -1,10 +1,10 @@
-"""Chat JSONL for training the demo model's EAGLE head: `python -m vlserve.training.eagle_data --out FILE [--num N]`.
+"""Chat JSONL for training the demo model's EAGLE head: `python -m training.eagle_data --out FILE [--num N]`.
 
 Each line is {"messages": [one user turn: an image (PNG) or clip (mp4) as a data URL + a question]} over fresh
-seeded scenes and every question form, the format `vlserve train-eagle --data` reads. The recipe for the shipped head:
+seeded scenes and every question form, the format `python -m training.train_eagle --data` reads. The recipe for the shipped head:
 
-    python -m vlserve.training.eagle_data --out /tmp/demo_eagle.jsonl
-    vlserve train-eagle --target vlserve/demo/model --data /tmp/demo_eagle.jsonl --out vlserve/demo/model/eagle --k 4
+    python -m training.eagle_data --out /tmp/demo_eagle.jsonl
+    python -m training.train_eagle --target vlserve/demo/model --data /tmp/demo_eagle.jsonl --out vlserve/demo/model/eagle --k 4
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ DATA_SEED = 777  # neither the training stream (0) nor the eval set uses it
 
 def _data_url(scene) -> tuple[str, str]:
     """("image_url" | "video_url", data URL) for a scene's rendering."""
-    from vlserve.training import world
+    from vlserve.demo import world
 
     if isinstance(scene, world.VideoScene):
         with tempfile.TemporaryDirectory() as d:
@@ -35,7 +35,7 @@ def _data_url(scene) -> tuple[str, str]:
 
 def make_items(num: int, seed: int = DATA_SEED, video_prob: float = 0.3) -> list[dict]:
     """num chat items, forms drawn uniformly per media kind."""
-    from vlserve.training import world
+    from vlserve.demo import world
 
     rng = random.Random(seed)
     items = []
@@ -50,7 +50,7 @@ def make_items(num: int, seed: int = DATA_SEED, video_prob: float = 0.3) -> list
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(description="Write chat JSONL of demo-world questions for vlserve train-eagle.")
+    p = argparse.ArgumentParser(description="Write chat JSONL of demo-world questions for python -m training.train_eagle.")
     p.add_argument("--out", required=True)
     p.add_argument("--num", type=int, default=600)
     p.add_argument("--seed", type=int, default=DATA_SEED)

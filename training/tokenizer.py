@@ -18,7 +18,7 @@ GENERIC_LINES = ["Hello! How are you? I am fine, thank you. What is this? Yes. N
 
 def corpus(num_scenes: int = 1000, seed: int = 0) -> list[str]:
     """ChatML-shaped Q/A lines over sampled scenes and clips (no rendering), special tokens left out."""
-    from vlserve.training import world
+    from vlserve.demo import world
 
     rng = random.Random(seed)
     lines = []
