@@ -1,10 +1,12 @@
 """Chat JSONL for training the demo model's EAGLE head: `python -m training.eagle_data --out FILE [--num N]`.
 
 Each line is {"messages": [one user turn: an image (PNG) or clip (mp4) as a data URL + a question]} over fresh
-seeded scenes and every question form, the format `python -m training.train_eagle --data` reads. The recipe for the shipped head:
+seeded scenes and every question form, the format `python -m training.train_eagle --data` reads. The recipe for
+the shipped head:
 
     python -m training.eagle_data --out /tmp/demo_eagle.jsonl
-    python -m training.train_eagle --target vlserve/demo/model --data /tmp/demo_eagle.jsonl --out vlserve/demo/model/eagle --k 4
+    python -m training.train_eagle --target vlserve/demo/model --data /tmp/demo_eagle.jsonl \
+        --out vlserve/demo/model/eagle --k 4
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def make_items(num: int, seed: int = DATA_SEED, video_prob: float = 0.3) -> list
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(description="Write chat JSONL of demo-world questions for python -m training.train_eagle.")
+    p = argparse.ArgumentParser(description="Write chat JSONL of demo-world questions for training.train_eagle.")
     p.add_argument("--out", required=True)
     p.add_argument("--num", type=int, default=600)
     p.add_argument("--seed", type=int, default=DATA_SEED)
