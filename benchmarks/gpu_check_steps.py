@@ -1,6 +1,6 @@
-"""The steps of `vlserve.bench.gpu_check`, each run in a process of its own:
+"""The steps of `benchmarks.gpu_check`, each run in a process of its own:
 
-    python -m vlserve.bench.gpu_check_steps NAME --config JSON --result PATH
+    python -m benchmarks.gpu_check_steps NAME --config JSON --result PATH
 
 A step function takes the run's config (`dry_run`, `work_dir`, `repo`) and returns `{"figures": {...}, "notes": [...],
 "headline": str, "status": "pass" | "fail", "command": str}`; an exception is a failed step. Sizes: `SIZES` (CUDA)
@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from vlserve.bench.gpu_check_sizes import LEVELS, sizes
+from benchmarks.gpu_check_sizes import LEVELS, sizes
 
 
 def device() -> str:
@@ -77,19 +77,11 @@ def step_pytest(cfg, selection: str = "pytest", per_test_s: int = 60):
 
 
 # -- (b) kernels vs torch SDPA --------------------------------------------------------------------------------------
-def _load_benchmark(cfg, name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(cfg["repo"], "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def step_kernel_sweep(cfg):
     import torch
 
-    pa = _load_benchmark(cfg, "paged_attention")
+    from benchmarks import paged_attention as pa
+
     dev = torch.device(device())
     triton = dev.type == "cuda"
     dtype = torch.bfloat16 if triton else torch.float32
@@ -103,12 +95,12 @@ def step_kernel_sweep(cfg):
         prefill = pa.bench_prefill(dtype, dev, iters, triton)
     for r in decode + prefill:
         figures[f"{r['case']}: {key} / SDPA"] = f"{r[key]:.3f} ms / {r['sdpa']:.3f} ms = {r[key] / r['sdpa']:.2f}x"
-    command = (f"benchmarks/paged_attention.py bench_decode + bench_prefill ({dtype}, {dev}, {iters} iters); ")
-    # flash SDPA prefill (issue 19's shapes) through benchmarks/prefill_attention.py
-    args = [sys.executable, os.path.join(cfg["repo"], "benchmarks", "prefill_attention.py")]
+    command = (f"benchmarks.paged_attention bench_decode + bench_prefill ({dtype}, {dev}, {iters} iters); ")
+    # flash SDPA prefill (its default shapes) through benchmarks.prefill_attention
+    args = [sys.executable, "-m", "benchmarks.prefill_attention"]
     args += ["--device", "cpu", "--cases", "1x32", "--iters", "1"] if cfg["dry_run"] else ["--iters", "20"]
     env = {**os.environ, "TRITON_INTERPRET": "1"} if cfg["dry_run"] else dict(os.environ)
-    proc = subprocess.run(args, capture_output=True, text=True, env=env)
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=cfg["repo"])
     print(proc.stdout, proc.stderr[-3000:])
     for line in proc.stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -308,7 +300,7 @@ def step_hf_generate(cfg):
 
 
 def _demo_steps():
-    from vlserve.bench import gpu_check_demo  # the demo-model steps, loaded when one runs
+    from benchmarks import gpu_check_demo  # the demo-model steps, loaded when one runs
 
     return gpu_check_demo
 

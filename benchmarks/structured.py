@@ -1,9 +1,9 @@
 """Structured outputs' cost: time per output token with and without a JSON schema, at batch 1 and 32, and the
 grammar compile time (first and cached) — vlserve and vLLM-CPU on the same checkpoint and schema, one run.
 
-    python -m vlserve.bench.structured --vllm-python "$VP"
-    python -m vlserve.bench.structured --vllm-python "$VP" --tekken  # a real vocabulary's bitmask costs
-    python -m vlserve.bench.structured --skip-vllm --hidden-size 64 --num-layers 1 --output-len 8   # quick
+    python -m benchmarks.structured --vllm-python "$VP"
+    python -m benchmarks.structured --vllm-python "$VP" --tekken  # a real vocabulary's bitmask costs
+    python -m benchmarks.structured --skip-vllm --hidden-size 64 --num-layers 1 --output-len 8   # quick
 
 A random Qwen2 (--hidden-size x --num-layers, the test tokenizer's 689 tokens, or with --tekken a real 131,072-token
 vocabulary) is built once per run. Every request is greedy

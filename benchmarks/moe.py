@@ -1,7 +1,7 @@
 """Qwen3-VL-MoE decoding on CPU (issue 36): a locally built mixture-of-experts checkpoint (random weights, the real
 processor and layout) through vlserve, transformers' generate and (optionally) vLLM-CPU, each in a fresh process.
 
-    python -m vlserve.bench.moe [--model DIR | --build DIR] [--vllm-python PY] [--batches 1,8]
+    python -m benchmarks.moe [--model DIR | --build DIR] [--vllm-python PY] [--batches 1,8]
 
 `--build` writes the default ~1.2B-total / ~0.2B-active model (12 layers of 64 experts, 8 per token, width 1024)
 first. Every engine runs greedy with `ignore_eos` on the same random text prompts; tokens/s is the fastest of
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from vlserve.bench.offline_case import run_case
+from benchmarks.offline_case import run_case
 from vlserve.bench.throughput import make_prompts
 
 DEFAULT_MODEL = dict(hidden_size=1024, intermediate_size=2048, num_layers=12, num_attention_heads=16,

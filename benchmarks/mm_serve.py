@@ -1,9 +1,9 @@
 """Online multimodal serving: vLLM's own bench client against `vlserve serve` and vLLM-CPU's server, one run.
 
     VP="$(../shared/tools/setup-vllm-anchor.sh | tail -1)"
-    python -m vlserve.bench.mm_serve --vllm-python "$VP"                     # the issue's model and workloads
-    python -m vlserve.bench.mm_serve --vllm-python "$VP" --workload img448 --num-prompts 64
-    python -m vlserve.bench.mm_serve --skip-vllm --client vlserve --workload img224 --num-prompts 2 \
+    python -m benchmarks.mm_serve --vllm-python "$VP"                     # the issue's model and workloads
+    python -m benchmarks.mm_serve --vllm-python "$VP" --workload img448 --num-prompts 64
+    python -m benchmarks.mm_serve --skip-vllm --client vlserve --workload img224 --num-prompts 2 \
         --vision-depth 1 --vision-width 64 --hidden-size 64 --num-layers 1    # no vLLM anywhere (the test)
 
 Builds (once, under --checkpoint-dir) a random Qwen2-VL — ViT of --vision-depth x --vision-width with its merger,
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from vlserve.bench.serve_harness import (ANCHOR_PYTHON, REPO_ROOT, Server, Workload, build_checkpoint, free_port,
+from benchmarks.serve_harness import (ANCHOR_PYTHON, REPO_ROOT, Server, Workload, build_checkpoint, free_port,
                                          machine_kind, run_vllm_client, run_vlserve_client, vllm_cmd, vllm_cpu_env,
                                          vllm_version, vlserve_cmd)
 

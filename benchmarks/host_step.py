@@ -1,6 +1,6 @@
 """Host work per engine step at a large batch: ms/step and where it goes, on a model too small to matter.
 
-    OMP_NUM_THREADS=1 python -m vlserve.bench.host_step --num-prompts 256 --repeats 3 --profile
+    OMP_NUM_THREADS=1 python -m benchmarks.host_step --num-prompts 256 --repeats 3 --profile
 
 A tiny random Qwen2 (hidden 64, 2 layers) makes the forward nearly free, so ms/step is the engine's own Python:
 scheduling, KV slot allocation, input preparation, output folding and detokenizing. Each repeat runs

@@ -1,4 +1,4 @@
-"""What `vlserve.bench.mm_serve` drives: its random Qwen2-VL checkpoint, servers as subprocesses, the two clients.
+"""What `benchmarks.mm_serve` drives: its random Qwen2-VL checkpoint, servers as subprocesses, the two clients.
 
 `build_checkpoint` writes (once per size, under a cache directory) a random Qwen2-VL with the real Qwen2-VL processor
 classes and a chat template that behaves like the released checkpoints'. `Server` starts `vlserve serve` or vLLM's
@@ -23,7 +23,7 @@ import httpx
 
 from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE, vllm_cpu_env
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_CLIENT = os.path.join(os.path.dirname(REPO_ROOT), "shared", "tools", "vllm-bench-client.py")
 ANCHOR_PYTHON = os.path.join(os.environ.get("VLLM_VENV") or os.path.expanduser("~/.cache/vlserve-anchor/vllmcpu"),
                              "bin", "python")

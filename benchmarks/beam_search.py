@@ -1,6 +1,6 @@
 """Beam search vs greedy, and vs vLLM-CPU's `LLM.beam_search` (issue 44), on one locally built checkpoint.
 
-    python -m vlserve.bench.beam_search [--model DIR] [--vllm-python PY] [--beam-width 4] [--num-prompts 8]
+    python -m benchmarks.beam_search [--model DIR] [--vllm-python PY] [--beam-width 4] [--num-prompts 8]
         [--input-len 200] [--output-len 32]
 
 Each engine runs in its own process on the same random token prompts: greedy `generate` (`max_tokens` =
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from vlserve.bench.offline_case import add_case_args, case_setup, run_engines
+from benchmarks.offline_case import add_case_args, case_setup, run_engines
 from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE
 
 _CASE = r"""

@@ -1,7 +1,7 @@
 """Quantized vs unquantized serving on CPU (issue 42): weight bytes, peak RSS, and tokens/s at batch 1 and 32 for a
 checkpoint and its quantized copies, through vlserve and (optionally) vLLM-CPU, each case in a fresh process.
 
-    python -m vlserve.bench.quantized --base DIR --quantized w4a16=DIR w8a8=DIR ... \
+    python -m benchmarks.quantized --base DIR --quantized w4a16=DIR w8a8=DIR ... \
         [--vllm-python /root/.cache/vlserve-anchor/vllmcpu/bin/python]
 
 Every case runs greedy with `ignore_eos` on the same random prompts; tokens/s is the fastest of `--repeats` runs
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from vlserve.bench.offline_case import run_case
+from benchmarks.offline_case import run_case
 from vlserve.bench.throughput import make_prompts
 
 def weight_bytes(model_dir: str) -> int:

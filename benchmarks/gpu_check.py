@@ -1,9 +1,9 @@
-"""One-command GPU check (issue 40): every CUDA figure and test of the project in one run, one report.
+"""One-command GPU check: every CUDA figure and test of the project in one run, one report.
 
     make gpu-check OUT=gpu-report            # on a CUDA machine: writes gpu-report/report.{md,json}
     make gpu-check DRY_RUN=1                 # on CPU with tiny sizes (what CI runs, so the script cannot rot)
-    python -m vlserve.bench.gpu_check --out DIR [--dry-run] [--only STEP ...] [--skip STEP ...] [--budget S]
-    python -m vlserve.bench.gpu_check --wheel-requirements   # the pins `make gpu-wheels` downloads
+    python -m benchmarks.gpu_check --out DIR [--dry-run] [--only STEP ...] [--skip STEP ...] [--budget S]
+    python -m benchmarks.gpu_check --wheel-requirements   # the pins `make gpu-wheels` downloads
 
 Each step (`gpu_check_steps.STEPS`) runs in a process of its own, under its own time limit (and the run's overall
 budget), so a crash, a hang or a CUDA error in one leaves the others running; its pass/fail, figures, notes, command
@@ -36,9 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 WHEELHOUSE = REPO / "wheelhouse"
-STEPS_MODULE = "vlserve.bench.gpu_check_steps"
+STEPS_MODULE = "benchmarks.gpu_check_steps"
 
 # What the GPU machine brings (with their dependencies): never in the wheelhouse.
 PROVIDED = ("torch", "torchvision", "torchaudio", "triton", "transformers")
@@ -248,7 +248,7 @@ def _stamp_lines(stream, t0: float, lines: list[str]) -> None:
 
 
 def run_step(spec: dict, cfg: dict, timeout: float, report: Report, child_env: dict) -> dict:
-    """One step in its own process (`python -m vlserve.bench.gpu_check_steps NAME`); its record for the report."""
+    """One step in its own process (`python -m benchmarks.gpu_check_steps NAME`); its record for the report."""
     name = spec["name"]
     result_path = Path(cfg["work_dir"]) / f"result-{name}.json"
     result_path.unlink(missing_ok=True)
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wheel_requirements:
         print("\n".join(wheel_requirements()))
         return 0
-    from vlserve.bench.gpu_check_steps import STEPS
+    from benchmarks.gpu_check_steps import STEPS
 
     if args.list:
         for s in STEPS:

@@ -1,6 +1,6 @@
 """The engine core in its own process vs in a thread of the API process, under the same load, in one run.
 
-    python -m vlserve.bench.engine_process /path/to/ckpt --num-prompts 64 --max-tokens 64 --num-images 0
+    python -m benchmarks.engine_process /path/to/ckpt --num-prompts 64 --max-tokens 64 --num-images 0
 
 Starts `vlserve serve MODEL` twice on free ports (once with `--no-engine-process`), drives each with
 `vlserve.bench.serve` (all prompts at once: 64 concurrent streams by default), and prints both throughputs and
@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 from vlserve.bench import serve as serve_bench
-from vlserve.bench.serve_harness import free_port, wait_healthy
+from benchmarks.serve_harness import free_port, wait_healthy
 
 
 def _start_server(model: str, port: int, engine_process: bool, extra: list[str]) -> subprocess.Popen:
@@ -51,7 +51,7 @@ def run_one(args, engine_process: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vlserve.bench.engine_process", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine_process", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: a tiny random Qwen2)")
     p.add_argument("--hidden-size", type=int, default=64, help="of the random checkpoint built without MODEL")

@@ -1,7 +1,7 @@
 """Gemma 3's sliding-window KV cache at 8k context (issue 36): blocks held and the batch that fits, KV cache groups
 (sliding layers hand back blocks past their window) against the plain layout (every layer keeps every block).
 
-    python -m vlserve.bench.kv_groups [--context 8192] [--output-len 256] [--budget-gib 16] [--engine]
+    python -m benchmarks.kv_groups [--context 8192] [--output-len 256] [--budget-gib 16] [--engine]
 
 Part 1 drives the real Scheduler and KVCacheManager (a runner that samples a fixed token: no model) with Gemma 3
 4B / 12B / 27B's layer layouts (HF configs: sliding window 1024, every 6th layer full; KV heads and head_dim as

@@ -1,6 +1,6 @@
 """LoRA throughput (issue 38): a batch mixing 4 adapters vs the base alone, and vs vLLM-CPU with the same adapters.
 
-    python -m vlserve.bench.lora [--model DIR] [--vllm-python PY] [--num-prompts 32] [--rank 8]
+    python -m benchmarks.lora [--model DIR] [--vllm-python PY] [--num-prompts 32] [--rank 8]
 
 Builds (unless --model) a random Qwen2 (hidden 512 x 8 layers) and 4 PEFT adapters of `--rank` on all seven
 projections (peft, random A and B), then per engine, each in its own process, greedy with `ignore_eos`: the base
@@ -13,7 +13,7 @@ import argparse
 import os
 import tempfile
 
-from vlserve.bench.offline_case import add_case_args, case_setup, run_engines
+from benchmarks.offline_case import add_case_args, case_setup, run_engines
 
 _CASE = r"""
 import json, sys, time

@@ -1,9 +1,9 @@
 """Disaggregated serving, measured with vLLM's own bench client (issue 37), on the cores this machine has:
 
     VP="$(../shared/tools/setup-vllm-anchor.sh | tail -1)"
-    python -m vlserve.bench.disagg --vllm-python "$VP" --scenario pd        # 1P1D vs one server, mixed load
-    python -m vlserve.bench.disagg --vllm-python "$VP" --scenario offload   # the KV offload tier
-    python -m vlserve.bench.disagg --vllm-python "$VP" --scenario encoder   # the shared encoder cache
+    python -m benchmarks.disagg --vllm-python "$VP" --scenario pd        # 1P1D vs one server, mixed load
+    python -m benchmarks.disagg --vllm-python "$VP" --scenario offload   # the KV offload tier
+    python -m benchmarks.disagg --vllm-python "$VP" --scenario encoder   # the shared encoder cache
 
 `pd`: one `vlserve serve` on every core against a prefill server and a decode server (one core each, `taskset`)
 behind `vlserve proxy`: the same cores in all (`--with-vllm`: vLLM-CPU's server alone on every core too). Two `bench serve` clients run at once: short text prompts that
@@ -29,7 +29,7 @@ import time
 
 import httpx
 
-from vlserve.bench.serve_harness import (ANCHOR_PYTHON, BENCH_CLIENT, Server, build_checkpoint, free_port,
+from benchmarks.serve_harness import (ANCHOR_PYTHON, BENCH_CLIENT, Server, build_checkpoint, free_port,
                                          machine_kind, vllm_cmd, vllm_cpu_env, vllm_version, vlserve_cmd)
 
 NAME = "bench"

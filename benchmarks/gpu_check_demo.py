@@ -1,4 +1,4 @@
-"""The GPU check's small-model steps (issue 40, `vlserve.bench.gpu_check`): (g) the demo model's single stream,
+"""The GPU check's small-model steps (issue 40, `benchmarks.gpu_check`): (g) the demo model's single stream,
 (h) the encoder cache on vs off and EAGLE vs plain decoding, (j) the host's work per step on a tiny model. Each
 returns the step's record (figures, headline, command); `s` is the run's size table (`gpu_check_sizes.sizes(cfg)`)."""
 from __future__ import annotations
@@ -103,7 +103,7 @@ def step_eagle(cfg, s):
 
 # -- (j) host work per step -----------------------------------------------------------------------------------------
 def step_host_step(cfg, s):
-    """`vlserve.bench.host_step` (a tiny model: the step is the host's work) at a large batch and at batch 1, each
+    """`benchmarks.host_step` (a tiny model: the step is the host's work) at a large batch and at batch 1, each
     synchronous and with async scheduling; the large batch's runs also print cProfile's top functions (the log)."""
     n = s["num_prompts"]
     runs = [(f"batch {n}", ["--num-prompts", str(n), "--profile"]),
@@ -111,7 +111,7 @@ def step_host_step(cfg, s):
     figures, commands = {}, []
     for label, extra in runs:
         for mode in ("sync", "async"):
-            args = ["-m", "vlserve.bench.host_step", "--repeats", "2", "--top", "30", *extra]
+            args = ["-m", "benchmarks.host_step", "--repeats", "2", "--top", "30", *extra]
             args += ["--async-scheduling"] if mode == "async" else []
             proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cfg["repo"])
             print(proc.stdout, proc.stderr[-2000:], flush=True)
