@@ -1,4 +1,4 @@
-"""Beam search vs greedy, and vs vLLM-CPU's `LLM.beam_search` (issue 44), on one locally built checkpoint.
+"""Beam search vs greedy, and vs vLLM-CPU's `LLM.beam_search`, on one locally built checkpoint.
 
     python -m benchmarks.beam_search [--model DIR] [--vllm-python PY] [--beam-width 4] [--num-prompts 8]
         [--input-len 200] [--output-len 32]

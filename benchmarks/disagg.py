@@ -1,4 +1,4 @@
-"""Disaggregated serving, measured with vLLM's own bench client (issue 37), on the cores this machine has:
+"""Disaggregated serving, measured with vLLM's own bench client, on the cores this machine has:
 
     VP="$(../shared/tools/setup-vllm-anchor.sh | tail -1)"
     python -m benchmarks.disagg --vllm-python "$VP" --scenario pd        # 1P1D vs one server, mixed load

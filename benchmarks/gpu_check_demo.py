@@ -1,4 +1,4 @@
-"""The GPU check's small-model steps (issue 40, `benchmarks.gpu_check`): (g) the demo model's single stream,
+"""The GPU check's small-model steps (`benchmarks.gpu_check`): (g) the demo model's single stream,
 (h) the encoder cache on vs off and EAGLE vs plain decoding, (j) the host's work per step on a tiny model. Each
 returns the step's record (figures, headline, command); `s` is the run's size table (`gpu_check_sizes.sizes(cfg)`)."""
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""What the GPU check runs at: the sizes on CUDA (`SIZES`, issue 40's) and in a dry run on CPU (`DRY`: tiny, the
+"""What the GPU check runs at: the sizes on CUDA (`SIZES`) and in a dry run on CPU (`DRY`: tiny, the
 same code paths in seconds), the compilation levels of the throughput steps, and the test selections."""
 from __future__ import annotations
 
 CPU_KERNEL_TESTS = ("test_kernel_cpu_linear", "test_cpu_linear_pre_add", "test_kernel_cpu_decode",
                     "test_lora_cpu_kernel", "test_quant_linear")
-# Sizes on CUDA (issue 40) and in a dry run (CPU, tiny).
+# Sizes on CUDA and in a dry run (CPU, tiny).
 SIZES = {
     "model": dict(hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=4, intermediate_size=6144),
     "dtype": "bfloat16", "num_prompts": 256, "input_len": 128, "output_len": 128, "single_len": 256,

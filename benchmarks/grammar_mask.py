@@ -1,4 +1,4 @@
-"""Structured outputs' bitmask pass on CPU: the numpy unpack + `masked_fill_` path (the runner's before issue 35's
+"""Structured outputs' bitmask pass on CPU: the numpy unpack + `masked_fill_` path (the runner's before the
 C++ pass, kept as the reference) against the C++ pass (`kernels.grammar_mask`), both masking every row of float32
 logits in place (as the runner does when every request is constrained).
 

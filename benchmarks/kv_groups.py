@@ -1,4 +1,4 @@
-"""Gemma 3's sliding-window KV cache at 8k context (issue 36): blocks held and the batch that fits, KV cache groups
+"""Gemma 3's sliding-window KV cache at 8k context: blocks held and the batch that fits, KV cache groups
 (sliding layers hand back blocks past their window) against the plain layout (every layer keeps every block).
 
     python -m benchmarks.kv_groups [--context 8192] [--output-len 256] [--budget-gib 16] [--engine]

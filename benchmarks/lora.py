@@ -1,4 +1,4 @@
-"""LoRA throughput (issue 38): a batch mixing 4 adapters vs the base alone, and vs vLLM-CPU with the same adapters.
+"""LoRA throughput: a batch mixing 4 adapters vs the base alone, and vs vLLM-CPU with the same adapters.
 
     python -m benchmarks.lora [--model DIR] [--vllm-python PY] [--num-prompts 32] [--rank 8]
 

@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE decoding on CPU (issue 36): a locally built mixture-of-experts checkpoint (random weights, the real
+"""Qwen3-VL-MoE decoding on CPU: a locally built mixture-of-experts checkpoint (random weights, the real
 processor and layout) through vlserve, transformers' generate and (optionally) vLLM-CPU, each in a fresh process.
 
     python -m benchmarks.moe [--model DIR | --build DIR] [--vllm-python PY] [--batches 1,8]

@@ -1,6 +1,6 @@
 """Prefill attention on a GPU: the Triton paged kernel against flash SDPA on contiguous K/V, in TFLOP/s.
 
-The shapes of issue 19: bf16, 32 query / 8 KV heads, head dim 128, cache block 16, fresh causal prompts of
+The shapes: bf16, 32 query / 8 KV heads, head dim 128, cache block 16, fresh causal prompts of
 B x L = 1 x 4096, 8 x 2048 and 32 x 512. The causal FLOPs (4 * B * Hq * D * L * (L + 1) / 2) are the same for both,
 so the ratio column is Triton's speed as a fraction of flash's. `--sweep` also times every candidate launch shape
 (`PrefillTile`) per case and prints the fastest.
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile per case")
-    parser.add_argument("--cases", nargs="+", default=CASES, help="BxL per case (default: issue 19's)")
+    parser.add_argument("--cases", nargs="+", default=CASES, help="BxL per case (default: the shapes above)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -1,4 +1,4 @@
-"""Quantized vs unquantized serving on CPU (issue 42): weight bytes, peak RSS, and tokens/s at batch 1 and 32 for a
+"""Quantized vs unquantized serving on CPU: weight bytes, peak RSS, and tokens/s at batch 1 and 32 for a
 checkpoint and its quantized copies, through vlserve and (optionally) vLLM-CPU, each case in a fresh process.
 
     python -m benchmarks.quantized --base DIR --quantized w4a16=DIR w8a8=DIR ... \

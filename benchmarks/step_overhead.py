@@ -87,7 +87,7 @@ def _export(rev: str, dest: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-rev", default="2840b99", help="git revision to compare with (default: main before "
-                   "issue 19's step-loop work)")
+                   "the step-loop work)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: demo, host")
     p.add_argument("--async-scheduling", action="store_true", help="both versions plan step N+1 while N runs")

@@ -1,4 +1,4 @@
-"""`make gpu-check DRY_RUN=1` (issue 40): the one-command GPU check runs every step on CPU with tiny sizes, so the
+"""`make gpu-check DRY_RUN=1`: the one-command GPU check runs every step on CPU with tiny sizes, so the
 script a GPU session relies on cannot rot; the report lists every step with its status, figures and command."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""E/PD disaggregation, engine level (issue 37 item 5): an encode server (`mm_encoder_only`, as vLLM an
+"""E/PD disaggregation, engine level: an encode server (`mm_encoder_only`, as vLLM an
 `ec_producer` alone turns it on) loads the towers only, holds no KV cache, encodes each request's media, publishes
 it through the shared-storage connector and ends the request "length" with no tokens; a consumer engine then answers
 the request with a plain engine's greedy tokens without running its tower."""

@@ -1,4 +1,4 @@
-"""Quantized checkpoints (issue 42), on copies of a tiny Qwen2 packed in each format (`tests.support.quant_checkpoints`):
+"""Quantized checkpoints, on copies of a tiny Qwen2 packed in each format (`tests.support.quant_checkpoints`):
 
 - weight-only schemes (compressed-tensors W4A16 / W8A16 sym, asym, channel, act order; GPTQ 4 / 8 bit, desc_act;
   AWQ) give the logits of transformers running the dequantized weights, in float32, and greedy tokens equal to its

@@ -38,8 +38,8 @@ DIRECTIONS = ("left", "right", "up", "down")
 DIRECTION_XY = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 
 # "json" (the picture described as JSON, see json_answer) is an image form, but last in FORMS (after the video
-# forms), so that the other forms keep their indices and a seeded held-out set (eval.held_out_set walks FORMS in
-# order) keeps its items.
+# forms), so that the other forms keep their indices and a seeded held-out set (held_out.held_out_set walks FORMS
+# in order) keeps its items.
 IMAGE_FORMS = ("shape", "color", "count", "where", "describe", "json")
 VIDEO_FORMS = ("direction", "moving_color", "describe_video")
 FORMS = ("shape", "color", "count", "where", "describe", "direction", "moving_color", "describe_video", "json")
