@@ -69,8 +69,8 @@ test-hf4: $(VENV_HF4)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m vlserve.bench.throughput
 
-# `make gpu-check OUT=DIR` (issue 40): on a CUDA machine, every GPU test and figure in one run (~15 minutes; split
-# it with GPU_CHECK_ARGS="--only STEP ..." to fit a lease, see vlserve/bench/gpu_check.py) into
+# `make gpu-check OUT=DIR`: on a CUDA machine, every GPU test and figure in one run (~15 minutes; split
+# it with GPU_CHECK_ARGS="--only STEP ..." to fit a lease, see benchmarks/gpu_check.py) into
 # DIR/report.md + DIR/report.json (+ log.txt); DRY_RUN=1 runs the same script on CPU with tiny sizes (CI does).
 # It needs no venv: on a GPU machine it runs the system python3 (its torch / triton / transformers) and installs
 # what else it needs from ./wheelhouse, which `make gpu-wheels` fills here (Python 3.12 manylinux wheels, pinned to
@@ -82,22 +82,22 @@ GPU_CHECK_ARGS ?=
 WHEEL_PLATFORMS := $(foreach n,$(shell seq 39 -1 17),--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64
 gpu-check:
-	$(GPU_PY) -m vlserve.bench.gpu_check --out $(OUT) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+	$(GPU_PY) -m benchmarks.gpu_check --out $(OUT) $(if $(filter 1,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
 gpu-wheels: $(VENV)/.installed
 	rm -rf wheelhouse && mkdir -p wheelhouse
-	$(PY) -m vlserve.bench.gpu_check --wheel-requirements > wheelhouse/requirements.txt
+	$(PY) -m benchmarks.gpu_check --wheel-requirements > wheelhouse/requirements.txt
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	    $(WHEEL_PLATFORMS) -d wheelhouse -r wheelhouse/requirements.txt
 	@du -sh wheelhouse
 
 .PHONY: setup serve demo test browser kv-libs test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
 
-# `make quant-fixtures` remakes tests/fixtures/quant/ (issue 42) with the real tools, each in its own venv because
+# `make quant-fixtures` remakes tests/fixtures/quant/ with the real tools, each in its own venv because
 # their torch / transformers pins exclude each other and the main venv's: llm-compressor (compressed-tensors
 # fixtures) in .venv-quant, GPTQModel (GPTQ / AWQ fixtures, on the CPU; it JIT-compiles
 # its CPU packing extension with the system g++ on first use) in .venv-gptq.
-# QUANT_ARGS passes options to tools/make_quant_fixtures.py, e.g. QUANT_ARGS='--only ct_w4a16'.
+# QUANT_ARGS passes options to `python -m tools.make_quant_fixtures`, e.g. QUANT_ARGS='--only ct_w4a16'.
 QUANT_VENV ?= .venv-quant
 GPTQ_VENV ?= .venv-gptq
 
@@ -117,7 +117,7 @@ $(GPTQ_VENV)/.installed:
 	@touch $@
 
 quant-fixtures: $(QUANT_VENV)/.installed $(GPTQ_VENV)/.installed
-	$(QUANT_VENV)/bin/python tools/make_quant_fixtures.py --gptq-python $(GPTQ_VENV)/bin/python $(QUANT_ARGS)
+	$(QUANT_VENV)/bin/python -m tools.make_quant_fixtures --gptq-python $(GPTQ_VENV)/bin/python $(QUANT_ARGS)
 
 # `make quant-tools`: only the llm-compressor venv (.venv-quant), for examples/quantize_llmcompressor.py (README).
 quant-tools: $(QUANT_VENV)/.installed

@@ -13,8 +13,8 @@ decode rows of that layer's projections (`--decode-rows`, default 1 8 32) and fo
 (`--tower-rows`, default 1024 4096, times (N, K) of a 512-wide tower's qkv, o, MLP up and down and a 1280-wide
 one's qkv, MLP up and down).
 
-    python benchmarks/cpu_linear.py [--dtype bfloat16 float32] [--hidden-size 512] [--rows 1 8 32 256 2048]
-    python benchmarks/cpu_linear.py --gflops [--dtype bfloat16 float32] [--decode-rows 1 8 32]
+    python -m benchmarks.cpu_linear [--dtype bfloat16 float32] [--hidden-size 512] [--rows 1 8 32 256 2048]
+    python -m benchmarks.cpu_linear --gflops [--dtype bfloat16 float32] [--decode-rows 1 8 32]
         [--tower-rows 1024 4096]
 """
 from __future__ import annotations
@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_isa, cpu_linear_supported,  # noqa: E402
+from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_isa, cpu_linear_supported,
                                         pack_linear_weight)
 
 TOWER_SHAPES = [(1536, 512), (512, 512), (2048, 512), (512, 2048), (3840, 1280), (5120, 1280), (1280, 5120)]

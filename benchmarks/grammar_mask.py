@@ -1,4 +1,4 @@
-"""Structured outputs' bitmask pass on CPU: the numpy unpack + `masked_fill_` path (the runner's before issue 35's
+"""Structured outputs' bitmask pass on CPU: the numpy unpack + `masked_fill_` path (the runner's before the
 C++ pass, kept as the reference) against the C++ pass (`kernels.grammar_mask`), both masking every row of float32
 logits in place (as the runner does when every request is constrained).
 
@@ -8,21 +8,18 @@ a quote are few and scattered), "most" forbids ~1% (inside a string: the tokens 
 sets each bit with probability 1/2. The two paths alternate call by call, so the machine's drift hits both alike;
 medians in microseconds over `--reps` calls each. Masking is idempotent, so repeated calls do the same work.
 
-    python benchmarks/grammar_mask.py [--reps 200] [--dtype float32]
+    python -m benchmarks.grammar_mask [--reps 200] [--dtype float32]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels.grammar_mask import (apply_token_bitmask_cpu, apply_token_bitmask_ref,  # noqa: E402
+from vlserve.kernels.grammar_mask import (apply_token_bitmask_cpu, apply_token_bitmask_ref,
                                           grammar_mask_kernel)
 
 SHAPES = [(151936, 32), (151936, 1), (689, 32)]  # (vocab, rows)

@@ -16,23 +16,20 @@ adapter of rank `--rank` on every slice. Per layer it times:
 The variants alternate call by call (drift hits all alike); medians in microseconds over `--reps` calls.
 `base / twin` and `base / kernel` are the layer-linears' throughput ratios (the issue's goal: >= 0.8 end to end).
 
-    python benchmarks/lora_cpu.py [--reps 200] [--hidden 512 2048] [--rank 8 16] [--dtype float32] [--threads N]
+    python -m benchmarks.lora_cpu [--reps 200] [--hidden 512 2048] [--rank 8 16] [--dtype float32] [--threads N]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_silu_mul, pack_linear_weight  # noqa: E402
-from vlserve.kernels.lora_cpu import LoRAStack, lora_add_cpu, lora_cpu_kernel  # noqa: E402
-from vlserve.kernels.lora_ref import add_lora_grouped, take_rows, token_groups  # noqa: E402
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_silu_mul, pack_linear_weight
+from vlserve.kernels.lora_cpu import LoRAStack, lora_add_cpu, lora_cpu_kernel
+from vlserve.kernels.lora_ref import add_lora_grouped, take_rows, token_groups
 
 SLOTS, KV = 4, 256  # adapters in the batch; k and v widths (2 KV heads of 128)
 

@@ -5,22 +5,18 @@ CPU) against `scaled_dot_product_attention` on contiguous K/V of the same size, 
 Triton vs torch path vs SDPA, each timed per call inside a CUDA graph (as a decode step replays them; call by call
 only where a function cannot be captured, named at the end).
 
-    python benchmarks/paged_attention.py [--dtype float32|bfloat16] [--iters 20] [--threads N]
+    python -m benchmarks.paged_attention [--dtype float32|bfloat16] [--iters 20] [--threads N]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref  # noqa: E402
-from vlserve.kernels.cpu_decode import cpu_decode_supported, paged_attention_decode_cpu  # noqa: E402
+from vlserve.kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref
+from vlserve.kernels.cpu_decode import cpu_decode_supported, paged_attention_decode_cpu
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 16, 4, 64, 16
 # (batch, context, mixed): mixed draws each sequence's length uniformly from [ctx/16, ctx]; its SDPA

@@ -2,7 +2,7 @@
 queue (two batches in flight), all in one run, with ratios against PP=1 from that run, and each stage's idle
 fraction (the pipeline bubble) with one and with two batches in flight.
 
-    python benchmarks/pp_overlap.py [--requests 16] [--prompt-len 64] [--output-len 64] [--hidden 1024] [--layers 8]
+    python -m benchmarks.pp_overlap [--requests 16] [--prompt-len 64] [--output-len 64] [--hidden 1024] [--layers 8]
 
 Builds one random Qwen2 checkpoint (float32; hidden 1024, 8 layers: a 16-sequence decode step takes tens of ms on one
 core), then runs each configuration in a fresh process: N requests at once (greedy, EOS ignored), one warm-up
@@ -28,7 +28,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # this checkout's vlserve, not another one installed in the environment
 CONFIGS = [  # name, pipeline_parallel_size, torch threads of the PP=1 process, batch queue on
     ("PP=1, 1 thread", 1, 1, False),
     ("PP=1, 2 threads", 1, 2, False),
@@ -95,7 +94,7 @@ def main() -> None:
         print("RESULT " + json.dumps(_child(model, pp, threads, overlap, args)), flush=True)
         return
 
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +108,7 @@ def main() -> None:
             env = dict(os.environ)
             env.pop("OMP_NUM_THREADS", None)  # the ranks take cores // stages threads each
             env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([model, pp, threads, overlap]),
+            cmd = [sys.executable, "-m", "benchmarks.pp_overlap", "--child", json.dumps([model, pp, threads, overlap]),
                    "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
                    "--output-len", str(args.output_len), "--rounds", str(args.rounds)]
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

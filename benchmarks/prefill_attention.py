@@ -1,11 +1,11 @@
 """Prefill attention on a GPU: the Triton paged kernel against flash SDPA on contiguous K/V, in TFLOP/s.
 
-The shapes of issue 19: bf16, 32 query / 8 KV heads, head dim 128, cache block 16, fresh causal prompts of
+The shapes: bf16, 32 query / 8 KV heads, head dim 128, cache block 16, fresh causal prompts of
 B x L = 1 x 4096, 8 x 2048 and 32 x 512. The causal FLOPs (4 * B * Hq * D * L * (L + 1) / 2) are the same for both,
 so the ratio column is Triton's speed as a fraction of flash's. `--sweep` also times every candidate launch shape
 (`PrefillTile`) per case and prints the fastest.
 
-    python benchmarks/prefill_attention.py [--dtype bfloat16] [--iters 20] [--sweep] [--cases 1x4096 8x2048]
+    python -m benchmarks.prefill_attention [--dtype bfloat16] [--iters 20] [--sweep] [--cases 1x4096 8x2048]
 
 On a machine without CUDA, `--device cpu` with TRITON_INTERPRET=1 runs the same code on tiny cases (a smoke run:
 the interpreter's timings mean nothing).
@@ -16,14 +16,11 @@ import argparse
 import itertools
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels.triton_prefill import PrefillTile, paged_prefill_attention_triton, prefill_tile  # noqa: E402
+from vlserve.kernels.triton_prefill import PrefillTile, paged_prefill_attention_triton, prefill_tile
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CASES = ["1x4096", "8x2048", "32x512"]
@@ -80,7 +77,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile per case")
-    parser.add_argument("--cases", nargs="+", default=CASES, help="BxL per case (default: issue 19's)")
+    parser.add_argument("--cases", nargs="+", default=CASES, help="BxL per case (default: the shapes above)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -12,24 +12,20 @@ W8A16 with groups of 128 (asymmetric zeros, fp16 scales), W8A8 INT8 (x quantized
 weight scales and per-token x, FP8 with 128x128 blocks and per-128 x groups. A bf16 F.linear of more than 4e9
 multiply-adds is left out ("-"): without AVX512-BF16 oneDNN takes seconds for it.
 
-    python benchmarks/quant_linear.py [--rows 1 8 32 512] [--dtype float32 bfloat16] [--shapes 4864x896 ...]
+    python -m benchmarks.quant_linear [--rows 1 8 32 512] [--dtype float32 bfloat16] [--shapes 4864x896 ...]
         [--budget 0.3] [--cold] [--stat median|min]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels import quant_linear as QL  # noqa: E402
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_isa, pack_linear_weight  # noqa: E402
-from vlserve.kernels.quant_linear_cpu import quant_kernel, quant_kernel_info  # noqa: E402
+from vlserve.kernels import quant_linear as QL
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_isa, pack_linear_weight
+from vlserve.kernels.quant_linear_cpu import quant_kernel, quant_kernel_info
 
 SHAPES = ["1152x896", "896x896", "4864x896", "896x4864", "18944x3584"]
 QUANT = ["w4a16", "w8a16", "int8", "fp8", "fp8blk"]

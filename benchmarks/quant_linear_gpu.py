@@ -16,7 +16,7 @@ the warm-up, before timing).
 Writes nothing but stdout: Triton's compile cache goes to a temporary directory removed at exit. Takes about a
 minute on an H100 (most of it Triton compiling and tuning).
 
-    python benchmarks/quant_linear_gpu.py [--rows 1 16 128 2048] [--n 18944 3584] [--k 3584]
+    python -m benchmarks.quant_linear_gpu [--rows 1 16 128 2048] [--n 18944 3584] [--k 3584]
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 _CACHE = tempfile.TemporaryDirectory(prefix="vlserve-triton-")
 os.environ["TRITON_CACHE_DIR"] = _CACHE.name  # before triton is imported: keep its cache off the disk we leave
@@ -33,8 +32,6 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vlserve.kernels import quant_linear as QL  # noqa: E402
 from vlserve.kernels import quant_linear_cuda as QC  # noqa: E402

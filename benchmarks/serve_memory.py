@@ -2,7 +2,7 @@
 send the README's image chat, and print the RSS of every process in the server's tree (from /proc) after start-up
 and after the request.
 
-    .venv/bin/python benchmarks/serve_memory.py [--port 8021] [-- extra `vlserve serve` flags, e.g. --engine-process]
+    .venv/bin/python -m benchmarks.serve_memory [--port 8021] [-- extra `vlserve serve` flags, e.g. --engine-process]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-step overhead before and after: this checkout against an older revision, on models too small to matter.
 
-    python benchmarks/step_overhead.py --baseline-rev 2840b99 --rounds 3
+    python -m benchmarks.step_overhead --baseline-rev 2840b99 --rounds 3
 
 Two workloads whose time is the engine's own work, not FLOPs:
 - `demo`: the shipped demo model (3.9M parameters), one stream, a 32-token prompt, 128 tokens out;
@@ -23,47 +23,52 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("demo", "host")
 
 
-def _child(workload: str, model: str, async_scheduling: bool = False) -> dict:
-    """Runs in the measured process: the workload's median over timed runs, as a dict."""
-    import torch
+# What a measured process runs (`python -c CHILD WORKLOAD MODEL ASYNC`, in the tree of the version it measures, so
+# that tree's vlserve is the one imported): the workload's median over timed runs, printed as a RESULT line.
+CHILD = """
+import json, os, statistics, sys, time
 
-    from vlserve import LLM, SamplingParams
+import torch
 
-    if workload == "demo":
-        llm = LLM(model, max_num_seqs=1, async_scheduling=async_scheduling)
-        prompts = [{"prompt_token_ids": list(range(100, 132))}]
-        out_len, timed = 128, 7
-    else:
-        llm = LLM(model, max_num_seqs=256, max_model_len=256, num_kv_blocks=2048, async_scheduling=async_scheduling)
-        g = torch.Generator().manual_seed(0)
-        prompts = [{"prompt_token_ids": torch.randint(3, 200, (16,), generator=g).tolist()} for _ in range(256)]
-        out_len, timed = 48, 5
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    for _ in range(2):
-        llm.generate(prompts, params, use_tqdm=False)
-    times = []
-    for _ in range(timed):
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(1000 * (time.perf_counter() - t) / out_len)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    if tokens != out_len * len(prompts):
-        raise RuntimeError(f"{workload}: {tokens} tokens out, expected {out_len * len(prompts)}")
-    return {"ms": statistics.median(times), "runs": [round(x, 3) for x in times]}
+import vlserve
+from vlserve import LLM, SamplingParams
+
+workload, model, async_scheduling = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+if workload == "demo":
+    llm = LLM(model, max_num_seqs=1, async_scheduling=async_scheduling)
+    prompts = [{"prompt_token_ids": list(range(100, 132))}]
+    out_len, timed = 128, 7
+else:
+    llm = LLM(model, max_num_seqs=256, max_model_len=256, num_kv_blocks=2048, async_scheduling=async_scheduling)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (16,), generator=g).tolist()} for _ in range(256)]
+    out_len, timed = 48, 5
+params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+for _ in range(2):
+    llm.generate(prompts, params, use_tqdm=False)
+times = []
+for _ in range(timed):
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    times.append(1000 * (time.perf_counter() - t) / out_len)
+tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+if tokens != out_len * len(prompts):
+    raise RuntimeError(f"{workload}: {tokens} tokens out, expected {out_len * len(prompts)}")
+print("RESULT " + json.dumps({"ms": statistics.median(times), "runs": [round(x, 3) for x in times],
+                              "package": os.path.dirname(vlserve.__file__)}), flush=True)
+"""
 
 
 def _measure(src: str, workload: str, model: str, async_scheduling: bool = False) -> dict:
     """One fresh process running `workload` with the vlserve package of `src` first on its path."""
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "--model", model]
-    proc = subprocess.run(cmd + (["--async-scheduling"] if async_scheduling else []),
-                          env=env, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, "-c", CHILD, workload, model, "1" if async_scheduling else "0"]
+    proc = subprocess.run(cmd, env=env, cwd=src, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{workload} from {src} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -82,26 +87,14 @@ def _export(rev: str, dest: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline-rev", default="2840b99", help="git revision to compare with (default: main before "
-                   "issue 19's step-loop work)")
+                   "the step-loop work)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: demo, host")
     p.add_argument("--async-scheduling", action="store_true", help="both versions plan step N+1 while N runs")
     p.add_argument("--versus-sync", action="store_true", help="also this checkout without async scheduling")
-    p.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
-        here = os.path.dirname(os.path.abspath(__file__))  # off the path: its scripts' names could shadow packages
-        sys.path[:] = [d for d in sys.path if os.path.abspath(d or os.curdir) != here]
-        import vlserve
-
-        result = _child(args.child, args.model, args.async_scheduling)
-        print("RESULT " + json.dumps(dict(result, package=os.path.dirname(vlserve.__file__))), flush=True)
-        return
-
-    sys.path.insert(0, REPO)
     from vlserve.demo import default_model_path
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))

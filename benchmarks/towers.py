@@ -18,7 +18,7 @@ on the same call in the same dtype. What each family compares:
 - audio: Qwen2-Audio's Whisper-style encoder over the full 3000-frame window; "patches" counts the 1500 positions
   after the stride-2 conv stem.
 
-    python benchmarks/towers.py [--families qwen2_vl clip ...] [--dtypes float32 bfloat16] [--depth 8]
+    python -m benchmarks.towers [--families qwen2_vl clip ...] [--dtypes float32 bfloat16] [--depth 8]
         [--width 512] [--image-size 448] [--iters 5] [--threads N]
 """
 from __future__ import annotations
@@ -31,17 +31,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlserve.kernels import cpu_linear  # noqa: E402
-from vlserve.kernels.packed_linear import pack_linears_for_cpu  # noqa: E402
-from vlserve.worker.cpu_allocator import tune_cpu_allocator  # noqa: E402
+from vlserve.kernels import cpu_linear
+from vlserve.kernels.packed_linear import pack_linears_for_cpu
+from vlserve.worker.cpu_allocator import tune_cpu_allocator
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "clip", "siglip", "audio")
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2}  # parity: max |ours - HF| / max |HF|
@@ -303,7 +300,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(msg, file=sys.stderr)
     for d in args.dtypes:
         print(summary(rows, d))
-    print(" ".join(["command: python benchmarks/towers.py", shlex.join(argv)]).rstrip())
+    print(" ".join(["command: python -m benchmarks.towers", shlex.join(argv)]).rstrip())
     return rows
 
 

@@ -18,7 +18,7 @@ MAX_TOKENS = 40
 
 def render_clip(seed: int):
     """(clip, float32 waveform at 16 kHz, WAV bytes) from the demo's audio world."""
-    from vlserve.training import audio_world
+    from vlserve.demo import audio_world
 
     clip = audio_world.sample_clip(random.Random(seed))
     samples = audio_world.render(clip)
@@ -64,13 +64,26 @@ def ask_server(base_url: str, api_key: str, wav: bytes, questions: list[str]) ->
 
 
 def ask_hf(model: str, samples, questions: list[str]) -> list[str]:
+    """Greedy answers from transformers' Qwen2AudioForConditionalGeneration + AutoProcessor (one left-padded batch)."""
+    import torch
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
     from vlserve.demo import DEMO_MODELS, demo_model_path
-    from vlserve.training.eval_audio import generate_hf
+    from vlserve.demo.audio_world import SAMPLE_RATE
 
     path = demo_model_path(model) if model in DEMO_MODELS else model
-    items = [{"audio": samples, "question": q} for q in questions]
     t = time.perf_counter()
-    replies = generate_hf(path, items)
+    torch.set_num_threads(2)
+    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    processor.tokenizer.padding_side = "left"
+    hf = Qwen2AudioForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+    turns = [[{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": q}]}] for q in questions]
+    texts = [processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) for turn in turns]
+    batch = processor(text=texts, audio=[samples] * len(questions), sampling_rate=SAMPLE_RATE, padding=True,
+                      return_tensors="pt")
+    with torch.inference_mode():
+        gen = hf.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False)  # [B, L + new]
+    replies = processor.tokenizer.batch_decode(gen[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     for q, r in zip(questions, replies):
         print(f"{q} -> {r!r}")
     print(f"({len(questions)} answers in {time.perf_counter() - t:.2f} s)")

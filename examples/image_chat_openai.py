@@ -16,7 +16,7 @@ def image_data_url(path: str | None) -> str:
         with open(path, "rb") as f:
             data = f.read()
     else:
-        from vlserve.training.world import render_image, sample_scene
+        from vlserve.demo.world import render_image, sample_scene
 
         buf = io.BytesIO()
         render_image(sample_scene(random.Random(1))).save(buf, format="PNG")

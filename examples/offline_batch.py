@@ -7,7 +7,7 @@ import random
 import time
 
 from vlserve import LLM, SamplingParams
-from vlserve.training.world import render_image, sample_scene
+from vlserve.demo.world import render_image, sample_scene
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ QUESTIONS = ["Which direction does the {shape} move?", "What color is the moving
 
 
 def make_clip(path: str) -> tuple[str, str]:
-    from vlserve.training.world import render_video, sample_video, write_mp4
+    from vlserve.demo.world import render_video, sample_video, write_mp4
 
     scene = sample_video(random.Random(3))
     write_mp4(render_video(scene), path)

@@ -8,6 +8,9 @@ On a CUDA machine the engine and the kernel tests run the real Triton kernels on
 TRITON_INTERPRET were set for the whole run, every `@triton.jit` kernel would be built for the CPU
 interpreter instead (slow, and wrong for CUDA tensors), so the run stops with a usage error. On CPU
 the kernel tests build their own interpreted copies of the kernels (tests/kernels/_interpreted.py).
+
+Every process a test starts gets the repository root first on its PYTHONPATH, so it imports this checkout's vlserve
+and the top-level packages beside it (tests.support, training, benchmarks), wherever it runs from.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ import os
 
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                    if p and os.path.abspath(p) != ROOT)])
 
 # what marks a test that starts a tensor-parallel engine (one GPU per rank on CUDA)
 _TP_ENGINE_SIGNS = ("tensor_parallel_size=2", '"tensor_parallel_size": 2', '"--tensor-parallel-size", "2"')

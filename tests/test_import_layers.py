@@ -1,10 +1,10 @@
 """The package's layering, read from its source with `ast`: every import (module level and inside functions,
 absolute and relative) of every vlserve module, mapped to the top-level unit it reaches.
 
-Checked: (1) a unit imports only units of the same or a lower rank (training/testing may import anything, and only
-cli/bench/quickstart may import them); (2) no cycle between units; (3) vlserve.core imports no torch; (4) no file is
-over 500 lines. Edges not yet removed are listed in KNOWN_BREACHES; the test fails on a new breach and on a listed
-one that no longer exists, so the list only shrinks.
+Checked: (1) a unit imports only units of the same or a lower rank; (2) no cycle between units; (3) vlserve.core
+imports no torch; (4) no file is over 500 lines; (5) vlserve never imports the checkout's other top-level packages
+(tests, training, benchmarks), which may import vlserve. Edges not yet removed are listed in KNOWN_BREACHES; the
+test fails on a new breach and on a listed one that no longer exists, so the list only shrinks.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MAX_LINES = 500
 
 # Lowest first. A unit is a top-level subpackage or module of vlserve; "vlserve" is the package's own __init__.
 RANKS = {
-    "demo": 0,  # the checkpoint locator: imports nothing from vlserve
+    "demo": 0,  # the checkpoint locator, the demo worlds, tiny random checkpoints: import nothing from vlserve
     "config": 1, "transfer_config": 1, "sampling_params": 1, "outputs": 1, "shorten": 1, "beam_search": 1,
     "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
     "core": 2, "kernels": 2, "multimodal": 2, "distributed": 2,
@@ -31,8 +31,8 @@ RANKS = {
     "llm": 9, "api": 9, "vlserve": 9,
     "cli": 10, "bench": 10, "quickstart": 10,
 }
-OFF_PATH = {"training", "testing"}  # may import anything; only the top-rank tools may import them
-TOOLS_RANK = 10
+# The checkout's top-level packages beside vlserve: they may import vlserve, vlserve never imports them.
+OUTSIDE = {"tests", "training", "benchmarks"}
 
 # (module, imported module) edges that break the rule today, each with the helper whose part removes it.
 KNOWN_BREACHES: set[tuple[str, str]] = set()
@@ -95,14 +95,24 @@ def _breaches(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
     bad = set()
     for src, dst in edges:
         su, du = _unit(src), _unit(dst)
-        if su == du or su in OFF_PATH:
-            continue
-        if du in OFF_PATH:
-            if RANKS[su] < TOOLS_RANK:
-                bad.add((src, dst))
-        elif RANKS[du] > RANKS[su]:
+        if su != du and RANKS[du] > RANKS[su]:
             bad.add((src, dst))
     return bad
+
+
+def _outside_imports(root: pathlib.Path = PKG_ROOT) -> set[tuple[str, str]]:
+    """(vlserve module, imported module) for every import, anywhere in a file, of a package in OUTSIDE."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found.update((_module_name(path, root), n) for n in names if n.split(".")[0] in OUTSIDE)
+    return found
 
 
 def _unit_cycles(edges: set[tuple[str, str]]) -> set[tuple[str, ...]]:
@@ -165,15 +175,20 @@ def edges() -> set[tuple[str, str]]:
 
 def test_every_unit_has_a_rank():
     units = {_unit(_module_name(p)) for p in PKG_ROOT.rglob("*.py")}
-    assert units - set(RANKS) - OFF_PATH == set(), "give each new top-level module/subpackage a rank in RANKS"
+    assert units - set(RANKS) == set(), "give each new top-level module/subpackage a rank in RANKS"
 
 
 def test_imports_follow_the_layer_order(edges):
     breaches = _breaches(edges)
     new = sorted(breaches - KNOWN_BREACHES)
-    assert not new, f"imports that reach a higher layer or training/testing code: {new}"
+    assert not new, f"imports that reach a higher layer: {new}"
     gone = sorted(KNOWN_BREACHES - breaches)
     assert not gone, f"fixed breaches still listed in KNOWN_BREACHES (remove them): {gone}"
+
+
+def test_vlserve_never_imports_the_checkout_packages():
+    found = sorted(_outside_imports())
+    assert not found, f"vlserve modules importing {sorted(OUTSIDE)} (the package must stand alone): {found}"
 
 
 def test_no_cycle_between_subpackages(edges):
@@ -215,11 +230,13 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
     (pkg / "engine" / "__init__.py").write_text("")
     (pkg / "engine" / "loop.py").write_text("from ..core import sched\n")
     (pkg / "core" / "sched.py").write_text("def f():\n    import vlserve.engine.loop\n")
-    (pkg / "core" / "fixture.py").write_text("def g():\n    from vlserve.testing import tokenizer\n")
+    (pkg / "core" / "fixture.py").write_text("def g():\n    from tests.support import tokenizer\n")
+    (pkg / "engine" / "train.py").write_text("import training.train\nfrom benchmarks import gpu_check\n")
     found = _all_edges(pkg)
     assert ("vlserve.engine.loop", "vlserve.core.sched") in found
     assert ("vlserve.core.sched", "vlserve.engine.loop") in found
-    assert _breaches(found) == {("vlserve.core.sched", "vlserve.engine.loop"),
-                                ("vlserve.core.fixture", "vlserve.testing")}
+    assert _breaches(found) == {("vlserve.core.sched", "vlserve.engine.loop")}
+    assert _outside_imports(pkg) == {("vlserve.core.fixture", "tests.support"),
+                                     ("vlserve.engine.train", "training.train"), ("vlserve.engine.train", "benchmarks")}
     assert _unit_cycles(found) == {("core", "engine")}
     assert _module_cycles(found, pkg) == {("vlserve.core.sched", "vlserve.engine.loop")}

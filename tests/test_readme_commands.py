@@ -110,7 +110,7 @@ def vlserve_subcommands() -> dict[str, set[str]]:
 
 
 def _module_exists(module: str) -> bool:
-    if module.split(".")[0] == "vlserve":
+    if os.path.isdir(os.path.join(ROOT, module.split(".")[0])):  # vlserve, training, benchmarks, tools: this checkout's
         base = os.path.join(ROOT, *module.split("."))
         return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__main__.py"))
     import importlib.util
@@ -192,9 +192,11 @@ def test_command_refers_to_what_exists(rel, cmd):
 
 
 def test_problems_catches_what_fails_after_setup():
-    assert problems("python -m vlserve.training.eval")
+    assert problems("python -m training.eval")
     assert problems("vlserve serve --port 8001")
     assert problems(".venv/bin/python -m vlserve.no_such_module")
+    assert problems(".venv/bin/python -m training.no_such_module")
+    assert not problems(".venv/bin/python -m training.eval --help")
     assert problems(".venv/bin/python examples/no_such_example.py")
     assert problems("make no-such-target")
     assert problems(".venv/bin/vlserve bench no-such-bench")

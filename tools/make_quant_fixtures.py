@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Make the quantized test checkpoints in tests/fixtures/quant/ with the REAL quantization tools (issue 42).
+"""Make the quantized test checkpoints in tests/fixtures/quant/ with the REAL quantization tools.
 
     make quant-fixtures                                   # creates .venv-quant / .venv-gptq when missing, then:
-    .venv-quant/bin/python tools/make_quant_fixtures.py   # everything (GPTQ/AWQ through .venv-gptq/bin/python)
-    .venv-quant/bin/python tools/make_quant_fixtures.py --only ct_w4a16 ct_vl_w4a16
-    .venv/bin/python tools/make_quant_fixtures.py --verify  # re-run the oracles in another venv, compare
+    .venv-quant/bin/python -m tools.make_quant_fixtures   # everything (GPTQ/AWQ through .venv-gptq/bin/python)
+    .venv-quant/bin/python -m tools.make_quant_fixtures --only ct_w4a16 ct_vl_w4a16
+    .venv/bin/python -m tools.make_quant_fixtures --verify  # re-run the oracles in another venv, compare
 
 Two tool venvs, because their pins exclude each other:
   .venv-quant  llmcompressor 0.14.0.1 (torch <= 2.14.0, transformers <= 5.17, compressed-tensors 0.19.0)
@@ -101,7 +101,7 @@ def make_image():
 
 def calibration_texts(n: int = 16) -> list[str]:
     """Deterministic short plain-text samples from the test tokenizer's word list (no downloads)."""
-    from vlserve.testing.tokenizer import _WORDS
+    from vlserve.demo.tokenizer import _WORDS
 
     rng = random.Random(0)
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(24, 48))).capitalize() + "." for _ in range(n)]
@@ -114,8 +114,8 @@ def dir_size(path: Path) -> int:
 def build_bases(work: Path) -> dict[str, Path]:
     import torch
 
-    from vlserve.testing.checkpoints import build_text_checkpoint
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     text = work / "text_base"
     if not (text / "model.safetensors").exists():
@@ -202,10 +202,10 @@ def greedy(model, model_dir: Path, prompt: dict, steps: int = MAX_NEW_TOKENS) ->
 
 
 def hf_generate_agrees(model, model_dir: Path, prompts: list[dict], results: list[dict]) -> bool:
-    """Cross-check of the loop above with transformers' own generate (vlserve.testing.hf_generate)."""
+    """Cross-check of the loop above with transformers' own generate (tests.support.hf_generate)."""
     import torch
 
-    from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+    from tests.support.hf_generate import hf_greedy_ignoring_eos
 
     for prompt, res in zip(prompts, results):
         inputs = {"input_ids": torch.tensor([prompt["prompt_token_ids"]])}
@@ -640,10 +640,10 @@ def main() -> int:
             if not args.gptq_python.exists():
                 log(f"SKIPPING {gptq_names}: no {args.gptq_python} (make quant-fixtures creates .venv-gptq)")
             else:
-                cmd = [str(args.gptq_python), __file__, "--stage", "gptq", "--text-base", str(bases["text"]),
-                       "--out", str(args.out), "--only", *gptq_names]
+                cmd = [str(args.gptq_python), "-m", "tools.make_quant_fixtures", "--stage", "gptq", "--text-base",
+                       str(bases["text"]), "--out", str(args.out), "--only", *gptq_names]
                 log("GPTQ/AWQ stage: " + " ".join(cmd))
-                subprocess.run(cmd, check=True)
+                subprocess.run(cmd, check=True, cwd=REPO)
     total = 0
     for name in all_names:
         d = args.out / name

@@ -282,8 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser("spec-demo", help="speculative vs plain decoding on the demo model's task", add_help=False)
     sub.add_parser("proxy", help="disaggregated serving proxy (encode, prefill, decode) in front of vlserve servers (see --help)",
                    add_help=False)
-    sub.add_parser("train-eagle", help="train an EAGLE draft head on a target's own outputs (see --help)",
-                   add_help=False)
     return parser
 
 
@@ -321,10 +319,6 @@ def main(argv: list[str] | None = None) -> int:
         from vlserve.api.disagg_proxy import main as proxy_main
 
         return proxy_main(argv[1:]) or 0
-    if argv[:1] == ["train-eagle"]:
-        from vlserve.training.train_eagle import main as train_eagle_main
-
-        return train_eagle_main(argv[1:]) or 0
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     from vlserve.engine.core_client import EngineStartupError

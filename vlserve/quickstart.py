@@ -28,7 +28,7 @@ def pick_model(model: str | None) -> tuple[str, str | None]:
         print(f"[quickstart] {e}\n[quickstart] serving a tiny RANDOM-weight Qwen2-VL instead (answers are noise)",
               file=sys.stderr)
     if not os.path.isfile(os.path.join(FALLBACK_DIR, "config.json")):
-        from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+        from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
         build_qwen2_vl_checkpoint(FALLBACK_DIR, hidden_size=128, num_layers=2, vision_depth=2,
                                   vision_embed_dim=64, mrope_section=(4, 6, 6), initializer_range=0.02)

@@ -108,7 +108,7 @@ def start_server(engine_args, **config_kw) -> Served:
 
 @pytest.fixture(scope="session")
 def text_ckpt(tmp_path_factory) -> str:
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("api_text")), arch="qwen2")
 

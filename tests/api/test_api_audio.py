@@ -54,7 +54,7 @@ def user(*parts: dict, text: str = "What do you hear?") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def audio_ckpt(tmp_path_factory) -> str:
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
 
     return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("api_audio")))
 

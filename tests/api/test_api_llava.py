@@ -13,7 +13,7 @@ ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=128, block_s
 
 @pytest.fixture(scope="module")
 def next_ckpt(tmp_path_factory) -> str:
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
     return build_llava_checkpoint(str(tmp_path_factory.mktemp("api_llava_next")), variant="llava_next")
 

@@ -55,7 +55,7 @@ def image_msg(*urls: str, text: str = "describe the image", kind: str = "image_u
 @pytest.fixture(scope="module")
 def vl_ckpt(tmp_path_factory) -> str:
     from vlserve.models.registry import get_model_class
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     path = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("api_vl")))
     from transformers import AutoConfig

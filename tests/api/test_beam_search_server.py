@@ -80,7 +80,7 @@ def test_completions_equal_hf_num_beams(server, text_ckpt, n):
 
     tok = AutoTokenizer.from_pretrained(text_ckpt)
     model = AutoModelForCausalLM.from_pretrained(text_ckpt, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # as vlserve.testing.hf_generate does
+    model.generation_config.eos_token_id = None  # as tests.support.hf_generate does
     ids = torch.tensor([tok(OTHER_PROMPT).input_ids])
     cfg = GenerationConfig(max_new_tokens=10, do_sample=False, num_beams=n, num_return_sequences=n,
                            eos_token_id=None, pad_token_id=0, length_penalty=1.0)
@@ -108,7 +108,7 @@ VLM_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=128, block_size
 
 @pytest.fixture(scope="module")
 def llava_ckpt(tmp_path_factory) -> str:
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
     return build_llava_checkpoint(str(tmp_path_factory.mktemp("beam_llava")))
 

@@ -73,7 +73,7 @@ def test_serve_without_model_explains_missing_demo(monkeypatch, tmp_path, capsys
 
     missing = str(tmp_path / "missing")
     monkeypatch.setitem(vlserve.demo.DEMO_MODELS, "vlserve-demo",
-                        (missing, "python -m vlserve.training.train --out {dir}"))
+                        (missing, "python -m training.train --out {dir}"))
     assert main(["serve", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert "demo model" in err and "vlserve serve /path/to/model" in err

@@ -78,7 +78,8 @@ def test_page_files_load_nothing_from_elsewhere():
 
 
 def test_shipped_examples_are_the_demo_world(tmp_path):
-    from vlserve.training import playground_examples, world
+    from training import playground_examples
+    from vlserve.demo import world
 
     entries = playground_examples.write_examples(str(tmp_path))
     assert json.load(open(os.path.join(EXAMPLES_DIR, "examples.json"))) == entries
@@ -93,7 +94,7 @@ def test_shipped_examples_are_the_demo_world(tmp_path):
 # ------------------------------------------------------------------------------------------------ in Chromium
 @pytest.fixture(scope="module")
 def chromium():
-    from vlserve.testing.browser import find_chromium
+    from tests.support.browser import find_chromium
 
     found = find_chromium()
     if isinstance(found, str):
@@ -134,7 +135,7 @@ def api(demo_server):
 
 @pytest.fixture(scope="module")
 def browser(chromium, tmp_path_factory):
-    from vlserve.testing.browser import headless_chromium
+    from tests.support.browser import headless_chromium
 
     driver = headless_chromium(*chromium, str(tmp_path_factory.mktemp("chromium_profile")))
     yield driver

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from vlserve.bench import throughput
 from vlserve.bench.cpu_report import CpuRoofline, format_roofline, run_gbytes, run_gflop
-from vlserve.testing.checkpoints import build_text_checkpoint
+from vlserve.demo.checkpoints import build_text_checkpoint
 
 
 def test_run_gflop_matches_the_flop_counter_of_one_token(tmp_path):

@@ -1,4 +1,4 @@
-"""`make gpu-check DRY_RUN=1` (issue 40): the one-command GPU check runs every step on CPU with tiny sizes, so the
+"""`make gpu-check DRY_RUN=1`: the one-command GPU check runs every step on CPU with tiny sizes, so the
 script a GPU session relies on cannot rot; the report lists every step with its status, figures and command."""
 import json
 import os
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from vlserve.bench.gpu_check import wheel_requirements
-from vlserve.bench.gpu_check_steps import STEPS
+from benchmarks.gpu_check import wheel_requirements
+from benchmarks.gpu_check_steps import STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_gpu_check_dry_run_reports_every_step(tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "vlserve.bench.gpu_check", "--dry-run", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out),
                            "--work-dir", str(tmp_path / "work"), "--budget", "600"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     md = (out / "report.md").read_text()
@@ -42,7 +42,7 @@ def test_gpu_check_dry_run_reports_every_step(tmp_path):
 
 
 def test_gpu_check_only_and_skip_still_list_every_step(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "vlserve.bench.gpu_check", "--dry-run", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
                            "--only", "build_model"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = {s["name"]: s["status"] for s in json.loads((tmp_path / "report.json").read_text())["steps"]}

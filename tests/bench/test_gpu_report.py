@@ -6,7 +6,7 @@ import torch
 
 from vlserve import LLM, SamplingParams
 from vlserve.bench import gpu_report
-from vlserve.testing.checkpoints import build_text_checkpoint
+from vlserve.demo.checkpoints import build_text_checkpoint
 
 
 def test_gpu_report_prints_busy_fraction_and_roofline(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,7 @@
-"""vlserve.bench.host_step: runs small, prints ms/step and a breakdown, and leaves the engine unwrapped."""
+"""benchmarks.host_step: runs small, prints ms/step and a breakdown, and leaves the engine unwrapped."""
 import re
 
-from vlserve.bench import host_step
+from benchmarks import host_step
 
 
 def test_host_step_bench_prints_ms_per_step_and_breakdown(capsys, monkeypatch):

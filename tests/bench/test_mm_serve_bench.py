@@ -1,4 +1,4 @@
-"""vlserve.bench.mm_serve end to end against `vlserve serve` only (no vLLM): a tiny random Qwen2-VL built into the
+"""benchmarks.mm_serve end to end against `vlserve serve` only (no vLLM): a tiny random Qwen2-VL built into the
 checkpoint cache, 2 streamed chat requests through vlserve.bench.serve's client, one table row, logs and JSON."""
 import json
 import os
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from vlserve.bench import mm_serve
+from benchmarks import mm_serve
 
 TINY = ["--vision-depth", "1", "--vision-width", "64", "--hidden-size", "64", "--num-layers", "1"]
 

@@ -1,11 +1,11 @@
-"""vlserve.bench.quantized: each case in a fresh process, the table and ratios printed, vlserve's -O level passed
+"""benchmarks.quantized: each case in a fresh process, the table and ratios printed, vlserve's -O level passed
 through to its engine."""
 import pathlib
 import re
 
 import pytest
 
-from vlserve.bench import quantized
+from benchmarks import quantized
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "quant" / "ct_w4a16"
 

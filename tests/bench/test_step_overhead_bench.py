@@ -1,4 +1,4 @@
-"""benchmarks/step_overhead.py: the before/after per-step bench runs both code versions and prints their table."""
+"""benchmarks.step_overhead: the before/after per-step bench runs both code versions and prints their table."""
 import pathlib
 import re
 import subprocess
@@ -6,15 +6,16 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "step_overhead.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = [sys.executable, "-m", "benchmarks.step_overhead"]
 
 
 @pytest.mark.slow
 def test_step_overhead_runs_baseline_and_current():
     """Against HEAD itself (the clone CI runs in has it), one round of the demo workload: a row per version per
     round, and the summary row with both medians and their ratio."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--baseline-rev", "HEAD", "--rounds", "1",
-                           "--workloads", "demo"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*BENCH, "--baseline-rev", "HEAD", "--rounds", "1", "--workloads", "demo"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^round 1 demo (baseline|current) +([\d.]+) ms", proc.stdout, re.M)
     assert [name for name, _ in rows] == ["baseline", "current"]
@@ -26,7 +27,7 @@ def test_step_overhead_runs_baseline_and_current():
 
 
 def test_step_overhead_rejects_unknown_workloads():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "demo,nonsense", "--rounds", "1"],
+    proc = subprocess.run([*BENCH, "--workloads", "demo,nonsense", "--rounds", "1"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "unknown workloads ['nonsense']" in proc.stderr
 
@@ -34,8 +35,9 @@ def test_step_overhead_rejects_unknown_workloads():
 @pytest.mark.slow
 def test_step_overhead_async_versus_sync():
     """`--async-scheduling --versus-sync`: both versions async, this checkout also synchronous, each ratio printed."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--baseline-rev", "HEAD", "--rounds", "1", "--workloads",
-                           "demo", "--async-scheduling", "--versus-sync"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([*BENCH, "--baseline-rev", "HEAD", "--rounds", "1", "--workloads", "demo",
+                           "--async-scheduling", "--versus-sync"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = dict(re.findall(r"^round 1 demo (baseline|current|sync) +([\d.]+) ms", proc.stdout, re.M))
     assert sorted(rows) == ["baseline", "current", "sync"]

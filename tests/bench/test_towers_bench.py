@@ -1,25 +1,13 @@
-"""benchmarks/towers.py: on tiny towers it prints a row per family and dtype, ours matching HF's output in each."""
-import importlib.util
-import pathlib
+"""benchmarks.towers: on tiny towers it prints a row per family and dtype, ours matching HF's output in each."""
 import re
-import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "towers.py"
+from benchmarks import towers
+
 ROW = re.compile(r"^(\w+) +(float32|bfloat16) +(\d+) +(\d+) +([\d.]+) +([\d.]+) +(\d+) +([\d.]+) +([\d.]+) +"
                  r"([\d.]+)x  ([\d.e+-]+) (ok|OVER TOLERANCE)$", re.M)
 
 
-def _load_script(monkeypatch):
-    """benchmarks/ is not a package: the script as a module (registered, as its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("towers_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_towers_bench_prints_rows_that_pass_parity(capsys, monkeypatch):
-    towers = _load_script(monkeypatch)
+def test_towers_bench_prints_rows_that_pass_parity(capsys):
     argv = ["--families", "qwen2_5_vl", "siglip", "--depth", "1", "--width", "64", "--image-size", "56",
             "--iters", "1"]
     rows = towers.main(argv)
@@ -35,4 +23,4 @@ def test_towers_bench_prints_rows_that_pass_parity(capsys, monkeypatch):
     assert re.search(r"^summary float32: ours/HF geomean [\d.]+x over 2 families .* parity ok$", out, re.M)
     assert re.search(r"^summary bfloat16: ours/HF geomean [\d.]+x over 2 families .* parity ok$", out, re.M)
     assert "allocator tuning" in out and "packed linear kernel: float32 " in out
-    assert out.rstrip().endswith("command: python benchmarks/towers.py " + " ".join(argv))
+    assert out.rstrip().endswith("command: python -m benchmarks.towers " + " ".join(argv))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vlserve import LLM, SamplingParams
-from vlserve.training.eval_audio import evaluate, messages_for
+from training.eval_audio import evaluate, messages_for
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from vlserve.training import audio_world as aw
-from vlserve.training.train_audio import make_batch, sample_turns, token_targets
+from vlserve.demo import audio_world as aw
+from training.train_audio import make_batch, sample_turns, token_targets
 
 
 @pytest.fixture(scope="module")
 def processor():
-    from vlserve.training.audio_build import build_audio_processor, build_audio_tokenizer
+    from training.audio_build import build_audio_processor, build_audio_tokenizer
 
     return build_audio_processor(build_audio_tokenizer())
 
@@ -53,8 +53,8 @@ def test_batch_has_answer_labels_and_one_probe_target_per_audio_token(processor)
 def test_tiny_training_run_saves_a_checkpoint_transformers_loads(tmp_path):
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-    from vlserve.training.audio_build import AudioDemoSize
-    from vlserve.training.train_audio import train
+    from training.audio_build import AudioDemoSize
+    from training.train_audio import train
 
     size = AudioDemoSize(encoder_dim=32, encoder_layers=1, encoder_heads=2, encoder_ffn_dim=64, hidden_size=32,
                          intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -75,7 +75,7 @@ def test_tiny_training_run_saves_a_checkpoint_transformers_loads(tmp_path):
 
 
 def test_eval_scores_exact_answers_per_form():
-    from vlserve.training.eval_audio import held_out_set, score
+    from training.eval_audio import held_out_set, score
 
     items = held_out_set(2, seed=5)
     assert [it["form"] for it in items] == [f for f in aw.FORMS for _ in range(2)]

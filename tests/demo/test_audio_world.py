@@ -6,7 +6,7 @@ import wave
 import numpy as np
 import pytest
 
-from vlserve.training import audio_world as aw
+from vlserve.demo import audio_world as aw
 
 
 def beep(pitch, length, start, duration, freq=None):

@@ -5,7 +5,7 @@ import pytest
 
 from vlserve.demo import EAGLE_DIR, MODEL_DIR, default_draft_path, default_model_path
 from vlserve.spec_decode.config import fill_default_draft
-from vlserve.training import eval as demo_eval
+from training import eval as demo_eval
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf_parity]  # hf_parity: also run on transformers 4.57
 
@@ -55,7 +55,7 @@ def test_json_schema_answers_about_pictures_are_valid_and_right(llm):
     from PIL import Image
 
     from vlserve import SamplingParams, StructuredOutputsParams
-    from vlserve.training import world
+    from vlserve.demo import world
 
     sp = SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS,
                         structured_outputs=StructuredOutputsParams(json=world.DEMO_JSON_SCHEMA))

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from vlserve.training import eval as demo_eval
-from vlserve.training import world
+from training import eval as demo_eval
+from vlserve.demo import world
 
 
 def _scene(*shapes):
@@ -141,8 +141,8 @@ def test_held_out_set_keeps_the_other_forms_items():
 
 
 def test_training_weights_and_tokenizer_corpus():
-    from vlserve.training.tokenizer import corpus
-    from vlserve.training.train import FORM_WEIGHTS
+    from training.tokenizer import corpus
+    from training.train import FORM_WEIGHTS
 
     assert FORM_WEIGHTS["json"] == 1.5 and set(FORM_WEIGHTS) == set(world.FORMS)
     # the tokenizer's corpus leaves the json form out: the demo vocabulary stays the shipped one
@@ -151,7 +151,7 @@ def test_training_weights_and_tokenizer_corpus():
 
 def test_copy_processor_files(tmp_path):
     from vlserve.demo import MODEL_DIR
-    from vlserve.training.train import PROCESSOR_FILES, copy_processor_files
+    from training.train import PROCESSOR_FILES, copy_processor_files
 
     names = copy_processor_files(MODEL_DIR, str(tmp_path))
     assert "tokenizer.json" in names and "model.safetensors" not in names and set(names) <= set(PROCESSOR_FILES)

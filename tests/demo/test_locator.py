@@ -1,5 +1,5 @@
 """The demo locator, the default EAGLE head it points spec configs at, and the entry points moved off it
-(`vlserve.quickstart` for `make serve`, `vlserve train-eagle` now in vlserve.training)."""
+(`vlserve.quickstart` for `make serve`, the EAGLE trainer in training: `python -m training.train_eagle`)."""
 import pytest
 
 import vlserve.cli
@@ -30,11 +30,17 @@ def test_quickstart_serves_the_given_model_or_the_demo(monkeypatch):
                     ["serve", "/some/ckpt"]]  # a given model: its engine in its own process, as `vlserve serve`
 
 
-def test_cli_train_eagle_reaches_the_training_package(capsys):
+def test_the_eagle_trainer_runs_from_the_training_package(capsys):
+    from training.train_eagle import main
+
     with pytest.raises(SystemExit) as exc:
-        vlserve.cli.main(["train-eagle", "--help"])
+        main(["--help"])
     assert exc.value.code == 0
-    assert "--target" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--target" in out and "python -m training.train_eagle" in out
+    with pytest.raises(SystemExit) as exc:  # no longer a subcommand of the server's CLI
+        vlserve.cli.main(["train-eagle", "--help"])
+    assert exc.value.code == 2
 
 
 def test_demo_names_resolve_to_the_shipped_checkpoints(tmp_path, monkeypatch):

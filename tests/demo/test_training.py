@@ -7,8 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from vlserve.training import targets, world
-from vlserve.training.vision_stage import SUB, patch_silhouettes
+from training import targets
+from vlserve.demo import world
+from training.vision_stage import SUB, patch_silhouettes
 
 
 def test_silhouette_area_matches_the_shape():
@@ -59,7 +60,7 @@ def test_cell_losses_ignore_the_background_for_kind_and_color():
 
 
 def test_eagle_data_items_are_chat_jsonl(tmp_path):
-    from vlserve.training import eagle_data
+    from training import eagle_data
 
     out = tmp_path / "d.jsonl"
     eagle_data.main(["--out", str(out), "--num", "4", "--seed", "1"])
@@ -78,7 +79,7 @@ def test_two_stage_training_smoke(tmp_path):
     """A few steps of each stage write a checkpoint that transformers loads unchanged."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlserve.training.train import train
+    from training.train import train
 
     out = str(tmp_path / "ckpt")
     summary = train(out, steps=3, batch_size=2, vision_steps=2, workers=0, log_every=1, warmup=1)
@@ -95,9 +96,9 @@ def test_linear_patch_embed_matches_the_conv3d_and_restores():
     """Training's Linear patch embedding computes the Conv3d's result; restoring brings the module's forward back."""
     import torch
 
-    from vlserve.training.build import DemoSize, build_config, build_model, build_processor
-    from vlserve.training.tokenizer import build_demo_tokenizer
-    from vlserve.training.train import linear_patch_embed
+    from training.build import DemoSize, build_config, build_model, build_processor
+    from training.tokenizer import build_demo_tokenizer
+    from training.train import linear_patch_embed
 
     tokenizer = build_demo_tokenizer()
     model = build_model(build_config(tokenizer, DemoSize(vision_depth=1)), seed=0)
@@ -117,7 +118,7 @@ def test_linear_patch_embed_matches_the_conv3d_and_restores():
 
 def test_turns_that_name_a_kind_or_color_come_last():
     """No training conversation asks a naming question (which gives away a kind or color) before another form."""
-    from vlserve.training.train import NAMING_FORMS, render_sample
+    from training.train import NAMING_FORMS, render_sample
 
     rng = random.Random(3)
     seen_mixed = 0
@@ -131,9 +132,9 @@ def test_turns_that_name_a_kind_or_color_come_last():
 
 def test_batches_hold_one_media_kind():
     """A training batch is all images or all clips (so image batches are not padded to a clip's length)."""
-    from vlserve.training.build import build_processor
-    from vlserve.training.tokenizer import build_demo_tokenizer
-    from vlserve.training.train import make_batch
+    from training.build import build_processor
+    from training.tokenizer import build_demo_tokenizer
+    from training.train import make_batch
 
     processor = build_processor(build_demo_tokenizer())
     rng = random.Random(0)
@@ -150,9 +151,9 @@ def test_eager_attention_only_in_one_layer_matches_full_eager():
     """SDPA everywhere but the pointer layer gives the same loss and that layer's attention probabilities."""
     import torch
 
-    from vlserve.training.build import DemoSize, build_config, build_model, build_processor
-    from vlserve.training.tokenizer import build_demo_tokenizer
-    from vlserve.training.train import eager_attention_only_in, make_batch
+    from training.build import DemoSize, build_config, build_model, build_processor
+    from training.tokenizer import build_demo_tokenizer
+    from training.train import eager_attention_only_in, make_batch
 
     tokenizer = build_demo_tokenizer()
     processor = build_processor(tokenizer)
@@ -174,7 +175,7 @@ def test_eager_attention_only_in_one_layer_matches_full_eager():
 
 
 def test_lr_schedule_follows_the_clock_only_when_it_is_ahead():
-    from vlserve.training.schedule import lr_at, schedule_step
+    from training.schedule import lr_at, schedule_step
 
     assert schedule_step(100, 1000, elapsed=60.0, minutes=None) == 100  # no cap: the steps alone
     assert schedule_step(100, 1000, elapsed=60.0, minutes=10.0) == 100  # 10% of the steps, 10% of the time
@@ -189,7 +190,7 @@ def test_training_is_reproducible(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from vlserve.training.train import train
+    from training.train import train
 
     runs = []
     for name in ("a", "b"):

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from vlserve.training import world
+from vlserve.demo import world
 
 
 def _scenes(n=60, seed=0):

@@ -25,7 +25,7 @@ def _pixels(grids, seed=0):
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def checkpoint(request, tmp_path_factory):
     """(variant, tiny checkpoint dir); Qwen2.5-VL gets windowed blocks 0 and 2 and a full-attention block 1."""
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     d = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp(request.param)), variant=request.param,
                                   vision_depth=3, fullatt_block_indexes=(1,), seed=3)

@@ -59,7 +59,7 @@ def test_config_errors():
 
 @pytest.fixture(scope="module")
 def plm_dir(tmp_path_factory):
-    from vlserve.testing.plm_checkpoints import build_plm_checkpoint
+    from tests.support.plm_checkpoints import build_plm_checkpoint
     return build_plm_checkpoint(str(tmp_path_factory.mktemp("plm_tower")))
 
 
@@ -96,8 +96,8 @@ def test_plain_vit_backbone_serves_with_hf_parity(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlserve import LLM, SamplingParams
-    from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-    from vlserve.testing.plm_checkpoints import build_plm_checkpoint
+    from tests.support.hf_generate import hf_greedy_ignoring_eos
+    from tests.support.plm_checkpoints import build_plm_checkpoint
 
     model_dir = build_plm_checkpoint(str(tmp_path / "plm_vit"), architecture="vit_tiny_patch16_224")
     proc = AutoProcessor.from_pretrained(model_dir)

@@ -7,14 +7,14 @@ import torch
 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2", num_layers=2)
 
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("llama")), arch="llama", num_heads=4, num_kv_heads=1,
                                  tie_word_embeddings=False)
@@ -25,7 +25,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 
     Runs on the device `LLM(device="auto")` picks (cuda when present), so both sides do the same math.
     """
-    from vlserve.testing.hf_generate import hf_greedy_continuations
+    from tests.support.hf_generate import hf_greedy_continuations
 
     return hf_greedy_continuations(model_dir, prompts, max_new_tokens,
                                    "cuda" if torch.cuda.is_available() else "cpu")

@@ -106,7 +106,7 @@ def test_async_ngram_spec_decode_equals_sync(qwen2_dir):
 
 
 def test_async_qwen2_vl_with_images_equals_sync(tmp_path_factory):
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     model = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("async_vl")))
     imgs = [[Image.fromarray(rand_image(56, 56, seed=s))] for s in range(3)]

@@ -10,8 +10,8 @@ from PIL import Image
 from tests.multimodal.mm_media import rand_image
 from vlserve import LLM, BeamSearchParams
 from vlserve.beam_search import BeamSearch, BeamSearchSequence, beam_score
-from vlserve.testing.hf_generate import hf_beam_search_ignoring_eos
-from vlserve.testing.hf_oracle import data_url
+from tests.support.hf_generate import hf_beam_search_ignoring_eos
+from tests.support.hf_oracle import data_url
 
 MAX_NEW = 8
 
@@ -65,7 +65,7 @@ def test_bad_params_are_refused(bad, match):
 # -- against HF -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("beam_text")), arch="llama")
 
@@ -100,7 +100,7 @@ def test_prompt_plus_max_tokens_past_the_model_length_is_refused(text_dir):
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory):
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
     return build_llava_checkpoint(str(tmp_path_factory.mktemp("beam_llava") / "m"), variant="llava", tower="clip",
                                   text_model="llama")

@@ -5,8 +5,8 @@ import pytest
 
 from vlserve.engine.chat import (MEDIA_PLACEHOLDERS, detect_content_format, flatten_content, parse_chat_messages,
                                  resolve_content_format, to_content_format)
-from vlserve.testing.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
-from vlserve.testing.tokenizer import CHAT_TEMPLATE
+from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
+from vlserve.demo.tokenizer import CHAT_TEMPLATE
 
 IMG = MEDIA_PLACEHOLDERS["image"]
 

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from vlserve.engine.detokenizer import IncrementalDetokenizer
-from vlserve.testing.tokenizer import build_tokenizer
+from vlserve.demo.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,14 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def qwen2_4l_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2_4l")), arch="qwen2", num_layers=4)
 
 
 @pytest.fixture(scope="module")
 def llama_4l_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("llama_4l")), arch="llama", num_layers=4, num_heads=4,
                                  num_kv_heads=1, tie_word_embeddings=False)
@@ -208,7 +208,7 @@ def test_pp2_ngram_drafts_verified_on_the_last_stage(tmp_path):
     # the last stage proposes (token ids only) and verifies; the drafts reach every stage in the SchedulerOutput and
     # the accepted tokens (several per request and step) are broadcast back. The 2-layer random model accepts a few.
     from tests.spec_decode.test_spec_engine import NGRAM, copy_heavy_prompts
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     model_dir = build_text_checkpoint(str(tmp_path), arch="qwen2", num_layers=2)
     prompts = copy_heavy_prompts(8)

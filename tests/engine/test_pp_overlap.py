@@ -24,7 +24,7 @@ IN_FLIGHT = "vlserve:max_batches_in_flight"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2_4l_overlap")), arch="qwen2", num_layers=4)
 

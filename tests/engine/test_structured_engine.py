@@ -176,7 +176,7 @@ def test_real_size_vocabulary(big_tokenizer, tmp_path):
     """A random model with a real 131k-token vocabulary (4,096 bitmask words a row; hundreds of whitespace and
     long tokens): sampled JSON, choice and regex outputs are valid, and the batch's mixed rows (constrained next to
     free) leave the free request's output equal to its run alone."""
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     tok_dir = tmp_path / "tokenizer"
     big_tokenizer.save_pretrained(tok_dir)

@@ -36,7 +36,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2-ray")), arch="qwen2", num_layers=2)
 

@@ -12,7 +12,7 @@ from vlserve import LLM, SamplingParams
 @pytest.mark.slow
 def test_executor_starts_and_stops_its_own_local_cluster(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     assert not ray.is_initialized()
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -1,4 +1,5 @@
-"""Compile every vlserve Triton kernel ahead of time for an sm_90 GPU; needs no GPU (run as a script).
+"""Compile every vlserve Triton kernel ahead of time for an sm_90 GPU; needs no GPU (run as a module from the
+repository root: `python -m tests.kernels._triton_aot_check`).
 
 Run in a process WITHOUT TRITON_INTERPRET, so `@triton.jit` builds real JIT functions. Exits non-zero
 if any kernel fails to lower through TTIR -> TTGIR -> LLVM -> PTX -> cubin.
@@ -9,7 +10,6 @@ import os
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

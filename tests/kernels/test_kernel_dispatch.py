@@ -105,8 +105,9 @@ def test_triton_kernels_compile_for_sm90():
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "_triton_aot_check.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels._triton_aot_check"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok ") == 15

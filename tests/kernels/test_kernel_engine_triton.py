@@ -8,7 +8,7 @@ from vlserve import LLM, SamplingParams
 
 @pytest.mark.slow
 def test_engine_greedy_parity_on_triton_backend(tmp_path, monkeypatch, device, triton_dispatch):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     model = build_text_checkpoint(str(tmp_path / "m"), arch="qwen2", hidden_size=64, num_layers=1)
     g = torch.Generator().manual_seed(0)

@@ -105,7 +105,7 @@ def test_a_tile_too_big_for_the_gpu_falls_back_once(triton_kernels, device, monk
 
 
 def test_gpu_prefill_benchmark_smoke_run():
-    """benchmarks/prefill_attention.py is for a GPU session; its code runs here on a tiny case in the interpreter."""
+    """benchmarks.prefill_attention is for a GPU session; its code runs here on a tiny case in the interpreter."""
     if torch.cuda.is_available():  # it failed there (third GPU run); the GPU check runs the benchmark itself
         pytest.skip("a CPU stand-in for the GPU benchmark, which the GPU check's kernel_sweep runs on CUDA")
     import os
@@ -113,9 +113,9 @@ def test_gpu_prefill_benchmark_smoke_run():
     import subprocess
     import sys
 
-    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_attention.py"
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # the child process's own environment, not this run's
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--cases", "1x40", "--iters", "1"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_attention", "--device", "cpu", "--cases", "1x40",
+                           "--iters", "1"], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| 1 x 40 |" in proc.stdout and "Triton / flash" in proc.stdout

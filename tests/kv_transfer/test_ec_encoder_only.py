@@ -1,4 +1,4 @@
-"""E/PD disaggregation, engine level (issue 37 item 5): an encode server (`mm_encoder_only`, as vLLM an
+"""E/PD disaggregation, engine level: an encode server (`mm_encoder_only`, as vLLM an
 `ec_producer` alone turns it on) loads the towers only, holds no KV cache, encodes each request's media, publishes
 it through the shared-storage connector and ends the request "length" with no tokens; a consumer engine then answers
 the request with a plain engine's greedy tokens without running its tower."""
@@ -101,15 +101,15 @@ def test_cli_mm_encoder_only_flag():
 
 def _family_dir(family: str, out: str) -> str:
     if family == "mistral3":  # its image break / end rows come from the token embeddings the encode server keeps
-        from vlserve.testing.mistral3_checkpoints import build_mistral3_checkpoint
+        from tests.support.mistral3_checkpoints import build_mistral3_checkpoint
         return build_mistral3_checkpoint(out)
     if family == "gemma3":  # sliding-window layers: KV cache groups on a full engine
-        from vlserve.testing.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+        from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
         return build_gemma3_vlm_checkpoint(out)
     if family == "qwen3_vl":  # DeepStack: rows wider than the hidden size
-        from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+        from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
         return build_qwen3_vl_checkpoint(out)
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
     return build_llava_checkpoint(out)
 
 
@@ -137,7 +137,7 @@ def test_encode_server_audio(tmp_path):
     import base64
 
     from tests.multimodal.audio_media import encode_audio, tones
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
 
     model = build_qwen2_audio_checkpoint(str(tmp_path / "ckpt"))
     kw = dict(dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=512, seed=0)

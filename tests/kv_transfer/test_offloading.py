@@ -179,8 +179,8 @@ def test_async_scheduling_and_batched(qwen2_dir, reference):
 def test_eagle_head_layer_rides_in_the_tier(tmp_path_factory):
     """With an EAGLE head the tier keeps the head's KV layer too: a prefix loaded back from the tier drafts as well
     as one the device pool kept (same accepted drafts as an engine big enough to keep every prefix), same tokens."""
-    from vlserve.testing.checkpoints import build_text_checkpoint
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     root = tmp_path_factory.mktemp("tier_eagle")
     target = build_text_checkpoint(str(root / "t"), arch="qwen2", num_layers=1)

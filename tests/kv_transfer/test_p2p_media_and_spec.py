@@ -61,7 +61,7 @@ def test_video_prefill_on_a_decode_on_b(qwen2_vl_dir, mooncake):
 @pytest.fixture(scope="module")
 def audio_target(tmp_path_factory):
     """A one-layer decoder, so an EAGLE head copied from its last layer gets drafts accepted."""
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
 
     return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("p2p_audio")), num_layers=1)
 
@@ -69,7 +69,7 @@ def audio_target(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_audio_prefill_on_a_spec_decode_on_b(audio_target, tmp_path_factory, mooncake, method):
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     ref = _llm(audio_target)
     tok = ref.get_tokenizer()
@@ -98,7 +98,7 @@ def test_audio_prefill_on_a_spec_decode_on_b(audio_target, tmp_path_factory, moo
 @pytest.mark.slow
 def test_eagle_consumer_of_a_producer_without_the_head(audio_target, tmp_path_factory, mooncake):
     """Only the target's layers move: same greedy tokens (the drafts are verified), nothing leaks."""
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     head = build_eagle_checkpoint(str(tmp_path_factory.mktemp("p2p_eagle2") / "h"), audio_target, "eagle", "mimic")
     ref = _llm(audio_target)

@@ -1,4 +1,4 @@
-"""End to end (issue 37, audio): Qwen2-Audio tiny behind `vlserve proxy`, a P2P producer and a P2P consumer server
+"""End to end (audio): Qwen2-Audio tiny behind `vlserve proxy`, a P2P producer and a P2P consumer server
 that drafts with n-gram; an input_audio chat gives a plain server's greedy text, and the decode server never
 decodes the clip nor runs the audio tower."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 @pytest.fixture(scope="module")
 def audio_dir(tmp_path_factory):
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
 
     return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("proxy_audio")), num_layers=1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from vlserve.testing.checkpoints import build_text_checkpoint
+from vlserve.demo.checkpoints import build_text_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ def hf_vlm_greedy(model_dir: str, adapter_dir: str | None, text: str, image, max
     from transformers import AutoModelForImageTextToText
 
     from vlserve.multimodal.processor import load_hf_processor
-    from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+    from tests.support.hf_generate import hf_greedy_ignoring_eos
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     if adapter_dir is not None:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlserve.lora import LoRAModelManager, LoRARequest, load_peft_adapter
-from vlserve.testing.checkpoints import build_text_checkpoint
+from vlserve.demo.checkpoints import build_text_checkpoint
 
 from tests.lora.lora_helpers import ALL, make_adapter, our_model
 

@@ -9,7 +9,7 @@ import torch
 
 from vlserve import LLM, SamplingParams
 from vlserve.lora import LoRARequest
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+from tests.support.hf_generate import hf_greedy_ignoring_eos
 
 from tests.lora.lora_helpers import ALL, hf_model, make_adapter
 
@@ -22,7 +22,7 @@ NGRAMMY = [4, 8, 15, 16, 23, 42, 4, 8, 15, 16, 23, 42, 4, 8, 15]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A llama checkpoint and three adapters over it (different targets and ranks): (model_dir, {name: path})."""
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     root = tmp_path_factory.mktemp("lora_engine")
     model_dir = build_text_checkpoint(str(root / "base"), "llama")
@@ -102,7 +102,7 @@ def test_ngram_spec_decode_keeps_adapter_outputs(setup):
 def test_eagle_drafts_from_the_base_keep_adapter_outputs(setup, method, tmp_path):
     """EAGLE heads are trained on the base: they draft for adapter requests too (from the adapter model's hidden
     states), and the adapter model verifies, so outputs stay equal to HF + PEFT; drafts are proposed."""
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     model_dir, adapters = setup
     loras = requests_of(adapters)

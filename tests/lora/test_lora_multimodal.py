@@ -26,7 +26,7 @@ def llava(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
     root = tmp_path_factory.mktemp("lora_llava")
     model_dir = build_llava_checkpoint(str(root / "llava"), variant="llava", tower="clip", text_model="llama")

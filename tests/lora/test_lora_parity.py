@@ -7,7 +7,7 @@ import torch
 
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager, LoRARequest
-from vlserve.testing.paged_runner import PagedRunner
+from tests.support.paged_runner import PagedRunner
 
 from tests.lora.lora_helpers import ALL, make_adapter, our_model
 

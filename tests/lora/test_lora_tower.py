@@ -26,9 +26,9 @@ CONV = {"llava": r".*vision_tower.*patch_embedding", "qwen2_vl": r".*visual\.pat
 
 def _build(family: str, root) -> str:
     if family == "llava":
-        from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+        from vlserve.demo.llava_checkpoints import build_llava_checkpoint
         return build_llava_checkpoint(str(root / "model"), variant="llava", tower="clip", text_model="llama")
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
     return build_qwen2_vl_checkpoint(str(root / "model"))
 
 
@@ -112,14 +112,10 @@ def test_tower_adapter_on_a_conv_is_refused(tower_case, tmp_path):
 def test_tower_adapter_over_the_server_with_the_engine_in_its_own_process(tower_case):
     """`--lora-modules tower=...` with the engine in its own process (the API process keys the items by adapter):
     an image chat with the tower adapter and one with the base each equal HF (+ PEFT merged) greedy."""
-    import sys
-
+    from tests.api.test_engine_process import start_proc_server
+    from tests.support.hf_oracle import data_url
     from vlserve.config import EngineArgs
     from vlserve.multimodal.processor import load_hf_processor
-    from vlserve.testing.hf_oracle import data_url
-
-    sys.path.insert(0, "tests/api")
-    from test_engine_process import start_proc_server
 
     model_dir, tower_dir, _ = tower_case
     image = Image.fromarray(rand_image(56, 84, seed=5))

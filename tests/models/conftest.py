@@ -1,13 +1,13 @@
 """Shared helpers for model tests: a miniature "runner" driving a model over a paged KV cache, and HF references.
 
-`PagedRunner` (vlserve.testing.paged_runner) plays the model runner over a paged KV cache.
+`PagedRunner` (tests.support.paged_runner) plays the model runner over a paged KV cache.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vlserve.testing.paged_runner import PagedRunner
+from tests.support.paged_runner import PagedRunner
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def load_hf():
 @pytest.fixture(scope="session")
 def prompts():
     """Three prompts of different lengths (token ids from the test tokenizer)."""
-    from vlserve.testing.checkpoints import _tokenizer
+    from vlserve.demo.checkpoints import _tokenizer
 
     tok = _tokenizer()
     texts = ["hello world", "The quick brown fox jumps over the lazy dog and the red circle moves left.",

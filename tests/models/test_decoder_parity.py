@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig
 
 from vlserve.models import load_model
-from vlserve.testing.checkpoints import build_text_checkpoint
+from vlserve.demo.checkpoints import build_text_checkpoint
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vlserve import LLM, SamplingParams
-from vlserve.testing.gemma3_checkpoints import build_gemma3_text_checkpoint
-from vlserve.testing.hf_generate import hf_greedy_continuations
+from tests.support.gemma3_checkpoints import build_gemma3_text_checkpoint
+from tests.support.hf_generate import hf_greedy_continuations
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

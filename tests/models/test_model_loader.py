@@ -14,7 +14,7 @@ from vlserve.models import get_model_class, load_model, register_model, supporte
 from vlserve.models.causal_lm import LlamaForCausalLM, Qwen2ForCausalLM
 from vlserve.models.loader import resolve_dtype
 from vlserve.models.parallel_layers import pack_linears_for_cpu
-from vlserve.testing.checkpoints import build_text_checkpoint
+from vlserve.demo.checkpoints import build_text_checkpoint
 
 
 @pytest.fixture(scope="module")

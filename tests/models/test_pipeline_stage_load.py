@@ -15,7 +15,7 @@ from vlserve.models import loader
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return {tied: build_text_checkpoint(str(tmp_path_factory.mktemp(f"pp{tied}")), arch="qwen2" if tied else "llama",
                                         num_layers=4, tie_word_embeddings=tied) for tied in (True, False)}

@@ -17,8 +17,8 @@ ENCODER_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_t
 
 @pytest.fixture(scope="module")
 def vl_ckpts(tmp_path_factory):
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     root = tmp_path_factory.mktemp("pp_vl")
     return {"qwen2_vl_tied": build_qwen2_vl_checkpoint(str(root / "q"), num_layers=4, tie_word_embeddings=True),

@@ -19,7 +19,7 @@ from PIL import Image
 from transformers import AutoConfig
 
 from vlserve.models import load_model
-from vlserve.testing.paged_runner import PagedRunner
+from tests.support.paged_runner import PagedRunner
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant")
 FIXTURES = sorted(d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "reference.json")))

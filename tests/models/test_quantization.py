@@ -1,4 +1,4 @@
-"""Quantized checkpoints (issue 42), on copies of a tiny Qwen2 packed in each format (`testing.quant_checkpoints`):
+"""Quantized checkpoints, on copies of a tiny Qwen2 packed in each format (`tests.support.quant_checkpoints`):
 
 - weight-only schemes (compressed-tensors W4A16 / W8A16 sym, asym, channel, act order; GPTQ 4 / 8 bit, desc_act;
   AWQ) give the logits of transformers running the dequantized weights, in float32, and greedy tokens equal to its
@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from vlserve.models import load_model
-from vlserve.testing.checkpoints import build_text_checkpoint
-from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
-from vlserve.testing.paged_runner import PagedRunner
-from vlserve.testing.quant_checkpoints import quantize_checkpoint
-from vlserve.testing.tensor_parallel import paged_step_logits, paged_step_logits_of_cases, run_tensor_parallel
+from vlserve.demo.checkpoints import build_text_checkpoint
+from tests.support.hf_generate import hf_greedy_ignoring_eos
+from tests.support.paged_runner import PagedRunner
+from tests.support.quant_checkpoints import quantize_checkpoint
+from tests.support.tensor_parallel import paged_step_logits, paged_step_logits_of_cases, run_tensor_parallel
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 600, 2, 8, 31]]
 DECODES = [13, 688]
@@ -138,7 +138,7 @@ def test_eagle_head_stays_float_on_a_quantized_target(quantized, tmp_path):
     """An EAGLE head (float, mimicking the float model's last layer) drafting for a GPTQ target: greedy output
     equals the target's own."""
     from vlserve import LLM, SamplingParams
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     qdir, fdir = quantized("gptq-4")
     head = build_eagle_checkpoint(str(tmp_path / "eagle"), fdir, init="mimic")
@@ -175,7 +175,7 @@ def test_two_ranks_match_unsharded(quantized):
 
 def test_quantized_qwen2_vl_runs_an_image(tmp_path):
     """A Qwen2-VL whose language model is W4A16: the image prefill and decodes equal the dequantized model's."""
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     base = build_qwen2_vl_checkpoint(str(tmp_path / "vl"), hidden_size=128, intermediate_size=256,
                                      mrope_section=(4, 6, 6))
@@ -194,10 +194,10 @@ def test_other_families_load_quantized_language_models(tmp_path, family):
     only the language model is quantized, found under its own prefix, and its logits equal the dequantized
     model's."""
     if family == "qwen2_audio":
-        from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+        from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
         base = build_qwen2_audio_checkpoint(str(tmp_path / "b"))
     else:
-        from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+        from vlserve.demo.llava_checkpoints import build_llava_checkpoint
         base = build_llava_checkpoint(str(tmp_path / "b"), variant=family)
     qdir = quantize_checkpoint(base, str(tmp_path / "q"), "gptq-4", group_size=32,
                                dequantized_dst=str(tmp_path / "f"))

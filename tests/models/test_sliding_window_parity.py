@@ -12,7 +12,7 @@ import torch
 
 from vlserve import LLM, SamplingParams
 from vlserve.models.hf_config import sliding_window_of
-from vlserve.testing.hf_generate import hf_greedy_continuations
+from tests.support.hf_generate import hf_greedy_continuations
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -30,11 +30,11 @@ MODELS = {
 
 
 def _build(out_dir: str, name: str, seed: int = 0) -> str:
-    """A random HF checkpoint (as vlserve.testing.checkpoints builds them: norms and biases randomized too)."""
+    """A random HF checkpoint (as vlserve.demo.checkpoints builds them: norms and biases randomized too)."""
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from vlserve.testing.checkpoints import _tokenizer
+    from vlserve.demo.checkpoints import _tokenizer
 
     tok = _tokenizer()
     cls_name, kw = MODELS[name]

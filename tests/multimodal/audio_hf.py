@@ -24,7 +24,7 @@ class HFAudioOracle:
         return self.processor(text=[text], audio=waves or None, sampling_rate=16000, return_tensors="pt")
 
     def greedy(self, text: str, clips: list, n: int = MAX_NEW) -> list[int]:
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+        from tests.support.hf_generate import hf_greedy_ignoring_eos
 
         inputs = self.inputs(text, clips)
         return hf_greedy_ignoring_eos(self.model, inputs, n)[0, inputs["input_ids"].shape[1]:].tolist()

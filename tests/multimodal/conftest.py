@@ -6,13 +6,13 @@ import pytest
 
 @pytest.fixture(scope="session")
 def qwen2_vl_dir(tmp_path_factory):
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
     return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("qwen2_vl")), variant="qwen2_vl")
 
 
 @pytest.fixture(scope="session")
 def qwen2_5_vl_dir(tmp_path_factory):
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
     return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("qwen2_5_vl")), variant="qwen2_5_vl")
 
 
@@ -23,5 +23,5 @@ def vl_dir(request):
 
 @pytest.fixture(scope="session")
 def audio_dir(tmp_path_factory):
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
     return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("qwen2_audio")))

@@ -2,7 +2,7 @@
 client, the reply equal to HF's greedy text and the prompt token count to HF's."""
 from __future__ import annotations
 
-from vlserve.testing.hf_oracle import data_url
+from tests.support.hf_oracle import data_url
 
 
 def assert_server_image_parity(model_dir: str, image, want_ids: list[int], tokenizer, prompt_tokens: int,

@@ -14,14 +14,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A one-layer decoder, so the EAGLE head copied from its last layer gets drafts accepted."""
-    from vlserve.testing.audio_checkpoints import build_qwen2_audio_checkpoint
+    from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
 
     return build_qwen2_audio_checkpoint(str(tmp_path_factory.mktemp("audio_spec_target")), num_layers=1)
 
 
 @pytest.fixture(scope="module")
 def eagle_head(target, tmp_path_factory):
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     return build_eagle_checkpoint(str(tmp_path_factory.mktemp("audio_eagle") / "head"), target, "eagle", "mimic")
 

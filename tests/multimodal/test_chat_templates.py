@@ -13,7 +13,7 @@ from tests.multimodal.mm_media import encode_video, rand_image, rand_video
 from tests.multimodal.test_mm_engine_parity import MAX_NEW, HFOracle
 from vlserve import LLM, SamplingParams
 from vlserve.multimodal.media import load_video
-from vlserve.testing.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
+from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -69,7 +69,7 @@ def _cases():
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def real_setup(request, tmp_path_factory):
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     path = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp(f"real_{request.param}")), variant=request.param,
                                      chat_template=QWEN2_VL_CHAT_TEMPLATE)
@@ -150,7 +150,7 @@ def test_forced_content_format(real_setup):
 def test_text_model_with_string_only_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     path = build_text_checkpoint(str(tmp_path / "text"), arch="qwen2")
     tok = AutoTokenizer.from_pretrained(path)

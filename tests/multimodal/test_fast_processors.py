@@ -38,8 +38,8 @@ def smooth_image(h: int, w: int, seed: int = 0) -> np.ndarray:
 def local_dirs(tmp_path_factory):
     """Tiny checkpoints written here: a Qwen2-VL with a pixel range (grids vary with the image), LLaVA-1.5 with CLIP
     and SigLIP, LLaVA-NeXT (anyres tiles) with CLIP and SigLIP."""
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     root = tmp_path_factory.mktemp("fast_procs")
     dirs = {"qwen2_vl": build_qwen2_vl_checkpoint(str(root / "qwen2_vl"), variant="qwen2_vl")}
@@ -108,7 +108,7 @@ def test_token_counts_equal(pair):
 
 def test_perception_lm_keeps_its_only_image_processor(tmp_path):
     """PerceptionLM has a torchvision processor only: `use_fast: false` keeps it (and its outputs)."""
-    from vlserve.testing.plm_checkpoints import build_plm_checkpoint
+    from tests.support.plm_checkpoints import build_plm_checkpoint
 
     path = build_plm_checkpoint(str(tmp_path / "plm"))
     fast, slow = MultiModalProcessor.from_pretrained(path), MultiModalProcessor.from_pretrained(path, use_fast=False)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
 from vlserve import LLM, SamplingParams
-from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
+from tests.support.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -39,7 +39,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def g3_dir(tmp_path_factory):
-    from vlserve.testing.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+    from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
     return build_gemma3_vlm_checkpoint(str(tmp_path_factory.mktemp("gemma3_vlm")))
 
 
@@ -201,7 +201,7 @@ def test_paged_logits_match_hf_with_bidirectional_images(g3_dir, oracle):
 
     from vlserve.models.capabilities import capabilities_of
     from vlserve.models.loader import load_model
-    from vlserve.testing.paged_runner import PagedRunner
+    from tests.support.paged_runner import PagedRunner
     from vlserve.worker.bidirectional import token_runs
 
     cfg = AutoConfig.from_pretrained(g3_dir)

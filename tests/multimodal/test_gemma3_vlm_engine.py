@@ -18,7 +18,7 @@ ITEM = 16  # soft tokens per image / crop (mm_tokens_per_image of the test check
 
 @pytest.fixture(scope="module")
 def g3_dir(tmp_path_factory):
-    from vlserve.testing.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+    from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
     return build_gemma3_vlm_checkpoint(str(tmp_path_factory.mktemp("gemma3_vlm_engine")))
 
 

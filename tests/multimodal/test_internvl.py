@@ -13,7 +13,7 @@ from PIL import Image
 
 from tests.multimodal.mm_media import rand_image, rand_video
 from vlserve import LLM, SamplingParams
-from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
+from tests.support.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity
 
@@ -32,7 +32,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def ivl_dir(tmp_path_factory):
-    from vlserve.testing.internvl_checkpoints import build_internvl_checkpoint
+    from tests.support.internvl_checkpoints import build_internvl_checkpoint
     return build_internvl_checkpoint(str(tmp_path_factory.mktemp("internvl")))
 
 
@@ -99,7 +99,7 @@ def test_tower_variants_match_hf(variant):
     from transformers import InternVLVisionConfig, InternVLVisionModel
 
     from vlserve.encoders.intern_vit import InternVitConfig, InternVitTower
-    from vlserve.testing.internvl_checkpoints import internvl_vision_config, randomize_
+    from tests.support.internvl_checkpoints import internvl_vision_config, randomize_
 
     variant = dict(variant)
     cfg = InternVLVisionConfig(**internvl_vision_config(depth=variant.pop("depth", 2), **variant))

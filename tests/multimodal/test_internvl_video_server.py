@@ -16,7 +16,7 @@ pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-h
 
 @pytest.fixture(scope="module")
 def ivl_dir(tmp_path_factory):
-    from vlserve.testing.internvl_checkpoints import build_internvl_checkpoint
+    from tests.support.internvl_checkpoints import build_internvl_checkpoint
     return build_internvl_checkpoint(str(tmp_path_factory.mktemp("internvl_video_server")))
 
 

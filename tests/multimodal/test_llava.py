@@ -41,7 +41,7 @@ def _user(n_images: int, text: str) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def llava_ckpts(tmp_path_factory):
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
     root = tmp_path_factory.mktemp("llava")
     return {k: build_llava_checkpoint(str(root / k), **kw) for k, kw in KINDS.items()}
@@ -67,7 +67,7 @@ class HFOracle:
 
     def greedy(self, text: str, images) -> tuple[list[int], list[int]]:
         """(prompt ids after placeholder expansion, greedy new tokens)."""
-        from vlserve.testing.hf_generate import hf_greedy_ignoring_eos
+        from tests.support.hf_generate import hf_greedy_ignoring_eos
 
         inputs = self.processor(text=[text], images=images or None, return_tensors="pt").to(self.device)
         out = hf_greedy_ignoring_eos(self.model, inputs, MAX_NEW)
@@ -159,7 +159,7 @@ def test_one_image_eight_requests_one_encoder_run_and_prefix_hits(llava_ckpts):
 
 
 def test_ngram_and_eagle_spec_decode_equal_plain(llava_ckpts, tmp_path):
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     path = llava_ckpts["next_clip"]
     hf = HFOracle.__new__(HFOracle)

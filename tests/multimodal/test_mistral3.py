@@ -13,7 +13,7 @@ from PIL import Image
 from tests.multimodal.mm_media import rand_image
 from tests.multimodal.mm_server import assert_server_image_parity
 from vlserve import LLM, SamplingParams
-from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
+from tests.support.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -32,7 +32,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def m3_dir(tmp_path_factory):
-    from vlserve.testing.mistral3_checkpoints import build_mistral3_checkpoint
+    from tests.support.mistral3_checkpoints import build_mistral3_checkpoint
     return build_mistral3_checkpoint(str(tmp_path_factory.mktemp("mistral3")))
 
 

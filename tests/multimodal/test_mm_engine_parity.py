@@ -34,7 +34,7 @@ class HFOracle:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(self.device)
 
     def greedy(self, text: str, images=None, videos=None, n: int = MAX_NEW, **processor_kwargs) -> list[int]:
-        from vlserve.testing.hf_generate import align_hf_video_inputs, hf_greedy_ignoring_eos
+        from tests.support.hf_generate import align_hf_video_inputs, hf_greedy_ignoring_eos
 
         inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
                                 **processor_kwargs).to(self.device)

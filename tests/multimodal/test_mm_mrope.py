@@ -80,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_hf_get_rope_index(configs, variant, case):
-    from vlserve.testing.hf_generate import transformers_major
+    from tests.support.hf_generate import transformers_major
 
     cfg = configs[variant]
     if transformers_major() >= 5 and any(m == "video" for m, _, _ in CASES[case][0]):

@@ -78,7 +78,7 @@ def test_mixed_images_and_videos_match_hf_call(hf_proc):
     imgs = [f for f in feats if f.modality == "image"]
     torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in imgs]), ref["pixel_values"],
                                rtol=0, atol=0)
-    from vlserve.testing.hf_generate import transformers_major
+    from tests.support.hf_generate import transformers_major
 
     # Qwen2.5-VL; transformers 5.x's processor ignores fps for raw frames (it assumes 24 fps), 4.x honours it
     if "second_per_grid_ts" in ref and transformers_major() < 5:

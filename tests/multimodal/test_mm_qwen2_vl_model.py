@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vlserve.testing.hf_generate import align_hf_video_inputs
+from tests.support.hf_generate import align_hf_video_inputs
 
 from mm_media import rand_image, rand_video
 from vlserve.kernels.metadata import AttentionMetadata

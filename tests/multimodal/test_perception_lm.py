@@ -8,7 +8,7 @@ from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
 from vlserve import LLM, SamplingParams
-from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
+from tests.support.hf_oracle import HFImageTextOracle, data_url
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -19,7 +19,7 @@ SIZES = [(60, 100), (50, 150), (40, 44), (20, 300)]
 
 @pytest.fixture(scope="module")
 def plm_dir(tmp_path_factory):
-    from vlserve.testing.plm_checkpoints import build_plm_checkpoint
+    from tests.support.plm_checkpoints import build_plm_checkpoint
     return build_plm_checkpoint(str(tmp_path_factory.mktemp("plm")))
 
 

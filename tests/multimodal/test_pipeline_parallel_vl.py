@@ -52,7 +52,7 @@ def test_qwen2_vl_pp2_matches_pp1_and_hf_on_images_and_video(qwen2_vl_dir):
 
 @pytest.fixture(scope="module")
 def llava_dir(tmp_path_factory):
-    from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+    from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
     return build_llava_checkpoint(str(tmp_path_factory.mktemp("llava_pp")), num_layers=4)
 

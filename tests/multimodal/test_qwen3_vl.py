@@ -11,8 +11,8 @@ from PIL import Image
 from tests.multimodal.mm_media import rand_image, rand_video
 from tests.multimodal.mm_server import assert_server_image_parity
 from vlserve import LLM, SamplingParams
-from vlserve.testing.hf_oracle import HFImageTextOracle, data_url
-from vlserve.testing.qwen3_vl_checkpoints import trained_video_layout
+from tests.support.hf_oracle import HFImageTextOracle, data_url
+from tests.support.qwen3_vl_checkpoints import trained_video_layout
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -21,7 +21,7 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def q3_dir(tmp_path_factory):
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")))
 
 
@@ -187,8 +187,9 @@ def test_eagle_over_qwen3_vl_keeps_greedy_output(tmp_path_factory):
     # One decoder layer with a zero attention output: a draft copying that layer (which has no q/k norm) predicts
     # the target exactly on text rows, so drafts get accepted; on image rows the target adds DeepStack features
     # the draft never sees. Output must equal plain decoding either way.
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint, zero_attention_output
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.eagle_checkpoints import zero_attention_output
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     root = tmp_path_factory.mktemp("q3_eagle")
     target = build_qwen3_vl_checkpoint(str(root / "t"), num_layers=1, deepstack_visual_indexes=(0,))

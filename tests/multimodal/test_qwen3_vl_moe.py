@@ -18,7 +18,7 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl_moe")), moe=MOE)
 
 

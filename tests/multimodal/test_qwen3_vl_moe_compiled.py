@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_compiled_moe_matches_hf(tmp_path_factory, tmp_path):
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
 
     moe_dir = build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl_moe_compiled")), moe=MOE)
     oracle = Qwen3Oracle(moe_dir)

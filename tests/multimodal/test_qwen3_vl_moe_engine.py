@@ -18,7 +18,7 @@ pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-h
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl_moe_engine")), moe=MOE)
 
 

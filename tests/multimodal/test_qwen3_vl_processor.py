@@ -16,7 +16,7 @@ MERGE = 2  # the tiny checkpoint's spatial merge size
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")))
 
 
@@ -49,7 +49,7 @@ def _hf_call(hf, text: str, images=(), videos=()):
         kw["video_metadata"] = [VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(idx))
                                 for frames, fps, idx in videos]
         kw["do_sample_frames"] = False
-    from vlserve.testing.qwen3_vl_checkpoints import trained_video_layout
+    from tests.support.qwen3_vl_checkpoints import trained_video_layout
 
     tok = hf.tokenizer
     special = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",

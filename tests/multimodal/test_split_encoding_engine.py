@@ -18,7 +18,7 @@ TEXT_PARAMS = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def deep_tower_dir(request, tmp_path_factory):
     """Qwen2.5-VL: windowed blocks 0, 2, 3 and a full-attention block 1 (both kinds cross a slice boundary)."""
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp(request.param)), variant=request.param,
                                      vision_depth=DEPTH, fullatt_block_indexes=(1,), seed=5)

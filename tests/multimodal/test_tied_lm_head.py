@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tests.multimodal.mm_media import rand_image
 from tests.multimodal.test_mm_engine_parity import MAX_NEW, HFOracle, _chat_text, _greedy
 from vlserve import LLM
-from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
 pytestmark = pytest.mark.hf_parity
 

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
+from tests.support.eagle_checkpoints import scale_attention_output, zero_attention_output
 from vlserve import LLM, SamplingParams
-from vlserve.testing.eagle_checkpoints import (build_eagle_checkpoint, scale_attention_output,
-                                               zero_attention_output)
+from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -35,7 +35,7 @@ def _prompts(n: int, seed: int = 0, vocab: int = 600) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def text_target(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("eagle_qwen2")), arch="qwen2", num_layers=1)
 
@@ -153,7 +153,7 @@ def test_eagle_near_max_model_len(text_target, heads):
 
 @pytest.fixture(scope="module")
 def vl_target(tmp_path_factory):
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("eagle_vl")), num_layers=1)
 
@@ -189,7 +189,7 @@ def test_training_forward_matches_serving(text_target, method):
     from vlserve.models.loader import load_model
     from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights
     from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel
-    from vlserve.testing.eagle_checkpoints import eagle_config_for
+    from vlserve.spec_decode.eagle_heads import eagle_config_for
 
     torch.manual_seed(0)
     hf = AutoConfig.from_pretrained(text_target)
@@ -247,7 +247,7 @@ def test_bad_eagle_checkpoints(text_target, heads, tmp_path):
 def small_target(tmp_path_factory):
     """A 1-layer, 64-token target whose attention is damped (x0.05): the next token depends mostly, not only,
     on the current one, so a head can learn a lot of it in seconds; token-id prompts."""
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     root = tmp_path_factory.mktemp("eagle_train")
     target = build_text_checkpoint(str(root / "target"), arch="qwen2", num_layers=1, vocab_size=64)
@@ -263,7 +263,7 @@ def small_target(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_train_eagle_beats_untrained(small_target, tmp_path, method, capsys):
-    from vlserve.training.train_eagle import build_parser, main, train_eagle
+    from training.train_eagle import build_parser, main, train_eagle
 
     target, data = small_target
     out = str(tmp_path / "head")

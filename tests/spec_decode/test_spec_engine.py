@@ -11,7 +11,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("spec_qwen2")), arch="qwen2")
 
@@ -69,7 +69,7 @@ def test_ngram_seeded_sampling_is_deterministic(text_model):
 
 
 def test_ngram_on_vlm_with_images(tmp_path_factory):
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     model = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("spec_vl")))
     imgs = [[Image.fromarray(rand_image(56, 56, seed=s))] for s in range(3)]

@@ -19,22 +19,22 @@ PROMPTS = ["red red red square square square red red red square", "one two one t
 
 def _build(family: str, out: str) -> str:
     if family == "internvl":
-        from vlserve.testing.internvl_checkpoints import build_internvl_checkpoint
+        from tests.support.internvl_checkpoints import build_internvl_checkpoint
         return build_internvl_checkpoint(out, num_layers=1)
     if family == "mistral3":
-        from vlserve.testing.mistral3_checkpoints import build_mistral3_checkpoint
+        from tests.support.mistral3_checkpoints import build_mistral3_checkpoint
         return build_mistral3_checkpoint(out, num_layers=1)
     if family == "gemma3":
-        from vlserve.testing.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+        from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
         return build_gemma3_vlm_checkpoint(out, layer_types=("sliding_attention",))
-    from vlserve.testing.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
     return build_qwen3_vl_checkpoint(out, num_layers=2, deepstack_visual_indexes=(0,), moe={
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]})
 
 
 @pytest.fixture(scope="module", params=["internvl", "mistral3", "qwen3_vl_moe", "gemma3"])
 def target(request, tmp_path_factory):
-    from vlserve.testing.eagle_checkpoints import zero_attention_output
+    from tests.support.eagle_checkpoints import zero_attention_output
 
     path = _build(request.param, str(tmp_path_factory.mktemp(request.param) / "t"))
     zero_attention_output(path)
@@ -65,7 +65,7 @@ def test_ngram_keeps_greedy_output(target, base):
 
 
 def test_eagle_keeps_greedy_output(target, base, tmp_path):
-    from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+    from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
     head = build_eagle_checkpoint(str(tmp_path / "head"), target, "eagle", "mimic")
     llm = LLM(target, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3}, **KW)

@@ -1,6 +1,6 @@
 """Fixtures for the structured-output tests: the demo model's real tokenizer (Qwen2 byte-level BPE, 467 tokens) and a
 full-size one: a local Hugging Face cache's when there is one (never downloaded from a hub), else Mistral's Tekken
-(131,072 tokens) built from the mistral_common wheel (`vlserve.testing.tekken_tokenizer`, package registry only)."""
+(131,072 tokens) built from the mistral_common wheel (`tests.support.tekken_tokenizer`, package registry only)."""
 from __future__ import annotations
 
 import os
@@ -32,7 +32,7 @@ def big_tokenizer():
             continue
         if len(tokenizer) > 10_000:
             return tokenizer
-    from vlserve.testing.tekken_tokenizer import tekken_tokenizer_dir
+    from tests.support.tekken_tokenizer import tekken_tokenizer_dir
 
     try:
         return AutoTokenizer.from_pretrained(tekken_tokenizer_dir())

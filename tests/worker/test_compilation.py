@@ -184,7 +184,7 @@ def test_compiled_equals_eager_qwen2_vl_with_images(tmp_path_factory, compile_ca
     from PIL import Image
 
     from tests.multimodal.mm_media import rand_image
-    from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     model_dir = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("qwen2_vl")), variant="qwen2_vl")
     # 16-token steps split the image placeholders across chunks; M-RoPE [3, T] positions and merged embeddings

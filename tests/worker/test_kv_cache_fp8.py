@@ -24,7 +24,7 @@ def ckpt(tmp_path_factory):
     """A tiny random Qwen2. initializer_range 0.1: varied greedy outputs that repeat a token now and then (0.05
     repeats one token throughout; the default 0.2 makes attention so sharp that e4m3's 3 mantissa bits flip ~10-20%
     of the teacher-forced argmaxes)."""
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2_fp8kv")), arch="qwen2", num_layers=2,
                                  initializer_range=0.1)

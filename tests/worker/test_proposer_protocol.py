@@ -9,7 +9,7 @@ from vlserve.worker.proposer import DraftKVSpec
 
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     return build_text_checkpoint(str(tmp_path_factory.mktemp("proto_qwen2")), arch="qwen2")
 

@@ -111,14 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     model = args.model
     if model is None and args.family == "llava_next":
-        from vlserve.testing.llava_checkpoints import build_llava_checkpoint
+        from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
         model = build_llava_checkpoint(os.path.join(tempfile.mkdtemp(prefix="vlserve-mmbench-"), "model"),
                                        variant="llava_next", hidden_size=256, intermediate_size=512, num_layers=4,
                                        vision_width=args.vision_width, vision_depth=args.vision_depth,
                                        initializer_range=0.02, seed=args.seed)
     elif model is None:
-        from vlserve.testing.vl_checkpoints import build_qwen2_vl_checkpoint
+        from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
         model = os.path.join(tempfile.mkdtemp(prefix="vlserve-mmbench-"), "model")
         build_qwen2_vl_checkpoint(model, hidden_size=256, intermediate_size=512, num_layers=4,

@@ -4,7 +4,7 @@
     python -m vlserve.bench.spec_decode --model TARGET --method eagle --draft DRAFT_DIR   (or --method eagle3)
 
 With --method eagle and no --draft, a head copied from the target's last layer is built (init "mimic" of
-vlserve.testing.eagle_checkpoints): it shows the machinery, not what a trained head (vlserve train-eagle) gets.
+vlserve.spec_decode.eagle_heads): it shows the machinery, not what a trained head (python -m training.train_eagle) gets.
 
 Copy-heavy prompts (a random span repeated), greedy, ignore_eos. Prints decode tokens/s for both, the speedup,
 the acceptance rate and the mean accepted length (accepted drafts per verification step + 1).
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from vlserve.testing.checkpoints import build_text_checkpoint
+        from vlserve.demo.checkpoints import build_text_checkpoint
 
         model = os.path.join(tempfile.mkdtemp(prefix="vlserve-specbench-"), "model")
         heads = max(args.hidden_size // 64, 1)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         if draft is None:
             if args.method != "eagle":
                 raise SystemExit("--method eagle3 needs --draft DIR")
-            from vlserve.testing.eagle_checkpoints import build_eagle_checkpoint
+            from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
             draft = build_eagle_checkpoint(tempfile.mkdtemp(prefix="vlserve-specbench-eagle-"), model, "eagle",
                                            "mimic")

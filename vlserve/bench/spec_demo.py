@@ -17,13 +17,13 @@ import time
 
 def conversations(n: int, seed: int, repeat: bool) -> list[list[dict]]:
     """n chat conversations over fresh demo scenes; with repeat, the question was asked and answered once before."""
-    from vlserve.training import eval as demo_eval
-    from vlserve.training import world
+    from vlserve.demo import world
+    from vlserve.demo.held_out import held_out_set, messages_for
 
-    items = demo_eval.held_out_set(per_form=(n + len(world.FORMS) - 1) // len(world.FORMS), seed=seed)[:n]
+    items = held_out_set(per_form=(n + len(world.FORMS) - 1) // len(world.FORMS), seed=seed)[:n]
     out = []
     for it in items:
-        msgs = demo_eval.messages_for(it, "vlserve")
+        msgs = messages_for(it, "vlserve")
         if repeat:
             msgs = msgs + [{"role": "assistant", "content": it["answer"]},
                            {"role": "user", "content": it["question"]}]

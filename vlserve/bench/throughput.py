@@ -162,7 +162,7 @@ def bench_vllm(python: str, model: str, prompts, output_lens: list[int], dtype: 
 
 
 def build_random_model(args) -> str:
-    from vlserve.testing.checkpoints import build_text_checkpoint
+    from vlserve.demo.checkpoints import build_text_checkpoint
 
     out = os.path.join(tempfile.mkdtemp(prefix="vlserve-bench-"), "model")
     heads = getattr(args, "num_heads", None) or max(args.hidden_size // 64, 1)

@@ -1,14 +1,16 @@
 """The embedded demo models, shipped as standard HF directories:
 
 - "vlserve-demo" (vlserve/demo/model/): a small Qwen2-VL checkpoint trained on a synthetic world of colored shapes
-  (vlserve.training.world). Rebuild it with `python -m vlserve.training.train --out vlserve/demo/model`; measure it
-  with `python -m vlserve.training.eval`.
+  (vlserve.demo.world). Rebuild it with `python -m training.train --out vlserve/demo/model`; measure it
+  with `python -m training.eval`.
 - "vlserve-demo-audio" (vlserve/demo/audio_model/): a small Qwen2-Audio checkpoint trained on clips of beeps
-  (vlserve.training.audio_world). Rebuild it with `python -m vlserve.training.train_audio --out
-  vlserve/demo/audio_model`; measure it with `python -m vlserve.training.eval_audio`.
+  (vlserve.demo.audio_world). Rebuild it with `python -m training.train_audio --out
+  vlserve/demo/audio_model`; measure it with `python -m training.eval_audio`.
 
-This module only locates the checkpoints (and the vision demo's EAGLE head) and imports nothing from vlserve, so
-`config` may use it.
+This module only locates the checkpoints (and the vision demo's EAGLE head); the package also holds the demo worlds
+(`world`, `audio_world`, `held_out`) and the tiny random checkpoints `make serve` falls back on and `vlserve bench`
+builds (`checkpoints`, `vl_checkpoints`, `llava_checkpoints`, their `tokenizer`). None of it imports anything from
+vlserve outside vlserve.demo, so `config` may use it.
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import os
 _HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_DIR = os.path.join(_HERE, "model")
 AUDIO_MODEL_DIR = os.path.join(_HERE, "audio_model")
-EAGLE_DIR = os.path.join(MODEL_DIR, "eagle")  # its EAGLE draft head (vlserve train-eagle)
+EAGLE_DIR = os.path.join(MODEL_DIR, "eagle")  # its EAGLE draft head (python -m training.train_eagle)
 # served name -> (checkpoint directory, the command that rebuilds it)
 DEMO_MODELS = {
-    "vlserve-demo": (MODEL_DIR, "python -m vlserve.training.train --out {dir}"),
-    "vlserve-demo-audio": (AUDIO_MODEL_DIR, "python -m vlserve.training.train_audio --out {dir}"),
+    "vlserve-demo": (MODEL_DIR, "python -m training.train --out {dir}"),
+    "vlserve-demo-audio": (AUDIO_MODEL_DIR, "python -m training.train_audio --out {dir}"),
 }
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json")
 

@@ -10,7 +10,7 @@ Draft checkpoint format (a directory; `speculative_config={"method": "eagle"|"ea
      "intermediate_size", "rms_norm_eps", optional "head_dim" (default H / heads), "hidden_act" ("silu"),
      "attention_bias" (false: no q/k/v biases), "fc_bias" (false),
      "fc_input_norm" (false; true: RMSNorm the fc inputs first — eagle: enorm(embeds), hnorm(hidden); eagle3: each
-     of the three target states — so their very different scales do not matter; vlserve train-eagle sets it),
+     of the three target states — so their very different scales do not matter; training.train_eagle sets it),
      "input_layernorm" (eagle: false, as EAGLE-1; eagle3: always true),
      "final_norm" (true: logits = lm_head(norm(out))),
      eagle only:  "target_hidden": "pre_norm" (default: the target's final residual stream before its last norm)

@@ -1,0 +1,129 @@
+"""Host work per engine step at a large batch: ms/step and where it goes, on a model too small to matter.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.host_step --num-prompts 256 --repeats 3 --profile
+
+A tiny random Qwen2 (hidden 64, 2 layers) makes the forward nearly free, so ms/step is the engine's own Python:
+scheduling, KV slot allocation, input preparation, output folding and detokenizing. Each repeat runs
+`LLM.generate` over N prompts (greedy, ignore_eos, seeded output lengths) and prints ms/step; the breakdown times
+the main components by wrapping them (a small overhead per call) and, with `--profile`, cProfile's top functions.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+
+from vlserve.bench.throughput import make_prompts, random_lengths
+
+
+def _wrap(obj, name: str, label: str, totals: dict[str, float]) -> None:
+    """Replace obj.name by a wrapper that adds its wall time to totals[label]."""
+    fn = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - t
+
+    setattr(obj, name, timed)
+
+
+def component_breakdown(llm, prompts, params) -> tuple[dict[str, float], int]:
+    """Seconds per component over one generate run (wrapped instance attributes, removed afterwards)."""
+    core, loop = llm.engine, llm.engine_loop
+    totals: dict[str, float] = defaultdict(float)
+    targets = [(core.scheduler, "schedule", "scheduler.schedule"),
+               (core.scheduler.kv, "allocate_slots", "  kv.allocate_slots"),
+               (core.scheduler, "update_from_output", "scheduler.update_from_output"),
+               (core.runner, "submit_step", "runner.submit_step"),
+               (core.runner, "forward", "  runner.forward (model)"),
+               (core.runner.step_sampler, "sample", "  runner sampling"),
+               (loop.output_processor, "process_outputs", "output_processor.process_outputs")]
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in targets]
+    for obj, name, label in targets:
+        _wrap(obj, name, label, totals)
+    try:
+        steps0 = core.num_steps
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        totals["total (generate)"] = time.perf_counter() - t
+        return dict(totals), core.num_steps - steps0
+    finally:
+        for obj, name, original in saved:  # the instance's own attribute back, or the class's
+            if original is None:
+                del obj.__dict__[name]
+            else:
+                setattr(obj, name, original)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, build the tiny model, print ms/step per repeat and the breakdown."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len-range", type=int, nargs=2, default=[48, 64])
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--kv-offloading-size", type=float, default=None,
+                    help="GiB of host KV tier (the offloading connector on: its keys and stores in every step)")
+    ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions (one run)")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from vlserve import LLM, SamplingParams
+    from vlserve.demo.checkpoints import build_text_checkpoint
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with tempfile.TemporaryDirectory(prefix="vlserve-host-step-") as tmp:
+        path = build_text_checkpoint(tmp, hidden_size=args.hidden_size, num_layers=args.num_layers)
+        llm = LLM(path, dtype="float32", max_num_seqs=args.num_prompts,
+                  max_model_len=args.input_len + args.output_len_range[1] + 16,
+                  async_scheduling=args.async_scheduling,
+                  **({} if args.kv_offloading_size is None else {"kv_offloading_size": args.kv_offloading_size}))
+        vocab = llm.engine.loaded.hf_config.vocab_size
+        prompts = [{"prompt_token_ids": p} for p in make_prompts(args.num_prompts, args.input_len, vocab, seed=0)]
+        lens = random_lengths(args.output_len_range, args.num_prompts, seed=1)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up (compiles, fills caches)
+        print(f"host_step: {args.num_prompts} prompts x {args.input_len} in, {args.output_len_range} out, "
+              f"hidden {args.hidden_size}, {args.num_layers} layers, threads {torch.get_num_threads()}, "
+              f"load average {os.getloadavg()[0]:.2f}")
+        per_step, cpu_per_step = [], []
+        for r in range(args.repeats):
+            steps0 = llm.engine.num_steps
+            t, c = time.perf_counter(), time.process_time()
+            llm.generate(prompts, params, use_tqdm=False)
+            dt, dc = time.perf_counter() - t, time.process_time() - c
+            steps = llm.engine.num_steps - steps0
+            per_step.append(1e3 * dt / steps)
+            cpu_per_step.append(1e3 * dc / steps)
+            print(f"  run {r}: {steps} steps, {dt:.3f} s, {per_step[-1]:.2f} ms/step wall, "
+                  f"{cpu_per_step[-1]:.2f} ms/step CPU, load average {os.getloadavg()[0]:.2f}")
+        # CPU time is the steadier figure on a shared machine: waiting for a core does not count in it.
+        print(f"ms/step: wall median {statistics.median(per_step):.2f} (best {min(per_step):.2f}), "
+              f"CPU median {statistics.median(cpu_per_step):.2f} (best {min(cpu_per_step):.2f})")
+        totals, steps = component_breakdown(llm, prompts, params)
+        print(f"breakdown over {steps} steps (ms/step, wrapped):")
+        for label, sec in sorted(totals.items(), key=lambda kv: -kv[1]):
+            print(f"  {label:<40s} {1e3 * sec / steps:8.3f}")
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            llm.generate(prompts, params, use_tqdm=False)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
