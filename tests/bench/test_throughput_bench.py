@@ -22,7 +22,7 @@ def test_throughput_bench_fixed_lengths(capsys):
                      "--output-len", "4", "--threads", "1", "--num-heads", "2", "--num-kv-heads", "1",
                      "--intermediate-size", "96", "--block-size", "32"])
     out = capsys.readouterr().out
-    assert "hidden 64, 1 layers, 2 heads / 1 KV heads, intermediate 96" in out  # issue 19's model is given this way
+    assert "hidden 64, 1 layers, 2 heads / 1 KV heads, intermediate 96" in out
     assert "block size 32" in out.split("vlserve:")[1]  # vLLM-CPU's smallest, for a like-for-like prefix cache
     assert "(12 tokens" in out.split("HF generate:")[0] and "(12 tokens" in out.split("HF generate:")[1]
 

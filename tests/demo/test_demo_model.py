@@ -49,7 +49,7 @@ def test_quick_eval_through_vlserve(llm):
 
 
 def test_json_schema_answers_about_pictures_are_valid_and_right(llm):
-    """Issue 35: a JSON-schema request about a picture (count, shapes, colours) gets valid JSON with the right values."""
+    """A JSON-schema request about a picture (count, shapes, colours) gets valid JSON with the right values."""
     import json
 
     from PIL import Image

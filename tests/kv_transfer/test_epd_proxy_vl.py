@@ -1,4 +1,4 @@
-"""End to end (issue 37 item 5, E/PD disaggregation): Qwen2-VL tiny behind `vlserve proxy --encode`. An encode
+"""End to end (E/PD disaggregation): Qwen2-VL tiny behind `vlserve proxy --encode`. An encode
 server (`--mm-encoder-only`, ec_producer) runs the image through its tower and publishes the encoder output; the
 server that then prefills (a plain ec_consumer in E + PD, a P2P kv_producer + ec_consumer in E/P/D) loads it and
 never runs its tower; the answer is a plain server's, streamed or not. An unreachable encode server is counted on

@@ -1,4 +1,4 @@
-"""Faults in disaggregated serving (issue 37 item 6), with `vlserve serve` processes stopped (SIGSTOP) or killed
+"""Faults in disaggregated serving, with `vlserve serve` processes stopped (SIGSTOP) or killed
 (SIGKILL): a producer that hangs or dies after its prefill answered (the consumer still answers, recomputing, as a
 plain server), a consumer that never pulls (the producer frees what it kept after send_timeout_s), and the proxy
 with dead prefill / decode servers (it fails over to live ones, or answers a JSON 503 when none is left). Nothing

@@ -1,4 +1,4 @@
-"""kv_transfer_params over HTTP (issue 37): the request field reaches the engine, a producer's params come back at
+"""kv_transfer_params over HTTP: the request field reaches the engine, a producer's params come back at
 the top level of non-streamed /v1/completions and /v1/chat/completions bodies (as vLLM returns them), and a
 consumer server given them answers as a plain server does; bad values and servers without a connector are 400s
 naming the field."""

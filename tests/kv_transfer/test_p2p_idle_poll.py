@@ -1,4 +1,4 @@
-"""An idle P2P producer frees its kept blocks on its own (issue 37): the server's engine loops (the in-process
+"""An idle P2P producer frees its kept blocks on its own: the server's engine loops (the in-process
 engine thread and the engine-core process) keep polling the connector while blocks are kept, with nothing else to
 run; here the send timeout frees them (no consumer ever reads)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End to end (issue 37): two `vlserve serve` processes on the tiny checkpoint, a P2P producer and a P2P consumer,
+"""End to end: two `vlserve serve` processes on the tiny checkpoint, a P2P producer and a P2P consumer,
 behind `vlserve proxy`; greedy completions through the proxy (prefill on the producer, decode on the consumer
 reading the producer's KV) equal a plain server's, text for text, streamed or not."""
 from __future__ import annotations

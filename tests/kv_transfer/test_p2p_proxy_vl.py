@@ -1,4 +1,4 @@
-"""End to end (issue 37, images): Qwen2-VL tiny behind `vlserve proxy`, a P2P producer and a P2P consumer server;
+"""End to end (images): Qwen2-VL tiny behind `vlserve proxy`, a P2P producer and a P2P consumer server;
 a chat request with an image_url data URL gives a plain server's greedy text, streamed or not, and the decode
 server never processes media nor runs the vision tower (the producer's kv_transfer_params carry the expanded
 prompt and the items without pixel data; the proxy strips the media parts from the decode server's messages)."""

@@ -1,4 +1,4 @@
-"""The proxy's backend pools (`vlserve proxy`, issue 37 item 6): round-robin that skips a backend for a back-off
+"""The proxy's backend pools (`vlserve proxy`): round-robin that skips a backend for a back-off
 after a failed call (all are tried when all back off), and a JSON 503 naming each dead backend when no prefill server
 is reachable (no server processes here: the backends are closed ports)."""
 from __future__ import annotations

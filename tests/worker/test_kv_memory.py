@@ -1,4 +1,4 @@
-"""Start-up memory of a CPU engine (issue 41): the KV pool is reserved, not written, so its pages become resident only
+"""Start-up memory of a CPU engine: the KV pool is reserved, not written, so its pages become resident only
 as blocks are used; and the engine process loads no HF processor (its requests arrive processed), so transformers'
 image-processing stack (torchvision, scipy) stays out of it. Residency is read per page from /proc/self/pagemap,
 not from RSS, which every other allocation moves."""

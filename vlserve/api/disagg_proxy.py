@@ -1,4 +1,4 @@
-"""`vlserve proxy`: disaggregated serving in front of `vlserve serve` processes (issue 37; the shape of vLLM's
+"""`vlserve proxy`: disaggregated serving in front of `vlserve serve` processes (the shape of vLLM's
 disagg proxy examples): E/P/D, P/D, or E + PD.
 
 Encode stage (`--encode`, vLLM's E/PD): a chat request with media parts (image_url, video_url, input_audio, ...)

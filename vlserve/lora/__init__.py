@@ -1,4 +1,4 @@
-"""LoRA adapters (issue 38), laid out as vLLM's `vllm/lora`: PEFT adapters applied per token over the decoder.
+"""LoRA adapters, laid out as vLLM's `vllm/lora`: PEFT adapters applied per token over the decoder.
 
 - `request.LoRARequest(lora_name, lora_int_id, lora_path)`: which adapter a request runs with.
 - `peft_checkpoint`: a PEFT adapter directory -> per-module A / B prepared for our fused layers (scaling folded).
@@ -7,7 +7,7 @@
 - `kernels.lora_ref`: the torch twin of punica's shrink / expand (grouped by slot; per-token reference).
 - `model_manager.LoRAModelManager`: wraps the layers once, host LRU of adapters, device slots, per-step slots.
 
-The engine wiring (issue 38). `EngineArgs(enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules)`;
+The engine wiring. `EngineArgs(enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules)`;
 `ModelRunner` builds `LoRAModelManager` after `pack_linears_for_cpu` and runs each step's decoder call under
 `lora_manager.step([s.lora_request for s in states], q_lens)` (states in batch order). Requests carry their
 LoRARequest EngineCoreRequest -> Request -> NewRequestData -> runner state; the scheduler caps a step's distinct
