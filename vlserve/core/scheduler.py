@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 
 from vlserve.config import SchedulerConfig
+from vlserve.core.admission import check_request
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
-from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, plan_encoder_inputs
+from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, commit_encoder_inputs, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
 from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
 from vlserve.core.kv_connector_sched import KVConnectorScheduling
@@ -67,40 +68,14 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
-        """Validate against the engine's limits and queue it (ValueError says what to change). `structured_output`:
-        the request's grammar matcher (compiling), when its output is constrained."""
-        cfg = self.config
-        rid, n_prompt = engine_req.request_id, len(engine_req.prompt_token_ids)
+        """Validate against the engine's limits (`admission.check_request`) and queue it. `structured_output`: the
+        request's grammar matcher (compiling), when its output is constrained."""
+        rid = engine_req.request_id
         if rid in self.requests or rid in self.kept_blocks:
             raise ValueError(f"request id {rid!r} is already in use")
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if n_prompt >= cfg.max_model_len:
-            raise ValueError(f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
-                             f"the prompt or raise max_model_len (one position must stay free for output)")
-        max_kv_tokens = self.max_kv_tokens
-        if n_prompt + 1 > max_kv_tokens:
-            raise ValueError(f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
-                             f"raise num_kv_blocks or kv_cache_memory_bytes")
-        for i, f in enumerate(engine_req.mm_features):  # the per-step budget never refuses: a big item runs alone
-            if f.length > cfg.encoder_cache_size:
-                raise ValueError(f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
-                                 f"budget of {cfg.encoder_cache_size}; shrink it (e.g. max_pixels) or raise "
-                                 f"encoder_cache_size")
-            if cfg.disable_chunked_mm_input and f.length > cfg.max_num_batched_tokens:
-                raise ValueError(f"{f.modality} item {i} has {f.length} placeholder tokens, more than "
-                                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}; this model needs a whole "
-                                 f"item in one step: raise max_num_batched_tokens or shrink the item")
-        if engine_req.lora_request is not None and not cfg.max_loras:
-            raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
-        if cfg.max_waiting_requests is not None and len(self.waiting) >= cfg.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
-        params = engine_req.sampling_params
-        room = min(cfg.max_model_len, max_kv_tokens) - n_prompt
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(engine_req, max_tokens)
+        req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
         req.structured_output = structured_output
-        self.stats.prompt_tokens += n_prompt
+        self.stats.prompt_tokens += len(engine_req.prompt_token_ids)
         self.requests[rid] = req
         self.waiting.append(req)
 
@@ -146,7 +121,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
             if num_new <= 0 or (req.lora_request is not None and self._lora_blocked(req, loras)):
                 if num_new <= 0 and enc.slices:  # only a slice of its next item's tower: no token until it is done
-                    self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
+                    commit_encoder_inputs(self.encoder_cache, req, enc, encoder_inputs, encoder_slices)
                     num_encoding = num_encoding_after
                 idx += 1
                 continue
@@ -164,7 +139,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             if enc is not NO_MEDIA:
-                self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
+                commit_encoder_inputs(self.encoder_cache, req, enc, encoder_inputs, encoder_slices)
                 num_encoding = num_encoding_after
             cached = CachedRequestData(req.request_id, new_block_ids, computed)
             if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
@@ -235,7 +210,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
+            commit_encoder_inputs(self.encoder_cache, req, enc, encoder_inputs, encoder_slices)
             req.num_tokens_sent = req.num_tokens
             new_reqs.append(NewRequestData(
                 req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
@@ -283,28 +258,6 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                                    num_encoding, self.config.disable_chunked_mm_input, stage_counts, req.request_id,
                                    self.encoder_slice_cap, self.encoder_pack_budget)
 
-    def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]],
-                               out_slices: dict[str, list[EncoderSlice]]) -> None:
-        """Reference the reused items, then allocate (evicting as needed) the ones to encode, whole or in slices
-        (a split item's entry is allocated at its first slice and partial until its last)."""
-        if not plan.reuse and not plan.to_encode and not plan.slices:
-            return
-        modality_of = {f.mm_hash: f.modality for f in req.mm_features}
-        for mm_hash in plan.reuse:
-            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
-        for i in plan.to_encode:
-            f = req.mm_features[i]
-            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
-        if plan.to_encode:
-            out[req.request_id] = plan.to_encode
-        for piece in plan.slices:
-            if piece.start == 0:
-                f = req.mm_features[piece.item_index]
-                self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
-            self.encoder_cache.advance_partial(piece.mm_hash, piece.end, piece.num_stages)
-        if plan.slices:
-            out_slices[req.request_id] = plan.slices
-
     def _preempt(self, req: Request) -> None:
         self._free_blocks_and_encoder_refs(req)
         req.status = RequestStatus.PREEMPTED
@@ -325,6 +278,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
         RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        max_model_len = self.config.max_model_len
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = get_request(rid)
             if req is None or req.status >= FIRST_FINISHED:
@@ -344,7 +298,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 self.stats.spec_num_accepted_tokens += len(sampled) - 1
             if running and req.mm_features:
                 self._release_written_encoder_inputs(req)
-            new_tokens = self._accept_tokens(req, sampled) if sampled else []
+            new_tokens = req.accept_sampled(sampled, max_model_len) if sampled else []
             if req.structured_output is not None:
                 advance_matcher(req, new_tokens)
             is_finished = req.status >= FIRST_FINISHED
@@ -373,32 +327,3 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                     outputs[-1 - next(i for i, o in enumerate(reversed(outputs))
                                       if o.request_id == req.request_id)].kv_transfer_params = params
         return outputs
-
-    def _accept_tokens(self, req: Request, sampled: list[int]) -> list[int]:
-        """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or
-        max_model_len, setting the finished status. Returns the tokens kept. One pass per request: the length
-        limit is a count, only stop-token membership is checked per token."""
-        n_out = req.num_output_tokens
-        # Tokens that fit before a length limit ends the request (the first token is always appended).
-        room = max(min(req.max_tokens - n_out, self.config.max_model_len - req.num_tokens), 1)
-        keep = min(len(sampled), room)
-        stop_ids = req.stop_token_ids
-        if stop_ids:
-            min_tokens = req.sampling_params.min_tokens
-            for i in range(keep):
-                tok = sampled[i]
-                if tok in stop_ids and n_out + i + 1 >= min_tokens:
-                    kept = sampled[: i + 1]
-                    req.append_output_token_ids(kept)
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = None if tok in req.sampling_params._eos_token_ids else tok
-                    return kept
-        kept = sampled[:keep]  # a copy: the runner's list is not shared
-        req.append_output_token_ids(kept)
-        if keep >= room:
-            req.status = RequestStatus.FINISHED_LENGTH
-        return kept
-
-class QueueFullError(ValueError):
-    """The waiting queue is at max_waiting_requests (HTTP 503/429)."""
-
