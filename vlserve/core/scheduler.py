@@ -10,6 +10,7 @@ budget, its request's prefill waits before it until the last slice, and other re
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from vlserve.config import SchedulerConfig
@@ -17,19 +18,19 @@ from vlserve.core.admission import check_request
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
 from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, commit_encoder_inputs, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
-from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
-from vlserve.core.kv_connector_sched import KVConnectorScheduling
+from vlserve.core.kv_cache_manager import KVCacheManager
+from vlserve.core.kv_connector_sched import KVConnectorState
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
-from vlserve.core.request_finishing import RequestFinishing
 from vlserve.core.sched_output import (CachedRequestData, EncoderSlice, EngineCoreOutput, ModelRunnerOutput,
                                        NewRequestData, SchedulerOutput)
 from vlserve.core.stats import SchedulerStats
-from vlserve.distributed.kv_transfer.base import KVConnectorRole
-from vlserve.distributed.kv_transfer.factory import create_connector
+
+logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVConnectorScheduling, RequestFinishing):
-    """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
+class Scheduler:
+    """Owns the waiting/running queues, the KV cache manager, the encoder cache manager and the KV connector's
+    scheduler side (`kv_transfer`); plans steps, folds their results back and ends requests."""
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
         self.config = config
@@ -52,26 +53,15 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         self.send_token_ids = False
         self.stats = SchedulerStats()
         # KV connector (distributed/kv_transfer), scheduler side: prefix blocks it can load from outside the device
-        # pool. A request whose blocks are being loaded waits in `waiting_for_kv` (its blocks allocated, not yet
-        # in the prefix cache) until a worker reports the load; then it goes back to the head of `waiting` with
-        # `kv_load_done[id]` computed tokens (the loaded ones, or only its device hit when the load failed).
-        self.connector = None
-        if config.kv_transfer_config is not None:
-            if len(config.kv_group_windows) > 1:
-                raise ValueError("KV connectors support models with one KV cache group (no sliding-window layers "
-                                 "beside full ones) for now")
-            self.connector = create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
-                                              block_size=config.block_size, extra_keys_of=block_extra_keys)
-        self.waiting_for_kv: dict[str, tuple[Request, int]] = {}  # id -> (request, computed tokens once loaded)
-        self.kv_load_done: dict[str, int] = {}
-        self.kept_blocks: dict[str, Request] = {}  # finished; blocks kept until the connector sent them
+        # pool, the requests parked for those loads and the finished ones whose blocks it still sends
+        self.kv_transfer = KVConnectorState.from_config(config)
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
         """Validate against the engine's limits (`admission.check_request`) and queue it. `structured_output`: the
         request's grammar matcher (compiling), when its output is constrained."""
         rid = engine_req.request_id
-        if rid in self.requests or rid in self.kept_blocks:
+        if rid in self.requests or rid in self.kv_transfer.kept_blocks:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
         req.structured_output = structured_output
@@ -104,6 +94,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         preempted = False
         in_flight, max_reqs = self.in_flight_req_ids, max_num_reqs or cfg.max_num_seqs
         loras: set[int] = set()  # the adapters of this step's requests (at most max_loras)
+        kv_transfer = self.kv_transfer
 
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
@@ -158,8 +149,9 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
         # (max_loras): they keep their place
         set_aside: list[Request] = []
-        if self.kv_load_done:
-            self._resumed_first()
+        load_done = kv_transfer.load_done
+        if load_done:
+            self.waiting = kv_transfer.resumed_first(self.waiting)
         while (self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs
                and len(num_scheduled) < max_reqs):
             req = self.waiting[0]
@@ -174,16 +166,16 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 set_aside.append(self.waiting.popleft())
                 continue
             computed_blocks, num_hit, num_external = None, 0, 0
-            resume = self.kv_load_done.get(req.request_id) if self.kv_load_done else None
+            resume = load_done.get(req.request_id) if load_done else None
             if resume is not None:  # its KV load ended: it holds its blocks, `resume` tokens of them computed
                 num_hit = req.num_computed_tokens = resume
             elif req.num_computed_tokens == 0:
                 computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-                if self.connector is not None:
-                    num_external, _ = self.connector.get_num_new_matched_tokens(req, num_hit)
+                num_external = kv_transfer.num_external_tokens(req, num_hit)
             if num_external:
-                if not self._start_kv_load(req, computed_blocks, num_hit, num_external):
+                if not kv_transfer.start_load(req, self.kv, computed_blocks, num_hit, num_external):
                     break
+                self.waiting.popleft()
                 continue
             num_new = min(req.num_tokens - num_hit, token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
@@ -195,14 +187,15 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
             new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
-            if new_block_ids is None and resume is not None and not num_scheduled and self._release_parked(req):
+            if (new_block_ids is None and resume is not None and not num_scheduled and not self.running
+                    and kv_transfer.release_parked(req, self.requests, self.kv)):
                 new_block_ids = self.kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
             num_encoding = num_encoding_after
             self.waiting.popleft()
             if resume is not None:
-                del self.kv_load_done[req.request_id]
+                del load_done[req.request_id]
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             req.num_computed_tokens = num_hit
@@ -233,8 +226,8 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
             scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(), scheduled_encoder_slices=encoder_slices)
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
+        if kv_transfer.connector is not None:
+            out.kv_connector_metadata = kv_transfer.connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
         return out
 
@@ -259,7 +252,8 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                                    self.encoder_slice_cap, self.encoder_pack_budget)
 
     def _preempt(self, req: Request) -> None:
-        self._free_blocks_and_encoder_refs(req)
+        self.kv.free(req)
+        self.encoder_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -272,8 +266,10 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
         outputs, self.failed = self.failed, []
-        if runner_out.kv_connector_output is not None and self.connector is not None:
-            self._update_from_kv_output(runner_out.kv_connector_output)
+        kv_transfer = self.kv_transfer
+        if runner_out.kv_connector_output is not None and kv_transfer.connector is not None:
+            # loads that ended: their requests go back to the head of the queue
+            self.waiting.extendleft(kv_transfer.update_from_output(runner_out.kv_connector_output, self.kv))
         finished: list[tuple[Request, bool]] = []  # (request, was running)
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
@@ -319,11 +315,115 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if done:
                 self.running = [r for r in self.running if id(r) not in done]
             for req, running in finished:
-                if not running and self.waiting_for_kv.pop(req.request_id, None) is None:
+                if not kv_transfer.drop(req.request_id) and not running:  # (a parked request is in no queue)
                     self.waiting.remove(req)
-                self.kv_load_done.pop(req.request_id, None)
                 params = self._free_request(req)
                 if params is not None:
                     outputs[-1 - next(i for i, o in enumerate(reversed(outputs))
                                       if o.request_id == req.request_id)].kv_transfer_params = params
         return outputs
+
+    # -- ending requests ---------------------------------------------------------------------------------------
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish these requests now; returns the ids that were still alive."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            parked = self.kv_transfer.drop(rid)
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif not parked:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(req)
+            aborted.append(rid)
+        return aborted
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (stop strings found by the detokenizer)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            req.status = status
+            self._free_request(req)
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        """The requests that ended while waiting since the last step's results (reported with the next ones)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def fail_lora(self, lora_int_id: int, error: str) -> None:
+        """The adapter failed to load: its waiting requests end "abort" with the error."""
+        self.loras_loading.discard(lora_int_id)
+        for req in [r for r in self.waiting if r.lora_int_id == lora_int_id]:
+            self.waiting.remove(req)
+            self._fail_waiting(req, f"its LoRA adapter did not load: {error}", error)
+
+    def _abort_failed_grammar(self, req: Request) -> None:
+        """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""
+        error = grammar_error(req)
+        self._fail_waiting(req, f"its grammar did not compile: {error}", error)
+
+    def _fail_remote_media(self, req: Request) -> None:
+        """A disaggregated consumer's request (the waiting queue's head) that must recompute a media item its
+        producer encoded (the KV read failed, or its blocks were evicted since): it has no media, so it ends "abort"
+        with the error."""
+        self.waiting.popleft()
+        self.kv_transfer.drop(req.request_id)
+        error = ("the producer's KV for this request's media could not be used and the decode server has no media "
+                 "to encode; send the request again")
+        self._fail_waiting(req, error, error)
+
+    def _fail_waiting(self, req: Request, message: str, error: str) -> None:
+        """End a request taken off the waiting queue "abort" with `error` (reported with the next step's results)."""
+        req.status = RequestStatus.FINISHED_ABORTED
+        logger.error("request %s: %s", req.request_id, message)
+        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
+        self._free_request(req)
+
+    def _release_written_encoder_inputs(self, req: Request) -> None:
+        for f in req.mm_features:
+            if f.end <= req.num_computed_tokens:
+                self.encoder_cache.free_encoder_input(req.request_id, f.mm_hash)
+
+    def _free_request(self, req: Request) -> dict | None:
+        """Free a finished request's encoder references and KV blocks (unless the KV connector keeps them until
+        they are sent, see `KVConnectorState.release_blocks`). Returns the connector's kv_transfer_params for the
+        client (or None)."""
+        params = self.kv_transfer.release_blocks(req, self.kv)
+        self.encoder_cache.free(req.request_id)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        return params
+
+    # -- introspection ------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.kv_transfer.waiting_for_kv)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.kv_transfer.waiting_for_kv)
+
+    def kv_pool_gauges(self) -> dict[str, int]:
+        """Leak gauges for /metrics (names without `vlserve:`): the KV pool's free and used blocks, the blocks and
+        requests a producer keeps for a peer, and the requests waiting for remote / offloaded KV."""
+        pool = self.kv.pool
+        return {"kv_free_blocks": pool.num_free_blocks, "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
+                **self.kv_transfer.gauges(self.kv)}
+
+    def check_integrity(self) -> None:
+        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
+        self.kv.check_integrity()
+        self.encoder_cache.check_integrity()
+        held, kept = set(self.kv.req_to_blocks), set(self.kv_transfer.kept_blocks)
+        self.kv_transfer.check_integrity(held, self.requests)
+        if not self.has_unfinished_requests() and not kept:
+            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
+            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
+        elif not self.has_unfinished_requests():
+            assert held == kept, f"KV blocks leaked: {held - kept}"
+            assert not self.encoder_cache.req_to_hashes, (
+                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")
