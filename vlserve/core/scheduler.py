@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass, field
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.admission import check_request
@@ -26,6 +27,23 @@ from vlserve.core.sched_output import (CachedRequestData, EncoderSlice, EngineCo
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One schedule() call: the budget it has left and the parts of its SchedulerOutput planned so far."""
+
+    token_budget: int  # tokens left this step
+    max_reqs: int  # requests the step may hold (max_num_seqs, or the batch queue's share)
+    num_encoding: int = 0  # embeddings the step encodes so far
+    preempted: bool = False  # a running request was preempted: no waiting one is admitted
+    loras: set[int] = field(default_factory=set)  # the adapters of the step's requests (at most max_loras)
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    encoder_slices: dict[str, list[EncoderSlice]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -81,25 +99,25 @@ class Scheduler:
         self.encoder_pack_budget = num_embeds if pack is None else max(1, min(pack, num_embeds))
 
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
-        """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them)."""
-        cfg = self.config
-        token_budget = cfg.max_num_batched_tokens
-        num_encoding = 0  # embeddings this step encodes so far
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        spec_tokens: dict[str, list[int]] = {}
-        encoder_inputs: dict[str, list[int]] = {}
-        encoder_slices: dict[str, list[EncoderSlice]] = {}
-        preempted = False
-        in_flight, max_reqs = self.in_flight_req_ids, max_num_reqs or cfg.max_num_seqs
-        loras: set[int] = set()  # the adapters of this step's requests (at most max_loras)
-        kv_transfer = self.kv_transfer
+        """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them): the running requests
+        first, then the waiting ones, then the output."""
+        step = StepPlan(self.config.max_num_batched_tokens, max_num_reqs or self.config.max_num_seqs)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        return self._step_output(step)
 
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Give the running requests, in order, their next tokens (decodes, spec tokens, the next prefill chunk),
+        preempting the last admitted ones while the KV pool has no room. Skipped: a request whose batch is in flight
+        (pipeline parallel) or whose tokens in flight end it (async scheduling), one with no token to run (a slice of
+        its next item's tower may still run), one whose LoRA adapter finds no room in the step."""
+        cfg, running, in_flight, encoder_cache = self.config, self.running, self.in_flight_req_ids, self.encoder_cache
+        token_budget, num_encoding, max_reqs, loras = step.token_budget, step.num_encoding, step.max_reqs, step.loras
+        num_scheduled, cached_reqs, spec_tokens = step.num_scheduled, step.cached_reqs, step.spec_tokens
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
-        while idx < len(self.running) and token_budget > 0 and len(num_scheduled) < max_reqs:
-            req = self.running[idx]
+        while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
+            req = running[idx]
             if (req.num_output_placeholders and self._finishes_in_flight(req)) or req.request_id in in_flight:
                 idx += 1
                 continue
@@ -112,7 +130,7 @@ class Scheduler:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
             if num_new <= 0 or (req.lora_request is not None and self._lora_blocked(req, loras)):
                 if num_new <= 0 and enc.slices:  # only a slice of its next item's tower: no token until it is done
-                    commit_encoder_inputs(self.encoder_cache, req, enc, encoder_inputs, encoder_slices)
+                    commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                     num_encoding = num_encoding_after
                 idx += 1
                 continue
@@ -120,9 +138,9 @@ class Scheduler:
                 new_block_ids = allocate_slots(req, num_new, num_lookahead_tokens=num_spec)
                 if new_block_ids is not None:
                     break
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
-                preempted = True
+                step.preempted = True
                 if victim is req:
                     break
             if new_block_ids is None:
@@ -130,7 +148,7 @@ class Scheduler:
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             if enc is not NO_MEDIA:
-                commit_encoder_inputs(self.encoder_cache, req, enc, encoder_inputs, encoder_slices)
+                commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                 num_encoding = num_encoding_after
             cached = CachedRequestData(req.request_id, new_block_ids, computed)
             if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
@@ -145,40 +163,45 @@ class Scheduler:
                 if n_spec > 0:
                     spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
             idx += 1
+        step.token_budget, step.num_encoding = token_budget, num_encoding
 
-        # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
-        # (max_loras): they keep their place
-        set_aside: list[Request] = []
+    def _schedule_waiting(self, step: StepPlan) -> None:
+        """Admit waiting requests in order while the step has room and nothing was preempted, each from its prefix
+        hit (or the tokens its finished KV load gave it); one whose prefix the KV connector can load parks in
+        `kv_transfer` instead. Requests whose grammar is not ready, whose batch is in flight or whose adapter is
+        loading or finds no room in the step keep their place; a failed grammar or unusable remote media ends one."""
+        cfg, kv, kv_transfer = self.config, self.kv, self.kv_transfer
         load_done = kv_transfer.load_done
         if load_done:
             self.waiting = kv_transfer.resumed_first(self.waiting)
-        while (self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs
-               and len(num_scheduled) < max_reqs):
-            req = self.waiting[0]
-            if grammar_waiting(req) or req.request_id in in_flight:  # preempted while its batch is in flight
-                set_aside.append(self.waiting.popleft())
+        waiting = self.waiting
+        set_aside: list[Request] = []  # they keep their place
+        while (waiting and not step.preempted and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs
+               and len(step.num_scheduled) < step.max_reqs):
+            req = waiting[0]
+            if grammar_waiting(req) or req.request_id in self.in_flight_req_ids:  # preempted while in flight
+                set_aside.append(waiting.popleft())
                 continue
             if grammar_error(req) is not None:
-                self._abort_failed_grammar(self.waiting.popleft())
+                self._abort_failed_grammar(waiting.popleft())
                 continue
-            if req.lora_int_id in self.loras_loading or self._lora_blocked(req, loras):  # its adapter is loading, or
-                # this step has no room for it
-                set_aside.append(self.waiting.popleft())
+            if req.lora_int_id in self.loras_loading or self._lora_blocked(req, step.loras):
+                set_aside.append(waiting.popleft())
                 continue
             computed_blocks, num_hit, num_external = None, 0, 0
             resume = load_done.get(req.request_id) if load_done else None
             if resume is not None:  # its KV load ended: it holds its blocks, `resume` tokens of them computed
                 num_hit = req.num_computed_tokens = resume
             elif req.num_computed_tokens == 0:
-                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
+                computed_blocks, num_hit = kv.get_computed_blocks(req)
                 num_external = kv_transfer.num_external_tokens(req, num_hit)
             if num_external:
-                if not kv_transfer.start_load(req, self.kv, computed_blocks, num_hit, num_external):
+                if not kv_transfer.start_load(req, kv, computed_blocks, num_hit, num_external):
                     break
-                self.waiting.popleft()
+                waiting.popleft()
                 continue
-            num_new = min(req.num_tokens - num_hit, token_budget)
-            enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
+            num_new = min(req.num_tokens - num_hit, step.token_budget)
+            enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, step.num_encoding)
             if any(req.mm_features[i].data.get("remote_media")
                    for i in (*enc.to_encode, *(s.item_index for s in enc.slices))):
                 self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
@@ -186,34 +209,42 @@ class Scheduler:
             if num_new <= 0 and not enc.slices:  # (with a slice to run it is admitted with no token this step)
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
-            new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
-            if (new_block_ids is None and resume is not None and not num_scheduled and not self.running
-                    and kv_transfer.release_parked(req, self.requests, self.kv)):
-                new_block_ids = self.kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
+            new_block_ids = kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
+            if (new_block_ids is None and resume is not None and not step.num_scheduled and not self.running
+                    and kv_transfer.release_parked(req, self.requests, kv)):
+                new_block_ids = kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
-            num_encoding = num_encoding_after
-            self.waiting.popleft()
+            step.num_encoding = num_encoding_after
+            waiting.popleft()
             if resume is not None:
                 del load_done[req.request_id]
-            if req.lora_int_id:
-                loras.add(req.lora_int_id)
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            commit_encoder_inputs(self.encoder_cache, req, enc, encoder_inputs, encoder_slices)
-            req.num_tokens_sent = req.num_tokens
-            new_reqs.append(NewRequestData(
-                req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
-            if num_new:
-                num_scheduled[req.request_id] = num_new
-                token_budget -= num_new
-
+            self._admit(req, num_hit, num_new, enc, step)
         if set_aside:
-            self.waiting.extendleft(reversed(set_aside))
+            waiting.extendleft(reversed(set_aside))
+
+    def _admit(self, req: Request, num_hit: int, num_new: int, enc: EncoderPlan, step: StepPlan) -> None:
+        """Start a waiting request that got its blocks: `num_hit` tokens computed, `num_new` scheduled this step."""
+        if req.lora_int_id:
+            step.loras.add(req.lora_int_id)
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        commit_encoder_inputs(self.encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
+        req.num_tokens_sent = req.num_tokens
+        step.new_reqs.append(NewRequestData(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+            req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
+        if num_new:
+            step.num_scheduled[req.request_id] = num_new
+            step.token_budget -= num_new
+
+    def _step_output(self, step: StepPlan) -> SchedulerOutput:
+        """Advance the scheduled requests' computed tokens (one whose window reaches its last token samples: an output
+        placeholder until its token is known) and assemble the step's SchedulerOutput (with the connector's plan)."""
+        num_scheduled = step.num_scheduled
         scheduled = num_scheduled.get
         for req in self.running:
             n = scheduled(req.request_id)
@@ -222,12 +253,14 @@ class Scheduler:
                 if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
                     req.num_output_placeholders += 1  # this step samples; its token is known at update
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
-            scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
-            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(), scheduled_encoder_slices=encoder_slices)
-        if kv_transfer.connector is not None:
-            out.kv_connector_metadata = kv_transfer.connector.build_connector_meta(out, self)
+            scheduled_new_reqs=step.new_reqs, scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=step.spec_tokens, scheduled_encoder_inputs=step.encoder_inputs,
+            finished_req_ids=self.finished_req_ids, free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
+            scheduled_encoder_slices=step.encoder_slices)
+        connector = self.kv_transfer.connector
+        if connector is not None:
+            out.kv_connector_metadata = connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
         return out
 
