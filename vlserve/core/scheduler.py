@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.admission import check_request
@@ -35,15 +35,28 @@ class StepPlan:
 
     token_budget: int  # tokens left this step
     max_reqs: int  # requests the step may hold (max_num_seqs, or the batch queue's share)
-    num_encoding: int = 0  # embeddings the step encodes so far
-    preempted: bool = False  # a running request was preempted: no waiting one is admitted
-    loras: set[int] = field(default_factory=set)  # the adapters of the step's requests (at most max_loras)
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
-    encoder_slices: dict[str, list[EncoderSlice]] = field(default_factory=dict)
+    num_encoding: int  # embeddings the step encodes so far
+    preempted: bool  # a running request was preempted: no waiting one is admitted
+    loras: set[int]  # the adapters of the step's requests (at most max_loras)
+    num_scheduled: dict[str, int]
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    spec_tokens: dict[str, list[int]]
+    encoder_inputs: dict[str, list[int]]
+    encoder_slices: dict[str, list[EncoderSlice]]
+
+    def __init__(self, token_budget: int, max_reqs: int):  # (per step: literals cost half the default factories)
+        self.token_budget = token_budget
+        self.max_reqs = max_reqs
+        self.num_encoding = 0
+        self.preempted = False
+        self.loras = set()
+        self.num_scheduled = {}
+        self.new_reqs = []
+        self.cached_reqs = []
+        self.spec_tokens = {}
+        self.encoder_inputs = {}
+        self.encoder_slices = {}
 
 
 class Scheduler:
@@ -103,7 +116,8 @@ class Scheduler:
         first, then the waiting ones, then the output."""
         step = StepPlan(self.config.max_num_batched_tokens, max_num_reqs or self.config.max_num_seqs)
         self._schedule_running(step)
-        self._schedule_waiting(step)
+        if self.waiting:  # (none in most decode steps)
+            self._schedule_waiting(step)
         return self._step_output(step)
 
     def _schedule_running(self, step: StepPlan) -> None:
