@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.admission import check_request
@@ -22,41 +21,11 @@ from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_e
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.kv_connector_sched import KVConnectorState
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
-from vlserve.core.sched_output import (CachedRequestData, EncoderSlice, EngineCoreOutput, ModelRunnerOutput,
-                                       NewRequestData, SchedulerOutput)
+from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                       SchedulerOutput, StepPlan)
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One schedule() call: the budget it has left and the parts of its SchedulerOutput planned so far."""
-
-    token_budget: int  # tokens left this step
-    max_reqs: int  # requests the step may hold (max_num_seqs, or the batch queue's share)
-    num_encoding: int  # embeddings the step encodes so far
-    preempted: bool  # a running request was preempted: no waiting one is admitted
-    loras: set[int]  # the adapters of the step's requests (at most max_loras)
-    num_scheduled: dict[str, int]
-    new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
-    spec_tokens: dict[str, list[int]]
-    encoder_inputs: dict[str, list[int]]
-    encoder_slices: dict[str, list[EncoderSlice]]
-
-    def __init__(self, token_budget: int, max_reqs: int):  # (per step: literals cost half the default factories)
-        self.token_budget = token_budget
-        self.max_reqs = max_reqs
-        self.num_encoding = 0
-        self.preempted = False
-        self.loras = set()
-        self.num_scheduled = {}
-        self.new_reqs = []
-        self.cached_reqs = []
-        self.spec_tokens = {}
-        self.encoder_inputs = {}
-        self.encoder_slices = {}
 
 
 class Scheduler:
