@@ -418,9 +418,11 @@ class Scheduler:
 
     # -- introspection ------------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
+        """Whether a request waits, runs or waits for its KV load."""
         return bool(self.waiting or self.running or self.kv_transfer.waiting_for_kv)
 
     def get_num_unfinished_requests(self) -> int:
+        """How many requests wait, run or wait for their KV load."""
         return len(self.waiting) + len(self.running) + len(self.kv_transfer.waiting_for_kv)
 
     def kv_pool_gauges(self) -> dict[str, int]:
