@@ -46,7 +46,7 @@ def test_accept_tokens_matches_the_per_token_rule():
         fast, ref = _request(rng, n_prompt), None
         rng.setstate(state)
         ref = _request(rng, n_prompt)
-        kept = sched._accept_tokens(fast, sampled)
+        kept = fast.accept_sampled(sampled, sched.config.max_model_len)
         assert kept == _reference_accept(ref, sampled, 12)
         assert (fast.status, fast.stop_reason, fast.all_token_ids) == (ref.status, ref.stop_reason, ref.all_token_ids)
         seen.add((fast.status, len(kept) < len(sampled)))

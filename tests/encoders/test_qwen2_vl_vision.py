@@ -118,7 +118,6 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     from vlserve.models import load_model
     from vlserve.multimodal.processor import MultiModalProcessor
     from vlserve.sampling_params import SamplingParams
-    from vlserve.worker.encoder_runs import run_encoders
     from vlserve.worker.model_runner import ModelRunner
     from vlserve.worker.request_state import CachedRequestState
 
@@ -143,12 +142,14 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     calls = []
     encode = model.embed_multimodal
     model.embed_multimodal = lambda modality, data: calls.append(modality) or encode(modality, data)
-    run_encoders(runner, SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}))
+    runner.encoders.run(SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}),
+                        runner.requests)
     assert sorted(calls) == ["image", "video"]
-    assert runner.num_encoder_runs == 3 and len(runner.encoder_outputs) == 3  # the shared image once
+    held = {f.mm_hash for _, feats in prompts.values() for f in feats if runner.encoders.lookup(f.mm_hash) is not None}
+    assert runner.encoders.counters().num_runs == 3 and len(held) == 3  # the shared image once
     for _, feats in prompts.values():
         for feat in feats:
-            torch.testing.assert_close(runner.encoder_outputs[feat.mm_hash], encode(feat.modality, feat.data),
+            torch.testing.assert_close(runner.encoders.lookup(feat.mm_hash), encode(feat.modality, feat.data),
                                        atol=1e-5, rtol=1e-5)
 
 

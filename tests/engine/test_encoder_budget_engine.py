@@ -24,14 +24,14 @@ def _burst(**engine_kwargs):
                        for i, img in enumerate(images)])
     steps, tokens, text_len = [], {}, 1
     while loop.has_unfinished_requests():
-        runs = runner.num_encoder_runs
+        runs = runner.encoders.counters().num_runs
         outs = {o.request_id: o for o in loop.step()}
         text = outs.get("text")
         new_text = len(text.outputs[0].token_ids) - text_len if text is not None else 0
         text_len += new_text
-        steps.append((runner.num_encoder_runs - runs, new_text))
+        steps.append((runner.encoders.counters().num_runs - runs, new_text))
         tokens.update({rid: o.outputs[0].token_ids for rid, o in outs.items() if o.finished})
-    assert runner.num_encoder_runs == NUM_IMAGES
+    assert runner.encoders.counters().num_runs == NUM_IMAGES
     llm.check_integrity()  # no KV block, encoder-cache reference or runner state left
     return steps, tokens, llm
 

@@ -37,7 +37,7 @@ def _gen(llm, prompt, max_tokens, params=None):
 def _wait_freed(llm, limit_s=10.0):
     """Wait (without stepping the engine here) until the idle LLM's own poller has freed its kept blocks."""
     t0 = time.monotonic()
-    while _sched(llm).kept_blocks:
+    while _sched(llm).kv_transfer.kept_blocks:
         assert time.monotonic() - t0 < limit_s, "kept blocks not freed by the idle engine"
         time.sleep(0.01)
 
@@ -62,7 +62,7 @@ def test_prefill_on_a_decode_on_b_same_tokens(engines):
         assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt)
         assert len(params["remote_block_ids"]) == -(-len(prompt) // BLOCK)
         assert list(pre.outputs[0].token_ids) == want[:1]
-        assert _sched(a).kept_blocks  # A keeps the blocks for B
+        assert _sched(a).kv_transfer.kept_blocks  # A keeps the blocks for B
         kept = a.get_metrics()
         assert kept["vlserve:kv_kept_requests"] == 1 and kept["vlserve:kv_kept_blocks"] == -(-len(prompt) // BLOCK)
         out = _gen(b, prompt, 8, params)
@@ -98,7 +98,7 @@ def test_producer_frees_on_timeout(qwen2_dir, mooncake):
     """No consumer ever reads: the idle producer frees its kept blocks after send_timeout_s on its own."""
     a = _llm(qwen2_dir, "kv_producer", send_timeout_s=0.5)
     _gen(a, _prompts()[0], 1, {"do_remote_decode": True})
-    assert _sched(a).kept_blocks
+    assert _sched(a).kv_transfer.kept_blocks
     steps = a.engine.num_steps
     _wait_freed(a)
     assert a.engine.num_steps > steps  # the poller stepped it
@@ -115,9 +115,9 @@ def test_idle_producer_frees_on_confirmation_without_steps(engines):
     a, b, ref = engines
     prompt = _prompts(3, (21,))[0]
     params = _gen(a, prompt, 1, {"do_remote_decode": True}).kv_transfer_params
-    assert _sched(a).kept_blocks and a._kv_poller is not None
+    assert _sched(a).kv_transfer.kept_blocks and a._kv_poller is not None
     time.sleep(0.1)
-    assert _sched(a).kept_blocks  # nobody confirmed yet: still kept (send_timeout_s is 120 s)
+    assert _sched(a).kv_transfer.kept_blocks  # nobody confirmed yet: still kept (send_timeout_s is 120 s)
     _gen(b, prompt, 4, params)
     _wait_freed(a)
     t0 = time.monotonic()

@@ -40,7 +40,7 @@ def _wait_freed(served, limit_s=10.0):
     import time
 
     t0 = time.monotonic()
-    while _sched(served).kept_blocks:
+    while _sched(served).kv_transfer.kept_blocks:
         assert time.monotonic() - t0 < limit_s
         time.sleep(0.02)
 
@@ -94,4 +94,4 @@ def test_kv_transfer_params_errors_name_the_field(servers, path):
     if path == "/v1/completions":
         r = _post(prod, path, {"prompt": ["a", "b"], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
-    assert not _sched(prod).kept_blocks
+    assert not _sched(prod).kv_transfer.kept_blocks

@@ -42,8 +42,8 @@ def test_async_engine_thread_frees_kept_blocks_when_idle(qwen2_dir, mooncake):
         out = _prefill(engine, "idle-1")
         assert out.kv_transfer_params["do_remote_prefill"]
         sched = engine.engine.scheduler
-        assert sched.kept_blocks or sched.kv.usage == 0  # (may already be gone if the machine is very slow)
-        _wait(lambda: not sched.kept_blocks and sched.kv.usage == 0)
+        assert sched.kv_transfer.kept_blocks or sched.kv.usage == 0  # (may already be gone if the machine is very slow)
+        _wait(lambda: not sched.kv_transfer.kept_blocks and sched.kv.usage == 0)
     finally:
         engine.shutdown()
 

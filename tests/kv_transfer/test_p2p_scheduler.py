@@ -47,11 +47,11 @@ def test_producer_keeps_blocks_until_sent():
     p = params["p"]
     assert p["do_remote_prefill"] and p["remote_port"] == 5555 and p["remote_num_tokens"] == 14
     assert len(p["remote_block_ids"]) == 4 and not s.has_unfinished_requests()
-    assert set(s.kept_blocks) == {"p"} and s.kv.get_block_ids("p")[0][:4] == p["remote_block_ids"]
+    assert set(s.kv_transfer.kept_blocks) == {"p"} and s.kv.get_block_ids("p")[0][:4] == p["remote_block_ids"]
     so, _ = step(s)  # an idle step still asks the worker (metadata) and lists the new send
     assert so.kv_connector_metadata.new_sends == ["p"]
     step(s, KVConnectorOutput(finished_sending={"p"}))
-    assert not s.kept_blocks and s.kv.pool.num_free_blocks == s.kv.pool.num_usable_blocks
+    assert not s.kv_transfer.kept_blocks and s.kv.pool.num_free_blocks == s.kv.pool.num_usable_blocks
     assert s.schedule().kv_connector_metadata is None
 
 
@@ -65,7 +65,7 @@ def test_consumer_parks_while_reading_and_resumes():
     so, _ = step(s)
     load = so.kv_connector_metadata.loads["d"]
     assert load.remote_block_ids == [9, 8, 7, 6] and load.local_block_ids == s.kv.get_block_ids("d")[0]
-    assert "d" in s.waiting_for_kv and "d" not in so.num_scheduled_tokens
+    assert "d" in s.kv_transfer.waiting_for_kv and "d" not in so.num_scheduled_tokens
     for _ in range(2):  # the read runs: "other" keeps decoding, "d" waits
         so, _ = step(s)
         assert so.num_scheduled_tokens == {"other": 1} and so.kv_connector_metadata is not None
@@ -91,9 +91,9 @@ def test_consumer_failed_read_recomputes_and_abort_while_reading():
     add(s, "x", PROMPT[::-1], 2, dict(remote, remote_request_id="q"))
     step(s)
     assert s.abort_requests(["x"]) == ["x"]
-    assert "x" in s.kept_blocks  # its read may still write into them
+    assert "x" in s.kv_transfer.kept_blocks  # its read may still write into them
     step(s, KVConnectorOutput(finished_recving={"x"}))
-    assert not s.kept_blocks
+    assert not s.kv_transfer.kept_blocks
     step(s)
     s.check_integrity()
 

@@ -66,7 +66,7 @@ def test_store_then_load_past_the_device_hit():
     so = step(s)  # the load was reported: b runs from token 28
     assert so.num_scheduled_tokens == {"b": 4} and so.scheduled_new_reqs[0].num_computed_tokens == 28
     run(s)
-    assert s.connector.stats()["kv_offload_hit_tokens_total"] == 28
+    assert s.kv_transfer.connector.stats()["kv_offload_hit_tokens_total"] == 28
 
 
 def test_failed_load_recomputes_from_the_device_hit():
@@ -79,8 +79,8 @@ def test_failed_load_recomputes_from_the_device_hit():
     so = step(s)
     assert so.num_scheduled_tokens == {"b": 30} and so.scheduled_new_reqs[0].num_computed_tokens == 0
     run(s)
-    assert s.connector.stats()["kv_offload_load_failures_total"] == 1
-    assert s.connector.stats()["kv_offload_hit_tokens_total"] == 0
+    assert s.kv_transfer.connector.stats()["kv_offload_load_failures_total"] == 1
+    assert s.kv_transfer.connector.stats()["kv_offload_hit_tokens_total"] == 0
 
 
 def test_abort_while_loading_frees_the_blocks():
@@ -90,7 +90,7 @@ def test_abort_while_loading_frees_the_blocks():
     s.kv.reset_prefix_cache()
     add(s, "b", PROMPT)
     so = step(s, report=False)
-    assert "b" in s.waiting_for_kv and s.kv.req_to_blocks["b"]
+    assert "b" in s.kv_transfer.waiting_for_kv and s.kv.req_to_blocks["b"]
     assert s.abort_requests(["b"]) == ["b"]
     assert not s.has_unfinished_requests()
     s.update_from_output(so.__class__([], [], {}, 0), ModelRunnerOutput(
@@ -104,8 +104,8 @@ def test_roles():
         add(s, "a", PROMPT)
         run(s)
         s.kv.reset_prefix_cache()
-    assert producer.connector.stats()["kv_offload_stores_total"] == 7
-    assert consumer.connector.stats()["kv_offload_stores_total"] == 0
+    assert producer.kv_transfer.connector.stats()["kv_offload_stores_total"] == 7
+    assert consumer.kv_transfer.connector.stats()["kv_offload_stores_total"] == 0
     add(producer, "b", PROMPT)
     assert producer.schedule().num_scheduled_tokens == {"b": 30}  # a producer never loads
 
@@ -114,7 +114,7 @@ def test_host_lru_evicts_oldest():
     s = make(cpu_blocks=4)
     add(s, "a", PROMPT)
     run(s)
-    st = s.connector.stats()
+    st = s.kv_transfer.connector.stats()
     assert st["kv_offload_host_blocks"] == 4 and st["kv_offload_evictions_total"] == 3
     s.kv.reset_prefix_cache()
     add(s, "b", PROMPT)

@@ -94,12 +94,12 @@ def test_abort_mid_encode_leaves_no_partial_state(deep_tower_dir):
                        NewRequest("a", ip.process_prompt("Describe it.", images=_images()[:1]), PARAMS, 0.0)])
     loop.step()
     loop.step()
-    assert len(runner.partial_encodes) == 1 and sched.encoder_cache.partial  # mid-encode
-    (mm_hash,) = runner.partial_encodes
+    assert len(runner.encoders.partial_hashes()) == 1 and sched.encoder_cache.partial  # mid-encode
+    (mm_hash,) = runner.encoders.partial_hashes()
     loop.abort("a")
     assert not sched.encoder_cache.has(mm_hash) and not sched.encoder_cache.partial
     loop.step()  # the next step tells the runner
-    assert not runner.partial_encodes and mm_hash not in runner.encoder_outputs
+    assert not runner.encoders.partial_hashes() and runner.encoders.lookup(mm_hash) is None
     loop.abort("text")
     llm.check_integrity()  # idle: no KV block, encoder-cache reference, runner request or partial state left
     assert not sched.encoder_cache.cached and not sched.kv.req_to_blocks and not runner.requests

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlserve.core.scheduler import QueueFullError
+from vlserve.core.admission import QueueFullError
 
 logger = logging.getLogger(__name__)
 

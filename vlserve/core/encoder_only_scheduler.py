@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vlserve.config import SchedulerConfig
-from vlserve.core.encoder_plan import plan_encoder_inputs
+from vlserve.core.encoder_plan import commit_encoder_inputs, plan_encoder_inputs
 from vlserve.core.request import RequestStatus
 from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                        SchedulerOutput)
@@ -56,7 +56,7 @@ class EncoderOnlyScheduler(Scheduler):
             if num_new <= 0:
                 continue  # its next item waits for room in the encoder cache or the step's budget
             num_encoding = num_encoding_after
-            self._commit_encoder_inputs(req, plan, encoder_inputs, {})  # (no stage counts: never a slice)
+            commit_encoder_inputs(self.encoder_cache, req, plan, encoder_inputs, {})  # (no stage counts: no slice)
             rid = req.request_id
             if rid in self.runner_req_ids:
                 cached_reqs.append(CachedRequestData(rid, (), start))

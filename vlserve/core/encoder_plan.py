@@ -1,5 +1,5 @@
 """Which media items a scheduled token window needs encoded or reused, within the step's encoder budget and the
-encoder cache (pure Python; the scheduler's helper)."""
+encoder cache, and the cache entries a scheduled plan takes (pure Python; the scheduler's helpers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -132,3 +132,27 @@ def _keep_items_whole(features, start: int, num_new: int) -> int:
         if f.offset < end < f.end:
             return f.offset - start if f.offset > start else 0
     return num_new
+
+
+def commit_encoder_inputs(cache: EncoderCacheManager, req, plan: EncoderPlan, out: dict[str, list[int]],
+                          out_slices: dict[str, list[EncoderSlice]]) -> None:
+    """Carry out a scheduled request's plan in the encoder cache: reference the reused items, then allocate (evicting
+    as needed) the ones to encode, whole or in slices (a split item's entry is allocated at its first slice and
+    partial until its last); record them in the step's `out` (item indices) and `out_slices` by request id."""
+    if not plan.reuse and not plan.to_encode and not plan.slices:
+        return
+    modality_of = {f.mm_hash: f.modality for f in req.mm_features}
+    for mm_hash in plan.reuse:
+        cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
+    for i in plan.to_encode:
+        f = req.mm_features[i]
+        cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
+    if plan.to_encode:
+        out[req.request_id] = plan.to_encode
+    for piece in plan.slices:
+        if piece.start == 0:
+            f = req.mm_features[piece.item_index]
+            cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
+        cache.advance_partial(piece.mm_hash, piece.end, piece.num_stages)
+    if plan.slices:
+        out_slices[req.request_id] = plan.slices

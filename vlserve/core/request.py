@@ -100,6 +100,31 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def accept_sampled(self, sampled: list[int], max_model_len: int) -> list[int]:
+        """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or
+        max_model_len, setting the finished status. Returns the tokens kept. One pass: the length limit is a count,
+        only stop-token membership is checked per token."""
+        n_out = len(self.output_token_ids)
+        # Tokens that fit before a length limit ends the request (the first token is always appended).
+        room = max(min(self.max_tokens - n_out, max_model_len - len(self.all_token_ids)), 1)
+        keep = min(len(sampled), room)
+        stop_ids = self.stop_token_ids
+        if stop_ids:
+            min_tokens = self.sampling_params.min_tokens
+            for i in range(keep):
+                tok = sampled[i]
+                if tok in stop_ids and n_out + i + 1 >= min_tokens:
+                    kept = sampled[: i + 1]
+                    self.append_output_token_ids(kept)
+                    self.status = RequestStatus.FINISHED_STOPPED
+                    self.stop_reason = None if tok in self.sampling_params._eos_token_ids else tok
+                    return kept
+        kept = sampled[:keep]  # a copy: the runner's list is not shared
+        self.append_output_token_ids(kept)
+        if keep >= room:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return kept
+
     def is_finished(self) -> bool:
         return self.status.is_finished
 

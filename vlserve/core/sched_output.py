@@ -1,4 +1,5 @@
-"""Plain-data messages between the scheduler, the model runner and the engine core's output path."""
+"""Plain-data messages between the scheduler, the model runner and the engine core's output path, and the plan of a
+step the scheduler builds them from (`StepPlan`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -76,6 +77,36 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """No token and no encoder slice to run."""
         return self.total_num_scheduled_tokens == 0 and not self.scheduled_encoder_slices
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One schedule() call: the budget it has left and the parts of its SchedulerOutput planned so far."""
+
+    token_budget: int  # tokens left this step
+    max_reqs: int  # requests the step may hold (max_num_seqs, or the batch queue's share)
+    num_encoding: int  # embeddings the step encodes so far
+    preempted: bool  # a running request was preempted: no waiting one is admitted
+    loras: set[int]  # the adapters of the step's requests (at most max_loras)
+    num_scheduled: dict[str, int]
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    spec_tokens: dict[str, list[int]]
+    encoder_inputs: dict[str, list[int]]
+    encoder_slices: dict[str, list[EncoderSlice]]
+
+    def __init__(self, token_budget: int, max_reqs: int):  # (per step: literals cost half the default factories)
+        self.token_budget = token_budget
+        self.max_reqs = max_reqs
+        self.num_encoding = 0
+        self.preempted = False
+        self.loras = set()
+        self.num_scheduled = {}
+        self.new_reqs = []
+        self.cached_reqs = []
+        self.spec_tokens = {}
+        self.encoder_inputs = {}
+        self.encoder_slices = {}
 
 
 @dataclass

@@ -10,25 +10,27 @@ budget, its request's prefill waits before it until the last slice, and other re
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from vlserve.config import SchedulerConfig
+from vlserve.core.admission import check_request
 from vlserve.core.encoder_cache_manager import EncoderCacheManager
-from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, plan_encoder_inputs
+from vlserve.core.encoder_plan import NO_MEDIA, EncoderPlan, commit_encoder_inputs, plan_encoder_inputs
 from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_error, grammar_waiting
-from vlserve.core.kv_cache_manager import KVCacheManager, block_extra_keys
-from vlserve.core.kv_connector_sched import KVConnectorScheduling
+from vlserve.core.kv_cache_manager import KVCacheManager
+from vlserve.core.kv_connector_sched import KVConnectorState
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
-from vlserve.core.request_finishing import RequestFinishing
-from vlserve.core.sched_output import (CachedRequestData, EncoderSlice, EngineCoreOutput, ModelRunnerOutput,
-                                       NewRequestData, SchedulerOutput)
+from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                       SchedulerOutput, StepPlan)
 from vlserve.core.stats import SchedulerStats
-from vlserve.distributed.kv_transfer.base import KVConnectorRole
-from vlserve.distributed.kv_transfer.factory import create_connector
+
+logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVConnectorScheduling, RequestFinishing):
-    """Owns the waiting/running queues, the KV cache manager and the encoder cache manager."""
+class Scheduler:
+    """Owns the waiting/running queues, the KV cache manager, the encoder cache manager and the KV connector's
+    scheduler side (`kv_transfer`); plans steps, folds their results back and ends requests."""
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
         self.config = config
@@ -51,56 +53,19 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         self.send_token_ids = False
         self.stats = SchedulerStats()
         # KV connector (distributed/kv_transfer), scheduler side: prefix blocks it can load from outside the device
-        # pool. A request whose blocks are being loaded waits in `waiting_for_kv` (its blocks allocated, not yet
-        # in the prefix cache) until a worker reports the load; then it goes back to the head of `waiting` with
-        # `kv_load_done[id]` computed tokens (the loaded ones, or only its device hit when the load failed).
-        self.connector = None
-        if config.kv_transfer_config is not None:
-            if len(config.kv_group_windows) > 1:
-                raise ValueError("KV connectors support models with one KV cache group (no sliding-window layers "
-                                 "beside full ones) for now")
-            self.connector = create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
-                                              block_size=config.block_size, extra_keys_of=block_extra_keys)
-        self.waiting_for_kv: dict[str, tuple[Request, int]] = {}  # id -> (request, computed tokens once loaded)
-        self.kv_load_done: dict[str, int] = {}
-        self.kept_blocks: dict[str, Request] = {}  # finished; blocks kept until the connector sent them
+        # pool, the requests parked for those loads and the finished ones whose blocks it still sends
+        self.kv_transfer = KVConnectorState.from_config(config)
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
-        """Validate against the engine's limits and queue it (ValueError says what to change). `structured_output`:
-        the request's grammar matcher (compiling), when its output is constrained."""
-        cfg = self.config
-        rid, n_prompt = engine_req.request_id, len(engine_req.prompt_token_ids)
-        if rid in self.requests or rid in self.kept_blocks:
+        """Validate against the engine's limits (`admission.check_request`) and queue it. `structured_output`: the
+        request's grammar matcher (compiling), when its output is constrained."""
+        rid = engine_req.request_id
+        if rid in self.requests or rid in self.kv_transfer.kept_blocks:
             raise ValueError(f"request id {rid!r} is already in use")
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if n_prompt >= cfg.max_model_len:
-            raise ValueError(f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
-                             f"the prompt or raise max_model_len (one position must stay free for output)")
-        max_kv_tokens = self.max_kv_tokens
-        if n_prompt + 1 > max_kv_tokens:
-            raise ValueError(f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
-                             f"raise num_kv_blocks or kv_cache_memory_bytes")
-        for i, f in enumerate(engine_req.mm_features):  # the per-step budget never refuses: a big item runs alone
-            if f.length > cfg.encoder_cache_size:
-                raise ValueError(f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
-                                 f"budget of {cfg.encoder_cache_size}; shrink it (e.g. max_pixels) or raise "
-                                 f"encoder_cache_size")
-            if cfg.disable_chunked_mm_input and f.length > cfg.max_num_batched_tokens:
-                raise ValueError(f"{f.modality} item {i} has {f.length} placeholder tokens, more than "
-                                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}; this model needs a whole "
-                                 f"item in one step: raise max_num_batched_tokens or shrink the item")
-        if engine_req.lora_request is not None and not cfg.max_loras:
-            raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
-        if cfg.max_waiting_requests is not None and len(self.waiting) >= cfg.max_waiting_requests:
-            raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
-        params = engine_req.sampling_params
-        room = min(cfg.max_model_len, max_kv_tokens) - n_prompt
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(engine_req, max_tokens)
+        req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
         req.structured_output = structured_output
-        self.stats.prompt_tokens += n_prompt
+        self.stats.prompt_tokens += len(engine_req.prompt_token_ids)
         self.requests[rid] = req
         self.waiting.append(req)
 
@@ -116,24 +81,26 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
         self.encoder_pack_budget = num_embeds if pack is None else max(1, min(pack, num_embeds))
 
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
-        """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them)."""
-        cfg = self.config
-        token_budget = cfg.max_num_batched_tokens
-        num_encoding = 0  # embeddings this step encodes so far
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        spec_tokens: dict[str, list[int]] = {}
-        encoder_inputs: dict[str, list[int]] = {}
-        encoder_slices: dict[str, list[EncoderSlice]] = {}
-        preempted = False
-        in_flight, max_reqs = self.in_flight_req_ids, max_num_reqs or cfg.max_num_seqs
-        loras: set[int] = set()  # the adapters of this step's requests (at most max_loras)
+        """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them): the running requests
+        first, then the waiting ones, then the output."""
+        step = StepPlan(self.config.max_num_batched_tokens, max_num_reqs or self.config.max_num_seqs)
+        self._schedule_running(step)
+        if self.waiting:  # (none in most decode steps)
+            self._schedule_waiting(step)
+        return self._step_output(step)
 
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Give the running requests, in order, their next tokens (decodes, spec tokens, the next prefill chunk),
+        preempting the last admitted ones while the KV pool has no room. Skipped: a request whose batch is in flight
+        (pipeline parallel) or whose tokens in flight end it (async scheduling), one with no token to run (a slice of
+        its next item's tower may still run), one whose LoRA adapter finds no room in the step."""
+        cfg, running, in_flight, encoder_cache = self.config, self.running, self.in_flight_req_ids, self.encoder_cache
+        token_budget, num_encoding, max_reqs, loras = step.token_budget, step.num_encoding, step.max_reqs, step.loras
+        num_scheduled, cached_reqs, spec_tokens = step.num_scheduled, step.cached_reqs, step.spec_tokens
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
-        while idx < len(self.running) and token_budget > 0 and len(num_scheduled) < max_reqs:
-            req = self.running[idx]
+        while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
+            req = running[idx]
             if (req.num_output_placeholders and self._finishes_in_flight(req)) or req.request_id in in_flight:
                 idx += 1
                 continue
@@ -146,7 +113,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
             if num_new <= 0 or (req.lora_request is not None and self._lora_blocked(req, loras)):
                 if num_new <= 0 and enc.slices:  # only a slice of its next item's tower: no token until it is done
-                    self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
+                    commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                     num_encoding = num_encoding_after
                 idx += 1
                 continue
@@ -154,9 +121,9 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 new_block_ids = allocate_slots(req, num_new, num_lookahead_tokens=num_spec)
                 if new_block_ids is not None:
                     break
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
-                preempted = True
+                step.preempted = True
                 if victim is req:
                     break
             if new_block_ids is None:
@@ -164,7 +131,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
             if enc is not NO_MEDIA:
-                self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
+                commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                 num_encoding = num_encoding_after
             cached = CachedRequestData(req.request_id, new_block_ids, computed)
             if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
@@ -179,39 +146,45 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 if n_spec > 0:
                     spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
             idx += 1
+        step.token_budget, step.num_encoding = token_budget, num_encoding
 
-        # constrained requests whose grammar is not ready, and requests whose LoRA adapter finds no room in this step
-        # (max_loras): they keep their place
-        set_aside: list[Request] = []
-        if self.kv_load_done:
-            self._resumed_first()
-        while (self.waiting and not preempted and token_budget > 0 and len(self.running) < cfg.max_num_seqs
-               and len(num_scheduled) < max_reqs):
-            req = self.waiting[0]
-            if grammar_waiting(req) or req.request_id in in_flight:  # preempted while its batch is in flight
-                set_aside.append(self.waiting.popleft())
+    def _schedule_waiting(self, step: StepPlan) -> None:
+        """Admit waiting requests in order while the step has room and nothing was preempted, each from its prefix
+        hit (or the tokens its finished KV load gave it); one whose prefix the KV connector can load parks in
+        `kv_transfer` instead. Requests whose grammar is not ready, whose batch is in flight or whose adapter is
+        loading or finds no room in the step keep their place; a failed grammar or unusable remote media ends one."""
+        cfg, kv, kv_transfer = self.config, self.kv, self.kv_transfer
+        load_done = kv_transfer.load_done
+        if load_done:
+            self.waiting = kv_transfer.resumed_first(self.waiting)
+        waiting = self.waiting
+        set_aside: list[Request] = []  # they keep their place
+        while (waiting and not step.preempted and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs
+               and len(step.num_scheduled) < step.max_reqs):
+            req = waiting[0]
+            if grammar_waiting(req) or req.request_id in self.in_flight_req_ids:  # preempted while in flight
+                set_aside.append(waiting.popleft())
                 continue
             if grammar_error(req) is not None:
-                self._abort_failed_grammar(self.waiting.popleft())
+                self._abort_failed_grammar(waiting.popleft())
                 continue
-            if req.lora_int_id in self.loras_loading or self._lora_blocked(req, loras):  # its adapter is loading, or
-                # this step has no room for it
-                set_aside.append(self.waiting.popleft())
+            if req.lora_int_id in self.loras_loading or self._lora_blocked(req, step.loras):
+                set_aside.append(waiting.popleft())
                 continue
             computed_blocks, num_hit, num_external = None, 0, 0
-            resume = self.kv_load_done.get(req.request_id) if self.kv_load_done else None
+            resume = load_done.get(req.request_id) if load_done else None
             if resume is not None:  # its KV load ended: it holds its blocks, `resume` tokens of them computed
                 num_hit = req.num_computed_tokens = resume
             elif req.num_computed_tokens == 0:
-                computed_blocks, num_hit = self.kv.get_computed_blocks(req)
-                if self.connector is not None:
-                    num_external, _ = self.connector.get_num_new_matched_tokens(req, num_hit)
+                computed_blocks, num_hit = kv.get_computed_blocks(req)
+                num_external = kv_transfer.num_external_tokens(req, num_hit)
             if num_external:
-                if not self._start_kv_load(req, computed_blocks, num_hit, num_external):
+                if not kv_transfer.start_load(req, kv, computed_blocks, num_hit, num_external):
                     break
+                waiting.popleft()
                 continue
-            num_new = min(req.num_tokens - num_hit, token_budget)
-            enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, num_encoding)
+            num_new = min(req.num_tokens - num_hit, step.token_budget)
+            enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, step.num_encoding)
             if any(req.mm_features[i].data.get("remote_media")
                    for i in (*enc.to_encode, *(s.item_index for s in enc.slices))):
                 self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
@@ -219,33 +192,42 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if num_new <= 0 and not enc.slices:  # (with a slice to run it is admitted with no token this step)
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
-            new_block_ids = self.kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
-            if new_block_ids is None and resume is not None and not num_scheduled and self._release_parked(req):
-                new_block_ids = self.kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
+            new_block_ids = kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
+            if (new_block_ids is None and resume is not None and not step.num_scheduled and not self.running
+                    and kv_transfer.release_parked(req, self.requests, kv)):
+                new_block_ids = kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
-            num_encoding = num_encoding_after
-            self.waiting.popleft()
+            step.num_encoding = num_encoding_after
+            waiting.popleft()
             if resume is not None:
-                del self.kv_load_done[req.request_id]
-            if req.lora_int_id:
-                loras.add(req.lora_int_id)
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._commit_encoder_inputs(req, enc, encoder_inputs, encoder_slices)
-            req.num_tokens_sent = req.num_tokens
-            new_reqs.append(NewRequestData(
-                req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-                req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
-            if num_new:
-                num_scheduled[req.request_id] = num_new
-                token_budget -= num_new
-
+                del load_done[req.request_id]
+            self._admit(req, num_hit, num_new, enc, step)
         if set_aside:
-            self.waiting.extendleft(reversed(set_aside))
+            waiting.extendleft(reversed(set_aside))
+
+    def _admit(self, req: Request, num_hit: int, num_new: int, enc: EncoderPlan, step: StepPlan) -> None:
+        """Start a waiting request that got its blocks: `num_hit` tokens computed, `num_new` scheduled this step."""
+        if req.lora_int_id:
+            step.loras.add(req.lora_int_id)
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        commit_encoder_inputs(self.encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
+        req.num_tokens_sent = req.num_tokens
+        step.new_reqs.append(NewRequestData(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
+            req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
+        if num_new:
+            step.num_scheduled[req.request_id] = num_new
+            step.token_budget -= num_new
+
+    def _step_output(self, step: StepPlan) -> SchedulerOutput:
+        """Advance the scheduled requests' computed tokens (one whose window reaches its last token samples: an output
+        placeholder until its token is known) and assemble the step's SchedulerOutput (with the connector's plan)."""
+        num_scheduled = step.num_scheduled
         scheduled = num_scheduled.get
         for req in self.running:
             n = scheduled(req.request_id)
@@ -254,12 +236,14 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
                     req.num_output_placeholders += 1  # this step samples; its token is known at update
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_spec_decode_tokens=spec_tokens,
-            scheduled_encoder_inputs=encoder_inputs, finished_req_ids=self.finished_req_ids,
-            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(), scheduled_encoder_slices=encoder_slices)
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
+            scheduled_new_reqs=step.new_reqs, scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=step.spec_tokens, scheduled_encoder_inputs=step.encoder_inputs,
+            finished_req_ids=self.finished_req_ids, free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
+            scheduled_encoder_slices=step.encoder_slices)
+        connector = self.kv_transfer.connector
+        if connector is not None:
+            out.kv_connector_metadata = connector.build_connector_meta(out, self)
         self.finished_req_ids = set()
         return out
 
@@ -283,30 +267,9 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                                    num_encoding, self.config.disable_chunked_mm_input, stage_counts, req.request_id,
                                    self.encoder_slice_cap, self.encoder_pack_budget)
 
-    def _commit_encoder_inputs(self, req: Request, plan: EncoderPlan, out: dict[str, list[int]],
-                               out_slices: dict[str, list[EncoderSlice]]) -> None:
-        """Reference the reused items, then allocate (evicting as needed) the ones to encode, whole or in slices
-        (a split item's entry is allocated at its first slice and partial until its last)."""
-        if not plan.reuse and not plan.to_encode and not plan.slices:
-            return
-        modality_of = {f.mm_hash: f.modality for f in req.mm_features}
-        for mm_hash in plan.reuse:
-            self.encoder_cache.check_and_update_cache(req.request_id, mm_hash, modality_of[mm_hash])
-        for i in plan.to_encode:
-            f = req.mm_features[i]
-            self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
-        if plan.to_encode:
-            out[req.request_id] = plan.to_encode
-        for piece in plan.slices:
-            if piece.start == 0:
-                f = req.mm_features[piece.item_index]
-                self.encoder_cache.allocate(req.request_id, f.mm_hash, f.length, f.modality)
-            self.encoder_cache.advance_partial(piece.mm_hash, piece.end, piece.num_stages)
-        if plan.slices:
-            out_slices[req.request_id] = plan.slices
-
     def _preempt(self, req: Request) -> None:
-        self._free_blocks_and_encoder_refs(req)
+        self.kv.free(req)
+        self.encoder_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -319,12 +282,15 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected spec tokens, drop finished encoder refs, detect stops."""
         outputs, self.failed = self.failed, []
-        if runner_out.kv_connector_output is not None and self.connector is not None:
-            self._update_from_kv_output(runner_out.kv_connector_output)
+        kv_transfer = self.kv_transfer
+        if runner_out.kv_connector_output is not None and kv_transfer.connector is not None:
+            # loads that ended: their requests go back to the head of the queue
+            self.waiting.extendleft(kv_transfer.update_from_output(runner_out.kv_connector_output, self.kv))
         finished: list[tuple[Request, bool]] = []  # (request, was running)
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
         RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
+        max_model_len = self.config.max_model_len
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = get_request(rid)
             if req is None or req.status >= FIRST_FINISHED:
@@ -344,7 +310,7 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
                 self.stats.spec_num_accepted_tokens += len(sampled) - 1
             if running and req.mm_features:
                 self._release_written_encoder_inputs(req)
-            new_tokens = self._accept_tokens(req, sampled) if sampled else []
+            new_tokens = req.accept_sampled(sampled, max_model_len) if sampled else []
             if req.structured_output is not None:
                 advance_matcher(req, new_tokens)
             is_finished = req.status >= FIRST_FINISHED
@@ -365,40 +331,117 @@ class Scheduler(KVConnectorScheduling, RequestFinishing):
             if done:
                 self.running = [r for r in self.running if id(r) not in done]
             for req, running in finished:
-                if not running and self.waiting_for_kv.pop(req.request_id, None) is None:
+                if not kv_transfer.drop(req.request_id) and not running:  # (a parked request is in no queue)
                     self.waiting.remove(req)
-                self.kv_load_done.pop(req.request_id, None)
                 params = self._free_request(req)
                 if params is not None:
                     outputs[-1 - next(i for i, o in enumerate(reversed(outputs))
                                       if o.request_id == req.request_id)].kv_transfer_params = params
         return outputs
 
-    def _accept_tokens(self, req: Request, sampled: list[int]) -> list[int]:
-        """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or
-        max_model_len, setting the finished status. Returns the tokens kept. One pass per request: the length
-        limit is a count, only stop-token membership is checked per token."""
-        n_out = req.num_output_tokens
-        # Tokens that fit before a length limit ends the request (the first token is always appended).
-        room = max(min(req.max_tokens - n_out, self.config.max_model_len - req.num_tokens), 1)
-        keep = min(len(sampled), room)
-        stop_ids = req.stop_token_ids
-        if stop_ids:
-            min_tokens = req.sampling_params.min_tokens
-            for i in range(keep):
-                tok = sampled[i]
-                if tok in stop_ids and n_out + i + 1 >= min_tokens:
-                    kept = sampled[: i + 1]
-                    req.append_output_token_ids(kept)
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = None if tok in req.sampling_params._eos_token_ids else tok
-                    return kept
-        kept = sampled[:keep]  # a copy: the runner's list is not shared
-        req.append_output_token_ids(kept)
-        if keep >= room:
-            req.status = RequestStatus.FINISHED_LENGTH
-        return kept
+    # -- ending requests ---------------------------------------------------------------------------------------
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish these requests now; returns the ids that were still alive."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            parked = self.kv_transfer.drop(rid)
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif not parked:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(req)
+            aborted.append(rid)
+        return aborted
 
-class QueueFullError(ValueError):
-    """The waiting queue is at max_waiting_requests (HTTP 503/429)."""
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (stop strings found by the detokenizer)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            req.status = status
+            self._free_request(req)
 
+    def take_failed(self) -> list[EngineCoreOutput]:
+        """The requests that ended while waiting since the last step's results (reported with the next ones)."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def fail_lora(self, lora_int_id: int, error: str) -> None:
+        """The adapter failed to load: its waiting requests end "abort" with the error."""
+        self.loras_loading.discard(lora_int_id)
+        for req in [r for r in self.waiting if r.lora_int_id == lora_int_id]:
+            self.waiting.remove(req)
+            self._fail_waiting(req, f"its LoRA adapter did not load: {error}", error)
+
+    def _abort_failed_grammar(self, req: Request) -> None:
+        """A request whose grammar did not compile ends "abort" (the front end validates first, so this is rare)."""
+        error = grammar_error(req)
+        self._fail_waiting(req, f"its grammar did not compile: {error}", error)
+
+    def _fail_remote_media(self, req: Request) -> None:
+        """A disaggregated consumer's request (the waiting queue's head) that must recompute a media item its
+        producer encoded (the KV read failed, or its blocks were evicted since): it has no media, so it ends "abort"
+        with the error."""
+        self.waiting.popleft()
+        self.kv_transfer.drop(req.request_id)
+        error = ("the producer's KV for this request's media could not be used and the decode server has no media "
+                 "to encode; send the request again")
+        self._fail_waiting(req, error, error)
+
+    def _fail_waiting(self, req: Request, message: str, error: str) -> None:
+        """End a request taken off the waiting queue "abort" with `error` (reported with the next step's results)."""
+        req.status = RequestStatus.FINISHED_ABORTED
+        logger.error("request %s: %s", req.request_id, message)
+        self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
+        self._free_request(req)
+
+    def _release_written_encoder_inputs(self, req: Request) -> None:
+        for f in req.mm_features:
+            if f.end <= req.num_computed_tokens:
+                self.encoder_cache.free_encoder_input(req.request_id, f.mm_hash)
+
+    def _free_request(self, req: Request) -> dict | None:
+        """Free a finished request's encoder references and KV blocks (unless the KV connector keeps them until
+        they are sent, see `KVConnectorState.release_blocks`). Returns the connector's kv_transfer_params for the
+        client (or None)."""
+        params = self.kv_transfer.release_blocks(req, self.kv)
+        self.encoder_cache.free(req.request_id)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        return params
+
+    # -- introspection ------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request waits, runs or waits for its KV load."""
+        return bool(self.waiting or self.running or self.kv_transfer.waiting_for_kv)
+
+    def get_num_unfinished_requests(self) -> int:
+        """How many requests wait, run or wait for their KV load."""
+        return len(self.waiting) + len(self.running) + len(self.kv_transfer.waiting_for_kv)
+
+    def kv_pool_gauges(self) -> dict[str, int]:
+        """Leak gauges for /metrics (names without `vlserve:`): the KV pool's free and used blocks, the blocks and
+        requests a producer keeps for a peer, and the requests waiting for remote / offloaded KV."""
+        pool = self.kv.pool
+        return {"kv_free_blocks": pool.num_free_blocks, "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
+                **self.kv_transfer.gauges(self.kv)}
+
+    def check_integrity(self) -> None:
+        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
+        self.kv.check_integrity()
+        self.encoder_cache.check_integrity()
+        held, kept = set(self.kv.req_to_blocks), set(self.kv_transfer.kept_blocks)
+        self.kv_transfer.check_integrity(held, self.requests)
+        if not self.has_unfinished_requests() and not kept:
+            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
+            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
+        elif not self.has_unfinished_requests():
+            assert held == kept, f"KV blocks leaked: {held - kept}"
+            assert not self.encoder_cache.req_to_hashes, (
+                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")

@@ -175,7 +175,7 @@ class EngineCore:
         """Finished requests whose blocks the KV connector keeps (a P2P producer's, until the consumer confirms its
         read or the send times out): an idle engine keeps stepping every `KV_POLL_S` while there are any, so its
         worker can report them sent and they are freed."""
-        return bool(self.scheduler.kept_blocks)
+        return bool(self.scheduler.kv_transfer.kept_blocks)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -277,7 +277,7 @@ class EngineCore:
     def get_metrics(self) -> dict[str, float]:
         """Counters and gauges under the names they carry on /metrics."""
         s = self.scheduler
-        st, enc, ranks = s.stats, s.encoder_cache, self.executor.stats()
+        st, enc, ranks, connector = s.stats, s.encoder_cache, self.executor.stats(), s.kv_transfer.connector
         per_modality = {}  # `name{modality="..."}`: /metrics exports these as one labelled family per name
         for name, counts in (("encoder_runs_by_modality_total", ranks.encoder_runs_by_modality),
                              ("encoder_cache_hits_by_modality_total", enc.hits_by_modality),
@@ -306,7 +306,7 @@ class EngineCore:
             "vlserve:spec_decode_num_accepted_tokens_total": st.spec_num_accepted_tokens,
             **({} if self.batch_queue is None else {"vlserve:max_batches_in_flight": self.batch_queue.max_in_flight}),
             **{f"vlserve:{k}": v for k, v in s.kv_pool_gauges().items()},
-            **({} if s.connector is None else {f"vlserve:{k}": v for k, v in s.connector.stats().items()}),
+            **({} if connector is None else {f"vlserve:{k}": v for k, v in connector.stats().items()}),
             **{f"vlserve:{k}": v for k, v in ranks.ec_counters.items()},
         }
 

@@ -181,9 +181,9 @@ class _EngineLoopProc:
 
     def _poll_kv(self) -> None:
         """An idle step for the connector's kept blocks; the client hears of it when some were freed."""
-        kept = len(self.core.scheduler.kept_blocks)
+        kept = len(self.core.scheduler.kv_transfer.kept_blocks)
         self._step()
-        if len(self.core.scheduler.kept_blocks) != kept:
+        if len(self.core.scheduler.kv_transfer.kept_blocks) != kept:
             self._send(StepOutputs(self.engine_index, [], self._metrics()))
 
     def _metrics(self) -> dict[str, float]:

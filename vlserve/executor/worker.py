@@ -165,7 +165,8 @@ class Worker:
         if ec_cfg is not None:  # encoder outputs through a shared directory (distributed/ec_transfer)
             from vlserve.distributed.ec_transfer.shared_storage import ECSharedStorageConnector
 
-            self.runner.ec_connector = ECSharedStorageConnector(ec_cfg, self.runner.device, self.runner.dtype)
+            self.runner.encoders.ec_connector = ECSharedStorageConnector(ec_cfg, self.runner.device,
+                                                                         self.runner.dtype)
         self.runner.warm_up_model(self.settings.args.max_num_seqs, self.settings.max_model_len)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -220,11 +221,10 @@ class Worker:
     def stats(self) -> WorkerStats:
         """This rank's counters now."""
         r = self.runner
-        fwd = r.forward  # None on an encode server (no decoder forward)
-        return WorkerStats(r.num_encoder_runs, dict(r.encoder_runs_by_modality), len(r.requests),
+        fwd, enc = r.forward, r.encoders.counters()  # (forward: None on an encode server, no decoder forward)
+        return WorkerStats(enc.num_runs, enc.runs_by_modality, len(r.requests),
                            0 if fwd is None else fwd.num_graph_replays, 0 if fwd is None else fwd.num_eager_forwards,
-                           {} if r.ec_connector is None else dict(r.ec_connector.counters),
-                           len(getattr(r, "partial_encodes", ())))  # (an encode server's runner splits nothing)
+                           enc.ec_counters, enc.num_partial)
 
 
 FRONTEND_CORE_FROM = 4  # machines with at least this many cores keep one core for the API process

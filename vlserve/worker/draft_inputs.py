@@ -27,8 +27,8 @@ def build_draft_inputs(runner, states, starts: np.ndarray, q_lens: np.ndarray, c
     inputs.input_ids = torch.tensor(ids, dtype=torch.long, device=runner.device)  # [T]
     decoder = decoder_of(runner.model)
     if any(state.mm_features for state in states):
-        embeds = runner._merge_mm_embeddings(inputs.input_ids, states, starts + 1, q_lens, cu,
-                                             skip_missing=True)  # [T, W] or None
+        embeds = runner.merge_mm_embeddings(inputs.input_ids, states, starts + 1, q_lens, cu,
+                                            skip_missing=True)  # [T, W] or None
         # the draft takes the H-wide token rows (Qwen3-VL's rows also carry DeepStack features past H)
         inputs.inputs_embeds = None if embeds is None else embeds[:, :decoder.hidden_size]
     L = np.array([len(s.token_ids) for s in sampled], dtype=np.int64)

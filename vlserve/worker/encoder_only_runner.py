@@ -1,6 +1,6 @@
 """The runner of an encode server (E/PD disaggregation, `mm_encoder_only`): it owns the towers' weights and the
-encoder outputs, no KV cache. Each step encodes the media items the scheduler released (`encoder_runs.run_encoders`,
-which publishes each new item through the encoder-cache connector) and samples nothing."""
+encoder outputs (its EncoderRunner), no KV cache. Each step encodes the media items the scheduler released
+(`EncoderRunner.run`, which publishes each new item through the encoder-cache connector) and samples nothing."""
 from __future__ import annotations
 
 import time
@@ -12,7 +12,7 @@ import torch
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
-from vlserve.worker.encoder_runs import run_encoders
+from vlserve.worker.encoder_runs import EncoderRunner
 
 
 @dataclass
@@ -26,8 +26,8 @@ class EncodeRequestState:
 
 class EncoderOnlyRunner:
     """Runs the scheduled media items through the model's encoder parts (`embed_multimodal`); the model was loaded
-    with `keep_encoder_parts`, so it has no decoder layers to run. Tensors: the weights, `encoder_outputs`
-    (mm_hash -> `[n, H]`, dropped when the scheduler's encoder cache evicts the entry)."""
+    with `keep_encoder_parts`, so it has no decoder layers to run. Tensors: the weights and the encoder outputs
+    (`encoders`: `[n, H]` by mm_hash, dropped when the scheduler's encoder cache evicts the entry)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         self.model = model
@@ -35,15 +35,13 @@ class EncoderOnlyRunner:
             tune_cpu_allocator()
         self.device, self.dtype = device, dtype
         self.requests: dict[str, EncodeRequestState] = {}
-        self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
+        # encoder outputs by mm_hash, the counters and the encoder-cache connector (an ec_producer's, set by the worker)
+        self.encoders = EncoderRunner(model, device)
         self.kv_caches: list = []  # no KV cache: nothing is prefilled here
         self.kv_layers = range(0)
         self.forward = None  # no decoder forward (the worker reports 0 graph replays / eager forwards)
         self.lora_manager = None
         self.kv_connector = None
-        self.ec_connector = None  # the encoder-cache connector (an ec_producer's), set by the worker
-        self.num_encoder_runs = 0
-        self.encoder_runs_by_modality: dict[str, int] = {}
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """An encode server allocates no KV cache (`num_blocks` is 0)."""
@@ -55,26 +53,21 @@ class EncoderOnlyRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Encode the released items and publish them (an item already in `encoder_outputs` is published again
-        only if its file is gone); returns no tokens for every scheduled request."""
+        """Encode the released items and publish them (an item already held is published again only if its file is
+        gone); returns no tokens for every scheduled request."""
         t0 = time.perf_counter()
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
-        for h in so.free_encoder_mm_hashes:
-            self.encoder_outputs.pop(h, None)
+        self.encoders.free(so.free_encoder_mm_hashes)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = EncodeRequestState(new.req_id, new.mm_features)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        encoder_seconds, num_encoded = run_encoders(self, so)
-        if self.ec_connector is not None:  # items reused from the encoder cache: their files normally exist
-            for rid in so.num_scheduled_tokens:
-                for feat in self.requests[rid].mm_features:
-                    emb = self.encoder_outputs.get(feat.mm_hash)  # [n, H]
-                    if emb is not None:
-                        self.ec_connector.save(feat.mm_hash, emb)  # an existing file is kept
+        encoded = self.encoders.run(so, self.requests)
+        # items reused from the encoder cache too: their files normally exist (an existing file is kept)
+        self.encoders.publish(feat for rid in so.num_scheduled_tokens for feat in self.requests[rid].mm_features)
         req_ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        out.encoder_seconds, out.num_encoded_embeds = encoder_seconds, num_encoded
+        out.encoder_seconds, out.num_encoded_embeds = encoded.seconds, encoded.num_embeds
         out.step_seconds = time.perf_counter() - t0
         return out

@@ -1,4 +1,5 @@
-"""The model runner: owns every tensor (weights, KV cache, encoder outputs) and runs one scheduled step."""
+"""The model runner: owns every tensor (weights, KV cache; encoder outputs through its EncoderRunner) and runs one
+scheduled step."""
 from __future__ import annotations
 
 import contextlib
@@ -21,14 +22,13 @@ from vlserve.lora import LoRAModelManager
 from vlserve.models.capabilities import capabilities_of
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.llama import decoder_of, kv_cache_spec
-from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
 from vlserve.worker.bidirectional import step_key_limits, token_runs
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
 from vlserve.worker.deferred_samples import DeviceTokenFeed, StepHandle
 from vlserve.worker.draft_inputs import build_draft_inputs
-from vlserve.worker.encoder_runs import run_encoders
+from vlserve.worker.encoder_runs import EncoderRunner, EncoderWork
 from vlserve.worker.compiled_forward import ModelForward, shape_classes
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
@@ -76,17 +76,14 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size, device, layer_groups=None if self.kv_groups.num_groups == 1 else
                                       tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)))
         self.requests: dict[str, CachedRequestState] = {}
-        self.encoder_outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, H]
-        self.partial_encodes: dict[str, object] = {}  # mm_hash -> TowerState of an item split over steps
+        # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
+        self.encoders = EncoderRunner(model, device, self.lora_manager)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # the proposer's own layer, if any
         self.attn_workspace: torch.Tensor | None = None  # flat scratch of the torch decode path (CPU backend only)
         self.proposer = None
         self.set_proposer(proposer)
-        self.num_encoder_runs = 0
-        self.encoder_runs_by_modality: dict[str, int] = {}  # items encoded, per modality
         self.kv_connector = None  # a kv_transfer connector's worker side (`set_kv_connector`), or None
-        self.ec_connector = None  # the encoder-cache connector (distributed/ec_transfer), or None
 
     def set_kv_connector(self, connector) -> None:
         """Install a KV connector's worker side (after `initialize_kv_cache`): it gets the KV tensors (the EAGLE
@@ -233,9 +230,8 @@ class ModelRunner:
             self.input_batch.remove_request(rid)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
-        for h in so.free_encoder_mm_hashes:  # evicted, or abandoned mid-encode
-            self.encoder_outputs.pop(h, None)
-            self.partial_encodes.pop(h, None)
+        if so.free_encoder_mm_hashes:  # evicted, or abandoned mid-encode
+            self.encoders.free(so.free_encoder_mm_hashes)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             state = CachedRequestState(
@@ -288,9 +284,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         defer = self.defer_readback if defer is None else defer
         self._update_states(so)
-        encoder_seconds, num_encoded = self._run_encoders(so)  # (a step may carry only slices of a split item)
+        encoded = self._run_encoders(so)  # (a step may carry only slices of a split item)
         if so.total_num_scheduled_tokens == 0:
-            return StepHandle(ModelRunnerOutput([], [], encoder_seconds=encoder_seconds, num_encoded_embeds=num_encoded,
+            return StepHandle(ModelRunnerOutput([], [], encoder_seconds=encoded.seconds,
+                                                num_encoded_embeds=encoded.num_embeds,
                                                 step_seconds=time.perf_counter() - t0))
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
@@ -309,7 +306,7 @@ class ModelRunner:
             limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, step.positions_np, self.device)
             md.set_key_limits(limits)
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
-        inputs_embeds = self._merge_mm_embeddings(input_ids, states, starts, q_lens, cu)
+        inputs_embeds = self.merge_mm_embeddings(input_ids, states, starts, q_lens, cu)  # [T, H] or None
 
         lora = (contextlib.nullcontext() if self.lora_manager is None  # each token runs its request's adapter
                 else self.lora_manager.step([s.lora_request for s in states], q_lens.tolist()))
@@ -344,14 +341,14 @@ class ModelRunner:
             out.logprobs, out.spec_token_ids = samples.logprobs, spec_tokens
         elif self.device.type == "cuda" and not defer:
             torch.cuda.synchronize()  # nothing was read back: the forward may still be running
-        out.encoder_seconds, out.num_encoded_embeds = encoder_seconds, num_encoded
+        out.encoder_seconds, out.num_encoded_embeds = encoded.seconds, encoded.num_embeds
         out.step_seconds = time.perf_counter() - t0
         return handle
 
-    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
-        """Encode the items the scheduler released (see `encoder_runs.run_encoders`; a later pipeline stage encodes
+    def _run_encoders(self, so: SchedulerOutput) -> EncoderWork:
+        """Encode the items the scheduler released (see `EncoderRunner.run`; a later pipeline stage encodes
         nothing)."""
-        return run_encoders(self, so)
+        return self.encoders.run(so, self.requests)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                    inputs_embeds: torch.Tensor | None) -> torch.Tensor:
@@ -386,16 +383,8 @@ class ModelRunner:
         with torch.inference_mode(False):  # a normal tensor, as the text positions are: one dynamo guard for both
             return to_device(torch.cat(parts, dim=1), self.device)  # [3, T]
 
-    def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
-                             skip_missing: bool = False) -> torch.Tensor | None:
-        """inputs_embeds [T, H] with encoder outputs written over placeholder tokens, or None for text only.
-        Row cu[i] + j holds position starts[i] + j; skip_missing leaves token embeddings where an item has not
-        been encoded (the EAGLE draft's shifted window may reach one token into the next, unscheduled item)."""
-        pieces = []  # (batch row, embeddings slice [n, H])
-        for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
-            if state.mm_features:  # (most rows of most steps have none)
-                pieces += slice_mm_embeds(state.mm_features, self.encoder_outputs, s, s + n, int(cu[i]),
-                                          skip_missing)
-        if not pieces:
-            return None
-        return merge_mm_embeds(self.model.get_input_embeddings(input_ids), pieces)  # [T, H]
+    def merge_mm_embeddings(self, input_ids: torch.Tensor, states, starts: np.ndarray, q_lens: np.ndarray,
+                            cu: np.ndarray, skip_missing: bool = False) -> torch.Tensor | None:
+        """inputs_embeds [T, H] of input_ids [T] with the encoder outputs written over placeholder tokens, or None for
+        text only (see `EncoderRunner.merge_embeddings`; a later pipeline stage embeds nothing)."""
+        return self.encoders.merge_embeddings(input_ids, states, starts, q_lens, cu, skip_missing)

@@ -25,6 +25,7 @@ from vlserve.core.sched_output import SchedulerOutput
 from vlserve.distributed.pipeline import (IntermediateTensors, is_first_stage, is_last_stage, recv_intermediate,
                                           send_intermediate)
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.worker.encoder_runs import NO_ENCODER_WORK, EncoderWork
 from vlserve.worker.model_runner import ModelRunner
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSamples
@@ -89,17 +90,17 @@ class PipelineStageRunner(ModelRunner):
             self.timing = StageTiming()
         return summary
 
-    def _run_encoders(self, so: SchedulerOutput) -> tuple[float, int]:
-        """The first stage encodes; the others hold no encoder (and their `encoder_outputs` stay empty)."""
-        return super()._run_encoders(so) if self.first_stage else (0.0, 0)
+    def _run_encoders(self, so: SchedulerOutput) -> EncoderWork:
+        """The first stage encodes; the others hold no encoder (and their EncoderRunner holds nothing)."""
+        return super()._run_encoders(so) if self.first_stage else NO_ENCODER_WORK
 
-    def _merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
-                             skip_missing: bool = False) -> torch.Tensor | None:
+    def merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
+                            skip_missing: bool = False) -> torch.Tensor | None:
         """`inputs_embeds [T, H]` on the first stage (see ModelRunner); None on the others, which receive hidden
         states instead of embedding tokens."""
         if not self.first_stage:
             return None
-        return super()._merge_mm_embeddings(input_ids, states, starts, q_lens, cu, skip_missing)
+        return super().merge_mm_embeddings(input_ids, states, starts, q_lens, cu, skip_missing)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                    inputs_embeds: torch.Tensor | None) -> torch.Tensor:

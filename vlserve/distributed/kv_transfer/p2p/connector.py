@@ -115,7 +115,7 @@ class P2PConnector(KVConnectorBase):
                                                   str(p.get("remote_engine_id", "")))
 
     def build_connector_meta(self, scheduler_output, scheduler) -> KVConnectorMetadata | None:
-        if not (self._loads or self._new_sends or self._loading or scheduler.kept_blocks):
+        if not (self._loads or self._new_sends or self._loading or scheduler.kv_transfer.kept_blocks):
             return None
         # (empty metadata while loads are in flight or blocks are kept: the worker must be asked what ended)
         meta = P2PMetadata(self._loads, self._new_sends)
