@@ -28,6 +28,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# ruff's linter and formatter as pyproject.toml configures them (`$(PY) -m ruff format .` applies the format)
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
 # Chromium + chromedriver for the browser tests (tests/api/test_playground.py, which skip without them): nothing to
 # do when both are on PATH; otherwise apt-get installs Debian's packages (as root, or through sudo).
 BROWSER_BINS := chromium chromium-browser google-chrome google-chrome-stable
@@ -91,7 +96,7 @@ gpu-wheels: $(VENV)/.installed
 	    $(WHEEL_PLATFORMS) -d wheelhouse -r wheelhouse/requirements.txt
 	@du -sh wheelhouse
 
-.PHONY: setup serve demo test browser kv-libs test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
+.PHONY: setup serve demo test lint browser kv-libs test-hf4 bench quant-fixtures quant-tools gpu-check gpu-wheels
 
 # `make quant-fixtures` remakes tests/fixtures/quant/ with the real tools, each in its own venv because
 # their torch / transformers pins exclude each other and the main venv's: llm-compressor (compressed-tensors

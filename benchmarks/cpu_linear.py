@@ -26,8 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_isa, cpu_linear_supported,
-                                        pack_linear_weight)
+from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_isa, cpu_linear_supported, pack_linear_weight
 
 TOWER_SHAPES = [(1536, 512), (512, 512), (2048, 512), (512, 2048), (3840, 1280), (5120, 1280), (1280, 5120)]
 

@@ -29,8 +29,18 @@ import time
 
 import httpx
 
-from benchmarks.serve_harness import (ANCHOR_PYTHON, BENCH_CLIENT, Server, build_checkpoint, free_port,
-                                         machine_kind, vllm_cmd, vllm_cpu_env, vllm_version, vlserve_cmd)
+from benchmarks.serve_harness import (
+    ANCHOR_PYTHON,
+    BENCH_CLIENT,
+    Server,
+    build_checkpoint,
+    free_port,
+    machine_kind,
+    vllm_cmd,
+    vllm_cpu_env,
+    vllm_version,
+    vlserve_cmd,
+)
 
 NAME = "bench"
 

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import tempfile
 
-from vlserve.bench import serve as serve_bench
 from benchmarks.serve_harness import free_port, wait_healthy
+from vlserve.bench import serve as serve_bench
 
 
 def _start_server(model: str, port: int, engine_process: bool, extra: list[str]) -> subprocess.Popen:

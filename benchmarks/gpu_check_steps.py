@@ -157,8 +157,8 @@ def step_chunked_race(cfg):
 
 # -- (d) recompiles (the driver counts TORCH_LOGS=recompiles lines) -------------------------------------------------
 def step_recompiles_mrope(cfg):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     from vlserve import LLM, SamplingParams
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint

@@ -19,8 +19,7 @@ import time
 import numpy as np
 import torch
 
-from vlserve.kernels.grammar_mask import (apply_token_bitmask_cpu, apply_token_bitmask_ref,
-                                          grammar_mask_kernel)
+from vlserve.kernels.grammar_mask import apply_token_bitmask_cpu, apply_token_bitmask_ref, grammar_mask_kernel
 
 SHAPES = [(151936, 32), (151936, 1), (689, 32)]  # (vocab, rows)
 KINDS = {"few": 0.005, "most": 0.99, "random": 0.5}  # fraction of tokens allowed

@@ -96,8 +96,8 @@ def layout_table(context: int, output_len: int, budget_gib: float) -> None:
 
 def engine_run(context: int, budget_mib: float, num_requests: int = 8) -> None:
     """Part 2: a small Gemma 3 through vlserve.LLM, both layouts in the same KV bytes."""
-    from vlserve import LLM
     from tests.support.gemma3_checkpoints import build_gemma3_text_checkpoint
+    from vlserve import LLM
 
     root = tempfile.mkdtemp(prefix="kvgroups_")
     types = ("sliding_attention",) * 5 + ("full_attention",)

@@ -33,9 +33,21 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from benchmarks.serve_harness import (ANCHOR_PYTHON, REPO_ROOT, Server, Workload, build_checkpoint, free_port,
-                                         machine_kind, run_vllm_client, run_vlserve_client, vllm_cmd, vllm_cpu_env,
-                                         vllm_version, vlserve_cmd)
+from benchmarks.serve_harness import (
+    ANCHOR_PYTHON,
+    REPO_ROOT,
+    Server,
+    Workload,
+    build_checkpoint,
+    free_port,
+    machine_kind,
+    run_vllm_client,
+    run_vlserve_client,
+    vllm_cmd,
+    vllm_cpu_env,
+    vllm_version,
+    vlserve_cmd,
+)
 
 WORKLOADS = {w.name: w for w in (
     Workload("img224", 224, 224), Workload("img448", 448, 448), Workload("img896", 896, 896),

@@ -17,6 +17,7 @@ import sys
 from benchmarks.offline_case import run_case
 from vlserve.bench.throughput import make_prompts
 
+
 def weight_bytes(model_dir: str) -> int:
     """Bytes of the checkpoint's safetensors files."""
     return sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)

@@ -30,8 +30,8 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -115,11 +115,13 @@ def _vit(sizes: Sizes, siglip: bool) -> Family:
     common = dict(hidden_size=sizes.width, intermediate_size=4 * sizes.width, num_hidden_layers=sizes.depth,
                   num_attention_heads=sizes.heads, image_size=sizes.image_size, patch_size=PATCH)
     if siglip:
-        from transformers import SiglipVisionConfig, SiglipVisionModel as M
+        from transformers import SiglipVisionConfig
+        from transformers import SiglipVisionModel as M
 
         cfg, ours_cls = SiglipVisionConfig(vision_use_head=False, **common), SiglipVisionTower
     else:
-        from transformers import CLIPVisionConfig, CLIPVisionModel as M
+        from transformers import CLIPVisionConfig
+        from transformers import CLIPVisionModel as M
 
         cfg, ours_cls = CLIPVisionConfig(**common), ClipVisionTower
     hf = M._from_config(cfg, attn_implementation="sdpa").eval()

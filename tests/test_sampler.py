@@ -1,13 +1,19 @@
 """Tests for vlserve.worker.sampler (CPU)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from vlserve.sampling_params import SamplingParams
-from vlserve.worker.sampler import (Sampler, SamplerOutput, apply_penalties, apply_top_k_top_p,
-                                    build_sampling_metadata, make_generator, prepare_logits)
+from vlserve.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    apply_penalties,
+    apply_top_k_top_p,
+    build_sampling_metadata,
+    make_generator,
+    prepare_logits,
+)
 
 DEV = "cpu"
 TOY_LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])  # 5-token toy distribution

@@ -407,7 +407,7 @@ def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
     # machine the pool gets 1 worker and GPTQModel.load fails ("requests 2 workers but parent 'cpu' only has 1").
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, ((os.cpu_count() or 1) + 1) // 2)))
     import torch
-    from gptqmodel import AWQConfig, BACKEND, GPTQConfig, GPTQModel
+    from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
     from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
     from gptqmodel.utils.model_dequant import dequantize_model

@@ -57,8 +57,8 @@ class AudioDemoSize:
 
 def audio_corpus(num_clips: int = 1000, seed: int = 0) -> list[str]:
     """ChatML-shaped Q/A lines over sampled clips (no rendering), special tokens left out."""
-    from vlserve.demo import audio_world
     from training.tokenizer import GENERIC_LINES, SYSTEM_PROMPT
+    from vlserve.demo import audio_world
 
     rng = random.Random(seed)
     lines = []

@@ -102,10 +102,9 @@ def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: in
              batch_size: int = 16, show_errors: int = 3) -> dict[str, float]:
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
-    from vlserve.demo import default_model_path
-    from vlserve.demo import world
-
     import os
+
+    from vlserve.demo import default_model_path, world
 
     model_dir = model_dir or default_model_path()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):

@@ -90,8 +90,7 @@ def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 1
              batch_size: int = 16, show_errors: int = 5, threads: int = 2) -> dict[str, float]:
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
-    from vlserve.demo import demo_model_path
-    from vlserve.demo import audio_world
+    from vlserve.demo import audio_world, demo_model_path
 
     model_dir = model_dir or demo_model_path("vlserve-demo-audio")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):

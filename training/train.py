@@ -200,10 +200,10 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     import torch
     from tqdm import tqdm
 
-    from training.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
-    from training.vision_stage import pretrain_vision
     from training.build import build_config, build_model, build_processor, count_parameters
+    from training.targets import ATTN_LAYER, NUM_CELL_OUTPUTS, AuxHeads
     from training.tokenizer import build_demo_tokenizer
+    from training.vision_stage import pretrain_vision
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

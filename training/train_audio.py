@@ -58,8 +58,8 @@ def conversation(turns: list[tuple[str, str, str]]) -> list[dict]:
 def token_targets(clip, num_tokens: int) -> list[tuple[int, int, int]]:
     """Per audio token (SAMPLES_PER_TOKEN samples each): (pitch class, length class, ordinal) of the beep sounding at
     the token's center, (0, 0, 0) between beeps."""
-    from vlserve.demo import audio_world
     from training.audio_build import SAMPLES_PER_TOKEN
+    from vlserve.demo import audio_world
 
     out = []
     for t in range(num_tokens):
@@ -77,8 +77,8 @@ def make_batch(rng: random.Random, processor, batch_size: int, max_turns: int) -
     "labels", per-audio-token "aux_targets" [B, T, 3] (-100 past a clip's tokens) and "meta_forms"."""
     import torch
 
-    from vlserve.demo import audio_world
     from training.train import answer_labels
+    from vlserve.demo import audio_world
 
     clips = [audio_world.sample_clip(rng) for _ in range(batch_size)]
     turns = [sample_turns(rng, c, max_turns) for c in clips]
@@ -121,8 +121,13 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     import torch
     from tqdm import tqdm
 
-    from training.audio_build import (audio_tower, build_audio_config, build_audio_model,
-                                              build_audio_processor, build_audio_tokenizer)
+    from training.audio_build import (
+        audio_tower,
+        build_audio_config,
+        build_audio_model,
+        build_audio_processor,
+        build_audio_tokenizer,
+    )
     from training.build import count_parameters
     from training.train import first_answer_correct
 

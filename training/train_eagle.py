@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from training.eagle_recording import Sequence, generate_items, read_items, record_target
 
-
 # ------------------------------------------------------------------------------------------------ training
 
 def _batches(seqs: list[Sequence], batch_size: int, rng: random.Random):
@@ -233,8 +232,8 @@ def train_eagle(args: argparse.Namespace) -> dict:
 
     from vlserve.models.loader import load_model
     from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights, save_eagle_draft
-    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids
     from vlserve.spec_decode.eagle_heads import copy_last_layer, eagle_config_for, target_has_qkv_bias
+    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel, default_eagle3_layer_ids
 
     torch.manual_seed(args.seed)
     if args.threads:

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from vlserve.demo import world
 from training.targets import KIND_SLICE, batch_targets, cell_losses
+from vlserve.demo import world
 
 SUB = 7  # silhouette resolution per patch side
 MASK_BLOCK = 0  # vision block whose output predicts the silhouettes

@@ -29,7 +29,7 @@ class SchedulerConfig:
     # the sliding window of each KV cache group (core/kv_cache_groups.py; None: full attention)
     kv_group_windows: tuple[int | None, ...] = (None,)
     max_loras: int = 0  # distinct LoRA adapters in one step (0: LoRA off, adapter requests are refused)
-    kv_transfer_config: "KVTransferConfig | None" = None  # the KV connector (distributed/kv_transfer), None: off
+    kv_transfer_config: KVTransferConfig | None = None  # the KV connector (distributed/kv_transfer), None: off
     # per modality, the stages an item's tower may be split into across steps (absent: one piece); the model's
     # `encoder_stage_counts`
     encoder_stage_counts: dict[str, int] = field(default_factory=dict)
@@ -104,7 +104,7 @@ class CompilationConfig:
                              f"got {shorten(self.inductor_compile_config)}")
 
     @classmethod
-    def from_value(cls, value: "int | str | dict | CompilationConfig | None") -> "CompilationConfig":
+    def from_value(cls, value: int | str | dict | CompilationConfig | None) -> CompilationConfig:
         """An int level (or its string, as `-O3` gives), a dict of the fields, JSON of one, or None (defaults)."""
         if value is None:
             return cls()

@@ -6,7 +6,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 

@@ -62,7 +62,7 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def from_any(cls, value: "KVTransferConfig | dict | str | None") -> "KVTransferConfig | None":
+    def from_any(cls, value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:
         """From the dataclass, its dict or its JSON text (None stays None); unknown keys are a ValueError."""
         return _from_any(cls, value, "kv_transfer_config", "kv_connector", "\"OffloadingConnector\"")
 
@@ -113,6 +113,6 @@ class ECTransferConfig:
         return self.ec_role in ("ec_consumer", "ec_both")
 
     @classmethod
-    def from_any(cls, value: "ECTransferConfig | dict | str | None") -> "ECTransferConfig | None":
+    def from_any(cls, value: ECTransferConfig | dict | str | None) -> ECTransferConfig | None:
         """From the dataclass, its dict or its JSON text (None stays None); unknown keys are a ValueError."""
         return _from_any(cls, value, "ec_transfer_config", "ec_connector", "\"shared_storage\"")

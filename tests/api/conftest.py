@@ -31,7 +31,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def start(self, timeout: float = 60.0) -> "ServerThread":
+    def start(self, timeout: float = 60.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:

@@ -76,7 +76,6 @@ def audio_http():
 @pytest.fixture(scope="module")
 def audio_server(audio_ckpt, media_dir):
     from tests.api.conftest import start_server
-
     from vlserve.api.media import MediaConfig
     from vlserve.config import EngineArgs
 

@@ -84,7 +84,6 @@ def test_disconnect_while_waiting_for_non_streamed_response(server):
 def test_speculative_decoding_server_streams_the_same_greedy_text(text_ckpt, offline_llm):
     """--speculative-config reaches the engine; multi-token steps stream the same text as plain decoding."""
     from tests.api.conftest import TEXT_ENGINE_KW, start_server
-
     from vlserve.config import EngineArgs
 
     # A repetitive prompt so n-gram drafts actually get proposed (and some accepted).

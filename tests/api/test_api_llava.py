@@ -21,7 +21,6 @@ def next_ckpt(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def next_server(next_ckpt):
     from tests.api.conftest import start_server
-
     from vlserve.config import EngineArgs
 
     served = start_server(EngineArgs(model=next_ckpt, served_model_name="tiny-llava", **ENGINE_KW))

@@ -54,8 +54,8 @@ def image_msg(*urls: str, text: str = "describe the image", kind: str = "image_u
 
 @pytest.fixture(scope="module")
 def vl_ckpt(tmp_path_factory) -> str:
-    from vlserve.models.registry import get_model_class
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.models.registry import get_model_class
 
     path = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("api_vl")))
     from transformers import AutoConfig
@@ -90,7 +90,6 @@ def media_http():
 @pytest.fixture(scope="module")
 def vl_server(vl_ckpt, media_dir):
     from tests.api.conftest import start_server
-
     from vlserve.api.media import MediaConfig
     from vlserve.config import EngineArgs
 

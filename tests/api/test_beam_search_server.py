@@ -115,7 +115,6 @@ def llava_ckpt(tmp_path_factory) -> str:
 
 def test_chat_with_image_equals_offline(llava_ckpt):
     from tests.api.conftest import start_server
-
     from vlserve import LLM
     from vlserve.config import EngineArgs
 
@@ -284,7 +283,6 @@ def test_engine_process_server(text_ckpt, offline_llm):
     """`vlserve serve`'s default engine (its own process): the same beams; a hang-up leaves nothing held there."""
     from tests.api.conftest import TEXT_ENGINE_KW
     from tests.api.test_engine_process import assert_engine_idle, start_proc_server
-
     from vlserve.config import EngineArgs
 
     served = start_proc_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW))

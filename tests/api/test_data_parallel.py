@@ -13,10 +13,8 @@ import pytest
 
 from tests.api.conftest import TEXT_ENGINE_KW, free_port
 from tests.api.test_api_concurrency import conversations
-from tests.api.test_api_media import (NO_EOS, VL_ENGINE_KW, data_url, image_msg, offline_vl,  # noqa: F401
-                                      png_bytes, vl_ckpt)
-from tests.api.test_engine_process import (_cmdline, assert_engine_idle, start_cli_server, start_proc_server,
-                                           stream_all)
+from tests.api.test_api_media import NO_EOS, VL_ENGINE_KW, data_url, image_msg, offline_vl, png_bytes, vl_ckpt  # noqa: F401
+from tests.api.test_engine_process import _cmdline, assert_engine_idle, start_cli_server, start_proc_server, stream_all
 from vlserve import SamplingParams
 
 

@@ -2,8 +2,7 @@
 tensors and hashes) crosses, the text equals the offline engine's, and a repeated image is not encoded again."""
 from __future__ import annotations
 
-from tests.api.test_api_media import (NO_EOS, VL_ENGINE_KW, data_url, image_msg, offline_vl,  # noqa: F401
-                                      png_bytes, vl_ckpt)
+from tests.api.test_api_media import NO_EOS, VL_ENGINE_KW, data_url, image_msg, offline_vl, png_bytes, vl_ckpt  # noqa: F401
 from tests.api.test_engine_process import assert_engine_idle, start_proc_server
 from vlserve import SamplingParams
 

@@ -8,8 +8,15 @@ import random
 import jsonschema
 import pytest
 
-from vlserve.api.tool_choice import (AUTO_NEEDS_FLAGS, NamedFunctionParser, RequiredToolsParser, ToolPlan,
-                                     named_schema, plan_tools, required_schema)
+from vlserve.api.tool_choice import (
+    AUTO_NEEDS_FLAGS,
+    NamedFunctionParser,
+    RequiredToolsParser,
+    ToolPlan,
+    named_schema,
+    plan_tools,
+    required_schema,
+)
 from vlserve.api.tool_parsers import HermesToolParser, ToolParser, ToolParserManager
 from vlserve.api.tool_parsers.partial_json import scan_object, scan_object_array
 

@@ -2,12 +2,11 @@
 grammar compiles and others go ahead, kept tokens advance the matcher, a finished grammar stops the request, drafts
 are cut to what the grammar allows, a failed compile ends the request "abort" without leaking, and the bitmask
 rows cover exactly the constrained requests that sample."""
+from tests.core.test_scheduler import make_sched
 from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.request import EngineCoreRequest
 from vlserve.core.sched_output import ModelRunnerOutput
 from vlserve.sampling_params import SamplingParams
-
-from tests.core.test_scheduler import make_sched
 
 
 class FakeMatcher:

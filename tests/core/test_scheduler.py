@@ -23,7 +23,7 @@ def add(s, rid, n_prompt, max_tokens=4, mm=None, **params):
 def fake_run(s, so, token=7):
     """A runner that samples `token` for each request whose window reached its last known token."""
     ids, toks = [], []
-    for rid, n in so.num_scheduled_tokens.items():
+    for rid, _n in so.num_scheduled_tokens.items():
         req = s.requests[rid]
         ids.append(rid)
         toks.append([token] if req.num_computed_tokens >= req.num_tokens else [])

@@ -4,11 +4,10 @@ LoRA request on an engine without LoRA is refused."""
 from dataclasses import dataclass
 
 import pytest
+from test_scheduler import fake_run, make_sched
 
 from vlserve.core.kv_cache_manager import hash_block
 from vlserve.core.request import EngineCoreRequest
-
-from test_scheduler import fake_run, make_sched
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """`disable_chunked_mm_input` (Gemma 3): a step never ends inside a media item's placeholder run."""
 import pytest
 
+from tests.core.test_scheduler import add, fake_run, make_sched, run_to_end
 from vlserve.core.encoder_plan import _keep_items_whole
 from vlserve.multimodal.inputs import MultiModalFeature
-
-from tests.core.test_scheduler import add, fake_run, make_sched, run_to_end
 
 
 def _image(h, off, n):

@@ -3,8 +3,8 @@ and the clip-length limit that the checkpoint's 5-second feature window sets by 
 import numpy as np
 import pytest
 
-from vlserve import LLM, SamplingParams
 from training.eval_audio import evaluate, messages_for
+from vlserve import LLM, SamplingParams
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from vlserve.demo import audio_world as aw
 from training.train_audio import make_batch, sample_turns, token_targets
+from vlserve.demo import audio_world as aw
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@ import os
 
 import pytest
 
+from training import eval as demo_eval
 from vlserve.demo import EAGLE_DIR, MODEL_DIR, default_draft_path, default_model_path
 from vlserve.spec_decode.config import fill_default_draft
-from training import eval as demo_eval
 
 pytestmark = [pytest.mark.slow, pytest.mark.hf_parity]  # hf_parity: also run on transformers 4.57
 

@@ -150,8 +150,8 @@ def test_training_weights_and_tokenizer_corpus():
 
 
 def test_copy_processor_files(tmp_path):
-    from vlserve.demo import MODEL_DIR
     from training.train import PROCESSOR_FILES, copy_processor_files
+    from vlserve.demo import MODEL_DIR
 
     names = copy_processor_files(MODEL_DIR, str(tmp_path))
     assert "tokenizer.json" in names and "model.safetensors" not in names and set(names) <= set(PROCESSOR_FILES)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from training import targets
-from vlserve.demo import world
 from training.vision_stage import SUB, patch_silhouettes
+from vlserve.demo import world
 
 
 def test_silhouette_area_matches_the_shape():
@@ -50,7 +50,8 @@ def test_video_targets_and_silhouettes_follow_the_motion():
 def test_cell_losses_ignore_the_background_for_kind_and_color():
     import torch
 
-    kind = torch.tensor([0, 1, 3]); color = torch.tensor([0, 2, 5]); motion = torch.full((3,), targets.IGNORE)
+    kind, color = torch.tensor([0, 1, 3]), torch.tensor([0, 2, 5])
+    motion = torch.full((3,), targets.IGNORE)
     logits = torch.zeros(3, targets.NUM_CELL_OUTPUTS)
     base = targets.cell_losses(logits, kind, color, motion)
     assert set(base) == {"presence", "kind", "color"}

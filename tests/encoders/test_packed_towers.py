@@ -11,8 +11,14 @@ from torch import nn
 from vlserve.encoders import Qwen2VisionTower
 from vlserve.encoders.vision_layers import VisionTowerConfig
 from vlserve.kernels.cpu_linear import cpu_linear_isa
-from vlserve.kernels.packed_linear import (PackableConv1d, PackableLinear, PatchConv2d, PatchConv3d, packable,
-                                           pack_linears_for_cpu)
+from vlserve.kernels.packed_linear import (
+    PackableConv1d,
+    PackableLinear,
+    PatchConv2d,
+    PatchConv3d,
+    pack_linears_for_cpu,
+    packable,
+)
 
 # bf16: each output is rounded once, against torch's convolution, which rounds its own way
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -95,9 +95,9 @@ def test_plain_vit_backbone_serves_with_hf_parity(tmp_path):
     """Another timm architecture (a plain ViT, no RoPE) behind the same PerceptionLM code: token-exact with HF."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlserve import LLM, SamplingParams
     from tests.support.hf_generate import hf_greedy_ignoring_eos
     from tests.support.plm_checkpoints import build_plm_checkpoint
+    from vlserve import LLM, SamplingParams
 
     model_dir = build_plm_checkpoint(str(tmp_path / "plm_vit"), architecture="vit_tiny_patch16_224")
     proc = AutoProcessor.from_pretrained(model_dir)

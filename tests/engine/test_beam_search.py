@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
-from vlserve import LLM, BeamSearchParams
-from vlserve.beam_search import BeamSearch, BeamSearchSequence, beam_score
 from tests.support.hf_generate import hf_beam_search_ignoring_eos
 from tests.support.hf_oracle import data_url
+from vlserve import LLM, BeamSearchParams
+from vlserve.beam_search import BeamSearch, BeamSearchSequence, beam_score
 
 MAX_NEW = 8
 

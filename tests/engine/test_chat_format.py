@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from vlserve.engine.chat import (MEDIA_PLACEHOLDERS, detect_content_format, flatten_content, parse_chat_messages,
-                                 resolve_content_format, to_content_format)
 from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
 from vlserve.demo.tokenizer import CHAT_TEMPLATE
+from vlserve.engine.chat import (
+    MEDIA_PLACEHOLDERS,
+    detect_content_format,
+    flatten_content,
+    parse_chat_messages,
+    resolve_content_format,
+    to_content_format,
+)
 
 IMG = MEDIA_PLACEHOLDERS["image"]
 

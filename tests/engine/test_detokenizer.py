@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from vlserve.engine.detokenizer import IncrementalDetokenizer
 from vlserve.demo.tokenizer import build_tokenizer
+from vlserve.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,13 @@ import time
 
 import pytest
 
-from tests.engine.conftest import (check_exact_with_preemption_and_prefix_hits, greedy_tokens, hf_greedy,
-                                   varied_prompts, vocab_size)
+from tests.engine.conftest import (
+    check_exact_with_preemption_and_prefix_hits,
+    greedy_tokens,
+    hf_greedy,
+    varied_prompts,
+    vocab_size,
+)
 from vlserve import LLM, SamplingParams
 from vlserve.executor import WorkerDied
 

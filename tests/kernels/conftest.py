@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from _interpreted import TRITON_MODULES, interpreted_triton_modules, native_triton_modules
+
 from vlserve.kernels import cpu_linear
 
 

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 import torch
-
 from _interpreted import interpreted_module, run_aot_script
+
 from vlserve.kernels.activation import activation
 from vlserve.kernels.fused_moe_ref import fused_moe_ref, route_topk
 

@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from vlserve.kernels.grammar_mask import (DISABLE_ENV, apply_token_bitmask_cpu, apply_token_bitmask_ref,
-                                          grammar_mask_kernel, grammar_mask_supported)
+from vlserve.kernels.grammar_mask import (
+    DISABLE_ENV,
+    apply_token_bitmask_cpu,
+    apply_token_bitmask_ref,
+    grammar_mask_kernel,
+    grammar_mask_supported,
+)
 from vlserve.worker import grammar_mask as worker_grammar_mask
 from vlserve.worker.grammar_mask import apply_grammar_bitmask
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _kernel_testutils import make_paged_kv, naive_attention, poison_unused_slots
+
 from vlserve.kernels import attention_ref, cpu_decode
 from vlserve.kernels.attention_ref import attention_forward_ref, paged_attention_decode_ref
-from vlserve.kernels.cpu_decode import (attention_step_cpu, attention_step_supported, cpu_decode_kernel,
-                                        cpu_decode_supported, paged_attention_decode_cpu)
+from vlserve.kernels.cpu_decode import (
+    attention_step_cpu,
+    attention_step_supported,
+    cpu_decode_kernel,
+    cpu_decode_supported,
+    paged_attention_decode_cpu,
+)
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 

@@ -14,11 +14,22 @@ import torch
 import torch.nn.functional as F
 
 from vlserve.kernels import cpu_linear as cl
-from vlserve.kernels.cpu_linear import (build_cpu_linear, cpu_linear, cpu_linear_isa, cpu_linear_kernel,
-                                        cpu_linear_silu_mul, cpu_linear_supported, pack_linear_weight)
+from vlserve.kernels.cpu_linear import (
+    build_cpu_linear,
+    cpu_linear,
+    cpu_linear_isa,
+    cpu_linear_kernel,
+    cpu_linear_silu_mul,
+    cpu_linear_supported,
+    pack_linear_weight,
+)
 from vlserve.models.layers import GatedMLP
-from vlserve.models.parallel_layers import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
-                                            pack_linears_for_cpu)
+from vlserve.models.parallel_layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    pack_linears_for_cpu,
+)
 
 pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="no AVX2 + FMA or AVX-512 here (or no toolchain)")
 DTYPES = [torch.float32, torch.bfloat16]

@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 import torch
-
 from _kernel_testutils import kernel_tol, make_paged_kv, naive_attention, poison_unused_slots, to_device
+
 from vlserve.kernels import attention_ref
 from vlserve.kernels.attention_ref import paged_attention_decode_ref
 

@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 import torch
+from _kernel_testutils import build_metadata, kernel_tol, make_paged_kv, metadata_to, to_device
 
 import vlserve.kernels as K
-from _kernel_testutils import build_metadata, kernel_tol, make_paged_kv, metadata_to, to_device
 
 
 def test_backend_selection(monkeypatch):

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from _interpreted import INTERPRET_ENV, TRITON_MODULES, USER_INTERPRET_VALUE, _import_fresh, interpreted_triton_modules
 from _kernel_testutils import to_device
 

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _kernel_testutils import build_metadata, kernel_tol, metadata_to, to_device
 from test_kernel_sliding_window import BS, _step_case, needs_cpu_kernel
+
 from vlserve import kernels
 from vlserve.kernels import cpu_decode
 from vlserve.kernels.attention_op import attention_step, paged_attention

@@ -5,9 +5,16 @@ import itertools
 
 import pytest
 import torch
+from _kernel_testutils import (
+    build_metadata,
+    kernel_tol,
+    make_paged_kv,
+    metadata_to,
+    naive_attention,
+    poison_unused_slots,
+    to_device,
+)
 
-from _kernel_testutils import (build_metadata, kernel_tol, make_paged_kv, metadata_to, naive_attention,
-                               poison_unused_slots, to_device)
 from vlserve.kernels.attention_ref import attention_forward_ref, paged_prefill_attention_ref
 
 GQA_RATIOS = [1, 2, 4, 8]

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import torch
-
 from _kernel_testutils import kernel_tol, to_device
 from test_kernel_prefill import _prefill_case
+
 from vlserve.kernels.attention_ref import paged_prefill_attention_ref
 
 # long cached prefixes (many key tiles below the diagonal), chunks that end mid-tile, a one-token chunk, an empty one

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_testutils import to_device
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import rotate_half as hf_rotate_half
-from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl import modeling_qwen2_vl
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
-from _kernel_testutils import to_device
 from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)

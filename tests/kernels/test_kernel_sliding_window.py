@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _kernel_testutils import build_metadata, kernel_tol, make_paged_kv, metadata_to, to_device
+
 from vlserve import kernels
 from vlserve.kernels import cpu_decode
 from vlserve.kernels.attention_op import attention_step, paged_attention
-from vlserve.kernels.attention_ref import (attention_forward_ref, paged_attention_decode_ref,
-                                           paged_prefill_attention_ref)
+from vlserve.kernels.attention_ref import attention_forward_ref, paged_attention_decode_ref, paged_prefill_attention_ref
 
 BS = 16
 # windows: one key, inside a block, exactly a block, spanning blocks, longer than every context

@@ -5,11 +5,10 @@ import itertools
 
 import pytest
 import torch
+from _kernel_testutils import kernel_tol, to_device
 
 import vlserve.kernels as K
 from vlserve.kernels.attention_ref import varlen_attention_ref
-
-from _kernel_testutils import kernel_tol, to_device
 
 
 def _naive_varlen(q, k, v, bounds, scale):

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _kernel_testutils import build_metadata, kernel_tol, make_paged_kv, metadata_to, poison_unused_slots, to_device
+
 from vlserve.config import EngineArgs
 from vlserve.kernels import attention_ref, cpu_decode
-from vlserve.kernels.attention_ref import (attention_forward_ref, paged_attention_decode_ref,
-                                           paged_prefill_attention_ref)
+from vlserve.kernels.attention_ref import attention_forward_ref, paged_attention_decode_ref, paged_prefill_attention_ref
 from vlserve.kernels.cpu_decode import attention_step_cpu, cpu_decode_kernel, paged_attention_decode_cpu
 from vlserve.kernels.kv_quant import FP8_KV_DTYPE, dequantize_kv, kv_cache_torch_dtype, quantize_kv
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref

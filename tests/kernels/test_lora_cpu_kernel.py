@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from vlserve.kernels import lora_cpu
-from vlserve.kernels.lora_cpu import (LoRAStack, lora_add, lora_add_cpu, lora_add_cpu_lists, lora_add_ref,
-                                      lora_cpu_kernel, lora_cpu_supported)
+from vlserve.kernels.lora_cpu import (
+    LoRAStack,
+    lora_add,
+    lora_add_cpu,
+    lora_add_cpu_lists,
+    lora_add_ref,
+    lora_cpu_kernel,
+    lora_cpu_supported,
+)
 from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
 
 pytestmark = pytest.mark.skipif(lora_cpu_kernel() is None, reason="no C++ toolchain for the LoRA kernel here")

@@ -134,7 +134,7 @@ def test_onednn_linear_equals_f_linear(n, k, shape):
         want = F.linear(x, w, bias)
         assert torch.equal(onednn_linear(x, packed, bias, n), want)
         torch._dynamo.reset()
-        compiled = torch.compile(lambda t: onednn_linear(t, packed, bias, n), fullgraph=True, dynamic=False)
+        compiled = torch.compile(lambda t, bias=bias: onednn_linear(t, packed, bias, n), fullgraph=True, dynamic=False)
         assert torch.equal(compiled(x), want)
 
 

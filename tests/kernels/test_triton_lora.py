@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 import torch
-
 from _interpreted import interpreted_module, run_aot_script
+
 from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
 
 MODULE = "vlserve.kernels.triton_lora"
@@ -150,7 +150,7 @@ def test_add_lora_matches_grouped(lora, device, t, num_slices, dtype):
     got = lora.add_lora_triton(x.to(device), out.to(device, copy=True), [a.to(device) for a in lora_a],
                                [b.to(device) for b in lora_b], offsets, slots.to(device)).cpu()
     exact = out.double()
-    for s, (a, b, offset) in enumerate(zip(lora_a, lora_b, offsets)):
+    for _s, (a, b, offset) in enumerate(zip(lora_a, lora_b, offsets)):
         bgmv_expand_slice(bgmv_shrink(x.double(), a.double(), slots), b.double(), slots, exact, offset)
     _close(got, exact, dtype)
     _close(ref, exact, dtype)  # the grouped torch path, for scale

@@ -22,8 +22,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _interpreted import interpreted_module, run_aot_script
+
 from vlserve.kernels import quant_linear as QL
 from vlserve.kernels import quant_linear_cuda as QC
 

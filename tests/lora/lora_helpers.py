@@ -36,8 +36,8 @@ def hf_vlm_greedy(model_dir: str, adapter_dir: str | None, text: str, image, max
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from vlserve.multimodal.processor import load_hf_processor
     from tests.support.hf_generate import hf_greedy_ignoring_eos
+    from vlserve.multimodal.processor import load_hf_processor
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     if adapter_dir is not None:

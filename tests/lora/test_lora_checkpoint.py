@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlserve.lora import LoRAModelManager, LoRARequest, load_peft_adapter
-from vlserve.demo.checkpoints import build_text_checkpoint
-
 from tests.lora.lora_helpers import ALL, make_adapter, our_model
+from vlserve.demo.checkpoints import build_text_checkpoint
+from vlserve.lora import LoRAModelManager, LoRARequest, load_peft_adapter
 
 
 @pytest.fixture(scope="module")

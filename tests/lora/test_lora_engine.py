@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.lora.lora_helpers import ALL, hf_model, make_adapter
+from tests.support.hf_generate import hf_greedy_ignoring_eos
 from vlserve import LLM, SamplingParams
 from vlserve.lora import LoRARequest
-from tests.support.hf_generate import hf_greedy_ignoring_eos
-
-from tests.lora.lora_helpers import ALL, hf_model, make_adapter
 
 MAX_NEW = 8
 SHARED = [5, 17, 42, 7, 99, 3, 64, 12, 8, 150, 33, 21, 77, 9, 40, 41, 6, 18, 27, 2]  # 20 tokens, 5 blocks of 4

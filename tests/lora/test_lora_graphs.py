@@ -55,9 +55,9 @@ def test_padded_decode_graph_steps_keep_adapter_outputs(checkpoint, tmp_path):
 def test_a_captured_step_runs_every_layers_delta(checkpoint):
     """Under the captured step each LoRA layer launches its delta even with no adapter loaded (a graph captured
     then must still add the deltas of adapters loaded later); slot -1 rows stay the base output bit for bit."""
+    from tests.lora.lora_helpers import our_model
     from vlserve.lora import LoRAModelManager
     from vlserve.lora.layers import LoRALayerMixin, current_lora_step
-    from tests.lora.lora_helpers import our_model
 
     model_dir, cfg = checkpoint("qwen2")
     manager = LoRAModelManager(our_model(model_dir, cfg), max_loras=2, max_lora_rank=4)

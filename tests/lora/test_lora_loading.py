@@ -62,7 +62,7 @@ def test_a_slow_load_does_not_stall_running_requests(adapter, monkeypatch, tmp_p
         assert load.result() is True
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         final = None
-        async for final in engine.generate([5, 6, 7, 8], params, request_id="with-adapter",
+        async for final in engine.generate([5, 6, 7, 8], params, request_id="with-adapter",  # noqa: B007
                                            lora_request=LoRARequest("slow", 1, adapter_dir)):
             pass
         await task

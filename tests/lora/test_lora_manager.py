@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.lora.lora_helpers import ALL, make_adapter, our_model
+from tests.support.paged_runner import PagedRunner
 from vlserve.lora import LoRAModelManager, LoRARequest
 from vlserve.lora.layers import LoRALayerMixin
-from tests.support.paged_runner import PagedRunner
-
-from tests.lora.lora_helpers import ALL, make_adapter, our_model
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.lora.lora_helpers import ALL, make_adapter, our_model
+from tests.support.paged_runner import PagedRunner
+from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager, LoRARequest, lora_step
-from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_shrink, token_groups
-from tests.support.paged_runner import PagedRunner
-
-from tests.lora.lora_helpers import ALL, make_adapter, our_model
 
 PROMPTS = {"b0": [5, 17, 42, 7, 99, 3], "s1": [64, 12, 8, 150, 33], "s2": [21, 77, 9, 4, 61, 88, 2],
            "s3": [13, 14, 15], "b4": [40, 41, 42, 43]}

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.lora.lora_helpers import ALL, make_adapter, our_model
+from tests.support.paged_runner import PagedRunner
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager, LoRARequest
-from tests.support.paged_runner import PagedRunner
-
-from tests.lora.lora_helpers import ALL, make_adapter, our_model
 
 ATOL = RTOL = 1e-4
 PROMPT = [5, 17, 42, 7, 99, 3, 64, 12, 8, 150, 33, 21, 77]

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.lora.lora_helpers import ALL, make_adapter
-from vlserve import LLM, SamplingParams
-from vlserve.lora import LoRARequest
-from vlserve.demo.checkpoints import build_text_checkpoint
 from tests.support.hf_generate import hf_greedy_continuations
 from tests.support.quant_checkpoints import quantize_checkpoint
+from vlserve import LLM, SamplingParams
+from vlserve.demo.checkpoints import build_text_checkpoint
+from vlserve.lora import LoRARequest
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 600, 2, 8, 31], [40, 41, 42, 43]]
 MAX_NEW = 8

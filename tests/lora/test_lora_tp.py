@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.lora.lora_helpers import ALL, make_adapter
-from vlserve import LLM, SamplingParams
-from vlserve.lora import LoRARequest
-from vlserve.demo.checkpoints import build_text_checkpoint
 from tests.support.hf_generate import hf_greedy_continuations
+from vlserve import LLM, SamplingParams
+from vlserve.demo.checkpoints import build_text_checkpoint
+from vlserve.lora import LoRARequest
 
 pytestmark = pytest.mark.slow  # each TP engine starts two processes
 

@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoConfig
 
-from vlserve.models.capabilities import (DECODER_LORA_TARGETS, ModelCapabilities, model_capabilities,
-                                         stated_capabilities)
+from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities, model_capabilities, stated_capabilities
 from vlserve.models.causal_lm import DecoderWithLMHead
 from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import get_model_class, supported_architectures

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from vlserve.models import load_model
 from vlserve.demo.checkpoints import build_text_checkpoint
+from vlserve.models import load_model
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

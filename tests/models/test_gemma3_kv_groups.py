@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from vlserve import LLM, SamplingParams
 from tests.support.gemma3_checkpoints import build_gemma3_text_checkpoint
 from tests.support.hf_generate import hf_greedy_continuations
+from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from tests.support.gemma3_checkpoints import build_gemma3_text_checkpoint
+from tests.support.hf_generate import hf_greedy_continuations
+from tests.support.paged_runner import PagedRunner
 from vlserve import LLM, SamplingParams
 from vlserve.models import load_model
 from vlserve.models.gemma3 import GemmaRMSNorm, ScaledEmbedding
 from vlserve.models.hf_config import layer_type_rope_params_of, rope_params_of, sliding_window_of
 from vlserve.models.layers import RMSNorm
-from tests.support.gemma3_checkpoints import build_gemma3_text_checkpoint
-from tests.support.hf_generate import hf_greedy_continuations
-from tests.support.paged_runner import PagedRunner
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from vlserve.demo.checkpoints import build_text_checkpoint
 from vlserve.kernels.cpu_linear import cpu_linear_kernel
 from vlserve.models import get_model_class, load_model, register_model, supported_architectures
 from vlserve.models.causal_lm import LlamaForCausalLM, Qwen2ForCausalLM
 from vlserve.models.loader import resolve_dtype
 from vlserve.models.parallel_layers import pack_linears_for_cpu
-from vlserve.demo.checkpoints import build_text_checkpoint
 
 
 @pytest.fixture(scope="module")

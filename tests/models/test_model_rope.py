@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from vlserve.demo.checkpoints import build_text_checkpoint
 from vlserve.models import load_model
 from vlserve.models.layers import RotaryEmbedding, compute_inv_freq
 from vlserve.models.llama import LlamaDecoderModel
-from vlserve.demo.checkpoints import build_text_checkpoint
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

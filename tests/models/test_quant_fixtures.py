@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from vlserve.models import load_model
 from tests.support.paged_runner import PagedRunner
+from vlserve.models import load_model
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant")
 FIXTURES = sorted(d for d in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, d, "reference.json")))

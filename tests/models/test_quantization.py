@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from vlserve.models import load_model
-from vlserve.demo.checkpoints import build_text_checkpoint
 from tests.support.hf_generate import hf_greedy_ignoring_eos
 from tests.support.paged_runner import PagedRunner
 from tests.support.quant_checkpoints import quantize_checkpoint
 from tests.support.tensor_parallel import paged_step_logits, paged_step_logits_of_cases, run_tensor_parallel
+from vlserve.demo.checkpoints import build_text_checkpoint
+from vlserve.models import load_model
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 600, 2, 8, 31]]
 DECODES = [13, 688]
@@ -167,7 +167,7 @@ def test_two_ranks_match_unsharded(quantized):
                 for seq in want_step:
                     if name in exact:
                         torch.testing.assert_close(got_step[seq], want_step[seq], atol=1e-4, rtol=1e-4,
-                                                   msg=lambda m: f"{name}: {m}")
+                                                   msg=lambda m, name=name: f"{name}: {m}")
                     agree += int((got_step[seq].argmax(-1) == want_step[seq].argmax(-1)).sum())
                     total += got_step[seq].shape[0]
         assert agree / total >= (1.0 if name in exact else 0.85), f"{name}: top-1 {agree}/{total}"

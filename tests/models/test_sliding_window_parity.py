@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
+from tests.support.hf_generate import hf_greedy_continuations
 from vlserve import LLM, SamplingParams
 from vlserve.models.hf_config import sliding_window_of
-from tests.support.hf_generate import hf_greedy_continuations
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

@@ -11,11 +11,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from tests.support.tensor_parallel import paged_step_logits, paged_step_logits_of_cases, run_tensor_parallel
+from vlserve.demo.checkpoints import build_text_checkpoint
 from vlserve.distributed import parallel_state
 from vlserve.models import load_model
 from vlserve.models.loader import safetensors_files
-from vlserve.demo.checkpoints import build_text_checkpoint
-from tests.support.tensor_parallel import paged_step_logits, paged_step_logits_of_cases, run_tensor_parallel
 
 ATOL = RTOL = 1e-4
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 600, 2, 8, 31]]
@@ -153,8 +153,8 @@ def test_replicated_kv_head_follows_the_rank(text_dirs):
 
 def test_towers_are_replicated_in_checkpoint_shard(tmp_path):
     """A LLaVA tower's `self_attn.q_proj` names are read whole; the decoder's are sharded."""
-    from vlserve.models.registry import get_model_class
     from vlserve.demo.llava_checkpoints import build_llava_checkpoint
+    from vlserve.models.registry import get_model_class
 
     cfg = AutoConfig.from_pretrained(build_llava_checkpoint(str(tmp_path / "llava"), vision_depth=1, num_layers=1))
     with fake_rank(1, 2), torch.device("meta"):

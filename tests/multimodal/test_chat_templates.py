@@ -11,9 +11,9 @@ from PIL import Image
 
 from tests.multimodal.mm_media import encode_video, rand_image, rand_video
 from tests.multimodal.test_mm_engine_parity import MAX_NEW, HFOracle
+from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
 from vlserve import LLM, SamplingParams
 from vlserve.multimodal.media import load_video
-from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE, STRING_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mm_media import rand_image
 from PIL import Image
 
-from mm_media import rand_image
 from vlserve.multimodal.processor import MultiModalProcessor, is_fast_image_processor
 
 pytestmark = pytest.mark.hf_parity

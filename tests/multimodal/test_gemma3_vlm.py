@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
-from vlserve import LLM, SamplingParams
 from tests.support.hf_oracle import HFImageTextOracle, data_url
+from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
@@ -199,9 +199,9 @@ def test_paged_logits_match_hf_with_bidirectional_images(g3_dir, oracle):
     does not."""
     from transformers import AutoConfig
 
+    from tests.support.paged_runner import PagedRunner
     from vlserve.models.capabilities import capabilities_of
     from vlserve.models.loader import load_model
-    from tests.support.paged_runner import PagedRunner
     from vlserve.worker.bidirectional import token_runs
 
     cfg = AutoConfig.from_pretrained(g3_dir)

@@ -6,14 +6,13 @@ one feature per frame, `FrameN: <img>...</img>` lines): prompt ids, greedy parit
 per-frame encoder cache."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image, rand_video
-from vlserve import LLM, SamplingParams
 from tests.support.hf_oracle import HFImageTextOracle, data_url
+from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity
 
@@ -98,8 +97,8 @@ def test_tower_variants_match_hf(variant):
     """RMSNorm / qk-norm / final LayerNorm towers (InternVL3's larger checkpoints) against HF InternVLVisionModel."""
     from transformers import InternVLVisionConfig, InternVLVisionModel
 
-    from vlserve.encoders.intern_vit import InternVitConfig, InternVitTower
     from tests.support.internvl_checkpoints import internvl_vision_config, randomize_
+    from vlserve.encoders.intern_vit import InternVitConfig, InternVitTower
 
     variant = dict(variant)
     cfg = InternVLVisionConfig(**internvl_vision_config(depth=variant.pop("depth", 2), **variant))

@@ -100,7 +100,7 @@ def test_greedy_parity_with_hf(case):
     kind, path, hf, prompts, expected = case
     llm = LLM(path, dtype="float32", num_kv_blocks=256)
     outs = _generate(llm, prompts)
-    for (text, imgs), out, (hf_prompt, hf_new) in zip(prompts, outs, expected):
+    for (_text, imgs), out, (hf_prompt, hf_new) in zip(prompts, outs, expected):
         assert out.prompt_token_ids == hf_prompt, f"{kind}: placeholder expansion differs ({len(imgs)} images)"
         assert list(out.outputs[0].token_ids) == hf_new, f"{kind}: {len(imgs)} images"
     # LLM.chat and LLM.generate(images=...) with a plain prompt (wrapped in the chat template) agree with HF too

@@ -5,15 +5,14 @@ sizes; chunked prefill through image runs with forced preemption, prefix caching
 parallel 2."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
 from tests.multimodal.mm_server import assert_server_image_parity
-from vlserve import LLM, SamplingParams
 from tests.support.hf_oracle import HFImageTextOracle, data_url
+from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

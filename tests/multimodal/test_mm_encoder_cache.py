@@ -108,7 +108,7 @@ def test_random_workload_keeps_integrity():
     m = EncoderCacheManager(200)
     live: dict[str, set[str]] = {}
     sizes = {f"h{i}": rng.randint(5, 60) for i in range(30)}
-    for step in range(2000):
+    for _step in range(2000):
         rid = f"r{rng.randint(0, 15)}"
         h = rng.choice(list(sizes))
         op = rng.random()

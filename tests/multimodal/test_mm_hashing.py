@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+from mm_media import rand_image
 from PIL import Image
 
-from mm_media import rand_image
 from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.media import load_video
 

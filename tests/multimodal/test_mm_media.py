@@ -6,9 +6,9 @@ import io
 
 import numpy as np
 import pytest
+from mm_media import encode_video, rand_image, rand_video
 from PIL import Image
 
-from mm_media import encode_video, rand_image, rand_video
 from vlserve.multimodal.media import LoadedVideo, load_image, load_video, sample_frame_indices
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mm_media import encode_video, rand_image, rand_video
 from PIL import Image
 
-from mm_media import encode_video, rand_image, rand_video
 from vlserve.multimodal.processor import MultiModalProcessor
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -6,10 +6,9 @@ import random
 
 import pytest
 import torch
+from mm_media import rand_image, rand_video
 
 from tests.support.hf_generate import align_hf_video_inputs
-
-from mm_media import rand_image, rand_video
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.mrope import decode_mrope_positions, get_mrope_positions

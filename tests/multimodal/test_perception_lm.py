@@ -2,13 +2,12 @@
 the server; chunked prefill and preemption; placeholder counts as HF's processor computes them; the encoder cache."""
 from __future__ import annotations
 
-
 import pytest
 from PIL import Image
 
 from tests.multimodal.mm_media import rand_image
-from vlserve import LLM, SamplingParams
 from tests.support.hf_oracle import HFImageTextOracle, data_url
+from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
 from mm_media import rand_image
+
 from vlserve.multimodal.processor import MultiModalProcessor
 
 

@@ -10,9 +10,9 @@ from PIL import Image
 
 from tests.multimodal.mm_media import rand_image, rand_video
 from tests.multimodal.mm_server import assert_server_image_parity
-from vlserve import LLM, SamplingParams
 from tests.support.hf_oracle import HFImageTextOracle, data_url
 from tests.support.qwen3_vl_checkpoints import trained_video_layout
+from vlserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 

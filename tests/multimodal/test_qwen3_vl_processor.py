@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mm_media import encode_video, rand_image, rand_video
+
 from vlserve.multimodal.media import load_video
 from vlserve.multimodal.processor import MultiModalProcessor
 from vlserve.multimodal.qwen3_vl_video import DEFAULT_TIMESTAMP_FPS, frame_hash, frame_timestamps

@@ -188,8 +188,8 @@ def test_training_forward_matches_serving(text_target, method):
     from vlserve.kernels.metadata import AttentionMetadata
     from vlserve.models.loader import load_model
     from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights
-    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel
     from vlserve.spec_decode.eagle_heads import eagle_config_for
+    from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel
 
     torch.manual_seed(0)
     hf = AutoConfig.from_pretrained(text_target)

@@ -28,8 +28,12 @@ def build_qwen2_audio_checkpoint(
     load it offline. `chat_template` defaults to tests.support.chat_templates.QWEN2_AUDIO_CHAT_TEMPLATE.
     """
     import torch
-    from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
-                              WhisperFeatureExtractor)
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
 
     from tests.support.chat_templates import QWEN2_AUDIO_CHAT_TEMPLATE
     from vlserve.demo.tokenizer import build_qwen2_tokenizer

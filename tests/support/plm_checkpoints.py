@@ -86,8 +86,12 @@ def build_plm_checkpoint(
     the timm arguments; `ref_feat_shape` (RoPE grid) is set only for the `vit_pe_*` (timm Eva) architectures.
     """
     import torch
-    from transformers import (PerceptionLMConfig, PerceptionLMForConditionalGeneration, PerceptionLMProcessor,
-                              PerceptionLMVideoProcessor)
+    from transformers import (
+        PerceptionLMConfig,
+        PerceptionLMForConditionalGeneration,
+        PerceptionLMProcessor,
+        PerceptionLMVideoProcessor,
+    )
 
     os.makedirs(out_dir, exist_ok=True)
     tok = build_plm_tokenizer()

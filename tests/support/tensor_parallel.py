@@ -73,9 +73,9 @@ def paged_step_logits(model_dir: str, prompts: list[list[int]], decode_tokens: l
     """
     from transformers import AutoConfig
 
+    from tests.support.paged_runner import PagedRunner
     from vlserve.config import CompilationConfig
     from vlserve.models import iter_safetensors_weights, load_model
-    from tests.support.paged_runner import PagedRunner
     from vlserve.worker.compiled_forward import ModelForward
 
     cfg = AutoConfig.from_pretrained(model_dir)

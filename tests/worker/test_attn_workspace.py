@@ -5,8 +5,8 @@ import torch
 
 import vlserve.kernels.attention_ref as attention_ref
 from vlserve import LLM, SamplingParams
-from vlserve.kernels import BACKEND_ENV, cpu_decode, decode_workspace_numel, paged_attention_decode_ref
 from vlserve.demo.checkpoints import build_text_checkpoint
+from vlserve.kernels import BACKEND_ENV, cpu_decode, decode_workspace_numel, paged_attention_decode_ref
 
 
 def _paged_case(seq_lens, block_size=4, heads=(4, 2), head_dim=8, seed=0):

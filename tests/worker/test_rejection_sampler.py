@@ -3,8 +3,13 @@ import pytest
 import torch
 
 from vlserve.sampling_params import SamplingParams
-from vlserve.worker.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSampler, build_spec_sampling_metadata,
-                                             compute_target_probs, rejection_sample_ref)
+from vlserve.worker.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    build_spec_sampling_metadata,
+    compute_target_probs,
+    rejection_sample_ref,
+)
 from vlserve.worker.sampler import Sampler, apply_min_p, apply_top_k_top_p, build_sampling_metadata, make_generator
 
 DEV = "cpu"

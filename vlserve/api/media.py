@@ -130,7 +130,7 @@ class MediaFetcher:
         timeout = self.config.timeouts[kind]
         try:
             return await asyncio.wait_for(self._download(url, kind, timeout), timeout)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, httpx.TimeoutException):
             raise APIError(f"timed out after {timeout:g} s fetching {kind} {shorten(url, 100)}", 400) from None
         except httpx.HTTPError as e:
             raise APIError(f"could not fetch {kind} {shorten(url, 100)}: {type(e).__name__}: {e}", 400) from None

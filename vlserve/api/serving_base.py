@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -64,7 +65,7 @@ class MMKwargLimits:
     max_frames: int | None = None  # for num_frames and max_frames
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "MMKwargLimits":
+    def from_engine(cls, engine: Any) -> MMKwargLimits:
         """The processor's configured pixel budget (or the server's --mm-processor-kwargs, when larger) and frame cap."""
         proc = getattr(engine.input_processor, "mm_processor", None)
         if proc is None:

@@ -11,16 +11,25 @@ logprobs, sampling knobs, penalties, seed, structured outputs, tools, echo, ...)
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError
-from vlserve.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
-                                  CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails,
-                                  UsageInfo, random_id)
+from vlserve.api.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
 from vlserve.api.request_fields import BEAM_SEARCH_FIELDS, check_extra_fields
 from vlserve.api.serving_base import run_unless_disconnected
 from vlserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, BeamSearchSequence
@@ -67,7 +76,7 @@ class BeamRequest:
     skip_special_tokens: bool
 
     @classmethod
-    def from_request(cls, req: CompletionRequest | ChatCompletionRequest, endpoint: str) -> "BeamRequest":
+    def from_request(cls, req: CompletionRequest | ChatCompletionRequest, endpoint: str) -> BeamRequest:
         """Validate a use_beam_search request (APIError 400 naming the field at fault)."""
         extra = req.model_extra or {}
         check_extra_fields({k: v for k, v in extra.items() if k not in BEAM_SEARCH_FIELDS}, endpoint)

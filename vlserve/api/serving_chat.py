@@ -5,20 +5,41 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError, sse_error, to_api_error
-from vlserve.api.media import URL_PARTS, PASSTHROUGH_PARTS, MediaFetcher
-from vlserve.api.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                  ChatLogprobs, ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
-                                  TopLogprob, random_id)
+from vlserve.api.media import PASSTHROUGH_PARTS, URL_PARTS, MediaFetcher
+from vlserve.api.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    random_id,
+)
+from vlserve.api.serving_base import (
+    SSE_DONE,
+    DeltaTracker,
+    EngineStreamingResponse,
+    MMKwargLimits,
+    ServedModels,
+    check_fits_context,
+    check_kv_transfer_params,
+    check_mm_processor_kwargs,
+    run_unless_disconnected,
+    sse,
+    structured_backend,
+    usage_of,
+)
 from vlserve.api.serving_beam import beam_chat, wants_beam_search
-from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, MMKwargLimits, ServedModels,
-                                      check_fits_context, check_kv_transfer_params, check_mm_processor_kwargs,
-                                      run_unless_disconnected, sse, structured_backend, usage_of)
 from vlserve.api.tool_choice import ToolPlan, plan_tools
 from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream

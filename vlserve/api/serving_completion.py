@@ -3,17 +3,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError, sse_error, to_api_error
-from vlserve.api.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                  random_id)
-from vlserve.api.serving_base import (SSE_DONE, DeltaTracker, EngineStreamingResponse, ServedModels,
-                                      check_fits_context, check_kv_transfer_params, run_unless_disconnected, sse,
-                                      structured_backend, usage_of)
+from vlserve.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id
+from vlserve.api.serving_base import (
+    SSE_DONE,
+    DeltaTracker,
+    EngineStreamingResponse,
+    ServedModels,
+    check_fits_context,
+    check_kv_transfer_params,
+    run_unless_disconnected,
+    sse,
+    structured_backend,
+    usage_of,
+)
 from vlserve.api.serving_beam import beam_completion, wants_beam_search
 from vlserve.api.serving_chat import prepare_input
 from vlserve.engine.async_llm import AsyncLLM, RequestStream

@@ -64,7 +64,7 @@ class _Shapes:
     layer_weights: int  # q, k, v, o projections and the gated MLP's three, per layer
 
     @classmethod
-    def of(cls, text_cfg) -> "_Shapes":
+    def of(cls, text_cfg) -> _Shapes:
         hidden, heads = text_cfg.hidden_size, text_cfg.num_attention_heads
         head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads

@@ -15,8 +15,13 @@ from dataclasses import replace
 from vlserve.config import SchedulerConfig
 from vlserve.core.encoder_plan import commit_encoder_inputs, plan_encoder_inputs
 from vlserve.core.request import RequestStatus
-from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                       SchedulerOutput)
+from vlserve.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from vlserve.core.scheduler import Scheduler
 
 ENCODED_FINISH_REASON = "length"  # an encode server's requests end so, with no tokens

@@ -21,8 +21,14 @@ from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_e
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.kv_connector_sched import KVConnectorState
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
-from vlserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                       SchedulerOutput, StepPlan)
+from vlserve.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    StepPlan,
+)
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)

@@ -78,7 +78,7 @@ def sample_clip(rng: random.Random, num_beeps: int | None = None) -> Clip:
     if not 1 <= n <= MAX_BEEPS:
         raise ValueError(f"num_beeps must be in 1..{MAX_BEEPS}, got {num_beeps!r}")
     beeps, t = [], rng.uniform(*OFFSET_SECONDS)
-    for i, length in enumerate(_lengths(rng, n)):
+    for _i, length in enumerate(_lengths(rng, n)):
         pitch = rng.choice(PITCHES)
         duration = rng.uniform(*LENGTH_SECONDS[length])
         beeps.append(Beep(pitch, length, round(t, 4), round(duration, 4), rng.uniform(*PITCH_HZ[pitch]),

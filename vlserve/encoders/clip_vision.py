@@ -9,8 +9,8 @@ The pieces here (config, encoder layer, weight loading) are shared with the SigL
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ class VitConfig:
     in_channels: int = 3
 
     @classmethod
-    def from_hf(cls, vision_config) -> "VitConfig":
+    def from_hf(cls, vision_config) -> VitConfig:
         """Read an HF CLIPVisionConfig / SiglipVisionConfig."""
         return cls(depth=vision_config.num_hidden_layers, width=vision_config.hidden_size,
                    num_heads=vision_config.num_attention_heads, mlp_hidden=vision_config.intermediate_size,

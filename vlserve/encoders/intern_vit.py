@@ -40,7 +40,7 @@ class InternVitConfig(VitConfig):
     absolute_positions: bool = True
 
     @classmethod
-    def from_hf(cls, vc) -> "InternVitConfig":
+    def from_hf(cls, vc) -> InternVitConfig:
         """Read an HF InternVLVisionConfig; ValueError for a norm type we do not build."""
         norm_type = getattr(vc, "norm_type", "layer_norm")
         if norm_type not in ("layer_norm", "rms_norm"):

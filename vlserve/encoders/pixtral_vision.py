@@ -43,7 +43,7 @@ class PixtralConfig:
                              f"divisible by 4 (2-D rotary)")
 
     @classmethod
-    def from_hf(cls, vision_config) -> "PixtralConfig":
+    def from_hf(cls, vision_config) -> PixtralConfig:
         """Read an HF PixtralVisionConfig (`rope_parameters` on 5.x, `rope_theta` on 4.x)."""
         rope = getattr(vision_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(vision_config, "rope_theta", None) or 10000.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vlserve.encoders.staged import TowerState
 from vlserve.encoders.vision_layers import (
     AttentionSegments,
     Grid,
@@ -22,7 +23,6 @@ from vlserve.encoders.vision_layers import (
     frame_lengths,
     merge_ordered_positions,
 )
-from vlserve.encoders.staged import TowerState
 
 
 def qwen2_vl_tower_config(vision_config) -> VisionTowerConfig:

@@ -7,7 +7,7 @@ Any backbone the wrapper accepts serves without new tower code. The tower runs t
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ class TimmVisionTower(nn.Module):
         self.num_prefix_tokens = int(getattr(self.timm_model, "num_prefix_tokens", 0))
 
     @classmethod
-    def from_config(cls, vision_config) -> "TimmVisionTower":
+    def from_config(cls, vision_config) -> TimmVisionTower:
         """Build from a TimmWrapperConfig (architecture + model_args)."""
         return cls(*timm_tower_args(vision_config))
 

@@ -52,7 +52,7 @@ class AttentionSegments:
     max_len: int
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device) -> "AttentionSegments":
+    def from_lengths(cls, lengths: list[int], device: torch.device) -> AttentionSegments:
         bounds = [0]
         for n in lengths:
             if n > 0:

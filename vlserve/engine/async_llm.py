@@ -16,16 +16,17 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 from vlserve.config import EngineArgs
 from vlserve.engine.core_messages import KV_POLL_S
 from vlserve.engine.engine_control import Control, ControlCalls, EngineDeadError, _post, _settle, settle_control
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
-from vlserve.executor import WorkerDied
 from vlserve.engine.input_processor import ProcessedPrompt
+from vlserve.executor import WorkerDied
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
 
@@ -105,7 +106,7 @@ class AsyncLLM(ControlCalls):
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         """Load the checkpoint and start the engine thread."""
         return cls(args, **kwargs)
 
@@ -131,7 +132,7 @@ class AsyncLLM(ControlCalls):
 
     # -- requests --------------------------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: ProcessedPrompt,
-                          sampling_params: SamplingParams | None = None, lora_request=None) -> "RequestStream":
+                          sampling_params: SamplingParams | None = None, lora_request=None) -> RequestStream:
         """Queue a processed prompt; returns once the engine accepted it (ValueError / QueueFullError if not)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running ({self._dead})")
@@ -353,7 +354,7 @@ class RequestStream:
         self._queue = q
         self.finished = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -376,7 +377,7 @@ class RequestStream:
             self.finished = True
             self.llm.abort(self.request_id)
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

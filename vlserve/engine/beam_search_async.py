@@ -6,8 +6,9 @@ encoder cache reference outlives the search.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable
+from typing import Any
 
 from vlserve.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
 from vlserve.engine.async_llm import AsyncLLM

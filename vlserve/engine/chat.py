@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vlserve.engine.request_limits import check_role
 from vlserve.multimodal.audio import input_audio_data_url

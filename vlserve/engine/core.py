@@ -10,23 +10,23 @@ import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
 from vlserve.core.encoder_budget import EncoderBudget
+from vlserve.core.encoder_only_scheduler import EncoderOnlyScheduler
 from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from vlserve.core.encoder_only_scheduler import EncoderOnlyScheduler
 from vlserve.core.scheduler import Scheduler
+from vlserve.engine.batch_queue import BatchQueue
+from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_ec_transfer, resolve_kv_transfer
+from vlserve.engine.lora_loads import LoRALoads
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.executor import build_executor
+from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.registry import get_model_class
 from vlserve.spec_decode import SpeculativeConfig
 from vlserve.spec_decode.config import fill_default_draft
-from vlserve.executor import build_executor
-from vlserve.executor.worker import RankModel, WorkerSettings
-from vlserve.engine.lora_loads import LoRALoads
-from vlserve.engine.batch_queue import BatchQueue
-from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_ec_transfer, resolve_kv_transfer
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from vlserve.config import EngineArgs
 from vlserve.engine.core_messages import EngineFailed, EngineReady, ShutdownEngine, decode, encode

@@ -14,12 +14,25 @@ import signal
 import sys
 
 from vlserve.config import EngineArgs
+from vlserve.engine.core_messages import (
+    KV_POLL_S,
+    AbortRequests,
+    AddAck,
+    AddRequests,
+    ControlAck,
+    ControlCall,
+    EngineFailed,
+    EngineReady,
+    FinishStopped,
+    ShutdownEngine,
+    StepOutputs,
+    decode,
+    encode,
+    portable_error,
+)
+from vlserve.engine.engine_control import CONTROL_OPS
 from vlserve.executor import WorkerDied
 from vlserve.executor.worker import share_cpu_threads
-from vlserve.engine.core_messages import (KV_POLL_S, AbortRequests, AddAck, AddRequests, ControlAck, ControlCall,
-                                          EngineFailed, EngineReady, FinishStopped, ShutdownEngine, StepOutputs, decode,
-                                          encode, portable_error)
-from vlserve.engine.engine_control import CONTROL_OPS
 
 logger = logging.getLogger(__name__)
 

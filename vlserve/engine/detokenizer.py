@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
         start_len = len(self.output_text)
         if self._stream is not None:
             try:
-                for i, tok in enumerate(new_token_ids):
+                for i, tok in enumerate(new_token_ids):  # noqa: B007  (i: where the except goes on)
                     piece = self._stream.step(self._backend, tok)
                     self._ids.append(tok)
                     if piece:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 DEFAULT_PREFIX_BLOCKS = 4  # affinity key for text: the first 4 KV blocks of the prompt
 

@@ -9,8 +9,9 @@ once each `ControlAck` is back. Errors (a bad adapter: ValueError) reach the cal
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 CONTROL_OPS = ("add_lora", "remove_lora")  # the EngineCore methods a control call may run
 

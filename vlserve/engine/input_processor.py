@@ -5,14 +5,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vlserve.core.request import EngineCoreRequest
-from vlserve.engine.chat import (CONTENT_FORMATS, default_media_source, parse_chat_messages, resolve_content_format,
-                                 to_content_format)
+from vlserve.engine.chat import (
+    CONTENT_FORMATS,
+    default_media_source,
+    parse_chat_messages,
+    resolve_content_format,
+    to_content_format,
+)
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.lora.peft_checkpoint import adapter_targets_encoder
 from vlserve.multimodal.inputs import MultiModalFeature, feature_from_remote
-from vlserve.shorten import shorten
 from vlserve.sampling_params import SamplingParams
+from vlserve.shorten import shorten
 
 _PLACEHOLDERS = {"image": "<|image_pad|>", "video": "<|video_pad|>", "audio": "<|AUDIO|>"}
 

@@ -3,7 +3,6 @@ its sides must agree on (the host tier's size in blocks, the namespace its stabl
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 

@@ -10,8 +10,9 @@ within max_lora_rank) is a ValueError at `begin`, so a bad request is refused wh
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from vlserve.lora.peft_checkpoint import check_adapter_dir
 

@@ -1,8 +1,9 @@
 """Multimodal parts of a checkpoint: the HF processor wrapper and the M-RoPE position function."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from vlserve.executor.worker import mrope_positions_fn_for
 from vlserve.models.capabilities import capabilities_of

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from vlserve.config import EngineArgs
 from vlserve.engine.mm_setup import load_multimodal
-from vlserve.multimodal.processor import wants_fast_processor
 from vlserve.models.hf_config import text_config_of, token_id_of
+from vlserve.multimodal.processor import wants_fast_processor
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 

@@ -19,10 +19,18 @@ from typing import Any
 from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.async_llm import _STOP, AsyncLLM, EngineDeadError, _Abort, _Add, _post, _settle
 from vlserve.engine.core_client import DEFAULT_STARTUP_TIMEOUT, EngineCoreClient, EngineGone
-from vlserve.engine.core_messages import (AbortRequests, AddAck, AddRequests, ControlAck, ControlCall, EngineReady,
-                                          FinishStopped, StepOutputs)
-from vlserve.engine.engine_control import Control, settle_control
+from vlserve.engine.core_messages import (
+    AbortRequests,
+    AddAck,
+    AddRequests,
+    ControlAck,
+    ControlCall,
+    EngineReady,
+    FinishStopped,
+    StepOutputs,
+)
 from vlserve.engine.dp_router import DPRouter
+from vlserve.engine.engine_control import Control, settle_control
 from vlserve.engine.engine_loop import NewRequest
 from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
@@ -199,8 +207,8 @@ class MPAsyncLLM(AsyncLLM):
             client.close(kill=True)
             raise
         ready = client.wait_ready()
-        from vlserve.models.loader import resolve_dtype
         from vlserve.engine.model_setup import pick_device
+        from vlserve.models.loader import resolve_dtype
 
         loaded = LoadedModel(model_path, hf_config, None, tokenizer, getattr(mm_processor, "hf_processor", None),
                              pick_device("cpu"), resolve_dtype(engine_args.dtype, hf_config), ready[0].max_model_len,
@@ -214,7 +222,7 @@ class MPAsyncLLM(AsyncLLM):
         client.start_receiver(self._inbox.put)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "MPAsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> MPAsyncLLM:
         """Spawn the engine process and wait until it has loaded the model."""
         return cls(args, **kwargs)
 

@@ -49,7 +49,7 @@ class Executor(ABC):
     def stats(self) -> WorkerStats:
         """The sampling rank's counters after the latest step."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027  (optional: most executors have nothing to stop)
         """Stop the ranks (no-op in process)."""
 
 

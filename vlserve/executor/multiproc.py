@@ -57,7 +57,7 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
     except BaseException as e:
         logger.exception("rank %d failed to load", rank)
         _send(conn, ("error", f"{type(e).__name__}: {e}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     while True:
         try:
             method, arg = pickle.loads(conn.recv_bytes())
@@ -73,7 +73,7 @@ def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, ini
             _send(conn, ("ok", result))
         except BaseException as e:
             _send(conn, ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-            raise SystemExit(1)
+            raise SystemExit(1) from None
 
 
 class MultiprocExecutor(RankGroupExecutor):

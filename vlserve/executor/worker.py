@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -127,7 +128,7 @@ class Worker:
         self.runner.defer_readback = bool(args.async_scheduling) and not staged
 
     @classmethod
-    def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> "Worker":
+    def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> Worker:
         """In a rank's own process: join the tensor- and pipeline-parallel groups, then load this rank's shard."""
         backend = "nccl" if rank_device(settings.args.device, rank).type == "cuda" else "gloo"
         args = settings.args

@@ -22,7 +22,7 @@ import functools
 import importlib
 import os
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,9 +33,9 @@ from vlserve.kernels.attention_ref import (
     paged_prefill_attention_ref,
     varlen_attention_ref,
 )
+from vlserve.kernels.fused_moe_ref import fused_moe_ref
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.kernels.fused_moe_ref import fused_moe_ref
 from vlserve.kernels.rotary_cpu import apply_rotary_cpu
 from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
 

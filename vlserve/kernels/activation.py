@@ -1,7 +1,7 @@
 """Elementwise activations by the names HF configs use (`hidden_act`), our own table instead of transformers'."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

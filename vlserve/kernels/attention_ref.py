@@ -34,8 +34,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.cpu_decode import (MAX_KERNEL_QUERY_LEN, attend_rows, attention_step_supported, kernel_rows,
-                                        step_rows)
+from vlserve.kernels.cpu_decode import (
+    MAX_KERNEL_QUERY_LEN,
+    attend_rows,
+    attention_step_supported,
+    kernel_rows,
+    step_rows,
+)
 from vlserve.kernels.key_limits import bidirectional_prefills, key_limit_mask
 from vlserve.kernels.kv_quant import dequantize_kv, is_fp8, kv_bytes
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots

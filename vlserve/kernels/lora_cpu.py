@@ -99,7 +99,7 @@ class LoRAStack:
 
     @classmethod
     def zeros(cls, max_loras: int, max_rank: int, in_features: int, offsets: list[int], sizes: list[int],
-              dtype: torch.dtype, device: torch.device | str = "cpu") -> "LoRAStack":
+              dtype: torch.dtype, device: torch.device | str = "cpu") -> LoRAStack:
         """Empty slots for output slices at `offsets` of widths `sizes` (what `init_lora` allocates)."""
         width = max((o + n for o, n in zip(offsets, sizes)), default=0)
         a = torch.zeros(max_loras, len(sizes) * max_rank, in_features, dtype=dtype, device=device)  # [L, S*R, I]
@@ -109,7 +109,7 @@ class LoRAStack:
 
     @classmethod
     def from_lists(cls, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], offsets: list[int],
-                   ranks: list[list[int]]) -> "LoRAStack":
+                   ranks: list[list[int]]) -> LoRAStack:
         """A copy of `add_lora_grouped`'s operands: `lora_a[q] [L, R, I]`, `lora_b[q] [L, O_q, R]`, ranks[slot][q]."""
         max_loras, max_rank, in_features = lora_a[0].shape
         stack = cls.zeros(max_loras, max_rank, in_features, offsets, [b.shape[1] for b in lora_b], lora_a[0].dtype,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+
 def token_groups(token_slots: torch.Tensor) -> tuple[tuple[int, object], ...]:
     """`token_slots [T]` -> `((slot, rows), ...)` for every slot >= 0 present, in slot order; rows is a `slice`
     when the slot's tokens are contiguous, else an int64 index tensor `[n]` (on token_slots' device)."""

@@ -1,8 +1,9 @@
 """Per-step attention metadata that the model runner builds and every attention layer reads."""
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 

@@ -10,14 +10,20 @@ someone else (timm) into PackableLinears in place.
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlserve.kernels.cpu_linear import (cpu_linear, cpu_linear_silu_mul, cpu_linear_supported, onednn_min_rows,
-                                        onednn_takes, pack_linear_weight)
+from vlserve.kernels.cpu_linear import (
+    cpu_linear,
+    cpu_linear_silu_mul,
+    cpu_linear_supported,
+    onednn_min_rows,
+    onednn_takes,
+    pack_linear_weight,
+)
 from vlserve.kernels.onednn_linear import onednn_linear, prepack_onednn
 
 logger = logging.getLogger(__name__)

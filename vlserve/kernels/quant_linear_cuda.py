@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vlserve.kernels.quant_linear import (FP8_MAX, WNA16Weights, dequantize_fp8_ref, quantize_fp8_ref,
-                                          quantize_rows_int8)
+from vlserve.kernels.quant_linear import FP8_MAX, WNA16Weights, dequantize_fp8_ref, quantize_fp8_ref, quantize_rows_int8
 
 INT_MM_MIN_M = 17  # torch._int_mm on CUDA needs M > 16 rows, K and N multiples of 8
 _blockwise_failed = False  # set once the blockwise scaled_mm raised: later calls go straight to the fallback
@@ -160,7 +159,8 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
             return _finish(_blockwise(x2, weight, scale), bias, x)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             _blockwise_failed = True
-            warnings.warn(f"blockwise scaled_mm failed ({err}); FP8 block-scaled layers dequantize from now on")
+            warnings.warn(f"blockwise scaled_mm failed ({err}); FP8 block-scaled layers dequantize from now on",
+                          stacklevel=2)
             path = "dequant"
     if path == "dequant":
         return _finish(_fp8_fallback(x2, weight, scale, block, act, act_group, input_scale), bias, x)

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from vlserve.distributed.communication import tp_all_reduce
 from vlserve.kernels.cpu_linear import PANEL, cpu_linear_silu_mul
-from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.kernels.lora_cpu import LoRAStack, lora_add_cpu, lora_cpu_supported
 from vlserve.kernels.lora_ref import add_lora_grouped, take_rows, token_groups
+from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.layers import GatedMLP
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 

@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
 
 import torch
 from torch import nn
 
 from vlserve.kernels.host_copy import to_device
-from vlserve.lora.layers import (LoRALayerMixin, captured_lora_step, current_lora_step, lora_step, uniform_lora_step,
-                                 unwrap, wrap_layer, wrap_mlp)
+from vlserve.lora.layers import (
+    LoRALayerMixin,
+    captured_lora_step,
+    current_lora_step,
+    lora_step,
+    uniform_lora_step,
+    unwrap,
+    wrap_layer,
+    wrap_mlp,
+)
 from vlserve.lora.peft_checkpoint import LoRAAdapter, load_peft_adapter, read_peft_files
 from vlserve.lora.request import LoRARequest
 from vlserve.models.capabilities import capabilities_of

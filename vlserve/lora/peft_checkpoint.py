@@ -23,8 +23,8 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 
@@ -53,7 +53,7 @@ class PeftLoRAConfig:
     fan_in_fan_out: bool = False  # PEFT resets it to False on nn.Linear targets: lora_A/B are Linear-shaped anyway
 
     @classmethod
-    def from_dict(cls, cfg: dict, where: str = "adapter_config.json") -> "PeftLoRAConfig":
+    def from_dict(cls, cfg: dict, where: str = "adapter_config.json") -> PeftLoRAConfig:
         """Validate a parsed adapter_config.json; ValueError on what this engine does not run."""
         if cfg.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")

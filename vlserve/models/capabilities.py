@@ -8,8 +8,9 @@ least a model may offer: a text-only causal LM on one device, without LoRA.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 # The decoder projections LoRA adapters can target (vlserve.lora): fused q/k/v, o, the dense MLP's gate/up and down.
 DECODER_LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -6,7 +6,8 @@ from `model.embed_tokens.weight` when the two are tied and the embeddings are on
 """
 from __future__ import annotations
 
-from typing import ClassVar, Iterable
+from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ class DecoderWithLMHead(nn.Module):
         builds only its stage's layers)."""
 
     @property
-    def decoder(self) -> "LlamaDecoderModel":
+    def decoder(self) -> LlamaDecoderModel:
         """The LlamaDecoderModel."""
         return getattr(self, self.decoder_attr)
 

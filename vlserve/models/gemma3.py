@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from vlserve.models.capabilities import DECODER_LORA_TARGETS, ModelCapabilities
+from vlserve.models.causal_lm import LlamaForCausalLM
 from vlserve.models.hf_config import layer_type_rope_params_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from vlserve.models.causal_lm import LlamaForCausalLM
 from vlserve.models.llama import DecoderAttention, LlamaDecoderModel
 from vlserve.models.parallel_layers import VocabParallelEmbedding
 

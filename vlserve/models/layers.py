@@ -16,6 +16,7 @@ from vlserve.models.hf_config import RopeParams, rope_params_of
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 from vlserve.models.rope import rope_inv_freq
 
+
 class RMSNorm(nn.Module):
     """HF-exact RMSNorm: statistics in float32, cast back to the input dtype, then scaled by `weight`.
 

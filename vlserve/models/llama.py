@@ -18,7 +18,7 @@ stage and the final norm on the last; a later stage's forward takes the previous
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -30,9 +30,15 @@ from vlserve.kernels.attention_op import paged_attention
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.models.hf_config import sliding_window_of, text_config_of
 from vlserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from vlserve.models.parallel_layers import (QKVParallelLinear, RowParallelLinear, ShardSpec,
-                                            VocabParallelEmbedding, check_tensor_parallel_sizes, copy_weight,
-                                            local_kv_heads)
+from vlserve.models.parallel_layers import (
+    QKVParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    check_tensor_parallel_sizes,
+    copy_weight,
+    local_kv_heads,
+)
 
 # HF checkpoint names that carry no weights we need (old checkpoints saved RoPE buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -324,7 +330,7 @@ class LlamaDecoderModel(nn.Module):
         return name, None
 
 
-def decoder_of(model: nn.Module) -> "LlamaDecoderModel":
+def decoder_of(model: nn.Module) -> LlamaDecoderModel:
     """The LlamaDecoderModel inside a causal LM (`.model`) or a VLM (`.language_model`)."""
     for name in ("language_model", "model"):
         dec = getattr(model, name, None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn

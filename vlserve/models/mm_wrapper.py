@@ -23,16 +23,16 @@ embeddings only (`keep_encoder_parts`), through the same skipping.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 import torch
 
 from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.capabilities import ModelCapabilities
-from vlserve.models.hf_config import text_config_of, token_id_of
 from vlserve.models.causal_lm import DecoderWithLMHead
+from vlserve.models.hf_config import text_config_of, token_id_of
 from vlserve.models.llama import AbsentOnStage, LlamaDecoderModel
 from vlserve.models.parallel_layers import ParallelLMHead, copy_weight
 

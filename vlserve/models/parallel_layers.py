@@ -184,7 +184,7 @@ class VocabShard:
     valid: int
 
     @classmethod
-    def of(cls, vocab_size: int, rank: int, tp: int) -> "VocabShard":
+    def of(cls, vocab_size: int, rank: int, tp: int) -> VocabShard:
         rows = -(-vocab_size // tp)
         start = rank * rows
         return cls(start, rows, max(0, min(rows, vocab_size - start)))

@@ -2,7 +2,8 @@
 writing them over the placeholder tokens' embeddings. The runner's one merge path."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -38,7 +38,7 @@ def is_gemma3_processor(hf_processor: Any) -> bool:
     return type(hf_processor).__name__ == "Gemma3Processor"
 
 
-def gemma3_items_for(hf_processor: Any) -> "Gemma3ImageItems | None":
+def gemma3_items_for(hf_processor: Any) -> Gemma3ImageItems | None:
     """The Gemma 3 rules for a Gemma3Processor, else None."""
     return Gemma3ImageItems(hf_processor) if is_gemma3_processor(hf_processor) else None
 

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 
 
-def _update_array(h: "hashlib._Hash", arr: np.ndarray) -> None:
+def _update_array(h: hashlib._Hash, arr: np.ndarray) -> None:
     arr = np.ascontiguousarray(arr)
     h.update(f"ndarray|{arr.dtype.str}|{arr.shape}|".encode())
     h.update(memoryview(arr).cast("B") if arr.size else b"")
 
 
-def _update(h: "hashlib._Hash", item: Any) -> None:
+def _update(h: hashlib._Hash, item: Any) -> None:
     """Feed one item (array, PIL image, bytes, tensor, LoadedVideo or a list of those) into the hash."""
     from PIL import Image
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 
-
 def merged_grid(image_size, unit: int) -> tuple[int, int]:
     """(rows, cols) of LLM image tokens of an image resized to `image_size` (height, width) pixels."""
     height, width = (int(v) for v in image_size)

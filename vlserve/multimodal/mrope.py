@@ -10,7 +10,8 @@ After the prompt, every token at sequence index p has position p + mrope_positio
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -13,16 +13,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.gemma3_items import gemma3_items_for
 from vlserve.multimodal.hashing import hash_mm_item
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.llava_items import image_items_for
-from vlserve.multimodal.media import (DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_FRAMES, LoadedVideo, load_image,
-                                      load_video)
+from vlserve.multimodal.media import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_VIDEO_FRAMES,
+    LoadedVideo,
+    load_image,
+    load_video,
+)
 from vlserve.multimodal.perception_lm import family_items
 from vlserve.multimodal.qwen3_vl_video import Qwen3VLVideos, is_qwen3_vl_processor
 from vlserve.shorten import shorten
@@ -141,7 +147,7 @@ class MultiModalProcessor:
         self.cache_misses = 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, use_fast: bool = True, **kwargs: Any) -> "MultiModalProcessor":
+    def from_pretrained(cls, model_dir: str, use_fast: bool = True, **kwargs: Any) -> MultiModalProcessor:
         """Load the checkpoint's HF processor from a local directory (never the hub) and wrap it; `use_fast`: the
         torchvision-backed image processor where transformers has one (see `load_hf_processor`)."""
         return cls(load_hf_processor(model_dir, use_fast), **kwargs)
@@ -374,7 +380,7 @@ class MultiModalProcessor:
         if self.family is not None:
             return self.family.max_image_embeds(kw)
         max_pixels = kw.get("max_pixels") or self.image_processor.size.get("longest_edge") or \
-            getattr(self.image_processor, "max_pixels")
+            self.image_processor.max_pixels
         unit = int(self.image_processor.patch_size) * self._merge_size("image")
         return int(max_pixels) // (unit * unit)
 

@@ -9,7 +9,8 @@ Images follow the Qwen2-VL grid rules and do not come here.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from vlserve.multimodal.inputs import MultiModalFeature
 

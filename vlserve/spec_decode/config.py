@@ -38,7 +38,7 @@ class SpeculativeConfig:
         self._verify()
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":
+    def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """None -> None (spec decode off); a SpeculativeConfig is returned as is; unknown keys are errors."""
         if d is None or isinstance(d, SpeculativeConfig):
             return d

@@ -93,7 +93,7 @@ class EagleProposer:
 
     @classmethod
     def from_config(cls, spec_config, target: torch.nn.Module, target_hf_config, device, dtype,
-                    max_model_len: int, block_size: int) -> "EagleProposer":
+                    max_model_len: int, block_size: int) -> EagleProposer:
         text_cfg = getattr(target_hf_config, "text_config", None) or target_hf_config
         cfg = EagleConfig.from_dir(spec_config.model)
         if cfg.method != spec_config.method:

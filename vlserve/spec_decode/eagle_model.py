@@ -92,7 +92,7 @@ class EagleConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EagleConfig":
+    def from_dict(cls, d: dict) -> EagleConfig:
         d = dict(d)
         arch = d.pop("architectures", [ARCHITECTURE])
         if not arch or arch[0] != ARCHITECTURE:
@@ -106,7 +106,7 @@ class EagleConfig:
         return cls(**d, extra=extra)
 
     @classmethod
-    def from_dir(cls, path: str) -> "EagleConfig":
+    def from_dir(cls, path: str) -> EagleConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ValueError(f"EAGLE draft: no config.json in {path!r}")

@@ -53,7 +53,7 @@ class NgramProposer:
         self._buffers: dict[str, list] = {}  # req_id -> [[-1] + tokens buffer, num tokens, last token]
 
     @classmethod
-    def from_config(cls, spec_config, max_model_len: int | None = None) -> "NgramProposer":
+    def from_config(cls, spec_config, max_model_len: int | None = None) -> NgramProposer:
         return cls(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
                    spec_config.num_speculative_tokens, max_model_len)
 

@@ -58,7 +58,7 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs disable_any_whitespace must be true or false")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StructuredOutputsParams":
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
         """From a request's dict; a key this class does not know is a ValueError that names it."""
         if not isinstance(d, dict):
             raise ValueError(f"structured_outputs must be an object, got {shorten(d)}")
@@ -99,7 +99,7 @@ class StructuredOutputsConfig:
             raise ValueError(f"compile_workers must be an integer >= 1, got {shorten(self.compile_workers)}")
 
     @classmethod
-    def from_any(cls, value: "StructuredOutputsConfig | dict | str | None") -> "StructuredOutputsConfig":
+    def from_any(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
         """From the CLI's JSON text, a dict, an instance or None (defaults); unknown keys are a ValueError."""
         if value is None:
             return cls()

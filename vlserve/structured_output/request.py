@@ -11,7 +11,7 @@ class StructuredOutputRequest:
     """A request's constraint (`params`) and the future of its matcher (`future`); the scheduler polls
     `is_ready()` and schedules the request once the grammar is there (or aborts it when `error` is set)."""
 
-    def __init__(self, params: StructuredOutputsParams, future: "Future[StructuredOutputGrammar]") -> None:
+    def __init__(self, params: StructuredOutputsParams, future: Future[StructuredOutputGrammar]) -> None:
         self.params = params
         self.future = future
         self._grammar: StructuredOutputGrammar | None = None  # the matcher, kept once compiled (read every step)

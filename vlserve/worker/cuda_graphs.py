@@ -21,8 +21,8 @@ import bisect
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

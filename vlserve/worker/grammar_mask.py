@@ -6,8 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vlserve.kernels.grammar_mask import (apply_token_bitmask_cpu, apply_token_bitmask_ref, grammar_mask_supported,
-                                          unpack_bitmask)
+from vlserve.kernels.grammar_mask import (
+    apply_token_bitmask_cpu,
+    apply_token_bitmask_ref,
+    grammar_mask_supported,
+    unpack_bitmask,
+)
 
 __all__ = ["apply_grammar_bitmask", "unpack_bitmask"]
 

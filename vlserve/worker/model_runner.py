@@ -25,11 +25,11 @@ from vlserve.models.llama import decoder_of, kv_cache_spec
 from vlserve.multimodal.mrope import mrope_positions_for_range
 from vlserve.sampling_params import SamplingParams
 from vlserve.worker.bidirectional import step_key_limits, token_runs
+from vlserve.worker.compiled_forward import ModelForward, shape_classes
 from vlserve.worker.cpu_allocator import tune_cpu_allocator
 from vlserve.worker.deferred_samples import DeviceTokenFeed, StepHandle
 from vlserve.worker.draft_inputs import build_draft_inputs
 from vlserve.worker.encoder_runs import EncoderRunner, EncoderWork
-from vlserve.worker.compiled_forward import ModelForward, shape_classes
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
 from vlserve.worker.proposer import DraftKVSpec, Proposer

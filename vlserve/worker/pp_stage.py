@@ -22,8 +22,13 @@ import numpy as np
 import torch
 
 from vlserve.core.sched_output import SchedulerOutput
-from vlserve.distributed.pipeline import (IntermediateTensors, is_first_stage, is_last_stage, recv_intermediate,
-                                          send_intermediate)
+from vlserve.distributed.pipeline import (
+    IntermediateTensors,
+    is_first_stage,
+    is_last_stage,
+    recv_intermediate,
+    send_intermediate,
+)
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.worker.encoder_runs import NO_ENCODER_WORK, EncoderWork
 from vlserve.worker.model_runner import ModelRunner

@@ -8,8 +8,9 @@ metadata). A proposer that needs KV of its own describes it with `draft_kv_spec(
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

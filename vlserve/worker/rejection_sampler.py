@@ -44,8 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.sampling_params import SamplingParams
-from vlserve.worker.sampler import (SamplerOutput, compute_target_probs, gather_logprobs, greedy_ids,
-                                    prepare_logits)
+from vlserve.worker.sampler import SamplerOutput, compute_target_probs, gather_logprobs, greedy_ids, prepare_logits
 from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
 
 PLACEHOLDER_TOKEN_ID = -1

@@ -6,8 +6,8 @@ concatenate to the non-streamed calls.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from vlserve.api.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
 from vlserve.shorten import shorten

@@ -18,8 +18,7 @@ import re
 
 import torch
 
-from vlserve.distributed.kv_transfer.offloading.tier_store import (
-    TierFileError, read_checked_file, write_checked_file)
+from vlserve.distributed.kv_transfer.offloading.tier_store import TierFileError, read_checked_file, write_checked_file
 
 logger = logging.getLogger(__name__)
 

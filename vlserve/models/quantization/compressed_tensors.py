@@ -21,7 +21,12 @@ from torch import nn
 
 from vlserve.kernels.quant_linear import prepare_fp8, prepare_int8, prepare_wna16
 from vlserve.models.quantization.base import (
-    LinearScheme, QuantizationConfig, QuantParamLayout, add_quant_param, check_divides)
+    LinearScheme,
+    QuantizationConfig,
+    QuantParamLayout,
+    add_quant_param,
+    check_divides,
+)
 from vlserve.models.quantization.packing import unpack_int32
 from vlserve.models.quantization.schemes import FP8Scheme, Int8Scheme, WNA16Scheme, remove_weight, replace_params
 

@@ -15,8 +15,13 @@ import torch
 from torch import nn
 
 from vlserve.kernels.quant_linear import prepare_wna16
-from vlserve.models.quantization.base import LinearScheme, QuantizationConfig, QuantParamLayout, add_quant_param
-from vlserve.models.quantization.base import check_divides
+from vlserve.models.quantization.base import (
+    LinearScheme,
+    QuantizationConfig,
+    QuantParamLayout,
+    add_quant_param,
+    check_divides,
+)
 from vlserve.models.quantization.packing import AWQ_ORDER, unpack_int32
 from vlserve.models.quantization.schemes import WNA16Scheme, remove_weight, replace_params
 

@@ -8,7 +8,12 @@ from torch import nn
 
 from vlserve.kernels.quant_linear import WNA16Weights, fp8_linear, int8_linear, int8_linear_silu_mul, wna16_linear
 from vlserve.kernels.quant_linear_cuda import (
-    TritonWNA16Weights, fp8_linear_cuda, int8_linear_cuda, prepare_wna16_cuda, wna16_linear_cuda)
+    TritonWNA16Weights,
+    fp8_linear_cuda,
+    int8_linear_cuda,
+    prepare_wna16_cuda,
+    wna16_linear_cuda,
+)
 from vlserve.models.quantization.base import LinearScheme
 
 

@@ -24,8 +24,12 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from vlserve.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, \
-    KVConnectorRole
+from vlserve.distributed.kv_transfer.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from vlserve.distributed.kv_transfer.offloading.keys import extend_block_keys
 
 logger = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ class CacheDescriptor:
                 "draft_block_bytes": self.draft_block_bytes}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CacheDescriptor":
+    def from_dict(cls, d: dict) -> CacheDescriptor:
         return cls(d["session"], [int(x) for x in d["bases"]], [int(x) for x in d["block_bytes"]],
                    int(d["num_blocks"]), [int(x) for x in d.get("draft_bases", [])],
                    [int(x) for x in d.get("draft_block_bytes", [])])

@@ -22,8 +22,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from vlserve.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, \
-    KVConnectorRole
+from vlserve.distributed.kv_transfer.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from vlserve.multimodal.inputs import feature_to_remote
 
 logger = logging.getLogger(__name__)
