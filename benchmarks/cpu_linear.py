@@ -17,6 +17,7 @@ one's qkv, MLP up and down).
     python -m benchmarks.cpu_linear --gflops [--dtype bfloat16 float32] [--decode-rows 1 8 32]
         [--tower-rows 1024 4096]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,18 +44,23 @@ def layer(dtype: torch.dtype, hidden_size: int, rows: list[int], iters: int) -> 
     flush = torch.zeros(16 * 1024 * 1024)  # 64 MB
     shapes = layer_shapes(hidden_size)
     print(f"one layer of hidden {hidden_size}: (N, K) = {shapes}")
-    print(f"{'rows':>5} | {'kernel hot':>10} {'cold':>7} | {'F.linear hot':>12} {'cold':>7} | "
-          f"{'prepacked hot':>13} {'cold':>7} | cold: F.linear/kernel  prepacked/kernel  kernel GFLOP/s")
+    print(
+        f"{'rows':>5} | {'kernel hot':>10} {'cold':>7} | {'F.linear hot':>12} {'cold':>7} | "
+        f"{'prepacked hot':>13} {'cold':>7} | cold: F.linear/kernel  prepacked/kernel  kernel GFLOP/s"
+    )
     for m in rows:
         ops = []
         for n, k in shapes:
             x = torch.randn(m, k, generator=g).to(dtype)
-            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
             packed, onednn = pack_linear_weight(w), torch.ops.mkldnn._reorder_linear_weight(w, m)
-            ops.append({"kernel": (lambda x=x, p=packed, n=n: cpu_linear(x, p, None, n)),
-                        "F.linear": (lambda x=x, w=w: F.linear(x, w)),
-                        "prepacked": (lambda x=x, p=onednn: torch.ops.mkldnn._linear_pointwise(x, p, None, "none",
-                                                                                                [], ""))})
+            ops.append(
+                {
+                    "kernel": (lambda x=x, p=packed, n=n: cpu_linear(x, p, None, n)),
+                    "F.linear": (lambda x=x, w=w: F.linear(x, w)),
+                    "prepacked": (lambda x=x, p=onednn: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
+                }
+            )
         times = {name: ([], []) for name in ops[0]}
         for _ in range(max(5, iters if m <= 256 else iters // 6)):
             for name, (hot, cold) in times.items():
@@ -70,19 +76,22 @@ def layer(dtype: torch.dtype, hidden_size: int, rows: list[int], iters: int) -> 
         med = {name: tuple(sorted(s)[len(s) // 2] * 1e6 for s in pair) for name, pair in times.items()}
         flop = sum(2 * m * n * k for n, k in shapes)
         kh, kc = med["kernel"]
-        print(f"{m:>5} | {kh:>10.0f} {kc:>7.0f} | {med['F.linear'][0]:>12.0f} {med['F.linear'][1]:>7.0f} | "
-              f"{med['prepacked'][0]:>13.0f} {med['prepacked'][1]:>7.0f} | "
-              f"{med['F.linear'][1] / kc:>5.2f}x {med['prepacked'][1] / kc:>16.2f}x {flop / kh / 1e3:>15.0f} (hot)")
+        print(
+            f"{m:>5} | {kh:>10.0f} {kc:>7.0f} | {med['F.linear'][0]:>12.0f} {med['F.linear'][1]:>7.0f} | "
+            f"{med['prepacked'][0]:>13.0f} {med['prepacked'][1]:>7.0f} | "
+            f"{med['F.linear'][1] / kc:>5.2f}x {med['prepacked'][1] / kc:>16.2f}x {flop / kh / 1e3:>15.0f} (hot)"
+        )
 
 
 def gflops(dtype: torch.dtype, cases: list[tuple[str, int, int, int]], iters: int) -> None:
     """One line per (label, M, N, K): median GFLOP/s of the kernel and of F.linear, hot, alternating call by call."""
     g = torch.Generator().manual_seed(0)
-    print(f"{'shape':>8} {'M':>5} {'N':>5} {'K':>5} | {'kernel GFLOP/s':>14} {'F.linear GFLOP/s':>16} | "
-          "kernel/F.linear")
+    print(
+        f"{'shape':>8} {'M':>5} {'N':>5} {'K':>5} | {'kernel GFLOP/s':>14} {'F.linear GFLOP/s':>16} | kernel/F.linear"
+    )
     for label, m, n, k in cases:
         x = torch.randn(m, k, generator=g).to(dtype)
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
         packed = pack_linear_weight(w)
         ops = {"kernel": lambda: cpu_linear(x, packed, None, n), "F.linear": lambda: F.linear(x, w)}
         flop = 2 * m * n * k
@@ -95,8 +104,11 @@ def gflops(dtype: torch.dtype, cases: list[tuple[str, int, int, int]], iters: in
                 op()
                 samples[name].append(time.perf_counter() - t0)
         rate = {name: flop / sorted(s)[len(s) // 2] / 1e9 for name, s in samples.items()}
-        print(f"{label:>8} {m:>5} {n:>5} {k:>5} | {rate['kernel']:>14.1f} {rate['F.linear']:>16.1f} | "
-              f"{rate['kernel'] / rate['F.linear']:>6.2f}x", flush=True)
+        print(
+            f"{label:>8} {m:>5} {n:>5} {k:>5} | {rate['kernel']:>14.1f} {rate['F.linear']:>16.1f} | "
+            f"{rate['kernel'] / rate['F.linear']:>6.2f}x",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -104,8 +116,9 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256, 2048])
     parser.add_argument("--iters", type=int, default=60)
-    parser.add_argument("--dtype", nargs="+", choices=["bfloat16", "float32"],
-                        help="default: bfloat16; with --gflops, both")
+    parser.add_argument(
+        "--dtype", nargs="+", choices=["bfloat16", "float32"], help="default: bfloat16; with --gflops, both"
+    )
     parser.add_argument("--gflops", action="store_true", help="GFLOP/s per shape, decode and vision-tower shapes")
     parser.add_argument("--decode-rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tower-rows", type=int, nargs="+", default=[1024, 4096])

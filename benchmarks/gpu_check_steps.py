@@ -6,6 +6,7 @@ A step function takes the run's config (`dry_run`, `work_dir`, `repo`) and retur
 "headline": str, "status": "pass" | "fail", "command": str}`; an exception is a failed step. Sizes: `SIZES` (CUDA)
 and `DRY` (CPU, tiny: the same code paths in seconds), in `gpu_check_sizes`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,19 +62,36 @@ def _per_test_limit(seconds: int = 60) -> list[str]:
 def step_pytest(cfg, selection: str = "pytest", per_test_s: int = 60):
     # -v -rfE: each test's name and verdict reach the log as it ends, so a run killed at its limit still shows
     # which tests failed and where it stopped; the durations show what ate the time
-    args = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", "-p", "no:cacheprovider",
-            *_per_test_limit(per_test_s), *sizes(cfg)[selection]]
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-rfE",
+        "--durations=15",
+        "-p",
+        "no:cacheprovider",
+        *_per_test_limit(per_test_s),
+        *sizes(cfg)[selection],
+    ]
     proc = subprocess.Popen(args, cwd=cfg["repo"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         print(line, end="", flush=True)
         lines.append(line.rstrip("\n"))
     proc.wait()
-    summary = next((line.strip("= ") for line in reversed(lines)
-                    if re.search(r"\d+ (passed|failed|error)", line)), "no summary line")
+    summary = next(
+        (line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)),
+        "no summary line",
+    )
     notes = [] if not cfg["dry_run"] else ["dry run: a handful of fast CPU tests stand in for the CUDA subset"]
-    return {"figures": {"summary": summary, "exit code": proc.returncode}, "headline": summary, "notes": notes,
-            "status": "pass" if proc.returncode == 0 else "fail", "command": " ".join(["python", *args[1:]])}
+    return {
+        "figures": {"summary": summary, "exit code": proc.returncode},
+        "headline": summary,
+        "notes": notes,
+        "status": "pass" if proc.returncode == 0 else "fail",
+        "command": " ".join(["python", *args[1:]]),
+    }
 
 
 # -- (b) kernels vs torch SDPA --------------------------------------------------------------------------------------
@@ -95,7 +113,7 @@ def step_kernel_sweep(cfg):
         prefill = pa.bench_prefill(dtype, dev, iters, triton)
     for r in decode + prefill:
         figures[f"{r['case']}: {key} / SDPA"] = f"{r[key]:.3f} ms / {r['sdpa']:.3f} ms = {r[key] / r['sdpa']:.2f}x"
-    command = (f"benchmarks.paged_attention bench_decode + bench_prefill ({dtype}, {dev}, {iters} iters); ")
+    command = f"benchmarks.paged_attention bench_decode + bench_prefill ({dtype}, {dev}, {iters} iters); "
     # flash SDPA prefill (its default shapes) through benchmarks.prefill_attention
     args = [sys.executable, "-m", "benchmarks.prefill_attention"]
     args += ["--device", "cpu", "--cases", "1x32", "--iters", "1"] if cfg["dry_run"] else ["--iters", "20"]
@@ -106,15 +124,23 @@ def step_kernel_sweep(cfg):
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 6 and re.match(r"\d+ x \d+", cells[0]):
             figures[f"prefill {cells[0]}: Triton paged / flash SDPA"] = (
-                f"{cells[3]} ms ({cells[4]} TFLOP/s) vs {cells[1]} ms ({cells[2]} TFLOP/s): {cells[5]} of flash")
+                f"{cells[3]} ms ({cells[4]} TFLOP/s) vs {cells[1]} ms ({cells[2]} TFLOP/s): {cells[5]} of flash"
+            )
     command += "python " + " ".join(args[1:])
     ratios = [r[key] / r["sdpa"] for r in decode + prefill]
-    return {"figures": figures, "command": command, "status": "pass" if proc.returncode == 0 else "fail",
-            "headline": f"{key}/SDPA {min(ratios):.2f}x..{max(ratios):.2f}x (paged); flash prefill: "
-                        f"{'ok' if proc.returncode == 0 else 'failed'}",
-            "notes": ["dry run: torch path vs SDPA on CPU, prefill_attention under TRITON_INTERPRET"]
-            if cfg["dry_run"] else [f"paged cases: per call inside a CUDA graph of {pa.GRAPH_CALLS} calls; timed "
-                                    f"call by call: {', '.join(sorted(set(pa.EAGER_ON_CUDA))) or 'none'}"]}
+    return {
+        "figures": figures,
+        "command": command,
+        "status": "pass" if proc.returncode == 0 else "fail",
+        "headline": f"{key}/SDPA {min(ratios):.2f}x..{max(ratios):.2f}x (paged); flash prefill: "
+        f"{'ok' if proc.returncode == 0 else 'failed'}",
+        "notes": ["dry run: torch path vs SDPA on CPU, prefill_attention under TRITON_INTERPRET"]
+        if cfg["dry_run"]
+        else [
+            f"paged cases: per call inside a CUDA graph of {pa.GRAPH_CALLS} calls; timed "
+            f"call by call: {', '.join(sorted(set(pa.EAGER_ON_CUDA))) or 'none'}"
+        ],
+    }
 
 
 # -- (c) chunked prefill under async scheduling vs an eager synchronous run -----------------------------------------
@@ -131,8 +157,9 @@ def step_chunked_race(cfg):
     short = [torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in (5, 17, 40)]
     prompts = [long, *short]  # short requests decode while the long one prefills chunk by chunk
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    common = dict(dtype="float32", max_num_batched_tokens=s["race_chunk"], max_num_seqs=8,
-                  max_model_len=s["race_prompt"] + 64)
+    common = dict(
+        dtype="float32", max_num_batched_tokens=s["race_chunk"], max_num_seqs=8, max_model_len=s["race_prompt"] + 64
+    )
 
     def ids(llm):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -146,13 +173,18 @@ def step_chunked_race(cfg):
     llm.shutdown()
     same = [r == ref for r in runs]
     chunks = -(-s["race_prompt"] // s["race_chunk"])
-    return {"figures": {"prompt": f"{s['race_prompt']} tokens in {chunks} chunks of {s['race_chunk']}, with 3 short "
-                                  f"requests decoding alongside", "async level": level,
-                        "runs equal to eager sync": f"{sum(same)}/{len(same)}"},
-            "status": "pass" if all(same) else "fail",
-            "headline": f"{sum(same)}/{len(same)} async -O{level} runs == eager sync ({chunks} chunks)",
-            "command": f"LLM(async_scheduling=True, max_num_batched_tokens={s['race_chunk']}) vs "
-                       f"LLM(enforce_eager=True), float32, greedy"}
+    return {
+        "figures": {
+            "prompt": f"{s['race_prompt']} tokens in {chunks} chunks of {s['race_chunk']}, with 3 short "
+            f"requests decoding alongside",
+            "async level": level,
+            "runs equal to eager sync": f"{sum(same)}/{len(same)}",
+        },
+        "status": "pass" if all(same) else "fail",
+        "headline": f"{sum(same)}/{len(same)} async -O{level} runs == eager sync ({chunks} chunks)",
+        "command": f"LLM(async_scheduling=True, max_num_batched_tokens={s['race_chunk']}) vs "
+        f"LLM(enforce_eager=True), float32, greedy",
+    }
 
 
 # -- (d) recompiles (the driver counts TORCH_LOGS=recompiles lines) -------------------------------------------------
@@ -165,8 +197,15 @@ def step_recompiles_mrope(cfg):
 
     path = os.path.join(cfg["work_dir"], "qwen2-vl-mrope")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build_qwen2_vl_checkpoint(path, hidden_size=128, intermediate_size=256, num_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, mrope_section=(4, 6, 6))
+        build_qwen2_vl_checkpoint(
+            path,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            mrope_section=(4, 6, 6),
+        )
     level = 1 if cfg["dry_run"] else 2
     llm = LLM(path, dtype="float32", compilation_config=level, max_num_seqs=8)
     rng = np.random.default_rng(0)
@@ -175,14 +214,17 @@ def step_recompiles_mrope(cfg):
     n = 0
     for round_ in range(2):  # text only, one image, images of other sizes, mixed batches of 1..3
         outs = llm.generate(["hello there", "a longer text prompt " * 3], sp, use_tqdm=False)
-        outs += llm.generate([f"Describe {i}." for i in range(3)], sp, images=[[img[i]] for i in range(3)],
-                             use_tqdm=False)
+        outs += llm.generate(
+            [f"Describe {i}." for i in range(3)], sp, images=[[img[i]] for i in range(3)], use_tqdm=False
+        )
         outs += llm.generate(["What is it?", "plain text"], sp, images=[[img[round_]], []], use_tqdm=False)
         n += sum(len(o.outputs[0].token_ids) for o in outs)
     llm.shutdown()
-    return {"figures": {"level": level, "tokens": n}, "headline": f"M-RoPE Qwen2-VL at -O{level}",
-            "command": f"LLM(qwen2-vl, compilation_config={level}) text, image and mixed "
-                       f"batches, twice"}
+    return {
+        "figures": {"level": level, "tokens": n},
+        "headline": f"M-RoPE Qwen2-VL at -O{level}",
+        "command": f"LLM(qwen2-vl, compilation_config={level}) text, image and mixed batches, twice",
+    }
 
 
 def step_recompiles_async(cfg):
@@ -192,19 +234,29 @@ def step_recompiles_async(cfg):
 
     model = _checkpoint(cfg, "race")
     level = 1 if cfg["dry_run"] else 2
-    llm = LLM(model, dtype="float32", compilation_config=level, async_scheduling=True, max_num_seqs=16,
-              max_num_batched_tokens=64)
+    llm = LLM(
+        model,
+        dtype="float32",
+        compilation_config=level,
+        async_scheduling=True,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+    )
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, _vocab(model) - 1, (n,), generator=g).tolist() for n in (1, 3, 17, 40, 95, 160)]
     n = 0
     for max_tokens in (4, 19):
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+        )
         n += sum(len(o.outputs[0].token_ids) for o in outs)
     llm.shutdown()
-    return {"figures": {"level": level, "tokens": n}, "headline": f"async scheduling at -O{level}, chunked",
-            "command": f"LLM(compilation_config={level}, async_scheduling=True, "
-                       f"max_num_batched_tokens=64), prompts of 1..160 tokens"}
+    return {
+        "figures": {"level": level, "tokens": n},
+        "headline": f"async scheduling at -O{level}, chunked",
+        "command": f"LLM(compilation_config={level}, async_scheduling=True, "
+        f"max_num_batched_tokens=64), prompts of 1..160 tokens",
+    }
 
 
 # -- (e) throughput / single stream / GPU busy on the ~1.2B Qwen2 ---------------------------------------------------
@@ -214,13 +266,22 @@ def step_build_model(cfg):
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(path)
-    params = (c.num_hidden_layers * (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads)
-              * (c.hidden_size // c.num_attention_heads) + c.hidden_size ** 2 + 3 * c.hidden_size
-              * c.intermediate_size) + c.vocab_size * c.hidden_size)
-    return {"figures": {"path": path, "parameters": f"{params / 1e6:.1f} M",
-                        "seconds": round(time.perf_counter() - t, 1)},
-            "headline": f"{params / 1e6:.0f}M-parameter Qwen2 ({sizes(cfg)['dtype']})",
-            "command": f"build_text_checkpoint(arch='qwen2', {sizes(cfg)['model']})"}
+    params = (
+        c.num_hidden_layers
+        * (
+            c.hidden_size
+            * (c.num_attention_heads + 2 * c.num_key_value_heads)
+            * (c.hidden_size // c.num_attention_heads)
+            + c.hidden_size**2
+            + 3 * c.hidden_size * c.intermediate_size
+        )
+        + c.vocab_size * c.hidden_size
+    )
+    return {
+        "figures": {"path": path, "parameters": f"{params / 1e6:.1f} M", "seconds": round(time.perf_counter() - t, 1)},
+        "headline": f"{params / 1e6:.0f}M-parameter Qwen2 ({sizes(cfg)['dtype']})",
+        "command": f"build_text_checkpoint(arch='qwen2', {sizes(cfg)['model']})",
+    }
 
 
 def _prompts(cfg, path):
@@ -241,8 +302,14 @@ def step_throughput(cfg, name):
     path = _checkpoint(cfg, "model")
     prompts = _prompts(cfg, path)
     t = time.perf_counter()
-    llm = LLM(path, dtype=s["dtype"], max_num_seqs=s["num_prompts"], compilation_config=level,
-              async_scheduling=use_async, max_model_len=s["input_len"] + max(s["output_len"], s["single_len"]) + 16)
+    llm = LLM(
+        path,
+        dtype=s["dtype"],
+        max_num_seqs=s["num_prompts"],
+        compilation_config=level,
+        async_scheduling=use_async,
+        max_model_len=s["input_len"] + max(s["output_len"], s["single_len"]) + 16,
+    )
     load = time.perf_counter() - t
     sp = SamplingParams(temperature=0.0, max_tokens=s["output_len"], ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -254,12 +321,19 @@ def step_throughput(cfg, name):
     llm.generate(prompts[:1], one, use_tqdm=False)
     sdt, _ = fastest_of(2, lambda: llm.generate(prompts[:1], one, use_tqdm=False))
     runner = llm.engine.runner
-    figures = {"throughput tok/s": round(n / dt, 1), "tokens": n, "seconds": round(dt, 3), "steps": steps,
-               "ms/step": round(1000 * dt / max(steps, 1), 3),
-               "single-stream tok/s": round(s["single_len"] / sdt, 1),
-               "single-stream ms/token": round(1000 * sdt / s["single_len"], 3),
-               "load s": round(load, 1), "compile s": round(runner.forward.compile_seconds, 1),
-               "resolved level": runner.forward.level, "CUDA graphs": runner.forward.uses_cuda_graphs}
+    figures = {
+        "throughput tok/s": round(n / dt, 1),
+        "tokens": n,
+        "seconds": round(dt, 3),
+        "steps": steps,
+        "ms/step": round(1000 * dt / max(steps, 1), 3),
+        "single-stream tok/s": round(s["single_len"] / sdt, 1),
+        "single-stream ms/token": round(1000 * sdt / s["single_len"], 3),
+        "load s": round(load, 1),
+        "compile s": round(runner.forward.compile_seconds, 1),
+        "resolved level": runner.forward.level,
+        "CUDA graphs": runner.forward.uses_cuda_graphs,
+    }
     if torch.cuda.is_available():
         from vlserve.bench.gpu_report import gpu_busy_fraction
 
@@ -271,13 +345,14 @@ def step_throughput(cfg, name):
         figures["device-fed input ids"] = runner.token_feed.num_fed_tokens
     llm.shutdown()
     busy = f", GPU busy {figures['GPU busy %']}%" if "GPU busy %" in figures else ""
-    return {"figures": figures,
-            "headline": f"{figures['throughput tok/s']} tok/s, single stream {figures['single-stream tok/s']} "
-                        f"tok/s{busy}",
-            "command": f"python -m vlserve.bench.throughput --model {path} -O {level}"
-                       f"{' --async-scheduling' if use_async else ''} --num-prompts {s['num_prompts']} --input-len "
-                       f"{s['input_len']} --output-len {s['output_len']} --dtype {s['dtype']} (in process; plus "
-                       f"1 x {s['single_len']} tokens)"}
+    return {
+        "figures": figures,
+        "headline": f"{figures['throughput tok/s']} tok/s, single stream {figures['single-stream tok/s']} tok/s{busy}",
+        "command": f"python -m vlserve.bench.throughput --model {path} -O {level}"
+        f"{' --async-scheduling' if use_async else ''} --num-prompts {s['num_prompts']} --input-len "
+        f"{s['input_len']} --output-len {s['output_len']} --dtype {s['dtype']} (in process; plus "
+        f"1 x {s['single_len']} tokens)",
+    }
 
 
 # -- (f) HF generate on the same device -----------------------------------------------------------------------------
@@ -292,11 +367,18 @@ def step_hf_generate(cfg):
     print(f"HF batched: {n} tokens in {dt:.2f} s", flush=True)  # a run killed at its limit shows how far it got
     sdt, n1, _ = bench_hf(path, prompts[:1], [s["single_len"]], s["dtype"], 1, device=dev)
     print(f"HF single stream: {n1} tokens in {sdt:.2f} s", flush=True)
-    return {"figures": {"throughput tok/s": round(n / dt, 1), "tokens": n, "seconds": round(dt, 3),
-                        "single-stream tok/s": round(n1 / sdt, 1), "device": dev},
-            "headline": f"HF generate {n / dt:.1f} tok/s, single stream {n1 / sdt:.1f} tok/s",
-            "command": f"vlserve.bench.throughput.bench_hf on {dev}, {s['dtype']}, batch {len(prompts)} x "
-                       f"{s['input_len']} -> {s['output_len']}; 1 x {s['single_len']}"}
+    return {
+        "figures": {
+            "throughput tok/s": round(n / dt, 1),
+            "tokens": n,
+            "seconds": round(dt, 3),
+            "single-stream tok/s": round(n1 / sdt, 1),
+            "device": dev,
+        },
+        "headline": f"HF generate {n / dt:.1f} tok/s, single stream {n1 / sdt:.1f} tok/s",
+        "command": f"vlserve.bench.throughput.bench_hf on {dev}, {s['dtype']}, batch {len(prompts)} x "
+        f"{s['input_len']} -> {s['output_len']}; 1 x {s['single_len']}",
+    }
 
 
 def _demo_steps():
@@ -314,33 +396,106 @@ def _step(name, what, budget, dry_budget, fn, **extra):
 # The throughput and EAGLE limits are for a fresh machine (inductor's cache cold): in the third run `-O2` was
 # still capturing its first graph at 75 s, and EAGLE's second engine at 79 s.
 STEPS = [
-    _step("pytest_cuda", "(a) the CUDA subset of the tests: kernels, worker (compile, graphs), async scheduling, "
-          "LoRA graphs, GPU report", 300, 60, step_pytest),
-    _step("kernel_sweep", "(b) Triton paged decode / prefill vs torch SDPA (paged_attention.py) and the Triton "
-          "prefill vs flash SDPA (prefill_attention.py)", 60, 40, step_kernel_sweep),
-    _step("chunked_prefill_race", "(c) a long prompt in many chunks under async scheduling at the device default "
-          "level, repeated: output equal to an eager synchronous run", 75, 30, step_chunked_race),
-    _step("recompiles_mrope", "(d) TORCH_LOGS=recompiles lines for an M-RoPE (Qwen2-VL) run, compiled", 60, 60,
-          step_recompiles_mrope, env={"TORCH_LOGS": "recompiles"}, count_recompiles=True, max_recompiles=7),
-    _step("recompiles_async", "(d) TORCH_LOGS=recompiles lines for an async-scheduling run, compiled", 45, 45,
-          step_recompiles_async, env={"TORCH_LOGS": "recompiles"}, count_recompiles=True, max_recompiles=7),
-    _step("build_model", "(e) the ~1.2B Qwen2 (hidden 2048, 24 layers, 16/4 heads, MLP 6144), random, bf16", 60, 20,
-          step_build_model),
-    *[_step(name, f"(e) throughput (256 prompts x 128 -> 128), single stream (1 x 256) and GPU busy at "
-            f"-O{lvl}{' with --async-scheduling' if a else ''}", 120, 45, lambda cfg, n=name: step_throughput(cfg, n))
-      for name, (lvl, a) in LEVELS.items()],
+    _step(
+        "pytest_cuda",
+        "(a) the CUDA subset of the tests: kernels, worker (compile, graphs), async scheduling, "
+        "LoRA graphs, GPU report",
+        300,
+        60,
+        step_pytest,
+    ),
+    _step(
+        "kernel_sweep",
+        "(b) Triton paged decode / prefill vs torch SDPA (paged_attention.py) and the Triton "
+        "prefill vs flash SDPA (prefill_attention.py)",
+        60,
+        40,
+        step_kernel_sweep,
+    ),
+    _step(
+        "chunked_prefill_race",
+        "(c) a long prompt in many chunks under async scheduling at the device default "
+        "level, repeated: output equal to an eager synchronous run",
+        75,
+        30,
+        step_chunked_race,
+    ),
+    _step(
+        "recompiles_mrope",
+        "(d) TORCH_LOGS=recompiles lines for an M-RoPE (Qwen2-VL) run, compiled",
+        60,
+        60,
+        step_recompiles_mrope,
+        env={"TORCH_LOGS": "recompiles"},
+        count_recompiles=True,
+        max_recompiles=7,
+    ),
+    _step(
+        "recompiles_async",
+        "(d) TORCH_LOGS=recompiles lines for an async-scheduling run, compiled",
+        45,
+        45,
+        step_recompiles_async,
+        env={"TORCH_LOGS": "recompiles"},
+        count_recompiles=True,
+        max_recompiles=7,
+    ),
+    _step(
+        "build_model",
+        "(e) the ~1.2B Qwen2 (hidden 2048, 24 layers, 16/4 heads, MLP 6144), random, bf16",
+        60,
+        20,
+        step_build_model,
+    ),
+    *[
+        _step(
+            name,
+            f"(e) throughput (256 prompts x 128 -> 128), single stream (1 x 256) and GPU busy at "
+            f"-O{lvl}{' with --async-scheduling' if a else ''}",
+            120,
+            45,
+            lambda cfg, n=name: step_throughput(cfg, n),
+        )
+        for name, (lvl, a) in LEVELS.items()
+    ],
     _step("hf_generate", "(f) HF generate on the same device, same prompts (the baseline)", 90, 20, step_hf_generate),
-    _step("demo_single_stream", "(g) the demo model (vlserve-demo), one stream", 90, 20,
-          lambda cfg: _demo_steps().step_demo_single_stream(cfg, sizes(cfg))),
-    _step("encoder_cache", "(h) encoder cache on vs off (vlserve.bench.mm_cache)", 90, 30,
-          lambda cfg: _demo_steps().step_encoder_cache(cfg, sizes(cfg))),
-    _step("eagle", "(h) EAGLE (the demo's shipped head) vs plain decoding (vlserve.bench.spec_demo)", 150, 30,
-          lambda cfg: _demo_steps().step_eagle(cfg, sizes(cfg))),
-    _step("host_step", "(j) host work per step on a tiny model, batch 256 and 1, synchronous and async (where it goes: "
-          "cProfile in the log)", 150, 90, lambda cfg: _demo_steps().step_host_step(cfg, sizes(cfg))),
-    _step("parity_cuda", "(i) greedy parity with HF, one test per family, every engine at -O2 (compiled, CUDA graphs "
-          "on a GPU)", 300, 90, lambda cfg: step_pytest(cfg, "parity", per_test_s=180),
-          env={"VLSERVE_DEFAULT_COMPILE_LEVEL": "2"}),
+    _step(
+        "demo_single_stream",
+        "(g) the demo model (vlserve-demo), one stream",
+        90,
+        20,
+        lambda cfg: _demo_steps().step_demo_single_stream(cfg, sizes(cfg)),
+    ),
+    _step(
+        "encoder_cache",
+        "(h) encoder cache on vs off (vlserve.bench.mm_cache)",
+        90,
+        30,
+        lambda cfg: _demo_steps().step_encoder_cache(cfg, sizes(cfg)),
+    ),
+    _step(
+        "eagle",
+        "(h) EAGLE (the demo's shipped head) vs plain decoding (vlserve.bench.spec_demo)",
+        150,
+        30,
+        lambda cfg: _demo_steps().step_eagle(cfg, sizes(cfg)),
+    ),
+    _step(
+        "host_step",
+        "(j) host work per step on a tiny model, batch 256 and 1, synchronous and async (where it goes: "
+        "cProfile in the log)",
+        150,
+        90,
+        lambda cfg: _demo_steps().step_host_step(cfg, sizes(cfg)),
+    ),
+    _step(
+        "parity_cuda",
+        "(i) greedy parity with HF, one test per family, every engine at -O2 (compiled, CUDA graphs on a GPU)",
+        300,
+        90,
+        lambda cfg: step_pytest(cfg, "parity", per_test_s=180),
+        env={"VLSERVE_DEFAULT_COMPILE_LEVEL": "2"},
+    ),
 ]
 
 
@@ -357,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except Exception as exc:  # the step failed: the driver records it and goes on
         traceback.print_exc()
-        result = {"status": "fail", "notes": [f"{type(exc).__name__}: {str(exc)[:300]}"],
-                  "headline": f"{type(exc).__name__}"}
+        result = {
+            "status": "fail",
+            "notes": [f"{type(exc).__name__}: {str(exc)[:300]}"],
+            "headline": f"{type(exc).__name__}",
+        }
         code = 1
     with open(a.result, "w") as f:
         json.dump(result, f, default=str)

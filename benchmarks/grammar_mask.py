@@ -10,6 +10,7 @@ medians in microseconds over `--reps` calls each. Masking is idempotent, so repe
 
     python -m benchmarks.grammar_mask [--reps 200] [--dtype float32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,10 @@ def main() -> None:
             apply_token_bitmask_ref(want, mask)
             apply_token_bitmask_cpu(logits, mask)
             assert torch.equal(logits, want), "the two paths disagree"
-            paths = {"old": lambda: apply_token_bitmask_ref(logits, mask),
-                     "new": lambda: apply_token_bitmask_cpu(logits, mask)}
+            paths = {
+                "old": lambda: apply_token_bitmask_ref(logits, mask),
+                "new": lambda: apply_token_bitmask_cpu(logits, mask),
+            }
             times: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(3):  # warm-up
                 for fn in paths.values():

@@ -7,6 +7,7 @@ scheduling, KV slot allocation, input preparation, output folding and detokenizi
 `LLM.generate` over N prompts (greedy, ignore_eos, seeded output lengths) and prints ms/step; the breakdown times
 the main components by wrapping them (a small overhead per call) and, with `--profile`, cProfile's top functions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,15 @@ def component_breakdown(llm, prompts, params) -> tuple[dict[str, float], int]:
     """Seconds per component over one generate run (wrapped instance attributes, removed afterwards)."""
     core, loop = llm.engine, llm.engine_loop
     totals: dict[str, float] = defaultdict(float)
-    targets = [(core.scheduler, "schedule", "scheduler.schedule"),
-               (core.scheduler.kv, "allocate_slots", "  kv.allocate_slots"),
-               (core.scheduler, "update_from_output", "scheduler.update_from_output"),
-               (core.runner, "submit_step", "runner.submit_step"),
-               (core.runner, "forward", "  runner.forward (model)"),
-               (core.runner.step_sampler, "sample", "  runner sampling"),
-               (loop.output_processor, "process_outputs", "output_processor.process_outputs")]
+    targets = [
+        (core.scheduler, "schedule", "scheduler.schedule"),
+        (core.scheduler.kv, "allocate_slots", "  kv.allocate_slots"),
+        (core.scheduler, "update_from_output", "scheduler.update_from_output"),
+        (core.runner, "submit_step", "runner.submit_step"),
+        (core.runner, "forward", "  runner.forward (model)"),
+        (core.runner.step_sampler, "sample", "  runner sampling"),
+        (loop.output_processor, "process_outputs", "output_processor.process_outputs"),
+    ]
     saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in targets]
     for obj, name, label in targets:
         _wrap(obj, name, label, totals)
@@ -73,8 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--kv-offloading-size", type=float, default=None,
-                    help="GiB of host KV tier (the offloading connector on: its keys and stores in every step)")
+    ap.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host KV tier (the offloading connector on: its keys and stores in every step)",
+    )
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions (one run)")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
@@ -87,18 +94,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with tempfile.TemporaryDirectory(prefix="vlserve-host-step-") as tmp:
         path = build_text_checkpoint(tmp, hidden_size=args.hidden_size, num_layers=args.num_layers)
-        llm = LLM(path, dtype="float32", max_num_seqs=args.num_prompts,
-                  max_model_len=args.input_len + args.output_len_range[1] + 16,
-                  async_scheduling=args.async_scheduling,
-                  **({} if args.kv_offloading_size is None else {"kv_offloading_size": args.kv_offloading_size}))
+        llm = LLM(
+            path,
+            dtype="float32",
+            max_num_seqs=args.num_prompts,
+            max_model_len=args.input_len + args.output_len_range[1] + 16,
+            async_scheduling=args.async_scheduling,
+            **({} if args.kv_offloading_size is None else {"kv_offloading_size": args.kv_offloading_size}),
+        )
         vocab = llm.engine.loaded.hf_config.vocab_size
         prompts = [{"prompt_token_ids": p} for p in make_prompts(args.num_prompts, args.input_len, vocab, seed=0)]
         lens = random_lengths(args.output_len_range, args.num_prompts, seed=1)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
         llm.generate(prompts, params, use_tqdm=False)  # warm-up (compiles, fills caches)
-        print(f"host_step: {args.num_prompts} prompts x {args.input_len} in, {args.output_len_range} out, "
-              f"hidden {args.hidden_size}, {args.num_layers} layers, threads {torch.get_num_threads()}, "
-              f"load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"host_step: {args.num_prompts} prompts x {args.input_len} in, {args.output_len_range} out, "
+            f"hidden {args.hidden_size}, {args.num_layers} layers, threads {torch.get_num_threads()}, "
+            f"load average {os.getloadavg()[0]:.2f}"
+        )
         per_step, cpu_per_step = [], []
         for r in range(args.repeats):
             steps0 = llm.engine.num_steps
@@ -108,11 +121,15 @@ def main(argv: list[str] | None = None) -> None:
             steps = llm.engine.num_steps - steps0
             per_step.append(1e3 * dt / steps)
             cpu_per_step.append(1e3 * dc / steps)
-            print(f"  run {r}: {steps} steps, {dt:.3f} s, {per_step[-1]:.2f} ms/step wall, "
-                  f"{cpu_per_step[-1]:.2f} ms/step CPU, load average {os.getloadavg()[0]:.2f}")
+            print(
+                f"  run {r}: {steps} steps, {dt:.3f} s, {per_step[-1]:.2f} ms/step wall, "
+                f"{cpu_per_step[-1]:.2f} ms/step CPU, load average {os.getloadavg()[0]:.2f}"
+            )
         # CPU time is the steadier figure on a shared machine: waiting for a core does not count in it.
-        print(f"ms/step: wall median {statistics.median(per_step):.2f} (best {min(per_step):.2f}), "
-              f"CPU median {statistics.median(cpu_per_step):.2f} (best {min(cpu_per_step):.2f})")
+        print(
+            f"ms/step: wall median {statistics.median(per_step):.2f} (best {min(per_step):.2f}), "
+            f"CPU median {statistics.median(cpu_per_step):.2f} (best {min(cpu_per_step):.2f})"
+        )
         totals, steps = component_breakdown(llm, prompts, params)
         print(f"breakdown over {steps} steps (ms/step, wrapped):")
         for label, sec in sorted(totals.items(), key=lambda kv: -kv[1]):

@@ -11,6 +11,7 @@ when 64 wait. Part 2 (`--engine`) runs a locally built small Gemma 3 (random wei
 window 512) through vlserve.LLM on this machine, 8 requests of `--context` tokens, both layouts in the same KV bytes
 (the plain one: the same checkpoint with every layer full): the most requests running at once and the wall time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,21 +40,35 @@ def gemma3_windows(num_layers: int, window: int = WINDOW) -> list[int | None]:
     return [None if (i + 1) % PATTERN == 0 else window for i in range(num_layers)]
 
 
-def simulate(windows: list[int | None], page_bytes: int, budget: int, context: int, output_len: int,
-             num_requests: int = 64, hybrid: bool = True) -> dict:
+def simulate(
+    windows: list[int | None],
+    page_bytes: int,
+    budget: int,
+    context: int,
+    output_len: int,
+    num_requests: int = 64,
+    hybrid: bool = True,
+) -> dict:
     """Run `num_requests` requests of `context` prompt tokens and `output_len` outputs through the real scheduler
     in `budget` KV bytes; the layout is KV cache groups (`hybrid`) or one group of every layer."""
     groups = group_layers(windows) if hybrid else group_layers([None] * len(windows))
     bytes_per_block = groups.num_slots * page_bytes
     num_blocks = budget // bytes_per_block
-    cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=context + output_len + 1,
-                          block_size=BLOCK_SIZE, enable_prefix_caching=False, kv_group_windows=groups.windows)
+    cfg = SchedulerConfig(
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=context + output_len + 1,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,
+        kv_group_windows=groups.windows,
+    )
     sched = Scheduler(cfg, num_blocks)
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = [rng.randrange(1, 30000) for _ in range(context)]
-        sched.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True),
-                                            0.0, []))
+        sched.add_request(
+            EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), 0.0, [])
+        )
     peak_running, held = 0, {}
     while sched.has_unfinished_requests():
         out = sched.schedule()
@@ -69,17 +84,26 @@ def simulate(windows: list[int | None], page_bytes: int, budget: int, context: i
         toks = [[7] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else [] for r in ids]
         sched.update_from_output(out, ModelRunnerOutput(ids, toks))
     sched.check_integrity()
-    return dict(groups=groups.num_groups, slots=groups.num_slots, num_blocks=num_blocks,
-                bytes_per_block=bytes_per_block, held_prompt=held.get("prompt", 0), held_end=held.get("output", 0),
-                peak_running=peak_running, preemptions=sched.stats.num_preemptions)
+    return dict(
+        groups=groups.num_groups,
+        slots=groups.num_slots,
+        num_blocks=num_blocks,
+        bytes_per_block=bytes_per_block,
+        held_prompt=held.get("prompt", 0),
+        held_end=held.get("output", 0),
+        peak_running=peak_running,
+        preemptions=sched.stats.num_preemptions,
+    )
 
 
 def layout_table(context: int, output_len: int, budget_gib: float) -> None:
     """Part 1: print the blocks held and the batch that fits for each released Gemma 3 shape."""
     budget = int(budget_gib * 2**30)
     print(f"# Gemma 3 KV at {context} + {output_len} tokens, {budget_gib:g} GiB of bf16 KV, block size {BLOCK_SIZE}")
-    print("| model | layout | groups x slots | blocks in pool | MiB per request (prompt / end) | batch that fits |"
-          " ratio |")
+    print(
+        "| model | layout | groups x slots | blocks in pool | MiB per request (prompt / end) | batch that fits |"
+        " ratio |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, (layers, kv_heads, head_dim) in GEMMA3_SHAPES.items():
         page = 2 * BLOCK_SIZE * kv_heads * head_dim * 2  # K and V, one layer, bf16
@@ -89,9 +113,12 @@ def layout_table(context: int, output_len: int, budget_gib: float) -> None:
             r = rows[hybrid] = simulate(windows, page, budget, context, output_len, hybrid=hybrid)
             mib = lambda n: n * r["bytes_per_block"] / 2**20  # noqa: E731
             ratio = rows[True]["peak_running"] / max(rows[False]["peak_running"], 1) if hybrid else 1.0
-            print(f"| {name} | {'KV groups' if hybrid else 'plain'} | {r['groups']} x {r['slots']} | "
-                  f"{r['num_blocks']} | {mib(r['held_prompt']):.0f} / {mib(r['held_end']):.0f} | "
-                  f"{r['peak_running']} | {ratio:.2f}x |", flush=True)
+            print(
+                f"| {name} | {'KV groups' if hybrid else 'plain'} | {r['groups']} x {r['slots']} | "
+                f"{r['num_blocks']} | {mib(r['held_prompt']):.0f} / {mib(r['held_end']):.0f} | "
+                f"{r['peak_running']} | {ratio:.2f}x |",
+                flush=True,
+            )
 
 
 def engine_run(context: int, budget_mib: float, num_requests: int = 8) -> None:
@@ -103,9 +130,16 @@ def engine_run(context: int, budget_mib: float, num_requests: int = 8) -> None:
     types = ("sliding_attention",) * 5 + ("full_attention",)
     dirs = {}
     for label, layer_types in (("KV groups", types), ("plain", ("full_attention",) * 6)):
-        d = build_gemma3_text_checkpoint(os.path.join(root, label.replace(" ", "_")), hidden_size=128, num_heads=4,
-                                         num_kv_heads=2, head_dim=32, intermediate_size=256, layer_types=layer_types,
-                                         sliding_window=512)
+        d = build_gemma3_text_checkpoint(
+            os.path.join(root, label.replace(" ", "_")),
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            layer_types=layer_types,
+            sliding_window=512,
+        )
         path = os.path.join(d, "config.json")
         cfg = json.load(open(path))
         cfg["max_position_embeddings"] = context + 64
@@ -113,13 +147,20 @@ def engine_run(context: int, budget_mib: float, num_requests: int = 8) -> None:
         dirs[label] = d
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(context)]} for _ in range(num_requests)]
-    print(f"# vlserve.LLM, small Gemma 3 (6 layers, window 512), {num_requests} x {context} tokens + 16, "
-          f"{budget_mib:g} MiB KV, float32")
+    print(
+        f"# vlserve.LLM, small Gemma 3 (6 layers, window 512), {num_requests} x {context} tokens + 16, "
+        f"{budget_mib:g} MiB KV, float32"
+    )
     print("| layout | blocks | most running at once | preemptions | wall s |")
     print("|---|---|---|---|---|")
     for label, d in dirs.items():
-        llm = LLM(d, dtype="float32", kv_cache_memory_bytes=int(budget_mib * 2**20), max_num_batched_tokens=2048,
-                  max_model_len=context + 32)
+        llm = LLM(
+            d,
+            dtype="float32",
+            kv_cache_memory_bytes=int(budget_mib * 2**20),
+            max_num_batched_tokens=2048,
+            max_model_len=context + 32,
+        )
         sched = llm.engine.scheduler
         peak = [0]
         schedule = sched.schedule
@@ -133,8 +174,9 @@ def engine_run(context: int, budget_mib: float, num_requests: int = 8) -> None:
         t0 = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
         wall = time.perf_counter() - t0
-        print(f"| {label} | {sched.kv.num_blocks} | {peak[0]} | {sched.stats.num_preemptions} | {wall:.1f} |",
-              flush=True)
+        print(
+            f"| {label} | {sched.kv.num_blocks} | {peak[0]} | {sched.stats.num_preemptions} | {wall:.1f} |", flush=True
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,8 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--engine", action="store_true", help="also run part 2 (a small model through vlserve.LLM)")
-    p.add_argument("--engine-budget-mib", type=float, default=None,
-                   help="part 2's KV bytes (default: two plain-layout requests' worth)")
+    p.add_argument(
+        "--engine-budget-mib",
+        type=float,
+        default=None,
+        help="part 2's KV bytes (default: two plain-layout requests' worth)",
+    )
     args = p.parse_args(argv)
     layout_table(args.context, args.output_len, args.budget_gib)
     if args.engine:

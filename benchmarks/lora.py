@@ -7,6 +7,7 @@ projections (peft, random A and B), then per engine, each in its own process, gr
 model on an engine without LoRA, the base on the LoRA engine, and the batch whose prompts cycle through the 4
 adapters (max_loras 4). Tokens/s is the fastest of `--repeats` runs after a warm-up; ratios compare the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,12 @@ def build_adapters(model: str, out_dir: str, rank: int, n: int = 4) -> list[str]
     for i in range(n):
         torch.manual_seed(100 + i)
         base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
         path = os.path.join(out_dir, f"adapter{i}")
         get_peft_model(base, cfg).save_pretrained(path)
         paths.append(path)
@@ -77,21 +82,27 @@ def main(argv: list[str] | None = None) -> None:
     model, cfg = case_setup(args)
     cfg.update(rank=args.rank, adapters=build_adapters(model, tempfile.mkdtemp(prefix="vlserve-lora-"), args.rank))
     results = run_engines(_CASE, model, cfg, args.vllm_python)
-    print(f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, 4 adapters of rank "
-          f"{args.rank} on all projections, {args.dtype}, model {model}")
+    print(
+        f"# {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} new, 4 adapters of rank "
+        f"{args.rank} on all projections, {args.dtype}, model {model}"
+    )
     print("| engine | base, no LoRA (tok/s) | base on the LoRA engine | 4 adapters mixed | mixed / base |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         if isinstance(r, str):
             print(f"| {name} | {r} | | | |")
             continue
-        print(f"| {name} | {r['base']:.1f} | {r['base_on_lora_engine']:.1f} | {r['mixed']:.1f} | "
-              f"{r['mixed'] / r['base']:.2f}x |")
+        print(
+            f"| {name} | {r['base']:.1f} | {r['base_on_lora_engine']:.1f} | {r['mixed']:.1f} | "
+            f"{r['mixed'] / r['base']:.2f}x |"
+        )
     ours, theirs = results["vlserve"], results.get("vllm")
     if isinstance(ours, dict) and isinstance(theirs, dict):
         same = sum(a == b for a, b in zip(ours["mixed_tokens"], theirs["mixed_tokens"]))
-        print(f"mixed batch: vlserve / vLLM-CPU tok/s = {ours['mixed'] / theirs['mixed']:.2f}x; outputs equal on "
-              f"{same} of {len(ours['mixed_tokens'])} prompts")
+        print(
+            f"mixed batch: vlserve / vLLM-CPU tok/s = {ours['mixed'] / theirs['mixed']:.2f}x; outputs equal on "
+            f"{same} of {len(ours['mixed_tokens'])} prompts"
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The variants alternate call by call (drift hits all alike); medians in microseco
 
     python -m benchmarks.lora_cpu [--reps 200] [--hidden 512 2048] [--rank 8 16] [--dtype float32] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,11 @@ class Proj:
         out = sum(sizes)
         self.out, self.sizes = out, sizes
         self.offsets = [sum(sizes[:q]) for q in range(len(sizes))]
-        self.w = (torch.randn(out, in_features, generator=g) / in_features ** 0.5).to(dtype)  # [O, I]
+        self.w = (torch.randn(out, in_features, generator=g) / in_features**0.5).to(dtype)  # [O, I]
         self.packed = pack_linear_weight(self.w)
-        self.lora_a = [(torch.randn(SLOTS, rank, in_features, generator=g) / in_features ** 0.5).to(dtype)
-                       for _ in sizes]  # each [L, R, I]
+        self.lora_a = [
+            (torch.randn(SLOTS, rank, in_features, generator=g) / in_features**0.5).to(dtype) for _ in sizes
+        ]  # each [L, R, I]
         self.lora_b = [(torch.randn(SLOTS, n, rank, generator=g) * 0.1).to(dtype) for n in sizes]  # [L, O_s, R]
         self.ranks = [[rank] * len(sizes) for _ in range(SLOTS)]
         self.stack = LoRAStack.from_lists(self.lora_a, self.lora_b, self.offsets, self.ranks)
@@ -56,20 +58,25 @@ class Proj:
 
 def layer(hidden: int, rank: int, dtype: torch.dtype, g: torch.Generator) -> dict[str, Proj]:
     inter = 3 * hidden
-    return {"qkv": Proj(hidden, [hidden, KV, KV], rank, dtype, g), "o": Proj(hidden, [hidden], rank, dtype, g),
-            "gate_up": Proj(hidden, [inter, inter], rank, dtype, g), "down": Proj(inter, [hidden], rank, dtype, g)}
+    return {
+        "qkv": Proj(hidden, [hidden, KV, KV], rank, dtype, g),
+        "o": Proj(hidden, [hidden], rank, dtype, g),
+        "gate_up": Proj(hidden, [inter, inter], rank, dtype, g),
+        "down": Proj(inter, [hidden], rank, dtype, g),
+    }
 
 
 def run_layer(p: dict[str, Proj], x: torch.Tensor, slots: torch.Tensor, groups, mode: str) -> torch.Tensor:
     """One layer's linears on x [T, H] in `mode` ("base", "twin", "kernel"); attention is skipped (o_proj and the
     MLP take qkv's first H columns as their input)."""
+
     def lin(name, inp):
         out = cpu_linear(inp, p[name].packed, None, p[name].out)  # [T, O]
         if mode == "twin":
             return p[name].twin(inp, out, groups)
         return lora_add_cpu(inp, out, slots, p[name].stack) if mode == "kernel" else out
 
-    h = lin("qkv", x)[:, :x.shape[1]].contiguous()  # [T, H]
+    h = lin("qkv", x)[:, : x.shape[1]].contiguous()  # [T, H]
     h = lin("o", h)
     gu, inter = p["gate_up"], p["gate_up"].sizes[0]
     if mode == "kernel":
@@ -77,7 +84,7 @@ def run_layer(p: dict[str, Proj], x: torch.Tensor, slots: torch.Tensor, groups, 
         act = cpu_linear_silu_mul(h, gu.packed, None, inter, delta)  # [T, I]
     else:
         act = cpu_linear_silu_mul(h, gu.packed, None, inter)  # [T, I]
-        for slot, rows in (groups if mode == "twin" else ()):  # today's GatedMLPWithLoRA: recompute adapter rows
+        for slot, rows in groups if mode == "twin" else ():  # today's GatedMLPWithLoRA: recompute adapter rows
             hs = take_rows(h, rows)  # [n, H]
             gate_up = cpu_linear(hs, gu.packed, None, 2 * inter)  # [n, 2I]
             add_lora_grouped(hs, gate_up, gu.lora_a, gu.lora_b, gu.offsets, gu.ranks, ((slot, slice(0, len(hs))),))
@@ -135,18 +142,28 @@ def main() -> None:
             for name, proj in p.items():
                 inp = h if name == "down" else x
                 out = torch.zeros(args.tokens, proj.out, dtype=dtype)
-                t = timed({"twin": lambda: proj.twin(inp, out, groups),
-                           "kernel": lambda: lora_add_cpu(inp, out, slots, proj.stack)}, args.reps)
-                print(f"{hidden:>6} {rank:>4} | {name:>7} {t['twin']:>8.1f} {t['kernel']:>8.1f} "
-                      f"{t['twin'] / t['kernel']:>6.1f}x")
-            t = timed({m: (lambda m=m: run_layer(p, x, slots, groups, m)) for m in ("base", "twin", "kernel")},
-                      args.reps)
+                t = timed(
+                    {
+                        "twin": lambda: proj.twin(inp, out, groups),
+                        "kernel": lambda: lora_add_cpu(inp, out, slots, proj.stack),
+                    },
+                    args.reps,
+                )
+                print(
+                    f"{hidden:>6} {rank:>4} | {name:>7} {t['twin']:>8.1f} {t['kernel']:>8.1f} "
+                    f"{t['twin'] / t['kernel']:>6.1f}x"
+                )
+            t = timed(
+                {m: (lambda m=m: run_layer(p, x, slots, groups, m)) for m in ("base", "twin", "kernel")}, args.reps
+            )
             rows.append((hidden, rank, t))
     print("\nper layer (4 projections, the MLP's gate_up fused):")
     print(f"{'hidden':>6} {'rank':>4} | {'base':>8} {'twin':>8} {'kernel':>8} | {'base/twin':>9} {'base/kernel':>11}")
     for hidden, rank, t in rows:
-        print(f"{hidden:>6} {rank:>4} | {t['base']:>8.1f} {t['twin']:>8.1f} {t['kernel']:>8.1f} | "
-              f"{t['base'] / t['twin']:>8.2f}x {t['base'] / t['kernel']:>10.2f}x")
+        print(
+            f"{hidden:>6} {rank:>4} | {t['base']:>8.1f} {t['twin']:>8.1f} {t['kernel']:>8.1f} | "
+            f"{t['base'] / t['twin']:>8.2f}x {t['base'] / t['kernel']:>10.2f}x"
+        )
 
 
 if __name__ == "__main__":

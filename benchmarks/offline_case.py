@@ -1,6 +1,7 @@
 """One offline generation case in its own process: vlserve, vLLM-CPU or transformers' generate on one checkpoint,
 greedy with every output `output_len` tokens long, the fastest of `repeats` runs after a warm-up, for each batch
 size; plus the process's peak RSS. Shared by the quantization and MoE benchmarks."""
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,6 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
 """
 
 
-
 def run_case(python: str, engine: str, model: str, cfg: dict) -> dict | str:
     """One engine ("vlserve", "vllm" or "hf") on one checkpoint in its own process (`python`): {batch: tok/s,
     "rss_gib": ...}, or the error's last line."""
@@ -75,11 +75,16 @@ def run_script(python: str, script: str, engine: str, model: str, cfg: dict) -> 
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(script)
     env = vllm_cpu_env() if engine == "vllm" else dict(os.environ)
-    proc = subprocess.run([python, f.name, json.dumps({**cfg, "engine": engine, "model": model})],
-                          capture_output=True, text=True, env=env, timeout=3600)
+    proc = subprocess.run(
+        [python, f.name, json.dumps({**cfg, "engine": engine, "model": model})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("CASE_RESULT "):
-            return json.loads(line[len("CASE_RESULT "):])
+            return json.loads(line[len("CASE_RESULT ") :])
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     print(f"{engine} on {model} failed (exit {proc.returncode}):\n" + "\n".join(tail[-15:]), file=sys.stderr)
     return f"failed: {tail[-1][:160] if tail else proc.returncode}"
@@ -107,9 +112,13 @@ def case_setup(args) -> tuple[str, dict]:
 
     model = args.model or build_random_model(args)
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
-    return model, dict(prompts=make_prompts(args.num_prompts, args.input_len, vocab, args.seed), dtype=args.dtype,
-                       output_len=args.output_len, repeats=args.repeats,
-                       max_model_len=args.input_len + args.output_len + 8)
+    return model, dict(
+        prompts=make_prompts(args.num_prompts, args.input_len, vocab, args.seed),
+        dtype=args.dtype,
+        output_len=args.output_len,
+        repeats=args.repeats,
+        max_model_len=args.input_len + args.output_len + 8,
+    )
 
 
 def run_engines(script: str, model: str, cfg: dict, vllm_python: str | None) -> dict:

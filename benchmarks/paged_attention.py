@@ -7,6 +7,7 @@ only where a function cannot be captured, named at the end).
 
     python -m benchmarks.paged_attention [--dtype float32|bfloat16] [--iters 20] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,9 +124,9 @@ def bench_decode(dtype, device, iters, with_triton):
         expected = sdpa().reshape(batch, HQ, HEAD_DIM)
         torch.testing.assert_close(ref(), expected, atol=2e-2, rtol=2e-2)
         label = f"decode B={batch} ctx={'mixed <=' if mixed else ''}{ctx}"
-        row = {"case": label, "sdpa": _time_ms(sdpa, device, iters),
-               "torch": _time_ms(ref, device, iters)}
+        row = {"case": label, "sdpa": _time_ms(sdpa, device, iters), "torch": _time_ms(ref, device, iters)}
         if cpu_decode_supported(query, k_cache):
+
             def cpp():
                 return paged_attention_decode_cpu(query, k_cache, v_cache, tables, seq_lens, scale)
 
@@ -160,8 +161,9 @@ def bench_prefill(dtype, device, iters, with_triton):
 
         def sdpa():
             q = query.view(num_seqs, q_len, HQ, HEAD_DIM).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
 
         def ref():
             return paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, seq_lens, scale)
@@ -174,8 +176,9 @@ def bench_prefill(dtype, device, iters, with_triton):
             from vlserve.kernels.triton_prefill import paged_prefill_attention_triton
 
             def tri():
-                return paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, seq_lens, scale,
-                                                      max_query_len=q_len)
+                return paged_prefill_attention_triton(
+                    query, k_cache, v_cache, tables, qsl, seq_lens, scale, max_query_len=q_len
+                )
 
             torch.testing.assert_close(tri(), expected, atol=2e-2, rtol=2e-2)
             row["triton"] = _time_ms(tri, device, iters)
@@ -212,8 +215,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, dtype {args.dtype}, "
-          f"Hq={HQ} Hkv={HKV} D={HEAD_DIM} BS={BLOCK_SIZE}; best of {args.iters} after warm-up")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, dtype {args.dtype}, "
+        f"Hq={HQ} Hkv={HKV} D={HEAD_DIM} BS={BLOCK_SIZE}; best of {args.iters} after warm-up"
+    )
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
@@ -224,8 +229,10 @@ def main() -> None:
             _print(bench_decode(dtype, device, args.iters, with_triton), f"[{name}] decode", with_triton)
             _print(bench_prefill(dtype, device, args.iters, with_triton), f"[{name}] prefill", with_triton)
             if with_triton:
-                print(f"\nCUDA times: per call inside a graph of {GRAPH_CALLS} calls; timed call by call (no "
-                      f"capture): {', '.join(sorted(set(EAGER_ON_CUDA))) or 'none'}")
+                print(
+                    f"\nCUDA times: per call inside a graph of {GRAPH_CALLS} calls; timed call by call (no "
+                    f"capture): {', '.join(sorted(set(EAGER_ON_CUDA))) or 'none'}"
+                )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ pickling, detokenizing) shares the cores with the ranks in every configuration.
 "PP=2, one batch in flight" is today's path without the batch queue: `engine.batch_queue = None` on the built engine
 (a private switch only this benchmark uses), so each stage idles while the other one works.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,19 @@ def _child(model: str, pp: int, threads: int | None, overlap: bool, args) -> dic
 
     if threads is not None:
         torch.set_num_threads(threads)
-    llm = LLM(model, dtype="float32", pipeline_parallel_size=pp, num_kv_blocks=1024,
-              max_num_seqs=max(args.requests, 1), max_model_len=args.prompt_len + args.output_len + 16)
+    llm = LLM(
+        model,
+        dtype="float32",
+        pipeline_parallel_size=pp,
+        num_kv_blocks=1024,
+        max_num_seqs=max(args.requests, 1),
+        max_model_len=args.prompt_len + args.output_len + 16,
+    )
     if pp > 1 and not overlap:
         llm.engine.batch_queue = None  # one step at a time (the path before the batch queue)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 600 + 3 for j in range(args.prompt_len)]}
-               for i in range(args.requests)]
+    prompts = [
+        {"prompt_token_ids": [(7 * i + 13 * j) % 600 + 3 for j in range(args.prompt_len)]} for i in range(args.requests)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     times, tokens, idle = [], None, []
@@ -74,9 +82,14 @@ def _child(model: str, pp: int, threads: int | None, overlap: bool, args) -> dic
     # per stage, the idle fraction of the median round (by wall time)
     median_round = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
     stage_idle = idle[median_round] if idle else []
-    return {"tok_s": n_out / wall, "wall_s": wall, "max_in_flight": in_flight, "stage_idle": stage_idle,
-            "first": tokens[0][:8],
-            "digest": hash(tuple(tuple(t) for t in tokens))}
+    return {
+        "tok_s": n_out / wall,
+        "wall_s": wall,
+        "max_in_flight": in_flight,
+        "stage_idle": stage_idle,
+        "first": tokens[0][:8],
+        "digest": hash(tuple(tuple(t) for t in tokens)),
+    }
 
 
 def main() -> None:
@@ -98,34 +111,61 @@ def main() -> None:
 
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_text_checkpoint(tmp, arch="qwen2", hidden_size=args.hidden, num_layers=args.layers,
-                                      num_heads=args.hidden // 64, num_kv_heads=max(args.hidden // 256, 1),
-                                      intermediate_size=args.hidden * 11 // 4, initializer_range=0.02)
-        print(f"{cores} cores; random Qwen2 hidden {args.hidden}, {args.layers} layers, float32; {args.requests} "
-              f"requests x ({args.prompt_len} prompt + {args.output_len} output tokens), median of {args.rounds}")
+        model = build_text_checkpoint(
+            tmp,
+            arch="qwen2",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.hidden // 64,
+            num_kv_heads=max(args.hidden // 256, 1),
+            intermediate_size=args.hidden * 11 // 4,
+            initializer_range=0.02,
+        )
+        print(
+            f"{cores} cores; random Qwen2 hidden {args.hidden}, {args.layers} layers, float32; {args.requests} "
+            f"requests x ({args.prompt_len} prompt + {args.output_len} output tokens), median of {args.rounds}"
+        )
         results = {}
         for name, pp, threads, overlap in CONFIGS:
             env = dict(os.environ)
             env.pop("OMP_NUM_THREADS", None)  # the ranks take cores // stages threads each
             env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-            cmd = [sys.executable, "-m", "benchmarks.pp_overlap", "--child", json.dumps([model, pp, threads, overlap]),
-                   "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
-                   "--output-len", str(args.output_len), "--rounds", str(args.rounds)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.pp_overlap",
+                "--child",
+                json.dumps([model, pp, threads, overlap]),
+                "--requests",
+                str(args.requests),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--output-len",
+                str(args.output_len),
+                "--rounds",
+                str(args.rounds),
+            ]
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not line:
                 sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            results[name] = json.loads(line[0][len("RESULT "):])
+            results[name] = json.loads(line[0][len("RESULT ") :])
     base = results[CONFIGS[0][0]]["tok_s"]
     base2 = results[CONFIGS[1][0]]["tok_s"]
-    print(f"{'configuration':<30} {'tok/s':>8} {'wall s':>7} {'vs PP=1 1t':>10} {'vs PP=1 2t':>10} {'in flight':>9} "
-          f"{'stage idle (bubble)':>20}")
+    print(
+        f"{'configuration':<30} {'tok/s':>8} {'wall s':>7} {'vs PP=1 1t':>10} {'vs PP=1 2t':>10} {'in flight':>9} "
+        f"{'stage idle (bubble)':>20}"
+    )
     for name, r in results.items():
         idle = " / ".join(f"{100 * f:.0f}%" for f in r["stage_idle"]) or "-"
-        print(f"{name:<30} {r['tok_s']:8.1f} {r['wall_s']:7.2f} {r['tok_s'] / base:10.2f} {r['tok_s'] / base2:10.2f} "
-              f"{r['max_in_flight']:9d} {idle:>20}")
-    print("stage idle: per stage, 1 - (time in steps - time blocked receiving / sending the stream) / the span from "
-          "its first step to its last, in the median round")
+        print(
+            f"{name:<30} {r['tok_s']:8.1f} {r['wall_s']:7.2f} {r['tok_s'] / base:10.2f} {r['tok_s'] / base2:10.2f} "
+            f"{r['max_in_flight']:9d} {idle:>20}"
+        )
+    print(
+        "stage idle: per stage, 1 - (time in steps - time blocked receiving / sending the stream) / the span from "
+        "its first step to its last, in the median round"
+    )
     same = len({r["digest"] for r in results.values()}) == 1
     print("greedy outputs identical across configurations:", same)
 

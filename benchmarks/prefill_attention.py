@@ -10,6 +10,7 @@ so the ratio column is Triton's speed as a fraction of flash's. `--sweep` also t
 On a machine without CUDA, `--device cpu` with TRITON_INTERPRET=1 runs the same code on tiny cases (a smoke run:
 the interpreter's timings mean nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ from vlserve.kernels.triton_prefill import PrefillTile, paged_prefill_attention_
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CASES = ["1x4096", "8x2048", "32x512"]
-SWEEP = [PrefillTile(rows, block_n, warps, stages)
-         for rows, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+SWEEP = [
+    PrefillTile(rows, block_n, warps, stages)
+    for rows, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+]
 
 
 def _time_ms(fn, device: torch.device, iters: int) -> float:
@@ -60,9 +63,11 @@ def _case(batch: int, length: int, dtype: torch.dtype, device: torch.device):
     k_cache = torch.empty(batch * blocks, BLOCK_SIZE, HKV, HEAD_DIM, dtype=dtype)
     v_cache = torch.empty_like(k_cache)
     k_cache[tables.reshape(-1).long()] = F.pad(k.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(
-        -1, BLOCK_SIZE, HKV, HEAD_DIM)
+        -1, BLOCK_SIZE, HKV, HEAD_DIM
+    )
     v_cache[tables.reshape(-1).long()] = F.pad(v.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(
-        -1, BLOCK_SIZE, HKV, HEAD_DIM)
+        -1, BLOCK_SIZE, HKV, HEAD_DIM
+    )
     query = q.transpose(1, 2).reshape(batch * length, HQ, HEAD_DIM).contiguous()  # [T, Hq, D]
     qsl = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
     seq_lens = torch.full((batch,), length, dtype=torch.int32)
@@ -85,8 +90,10 @@ def main() -> None:
         sys.exit("no CUDA device here (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
     default = prefill_tile(HEAD_DIM, dtype, device)
-    print(f"{name}, torch {torch.__version__}, {args.dtype}, Hq={HQ} Hkv={HKV} D={HEAD_DIM} BS={BLOCK_SIZE}; "
-          f"median of {args.iters}; default tile {default}")
+    print(
+        f"{name}, torch {torch.__version__}, {args.dtype}, Hq={HQ} Hkv={HKV} D={HEAD_DIM} BS={BLOCK_SIZE}; "
+        f"median of {args.iters}; default tile {default}"
+    )
     print("| case | flash SDPA ms | TFLOP/s | Triton paged ms | TFLOP/s | Triton / flash |")
     print("|---|---|---|---|---|---|")
     scale = HEAD_DIM**-0.5
@@ -101,15 +108,19 @@ def main() -> None:
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
             def triton_paged(tile=None):
-                return paged_prefill_attention_triton(query, k_cache, v_cache, tables, qsl, seq_lens, scale,
-                                                      max_query_len=length, tile=tile)
+                return paged_prefill_attention_triton(
+                    query, k_cache, v_cache, tables, qsl, seq_lens, scale, max_query_len=length, tile=tile
+                )
 
             expected = flash().transpose(1, 2).reshape(-1, HQ, HEAD_DIM)
             torch.testing.assert_close(triton_paged().float(), expected.float(), atol=2e-2, rtol=2e-2)
             t_flash = _time_ms(flash, device, args.iters)
             t_triton = _time_ms(triton_paged, device, args.iters)
-            print(f"| {batch} x {length} | {t_flash:.3f} | {flops / t_flash / 1e9:.1f} | {t_triton:.3f} | "
-                  f"{flops / t_triton / 1e9:.1f} | {t_flash / t_triton:.2f}x |", flush=True)
+            print(
+                f"| {batch} x {length} | {t_flash:.3f} | {flops / t_flash / 1e9:.1f} | {t_triton:.3f} | "
+                f"{flops / t_triton / 1e9:.1f} | {t_flash / t_triton:.2f}x |",
+                flush=True,
+            )
             if args.sweep:
                 timed = []
                 for tile in SWEEP:

@@ -15,6 +15,7 @@ multiply-adds is left out ("-"): without AVX512-BF16 oneDNN takes seconds for it
     python -m benchmarks.quant_linear [--rows 1 8 32 512] [--dtype float32 bfloat16] [--shapes 4864x896 ...]
         [--budget 0.3] [--cold] [--stat median|min]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,9 @@ def quantized(w: torch.Tensor) -> dict:
     for name, bits in (("w4a16", 4), ("w8a16", 8)):
         grouped = w.view(n, k // g, g)  # [N, G, g]
         lo, hi = grouped.amin(-1), grouped.amax(-1)
-        scales = ((hi - lo) / (2 ** bits - 1)).clamp(min=1e-8)  # [N, G]
-        zeros = torch.round(-lo / scales).clamp(0, 2 ** bits - 1)
-        q = torch.round(grouped / scales[..., None] + zeros[..., None]).clamp(0, 2 ** bits - 1)
+        scales = ((hi - lo) / (2**bits - 1)).clamp(min=1e-8)  # [N, G]
+        zeros = torch.round(-lo / scales).clamp(0, 2**bits - 1)
+        q = torch.round(grouped / scales[..., None] + zeros[..., None]).clamp(0, 2**bits - 1)
         out[name] = QL.prepare_wna16(q.view(n, k).to(torch.uint8), scales.half(), zeros.to(torch.uint8), g, bits)
     s8 = w.abs().amax(1) / 127
     out["int8"] = QL.prepare_int8(torch.round(w / s8[:, None]).to(torch.int8), s8)
@@ -87,23 +88,34 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="NxK")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of calls per engine and row")
     parser.add_argument("--cold", action="store_true", help="write a 64 MB buffer before each call")
-    parser.add_argument("--stat", choices=["median", "min"], default="median",
-                        help="min: the fastest call (on a machine shared with other jobs)")
+    parser.add_argument(
+        "--stat",
+        choices=["median", "min"],
+        default="median",
+        help="min: the fastest call (on a machine shared with other jobs)",
+    )
     args = parser.parse_args()
     flush = torch.zeros(16 * 1024 * 1024) if args.cold else None
     info = quant_kernel_info() if quant_kernel() is not None else None
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu_linear: float32 "
-          f"{cpu_linear_isa(torch.float32)}, bf16 {cpu_linear_isa(torch.bfloat16)}; quant kernel: {info}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu_linear: float32 "
+        f"{cpu_linear_isa(torch.float32)}, bf16 {cpu_linear_isa(torch.bfloat16)}; quant kernel: {info}"
+    )
     base = ["bf16", "f32", "F.linear"]
-    header = (f"{'N x K':>11} {'M':>4} {'x':>5} | " + " ".join(f"{n:>8}" for n in base + QUANT)
-              + " | x faster than bf16: " + " ".join(f"{n:>6}" for n in QUANT)
-              + " | than f32: " + " ".join(f"{n:>6}" for n in QUANT))
+    header = (
+        f"{'N x K':>11} {'M':>4} {'x':>5} | "
+        + " ".join(f"{n:>8}" for n in base + QUANT)
+        + " | x faster than bf16: "
+        + " ".join(f"{n:>6}" for n in QUANT)
+        + " | than f32: "
+        + " ".join(f"{n:>6}" for n in QUANT)
+    )
     print(f"milliseconds per call ({args.stat}, {'cold: caches flushed before each call' if args.cold else 'hot'})")
     print(header)
     g = torch.Generator().manual_seed(0)
     for shape in args.shapes:
         n, k = map(int, shape.split("x"))
-        w = torch.randn(n, k, generator=g) / k ** 0.5
+        w = torch.randn(n, k, generator=g) / k**0.5
         packed = {torch.bfloat16: pack_linear_weight(w.bfloat16()), torch.float32: pack_linear_weight(w)}
         prepared = quantized(w)
         for m in args.rows:
@@ -112,18 +124,26 @@ def main() -> None:
                 x = torch.randn(m, k, generator=g).to(dtype)
                 xb, xf = x.bfloat16(), x.float()
                 wx = w.to(dtype)
-                ops = {"bf16": lambda: cpu_linear(xb, packed[torch.bfloat16], None, n),
-                       "f32": lambda: cpu_linear(xf, packed[torch.float32], None, n)}
+                ops = {
+                    "bf16": lambda: cpu_linear(xb, packed[torch.bfloat16], None, n),
+                    "f32": lambda: cpu_linear(xf, packed[torch.float32], None, n),
+                }
                 if dtype is torch.float32 or m * n * k <= SLOW_BF16_MNK:
                     ops["F.linear"] = lambda: F.linear(x, wx)
                 for name, prep in prepared.items():
-                    ops[name] = (lambda f=linear_fn(name, prep): f(x))
+                    ops[name] = lambda f=linear_fn(name, prep): f(x)
                 ms = {name: t * 1e3 for name, t in timings(ops, args.budget, flush, args.stat).items()}
                 cell = lambda name: f"{ms[name]:>8.3f}" if name in ms else f"{'-':>8}"  # noqa: E731
                 ratio = lambda ref, name: f"{ms[ref] / ms[name]:>6.2f}" if name in ms else f"{'-':>6}"  # noqa: E731
-                print(f"{shape:>11} {m:>4} {dname[:5]:>5} | " + " ".join(cell(c) for c in base + QUANT)
-                      + " |                     " + " ".join(ratio("bf16", c) for c in QUANT)
-                      + " |           " + " ".join(ratio("f32", c) for c in QUANT), flush=True)
+                print(
+                    f"{shape:>11} {m:>4} {dname[:5]:>5} | "
+                    + " ".join(cell(c) for c in base + QUANT)
+                    + " |                     "
+                    + " ".join(ratio("bf16", c) for c in QUANT)
+                    + " |           "
+                    + " ".join(ratio("f32", c) for c in QUANT),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

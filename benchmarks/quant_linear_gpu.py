@@ -18,6 +18,7 @@ minute on an H100 (most of it Triton compiling and tuning).
 
     python -m benchmarks.quant_linear_gpu [--rows 1 16 128 2048] [--n 18944 3584] [--k 3584]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _routes(n: int, k: int, g: torch.Generator) -> dict:
     """name -> (make the call for x, path name for x, reference for x) with weights for an [N, K] layer."""
     dev = g.device
-    w_bf16 = (torch.randn(n, k, generator=g, device=dev) / k ** 0.5).to(torch.bfloat16)
+    w_bf16 = (torch.randn(n, k, generator=g, device=dev) / k**0.5).to(torch.bfloat16)
     # W8A8: symmetric per-channel int8 of w
     i8_scale = w_bf16.float().abs().amax(dim=1) / 127  # [N]
     i8 = torch.round(w_bf16.float() / i8_scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -77,18 +78,31 @@ def _routes(n: int, k: int, g: torch.Generator) -> dict:
 
     tok, blk = fp8w(f8_scale, None, "token", 0), fp8w(blocks, (128, 128), "group", 128)
     return {
-        "bf16 F.linear": (lambda x: (lambda: F.linear(x, w_bf16)), lambda x: "cublas",
-                          lambda x: F.linear(x.float(), w_bf16.float())),
-        "int8 W8A8": (lambda x: (lambda: QC.int8_linear_cuda(x, i8, i8_scale, None)),
-                      lambda x: QC.int8_path(x.shape[0], k, n), lambda x: _int8_ref(x, i8, i8_scale)),
-        "fp8 token/channel": (lambda x: (lambda: QC.fp8_linear_cuda(x, f8, f8_scale, None, "token")),
-                              lambda x: QC.fp8_path(x, f8, f8_scale, None, "token"),
-                              lambda x: QL.fp8_linear_ref(x.float(), tok, None)),
-        "fp8 block128": (lambda x: (lambda: QC.fp8_linear_cuda(x, f8b, blocks, (128, 128), "group", 128)),
-                         lambda x: QC.fp8_path(x, f8b, blocks, (128, 128), "group", 128),
-                         lambda x: QL.fp8_linear_ref(x.float(), blk, None)),
-        "w4a16 g128": (lambda x: (lambda: QC.wna16_linear_cuda(x, w4, None)), lambda x: "triton",
-                       lambda x: QL.wna16_linear_ref(x.float(), q4, s4, z4, 128, None, None)),
+        "bf16 F.linear": (
+            lambda x: lambda: F.linear(x, w_bf16),
+            lambda x: "cublas",
+            lambda x: F.linear(x.float(), w_bf16.float()),
+        ),
+        "int8 W8A8": (
+            lambda x: lambda: QC.int8_linear_cuda(x, i8, i8_scale, None),
+            lambda x: QC.int8_path(x.shape[0], k, n),
+            lambda x: _int8_ref(x, i8, i8_scale),
+        ),
+        "fp8 token/channel": (
+            lambda x: lambda: QC.fp8_linear_cuda(x, f8, f8_scale, None, "token"),
+            lambda x: QC.fp8_path(x, f8, f8_scale, None, "token"),
+            lambda x: QL.fp8_linear_ref(x.float(), tok, None),
+        ),
+        "fp8 block128": (
+            lambda x: lambda: QC.fp8_linear_cuda(x, f8b, blocks, (128, 128), "group", 128),
+            lambda x: QC.fp8_path(x, f8b, blocks, (128, 128), "group", 128),
+            lambda x: QL.fp8_linear_ref(x.float(), blk, None),
+        ),
+        "w4a16 g128": (
+            lambda x: lambda: QC.wna16_linear_cuda(x, w4, None),
+            lambda x: "triton",
+            lambda x: QL.wna16_linear_ref(x.float(), q4, s4, z4, 128, None, None),
+        ),
     }
 
 
@@ -115,8 +129,10 @@ def main() -> None:
     for n in args.n:
         routes = _routes(n, k, g)
         print(f"\nK={k} N={n}")
-        print(f"{'route':<18} {'M':>5} {'path':<10} {'eager ms':>9} {'graph ms':>9} {'TFLOP/s':>8} "
-              f"{'vs bf16':>8} {'rel err':>8}")
+        print(
+            f"{'route':<18} {'M':>5} {'path':<10} {'eager ms':>9} {'graph ms':>9} {'TFLOP/s':>8} "
+            f"{'vs bf16':>8} {'rel err':>8}"
+        )
         for m in args.rows:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             base = None
@@ -135,8 +151,10 @@ def main() -> None:
                 tflops = 2 * m * n * k / (t * 1e-3) / 1e12
                 speed = f"{base / t:7.2f}x" if base else "      -"
                 graph_s = f"{graph:9.4f}" if graph is not None else f"{'-':>9}"
-                print(f"{name:<18} {m:>5} {path(x):<10} {eager:9.4f} {graph_s} {tflops:8.1f} {speed:>8} {err:8.1e}",
-                      flush=True)
+                print(
+                    f"{name:<18} {m:>5} {path(x):<10} {eager:9.4f} {graph_s} {tflops:8.1f} {speed:>8} {err:8.1e}",
+                    flush=True,
+                )
         del routes
         torch.cuda.empty_cache()
     print(f"\ndone in {time.time() - start:.0f} s")

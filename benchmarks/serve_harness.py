@@ -6,6 +6,7 @@ OpenAI server on a free port with its log in a file, waits for /health and stops
 own `bench serve` client (random-mm dataset) with the anchor's python; `run_vlserve_client` runs
 `vlserve.bench.serve`'s client. Both return the metrics in the shape of vLLM's result JSON.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE, vllm_cpu_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_CLIENT = os.path.join(os.path.dirname(REPO_ROOT), "shared", "tools", "vllm-bench-client.py")
-ANCHOR_PYTHON = os.path.join(os.environ.get("VLLM_VENV") or os.path.expanduser("~/.cache/vlserve-anchor/vllmcpu"),
-                             "bin", "python")
+ANCHOR_PYTHON = os.path.join(
+    os.environ.get("VLLM_VENV") or os.path.expanduser("~/.cache/vlserve-anchor/vllmcpu"), "bin", "python"
+)
 # The Qwen2-VL processor's usual bounds: 4 to 1280 merged tokens per image; 896x896 stays 1024 tokens, unresized.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280
@@ -58,8 +60,9 @@ class Workload:
         return self.items * -(-self.sampled_frames // 2) * per_frame
 
 
-def build_checkpoint(cache_dir: str, vision_depth: int, vision_width: int, hidden_size: int, num_layers: int,
-                     seed: int = 0) -> str:
+def build_checkpoint(
+    cache_dir: str, vision_depth: int, vision_width: int, hidden_size: int, num_layers: int, seed: int = 0
+) -> str:
     """A random Qwen2-VL of these sizes in `cache_dir` (built once; later calls reuse it); returns its path.
 
     LM heads of 64 dims (kv heads a quarter, as the throughput bench's Qwen2), MLP 3 x hidden, M-RoPE split
@@ -76,11 +79,23 @@ def build_checkpoint(cache_dir: str, vision_depth: int, vision_width: int, hidde
     half = hidden_size // heads // 2
     hw = (half - half // 4) // 2
     build_qwen2_vl_checkpoint(
-        path, variant="qwen2_vl", hidden_size=hidden_size, intermediate_size=3 * hidden_size, num_layers=num_layers,
-        num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), vision_depth=vision_depth,
-        vision_embed_dim=vision_width, vision_num_heads=max(vision_width // 64, 1),
-        mrope_section=(half - 2 * hw, hw, hw), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-        initializer_range=0.02, seed=seed, chat_template=QWEN2_VL_CHAT_TEMPLATE)
+        path,
+        variant="qwen2_vl",
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        vision_depth=vision_depth,
+        vision_embed_dim=vision_width,
+        vision_num_heads=max(vision_width // 64, 1),
+        mrope_section=(half - 2 * hw, hw, hw),
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        initializer_range=0.02,
+        seed=seed,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
     open(done, "w").close()
     return path
 
@@ -113,8 +128,14 @@ class Server:
         self.port, self.log_path = port, log_path
         self.base_url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env or os.environ.copy(), start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env or os.environ.copy(),
+            start_new_session=True,
+        )
 
     def wait_healthy(self, timeout: float) -> str | None:
         """None once /health answers 200; else why not (exited with its code, or timed out)."""
@@ -144,43 +165,141 @@ class Server:
             pass
 
 
-def vlserve_cmd(model: str, name: str, port: int, dtype: str, max_model_len: int, limits: dict[str, int],
-                extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "vlserve.cli", "serve", model, "--served-model-name", name, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--limit-mm-per-prompt", json.dumps(limits), "--log-level", "warning", *extra]
+def vlserve_cmd(
+    model: str, name: str, port: int, dtype: str, max_model_len: int, limits: dict[str, int], extra: list[str]
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vlserve.cli",
+        "serve",
+        model,
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--limit-mm-per-prompt",
+        json.dumps(limits),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
-def vllm_cmd(python: str, model: str, name: str, port: int, dtype: str, max_model_len: int,
-             limits: dict[str, int], extra: list[str]) -> list[str]:
+def vllm_cmd(
+    python: str,
+    model: str,
+    name: str,
+    port: int,
+    dtype: str,
+    max_model_len: int,
+    limits: dict[str, int],
+    extra: list[str],
+) -> list[str]:
     # --runner generate: vLLM 0.32 resolved this checkpoint to a pooling runner without it (docs/benchmarks.md)
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--block-size", str(VLLM_CPU_BLOCK_SIZE), "--runner", "generate",
-            "--limit-mm-per-prompt", json.dumps(limits), *extra]
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--block-size",
+        str(VLLM_CPU_BLOCK_SIZE),
+        "--runner",
+        "generate",
+        "--limit-mm-per-prompt",
+        json.dumps(limits),
+        *extra,
+    ]
 
 
-def run_vllm_client(python: str, base_url: str, model: str, name: str, w: Workload, args, result_dir: str,
-                    tag: str) -> tuple[dict | None, str]:
+def run_vllm_client(
+    python: str, base_url: str, model: str, name: str, w: Workload, args, result_dir: str, tag: str
+) -> tuple[dict | None, str]:
     """vLLM's `bench serve` (openai-chat, random-mm) with `python`; (its result JSON or None, its output tail)."""
-    client = [python, BENCH_CLIENT] if os.path.exists(BENCH_CLIENT) else \
-        [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    client = (
+        [python, BENCH_CLIENT]
+        if os.path.exists(BENCH_CLIENT)
+        else [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    )
     limits = {"image": w.items if w.modality == "image" else 0, "video": w.items if w.modality == "video" else 0}
     filename = f"{tag}.json"
-    cmd = [*client, "--backend", "openai-chat", "--base-url", base_url, "--endpoint", "/v1/chat/completions",
-           "--model", model, "--served-model-name", name, "--dataset-name", "random-mm",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--random-range-ratio", "0", "--random-mm-base-items-per-request", str(w.items),
-           "--random-mm-num-mm-items-range-ratio", "0", "--random-mm-limit-mm-per-prompt", json.dumps(limits),
-           "--random-mm-bucket-config", f"{{({w.height}, {w.width}, {w.frames}): 1.0}}",
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
-           "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
-           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-           "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", filename]
+    cmd = [
+        *client,
+        "--backend",
+        "openai-chat",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--model",
+        model,
+        "--served-model-name",
+        name,
+        "--dataset-name",
+        "random-mm",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--random-range-ratio",
+        "0",
+        "--random-mm-base-items-per-request",
+        str(w.items),
+        "--random-mm-num-mm-items-range-ratio",
+        "0",
+        "--random-mm-limit-mm-per-prompt",
+        json.dumps(limits),
+        "--random-mm-bucket-config",
+        f"{{({w.height}, {w.width}, {w.frames}): 1.0}}",
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(args.max_concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(args.seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        filename,
+    ]
     with open(os.path.join(result_dir, f"{tag}.client.log"), "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_cpu_env(), cwd=REPO_ROOT,
-                                timeout=args.client_timeout).returncode
+            rc = subprocess.run(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=vllm_cpu_env(),
+                cwd=REPO_ROOT,
+                timeout=args.client_timeout,
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = f"timed out after {args.client_timeout:.0f} s"
     with open(log.name, errors="replace") as f:
@@ -199,19 +318,38 @@ def run_vlserve_client(base_url: str, name: str, w: Workload, args) -> tuple[dic
 
     from vlserve.bench import serve
 
-    words = random.Random(args.seed).choices(["red", "blue", "cat", "tree", "sky", "road", "house", "boat"],
-                                             k=args.input_len)
-    ns = argparse.Namespace(base_url=base_url, model=name, api_key=None, num_prompts=args.num_prompts,
-                            request_rate=float("inf"), max_concurrency=args.max_concurrency, num_images=w.items,
-                            image_width=w.width, image_height=w.height, prompt=" ".join(words),
-                            max_tokens=args.output_len, ignore_eos=True, timeout=args.client_timeout, seed=args.seed)
+    words = random.Random(args.seed).choices(
+        ["red", "blue", "cat", "tree", "sky", "road", "house", "boat"], k=args.input_len
+    )
+    ns = argparse.Namespace(
+        base_url=base_url,
+        model=name,
+        api_key=None,
+        num_prompts=args.num_prompts,
+        request_rate=float("inf"),
+        max_concurrency=args.max_concurrency,
+        num_images=w.items,
+        image_width=w.width,
+        image_height=w.height,
+        prompt=" ".join(words),
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        timeout=args.client_timeout,
+        seed=args.seed,
+    )
     asyncio.run(serve.run(argparse.Namespace(**{**vars(ns), "num_prompts": 1})))  # warm-up
     s = asyncio.run(serve.run(ns))
     if not s["completed"]:
         return None, "no request completed"
-    return {"completed": s["completed"], "failed": s["failed"], "request_throughput": s["request_throughput"],
-            "output_throughput": s["output_tokens_per_s"], "median_ttft_ms": s["ttft_ms"][50],
-            "p99_ttft_ms": s["ttft_ms"][99], "p99_itl_ms": s["itl_ms"][99]}, ""
+    return {
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "request_throughput": s["request_throughput"],
+        "output_throughput": s["output_tokens_per_s"],
+        "median_ttft_ms": s["ttft_ms"][50],
+        "p99_ttft_ms": s["ttft_ms"][99],
+        "p99_itl_ms": s["itl_ms"][99],
+    }, ""
 
 
 def machine_kind() -> str:
@@ -227,7 +365,15 @@ def machine_kind() -> str:
 
 
 def vllm_version(python: str) -> str:
-    proc = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                          env=vllm_cpu_env(), timeout=300)
-    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else \
-        f"unknown ({proc.stderr.strip()[-200:]})"
+    proc = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        env=vllm_cpu_env(),
+        timeout=300,
+    )
+    return (
+        proc.stdout.strip().splitlines()[-1]
+        if proc.returncode == 0 and proc.stdout.strip()
+        else f"unknown ({proc.stderr.strip()[-200:]})"
+    )

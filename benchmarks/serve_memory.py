@@ -4,6 +4,7 @@ and after the request.
 
     .venv/bin/python -m benchmarks.serve_memory [--port 8021] [-- extra `vlserve serve` flags, e.g. --engine-process]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,9 +62,13 @@ def main() -> None:
     parser.add_argument("serve_args", nargs="*", help="extra `vlserve serve` flags (after --)")
     args = parser.parse_args()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "vlserve.quickstart", "--", "--port", str(args.port),
-                             *args.serve_args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlserve.quickstart", "--", "--port", str(args.port), *args.serve_args],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         t0 = time.time()
         while True:
@@ -78,10 +83,25 @@ def main() -> None:
         show("after start-up", proc.pid)
         with open(os.path.join(ROOT, "docs", "demo_image.png"), "rb") as f:
             image = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-        body = {"model": "vlserve-demo", "max_tokens": 48, "temperature": 0, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "Describe the image."}]}]}
-        req = urllib.request.Request(f"http://127.0.0.1:{args.port}/v1/chat/completions",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        body = {
+            "model": "vlserve-demo",
+            "max_tokens": 48,
+            "temperature": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": image}},
+                        {"type": "text", "text": "Describe the image."},
+                    ],
+                }
+            ],
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{args.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         print(json.loads(urllib.request.urlopen(req, timeout=120).read())["choices"][0]["message"]["content"])
         time.sleep(2)
         show("after one image chat request", proc.pid)

@@ -14,6 +14,7 @@ time / 48 (ms per decode position, the prefill included) for `host`. The baselin
 `git archive REV` and runs with this checkout's Python; both use only the public `LLM` API and the engine's
 defaults (eager on CPU). The table prints the median over rounds and baseline / this checkout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,7 @@ def _measure(src: str, workload: str, model: str, async_scheduling: bool = False
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{workload} from {src} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     if os.path.realpath(result["package"]) != os.path.realpath(os.path.join(src, "vlserve")):
         raise RuntimeError(f"{workload}: imported vlserve from {result['package']}, not from {src}")
     return result
@@ -86,8 +87,11 @@ def _export(rev: str, dest: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline-rev", default="2840b99", help="git revision to compare with (default: main before "
-                   "the step-loop work)")
+    p.add_argument(
+        "--baseline-rev",
+        default="2840b99",
+        help="git revision to compare with (default: main before the step-loop work)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: demo, host")
     p.add_argument("--async-scheduling", action="store_true", help="both versions plan step N+1 while N runs")
@@ -117,18 +121,21 @@ def main(argv: list[str] | None = None) -> None:
                     r = _measure(src, w, models[w], use_async)
                     results.setdefault((w, name), []).append(r["ms"])
                     print(f"round {rnd + 1} {w:4s} {name:8s} {r['ms']:7.3f} ms  runs {r['runs']}", flush=True)
-    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    print(f"\nbaseline {args.baseline_rev} vs current {head}, median of {args.rounds} rounds (each a process's "
-          f"median){', async scheduling' if args.async_scheduling else ''}; demo: ms/token, host: ms per decode "
-          f"position")
+    head = subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"\nbaseline {args.baseline_rev} vs current {head}, median of {args.rounds} rounds (each a process's "
+        f"median){', async scheduling' if args.async_scheduling else ''}; demo: ms/token, host: ms per decode "
+        f"position"
+    )
     extra = f" {'sync':>10s} {'sync/current':>13s}" if args.versus_sync else ""
     print(f"{'workload':8s} {'baseline':>10s} {'current':>10s} {'baseline/current':>17s}{extra}")
     for w in workloads:
-        b, c = statistics.median(results[(w, 'baseline')]), statistics.median(results[(w, 'current')])
+        b, c = statistics.median(results[(w, "baseline")]), statistics.median(results[(w, "current")])
         row = f"{w:8s} {b:10.3f} {c:10.3f} {b / c:16.2f}x"
         if args.versus_sync:
-            y = statistics.median(results[(w, 'sync')])
+            y = statistics.median(results[(w, "sync")])
             row += f" {y:10.3f} {y / c:12.2f}x"
         print(row)
 

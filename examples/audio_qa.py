@@ -6,13 +6,19 @@ a running server (`--server`, the openai client with an `input_audio` part), or 
     python examples/audio_qa.py --server http://127.0.0.1:8000/v1 # vlserve serve vlserve-demo-audio
     python examples/audio_qa.py --engine hf                       # HF Qwen2AudioForConditionalGeneration
 """
+
 import argparse
 import base64
 import random
 import time
 
-QUESTIONS = ["How many beeps are there?", "Is the first beep high, middle or low?",
-             "Is the last beep high, middle or low?", "Which beep is the longest?", "Describe the audio."]
+QUESTIONS = [
+    "How many beeps are there?",
+    "Is the first beep high, middle or low?",
+    "Is the last beep high, middle or low?",
+    "Which beep is the longest?",
+    "Describe the audio.",
+]
 MAX_TOKENS = 40
 
 
@@ -40,8 +46,9 @@ def ask_offline(model: str, wav: bytes, questions: list[str]) -> list[str]:
     replies = []
     for q in questions:
         t = time.perf_counter()
-        out = llm.chat([{"role": "user", "content": [audio_part(wav), {"type": "text", "text": q}]}], sp,
-                       use_tqdm=False)[0]
+        out = llm.chat(
+            [{"role": "user", "content": [audio_part(wav), {"type": "text", "text": q}]}], sp, use_tqdm=False
+        )[0]
         replies.append(out.outputs[0].text)
         print(f"{q} -> {out.outputs[0].text!r}  ({time.perf_counter() - t:.2f} s)")
     return replies
@@ -55,11 +62,17 @@ def ask_server(base_url: str, api_key: str, wav: bytes, questions: list[str]) ->
     replies = []
     for q in questions:
         t = time.perf_counter()
-        reply = client.chat.completions.create(model=model, max_tokens=MAX_TOKENS, temperature=0, messages=[
-            {"role": "user", "content": [audio_part(wav), {"type": "text", "text": q}]}])
+        reply = client.chat.completions.create(
+            model=model,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            messages=[{"role": "user", "content": [audio_part(wav), {"type": "text", "text": q}]}],
+        )
         replies.append(reply.choices[0].message.content)
-        print(f"{q} -> {reply.choices[0].message.content!r}  ({time.perf_counter() - t:.2f} s, "
-              f"{reply.usage.prompt_tokens} prompt tokens)")
+        print(
+            f"{q} -> {reply.choices[0].message.content!r}  ({time.perf_counter() - t:.2f} s, "
+            f"{reply.usage.prompt_tokens} prompt tokens)"
+        )
     return replies
 
 
@@ -79,11 +92,12 @@ def ask_hf(model: str, samples, questions: list[str]) -> list[str]:
     hf = Qwen2AudioForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
     turns = [[{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": q}]}] for q in questions]
     texts = [processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) for turn in turns]
-    batch = processor(text=texts, audio=[samples] * len(questions), sampling_rate=SAMPLE_RATE, padding=True,
-                      return_tensors="pt")
+    batch = processor(
+        text=texts, audio=[samples] * len(questions), sampling_rate=SAMPLE_RATE, padding=True, return_tensors="pt"
+    )
     with torch.inference_mode():
         gen = hf.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False)  # [B, L + new]
-    replies = processor.tokenizer.batch_decode(gen[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    replies = processor.tokenizer.batch_decode(gen[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     for q, r in zip(questions, replies):
         print(f"{q} -> {r!r}")
     print(f"({len(questions)} answers in {time.perf_counter() - t:.2f} s)")
@@ -103,8 +117,10 @@ def main() -> None:
     if args.save:
         with open(args.save, "wb") as f:
             f.write(wav)
-    print(f"clip (seed {args.seed}, {clip.seconds:.2f} s, {clip.noise_colour} noise): "
-          + ", ".join(f"{b.pitch} {b.length} at {b.start:.2f} s" for b in clip.beeps))
+    print(
+        f"clip (seed {args.seed}, {clip.seconds:.2f} s, {clip.noise_colour} noise): "
+        + ", ".join(f"{b.pitch} {b.length} at {b.start:.2f} s" for b in clip.beeps)
+    )
     if args.server:
         ask_server(args.server, args.api_key, wav, QUESTIONS)
     elif args.engine == "hf":

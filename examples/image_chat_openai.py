@@ -1,8 +1,9 @@
 """Chat about an image through a running vlserve server with the official `openai` client.
 
-    vlserve serve &                                           # the demo model on 127.0.0.1:8000
-    python examples/image_chat_openai.py --base-url http://127.0.0.1:8000/v1 [--image PATH]
+vlserve serve &                                           # the demo model on 127.0.0.1:8000
+python examples/image_chat_openai.py --base-url http://127.0.0.1:8000/v1 [--image PATH]
 """
+
 import argparse
 import base64
 import io
@@ -33,14 +34,21 @@ def main() -> None:
     args = p.parse_args()
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
     model = client.models.list().data[0].id
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_data_url(args.image)}},
-        {"type": "text", "text": args.question}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_data_url(args.image)}},
+                {"type": "text", "text": args.question},
+            ],
+        }
+    ]
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0)
     print(f"{args.question} -> {reply.choices[0].message.content!r}")
     print("streamed: ", end="", flush=True)
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=64, temperature=0, stream=True
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()

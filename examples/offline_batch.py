@@ -1,7 +1,8 @@
 """Offline batch inference: `LLM(...).generate(prompts, images=...)` on rendered shape pictures.
 
-    python examples/offline_batch.py [--model DIR]      # default: the embedded demo model
+python examples/offline_batch.py [--model DIR]      # default: the embedded demo model
 """
+
 import argparse
 import random
 import time

@@ -10,6 +10,7 @@ Schemes (llm-compressor's presets): W4A16, W4A16_ASYM, W8A16 (weight-only, group
 channel, INT8 activations per token), FP8_DYNAMIC, FP8_BLOCK. The LM head and, for vision-language models, the
 vision tower and projector stay unquantized (the usual VLM recipe; vlserve runs only the language model quantized).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,23 @@ import shutil
 from pathlib import Path
 
 # vision towers / projectors / audio towers of the families vlserve serves, by their transformers module names
-KEEP_FLOAT = ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*",
-              "re:.*audio_tower.*", "re:.*vision_model.*"]
+KEEP_FLOAT = [
+    "lm_head",
+    "re:.*visual.*",
+    "re:.*vision_tower.*",
+    "re:.*multi_modal_projector.*",
+    "re:.*audio_tower.*",
+    "re:.*vision_model.*",
+]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="local HF checkpoint directory")
     p.add_argument("out", help="where to write the quantized checkpoint")
-    p.add_argument("--scheme", default="W4A16",
-                   choices=["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK"])
+    p.add_argument(
+        "--scheme", default="W4A16", choices=["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK"]
+    )
     args = p.parse_args()
 
     from llmcompressor import oneshot
@@ -44,8 +52,12 @@ def main() -> None:
     except (OSError, ValueError, TypeError):
         pass  # a text model: its tokenizer files are copied below
     for f in Path(args.model).iterdir():  # tokenizer, chat template, generation config, preprocessor configs
-        if f.is_file() and not f.name.endswith((".safetensors", ".json.index")) and f.name != "config.json" \
-                and not (Path(args.out) / f.name).exists():
+        if (
+            f.is_file()
+            and not f.name.endswith((".safetensors", ".json.index"))
+            and f.name != "config.json"
+            and not (Path(args.out) / f.name).exists()
+        ):
             shutil.copy(f, args.out)
     print(f"wrote {args.out} ({args.scheme})")
 

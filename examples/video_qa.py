@@ -1,9 +1,10 @@
 """Questions about a video clip, offline through `LLM.chat` or through a running server (`--base-url`).
 
-    python examples/video_qa.py                      # renders a clip of a moving shape with PyAV
-    python examples/video_qa.py --video clip.mp4     # or your own file
-    python examples/video_qa.py --base-url http://127.0.0.1:8000/v1
+python examples/video_qa.py                      # renders a clip of a moving shape with PyAV
+python examples/video_qa.py --video clip.mp4     # or your own file
+python examples/video_qa.py --base-url http://127.0.0.1:8000/v1
 """
+
 import argparse
 import base64
 import os
@@ -33,14 +34,28 @@ def ask_offline(model: str | None, video_path: str, questions: list[str]) -> Non
     sp = SamplingParams(temperature=0.0, max_tokens=48)
     for q in questions:
         t = time.perf_counter()
-        out = llm.chat([{"role": "user", "content": [{"type": "video", "video": data},
-                                                     {"type": "text", "text": q}]}], sp, use_tqdm=False)[0]
-        print(f"{q} -> {out.outputs[0].text!r}  ({time.perf_counter() - t:.2f} s, "
-              f"{len(out.outputs[0].token_ids)} tokens)")
+        out = llm.chat(
+            [{"role": "user", "content": [{"type": "video", "video": data}, {"type": "text", "text": q}]}],
+            sp,
+            use_tqdm=False,
+        )[0]
+        print(
+            f"{q} -> {out.outputs[0].text!r}  ({time.perf_counter() - t:.2f} s, {len(out.outputs[0].token_ids)} tokens)"
+        )
     m = llm.get_metrics()
-    print("encoder cache: " + ", ".join(f"{k.split(':')[1]}={m[k]:g}" for k in (
-        "vlserve:encoder_runs_total", "vlserve:encoder_cache_hits_total", "vlserve:encoder_cache_misses_total",
-        "vlserve:mm_processor_cache_hits_total", "vlserve:prefix_cache_hits_total")))
+    print(
+        "encoder cache: "
+        + ", ".join(
+            f"{k.split(':')[1]}={m[k]:g}"
+            for k in (
+                "vlserve:encoder_runs_total",
+                "vlserve:encoder_cache_hits_total",
+                "vlserve:encoder_cache_misses_total",
+                "vlserve:mm_processor_cache_hits_total",
+                "vlserve:prefix_cache_hits_total",
+            )
+        )
+    )
 
 
 def ask_server(base_url: str, api_key: str, video_path: str, questions: list[str]) -> None:
@@ -52,11 +67,21 @@ def ask_server(base_url: str, api_key: str, video_path: str, questions: list[str
         url = "data:video/mp4;base64," + base64.b64encode(f.read()).decode()
     for q in questions:
         t = time.perf_counter()
-        reply = client.chat.completions.create(model=model, max_tokens=48, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                         {"type": "text", "text": q}]}])
-        print(f"{q} -> {reply.choices[0].message.content!r}  ({time.perf_counter() - t:.2f} s, "
-              f"{reply.usage.completion_tokens} tokens, {reply.usage.prompt_tokens} prompt tokens)")
+        reply = client.chat.completions.create(
+            model=model,
+            max_tokens=48,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": q}],
+                }
+            ],
+        )
+        print(
+            f"{q} -> {reply.choices[0].message.content!r}  ({time.perf_counter() - t:.2f} s, "
+            f"{reply.usage.completion_tokens} tokens, {reply.usage.prompt_tokens} prompt tokens)"
+        )
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ the kernel tests build their own interpreted copies of the kernels (tests/kernel
 Every process a test starts gets the repository root first on its PYTHONPATH, so it imports this checkout's vlserve
 and the top-level packages beside it (tests.support, training, benchmarks), wherever it runs from.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -21,8 +22,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                    if p and os.path.abspath(p) != ROOT)])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT)]
+)
 
 # what marks a test that starts a tensor-parallel engine (one GPU per rank on CUDA)
 _TP_ENGINE_SIGNS = ("tensor_parallel_size=2", '"tensor_parallel_size": 2', '"--tensor-parallel-size", "2"')
@@ -56,8 +58,9 @@ def _starts_tp_engine(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available() or torch.cuda.device_count() >= 2:
         return
-    skip = pytest.mark.skip(reason="starts a tensor-parallel engine: needs two GPUs (one rank each), this machine "
-                                   "has one")
+    skip = pytest.mark.skip(
+        reason="starts a tensor-parallel engine: needs two GPUs (one rank each), this machine has one"
+    )
     for item in items:
         if _starts_tp_engine(item):
             item.add_marker(skip)

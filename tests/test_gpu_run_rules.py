@@ -1,6 +1,7 @@
 """The suite's rules for a CUDA run (tests/conftest.py): tests that start a tensor-parallel engine are recognised
 (they skip on a one-GPU machine), others are not; the default compile level switch is covered in
 tests/worker/test_compilation.py."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -6,6 +6,7 @@ imports no torch; (4) no file is over 500 lines; (5) vlserve never imports the c
 (tests, training, benchmarks), which may import vlserve. Edges not yet removed are listed in KNOWN_BREACHES; the
 test fails on a new breach and on a listed one that no longer exists, so the list only shrinks.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,17 +20,30 @@ MAX_LINES = 500
 # Lowest first. A unit is a top-level subpackage or module of vlserve; "vlserve" is the package's own __init__.
 RANKS = {
     "demo": 0,  # the checkpoint locator, the demo worlds, tiny random checkpoints: import nothing from vlserve
-    "config": 1, "transfer_config": 1, "sampling_params": 1, "outputs": 1, "shorten": 1, "beam_search": 1,
+    "config": 1,
+    "transfer_config": 1,
+    "sampling_params": 1,
+    "outputs": 1,
+    "shorten": 1,
+    "beam_search": 1,
     "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
-    "core": 2, "kernels": 2, "multimodal": 2, "distributed": 2,
+    "core": 2,
+    "kernels": 2,
+    "multimodal": 2,
+    "distributed": 2,
     "encoders": 3,
-    "models": 4, "lora": 4,  # lora wraps the decoder's layers (models); the runner (worker) will own it
+    "models": 4,
+    "lora": 4,  # lora wraps the decoder's layers (models); the runner (worker) will own it
     "worker": 5,
     "spec_decode": 6,
     "executor": 7,
     "engine": 8,
-    "llm": 9, "api": 9, "vlserve": 9,
-    "cli": 10, "bench": 10, "quickstart": 10,
+    "llm": 9,
+    "api": 9,
+    "vlserve": 9,
+    "cli": 10,
+    "bench": 10,
+    "quickstart": 10,
 }
 # The checkout's top-level packages beside vlserve: they may import vlserve, vlserve never imports them.
 OUTSIDE = {"tests", "training", "benchmarks"}
@@ -59,7 +73,7 @@ def _imports(path: pathlib.Path, root: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -123,8 +137,9 @@ def _unit_cycles(edges: set[tuple[str, str]]) -> set[tuple[str, ...]]:
 def _module_cycles(edges: set[tuple[str, str]], root: pathlib.Path = PKG_ROOT) -> set[tuple[str, ...]]:
     """Strongly connected groups of more than one module; edges into a package's __init__ are left out (a
     subpackage's __init__ re-exports its modules, which is no loop between them)."""
-    return _cycles({(src, dst) for src, dst in edges
-                    if not (root / pathlib.Path(*dst.split(".")[1:]) / "__init__.py").is_file()})
+    return _cycles(
+        {(src, dst) for src, dst in edges if not (root / pathlib.Path(*dst.split(".")[1:]) / "__init__.py").is_file()}
+    )
 
 
 def _cycles(edges: set[tuple[str, str]]) -> set[tuple[str, ...]]:
@@ -208,15 +223,21 @@ def test_core_imports_no_torch():
     offenders = []
     for path in sorted((PKG_ROOT / "core").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            )
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "torch"]
     assert not offenders, f"vlserve.core must stay pure Python: {offenders}"
 
 
 def test_no_file_over_the_line_limit():
-    long = {str(p.relative_to(PKG_ROOT)): n for p in sorted(PKG_ROOT.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(PKG_ROOT)): n
+        for p in sorted(PKG_ROOT.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
@@ -236,7 +257,10 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
     assert ("vlserve.engine.loop", "vlserve.core.sched") in found
     assert ("vlserve.core.sched", "vlserve.engine.loop") in found
     assert _breaches(found) == {("vlserve.core.sched", "vlserve.engine.loop")}
-    assert _outside_imports(pkg) == {("vlserve.core.fixture", "tests.support"),
-                                     ("vlserve.engine.train", "training.train"), ("vlserve.engine.train", "benchmarks")}
+    assert _outside_imports(pkg) == {
+        ("vlserve.core.fixture", "tests.support"),
+        ("vlserve.engine.train", "training.train"),
+        ("vlserve.engine.train", "benchmarks"),
+    }
     assert _unit_cycles(found) == {("core", "engine")}
     assert _module_cycles(found, pkg) == {("vlserve.core.sched", "vlserve.engine.loop")}

@@ -4,6 +4,7 @@ are commands) names an executable that exists after set-up — `.venv/bin/python
 a Makefile target, curl — and the scripts, modules and subcommands it names exist. The cheap ones (`--help`,
 `python -c`) are run; the rest (servers, training, examples, benchmarks) are skipped with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,7 @@ def inline_commands(text: str) -> list[str]:
             if first in BARE:
                 out.append(span)  # a bare `python` is never right, even as a name
             continue
-        if (first.startswith(".venv/") or first == "make" or first in BARE
-                or (first == "vlserve" and " -" in span)):
+        if first.startswith(".venv/") or first == "make" or first in BARE or (first == "vlserve" and " -" in span):
             out.append(span)
     return out
 
@@ -212,10 +212,12 @@ def test_cheap_commands_run(rel, cmd):
     words = shlex.split(cmd, comments=True)
     if not os.path.exists(os.path.join(ROOT, words[0])):
         pytest.skip(f"{words[0]} does not exist: run `make test` (it creates .venv)")
-    proc = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "120"})
-    assert proc.returncode == 0, (f"{rel}: `{cmd}` exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
-                                  f"{proc.stderr[-2000:]}")
+    proc = subprocess.run(
+        words, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "120"}
+    )
+    assert proc.returncode == 0, (
+        f"{rel}: `{cmd}` exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    )
     assert proc.stdout.strip(), f"`{cmd}` printed nothing"
 
 

@@ -1,4 +1,5 @@
 """Tests for vlserve.worker.sampler (CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,14 @@ N_DRAWS = 20_000
 
 def build(params, generators=None, prompts=None, outputs=None, vocab_size=5):
     B = len(params)
-    return build_sampling_metadata(params, generators or [None] * B, prompts or [[] for _ in range(B)],
-                                   outputs or [[] for _ in range(B)], vocab_size, DEV)
+    return build_sampling_metadata(
+        params,
+        generators or [None] * B,
+        prompts or [[] for _ in range(B)],
+        outputs or [[] for _ in range(B)],
+        vocab_size,
+        DEV,
+    )
 
 
 def sample(logits, params, **kw) -> SamplerOutput:
@@ -45,6 +52,7 @@ def _seed():
 
 
 # ---------------------------------------------------------------- greedy
+
 
 def test_all_greedy_is_argmax():
     logits = torch.randn(8, 50)
@@ -86,15 +94,20 @@ def test_tiny_top_p_keeps_the_top_token():
 def test_input_logits_not_modified():
     logits = torch.randn(4, 20)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
-                             min_tokens=2, stop_token_ids=[1]),
-              SamplingParams(temperature=0.0, presence_penalty=1.0),
-              SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, logprobs=2)]
+    params = [
+        SamplingParams(
+            temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3, min_tokens=2, stop_token_ids=[1]
+        ),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=1.0, logprobs=2),
+    ]
     sample(logits, params, prompts=[[0, 2]] * 4, outputs=[[3]] * 4)
     assert torch.equal(logits, before)
 
 
 # ---------------------------------------------------------------- seeds
+
 
 def run_seeded_steps(seed, steps, batch_extra, position, logits_row):
     """Sample `steps` tokens for one seeded row placed at `position` among `batch_extra` unseeded rows."""
@@ -140,6 +153,7 @@ def test_seeded_greedy_row_does_not_advance_generator():
 
 
 # ---------------------------------------------------------------- distributions
+
 
 def empirical(params_kw, n=N_DRAWS, seeded=False):
     logits = TOY_LOGITS.expand(n, -1).contiguous()
@@ -226,8 +240,9 @@ def test_top_k_top_p_helper_per_row():
     # the largest enabled k known on the host (build_sampling_metadata's max_top_k): the same rows, no device read
     for hint in (2, 3):
         assert apply_top_k_top_p(logits, k, None, max_k=hint).tolist() == out.tolist()
-    md = build_sampling_metadata([SamplingParams(temperature=1.0, top_k=t) for t in (2, 0, 3)], [None] * 3,
-                                 [[]] * 3, [[]] * 3, 4, "cpu")
+    md = build_sampling_metadata(
+        [SamplingParams(temperature=1.0, top_k=t) for t in (2, 0, 3)], [None] * 3, [[]] * 3, [[]] * 3, 4, "cpu"
+    )
     assert md.max_top_k == 3 and md.top_k.tolist() == [2, 4, 3]
 
 
@@ -269,15 +284,16 @@ def test_penalties_change_greedy_choice_and_spare_other_rows():
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.0)]
     out = sample(logits, params, prompts=[[0], [0]], outputs=[[], [0]])
     assert out.sampled_token_ids.tolist() == [1, 0]
-    out = sample(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.2)] * 2,
-                 outputs=[[0], [1]])
+    out = sample(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.2)] * 2, outputs=[[0], [1]])
     assert out.sampled_token_ids.tolist() == [1, 0]
 
 
 def test_no_penalty_tensors_when_unneeded():
     V = 32_000
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) if i % 2 else SamplingParams(temperature=0)
-              for i in range(64)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i) if i % 2 else SamplingParams(temperature=0)
+        for i in range(64)
+    ]
     gens = [make_generator(i) if i % 2 else None for i in range(64)]
     prompts = [list(range(i, i + 2000)) for i in range(64)]
     outputs = [list(range(100)) for _ in range(64)]
@@ -289,13 +305,13 @@ def test_no_penalty_tensors_when_unneeded():
 
 # ---------------------------------------------------------------- min_tokens
 
+
 def test_min_tokens_bans_stop_tokens():
     logits = torch.tensor([[0.0, 1.0, 2.0, 5.0, 4.0]])  # EOS=3 best, stop id 4 next
     p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4], _eos_token_ids=(3,))
     assert sample(logits, [p], outputs=[[1, 1]]).sampled_token_ids.item() == 2
     assert sample(logits, [p], outputs=[[1, 1, 1]]).sampled_token_ids.item() == 3
-    p_ign = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4], ignore_eos=True,
-                           _eos_token_ids=(3,))
+    p_ign = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4], ignore_eos=True, _eos_token_ids=(3,))
     assert sample(logits, [p_ign], outputs=[[]]).sampled_token_ids.item() == 3  # EOS not a stop token
     # random rows never draw a banned token either
     logits = torch.zeros(2000, 5)
@@ -316,6 +332,7 @@ def test_prepare_logits_bans_penalizes_and_keeps_raw_logprobs():
 
 
 # ---------------------------------------------------------------- logprobs
+
 
 def test_logprobs_sampled_topk_and_ranks():
     logits = torch.randn(64, 30)
@@ -346,6 +363,7 @@ def test_logprobs_zero_and_greedy_rank_one():
 
 # ---------------------------------------------------------------- mixed batch
 
+
 def test_mixed_batch_rows_behave_as_in_isolation():
     V = 50
     torch.manual_seed(0)
@@ -370,8 +388,7 @@ def test_mixed_batch_rows_behave_as_in_isolation():
     ref = torch.log_softmax(logits, -1)
     for i, p in enumerate(params):
         g = make_generator(seeds[i]) if seeds[i] is not None else None
-        alone = Sampler()(logits[i:i + 1], build_sampling_metadata(
-            [p], [g], [prompts[i]], [outputs[i]], V, DEV))
+        alone = Sampler()(logits[i : i + 1], build_sampling_metadata([p], [g], [prompts[i]], [outputs[i]], V, DEV))
         tok = int(batched.sampled_token_ids[i])
         if p.is_greedy or p.seed is not None:
             assert tok == int(alone.sampled_token_ids[0]), i

@@ -29,6 +29,7 @@ the format's own library:
     primary result set `transformers_dequantized_fp32` is transformers run on it; `gptqmodel_kernel` is
     GPTQModel.load(dir, backend=TORCH / AWQ_TORCH) itself (GPTQ in float32; AWQ's torch kernel computes in float16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,27 @@ DEFAULT_OUT = REPO / "tests" / "fixtures" / "quant"
 DEFAULT_GPTQ_PYTHON = REPO / ".venv-gptq" / "bin" / "python"
 MAX_NEW_TOKENS = 16
 
-TEXT_BASE = dict(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
-                 tie_word_embeddings=False, seed=0)
+TEXT_BASE = dict(
+    arch="qwen2",
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=256,
+    tie_word_embeddings=False,
+    seed=0,
+)
 # head_dim = 128 / 4 = 32, so the M-RoPE sections must add up to 16
-VL_BASE = dict(variant="qwen2_vl", hidden_size=128, intermediate_size=256, num_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, mrope_section=(4, 6, 6), seed=0)
+VL_BASE = dict(
+    variant="qwen2_vl",
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mrope_section=(4, 6, 6),
+    seed=0,
+)
 
 # name -> (base model, llm-compressor preset scheme)
 CT_FIXTURES = {
@@ -79,12 +96,14 @@ TEXT_PROMPTS = [
     ("question", "Hello world, what color is the small square?"),
     ("chat", [{"role": "user", "content": "Describe the picture in one sentence, please."}]),
 ]
-VL_IMAGE_PROMPT = [{"role": "user",
-                    "content": [{"type": "image"}, {"type": "text", "text": "What shape is in the image?"}]}]
+VL_IMAGE_PROMPT = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape is in the image?"}]}
+]
 IMAGE_SPEC = dict(size=[112, 112], background=[30, 60, 200], square=[28, 28, 84, 84], square_color=[220, 40, 40])
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
+
 
 def log(msg: str) -> None:
     print(f"[quant-fixtures] {msg}", flush=True)
@@ -143,11 +162,20 @@ def build_prompts(model_dir: Path, kind: str) -> list[dict]:
         proc = AutoProcessor.from_pretrained(model_dir)
         text = proc.apply_chat_template(VL_IMAGE_PROMPT, add_generation_prompt=True, tokenize=False)
         enc = proc(text=[text], images=[make_image()], return_tensors="pt")
-        prompts.append({
-            "name": "image", "text": text, "prompt_token_ids": enc["input_ids"][0].tolist(),
-            "image": dict(IMAGE_SPEC, file="image.png", image_grid_thw=enc["image_grid_thw"].tolist(),
-                          pixel_values_shape=list(enc["pixel_values"].shape),
-                          pixel_values_sum=float(enc["pixel_values"].double().sum()))})
+        prompts.append(
+            {
+                "name": "image",
+                "text": text,
+                "prompt_token_ids": enc["input_ids"][0].tolist(),
+                "image": dict(
+                    IMAGE_SPEC,
+                    file="image.png",
+                    image_grid_thw=enc["image_grid_thw"].tolist(),
+                    pixel_values_shape=list(enc["pixel_values"].shape),
+                    pixel_values_sum=float(enc["pixel_values"].double().sum()),
+                ),
+            }
+        )
     return prompts
 
 
@@ -189,8 +217,16 @@ def greedy(model, model_dir: Path, prompt: dict, steps: int = MAX_NEW_TOKENS) ->
             inner = getattr(model, "model", None)
             if inner is not None and hasattr(inner, "rope_deltas"):
                 inner.rope_deltas = None  # Qwen2-VL caches M-RoPE deltas between calls
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                           **step_inputs(extra, ids.shape[1], dtype)).logits[0, -1].float()
+            logits = (
+                model(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    use_cache=False,
+                    **step_inputs(extra, ids.shape[1], dtype),
+                )
+                .logits[0, -1]
+                .float()
+            )
             top = torch.topk(logits, 2)
             tok = int(top.indices[0])
             res["output_token_ids"].append(tok)
@@ -212,7 +248,7 @@ def hf_generate_agrees(model, model_dir: Path, prompts: list[dict], results: lis
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         if prompt["image"]:
             inputs.update(image_inputs(model_dir, prompt))
-        out = hf_greedy_ignoring_eos(model, inputs, MAX_NEW_TOKENS)[0, len(prompt["prompt_token_ids"]):].tolist()
+        out = hf_greedy_ignoring_eos(model, inputs, MAX_NEW_TOKENS)[0, len(prompt["prompt_token_ids"]) :].tolist()
         if out != res["output_token_ids"]:
             return False
     return True
@@ -265,6 +301,7 @@ def versions(*names: str) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- compressed-tensors
+
 
 def load_ct(model_dir: Path, kind: str):
     import torch
@@ -366,8 +403,9 @@ def make_ct(name: str, bases: dict[str, Path], out_root: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         load_dir = ct_oracle_dir(out, kind, Path(tmp))
         if load_dir != out:
-            checks["oracle_loaded_from"] = ("a copy with quantization_config.ignore renamed to module names "
-                                            "(model.visual.*)")
+            checks["oracle_loaded_from"] = (
+                "a copy with quantization_config.ignore renamed to module names (model.visual.*)"
+            )
         qmodel = load_ct(load_dir, kind)
         results = {"transformers": [greedy(qmodel, out, p) for p in prompts]}
         cfg = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -377,29 +415,45 @@ def make_ct(name: str, bases: dict[str, Path], out_root: Path) -> None:
             for m in qmodel.modules():
                 m.quantization_enabled = False  # compressed_tensors' quantized forward: skip the activation QDQ
             results["transformers_weights_only"] = [greedy(qmodel, out, p) for p in prompts]
-            checks["weights_only_vs_transformers"] = compare(results["transformers"],
-                                                             results["transformers_weights_only"])
+            checks["weights_only_vs_transformers"] = compare(
+                results["transformers"], results["transformers_weights_only"]
+            )
             qmodel = load_ct(load_dir, kind)
         base_model = cls.from_pretrained(base, dtype=torch.float32).eval()
         checks.update(first_step_vs_base(qmodel, base_model, out, prompts))
     ref = {
-        "fixture": name, "format": "compressed-tensors", "scheme": scheme, "base": kind,
-        "made_by": {"tool": "llmcompressor.oneshot + QuantizationModifier", "ignore": CT_IGNORE[kind],
-                    **versions("llmcompressor", "compressed-tensors", "transformers", "torch")},
-        "oracle": ("transformers AutoModel*.from_pretrained(dir, dtype=float32) (decompressed by compressed-tensors); "
-                   "full-recompute greedy loop, no EOS stop"),
-        "dtype": "float32", "max_new_tokens": MAX_NEW_TOKENS,
+        "fixture": name,
+        "format": "compressed-tensors",
+        "scheme": scheme,
+        "base": kind,
+        "made_by": {
+            "tool": "llmcompressor.oneshot + QuantizationModifier",
+            "ignore": CT_IGNORE[kind],
+            **versions("llmcompressor", "compressed-tensors", "transformers", "torch"),
+        },
+        "oracle": (
+            "transformers AutoModel*.from_pretrained(dir, dtype=float32) (decompressed by compressed-tensors); "
+            "full-recompute greedy loop, no EOS stop"
+        ),
+        "dtype": "float32",
+        "max_new_tokens": MAX_NEW_TOKENS,
         "primary": "transformers",
         "activation_quantization": (
             "default load fake-quantizes each targeted Linear's input (dynamic, see quantization_config); "
-            "transformers_weights_only sets quantization_enabled=False on every module" if has_act else None),
-        "prompts": prompts, "results": results, "checks": checks,
+            "transformers_weights_only sets quantization_enabled=False on every module"
+            if has_act
+            else None
+        ),
+        "prompts": prompts,
+        "results": results,
+        "checks": checks,
     }
     write_reference(out, ref)
     log(f"{name}: {dir_size(out) / 1024:.0f} KiB, checks {json.dumps(checks)}")
 
 
 # ------------------------------------------------------------------------------------------------------ GPTQ / AWQ
+
 
 def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
     """Runs inside .venv-gptq (gptqmodel 7.7.0)."""
@@ -425,8 +479,13 @@ def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
         out = out_root / name
         shutil.rmtree(out, ignore_errors=True)
         if spec["method"] == "gptq":
-            qcfg = GPTQConfig(bits=spec["bits"], group_size=spec["group_size"], desc_act=spec["desc_act"],
-                              act_group_aware=False if spec["desc_act"] else None, offload_to_disk=False)
+            qcfg = GPTQConfig(
+                bits=spec["bits"],
+                group_size=spec["group_size"],
+                desc_act=spec["desc_act"],
+                act_group_aware=False if spec["desc_act"] else None,
+                offload_to_disk=False,
+            )
         else:
             qcfg = AWQConfig(bits=spec["bits"], group_size=spec["group_size"], sym=spec["sym"], offload_to_disk=False)
         log(f"{name}: GPTQModel.load(base, {type(qcfg).__name__}({spec})) + quantize({len(calib)} texts)")
@@ -464,9 +523,11 @@ def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
                 err = max(err, float((w - state[p + ".weight"]).abs().max()))
             checks["max_abs_diff_offline_vs_TorchLinear.dequantize_weight"] = err
             g_idx_trivial = all(
-                torch.equal(packed[p + ".g_idx"].long(),
-                            torch.arange(packed[p + ".g_idx"].numel()) // spec["group_size"])
-                for p in prefixes)
+                torch.equal(
+                    packed[p + ".g_idx"].long(), torch.arange(packed[p + ".g_idx"].numel()) // spec["group_size"]
+                )
+                for p in prefixes
+            )
             checks["g_idx_is_arange_div_group"] = g_idx_trivial
             # GPTQ error vs the unquantized base weights, in units of each weight's scale
             worst = 0.0
@@ -477,15 +538,24 @@ def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
             checks["max_abs_err_vs_base_in_scales"] = worst
             del kernel
         else:
-            state = {k: v.float() if v.is_floating_point() else v for k, v in packed.items()
-                     if not k.endswith((".qweight", ".qzeros", ".scales"))}
+            state = {
+                k: v.float() if v.is_floating_point() else v
+                for k, v in packed.items()
+                if not k.endswith((".qweight", ".qzeros", ".scales"))
+            }
             for p in prefixes:
-                w = dequantize_gemm(packed[p + ".qweight"], packed[p + ".qzeros"], packed[p + ".scales"].float(),
-                                    spec["bits"], spec["group_size"])
+                w = dequantize_gemm(
+                    packed[p + ".qweight"],
+                    packed[p + ".qzeros"],
+                    packed[p + ".scales"].float(),
+                    spec["bits"],
+                    spec["group_size"],
+                )
                 state[p + ".weight"] = w.T.contiguous().float()
             checks["dequantizer"] = "gptqmodel.quantization.awq.utils.packing_utils.dequantize_gemm (float32 scales)"
             checks["max_abs_diff_offline_dequantize_model_vs_dequantize_gemm"] = max(
-                float((offline_sd[p + ".weight"].float() - state[p + ".weight"]).abs().max()) for p in prefixes)
+                float((offline_sd[p + ".weight"].float() - state[p + ".weight"]).abs().max()) for p in prefixes
+            )
         dq_dir = out / "dequantized"
         hf_cfg = AutoConfig.from_pretrained(out)
         del hf_cfg.quantization_config
@@ -503,8 +573,9 @@ def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
         prompts = build_prompts(out, "text")
         dq_model = AutoModelForCausalLM.from_pretrained(dq_dir, dtype=torch.float32).eval()
         results = {"transformers_dequantized_fp32": [greedy(dq_model, dq_dir, p) for p in prompts]}
-        checks["hf_generate_agrees_with_loop"] = hf_generate_agrees(dq_model, dq_dir, prompts,
-                                                                    results["transformers_dequantized_fp32"])
+        checks["hf_generate_agrees_with_loop"] = hf_generate_agrees(
+            dq_model, dq_dir, prompts, results["transformers_dequantized_fp32"]
+        )
         checks.update(first_step_vs_base(dq_model, base_model, dq_dir, prompts))
         backend = BACKEND.TORCH if spec["method"] == "gptq" else BACKEND.AWQ_TORCH
         kernel = GPTQModel.load(str(out), backend=backend, device="cpu", dtype=torch.float16)
@@ -518,25 +589,40 @@ def gptq_stage(text_base: Path, out_root: Path, names: list[str]) -> None:
         else:
             kernel_dtype = "float16 (AwqTorchLinear.forward computes in float16 for float32 inputs)"
         results["gptqmodel_kernel"] = [greedy(kernel.model, out, p) for p in prompts]
-        checks["gptqmodel_kernel"] = {"qlinear": kinds, "dtype": kernel_dtype,
-                                      **compare(results["transformers_dequantized_fp32"], results["gptqmodel_kernel"])}
+        checks["gptqmodel_kernel"] = {
+            "qlinear": kinds,
+            "dtype": kernel_dtype,
+            **compare(results["transformers_dequantized_fp32"], results["gptqmodel_kernel"]),
+        }
         del kernel
         ref = {
-            "fixture": name, "format": spec["method"], "base": "text", "spec": spec,
+            "fixture": name,
+            "format": spec["method"],
+            "base": "text",
+            "spec": spec,
             "quantization_config": qc,
-            "made_by": {"tool": "gptqmodel GPTQModel.load + quantize + save", "calibration": calib,
-                        **versions("gptqmodel", "transformers", "torch")},
-            "oracle": ("transformers AutoModelForCausalLM on dequantized/ (float32, dequantized by GPTQModel's own "
-                       "function, see checks.dequantizer); full-recompute greedy loop, no EOS stop"),
-            "dtype": "float32", "max_new_tokens": MAX_NEW_TOKENS,
+            "made_by": {
+                "tool": "gptqmodel GPTQModel.load + quantize + save",
+                "calibration": calib,
+                **versions("gptqmodel", "transformers", "torch"),
+            },
+            "oracle": (
+                "transformers AutoModelForCausalLM on dequantized/ (float32, dequantized by GPTQModel's own "
+                "function, see checks.dequantizer); full-recompute greedy loop, no EOS stop"
+            ),
+            "dtype": "float32",
+            "max_new_tokens": MAX_NEW_TOKENS,
             "primary": "transformers_dequantized_fp32",
-            "prompts": prompts, "results": results, "checks": checks,
+            "prompts": prompts,
+            "results": results,
+            "checks": checks,
         }
         write_reference(out, ref)
         log(f"{name}: {dir_size(out) / 1024:.0f} KiB, checks {json.dumps(checks)}")
 
 
 # ------------------------------------------------------------------------------------------------- verify / describe
+
 
 def verify(out_root: Path, names: list[str]) -> int:
     """Re-run each fixture's oracle with the transformers of THIS venv and compare with reference.json."""
@@ -599,12 +685,17 @@ def describe(out_root: Path, names: list[str]) -> None:
 
 # -------------------------------------------------------------------------------------------------------------- main
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--only", nargs="*", help="fixture names (default: all)")
-    ap.add_argument("--gptq-python", type=Path, default=DEFAULT_GPTQ_PYTHON,
-                    help="python of the venv with gptqmodel (default .venv-gptq/bin/python)")
+    ap.add_argument(
+        "--gptq-python",
+        type=Path,
+        default=DEFAULT_GPTQ_PYTHON,
+        help="python of the venv with gptqmodel (default .venv-gptq/bin/python)",
+    )
     ap.add_argument("--skip-gptq", action="store_true", help="make only the compressed-tensors fixtures")
     ap.add_argument("--work", type=Path, help="where to keep the base checkpoints (default: a temp dir)")
     ap.add_argument("--stage", choices=["all", "gptq"], default="all", help=argparse.SUPPRESS)
@@ -640,8 +731,19 @@ def main() -> int:
             if not args.gptq_python.exists():
                 log(f"SKIPPING {gptq_names}: no {args.gptq_python} (make quant-fixtures creates .venv-gptq)")
             else:
-                cmd = [str(args.gptq_python), "-m", "tools.make_quant_fixtures", "--stage", "gptq", "--text-base",
-                       str(bases["text"]), "--out", str(args.out), "--only", *gptq_names]
+                cmd = [
+                    str(args.gptq_python),
+                    "-m",
+                    "tools.make_quant_fixtures",
+                    "--stage",
+                    "gptq",
+                    "--text-base",
+                    str(bases["text"]),
+                    "--out",
+                    str(args.out),
+                    "--only",
+                    *gptq_names,
+                ]
                 log("GPTQ/AWQ stage: " + " ".join(cmd))
                 subprocess.run(cmd, check=True, cwd=REPO)
     total = 0

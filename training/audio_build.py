@@ -5,6 +5,7 @@ The feature extractor keeps Whisper's STFT (n_fft 400, hop 160 at 16 kHz) with 8
 (audio_world.MAX_SECONDS) instead of 30 s: every clip is padded to 500 mel frames, so the encoder has
 max_source_positions = 250 and a clip of s seconds becomes about 25 * s audio tokens (one per 40 ms).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,6 +44,7 @@ AUDIO_CHAT_TEMPLATE = (
 @dataclass
 class AudioDemoSize:
     """Model dimensions of the encoder (encoder_*) and the LM (the rest)."""
+
     encoder_dim: int = 128
     encoder_layers: int = 3
     encoder_heads: int = 4
@@ -72,16 +74,21 @@ def build_audio_tokenizer():
     """The demo tokenizer (training.tokenizer) trained on the audio world, with AUDIO_CHAT_TEMPLATE."""
     from training.tokenizer import build_demo_tokenizer
 
-    return build_demo_tokenizer(vocab_size=AUDIO_VOCAB_SIZE, lines=audio_corpus(),
-                                chat_template=AUDIO_CHAT_TEMPLATE)
+    return build_demo_tokenizer(vocab_size=AUDIO_VOCAB_SIZE, lines=audio_corpus(), chat_template=AUDIO_CHAT_TEMPLATE)
 
 
 def build_audio_processor(tokenizer):
     """A Qwen2AudioProcessor: WhisperFeatureExtractor (80 mel bins, 5-s chunk) + `tokenizer` + its chat template."""
     from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
-    fe = WhisperFeatureExtractor(feature_size=NUM_MEL_BINS, sampling_rate=SAMPLE_RATE, hop_length=HOP_LENGTH,
-                                 chunk_length=int(MAX_SECONDS), n_fft=400, padding_value=0.0)
+    fe = WhisperFeatureExtractor(
+        feature_size=NUM_MEL_BINS,
+        sampling_rate=SAMPLE_RATE,
+        hop_length=HOP_LENGTH,
+        chunk_length=int(MAX_SECONDS),
+        n_fft=400,
+        padding_value=0.0,
+    )
     return Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
 
 
@@ -91,18 +98,35 @@ def build_audio_config(tokenizer, size: AudioDemoSize | None = None):
 
     s = size or AudioDemoSize()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|AUDIO|>", "<|im_end|>", "<|endoftext|>")}
-    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                   pad_token_id=ids["<|endoftext|>"])
-    text_cfg = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=s.hidden_size,
-                    intermediate_size=s.intermediate_size, num_hidden_layers=s.num_layers,
-                    num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, max_position_embeddings=1024,
-                    rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.02,
-                    tie_word_embeddings=s.tie_word_embeddings, **special)
-    audio_cfg = dict(model_type="qwen2_audio_encoder", num_mel_bins=NUM_MEL_BINS, encoder_layers=s.encoder_layers,
-                     encoder_attention_heads=s.encoder_heads, encoder_ffn_dim=s.encoder_ffn_dim, d_model=s.encoder_dim,
-                     max_source_positions=MEL_FRAMES // 2, initializer_range=0.02)
-    config = Qwen2AudioConfig(audio_config=audio_cfg, text_config=text_cfg, audio_token_index=ids["<|AUDIO|>"],
-                              **special)
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    text_cfg = dict(
+        model_type="qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        tie_word_embeddings=s.tie_word_embeddings,
+        **special,
+    )
+    audio_cfg = dict(
+        model_type="qwen2_audio_encoder",
+        num_mel_bins=NUM_MEL_BINS,
+        encoder_layers=s.encoder_layers,
+        encoder_attention_heads=s.encoder_heads,
+        encoder_ffn_dim=s.encoder_ffn_dim,
+        d_model=s.encoder_dim,
+        max_source_positions=MEL_FRAMES // 2,
+        initializer_range=0.02,
+    )
+    config = Qwen2AudioConfig(
+        audio_config=audio_cfg, text_config=text_cfg, audio_token_index=ids["<|AUDIO|>"], **special
+    )
     config.tie_word_embeddings = s.tie_word_embeddings
     config.architectures = ["Qwen2AudioForConditionalGeneration"]
     config.vlserve_demo = {"size": asdict(s)}

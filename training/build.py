@@ -3,6 +3,7 @@
 Every image is resized to about IMAGE_TOKENS visual tokens (one per 28x28 pixels: a square image becomes a 6x6 grid,
 168x168 px, whatever its size); every pair of video frames to about VIDEO_TOKENS (4x4, 112x112 px for square frames).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ VIDEO_TOKENS = 16  # per pair of frames
 @dataclass
 class DemoSize:
     """Model dimensions. head_dim = hidden_size / num_heads; sum(mrope_section) must be head_dim / 2."""
+
     hidden_size: int = 192
     intermediate_size: int = 512
     num_layers: int = 4
@@ -38,11 +40,18 @@ def build_processor(tokenizer):
     from vlserve.demo.tokenizer import CHAT_TEMPLATE
 
     # The fast (torch) image processor: what AutoProcessor loads by default, so training sees inference's pixels.
-    image_processor = Qwen2VLImageProcessorFast(min_pixels=IMAGE_TOKENS * TOKEN_PIXELS,
-                                                max_pixels=IMAGE_TOKENS * TOKEN_PIXELS)
-    video_processor = Qwen2VLVideoProcessor(min_pixels=VIDEO_TOKENS * TOKEN_PIXELS, max_pixels=VIDEO_TOKENS * TOKEN_PIXELS)
-    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-                            chat_template=CHAT_TEMPLATE)
+    image_processor = Qwen2VLImageProcessorFast(
+        min_pixels=IMAGE_TOKENS * TOKEN_PIXELS, max_pixels=IMAGE_TOKENS * TOKEN_PIXELS
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=VIDEO_TOKENS * TOKEN_PIXELS, max_pixels=VIDEO_TOKENS * TOKEN_PIXELS
+    )
+    return Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_config(tokenizer, size: DemoSize | None = None):
@@ -53,23 +62,47 @@ def build_config(tokenizer, size: DemoSize | None = None):
     head_dim = s.hidden_size // s.num_heads
     if 2 * sum(s.mrope_section) != head_dim:
         raise ValueError(f"sum(mrope_section)={sum(s.mrope_section)} must be head_dim/2={head_dim // 2}")
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in
-           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
-    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                   pad_token_id=ids["<|endoftext|>"])
+    ids = {
+        t: tokenizer.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")
+    }
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     text_cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
-        max_position_embeddings=4096, rope_theta=s.rope_theta, rms_norm_eps=1e-6, initializer_range=0.02,
-        tie_word_embeddings=s.tie_word_embeddings, rope_scaling={"type": "mrope", "mrope_section": list(s.mrope_section)},
-        **special)
-    vision_cfg = dict(depth=s.vision_depth, embed_dim=s.vision_embed_dim, hidden_size=s.hidden_size,
-                      num_heads=s.vision_num_heads, mlp_ratio=s.vision_mlp_ratio, patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2, initializer_range=0.02)
-    config = Qwen2VLConfig(text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=s.tie_word_embeddings,
-                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-                           **special)
+        vocab_size=len(tokenizer),
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=s.rope_theta,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        tie_word_embeddings=s.tie_word_embeddings,
+        rope_scaling={"type": "mrope", "mrope_section": list(s.mrope_section)},
+        **special,
+    )
+    vision_cfg = dict(
+        depth=s.vision_depth,
+        embed_dim=s.vision_embed_dim,
+        hidden_size=s.hidden_size,
+        num_heads=s.vision_num_heads,
+        mlp_ratio=s.vision_mlp_ratio,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=0.02,
+    )
+    config = Qwen2VLConfig(
+        text_config=text_cfg,
+        vision_config=vision_cfg,
+        tie_word_embeddings=s.tie_word_embeddings,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        **special,
+    )
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     config.vlserve_demo = {"size": asdict(s)}
     return config

@@ -8,6 +8,7 @@ the shipped head:
     python -m training.train_eagle --target vlserve/demo/model --data /tmp/demo_eagle.jsonl \
         --out vlserve/demo/model/eagle --k 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,16 @@ def make_items(num: int, seed: int = DATA_SEED, video_prob: float = 0.3) -> list
         scene = world.sample_video(rng) if rng.random() < video_prob else world.sample_scene(rng)
         _, question, _ = world.sample_qa(rng, scene)
         part, url = _data_url(scene)
-        items.append({"messages": [{"role": "user", "content": [{"type": part, part: {"url": url}},
-                                                                {"type": "text", "text": question}]}]})
+        items.append(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": part, part: {"url": url}}, {"type": "text", "text": question}],
+                    }
+                ]
+            }
+        )
     return items
 
 

@@ -3,6 +3,7 @@
 `record_target` runs the target through the vlserve engine with `HiddenStateRecorder` in the proposer slot; it keeps,
 per request and position, what the draft reads there (see `train_eagle`'s docstring, step 1).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,14 @@ def read_items(path: str) -> list[dict]:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(item, dict) or not (isinstance(item.get("prompt"), str)
-                                                  or isinstance(item.get("messages"), list)
-                                                  or isinstance(item.get("prompt_token_ids"), list)):
-                raise ValueError(f"{path}:{n}: expected {{\"prompt\": str}}, {{\"messages\": [...]}} or "
-                                 f"{{\"prompt_token_ids\": [...]}}")
+            if not isinstance(item, dict) or not (
+                isinstance(item.get("prompt"), str)
+                or isinstance(item.get("messages"), list)
+                or isinstance(item.get("prompt_token_ids"), list)
+            ):
+                raise ValueError(
+                    f'{path}:{n}: expected {{"prompt": str}}, {{"messages": [...]}} or {{"prompt_token_ids": [...]}}'
+                )
             items.append(item)
     if not items:
         raise ValueError(f"{path}: no items")
@@ -36,8 +40,11 @@ def read_items(path: str) -> list[dict]:
 def generate_items(llm, items: list[dict], sp, use_tqdm: bool):
     """Run prompts through llm.generate and conversations through llm.chat; outputs in item order."""
     out: list = [None] * len(items)
-    prompts = [(i, it["prompt"] if "prompt" in it else list(it["prompt_token_ids"]))
-               for i, it in enumerate(items) if "messages" not in it]
+    prompts = [
+        (i, it["prompt"] if "prompt" in it else list(it["prompt_token_ids"]))
+        for i, it in enumerate(items)
+        if "messages" not in it
+    ]
     chats = [(i, it["messages"]) for i, it in enumerate(items) if "messages" in it]
     if prompts:
         for (i, _), o in zip(prompts, llm.generate([p for _, p in prompts], sp, use_tqdm=use_tqdm)):
@@ -91,8 +98,8 @@ class HiddenStateRecorder:
                 continue
             lo, s = cu[i], int(inp.batch_starts[i])
             rec = self.rows.setdefault(rid, {})
-            pos = inp.positions[..., lo:lo + n].cpu()
-            f, e, fi = (x[lo:lo + n].float().cpu() for x in (feats, embeds, final))
+            pos = inp.positions[..., lo : lo + n].cpu()
+            f, e, fi = (x[lo : lo + n].float().cpu() for x in (feats, embeds, final))
             for j in range(n):  # a preempted request recomputes: later rows overwrite earlier ones
                 rec[s + j] = (f[j], e[j], fi[j], pos[..., j])
         return {}
@@ -109,13 +116,20 @@ class HiddenStateRecorder:
         return out
 
 
-def record_target(target: str, items: list[dict], gen_len: int, method: str, layer_ids: list[int],
-                  args) -> tuple[list[Sequence], list[list[int]]]:
+def record_target(
+    target: str, items: list[dict], gen_len: int, method: str, layer_ids: list[int], args
+) -> tuple[list[Sequence], list[list[int]]]:
     from vlserve import LLM, SamplingParams
     from vlserve.models.llama import decoder_of
 
-    llm = LLM(target, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
-              max_num_seqs=args.max_num_seqs, seed=args.seed)
+    llm = LLM(
+        target,
+        dtype=args.dtype,
+        device=args.device,
+        enable_prefix_caching=False,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
     model = llm.engine.runner.model
     rec = HiddenStateRecorder(layer_ids, method, decoder_of(model).embed_tokens)
     llm.engine.runner.set_proposer(rec)

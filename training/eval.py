@@ -6,6 +6,7 @@ greedily, and scores exact matches of the whole answer (case and surrounding whi
 is right when it parses to the expected object and fits world.DEMO_JSON_SCHEMA (its validity, i.e. whether it fits
 the schema at all, is printed too). Prints accuracy per form and overall; the last line is `accuracy: 0.xx`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,20 +27,21 @@ def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads
     torch.set_num_threads(threads)
     processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
     processor.tokenizer.padding_side = "left"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, local_files_only=True,
-                                                        dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()
     outs: list[str] = []
     # Same-kind batches: a batch is all images or all videos.
     for i in range(0, len(items), batch_size):
-        chunk = items[i:i + batch_size]
-        texts = [processor.apply_chat_template(messages_for(it, "hf"), tokenize=False, add_generation_prompt=True)
-                 for it in chunk]
+        chunk = items[i : i + batch_size]
+        texts = [
+            processor.apply_chat_template(messages_for(it, "hf"), tokenize=False, add_generation_prompt=True)
+            for it in chunk
+        ]
         images = [it["media"] for it in chunk if it["kind"] == "image"] or None
         videos = [it["media"] for it in chunk if it["kind"] == "video"] or None
         batch = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt")
         with torch.inference_mode():
             gen = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)  # [B, L + new]
-        new = gen[:, batch["input_ids"].shape[1]:]  # [B, new]
+        new = gen[:, batch["input_ids"].shape[1] :]  # [B, new]
         outs += processor.tokenizer.batch_decode(new, skip_special_tokens=True)
     return outs
 
@@ -98,8 +100,14 @@ def score(items: list[dict], outputs: list[str], forms: tuple[str, ...] | None =
     return acc
 
 
-def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: int = 50, seed: int = EVAL_SEED,
-             batch_size: int = 16, show_errors: int = 3) -> dict[str, float]:
+def evaluate(
+    model_dir: str | None = None,
+    engine: str = "vlserve",
+    per_form: int = 50,
+    seed: int = EVAL_SEED,
+    batch_size: int = 16,
+    show_errors: int = 3,
+) -> dict[str, float]:
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
     import os
@@ -110,12 +118,14 @@ def evaluate(model_dir: str | None = None, engine: str = "vlserve", per_form: in
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"no checkpoint at {model_dir!r} (expected a directory with config.json)")
     items = held_out_set(per_form, seed)
-    return run_and_report(model_dir, engine, items, lambda d, its: generate_hf(d, its, batch_size), generate_vlserve,
-                          world, show_errors)
+    return run_and_report(
+        model_dir, engine, items, lambda d, its: generate_hf(d, its, batch_size), generate_vlserve, world, show_errors
+    )
 
 
-def run_and_report(model_dir: str, engine: str, items: list[dict], hf_answers, vlserve_answers, world_module,
-                   show_errors: int) -> dict[str, float]:
+def run_and_report(
+    model_dir: str, engine: str, items: list[dict], hf_answers, vlserve_answers, world_module, show_errors: int
+) -> dict[str, float]:
     """Answer `items` with the chosen engine (`hf_answers` / `vlserve_answers`: (model_dir, items) -> texts),
     print the per-form table of `world_module` (its FORMS and QUESTION_TEMPLATES) and the first wrong answers, and
     return the accuracies (plus "hf_agreement" for engine "both")."""
@@ -147,8 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description="Held-out accuracy of the vlserve demo model, per question form.")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--engine", choices=("vlserve", "hf", "both"), default="vlserve",
-                   help="who answers (both: vlserve, plus agreement with HF generate)")
+    p.add_argument(
+        "--engine",
+        choices=("vlserve", "hf", "both"),
+        default="vlserve",
+        help="who answers (both: vlserve, plus agreement with HF generate)",
+    )
     p.add_argument("--per-form", type=int, default=50)
     p.add_argument("--seed", type=int, default=EVAL_SEED)
     p.add_argument("--batch-size", type=int, default=16)

@@ -7,6 +7,7 @@ the rendered float waveform; vlserve gets the same clip as a 16-bit WAV in an Op
 the two see waveforms that differ by the 16-bit rounding). Prints accuracy per form and overall; the last line is
 `accuracy: 0.xx`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,18 +56,26 @@ def generate_hf(model_dir: str, items: list[dict], batch_size: int = 16, threads
     torch.set_num_threads(threads)
     processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
     processor.tokenizer.padding_side = "left"
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, local_files_only=True,
-                                                               dtype=torch.float32).eval()
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32
+    ).eval()
     outs: list[str] = []
     for i in range(0, len(items), batch_size):
-        chunk = items[i:i + batch_size]
-        texts = [processor.apply_chat_template(messages_for(it, "hf"), tokenize=False, add_generation_prompt=True)
-                 for it in chunk]
-        batch = processor(text=texts, audio=[it["audio"] for it in chunk], sampling_rate=SAMPLE_RATE,
-                          padding=True, return_tensors="pt")
+        chunk = items[i : i + batch_size]
+        texts = [
+            processor.apply_chat_template(messages_for(it, "hf"), tokenize=False, add_generation_prompt=True)
+            for it in chunk
+        ]
+        batch = processor(
+            text=texts,
+            audio=[it["audio"] for it in chunk],
+            sampling_rate=SAMPLE_RATE,
+            padding=True,
+            return_tensors="pt",
+        )
         with torch.inference_mode():
             gen = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)  # [B, L + new]
-        new = gen[:, batch["input_ids"].shape[1]:]  # [B, new]
+        new = gen[:, batch["input_ids"].shape[1] :]  # [B, new]
         outs += processor.tokenizer.batch_decode(new, skip_special_tokens=True)
     return outs
 
@@ -86,8 +95,15 @@ def score(items: list[dict], outputs: list[str]) -> dict[str, float]:
     return vision_eval.score(items, outputs, audio_world.FORMS)
 
 
-def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 100, seed: int = EVAL_SEED,
-             batch_size: int = 16, show_errors: int = 5, threads: int = 2) -> dict[str, float]:
+def evaluate(
+    model_dir: str | None = None,
+    engine: str = "hf",
+    per_form: int = 100,
+    seed: int = EVAL_SEED,
+    batch_size: int = 16,
+    show_errors: int = 5,
+    threads: int = 2,
+) -> dict[str, float]:
     """Run the held-out evaluation, print the table, and return the accuracies. engine "both" scores vlserve and
     also prints how many of its answers equal HF generate's (the returned dict then has "hf_agreement")."""
     from vlserve.demo import audio_world, demo_model_path
@@ -100,16 +116,27 @@ def evaluate(model_dir: str | None = None, engine: str = "hf", per_form: int = 1
     from training.eval import run_and_report
 
     items = held_out_set(per_form, seed)
-    return run_and_report(model_dir, engine, items, lambda d, its: generate_hf(d, its, batch_size, threads),
-                          generate_vlserve, audio_world, show_errors)
+    return run_and_report(
+        model_dir,
+        engine,
+        items,
+        lambda d, its: generate_hf(d, its, batch_size, threads),
+        generate_vlserve,
+        audio_world,
+        show_errors,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     p = argparse.ArgumentParser(description="Held-out accuracy of the vlserve audio demo model, per question form.")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded vlserve-demo-audio)")
-    p.add_argument("--engine", choices=("hf", "vlserve", "both"), default="hf",
-                   help="who answers (both: vlserve, plus agreement with HF generate)")
+    p.add_argument(
+        "--engine",
+        choices=("hf", "vlserve", "both"),
+        default="hf",
+        help="who answers (both: vlserve, plus agreement with HF generate)",
+    )
     p.add_argument("--per-form", type=int, default=100)
     p.add_argument("--seed", type=int, default=EVAL_SEED)
     p.add_argument("--batch-size", type=int, default=16)

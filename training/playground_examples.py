@@ -6,6 +6,7 @@ static files beside the page (the api layer may not import training/).
 writes img1.png ... and clip1.mp4 plus examples.json: for each file its kind and every question the world supports
 about it with the world's answer (the page offers them as chips and shows the expected answer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ def _clean_style(style: world.Style) -> world.Style:
 def _scaled(scene: world.Scene, side: int) -> world.Scene:
     """The scene redrawn on a `side`-pixel square (shape centers and radii scaled with it)."""
     f = side / scene.width
-    shapes = tuple(world.Shape(s.kind, s.color, s.place, s.cx * f, s.cy * f, s.r * f, s.rotation, s.fill)
-                   for s in scene.shapes)
+    shapes = tuple(
+        world.Shape(s.kind, s.color, s.place, s.cx * f, s.cy * f, s.r * f, s.rotation, s.fill) for s in scene.shapes
+    )
     return world.Scene(side, side, scene.background, shapes, _clean_style(scene.style))
 
 
@@ -54,8 +56,9 @@ def example_clip(seed: int = SEED) -> world.VideoScene:
     clip = world.sample_video(rng, CLIP_FRAMES)
     while clip.background.kind == "noise":
         clip = world.sample_video(rng, CLIP_FRAMES)
-    return world.VideoScene(clip.width, clip.height, clip.background, clip.shape, clip.direction, clip.centers,
-                            _clean_style(clip.style))
+    return world.VideoScene(
+        clip.width, clip.height, clip.background, clip.shape, clip.direction, clip.centers, _clean_style(clip.style)
+    )
 
 
 def _questions(scene: world.Scene | world.VideoScene) -> list[dict[str, str]]:

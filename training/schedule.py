@@ -1,5 +1,6 @@
 """The demo trainer's shared pieces for both stages: the LR schedule (warmup + cosine, optionally run on the clock)
 and background rendering of batches."""
+
 from __future__ import annotations
 
 import math

@@ -14,6 +14,7 @@ which of ~36 visual tokens hold the shapes. So each stage gets its own signal:
   4. LM after SUMMARY_LAYER layers, at those same text tokens: the whole scene (count; color and place of each
      kind, or absent; for clips kind, color and direction), so the last layer only has to look answers up.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,14 @@ ATTN_LAYER = 2
 SUMMARY_LAYER = 3
 IGNORE = -100
 SUMMARY_WEIGHT = 0.5
-SUMMARY_CLASSES = {"count": 3, **{f"color_{k}": len(world.COLORS) + 1 for k in world.SHAPES},
-                   **{f"place_{k}": len(world.PLACES) + 1 for k in world.SHAPES},
-                   "video_kind": len(world.SHAPES), "video_color": len(world.COLORS),
-                   "video_direction": len(world.DIRECTIONS)}
+SUMMARY_CLASSES = {
+    "count": 3,
+    **{f"color_{k}": len(world.COLORS) + 1 for k in world.SHAPES},
+    **{f"place_{k}": len(world.PLACES) + 1 for k in world.SHAPES},
+    "video_kind": len(world.SHAPES),
+    "video_color": len(world.COLORS),
+    "video_direction": len(world.DIRECTIONS),
+}
 NUM_KINDS = len(world.SHAPES) + 1  # 0 = no shape in the cell
 # cell probe layout: [background logit | kinds | colors | directions]
 KIND_SLICE = slice(1, 1 + len(world.SHAPES))
@@ -82,8 +87,14 @@ def scene_targets(scene, grid_thw: tuple[int, int, int], merge: int = 2) -> dict
         motion = [world.DIRECTIONS.index(scene.direction) if k else IGNORE for k in kind]
     else:
         label(scene.shapes, 0, scene.width, scene.height)
-    return {"kind": kind, "color": color, "motion": motion, "x": [p[0] for p in xy], "y": [p[1] for p in xy],
-            "first": first}
+    return {
+        "kind": kind,
+        "color": color,
+        "motion": motion,
+        "x": [p[0] for p in xy],
+        "y": [p[1] for p in xy],
+        "first": first,
+    }
 
 
 def summary_targets(scene) -> dict[str, int]:
@@ -91,8 +102,11 @@ def summary_targets(scene) -> dict[str, int]:
     out = dict.fromkeys(SUMMARY_CLASSES, IGNORE)
     if isinstance(scene, world.VideoScene):
         s = scene.shape
-        out.update(video_kind=world.SHAPES.index(s.kind), video_color=list(world.COLORS).index(s.color),
-                   video_direction=world.DIRECTIONS.index(scene.direction))
+        out.update(
+            video_kind=world.SHAPES.index(s.kind),
+            video_color=list(world.COLORS).index(s.color),
+            video_direction=world.DIRECTIONS.index(scene.direction),
+        )
         return out
     out["count"] = len(scene.shapes) - 1
     for k in world.SHAPES:
@@ -117,8 +131,9 @@ def batch_targets(scenes: list, image_grid_thw, video_grid_thw) -> dict:
             out[key] += vals
         for key, val in summary_targets(sc).items():
             summary[key].append(val)
-    batch = {f"aux_{k}": torch.tensor(v, dtype=torch.float32 if k in ("x", "y") else torch.long)
-             for k, v in out.items()}
+    batch = {
+        f"aux_{k}": torch.tensor(v, dtype=torch.float32 if k in ("x", "y") else torch.long) for k, v in out.items()
+    }
     batch.update({f"aux_sum_{k}": torch.tensor(v, dtype=torch.long) for k, v in summary.items()})
     return batch
 
@@ -182,7 +197,7 @@ class AuxHeads:
         is_video = (input_ids == token_ids["video"]).any(dim=1)  # [B]
         start = ((kind_map > 0) & (first_map > 0) & is_video[:, None]).float()[..., None]  # [B, L, 1]
         targets = torch.cat([onehot, start], dim=-1)  # [B, L(keys), 4]
-        attn = pointer_attn[:, :targets.shape[-1]]  # [B, 4, L(queries), L(keys)]
+        attn = pointer_attn[:, : targets.shape[-1]]  # [B, 4, L(queries), L(keys)]
         mass = torch.einsum("bkqj,bjk->bkq", attn, targets)  # [B, 4, L]
         valid = queries[:, None, :] & (targets.sum(1) > 0)[:, :, None]  # [B, 4, L]
         if valid.any():
@@ -194,7 +209,7 @@ class AuxHeads:
         for name, n in SUMMARY_CLASSES.items():
             target = batch[f"aux_sum_{name}"][rows]  # [Q]
             if (target != IGNORE).any():
-                total = total + F.cross_entropy(s_logits[:, offset:offset + n], target, ignore_index=IGNORE)
+                total = total + F.cross_entropy(s_logits[:, offset : offset + n], target, ignore_index=IGNORE)
             offset += n
         out["summary"] = SUMMARY_WEIGHT * total
         return out

@@ -4,6 +4,7 @@ wrapped in ChatML, with Qwen2-VL's special tokens and chat template (shared with
 Every byte is in the alphabet, so any text encodes; the world's words are single tokens. Training depends only on
 a seeded corpus, so the vocabulary is reproducible.
 """
+
 from __future__ import annotations
 
 import random
@@ -32,8 +33,12 @@ def corpus(num_scenes: int = 1000, seed: int = 0) -> list[str]:
     return lines + GENERIC_LINES
 
 
-def build_demo_tokenizer(out_dir: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                         lines: list[str] | None = None, chat_template: str = CHAT_TEMPLATE):
+def build_demo_tokenizer(
+    out_dir: str | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    lines: list[str] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+):
     """Train the tokenizer on `lines` (default: the vision world's `corpus()`); return it as a `Qwen2TokenizerFast`
     (the class the Qwen2-VL and Qwen2-Audio processors expect) with `chat_template`, eos `<|im_end|>` and pad
     `<|endoftext|>`; also save it to out_dir when given."""
@@ -43,12 +48,22 @@ def build_demo_tokenizer(out_dir: str | None = None, vocab_size: int = DEFAULT_V
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus() if lines is None else lines, trainer=trainer)
-    fast = Qwen2TokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                              unk_token=None, bos_token=None, additional_special_tokens=SPECIAL_TOKENS[1:],
-                              clean_up_tokenization_spaces=False)
+    fast = Qwen2TokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = chat_template
     if out_dir is not None:
         fast.save_pretrained(out_dir)

@@ -16,6 +16,7 @@ starts from DIR's weights, stage 1 is skipped, and DIR's tokenizer / processor f
 "json" form was added this way: `--init-from vlserve/demo/model --minutes 25 --lr 5e-4 --seed 1` (1951 steps on
 2 CPU cores; a fresh seed so that the stream is not the one the checkpoint was trained on).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,17 @@ DEFAULT_BATCH = 8
 # counting and direction are learned early and get fewer.
 # "json" (the picture as JSON, a long answer that restates the picture's facts) gets 1.5 so that a fine-tune
 # (`--init-from`) learns it quickly.
-FORM_WEIGHTS = {"shape": 1.5, "color": 1.0, "count": 0.5, "where": 1.5, "describe": 2.5,
-                "direction": 0.5, "moving_color": 0.75, "describe_video": 2.0, "json": 1.5}
+FORM_WEIGHTS = {
+    "shape": 1.5,
+    "color": 1.0,
+    "count": 0.5,
+    "where": 1.5,
+    "describe": 2.5,
+    "direction": 0.5,
+    "moving_color": 0.75,
+    "describe_video": 2.0,
+    "json": 1.5,
+}
 # Forms whose question names a shape's kind or color. A conversation asks them after the others: asked first, they
 # would hand a later "Describe the video." the kind to copy, which it cannot do at inference (one question, no hints).
 NAMING_FORMS = ("color", "where", "direction")
@@ -78,11 +88,11 @@ def answer_labels(input_ids, tokenizer):
     for b, row in enumerate(input_ids.tolist()):
         i = 0
         while i < len(row):
-            if row[i] == im_start and row[i + 1:i + 1 + len(header)] == header:
+            if row[i] == im_start and row[i + 1 : i + 1 + len(header)] == header:
                 j = i + 1 + len(header)
                 while j < len(row) and row[j] != im_end:
                     j += 1
-                labels[b, i + 1 + len(header):j + 1] = input_ids[b, i + 1 + len(header):j + 1]
+                labels[b, i + 1 + len(header) : j + 1] = input_ids[b, i + 1 + len(header) : j + 1]
                 i = j
             i += 1
     return labels
@@ -148,8 +158,9 @@ def linear_patch_embed(model):
 
     pe = model.model.visual.patch_embed
     # pixels [P, C*tp*p*p] (the processor's patch order matches the Conv3d weight's flattening) -> [P, embed_dim]
-    pe.forward = lambda x: F.linear(x.reshape(-1, pe.proj.weight[0].numel()).to(pe.proj.weight.dtype),
-                                    pe.proj.weight.view(pe.embed_dim, -1))
+    pe.forward = lambda x: F.linear(
+        x.reshape(-1, pe.proj.weight[0].numel()).to(pe.proj.weight.dtype), pe.proj.weight.view(pe.embed_dim, -1)
+    )
     return lambda: pe.__dict__.pop("forward", None)
 
 
@@ -171,21 +182,37 @@ def eager_attention_only_in(model, layer: int):
         m.config._attn_implementation = "sdpa"
     captured: dict = {}
     hook = model.model.language_model.layers[layer].self_attn.register_forward_hook(
-        lambda mod, args, out: captured.__setitem__("probs", out[1]))
+        lambda mod, args, out: captured.__setitem__("probs", out[1])
+    )
 
     def restore():
         hook.remove()
         for m, cfg in zip(modules, shared):
             m.config = cfg
         model.set_attn_implementation("sdpa")
+
     return captured, restore
 
 
-def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 2e-3,
-          minutes: float | None = None, seed: int = 0, video_prob: float = 0.3, max_turns: int = 5,
-          warmup: int = 60, log_every: int = 50, threads: int = 1, workers: int = 1, aux_weight: float = 1.0,
-          size=None, vision_steps: int = DEFAULT_VISION_STEPS, vision_minutes: float | None = None,
-          init_from: str | None = None) -> dict:
+def train(
+    out: str,
+    steps: int = DEFAULT_STEPS,
+    batch_size: int = DEFAULT_BATCH,
+    lr: float = 2e-3,
+    minutes: float | None = None,
+    seed: int = 0,
+    video_prob: float = 0.3,
+    max_turns: int = 5,
+    warmup: int = 60,
+    log_every: int = 50,
+    threads: int = 1,
+    workers: int = 1,
+    aux_weight: float = 1.0,
+    size=None,
+    vision_steps: int = DEFAULT_VISION_STEPS,
+    vision_minutes: float | None = None,
+    init_from: str | None = None,
+) -> dict:
     """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict.
 
     With `init_from` (a checkpoint directory, e.g. the shipped vlserve/demo/model) it fine-tunes instead: the model
@@ -211,8 +238,9 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
         processor = AutoProcessor.from_pretrained(init_from, local_files_only=True)
-        model = Qwen2VLForConditionalGeneration.from_pretrained(init_from, local_files_only=True,
-                                                                dtype=torch.float32).train()
+        model = Qwen2VLForConditionalGeneration.from_pretrained(
+            init_from, local_files_only=True, dtype=torch.float32
+        ).train()
         vision_steps = 0
     else:
         tokenizer = build_demo_tokenizer()
@@ -224,13 +252,17 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     t0 = time.time()
     vision = {"steps": 0, "seconds": 0.0, "history": []}
     if vision_steps > 0:
-        vision = pretrain_vision(model, processor, cell_probe, vision_steps, lr=1e-3, seed=seed, workers=workers,
-                                 minutes=vision_minutes)
+        vision = pretrain_vision(
+            model, processor, cell_probe, vision_steps, lr=1e-3, seed=seed, workers=workers, minutes=vision_minutes
+        )
     if minutes is not None:
         minutes = max(1.0, minutes - (time.time() - t0) / 60)
     heads = AuxHeads(hidden, cell_probe)
-    token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id,
-                 "vision_end": model.config.vision_end_token_id}
+    token_ids = {
+        "image": model.config.image_token_id,
+        "video": model.config.video_token_id,
+        "vision_end": model.config.vision_end_token_id,
+    }
     # the pointer-head loss needs layer ATTN_LAYER's attention probabilities (the model starts on SDPA)
     captured, restore_attention = ({}, lambda: None)
     if aux_weight > 0:
@@ -243,10 +275,16 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     no_decay += [p for p in heads.parameters() if id(p) not in seen]
     # the vision tower comes pre-trained from stage 1: it keeps learning, at a fraction of the LM's rate
     vision_scale = 0.5 if vision_steps > 0 or init_from is not None else 1.0
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05, "scale": 1.0},
-                             {"params": no_decay, "weight_decay": 0.0, "scale": 1.0},
-                             {"params": vision_params, "weight_decay": 0.0, "scale": vision_scale}],
-                            lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.05, "scale": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "scale": 1.0},
+            {"params": vision_params, "weight_decay": 0.0, "scale": vision_scale},
+        ],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
     data = batches(processor, seed, batch_size, video_prob, max_turns, workers)
     start, ema, aux_ema, history, hits, aux_parts = time.time(), None, None, [], {}, {}
     bar = tqdm(range(steps), desc="train", dynamic_ncols=True, mininterval=2.0)
@@ -263,8 +301,9 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
             for form, ok in zip(batch["meta_forms"], first_answer_correct(res.logits, batch["labels"])):
                 hits.setdefault(form, []).append(ok)
         if aux_weight > 0:
-            parts = heads.loss(res.hidden_states, captured["probs"], batch["input_ids"], batch["attention_mask"],
-                               token_ids, batch)
+            parts = heads.loss(
+                res.hidden_states, captured["probs"], batch["input_ids"], batch["attention_mask"], token_ids, batch
+            )
             aux = sum(parts.values())
             aux_ema = aux.item() if aux_ema is None else 0.95 * aux_ema + 0.05 * aux.item()
             for k, v in parts.items():
@@ -278,11 +317,20 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
         bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux_ema or 0:.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
         if (step + 1) % log_every == 0:
             accs = {f: round(sum(v) / len(v), 2) for f, v in sorted(hits.items())}
-            history.append({"step": step + 1, "loss": round(ema, 4), "seconds": round(time.time() - start, 1),
-                            "first_answer_acc": accs})
-            tqdm.write(f"step {step + 1} loss {ema:.4f} aux {aux_ema or 0:.4f} elapsed {time.time() - start:.0f}s | "
-                       + " ".join(f"{k} {v / log_every:.2f}" for k, v in aux_parts.items()) + " | teacher-forced "
-                       + " ".join(f"{f} {a:.2f}" for f, a in accs.items()))
+            history.append(
+                {
+                    "step": step + 1,
+                    "loss": round(ema, 4),
+                    "seconds": round(time.time() - start, 1),
+                    "first_answer_acc": accs,
+                }
+            )
+            tqdm.write(
+                f"step {step + 1} loss {ema:.4f} aux {aux_ema or 0:.4f} elapsed {time.time() - start:.0f}s | "
+                + " ".join(f"{k} {v / log_every:.2f}" for k, v in aux_parts.items())
+                + " | teacher-forced "
+                + " ".join(f"{f} {a:.2f}" for f, a in accs.items())
+            )
             hits, aux_parts = {}, {}
         if minutes is not None and time.time() - start > 60 * minutes:
             tqdm.write(f"time budget of {minutes} min reached after {step + 1} steps; saving")
@@ -297,17 +345,33 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
         processor.save_pretrained(out)
     else:
         copy_processor_files(init_from, out)
-    summary = {"steps": step + 1, "seconds": round(time.time() - t0, 1), "final_loss": ema,
-               "parameters": count_parameters(model), "history": history, "vision_stage": vision,
-               "init_from": init_from}
-    print(f"saved to {out}: {summary['parameters']:,} parameters, {vision['steps']} vision steps + "
-          f"{summary['steps']} steps, {summary['seconds']:.0f}s, loss {ema:.4f}")
+    summary = {
+        "steps": step + 1,
+        "seconds": round(time.time() - t0, 1),
+        "final_loss": ema,
+        "parameters": count_parameters(model),
+        "history": history,
+        "vision_stage": vision,
+        "init_from": init_from,
+    }
+    print(
+        f"saved to {out}: {summary['parameters']:,} parameters, {vision['steps']} vision steps + "
+        f"{summary['steps']} steps, {summary['seconds']:.0f}s, loss {ema:.4f}"
+    )
     return summary
 
 
 # A checkpoint's tokenizer / processor files (what a fine-tune copies unchanged from its --init-from directory).
-PROCESSOR_FILES = ("chat_template.jinja", "merges.txt", "preprocessor_config.json", "special_tokens_map.json",
-                   "tokenizer.json", "tokenizer_config.json", "video_preprocessor_config.json", "vocab.json")
+PROCESSOR_FILES = (
+    "chat_template.jinja",
+    "merges.txt",
+    "preprocessor_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "video_preprocessor_config.json",
+    "vocab.json",
+)
 
 
 def copy_processor_files(src: str, dst: str) -> list[str]:
@@ -337,14 +401,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=1, help="0 renders batches in the training process")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--aux-weight", type=float, default=1.0, help="weight of the dense auxiliary losses (0: off)")
-    p.add_argument("--init-from", default=None,
-                   help="fine-tune: start stage 2 from this checkpoint's weights (e.g. vlserve/demo/model), skip stage "
-                        "1, copy its tokenizer/processor files unchanged (a lower --lr, e.g. 5e-4, keeps its forms)")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="fine-tune: start stage 2 from this checkpoint's weights (e.g. vlserve/demo/model), skip stage "
+        "1, copy its tokenizer/processor files unchanged (a lower --lr, e.g. 5e-4, keeps its forms)",
+    )
     a = p.parse_args(argv)
-    train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
-          video_prob=a.video_prob, max_turns=a.max_turns, threads=a.threads,
-          workers=a.workers, log_every=a.log_every, aux_weight=a.aux_weight, vision_steps=a.vision_steps,
-          vision_minutes=a.vision_minutes, init_from=a.init_from)
+    train(
+        a.out,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        minutes=a.minutes,
+        seed=a.seed,
+        video_prob=a.video_prob,
+        max_turns=a.max_turns,
+        threads=a.threads,
+        workers=a.workers,
+        log_every=a.log_every,
+        aux_weight=a.aux_weight,
+        vision_steps=a.vision_steps,
+        vision_minutes=a.vision_minutes,
+        init_from=a.init_from,
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ arguments give the same run. AdamW, warmup + cosine (training.schedule, on the c
 cap would stop the run first). The defaults (2600 steps of 8 clips, one torch thread + one rendering worker, a
 45-minute cap) took 31 minutes on a 2-core machine running a test suite beside it, so the cap did not act.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,9 @@ def make_batch(rng: random.Random, processor, batch_size: int, max_turns: int) -
     turns = [sample_turns(rng, c, max_turns) for c in clips]
     texts = [processor.apply_chat_template(conversation(t), tokenize=False) for t in turns]
     audio = [audio_world.render(c) for c in clips]
-    batch = dict(processor(text=texts, audio=audio, sampling_rate=audio_world.SAMPLE_RATE, padding=True,
-                           return_tensors="pt"))
+    batch = dict(
+        processor(text=texts, audio=audio, sampling_rate=audio_world.SAMPLE_RATE, padding=True, return_tensors="pt")
+    )
     batch["labels"] = answer_labels(batch["input_ids"], processor.tokenizer)
     num_positions = batch["input_features"].shape[-1] // 4  # pooled encoder positions
     frames = batch["feature_attention_mask"].sum(-1).tolist()
@@ -113,9 +115,21 @@ class AudioBatchStream:
             yield make_batch(rng, self.processor, self.batch_size, self.max_turns)
 
 
-def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH, lr: float = 1.5e-3,
-          minutes: float | None = None, seed: int = 0, max_turns: int = 3, warmup: int = DEFAULT_WARMUP, log_every: int = 50,
-          threads: int = 1, workers: int = 1, aux_weight: float = 1.0, size=None) -> dict:
+def train(
+    out: str,
+    steps: int = DEFAULT_STEPS,
+    batch_size: int = DEFAULT_BATCH,
+    lr: float = 1.5e-3,
+    minutes: float | None = None,
+    seed: int = 0,
+    max_turns: int = 3,
+    warmup: int = DEFAULT_WARMUP,
+    log_every: int = 50,
+    threads: int = 1,
+    workers: int = 1,
+    aux_weight: float = 1.0,
+    size=None,
+) -> dict:
     """Train and save a checkpoint (model, tokenizer, processor) to `out`; return a summary dict. Stops early (still
     saving, on a decayed LR) when `minutes` run out."""
     import torch
@@ -143,9 +157,12 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.requires_grad and p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in named if p.requires_grad and not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                             {"params": no_decay + list(probe.parameters()), "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay + list(probe.parameters()), "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
     data = in_background(AudioBatchStream(processor, seed, batch_size, max_turns), workers)
     t0 = start = time.time()
     ema, aux_ema, history, hits = None, None, [], {}
@@ -163,8 +180,10 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
             logits = probe(captured["h"])  # [B, T, 13]
             tgt = batch["aux_targets"]  # [B, T, 3]
             splits = logits.split([NUM_PITCH_CLASSES, NUM_LENGTH_CLASSES, NUM_ORDINAL_CLASSES], dim=-1)
-            aux = sum(torch.nn.functional.cross_entropy(s.flatten(0, 1), tgt[..., i].flatten(), ignore_index=-100)
-                      for i, s in enumerate(splits))
+            aux = sum(
+                torch.nn.functional.cross_entropy(s.flatten(0, 1), tgt[..., i].flatten(), ignore_index=-100)
+                for i, s in enumerate(splits)
+            )
             aux_ema = aux.item() if aux_ema is None else 0.95 * aux_ema + 0.05 * aux.item()
             loss = loss + aux_weight * aux
         with torch.no_grad():
@@ -178,10 +197,18 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
         bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux_ema or 0:.3f}", lr=f"{step_lr:.2e}")
         if (step + 1) % log_every == 0:
             accs = {f: round(sum(v) / len(v), 2) for f, v in sorted(hits.items())}
-            history.append({"step": step + 1, "loss": round(ema, 4), "seconds": round(time.time() - start, 1),
-                            "first_answer_acc": accs})
-            tqdm.write(f"step {step + 1} loss {ema:.4f} aux {aux_ema or 0:.4f} elapsed {time.time() - start:.0f}s"
-                       " | teacher-forced " + " ".join(f"{f} {a:.2f}" for f, a in accs.items()))
+            history.append(
+                {
+                    "step": step + 1,
+                    "loss": round(ema, 4),
+                    "seconds": round(time.time() - start, 1),
+                    "first_answer_acc": accs,
+                }
+            )
+            tqdm.write(
+                f"step {step + 1} loss {ema:.4f} aux {aux_ema or 0:.4f} elapsed {time.time() - start:.0f}s"
+                " | teacher-forced " + " ".join(f"{f} {a:.2f}" for f, a in accs.items())
+            )
             hits = {}
         if minutes is not None and time.time() - start > 60 * minutes:
             tqdm.write(f"time budget of {minutes} min reached after {step + 1} steps; saving")
@@ -193,10 +220,17 @@ def train(out: str, steps: int = DEFAULT_STEPS, batch_size: int = DEFAULT_BATCH,
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
     portable_processor_files(processor, out)
-    summary = {"steps": step + 1, "seconds": round(time.time() - t0, 1), "final_loss": ema,
-               "parameters": count_parameters(model), "history": history}
-    print(f"saved to {out}: {summary['parameters']:,} parameters, {summary['steps']} steps, "
-          f"{summary['seconds']:.0f}s, loss {ema:.4f}")
+    summary = {
+        "steps": step + 1,
+        "seconds": round(time.time() - t0, 1),
+        "final_loss": ema,
+        "parameters": count_parameters(model),
+        "history": history,
+    }
+    print(
+        f"saved to {out}: {summary['parameters']:,} parameters, {summary['steps']} steps, "
+        f"{summary['seconds']:.0f}s, loss {ema:.4f}"
+    )
     return summary
 
 
@@ -233,9 +267,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--aux-weight", type=float, default=1.0, help="weight of the encoder's dense probe loss (0: off)")
     a = p.parse_args(argv)
-    train(a.out, steps=a.steps, batch_size=a.batch_size, lr=a.lr, minutes=a.minutes, seed=a.seed,
-          max_turns=a.max_turns, threads=a.threads, workers=a.workers, log_every=a.log_every, warmup=a.warmup,
-          aux_weight=a.aux_weight)
+    train(
+        a.out,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        minutes=a.minutes,
+        seed=a.seed,
+        max_turns=a.max_turns,
+        threads=a.threads,
+        workers=a.workers,
+        log_every=a.log_every,
+        warmup=a.warmup,
+        aux_weight=a.aux_weight,
+    )
 
 
 if __name__ == "__main__":

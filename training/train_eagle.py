@@ -22,6 +22,7 @@ The last --num-eval items (default: 10%, at least 1) are held out for the accept
    through the engine (with both heads the outputs must be, and are checked to be, identical).
 Writes DRAFT_DIR/{config.json, model.safetensors, train_report.json}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,12 @@ from training.eagle_recording import Sequence, generate_items, read_items, recor
 
 # ------------------------------------------------------------------------------------------------ training
 
+
 def _batches(seqs: list[Sequence], batch_size: int, rng: random.Random):
     order = list(range(len(seqs)))
     rng.shuffle(order)
     for i in range(0, len(order), batch_size):
-        yield [seqs[j] for j in order[i:i + batch_size]]
+        yield [seqs[j] for j in order[i : i + batch_size]]
 
 
 def _pad(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
@@ -54,21 +56,32 @@ def _pad(seqs: list[Sequence], device) -> dict[str, torch.Tensor]:
         out = torch.zeros(B, L, width)
         for b, s in enumerate(seqs):
             t = get(s)
-            out[b, :t.shape[0]] = t
+            out[b, : t.shape[0]] = t
         return out.to(device)
 
     pos = torch.zeros((B, 3, L) if mrope else (B, L), dtype=torch.long)
     lens = torch.tensor([s.hidden.shape[0] for s in seqs])
     for b, s in enumerate(seqs):
-        pos[b, ..., :s.positions.shape[-1]] = s.positions
-    return {"hidden": stack(lambda s: s.hidden, seqs[0].hidden.shape[1]),
-            "embeds": stack(lambda s: s.embeds, seqs[0].embeds.shape[1]),
-            "final": stack(lambda s: s.final, seqs[0].final.shape[1]),
-            "positions": pos.to(device), "lens": lens.to(device)}
+        pos[b, ..., : s.positions.shape[-1]] = s.positions
+    return {
+        "hidden": stack(lambda s: s.hidden, seqs[0].hidden.shape[1]),
+        "embeds": stack(lambda s: s.embeds, seqs[0].embeds.shape[1]),
+        "final": stack(lambda s: s.final, seqs[0].final.shape[1]),
+        "positions": pos.to(device),
+        "lens": lens.to(device),
+    }
 
 
-def draft_loss(draft, target_lm_head, batch: dict, ttt_steps: int, reg_weight: float, vocab_ids=None,
-               noise: float = 0.0, label_temperature: float = 1.0):
+def draft_loss(
+    draft,
+    target_lm_head,
+    batch: dict,
+    ttt_steps: int,
+    reg_weight: float,
+    vocab_ids=None,
+    noise: float = 0.0,
+    label_temperature: float = 1.0,
+):
     """Mean over unrolled steps (weights 0.8^t) of CE vs the target's next-token distribution at
     `label_temperature` (0: its argmax; small random targets have flat distributions whose argmax is what greedy
     acceptance needs) + EAGLE-1 feature regression. Returns (loss, top-1 agreement of step 0)."""
@@ -101,7 +114,7 @@ def draft_loss(draft, target_lm_head, batch: dict, ttt_steps: int, reg_weight: f
             if draft.cfg.fc_input_norm:  # only the direction of a fed-back state matters then
                 o, want = _unit_rms(o), _unit_rms(want)
             loss = loss + reg_weight * F.smooth_l1_loss(o, want)
-        w = 0.8 ** t
+        w = 0.8**t
         total = total + w * loss
         wsum += w
         if t == 0:
@@ -128,6 +141,7 @@ def train_head(draft, target_lm_head, train: list[Sequence], args, device, vocab
         if args.time_budget:
             progress = max(progress, elapsed / args.time_budget)
         return args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
     rng = random.Random(args.seed)
     step, t0, last = 0, time.time(), {}
     bar = tqdm(total=total, desc="train-eagle", disable=args.quiet, dynamic_ncols=True)
@@ -142,8 +156,16 @@ def train_head(draft, target_lm_head, train: list[Sequence], args, device, vocab
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, time.time() - t0)
             batch = _pad(seqs, device)
-            loss, acc = draft_loss(draft, target_lm_head, batch, args.ttt_steps, args.reg_weight, vocab_ids,
-                                   args.noise, args.label_temperature)
+            loss, acc = draft_loss(
+                draft,
+                target_lm_head,
+                batch,
+                args.ttt_steps,
+                args.reg_weight,
+                vocab_ids,
+                args.noise,
+                args.label_temperature,
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -159,29 +181,42 @@ def train_head(draft, target_lm_head, train: list[Sequence], args, device, vocab
 
 # ------------------------------------------------------------------------------------------------ evaluation
 
+
 def acceptance(target: str, draft_dir: str, method: str, items: list[dict], k: int, gen_len: int, args) -> dict:
     """Greedy decoding of `items` with the draft through the engine -> acceptance figures + output tokens."""
     from vlserve import LLM, SamplingParams
 
-    llm = LLM(target, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, seed=args.seed,
-              speculative_config={"method": method, "num_speculative_tokens": k, "model": draft_dir})
+    llm = LLM(
+        target,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        speculative_config={"method": method, "num_speculative_tokens": k, "model": draft_dir},
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=args.ignore_eos)
     outs = generate_items(llm, items, sp, use_tqdm=False)
     m = llm.get_metrics()
     steps = m["vlserve:spec_decode_num_drafts_total"]
     drafted = m["vlserve:spec_decode_num_draft_tokens_total"]
     accepted = m["vlserve:spec_decode_num_accepted_tokens_total"]
-    return {"acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 1.0,
-            "draft_tokens": int(drafted), "accepted_tokens": int(accepted), "verify_steps": int(steps),
-            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    return {
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_accepted_length": round(1 + accepted / steps, 3) if steps else 1.0,
+        "draft_tokens": int(drafted),
+        "accepted_tokens": int(accepted),
+        "verify_steps": int(steps),
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+    }
 
 
 # ------------------------------------------------------------------------------------------------ main
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.train_eagle", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m training.train_eagle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_args(p)
     return p
 
@@ -189,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_args(p: argparse.ArgumentParser) -> None:
     """The flags of `python -m training.train_eagle` (for a CLI subparser; run it with `run(args)`)."""
     p.add_argument("--target", required=True, help="target checkpoint directory")
-    p.add_argument("--data", required=True, help="JSONL of {\"prompt\": str} or {\"messages\": [...]}")
+    p.add_argument("--data", required=True, help='JSONL of {"prompt": str} or {"messages": [...]}')
     p.add_argument("--out", required=True, help="output directory for the draft checkpoint")
     p.add_argument("--method", choices=["eagle", "eagle3"], default="eagle")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (default: the last --num-eval items of --data)")
@@ -204,24 +239,39 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training (1 = teacher forcing)")
     p.add_argument("--reg-weight", type=float, default=0.1, help="EAGLE-1 feature regression weight")
-    p.add_argument("--label-temperature", type=float, default=0.0,
-                   help="soft labels = softmax(target logits / T); 0 = the target's argmax (hard labels)")
+    p.add_argument(
+        "--label-temperature",
+        type=float,
+        default=0.0,
+        help="soft labels = softmax(target logits / T); 0 = the target's argmax (hard labels)",
+    )
     p.add_argument("--noise", type=float, default=0.0, help="uniform noise added to target states (EAGLE-1)")
-    p.add_argument("--init", choices=["identity", "random", "mimic"], default="identity",
-                   help="identity (eagle): random layer, fc passes the next token's embedding through (the "
-                        "residual stream starts like the target's); random: all random; mimic (eagle): a copy "
-                        "of the target's last layer. The untrained head in the report starts the same way.")
+    p.add_argument(
+        "--init",
+        choices=["identity", "random", "mimic"],
+        default="identity",
+        help="identity (eagle): random layer, fc passes the next token's embedding through (the "
+        "residual stream starts like the target's); random: all random; mimic (eagle): a copy "
+        "of the target's last layer. The untrained head in the report starts the same way.",
+    )
     p.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     p.add_argument("--target-layer-ids", default=None, help="eagle3: three comma-separated target layer ids")
-    p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="eagle3: keep the most frequent target tokens only (default: the full vocabulary)")
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="eagle3: keep the most frequent target tokens only (default: the full vocabulary)",
+    )
     p.add_argument("--dtype", default="float32", help="serving dtype for data generation and the report")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--data-cache", default=None,
-                   help="file that keeps the recorded target states; reused when target/data/settings match")
+    p.add_argument(
+        "--data-cache",
+        default=None,
+        help="file that keeps the recorded target states; reused when target/data/settings match",
+    )
     p.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance report")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -245,7 +295,7 @@ def train_eagle(args: argparse.Namespace) -> dict:
         n_eval = args.num_eval if args.num_eval is not None else max(1, len(items) // 10)
         if n_eval >= len(items):
             raise ValueError(f"--num-eval {n_eval} leaves no training items out of {len(items)}")
-        train_items, eval_items = items[:len(items) - n_eval], items[len(items) - n_eval:]
+        train_items, eval_items = items[: len(items) - n_eval], items[len(items) - n_eval :]
 
     hf_config = AutoConfig.from_pretrained(args.target)
     text_cfg = getattr(hf_config, "text_config", None) or hf_config
@@ -254,8 +304,9 @@ def train_eagle(args: argparse.Namespace) -> dict:
     if args.intermediate_size:
         overrides["intermediate_size"] = args.intermediate_size
     if args.method == "eagle3":
-        layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
-                     else default_eagle3_layer_ids(L))
+        layer_ids = (
+            [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else default_eagle3_layer_ids(L)
+        )
         overrides["target_layer_ids"] = layer_ids
         if args.draft_vocab_size and args.draft_vocab_size < text_cfg.vocab_size:
             overrides["draft_vocab_size"] = args.draft_vocab_size
@@ -264,13 +315,23 @@ def train_eagle(args: argparse.Namespace) -> dict:
     if args.init == "mimic":
         if args.method != "eagle":
             raise ValueError("--init mimic is for --method eagle")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
 
     # 1. the target's own continuations and states
     t0 = time.time()
-    key = {"target": os.path.abspath(args.target), "method": args.method, "layer_ids": layer_ids,
-           "gen_len": args.gen_len, "ignore_eos": args.ignore_eos, "items": train_items, "dtype": args.dtype}
+    key = {
+        "target": os.path.abspath(args.target),
+        "method": args.method,
+        "layer_ids": layer_ids,
+        "gen_len": args.gen_len,
+        "ignore_eos": args.ignore_eos,
+        "items": train_items,
+        "dtype": args.dtype,
+    }
     seqs = None
     if args.data_cache and os.path.isfile(args.data_cache):
         cached = torch.load(args.data_cache, weights_only=False)
@@ -312,10 +373,16 @@ def train_eagle(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             draft.lm_head.weight.copy_(target.lm_head.weight[vocab_ids])
             draft.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids), device=device))
-    report = {"method": args.method, "target": os.path.abspath(args.target), "train_items": len(train_items),
-              "eval_items": len(eval_items), "train_sequences": len(seqs), "train_tokens": n_tokens,
-              "generation_seconds": round(gen_seconds, 1),
-              "draft_params": sum(p.numel() for p in draft.parameters())}
+    report = {
+        "method": args.method,
+        "target": os.path.abspath(args.target),
+        "train_items": len(train_items),
+        "eval_items": len(eval_items),
+        "train_sequences": len(seqs),
+        "train_tokens": n_tokens,
+        "generation_seconds": round(gen_seconds, 1),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+    }
     with tempfile.TemporaryDirectory(prefix="vlserve-eagle-untrained-") as untrained_dir:
         save_eagle_draft(draft, untrained_dir)  # the starting point: the report's untrained baseline
         report["train"] = train_head(draft, target.lm_head, seqs, args, device, vocab_ids)
@@ -327,8 +394,13 @@ def train_eagle(args: argparse.Namespace) -> dict:
             untrained = acceptance(args.target, untrained_dir, args.method, eval_items, args.k, args.gen_len, args)
             trained = acceptance(args.target, args.out, args.method, eval_items, args.k, args.gen_len, args)
             same = trained.pop("tokens") == untrained.pop("tokens")
-            report["eval"] = {"k": args.k, "init": args.init, "trained": trained, "untrained": untrained,
-                              "identical_outputs": same}
+            report["eval"] = {
+                "k": args.k,
+                "init": args.init,
+                "trained": trained,
+                "untrained": untrained,
+                "identical_outputs": same,
+            }
     with open(os.path.join(args.out, "train_report.json"), "w") as f:
         json.dump(report, f, indent=2)
     return report
@@ -346,18 +418,22 @@ def _frequent_tokens(seqs: list[Sequence], lm_head, n: int, device) -> torch.Ten
 
 
 def format_report(r: dict) -> str:
-    lines = [f"EAGLE head ({r['method']}) trained on {r['train_sequences']} sequences / {r['train_tokens']} tokens "
-             f"in {r['train']['steps']} steps ({r['train']['seconds']} s; data generation "
-             f"{r['generation_seconds']} s); final loss {r['train'].get('final_loss')}, "
-             f"top-1 {r['train'].get('final_top1')}"]
+    lines = [
+        f"EAGLE head ({r['method']}) trained on {r['train_sequences']} sequences / {r['train_tokens']} tokens "
+        f"in {r['train']['steps']} steps ({r['train']['seconds']} s; data generation "
+        f"{r['generation_seconds']} s); final loss {r['train'].get('final_loss')}, "
+        f"top-1 {r['train'].get('final_top1')}"
+    ]
     ev = r.get("eval")
     if ev:
         lines.append(f"held-out acceptance ({r['eval_items']} items, k={ev['k']}, greedy):")
         for name in ("untrained", "trained"):
             e = ev[name]
-            lines.append(f"  {name:9s}: acceptance rate {e['acceptance_rate']:.3f}, mean accepted length "
-                         f"{e['mean_accepted_length']:.2f} ({e['accepted_tokens']}/{e['draft_tokens']} drafts "
-                         f"accepted over {e['verify_steps']} steps)")
+            lines.append(
+                f"  {name:9s}: acceptance rate {e['acceptance_rate']:.3f}, mean accepted length "
+                f"{e['mean_accepted_length']:.2f} ({e['accepted_tokens']}/{e['draft_tokens']} drafts "
+                f"accepted over {e['verify_steps']} steps)"
+            )
         lines.append(f"  outputs identical with both heads: {ev['identical_outputs']}")
     return "\n".join(lines)
 

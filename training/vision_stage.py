@@ -9,6 +9,7 @@ there in minutes:
     direction (the Conv3d sees both frames of a pair, so the leading and trailing edges are visible).
 The probe heads are discarded afterwards, except the cell probe, which stage 2 keeps using (training.targets).
 """
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,7 @@ def _silhouette(shapes, w: int, h: int, gw: int, gh: int, patch: int = 14, super
         if s.kind == "circle":
             draw.ellipse([(cx - s.r) * sx, (cy - s.r) * sy, (cx + s.r) * sx, (cy + s.r) * sy], fill=255)
         else:
-            draw.polygon([(x * sx, y * sy) for x, y in world._shape_polygon(s.kind, cx, cy, s.r, s.rotation)],
-                         fill=255)
+            draw.polygon([(x * sx, y * sy) for x, y in world._shape_polygon(s.kind, cx, cy, s.r, s.rotation)], fill=255)
     return np.asarray(img.resize((gw * SUB, gh * SUB), Image.BOX), np.float32) / 255.0
 
 
@@ -49,8 +49,10 @@ def patch_silhouettes(scene, grid_thw, merge: int = 2) -> np.ndarray:
         last = scene.num_frames - 1
         groups = []
         for g in range(t):  # frames 2g and 2g+1 (the processor repeats the last frame when the count is odd)
-            a = [_silhouette([(scene.shape, scene.centers[min(f, last)])], scene.width, scene.height, gw, gh)
-                 for f in (2 * g, 2 * g + 1)]
+            a = [
+                _silhouette([(scene.shape, scene.centers[min(f, last)])], scene.width, scene.height, gw, gh)
+                for f in (2 * g, 2 * g + 1)
+            ]
             groups.append((a[0] + a[1]) / 2)
     else:
         groups = [_silhouette([(s, (s.cx, s.cy)) for s in scene.shapes], scene.width, scene.height, gw, gh)]
@@ -77,8 +79,14 @@ def vision_batch(rng: random.Random, processor, batch_size: int, video_prob: flo
         pixels, grid = out["pixel_values"], out["image_grid_thw"]
         labels = batch_targets(scenes, grid, None)
     masks = np.concatenate([patch_silhouettes(s, g) for s, g in zip(scenes, grid.tolist())])
-    return {"pixel_values": pixels, "grid_thw": grid, "kind": labels["aux_kind"], "color": labels["aux_color"],
-            "motion": labels["aux_motion"], "silhouette": torch.from_numpy(masks)}
+    return {
+        "pixel_values": pixels,
+        "grid_thw": grid,
+        "kind": labels["aux_kind"],
+        "color": labels["aux_color"],
+        "motion": labels["aux_motion"],
+        "silhouette": torch.from_numpy(masks),
+    }
 
 
 class _Stream:
@@ -95,9 +103,19 @@ class _Stream:
             yield vision_batch(rng, processor, batch_size, video_prob)
 
 
-def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 32, lr: float = 1e-3,
-                    seed: int = 0, video_prob: float = 0.35, workers: int = 1, minutes: float | None = None,
-                    log_every: int = 50) -> dict:
+def pretrain_vision(
+    model,
+    processor,
+    cell_probe,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    video_prob: float = 0.35,
+    workers: int = 1,
+    minutes: float | None = None,
+    log_every: int = 50,
+) -> dict:
     """Train model's vision tower (and cell_probe, a Linear(hidden, NUM_CELL_OUTPUTS)) for `steps` steps; the
     silhouette head is thrown away. Returns {"steps", "seconds", "history"}."""
     import torch
@@ -140,8 +158,9 @@ def pretrain_vision(model, processor, cell_probe, steps: int, batch_size: int = 
             ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
         bar.set_postfix(kind_acc=f"{ema['kind_acc']:.3f}", loss=f"{loss.item():.3f}")
         if (step + 1) % log_every == 0:
-            history.append({"step": step + 1, "seconds": round(time.time() - start, 1),
-                            **{k: round(v, 4) for k, v in ema.items()}})
+            history.append(
+                {"step": step + 1, "seconds": round(time.time() - start, 1), **{k: round(v, 4) for k, v in ema.items()}}
+            )
             tqdm.write(f"vision step {step + 1} " + " ".join(f"{k} {v:.3f}" for k, v in ema.items()))
         if minutes is not None and time.time() - start > 60 * minutes:
             tqdm.write(f"vision stage: time budget of {minutes} min reached after {step + 1} steps")

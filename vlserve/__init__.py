@@ -1,12 +1,25 @@
 """vlserve: a paged-KV, continuous-batching serving engine for vision/audio-language models."""
+
 from vlserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from vlserve.outputs import CompletionOutput, Logprob, RequestOutput
 from vlserve.sampling_params import SamplingParams
 from vlserve.structured_output.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "Logprob", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "LoRARequest",
+    "__version__",
+]
 
 
 def __getattr__(name):

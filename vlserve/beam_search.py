@@ -8,6 +8,7 @@ Finished beams (EOS, unless `ignore_eos`) are kept aside; at the end the finishe
 vLLM's length-penalised score, `cum_logprob / len(tokens) ** length_penalty` (prompt tokens counted, a final EOS
 not), and the best beam_width returned, best first.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,8 +36,10 @@ class BeamSearchParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.temperature != 0.0:
-            raise ValueError(f"beam search ranks beams by their logprobs and samples nothing: temperature must be "
-                             f"0, got {self.temperature}")
+            raise ValueError(
+                f"beam search ranks beams by their logprobs and samples nothing: temperature must be "
+                f"0, got {self.temperature}"
+            )
 
 
 @dataclass
@@ -51,7 +54,7 @@ class BeamSearchSequence:
 
     @property
     def output_tokens(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -64,7 +67,7 @@ class BeamSearchOutput:
 def beam_score(beam: BeamSearchSequence, eos_token_ids: tuple[int, ...], length_penalty: float) -> float:
     """vLLM's ranking score: cum_logprob / (tokens, a final EOS not counted) ** length_penalty."""
     n = len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos_token_ids else 0)
-    return beam.cum_logprob / (n ** length_penalty)
+    return beam.cum_logprob / (n**length_penalty)
 
 
 @dataclass
@@ -83,14 +86,16 @@ class BeamSearch:
         self.live = [BeamSearchSequence(list(self.prompt_token_ids), 0.0, n)]
 
     def step_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width,
-                              ignore_eos=True)
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width, ignore_eos=True)
 
     @property
     def done(self) -> bool:
         p = self.params
-        return (not self.live or self.num_steps >= p.max_tokens
-                or (p.early_stopping and len(self.completed) >= p.beam_width))
+        return (
+            not self.live
+            or self.num_steps >= p.max_tokens
+            or (p.early_stopping and len(self.completed) >= p.beam_width)
+        )
 
     def advance(self, top_logprobs: list[dict[int, float]]) -> None:
         """One step: `top_logprobs[i]` maps token id -> logprob for live beam i (its top 2 x beam_width)."""
@@ -112,6 +117,7 @@ class BeamSearch:
     def best(self) -> list[BeamSearchSequence]:
         """The finished and live beams ranked by `beam_score`, the best beam_width of them."""
         p = self.params
-        ranked = sorted(self.completed + self.live, key=lambda b: beam_score(b, self.eos_token_ids, p.length_penalty),
-                        reverse=True)
+        ranked = sorted(
+            self.completed + self.live, key=lambda b: beam_score(b, self.eos_token_ids, p.length_penalty), reverse=True
+        )
         return ranked[: p.beam_width]

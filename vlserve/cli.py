@@ -2,6 +2,7 @@
 
 Flag names follow vLLM's (`--max-model-len`, `--limit-mm-per-prompt '{"image":4}'`, `--api-key`, ...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,178 +46,359 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     front = p.add_argument_group("Frontend", "the HTTP server (the API process)")
     front.add_argument("--host", default="127.0.0.1", help="address to listen on")
     front.add_argument("--port", type=int, default=8000, help="port to listen on")
-    front.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: no key needed)")
-    front.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
-                       help="message content the chat template takes: one string, or a list of parts "
-                            "(default: auto, detected from the template)")
-    front.add_argument("--trust-request-chat-template", action="store_true",
-                       help="honour chat templates sent in requests (chat_template, chat_template_kwargs); they run "
-                            "client-written Jinja in the server, so only for trusted clients (default: refused)")
-    front.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser '
-                            "(default: off)")
-    front.add_argument("--tool-call-parser", default=None,
-                       help="how tool calls are read out of the model's text (hermes: <tool_call>{...}</tool_call>) "
-                            "(default: none)")
-    front.add_argument("--max-request-body-bytes", type=int, default=None,
-                       help="largest request body accepted, in bytes; larger ones get 413 (default: 64 MiB)")
-    front.add_argument("--mm-preprocess-workers", type=int, default=4,
-                       help="threads in the API process that tokenize prompts, decode and resize media and run the "
-                            "HF processor, off the event loop")
-    front.add_argument("--disable-playground", action="store_true",
-                       help="do not serve the playground page at / and /playground (default: served)")
-    front.add_argument("--no-engine-process", dest="engine_process", action="store_false",
-                       help="run the engine core in a thread of the API process (default: in its own process)")
-    front.add_argument("--engine-process", dest="engine_process", action="store_true",
-                       help="run the engine core in its own process (the default; `make serve` of the demo model "
-                            "turns it off)")
-    front.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="log level of both processes")
+    front.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: no key needed)"
+    )
+    front.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="message content the chat template takes: one string, or a list of parts "
+        "(default: auto, detected from the template)",
+    )
+    front.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="honour chat templates sent in requests (chat_template, chat_template_kwargs); they run "
+        "client-written Jinja in the server, so only for trusted clients (default: refused)",
+    )
+    front.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser (default: off)',
+    )
+    front.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read out of the model's text (hermes: <tool_call>{...}</tool_call>) (default: none)",
+    )
+    front.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted, in bytes; larger ones get 413 (default: 64 MiB)",
+    )
+    front.add_argument(
+        "--mm-preprocess-workers",
+        type=int,
+        default=4,
+        help="threads in the API process that tokenize prompts, decode and resize media and run the "
+        "HF processor, off the event loop",
+    )
+    front.add_argument(
+        "--disable-playground",
+        action="store_true",
+        help="do not serve the playground page at / and /playground (default: served)",
+    )
+    front.add_argument(
+        "--no-engine-process",
+        dest="engine_process",
+        action="store_false",
+        help="run the engine core in a thread of the API process (default: in its own process)",
+    )
+    front.add_argument(
+        "--engine-process",
+        dest="engine_process",
+        action="store_true",
+        help="run the engine core in its own process (the default; `make serve` of the demo model turns it off)",
+    )
+    front.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of both processes",
+    )
 
     model = p.add_argument_group("ModelConfig", "the checkpoint and how it is loaded")
-    model.add_argument("model", nargs="?", default=None,
-                       help="local checkpoint directory, or vlserve-demo / vlserve-demo-audio (default: the "
-                            "embedded demo model, vlserve-demo)")
-    model.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
-                       help="same as the positional MODEL (default: the positional one)")
-    model.add_argument("--served-model-name", nargs="+", default=None,
-                       help="name(s) clients use in 'model'; the first is reported (default: the MODEL argument)")
+    model.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local checkpoint directory, or vlserve-demo / vlserve-demo-audio (default: the "
+        "embedded demo model, vlserve-demo)",
+    )
+    model.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        default=None,
+        help="same as the positional MODEL (default: the positional one)",
+    )
+    model.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: the MODEL argument)",
+    )
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL's own)")
-    model.add_argument("--dtype", default="auto",
-                       choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"],
-                       help="weight and activation dtype (default: auto, the checkpoint's dtype)")
-    model.add_argument("--quantization", "-q", default=None,
-                       choices=["compressed-tensors", "gptq", "awq"],
-                       help="the checkpoint's quantization method; it must match quantization_config in its "
-                            "config.json, which is read either way (default: from the checkpoint)")
-    model.add_argument("--max-model-len", type=int, default=None,
-                       help="longest sequence, prompt plus completion, in tokens (default: the model's "
-                            "max_position_embeddings)")
-    model.add_argument("--seed", type=int, default=0,
-                       help="torch's global seed (sampling of requests without a seed of their own)")
-    model.add_argument("--allowed-local-media-path", default=None,
-                       help="directory that file:// media URLs may read from (default: file:// disabled)")
-    model.add_argument("--allowed-media-domains", nargs="+", default=None,
-                       help="hosts that http(s) media URLs may come from, space- or comma-separated (default: any)")
-    model.add_argument("--enforce-eager", action="store_true",
-                       help="no torch.compile and no CUDA graphs, whatever -O says (default: off)")
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"],
+        help="weight and activation dtype (default: auto, the checkpoint's dtype)",
+    )
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["compressed-tensors", "gptq", "awq"],
+        help="the checkpoint's quantization method; it must match quantization_config in its "
+        "config.json, which is read either way (default: from the checkpoint)",
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence, prompt plus completion, in tokens (default: the model's max_position_embeddings)",
+    )
+    model.add_argument(
+        "--seed", type=int, default=0, help="torch's global seed (sampling of requests without a seed of their own)"
+    )
+    model.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="directory that file:// media URLs may read from (default: file:// disabled)",
+    )
+    model.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="hosts that http(s) media URLs may come from, space- or comma-separated (default: any)",
+    )
+    model.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no torch.compile and no CUDA graphs, whatever -O says (default: off)",
+    )
 
     device = p.add_argument_group("DeviceConfig")
-    device.add_argument("--device", default="auto",
-                        help="cpu, cuda or cuda:N (default: auto, CUDA when torch sees a GPU, else the CPU)")
+    device.add_argument(
+        "--device", default="auto", help="cpu, cuda or cuda:N (default: auto, CUDA when torch sees a GPU, else the CPU)"
+    )
 
     mm = p.add_argument_group("MultiModalConfig", "images, videos and audio")
-    mm.add_argument("--limit-mm-per-prompt", type=_json_dict, default=None,
-                    help='per-prompt media caps, e.g. \'{"image":4,"video":1}\' (default: no cap)')
-    mm.add_argument("--mm-processor-kwargs", type=_json_dict, default=None,
-                    help='HF processor kwargs for every media item, e.g. \'{"max_pixels":200704}\'; '
-                         '\'{"use_fast":false}\' loads the slow (PIL) image processor (default: none; the fast '
-                         'image processor where transformers has one)')
-    mm.add_argument("--max-audio-seconds", type=float, default=None,
-                    help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
-                         "window, 30 s for Whisper's)")
-    mm.add_argument("--mm-encoder-only", action="store_true",
-                    help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
-                         "and run, no KV cache; each request's media items are encoded and published through "
-                         "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
-                         "with no tokens (finish_reason \"length\")")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_dict,
+        default=None,
+        help='per-prompt media caps, e.g. \'{"image":4,"video":1}\' (default: no cap)',
+    )
+    mm.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_dict,
+        default=None,
+        help="HF processor kwargs for every media item, e.g. '{\"max_pixels\":200704}'; "
+        "'{\"use_fast\":false}' loads the slow (PIL) image processor (default: none; the fast "
+        "image processor where transformers has one)",
+    )
+    mm.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=None,
+        help="longest audio clip accepted (default and upper bound: the model's feature-extractor "
+        "window, 30 s for Whisper's)",
+    )
+    mm.add_argument(
+        "--mm-encoder-only",
+        action="store_true",
+        help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
+        "and run, no KV cache; each request's media items are encoded and published through "
+        "--ec-transfer-config (ec_role ec_producer, which alone also turns this on) and it ends "
+        'with no tokens (finish_reason "length")',
+    )
 
     cache = p.add_argument_group("CacheConfig", "the paged KV cache")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    cache.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                       help="KV cache size in bytes; on CPU $VLSERVE_CPU_KVCACHE_SPACE (GiB) sets it too (default: "
-                            "max-num-seqs x max-model-len tokens' worth, capped by 25%% of free memory less a "
-                            "profiled forward; the start-up log says what was reserved and why)")
-    cache.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="KV cache size in blocks; wins over --kv-cache-memory-bytes (default: sized in bytes)")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                       help="KV cache dtype: auto = the model's dtype; fp8 / fp8_e4m3 = float8_e4m3fn, half of bf16's "
-                            "memory, scaled per layer by the checkpoint's k_scale / v_scale, else 1.0 (default: auto)")
-    cache.add_argument("--kv-offloading-size", type=float, default=None,
-                       help="GiB of host memory for a KV tier below the device pool: full blocks are offloaded "
-                            "there (LRU) and loaded back on a prefix hit instead of recomputed (default: off)")
-    cache.add_argument("--kv-offloading-dir", default=None,
-                       help="a directory for a disk KV tier under the host one (one file per block; it outlives "
-                            "the server, and another server of the same model can read it) (default: off)")
-    cache.add_argument("--kv-offloading-dir-size", type=float, default=None, metavar="GIB",
-                       help="cap of the disk KV tier in GiB: the least recently used block files are deleted to "
-                            "stay under it (default: no cap)")
-    cache.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="turn prefix caching off (default: on)")
+    cache.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes; on CPU $VLSERVE_CPU_KVCACHE_SPACE (GiB) sets it too (default: "
+        "max-num-seqs x max-model-len tokens' worth, capped by 25%% of free memory less a "
+        "profiled forward; the start-up log says what was reserved and why)",
+    )
+    cache.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks; wins over --kv-cache-memory-bytes (default: sized in bytes)",
+    )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="KV cache dtype: auto = the model's dtype; fp8 / fp8_e4m3 = float8_e4m3fn, half of bf16's "
+        "memory, scaled per layer by the checkpoint's k_scale / v_scale, else 1.0 (default: auto)",
+    )
+    cache.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host memory for a KV tier below the device pool: full blocks are offloaded "
+        "there (LRU) and loaded back on a prefix hit instead of recomputed (default: off)",
+    )
+    cache.add_argument(
+        "--kv-offloading-dir",
+        default=None,
+        help="a directory for a disk KV tier under the host one (one file per block; it outlives "
+        "the server, and another server of the same model can read it) (default: off)",
+    )
+    cache.add_argument(
+        "--kv-offloading-dir-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="cap of the disk KV tier in GiB: the least recently used block files are deleted to "
+        "stay under it (default: no cap)",
+    )
+    cache.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn prefix caching off (default: on)",
+    )
 
     sched = p.add_argument_group("SchedulerConfig", "what each engine step runs")
     sched.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="tokens per engine step (default: max-model-len clamped to 2048..8192)")
-    sched.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="reject new requests with 503 while this many wait (default: no limit)")
-    sched.add_argument("--async-scheduling", action="store_true",
-                       help="plan the next step and process outputs while the current step runs; same outputs "
-                            "(default: off)")
-    sched.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
-                       help="media embeddings encoded per step, so a burst of images does not stall running "
-                            "streams (default: adaptive, sized in time: see --encoder-step-ms)")
-    sched.add_argument("--encoder-step-ms", type=float, default=150.0,
-                       help="with the adaptive budget, the encoder work of one step takes about the longer of one "
-                            "decode step and this many ms: more lets images share tower calls and steps (more "
-                            "throughput), less keeps running streams' inter-token latency lower (0: one decode step)")
-    sched.add_argument("--encoder-cache-size", type=int, default=None,
-                       help="media embeddings the encoder cache holds (default: max-num-batched-tokens, at "
-                            "least 8192)")
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step (default: max-model-len clamped to 2048..8192)",
+    )
+    sched.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="reject new requests with 503 while this many wait (default: no limit)",
+    )
+    sched.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan the next step and process outputs while the current step runs; same outputs (default: off)",
+    )
+    sched.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=int,
+        default=None,
+        help="media embeddings encoded per step, so a burst of images does not stall running "
+        "streams (default: adaptive, sized in time: see --encoder-step-ms)",
+    )
+    sched.add_argument(
+        "--encoder-step-ms",
+        type=float,
+        default=150.0,
+        help="with the adaptive budget, the encoder work of one step takes about the longer of one "
+        "decode step and this many ms: more lets images share tower calls and steps (more "
+        "throughput), less keeps running streams' inter-token latency lower (0: one decode step)",
+    )
+    sched.add_argument(
+        "--encoder-cache-size",
+        type=int,
+        default=None,
+        help="media embeddings the encoder cache holds (default: max-num-batched-tokens, at least 8192)",
+    )
 
     par = p.add_argument_group("ParallelConfig", "processes and ranks")
-    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="engine processes (replicas, each with its own KV and encoder cache) behind this server; "
-                          "requests go by media / prompt-prefix affinity, then load")
-    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                     help="ranks (worker processes, one device each; gloo on CPU, NCCL on CUDA) the model is "
-                          "sharded over")
-    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                     help="pipeline stages the decoder layers are split over, evenly or as "
-                          "$VLSERVE_PP_LAYER_PARTITION says (e.g. '10,14'); each stage is --tensor-parallel-size "
-                          "ranks (processes or Ray actors)")
-    par.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
-                     help="what starts the ranks: mp (multiprocessing) or ray (Ray actors on the cluster at "
-                          "RAY_ADDRESS, or a local one) (default: mp above one rank)")
+    par.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine processes (replicas, each with its own KV and encoder cache) behind this server; "
+        "requests go by media / prompt-prefix affinity, then load",
+    )
+    par.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks (worker processes, one device each; gloo on CPU, NCCL on CUDA) the model is sharded over",
+    )
+    par.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages the decoder layers are split over, evenly or as "
+        "$VLSERVE_PP_LAYER_PARTITION says (e.g. '10,14'); each stage is --tensor-parallel-size "
+        "ranks (processes or Ray actors)",
+    )
+    par.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default=None,
+        help="what starts the ranks: mp (multiprocessing) or ray (Ray actors on the cluster at "
+        "RAY_ADDRESS, or a local one) (default: mp above one rank)",
+    )
 
     kvt = p.add_argument_group("KVTransferConfig", "KV connectors (disaggregated serving, KV offloading)")
-    kvt.add_argument("--kv-transfer-config", type=_json_dict, default=None,
-                     help='JSON, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
-                          '"kv_connector_extra_config": {"cpu_bytes_to_use": 4e9, "disk_dir": "/tmp/kv"}}\' '
-                          '(kv_role: kv_producer | kv_consumer | kv_both) (default: none)')
+    kvt.add_argument(
+        "--kv-transfer-config",
+        type=_json_dict,
+        default=None,
+        help='JSON, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"cpu_bytes_to_use": 4e9, "disk_dir": "/tmp/kv"}}\' '
+        "(kv_role: kv_producer | kv_consumer | kv_both) (default: none)",
+    )
 
-    kvt.add_argument("--ec-transfer-config", type=_json_dict, default=None,
-                     help='JSON, as vLLM: \'{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
-                          '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}\' (ec_role: ec_producer | '
-                          'ec_consumer | ec_both): encoder outputs through a shared directory (default: none)')
+    kvt.add_argument(
+        "--ec-transfer-config",
+        type=_json_dict,
+        default=None,
+        help='JSON, as vLLM: \'{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
+        '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}\' (ec_role: ec_producer | '
+        "ec_consumer | ec_both): encoder outputs through a shared directory (default: none)",
+    )
 
     spec = p.add_argument_group("SpeculativeConfig")
-    spec.add_argument("--speculative-config", type=_json_dict, default=None,
-                      help='JSON, e.g. \'{"method": "eagle", "num_speculative_tokens": 4}\' (on the demo model, its '
-                           'own EAGLE head) or \'{"method": "ngram", "num_speculative_tokens": 3}\' (default: none)')
+    spec.add_argument(
+        "--speculative-config",
+        type=_json_dict,
+        default=None,
+        help='JSON, e.g. \'{"method": "eagle", "num_speculative_tokens": 4}\' (on the demo model, its '
+        'own EAGLE head) or \'{"method": "ngram", "num_speculative_tokens": 3}\' (default: none)',
+    )
 
     structured = p.add_argument_group("StructuredOutputsConfig")
-    structured.add_argument("--structured-outputs-config", type=_json_dict, default=None,
-                            help='JSON: {"backend": "xgrammar" | "guidance", "disable_any_whitespace": false} '
-                                 '(default: xgrammar, JSON with any whitespace)')
+    structured.add_argument(
+        "--structured-outputs-config",
+        type=_json_dict,
+        default=None,
+        help='JSON: {"backend": "xgrammar" | "guidance", "disable_any_whitespace": false} '
+        "(default: xgrammar, JSON with any whitespace)",
+    )
 
     lora = p.add_argument_group("LoRAConfig", "PEFT LoRA adapters served next to the base model")
-    lora.add_argument("--enable-lora", action="store_true",
-                      help="serve LoRA adapters (a request picks one by model name; LoRA engines run eager)")
-    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                      help="adapters to serve: NAME=PATH of a PEFT adapter directory, one or more "
-                           "(default: none; VLSERVE_ALLOW_RUNTIME_LORA_UPDATING=1 allows loading more at runtime)")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (a request picks one by model name; LoRA engines run eager)",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters to serve: NAME=PATH of a PEFT adapter directory, one or more "
+        "(default: none; VLSERVE_ALLOW_RUNTIME_LORA_UPDATING=1 allows loading more at runtime)",
+    )
     lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one engine step")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
-    lora.add_argument("--max-cpu-loras", type=int, default=None,
-                      help="parsed adapters kept in host memory (default: --max-loras)")
+    lora.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="parsed adapters kept in host memory (default: --max-loras)"
+    )
 
     comp = p.add_argument_group("CompilationConfig")
-    comp.add_argument("-O", "--compilation-config", dest="compilation_config", default=None,
-                      help="compilation level 0..3 (-O0 eager, -O1 torch.compile, -O2 + CUDA graphs, -O3 + "
-                           "autotuning) or a JSON object, e.g. '{\"level\":2,\"cudagraph_capture_sizes\":[1,2,4]}' "
-                           "(default: 0 on CPU, 2 on CUDA)")
+    comp.add_argument(
+        "-O",
+        "--compilation-config",
+        dest="compilation_config",
+        default=None,
+        help="compilation level 0..3 (-O0 eager, -O1 torch.compile, -O2 + CUDA graphs, -O3 + "
+        'autotuning) or a JSON object, e.g. \'{"level":2,"cudagraph_capture_sizes":[1,2,4]}\' '
+        "(default: 0 on CPU, 2 on CUDA)",
+    )
 
 
 def serve_config_from_args(args: argparse.Namespace):
@@ -227,35 +409,65 @@ def serve_config_from_args(args: argparse.Namespace):
 
     names = args.served_model_name
     engine_args = EngineArgs(
-        model=args.model_flag or args.model, tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
+        model=args.model_flag or args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_kv_blocks=args.num_kv_blocks,
         kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, device=args.device,
-        limit_mm_per_prompt=args.limit_mm_per_prompt or {}, mm_processor_kwargs=args.mm_processor_kwargs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        device=args.device,
+        limit_mm_per_prompt=args.limit_mm_per_prompt or {},
+        mm_processor_kwargs=args.mm_processor_kwargs,
         mm_preprocess_workers=args.mm_preprocess_workers,
-        encoder_cache_size=args.encoder_cache_size, max_waiting_requests=args.max_waiting_requests,
-        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens, encoder_step_ms=args.encoder_step_ms,
-        speculative_config=args.speculative_config, structured_outputs_config=args.structured_outputs_config,
+        encoder_cache_size=args.encoder_cache_size,
+        max_waiting_requests=args.max_waiting_requests,
+        max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
+        encoder_step_ms=args.encoder_step_ms,
+        speculative_config=args.speculative_config,
+        structured_outputs_config=args.structured_outputs_config,
         served_model_name=names[0] if names else None,
-        chat_template_content_format=args.chat_template_content_format, max_audio_seconds=args.max_audio_seconds,
-        async_scheduling=args.async_scheduling, compilation_config=args.compilation_config,
-        enforce_eager=args.enforce_eager, data_parallel_size=args.data_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        chat_template_content_format=args.chat_template_content_format,
+        max_audio_seconds=args.max_audio_seconds,
+        async_scheduling=args.async_scheduling,
+        compilation_config=args.compilation_config,
+        enforce_eager=args.enforce_eager,
+        data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_modules=args.lora_modules,
-        kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
-        kv_offloading_dir=args.kv_offloading_dir, kv_offloading_dir_size=args.kv_offloading_dir_size,
-        ec_transfer_config=args.ec_transfer_config, mm_encoder_only=args.mm_encoder_only)
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=args.lora_modules,
+        kv_transfer_config=args.kv_transfer_config,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_dir=args.kv_offloading_dir,
+        kv_offloading_dir_size=args.kv_offloading_dir_size,
+        ec_transfer_config=args.ec_transfer_config,
+        mm_encoder_only=args.mm_encoder_only,
+    )
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
-    config = ServerConfig(served_model_names=names, api_key=args.api_key,
-                          trust_request_chat_template=args.trust_request_chat_template, **body_cap,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                          playground=not args.disable_playground,
-                          media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
-                                            allowed_media_domains=_split_domains(args.allowed_media_domains)))
+    config = ServerConfig(
+        served_model_names=names,
+        api_key=args.api_key,
+        trust_request_chat_template=args.trust_request_chat_template,
+        **body_cap,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        playground=not args.disable_playground,
+        media=MediaConfig(
+            allowed_local_media_path=args.allowed_local_media_path,
+            allowed_media_domains=_split_domains(args.allowed_media_domains),
+        ),
+    )
     return engine_args, config
 
 
@@ -269,19 +481,29 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `vlserve` argument parser (serve flags; bench subcommands parse their own)."""
-    parser = argparse.ArgumentParser(prog="vlserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="vlserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_args(sub.add_parser("serve", help="run the OpenAI-compatible server", description=SERVE_DESCRIPTION,
-                                  formatter_class=_HelpFormatter))
+    add_serve_args(
+        sub.add_parser(
+            "serve",
+            help="run the OpenAI-compatible server",
+            description=SERVE_DESCRIPTION,
+            formatter_class=_HelpFormatter,
+        )
+    )
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench.add_parser("throughput", help="offline throughput (see --help)", add_help=False)
     bench.add_parser("serve", help="load-test a running server over the OpenAI API", add_help=False)
     bench.add_parser("mm-cache", help="repeated images: encoder cache on vs off", add_help=False)
     bench.add_parser("spec-decode", help="speculative vs plain decoding", add_help=False)
     bench.add_parser("spec-demo", help="speculative vs plain decoding on the demo model's task", add_help=False)
-    sub.add_parser("proxy", help="disaggregated serving proxy (encode, prefill, decode) in front of vlserve servers (see --help)",
-                   add_help=False)
+    sub.add_parser(
+        "proxy",
+        help="disaggregated serving proxy (encode, prefill, decode) in front of vlserve servers (see --help)",
+        add_help=False,
+    )
     return parser
 
 
@@ -333,10 +555,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _explain(e: Exception, args: argparse.Namespace) -> str:
-    if isinstance(e, ModuleNotFoundError) or (args.model is None and args.model_flag is None
-                                              and "demo" in str(e).lower()):
-        return ("no MODEL given and the embedded demo model is not available in this install; pass a local "
-                f"checkpoint directory: vlserve serve /path/to/model ({e})")
+    if isinstance(e, ModuleNotFoundError) or (
+        args.model is None and args.model_flag is None and "demo" in str(e).lower()
+    ):
+        return (
+            "no MODEL given and the embedded demo model is not available in this install; pass a local "
+            f"checkpoint directory: vlserve serve /path/to/model ({e})"
+        )
     return str(e)
 
 

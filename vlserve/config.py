@@ -1,4 +1,5 @@
 """Engine configuration: the user's knobs (EngineArgs) resolved against the checkpoint (VlserveConfig)."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,7 @@ class SchedulerConfig:
     encoder_stage_counts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "encoder_compute_budget"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "encoder_compute_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
@@ -88,20 +88,24 @@ class CompilationConfig:
     inductor_compile_config: dict | None = None
 
     def __post_init__(self) -> None:
-        if self.level is not None and (isinstance(self.level, bool) or not isinstance(self.level, int)
-                                       or not 0 <= self.level <= 3):
+        if self.level is not None and (
+            isinstance(self.level, bool) or not isinstance(self.level, int) or not 0 <= self.level <= 3
+        ):
             raise ValueError(f"compilation_config level must be an integer 0..3, got {shorten(self.level)}")
         if self.cudagraph_capture_sizes is not None:
             sizes = self.cudagraph_capture_sizes
             if not isinstance(sizes, (list, tuple)) or not all(
-                    isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+                isinstance(n, int) and not isinstance(n, bool) for n in sizes
+            ):
                 raise ValueError(f"cudagraph_capture_sizes must be a list of integers, got {shorten(sizes)}")
             if any(n < 1 for n in sizes):
                 raise ValueError(f"cudagraph_capture_sizes must all be >= 1, got {shorten(sizes)}")
             self.cudagraph_capture_sizes = sorted(set(sizes))
         if self.inductor_compile_config is not None and not isinstance(self.inductor_compile_config, dict):
-            raise ValueError(f"inductor_compile_config must be a JSON object of inductor options, "
-                             f"got {shorten(self.inductor_compile_config)}")
+            raise ValueError(
+                f"inductor_compile_config must be a JSON object of inductor options, "
+                f"got {shorten(self.inductor_compile_config)}"
+            )
 
     @classmethod
     def from_value(cls, value: int | str | dict | CompilationConfig | None) -> CompilationConfig:
@@ -117,16 +121,19 @@ class CompilationConfig:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError:
-                raise ValueError(f"compilation_config must be a level 0..3 or a JSON object, "
-                                 f"got {shorten(value)}") from None
+                raise ValueError(
+                    f"compilation_config must be a level 0..3 or a JSON object, got {shorten(value)}"
+                ) from None
         if isinstance(value, int) and not isinstance(value, bool):
             return cls(level=value)
         if not isinstance(value, dict):
             raise ValueError(f"compilation_config must be an int level or a dict, got {shorten(value)}")
         unknown = sorted(set(value) - {"level", "cudagraph_capture_sizes", "cache_dir", "inductor_compile_config"})
         if unknown:
-            raise ValueError(f"compilation_config has unknown keys {shorten(unknown)}; "
-                             f"expected level, cudagraph_capture_sizes, cache_dir, inductor_compile_config")
+            raise ValueError(
+                f"compilation_config has unknown keys {shorten(unknown)}; "
+                f"expected level, cudagraph_capture_sizes, cache_dir, inductor_compile_config"
+            )
         return cls(**value)
 
     def inductor_options(self, device_type: str) -> dict:
@@ -214,11 +221,14 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
-            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', "
-                             f"got {shorten(self.distributed_executor_backend)}")
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp' or 'ray', got {shorten(self.distributed_executor_backend)}"
+            )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size x "
-                             f"pipeline_parallel_size is {self.world_size}: use 'mp' or 'ray'")
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size x "
+                f"pipeline_parallel_size is {self.world_size}: use 'mp' or 'ray'"
+            )
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
@@ -227,8 +237,9 @@ class EngineArgs:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"):
             raise ValueError(f"dtype must be one of auto/float32/bfloat16/float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {shorten(self.kv_cache_dtype)}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {shorten(self.kv_cache_dtype)}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -247,8 +258,10 @@ class EngineArgs:
         if not isinstance(use_fast, bool):
             raise ValueError(f"mm_processor_kwargs.use_fast must be true or false, got {shorten(use_fast)}")
         if self.chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be auto/string/openai, "
-                             f"got {shorten(self.chat_template_content_format)}")
+            raise ValueError(
+                f"chat_template_content_format must be auto/string/openai, "
+                f"got {shorten(self.chat_template_content_format)}"
+            )
         if self.max_audio_seconds is not None and not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
         if self.model is not None:
@@ -269,8 +282,9 @@ class EngineArgs:
             return
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0):
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {shorten(size)}")
-        if dir_size is not None and (isinstance(dir_size, bool) or not isinstance(dir_size, (int, float))
-                                     or not dir_size > 0):
+        if dir_size is not None and (
+            isinstance(dir_size, bool) or not isinstance(dir_size, (int, float)) or not dir_size > 0
+        ):
             raise ValueError(f"kv_offloading_dir_size must be a number of GiB > 0, got {shorten(dir_size)}")
         extra = {} if size is None and path is None else {"cpu_bytes_to_use": int((size or 0) * (1 << 30))}
         if path is not None:
@@ -281,8 +295,10 @@ class EngineArgs:
         if cfg is None:
             self.kv_transfer_config = KVTransferConfig("OffloadingConnector", "kv_both", extra)
         elif cfg.kv_connector != "OffloadingConnector":
-            raise ValueError(f"kv_offloading_size / kv_offloading_dir configure the OffloadingConnector, but "
-                             f"kv_transfer_config names {shorten(cfg.kv_connector)}")
+            raise ValueError(
+                f"kv_offloading_size / kv_offloading_dir configure the OffloadingConnector, but "
+                f"kv_transfer_config names {shorten(cfg.kv_connector)}"
+            )
         else:
             cfg.kv_connector_extra_config = {**extra, **cfg.kv_connector_extra_config}
         if "disk_dir" not in self.kv_transfer_config.kv_connector_extra_config:
@@ -294,12 +310,20 @@ class EngineArgs:
         ec = self.ec_transfer_config
         self.mm_encoder_only = bool(self.mm_encoder_only or (ec is not None and ec.ec_role == "ec_producer"))
         if self.mm_encoder_only and (ec is None or ec.ec_role != "ec_producer"):
-            raise ValueError("mm_encoder_only publishes encoder outputs: it needs ec_transfer_config with ec_role "
-                             f"\"ec_producer\" (ec_both encodes, publishes and generates), got {ec and ec.ec_role!r}")
-        bad = [name for name, on in (("kv_transfer_config", self.kv_transfer_config is not None),
-                                     ("speculative_config", self.speculative_config is not None),
-                                     ("enable_lora", self.enable_lora), ("async_scheduling", self.async_scheduling))
-               if on and self.mm_encoder_only]
+            raise ValueError(
+                "mm_encoder_only publishes encoder outputs: it needs ec_transfer_config with ec_role "
+                f'"ec_producer" (ec_both encodes, publishes and generates), got {ec and ec.ec_role!r}'
+            )
+        bad = [
+            name
+            for name, on in (
+                ("kv_transfer_config", self.kv_transfer_config is not None),
+                ("speculative_config", self.speculative_config is not None),
+                ("enable_lora", self.enable_lora),
+                ("async_scheduling", self.async_scheduling),
+            )
+            if on and self.mm_encoder_only
+        ]
         if bad:
             raise ValueError(f"mm_encoder_only (an ec_producer) generates nothing: {bad[0]} does not apply")
 
@@ -315,14 +339,19 @@ class EngineArgs:
         pp = f"pipeline_parallel_size={self.pipeline_parallel_size}"
         refused = [
             (self.data_parallel_size > 1, "with data_parallel_size > 1"),
-            (names_eagle(self.speculative_config), "with EAGLE speculative decoding (the draft head reads the "
-                                                    "target's hidden states and embeddings, which live on different "
-                                                    "stages; use method 'ngram')"),
+            (
+                names_eagle(self.speculative_config),
+                "with EAGLE speculative decoding (the draft head reads the "
+                "target's hidden states and embeddings, which live on different "
+                "stages; use method 'ngram')",
+            ),
             (self.async_scheduling, "with async_scheduling"),
             (self.enable_lora, "with LoRA"),
             (self.quantization is not None, "with a quantized checkpoint"),
-            (self.compilation_config.level not in (None, 0), "with torch.compile or CUDA graphs (the stages run "
-                                                             "eager: compilation level 0 or enforce_eager)"),
+            (
+                self.compilation_config.level not in (None, 0),
+                "with torch.compile or CUDA graphs (the stages run eager: compilation level 0 or enforce_eager)",
+            ),
         ]
         for bad, what in refused:
             if bad:
@@ -369,7 +398,7 @@ def parse_lora_modules(value) -> dict[str, str] | None:
             elif isinstance(v, dict) and "name" in v and "path" in v:
                 items.append((v["name"], v["path"]))
             else:
-                raise ValueError(f"a LoRA module must be 'name=path' or {{\"name\", \"path\"}}, got {shorten(v)}")
+                raise ValueError(f'a LoRA module must be \'name=path\' or {{"name", "path"}}, got {shorten(v)}')
     else:
         raise ValueError(f"lora_modules must be a dict of name -> path or a list of 'name=path', got {shorten(value)}")
     out: dict[str, str] = {}
@@ -393,8 +422,10 @@ def resolve_model_path(model: str | None) -> str:
     elif model in DEMO_MODELS and not os.path.isdir(model):
         model = demo_model_path(model)
     if not os.path.isdir(model):
-        raise ValueError(f"model path {model!r} is not a local directory; vlserve loads Hugging Face checkpoints "
-                         f"from disk (config.json + *.safetensors + tokenizer files).")
+        raise ValueError(
+            f"model path {model!r} is not a local directory; vlserve loads Hugging Face checkpoints "
+            f"from disk (config.json + *.safetensors + tokenizer files)."
+        )
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
     return model

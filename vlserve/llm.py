@@ -1,4 +1,5 @@
 """`LLM`: the offline, synchronous Python API (vLLM's shape)."""
+
 from __future__ import annotations
 
 import itertools
@@ -33,9 +34,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
         if self.engine_args.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size > 1 (got {self.engine_args.data_parallel_size}) needs engine "
-                             "processes, which only `vlserve serve` starts; LLM runs one engine in this process "
-                             "(start several LLMs, or serve with --data-parallel-size)")
+            raise ValueError(
+                f"data_parallel_size > 1 (got {self.engine_args.data_parallel_size}) needs engine "
+                "processes, which only `vlserve serve` starts; LLM runs one engine in this process "
+                "(start several LLMs, or serve with --data-parallel-size)"
+            )
         self.engine_loop = EngineLoop(self.engine_args)
         self.engine = self.engine_loop.core
         self.tokenizer = self.engine_loop.tokenizer
@@ -53,10 +56,17 @@ class LLM:
         return self.tokenizer
 
     # -- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, images: list | None = None, videos: list | None = None,
-                 mm_processor_kwargs: dict | None = None, audios: list | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        images: list | None = None,
+        videos: list | None = None,
+        mm_processor_kwargs: dict | None = None,
+        audios: list | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings, token-id lists, or {"prompt", "multi_modal_data"} dicts).
 
         `images`/`videos`/`audios`, when given, hold one entry per prompt (an item or a list of items); an audio
@@ -66,10 +76,16 @@ class LLM:
         processed = self._process_prompts(prompts, images, videos, audios, mm_processor_kwargs)
         return self._run(processed, sampling_params, use_tqdm, lora_request)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, mm_processor_kwargs: dict | None = None,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template; `tools`
         (OpenAI function tools) go to the template as vLLM's `LLM.chat(tools=...)` passes them; `lora_request` as
         in `generate`."""
@@ -80,12 +96,20 @@ class LLM:
             if not isinstance(tools, list) or any(not isinstance(t, dict) for t in tools):
                 raise ValueError("tools must be a list of OpenAI tool objects (dicts)")
             chat_template_kwargs["tools"] = tools
-        processed = [self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs)
-                     for c in conversations]
+        processed = [
+            self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs) for c in conversations
+        ]
         return self._run(processed, sampling_params, use_tqdm, lora_request)
 
-    def _process_prompts(self, prompts: Any, images: list | None, videos: list | None, audios: list | None,
-                         mm_processor_kwargs: dict | None, conversations: bool = False) -> list[ProcessedPrompt]:
+    def _process_prompts(
+        self,
+        prompts: Any,
+        images: list | None,
+        videos: list | None,
+        audios: list | None,
+        mm_processor_kwargs: dict | None,
+        conversations: bool = False,
+    ) -> list[ProcessedPrompt]:
         """One prompt or a list of them, processed; `images`/`videos`/`audios` hold one entry per prompt. With
         `conversations`, a list of message dicts is a conversation, through the chat template."""
         if _one_prompt(prompts, conversations):
@@ -94,25 +118,40 @@ class LLM:
         for name, media in (("images", images), ("videos", videos), ("audios", audios)):
             if media is not None and len(media) != len(prompts):
                 raise ValueError(f"{name} must have one entry per prompt ({len(prompts)}), got {len(media)}")
-        return [self.input_processor.process_chat(p, mm_processor_kwargs)
-                if conversations and _is_conversation(p) else self.input_processor.process_prompt(
-                    p, images=None if images is None else images[i], videos=None if videos is None else videos[i],
-                    mm_processor_kwargs=mm_processor_kwargs, audios=None if audios is None else audios[i])
-                for i, p in enumerate(prompts)]
+        return [
+            self.input_processor.process_chat(p, mm_processor_kwargs)
+            if conversations and _is_conversation(p)
+            else self.input_processor.process_prompt(
+                p,
+                images=None if images is None else images[i],
+                videos=None if videos is None else videos[i],
+                mm_processor_kwargs=mm_processor_kwargs,
+                audios=None if audios is None else audios[i],
+            )
+            for i, p in enumerate(prompts)
+        ]
 
-    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False,
-                    images: list | None = None, videos: list | None = None, audios: list | None = None,
-                    mm_processor_kwargs: dict | None = None) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        images: list | None = None,
+        videos: list | None = None,
+        audios: list | None = None,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: per prompt (a string, token ids, a {"prompt", "multi_modal_data"} dict, or an
         OpenAI-format conversation: a list of message dicts), the `params.beam_width` best beams, best first, each
         with its tokens (prompt + generated), text and cumulative logprob (vlserve.beam_search)."""
-        processed = self._process_prompts(prompts, images, videos, audios, mm_processor_kwargs,
-                                          conversations=True)
+        processed = self._process_prompts(prompts, images, videos, audios, mm_processor_kwargs, conversations=True)
         max_len = self.engine.max_model_len
         for proc in processed:
             if len(proc.prompt_token_ids) + params.max_tokens > max_len:
-                raise ValueError(f"a prompt of {len(proc.prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
-                                 f"exceeds max_model_len={max_len}")
+                raise ValueError(
+                    f"a prompt of {len(proc.prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
+                    f"exceeds max_model_len={max_len}"
+                )
         eos = tuple(self.engine.loaded.eos_token_ids)
         searches = [BeamSearch(proc.prompt_token_ids, params, eos) for proc in processed]
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
@@ -121,13 +160,22 @@ class LLM:
                 while not all(s.done for s in searches):
                     live = [(s, proc) for s, proc in zip(searches, processed) if not s.done]
                     now = time.time()
-                    requests = [NewRequest(str(next(self._ids)), ProcessedPrompt(None, beam.tokens, proc.mm_features),
-                                           s.step_params(), now) for s, proc in live for beam in s.live]
+                    requests = [
+                        NewRequest(
+                            str(next(self._ids)),
+                            ProcessedPrompt(None, beam.tokens, proc.mm_features),
+                            s.step_params(),
+                            now,
+                        )
+                        for s, proc in live
+                        for beam in s.live
+                    ]
                     self.engine_loop.add_requests(requests)
                     outs = iter(self._drain([r.request_id for r in requests], use_tqdm=False))
                     for s, _ in live:
-                        s.advance([{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()}
-                                   for _ in s.live])
+                        s.advance(
+                            [{t: lp.logprob for t, lp in next(outs).outputs[0].logprobs[0].items()} for _ in s.live]
+                        )
                     bar.update(1)
             finally:
                 bar.close()
@@ -139,20 +187,24 @@ class LLM:
             results.append(BeamSearchOutput(best))
         return results
 
-    def _run(self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool,
-             lora_request=None) -> list[RequestOutput]:
+    def _run(
+        self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool, lora_request=None
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params] * len(processed))
+        params_list = (
+            list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
+        )
         if len(params_list) != len(processed):
             raise ValueError(f"got {len(params_list)} sampling params for {len(processed)} prompts")
         loras = self._lora_requests(lora_request, len(processed))
         for lora in dict.fromkeys(r for r in loras if r is not None):  # offline: load now, so a bad one raises here
             self.engine_loop.core.add_lora(lora)
         now = time.time()
-        requests = [NewRequest(str(next(self._ids)), proc, params, now, lora)
-                    for proc, params, lora in zip(processed, params_list, loras)]
+        requests = [
+            NewRequest(str(next(self._ids)), proc, params, now, lora)
+            for proc, params, lora in zip(processed, params_list, loras)
+        ]
         with self._lock:
             self.engine_loop.add_requests(requests)  # all or none: one bad prompt leaves the engine untouched
             return self._drain([r.request_id for r in requests], use_tqdm)
@@ -190,8 +242,9 @@ class LLM:
         """Called under `_lock`: start the idle poller when blocks are kept for a transfer and none runs."""
         if self._closed or self._kv_poller is not None or not self.engine_loop.has_kept_kv_blocks():
             return
-        self._kv_poller = threading.Thread(target=_poll_kept_blocks, args=(weakref.ref(self),), daemon=True,
-                                           name="vlserve-kv-poll")
+        self._kv_poller = threading.Thread(
+            target=_poll_kept_blocks, args=(weakref.ref(self),), daemon=True, name="vlserve-kv-poll"
+        )
         self._kv_poller.start()
 
     # -- introspection -----------------------------------------------------------------------------------------
@@ -220,8 +273,11 @@ def _is_conversation(prompt: Any) -> bool:
 def _one_prompt(prompts: Any, conversations: bool) -> bool:
     """Whether `prompts` is one prompt (a string, a dict, token ids, with `conversations` a conversation) rather
     than a list of them."""
-    return (isinstance(prompts, (str, dict)) or (conversations and _is_conversation(prompts))
-            or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)))
+    return (
+        isinstance(prompts, (str, dict))
+        or (conversations and _is_conversation(prompts))
+        or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+    )
 
 
 def _poll_kept_blocks(ref) -> None:

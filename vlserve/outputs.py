@@ -1,4 +1,5 @@
 """vLLM-shaped results returned by `LLM.generate` and streamed by `AsyncLLM`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

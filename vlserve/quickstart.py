@@ -7,6 +7,7 @@ The demo (no MODEL) runs its engine in a thread of the API process (`--no-engine
 process keeps the demo server under 1 GB RSS where two take 1.6 GB. A given MODEL is served as `vlserve serve`
 serves it (engine in its own process).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,13 +26,22 @@ def pick_model(model: str | None) -> tuple[str, str | None]:
 
         return default_model_path(), "vlserve-demo"
     except (ImportError, ValueError) as e:
-        print(f"[quickstart] {e}\n[quickstart] serving a tiny RANDOM-weight Qwen2-VL instead (answers are noise)",
-              file=sys.stderr)
+        print(
+            f"[quickstart] {e}\n[quickstart] serving a tiny RANDOM-weight Qwen2-VL instead (answers are noise)",
+            file=sys.stderr,
+        )
     if not os.path.isfile(os.path.join(FALLBACK_DIR, "config.json")):
         from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
-        build_qwen2_vl_checkpoint(FALLBACK_DIR, hidden_size=128, num_layers=2, vision_depth=2,
-                                  vision_embed_dim=64, mrope_section=(4, 6, 6), initializer_range=0.02)
+        build_qwen2_vl_checkpoint(
+            FALLBACK_DIR,
+            hidden_size=128,
+            num_layers=2,
+            vision_depth=2,
+            vision_embed_dim=64,
+            mrope_section=(4, 6, 6),
+            initializer_range=0.02,
+        )
     return FALLBACK_DIR, "vlserve-random"
 
 

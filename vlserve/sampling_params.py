@@ -1,4 +1,5 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM-compatible names)."""
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,9 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers.")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -(2**63) <= self.seed < 2**63 - 1024):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63 - 1024
+        ):
             bad(f"seed must be an integer that fits in int64, got {self.seed!r}.")
 
     @property
@@ -107,8 +109,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def all_stop_token_ids(self) -> set[int]:
         """Token ids that end generation (EOS unless ignore_eos, plus stop_token_ids)."""

@@ -1,4 +1,5 @@
 """`shorten()`: how a user-supplied value appears inside an error message (quoted, escaped, cut short)."""
+
 from __future__ import annotations
 
 from typing import Any

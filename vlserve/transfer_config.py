@@ -1,5 +1,6 @@
 """The transfer connectors' configs, spelled as vLLM's `--kv-transfer-config` and `--ec-transfer-config` (re-exported
 by vlserve.config)."""
+
 from __future__ import annotations
 
 import json
@@ -47,11 +48,14 @@ class KVTransferConfig:
         if not isinstance(self.kv_connector, str) or not self.kv_connector:
             raise ValueError(f"kv_transfer_config.kv_connector must name a connector, got {shorten(self.kv_connector)}")
         if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, "
-                             f"got {shorten(self.kv_role)}")
+            raise ValueError(
+                f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, got {shorten(self.kv_role)}"
+            )
         if not isinstance(self.kv_connector_extra_config, dict):
-            raise ValueError(f"kv_transfer_config.kv_connector_extra_config must be a JSON object, "
-                             f"got {shorten(self.kv_connector_extra_config)}")
+            raise ValueError(
+                f"kv_transfer_config.kv_connector_extra_config must be a JSON object, "
+                f"got {shorten(self.kv_connector_extra_config)}"
+            )
 
     @property
     def is_producer(self) -> bool:
@@ -64,7 +68,7 @@ class KVTransferConfig:
     @classmethod
     def from_any(cls, value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:
         """From the dataclass, its dict or its JSON text (None stays None); unknown keys are a ValueError."""
-        return _from_any(cls, value, "kv_transfer_config", "kv_connector", "\"OffloadingConnector\"")
+        return _from_any(cls, value, "kv_transfer_config", "kv_connector", '"OffloadingConnector"')
 
 
 EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
@@ -84,24 +88,31 @@ class ECTransferConfig:
 
     def __post_init__(self) -> None:
         if self.ec_connector not in EC_CONNECTORS:
-            raise ValueError(f"ec_transfer_config.ec_connector must be one of {', '.join(EC_CONNECTORS)}, "
-                             f"got {shorten(self.ec_connector)}")
+            raise ValueError(
+                f"ec_transfer_config.ec_connector must be one of {', '.join(EC_CONNECTORS)}, "
+                f"got {shorten(self.ec_connector)}"
+            )
         self.ec_connector = EC_CONNECTORS[self.ec_connector]
         if self.ec_role not in EC_ROLES:
-            raise ValueError(f"ec_transfer_config.ec_role must be one of {', '.join(EC_ROLES)}, "
-                             f"got {shorten(self.ec_role)}")
+            raise ValueError(
+                f"ec_transfer_config.ec_role must be one of {', '.join(EC_ROLES)}, got {shorten(self.ec_role)}"
+            )
         extra = self.ec_connector_extra_config
         if not isinstance(extra, dict):
-            raise ValueError(f"ec_transfer_config.ec_connector_extra_config must be a JSON object, "
-                             f"got {shorten(extra)}")
+            raise ValueError(
+                f"ec_transfer_config.ec_connector_extra_config must be a JSON object, got {shorten(extra)}"
+            )
         path = extra.get("shared_storage_path")
         if not isinstance(path, str) or not path:
-            raise ValueError(f"ec_transfer_config.ec_connector_extra_config.shared_storage_path must name a "
-                             f"directory, got {shorten(path)}")
+            raise ValueError(
+                f"ec_transfer_config.ec_connector_extra_config.shared_storage_path must name a "
+                f"directory, got {shorten(path)}"
+            )
         unknown = set(extra) - {"shared_storage_path", "_namespace"}
         if unknown:
-            raise ValueError(f"ec_transfer_config.ec_connector_extra_config has unknown keys: "
-                             f"{', '.join(sorted(unknown))}")
+            raise ValueError(
+                f"ec_transfer_config.ec_connector_extra_config has unknown keys: {', '.join(sorted(unknown))}"
+            )
         self.ec_connector_extra_config = {**extra, "shared_storage_path": os.path.expanduser(path)}
 
     @property
@@ -115,4 +126,4 @@ class ECTransferConfig:
     @classmethod
     def from_any(cls, value: ECTransferConfig | dict | str | None) -> ECTransferConfig | None:
         """From the dataclass, its dict or its JSON text (None stays None); unknown keys are a ValueError."""
-        return _from_any(cls, value, "ec_transfer_config", "ec_connector", "\"shared_storage\"")
+        return _from_any(cls, value, "ec_transfer_config", "ec_connector", '"shared_storage"')

@@ -1,4 +1,5 @@
 """A real uvicorn server on 127.0.0.1 (free port, background thread) serving tiny random checkpoints."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,9 @@ import time
 import httpx
 import pytest
 
-TEXT_ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256, block_size=16, max_num_seqs=64,
-                      max_num_batched_tokens=512)
+TEXT_ENGINE_KW = dict(
+    dtype="float32", max_model_len=1024, num_kv_blocks=256, block_size=16, max_num_seqs=64, max_num_batched_tokens=512
+)
 
 
 class ServerThread:
@@ -81,8 +83,11 @@ class Served:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if (m["vlserve:num_requests_running"] == 0 and m["vlserve:num_requests_waiting"] == 0
-                    and m["vlserve:kv_cache_usage"] == 0):
+            if (
+                m["vlserve:num_requests_running"] == 0
+                and m["vlserve:num_requests_waiting"] == 0
+                and m["vlserve:kv_cache_usage"] == 0
+            ):
                 return m
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle after {timeout}s: {m}")
@@ -124,8 +129,10 @@ def server(text_ckpt, media_dir):
     """The text-model server shared by most tests."""
     from vlserve.config import EngineArgs
 
-    served = start_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
-                          served_model_names=["tiny-text", "alias"])
+    served = start_server(
+        EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
+        served_model_names=["tiny-text", "alias"],
+    )
     yield served
     served.close()
 
@@ -176,15 +183,27 @@ def http_file_server(files: dict[str, bytes], answer_first=None):
 
 
 @contextlib.contextmanager
-def serve_subprocess(serve_args: list[str], repo_root: str, timeout: float = 120.0, command: str = "serve",
-                     extra_paths: tuple[str, ...] = (), procs: list | None = None):
+def serve_subprocess(
+    serve_args: list[str],
+    repo_root: str,
+    timeout: float = 120.0,
+    command: str = "serve",
+    extra_paths: tuple[str, ...] = (),
+    procs: list | None = None,
+):
     """`vlserve <command> <serve_args> --host 127.0.0.1 --port <free>` as a subprocess (`extra_paths` appended to its
     PYTHONPATH; its Popen appended to `procs`, for tests that kill it); yields its base URL once /health answers 200
     (AssertionError with its output if it exits first or never does), then stops it."""
     port = free_port()
     cmd = [sys.executable, "-m", "vlserve.cli", command, *serve_args, "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join((repo_root, *extra_paths))})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=repo_root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((repo_root, *extra_paths))},
+    )
     if procs is not None:
         procs.append(proc)
     base = f"http://127.0.0.1:{port}"

@@ -1,6 +1,7 @@
 """Qwen2-Audio over HTTP with the official openai client: input_audio and audio_url parts (data:, file://, http)
 give HF's greedy tokens, streamed and not; one clip in 8 requests runs the encoder once (/metrics); bad audio is a
 400 with OpenAI-style error JSON, nothing leaked, and the server answers correctly afterwards."""
+
 from __future__ import annotations
 
 import base64
@@ -18,8 +19,15 @@ pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-h
 
 MAX_NEW = 8
 NO_EOS = {"ignore_eos": True}
-ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256, block_size=16, max_num_seqs=16,
-                 limit_mm_per_prompt={"audio": 2}, max_audio_seconds=5.0)
+ENGINE_KW = dict(
+    dtype="float32",
+    max_model_len=1024,
+    num_kv_blocks=256,
+    block_size=16,
+    max_num_seqs=16,
+    limit_mm_per_prompt={"audio": 2},
+    max_audio_seconds=5.0,
+)
 
 
 def wav(seconds: float, seed: int, rate: int = 16000, channels: int = 1) -> bytes:
@@ -107,8 +115,12 @@ def test_openai_client_matches_hf(audio_server, oracle, audio_http, media_dir):
     with open(os.path.join(media_dir, "clip one.wav"), "wb") as f:
         f.write(one)
     expected = hf_text(oracle, [("user", (1, "What do you hear?"))], [one])
-    for part in (input_audio(one), audio_url(data_url(one)), audio_url(f"file://{media_dir}/clip%20one.wav"),
-                 audio_url(f"{base}/clip.wav")):
+    for part in (
+        input_audio(one),
+        audio_url(data_url(one)),
+        audio_url(f"file://{media_dir}/clip%20one.wav"),
+        audio_url(f"{base}/clip.wav"),
+    ):
         assert ask(audio_server, user(part)) == expected, part["type"]
     assert ask(audio_server, user(input_audio(one)), stream=True) == expected
 
@@ -116,8 +128,10 @@ def test_openai_client_matches_hf(audio_server, oracle, audio_http, media_dir):
     expected_two = hf_text(oracle, [("user", (2, "Which is longer?"))], [stereo, one])
     assert ask(audio_server, two) == expected_two == ask(audio_server, two, stream=True)
 
-    follow_up = user(input_audio(stereo)) + [{"role": "assistant", "content": "A chord."},
-                                              {"role": "user", "content": "How many notes?"}]
+    follow_up = user(input_audio(stereo)) + [
+        {"role": "assistant", "content": "A chord."},
+        {"role": "user", "content": "How many notes?"},
+    ]
     turns = [("user", (1, "What do you hear?")), ("assistant", "A chord."), ("user", (0, "How many notes?"))]
     assert ask(audio_server, follow_up) == hf_text(oracle, turns, [stereo])
     audio_server.wait_idle()
@@ -129,14 +143,19 @@ def test_one_clip_in_eight_requests_one_encoder_run(audio_server):
 
     def counts() -> tuple[float, float]:
         m = audio_server.metrics_labelled()
-        return (m['vlserve:encoder_runs_by_modality_total{modality="audio"}'],
-                m['vlserve:encoder_cache_hits_by_modality_total{modality="audio"}'])
+        return (
+            m['vlserve:encoder_runs_by_modality_total{modality="audio"}'],
+            m['vlserve:encoder_cache_hits_by_modality_total{modality="audio"}'],
+        )
 
     runs, hits = counts()
     clip = wav(1.5, seed=33, rate=22050, channels=2)
     with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda i: ask(audio_server, user(input_audio(clip), text=f"Question {i}?"),
-                                            max_tokens=2), range(8)))
+        texts = list(
+            pool.map(
+                lambda i: ask(audio_server, user(input_audio(clip), text=f"Question {i}?"), max_tokens=2), range(8)
+            )
+        )
     assert all(texts)
     assert counts() == (runs + 1, hits + 7)
     audio_server.wait_idle()

@@ -1,4 +1,5 @@
 """Many concurrent streams all complete with the offline text; a client disconnect aborts and frees its request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,10 @@ SHAPES = ["circle", "square", "triangle", "dog"]
 
 
 def conversations(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"question {i}: where is the {COLORS[i % 8]} {SHAPES[i // 8 % 4]}?"}]
-            for i in range(n)]
+    return [
+        [{"role": "user", "content": f"question {i}: where is the {COLORS[i % 8]} {SHAPES[i // 8 % 4]}?"}]
+        for i in range(n)
+    ]
 
 
 def test_concurrent_streams_complete_with_expected_text(server, offline_llm):
@@ -24,13 +27,20 @@ def test_concurrent_streams_complete_with_expected_text(server, offline_llm):
     expected = [r.outputs[0].text for r in refs]
 
     async def one(client, messages) -> str:
-        stream = await client.chat.completions.create(model="tiny-text", messages=messages, temperature=0,
-                                                      max_tokens=16, stream=True, extra_body={"ignore_eos": True})
+        stream = await client.chat.completions.create(
+            model="tiny-text",
+            messages=messages,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run_all() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
-                                      timeout=120) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120
+        ) as client:
             return await asyncio.gather(*(one(client, m) for m in convs))
 
     got = asyncio.run(run_all())
@@ -45,8 +55,13 @@ def _aborted(server) -> float:
 
 def test_disconnect_mid_stream_frees_the_request(server):
     before = _aborted(server)
-    body = {"model": "tiny-text", "messages": conversations(1)[0], "max_tokens": 900, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny-text",
+        "messages": conversations(1)[0],
+        "max_tokens": 900,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -88,8 +103,11 @@ def test_speculative_decoding_server_streams_the_same_greedy_text(text_ckpt, off
 
     # A repetitive prompt so n-gram drafts actually get proposed (and some accepted).
     messages = [{"role": "user", "content": "red blue red blue red blue red blue red blue red blue"}]
-    ref = offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
+    ref = (
+        offline_llm.chat(messages, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     served = start_server(EngineArgs(model=text_ckpt, speculative_config=spec, **TEXT_ENGINE_KW))
     try:

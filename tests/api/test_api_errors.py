@@ -1,4 +1,5 @@
 """Every bad input gets the right 4xx in OpenAI's error shape, and the server keeps serving afterwards."""
+
 from __future__ import annotations
 
 import openai
@@ -42,8 +43,16 @@ BAD_REQUESTS = [
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "hologram"}]}]), 400, "hologram"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400, "text"),
     (CHAT, chat(messages=[{"role": "user", "content": ["bare string part"]}]), 400, "content"),
-    (CHAT, chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "image"),
+    (
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ]
+        ),
+        400,
+        "image",
+    ),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image", "image": "/etc/passwd"}]}]), 400, "image"),
     (CHAT, chat(mm_processor_kwargs={"evil": 1}), 400, "mm_processor_kwargs"),
     (CHAT, chat(mm_processor_kwargs={"max_pixels": -1}), 400, "mm_processor_kwargs"),
@@ -68,8 +77,9 @@ def assert_error_shape(resp, status: int, words: str = "") -> None:
     assert words.lower() in err["message"].lower(), err["message"]
 
 
-@pytest.mark.parametrize("path,body,status,words", BAD_REQUESTS,
-                         ids=[f"{i}-{b[2]}-{b[3]}" for i, b in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path,body,status,words", BAD_REQUESTS, ids=[f"{i}-{b[2]}-{b[3]}" for i, b in enumerate(BAD_REQUESTS)]
+)
 def test_bad_request(server, path, body, status, words):
     assert_error_shape(server.http.post(path, json=body), status, words)
 
@@ -80,15 +90,16 @@ def test_bad_requests_streamed_get_status_not_stream(server):
 
 
 def test_invalid_json_and_wrong_content(server):
-    resp = server.http.post(CHAT, content=b'{"model": "tiny-text", "messages": [', headers={
-        "content-type": "application/json"})
+    resp = server.http.post(
+        CHAT, content=b'{"model": "tiny-text", "messages": [', headers={"content-type": "application/json"}
+    )
     assert_error_shape(resp, 400, "json")
     for number in (b"NaN", b"Infinity", b"-Infinity"):
         body = b'{"model": "tiny-text", "messages": [{"role": "user", "content": "x"}], "temperature": ' + number + b"}"
-        assert_error_shape(server.http.post(CHAT, content=body, headers={"content-type": "application/json"}), 400,
-                           "temperature")
-    assert_error_shape(server.http.post(CHAT, content=b"\xff\xfe", headers={"content-type": "application/json"}),
-                       400)
+        assert_error_shape(
+            server.http.post(CHAT, content=body, headers={"content-type": "application/json"}), 400, "temperature"
+        )
+    assert_error_shape(server.http.post(CHAT, content=b"\xff\xfe", headers={"content-type": "application/json"}), 400)
     assert_error_shape(server.http.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
     assert_error_shape(server.http.post(COMPL, content=b"hello", headers={"content-type": "text/plain"}), 400)
 

@@ -1,5 +1,6 @@
 """Hostile or odd requests: client-supplied templates, oversize input, out-of-range knobs, mismatched media, and
 error messages that must neither leak internals nor echo huge values. Nothing may leak afterwards."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,10 @@ COMPL = "/v1/completions"
 MSG = [{"role": "user", "content": "hello"}]
 # 1e8 iterations of the sandbox's range (capped at 1e5 per range): ~4 s of Jinja in an input worker here. (8e6 took
 # only 0.4-0.6 s, so a fast request sent 0.3 s after it could lose the race to a hiccup: a flaky test.)
-SLOW_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
-                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+SLOW_TEMPLATE = (
+    "{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
 
 
 def chat(**kw):
@@ -31,18 +34,25 @@ def trusting_server(text_ckpt):
     """A server that runs request-supplied chat templates, with a 1 MiB body cap."""
     from vlserve.config import EngineArgs
 
-    served = start_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
-                          trust_request_chat_template=True, max_body_bytes=1 << 20)
+    served = start_server(
+        EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
+        trust_request_chat_template=True,
+        max_body_bytes=1 << 20,
+    )
     yield served
     served.close()
 
 
 # -- 1. client-supplied chat templates ----------------------------------------------------------------------------
-@pytest.mark.parametrize("body", [
-    chat(chat_template="{% for i in range(99999) %}x{% endfor %}"),
-    chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}),
-    chat(chat_template_kwargs={"my_template": "{{ 'x' }}"}),
-], ids=["field", "kwarg", "template-like-kwarg"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(chat_template="{% for i in range(99999) %}x{% endfor %}"),
+        chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}),
+        chat(chat_template_kwargs={"my_template": "{{ 'x' }}"}),
+    ],
+    ids=["field", "kwarg", "template-like-kwarg"],
+)
 def test_request_chat_template_refused_by_default(server, body):
     assert_error_shape(server.http.post(CHAT, json=body), 400, "--trust-request-chat-template")
 
@@ -105,8 +115,10 @@ def test_huge_prompt_refused_before_tokenizing(server, monkeypatch):
 
     monkeypatch.setattr(ip, "tokenizer", Counting())
     big = "word " * 1_000_000  # 5 MB
-    for path, body in ((COMPL, {"model": "tiny-text", "prompt": big}),
-                       (CHAT, chat(messages=[{"role": "user", "content": big}]))):
+    for path, body in (
+        (COMPL, {"model": "tiny-text", "prompt": big}),
+        (CHAT, chat(messages=[{"role": "user", "content": big}])),
+    ):
         assert_error_shape(server.http.post(path, json=body), 400, "characters")
     assert all(n < ip.max_prompt_chars for n in seen), seen
 
@@ -121,7 +133,7 @@ def test_body_cap_applies_with_and_without_content_length(trusting_server):
 
     def chunks():
         for i in range(0, len(big), 65536):
-            yield big[i:i + 65536]
+            yield big[i : i + 65536]
 
     assert_error_shape(trusting_server.http.post(COMPL, content=chunks(), headers=headers), 413, "cap")
     ok = b'{"model": "tiny-text", "prompt": "hi", "max_tokens": 2}'
@@ -134,9 +146,14 @@ def test_mm_processor_kwargs_bounds():
 
     limits = MMKwargLimits(max_pixels=1000, max_frames=8)
     assert check_mm_processor_kwargs({"max_pixels": 1000, "min_pixels": 10, "fps": 1.5}, limits)
-    for kwargs, words in [({"max_pixels": 1001}, "at most 1000"), ({"min_pixels": 4_000_000}, "at most 1000"),
-                          ({"num_frames": 9}, "at most 8"), ({"min_pixels": 50, "max_pixels": 40}, "<="),
-                          ({"max_pixels": 10.5}, "integer"), ({"tokenize": True, "size": 1}, "'tokenize', 'size'")]:
+    for kwargs, words in [
+        ({"max_pixels": 1001}, "at most 1000"),
+        ({"min_pixels": 4_000_000}, "at most 1000"),
+        ({"num_frames": 9}, "at most 8"),
+        ({"min_pixels": 50, "max_pixels": 40}, "<="),
+        ({"max_pixels": 10.5}, "integer"),
+        ({"tokenize": True, "size": 1}, "'tokenize', 'size'"),
+    ]:
         with pytest.raises(APIError) as e:
             check_mm_processor_kwargs(kwargs, limits)
         assert words in e.value.message and e.value.status == 400
@@ -160,10 +177,13 @@ def test_max_tokens_over_the_context_left_is_400(server):
     assert_error_shape(server.http.post(CHAT, json=long_chat), 400, "max_tokens is too large")
 
 
-@pytest.mark.parametrize("body,words", [
-    (chat(messages=[{"role": "wizard", "content": "hi"}]), "role must be one of"),
-    (chat(stop=[f"s{i}" for i in range(65)]), "at most 64"),
-])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        (chat(messages=[{"role": "wizard", "content": "hi"}]), "role must be one of"),
+        (chat(stop=[f"s{i}" for i in range(65)]), "at most 64"),
+    ],
+)
 def test_roles_and_stop_count(server, body, words):
     assert_error_shape(server.http.post(CHAT, json=body), 400, words)
 
@@ -177,8 +197,9 @@ def test_python_api_applies_the_same_rules(offline_llm):
         offline_llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False)
     with pytest.raises(ValueError, match="tokenize"):
         offline_llm.chat(MSG, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
-    out = offline_llm.chat(MSG, SamplingParams(max_tokens=2), use_tqdm=False,
-                           chat_template_kwargs={"chat_template": "{{ 'hi' }}"})  # the caller's own: trusted
+    out = offline_llm.chat(
+        MSG, SamplingParams(max_tokens=2), use_tqdm=False, chat_template_kwargs={"chat_template": "{{ 'hi' }}"}
+    )  # the caller's own: trusted
     assert len(out[0].prompt_token_ids) < 5
     offline_llm.check_integrity()
 
@@ -203,16 +224,20 @@ def test_lone_surrogate_is_named_not_leaked(server):
     r = server.http.post(CHAT, content=body, headers={"content-type": "application/json"})
     assert_error_shape(r, 400, "surrogate")
     assert "messages.0.content" in r.json()["error"]["message"] and "TextEncodeInput" not in r.text
-    r = server.http.post(COMPL, content=b'{"model": "tiny-text", "prompt": "\\udfff"}',
-                         headers={"content-type": "application/json"})
+    r = server.http.post(
+        COMPL, content=b'{"model": "tiny-text", "prompt": "\\udfff"}', headers={"content-type": "application/json"}
+    )
     assert_error_shape(r, 400, "surrogate")
 
 
 def test_huge_values_are_not_echoed(server):
     huge = "m" * 1_000_000
-    for body, status in ((chat(model=huge), 404), (chat(mm_processor_kwargs={huge: 1}), 400),
-                         (chat(messages=[{"role": huge, "content": "x"}]), 400),
-                         (chat(messages=[{"role": "user", "content": [{"type": huge}]}]), 400)):
+    for body, status in (
+        (chat(model=huge), 404),
+        (chat(mm_processor_kwargs={huge: 1}), 400),
+        (chat(messages=[{"role": huge, "content": "x"}]), 400),
+        (chat(messages=[{"role": "user", "content": [{"type": huge}]}]), 400),
+    ):
         r = server.http.post(CHAT, json=body)
         assert r.status_code == status, r.text[:300]
         assert len(r.json()["error"]["message"]) < 400
@@ -225,8 +250,12 @@ def test_file_urls_name_the_problem(tmp_path):
     (tmp_path / "sub").mkdir()
     os.mkfifo(tmp_path / "fifo")
     fetcher = MediaFetcher(MediaConfig(allowed_local_media_path=str(tmp_path)))
-    for name, words in (("sub", "directory"), ("fifo", "not a regular file"), ("missing.png", "not found"),
-                        ("a%00b.png", "NUL")):
+    for name, words in (
+        ("sub", "directory"),
+        ("fifo", "not a regular file"),
+        ("missing.png", "not found"),
+        ("a%00b.png", "NUL"),
+    ):
         part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/{name}"}}
         with pytest.raises(APIError) as e:
             asyncio.run(fetcher.fetch("image_url", part))
@@ -245,6 +274,7 @@ def test_cli_flags_for_templates_and_body_cap():
 
     _, default = serve_config_from_args(build_parser().parse_args(["serve", "/m"]))
     assert not default.trust_request_chat_template and default.max_body_bytes == 64 << 20
-    _, config = serve_config_from_args(build_parser().parse_args(
-        ["serve", "/m", "--trust-request-chat-template", "--max-request-body-bytes", "1000"]))
+    _, config = serve_config_from_args(
+        build_parser().parse_args(["serve", "/m", "--trust-request-chat-template", "--max-request-body-bytes", "1000"])
+    )
     assert config.trust_request_chat_template and config.max_body_bytes == 1000

@@ -1,5 +1,6 @@
 """LLaVA-NeXT over HTTP: OpenAI `image_url` parts (data: URLs) through the openai client give what LLM.chat gives
 offline; `--limit-mm-per-prompt` is a 400 naming the limit."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,14 @@ import pytest
 from tests.api.test_api_media import data_url, image_msg, png_bytes
 from vlserve import LLM, SamplingParams
 
-ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=128, block_size=16, max_num_seqs=8,
-                 limit_mm_per_prompt={"image": 2})
+ENGINE_KW = dict(
+    dtype="float32",
+    max_model_len=1024,
+    num_kv_blocks=128,
+    block_size=16,
+    max_num_seqs=8,
+    limit_mm_per_prompt={"image": 2},
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +40,15 @@ def test_image_url_parts_match_offline_chat(next_server, next_ckpt):
     offline = LLM(next_ckpt, **ENGINE_KW)
     for urls in ((wide,), (wide, tall)):
         reply = next_server.client.chat.completions.create(
-            model="tiny-llava", messages=image_msg(*urls), temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
-        want = offline.chat(image_msg(*urls), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                            use_tqdm=False)[0]
+            model="tiny-llava", messages=image_msg(*urls), temperature=0, max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        want = offline.chat(
+            image_msg(*urls), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
         assert reply.choices[0].message.content == want.outputs[0].text
         assert reply.usage.prompt_tokens == len(want.prompt_token_ids)
-    r = next_server.http.post("/v1/chat/completions", json={"model": "tiny-llava", "max_tokens": 2,
-                                                            "messages": image_msg(wide, tall, wide)})
+    r = next_server.http.post(
+        "/v1/chat/completions", json={"model": "tiny-llava", "max_tokens": 2, "messages": image_msg(wide, tall, wide)}
+    )
     assert r.status_code == 400 and "--limit-mm-per-prompt" in r.json()["error"]["message"]
     next_server.wait_idle()

@@ -2,6 +2,7 @@
 offline LLM with the same adapter, which tests/lora checks against HF + PEFT), /v1/models lists them with their
 parent, an unknown model is a 404 in OpenAI form, and the runtime load / unload routes (only with
 VLSERVE_ALLOW_RUNTIME_LORA_UPDATING=1) with their 4xx errors; the same through an engine process (control calls)."""
+
 from __future__ import annotations
 
 import openai
@@ -28,9 +29,11 @@ def make_adapter(model_dir: str, out_dir, targets, seed: int) -> str:
 @pytest.fixture(scope="module")
 def adapters(text_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("api_lora")
-    return {"sql": make_adapter(text_ckpt, root / "sql", ["q_proj", "v_proj", "down_proj"], 1),
-            "chatty": make_adapter(text_ckpt, root / "chatty", ["k_proj", "o_proj", "up_proj"], 2),
-            "late": make_adapter(text_ckpt, root / "late", ["q_proj", "gate_proj"], 3)}
+    return {
+        "sql": make_adapter(text_ckpt, root / "sql", ["q_proj", "v_proj", "down_proj"], 1),
+        "chatty": make_adapter(text_ckpt, root / "chatty", ["k_proj", "o_proj", "up_proj"], 2),
+        "late": make_adapter(text_ckpt, root / "late", ["q_proj", "gate_proj"], 3),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +45,21 @@ def reference(text_ckpt, adapters):
     llm = LLM(text_ckpt, **TEXT_ENGINE_KW, **LORA_KW)
     names = [None, "sql", "chatty", "late"]
     loras = [None] + [LoRARequest(n, i + 1, adapters[n]) for i, n in enumerate(names[1:])]
-    outs = llm.generate([PROMPT] * 4, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False, lora_request=loras)
+    outs = llm.generate(
+        [PROMPT] * 4, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False, lora_request=loras
+    )
     llm.shutdown()
     return {n: o.outputs[0].text for n, o in zip(names, outs)}
 
 
 def complete(served, model: str) -> str:
-    return served.client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0,
-                                            extra_body={"ignore_eos": True}).choices[0].text
+    return (
+        served.client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
 
 
 def check_server(served, adapters, reference, base: str) -> None:
@@ -58,8 +67,9 @@ def check_server(served, adapters, reference, base: str) -> None:
     assert complete(served, "sql") == reference["sql"]
     assert complete(served, "chatty") == reference["chatty"]
     assert complete(served, base) == reference[None]
-    chat = served.client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=4, temperature=0.0)
+    chat = served.client.chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0
+    )
     assert chat.model == "sql"
     cards = {m["id"]: m for m in served.http.get("/v1/models").json()["data"]}
     assert cards["sql"]["parent"] == base and cards["sql"]["root"] == adapters["sql"]
@@ -73,11 +83,13 @@ def check_server(served, adapters, reference, base: str) -> None:
     assert r.status_code == 200, r.text
     assert complete(served, "late") == reference["late"]
     assert served.http.get("/v1/models").json()["data"][-1]["id"] == "late"
-    for body, status in (({"lora_name": "late", "lora_path": adapters["late"]}, 400),  # loaded twice
-                         ({"lora_name": "sql", "lora_path": adapters["late"]}, 400),
-                         ({"lora_name": base, "lora_path": adapters["late"]}, 400),
-                         ({"lora_name": "bad", "lora_path": "/no/such/dir"}, 400),
-                         ({"lora_name": "bad"}, 400)):
+    for body, status in (
+        ({"lora_name": "late", "lora_path": adapters["late"]}, 400),  # loaded twice
+        ({"lora_name": "sql", "lora_path": adapters["late"]}, 400),
+        ({"lora_name": base, "lora_path": adapters["late"]}, 400),
+        ({"lora_name": "bad", "lora_path": "/no/such/dir"}, 400),
+        ({"lora_name": "bad"}, 400),
+    ):
         r = served.http.post("/v1/load_lora_adapter", json=body)
         assert r.status_code == status and r.json()["error"]["message"], (body, r.text)
     r = served.http.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
@@ -93,8 +105,13 @@ def check_server(served, adapters, reference, base: str) -> None:
 def lora_args(text_ckpt, adapters):
     from vlserve.config import EngineArgs
 
-    return EngineArgs(model=text_ckpt, served_model_name="base", **TEXT_ENGINE_KW, **LORA_KW,
-                      lora_modules=[f"sql={adapters['sql']}", f"chatty={adapters['chatty']}"])
+    return EngineArgs(
+        model=text_ckpt,
+        served_model_name="base",
+        **TEXT_ENGINE_KW,
+        **LORA_KW,
+        lora_modules=[f"sql={adapters['sql']}", f"chatty={adapters['chatty']}"],
+    )
 
 
 def test_lora_models_over_the_server(text_ckpt, adapters, reference, monkeypatch):

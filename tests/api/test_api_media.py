@@ -1,4 +1,5 @@
 """Images and videos over HTTP on a tiny Qwen2-VL: data:, file:// (allow-listed dir only) and http:// URLs."""
+
 from __future__ import annotations
 
 import base64
@@ -14,8 +15,14 @@ from PIL import Image
 from tests.api.conftest import http_file_server
 from vlserve import SamplingParams
 
-VL_ENGINE_KW = dict(dtype="float32", max_model_len=1024, num_kv_blocks=256, block_size=16, max_num_seqs=16,
-                    limit_mm_per_prompt={"image": 2, "video": 1})
+VL_ENGINE_KW = dict(
+    dtype="float32",
+    max_model_len=1024,
+    num_kv_blocks=256,
+    block_size=16,
+    max_num_seqs=16,
+    limit_mm_per_prompt={"image": 2, "video": 1},
+)
 NO_EOS = {"ignore_eos": True}
 
 
@@ -48,8 +55,9 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 
 def image_msg(*urls: str, text: str = "describe the image", kind: str = "image_url") -> list[dict]:
-    return [{"role": "user", "content": [{"type": kind, kind: {"url": u}} for u in urls]
-             + [{"type": "text", "text": text}]}]
+    return [
+        {"role": "user", "content": [{"type": kind, kind: {"url": u}} for u in urls] + [{"type": "text", "text": text}]}
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +101,11 @@ def vl_server(vl_ckpt, media_dir):
     from vlserve.api.media import MediaConfig
     from vlserve.config import EngineArgs
 
-    media = MediaConfig(allowed_local_media_path=media_dir, allowed_media_domains=["127.0.0.1"],
-                        timeouts={"image": 1.0, "video": 10.0, "audio": 1.0})
+    media = MediaConfig(
+        allowed_local_media_path=media_dir,
+        allowed_media_domains=["127.0.0.1"],
+        timeouts={"image": 1.0, "video": 10.0, "audio": 1.0},
+    )
     served = start_server(EngineArgs(model=vl_ckpt, served_model_name="tiny-vl", **VL_ENGINE_KW), media=media)
     yield served
     served.close()
@@ -111,21 +122,22 @@ def chat_text(served, messages, stream=False, **kw) -> str:
     kw = {"model": "tiny-vl", "messages": messages, "temperature": 0, "max_tokens": 12, "extra_body": NO_EOS, **kw}
     if not stream:
         return served.client.chat.completions.create(**kw).choices[0].message.content
-    return "".join(c.choices[0].delta.content or "" for c in served.client.chat.completions.create(**kw, stream=True)
-                   if c.choices)
+    return "".join(
+        c.choices[0].delta.content or "" for c in served.client.chat.completions.create(**kw, stream=True) if c.choices
+    )
 
 
 def post_status(served, messages, **kw) -> tuple[int, str]:
-    r = served.http.post("/v1/chat/completions", json={"model": "tiny-vl", "messages": messages, "max_tokens": 2,
-                                                       **kw})
+    r = served.http.post("/v1/chat/completions", json={"model": "tiny-vl", "messages": messages, "max_tokens": 2, **kw})
     return r.status_code, (r.json().get("error") or {}).get("message", "")
 
 
 def test_image_data_url_streamed_equals_offline(vl_server, offline_vl):
     msgs = image_msg(data_url(png_bytes(1)))
     ref = offline_vl.chat(msgs, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
-    r = vl_server.client.chat.completions.create(model="tiny-vl", messages=msgs, temperature=0, max_tokens=12,
-                                                 extra_body=NO_EOS)
+    r = vl_server.client.chat.completions.create(
+        model="tiny-vl", messages=msgs, temperature=0, max_tokens=12, extra_body=NO_EOS
+    )
     assert r.choices[0].message.content == ref.outputs[0].text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) > 20  # the image's placeholder tokens count
     assert chat_text(vl_server, msgs, stream=True) == ref.outputs[0].text
@@ -145,8 +157,12 @@ def test_file_url_outside_allowed_path_is_refused(vl_server, media_dir, tmp_path
     link = os.path.join(media_dir, "link.png")
     if not os.path.lexists(link):
         os.symlink(outside, link)
-    for url in (f"file://{outside}", f"file://{media_dir}/../../../../etc/passwd",
-                f"file://{media_dir}/../{tmp_path.name}/secret.png", f"file://{link}"):
+    for url in (
+        f"file://{outside}",
+        f"file://{media_dir}/../../../../etc/passwd",
+        f"file://{media_dir}/../{tmp_path.name}/secret.png",
+        f"file://{link}",
+    ):
         status, msg = post_status(vl_server, image_msg(url))
         assert status == 400 and "outside --allowed-local-media-path" in msg, (url, msg)
     status, msg = post_status(vl_server, image_msg("file://otherhost/etc/x.png"))
@@ -161,10 +177,14 @@ def test_file_url_outside_allowed_path_is_refused(vl_server, media_dir, tmp_path
 def test_http_image(vl_server, media_http):
     expected = chat_text(vl_server, image_msg(data_url(png_bytes(1))))
     assert chat_text(vl_server, image_msg(f"{media_http}/cat.png")) == expected
-    cases = {f"{media_http}/missing.png": "404", f"{media_http}/junk.png": "image",
-             media_http.replace("127.0.0.1", "localhost") + "/cat.png": "allowed-media-domains",
-             f"{media_http}/redirect.png": "allowed-media-domains", f"{media_http}/slow.png": "timed out",
-             "http://127.0.0.1:1/x.png": "could not fetch"}
+    cases = {
+        f"{media_http}/missing.png": "404",
+        f"{media_http}/junk.png": "image",
+        media_http.replace("127.0.0.1", "localhost") + "/cat.png": "allowed-media-domains",
+        f"{media_http}/redirect.png": "allowed-media-domains",
+        f"{media_http}/slow.png": "timed out",
+        "http://127.0.0.1:1/x.png": "could not fetch",
+    }
     for url, words in cases.items():
         status, msg = post_status(vl_server, image_msg(url))
         assert status == 400 and words in msg, (url, msg)
@@ -177,8 +197,9 @@ def test_video_url_mp4(vl_server, media_http, media_dir):
     urls = [data_url(clip, "video/mp4"), f"file://{media_dir}/clip.mp4", f"{media_http}/clip.mp4"]
     texts = [chat_text(vl_server, image_msg(u, text="what happens?", kind="video_url")) for u in urls]
     assert texts[0] and texts[0] == texts[1] == texts[2]
-    r = vl_server.client.chat.completions.create(model="tiny-vl", messages=image_msg(urls[0], kind="video_url"),
-                                                 max_tokens=2)
+    r = vl_server.client.chat.completions.create(
+        model="tiny-vl", messages=image_msg(urls[0], kind="video_url"), max_tokens=2
+    )
     assert r.usage.prompt_tokens > 20
 
 
@@ -190,8 +211,13 @@ def test_media_limits_and_corrupt_media(vl_server):
     status, msg = post_status(vl_server, image_msg(vid, vid, kind="video_url"))
     assert status == 400 and "limit" in msg
     truncated = png_bytes(4)[:60]
-    for url in ("data:image/png;base64,!!!notbase64", data_url(b"garbage bytes"), data_url(truncated),
-                "data:image/png,rawpayload", data_url(b"")):
+    for url in (
+        "data:image/png;base64,!!!notbase64",
+        data_url(b"garbage bytes"),
+        data_url(truncated),
+        "data:image/png,rawpayload",
+        data_url(b""),
+    ):
         status, msg = post_status(vl_server, image_msg(url))
         assert status == 400 and ("image" in msg or "data URL" in msg), (url[:40], msg)
     status, _ = post_status(vl_server, image_msg(data_url(b"not a video", "video/mp4"), kind="video_url"))
@@ -206,15 +232,21 @@ def test_media_limits_and_corrupt_media(vl_server):
 def test_mm_processor_kwargs_per_request(vl_server):
     msgs = image_msg(data_url(png_bytes(5, size=(112, 112))))
     big = vl_server.client.chat.completions.create(model="tiny-vl", messages=msgs, max_tokens=1)
-    small = vl_server.client.chat.completions.create(model="tiny-vl", messages=msgs, max_tokens=1,
-                                                     extra_body={"mm_processor_kwargs": {"max_pixels": 28 * 28 * 4}})
+    small = vl_server.client.chat.completions.create(
+        model="tiny-vl", messages=msgs, max_tokens=1, extra_body={"mm_processor_kwargs": {"max_pixels": 28 * 28 * 4}}
+    )
     assert small.usage.prompt_tokens < big.usage.prompt_tokens
 
 
 def test_image_stream_disconnect_frees_kv_and_encoder_refs(vl_server):
     before = vl_server.metrics()["vlserve:num_aborted_requests_total"]
-    body = {"model": "tiny-vl", "messages": image_msg(data_url(png_bytes(6))), "max_tokens": 300, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny-vl",
+        "messages": image_msg(data_url(png_bytes(6))),
+        "max_tokens": 300,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=vl_server.base_url, timeout=60, trust_env=False) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             lines = resp.iter_lines()
@@ -231,9 +263,27 @@ def test_image_stream_disconnect_frees_kv_and_encoder_refs(vl_server):
 def test_bench_serve_against_vl_server(vl_server, capsys):
     from vlserve.bench.serve import main
 
-    rc = main(["--base-url", vl_server.base_url, "--model", "tiny-vl", "--num-prompts", "6", "--max-tokens", "6",
-               "--image-width", "64", "--image-height", "48", "--max-concurrency", "3", "--request-rate", "50",
-               "--ignore-eos"])
+    rc = main(
+        [
+            "--base-url",
+            vl_server.base_url,
+            "--model",
+            "tiny-vl",
+            "--num-prompts",
+            "6",
+            "--max-tokens",
+            "6",
+            "--image-width",
+            "64",
+            "--image-height",
+            "48",
+            "--max-concurrency",
+            "3",
+            "--request-rate",
+            "50",
+            "--ignore-eos",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "completed 6/6" in out and "TTFT" in out and "p99" in out
     assert "output throughput" in out

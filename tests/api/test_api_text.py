@@ -1,4 +1,5 @@
 """Chat and completions over HTTP with the official openai client: streamed == non-streamed == offline LLM."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def test_chat_stream_equals_nonstream_equals_offline(server, offline_llm):
     ref = offline_chat(offline_llm, MESSAGES, max_tokens=24, ignore_eos=True)
     expected = ref.outputs[0].text
     assert len(ref.outputs[0].token_ids) == 24
-    r = server.client.chat.completions.create(model="tiny-text", messages=MESSAGES, temperature=0, max_tokens=24,
-                                              extra_body=NO_EOS)
+    r = server.client.chat.completions.create(
+        model="tiny-text", messages=MESSAGES, temperature=0, max_tokens=24, extra_body=NO_EOS
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == expected
@@ -46,9 +48,17 @@ def test_chat_stream_equals_nonstream_equals_offline(server, offline_llm):
     assert r.usage.completion_tokens == 24
     assert r.usage.total_tokens == r.usage.prompt_tokens + 24
 
-    chunks = list(server.client.chat.completions.create(
-        model="alias", messages=MESSAGES, temperature=0, max_tokens=24, stream=True,
-        stream_options={"include_usage": True}, extra_body=NO_EOS))
+    chunks = list(
+        server.client.chat.completions.create(
+            model="alias",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text, finish = stream_text(chunks)
     assert text == expected and finish == "length"
@@ -84,14 +94,23 @@ def test_raw_sse_framing(server):
 def test_stop_string_streamed_and_not(server, offline_llm):
     full = offline_chat(offline_llm, MESSAGES, max_tokens=24, ignore_eos=True).outputs[0].text
     stop = full[6:8]  # two characters from the middle: likely straddles a token boundary
-    cut = full[:full.find(stop)]
-    r = server.client.chat.completions.create(model="tiny-text", messages=MESSAGES, temperature=0, max_tokens=24,
-                                              stop=[stop], extra_body=NO_EOS)
+    cut = full[: full.find(stop)]
+    r = server.client.chat.completions.create(
+        model="tiny-text", messages=MESSAGES, temperature=0, max_tokens=24, stop=[stop], extra_body=NO_EOS
+    )
     assert r.choices[0].message.content == cut
     assert r.choices[0].finish_reason == "stop"
-    text, finish = stream_text(server.client.chat.completions.create(
-        model="tiny-text", messages=MESSAGES, temperature=0, max_tokens=24, stop=stop, stream=True,
-        extra_body=NO_EOS))
+    text, finish = stream_text(
+        server.client.chat.completions.create(
+            model="tiny-text",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=24,
+            stop=stop,
+            stream=True,
+            extra_body=NO_EOS,
+        )
+    )
     assert (text, finish) == (cut, "stop")
 
 
@@ -107,9 +126,18 @@ def test_max_completion_tokens_and_cached_tokens(server):
 
 
 def test_sampling_n_seed_and_penalties(server):
-    kw = dict(model="tiny-text", messages=MESSAGES, temperature=1.0, top_p=0.9, max_tokens=12, n=3, seed=7,
-              presence_penalty=0.5, frequency_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.01,
-                                                                     "repetition_penalty": 1.2, "ignore_eos": True})
+    kw = dict(
+        model="tiny-text",
+        messages=MESSAGES,
+        temperature=1.0,
+        top_p=0.9,
+        max_tokens=12,
+        n=3,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.2, "ignore_eos": True},
+    )
     a = server.client.chat.completions.create(**kw)
     b = server.client.chat.completions.create(**kw)
     assert sorted(c.index for c in a.choices) == [0, 1, 2]
@@ -125,8 +153,15 @@ def test_sampling_n_seed_and_penalties(server):
 
 
 def test_chat_logprobs(server):
-    r = server.client.chat.completions.create(model="tiny-text", messages=MESSAGES, temperature=0, max_tokens=6,
-                                              logprobs=True, top_logprobs=3, extra_body=NO_EOS)
+    r = server.client.chat.completions.create(
+        model="tiny-text",
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=NO_EOS,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 6
     for tok in content:
@@ -138,23 +173,32 @@ def test_chat_logprobs(server):
 
 def test_completions(server, offline_llm):
     prompts = ["the quick brown fox", "one two three"]
-    refs = offline_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                                use_tqdm=False)
-    r = server.client.completions.create(model="tiny-text", prompt=prompts, temperature=0, max_tokens=10,
-                                         extra_body=NO_EOS)
+    refs = offline_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    r = server.client.completions.create(
+        model="tiny-text", prompt=prompts, temperature=0, max_tokens=10, extra_body=NO_EOS
+    )
     assert r.object == "text_completion"
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.outputs[0].text for o in refs]
     assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
     assert r.usage.completion_tokens == 20
 
     ids = refs[0].prompt_token_ids
-    r2 = server.client.completions.create(model="tiny-text", prompt=ids, temperature=0, max_tokens=10,
-                                          extra_body=NO_EOS)
+    r2 = server.client.completions.create(
+        model="tiny-text", prompt=ids, temperature=0, max_tokens=10, extra_body=NO_EOS
+    )
     assert r2.choices[0].text == refs[0].outputs[0].text
 
-    chunks = list(server.client.completions.create(model="tiny-text", prompt=prompts, temperature=0, max_tokens=10,
-                                                   stream=True, stream_options={"include_usage": True},
-                                                   extra_body=NO_EOS))
+    chunks = list(
+        server.client.completions.create(
+            model="tiny-text",
+            prompt=prompts,
+            temperature=0,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         for ch in c.choices:
@@ -164,8 +208,9 @@ def test_completions(server, offline_llm):
 
 
 def test_completion_logprobs(server):
-    r = server.client.completions.create(model="tiny-text", prompt="hello world", temperature=0, max_tokens=5,
-                                         logprobs=2, extra_body=NO_EOS)
+    r = server.client.completions.create(
+        model="tiny-text", prompt="hello world", temperature=0, max_tokens=5, logprobs=2, extra_body=NO_EOS
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(len(t) <= 2 for t in lp.top_logprobs)
@@ -175,12 +220,20 @@ def test_completion_logprobs(server):
 def test_metrics_endpoint(server):
     server.client.chat.completions.create(model="tiny-text", messages=MESSAGES, max_tokens=3)
     text = server.http.get("/metrics").text
-    for name in ("vlserve:num_requests_running", "vlserve:num_requests_waiting", "vlserve:kv_cache_usage",
-                 "vlserve:prefix_cache_queries_total", "vlserve:prompt_tokens_total",
-                 "vlserve:generation_tokens_total", "vlserve:encoder_cache_usage",
-                 "vlserve:time_to_first_token_seconds_bucket", "vlserve:inter_token_latency_seconds_bucket",
-                 "vlserve:e2e_request_latency_seconds_count", 'vlserve:request_success_total{finished_reason=',
-                 'vlserve:http_requests_total{endpoint="/v1/chat/completions",status="200"}'):
+    for name in (
+        "vlserve:num_requests_running",
+        "vlserve:num_requests_waiting",
+        "vlserve:kv_cache_usage",
+        "vlserve:prefix_cache_queries_total",
+        "vlserve:prompt_tokens_total",
+        "vlserve:generation_tokens_total",
+        "vlserve:encoder_cache_usage",
+        "vlserve:time_to_first_token_seconds_bucket",
+        "vlserve:inter_token_latency_seconds_bucket",
+        "vlserve:e2e_request_latency_seconds_count",
+        "vlserve:request_success_total{finished_reason=",
+        'vlserve:http_requests_total{endpoint="/v1/chat/completions",status="200"}',
+    ):
         assert name in text, name
     from prometheus_client.parser import text_string_to_metric_families
 

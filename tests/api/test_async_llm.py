@@ -1,4 +1,5 @@
 """AsyncLLM directly (the server's engine, driven from the test's own event loop)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +67,11 @@ def test_closing_the_iterator_aborts(server):
 
 def test_closing_an_n2_stream_aborts_both_sequences(server):
     async def run():
-        gen = server.engine.generate("four five six", SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=200, ignore_eos=True), "async-n2-close")
+        gen = server.engine.generate(
+            "four five six",
+            SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=200, ignore_eos=True),
+            "async-n2-close",
+        )
         first = await gen.__anext__()
         await gen.aclose()
         return first
@@ -96,6 +101,7 @@ def test_abort_by_id_ends_stream_with_abort(server):
 def test_event_loop_is_not_blocked_by_model_compute(server):
     """The loop keeps ticking while the engine thread computes: ticks interleave with streamed outputs.
     (No wall-clock threshold: the worst gap is printed as a diagnostic only.)"""
+
     async def run():
         gaps, ticks, stop = [], [0], asyncio.Event()
         seen_at_output: list[int] = []

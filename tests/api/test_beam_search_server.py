@@ -1,6 +1,7 @@
 """`use_beam_search` over HTTP (the openai client's extra_body): completions and chat (an image part too) return what
 the offline `LLM.beam_search` returns, best first, as HF's `generate(num_beams=...)` ranks them when EOS is ignored;
 the fields beam search does not take are 400s naming them; a client that hangs up leaves no request or KV block."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +24,19 @@ CHAT = [{"role": "user", "content": "where is the blue dog on the left?"}]
 def expected(llm, prompt, n, max_tokens, include_eos=False, **kw):
     """(texts, finish reasons, completion tokens) of the offline beam search, best first, as the server returns."""
     out = llm.beam_search(prompt, BeamSearchParams(beam_width=n, max_tokens=max_tokens, **kw))[0].sequences
-    texts = [llm.tokenizer.decode(s.output_tokens[:-1] if s.finished else s.output_tokens, skip_special_tokens=True)
-             for s in out]
+    texts = [
+        llm.tokenizer.decode(s.output_tokens[:-1] if s.finished else s.output_tokens, skip_special_tokens=True)
+        for s in out
+    ]
     reasons = ["stop" if s.finished else "length" for s in out]
     tokens = sum(len(s.output_tokens) - (s.finished and not include_eos) for s in out)
     return texts, reasons, tokens
 
 
 def complete(server, prompt, **kw):
-    return server.client.completions.create(model=server.model, prompt=prompt, temperature=0,
-                                            extra_body={**BEAM, **kw.pop("extra", {})}, **kw)
+    return server.client.completions.create(
+        model=server.model, prompt=prompt, temperature=0, extra_body={**BEAM, **kw.pop("extra", {})}, **kw
+    )
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -60,8 +64,9 @@ def test_several_prompts_and_include_stop_str(server, offline_llm):
     assert r.usage.completion_tokens == want[0][2] + want[1][2]  # ... but counts with include_stop_str_in_output
 
 
-@pytest.mark.parametrize("n,extra", [(4, {"ignore_eos": True}), (4, {"length_penalty": 2.0}),
-                                     (6, {"early_stopping": True})])
+@pytest.mark.parametrize(
+    "n,extra", [(4, {"ignore_eos": True}), (4, {"length_penalty": 2.0}), (6, {"early_stopping": True})]
+)
 def test_ignore_eos_length_penalty_and_early_stopping(server, offline_llm, n, extra):
     """Each setting reaches the search: the beams differ from the default ones and equal the offline search's."""
     texts, reasons, tokens = expected(offline_llm, OTHER_PROMPT, n, 16, **extra)
@@ -82,19 +87,27 @@ def test_completions_equal_hf_num_beams(server, text_ckpt, n):
     model = AutoModelForCausalLM.from_pretrained(text_ckpt, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # as tests.support.hf_generate does
     ids = torch.tensor([tok(OTHER_PROMPT).input_ids])
-    cfg = GenerationConfig(max_new_tokens=10, do_sample=False, num_beams=n, num_return_sequences=n,
-                           eos_token_id=None, pad_token_id=0, length_penalty=1.0)
+    cfg = GenerationConfig(
+        max_new_tokens=10,
+        do_sample=False,
+        num_beams=n,
+        num_return_sequences=n,
+        eos_token_id=None,
+        pad_token_id=0,
+        length_penalty=1.0,
+    )
     with torch.no_grad():
         hf = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-    want = [tok.decode(seq[ids.shape[1]:], skip_special_tokens=True) for seq in hf]
+    want = [tok.decode(seq[ids.shape[1] :], skip_special_tokens=True) for seq in hf]
     r = complete(server, OTHER_PROMPT, n=n, max_tokens=10, extra={"ignore_eos": True})
     assert [c.text for c in r.choices] == want
 
 
 def test_chat_equals_offline_beam_search(server, offline_llm):
     texts, reasons, tokens = expected(offline_llm, CHAT, 3, 12)
-    r = server.client.chat.completions.create(model=server.model, messages=CHAT, n=3, max_completion_tokens=12,
-                                              extra_body=BEAM)
+    r = server.client.chat.completions.create(
+        model=server.model, messages=CHAT, n=3, max_completion_tokens=12, extra_body=BEAM
+    )
     assert [c.message.content for c in r.choices] == texts
     assert [c.finish_reason for c in r.choices] == reasons
     assert [c.message.role for c in r.choices] == ["assistant"] * 3
@@ -124,8 +137,9 @@ def test_chat_with_image_equals_offline(llava_ckpt):
     prompt_len = len(offline.input_processor.process_chat(messages).prompt_token_ids)
     served = start_server(EngineArgs(model=llava_ckpt, served_model_name="tiny-llava", **VLM_KW))
     try:
-        r = served.client.chat.completions.create(model=served.model, messages=messages, n=3, max_tokens=10,
-                                                  extra_body=BEAM)
+        r = served.client.chat.completions.create(
+            model=served.model, messages=messages, n=3, max_tokens=10, extra_body=BEAM
+        )
         assert [c.message.content for c in r.choices] == texts
         assert [c.finish_reason for c in r.choices] == reasons
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_len, tokens)
@@ -136,27 +150,30 @@ def test_chat_with_image_equals_offline(llava_ckpt):
 
 
 # -- refusals -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body,param,words", [
-    ({**BEAM, "stream": True}, "stream", "does not stream"),
-    ({**BEAM, "temperature": 0.7}, "temperature", "temperature must be 0"),
-    ({**BEAM, "n": 33}, "n", "[1, 32]"),
-    ({**BEAM, "n": 0}, "n", "[1, 32]"),
-    ({"length_penalty": 0.5}, None, "length_penalty is not supported"),
-    ({"early_stopping": True}, None, "use_beam_search=true"),
-    ({**BEAM, "stop": ["x"]}, "stop", "stop is not supported with use_beam_search"),
-    ({**BEAM, "logprobs": 2}, "logprobs", "logprobs"),
-    ({**BEAM, "top_p": 0.9}, "top_p", "top_p"),
-    ({**BEAM, "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
-    ({**BEAM, "seed": 3}, "seed", "seed"),
-    ({**BEAM, "min_tokens": 2}, "min_tokens", "min_tokens"),
-    ({**BEAM, "guided_choice": ["a", "b"]}, "guided_choice", "guided_choice"),
-    ({**BEAM, "response_format": {"type": "json_object"}}, "response_format", "response_format"),
-    ({**BEAM, "echo": True}, "echo", "echo"),
-    ({**BEAM, "logit_bias": {"5": 3}}, None, "logit_bias"),
-    ({**BEAM, "max_tokens": 2000}, "max_tokens", "too large"),
-    ({"use_beam_search": "yes"}, "use_beam_search", "boolean"),
-    ({**BEAM, "length_penalty": "long"}, "length_penalty", "number"),
-])
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({**BEAM, "stream": True}, "stream", "does not stream"),
+        ({**BEAM, "temperature": 0.7}, "temperature", "temperature must be 0"),
+        ({**BEAM, "n": 33}, "n", "[1, 32]"),
+        ({**BEAM, "n": 0}, "n", "[1, 32]"),
+        ({"length_penalty": 0.5}, None, "length_penalty is not supported"),
+        ({"early_stopping": True}, None, "use_beam_search=true"),
+        ({**BEAM, "stop": ["x"]}, "stop", "stop is not supported with use_beam_search"),
+        ({**BEAM, "logprobs": 2}, "logprobs", "logprobs"),
+        ({**BEAM, "top_p": 0.9}, "top_p", "top_p"),
+        ({**BEAM, "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
+        ({**BEAM, "seed": 3}, "seed", "seed"),
+        ({**BEAM, "min_tokens": 2}, "min_tokens", "min_tokens"),
+        ({**BEAM, "guided_choice": ["a", "b"]}, "guided_choice", "guided_choice"),
+        ({**BEAM, "response_format": {"type": "json_object"}}, "response_format", "response_format"),
+        ({**BEAM, "echo": True}, "echo", "echo"),
+        ({**BEAM, "logit_bias": {"5": 3}}, None, "logit_bias"),
+        ({**BEAM, "max_tokens": 2000}, "max_tokens", "too large"),
+        ({"use_beam_search": "yes"}, "use_beam_search", "boolean"),
+        ({**BEAM, "length_penalty": "long"}, "length_penalty", "number"),
+    ],
+)
 def test_completion_400s(server, body, param, words):
     r = server.http.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
@@ -164,12 +181,19 @@ def test_completion_400s(server, body, param, words):
     assert words in err["message"] and err["param"] == param and err["type"] == "BadRequestError"
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"stream": True}, "stream"), ({"temperature": 1.0}, "temperature"), ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2, "logprobs": True}, "logprobs"), ({"frequency_penalty": 1.0}, "frequency_penalty"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"stream": True}, "stream"),
+        ({"temperature": 1.0}, "temperature"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2, "logprobs": True}, "logprobs"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ],
+)
 def test_chat_400s(server, body, param):
     r = server.http.post("/v1/chat/completions", json={"model": server.model, "messages": CHAT, **BEAM, **body})
     assert r.status_code == 400, r.text
@@ -180,8 +204,16 @@ def test_openai_client_sees_bad_request(server):
     with pytest.raises(openai.BadRequestError, match="does not stream"):
         complete(server, "hi", n=2, max_tokens=4, stream=True)
     # the defaults beam search ignores are fine: temperature 0, top_p 1, penalties 0, no stop
-    r = complete(server, "hi", n=2, max_tokens=4, top_p=1.0, presence_penalty=0.0, stop=[],
-                 extra={"length_penalty": 1.0, "early_stopping": False, "use_beam_search": True})
+    r = complete(
+        server,
+        "hi",
+        n=2,
+        max_tokens=4,
+        top_p=1.0,
+        presence_penalty=0.0,
+        stop=[],
+        extra={"length_penalty": 1.0, "early_stopping": False, "use_beam_search": True},
+    )
     assert len(r.choices) == 2
 
 

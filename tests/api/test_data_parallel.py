@@ -1,6 +1,7 @@
 """`--data-parallel-size 2`: two engine processes behind one server. Same outputs as one engine, affinity keeps
 one image's encoder work on one replica, distinct prompts use both, /metrics per replica and summed, and a killed
 replica fails requests with 5xx, /health 503 and a non-zero exit."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,9 @@ from vlserve import SamplingParams
 def dp_server(text_ckpt):
     from vlserve.config import EngineArgs
 
-    served = start_proc_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", data_parallel_size=2,
-                                          **TEXT_ENGINE_KW))
+    served = start_proc_server(
+        EngineArgs(model=text_ckpt, served_model_name="tiny-text", data_parallel_size=2, **TEXT_ENGINE_KW)
+    )
     yield served
     served.close()
 
@@ -31,7 +33,7 @@ def dp_server(text_ckpt):
 def replica_samples(served, name: str) -> dict[str, float]:
     """`vlserve:replica:<name>` samples of /metrics by engine index."""
     prefix = f'vlserve:replica:{name}{{engine="'
-    return {k[len(prefix):].split('"')[0]: v for k, v in served.metrics_labelled().items() if k.startswith(prefix)}
+    return {k[len(prefix) :].split('"')[0]: v for k, v in served.metrics_labelled().items() if k.startswith(prefix)}
 
 
 def test_dp2_equals_one_engine_and_uses_both_replicas(dp_server, server):
@@ -50,16 +52,21 @@ def test_dp2_equals_one_engine_and_uses_both_replicas(dp_server, server):
 
 def test_stop_strings_and_n_cross_to_the_owning_replica(dp_server, server):
     msgs = conversations(5)[4]
-    full = server.client.chat.completions.create(model="tiny-text", messages=msgs, temperature=0, max_tokens=16,
-                                                 extra_body=NO_EOS)
+    full = server.client.chat.completions.create(
+        model="tiny-text", messages=msgs, temperature=0, max_tokens=16, extra_body=NO_EOS
+    )
     stop = full.choices[0].message.content[3:6]
     kw = dict(model="tiny-text", messages=msgs, temperature=0, max_tokens=16, stop=[stop], n=2, extra_body=NO_EOS)
     got = dp_server.client.chat.completions.create(**kw)
-    assert [c.message.content for c in got.choices] == \
-        [c.message.content for c in server.client.chat.completions.create(**kw).choices]
+    assert [c.message.content for c in got.choices] == [
+        c.message.content for c in server.client.chat.completions.create(**kw).choices
+    ]
     assert got.choices[0].finish_reason == "stop"
     assert_engine_idle(dp_server)
-    assert dp_server.engine.engine_loop.router.open_requests == 0 and dp_server.engine.engine_loop.router.loads == [0, 0]
+    assert dp_server.engine.engine_loop.router.open_requests == 0 and dp_server.engine.engine_loop.router.loads == [
+        0,
+        0,
+    ]
 
 
 def test_killed_replica_fails_requests_with_5xx_and_health_503(dp_server):
@@ -70,8 +77,9 @@ def test_killed_replica_fails_requests_with_5xx_and_health_503(dp_server):
 
     async def in_flight() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=dp_server.base_url, timeout=60, trust_env=False) as client:
-            tasks = [asyncio.create_task(client.post("/v1/chat/completions", json={**body, "messages": m}))
-                     for m in convs]
+            tasks = [
+                asyncio.create_task(client.post("/v1/chat/completions", json={**body, "messages": m})) for m in convs
+            ]
             deadline = time.monotonic() + 30
             while min(router.loads) == 0:  # requests on both replicas
                 assert time.monotonic() < deadline, f"requests did not reach both replicas: {router.loads}"
@@ -91,9 +99,11 @@ def test_one_image_in_16_requests_is_encoded_once_across_replicas(vl_ckpt, offli
 
     msgs = image_msg(data_url(png_bytes(5)))
     ref = offline_vl.chat(msgs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
-    served = start_proc_server(EngineArgs(model=vl_ckpt, served_model_name="tiny-vl", data_parallel_size=2,
-                                          **VL_ENGINE_KW))
+    served = start_proc_server(
+        EngineArgs(model=vl_ckpt, served_model_name="tiny-vl", data_parallel_size=2, **VL_ENGINE_KW)
+    )
     try:
+
         async def run_all() -> list[str]:
             async with httpx.AsyncClient(base_url=served.base_url, timeout=120, trust_env=False) as client:
                 body = {"model": "tiny-vl", "messages": msgs, "temperature": 0, "max_tokens": 8, **NO_EOS}
@@ -112,8 +122,9 @@ def test_one_image_in_16_requests_is_encoded_once_across_replicas(vl_ckpt, offli
 def test_data_parallel_needs_the_engine_process(text_ckpt, capsys):
     from vlserve.cli import main
 
-    assert main(["serve", text_ckpt, "--port", str(free_port()), "--data-parallel-size", "2",
-                 "--no-engine-process"]) == 2
+    assert (
+        main(["serve", text_ckpt, "--port", str(free_port()), "--data-parallel-size", "2", "--no-engine-process"]) == 2
+    )
     assert "--data-parallel-size 2 needs engine processes" in capsys.readouterr().err
 
 

@@ -1,5 +1,6 @@
 """The server with the engine core in its own process: same outputs as the in-thread engine, aborts cross, no
 leaks, a bad checkpoint's error reaches the user, and a killed engine fails requests with 5xx instead of hanging."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,10 +40,17 @@ def proc_server(text_ckpt):
 
 def stream_all(base_url: str, convs: list[list[dict]], **kw) -> list[str]:
     """All conversations at once as streams through the openai client; their texts in order."""
+
     async def one(client, messages) -> str:
-        stream = await client.chat.completions.create(model="tiny-text", messages=messages, temperature=0,
-                                                      max_tokens=16, stream=True, extra_body={"ignore_eos": True},
-                                                      **kw)
+        stream = await client.chat.completions.create(
+            model="tiny-text",
+            messages=messages,
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **kw,
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run_all() -> list[str]:
@@ -76,8 +84,9 @@ def test_async_scheduling_in_the_engine_process_equals_the_in_thread_engine(text
     """--async-scheduling runs inside the engine process (its runner thread there); same texts, nothing held."""
     from vlserve.config import EngineArgs
 
-    served = start_proc_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", async_scheduling=True,
-                                          **TEXT_ENGINE_KW))
+    served = start_proc_server(
+        EngineArgs(model=text_ckpt, served_model_name="tiny-text", async_scheduling=True, **TEXT_ENGINE_KW)
+    )
     try:
         convs = conversations(16)
         assert stream_all(served.base_url, convs) == stream_all(server.base_url, convs)
@@ -89,11 +98,19 @@ def test_async_scheduling_in_the_engine_process_equals_the_in_thread_engine(text
 def test_stop_strings_and_n_equal_the_in_thread_engine(proc_server, server):
     """Stop strings are found by the API-side detokenizer and finished in the engine; n=2 fans out there too."""
     msgs = conversations(3)[2]
-    full = proc_server.client.chat.completions.create(model="tiny-text", messages=msgs, temperature=0,
-                                                      max_tokens=16, extra_body={"ignore_eos": True})
+    full = proc_server.client.chat.completions.create(
+        model="tiny-text", messages=msgs, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
+    )
     stop = full.choices[0].message.content[3:6]
-    kw = dict(model="tiny-text", messages=msgs, temperature=0, max_tokens=16, stop=[stop], n=2,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny-text",
+        messages=msgs,
+        temperature=0,
+        max_tokens=16,
+        stop=[stop],
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     got = proc_server.client.chat.completions.create(**kw)
     ref = server.client.chat.completions.create(**kw)
     assert [c.message.content for c in got.choices] == [c.message.content for c in ref.choices]
@@ -120,8 +137,13 @@ def test_request_the_engine_refuses_raises_its_error(proc_server):
 
 def test_client_disconnect_aborts_in_the_engine(proc_server):
     before = proc_server.metrics()["vlserve:num_aborted_requests_total"]
-    body = {"model": "tiny-text", "messages": conversations(1)[0], "max_tokens": 900, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny-text",
+        "messages": conversations(1)[0],
+        "max_tokens": 900,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=proc_server.base_url, timeout=60, trust_env=False) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             lines = resp.iter_lines()
@@ -181,14 +203,32 @@ def test_bad_checkpoint_error_reaches_the_user(text_ckpt, tmp_path, capsys):
     assert "engine process failed to start: SafetensorError" in err and "header" in err
 
 
-def start_cli_server(text_ckpt: str, repo_root: str, data_parallel_size: int = 1,
-                     extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, list[int]]:
+def start_cli_server(
+    text_ckpt: str, repo_root: str, data_parallel_size: int = 1, extra_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, list[int]]:
     """`vlserve serve` (engine processes by default) as a subprocess, once healthy: (server, engine pids); its port
     is `server.port`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vlserve.cli", "serve", text_ckpt, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "1024", "--num-kv-blocks", "64", "--log-level", "warning",
-           "--data-parallel-size", str(data_parallel_size), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vlserve.cli",
+        "serve",
+        text_ckpt,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--num-kv-blocks",
+        "64",
+        "--log-level",
+        "warning",
+        "--data-parallel-size",
+        str(data_parallel_size),
+        *extra_args,
+    ]
     proc = subprocess.Popen(cmd, cwd=repo_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60 + 60 * data_parallel_size
     while True:

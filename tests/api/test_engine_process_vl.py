@@ -1,5 +1,6 @@
 """A Qwen2-VL image request through the server with its engine in its own process: the processed image (pixel
 tensors and hashes) crosses, the text equals the offline engine's, and a repeated image is not encoded again."""
+
 from __future__ import annotations
 
 from tests.api.test_api_media import NO_EOS, VL_ENGINE_KW, data_url, image_msg, offline_vl, png_bytes, vl_ckpt  # noqa: F401
@@ -18,8 +19,13 @@ def test_image_request_equals_offline_and_reuses_the_encoder_cache(vl_ckpt, offl
         for stream in (False, True):
             kw = dict(model="tiny-vl", messages=msgs, temperature=0, max_tokens=12, extra_body=NO_EOS)
             if stream:
-                texts.append("".join(c.choices[0].delta.content or ""
-                                     for c in served.client.chat.completions.create(**kw, stream=True) if c.choices))
+                texts.append(
+                    "".join(
+                        c.choices[0].delta.content or ""
+                        for c in served.client.chat.completions.create(**kw, stream=True)
+                        if c.choices
+                    )
+                )
             else:
                 r = served.client.chat.completions.create(**kw)
                 assert r.usage.prompt_tokens == len(ref.prompt_token_ids) > 20

@@ -1,6 +1,7 @@
 """Errors name the field the client sent: `max_completion_tokens: 0` is refused naming max_completion_tokens (not
 the max_tokens it maps to), with that field as the error's `param`; `max_tokens: 0` still names max_tokens.
 (No server: the request model and the app's validation-error rendering.)"""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 what the one-process offline engine gives; a stage killed mid-generation fails the requests in flight (plain and
 streamed) with a clear 5xx error naming the stage, /health stops answering 200, and the server exits non-zero
 instead of hanging."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,9 @@ def test_pp2_server_matches_offline_then_a_stage_killed_mid_generation_fails_cle
         base_url = f"http://127.0.0.1:{proc.port}"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
-        got = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0,
-                                        extra_body={"ignore_eos": True})
+        got = client.completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert got.choices[0].text == want_text
 
         body = {"model": model, "prompt": prompt, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
@@ -52,8 +54,11 @@ def test_pp2_server_matches_offline_then_a_stage_killed_mid_generation_fails_cle
                 return await plain, rest
 
         plain, rest = asyncio.run(asyncio.wait_for(in_flight(), 60))
-        message = plain.json()["error"]["message"] if plain.headers.get("content-type", "").startswith(
-            "application/json") else plain.text
+        message = (
+            plain.json()["error"]["message"]
+            if plain.headers.get("content-type", "").startswith("application/json")
+            else plain.text
+        )
         if not (plain.status_code >= 500 and "pipeline stage 1" in message):
             proc.kill()
             pytest.fail(f"{plain.status_code} {message!r}; server said:\n{proc.communicate()[0][-3000:]}")
@@ -63,8 +68,10 @@ def test_pp2_server_matches_offline_then_a_stage_killed_mid_generation_fails_cle
         except httpx.TransportError:
             pass
         assert proc.wait(30) == 1
-        assert all(not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
-                   for pid in stages)
+        assert all(
+            not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+            for pid in stages
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -5,6 +5,7 @@ model, it streams the API's greedy answer and shows the server's 400 for a corru
 Screenshots of each browser state go to $VLSERVE_TEST_ARTIFACTS (default: a pytest temp directory). Without Chromium
 the browser tests skip, or fail where VLSERVE_REQUIRE_BROWSER=1 (CI sets it after `make browser`).
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,8 +22,9 @@ from PIL import Image
 
 from tests.api.conftest import TEXT_ENGINE_KW, serve_subprocess
 
-EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "vlserve", "api", "static", "examples")
+EXAMPLES_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "vlserve", "api", "static", "examples"
+)
 
 
 def _app(engine, **config_kw):
@@ -38,13 +40,20 @@ def test_page_served_at_root_and_playground(server):
         r = client.get(path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         assert "/playground/static/playground.js" in r.text and "http" not in r.text.split("<body>")[0].lower()
-    for asset, kind in (("playground.js", "javascript"), ("playground.css", "text/css"),
-                        ("examples/img1.png", "image/png")):
+    for asset, kind in (
+        ("playground.js", "javascript"),
+        ("playground.css", "text/css"),
+        ("examples/img1.png", "image/png"),
+    ):
         r = client.get(f"/playground/static/{asset}")
         assert r.status_code == 200 and kind in r.headers["content-type"]
     info = client.get("/v1/playground/info").json()
-    assert info == {"models": ["tiny-text"], "modalities": [], "demo": False,
-                    "max_model_len": TEXT_ENGINE_KW["max_model_len"]}
+    assert info == {
+        "models": ["tiny-text"],
+        "modalities": [],
+        "demo": False,
+        "max_model_len": TEXT_ENGINE_KW["max_model_len"],
+    }
 
 
 def test_disable_playground_gives_404(server):
@@ -119,8 +128,19 @@ def demo_server(chromium, repo_root):
     """`vlserve serve` on the demo model with --api-key, as a subprocess on a free port (small KV: quick start)."""
     from vlserve.demo import default_model_path
 
-    args = [default_model_path(), "--served-model-name", "vlserve-demo", "--api-key", API_KEY, "--num-kv-blocks", "128",
-            "--max-num-seqs", "4", "--log-level", "warning"]
+    args = [
+        default_model_path(),
+        "--served-model-name",
+        "vlserve-demo",
+        "--api-key",
+        API_KEY,
+        "--num-kv-blocks",
+        "128",
+        "--max-num-seqs",
+        "4",
+        "--log-level",
+        "warning",
+    ]
     with serve_subprocess(args, repo_root) as base:
         yield base
 
@@ -128,8 +148,9 @@ def demo_server(chromium, repo_root):
 @pytest.fixture(scope="module")
 def api(demo_server):
     """An HTTP client for the reference requests (with the server's key)."""
-    with httpx.Client(base_url=demo_server, timeout=120, trust_env=False,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with httpx.Client(
+        base_url=demo_server, timeout=120, trust_env=False, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as client:
         yield client
 
 
@@ -149,8 +170,9 @@ def _wait(driver, condition, what: str, timeout: float = 60):
     # the page re-renders lists (chips, examples) while we read them: an element found a moment ago can be gone,
     # which only means "not there yet", so poll again
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.05,
-                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
+        return WebDriverWait(
+            driver, timeout, poll_frequency=0.05, ignored_exceptions=(StaleElementReferenceException,)
+        ).until(condition)
     except TimeoutException:
         console = [entry["message"] for entry in driver.get_log("browser")]
         raise AssertionError(f"timed out waiting for {what}; browser console: {console}") from None
@@ -161,12 +183,21 @@ def _open_page(driver, base: str) -> None:
     from selenium.webdriver.common.by import By
 
     driver.get(base + "/")
-    ready = _wait(driver, lambda d: ("key" if d.find_element(By.ID, "key-input").is_displayed() else None)
-                  or ("page" if d.find_elements(By.CSS_SELECTOR, "#model option") else None), "the page or key prompt")
+    ready = _wait(
+        driver,
+        lambda d: (
+            ("key" if d.find_element(By.ID, "key-input").is_displayed() else None)
+            or ("page" if d.find_elements(By.CSS_SELECTOR, "#model option") else None)
+        ),
+        "the page or key prompt",
+    )
     if ready == "key":
         driver.find_element(By.ID, "key-input").send_keys(API_KEY + "\n")
-    _wait(driver, lambda d: d.find_element(By.ID, "demo").is_displayed()
-          and d.find_elements(By.CSS_SELECTOR, "#model option"), "the demo panel and the model list")
+    _wait(
+        driver,
+        lambda d: d.find_element(By.ID, "demo").is_displayed() and d.find_elements(By.CSS_SELECTOR, "#model option"),
+        "the demo panel and the model list",
+    )
 
 
 def _ask(driver, question: str, upload: str | None = None) -> None:
@@ -198,8 +229,13 @@ def test_browser_streams_the_greedy_answer(browser, demo_server, api, repo_root,
     browser.save_screenshot(os.path.join(artifacts, "playground_answered.png"))
 
     max_tokens = int(browser.find_element(By.ID, "max-tokens").get_attribute("value"))
-    user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
-                                        {"type": "text", "text": "Describe the image."}]}
+    user = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}},
+            {"type": "text", "text": "Describe the image."},
+        ],
+    }
     request = {"model": "vlserve-demo", "messages": [user], "temperature": 0, "max_tokens": max_tokens}
     greedy = api.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"]
     answer = browser.find_element(By.CSS_SELECTOR, f"{done} .text").text
@@ -210,8 +246,17 @@ def test_browser_streams_the_greedy_answer(browser, demo_server, api, repo_root,
     # a second turn: the conversation (image included) goes again, and its prefix comes from the cache
     _ask(browser, "How many shapes are there?")
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, done)) == 2, "the second answer")
-    second = api.post("/v1/chat/completions", json={**request, "messages": [
-        user, {"role": "assistant", "content": greedy}, {"role": "user", "content": "How many shapes are there?"}]})
+    second = api.post(
+        "/v1/chat/completions",
+        json={
+            **request,
+            "messages": [
+                user,
+                {"role": "assistant", "content": greedy},
+                {"role": "user", "content": "How many shapes are there?"},
+            ],
+        },
+    )
     turns = browser.find_elements(By.CSS_SELECTOR, done)
     assert turns[1].find_element(By.CSS_SELECTOR, ".text").text == second.json()["choices"][0]["message"]["content"]
     cached = turns[1].find_element(By.CSS_SELECTOR, ".figures").text.rsplit(", ", 1)[1]
@@ -231,10 +276,21 @@ def test_browser_streams_the_greedy_answer(browser, demo_server, api, repo_root,
     browser.switch_to.active_element.send_keys(Keys.ESCAPE)
     _wait(browser, lambda d: not d.find_element(By.ID, "copy-dialog").is_displayed(), "the dialog to close")
     browser.find_element(By.ID, "copy-python").click()
-    script = _wait(browser, lambda d: "OpenAI(" in (d.find_element(By.ID, "copy-text").get_attribute("value") or "")
-                   and d.find_element(By.ID, "copy-text").get_attribute("value"), "the Python text")
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "VLSERVE_API_KEY": API_KEY, "NO_PROXY": "127.0.0.1"})
+    script = _wait(
+        browser,
+        lambda d: (
+            "OpenAI(" in (d.find_element(By.ID, "copy-text").get_attribute("value") or "")
+            and d.find_element(By.ID, "copy-text").get_attribute("value")
+        ),
+        "the Python text",
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VLSERVE_API_KEY": API_KEY, "NO_PROXY": "127.0.0.1"},
+    )
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.startswith(second.json()["choices"][0]["message"]["content"] + "\n"), ran.stdout
 
@@ -247,13 +303,26 @@ def test_browser_shows_the_servers_400_for_a_corrupt_upload(browser, demo_server
     corrupt.write_bytes(b"\x89PNG\r\n\x1a\n" + b"this is not a picture" * 8)
     _open_page(browser, demo_server)
     _ask(browser, "Describe the image.", upload=str(corrupt))
-    error = _wait(browser, lambda d: d.find_element(By.ID, "error").is_displayed()
-                  and d.find_element(By.ID, "error"), "the error message")
+    error = _wait(
+        browser,
+        lambda d: d.find_element(By.ID, "error").is_displayed() and d.find_element(By.ID, "error"),
+        "the error message",
+    )
     browser.save_screenshot(os.path.join(artifacts, "playground_error.png"))
 
-    request = {"model": "vlserve-demo", "max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": _data_url(str(corrupt))}},
-        {"type": "text", "text": "Describe the image."}]}]}
+    request = {
+        "model": "vlserve-demo",
+        "max_tokens": 8,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(str(corrupt))}},
+                    {"type": "text", "text": "Describe the image."},
+                ],
+            }
+        ],
+    }
     r = api.post("/v1/chat/completions", json=request)
     assert r.status_code == 400
     assert error.text == f"Error 400: {r.json()['error']['message']}"
@@ -274,17 +343,32 @@ def test_browser_phone_width_example_and_chip(browser, demo_server, artifacts):
         _open_page(browser, demo_server)
         # the examples arrive by a fetch of their own, after the demo panel shows: wait for them
         _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#examples button"), "the examples")[0].click()
-        _wait(browser, lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, "#chips button")]
-              == [q["question"] for q in example["questions"]], "the example's questions as chips")
+        _wait(
+            browser,
+            lambda d: (
+                [c.text for c in d.find_elements(By.CSS_SELECTOR, "#chips button")]
+                == [q["question"] for q in example["questions"]]
+            ),
+            "the example's questions as chips",
+        )
         qa = example["questions"][0]
         # a re-render between finding the chip and clicking it makes it stale: find and click again
-        _wait(browser, lambda d: d.find_element(By.XPATH, f"//div[@id='chips']/button[text()='{qa['question']}']")
-              .click() or True, "a click on the question's chip")
-        _wait(browser, lambda d: d.find_element(By.ID, "prompt").get_attribute("value") == qa["question"],
-              "the chip's question in the box")
+        _wait(
+            browser,
+            lambda d: d.find_element(By.XPATH, f"//div[@id='chips']/button[text()='{qa['question']}']").click() or True,
+            "a click on the question's chip",
+        )
+        _wait(
+            browser,
+            lambda d: d.find_element(By.ID, "prompt").get_attribute("value") == qa["question"],
+            "the chip's question in the box",
+        )
         browser.find_element(By.ID, "prompt").send_keys(Keys.ENTER)
-        expected = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".turn.assistant .expected"),
-                         "the world's answer beside the model's")
+        expected = _wait(
+            browser,
+            lambda d: d.find_elements(By.CSS_SELECTOR, ".turn.assistant .expected"),
+            "the world's answer beside the model's",
+        )
         assert expected[0].text.endswith(f"the world's answer: {qa['answer']}")
         assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
         browser.save_screenshot(os.path.join(artifacts, "playground_phone.png"))

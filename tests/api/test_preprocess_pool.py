@@ -1,6 +1,7 @@
 """Preprocessing (media decoding, resizing, the HF processor) runs in a pool of `--mm-preprocess-workers` threads,
 so the event loop answers while every worker is busy; and the processor cache's counters move on /metrics in every
 process layout `vlserve serve` has (engine thread, engine process, data-parallel engine processes)."""
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,9 @@ def test_the_flag_sizes_the_pool():
     assert args.mm_preprocess_workers == 3
     args, _ = serve_config_from_args(build_parser().parse_args(["serve"]))
     assert args.mm_preprocess_workers == 4
-    args, _ = serve_config_from_args(build_parser().parse_args(
-        ["serve", "--mm-processor-kwargs", '{"use_fast": false}']))
+    args, _ = serve_config_from_args(
+        build_parser().parse_args(["serve", "--mm-processor-kwargs", '{"use_fast": false}'])
+    )
     assert args.mm_processor_kwargs == {"use_fast": False}
 
 
@@ -52,8 +54,15 @@ def test_the_loop_answers_while_every_preprocess_worker_is_busy():
         mm.process_image = held
         try:
             with ThreadPoolExecutor(3) as clients:
-                futures = [clients.submit(served.client.chat.completions.create, model="demo", max_tokens=2,
-                                          messages=image_msg(data_url(png_bytes(20 + i)))) for i in range(3)]
+                futures = [
+                    clients.submit(
+                        served.client.chat.completions.create,
+                        model="demo",
+                        max_tokens=2,
+                        messages=image_msg(data_url(png_bytes(20 + i))),
+                    )
+                    for i in range(3)
+                ]
                 assert entered.acquire(timeout=60) and entered.acquire(timeout=60)
                 assert not entered.acquire(timeout=1.0)  # the third waits: the pool is bounded at two
                 start = time.monotonic()
@@ -89,12 +98,18 @@ def test_processor_cache_counters_move_on_metrics(layout, repo_root):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
         http = httpx.Client(base_url=base, timeout=60, trust_env=False)
         try:
+
             def counters() -> tuple[float, float]:
-                lines = dict(line.rsplit(" ", 1) for line in http.get("/metrics").text.splitlines()
-                             if line and not line.startswith("#"))
+                lines = dict(
+                    line.rsplit(" ", 1)
+                    for line in http.get("/metrics").text.splitlines()
+                    if line and not line.startswith("#")
+                )
                 assert not [k for k in lines if k.startswith("vlserve:replica:mm_processor")]
-                return (float(lines["vlserve:mm_processor_cache_hits_total"]),
-                        float(lines["vlserve:mm_processor_cache_misses_total"]))
+                return (
+                    float(lines["vlserve:mm_processor_cache_hits_total"]),
+                    float(lines["vlserve:mm_processor_cache_misses_total"]),
+                )
 
             assert counters() == (0, 0)
             same = image_msg(data_url(png_bytes(31)))

@@ -1,5 +1,6 @@
 """The chat stream's first chunk (the assistant role) leaves with the first output, as vLLM sends it: a client
 times TTFT from the first chunk, so sending the role on admission would report the queue time as TTFT."""
+
 import asyncio
 import json
 

@@ -1,6 +1,7 @@
 """`vlserve serve --tensor-parallel-size 2`: the engine process starts two rank processes; the official openai client
 gets what the one-rank offline engine gives; killing a rank fails the request with a clear 5xx error and the server
 exits non-zero instead of hanging."""
+
 from __future__ import annotations
 
 import os
@@ -32,14 +33,12 @@ def test_tp2_server_matches_one_rank_then_a_killed_rank_stops_it(text_ckpt, repo
     try:
         ranks = _rank_pids(engine)
         assert len(ranks) == 2, f"expected two rank processes under the engine, got {ranks}"
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{proc.port}/v1", api_key="unused", max_retries=0,
-                               timeout=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{proc.port}/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         extra = {"ignore_eos": True}
         got = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
         assert got.choices[0].text == want_text
-        got = client.chat.completions.create(model=model, messages=chat, max_tokens=16, temperature=0,
-                                             extra_body=extra)
+        got = client.chat.completions.create(model=model, messages=chat, max_tokens=16, temperature=0, extra_body=extra)
         assert got.choices[0].message.content == want_chat
 
         os.kill(ranks[1], signal.SIGKILL)

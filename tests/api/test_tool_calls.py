@@ -1,6 +1,7 @@
 """Tool calling over HTTP with the openai client: tool_choice "auto" needs the server flags, tool messages and
 assistant tool_calls go through the chat template with the tools, and "required" / named / "auto" (hermes) answers
 come back as tool_calls, streamed the same as not (those need the engine to enforce constraints)."""
+
 from __future__ import annotations
 
 import json
@@ -13,29 +14,43 @@ from tests.api.conftest import TEXT_ENGINE_KW, start_server
 
 CHAT = "/v1/chat/completions"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER_PARAMS = {"type": "object", "required": ["city"],
-                  "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER_PARAMS}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time"}}]
+WEATHER_PARAMS = {
+    "type": "object",
+    "required": ["city"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER_PARAMS},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time"}},
+]
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 HISTORY = ASK + [
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
 # A small tools-aware ChatML template in the manner of Qwen2.5's (tools listed in the system turn, calls as
 # <tool_call> blocks, tool results as <tool_response>).
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools:\n{%- for tool in tools %}\n{{ tool | tojson }}"
-    "{%- endfor %}\nReply with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    '{%- endfor %}\nReply with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response id=\"{{ message.tool_call_id }}\">"
     "{{ message.content }}</tool_response><|im_end|>\n"
     "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
-    "{%- for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    '{%- for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", "arguments": '
     "{{ call.function.arguments | tojson }}}</tool_call>{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +58,12 @@ def tool_server(text_ckpt):
     """The text model with tool_choice "auto" on (hermes) and request chat templates trusted."""
     from vlserve.config import EngineArgs
 
-    served = start_server(EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
-                          trust_request_chat_template=True, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    served = start_server(
+        EngineArgs(model=text_ckpt, served_model_name="tiny-text", **TEXT_ENGINE_KW),
+        trust_request_chat_template=True,
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+    )
     yield served
     served.close()
 
@@ -100,33 +119,67 @@ def test_tool_history_is_accepted(server):
 def test_tool_messages_are_rendered_with_the_tools(tool_server, text_ckpt):
     from transformers import AutoTokenizer
 
-    body = {"model": tool_server.model, "messages": HISTORY, "tools": TOOLS, "tool_choice": "none",
-            "max_tokens": 1, "chat_template": TOOL_TEMPLATE}
+    body = {
+        "model": tool_server.model,
+        "messages": HISTORY,
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "max_tokens": 1,
+        "chat_template": TOOL_TEMPLATE,
+    }
     r = tool_server.http.post(CHAT, json=body)
     assert r.status_code == 200, r.text
     tok = AutoTokenizer.from_pretrained(text_ckpt)
-    conversation = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    expected = tok.apply_chat_template(conversation, tools=TOOLS, chat_template=TOOL_TEMPLATE,
-                                       add_generation_prompt=True, tokenize=False)
+    conversation = [
+        ASK[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    expected = tok.apply_chat_template(
+        conversation, tools=TOOLS, chat_template=TOOL_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in expected
     assert '<tool_response id="call_1">sunny, 21 C</tool_response>' in expected
     assert '"name": "get_time"' in expected
     assert r.json()["usage"]["prompt_tokens"] == len(tok(expected, add_special_tokens=False)["input_ids"])
 
 
-@pytest.mark.parametrize("body,words", [
-    ({"messages": ASK + [{"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "not valid JSON"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "only assistant messages"),
-    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "only tool messages"),
-    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}, "tool_calls[0]"),
-    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
-    ({"tool_choice": "required"}, "needs tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex and tool_choice"),
-])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        (
+            {
+                "messages": ASK
+                + [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                        ],
+                    }
+                ]
+            },
+            "not valid JSON",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "only assistant messages"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "only tool messages"),
+        ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"type": "function"}]}]}, "tool_calls[0]"),
+        ({"tools": [{"type": "function", "function": {}}], "tool_choice": "none"}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex and tool_choice"),
+    ],
+)
 def test_bad_tool_requests_are_400s(server, body, words):
     r = server.http.post(CHAT, json={"model": server.model, "messages": ASK, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
@@ -170,8 +223,16 @@ def test_required(tool_server):
 
 
 def test_required_sampled_n(tool_server):
-    r = create(tool_server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, extra_body=COMPACT,
-               n=3, temperature=1.0, seed=7)
+    r = create(
+        tool_server,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        extra_body=COMPACT,
+        n=3,
+        temperature=1.0,
+        seed=7,
+    )
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
 
@@ -189,16 +250,25 @@ def test_auto_hermes_calls_are_extracted(tool_server):
     assert streamed(tool_server, **kw) == ("", calls_of(msg), "tool_calls")
 
 
-@pytest.mark.parametrize("kw,words", [({"enable_auto_tool_choice": True}, "needs --tool-call-parser (one of hermes"),
-                                      ({"tool_call_parser": "nope"}, "known: hermes")])
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"enable_auto_tool_choice": True}, "needs --tool-call-parser (one of hermes"),
+        ({"tool_call_parser": "nope"}, "known: hermes"),
+    ],
+)
 def test_server_tool_flags_are_checked_at_start(kw, words):
     from types import SimpleNamespace
 
     from vlserve.api.serving_chat import OpenAIServingChat
 
-    engine = SimpleNamespace(engine_args=SimpleNamespace(limit_mm_per_prompt={}, mm_processor_kwargs=None),
-                             input_processor=SimpleNamespace(mm_processor=None))
+    engine = SimpleNamespace(
+        engine_args=SimpleNamespace(limit_mm_per_prompt={}, mm_processor_kwargs=None),
+        input_processor=SimpleNamespace(mm_processor=None),
+    )
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         OpenAIServingChat(engine, None, None, **kw)
-    assert OpenAIServingChat(engine, None, None, enable_auto_tool_choice=True,
-                             tool_call_parser="hermes").auto_tool_parser is not None
+    assert (
+        OpenAIServingChat(engine, None, None, enable_auto_tool_choice=True, tool_call_parser="hermes").auto_tool_parser
+        is not None
+    )

@@ -1,5 +1,6 @@
 """Tool calling without an engine: the hermes parser (several calls, malformed blocks, streamed == non-streamed),
 the "required" / named-function schemas (validated with jsonschema) and parsers, tools / tool_choice planning."""
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,19 @@ from vlserve.api.tool_choice import (
 from vlserve.api.tool_parsers import HermesToolParser, ToolParser, ToolParserManager
 from vlserve.api.tool_parsers.partial_json import scan_object, scan_object_array
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"$ref": "#/$defs/Unit"}},
-                   "required": ["city"], "$defs": {"Unit": {"enum": ["C", "F"]}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["city"],
+            "$defs": {"Unit": {"enum": ["C", "F"]}},
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
 TOOLS = [WEATHER, CLOCK]
 
@@ -75,8 +84,10 @@ def chunkings():
 
 HERMES_CASES = {
     "one call": block("get_weather", '{"city": "Paris"}'),
-    "content then calls": "Let me check both.\n" + block("get_weather", '{"city": "Paris", "unit": "C"}') + "\n"
-                          + block("get_time", "{}"),
+    "content then calls": "Let me check both.\n"
+    + block("get_weather", '{"city": "Paris", "unit": "C"}')
+    + "\n"
+    + block("get_time", "{}"),
     "tricky strings": block("get_weather", '{"city": "a}\\"b{ </tool", "n": [1, {"x": null}], "t": true}'),
     "no arguments key": '<tool_call>{"name": "get_time"}</tool_call>',
     "malformed json": "Sure <tool_call>{not json}</tool_call> done",
@@ -85,7 +96,7 @@ HERMES_CASES = {
     "malformed then valid": "<tool_call>oops</tool_call>\n" + block("get_time", "{}") + "\nbye  ",
     "plain text": "Hello world, <toolbox> is not a tag <tool_cal",
     "unclosed valid": "ok " + '<tool_call>\n{"name": "get_time", "arguments": {}}\n',
-    "unclosed invalid": "ok <tool_call>\n{\"name\": \"get_time\", \"argu",
+    "unclosed invalid": 'ok <tool_call>\n{"name": "get_time", "argu',
     "text after call": block("get_time", "{}") + "\n\nThat is all.\n",
     "unicode": block("get_weather", '{"city": "Zürich ✓"}'),
     "empty": "",
@@ -117,12 +128,15 @@ def test_hermes_extracts_several_calls_and_content():
 def test_hermes_only_calls_gives_null_content():
     content, calls = HermesToolParser().extract_tool_calls(HERMES_CASES["one call"])
     assert content is None and calls_of(calls) == [("get_weather", '{"city": "Paris"}')]
-    assert HermesToolParser().extract_tool_calls('<tool_call>{"name": "get_time"}</tool_call>')[1][0] \
-        .function.arguments == "{}"
+    assert (
+        HermesToolParser().extract_tool_calls('<tool_call>{"name": "get_time"}</tool_call>')[1][0].function.arguments
+        == "{}"
+    )
 
 
-@pytest.mark.parametrize("case", ["malformed json", "not an object", "arguments not an object", "plain text",
-                                  "unclosed invalid", "empty"])
+@pytest.mark.parametrize(
+    "case", ["malformed json", "not an object", "arguments not an object", "plain text", "unclosed invalid", "empty"]
+)
 def test_hermes_malformed_blocks_stay_content(case):
     text = HERMES_CASES[case]
     assert HermesToolParser().extract_tool_calls(text) == (text, [])
@@ -142,7 +156,7 @@ def test_hermes_unclosed_last_block_counts_when_its_json_is_whole():
 def test_hermes_streaming_holds_back_a_possible_tag():
     parser = HermesToolParser()
     assert parser.extract_tool_calls_streaming("Hello <tool").content == "Hello"
-    assert parser.extract_tool_calls_streaming("Hello <tool_call>\n{\"na") is None
+    assert parser.extract_tool_calls_streaming('Hello <tool_call>\n{"na') is None
     delta = parser.extract_tool_calls_streaming('Hello <tool_call>\n{"name": "get_time", "arguments": {"a')
     assert delta.content is None and delta.tool_calls[0].function.name == "get_time"
     assert delta.tool_calls[0].function.arguments == '{"a'
@@ -182,8 +196,12 @@ def test_partial_json_spans():
     text = '{"a": "x\\"}", "b": [1, {"c": 2}], "d": 3.5, "e": null}'
     fields, end = scan_object(text, 0)
     assert end == len(text)
-    assert {k: text[s:e] for k, (s, e) in fields.items()} == {"a": '"x\\"}"', "b": '[1, {"c": 2}]', "d": "3.5",
-                                                               "e": "null"}
+    assert {k: text[s:e] for k, (s, e) in fields.items()} == {
+        "a": '"x\\"}"',
+        "b": '[1, {"c": 2}]',
+        "d": "3.5",
+        "e": "null",
+    }
     fields, end = scan_object('{"a": [1, 2', 0)
     assert end is None and fields["a"] == (6, None)
     with pytest.raises(ValueError):
@@ -199,13 +217,19 @@ def test_partial_json_spans():
 def test_required_schema_accepts_exactly_the_tool_calls():
     schema = required_schema(TOOLS)
     jsonschema.Draft202012Validator.check_schema(schema)
-    good = [[{"name": "get_weather", "parameters": {"city": "Paris"}}],
-            [{"name": "get_weather", "parameters": {"city": "Rome", "unit": "F"}},
-             {"name": "get_time", "parameters": {}}]]
-    bad = [[], [{"name": "get_weather", "parameters": {}}], [{"name": "other", "parameters": {}}],
-           [{"name": "get_weather", "parameters": {"city": "Rome", "unit": "K"}}],
-           [{"name": "get_time", "parameters": {}, "extra": 1}], [{"name": "get_time"}],
-           {"name": "get_time", "parameters": {}}]
+    good = [
+        [{"name": "get_weather", "parameters": {"city": "Paris"}}],
+        [{"name": "get_weather", "parameters": {"city": "Rome", "unit": "F"}}, {"name": "get_time", "parameters": {}}],
+    ]
+    bad = [
+        [],
+        [{"name": "get_weather", "parameters": {}}],
+        [{"name": "other", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {"city": "Rome", "unit": "K"}}],
+        [{"name": "get_time", "parameters": {}, "extra": 1}],
+        [{"name": "get_time"}],
+        {"name": "get_time", "parameters": {}},
+    ]
     for value in good:
         jsonschema.validate(value, schema)
     for value in bad:
@@ -219,8 +243,10 @@ def test_required_schema_accepts_exactly_the_tool_calls():
 
 
 def test_required_schema_refuses_clashing_defs():
-    other = {"type": "function", "function": {"name": "g", "parameters": {
-        "type": "object", "$defs": {"Unit": {"enum": ["K"]}}}}}
+    other = {
+        "type": "function",
+        "function": {"name": "g", "parameters": {"type": "object", "$defs": {"Unit": {"enum": ["K"]}}}},
+    }
     with pytest.raises(ValueError, match="Unit"):
         required_schema([WEATHER, other])
 
@@ -234,8 +260,9 @@ def test_named_schema():
 
 
 def test_required_parser_streams_what_it_returns():
-    text = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}},
-                       {"name": "get_time", "parameters": {}}])
+    text = json.dumps(
+        [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
+    )
     content, calls = RequiredToolsParser().extract_tool_calls(text)
     assert content is None
     assert calls_of(calls) == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
@@ -248,8 +275,7 @@ def test_required_parser_streams_what_it_returns():
 def test_named_parser():
     content, calls = NamedFunctionParser("get_weather").extract_tool_calls('{"city": "Paris"}')
     assert content is None and calls_of(calls) == [("get_weather", '{"city": "Paris"}')]
-    assert stream(NamedFunctionParser("get_weather"), '{"city": "Paris"}', iter(lambda: 2, None))[1] == \
-        calls_of(calls)
+    assert stream(NamedFunctionParser("get_weather"), '{"city": "Paris"}', iter(lambda: 2, None))[1] == calls_of(calls)
 
 
 # -- planning ----------------------------------------------------------------------------------------------------
@@ -266,24 +292,27 @@ def test_plan_defaults_and_modes():
     assert named.mode == "function" and named.constraint() == {"type": "object", "properties": {}}
 
 
-@pytest.mark.parametrize("tools,choice,words", [
-    (TOOLS, None, "--enable-auto-tool-choice"),
-    (TOOLS, "auto", "--enable-auto-tool-choice"),
-    (None, "required", "needs tools"),
-    (None, "auto", "needs tools"),
-    (TOOLS, "sometimes", "tool_choice must be"),
-    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "nope"),
-    (TOOLS, {"type": "function", "function": {}}, "tool_choice.function.name"),
-    (TOOLS, {"type": "allowed_tools"}, "not supported"),
-    (None, {"type": "function", "function": {"name": "get_time"}}, "not in tools"),
-    ({"a": 1}, "none", "tools must be a list"),
-    ([{"type": "custom", "custom": {}}], "none", "only function tools"),
-    ([{"type": "function", "function": {"description": "x"}}], "none", "tools[0].function.name"),
-    ([{"type": "function"}], "none", "tools[0].function"),
-    ([CLOCK, CLOCK], "none", "two tools are named"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "none", "parameters"),
-    (["f"], "none", "tools[0] must be an object"),
-])
+@pytest.mark.parametrize(
+    "tools,choice,words",
+    [
+        (TOOLS, None, "--enable-auto-tool-choice"),
+        (TOOLS, "auto", "--enable-auto-tool-choice"),
+        (None, "required", "needs tools"),
+        (None, "auto", "needs tools"),
+        (TOOLS, "sometimes", "tool_choice must be"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "nope"),
+        (TOOLS, {"type": "function", "function": {}}, "tool_choice.function.name"),
+        (TOOLS, {"type": "allowed_tools"}, "not supported"),
+        (None, {"type": "function", "function": {"name": "get_time"}}, "not in tools"),
+        ({"a": 1}, "none", "tools must be a list"),
+        ([{"type": "custom", "custom": {}}], "none", "only function tools"),
+        ([{"type": "function", "function": {"description": "x"}}], "none", "tools[0].function.name"),
+        ([{"type": "function"}], "none", "tools[0].function"),
+        ([CLOCK, CLOCK], "none", "two tools are named"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "none", "parameters"),
+        (["f"], "none", "tools[0] must be an object"),
+    ],
+)
 def test_plan_errors(tools, choice, words):
     with pytest.raises(ValueError) as e:
         plan_tools(tools, choice)

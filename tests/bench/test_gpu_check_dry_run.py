@@ -1,5 +1,6 @@
 """`make gpu-check DRY_RUN=1`: the one-command GPU check runs every step on CPU with tiny sizes, so the
 script a GPU session relies on cannot rot; the report lists every step with its status, figures and command."""
+
 import json
 import os
 import subprocess
@@ -16,9 +17,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_gpu_check_dry_run_reports_every_step(tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out),
-                           "--work-dir", str(tmp_path / "work"), "--budget", "600"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--dry-run",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--budget",
+            "600",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     md = (out / "report.md").read_text()
     report = json.loads((out / "report.json").read_text())
     assert report["dry_run"] is True and (out / "log.txt").is_file()
@@ -42,8 +58,13 @@ def test_gpu_check_dry_run_reports_every_step(tmp_path):
 
 
 def test_gpu_check_only_and_skip_still_list_every_step(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
-                           "--only", "build_model"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path), "--only", "build_model"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = {s["name"]: s["status"] for s in json.loads((tmp_path / "report.json").read_text())["steps"]}
     assert steps.pop("setup") == "pass" and steps.pop("build_model") == "pass"

@@ -1,5 +1,6 @@
 """The CUDA report of the throughput bench (GPU busy and the bandwidth roofline), run here with the profiler and the
 device name stood in for: a GPU session should find it working, not spend its device time on a typo."""
+
 import re
 
 import torch
@@ -10,8 +11,16 @@ from vlserve.demo.checkpoints import build_text_checkpoint
 
 
 def test_gpu_report_prints_busy_fraction_and_roofline(tmp_path, monkeypatch, capsys):
-    build_text_checkpoint(str(tmp_path), arch="qwen2", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                          intermediate_size=128, seed=0)
+    build_text_checkpoint(
+        str(tmp_path),
+        arch="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        seed=0,
+    )
     llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_model_len=64, num_kv_blocks=32)
     prompts = [[5, 6, 7, 8], [9, 10]]
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True) for _ in prompts]
@@ -29,8 +38,11 @@ def test_gpu_report_prints_busy_fraction_and_roofline(tmp_path, monkeypatch, cap
     assert len(runs) == 1 and [len(o.outputs[0].token_ids) for o in runs[0]] == [6, 6]
     assert "GPU busy: 25.0% (kernel 0.250 s / wall 1.000 s" in out
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-    m = re.search(r"roofline: ([\d.]+) GB per decode step \(weights ([\d.]+) GB \+ KV\) at 3\.35 TB/s = ([\d.]+) "
-                  r"ms/step; measured 50\.000 ms/step", out)
+    m = re.search(
+        r"roofline: ([\d.]+) GB per decode step \(weights ([\d.]+) GB \+ KV\) at 3\.35 TB/s = ([\d.]+) "
+        r"ms/step; measured 50\.000 ms/step",
+        out,
+    )
     assert m and abs(float(m.group(2)) - weights / 1e9) < 0.01 and float(m.group(1)) >= float(m.group(2))
     # an unknown device asks for the bandwidth instead of guessing
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "Some GPU")

@@ -1,4 +1,5 @@
 """benchmarks.host_step: runs small, prints ms/step and a breakdown, and leaves the engine unwrapped."""
+
 import re
 
 from benchmarks import host_step

@@ -1,4 +1,5 @@
 """The encoder-cache benchmark runs end to end on both families it builds, and the cache saves encoder runs."""
+
 import re
 
 import pytest
@@ -8,8 +9,24 @@ from vlserve.bench import mm_cache
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_next"])
 def test_mm_cache_bench_runs_and_the_cache_saves_encoder_runs(capsys, family):
-    mm_cache.main(["--family", family, "--num-requests", "6", "--num-images", "2", "--image-size", "56",
-                   "--output-len", "2", "--vision-depth", "1", "--vision-width", "64"])
+    mm_cache.main(
+        [
+            "--family",
+            family,
+            "--num-requests",
+            "6",
+            "--num-images",
+            "2",
+            "--image-size",
+            "56",
+            "--output-len",
+            "2",
+            "--vision-depth",
+            "1",
+            "--vision-width",
+            "64",
+        ]
+    )
     out = capsys.readouterr().out
     on = int(re.search(r"cache on : .* (\d+) encoder runs", out).group(1))
     off = int(re.search(r"cache off: .* (\d+) encoder runs", out).group(1))

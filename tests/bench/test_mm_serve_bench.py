@@ -1,5 +1,6 @@
 """benchmarks.mm_serve end to end against `vlserve serve` only (no vLLM): a tiny random Qwen2-VL built into the
 checkpoint cache, 2 streamed chat requests through vlserve.bench.serve's client, one table row, logs and JSON."""
+
 import json
 import os
 import re
@@ -14,13 +15,36 @@ TINY = ["--vision-depth", "1", "--vision-width", "64", "--hidden-size", "64", "-
 @pytest.mark.slow
 def test_mm_serve_against_vlserve_only(tmp_path, capsys):
     ckpt, results = str(tmp_path / "ckpt"), str(tmp_path / "results")
-    rc = mm_serve.main(["--skip-vllm", "--client", "vlserve", "--workload", "img224", "--num-prompts", "2",
-                        "--input-len", "8", "--output-len", "4", "--checkpoint-dir", ckpt, "--result-dir", results,
-                        "--start-timeout", "300", *TINY])
+    rc = mm_serve.main(
+        [
+            "--skip-vllm",
+            "--client",
+            "vlserve",
+            "--workload",
+            "img224",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--checkpoint-dir",
+            ckpt,
+            "--result-dir",
+            results,
+            "--start-timeout",
+            "300",
+            *TINY,
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert re.search(r"^machine: (AVX-512|AVX2-only|no AVX2).*; dtype float32; vLLM not used; client: "
-                     r"vlserve\.bench\.serve$", out, re.M), out
+    assert re.search(
+        r"^machine: (AVX-512|AVX2-only|no AVX2).*; dtype float32; vLLM not used; client: "
+        r"vlserve\.bench\.serve$",
+        out,
+        re.M,
+    ), out
     # 224x224 is 8 x 8 merged patches: 64 image tokens, plus the text and template of the probe request
     row = re.search(r"^\| img224 \| vlserve \| (\d+) \| 2/2 \| ([\d.]+) \| ([\d.,]+) \| ([\d.,]+) \|", out, re.M)
     assert row, out

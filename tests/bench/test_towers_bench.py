@@ -1,20 +1,27 @@
 """benchmarks.towers: on tiny towers it prints a row per family and dtype, ours matching HF's output in each."""
+
 import re
 
 from benchmarks import towers
 
-ROW = re.compile(r"^(\w+) +(float32|bfloat16) +(\d+) +(\d+) +([\d.]+) +([\d.]+) +(\d+) +([\d.]+) +([\d.]+) +"
-                 r"([\d.]+)x  ([\d.e+-]+) (ok|OVER TOLERANCE)$", re.M)
+ROW = re.compile(
+    r"^(\w+) +(float32|bfloat16) +(\d+) +(\d+) +([\d.]+) +([\d.]+) +(\d+) +([\d.]+) +([\d.]+) +"
+    r"([\d.]+)x  ([\d.e+-]+) (ok|OVER TOLERANCE)$",
+    re.M,
+)
 
 
 def test_towers_bench_prints_rows_that_pass_parity(capsys):
-    argv = ["--families", "qwen2_5_vl", "siglip", "--depth", "1", "--width", "64", "--image-size", "56",
-            "--iters", "1"]
+    argv = ["--families", "qwen2_5_vl", "siglip", "--depth", "1", "--width", "64", "--image-size", "56", "--iters", "1"]
     rows = towers.main(argv)
     out = capsys.readouterr().out
     printed = ROW.findall(out)
-    assert [(r[0], r[1]) for r in printed] == [("qwen2_5_vl", "float32"), ("qwen2_5_vl", "bfloat16"),
-                                               ("siglip", "float32"), ("siglip", "bfloat16")], out
+    assert [(r[0], r[1]) for r in printed] == [
+        ("qwen2_5_vl", "float32"),
+        ("qwen2_5_vl", "bfloat16"),
+        ("siglip", "float32"),
+        ("siglip", "bfloat16"),
+    ], out
     assert all(r[11] == "ok" for r in printed) and all(r["ok"] for r in rows), out
     assert all(int(r[2]) == 16 for r in printed)  # (56 / 14)**2 patches
     for line, row in zip(printed, rows):  # the printed ratio is HF's time over ours

@@ -1,5 +1,6 @@
 """The per-step encoder budget: the scheduler's admission rule (hand-made runner outputs, no torch) and the
 adaptive `EncoderBudget` that sizes it from measured timings."""
+
 import pytest
 
 from tests.core.test_scheduler import add, fake_run, make_sched, run_to_end
@@ -11,14 +12,26 @@ IMG = 256  # embeddings per image
 
 def _image_request(s, rid, n_embeds=IMG, offset=10, max_tokens=3):
     """A prompt of `offset` text tokens, the image's placeholders, then 20 text tokens."""
-    add(s, rid, offset + n_embeds + 20, max_tokens=max_tokens,
-        mm=[MultiModalFeature("image", f"hash-{rid}", offset, n_embeds)])
+    add(
+        s,
+        rid,
+        offset + n_embeds + 20,
+        max_tokens=max_tokens,
+        mm=[MultiModalFeature("image", f"hash-{rid}", offset, n_embeds)],
+    )
 
 
 def _burst_sched(budget, cache=4096, **kw):
     """Prefix caching off: the test prompts share their text, and hits would blur the token counts checked."""
-    return make_sched(num_blocks=2048, max_model_len=1024, max_num_batched_tokens=4096, encoder_cache_size=cache,
-                      encoder_compute_budget=budget, enable_prefix_caching=False, **kw)
+    return make_sched(
+        num_blocks=2048,
+        max_model_len=1024,
+        max_num_batched_tokens=4096,
+        encoder_cache_size=cache,
+        encoder_compute_budget=budget,
+        enable_prefix_caching=False,
+        **kw,
+    )
 
 
 def _run_burst(s, num_images, text_tokens=40):
@@ -32,8 +45,9 @@ def _run_burst(s, num_images, text_tokens=40):
     steps = []
     while s.has_unfinished_requests():
         so = s.schedule()
-        steps.append((sum(len(v) for v in so.scheduled_encoder_inputs.values()),
-                      so.num_scheduled_tokens.get("text", 0)))
+        steps.append(
+            (sum(len(v) for v in so.scheduled_encoder_inputs.values()), so.num_scheduled_tokens.get("text", 0))
+        )
         s.update_from_output(so, fake_run(s, so))
         s.check_integrity()
     s.check_integrity()  # idle: no KV block and no encoder-cache reference left
@@ -111,12 +125,18 @@ def test_item_larger_than_the_cache_is_refused_but_not_one_over_the_budget():
 def test_budget_under_chunked_prefill_prefix_hits_and_preemption():
     """Two images per request, small token chunks, a KV pool that forces preemption, then the same prompts again
     (prefix and encoder cache hits): at most one item per step at budget 1, everything finishes, nothing leaks."""
-    s = make_sched(num_blocks=60, max_model_len=256, max_num_batched_tokens=32, encoder_cache_size=64,
-                   encoder_compute_budget=1)
+    s = make_sched(
+        num_blocks=60, max_model_len=256, max_num_batched_tokens=32, encoder_cache_size=64, encoder_compute_budget=1
+    )
 
     def two_images(rid, tag):
-        add(s, rid, 100, max_tokens=12, mm=[MultiModalFeature("image", f"{tag}-0", 8, 24),
-                                            MultiModalFeature("image", f"{tag}-1", 50, 24)])
+        add(
+            s,
+            rid,
+            100,
+            max_tokens=12,
+            mm=[MultiModalFeature("image", f"{tag}-0", 8, 24), MultiModalFeature("image", f"{tag}-1", 50, 24)],
+        )
 
     add(s, "text", 4, max_tokens=30)
     for i in range(3):

@@ -2,6 +2,7 @@
 grammar compiles and others go ahead, kept tokens advance the matcher, a finished grammar stops the request, drafts
 are cut to what the grammar allows, a failed compile ends the request "abort" without leaking, and the bitmask
 rows cover exactly the constrained requests that sample."""
+
 from tests.core.test_scheduler import make_sched
 from vlserve.core.grammar_sync import bitmask_rows
 from vlserve.core.request import EngineCoreRequest
@@ -38,8 +39,9 @@ class FakeMatcher:
 
 
 def _add(s, rid, n_prompt=5, matcher=None, max_tokens=10):
-    s.add_request(EngineCoreRequest(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
-                                    0.0, []), matcher)
+    s.add_request(
+        EngineCoreRequest(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0.0, []), matcher
+    )
 
 
 def _run(s, so, token=7, drafts=None):
@@ -94,8 +96,9 @@ def test_failed_compile_ends_abort_without_leaks():
     so = s.schedule()
     assert not so.num_scheduled_tokens and "bad" in so.finished_req_ids
     outs = s.update_from_output(so, ModelRunnerOutput([], []))
-    assert [(o.request_id, o.finish_reason, o.extra["error"]) for o in outs] == [("bad", "abort",
-                                                                                 "the schema is wrong")]
+    assert [(o.request_id, o.finish_reason, o.extra["error"]) for o in outs] == [
+        ("bad", "abort", "the schema is wrong")
+    ]
     s.check_integrity()
 
 

@@ -1,4 +1,5 @@
 """The lean host step's shortcuts give what the plain per-token / full paths give (no model, no torch)."""
+
 import random
 
 from vlserve.config import SchedulerConfig
@@ -27,9 +28,13 @@ def _reference_accept(req: Request, sampled: list[int], max_model_len: int) -> l
 
 def _request(rng: random.Random, n_prompt: int) -> Request:
     max_tokens = rng.randint(1, 6)
-    params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.randint(0, min(2, max_tokens)),
-                            stop_token_ids=rng.choice([[], [3], [3, 5]]), ignore_eos=rng.random() < 0.5,
-                            _eos_token_ids=(5,))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=rng.randint(0, min(2, max_tokens)),
+        stop_token_ids=rng.choice([[], [3], [3, 5]]),
+        ignore_eos=rng.random() < 0.5,
+        _eos_token_ids=(5,),
+    )
     req = Request(EngineCoreRequest("r", list(range(10, 10 + n_prompt)), params, 0.0), max_tokens)
     req.append_output_token_ids([9] * rng.randint(0, params.max_tokens - 1))
     return req
@@ -51,7 +56,9 @@ def test_accept_tokens_matches_the_per_token_rule():
         assert (fast.status, fast.stop_reason, fast.all_token_ids) == (ref.status, ref.stop_reason, ref.all_token_ids)
         seen.add((fast.status, len(kept) < len(sampled)))
     # every outcome was exercised: running, stopped and length-capped, with and without dropped tokens
-    assert {RequestStatus.WAITING, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH} <= {s for s, _ in seen}
+    assert {RequestStatus.WAITING, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH} <= {
+        s for s, _ in seen
+    }
     assert (RequestStatus.FINISHED_STOPPED, True) in seen and (RequestStatus.FINISHED_LENGTH, True) in seen
 
 

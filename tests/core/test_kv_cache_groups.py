@@ -1,5 +1,6 @@
 """KV cache groups: grouping layers, the sliding-window group's dropped blocks, prefix hits within a window, and the
 pool's invariants under random traffic (pure Python)."""
+
 import random
 
 import pytest
@@ -157,7 +158,7 @@ def test_random_traffic_keeps_the_pool_whole(seed):
             first = max(0, req.num_computed_tokens - W + 1) // BS  # what the next query reads
             for g in (1, 2):
                 held = kv.req_to_blocks[rid][g]
-                assert all(b is not kv.pool.null_block for b in held[first:cdiv(req.num_computed_tokens, BS)])
+                assert all(b is not kv.pool.null_block for b in held[first : cdiv(req.num_computed_tokens, BS)])
         kv.check_integrity()
     for req in live.values():
         kv.free(req)

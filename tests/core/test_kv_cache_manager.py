@@ -1,4 +1,5 @@
 """KV cache manager and block pool: allocation, prefix hits, LRU reuse, media-aware hashes, integrity."""
+
 import pytest
 
 from vlserve.core.block_pool import BlockPool

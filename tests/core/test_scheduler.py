@@ -1,4 +1,5 @@
 """Scheduler unit tests with hand-made runner outputs (no model, no torch)."""
+
 import pytest
 
 from vlserve.config import SchedulerConfig
@@ -10,14 +11,18 @@ from vlserve.sampling_params import SamplingParams
 
 
 def make_sched(num_blocks=64, **kw):
-    cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256,
-                             "block_size": 4, **kw})
+    cfg = SchedulerConfig(
+        **{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256, "block_size": 4, **kw}
+    )
     return Scheduler(cfg, num_blocks)
 
 
 def add(s, rid, n_prompt, max_tokens=4, mm=None, **params):
-    s.add_request(EngineCoreRequest(rid, list(range(1, n_prompt + 1)),
-                                    SamplingParams(max_tokens=max_tokens, **params), 0.0, mm or []))
+    s.add_request(
+        EngineCoreRequest(
+            rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, **params), 0.0, mm or []
+        )
+    )
 
 
 def fake_run(s, so, token=7):

@@ -1,6 +1,7 @@
 """The scheduler with LoRA requests (no model, no torch): at most max_loras distinct adapters per step (waiting and
 running requests alike wait for room, in order), block hashes carry the adapter id (base hashes unchanged), and a
 LoRA request on an engine without LoRA is refused."""
+
 from dataclasses import dataclass
 
 import pytest
@@ -19,8 +20,12 @@ class Lora:  # what the core reads of a vlserve.lora.LoRARequest
 
 def add(s, rid, lora, n_prompt=6, max_tokens=3, prompt=None):
     from vlserve.sampling_params import SamplingParams
-    s.add_request(EngineCoreRequest(rid, prompt or list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens),
-                                    0.0, [], lora))
+
+    s.add_request(
+        EngineCoreRequest(
+            rid, prompt or list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), 0.0, [], lora
+        )
+    )
 
 
 def adapters_of(s, so):
@@ -103,7 +108,8 @@ def test_requests_wait_while_their_adapter_loads_and_fail_with_its_error():
     s.loras_loading.discard(1)
     s.fail_lora(2, "missing adapter_model.safetensors")
     assert [(o.request_id, o.finish_reason, o.extra["error"]) for o in s.failed] == [
-        ("b", "abort", "missing adapter_model.safetensors")]
+        ("b", "abort", "missing adapter_model.safetensors")
+    ]
     assert "b" not in s.requests and not s.loras_loading
     fake_run(s, so)
     so = s.schedule()

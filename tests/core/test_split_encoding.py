@@ -1,6 +1,7 @@
 """Split encoding in the scheduler (pure Python, hand-made runner outputs): an item whose tower runs in stages and
 does not fit the step's encoder budget is encoded a slice of stages per step, its request's prefill waits before it
 until the last slice, running requests keep decoding, and an abandoned item leaves nothing behind."""
+
 from tests.core.test_scheduler import add, fake_run, make_sched, run_to_end
 from vlserve.multimodal.inputs import MultiModalFeature
 
@@ -8,9 +9,16 @@ IMG, STAGES = 256, 8  # a stage costs IMG / STAGES = 32 embeddings
 
 
 def _sched(budget, stages=STAGES, **kw):
-    return make_sched(num_blocks=512, max_model_len=1024, max_num_batched_tokens=1024, encoder_cache_size=1024,
-                      encoder_compute_budget=budget, enable_prefix_caching=False,
-                      encoder_stage_counts={"image": stages} if stages else {}, **kw)
+    return make_sched(
+        num_blocks=512,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        encoder_cache_size=1024,
+        encoder_compute_budget=budget,
+        enable_prefix_caching=False,
+        encoder_stage_counts={"image": stages} if stages else {},
+        **kw,
+    )
 
 
 def _image_request(s, rid, mm_hash="img", offset=10, max_tokens=3):

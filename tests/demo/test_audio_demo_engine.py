@@ -1,5 +1,6 @@
 """vlserve serving the shipped audio demo (`vlserve-demo-audio`): the same answers as HF generate on held-out clips,
 and the clip-length limit that the checkpoint's 5-second feature window sets by default."""
+
 import numpy as np
 import pytest
 

@@ -1,5 +1,6 @@
 """The audio demo's trainer and eval: batches (answer labels, per-token probe targets), conversation order, a tiny
 training run whose checkpoint transformers loads unchanged, and the eval's scoring."""
+
 import json
 import math
 import os
@@ -30,8 +31,13 @@ def test_describe_is_always_the_last_turn():
 
 
 def test_token_targets_follow_the_beeps():
-    c = aw.Clip((aw.Beep("low", "short", 0.10, 0.12, 300.0, 0.5), aw.Beep("high", "long", 0.50, 0.45, 2000.0, 0.5)),
-                1.2, "white", 0.01, 0)
+    c = aw.Clip(
+        (aw.Beep("low", "short", 0.10, 0.12, 300.0, 0.5), aw.Beep("high", "long", 0.50, 0.45, 2000.0, 0.5)),
+        1.2,
+        "white",
+        0.01,
+        0,
+    )
     t = token_targets(c, 30)  # 40 ms a token
     assert t[0] == (0, 0, 0) and t[3] == (1, 1, 1) and t[8] == (0, 0, 0)
     assert t[13] == (3, 2, 2) and t[23] == (3, 2, 2) and t[25] == (0, 0, 0)
@@ -56,8 +62,17 @@ def test_tiny_training_run_saves_a_checkpoint_transformers_loads(tmp_path):
     from training.audio_build import AudioDemoSize
     from training.train_audio import train
 
-    size = AudioDemoSize(encoder_dim=32, encoder_layers=1, encoder_heads=2, encoder_ffn_dim=64, hidden_size=32,
-                         intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    size = AudioDemoSize(
+        encoder_dim=32,
+        encoder_layers=1,
+        encoder_heads=2,
+        encoder_ffn_dim=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+    )
     out = str(tmp_path / "ckpt")
     summary = train(out, steps=3, batch_size=2, workers=0, log_every=1, warmup=1, size=size)
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"]) and len(summary["history"]) == 3
@@ -71,7 +86,8 @@ def test_tiny_training_run_saves_a_checkpoint_transformers_loads(tmp_path):
         tok_cfg = json.load(f)
     assert "<|AUDIO|>" in tok_cfg["additional_special_tokens"] and not tok_cfg.get("extra_special_tokens")
     assert "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>" in processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "Hi"}]}], tokenize=False)
+        [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "Hi"}]}], tokenize=False
+    )
 
 
 def test_eval_scores_exact_answers_per_form():

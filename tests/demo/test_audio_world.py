@@ -1,4 +1,5 @@
 """The audio demo's world: seeded clips, their renderings (pitch, timing, noise) and every answer."""
+
 import io
 import random
 import wave
@@ -48,20 +49,24 @@ def test_rendering_puts_each_beep_at_its_time_and_pitch():
     x = aw.render(c)
     assert x.dtype == np.float32 and x.shape == (int(3.0 * aw.SAMPLE_RATE),) and np.abs(x).max() <= 1.0
     for b in c.beeps:
-        seg = x[int((b.start + 0.02) * aw.SAMPLE_RATE):int((b.start + b.duration - 0.02) * aw.SAMPLE_RATE)]
+        seg = x[int((b.start + 0.02) * aw.SAMPLE_RATE) : int((b.start + b.duration - 0.02) * aw.SAMPLE_RATE)]
         spectrum = np.abs(np.fft.rfft(seg))
         peak_hz = np.argmax(spectrum) * aw.SAMPLE_RATE / len(seg)
         assert abs(peak_hz - b.freq) < 30, (b, peak_hz)
-    gap = x[int(0.5 * aw.SAMPLE_RATE):int(0.75 * aw.SAMPLE_RATE)]
-    tone = x[int(0.9 * aw.SAMPLE_RATE):int(1.1 * aw.SAMPLE_RATE)]
-    assert np.sqrt(np.mean(gap ** 2)) < 0.1 * np.sqrt(np.mean(tone ** 2)), "between beeps only the faint noise"
+    gap = x[int(0.5 * aw.SAMPLE_RATE) : int(0.75 * aw.SAMPLE_RATE)]
+    tone = x[int(0.9 * aw.SAMPLE_RATE) : int(1.1 * aw.SAMPLE_RATE)]
+    assert np.sqrt(np.mean(gap**2)) < 0.1 * np.sqrt(np.mean(tone**2)), "between beeps only the faint noise"
 
 
 def test_answers_for_every_form():
     c = clip_of(beep("high", "short", 0.2, 0.12), beep("low", "long", 0.6, 0.45), beep("middle", "short", 1.4, 0.15))
     assert [a for _, _, a in aw.qas(c)] == [
-        "There are three beeps.", "The first beep is high.", "The last beep is middle.", "The second beep.",
-        "Three beeps: high short, low long, middle short."]
+        "There are three beeps.",
+        "The first beep is high.",
+        "The last beep is middle.",
+        "The second beep.",
+        "Three beeps: high short, low long, middle short.",
+    ]
     one = clip_of(beep("low", "short", 0.2, 0.12))
     assert aw.answer(one, "How many beeps are there?") == "There is one beep."
     assert aw.answer(one, "Which beep is the longest?") == "The first beep."

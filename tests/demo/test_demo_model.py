@@ -1,4 +1,5 @@
 """The shipped demo checkpoint: a standard HF directory, the default model, HF == vlserve, and a quick held-out eval."""
+
 import os
 
 import pytest
@@ -19,8 +20,11 @@ def llm():
 
 def test_shipped_checkpoint_is_small_and_standard():
     assert default_model_path() == MODEL_DIR
-    total = sum(os.path.getsize(os.path.join(MODEL_DIR, f)) for f in os.listdir(MODEL_DIR)
-                if os.path.isfile(os.path.join(MODEL_DIR, f)))
+    total = sum(
+        os.path.getsize(os.path.join(MODEL_DIR, f))
+        for f in os.listdir(MODEL_DIR)
+        if os.path.isfile(os.path.join(MODEL_DIR, f))
+    )
     assert total <= 25 * 1024 * 1024, f"demo checkpoint is {total / 2**20:.1f} MiB"
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -42,8 +46,11 @@ def test_quick_eval_through_vlserve(llm):
     from vlserve import SamplingParams
 
     items = demo_eval.held_out_set(per_form=5, seed=demo_eval.EVAL_SEED + 1)
-    outs = llm.chat([demo_eval.messages_for(it, "vlserve") for it in items],
-                    SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS), use_tqdm=False)
+    outs = llm.chat(
+        [demo_eval.messages_for(it, "vlserve") for it in items],
+        SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS),
+        use_tqdm=False,
+    )
     acc = demo_eval.score(items, [o.outputs[0].text for o in outs])
     assert acc["overall"] >= 0.9, acc
 
@@ -57,8 +64,11 @@ def test_json_schema_answers_about_pictures_are_valid_and_right(llm):
     from vlserve import SamplingParams, StructuredOutputsParams
     from vlserve.demo import world
 
-    sp = SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS,
-                        structured_outputs=StructuredOutputsParams(json=world.DEMO_JSON_SCHEMA))
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=demo_eval.MAX_NEW_TOKENS,
+        structured_outputs=StructuredOutputsParams(json=world.DEMO_JSON_SCHEMA),
+    )
     items = [it for it in demo_eval.held_out_set(per_form=8, seed=demo_eval.EVAL_SEED + 2) if it["form"] == "json"]
     outs = llm.chat([demo_eval.messages_for(it, "vlserve") for it in items], sp, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
@@ -67,11 +77,20 @@ def test_json_schema_answers_about_pictures_are_valid_and_right(llm):
     assert sum(right) >= len(items) - 1, list(zip(texts, [it["answer"] for it in items]))
     # the README's picture: a yellow square and a red triangle
     picture = Image.open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "demo_image.png")).convert("RGB")
-    msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": picture},
-                                         {"type": "text", "text": "Describe the image as JSON."}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": picture},
+                {"type": "text", "text": "Describe the image as JSON."},
+            ],
+        }
+    ]
     out = json.loads(llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0].text)
-    assert out == {"count": 2, "shapes": [{"shape": "square", "color": "yellow"},
-                                          {"shape": "triangle", "color": "red"}]}, out
+    assert out == {
+        "count": 2,
+        "shapes": [{"shape": "square", "color": "yellow"}, {"shape": "triangle", "color": "red"}],
+    }, out
 
 
 def test_hf_and_vlserve_give_identical_greedy_answers(llm):
@@ -79,8 +98,11 @@ def test_hf_and_vlserve_give_identical_greedy_answers(llm):
 
     items = demo_eval.held_out_set(per_form=1, seed=11)  # one image or clip per form
     hf = demo_eval.generate_hf(MODEL_DIR, items, batch_size=4)
-    outs = llm.chat([demo_eval.messages_for(it, "vlserve") for it in items],
-                    SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS), use_tqdm=False)
+    outs = llm.chat(
+        [demo_eval.messages_for(it, "vlserve") for it in items],
+        SamplingParams(temperature=0.0, max_tokens=demo_eval.MAX_NEW_TOKENS),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].text.strip() for o in outs] == [h.strip() for h in hf]
 
 
@@ -119,13 +141,29 @@ def test_server_uses_the_shipped_eagle_head_without_a_draft_path(llm):
         buf = io.BytesIO()
         item["media"].save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        reply = served.client.chat.completions.create(model=served.model, max_tokens=48, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": item["question"]}]}])
+        reply = served.client.chat.completions.create(
+            model=served.model,
+            max_tokens=48,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": item["question"]},
+                    ],
+                }
+            ],
+        )
         m = served.wait_idle()
         assert m["vlserve:spec_decode_num_drafts_total"] > 0
-        plain = llm.chat(demo_eval.messages_for(item, "vlserve"), SamplingParams(temperature=0.0, max_tokens=48),
-                         use_tqdm=False)[0].outputs[0].text
+        plain = (
+            llm.chat(
+                demo_eval.messages_for(item, "vlserve"), SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .text
+        )
         assert reply.choices[0].message.content == plain
     finally:
         served.close()

@@ -1,4 +1,5 @@
 """Every example runs as written (a subprocess, the embedded demo model), the server ones against a server we start."""
+
 import os
 import re
 import subprocess
@@ -12,8 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_example(name: str, *args: str) -> str:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "NO_PROXY": "127.0.0.1,localhost"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
 

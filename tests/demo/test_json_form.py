@@ -1,5 +1,6 @@
 """The demo world's "json" form: its question and answer, DEMO_JSON_SCHEMA / fits_json_schema, and how eval scores
 it (quick: no model, no training)."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,27 @@ from vlserve.demo import world
 def _scene(*shapes):
     """A scene holding `shapes` ((kind, color, place), ...), in the order given (sample_scene sorts by kind)."""
     base = world.sample_scene(random.Random(0), num_shapes=1)
-    return world.Scene(base.width, base.height, base.background,
-                       tuple(world.Shape(k, c, p, 10.0, 10.0, 5.0, 0.0, world.COLORS[c]) for k, c, p in shapes),
-                       base.style)
+    return world.Scene(
+        base.width,
+        base.height,
+        base.background,
+        tuple(world.Shape(k, c, p, 10.0, 10.0, 5.0, 0.0, world.COLORS[c]) for k, c, p in shapes),
+        base.style,
+    )
 
 
 def test_json_form_is_last_and_an_image_form():
     assert world.FORMS[-1] == "json" and world.FORMS.count("json") == 1
-    assert world.FORMS[:8] == ("shape", "color", "count", "where", "describe", "direction", "moving_color",
-                               "describe_video")
+    assert world.FORMS[:8] == (
+        "shape",
+        "color",
+        "count",
+        "where",
+        "describe",
+        "direction",
+        "moving_color",
+        "describe_video",
+    )
     assert "json" in world.IMAGE_FORMS and "json" not in world.VIDEO_FORMS
     assert world.QUESTION_TEMPLATES["json"] == "Describe the image as JSON."
 
@@ -30,10 +43,12 @@ def test_json_form_is_last_and_an_image_form():
 def test_json_answer_text():
     scene = _scene(("circle", "red", "left"), ("triangle", "blue", "top"))
     assert world.answer(scene, "Describe the image as JSON.") == (
-        '{"count": 2, "shapes": [{"shape": "circle", "color": "red"}, {"shape": "triangle", "color": "blue"}]}')
+        '{"count": 2, "shapes": [{"shape": "circle", "color": "red"}, {"shape": "triangle", "color": "blue"}]}'
+    )
     one = _scene(("square", "white", "center"))
     assert world.answer(one, "Describe the image as JSON.") == (
-        '{"count": 1, "shapes": [{"shape": "square", "color": "white"}]}')
+        '{"count": 1, "shapes": [{"shape": "square", "color": "white"}]}'
+    )
 
 
 def test_json_answer_follows_the_description_and_fits_the_schema():
@@ -71,18 +86,29 @@ def test_schema_lists_the_worlds_words():
     assert item["properties"]["color"]["enum"] == list(world.COLORS)
 
 
-VALID = ['{"count": 1, "shapes": [{"shape": "circle", "color": "red"}]}',
-         '{"shapes": [], "count": 0}',
-         '{"count":3,"shapes":[{"color":"black","shape":"square"},{"shape":"triangle","color":"orange"},'
-         '{"shape":"circle","color":"purple"}]}']
-INVALID = ['', 'The image shows 1 shape: a red circle at the left.', '{"count": 1, "shapes": [',
-           '{"count": "1", "shapes": []}', '{"count": 1.5, "shapes": []}', '{"count": true, "shapes": []}',
-           '{"count": 1}', '{"shapes": []}', '{"count": 1, "shapes": [], "extra": 1}',
-           '{"count": 1, "shapes": [{"shape": "hexagon", "color": "red"}]}',
-           '{"count": 1, "shapes": [{"shape": "circle", "color": "pink"}]}',
-           '{"count": 1, "shapes": [{"shape": "circle"}]}',
-           '{"count": 1, "shapes": [{"shape": "circle", "color": "red", "place": "left"}]}',
-           '{"count": 1, "shapes": {"shape": "circle", "color": "red"}}', '[1, 2]']
+VALID = [
+    '{"count": 1, "shapes": [{"shape": "circle", "color": "red"}]}',
+    '{"shapes": [], "count": 0}',
+    '{"count":3,"shapes":[{"color":"black","shape":"square"},{"shape":"triangle","color":"orange"},'
+    '{"shape":"circle","color":"purple"}]}',
+]
+INVALID = [
+    "",
+    "The image shows 1 shape: a red circle at the left.",
+    '{"count": 1, "shapes": [',
+    '{"count": "1", "shapes": []}',
+    '{"count": 1.5, "shapes": []}',
+    '{"count": true, "shapes": []}',
+    '{"count": 1}',
+    '{"shapes": []}',
+    '{"count": 1, "shapes": [], "extra": 1}',
+    '{"count": 1, "shapes": [{"shape": "hexagon", "color": "red"}]}',
+    '{"count": 1, "shapes": [{"shape": "circle", "color": "pink"}]}',
+    '{"count": 1, "shapes": [{"shape": "circle"}]}',
+    '{"count": 1, "shapes": [{"shape": "circle", "color": "red", "place": "left"}]}',
+    '{"count": 1, "shapes": {"shape": "circle", "color": "red"}}',
+    "[1, 2]",
+]
 
 
 @pytest.mark.parametrize("checker", ["jsonschema", "fallback"])
@@ -104,12 +130,17 @@ def test_eval_scores_json_by_parsed_value_and_schema():
     item = {"form": "json", "question": "Describe the image as JSON.", "answer": expected}
     assert demo_eval.is_right(item, expected)
     assert demo_eval.is_right(item, " " + expected.replace(": ", ":").replace(", ", ",") + "\n")  # same value
-    assert demo_eval.is_right(item, '{"shapes": [{"color": "red", "shape": "circle"}, '
-                                    '{"shape": "square", "color": "blue"}], "count": 2}')  # key order is free
-    wrong = ['{"count": 2, "shapes": [{"shape": "square", "color": "blue"}, {"shape": "circle", "color": "red"}]}',
-             '{"count": 3, "shapes": [{"shape": "circle", "color": "red"}, {"shape": "square", "color": "blue"}]}',
-             '{"count": 2, "shapes": [{"shape": "circle", "color": "red"}]}', expected[:-1], "",
-             expected.upper()]
+    assert demo_eval.is_right(
+        item, '{"shapes": [{"color": "red", "shape": "circle"}, {"shape": "square", "color": "blue"}], "count": 2}'
+    )  # key order is free
+    wrong = [
+        '{"count": 2, "shapes": [{"shape": "square", "color": "blue"}, {"shape": "circle", "color": "red"}]}',
+        '{"count": 3, "shapes": [{"shape": "circle", "color": "red"}, {"shape": "square", "color": "blue"}]}',
+        '{"count": 2, "shapes": [{"shape": "circle", "color": "red"}]}',
+        expected[:-1],
+        "",
+        expected.upper(),
+    ]
     assert not any(demo_eval.is_right(item, w) for w in wrong)
     # the other forms keep the exact match (case and surrounding whitespace ignored)
     other = {"form": "count", "question": "How many shapes are there?", "answer": "There are 2 shapes."}
@@ -119,11 +150,14 @@ def test_eval_scores_json_by_parsed_value_and_schema():
 def test_eval_score_reports_json_accuracy_and_validity():
     exp = world.json_answer(_scene(("circle", "red", "left")))
     items = [{"form": "json", "answer": exp}] * 4 + [{"form": "count", "answer": "There is 1 shape."}] * 2
-    outs = [exp,  # right
-            '{"count": 1, "shapes": [{"shape": "square", "color": "red"}]}',  # valid, wrong value
-            '{"count": 1, "shapes": [{"shape": "circle", "color": "red"}',  # not JSON
-            '{"count": 1, "shapes": [{"shape": "circle", "color": "crimson"}]}',  # JSON, outside the schema
-            "There is 1 shape.", "There are 2 shapes."]
+    outs = [
+        exp,  # right
+        '{"count": 1, "shapes": [{"shape": "square", "color": "red"}]}',  # valid, wrong value
+        '{"count": 1, "shapes": [{"shape": "circle", "color": "red"}',  # not JSON
+        '{"count": 1, "shapes": [{"shape": "circle", "color": "crimson"}]}',  # JSON, outside the schema
+        "There is 1 shape.",
+        "There are 2 shapes.",
+    ]
     acc = demo_eval.score(items, outs)
     assert acc["json"] == 0.25 and acc["json_valid"] == 0.5 and acc["count"] == 0.5
     assert acc["overall"] == 2 / 6

@@ -1,5 +1,6 @@
 """The demo locator, the default EAGLE head it points spec configs at, and the entry points moved off it
 (`vlserve.quickstart` for `make serve`, the EAGLE trainer in training: `python -m training.train_eagle`)."""
+
 import pytest
 
 import vlserve.cli
@@ -25,9 +26,11 @@ def test_quickstart_serves_the_given_model_or_the_demo(monkeypatch):
     assert quickstart.main(["--", "--port", "0"]) == 0
     assert quickstart.main(["--", "--engine-process"]) == 0
     assert quickstart.main(["/some/ckpt"]) == 0
-    assert seen == [["serve", MODEL_DIR, "--no-engine-process", "--served-model-name", "vlserve-demo", "--port", "0"],
-                    ["serve", MODEL_DIR, "--served-model-name", "vlserve-demo", "--engine-process"],
-                    ["serve", "/some/ckpt"]]  # a given model: its engine in its own process, as `vlserve serve`
+    assert seen == [
+        ["serve", MODEL_DIR, "--no-engine-process", "--served-model-name", "vlserve-demo", "--port", "0"],
+        ["serve", MODEL_DIR, "--served-model-name", "vlserve-demo", "--engine-process"],
+        ["serve", "/some/ckpt"],
+    ]  # a given model: its engine in its own process, as `vlserve serve`
 
 
 def test_the_eagle_trainer_runs_from_the_training_package(capsys):
@@ -44,7 +47,7 @@ def test_the_eagle_trainer_runs_from_the_training_package(capsys):
 
 
 def test_demo_names_resolve_to_the_shipped_checkpoints(tmp_path, monkeypatch):
-    """"vlserve-demo" / "vlserve-demo-audio" (LLM(model=...), `vlserve serve NAME`) mean the shipped directories,
+    """ "vlserve-demo" / "vlserve-demo-audio" (LLM(model=...), `vlserve serve NAME`) mean the shipped directories,
     unless a local directory of that name exists; a missing checkpoint says how to build it."""
     import vlserve.demo as demo
     from vlserve.config import resolve_model_path

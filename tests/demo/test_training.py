@@ -1,4 +1,5 @@
 """The demo trainer's pieces: dense targets, silhouettes, the EAGLE data file, and a two-stage smoke run."""
+
 import json
 import math
 import os
@@ -19,8 +20,11 @@ def test_silhouette_area_matches_the_shape():
     assert sil.shape == (144, SUB * SUB) and sil.min() >= 0 and sil.max() <= 1
     s = scene.shapes[0]
     scale = 168 / scene.width
-    area = {"circle": math.pi * s.r ** 2, "square": (1.7 * s.r) ** 2,
-            "triangle": 3 * math.sqrt(3) / 4 * (1.1 * s.r) ** 2}[s.kind] * scale ** 2
+    area = {
+        "circle": math.pi * s.r**2,
+        "square": (1.7 * s.r) ** 2,
+        "triangle": 3 * math.sqrt(3) / 4 * (1.1 * s.r) ** 2,
+    }[s.kind] * scale**2
     assert sil.sum() * (14 / SUB) ** 2 == pytest.approx(area, rel=0.08)
 
 
@@ -90,7 +94,9 @@ def test_two_stage_training_smoke(tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
     from vlserve.models.hf_config import rope_params_of
 
-    assert rope_params_of(model.config.text_config).theta == 10.0 and os.path.isfile(os.path.join(out, "model.safetensors"))
+    assert rope_params_of(model.config.text_config).theta == 10.0 and os.path.isfile(
+        os.path.join(out, "model.safetensors")
+    )
 
 
 def test_linear_patch_embed_matches_the_conv3d_and_restores():

@@ -1,4 +1,5 @@
 """Quick unit tests for the demo world: scene sampling, rendering, and question/answer generation."""
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ def test_scene_invariants():
             px, py = world.PLACE_XY[s.place]
             assert abs(s.cx / sc.width - px) <= 0.05 and abs(s.cy / sc.height - py) <= 0.05
         for i, a in enumerate(sc.shapes):  # shapes never overlap
-            for b in sc.shapes[i + 1:]:
+            for b in sc.shapes[i + 1 :]:
                 assert math.dist((a.cx, a.cy), (b.cx, b.cy)) > a.r + b.r
 
 
@@ -104,14 +105,17 @@ def test_image_answers():
         sc = world.sample_scene(rng)
         n = len(sc.shapes)
         assert world.answer(sc, "How many shapes are there?") == (
-            "There is 1 shape." if n == 1 else f"There are {n} shapes.")
+            "There is 1 shape." if n == 1 else f"There are {n} shapes."
+        )
         shape_ans = world.answer(sc, "What shape is in the image?")
         assert all(s.kind in shape_ans for s in sc.shapes)
         desc = world.answer(sc, "Describe the image.")
         assert str(n) in desc
         for s in sc.shapes:
             assert world.answer(sc, f"What color is the {s.kind}?") == f"The {s.kind} is {s.color}."
-            assert world.answer(sc, f"Where is the {s.color} {s.kind}?") == f"The {s.color} {s.kind} is at the {s.place}."
+            assert (
+                world.answer(sc, f"Where is the {s.color} {s.kind}?") == f"The {s.color} {s.kind} is at the {s.place}."
+            )
             assert f"{s.color} {s.kind} at the {s.place}" in desc
 
 
@@ -125,8 +129,12 @@ def test_video_answers():
 
 
 def test_questions_use_exact_templates():
-    pattern = {f: re.escape(t).replace(r"\{shape\}", "(circle|square|triangle)").replace(
-        r"\{color\}", "(" + "|".join(world.COLORS) + ")") for f, t in world.QUESTION_TEMPLATES.items()}
+    pattern = {
+        f: re.escape(t)
+        .replace(r"\{shape\}", "(circle|square|triangle)")
+        .replace(r"\{color\}", "(" + "|".join(world.COLORS) + ")")
+        for f, t in world.QUESTION_TEMPLATES.items()
+    }
     for sc in _scenes(20) + _videos(10):
         for f, q, a in world.qas(sc):
             assert re.fullmatch(pattern[f], q), (f, q)

@@ -1,6 +1,7 @@
 """Encoders on the packed CPU linear kernel: the patch convolutions and the Whisper stem as GEMMs on packed weights
 match torch's convolutions, a whole tower packed matches itself unpacked, and modules built elsewhere (timm) keep
 the matrix they read directly."""
+
 from __future__ import annotations
 
 import pytest

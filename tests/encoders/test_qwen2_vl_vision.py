@@ -1,5 +1,6 @@
 """Our Qwen2-VL / Qwen2.5-VL vision towers against transformers' towers (the oracle, on the same random weights),
 one batched call against per-item calls, and the runner's one-call-per-modality batching."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,13 @@ def checkpoint(request, tmp_path_factory):
     """(variant, tiny checkpoint dir); Qwen2.5-VL gets windowed blocks 0 and 2 and a full-attention block 1."""
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
-    d = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp(request.param)), variant=request.param,
-                                  vision_depth=3, fullatt_block_indexes=(1,), seed=3)
+    d = build_qwen2_vl_checkpoint(
+        str(tmp_path_factory.mktemp(request.param)),
+        variant=request.param,
+        vision_depth=3,
+        fullatt_block_indexes=(1,),
+        seed=3,
+    )
     return request.param, d
 
 
@@ -85,6 +91,7 @@ def test_staged_slices_equal_one_forward(towers):
             state = ours.run_stages(state, start, end)
         assert torch.equal(ours.finish_stages(state), whole)
 
+
 def test_bad_grids_are_value_errors(towers):
     ours, _ = towers
     with pytest.raises(ValueError, match="grids cover 24 patches but 20"):
@@ -129,28 +136,37 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     image, video = "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
     shared = _rand_media((60, 90, 3), 1)
     prompts = {
-        "a": proc.process(hf_proc.tokenizer(image + video).input_ids, images=[shared],
-                          videos=[_rand_media((4, 56, 84, 3), 2)]),
-        "b": proc.process(hf_proc.tokenizer(image + image).input_ids,
-                          images=[shared, _rand_media((84, 56, 3), 3)]),
+        "a": proc.process(
+            hf_proc.tokenizer(image + video).input_ids, images=[shared], videos=[_rand_media((4, 56, 84, 3), 2)]
+        ),
+        "b": proc.process(hf_proc.tokenizer(image + image).input_ids, images=[shared, _rand_media((84, 56, 3), 3)]),
     }
     runner = ModelRunner(model, cfg, torch.device("cpu"), torch.float32, block_size=16)
     for rid, (ids, feats) in prompts.items():
         runner.requests[rid] = CachedRequestState(
-            req_id=rid, token_ids=list(ids), num_prompt_tokens=len(ids), sampling_params=SamplingParams(),
-            generator=None, block_ids=[], num_computed_tokens=0, mm_features=feats)
+            req_id=rid,
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            sampling_params=SamplingParams(),
+            generator=None,
+            block_ids=[],
+            num_computed_tokens=0,
+            mm_features=feats,
+        )
     calls = []
     encode = model.embed_multimodal
     model.embed_multimodal = lambda modality, data: calls.append(modality) or encode(modality, data)
-    runner.encoders.run(SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}),
-                        runner.requests)
+    runner.encoders.run(
+        SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}), runner.requests
+    )
     assert sorted(calls) == ["image", "video"]
     held = {f.mm_hash for _, feats in prompts.values() for f in feats if runner.encoders.lookup(f.mm_hash) is not None}
     assert runner.encoders.counters().num_runs == 3 and len(held) == 3  # the shared image once
     for _, feats in prompts.values():
         for feat in feats:
-            torch.testing.assert_close(runner.encoders.lookup(feat.mm_hash), encode(feat.modality, feat.data),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                runner.encoders.lookup(feat.mm_hash), encode(feat.modality, feat.data), atol=1e-5, rtol=1e-5
+            )
 
 
 def test_config_reading_handles_both_width_namings():
@@ -163,9 +179,18 @@ def test_config_reading_handles_both_width_namings():
     # a config that names them like Qwen2.5-VL (hidden_size = width, out_hidden_size = merger output)
     new = qwen2_vl_tower_config(SimpleNamespace(hidden_size=32, out_hidden_size=64, **common))
     assert (new.width, new.out_dim) == (32, 64)
-    v25 = qwen2_5_vl_tower_config(SimpleNamespace(hidden_size=32, out_hidden_size=64, intermediate_size=48,
-                                                  window_size=112, fullatt_block_indexes=[1], **common))
+    v25 = qwen2_5_vl_tower_config(
+        SimpleNamespace(
+            hidden_size=32,
+            out_hidden_size=64,
+            intermediate_size=48,
+            window_size=112,
+            fullatt_block_indexes=[1],
+            **common,
+        )
+    )
     assert (v25.width, v25.out_dim, v25.mlp_hidden, v25.fullatt_block_indexes) == (32, 64, 48, (1,))
     with pytest.raises(ValueError, match="hidden_act 'relu6'"):
-        Qwen2VisionTower(qwen2_vl_tower_config(SimpleNamespace(embed_dim=32, hidden_size=64, hidden_act="relu6",
-                                                               **common)))
+        Qwen2VisionTower(
+            qwen2_vl_tower_config(SimpleNamespace(embed_dim=32, hidden_size=64, hidden_act="relu6", **common))
+        )

@@ -1,5 +1,6 @@
 """The timm-built vision tower: buffers after a meta-device build, weight loading by timm's names (both spellings
 of a PerceptionLM checkpoint), config errors, and a second timm backbone served with no new tower code."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,15 +61,20 @@ def test_config_errors():
 @pytest.fixture(scope="module")
 def plm_dir(tmp_path_factory):
     from tests.support.plm_checkpoints import build_plm_checkpoint
+
     return build_plm_checkpoint(str(tmp_path_factory.mktemp("plm_tower")))
 
 
 def _renamed(name: str) -> str:
     """The other spelling of PerceptionLM weight names (vision/projector at the top, decoder under .model)."""
-    for new, old in (("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
-                     ("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")):
+    for new, old in (
+        ("model.vision_tower.", "vision_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+    ):
         if name.startswith(new):
-            return old + name[len(new):]
+            return old + name[len(new) :]
     return name
 
 
@@ -103,13 +109,19 @@ def test_plain_vit_backbone_serves_with_hf_parity(tmp_path):
     proc = AutoProcessor.from_pretrained(model_dir)
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     img = Image.fromarray(rand_image(50, 150, seed=3))
-    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
-                                    tokenize=False, add_generation_prompt=True)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     inputs = proc(text=[text], images=[img], return_tensors="pt")
     inputs.pop("token_type_ids", None)
-    expected = hf_greedy_ignoring_eos(hf, inputs, 6)[0, inputs["input_ids"].shape[1]:].tolist()
+    expected = hf_greedy_ignoring_eos(hf, inputs, 6)[0, inputs["input_ids"].shape[1] :].tolist()
     llm = LLM(model_dir, dtype="float32", num_kv_blocks=64)
     assert type(llm.engine.loaded.model.vision_tower.timm_model).__name__ == "VisionTransformer"
-    out = llm.generate({"prompt": text, "multi_modal_data": {"image": img}},
-                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": img}},
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out[0].outputs[0].token_ids == expected

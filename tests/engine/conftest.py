@@ -1,4 +1,5 @@
 """Tiny random text checkpoints shared by the engine tests, and an HF greedy oracle."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,9 @@ def qwen2_dir(tmp_path_factory):
 def llama_dir(tmp_path_factory):
     from vlserve.demo.checkpoints import build_text_checkpoint
 
-    return build_text_checkpoint(str(tmp_path_factory.mktemp("llama")), arch="llama", num_heads=4, num_kv_heads=1,
-                                 tie_word_embeddings=False)
+    return build_text_checkpoint(
+        str(tmp_path_factory.mktemp("llama")), arch="llama", num_heads=4, num_kv_heads=1, tie_word_embeddings=False
+    )
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -27,8 +29,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     """
     from tests.support.hf_generate import hf_greedy_continuations
 
-    return hf_greedy_continuations(model_dir, prompts, max_new_tokens,
-                                   "cuda" if torch.cuda.is_available() else "cpu")
+    return hf_greedy_continuations(model_dir, prompts, max_new_tokens, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def varied_prompts(vocab_size: int, lengths=(1, 3, 17, 40, 95, 160), seed: int = 0) -> list[list[int]]:
@@ -50,8 +51,9 @@ def vocab_size(model_dir: str) -> int:
     return AutoConfig.from_pretrained(model_dir).vocab_size
 
 
-def check_exact_with_preemption_and_prefix_hits(llm, model_dir: str, prompts, expected, max_new_tokens: int,
-                                                label: str) -> None:
+def check_exact_with_preemption_and_prefix_hits(
+    llm, model_dir: str, prompts, expected, max_new_tokens: int, label: str
+) -> None:
     """The distributed engines' shared check: `prompts` (sized to preempt in a small pool) come out as `expected`,
     then two prompts sharing a 70-token prefix equal HF's with >= 4 blocks of prefix hits; integrity after each."""
     got = greedy_tokens(llm, prompts, max_new_tokens)

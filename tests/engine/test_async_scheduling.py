@@ -1,4 +1,5 @@
 """Async scheduling (step N+1 planned while step N runs) gives exactly the synchronous outputs and leaks nothing."""
+
 import pytest
 import torch
 from PIL import Image
@@ -36,15 +37,20 @@ def _same(a, b):
         assert y.outputs[0].finish_reason == x.outputs[0].finish_reason, f"request {i}"
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    {"max_num_batched_tokens": 16},  # chunked prefill
-    {"num_kv_blocks": 14, "max_num_batched_tokens": 64},  # forced preemption
-], ids=["plain", "chunked", "preempt"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked prefill
+        {"num_kv_blocks": 14, "max_num_batched_tokens": 64},  # forced preemption
+    ],
+    ids=["plain", "chunked", "preempt"],
+)
 def test_async_greedy_equals_sync(qwen2_dir, engine_kwargs):
     prompts = _prompts(qwen2_dir)
-    sync, outs, llm = _both(qwen2_dir, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                            **engine_kwargs)
+    sync, outs, llm = _both(
+        qwen2_dir, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), **engine_kwargs
+    )
     _same(sync, outs)
     m = llm.get_metrics()
     assert m["vlserve:generation_tokens_total"] == 20 * len(prompts)
@@ -56,8 +62,10 @@ def test_async_greedy_equals_sync(qwen2_dir, engine_kwargs):
 
 def test_async_seeded_sampling_and_mixed_lengths_equal_sync(qwen2_dir):
     prompts = _prompts(qwen2_dir)
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=3 + 5 * i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=3 + 5 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     sync, outs, _ = _both(qwen2_dir, prompts, params)
     _same(sync, outs)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3 + 5 * i for i in range(len(prompts))]
@@ -67,16 +75,19 @@ def test_async_penalties_min_tokens_and_logprobs_equal_sync(qwen2_dir):
     """Penalties count the output token sampled the step before (read back before sampling), min_tokens its count,
     and logprobs steps read their samples back at once; requests of each kind share the batch."""
     prompts = _prompts(qwen2_dir)
-    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, repetition_penalty=1.6),
-              SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=1.5, presence_penalty=0.5),
-              SamplingParams(temperature=0.0, max_tokens=14, logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=14, min_tokens=10),
-              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, repetition_penalty=1.6),
+        SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=14, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=10),
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+    ]
     sync, outs, llm = _both(qwen2_dir, prompts, params)
     _same(sync, outs)
     assert outs[2].outputs[0].logprobs == sync[2].outputs[0].logprobs
     plain = LLM(qwen2_dir, dtype="float32", num_kv_blocks=256).generate(
-        prompts[:2], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+        prompts[:2], SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False
+    )
     assert outs[0].outputs[0].token_ids != plain[0].outputs[0].token_ids  # the penalty changed the output
     assert llm.engine.executor.runner.token_feed.num_fed_tokens > 0
 
@@ -84,9 +95,10 @@ def test_async_penalties_min_tokens_and_logprobs_equal_sync(qwen2_dir):
 def test_async_stop_strings_and_stop_ids_equal_sync(qwen2_dir):
     prompts = _prompts(qwen2_dir)
     free = LLM(qwen2_dir, dtype="float32", num_kv_blocks=256).generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     text = free[2].outputs[0].text
-    stop_str = text[len(text) // 2: len(text) // 2 + 2]  # found mid-run by the detokenizer
+    stop_str = text[len(text) // 2 : len(text) // 2 + 2]  # found mid-run by the detokenizer
     stop_id = free[3].outputs[0].token_ids[5]
     params = SamplingParams(temperature=0.0, max_tokens=16, stop=[stop_str], stop_token_ids=[stop_id])
     sync, outs, _ = _both(qwen2_dir, prompts, params)
@@ -98,8 +110,10 @@ def test_async_stop_strings_and_stop_ids_equal_sync(qwen2_dir):
 def test_async_ngram_spec_decode_equals_sync(qwen2_dir):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 600, (5 + i,), generator=g).tolist() * 4 for i in range(4)]
-    for params in (SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True),
-                   SamplingParams(temperature=0.8, seed=11, max_tokens=18, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=18, ignore_eos=True),
+    ):
         sync, outs, llm = _both(qwen2_dir, prompts, params, speculative_config=NGRAM, max_num_batched_tokens=32)
         _same(sync, outs)
         assert llm.get_metrics()["vlserve:spec_decode_num_drafts_total"] > 0
@@ -164,8 +178,10 @@ def test_async_beam_search_and_parallel_sampling_with_logprobs_equal_sync(qwen2_
     for use_async in (False, True):
         llm = LLM(qwen2_dir, dtype="float32", num_kv_blocks=256, async_scheduling=use_async)
         beams = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts, beam)]
-        samples = [[(c.token_ids, c.logprobs) for c in o.outputs]
-                   for o in llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)]
+        samples = [
+            [(c.token_ids, c.logprobs) for c in o.outputs]
+            for o in llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)
+        ]
         got[use_async] = (beams, samples)
         llm.check_integrity()
     assert got[True] == got[False]

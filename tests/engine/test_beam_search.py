@@ -1,6 +1,7 @@
 """Beam search (vlserve.beam_search, `LLM.beam_search`): the beams equal HF generate's beam search token for token,
 in order, on text and image prompts (k = 2, 4, EOS ignored); the ranking rules on hand-made logprobs; bad input; the
 prompt's blocks and image shared by all beams and steps."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,10 +54,15 @@ def test_length_penalty_and_early_stopping():
     assert s.done and s.num_steps == 1
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(beam_width=0, max_tokens=4), "beam_width"), (dict(beam_width=33, max_tokens=4), "beam_width"),
-    (dict(beam_width=2, max_tokens=0), "max_tokens"), (dict(beam_width=2, max_tokens=4, temperature=0.7),
-                                                       "temperature")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(beam_width=0, max_tokens=4), "beam_width"),
+        (dict(beam_width=33, max_tokens=4), "beam_width"),
+        (dict(beam_width=2, max_tokens=0), "max_tokens"),
+        (dict(beam_width=2, max_tokens=4, temperature=0.7), "temperature"),
+    ],
+)
 def test_bad_params_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchParams(**bad)
@@ -84,7 +90,7 @@ def test_text_beams_equal_hf(text_dir, k):
         ids = torch.tensor([prompt])
         want = hf_beam_search_ignoring_eos(hf, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, k, MAX_NEW)
         assert [b.output_tokens for b in out.sequences] == want
-        assert all(b.tokens[:len(prompt)] == prompt for b in out.sequences)
+        assert all(b.tokens[: len(prompt)] == prompt for b in out.sequences)
         cums = [b.cum_logprob for b in out.sequences]
         assert cums == sorted(cums, reverse=True) and len(set(map(tuple, want))) == k
     assert llm.get_metrics()["vlserve:prefix_cache_hits_total"] > 0  # later steps reuse the prompt's blocks
@@ -102,8 +108,9 @@ def test_prompt_plus_max_tokens_past_the_model_length_is_refused(text_dir):
 def llava_dir(tmp_path_factory):
     from vlserve.demo.llava_checkpoints import build_llava_checkpoint
 
-    return build_llava_checkpoint(str(tmp_path_factory.mktemp("beam_llava") / "m"), variant="llava", tower="clip",
-                                  text_model="llama")
+    return build_llava_checkpoint(
+        str(tmp_path_factory.mktemp("beam_llava") / "m"), variant="llava", tower="clip", text_model="llama"
+    )
 
 
 @pytest.mark.hf_parity
@@ -115,16 +122,26 @@ def test_image_beams_equal_hf_and_encode_once(llava_dir, k):
 
     img = Image.fromarray(rand_image(40, 60, seed=k))
     llm = LLM(llava_dir, dtype="float32", num_kv_blocks=256)
-    conversation = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img)}},
-                                                 {"type": "text", "text": "What is this?"}]}]
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(img)}},
+                {"type": "text", "text": "What is this?"},
+            ],
+        }
+    ]
     out = llm.beam_search(conversation, BeamSearchParams(beam_width=k, max_tokens=MAX_NEW, ignore_eos=True))[0]
     processor = load_hf_processor(llava_dir)
-    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
-        "type": "text", "text": "What is this?"}]}], tokenize=False, add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     inputs = processor(text=[text], images=[img], return_tensors="pt")
     inputs.pop("token_type_ids", None)
     hf = AutoModelForImageTextToText.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    assert out.sequences[0].tokens[:inputs["input_ids"].shape[1]] == inputs["input_ids"][0].tolist()
+    assert out.sequences[0].tokens[: inputs["input_ids"].shape[1]] == inputs["input_ids"][0].tolist()
     assert [b.output_tokens for b in out.sequences] == hf_beam_search_ignoring_eos(hf, inputs, k, MAX_NEW)
     assert llm.get_metrics()["vlserve:encoder_runs_total"] == 1  # every beam of every step reused the image
     assert out.sequences[0].text.endswith(llm.tokenizer.decode(out.sequences[0].output_tokens))

@@ -1,4 +1,5 @@
 """Chat-template content format: detection from the Jinja syntax tree and the two renderings (no model needed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,21 +18,32 @@ from vlserve.engine.chat import (
 IMG = MEDIA_PLACEHOLDERS["image"]
 
 
-@pytest.mark.parametrize("template, expected", [
-    (QWEN2_VL_CHAT_TEMPLATE, "openai"),
-    (CHAT_TEMPLATE, "openai"),
-    (STRING_CHAT_TEMPLATE, "string"),
-    # content reached through aliases: a sliced message list, attribute access, a `set` variable
-    ("{% set rest = messages[1:] %}{% for m in rest %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
-     "{% endfor %}{% endfor %}", "openai"),
-    ("{{ messages[0]['content'][0]['text'] }}", "openai"),  # indexed by position
-    ("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", "string"),
-    ("{% for m in messages %}{% for x in m['tool_calls'] %}{{ x }}{% endfor %}{{ m.content }}{% endfor %}",
-     "string"),
-    ("{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
-     "{% endfor %}{% endfor %}", "openai"),
-    ("{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}{{ m.content }}{% endfor %}", "string"),
-])
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        (QWEN2_VL_CHAT_TEMPLATE, "openai"),
+        (CHAT_TEMPLATE, "openai"),
+        (STRING_CHAT_TEMPLATE, "string"),
+        # content reached through aliases: a sliced message list, attribute access, a `set` variable
+        (
+            "{% set rest = messages[1:] %}{% for m in rest %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+            "{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{{ messages[0]['content'][0]['text'] }}", "openai"),  # indexed by position
+        ("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", "string"),
+        (
+            "{% for m in messages %}{% for x in m['tool_calls'] %}{{ x }}{% endfor %}{{ m.content }}{% endfor %}",
+            "string",
+        ),
+        (
+            "{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
+            "{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}{{ m.content }}{% endfor %}", "string"),
+    ],
+)
 def test_detect_content_format(template, expected):
     assert detect_content_format(template) == expected
 
@@ -48,15 +60,29 @@ def test_detection_is_cached_and_forced_formats_win():
 
 
 def test_parts_become_modality_types_and_strings_like_vllm():
-    messages, mm = parse_chat_messages([
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:a"}},
-                                     {"type": "text", "text": "one"}, {"type": "image_pil", "image_pil": "pil"},
-                                     {"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
-                                     {"type": "text", "text": "two"}]},
-        {"role": "assistant", "content": None}])
+    messages, mm = parse_chat_messages(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:a"}},
+                    {"type": "text", "text": "one"},
+                    {"type": "image_pil", "image_pil": "pil"},
+                    {"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
+                    {"type": "text", "text": "two"},
+                ],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    )
     assert mm == {"image": ["data:a", "pil"], "video": ["/v.mp4"]}
-    assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "one"}, {"type": "image"},
-                                      {"type": "video"}, {"type": "text", "text": "two"}]
+    assert messages[0]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "one"},
+        {"type": "image"},
+        {"type": "video"},
+        {"type": "text", "text": "two"},
+    ]
     flat = to_content_format(messages, "string")
     assert flat[0]["content"] == f"{IMG}\n{IMG}\n{MEDIA_PLACEHOLDERS['video']}\none\ntwo"
     assert flat[1]["content"] == ""

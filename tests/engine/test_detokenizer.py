@@ -1,4 +1,5 @@
 """Incremental detokenization equals a full decode; stop strings cut at the earliest match."""
+
 import random
 
 import pytest
@@ -21,10 +22,10 @@ def test_streamed_text_equals_full_decode(tok, chunk):
         out = ids if trial == 0 else [rng.randrange(len(tok)) for _ in range(30)]
         d = IncrementalDetokenizer(tok, [5, 6, 7], skip_special_tokens=True)
         for i in range(0, len(out), chunk):
-            d.update(out[i:i + chunk])
+            d.update(out[i : i + chunk])
         full = tok.decode(out, skip_special_tokens=True)
         assert full.startswith(d.output_text)
-        assert set(full[len(d.output_text):]) <= {"\ufffd"}  # only a dangling partial character held back
+        assert set(full[len(d.output_text) :]) <= {"\ufffd"}  # only a dangling partial character held back
         if trial == 0:
             assert d.output_text == text
 

@@ -1,4 +1,5 @@
 """DPRouter: media / prompt-prefix affinity, the load rule, ownership for aborts."""
+
 from __future__ import annotations
 
 import pytest

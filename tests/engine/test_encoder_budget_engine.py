@@ -1,6 +1,7 @@
 """The per-step encoder budget through the engine, on the demo Qwen2-VL: a burst of images is encoded a few at a
 time (at a tiny budget, a block of one image's tower per step) while a running text stream keeps producing a token
 every step, and greedy outputs do not depend on it."""
+
 import pytest
 from PIL import Image
 
@@ -20,8 +21,12 @@ def _burst(**engine_kwargs):
     loop.add_requests([NewRequest("text", ip.process_prompt("Tell me about the shapes."), PARAMS, 0.0)])
     loop.step()
     images = [Image.fromarray(rand_image(112, 112, seed=i)) for i in range(NUM_IMAGES)]
-    loop.add_requests([NewRequest(f"img{i}", ip.process_prompt("Describe the picture.", images=[img]), PARAMS, 0.0)
-                       for i, img in enumerate(images)])
+    loop.add_requests(
+        [
+            NewRequest(f"img{i}", ip.process_prompt("Describe the picture.", images=[img]), PARAMS, 0.0)
+            for i, img in enumerate(images)
+        ]
+    )
     steps, tokens, text_len = [], {}, 1
     while loop.has_unfinished_requests():
         runs = runner.encoders.counters().num_runs
@@ -41,7 +46,7 @@ def test_small_budget_encodes_one_tower_block_per_step_while_text_decodes():
     depth = llm.engine.scheduler_config.encoder_stage_counts["image"]  # the demo tower's blocks: its stages
     assert depth > 1
     # one block of one image per step: an image is done every `depth` steps
-    assert [n for n, _ in small[:NUM_IMAGES * depth]] == ([0] * (depth - 1) + [1]) * NUM_IMAGES
+    assert [n for n, _ in small[: NUM_IMAGES * depth]] == ([0] * (depth - 1) + [1]) * NUM_IMAGES
     left = PARAMS.max_tokens - 1  # the text stream's tokens after the burst arrived: one in each step until done
     assert [t for _, t in small[:left]] == [1] * left and left <= NUM_IMAGES * depth
     big, big_tokens, _ = _burst(max_num_encoder_input_tokens=100_000)

@@ -1,4 +1,5 @@
 """EngineLoop: the one add / fan-out / rollback / abort / step path that LLM and AsyncLLM share; LoadedModel setup."""
+
 import ast
 import dataclasses
 import inspect
@@ -46,8 +47,9 @@ def test_fan_out_and_step_to_completion(loop):
 
 
 def test_failed_batch_leaves_nothing_queued(loop):
-    too_long = NewRequest("bad", loop.input_processor.process_prompt([5] * 200), SamplingParams(max_tokens=2),
-                          time.time())
+    too_long = NewRequest(
+        "bad", loop.input_processor.process_prompt([5] * 200), SamplingParams(max_tokens=2), time.time()
+    )
     with pytest.raises(ValueError, match="max_model_len"):
         loop.add_requests([_req(loop, "good", "a fine prompt", n=2), too_long])
     _assert_idle(loop)
@@ -102,8 +104,9 @@ def test_mm_setup_does_not_import_model_setup():
 
 def test_step_final_only_returns_just_the_finished_outputs(loop):
     """LLM's path: final_only skips the per-step output of open requests; the final outputs are the full ones."""
-    loop.add_requests([_req(loop, "fo-short", "hello there", max_tokens=2),
-                       _req(loop, "fo-long", "hello there", max_tokens=5)])
+    loop.add_requests(
+        [_req(loop, "fo-short", "hello there", max_tokens=2), _req(loop, "fo-long", "hello there", max_tokens=5)]
+    )
     every_step, final = [], {}
     while loop.has_unfinished_requests():
         outs = loop.step(final_only=True)

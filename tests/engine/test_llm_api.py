@@ -1,4 +1,5 @@
 """LLM API behaviour: sampling options end to end, stop conditions, n > 1, logprobs, and the bad-input table."""
+
 import math
 
 import pytest
@@ -23,12 +24,14 @@ def test_seed_reproducible_and_top_k1_is_greedy(llm):
     a = llm.generate(PROMPTS, sp, use_tqdm=False)
     b = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert _tokens(a) == _tokens(b)
-    other = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True),
-                         use_tqdm=False)
+    other = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.0, seed=7, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     assert _tokens(other) != _tokens(a)
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    topk1 = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True),
-                         use_tqdm=False)
+    topk1 = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     assert _tokens(greedy) == _tokens(topk1)
     llm.check_integrity()
 
@@ -42,72 +45,88 @@ def test_seeded_request_independent_of_batch(llm):
 
 
 def test_n_samples_share_prompt_and_differ(llm):
-    out = llm.generate("Describe the image.", SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8,
-                                                             ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "Describe the image.",
+        SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     llm.check_integrity()
 
 
 def test_max_min_tokens_and_stop_token_ids(llm):
-    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(greedy.token_ids) == 6 and greedy.finish_reason == "length"
     stop_tok = greedy.token_ids[2]
     first = greedy.token_ids.index(stop_tok)
-    stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_tok]),
-                           use_tqdm=False)[0].outputs[0]
-    assert stopped.token_ids == greedy.token_ids[:first + 1]
+    stopped = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_tok]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.token_ids == greedy.token_ids[: first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_tok
 
 
 def test_stop_strings_cut_text(llm):
-    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     text = full.text
     assert len(text) > 4
     stop = text[2:4]
-    cut = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    assert cut.text == text[:text.index(stop)]
-    kept = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
-                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[:text.index(stop) + len(stop)]
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate(
+        PROMPTS[2],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
     llm.check_integrity()
 
 
 def test_logprobs(llm):
-    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for tok, entry in zip(out.token_ids, out.logprobs):
         assert tok in entry and entry[tok].rank == 1  # greedy picks the top token
         assert 3 <= len(entry) <= 4
         assert all(lp.logprob <= 0 for lp in entry.values())
-    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)),
-                        rel_tol=1e-5)
+    assert math.isclose(
+        out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)), rel_tol=1e-5
+    )
 
 
 def test_token_id_prompts(llm):
-    out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate(
+        [[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
     assert [o.prompt_token_ids for o in out] == [[5, 6, 7], [8, 9]]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 0}, "n must"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"min_p": 2.0}, "min_p"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"temperature": float("nan")}, "finite"),
-    ({"seed": 2**70}, "int64"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"temperature": float("nan")}, "finite"),
+        ({"seed": 2**70}, "int64"),
+    ],
+)
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

@@ -1,5 +1,6 @@
 """An engine whose projections split by rows (the packed kernel below $VLSERVE_CPU_ONEDNN_ROWS rows, torch's
 matmul from there on: what bf16 layers do on AMX CPUs) still matches HF token for token."""
+
 import pytest
 
 from tests.engine.conftest import hf_greedy, varied_prompts
@@ -19,8 +20,9 @@ def test_split_projections_match_hf(qwen2_dir, monkeypatch, tmp_path, level):
     monkeypatch.setattr(cl, "cpu_linear_kernel", lambda: lambda *args: rows.append(args[7]) or kernel(*args))
     prompts = varied_prompts(AutoConfig.from_pretrained(qwen2_dir).vocab_size, lengths=(3, 17, 40))
     compiled = {"compilation_config": {"level": 1, "cache_dir": str(tmp_path / "inductor")}} if level else {}
-    llm = LLM(qwen2_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, enforce_eager=not level,
-              **compiled)
+    llm = LLM(
+        qwen2_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, enforce_eager=not level, **compiled
+    )
     model = llm.engine.runner.model
     assert all(m.weight is not None for m in model.modules() if getattr(m, "packed_weight", None) is not None)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -29,8 +31,10 @@ def test_split_projections_match_hf(qwen2_dir, monkeypatch, tmp_path, level):
     llm.check_integrity()
 
 
-@pytest.mark.skipif(not __import__("vlserve.kernels.onednn_linear", fromlist=["x"]).onednn_prepacks(
-    __import__("torch").bfloat16), reason="bf16 prepacking for oneDNN needs AMX")
+@pytest.mark.skipif(
+    not __import__("vlserve.kernels.onednn_linear", fromlist=["x"]).onednn_prepacks(__import__("torch").bfloat16),
+    reason="bf16 prepacking for oneDNN needs AMX",
+)
 def test_bf16_prepacked_matrices_run_eager_and_compiled_alike(qwen2_dir, monkeypatch, tmp_path):
     """On AMX a bf16 engine's split layers hold oneDNN's prepacked matrix (not the plain one); the compiled forward
     (freezing on) takes it through the opaque op. In bf16 inductor's fused elementwise ops round once where eager
@@ -43,8 +47,14 @@ def test_bf16_prepacked_matrices_run_eager_and_compiled_alike(qwen2_dir, monkeyp
     tokens = []
     for level in (0, 1):
         compiled = {"compilation_config": {"level": 1, "cache_dir": str(tmp_path / "inductor")}} if level else {}
-        llm = LLM(qwen2_dir, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=32, enforce_eager=not level,
-                  **compiled)
+        llm = LLM(
+            qwen2_dir,
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            max_num_batched_tokens=32,
+            enforce_eager=not level,
+            **compiled,
+        )
         split = [m for m in llm.engine.runner.model.modules() if getattr(m, "onednn_weight", None) is not None]
         assert split and all(m.weight is None and m.packed_weight is not None for m in split)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])

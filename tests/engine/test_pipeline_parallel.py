@@ -3,6 +3,7 @@ under chunked prefill, preemption and prefix hits; TP=2 x PP=2 (four ranks); eac
 (weights and KV, sized per stage); an uneven $VLSERVE_PP_LAYER_PARTITION; PP=3 (a middle stage both receives and
 sends); bad partitions and what PP does not support yet are ValueErrors before any process starts; a killed stage
 fails the engine at once; n-gram drafts proposed and verified on the last stage (EAGLE refused)."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,14 @@ def qwen2_4l_dir(tmp_path_factory):
 def llama_4l_dir(tmp_path_factory):
     from vlserve.demo.checkpoints import build_text_checkpoint
 
-    return build_text_checkpoint(str(tmp_path_factory.mktemp("llama_4l")), arch="llama", num_layers=4, num_heads=4,
-                                 num_kv_heads=1, tie_word_embeddings=False)
+    return build_text_checkpoint(
+        str(tmp_path_factory.mktemp("llama_4l")),
+        arch="llama",
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=1,
+        tie_word_embeddings=False,
+    )
 
 
 def _greedy(n: int = MAX_NEW) -> SamplingParams:
@@ -46,7 +53,6 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 def _tokens(llm, prompts, n: int = MAX_NEW) -> list[list[int]]:
     return greedy_tokens(llm, prompts, n)
-
 
 
 def _num_params(model) -> int:
@@ -93,8 +99,9 @@ def test_uneven_partition_untied_llama_with_logprobs(llama_4l_dir, monkeypatch):
         assert [i["kv_cache_shape"] for i in info] == [(50, 16, 1, 16)] * 2
         assert info[0]["num_params"] < info[1]["num_params"]  # embeddings + 1 layer vs 3 layers + norm + lm_head
         assert _tokens(llm, prompts) == expected
-        out = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
-                           use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2), use_tqdm=False
+        )[0].outputs[0]
         assert out.token_ids == expected[0][:3]
         assert len(out.logprobs) == 3  # the last stage's output (it samples) is the step's
         llm.check_integrity()
@@ -124,8 +131,12 @@ def test_layer_partition():
     assert layer_partition(4, 2, "") == [2, 2]
     assert layer_partition(5, 2, "") == [3, 2]  # even split, the first stages take the remainder
     assert layer_partition(24, 2, "10,14") == [10, 14]
-    for spec, match in [("1,2", "sums to 3 layers; the model has 4"), ("4,0", "at least one layer"),
-                        ("1,1,2", "has 3 stages"), ("a,b", "comma-separated layer counts")]:
+    for spec, match in [
+        ("1,2", "sums to 3 layers; the model has 4"),
+        ("4,0", "at least one layer"),
+        ("1,1,2", "has 3 stages"),
+        ("a,b", "comma-separated layer counts"),
+    ]:
         with pytest.raises(ValueError, match=match):
             layer_partition(4, 2, spec)
     with pytest.raises(ValueError, match="cannot split 4 decoder layers over 5"):
@@ -141,14 +152,18 @@ def test_bad_partitions_and_unsupported_settings_are_refused(qwen2_4l_dir, monke
         LLM(qwen2_4l_dir, pipeline_parallel_size=8)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1, got 0"):
         LLM(qwen2_4l_dir, pipeline_parallel_size=0)
-    refused = [({"distributed_executor_backend": "uni"}, "'uni' runs one rank"),
-               ({"data_parallel_size": 2}, "with data_parallel_size > 1"),
-               ({"speculative_config": {"method": "eagle", "num_speculative_tokens": 2, "model": "d"}},
-                "with EAGLE speculative decoding .*use method 'ngram'"),
-               ({"speculative_config": {"num_speculative_tokens": 2, "model": "/ckpt/EAGLE3-x"}}, "with EAGLE"),
-               ({"async_scheduling": True}, "with async_scheduling"),
-               ({"enable_lora": True}, "with LoRA"),
-               ({"compilation_config": 1}, "with torch.compile or CUDA graphs")]
+    refused = [
+        ({"distributed_executor_backend": "uni"}, "'uni' runs one rank"),
+        ({"data_parallel_size": 2}, "with data_parallel_size > 1"),
+        (
+            {"speculative_config": {"method": "eagle", "num_speculative_tokens": 2, "model": "d"}},
+            "with EAGLE speculative decoding .*use method 'ngram'",
+        ),
+        ({"speculative_config": {"num_speculative_tokens": 2, "model": "/ckpt/EAGLE3-x"}}, "with EAGLE"),
+        ({"async_scheduling": True}, "with async_scheduling"),
+        ({"enable_lora": True}, "with LoRA"),
+        ({"compilation_config": 1}, "with torch.compile or CUDA graphs"),
+    ]
     for kwargs, match in refused:
         with pytest.raises(ValueError, match=match):
             LLM(qwen2_4l_dir, pipeline_parallel_size=2, **kwargs)
@@ -191,12 +206,22 @@ def test_tp2_x_pp2_matches_pp1_and_hf(qwen2_4l_dir):
         assert _tokens(one, prompts) == expected
     finally:
         one.shutdown()
-    llm = LLM(qwen2_4l_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=48, tensor_parallel_size=2,
-              pipeline_parallel_size=2)
+    llm = LLM(
+        qwen2_4l_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_batched_tokens=48,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+    )
     try:
         info = llm.engine.executor.collective_rpc("shard_info")
-        assert [(i["pp_rank"], i["rank"], i["world_size"]) for i in info] == [(0, 0, 2), (0, 1, 2), (1, 0, 2),
-                                                                              (1, 1, 2)]
+        assert [(i["pp_rank"], i["rank"], i["world_size"]) for i in info] == [
+            (0, 0, 2),
+            (0, 1, 2),
+            (1, 0, 2),
+            (1, 1, 2),
+        ]
         assert [i["layers"] for i in info] == [(0, 2), (0, 2), (2, 4), (2, 4)]
         assert all(i["kv_cache_shape"] == (64, 16, 1, 16) for i in info)  # 2 KV heads split over 2 ranks
         assert llm.engine.executor.output_rank == 2  # the last stage's first rank
@@ -218,16 +243,25 @@ def test_pp2_ngram_drafts_verified_on_the_last_stage(tmp_path):
     model_dir = build_text_checkpoint(str(tmp_path), arch="qwen2", num_layers=2)
     prompts = copy_heavy_prompts(8)
     expected = hf_greedy(model_dir, prompts, 24)
-    spec_metrics = ("vlserve:spec_decode_num_drafts_total", "vlserve:spec_decode_num_draft_tokens_total",
-                    "vlserve:spec_decode_num_accepted_tokens_total")
+    spec_metrics = (
+        "vlserve:spec_decode_num_drafts_total",
+        "vlserve:spec_decode_num_draft_tokens_total",
+        "vlserve:spec_decode_num_accepted_tokens_total",
+    )
     one = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, speculative_config=NGRAM)
     try:
         assert _tokens(one, prompts, 24) == expected
         want = [one.get_metrics()[k] for k in spec_metrics]
     finally:
         one.shutdown()
-    llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, pipeline_parallel_size=2,
-              speculative_config=NGRAM)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        pipeline_parallel_size=2,
+        speculative_config=NGRAM,
+    )
     try:
         got = _tokens(llm, prompts, 24)
         for i, (g, e) in enumerate(zip(got, expected)):

@@ -5,6 +5,7 @@ two batches really in flight (the engine's vlserve:max_batches_in_flight), and w
 request alone runs one batch at a time; aborting requests whose batch is in flight (and re-using an aborted id
 meanwhile) leaks no KV block and corrupts no output; a stage killed with batches in flight fails the engine naming
 it. The queue's own logic (balanced, disjoint batches under max_num_seqs) is also checked without processes."""
+
 from __future__ import annotations
 
 import os
@@ -76,7 +77,9 @@ def test_scheduler_skips_requests_in_flight_caps_the_batch_and_sends_tokens():
     s.send_token_ids = True  # pipeline parallel: the stages that do not sample get the window's known tokens
     third = s.schedule()
     assert [(c.req_id, c.token_start, c.new_token_ids) for c in third.scheduled_cached_reqs] == [
-        ("a", 5, [7]), ("b", 5, [7])]
+        ("a", 5, [7]),
+        ("b", 5, [7]),
+    ]
     s.update_from_output(second, fake_run(s, second))
     s.in_flight_req_ids.clear()
     s.abort_requests(["a", "b", "c"])
@@ -145,8 +148,8 @@ def test_pp2_overlap_matches_pp1_with_chunks_preemption_and_prefix_hits(model_di
         assert m["vlserve:num_preemptions_total"] > 0
         assert m["vlserve:generation_tokens_total"] == MAX_NEW * len(prompts)
         llm.check_integrity()
-        assert _tokens(llm, shared[:1]) == want[len(prompts):][:1]
-        assert _tokens(llm, shared[1:]) == want[len(prompts) + 1:]
+        assert _tokens(llm, shared[:1]) == want[len(prompts) :][:1]
+        assert _tokens(llm, shared[1:]) == want[len(prompts) + 1 :]
         assert llm.get_metrics()["vlserve:prefix_cache_hits_total"] >= 64  # 4 full blocks of the shared prefix
         llm.check_integrity()
         assert not llm.engine.scheduler.in_flight_req_ids and not len(llm.engine.batch_queue)

@@ -3,6 +3,7 @@ valid output is the grammar's doing): JSON schema, choice, regex and grammar out
 requests, n > 1, logprobs, chunked prefill, async scheduling, n-gram and EAGLE drafts, an image in the prompt; a
 constraint cut by max_tokens ends "length"; a bad constraint is a ValueError before any compute; and the same on a
 random model with a real 131k-token vocabulary."""
+
 import json
 import re
 
@@ -14,11 +15,16 @@ from tests.structured_output.conftest import big_tokenizer  # noqa: F401  (sessi
 from vlserve import LLM, SamplingParams, StructuredOutputsParams
 from vlserve.demo import default_model_path
 
-SCHEMA = {"type": "object",
-          "properties": {"shape": {"enum": ["circle", "square", "triangle"]},
-                         "count": {"type": "integer", "minimum": 0, "maximum": 9},
-                         "filled": {"type": "boolean"}},
-          "required": ["shape", "count", "filled"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "shape": {"enum": ["circle", "square", "triangle"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+        "filled": {"type": "boolean"},
+    },
+    "required": ["shape", "count", "filled"],
+    "additionalProperties": False,
+}
 CHOICES = ["red", "green", "blue", "yellow"]
 REGEX = r"(cat|dog)-[0-9]{2,4}"
 EBNF = 'root ::= "(" digit ("+" digit)* ")"\ndigit ::= [0-9]'
@@ -26,8 +32,9 @@ PROMPTS = ["Describe the picture as JSON.", "What is it?", "Count the shapes ple
 
 
 def _json(**kw):
-    return SamplingParams(max_tokens=120, structured_outputs=StructuredOutputsParams(
-        json=SCHEMA, disable_any_whitespace=True), **kw)
+    return SamplingParams(
+        max_tokens=120, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), **kw
+    )
 
 
 def _check_json(out):
@@ -69,12 +76,20 @@ def test_n4_logprobs_and_chunked_prefill(llm):
 
 
 def test_choice_regex_and_grammar(llm):
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=30,
-                             structured_outputs=StructuredOutputsParams(choice=CHOICES)) for i in range(4)]
-    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=30,
-                              structured_outputs=StructuredOutputsParams(regex=REGEX)) for i in range(4)]
-    params += [SamplingParams(temperature=0.0, max_tokens=60,
-                              structured_outputs=StructuredOutputsParams(grammar=EBNF)) for _ in range(4)]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=30, structured_outputs=StructuredOutputsParams(choice=CHOICES)
+        )
+        for i in range(4)
+    ]
+    params += [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX))
+        for i in range(4)
+    ]
+    params += [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(grammar=EBNF))
+        for _ in range(4)
+    ]
     outs = llm.generate(PROMPTS * 3, params, use_tqdm=False)
     for o in outs[:4]:
         assert o.outputs[0].text in CHOICES
@@ -87,8 +102,15 @@ def test_choice_regex_and_grammar(llm):
 
 
 def test_cut_by_max_tokens_ends_length(llm):
-    out = llm.generate(["a"], SamplingParams(max_tokens=3, temperature=0.0, structured_outputs=StructuredOutputsParams(
-        json=SCHEMA, disable_any_whitespace=True)), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["a"],
+        SamplingParams(
+            max_tokens=3,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
     assert out.text.startswith("{")
 
@@ -104,26 +126,39 @@ def test_mixed_batch_leaves_unconstrained_requests_alone(llm):
 
 def test_image_in_prompt(llm):
     img = Image.new("RGB", (64, 64), (200, 30, 30))
-    msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
-                                         {"type": "text", "text": "Describe the shape as JSON."}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": img},
+                {"type": "text", "text": "Describe the shape as JSON."},
+            ],
+        }
+    ]
     outs = llm.chat([msgs, msgs], [_json(temperature=0.0), _json(temperature=1.0, seed=5)], use_tqdm=False)
     for o in outs:
         _check_json(o)
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {"async_scheduling": True},
-    {"max_num_batched_tokens": 8},
-    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
-    {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
-], ids=["async", "chunked", "ngram", "eagle"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {"async_scheduling": True},
+        {"max_num_batched_tokens": 8},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+        {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}},
+    ],
+    ids=["async", "chunked", "ngram", "eagle"],
+)
 def test_engine_modes_give_the_same_constrained_output(llm, engine_kwargs):
-    params = [_json(temperature=0.0), SamplingParams(
-        temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX)), _json(temperature=0.0)]
+    params = [
+        _json(temperature=0.0),
+        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+        _json(temperature=0.0),
+    ]
     prompts = PROMPTS[:3]
     base = llm.generate(prompts, params, use_tqdm=False)
-    other = LLM(default_model_path(), dtype="float32", num_kv_blocks=256, max_model_len=1024, seed=0,
-                **engine_kwargs)
+    other = LLM(default_model_path(), dtype="float32", num_kv_blocks=256, max_model_len=1024, seed=0, **engine_kwargs)
     got = other.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in base]
     _check_json(got[0])
@@ -131,11 +166,14 @@ def test_engine_modes_give_the_same_constrained_output(llm, engine_kwargs):
     other.check_integrity()
 
 
-@pytest.mark.parametrize("constraint,needle", [
-    (dict(json={"type": "strin"}), "strin"),
-    (dict(regex="(abc"), "parenthesis"),
-    (dict(grammar='root ::= "a" | '), "EBNF"),
-])
+@pytest.mark.parametrize(
+    "constraint,needle",
+    [
+        (dict(json={"type": "strin"}), "strin"),
+        (dict(regex="(abc"), "parenthesis"),
+        (dict(grammar='root ::= "a" | '), "EBNF"),
+    ],
+)
 def test_bad_constraint_is_a_value_error(llm, constraint, needle):
     with pytest.raises(ValueError, match=needle):
         llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
@@ -151,14 +189,24 @@ def test_params_refuse_two_constraints_and_empty_choice():
         SamplingParams(structured_outputs={"json": SCHEMA, "whitespace": "x"})
 
 
-TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
-                  "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                  "<|im_start|>assistant\n")
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
 
 
 def test_llm_chat_passes_tools_to_the_template(llm):
-    tools = [{"type": "function", "function": {"name": "count_shapes", "description": "Count the shapes",
-                                               "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "count_shapes",
+                "description": "Count the shapes",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
     msgs = [{"role": "user", "content": "How many shapes are there?"}]
     kw = {"chat_template": TOOLS_TEMPLATE}
     tok = llm.input_processor.tokenizer
@@ -185,11 +233,14 @@ def test_real_size_vocabulary(big_tokenizer, tmp_path):
     prompts = ["Describe the picture as JSON.", "What is it?", "Count the shapes please", "x"]
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     alone = llm.generate(prompts[:1], free, use_tqdm=False)[0].outputs[0].token_ids
-    params = [free, _json(temperature=1.0, seed=5),
-              SamplingParams(temperature=1.0, seed=6, max_tokens=20,
-                             structured_outputs=StructuredOutputsParams(choice=CHOICES)),
-              SamplingParams(temperature=1.0, seed=7, max_tokens=20,
-                             structured_outputs=StructuredOutputsParams(regex=REGEX))]
+    params = [
+        free,
+        _json(temperature=1.0, seed=5),
+        SamplingParams(
+            temperature=1.0, seed=6, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES)
+        ),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone
     _check_json(outs[1])

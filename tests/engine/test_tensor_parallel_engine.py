@@ -1,6 +1,7 @@
 """Tensor parallel over two gloo ranks (worker processes on this CPU): greedy token for token with TP=1 and HF under
 chunked prefill, preemption, prefix hits and n-gram drafts; KV heads split (Qwen2) and replicated (Llama, one KV
 head); each rank holds a shard; a killed rank fails the engine at once instead of hanging it."""
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,6 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 
 def _tokens(llm, prompts, n: int = MAX_NEW) -> list[list[int]]:
     return greedy_tokens(llm, prompts, n)
-
 
 
 def test_tp2_equals_tp1_and_hf_with_chunks_preemption_and_prefix_hits(qwen2_dir):

@@ -1,4 +1,5 @@
 """Greedy parity with HF generate, token for token, under chunked prefill, preemption and prefix sharing."""
+
 import pytest
 
 from tests.engine.conftest import hf_greedy, varied_prompts

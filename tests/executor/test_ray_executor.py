@@ -4,6 +4,7 @@ rank in process.
 One module-scoped local Ray cluster (4 CPUs, no dashboard) serves every test and is shut down at the end. Until the
 model layers are sharded, each rank holds the whole model; the outputs must match token for token either way.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,12 +19,15 @@ from vlserve.executor import WorkerDied, build_executor
 from vlserve.executor.worker import WorkerSettings
 
 # Few KV blocks (preemption), a small token budget (chunked prefill); block_size 16.
-ENGINE_KW = dict(dtype="float32", num_kv_blocks=7, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4,
-                 seed=0)
+ENGINE_KW = dict(dtype="float32", num_kv_blocks=7, max_model_len=128, max_num_batched_tokens=24, max_num_seqs=4, seed=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 SHARED = "The quick brown fox jumps over the lazy dog while the cat watches from the tall old fence"
-PROMPTS = [SHARED + " and then", "Hello world, this is a longer prompt about colours and shapes",
-           "What color is the circle?", SHARED + " but later"]
+PROMPTS = [
+    SHARED + " and then",
+    "Hello world, this is a longer prompt about colours and shapes",
+    "What color is the circle?",
+    SHARED + " but later",
+]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ patched to interpret the function instead, and restored when the launch returns:
 behaves exactly as under a run-wide TRITON_INTERPRET=1, while triton stays compiled-mode for everyone
 else (a CUDA run, the AOT compile check).
 """
+
 from __future__ import annotations
 
 import functools
@@ -120,8 +121,9 @@ def run_aot_script(script: str) -> str:
 
     env = {k: v for k, v in os.environ.items() if k != INTERPRET_ENV}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
 

@@ -3,6 +3,7 @@
 Cases are built on the CPU (seeded generators give the same numbers everywhere) and the references
 are computed there; only the kernel under test sees tensors moved to the test device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -90,8 +91,9 @@ def build_metadata(
     )
 
 
-def poison_unused_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: list[int]) -> None:
+def poison_unused_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int]
+) -> None:
     """Fill every cache slot that holds no live token with NaN (what torch.empty may leave behind)."""
     block_size = k_cache.shape[1]
     live = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool)
@@ -109,8 +111,11 @@ def to_device(device: torch.device | str, *tensors: torch.Tensor) -> tuple[torch
 
 def metadata_to(md: AttentionMetadata, device: torch.device | str) -> AttentionMetadata:
     """`md` with its tensor fields moved to `device`."""
-    moved = {f.name: getattr(md, f.name).to(device) for f in dataclasses.fields(md)
-             if isinstance(getattr(md, f.name), torch.Tensor)}
+    moved = {
+        f.name: getattr(md, f.name).to(device)
+        for f in dataclasses.fields(md)
+        if isinstance(getattr(md, f.name), torch.Tensor)
+    }
     # what the kernels derived on md's device (int64 slots, gather plans) is not carried over
     return dataclasses.replace(md, **moved, derived={})
 

@@ -7,6 +7,7 @@ those modules imported while TRITON_INTERPRET=1 was set for the length of that i
 kernels are interpreted while the process environment, `sys.modules` and every other test (the
 engine's, the AOT compile check's) see no trace of it. Nothing here sets the variable for the run.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace

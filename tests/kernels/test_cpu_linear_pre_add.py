@@ -2,6 +2,7 @@
 before the activation. A zero addend (or zero rows of it) gives bit-identical output to the call without it; a
 nonzero one matches the unfused `silu(gate + dg) * (up + du)` in float32; a LoRA gate_up delta from the C++ LoRA
 kernel through it matches the unfused LoRA MLP. Run on every code path this machine can run (the `isa` fixture)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,11 +15,10 @@ pytestmark = pytest.mark.skipif(cpu_linear_kernel() is None, reason="no AVX2 + F
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-
 def _operands(m, i, k, bias, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(2 * i, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(2 * i, k, generator=g) / k**0.5).to(dtype)
     b = torch.randn(2 * i, generator=g).to(dtype) if bias else None
     add = torch.randn(m, 2 * i, generator=g) * 0.5
     return x, w, b, add
@@ -92,7 +92,7 @@ def test_lora_gate_up_delta_through_the_fused_mlp(isa):
     m, i, k, slots_n, rank = 11, 96, 256, 3, 8
     x, w, b, _ = _operands(m, i, k, True, torch.float32)
     g = torch.Generator().manual_seed(5)
-    lora_a = [torch.randn(slots_n, rank, k, generator=g) / k ** 0.5 for _ in range(2)]  # gate, up
+    lora_a = [torch.randn(slots_n, rank, k, generator=g) / k**0.5 for _ in range(2)]  # gate, up
     lora_b = [torch.randn(slots_n, i, rank, generator=g) for _ in range(2)]
     ranks = [[8, 8], [4, 0], [0, 8]]
     slots = torch.tensor([0, 0, -1, 1, 1, 2, -1, 0, 2, 2, -1])

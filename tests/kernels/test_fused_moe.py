@@ -6,6 +6,7 @@ GPU the compiled one. Tolerances, relative to the largest |reference| of a case:
 `tl.dot`; only the summation order differs), 16-bit 2e-2 (x, gate_up and hidden are rounded to the 16-bit dtype
 between the GEMMs, and the interpreter truncates float32 -> bf16 where a GPU rounds to nearest).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -38,10 +39,10 @@ def _case(t, e, k, inter, dtype=torch.float32, offset=0, num_global=None, seed=0
     g = torch.Generator().manual_seed(seed)
     num_global = num_global or e
     x = torch.randn(t, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(e, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=g) / inter**0.5).to(dtype)
     logits = torch.randn(t, num_global, generator=g)
-    logits[:, offset:offset + e] += 1.0
+    logits[:, offset : offset + e] += 1.0
     weights, ids = route_topk(logits, k, renormalize=False)  # weights < 1, also for k = 1
     return x, w13, w2, weights, ids
 
@@ -81,8 +82,10 @@ def _ref32(x, w13, w2, weights, ids, act_name="silu", offset=0):
 
 # ------------------------------------------------------------------------------------------ the torch reference
 
-@pytest.mark.parametrize("t,e,k,offset,num_global", [(1, 4, 1, 0, 4), (1, 4, 2, 2, 8), (7, 4, 2, 0, 4),
-                                                     (9, 4, 2, 3, 12), (33, 8, 3, 4, 16)])
+
+@pytest.mark.parametrize(
+    "t,e,k,offset,num_global", [(1, 4, 1, 0, 4), (1, 4, 2, 2, 8), (7, 4, 2, 0, 4), (9, 4, 2, 3, 12), (33, 8, 3, 4, 16)]
+)
 @pytest.mark.parametrize("act_name", ["silu", "gelu"])
 def test_reference_matches_naive(t, e, k, offset, num_global, act_name):
     x, w13, w2, weights, ids = _case(t, e, k, 24, offset=offset, num_global=num_global, seed=t * 10 + k)
@@ -108,6 +111,7 @@ def test_reference_edge_routing():
 
 # ------------------------------------------------------------------------------------------ alignment
 
+
 def test_align_layout():
     moe = _interpreted_moe()
     # local experts [1, 5): pairs 0 (id 5) and 3 (id 9) are not local; expert 0 has pairs 1, 2, 5; expert 1 pair 4
@@ -117,8 +121,10 @@ def test_align_layout():
     assert sorted_ids.dtype == block_expert.dtype == num_valid.dtype == torch.int32
 
 
-@pytest.mark.parametrize("t,e,k,block_m,offset,num_global", [(1, 8, 2, 16, 0, 8), (33, 8, 2, 16, 2, 12),
-                                                             (50, 4, 3, 32, 0, 16), (7, 64, 4, 16, 0, 64)])
+@pytest.mark.parametrize(
+    "t,e,k,block_m,offset,num_global",
+    [(1, 8, 2, 16, 0, 8), (33, 8, 2, 16, 2, 12), (50, 4, 3, 32, 0, 16), (7, 64, 4, 16, 0, 64)],
+)
 def test_align_invariants(t, e, k, block_m, offset, num_global):
     moe = _interpreted_moe()
     ids = _case(t, e, k, 16, offset=offset, num_global=num_global, seed=t + e)[4]
@@ -131,15 +137,16 @@ def test_align_invariants(t, e, k, block_m, offset, num_global):
     used = [p for p in sorted_ids[:valid].tolist() if p != t * k]
     assert sorted(used) == pairs and (sorted_ids[valid:] == t * k).all()  # each local pair exactly once
     for b in range(block_expert.numel()):
-        rows = [p for p in sorted_ids[b * block_m:(b + 1) * block_m].tolist() if p != t * k]
+        rows = [p for p in sorted_ids[b * block_m : (b + 1) * block_m].tolist() if p != t * k]
         if b * block_m >= valid:
             assert block_expert[b] == e and not rows
         else:
             assert rows and all(local[p] == block_expert[b] for p in rows)  # no empty block, one expert a block
-    assert block_expert[:valid // block_m].diff().ge(0).all()  # runs in expert order
+    assert block_expert[: valid // block_m].diff().ge(0).all()  # runs in expert order
 
 
 # ------------------------------------------------------------------------------------------ the Triton kernel
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [48, 96])
@@ -153,13 +160,16 @@ def test_triton_matches_reference(moe, device, t, e, offset, num_global, k, inte
     _check(out, _ref32(*case, offset=offset), dtype)
 
 
-@pytest.mark.parametrize("dtype,act_name,config", [
-    (torch.float16, "silu", None),
-    (torch.float32, "gelu", None),
-    (torch.bfloat16, "gelu_pytorch_tanh", None),
-    (torch.float32, "silu", dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)),
-    (torch.bfloat16, "silu", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)),
-])
+@pytest.mark.parametrize(
+    "dtype,act_name,config",
+    [
+        (torch.float16, "silu", None),
+        (torch.float32, "gelu", None),
+        (torch.bfloat16, "gelu_pytorch_tanh", None),
+        (torch.float32, "silu", dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)),
+        (torch.bfloat16, "silu", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=1)),
+    ],
+)
 def test_triton_dtypes_activations_tiles(moe, device, dtype, act_name, config):
     case = _case(21, 4, 2, 40, dtype, offset=2, num_global=8, seed=7)
     out = _run(moe, device, *case, act_name, offset=2, config=config)
@@ -189,8 +199,11 @@ def test_dispatch_reaches_triton(device, monkeypatch):
     # kernels.fused_moe with the triton backend forced runs this module (on CPU: its interpreted copy)
     import vlserve.kernels as K
 
-    impl = importlib.import_module(MODULE).fused_moe_triton if device.type == "cuda" else \
-        _interpreted_moe().fused_moe_triton
+    impl = (
+        importlib.import_module(MODULE).fused_moe_triton
+        if device.type == "cuda"
+        else _interpreted_moe().fused_moe_triton
+    )
     calls = []
     monkeypatch.setenv(K.BACKEND_ENV, "triton")
     monkeypatch.setattr(K, "_triton_impl", lambda name: (calls.append(name), impl)[1])
@@ -206,8 +219,11 @@ def test_dispatch_reaches_triton(device, monkeypatch):
 def test_triton_bigger(moe, device, t):
     # prefill-sized: 600 pairs over 8 of 16 experts, H = 128, several M-blocks per expert
     case = _case(t, 8, 2, 96, torch.bfloat16, offset=8, num_global=16, seed=11, hidden=128)
-    cfg = None if device.type == "cuda" else dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4,
-                                                 num_stages=1)
+    cfg = (
+        None
+        if device.type == "cuda"
+        else dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1)
+    )
     _check(_run(moe, device, *case, offset=8, config=cfg), _ref32(*case, offset=8), torch.bfloat16)
 
 

@@ -1,6 +1,7 @@
 """The C++ grammar bitmask pass (`kernels.grammar_mask`) against the numpy + torch reference, bit for bit: all-allowed,
 all-forbidden and mixed rows, bitmasks narrower and wider than the vocabulary, row mappings, each logits dtype, a
 row split over threads; and the runner's `apply_grammar_bitmask` taking it for CPU logits."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +32,7 @@ def _mask(rows: int, words: int, seed: int) -> np.ndarray:
     """int32 [rows, words]: cycles through all-allowed, all-forbidden, random, runs of both kinds, a few allowed
     tokens (a JSON string's start) and most allowed."""
     rng = np.random.default_rng(seed)
-    mask = rng.integers(-2**31, 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    mask = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
     for r in range(rows):
         kind = r % 6
         if kind == 0:
@@ -47,7 +48,7 @@ def _mask(rows: int, words: int, seed: int) -> np.ndarray:
                 mask[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         elif kind == 5:
             mask[r] = -1
-            mask[r, rng.integers(0, words, size=max(1, words // 20))] = rng.integers(-2**31, 2**31, dtype=np.int64)
+            mask[r, rng.integers(0, words, size=max(1, words // 20))] = rng.integers(-(2**31), 2**31, dtype=np.int64)
     return mask
 
 
@@ -61,8 +62,10 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 
 # vocab vs the bitmask's 32 W tokens: a multiple of 32, a partial last word, narrower (the tail is forbidden) and wider
 # (its extra words are ignored)
-@pytest.mark.parametrize("vocab,words", [(64, 2), (689, 22), (689, 15), (689, 40), (700, 1), (5000, 157),
-                                         (151936, 4748), (151937, 4748), (151936, 4000)])
+@pytest.mark.parametrize(
+    "vocab,words",
+    [(64, 2), (689, 22), (689, 15), (689, 40), (700, 1), (5000, 157), (151936, 4748), (151937, 4748), (151936, 4000)],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_rows_match_the_reference(vocab, words, dtype):
     mask = _mask(12, words, seed=vocab + words)
@@ -133,8 +136,11 @@ def test_runner_identity_mapping_and_pass_off(monkeypatch):
     want = logits.clone()
     apply_token_bitmask_ref(want, mask)
     calls = []
-    monkeypatch.setattr(worker_grammar_mask, "apply_token_bitmask_cpu",
-                        lambda *args, **kwargs: calls.append(len(args)) or apply_token_bitmask_cpu(*args, **kwargs))
+    monkeypatch.setattr(
+        worker_grammar_mask,
+        "apply_token_bitmask_cpu",
+        lambda *args, **kwargs: calls.append(len(args)) or apply_token_bitmask_cpu(*args, **kwargs),
+    )
     apply_grammar_bitmask(logits, mask, {str(i): i for i in range(4)}, [str(i) for i in range(4)], [1] * 4)
     assert calls == [2] and torch.equal(_bits(logits), _bits(want))
     monkeypatch.setenv(DISABLE_ENV, "0")

@@ -1,5 +1,6 @@
 """`kernels.host_copy`: host tensors reach the device through pinned memory without waiting for the device's queued
 work (a plain copy from pageable memory drains the stream first, which would stall async scheduling)."""
+
 import pytest
 import torch
 

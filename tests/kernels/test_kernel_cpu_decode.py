@@ -1,5 +1,6 @@
 """The C++ CPU decode kernel (`kernels.cpu_decode`) against the torch reference and a plain loop, and the engine's
 use of it (attention_forward_ref routes decodes to it, or to the torch path when it is switched off)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.skipif(cpu_decode_kernel() is None, reason="no C++ tool
 
 def _case(ratio, head_dim, block_size, seq_lens, dtype, num_kv_heads=2, seed=0):
     g = torch.Generator().manual_seed(seed)
-    contexts = [tuple(torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
-                for n in seq_lens]
+    contexts = [
+        tuple(torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)) for n in seq_lens
+    ]
     k_cache, v_cache, tables = make_paged_kv(contexts, block_size, generator=g)
     query = torch.randn(len(seq_lens), num_kv_heads * ratio, head_dim, generator=g).to(dtype)
     return query, contexts, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
@@ -32,15 +34,18 @@ def _case(ratio, head_dim, block_size, seq_lens, dtype, num_kv_heads=2, seed=0):
 
 # head dims 64 and 128 run the register-resident code, the others the general one; odd ratios leave a query row
 # that is scored or accumulated alone; contexts past 256 positions take several softmax chunks
-@pytest.mark.parametrize("ratio,head_dim,block_size", [(1, 64, 16), (4, 64, 16), (8, 128, 32), (7, 128, 16),
-                                                       (2, 80, 16), (4, 96, 32), (3, 256, 8), (5, 64, 48)])
+@pytest.mark.parametrize(
+    "ratio,head_dim,block_size",
+    [(1, 64, 16), (4, 64, 16), (8, 128, 32), (7, 128, 16), (2, 80, 16), (4, 96, 32), (3, 256, 8), (5, 64, 48)],
+)
 def test_cpu_decode_matches_naive_fp32(ratio, head_dim, block_size):
     seq_lens = [1, block_size // 2 + 3, block_size, 3 * block_size + 7, 200, 613]
     query, contexts, k_cache, v_cache, tables, lens = _case(ratio, head_dim, block_size, seq_lens, torch.float32)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, scale)
-    want = torch.stack([naive_attention(query[b:b + 1], k, v, [k.shape[0] - 1], scale)[0]
-                        for b, (k, v) in enumerate(contexts)])
+    want = torch.stack(
+        [naive_attention(query[b : b + 1], k, v, [k.shape[0] - 1], scale)[0] for b, (k, v) in enumerate(contexts)]
+    )
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
@@ -52,15 +57,18 @@ def test_cpu_decode_bf16_close_to_reference(ratio, head_dim, dp, monkeypatch):
     if dp and not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("no AVX512-BF16 here")
     monkeypatch.setattr(cpu_decode, "_DP_BF16", dp)
-    query, _, k_cache, v_cache, tables, lens = _case(ratio, head_dim, 16, [3, 16, 45, 130, 300], torch.bfloat16,
-                                                     seed=2)
+    query, _, k_cache, v_cache, tables, lens = _case(ratio, head_dim, 16, [3, 16, 45, 130, 300], torch.bfloat16, seed=2)
     out = paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125)
     ref = paged_attention_decode_ref(query.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     monkeypatch.setattr(cpu_decode, "_DP_BF16", 1 - dp)  # the other way of scoring: the same up to rounding
-    torch.testing.assert_close(paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125).float(),
-                               out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125).float(),
+        out.float(),
+        atol=1e-2,
+        rtol=1e-2,
+    )
 
 
 def test_cpu_decode_never_reads_past_the_context():
@@ -81,8 +89,9 @@ def test_cpu_decode_empty_batch_and_strided_out():
     big = torch.zeros(2, 4, 128)
     out = big[:, :, :64]  # not contiguous: filled through a copy
     paged_attention_decode_cpu(query, k_cache, v_cache, tables, lens, 0.125, out=out)
-    torch.testing.assert_close(out, paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125),
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125), atol=2e-5, rtol=1e-5
+    )
     assert torch.equal(big[:, :, 64:], torch.zeros(2, 4, 64))
 
 
@@ -113,9 +122,17 @@ def test_attention_forward_decodes_alike_with_and_without_the_kernel(monkeypatch
     key = torch.cat([contexts[0][0][-1:], contexts[1][0][-1:], contexts[2][0][-3:]])
     value = torch.cat([contexts[0][1][-1:], contexts[1][1][-1:], contexts[2][1][-3:]])
     slots = [int(tables[b, (p) // 16]) * 16 + p % 16 for b, p in ((0, 19), (1, 36), (2, 6), (2, 7), (2, 8))]
-    md = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 1, 2, 5], dtype=torch.int32),
-                           seq_lens=lens, block_tables=tables, num_decodes=2, max_query_len=3, max_seq_len=37,
-                           query_start_loc_cpu=[0, 1, 2, 5], seq_lens_cpu=seq_lens)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0, 1, 2, 5], dtype=torch.int32),
+        seq_lens=lens,
+        block_tables=tables,
+        num_decodes=2,
+        max_query_len=3,
+        max_seq_len=37,
+        query_start_loc_cpu=[0, 1, 2, 5],
+        seq_lens_cpu=seq_lens,
+    )
     out = attention_forward_ref(q, key, value, k_cache, v_cache, md, 0.125)
     want = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], lens[:2], 0.125)
     torch.testing.assert_close(out[:2], want, atol=2e-5, rtol=1e-5)
@@ -136,9 +153,9 @@ def test_attention_step_writes_then_decodes(dtype):
     want_k, want_v = k_cache.clone(), v_cache.clone()
     write_kv_cache_ref(k, v, want_k, want_v, slots)
     wide = torch.zeros(3, tables.shape[1] + 5, dtype=torch.int32)
-    wide[:, :tables.shape[1]] = tables
+    wide[:, : tables.shape[1]] = tables
     out = torch.zeros(4, 8, 64, dtype=dtype)
-    attention_step_cpu(q, k, v, k_cache, v_cache, slots, wide[:, :tables.shape[1]], lens, 3, 0.125, out)
+    attention_step_cpu(q, k, v, k_cache, v_cache, slots, wide[:, : tables.shape[1]], lens, 3, 0.125, out)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     want = paged_attention_decode_ref(q[:3].float(), want_k.float(), want_v.float(), tables, lens, 0.125)
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -161,15 +178,24 @@ def test_attention_forward_takes_short_prefill_chunks_in_the_kernel(monkeypatch,
     q = torch.randn(qsl[-1], 8, 64).to(dtype)
     key = torch.cat([k[-n:] for (k, _), n in zip(contexts, q_lens)])
     value = torch.cat([v[-n:] for (_, v), n in zip(contexts, q_lens)])
-    slots = [int(tables[b, p // 16]) * 16 + p % 16 for b, (n, L) in enumerate(zip(q_lens, seq_lens))
-             for p in range(L - n, L)]
+    slots = [
+        int(tables[b, p // 16]) * 16 + p % 16 for b, (n, L) in enumerate(zip(q_lens, seq_lens)) for p in range(L - n, L)
+    ]
     rows = cpu_decode.kernel_rows(qsl, seq_lens, 2)
 
     def forward(kernel: str) -> torch.Tensor:
         monkeypatch.setenv(cpu_decode.DISABLE_ENV, kernel)
-        md = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                               seq_lens=lens, block_tables=tables, num_decodes=2, max_query_len=max(q_lens),
-                               max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=lens,
+            block_tables=tables,
+            num_decodes=2,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
         return attention_forward_ref(q, key, value, k_cache, v_cache, md, 0.125)
 
     calls = []
@@ -178,9 +204,18 @@ def test_attention_forward_takes_short_prefill_chunks_in_the_kernel(monkeypatch,
     got = forward("1")
     assert calls == ([1] if long_chunk else []) and rows[0] == (2 if long_chunk else qsl[-1])
     torch_path = forward("0")
-    want = torch.cat([naive_attention(q[qsl[b]:qsl[b + 1]].float(), k.float(), v.float(),
-                                      list(range(seq_lens[b] - q_lens[b], seq_lens[b])), 0.125)
-                      for b, (k, v) in enumerate(contexts)])
+    want = torch.cat(
+        [
+            naive_attention(
+                q[qsl[b] : qsl[b + 1]].float(),
+                k.float(),
+                v.float(),
+                list(range(seq_lens[b] - q_lens[b], seq_lens[b])),
+                0.125,
+            )
+            for b, (k, v) in enumerate(contexts)
+        ]
+    )
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want, **tol)
     torch.testing.assert_close(got.float(), torch_path.float(), **tol)

@@ -3,6 +3,7 @@ SiLU(gate) * up, and the layers that use them (`PackableLinear.pack_for_cpu`, `p
 
 The kernel tests run on every code path this machine can run (the `isa` fixture: "avx2" on AVX2 CPUs; "avx512" and
 the forced "avx2" build on AVX-512 ones), by handing the ops `build_cpu_linear(isa)`."""
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ def _packed_kernel_at_every_row_count(monkeypatch):
 def _operands(m, n, k, bias, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     return x, w, b
 
@@ -57,9 +58,11 @@ def _exact_reference(x, w, b):
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many bf16 values lie between a and b (bf16 tensors), across zero too."""
+
     def ordered(t):
         bits = t.view(torch.int16).int()
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
     return (ordered(a) - ordered(b)).abs()
 
 
@@ -110,7 +113,7 @@ def test_bf16_on_amx_tiles_rounds_once_and_fuses_silu(monkeypatch):
         w2, b2 = torch.cat([w[:32], w[:32] * 0.5]), torch.cat([b[:32], -b[:32]])  # gate [32, K], up [32, K]
         fused = cpu_linear_silu_mul(x, pack_linear_weight(w2), b2, 32)
         want = _silu_mul_reference(x, w2, b2, 32)
-        torch.testing.assert_close(fused.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+        torch.testing.assert_close(fused.float(), want.float(), rtol=2**-6, atol=1e-3)
         assert (fused == want).float().mean() > 0.95
     x, w, b = _operands(1, 96, 512, False)
     calls.clear()
@@ -128,8 +131,24 @@ def test_bf16_on_amx_tiles_rounds_once_and_fuses_silu(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_sums_round_to_nearest_even_once(bias, isa):
     # out[i, j] = 1 * 1 + 1 * t_j (+ b_j) is exact in float32 and lands on and between bf16 values: ties go to even
-    t = torch.tensor([0, 2 ** -8, 3 * 2 ** -8, 2 ** -9, 3 * 2 ** -9, 2 ** -7 + 2 ** -9, -2 ** -8, -3 * 2 ** -8,
-                      2 ** -16, -(2 ** -16), 1, 2 ** -8 + 2 ** -15] * 4, dtype=torch.float32)
+    t = torch.tensor(
+        [
+            0,
+            2**-8,
+            3 * 2**-8,
+            2**-9,
+            3 * 2**-9,
+            2**-7 + 2**-9,
+            -(2**-8),
+            -3 * 2**-8,
+            2**-16,
+            -(2**-16),
+            1,
+            2**-8 + 2**-15,
+        ]
+        * 4,
+        dtype=torch.float32,
+    )
     assert torch.equal(t.to(torch.bfloat16).float(), t)  # each t_j a bf16 value, so each sum is exact
     n = len(t)  # 48: a whole panel and a ragged one
     w = torch.stack([torch.ones(n), t], dim=1).to(torch.bfloat16)
@@ -170,8 +189,13 @@ def test_cpu_linear_is_the_same_on_one_thread_and_several(dtype, isa):
         runs = []
         for n in (1, max(2, threads)):
             torch.set_num_threads(n)
-            runs.append((cpu_linear(x, packed, b, 200), cpu_linear_silu_mul(x, gate_up, b[:192], 96),
-                         cpu_linear(x, pack_linear_weight(w[:20]), b[:20], 20)))  # one panel: rows split instead
+            runs.append(
+                (
+                    cpu_linear(x, packed, b, 200),
+                    cpu_linear_silu_mul(x, gate_up, b[:192], 96),
+                    cpu_linear(x, pack_linear_weight(w[:20]), b[:20], 20),
+                )
+            )  # one panel: rows split instead
     finally:
         torch.set_num_threads(threads)
     for one, several in zip(*runs):
@@ -225,7 +249,7 @@ def test_silu_mul_is_the_gate_up_projection_then_silu_times_up(m, bias, dtype, i
         gate, up = _exact_reference(x, w, b).split(i, dim=-1)
         torch.testing.assert_close(out.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
     else:  # the projection's sums in another order may tip a rounding of gate or up; nothing else differs
-        torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2**-6, atol=1e-3)
         assert (out == want).float().mean() > 0.95
     batched = cpu_linear_silu_mul(x.view(1, m, k), pack_linear_weight(w), b, i)
     torch.testing.assert_close(batched.view(m, i), out, atol=0, rtol=0)
@@ -235,8 +259,37 @@ def test_silu_mul_is_the_gate_up_projection_then_silu_times_up(m, bias, dtype, i
 def test_silu_mul_over_the_whole_float_range(dtype, isa):
     # gate = up = x exactly (identity weights): SiLU's exp far past its clamps, where it overflows (silu -> -0) and
     # where it underflows (silu -> x), rounded as torch rounds
-    g = torch.tensor([-300, -104.5, -100, -89.5, -88.5, -87, -30, -1, -2 ** -20, 0, 2 ** -20, 0.5, 1, 30, 87, 88.5,
-                      89.5, 100, 104.5, 300, -5, 5, -0.25, 0.25] * 8 + [0] * 32, dtype=torch.float32)
+    g = torch.tensor(
+        [
+            -300,
+            -104.5,
+            -100,
+            -89.5,
+            -88.5,
+            -87,
+            -30,
+            -1,
+            -(2**-20),
+            0,
+            2**-20,
+            0.5,
+            1,
+            30,
+            87,
+            88.5,
+            89.5,
+            100,
+            104.5,
+            300,
+            -5,
+            5,
+            -0.25,
+            0.25,
+        ]
+        * 8
+        + [0] * 32,
+        dtype=torch.float32,
+    )
     x = g.view(7, 32).to(dtype)  # I = K = 32: 224 gate values
     w = torch.cat([torch.eye(32), torch.eye(32)]).to(dtype)
     out = cpu_linear_silu_mul(x, pack_linear_weight(w), None, 32)
@@ -257,8 +310,11 @@ def test_silu_mul_rejects_a_matrix_it_cannot_split():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_layers_pack_once_and_compute_the_same(dtype, isa):
     torch.manual_seed(0)
-    layers = [ColumnParallelLinear(64, 96), MergedColumnParallelLinear(64, {"gate_proj": 48, "up_proj": 48},
-                                                                        bias=False), RowParallelLinear(96, 64)]
+    layers = [
+        ColumnParallelLinear(64, 96),
+        MergedColumnParallelLinear(64, {"gate_proj": 48, "up_proj": 48}, bias=False),
+        RowParallelLinear(96, 64),
+    ]
     model = torch.nn.ModuleList(layers + [torch.nn.Linear(64, 64)]).to(dtype)
     x = {64: torch.randn(7, 64).to(dtype), 96: torch.randn(7, 96).to(dtype)}
     before = [layer(x[layer.in_features]) for layer in layers]
@@ -269,7 +325,7 @@ def test_layers_pack_once_and_compute_the_same(dtype, isa):
         assert layer.weight is None and layer.packed_weight.shape[1:] == panel
         assert "weight" not in dict(layer.named_parameters()) and "packed_weight" in dict(layer.named_parameters())
         got = layer(x[layer.in_features])
-        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
         torch.testing.assert_close(got.float(), want.float(), **tol)
     half = ColumnParallelLinear(64, 96).half()
     assert not half.pack_for_cpu() and half.weight is not None and half.packed_weight is None
@@ -284,9 +340,8 @@ def test_gated_mlp_fuses_silu_into_its_packed_gate_up(dtype, isa, monkeypatch):
     assert pack_linears_for_cpu(fused) == 2 and pack_linears_for_cpu(ragged) == 2
     calls = []
     real = cl.cpu_linear_silu_mul
-    monkeypatch.setattr("vlserve.kernels.packed_linear.cpu_linear_silu_mul",
-                        lambda *a: calls.append(a[-1]) or real(*a))
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
+    monkeypatch.setattr("vlserve.kernels.packed_linear.cpu_linear_silu_mul", lambda *a: calls.append(a[-1]) or real(*a))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=2e-3)
     for mlp in (fused, ragged):
         torch.testing.assert_close(mlp(x).float(), want[id(mlp)].float(), **tol)
     assert calls == [96]  # only the MLP whose gate and up fill whole panels fuses

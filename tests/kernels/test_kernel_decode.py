@@ -1,4 +1,5 @@
 """Paged decode attention: torch reference vs a plain loop, and the Triton kernel vs the reference."""
+
 from __future__ import annotations
 
 import itertools
@@ -31,8 +32,10 @@ def _naive_decode(query, contexts, scale):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("ratio,head_dim,block_size",
-                         list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)) + [(7, 128, 16), (6, 64, 32)])
+@pytest.mark.parametrize(
+    "ratio,head_dim,block_size",
+    list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)) + [(7, 128, 16), (6, 64, 32)],
+)
 def test_decode_ref_matches_naive(ratio, head_dim, block_size):
     # lengths: single token, mid-block, exactly one block, several blocks ending mid-block
     seq_lens = [1, block_size // 2 + 3, block_size, 3 * block_size + 7]
@@ -99,7 +102,9 @@ def test_decode_triton_matches_ref(triton_kernels, device, ratio, head_dim, bloc
     scale = head_dim**-0.5
     ref = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, scale)
     out = triton_kernels.attention.paged_attention_decode_triton(
-        *to_device(device, query, k_cache, v_cache, tables, lens), scale, max_seq_len=max(seq_lens),
+        *to_device(device, query, k_cache, v_cache, tables, lens),
+        scale,
+        max_seq_len=max(seq_lens),
         num_splits=num_splits,
     )
     assert out.device.type == device.type
@@ -111,7 +116,8 @@ def test_decode_triton_bf16_default_splits(triton_kernels, device):
     query, _, k_cache, v_cache, tables, lens = _decode_case(4, 64, 16, seq_lens, num_kv_heads=1, dtype=torch.bfloat16)
     ref = paged_attention_decode_ref(query, k_cache, v_cache, tables, lens, 0.125)
     out = triton_kernels.attention.paged_attention_decode_triton(  # bound from table width
-        *to_device(device, query, k_cache, v_cache, tables, lens), 0.125)
+        *to_device(device, query, k_cache, v_cache, tables, lens), 0.125
+    )
     torch.testing.assert_close(out.float().cpu(), ref.float(), **kernel_tol(device, torch.bfloat16))
 
 
@@ -139,7 +145,8 @@ def test_decode_ignores_nan_in_unwritten_slots(backend, request, device):
         tol = kernel_tol("cpu", torch.float32)
     else:
         attention = request.getfixturevalue("triton_kernels").attention
-        out = attention.paged_attention_decode_triton(*to_device(device, query, k_cache, v_cache, tables, lens),
-                                                      0.125, num_splits=2).cpu()
+        out = attention.paged_attention_decode_triton(
+            *to_device(device, query, k_cache, v_cache, tables, lens), 0.125, num_splits=2
+        ).cpu()
         tol = kernel_tol(device, torch.float32)
     torch.testing.assert_close(out, expected, **tol)

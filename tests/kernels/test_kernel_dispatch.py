@@ -1,4 +1,5 @@
 """Backend selection and the dispatching entry points of vlserve.kernels."""
+
 from __future__ import annotations
 
 import warnings
@@ -89,8 +90,9 @@ def test_dispatch_full_step(monkeypatch, request, device, backend):
     # the standalone entry points agree with attention_forward on the decode and prefill parts
     dec = K.paged_attention_decode(q[:1], k_cache, v_cache, md.block_tables[:1], md.seq_lens[:1], 0.125)
     torch.testing.assert_close(dec, out[:1], **tol)
-    pre = K.paged_prefill_attention(q, k_cache, v_cache, md.block_tables[1:], md.query_start_loc[1:],
-                                    md.seq_lens[1:], 0.125)
+    pre = K.paged_prefill_attention(
+        q, k_cache, v_cache, md.block_tables[1:], md.query_start_loc[1:], md.seq_lens[1:], 0.125
+    )
     torch.testing.assert_close(pre[1:], out[1:], **tol)
     k_cache2 = k_cache.clone()
     K.write_kv_cache(k, v, k_cache2, v_cache.clone(), md.slot_mapping)
@@ -107,7 +109,13 @@ def test_triton_kernels_compile_for_sm90():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels._triton_aot_check"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels._triton_aot_check"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok ") == 15

@@ -1,4 +1,5 @@
 """The engine end to end on the Triton kernels (compiled on CUDA, interpreted on CPU): greedy parity with HF."""
+
 import pytest
 import torch
 
@@ -15,8 +16,7 @@ def test_engine_greedy_parity_on_triton_backend(tmp_path, monkeypatch, device, t
     prompts = [torch.randint(3, 600, (n,), generator=g).tolist() for n in (3, 20)]
     expected = hf_greedy(model, prompts, 4)
     monkeypatch.setenv("VLSERVE_ATTENTION_BACKEND", "triton")
-    llm = LLM(model, dtype="float32", num_kv_blocks=8, max_num_batched_tokens=16, block_size=16,
-              device=device.type)
+    llm = LLM(model, dtype="float32", num_kv_blocks=8, max_num_batched_tokens=16, block_size=16, device=device.type)
     import vlserve.kernels as kernels
 
     assert kernels.get_attention_backend(device) == "triton"

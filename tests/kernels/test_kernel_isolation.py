@@ -1,4 +1,5 @@
 """The CPU kernel tests' interpreter stays theirs: no run-wide TRITON_INTERPRET, CUDA tensors on a GPU."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,8 +49,13 @@ def test_interpreted_copies_leave_no_trace():
 def test_no_test_sets_interpreter_for_the_run():
     # setting the variable at import or collection would make every CUDA test run interpreted kernels
     var = "TRITON_" + "INTERPRET"
-    patterns = [f'os.environ["{var}"]', f"os.environ['{var}']", f'setdefault("{var}"', f"setdefault('{var}'",
-                f'putenv("{var}"']
+    patterns = [
+        f'os.environ["{var}"]',
+        f"os.environ['{var}']",
+        f'setdefault("{var}"',
+        f"setdefault('{var}'",
+        f'putenv("{var}"',
+    ]
     offenders = [
         f"{path.relative_to(TESTS_DIR)}: {pattern}"
         for path in TESTS_DIR.rglob("*.py")

@@ -1,6 +1,7 @@
 """Per-query key limits (`AttentionMetadata.key_limits`, Gemma 3's bidirectional image runs): the torch path, the C++
 CPU path (decodes in C++, prefill chunks in torch) and the Triton path's torch fallback against plain SDPA with the
 mask of the definition (query q with limit h sees key k iff k <= h, and k > q - W with a window W)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,9 @@ WINDOWS = [None, 3, 40]  # full; smaller than every run; larger than the runs, s
 def _own_positions(md: AttentionMetadata) -> torch.Tensor:
     """[T] int64: each query token's position (seq_len - q_len + i)."""
     qsl = md.query_start_loc_cpu
-    return torch.cat([torch.arange(md.seq_lens_cpu[b] - (qsl[b + 1] - qsl[b]), md.seq_lens_cpu[b])
-                      for b in range(md.num_seqs)])
+    return torch.cat(
+        [torch.arange(md.seq_lens_cpu[b] - (qsl[b + 1] - qsl[b]), md.seq_lens_cpu[b]) for b in range(md.num_seqs)]
+    )
 
 
 def _limits(md: AttentionMetadata, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
@@ -47,7 +49,7 @@ def _limits(md: AttentionMetadata, runs: list[list[tuple[int, int]]]) -> torch.T
         first_pos = md.seq_lens_cpu[b] - (qsl[b + 1] - qsl[b])
         for first, last in seq_runs:
             lo = qsl[b] + max(first, first_pos) - first_pos
-            limits[lo:qsl[b] + last - first_pos + 1] = last
+            limits[lo : qsl[b] + last - first_pos + 1] = last
     return limits
 
 
@@ -62,19 +64,19 @@ def _dense(query, contexts, md, limits, window):
     for b, (k, v) in enumerate(contexts):
         seq_len, n = md.seq_lens_cpu[b], qsl[b + 1] - qsl[b]
         q_pos, k_pos = torch.arange(seq_len - n, seq_len), torch.arange(seq_len)
-        mask = k_pos[None, :] <= limits[qsl[b]:qsl[b + 1], None]  # [n, S]
+        mask = k_pos[None, :] <= limits[qsl[b] : qsl[b + 1], None]  # [n, S]
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
-        q, kk, vv = (t.double().transpose(0, 1) for t in (query[qsl[b]:qsl[b + 1]], k, v))
-        outs.append(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=SCALE,
-                                                   enable_gqa=True).transpose(0, 1))
+        q, kk, vv = (t.double().transpose(0, 1) for t in (query[qsl[b] : qsl[b + 1]], k, v))
+        outs.append(
+            F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=SCALE, enable_gqa=True).transpose(0, 1)
+        )
     return torch.cat(outs)
 
 
 def _forward(monkeypatch, path, query, key, value, k_cache, v_cache, md, window):
     monkeypatch.setenv(cpu_decode.DISABLE_ENV, "1" if path == "cpp" else "0")
-    return attention_forward_ref(query, key, value, k_cache.clone(), v_cache.clone(), md, SCALE,
-                                 sliding_window=window)
+    return attention_forward_ref(query, key, value, k_cache.clone(), v_cache.clone(), md, SCALE, sliding_window=window)
 
 
 PATHS = ["torch", pytest.param("cpp", marks=needs_cpu_kernel)]
@@ -86,8 +88,9 @@ PATHS = ["torch", pytest.param("cpp", marks=needs_cpu_kernel)]
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_matches_dense(monkeypatch, path, dtype, window, name):
     q_lens, seq_lens, runs, ratio = CASES[name]
-    query, key, value, contexts, k_cache, v_cache, md = _step_case(q_lens, seq_lens, ratio=ratio, dtype=dtype,
-                                                                   seed=len(name))
+    query, key, value, contexts, k_cache, v_cache, md = _step_case(
+        q_lens, seq_lens, ratio=ratio, dtype=dtype, seed=len(name)
+    )
     if path == "cpp" and not cpu_decode.attention_step_supported(query, key, k_cache, v_cache):
         pytest.skip("the C++ call does not take these tensors")
     limits = _limits(md, runs)
@@ -95,7 +98,7 @@ def test_forward_matches_dense(monkeypatch, path, dtype, window, name):
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.double(), _dense(query, contexts, md, limits, window), **tol)
     causal = _forward(monkeypatch, path, query, key, value, k_cache, v_cache, _with_limits(md, None), window)
-    assert torch.equal(got[:md.num_decodes], causal[:md.num_decodes])  # decode rows stay exact
+    assert torch.equal(got[: md.num_decodes], causal[: md.num_decodes])  # decode rows stay exact
     assert not torch.allclose(got.float(), causal.float(), atol=1e-2)  # the runs changed the output
 
 
@@ -106,8 +109,7 @@ def test_own_position_limits_are_causal(monkeypatch, path, dtype, window):
     # the mixed step: short chunks stay in the C++ call, the output is bit for bit the causal one
     q_lens, seq_lens, _, ratio = CASES["mixed_step"]
     query, key, value, _, k_cache, v_cache, md = _step_case(q_lens, seq_lens, ratio=ratio, dtype=dtype, seed=11)
-    own = _forward(monkeypatch, path, query, key, value, k_cache, v_cache, _with_limits(md, _own_positions(md)),
-                   window)
+    own = _forward(monkeypatch, path, query, key, value, k_cache, v_cache, _with_limits(md, _own_positions(md)), window)
     causal = _forward(monkeypatch, path, query, key, value, k_cache, v_cache, _with_limits(md, None), window)
     assert torch.equal(own, causal)
 
@@ -131,8 +133,9 @@ def test_padding_rows_and_dispatch_and_compiled_op():
     padded = build_metadata(q_lens, seq_lens, md.block_tables, BS, md.num_decodes, num_padding_tokens=3)
     padded.key_limits = torch.cat([limits, torch.zeros(3, dtype=torch.long)])  # the runner's padding limits: 0
     pad = lambda t: torch.cat([t, torch.randn(3, *t.shape[1:])])  # noqa: E731
-    out = kernels.attention_forward(pad(query), pad(key), pad(value), k_cache.clone(), v_cache.clone(), padded,
-                                    SCALE, sliding_window=40)
+    out = kernels.attention_forward(
+        pad(query), pad(key), pad(value), k_cache.clone(), v_cache.clone(), padded, SCALE, sliding_window=40
+    )
     torch.testing.assert_close(out[:-3].double(), want, atol=2e-5, rtol=1e-5)
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
     with attention_step(_with_limits(md, limits), [(k_cache.clone(), v_cache.clone())]):
@@ -149,13 +152,21 @@ def test_triton_fallback_matches_ref(triton_kernels, device, window):
     want = _dense(query, contexts, md, limits, window)
     q2, key2, value2, k2, v2 = to_device(device, query, key, value, k_cache, v_cache)
     forward = triton_kernels.attention.attention_forward_triton
-    out = forward(q2, key2, value2, k2, v2, metadata_to(_with_limits(md, limits), device), SCALE,
-                  sliding_window=window)
+    out = forward(q2, key2, value2, k2, v2, metadata_to(_with_limits(md, limits), device), SCALE, sliding_window=window)
     torch.testing.assert_close(out.cpu().double(), want, **kernel_tol(device, torch.float32))
     # own positions: the Triton prefill runs, as without limits
-    causal = forward(q2, key2, value2, k2, v2, metadata_to(_with_limits(md, None), device), SCALE,
-                     sliding_window=window)
-    own = forward(q2, key2, value2, k2, v2, metadata_to(_with_limits(md, _own_positions(md)), device), SCALE,
-                  sliding_window=window)
+    causal = forward(
+        q2, key2, value2, k2, v2, metadata_to(_with_limits(md, None), device), SCALE, sliding_window=window
+    )
+    own = forward(
+        q2,
+        key2,
+        value2,
+        k2,
+        v2,
+        metadata_to(_with_limits(md, _own_positions(md)), device),
+        SCALE,
+        sliding_window=window,
+    )
     assert torch.equal(own, causal)
     assert torch.equal(out[:1], causal[:1])  # the decode row

@@ -1,4 +1,5 @@
 """write_kv_cache: reference vs a per-token loop, Triton vs reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,8 +54,10 @@ def test_write_ref_no_padding_and_empty():
     assert torch.equal(k_cache, exp_k)
 
 
-@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,dtype", [
-    (16, 2, 80, torch.float32), (32, 8, 128, torch.float32), (16, 4, 64, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,head_dim,dtype",
+    [(16, 2, 80, torch.float32), (32, 8, 128, torch.float32), (16, 4, 64, torch.bfloat16)],
+)
 def test_write_triton_matches_ref(triton_kernels, device, block_size, num_kv_heads, head_dim, dtype):
     key, value, k_cache, v_cache, slots = _case(block_size, num_kv_heads, head_dim, dtype)
     key2, value2, k2, v2, slots2 = _case(block_size, num_kv_heads, head_dim, dtype, device=device)

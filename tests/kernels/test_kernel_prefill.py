@@ -1,4 +1,5 @@
 """Paged varlen prefill and attention_forward: reference vs a plain loop, Triton vs reference."""
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,12 @@ def _prefill_case(ratio, head_dim, block_size, seqs, num_kv_heads=2, dtype=torch
     contexts = []
     for prefix, q_len in seqs:
         n = prefix + q_len
-        contexts.append((torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype),
-                         torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)))
+        contexts.append(
+            (
+                torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype),
+                torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype),
+            )
+        )
     k_cache, v_cache, tables = make_paged_kv(contexts, block_size, generator=g)
     q_lens = [q for _, q in seqs]
     seq_lens = [p + q for p, q in seqs]
@@ -55,8 +60,10 @@ def _seqs(block_size):
     return [(0, 9), (block_size + 3, block_size // 2 + 1), (block_size, 1), (5, 0), (0, 1)]
 
 
-@pytest.mark.parametrize("ratio,head_dim,block_size",
-                         list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)) + [(7, 128, 16), (6, 64, 32)])
+@pytest.mark.parametrize(
+    "ratio,head_dim,block_size",
+    list(itertools.product(GQA_RATIOS, HEAD_DIMS, BLOCK_SIZES)) + [(7, 128, 16), (6, 64, 32)],
+)
 def test_prefill_ref_matches_naive(ratio, head_dim, block_size):
     query, contexts, k_cache, v_cache, tables, qsl, lens = _prefill_case(ratio, head_dim, block_size, _seqs(block_size))
     scale = head_dim**-0.5
@@ -76,7 +83,8 @@ def test_prefill_ignores_nan_in_unwritten_slots(backend, request, device):
     else:
         prefill = request.getfixturevalue("triton_kernels").prefill
         out = prefill.paged_prefill_attention_triton(
-            *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125).cpu()
+            *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125
+        ).cpu()
         tol = kernel_tol(device, torch.float32)
     torch.testing.assert_close(out, expected, **tol)
 
@@ -99,7 +107,8 @@ def test_prefill_triton_matches_ref(triton_kernels, device, ratio, head_dim, blo
     scale = head_dim**-0.5
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, scale)
     out = triton_kernels.prefill.paged_prefill_attention_triton(
-        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), scale)
+        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), scale
+    )
     assert out.device.type == device.type
     torch.testing.assert_close(out.cpu(), ref, **kernel_tol(device, torch.float32))
 
@@ -109,7 +118,8 @@ def test_prefill_triton_bf16(triton_kernels, device):
     query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(2, 64, 16, seqs, num_kv_heads=1, dtype=torch.bfloat16)
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 0.125)
     out = triton_kernels.prefill.paged_prefill_attention_triton(
-        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125, max_query_len=12)
+        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 0.125, max_query_len=12
+    )
     torch.testing.assert_close(out.float().cpu(), ref.float(), **kernel_tol(device, torch.bfloat16))
 
 

@@ -1,6 +1,7 @@
 """Triton prefill launch shapes: every tile gives the reference's output (unmasked tiles below the diagonal, masked
 ones on it), the per-device choice, the fallback when a GPU lacks the shared memory for the chosen tile, and the
 GPU benchmark's smoke run."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,10 @@ def _tile(prefill, rows, block_n):
     return prefill.PrefillTile(rows=rows, block_n=block_n, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("ratio,head_dim,rows,block_n", [
-    (1, 64, 16, 16), (4, 64, 128, 64), (4, 80, 64, 32), (2, 128, 32, 64), (7, 64, 128, 32), (1, 96, 128, 128)])
+@pytest.mark.parametrize(
+    "ratio,head_dim,rows,block_n",
+    [(1, 64, 16, 16), (4, 64, 128, 64), (4, 80, 64, 32), (2, 128, 32, 64), (7, 64, 128, 32), (1, 96, 128, 128)],
+)
 def test_every_tile_matches_ref(triton_kernels, device, ratio, head_dim, rows, block_n):
     if device.type == "cuda" and rows * block_n > 128 * 64:
         # float32 dots on CUDA only ever launch SMALL_TILE (test_tile_choice); this 128 x 128 float32 tile failed on
@@ -31,19 +34,22 @@ def test_every_tile_matches_ref(triton_kernels, device, ratio, head_dim, rows, b
     scale = head_dim**-0.5
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, scale)
     prefill = triton_kernels.prefill
-    out = prefill.paged_prefill_attention_triton(*to_device(device, query, k_cache, v_cache, tables, qsl, lens), scale,
-                                                 tile=_tile(prefill, rows, block_n))
+    out = prefill.paged_prefill_attention_triton(
+        *to_device(device, query, k_cache, v_cache, tables, qsl, lens), scale, tile=_tile(prefill, rows, block_n)
+    )
     torch.testing.assert_close(out.cpu(), ref, **kernel_tol(device, torch.float32))
 
 
 def test_tiles_bf16(triton_kernels, device):
-    query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(4, 128, 16, [(100, 40), (0, 33)], num_kv_heads=1,
-                                                                  dtype=torch.bfloat16, seed=2)
+    query, _, k_cache, v_cache, tables, qsl, lens = _prefill_case(
+        4, 128, 16, [(100, 40), (0, 33)], num_kv_heads=1, dtype=torch.bfloat16, seed=2
+    )
     ref = paged_prefill_attention_ref(query, k_cache, v_cache, tables, qsl, lens, 128**-0.5)
     prefill = triton_kernels.prefill
     for tile in (prefill.SMALL_TILE, _tile(prefill, 128, 64)):
-        out = prefill.paged_prefill_attention_triton(*to_device(device, query, k_cache, v_cache, tables, qsl, lens),
-                                                     128**-0.5, tile=tile)
+        out = prefill.paged_prefill_attention_triton(
+            *to_device(device, query, k_cache, v_cache, tables, qsl, lens), 128**-0.5, tile=tile
+        )
         torch.testing.assert_close(out.float().cpu(), ref.float(), **kernel_tol(device, torch.bfloat16))
 
 
@@ -73,6 +79,7 @@ class _KernelThatRunsOutOfSharedMemory:
             if kwargs["BLOCK_N"] > self.limit:
                 raise self.error
             return self.kernel[grid](*args, **kwargs)
+
         return launch
 
 
@@ -115,7 +122,13 @@ def test_gpu_prefill_benchmark_smoke_run():
 
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # the child process's own environment, not this run's
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_attention", "--device", "cpu", "--cases", "1x40",
-                           "--iters", "1"], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.prefill_attention", "--device", "cpu", "--cases", "1x40", "--iters", "1"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| 1 x 40 |" in proc.stdout and "Triton / flash" in proc.stdout

@@ -1,4 +1,5 @@
 """apply_rotary parity with HF transformers (Llama RoPE and Qwen2-VL M-RoPE), and Triton vs reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,15 +21,25 @@ MAX_POS = 4096
 
 
 def _llama_rope(head_dim, dtype):
-    cfg = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                      max_position_embeddings=MAX_POS)
+    cfg = LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=MAX_POS,
+    )
     return LlamaRotaryEmbedding(cfg)
 
 
 def _qwen2vl_rope(head_dim, mrope_section):
-    cfg = Qwen2VLTextConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2,
-                            rope_theta=1000000.0, max_position_embeddings=MAX_POS,
-                            rope_scaling={"type": "mrope", "mrope_section": mrope_section})
+    cfg = Qwen2VLTextConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        max_position_embeddings=MAX_POS,
+        rope_scaling={"type": "mrope", "mrope_section": mrope_section},
+    )
     return Qwen2VLRotaryEmbedding(cfg)
 
 
@@ -43,8 +54,10 @@ def _hf_mrope_apply(q, k, cos, sin, mrope_section):
 
 def _qk(num_tokens, head_dim, dtype, seed=0, hq=4, hkv=2):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_tokens, hq, head_dim, generator=g).to(dtype),
-            torch.randn(num_tokens, hkv, head_dim, generator=g).to(dtype))
+    return (
+        torch.randn(num_tokens, hq, head_dim, generator=g).to(dtype),
+        torch.randn(num_tokens, hkv, head_dim, generator=g).to(dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

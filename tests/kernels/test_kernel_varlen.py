@@ -1,4 +1,5 @@
 """Bidirectional varlen attention (vision towers): reference vs a plain loop, Triton (interpreter) vs reference."""
+
 from __future__ import annotations
 
 import itertools
@@ -42,17 +43,17 @@ def test_varlen_ref_matches_naive(bounds, heads, head_dim):
     scale = head_dim**-0.5
     out = varlen_attention_ref(q, k, v, cu, scale)
     torch.testing.assert_close(out, _naive_varlen(q, k, v, bounds, scale), atol=2e-5, rtol=1e-5)
-    assert out[bounds[-1]:].abs().max() == 0  # padding rows
+    assert out[bounds[-1] :].abs().max() == 0  # padding rows
 
 
-@pytest.mark.parametrize("bounds,heads,head_dim", [(BOUNDS[0], (2, 2), 16), (BOUNDS[0], (4, 2), 80),
-                                                   (BOUNDS[1], (3, 3), 40)])
+@pytest.mark.parametrize(
+    "bounds,heads,head_dim", [(BOUNDS[0], (2, 2), 16), (BOUNDS[0], (4, 2), 80), (BOUNDS[1], (3, 3), 40)]
+)
 def test_varlen_triton_matches_ref(bounds, heads, head_dim, device, triton_kernels):
     q, k, v, cu = _case(bounds, *heads, head_dim, pad_rows=2, seed=1)
     scale = head_dim**-0.5
     out = triton_kernels.varlen.varlen_attention_triton(*to_device(device, q, k, v, cu), scale)
-    torch.testing.assert_close(out.cpu(), varlen_attention_ref(q, k, v, cu, scale),
-                               **kernel_tol(device, torch.float32))
+    torch.testing.assert_close(out.cpu(), varlen_attention_ref(q, k, v, cu, scale), **kernel_tol(device, torch.float32))
 
 
 def test_varlen_bf16_both_backends(device, triton_kernels):

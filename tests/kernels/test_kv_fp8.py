@@ -6,6 +6,7 @@ Each path is checked twice: against the reference computed on the same fp8-round
 about what 3 mantissa bits cost: an e4m3 value is within 1/16 of its input; measured here, mean absolute error ~0.01
 on outputs of mean magnitude ~0.33). Writers are checked byte for byte against `quantize_kv`.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -50,6 +51,7 @@ def _prefill_case(q_lens, seq_lens, seed=1, **kw):
 
 # --- the rule ----------------------------------------------------------------------------------------------------
 
+
 def test_quantize_rule_and_dtype_names(monkeypatch):
     x = torch.tensor([1000.0, -1000.0, 1.95, 0.3, 1e-5, 0.0])
     q = quantize_kv(x, 2.0)
@@ -74,6 +76,7 @@ def test_quantize_rule_and_dtype_names(monkeypatch):
 
 # --- torch twins -------------------------------------------------------------------------------------------------
 
+
 def test_write_ref_stores_quantized_bytes():
     g = torch.Generator().manual_seed(3)
     key, value = torch.randn(5, 2, 64, generator=g) * 3, torch.randn(5, 2, 64, generator=g)
@@ -91,7 +94,7 @@ def test_write_ref_stores_quantized_bytes():
 def test_decode_ref_fp8(ratio, head_dim, block_size):
     seq_lens = [1, block_size + 3, 3 * block_size + 7, 200]
     query, full, fp8, deq, tables, lens = _case(seq_lens, ratio, head_dim, block_size)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = paged_attention_decode_ref(query, *fp8, tables, lens, scale, k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(out, paged_attention_decode_ref(query, *deq, tables, lens, scale), **TIGHT)
     torch.testing.assert_close(out, paged_attention_decode_ref(query, *full, tables, lens, scale), **LOOSE)
@@ -102,8 +105,7 @@ def test_decode_ref_fp8_padded_chunk_and_workspace():
     query, _, fp8, deq, tables, lens = _case([5, 33, 17], seed=4)
     poison_unused_slots(*deq, tables, [5, 33, 17])
     ws = torch.empty(1 << 16, dtype=FP8_KV_DTYPE)
-    out = paged_attention_decode_ref(query, *fp8, tables, lens, 0.125, workspace=ws, k_scale=K_SCALE,
-                                     v_scale=V_SCALE)
+    out = paged_attention_decode_ref(query, *fp8, tables, lens, 0.125, workspace=ws, k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(out, paged_attention_decode_ref(query, *deq, tables, lens, 0.125), **TIGHT)
 
 
@@ -115,11 +117,13 @@ def test_prefill_ref_fp8(dtype):
     want = paged_prefill_attention_ref(query.float(), *deq, tables, qsl, lens, 0.125)
     tight = TIGHT if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: K/V rounded to bf16 for SDPA
     torch.testing.assert_close(out.float(), want, **tight)
-    torch.testing.assert_close(out.float(), paged_prefill_attention_ref(query.float(), *full, tables, qsl, lens,
-                                                                        0.125), **LOOSE)
+    torch.testing.assert_close(
+        out.float(), paged_prefill_attention_ref(query.float(), *full, tables, qsl, lens, 0.125), **LOOSE
+    )
 
 
 # --- Triton --------------------------------------------------------------------------------------------------------
+
 
 def test_triton_write_matches_torch_bytes(triton_kernels, device):
     g = torch.Generator().manual_seed(5)
@@ -128,8 +132,9 @@ def test_triton_write_matches_torch_bytes(triton_kernels, device):
     slots = torch.tensor([0, 15, -1, 16, 53, 95, -1, 39, 2])
     want_k, want_v = torch.zeros(6, 16, 4, 80, dtype=FP8_KV_DTYPE), torch.zeros(6, 16, 4, 80, dtype=FP8_KV_DTYPE)
     write_kv_cache_ref(key, value, want_k, want_v, slots, k_scale=K_SCALE, v_scale=V_SCALE)
-    k8, v8, key_d, value_d, slots_d = to_device(device, torch.zeros_like(want_k), torch.zeros_like(want_v), key,
-                                                value, slots)
+    k8, v8, key_d, value_d, slots_d = to_device(
+        device, torch.zeros_like(want_k), torch.zeros_like(want_v), key, value, slots
+    )
     triton_kernels.kv_write.write_kv_cache_triton(key_d, value_d, k8, v8, slots_d, k_scale=K_SCALE, v_scale=V_SCALE)
     assert torch.equal(_bytes(k8.cpu()), _bytes(want_k)) and torch.equal(_bytes(v8.cpu()), _bytes(want_v))
 
@@ -138,21 +143,24 @@ def test_triton_write_matches_torch_bytes(triton_kernels, device):
 def test_triton_decode_fp8(triton_kernels, device, ratio, head_dim):
     seq_lens = [1, 19, 70, 130]
     query, full, fp8, deq, tables, lens = _case(seq_lens, ratio, head_dim, seed=6)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = triton_kernels.attention.paged_attention_decode_triton(
-        *to_device(device, query, *fp8, tables, lens), scale, max_seq_len=130, k_scale=K_SCALE,
-        v_scale=V_SCALE).cpu()
-    torch.testing.assert_close(out, paged_attention_decode_ref(query, *deq, tables, lens, scale),
-                               **kernel_tol(device, torch.float32))
+        *to_device(device, query, *fp8, tables, lens), scale, max_seq_len=130, k_scale=K_SCALE, v_scale=V_SCALE
+    ).cpu()
+    torch.testing.assert_close(
+        out, paged_attention_decode_ref(query, *deq, tables, lens, scale), **kernel_tol(device, torch.float32)
+    )
     torch.testing.assert_close(out, paged_attention_decode_ref(query, *full, tables, lens, scale), **LOOSE)
 
 
 def test_triton_prefill_fp8(triton_kernels, device):
     query, full, fp8, deq, tables, qsl, lens = _prefill_case([7, 20, 1], [30, 20, 9], seed=7)
     out = triton_kernels.prefill.paged_prefill_attention_triton(
-        *to_device(device, query, *fp8, tables, qsl, lens), 0.125, k_scale=K_SCALE, v_scale=V_SCALE).cpu()
-    torch.testing.assert_close(out, paged_prefill_attention_ref(query, *deq, tables, qsl, lens, 0.125),
-                               **kernel_tol(device, torch.float32))
+        *to_device(device, query, *fp8, tables, qsl, lens), 0.125, k_scale=K_SCALE, v_scale=V_SCALE
+    ).cpu()
+    torch.testing.assert_close(
+        out, paged_prefill_attention_ref(query, *deq, tables, qsl, lens, 0.125), **kernel_tol(device, torch.float32)
+    )
     torch.testing.assert_close(out, paged_prefill_attention_ref(query, *full, tables, qsl, lens, 0.125), **LOOSE)
 
 
@@ -176,8 +184,9 @@ def _forward_reference(query, key, value, k8, v8, md):
     kd, vd = dequantize_kv(k8, K_SCALE, torch.float32), dequantize_kv(v8, V_SCALE, torch.float32)
     out = torch.empty_like(query)
     out[:2] = paged_attention_decode_ref(query[:2], kd, vd, md.block_tables[:2], md.seq_lens[:2], 0.125)
-    out[2:] = paged_prefill_attention_ref(query, kd, vd, md.block_tables[2:], md.query_start_loc[2:], md.seq_lens[2:],
-                                          0.125)[2:]
+    out[2:] = paged_prefill_attention_ref(
+        query, kd, vd, md.block_tables[2:], md.query_start_loc[2:], md.seq_lens[2:], 0.125
+    )[2:]
     return out, k8, v8
 
 
@@ -185,21 +194,24 @@ def test_attention_forward_triton_fp8(triton_kernels, device):
     query, key, value, k8, v8, full, md = _mixed_step()
     want, want_k, want_v = _forward_reference(query, key, value, k8, v8, md)
     q2, key2, value2, k2, v2 = to_device(device, query, key, value, k8, v8)
-    out = triton_kernels.attention.attention_forward_triton(q2, key2, value2, k2, v2, metadata_to(md, device), 0.125,
-                                                            k_scale=K_SCALE, v_scale=V_SCALE).cpu()
+    out = triton_kernels.attention.attention_forward_triton(
+        q2, key2, value2, k2, v2, metadata_to(md, device), 0.125, k_scale=K_SCALE, v_scale=V_SCALE
+    ).cpu()
     assert torch.equal(_bytes(k2.cpu()), _bytes(want_k)) and torch.equal(_bytes(v2.cpu()), _bytes(want_v))
     torch.testing.assert_close(out, want, **kernel_tol(device, torch.float32))
 
 
 # --- the C++ CPU decode kernel -------------------------------------------------------------------------------------
 
+
 @needs_cpp
-@pytest.mark.parametrize("ratio,head_dim,block_size", [(1, 64, 16), (4, 64, 16), (7, 128, 16), (2, 80, 32),
-                                                       (3, 256, 8)])
+@pytest.mark.parametrize(
+    "ratio,head_dim,block_size", [(1, 64, 16), (4, 64, 16), (7, 128, 16), (2, 80, 32), (3, 256, 8)]
+)
 def test_cpu_decode_fp8(ratio, head_dim, block_size):
     seq_lens = [1, block_size + 3, 3 * block_size + 7, 300]
     query, full, fp8, deq, tables, lens = _case(seq_lens, ratio, head_dim, block_size, seed=9)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = paged_attention_decode_cpu(query, *fp8, tables, lens, scale, k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(out, paged_attention_decode_ref(query, *deq, tables, lens, scale), **TIGHT)
     torch.testing.assert_close(out, paged_attention_decode_ref(query, *full, tables, lens, scale), **LOOSE)
@@ -220,8 +232,16 @@ def test_cpu_decode_reads_every_e4m3_code_exactly():
     # 256 codes as a head dim of 256 (subnormals, both zeros, +-448 and the two NaN codes)
     v8 = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).view(1, 1, 1, 256)
     k8 = torch.zeros_like(v8)
-    out = paged_attention_decode_cpu(torch.randn(1, 1, 256), k8, v8, torch.zeros(1, 1, dtype=torch.int32),
-                                     torch.ones(1, dtype=torch.int32), 0.1, k_scale=1.0, v_scale=0.5)
+    out = paged_attention_decode_cpu(
+        torch.randn(1, 1, 256),
+        k8,
+        v8,
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        0.1,
+        k_scale=1.0,
+        v_scale=0.5,
+    )
     want = v8.float().view(1, 1, 256) * 0.5
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~out.isnan()], want[~want.isnan()])
 
@@ -232,8 +252,22 @@ def test_cpu_step_writes_like_torch_and_attends():
     want, want_k, want_v = _forward_reference(query, key, value, k8, v8, md)
     rows, row_seqs, row_lens = cpu_decode.kernel_rows(md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes)
     out = torch.empty_like(query)
-    attention_step_cpu(query, key, value, k8, v8, md.slot_mapping, md.block_tables, row_lens, rows, 0.125, out,
-                       row_seqs, k_scale=K_SCALE, v_scale=V_SCALE)
+    attention_step_cpu(
+        query,
+        key,
+        value,
+        k8,
+        v8,
+        md.slot_mapping,
+        md.block_tables,
+        row_lens,
+        rows,
+        0.125,
+        out,
+        row_seqs,
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )
     assert torch.equal(_bytes(k8), _bytes(want_k)) and torch.equal(_bytes(v8), _bytes(want_v))
     torch.testing.assert_close(out, want, **TIGHT)
 

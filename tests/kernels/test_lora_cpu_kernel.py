@@ -2,6 +2,7 @@
 per-token reference (`bgmv_shrink` / `bgmv_expand_slice`): mixed slots with -1 and non-contiguous runs, ranks that
 differ per slot and slice (0 included), qkv-like slices at offsets, float32 and bf16, 1 and 2 threads; rows of no
 adapter bit-identical; the stack's views and the fallbacks."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,12 +31,12 @@ RANKS = [[16, 8, 0], [4, 4, 4], [0, 0, 0], [16, 16, 16], [1, 0, 7]]  # slot 2: n
 def _weights(dtype, in_features=200, sizes=SIZES, ranks=RANKS, seed=0):
     """Per-slice A [L, R, I] / B [L, O_s, R] with padding past each slot's rank zeroed, as set_lora leaves them."""
     g = torch.Generator().manual_seed(seed)
-    lora_a = [torch.randn(L, R, in_features, generator=g) / in_features ** 0.5 for _ in sizes]
-    lora_b = [torch.randn(L, n, R, generator=g) / R ** 0.5 for n in sizes]
+    lora_a = [torch.randn(L, R, in_features, generator=g) / in_features**0.5 for _ in sizes]
+    lora_b = [torch.randn(L, n, R, generator=g) / R**0.5 for n in sizes]
     for q in range(len(sizes)):
         for slot in range(L):
-            lora_a[q][slot, ranks[slot][q]:] = 0
-            lora_b[q][slot, :, ranks[slot][q]:] = 0
+            lora_a[q][slot, ranks[slot][q] :] = 0
+            lora_b[q][slot, :, ranks[slot][q] :] = 0
     return [a.to(dtype) for a in lora_a], [b.to(dtype) for b in lora_b]
 
 
@@ -46,7 +47,7 @@ def _slots(T, seed=1):
         return torch.tensor([3])
     slots = torch.randint(-1, L, (T,), generator=g)
     slots[: T // 3] = 1
-    slots[T // 3: T // 2] = -1
+    slots[T // 3 : T // 2] = -1
     slots[-1] = 1  # slot 1 again, after others
     return slots
 
@@ -103,7 +104,7 @@ def test_strided_rows_and_a_float32_delta_buffer():
     slots = _slots(7)
     wide = torch.randn(7, 260).to(torch.bfloat16)
     x = wide[:, 30:230]  # [7, 200], rows 260 apart
-    delta = torch.zeros(7, 200)[:, :sum(SIZES)]
+    delta = torch.zeros(7, 200)[:, : sum(SIZES)]
     lora_add_cpu(x, delta, slots, stack)
     exact = _bgmv_reference(x, torch.zeros(7, sum(SIZES)), slots, lora_a, lora_b)
     torch.testing.assert_close(delta.double(), exact, rtol=1e-5, atol=1e-5)
@@ -132,15 +133,16 @@ def test_stack_views_write_through_and_feed_the_twin():
     ref = LoRAStack.from_lists(lora_a, lora_b, OFFSETS, RANKS)
     assert torch.equal(stack.a, ref.a) and torch.equal(stack.b, ref.b) and stack.rank_lists() == RANKS
     x, out, slots = torch.randn(7, 200), torch.randn(7, sum(SIZES)), _slots(7)
-    torch.testing.assert_close(lora_add_cpu(x, out.clone(), slots, stack), lora_add_ref(x, out.clone(), slots, stack),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        lora_add_cpu(x, out.clone(), slots, stack), lora_add_ref(x, out.clone(), slots, stack), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_single_slice_layer_at_decode_shape():
     """o_proj / down_proj-like: one slice over the whole output, 32 rows, 4 slots of rank 8."""
     g = torch.Generator().manual_seed(3)
-    lora_a = [torch.randn(4, 8, 512, generator=g) / 512 ** 0.5]
-    lora_b = [torch.randn(4, 512, 8, generator=g) / 8 ** 0.5]
+    lora_a = [torch.randn(4, 8, 512, generator=g) / 512**0.5]
+    lora_b = [torch.randn(4, 512, 8, generator=g) / 8**0.5]
     ranks = [[8]] * 4
     x, out = torch.randn(32, 512, generator=g), torch.randn(32, 512, generator=g)
     slots = torch.arange(32) % 4

@@ -1,5 +1,6 @@
 """Where torch's matmul beats the packed kernel from some row count on (bf16 on AMX CPUs): layers keep both
 matrices (bf16 on AMX: the second one prepacked for oneDNN) and split by rows, towers stay unpacked (held prepacked). $VLSERVE_CPU_ONEDNN_ROWS forces the split on any CPU here."""
+
 from __future__ import annotations
 
 import pytest
@@ -153,8 +154,9 @@ def test_w8a8_splits_by_rows(monkeypatch):
     assert w.onednn_rows == 16 and w.cpu is not None  # both held: the plain matrix, or oneDNN's prepacked one
     assert (w.weight is None) == (w.onednn is not None) == cl._has_amx()
     calls = []
-    monkeypatch.setattr(QL.QC, "quant_matmul", lambda *a: calls.append(a[0].shape[0]) or QL.int8_linear_ref(
-        a[0], weight, w.scale, a[2]))
+    monkeypatch.setattr(
+        QL.QC, "quant_matmul", lambda *a: calls.append(a[0].shape[0]) or QL.int8_linear_ref(a[0], weight, w.scale, a[2])
+    )
     for rows, through_kernel in ((4, True), (15, True), (16, False), (40, False)):
         calls.clear()
         x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)

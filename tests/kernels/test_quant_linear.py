@@ -6,6 +6,7 @@ and static activations) to float32 rounding, W8A8 INT8 exactly (the same int32 s
 Rows cover the fused decode path (1-2 rows), the dequantize-a-block path (3+ rows, register-block tails) and more
 than one chunk of rows; N ragged and whole panels; K not a multiple of 8 where the scheme allows it. The tests run on
 every build this machine can run (the `isa` fixture: "avx2" on AVX2 CPUs; "avx512" and "avx2" on AVX-512 ones)."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,14 +53,15 @@ def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 # ----------------------------------------------------------------------------------------------------- WNA16
 
+
 def _wna16(n: int, k: int, group: int | None, bits: int, act_order: bool, seed: int = 0):
     """Canonical operands: q [N, K], fp16 scales [N, G], zeros [N, G] and g_idx (act order) or None."""
     g = _gen(seed)
     gs = group or k
     groups = -(-k // gs)
-    q = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    q = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half()
-    zeros = torch.randint(0, 2 ** bits, (n, groups), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 2**bits, (n, groups), generator=g, dtype=torch.uint8)
     g_idx = None
     if act_order:
         g_idx = (torch.arange(k) // gs)[torch.randperm(k, generator=g)]
@@ -67,8 +69,7 @@ def _wna16(n: int, k: int, group: int | None, bits: int, act_order: bool, seed: 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group,n,k", [(32, 72, 96), (64, 100, 192), (128, 64, 384), (None, 40, 100),
-                                       (None, 33, 37)])
+@pytest.mark.parametrize("group,n,k", [(32, 72, 96), (64, 100, 192), (128, 64, 384), (None, 40, 100), (None, 33, 37)])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,8 +102,13 @@ def test_wna16_amx_tiles_match_the_bf16_weight_reference(bits, scale_dtype, monk
     monkeypatch.setenv(QC.AMX_ROWS_ENV, "3")
     # 4 bits: group 8 on the dequantizing tile path, the others by table lookup (one block of 16 or 32 rows, or
     # several); K 1000 not a whole number of tile steps
-    for n, k, group, m in ((72, 96, 32, 3), (100, 200, 8, 40), (600, 448, 64, 33), (64, 1000, None, 16),
-                           (90, 320, 64, 24)):
+    for n, k, group, m in (
+        (72, 96, 32, 3),
+        (100, 200, 8, 40),
+        (600, 448, 64, 33),
+        (64, 1000, None, 16),
+        (90, 320, 64, 24),
+    ):
         q, scales, zeros, gs, _ = _wna16(n, k, group, bits, False, seed=n)
         scales = scales.to(scale_dtype)
         w = QL.prepare_wna16(q, scales, zeros, gs, bits)
@@ -114,8 +120,11 @@ def test_wna16_amx_tiles_match_the_bf16_weight_reference(bits, scale_dtype, monk
         wb = QL.dequantize_wna16_ref(q, scales, zeros, gs).bfloat16()
         _check(QL.wna16_linear(x, w, b), ref, _bound(x, wb, b))
         below = x[:2]  # under the threshold: the register kernel, float32 weights
-        _check(QL.wna16_linear(below, w, b), QL.wna16_linear_ref(below, q, scales, zeros, gs, None, b),
-               _bound(below, QL.dequantize_wna16_ref(q, scales, zeros, gs), b))
+        _check(
+            QL.wna16_linear(below, w, b),
+            QL.wna16_linear_ref(below, q, scales, zeros, gs, None, b),
+            _bound(below, QL.dequantize_wna16_ref(q, scales, zeros, gs), b),
+        )
 
 
 def test_amx_rows_policy(monkeypatch):
@@ -153,6 +162,7 @@ def test_wna16_unpackable_groups_keep_the_reference(isa):
 
 
 # ----------------------------------------------------------------------------------------------------- W8A8 INT8
+
 
 @pytest.mark.parametrize("n,k", [(40, 33), (96, 512), (72, 300), (64, 1536)])
 @pytest.mark.parametrize("m", ROWS)
@@ -197,7 +207,7 @@ def test_int8_silu_mul_on_amx_tiles_rounds_as_the_unfused_ops(dtype, bias, monke
         assert got.shape == (m, i) and got.dtype == dtype
         if dtype == torch.bfloat16:  # silu's exp may differ from torch's in the last float32 bit, rarely seen in bf16
             assert (got == want).float().mean() > 0.98
-            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
         else:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert QL.int8_linear_silu_mul(x, w, b, i - 32) is None  # not this matrix's halves
@@ -234,10 +244,11 @@ def test_int8_leading_dims_and_float16(isa):
 
 # ----------------------------------------------------------------------------------------------------- FP8
 
+
 def _fp8(n: int, k: int, kind: str, seed: int = 8):
     g = _gen(seed)
     weight = (torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn)
-    weight[0, :16] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -9), 2 ** -7, 448, -448, 0.001] * 2)  # subnormals, ends
+    weight[0, :16] = torch.tensor([0.0, -0.0, 2**-9, -(2**-9), 2**-7, 448, -448, 0.001] * 2)  # subnormals, ends
     if kind == "tensor":
         return weight, torch.rand((), generator=g) * 0.1, None
     if kind == "channel":
@@ -246,8 +257,9 @@ def _fp8(n: int, k: int, kind: str, seed: int = 8):
     return weight, torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 0.1, block
 
 
-@pytest.mark.parametrize("kind,n,k", [("tensor", 40, 100), ("channel", 72, 37), ("block128", 256, 384),
-                                      ("block32x64", 100, 200)])
+@pytest.mark.parametrize(
+    "kind,n,k", [("tensor", 40, 100), ("channel", 72, 37), ("block128", 256, 384), ("block32x64", 100, 200)]
+)
 @pytest.mark.parametrize("act,act_group", [("token", 0), ("static", 0), ("group", 4)])
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -274,7 +286,7 @@ def test_fp8_activation_rounding_is_exact(act, act_group, dtype, isa):
     # W = I: the output is x as the kernel rounded it through e4m3, which must be quantize_fp8_ref's x exactly (ties
     # to even in the normal and subnormal ranges, the clamp at 448, signs and zeros)
     k = 40
-    ties = [1.0625, 1.1875, -1.0625, 2 ** -10, 3 * 2 ** -10, -(3 * 2 ** -10), 2 ** -6 - 2 ** -11, 500.0, -500.0, 0.0]
+    ties = [1.0625, 1.1875, -1.0625, 2**-10, 3 * 2**-10, -(3 * 2**-10), 2**-6 - 2**-11, 500.0, -500.0, 0.0]
     x = torch.cat([torch.tensor(ties), torch.randn(3 * k - len(ties), generator=_gen(11)) * 3]).reshape(3, k)
     x[2] *= 1e-4  # a row whose dynamic scale is tiny
     x = x.to(dtype)
@@ -293,8 +305,12 @@ def test_fp8_amx_tiles_match_the_reference(act, monkeypatch):
     monkeypatch.setattr(QC, "quant_kernel", lambda: kernel)
     monkeypatch.setenv(QC.AMX_ROWS_ENV, "3")
     input_scale = torch.tensor(0.02) if act == "static" else None
-    for kind, n, k, m in (("tensor", 40, 100, 3), ("channel", 72, 37, 16), ("channel", 600, 448, 33),
-                          ("tensor", 64, 1000, 40)):
+    for kind, n, k, m in (
+        ("tensor", 40, 100, 3),
+        ("channel", 72, 37, 16),
+        ("channel", 600, 448, 33),
+        ("tensor", 64, 1000, 40),
+    ):
         weight, scale, block = _fp8(n, k, kind, seed=n)
         w = QL.prepare_fp8(weight, scale, block, act, 0, input_scale)
         ref_w = QL.FP8Weights(weight, scale.float(), block, act, 0, input_scale)
@@ -302,14 +318,23 @@ def test_fp8_amx_tiles_match_the_reference(act, monkeypatch):
         b = torch.randn(n, generator=_gen(n))
         assert w.cpu.amx_rows == 3 and _on_tiles(w, x)
         xq = QL.quantize_fp8_ref(x, act, 0, input_scale)
-        _check(QL.fp8_linear(x, w, b), QL.fp8_linear_ref(x, ref_w, b),
-               _bound(xq, QL.dequantize_fp8_ref(weight, scale.float(), block), b))
+        _check(
+            QL.fp8_linear(x, w, b),
+            QL.fp8_linear_ref(x, ref_w, b),
+            _bound(xq, QL.dequantize_fp8_ref(weight, scale.float(), block), b),
+        )
     # W = I on the tiles: x exactly as the reference rounds it through e4m3 (the sums hold one product each)
     k = 40
     x = (torch.randn(5, k, generator=_gen(12)) * 3).bfloat16()
     x[0, :4] = torch.tensor([1.0625, 500.0, -500.0, 0.0])
-    eye = QL.prepare_fp8(torch.eye(k).to(torch.float8_e4m3fn), torch.tensor(1.0), None, act, 0,
-                         None if input_scale is None else torch.tensor(1.0))
+    eye = QL.prepare_fp8(
+        torch.eye(k).to(torch.float8_e4m3fn),
+        torch.tensor(1.0),
+        None,
+        act,
+        0,
+        None if input_scale is None else torch.tensor(1.0),
+    )
     assert _on_tiles(eye, x)
     expected = QL.quantize_fp8_ref(x, act, 0, None if input_scale is None else torch.tensor(1.0)).bfloat16()
     assert torch.equal(QL.fp8_linear(x, eye, None), expected)
@@ -336,8 +361,11 @@ def test_strided_and_empty_inputs(isa):
     int8 = QL.prepare_int8(weight, torch.rand(40))
     wide = torch.randn(5, 100, generator=_gen(14))
     x = wide[:, 10:74]  # [5, 64], rows 100 apart
-    _check(QL.wna16_linear(x, wna16, None), QL.wna16_linear_ref(x, q, scales, zeros, gs, None, None),
-           _bound(x, QL.dequantize_wna16_ref(q, scales, zeros, gs), None))
+    _check(
+        QL.wna16_linear(x, wna16, None),
+        QL.wna16_linear_ref(x, q, scales, zeros, gs, None, None),
+        _bound(x, QL.dequantize_wna16_ref(q, scales, zeros, gs), None),
+    )
     assert torch.equal(QL.int8_linear(x, int8, None), QL.int8_linear_ref(x, weight, int8.scale, None))
     assert QL.wna16_linear(x[:0], wna16, None).shape == (0, 40) and QL.int8_linear(x[:0], int8, None).shape == (0, 40)
 

@@ -1,6 +1,7 @@
 """The C++ CPU rotary (`kernels.rotary_cpu`) against `rotary_ref.apply_rotary_ref`, bit for bit: float32 and bf16
 tensors, float32 and bf16 caches, plain and M-RoPE positions, partial rotary, strided views of a fused qkv, a head
 width off the 8-wide loop; and what falls back to the reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,13 @@ from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
 
 pytestmark = pytest.mark.skipif(rotary_cpu_kernel() is None, reason="no C++ toolchain for the CPU rotary here")
 CASES = [  # tokens, query heads, key heads, head dim, rotary dim, M-RoPE sections
-    (37, 4, 2, 64, 64, None), (300, 8, 8, 64, 64, [16, 16, 0]), (5, 14, 2, 64, 64, [8, 12, 12]),
-    (9, 3, 1, 80, 40, None), (7, 2, 2, 128, 128, [16, 24, 24]), (3, 2, 1, 20, 20, [4, 3, 3])]
+    (37, 4, 2, 64, 64, None),
+    (300, 8, 8, 64, 64, [16, 16, 0]),
+    (5, 14, 2, 64, 64, [8, 12, 12]),
+    (9, 3, 1, 80, 40, None),
+    (7, 2, 2, 128, 128, [16, 24, 24]),
+    (3, 2, 1, 20, 20, [4, 3, 3]),
+]
 
 
 def _case(seed, tokens, hq, hk, head_dim, rotary_dim, mrope, dtype, cache_dtype):
@@ -22,7 +28,7 @@ def _case(seed, tokens, hq, hk, head_dim, rotary_dim, mrope, dtype, cache_dtype)
     cos, sin = (t.to(cache_dtype) for t in build_rotary_cache(inv_freq, 2048))
     qkv = (torch.randn(tokens, hq + 2 * hk, head_dim, generator=g) * 4).to(dtype)  # q and k: strided views
     positions = torch.randint(0, 2048, (3, tokens) if mrope else (tokens,), generator=g)
-    return qkv[:, :hq], qkv[:, hq:hq + hk], positions, cos, sin
+    return qkv[:, :hq], qkv[:, hq : hq + hk], positions, cos, sin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,6 +9,7 @@ to the largest |reference| of a case: float32 1e-5 (ieee `tl.dot`, only the summ
 (x and y are rounded to bf16 before the dots, and the interpreter truncates float32 -> bf16). Rows of slot -1: exactly
 zero after the shrink, bit-identical to the input after the expand.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,12 +41,12 @@ def _weights(num_slices, dtype, seed=0):
     """A [L, R, I] / B [L, O_s, R] per slice, zeroed past each slot's rank (as set_lora leaves them)."""
     g = torch.Generator().manual_seed(seed)
     sizes, _ = LAYOUTS[num_slices]
-    lora_a = [torch.randn(L, R, I, generator=g) / I ** 0.5 for _ in sizes]
-    lora_b = [torch.randn(L, n, R, generator=g) / R ** 0.5 for n in sizes]
+    lora_a = [torch.randn(L, R, I, generator=g) / I**0.5 for _ in sizes]
+    lora_b = [torch.randn(L, n, R, generator=g) / R**0.5 for n in sizes]
     for s in range(num_slices):
         for slot in range(L):
-            lora_a[s][slot, RANKS[slot][s]:] = 0
-            lora_b[s][slot, :, RANKS[slot][s]:] = 0
+            lora_a[s][slot, RANKS[slot][s] :] = 0
+            lora_b[s][slot, :, RANKS[slot][s] :] = 0
     return [a.to(dtype) for a in lora_a], [b.to(dtype) for b in lora_b]
 
 
@@ -56,7 +57,7 @@ def _slots(t, seed=1):
     g = torch.Generator().manual_seed(seed)
     slots = torch.randint(-1, L, (t,), generator=g)
     slots[: t // 3] = 1
-    slots[t // 3: t // 2 + 1] = -1
+    slots[t // 3 : t // 2 + 1] = -1
     slots[-1] = 1
     return slots
 
@@ -72,6 +73,7 @@ def _ref_shrink(x, lora_a, slots, scale=1.0):
 
 
 # ------------------------------------------------------------------------------------------ token blocks
+
 
 def test_token_blocks_layout(lora):
     # slots [2, -1, 0, 2, 5 (out of range: base), 2] over L = 4, blocks of 2: slot 0 -> [2, pad], slot 2 -> [0, 3],
@@ -90,7 +92,7 @@ def test_token_blocks_invariants(lora, t, num_slots, block_m):
     assert len(rows) == len(block_slot) * block_m
     assert sorted(r for r in rows if r != t) == [i for i in range(t) if slots[i] >= 0]  # each adapter row once
     for b, slot in enumerate(block_slot):
-        members = [r for r in rows[b * block_m:(b + 1) * block_m] if r != t]
+        members = [r for r in rows[b * block_m : (b + 1) * block_m] if r != t]
         if slot == num_slots:
             assert not members
         else:
@@ -99,6 +101,7 @@ def test_token_blocks_invariants(lora, t, num_slots, block_m):
 
 
 # ------------------------------------------------------------------------------------------ kernels vs reference
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_slices", [1, 3])
@@ -128,7 +131,7 @@ def test_expand_matches_bgmv(lora, device, t, num_slices, dtype):
     lora.lora_expand(y.to(device), [b.to(device) for b in lora_b], slots.to(device), got, offsets)
     ref = out.double()
     for s, (b, offset) in enumerate(zip(lora_b, offsets)):
-        bgmv_expand_slice(y[:, s * R:(s + 1) * R].to(dtype).double(), b.double(), slots, ref, offset)
+        bgmv_expand_slice(y[:, s * R : (s + 1) * R].to(dtype).double(), b.double(), slots, ref, offset)
     _close(got, ref, dtype)
     got = got.cpu()
     assert torch.equal(got[slots < 0], out[slots < 0]) and torch.equal(got[:, -3:], out[:, -3:])
@@ -147,8 +150,14 @@ def test_add_lora_matches_grouped(lora, device, t, num_slices, dtype):
     ranks = [r[:num_slices] for r in RANKS]
     ref = out.clone()
     add_lora_grouped(x, ref, lora_a, lora_b, offsets, ranks, token_groups(slots))
-    got = lora.add_lora_triton(x.to(device), out.to(device, copy=True), [a.to(device) for a in lora_a],
-                               [b.to(device) for b in lora_b], offsets, slots.to(device)).cpu()
+    got = lora.add_lora_triton(
+        x.to(device),
+        out.to(device, copy=True),
+        [a.to(device) for a in lora_a],
+        [b.to(device) for b in lora_b],
+        offsets,
+        slots.to(device),
+    ).cpu()
     exact = out.double()
     for _s, (a, b, offset) in enumerate(zip(lora_a, lora_b, offsets)):
         bgmv_expand_slice(bgmv_shrink(x.double(), a.double(), slots), b.double(), slots, exact, offset)
@@ -164,17 +173,17 @@ def test_stacked_views_many_slices_split_k(lora, device):
     t, sizes, dtype = 29, [16, 40, 8, 24], torch.float16
     offsets = [0, 16, 56, 64]
     g = torch.Generator().manual_seed(5)
-    a_stack = (torch.randn(L, 4 * R, I, generator=g) / I ** 0.5).to(dtype)  # [L, S*R, I]
-    b_stack = (torch.randn(L, R, sum(sizes), generator=g) / R ** 0.5).to(dtype)  # [L, R, O]
-    lora_a = [a_stack[:, s * R:(s + 1) * R] for s in range(4)]  # [L, R, I] views
-    lora_b = [b_stack[:, :, o:o + n].transpose(1, 2) for o, n in zip(offsets, sizes)]  # [L, O_s, R] views
+    a_stack = (torch.randn(L, 4 * R, I, generator=g) / I**0.5).to(dtype)  # [L, S*R, I]
+    b_stack = (torch.randn(L, R, sum(sizes), generator=g) / R**0.5).to(dtype)  # [L, R, O]
+    lora_a = [a_stack[:, s * R : (s + 1) * R] for s in range(4)]  # [L, R, I] views
+    lora_b = [b_stack[:, :, o : o + n].transpose(1, 2) for o, n in zip(offsets, sizes)]  # [L, O_s, R] views
     x = torch.randn(t, I, generator=g).to(dtype)
     out = torch.randn(t, sum(sizes), generator=g).to(dtype)
     slots = _slots(t, seed=9)
     cfg = dict(BLOCK_M=32, BLOCK_K=16, BLOCK_N=16, SPLIT_K=2, num_warps=4, num_stages=1)
     dev = [v.to(device, copy=True) for v in (x, out, slots, a_stack, b_stack)]
-    a_dev = [dev[3][:, s * R:(s + 1) * R] for s in range(4)]
-    b_dev = [dev[4][:, :, o:o + n].transpose(1, 2) for o, n in zip(offsets, sizes)]
+    a_dev = [dev[3][:, s * R : (s + 1) * R] for s in range(4)]
+    b_dev = [dev[4][:, :, o : o + n].transpose(1, 2) for o, n in zip(offsets, sizes)]
     blocks = lora.lora_token_blocks(dev[2], L, 32)
     y = torch.empty(t, 4 * R, device=device)
     lora.lora_shrink(dev[0], a_dev, dev[2], y, blocks=blocks, config=cfg)
@@ -182,7 +191,7 @@ def test_stacked_views_many_slices_split_k(lora, device):
     got = lora.lora_expand(y, b_dev, dev[2], dev[1], offsets, blocks=blocks, config=cfg).cpu()
     ref = out.double()
     for s, (b, offset) in enumerate(zip(lora_b, offsets)):
-        bgmv_expand_slice(y[:, s * R:(s + 1) * R].cpu().to(dtype).double(), b.double(), slots, ref, offset)
+        bgmv_expand_slice(y[:, s * R : (s + 1) * R].cpu().to(dtype).double(), b.double(), slots, ref, offset)
     _close(got, ref, torch.float16)
     assert torch.equal(got[slots < 0], out[slots < 0])
 
@@ -192,11 +201,18 @@ def test_empty_and_all_base(lora, device):
     a, b = [w.to(device) for w in lora_a], [w.to(device) for w in lora_b]
     _, offsets = LAYOUTS[3]
     out = torch.randn(0, 76, device=device)
-    assert lora.add_lora_triton(torch.randn(0, I, device=device), out, a, b, offsets,
-                                torch.zeros(0, dtype=torch.long, device=device)).shape == (0, 76)
+    assert lora.add_lora_triton(
+        torch.randn(0, I, device=device), out, a, b, offsets, torch.zeros(0, dtype=torch.long, device=device)
+    ).shape == (0, 76)
     out = torch.randn(6, 76, device=device)
-    got = lora.add_lora_triton(torch.randn(6, I, device=device), out.clone(), a, b, offsets,
-                               torch.full((6,), -1, dtype=torch.int32, device=device))
+    got = lora.add_lora_triton(
+        torch.randn(6, I, device=device),
+        out.clone(),
+        a,
+        b,
+        offsets,
+        torch.full((6,), -1, dtype=torch.int32, device=device),
+    )
     assert torch.equal(got, out)
 
 

@@ -12,6 +12,7 @@ INT8 / FP8 tolerances are in `_int8_check` / `_fp8_check`.
 functions with torch's CPU `_int_mm` / `_scaled_mm` (the FP8 capability check patched to sm90), which checks the
 quantization, padding, scale shapes and rescaling, not cuBLAS's constraints.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,9 +47,9 @@ def _case(m, n, k, bits, group, dtype, scale_dtype=None, seed=0, shape=None):
     # canonical q [N, K], scales [N, G], zeros [N, G]; x [m, K] (or `shape`); bias [N]
     g = torch.Generator().manual_seed(seed)
     groups = -(-k // group)
-    q = torch.randint(0, 2 ** bits, (n, k), generator=g).to(torch.uint8)
+    q = torch.randint(0, 2**bits, (n, k), generator=g).to(torch.uint8)
     scales = (torch.rand(n, groups, generator=g) * 0.02 + 0.005).to(scale_dtype or dtype)
-    zeros = torch.randint(0, 2 ** bits, (n, groups), generator=g).to(torch.uint8)
+    zeros = torch.randint(0, 2**bits, (n, groups), generator=g).to(torch.uint8)
     x = torch.randn(*(shape or (m,)), k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     return x, q, scales, zeros, bias
@@ -78,7 +79,7 @@ def test_pack_layout():
     q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15, 9, 10]], dtype=torch.uint8)  # [N=1, K=10]
     qweight, s, z = wna16.pack_wna16_for_triton(q, torch.ones(1, 1), torch.zeros(1, 1), 4)
     assert qweight.shape == (2, 1) and qweight.dtype == torch.int32 and s.shape == z.shape == (1, 1)
-    assert qweight[0, 0].item() == 0xF7654321 - 2 ** 32 and qweight[1, 0].item() == 0xA9  # k 10..15 padded with 0
+    assert qweight[0, 0].item() == 0xF7654321 - 2**32 and qweight[1, 0].item() == 0xA9  # k 10..15 padded with 0
     q8 = torch.arange(8, dtype=torch.uint8).reshape(1, 8) * 30  # 0 .. 210
     w8, _, _ = wna16.pack_wna16_for_triton(q8, torch.ones(1, 1), torch.zeros(1, 1), 8)
     assert [hex(v & 0xFFFFFFFF) for v in w8[:, 0].tolist()] == ["0x5a3c1e00", "0xd2b49678"]
@@ -101,13 +102,16 @@ def test_wna16_matches_reference(wna16, device, bits, group, m, dtype, bias):
     _check(out, _ref32(x, q, scales, zeros, group, b), dtype)
 
 
-@pytest.mark.parametrize("bits,group,k,block_k,split,dtype,scale_dtype", [
-    (4, 32, 100, 128, 1, torch.bfloat16, torch.float32),  # 4 groups a tile; K % 8 != 0 (padded word)
-    (8, 48, 200, 64, 1, torch.float32, None),  # group not a power of two: per-column gather
-    (4, 128, 700, 64, 3, torch.float16, None),  # split K: 3 float32 partial sums + bias, added by torch
-    (8, 64, 520, 128, 2, torch.bfloat16, None),  # split K, 2 groups a tile
-    (4, 520, 520, 64, 1, torch.float32, None),  # one group per channel (group = K)
-])
+@pytest.mark.parametrize(
+    "bits,group,k,block_k,split,dtype,scale_dtype",
+    [
+        (4, 32, 100, 128, 1, torch.bfloat16, torch.float32),  # 4 groups a tile; K % 8 != 0 (padded word)
+        (8, 48, 200, 64, 1, torch.float32, None),  # group not a power of two: per-column gather
+        (4, 128, 700, 64, 3, torch.float16, None),  # split K: 3 float32 partial sums + bias, added by torch
+        (8, 64, 520, 128, 2, torch.bfloat16, None),  # split K, 2 groups a tile
+        (4, 520, 520, 64, 1, torch.float32, None),  # one group per channel (group = K)
+    ],
+)
 def test_wna16_tiles_and_splits(wna16, device, bits, group, k, block_k, split, dtype, scale_dtype):
     x, q, scales, zeros, b = _case(0, 40, k, bits, group, dtype, scale_dtype, seed=k, shape=(2, 3))
     cfg = wna16.WNA16Config(16, 32, block_k, 4, 1, 2)
@@ -148,12 +152,17 @@ def test_wna16_linear_cuda_act_order(wna16, device, dtype, monkeypatch):
     assert w.perm is not None
     ref = QL.wna16_linear(x.float(), QL.WNA16Weights(w.q, w.scales.float(), w.zeros, 64, 4, w.perm), b.float())
     packed = QC.prepare_wna16_cuda(w)
-    packed = QC.TritonWNA16Weights(*(t.to(device) for t in (packed.qweight, packed.scales, packed.zeros)),
-                                   packed.group_size, packed.bits, packed.perm.to(device))
+    packed = QC.TritonWNA16Weights(
+        *(t.to(device) for t in (packed.qweight, packed.scales, packed.zeros)),
+        packed.group_size,
+        packed.bits,
+        packed.perm.to(device),
+    )
     _check(QC.wna16_linear_cuda(x.to(device), packed, b.to(device)), ref, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------- INT8, FP8
+
 
 def _int8_case(m, n, k, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -199,8 +208,12 @@ def _fp8_case(m, n, k, dtype, kind, seed=0, block=(128, 128)):
 
 
 FP8_CASES = [  # (kind, act, act_group, route on an sm90 GPU with CUDA >= 12.9)
-    ("tensor", "static", 0, "tensorwise"), ("tensor", "token", 0, "rowwise"), ("channel", "token", 0, "rowwise"),
-    ("channel", "static", 0, "rowwise"), ("channel", "group", 64, "dequant"), ("block", "group", 128, "blockwise"),
+    ("tensor", "static", 0, "tensorwise"),
+    ("tensor", "token", 0, "rowwise"),
+    ("channel", "token", 0, "rowwise"),
+    ("channel", "static", 0, "rowwise"),
+    ("channel", "group", 64, "dequant"),
+    ("block", "group", 128, "blockwise"),
     ("block", "token", 0, "dequant"),
 ]
 
@@ -213,8 +226,7 @@ def _fp8_check(device, m, n, k, dtype, kind, act, act_group, with_bias=True, blo
     ref = QL.fp8_linear_ref(x, w, bias)
     dev = lambda t: None if t is None else t.to(device)  # noqa: E731
     path = QC.fp8_path(dev(x), weight, scale, block, act, act_group)
-    out = QC.fp8_linear_cuda(dev(x), dev(w.weight), dev(w.scale), block, act, act_group, dev(w.input_scale),
-                             dev(bias))
+    out = QC.fp8_linear_cuda(dev(x), dev(w.weight), dev(w.scale), block, act, act_group, dev(w.input_scale), dev(bias))
     tol = 2e-2  # the route's output passes through bf16 (row-wise) or x.dtype
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(out.float().cpu(), ref.float(), atol=tol * ref.abs().max().item(), rtol=tol)
@@ -240,9 +252,12 @@ def test_fp8_linear_cuda_logic_on_cpu(kind, act, act_group, route, dtype, monkey
     monkeypatch.setattr(QC, "_blockwise_failed", False)
     monkeypatch.setattr(QC, "_capability", lambda device: (8, 9))  # Ada: no blockwise; K or N % 16: no _scaled_mm
     assert _fp8_check(torch.device("cpu"), 5, 384, 256, dtype, kind, act, act_group) == (
-        "dequant" if route == "blockwise" else route)
-    assert _fp8_check(torch.device("cpu"), 5, 40, 72, dtype, kind, act, 8 if act == "group" else 0,
-                      block=(16, 24)) == "dequant"
+        "dequant" if route == "blockwise" else route
+    )
+    assert (
+        _fp8_check(torch.device("cpu"), 5, 40, 72, dtype, kind, act, 8 if act == "group" else 0, block=(16, 24))
+        == "dequant"
+    )
     monkeypatch.setattr(QC, "_capability", lambda device: None)  # CPU as it is: everything dequantizes
     assert _fp8_check(torch.device("cpu"), 5, 384, 256, dtype, kind, act, act_group) == "dequant"
 
@@ -261,6 +276,7 @@ def test_fp8_linear_cuda(kind, act, act_group, route, dtype, m):
 
 
 # ----------------------------------------------------------------------------------------------------- build checks
+
 
 def test_quant_linear_cuda_imports_without_triton():
     code = "import sys, vlserve.kernels.quant_linear_cuda; assert 'triton' not in sys.modules"

@@ -1,4 +1,5 @@
 """Tiny random checkpoints for the KV-connector tests (built once per session)."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,8 @@ def mooncake():
     except ImportError as e:
         if os.environ.get("VLSERVE_REQUIRE_MOONCAKE") == "1":  # CI: `make setup` installs it, so a skip is a failure
             pytest.fail(f"Mooncake's transfer engine is not importable ({e}) and VLSERVE_REQUIRE_MOONCAKE=1")
-        pytest.skip(f"Mooncake's transfer engine is not importable ({e}): pip install 'vlserve[kv]', or set "
-                    f"VLSERVE_MOONCAKE_SITE to a folder holding mooncake-transfer-engine(-non-cuda)")
+        pytest.skip(
+            f"Mooncake's transfer engine is not importable ({e}): pip install 'vlserve[kv]', or set "
+            f"VLSERVE_MOONCAKE_SITE to a folder holding mooncake-transfer-engine(-non-cuda)"
+        )
     return TransferEngine

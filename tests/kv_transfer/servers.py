@@ -1,5 +1,6 @@
 """What the server-process tests of tests/kv_transfer share: a tiny server's flags, the P2P producer / consumer /
 plain server / proxy stack, requests, and /metrics readings."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,11 +22,26 @@ def mooncake_site() -> tuple[str, ...]:
 def serve_args(model_dir, role=None, num_blocks: int = 64, **extra) -> list[str]:
     """`vlserve serve` flags for a tiny float32 server named "tiny"; with `role`, a P2P connector in that role
     (`extra`: its kv_connector_extra_config)."""
-    args = [str(model_dir), "--dtype", "float32", "--num-kv-blocks", str(num_blocks), "--max-model-len", "256",
-            "--block-size", "4", "--served-model-name", "tiny", "--log-level", "warning"]
+    args = [
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(num_blocks),
+        "--max-model-len",
+        "256",
+        "--block-size",
+        "4",
+        "--served-model-name",
+        "tiny",
+        "--log-level",
+        "warning",
+    ]
     if role is not None:
-        args += ["--kv-transfer-config", json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
-                                                     "kv_connector_extra_config": extra})]
+        args += [
+            "--kv-transfer-config",
+            json.dumps({"kv_connector": "P2PConnector", "kv_role": role, "kv_connector_extra_config": extra}),
+        ]
     return args
 
 
@@ -35,13 +51,20 @@ def p2p_stack(model_dir, consumer_args: tuple[str, ...] = ()):
     yields their base URLs (prod, cons, plain, proxy)."""
     site = mooncake_site()
     with contextlib.ExitStack() as es:
-        prod = es.enter_context(serve_subprocess(serve_args(model_dir, "kv_producer"), REPO_ROOT, 240,
-                                                 extra_paths=site))
-        cons = es.enter_context(serve_subprocess(serve_args(model_dir, "kv_consumer") + list(consumer_args),
-                                                 REPO_ROOT, 240, extra_paths=site))
+        prod = es.enter_context(
+            serve_subprocess(serve_args(model_dir, "kv_producer"), REPO_ROOT, 240, extra_paths=site)
+        )
+        cons = es.enter_context(
+            serve_subprocess(
+                serve_args(model_dir, "kv_consumer") + list(consumer_args), REPO_ROOT, 240, extra_paths=site
+            )
+        )
         plain = es.enter_context(serve_subprocess(serve_args(model_dir), REPO_ROOT, 240))
-        proxy = es.enter_context(serve_subprocess(["--prefill", prod, "--decode", cons, "--log-level", "warning"],
-                                                  REPO_ROOT, 60, command="proxy"))
+        proxy = es.enter_context(
+            serve_subprocess(
+                ["--prefill", prod, "--decode", cons, "--log-level", "warning"], REPO_ROOT, 60, command="proxy"
+            )
+        )
         yield prod, cons, plain, proxy
 
 
@@ -63,8 +86,9 @@ def metric(base, name) -> float:
 def streamed_chat(base, body) -> str:
     """The text of a streamed chat completion of `body`."""
     text = ""
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120,
-                      trust_env=False) as r:
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120, trust_env=False
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":

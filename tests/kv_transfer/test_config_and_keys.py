@@ -1,5 +1,6 @@
 """KV transfer configuration errors (ValueError naming what is wrong), the serve flags, and the stable block keys
 (the same in every process, different for different media)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,14 +16,17 @@ from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("value, words", [
-    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_sideways"}, ["kv_role", "kv_sideways"]),
-    ({"kv_role": "kv_both"}, ["kv_connector"]),
-    ({"kv_connector": "OffloadingConnector", "role": "kv_both"}, ["unknown keys", "role"]),
-    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": [1]}, ["kv_connector_extra_config"]),
-    ("{not json", ["not valid JSON"]),
-    (["OffloadingConnector"], ["JSON object"]),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_sideways"}, ["kv_role", "kv_sideways"]),
+        ({"kv_role": "kv_both"}, ["kv_connector"]),
+        ({"kv_connector": "OffloadingConnector", "role": "kv_both"}, ["unknown keys", "role"]),
+        ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": [1]}, ["kv_connector_extra_config"]),
+        ("{not json", ["not valid JSON"]),
+        (["OffloadingConnector"], ["JSON object"]),
+    ],
+)
 def test_bad_kv_transfer_config(value, words):
     with pytest.raises(ValueError) as e:
         EngineArgs(kv_transfer_config=value)
@@ -40,8 +44,11 @@ def test_offloading_flags_make_the_offloading_connector():
     with pytest.raises(ValueError, match="kv_offloading_size"):
         EngineArgs(kv_offloading_size=-1)
     args = EngineArgs(kv_offloading_dir="/tmp/x", kv_offloading_dir_size=0.5)
-    assert args.kv_transfer_config.kv_connector_extra_config == {"cpu_bytes_to_use": 0, "disk_dir": "/tmp/x",
-                                                                 "disk_bytes_to_use": 1 << 29}
+    assert args.kv_transfer_config.kv_connector_extra_config == {
+        "cpu_bytes_to_use": 0,
+        "disk_dir": "/tmp/x",
+        "disk_bytes_to_use": 1 << 29,
+    }
     for bad in (0, -1, "big", True):
         with pytest.raises(ValueError, match="kv_offloading_dir_size"):
             EngineArgs(kv_offloading_dir="/tmp/x", kv_offloading_dir_size=bad)
@@ -70,10 +77,17 @@ def test_offloading_without_a_tier_is_refused():
 def test_serve_flags_reach_engine_args():
     from vlserve.cli import build_parser, serve_config_from_args
 
-    ns = build_parser().parse_args(["serve", "m", "--kv-transfer-config",
-                                    '{"kv_connector": "OffloadingConnector", "kv_role": "kv_consumer", '
-                                    '"kv_connector_extra_config": {"disk_dir": "/tmp/kv"}}',
-                                    "--kv-offloading-size", "0.5"])
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "m",
+            "--kv-transfer-config",
+            '{"kv_connector": "OffloadingConnector", "kv_role": "kv_consumer", '
+            '"kv_connector_extra_config": {"disk_dir": "/tmp/kv"}}',
+            "--kv-offloading-size",
+            "0.5",
+        ]
+    )
     engine_args, _ = serve_config_from_args(ns)
     cfg = engine_args.kv_transfer_config
     assert cfg.kv_role == "kv_consumer" and not cfg.is_producer and cfg.is_consumer
@@ -101,13 +115,20 @@ def test_keys_fold_in_media_hashes():
 
 
 def test_keys_are_stable_across_processes():
-    code = ("import sys; from vlserve.distributed.kv_transfer.offloading.keys import block_key, namespace_key; "
-            "k = block_key(namespace_key('m'), list(range(16)), ('an-mm-hash', 'lora:3')); "
-            "print(k.hex(), hash(('an-mm-hash',)))")
+    code = (
+        "import sys; from vlserve.distributed.kv_transfer.offloading.keys import block_key, namespace_key; "
+        "k = block_key(namespace_key('m'), list(range(16)), ('an-mm-hash', 'lora:3')); "
+        "print(k.hex(), hash(('an-mm-hash',)))"
+    )
     outs = []
     for seed in ("1", "2"):
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"})
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+        )
         outs.append(run.stdout.split())
     assert outs[0][0] == outs[1][0]  # the tier key
     assert outs[0][1] != outs[1][1]  # what the device prefix cache uses differs per process

@@ -2,6 +2,7 @@
 `ec_producer` alone turns it on) loads the towers only, holds no KV cache, encodes each request's media, publishes
 it through the shared-storage connector and ends the request "length" with no tokens; a consumer engine then answers
 the request with a plain engine's greedy tokens without running its tower."""
+
 from __future__ import annotations
 
 import pytest
@@ -59,24 +60,41 @@ def test_encode_server_many_items_over_steps(qwen2_vl_dir, tmp_path):
     """Two images in one prompt with an encoder budget of one image per step: two steps, both published, the
     request ends once; a batch of requests ends together with nothing held."""
     enc = LLM(qwen2_vl_dir, ec_transfer_config=_ec("ec_producer", tmp_path), max_num_encoder_input_tokens=1, **KW)
-    outs = enc.generate(["<image><image> two pictures", TEXT, TEXT], GREEDY,
-                        images=[[_image(21), _image(22)], [_image(23)], [_image(21)]], use_tqdm=False)
+    outs = enc.generate(
+        ["<image><image> two pictures", TEXT, TEXT],
+        GREEDY,
+        images=[[_image(21), _image(22)], [_image(23)], [_image(21)]],
+        use_tqdm=False,
+    )
     assert [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs] == [([], "length")] * 3
     assert len(_files(tmp_path)) == 3 and _m(enc, "encoder_runs_total") == 3
     assert enc.engine.num_steps >= 3  # one new item per step (a step's first item always runs)
     enc.check_integrity()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(mm_encoder_only=True), "ec_producer"),
-    (dict(mm_encoder_only=True, ec_transfer_config=_ec("ec_both", "/tmp/ec")), "ec_both"),
-    (dict(mm_encoder_only=True, ec_transfer_config=_ec("ec_consumer", "/tmp/ec")), "ec_consumer"),
-    (dict(ec_transfer_config=_ec("ec_producer", "/tmp/ec"),
-          kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": "kv_producer"}), "kv_transfer_config"),
-    (dict(ec_transfer_config=_ec("ec_producer", "/tmp/ec"), enable_lora=True), "enable_lora"),
-    (dict(ec_transfer_config=_ec("ec_producer", "/tmp/ec"),
-          speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mm_encoder_only=True), "ec_producer"),
+        (dict(mm_encoder_only=True, ec_transfer_config=_ec("ec_both", "/tmp/ec")), "ec_both"),
+        (dict(mm_encoder_only=True, ec_transfer_config=_ec("ec_consumer", "/tmp/ec")), "ec_consumer"),
+        (
+            dict(
+                ec_transfer_config=_ec("ec_producer", "/tmp/ec"),
+                kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": "kv_producer"},
+            ),
+            "kv_transfer_config",
+        ),
+        (dict(ec_transfer_config=_ec("ec_producer", "/tmp/ec"), enable_lora=True), "enable_lora"),
+        (
+            dict(
+                ec_transfer_config=_ec("ec_producer", "/tmp/ec"),
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            ),
+            "speculative_config",
+        ),
+    ],
+)
 def test_bad_encoder_only_flags(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model="x", **kwargs)
@@ -91,10 +109,13 @@ def test_cli_mm_encoder_only_flag():
     from vlserve.cli import build_parser, serve_config_from_args
 
     p = build_parser()
-    ec = '{"ec_connector": "shared_storage", "ec_role": "ec_producer", ' \
-         '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}'
-    assert serve_config_from_args(p.parse_args(["serve", "--mm-encoder-only", "--ec-transfer-config", ec]))[0] \
-        .mm_encoder_only
+    ec = (
+        '{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
+        '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}'
+    )
+    assert serve_config_from_args(p.parse_args(["serve", "--mm-encoder-only", "--ec-transfer-config", ec]))[
+        0
+    ].mm_encoder_only
     with pytest.raises(ValueError, match="ec_producer"):
         serve_config_from_args(p.parse_args(["serve", "--mm-encoder-only"]))
 
@@ -102,14 +123,18 @@ def test_cli_mm_encoder_only_flag():
 def _family_dir(family: str, out: str) -> str:
     if family == "mistral3":  # its image break / end rows come from the token embeddings the encode server keeps
         from tests.support.mistral3_checkpoints import build_mistral3_checkpoint
+
         return build_mistral3_checkpoint(out)
     if family == "gemma3":  # sliding-window layers: KV cache groups on a full engine
         from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+
         return build_gemma3_vlm_checkpoint(out)
     if family == "qwen3_vl":  # DeepStack: rows wider than the hidden size
         from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
         return build_qwen3_vl_checkpoint(out)
     from vlserve.demo.llava_checkpoints import build_llava_checkpoint
+
     return build_llava_checkpoint(out)
 
 
@@ -141,10 +166,24 @@ def test_encode_server_audio(tmp_path):
 
     model = build_qwen2_audio_checkpoint(str(tmp_path / "ckpt"))
     kw = dict(dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=512, seed=0)
-    msgs = [[{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(encode_audio(tones(1.0, seed=s), 16000))
-                                                .decode(), "format": "wav"}},
-        {"type": "text", "text": "What is this?"}]}] for s in (1, 2)]
+    msgs = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "input_audio",
+                        "input_audio": {
+                            "data": base64.b64encode(encode_audio(tones(1.0, seed=s), 16000)).decode(),
+                            "format": "wav",
+                        },
+                    },
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ]
+        for s in (1, 2)
+    ]
     want = [list(o.outputs[0].token_ids) for o in LLM(model, **kw).chat(msgs, GREEDY, use_tqdm=False)]
     enc = LLM(model, ec_transfer_config=_ec("ec_producer", tmp_path / "ec"), **kw)
     assert [list(o.outputs[0].token_ids) for o in enc.chat(msgs, GREEDY, use_tqdm=False)] == [[], []]

@@ -1,6 +1,7 @@
 """The shared-storage encoder-cache connector (vLLM's --ec-transfer-config): a producer writes each image's encoder
 output into a shared directory keyed by mm_hash under a model namespace; a fresh consumer loads it instead of
 running the tower, with the same greedy tokens; a missing or bad file is encoded locally."""
+
 from __future__ import annotations
 
 import glob
@@ -23,8 +24,11 @@ def _image(seed: int) -> Image.Image:
 
 
 def _ec(role: str, path) -> dict:
-    return {"ec_connector": "shared_storage", "ec_role": role,
-            "ec_connector_extra_config": {"shared_storage_path": str(path)}}
+    return {
+        "ec_connector": "shared_storage",
+        "ec_role": role,
+        "ec_connector_extra_config": {"shared_storage_path": str(path)},
+    }
 
 
 def _gen(llm: LLM, img) -> list[int]:
@@ -90,30 +94,46 @@ def test_ec_namespace_separates_models(qwen2_vl_dir, tmp_path):
     assert _m(again, "ec_load_hits_total") == 1 and _m(again, "encoder_runs_total") == 0
 
 
-@pytest.mark.parametrize("value, field", [
-    ({"ec_connector": "nope", "ec_connector_extra_config": {"shared_storage_path": "/tmp/x"}}, "ec_connector"),
-    ({"ec_connector": "shared_storage", "ec_role": "kv_both",
-      "ec_connector_extra_config": {"shared_storage_path": "/tmp/x"}}, "ec_role"),
-    ({"ec_connector": "shared_storage"}, "shared_storage_path"),
-    ({"ec_connector": "shared_storage", "ec_connector_extra_config": {"shared_storage_path": 3}},
-     "shared_storage_path"),
-    ({"ec_connector": "shared_storage", "ec_connector_extra_config": []}, "ec_connector_extra_config"),
-    ({"ec_connector": "shared_storage", "ec_connector_extra_config": {"shared_storage_path": "/x", "bogus": 1}},
-     "bogus"),
-    ({"ec_role": "ec_both"}, "ec_connector"),
-    ({"ec_connector": "shared_storage", "extra": 1}, "extra"),
-    ("{not json", "ec_transfer_config"),
-    ("[]", "ec_transfer_config"),
-])
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"ec_connector": "nope", "ec_connector_extra_config": {"shared_storage_path": "/tmp/x"}}, "ec_connector"),
+        (
+            {
+                "ec_connector": "shared_storage",
+                "ec_role": "kv_both",
+                "ec_connector_extra_config": {"shared_storage_path": "/tmp/x"},
+            },
+            "ec_role",
+        ),
+        ({"ec_connector": "shared_storage"}, "shared_storage_path"),
+        (
+            {"ec_connector": "shared_storage", "ec_connector_extra_config": {"shared_storage_path": 3}},
+            "shared_storage_path",
+        ),
+        ({"ec_connector": "shared_storage", "ec_connector_extra_config": []}, "ec_connector_extra_config"),
+        (
+            {"ec_connector": "shared_storage", "ec_connector_extra_config": {"shared_storage_path": "/x", "bogus": 1}},
+            "bogus",
+        ),
+        ({"ec_role": "ec_both"}, "ec_connector"),
+        ({"ec_connector": "shared_storage", "extra": 1}, "extra"),
+        ("{not json", "ec_transfer_config"),
+        ("[]", "ec_transfer_config"),
+    ],
+)
 def test_bad_ec_transfer_config_names_the_field(value, field):
     with pytest.raises(ValueError, match=field):
         EngineArgs(model="x", ec_transfer_config=value)
 
 
 def test_ec_transfer_config_parses_as_vllm():
-    args = EngineArgs(model="x", ec_transfer_config='{"ec_connector": "ECSharedStorageConnector", "ec_role": '
-                                                    '"ec_consumer", "ec_connector_extra_config": '
-                                                    '{"shared_storage_path": "/tmp/ec"}}')
+    args = EngineArgs(
+        model="x",
+        ec_transfer_config='{"ec_connector": "ECSharedStorageConnector", "ec_role": '
+        '"ec_consumer", "ec_connector_extra_config": '
+        '{"shared_storage_path": "/tmp/ec"}}',
+    )
     cfg = args.ec_transfer_config
     assert isinstance(cfg, ECTransferConfig) and cfg.ec_connector == "shared_storage"
     assert cfg.is_consumer and not cfg.is_producer
@@ -122,9 +142,14 @@ def test_ec_transfer_config_parses_as_vllm():
 def test_cli_takes_ec_transfer_config():
     from vlserve.cli import build_parser, serve_config_from_args
 
-    args = build_parser().parse_args(["serve", "--ec-transfer-config",
-                                      '{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
-                                      '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}'])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--ec-transfer-config",
+            '{"ec_connector": "shared_storage", "ec_role": "ec_producer", '
+            '"ec_connector_extra_config": {"shared_storage_path": "/tmp/ec"}}',
+        ]
+    )
     cfg = serve_config_from_args(args)[0].ec_transfer_config
     assert isinstance(cfg, ECTransferConfig) and cfg.is_producer and not cfg.is_consumer
     assert serve_config_from_args(args)[0].mm_encoder_only  # as vLLM: an ec_producer is an encode server

@@ -3,6 +3,7 @@ server (`--mm-encoder-only`, ec_producer) runs the image through its tower and p
 server that then prefills (a plain ec_consumer in E + PD, a P2P kv_producer + ec_consumer in E/P/D) loads it and
 never runs its tower; the answer is a plain server's, streamed or not. An unreachable encode server is counted on
 the proxy's /metrics and the request still succeeds (encoded where it runs). Text-only requests skip the encoder."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,16 @@ from vlserve.api.disagg_proxy import build_proxy_app, has_media
 
 
 def _ec(role: str, path) -> list[str]:
-    return ["--ec-transfer-config", json.dumps({"ec_connector": "shared_storage", "ec_role": role,
-                                                "ec_connector_extra_config": {"shared_storage_path": str(path)}})]
+    return [
+        "--ec-transfer-config",
+        json.dumps(
+            {
+                "ec_connector": "shared_storage",
+                "ec_role": role,
+                "ec_connector_extra_config": {"shared_storage_path": str(path)},
+            }
+        ),
+    ]
 
 
 def _body(seed: int, **kw) -> dict:
@@ -41,12 +50,18 @@ def test_has_media_and_proxy_flags():
 def e_pd_stack(qwen2_vl_dir, tmp_path_factory):
     ec_dir = tmp_path_factory.mktemp("ec")
     with contextlib.ExitStack() as es:
-        enc = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + ["--mm-encoder-only"]
-                                                + _ec("ec_producer", ec_dir), REPO_ROOT, 240))
+        enc = es.enter_context(
+            serve_subprocess(
+                _serve_args(qwen2_vl_dir) + ["--mm-encoder-only"] + _ec("ec_producer", ec_dir), REPO_ROOT, 240
+            )
+        )
         pd = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + _ec("ec_consumer", ec_dir), REPO_ROOT, 240))
         plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), REPO_ROOT, 240))
-        proxy = es.enter_context(serve_subprocess(["--encode", enc, "--decode", pd, "--log-level", "warning"],
-                                                  REPO_ROOT, 60, command="proxy"))
+        proxy = es.enter_context(
+            serve_subprocess(
+                ["--encode", enc, "--decode", pd, "--log-level", "warning"], REPO_ROOT, 60, command="proxy"
+            )
+        )
         yield enc, pd, plain, proxy
 
 
@@ -69,10 +84,16 @@ def test_e_pd_image_chat_equals_one_server_and_pd_never_runs_its_tower(e_pd_stac
     assert _metric(proxy, "vlserve:proxy_encode_requests_total") == 4
     assert _metric(proxy, "vlserve:proxy_encode_failures_total") == 0
     # text only: straight to the PD server
-    text = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "temperature": 0,
-            "max_tokens": 6, "ignore_eos": True}
-    assert _post(proxy, "/v1/chat/completions", text)["choices"] == _post(plain, "/v1/chat/completions",
-                                                                          text)["choices"]
+    text = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "temperature": 0,
+        "max_tokens": 6,
+        "ignore_eos": True,
+    }
+    assert (
+        _post(proxy, "/v1/chat/completions", text)["choices"] == _post(plain, "/v1/chat/completions", text)["choices"]
+    )
     assert _metric(proxy, "vlserve:proxy_encode_requests_total") == 4
     # the encode server's own answer: no tokens, finish_reason "length"
     own = _post(enc, "/v1/chat/completions", _body(1))
@@ -90,8 +111,10 @@ def test_encode_server_down_is_counted_and_the_request_goes_on(e_pd_stack):
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json=_body(3))
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == \
-            _post(plain, "/v1/chat/completions", _body(3))["choices"][0]["message"]["content"]
+        assert (
+            r.json()["choices"][0]["message"]["content"]
+            == _post(plain, "/v1/chat/completions", _body(3))["choices"][0]["message"]["content"]
+        )
         assert "vlserve:proxy_encode_failures_total 1.0" in client.get("/metrics").text
     assert _metric(pd, "vlserve:encoder_runs_total") == runs + 1  # encoded where it ran
 
@@ -101,15 +124,24 @@ def e_p_d_stack(qwen2_vl_dir, mooncake, tmp_path_factory):
     ec_dir = tmp_path_factory.mktemp("ec3")
     site = mooncake_site()
     with contextlib.ExitStack() as es:
-        enc = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + _ec("ec_producer", ec_dir),
-                                                REPO_ROOT, 240))
-        prod = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_producer") + _ec("ec_consumer", ec_dir),
-                                                 REPO_ROOT, 240, extra_paths=site))
-        cons = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir, "kv_consumer"), REPO_ROOT, 240,
-                                                 extra_paths=site))
+        enc = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir) + _ec("ec_producer", ec_dir), REPO_ROOT, 240))
+        prod = es.enter_context(
+            serve_subprocess(
+                _serve_args(qwen2_vl_dir, "kv_producer") + _ec("ec_consumer", ec_dir), REPO_ROOT, 240, extra_paths=site
+            )
+        )
+        cons = es.enter_context(
+            serve_subprocess(_serve_args(qwen2_vl_dir, "kv_consumer"), REPO_ROOT, 240, extra_paths=site)
+        )
         plain = es.enter_context(serve_subprocess(_serve_args(qwen2_vl_dir), REPO_ROOT, 240))
-        proxy = es.enter_context(serve_subprocess(["--encode", enc, "--prefill", prod, "--decode", cons,
-                                                   "--log-level", "warning"], REPO_ROOT, 60, command="proxy"))
+        proxy = es.enter_context(
+            serve_subprocess(
+                ["--encode", enc, "--prefill", prod, "--decode", cons, "--log-level", "warning"],
+                REPO_ROOT,
+                60,
+                command="proxy",
+            )
+        )
         yield enc, prod, cons, plain, proxy
 
 

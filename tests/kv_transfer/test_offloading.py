@@ -1,5 +1,6 @@
 """The offloading connector end to end: greedy tokens with a host / disk KV tier equal those without it, on a
 workload whose shared prefixes do not fit a tiny device pool; the disk tier across engines; bad files recompute."""
+
 from __future__ import annotations
 
 import glob
@@ -67,8 +68,14 @@ def test_host_tier_lru_evicts(qwen2_dir, reference):
     """A host tier of 6 blocks: it evicts, stays correct, and still hits."""
     prompts, expected, _ = reference
     per_block = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 KV heads, head dim 16, float32
-    llm = _llm(qwen2_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                              "kv_connector_extra_config": {"cpu_bytes_to_use": 6 * per_block}})
+    llm = _llm(
+        qwen2_dir,
+        kv_transfer_config={
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 6 * per_block},
+        },
+    )
     assert _run(llm, prompts) == expected
     m = llm.get_metrics()
     assert m["vlserve:kv_offload_host_blocks"] <= 6
@@ -184,11 +191,15 @@ def test_eagle_head_layer_rides_in_the_tier(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tier_eagle")
     target = build_text_checkpoint(str(root / "t"), arch="qwen2", num_layers=1)
-    spec = {"method": "eagle", "num_speculative_tokens": 3,
-            "model": build_eagle_checkpoint(str(root / "h"), target, "eagle", "mimic")}
+    spec = {
+        "method": "eagle",
+        "num_speculative_tokens": 3,
+        "model": build_eagle_checkpoint(str(root / "h"), target, "eagle", "mimic"),
+    }
     prompts = _workload()
-    big = LLM(target, dtype="float32", num_kv_blocks=128, max_model_len=160, block_size=BLOCK, seed=0,
-              speculative_config=spec)
+    big = LLM(
+        target, dtype="float32", num_kv_blocks=128, max_model_len=160, block_size=BLOCK, seed=0, speculative_config=spec
+    )
     expected = _run(big, prompts)
     tier = _llm(target, kv_offloading_size=0.01, speculative_config=spec)
     assert _run(tier, prompts) == expected

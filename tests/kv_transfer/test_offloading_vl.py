@@ -1,5 +1,6 @@
 """Qwen2-VL with images through the offloading tier: the tier key folds in each image's mm_hash, so the same text
 with another image never loads the first image's blocks; greedy tokens equal the run without a tier."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """The P2P connector's transfer agent: two Mooncake engines in one process, each over a tiny KV cache; a batched
 read moves blocks (runs merged, scattered ids too) byte for byte; a different layout is refused."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 on A (max_tokens=1, producer) then decode on B (consumer, reading A's blocks) gives the tokens one engine gives,
 token for token; A frees its kept blocks on B's confirmation (or a timeout), B's other requests keep stepping while
 a read runs, and nothing leaks on either side."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 def _llm(model_dir, role=None, **extra):
     cfg = None if role is None else KVTransferConfig("P2PConnector", role, extra)
-    return LLM(model_dir, dtype="float32", num_kv_blocks=32, max_model_len=96, block_size=BLOCK, seed=0,
-               kv_transfer_config=cfg)
+    return LLM(
+        model_dir, dtype="float32", num_kv_blocks=32, max_model_len=96, block_size=BLOCK, seed=0, kv_transfer_config=cfg
+    )
 
 
 def _prompts(seed=0, lengths=(13, 16, 30)):
@@ -83,8 +85,15 @@ def test_prefill_on_a_decode_on_b_same_tokens(engines):
 def test_unreachable_producer_recomputes(engines):
     a, b, ref = engines
     prompt = _prompts(1, (30,))[0]
-    bogus = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "remote_request_id": "x",
-             "remote_engine_id": "?", "remote_block_ids": list(range(8)), "remote_num_tokens": len(prompt)}
+    bogus = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+        "remote_request_id": "x",
+        "remote_engine_id": "?",
+        "remote_block_ids": list(range(8)),
+        "remote_num_tokens": len(prompt),
+    }
     before = b.get_metrics()["vlserve:kv_p2p_failed_loads_total"]
     out = _gen(b, prompt, 8, bogus)
     assert list(out.outputs[0].token_ids) == ref[3]

@@ -3,6 +3,7 @@
 plain server), a consumer that never pulls (the producer frees what it kept after send_timeout_s), and the proxy
 with dead prefill / decode servers (it fails over to live ones, or answers a JSON 503 when none is left). Nothing
 leaks on either side: the /metrics gauges (kept blocks, requests waiting for remote KV, used blocks) return to 0."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,12 @@ pytestmark = pytest.mark.slow
 
 NUM_BLOCKS = 64
 SEND_TIMEOUT_S = 5.0
-PROMPTS = ["the quick brown fox jumps over", "hello there my friend, how are", "one two three four five six seven",
-           "a b c d e f g h i j k l m n o p q r s t u v w"]
+PROMPTS = [
+    "the quick brown fox jumps over",
+    "hello there my friend, how are",
+    "one two three four five six seven",
+    "a b c d e f g h i j k l m n o p q r s t u v w",
+]
 LATE = ["seven eight nine ten eleven twelve thirteen", "my dog likes to run in the park every day"]
 
 
@@ -37,16 +42,37 @@ def stack(qwen2_dir, mooncake):
     site = mooncake_site()
     with contextlib.ExitStack() as es:
         urls, procs = {}, {}
-        for name, role in (("p1", "kv_producer"), ("p2", "kv_producer"), ("c1", "kv_consumer"),
-                           ("c2", "kv_consumer")):
+        for name, role in (("p1", "kv_producer"), ("p2", "kv_producer"), ("c1", "kv_consumer"), ("c2", "kv_consumer")):
             started: list = []
-            urls[name] = es.enter_context(serve_subprocess(
-                _serve_args(qwen2_dir, role, send_timeout_s=SEND_TIMEOUT_S), REPO_ROOT, 240, extra_paths=site,
-                procs=started))
+            urls[name] = es.enter_context(
+                serve_subprocess(
+                    _serve_args(qwen2_dir, role, send_timeout_s=SEND_TIMEOUT_S),
+                    REPO_ROOT,
+                    240,
+                    extra_paths=site,
+                    procs=started,
+                )
+            )
             procs[name] = started[0]
-        urls["proxy"] = es.enter_context(serve_subprocess(
-            ["--prefill", urls["p2"], urls["p1"], "--decode", urls["c2"], urls["c1"], "--backoff", "60",
-             "--log-level", "warning"], REPO_ROOT, 60, command="proxy"))
+        urls["proxy"] = es.enter_context(
+            serve_subprocess(
+                [
+                    "--prefill",
+                    urls["p2"],
+                    urls["p1"],
+                    "--decode",
+                    urls["c2"],
+                    urls["c1"],
+                    "--backoff",
+                    "60",
+                    "--log-level",
+                    "warning",
+                ],
+                REPO_ROOT,
+                60,
+                command="proxy",
+            )
+        )
         yield urls, procs
 
 
@@ -65,8 +91,10 @@ def _kill(proc) -> None:
 def _wait_metric(base, name, want, limit_s):
     deadline = time.monotonic() + limit_s
     while (got := _metric(base, name)) != want:
-        assert time.monotonic() < deadline, (f"{name} on {base} is {got}, not {want}, after {limit_s} s (waiting for "
-                                             f"KV: {_metric(base, 'vlserve:num_requests_waiting_for_kv')})")
+        assert time.monotonic() < deadline, (
+            f"{name} on {base} is {got}, not {want}, after {limit_s} s (waiting for "
+            f"KV: {_metric(base, 'vlserve:num_requests_waiting_for_kv')})"
+        )
         time.sleep(0.1)
 
 
@@ -94,8 +122,9 @@ def _signal_tree(proc, sig) -> None:
 
 
 def _prefill(base, prompt):
-    return _post(base, "/v1/completions", _body(prompt, max_tokens=1,
-                                                kv_transfer_params={"do_remote_decode": True}))["kv_transfer_params"]
+    return _post(base, "/v1/completions", _body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))[
+        "kv_transfer_params"
+    ]
 
 
 def test_producer_hung_during_the_read_consumer_recomputes(stack):
@@ -136,8 +165,9 @@ def test_producer_killed_while_and_before_the_consumer_reads(stack):
     assert _metric(p2, "vlserve:kv_kept_requests") == 2
     _signal_tree(procs["p2"], signal.SIGSTOP)
     answer = {}
-    reader = threading.Thread(target=lambda: answer.update(_post(c1, "/v1/completions", _body(
-        LATE[0], kv_transfer_params=during))))
+    reader = threading.Thread(
+        target=lambda: answer.update(_post(c1, "/v1/completions", _body(LATE[0], kv_transfer_params=during)))
+    )
     reader.start()
     try:
         _wait_metric(c1, "vlserve:num_requests_waiting_for_kv", 1, 20)  # its read is in flight
@@ -171,13 +201,13 @@ def test_proxy_fails_over_dead_prefill_and_decode_servers(stack):
     p1, c1, proxy = urls["p1"], urls["c1"], urls["proxy"]
     _kill(procs["p2"])
     _kill(procs["c2"])
-    kept, loaded = (_metric(p1, "vlserve:kv_p2p_kept_requests_total"),
-                    _metric(c1, "vlserve:kv_p2p_loads_done_total"))
+    kept, loaded = (_metric(p1, "vlserve:kv_p2p_kept_requests_total"), _metric(c1, "vlserve:kv_p2p_loads_done_total"))
     for prompt in PROMPTS:  # the proxy lists the dead servers first: every request fails over to p1 / c1
         assert _post(proxy, "/v1/completions", _body(prompt))["choices"][0]["text"] == _reference(c1, prompt)
     text = ""
-    with httpx.stream("POST", f"{proxy}/v1/completions", json=_body(PROMPTS[0], stream=True), timeout=120,
-                      trust_env=False) as r:
+    with httpx.stream(
+        "POST", f"{proxy}/v1/completions", json=_body(PROMPTS[0], stream=True), timeout=120, trust_env=False
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -240,8 +270,10 @@ def test_proxy_with_a_decode_server_that_times_out(stack):
         _wait_metric(c1, "vlserve:engine_requests_held", 0, 90)
     except AssertionError:
         if _metric(c1, "vlserve:num_requests_waiting_for_kv") == 1:  # the limit docs/architecture.md names
-            pytest.xfail("known limit: a KV read on the resumed decode server is still running after 90 s (reads "
-                         "have no deadline of their own; docs/architecture.md)")
+            pytest.xfail(
+                "known limit: a KV read on the resumed decode server is still running after 90 s (reads "
+                "have no deadline of their own; docs/architecture.md)"
+            )
         raise
     _assert_no_leak(c1)
     assert _post(c1, "/v1/completions", _body(LATE[0]))["choices"][0]["text"]  # c1 carries on

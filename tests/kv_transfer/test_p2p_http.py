@@ -2,6 +2,7 @@
 the top level of non-streamed /v1/completions and /v1/chat/completions bodies (as vLLM returns them), and a
 consumer server given them answers as a plain server does; bad values and servers without a connector are 400s
 naming the field."""
+
 from __future__ import annotations
 
 import httpx
@@ -18,10 +19,12 @@ MSGS = [{"role": "user", "content": "tell me about foxes and dogs"}]
 def servers(qwen2_dir, mooncake):
     from tests.api.conftest import start_server
 
-    prod = start_server(EngineArgs(model=qwen2_dir, kv_transfer_config=KVTransferConfig(
-        "P2PConnector", "kv_producer"), **KW))
-    cons = start_server(EngineArgs(model=qwen2_dir, kv_transfer_config=KVTransferConfig(
-        "P2PConnector", "kv_consumer"), **KW))
+    prod = start_server(
+        EngineArgs(model=qwen2_dir, kv_transfer_config=KVTransferConfig("P2PConnector", "kv_producer"), **KW)
+    )
+    cons = start_server(
+        EngineArgs(model=qwen2_dir, kv_transfer_config=KVTransferConfig("P2PConnector", "kv_consumer"), **KW)
+    )
     plain = start_server(EngineArgs(model=qwen2_dir, **KW))
     yield prod, cons, plain
     for s in (prod, cons, plain):
@@ -50,8 +53,9 @@ def test_completions_prefill_then_decode_over_http(servers):
     for prompt in PROMPTS:
         base = {"prompt": prompt, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
         want = _post(plain, "/v1/completions", base).json()["choices"][0]["text"]
-        pre = _post(prod, "/v1/completions", {**base, "max_tokens": 1, "kv_transfer_params": {
-            "do_remote_decode": True}})
+        pre = _post(
+            prod, "/v1/completions", {**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        )
         assert pre.status_code == 200, pre.text
         params = pre.json()["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["remote_port"]
@@ -68,8 +72,9 @@ def test_chat_prefill_then_decode_over_http(servers):
     prod, cons, plain = servers
     base = {"messages": MSGS, "temperature": 0, "max_tokens": 10, "ignore_eos": True}
     want = _post(plain, "/v1/chat/completions", base).json()["choices"][0]["message"]["content"]
-    pre = _post(prod, "/v1/chat/completions", {**base, "max_tokens": 1,
-                                               "kv_transfer_params": {"do_remote_decode": True}})
+    pre = _post(
+        prod, "/v1/chat/completions", {**base, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
     assert pre.status_code == 200, pre.text
     params = pre.json()["kv_transfer_params"]
     assert params["do_remote_prefill"]

@@ -1,6 +1,7 @@
 """An idle P2P producer frees its kept blocks on its own: the server's engine loops (the in-process
 engine thread and the engine-core process) keep polling the connector while blocks are kept, with nothing else to
 run; here the send timeout frees them (no consumer ever reads)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,15 @@ from vlserve.config import EngineArgs, KVTransferConfig
 
 def _args(model_dir):
     cfg = KVTransferConfig("P2PConnector", "kv_producer", {"send_timeout_s": 0.5})
-    return EngineArgs(model=model_dir, dtype="float32", num_kv_blocks=32, max_model_len=96, block_size=4, seed=0,
-                      kv_transfer_config=cfg)
+    return EngineArgs(
+        model=model_dir,
+        dtype="float32",
+        num_kv_blocks=32,
+        max_model_len=96,
+        block_size=4,
+        seed=0,
+        kv_transfer_config=cfg,
+    )
 
 
 def _prefill(engine, rid):

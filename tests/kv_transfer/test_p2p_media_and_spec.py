@@ -2,6 +2,7 @@
 Qwen2-Audio clips are encoded on the producer only, and the consumer, given no media, decodes with n-gram or EAGLE
 drafting on its side; greedy tokens equal one plain engine's, token for token, and the consumer never runs a
 tower."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,12 +24,19 @@ def _llm(model_dir, role=None, **kw):
 
 def _disaggregated(a, b, prompt, max_tokens, **media):
     """Prefill on A (one token, kept blocks), then decode on B from A's params alone: B's request has no media."""
-    pre = a.generate(prompt, SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **GREEDY),
-                     use_tqdm=False, **media)[0]
+    pre = a.generate(
+        prompt,
+        SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **GREEDY),
+        use_tqdm=False,
+        **media,
+    )[0]
     params = pre.kv_transfer_params
     assert params["remote_mm_features"], "the producer's params describe its media items"
-    out = b.generate({"prompt_token_ids": [0]}, SamplingParams(max_tokens=max_tokens, kv_transfer_params=params,
-                                                                **GREEDY), use_tqdm=False)[0]
+    out = b.generate(
+        {"prompt_token_ids": [0]},
+        SamplingParams(max_tokens=max_tokens, kv_transfer_params=params, **GREEDY),
+        use_tqdm=False,
+    )[0]
     assert list(out.prompt_token_ids) == list(pre.prompt_token_ids)
     return list(pre.outputs[0].token_ids), list(out.outputs[0].token_ids)
 
@@ -47,8 +55,14 @@ def test_video_prefill_on_a_decode_on_b(qwen2_vl_dir, mooncake):
     clips = [rand_video(4, 56, 56, seed=s) for s in (1, 2)]
     text = "What happens in the clip? Answer at length."
     ref = _llm(qwen2_vl_dir)
-    want = [list(ref.generate(text, SamplingParams(max_tokens=8, **GREEDY), videos=[c], use_tqdm=False)[0]
-                 .outputs[0].token_ids) for c in clips]
+    want = [
+        list(
+            ref.generate(text, SamplingParams(max_tokens=8, **GREEDY), videos=[c], use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        for c in clips
+    ]
     del ref
     assert want[0] != want[1]  # the clip matters
     a, b = _llm(qwen2_vl_dir, "kv_producer"), _llm(qwen2_vl_dir, "kv_consumer", speculative_config=NGRAM)
@@ -78,10 +92,17 @@ def test_audio_prefill_on_a_spec_decode_on_b(audio_target, tmp_path_factory, moo
     sp = SamplingParams(max_tokens=12, **GREEDY)
     want = [list(o.outputs[0].token_ids) for o in ref.generate(prompts, sp, audios=clips, use_tqdm=False)]
     del ref
-    spec = NGRAM if method == "ngram" else {
-        "method": "eagle", "num_speculative_tokens": 3,
-        "model": build_eagle_checkpoint(str(tmp_path_factory.mktemp("p2p_eagle") / "h"), audio_target, "eagle",
-                                        "mimic")}
+    spec = (
+        NGRAM
+        if method == "ngram"
+        else {
+            "method": "eagle",
+            "num_speculative_tokens": 3,
+            "model": build_eagle_checkpoint(
+                str(tmp_path_factory.mktemp("p2p_eagle") / "h"), audio_target, "eagle", "mimic"
+            ),
+        }
+    )
     # an EAGLE producer runs the same head: its draft layer's prompt KV moves with the target's
     a = _llm(audio_target, "kv_producer", **({"speculative_config": spec} if method == "eagle" else {}))
     b = _llm(audio_target, "kv_consumer", speculative_config=spec)
@@ -104,12 +125,16 @@ def test_eagle_consumer_of_a_producer_without_the_head(audio_target, tmp_path_fa
     ref = _llm(audio_target)
     prompt = chat_text(ref.get_tokenizer(), [("user", (1, "Again?"))])
     clip = [(tones(1.0, seed=34)[0], 16000)]
-    want = list(ref.generate(prompt, SamplingParams(max_tokens=10, **GREEDY), audios=[clip],
-                             use_tqdm=False)[0].outputs[0].token_ids)
+    want = list(
+        ref.generate(prompt, SamplingParams(max_tokens=10, **GREEDY), audios=[clip], use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     del ref
     a = _llm(audio_target, "kv_producer")
-    b = _llm(audio_target, "kv_consumer", speculative_config={"method": "eagle", "num_speculative_tokens": 3,
-                                                              "model": head})
+    b = _llm(
+        audio_target, "kv_consumer", speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": head}
+    )
     first, got = _disaggregated(a, b, prompt, 10, audios=[clip])
     assert got == want
     _check_consumer(b, a)

@@ -1,6 +1,7 @@
 """End to end: two `vlserve serve` processes on the tiny checkpoint, a P2P producer and a P2P consumer,
 behind `vlserve proxy`; greedy completions through the proxy (prefill on the producer, decode on the consumer
 reading the producer's KV) equal a plain server's, text for text, streamed or not."""
+
 from __future__ import annotations
 
 import time
@@ -14,8 +15,12 @@ from tests.kv_transfer.servers import post as _post
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["the quick brown fox jumps over", "hello there my friend, how are", "one two three four five six seven",
-           "a b c d e f g h i j k l m n o p q r s t u v w"]
+PROMPTS = [
+    "the quick brown fox jumps over",
+    "hello there my friend, how are",
+    "one two three four five six seven",
+    "a b c d e f g h i j k l m n o p q r s t u v w",
+]
 MSGS = [{"role": "user", "content": "tell me about foxes and dogs"}]
 
 
@@ -54,6 +59,10 @@ def test_proxy_models_health_and_errors(stack):
     assert httpx.get(f"{proxy}/health", trust_env=False).status_code == 200
     models = httpx.get(f"{proxy}/v1/models", trust_env=False).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
-    r = httpx.post(f"{proxy}/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": "hot"},
-                   trust_env=False, timeout=60)
+    r = httpx.post(
+        f"{proxy}/v1/completions",
+        json={"model": "tiny", "prompt": "x", "temperature": "hot"},
+        trust_env=False,
+        timeout=60,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"

@@ -1,6 +1,7 @@
 """End to end (audio): Qwen2-Audio tiny behind `vlserve proxy`, a P2P producer and a P2P consumer server
 that drafts with n-gram; an input_audio chat gives a plain server's greedy text, and the decode server never
 decodes the clip nor runs the audio tower."""
+
 from __future__ import annotations
 
 import base64

@@ -2,6 +2,7 @@
 a chat request with an image_url data URL gives a plain server's greedy text, streamed or not, and the decode
 server never processes media nor runs the vision tower (the producer's kv_transfer_params carry the expanded
 prompt and the items without pixel data; the proxy strips the media parts from the decode server's messages)."""
+
 from __future__ import annotations
 
 import base64
@@ -25,17 +26,31 @@ def _image_url(seed: int) -> str:
 
 
 def _msgs(seed: int) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _image_url(seed)}},
-                                         {"type": "text", "text": "What is in this picture? Describe it."}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": _image_url(seed)}},
+                {"type": "text", "text": "What is in this picture? Describe it."},
+            ],
+        }
+    ]
 
 
 def test_without_media_keeps_text_parts_only():
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}},
-                                         {"type": "text", "text": "hi"}]},
-            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:y"}}]}]
-    assert _without_media(msgs) == [msgs[0], {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                                    {"role": "user", "content": ""}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "data:x"}}, {"type": "text", "text": "hi"}],
+        },
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:y"}}]},
+    ]
+    assert _without_media(msgs) == [
+        msgs[0],
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "user", "content": ""},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +87,15 @@ def test_proxy_video_chat_equals_one_server(vl_stack):
     prod, cons, plain, proxy = vl_stack
     runs = _metric(cons, "vlserve:encoder_runs_total")
     url = "data:video/mp4;base64," + base64.b64encode(encode_video(rand_video(8, 56, 56, seed=5), fps=4)).decode()
-    msgs = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
-                                         {"type": "text", "text": "What happens in the clip?"}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": "What happens in the clip?"},
+            ],
+        }
+    ]
     body = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 10, "ignore_eos": True}
     want = _post(plain, "/v1/chat/completions", body)
     got = _post(proxy, "/v1/chat/completions", body)

@@ -2,6 +2,7 @@
 request's blocks until a worker reports the send (confirmation or timeout), the consumer parks a request while its
 read runs (others keep decoding) and resumes from the loaded tokens, aborts while reading keep the blocks until the
 read ends, and nothing leaks (check_integrity after every step)."""
+
 from __future__ import annotations
 
 from vlserve.config import KVTransferConfig, SchedulerConfig
@@ -16,14 +17,26 @@ PROMPT = list(range(100, 114))  # 14 tokens: 4 blocks
 
 
 def make(role, num_blocks=16):
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS,
-                          kv_transfer_config=KVTransferConfig("P2PConnector", role, {"_side_channel_port": 5555}))
+    cfg = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=BS,
+        kv_transfer_config=KVTransferConfig("P2PConnector", role, {"_side_channel_port": 5555}),
+    )
     return Scheduler(cfg, num_blocks)
 
 
 def add(s, rid, tokens, max_tokens, params=None):
-    s.add_request(EngineCoreRequest(rid, list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                      kv_transfer_params=params), 0.0, []))
+    s.add_request(
+        EngineCoreRequest(
+            rid,
+            list(tokens),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, kv_transfer_params=params),
+            0.0,
+            [],
+        )
+    )
 
 
 def step(s, kv_out=None):
@@ -59,8 +72,14 @@ def test_consumer_parks_while_reading_and_resumes():
     s = make("kv_consumer")
     add(s, "other", list(range(50, 58)), 6)
     step(s)
-    remote = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "p",
-              "remote_block_ids": [9, 8, 7, 6], "remote_num_tokens": 14}
+    remote = {
+        "do_remote_prefill": True,
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_request_id": "p",
+        "remote_block_ids": [9, 8, 7, 6],
+        "remote_num_tokens": 14,
+    }
     add(s, "d", PROMPT, 3, remote)
     so, _ = step(s)
     load = so.kv_connector_metadata.loads["d"]
@@ -79,8 +98,14 @@ def test_consumer_parks_while_reading_and_resumes():
 
 def test_consumer_failed_read_recomputes_and_abort_while_reading():
     s = make("kv_consumer")
-    remote = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1, "remote_request_id": "p",
-              "remote_block_ids": [1, 2, 3, 4], "remote_num_tokens": 14}
+    remote = {
+        "do_remote_prefill": True,
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_request_id": "p",
+        "remote_block_ids": [1, 2, 3, 4],
+        "remote_num_tokens": 14,
+    }
     add(s, "f", PROMPT, 2, remote)
     step(s)
     step(s, KVConnectorOutput(finished_recving={"f"}, failed_recving={"f"}))
@@ -100,8 +125,20 @@ def test_consumer_failed_read_recomputes_and_abort_while_reading():
 
 def test_mismatched_params_recompute_and_release():
     s = make("kv_consumer")
-    add(s, "m", PROMPT, 2, {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1,
-                            "remote_request_id": "p", "remote_block_ids": [1], "remote_num_tokens": 99})
+    add(
+        s,
+        "m",
+        PROMPT,
+        2,
+        {
+            "do_remote_prefill": True,
+            "remote_host": "h",
+            "remote_port": 1,
+            "remote_request_id": "p",
+            "remote_block_ids": [1],
+            "remote_num_tokens": 99,
+        },
+    )
     so, _ = step(s)
     assert so.num_scheduled_tokens["m"] == 14
     assert so.kv_connector_metadata.loads["m"].remote_block_ids == []  # only tells the producer to free

@@ -1,6 +1,7 @@
 """The proxy's backend pools (`vlserve proxy`): round-robin that skips a backend for a back-off
 after a failed call (all are tried when all back off), and a JSON 503 naming each dead backend when no prefill server
 is reachable (no server processes here: the backends are closed ports)."""
+
 from __future__ import annotations
 
 from vlserve.api.backend_pool import BackendPool
@@ -46,8 +47,10 @@ def test_proxy_with_no_live_prefill_server_answers_503_json():
 
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
     with TestClient(build_proxy_app(dead[:2], dead[2:], backoff_s=60)) as client:
-        for path, body in (("/v1/completions", {"prompt": "hi"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
             r = client.post(path, json={"model": "tiny", "max_tokens": 4, **body})
             assert r.status_code == 503, r.text
             err = r.json()["error"]

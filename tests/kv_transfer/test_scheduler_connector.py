@@ -1,6 +1,7 @@
 """The scheduler side of the KV-connector seam with the offloading connector and a fake worker (pure Python):
 stores after the step that fills a block, loads past the device hit with the request parked until reported,
 failed loads recompute, aborts while loading, roles."""
+
 from __future__ import annotations
 
 from vlserve.config import KVTransferConfig, SchedulerConfig
@@ -14,9 +15,13 @@ BS = 4
 
 
 def make(role="kv_both", num_blocks=16, cpu_blocks=64):
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=BS,
-                          kv_transfer_config=KVTransferConfig("OffloadingConnector", role,
-                                                              {"_num_cpu_blocks": cpu_blocks}))
+    cfg = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        block_size=BS,
+        kv_transfer_config=KVTransferConfig("OffloadingConnector", role, {"_num_cpu_blocks": cpu_blocks}),
+    )
     return Scheduler(cfg, num_blocks)
 
 
@@ -33,8 +38,9 @@ def step(s, fail=(), report=True):
     out = ModelRunnerOutput(ids, toks)
     meta = so.kv_connector_metadata
     if report and meta is not None and meta.loads:
-        out.kv_connector_output = KVConnectorOutput(finished_recving=set(meta.loads),
-                                                    failed_recving=set(meta.loads) & set(fail))
+        out.kv_connector_output = KVConnectorOutput(
+            finished_recving=set(meta.loads), failed_recving=set(meta.loads) & set(fail)
+        )
     s.update_from_output(so, out)
     s.check_integrity()
     return so
@@ -93,8 +99,10 @@ def test_abort_while_loading_frees_the_blocks():
     assert "b" in s.kv_transfer.waiting_for_kv and s.kv.req_to_blocks["b"]
     assert s.abort_requests(["b"]) == ["b"]
     assert not s.has_unfinished_requests()
-    s.update_from_output(so.__class__([], [], {}, 0), ModelRunnerOutput(
-        [], [], kv_connector_output=KVConnectorOutput(finished_recving={"b"})))  # the late report is ignored
+    s.update_from_output(
+        so.__class__([], [], {}, 0),
+        ModelRunnerOutput([], [], kv_connector_output=KVConnectorOutput(finished_recving={"b"})),
+    )  # the late report is ignored
     s.check_integrity()
 
 

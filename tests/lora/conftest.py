@@ -1,4 +1,5 @@
 """The LoRA tests' session fixture: tiny checkpoints, built once per arch (helpers: lora_helpers.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Helpers for the LoRA tests: random PEFT adapters over tiny checkpoints, the HF reference and our model."""
+
 from __future__ import annotations
 
 import torch

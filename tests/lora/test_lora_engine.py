@@ -2,6 +2,7 @@
 three adapters and base prompts with max_loras=2 (the scheduler rotates adapters), chunked prefill and prefix
 caching on (one prompt under two adapters gives each adapter's own output); n-gram and EAGLE spec decode keep the outputs;
 the errors of asking for LoRA on an engine without it."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,9 @@ def setup(tmp_path_factory):
     adapters = {
         "a": make_adapter(model_dir, root / "a", ALL, r=8, alpha=16, seed=1)[0],
         "b": make_adapter(model_dir, root / "b", ["q_proj", "v_proj", "down_proj"], r=4, alpha=8, seed=2)[0],
-        "c": make_adapter(model_dir, root / "c", ["k_proj", "o_proj", "gate_proj", "up_proj"], r=16, alpha=16,
-                          seed=3)[0],
+        "c": make_adapter(model_dir, root / "c", ["k_proj", "o_proj", "gate_proj", "up_proj"], r=16, alpha=16, seed=3)[
+            0
+        ],
     }
     return model_dir, adapters
 
@@ -42,8 +44,9 @@ def hf_reference(model_dir: str, adapter_dir: str | None, prompt: list[int]) -> 
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
     ids = torch.tensor([prompt])
-    return hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                                  MAX_NEW)[0, len(prompt):].tolist()
+    return hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, MAX_NEW)[
+        0, len(prompt) :
+    ].tolist()
 
 
 def requests_of(adapters: dict[str, str]) -> dict[str, LoRARequest]:
@@ -54,17 +57,38 @@ def test_mixed_batch_matches_hf_peft(setup):
     model_dir, adapters = setup
     loras = requests_of(adapters)
     # (prompt, adapter name or None): the shared prompt under a, b and the base; three adapters with max_loras=2
-    batch = [(SHARED, "a"), (SHARED, "b"), (OTHER, "c"), (SHARED, None), (OTHER, "a"), (OTHER, None),
-             (SHARED, "c"), (SHARED, "a")]
-    llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2,
-              max_lora_rank=16, block_size=4, num_kv_blocks=128, max_num_batched_tokens=16,
-              enable_prefix_caching=True)
+    batch = [
+        (SHARED, "a"),
+        (SHARED, "b"),
+        (OTHER, "c"),
+        (SHARED, None),
+        (OTHER, "a"),
+        (OTHER, None),
+        (SHARED, "c"),
+        (SHARED, "a"),
+    ]
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=2,
+        max_lora_rank=16,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([p for p, _ in batch], params, use_tqdm=False,
-                        lora_request=[loras[n] if n else None for p, n in batch])
+    outs = llm.generate(
+        [p for p, _ in batch], params, use_tqdm=False, lora_request=[loras[n] if n else None for p, n in batch]
+    )
     got = [o.outputs[0].token_ids for o in outs]
-    want = {(tuple(p), n): hf_reference(model_dir, adapters[n] if n else None, p) for p, n in set(
-        (tuple(p), n) for p, n in batch)}
+    want = {
+        (tuple(p), n): hf_reference(model_dir, adapters[n] if n else None, p)
+        for p, n in set((tuple(p), n) for p, n in batch)
+    }
     assert got == [want[(tuple(p), n)] for p, n in batch]
     assert len({tuple(want[(tuple(SHARED), n)]) for n in ("a", "b", "c", None)}) == 4  # each adapter its own
     llm.check_integrity()
@@ -85,12 +109,25 @@ def test_ngram_spec_decode_keeps_adapter_outputs(setup):
     loras = requests_of(adapters)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     batch = [(NGRAMMY, "a"), (NGRAMMY, None), (NGRAMMY, "b"), (SHARED, "c")]
-    llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
-              block_size=4, num_kv_blocks=128,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3})
-    outs = llm.generate([p for p, _ in batch], params, use_tqdm=False,
-                        lora_request=[loras[n] if n else None for _, n in batch])
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        block_size=4,
+        num_kv_blocks=128,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
+    outs = llm.generate(
+        [p for p, _ in batch], params, use_tqdm=False, lora_request=[loras[n] if n else None for _, n in batch]
+    )
     for (p, n), out in zip(batch, outs):
         assert out.outputs[0].token_ids == hf_reference(model_dir, adapters[n] if n else None, p), n
     assert llm.get_metrics()["vlserve:spec_decode_num_draft_tokens_total"] > 0
@@ -105,14 +142,25 @@ def test_eagle_drafts_from_the_base_keep_adapter_outputs(setup, method, tmp_path
 
     model_dir, adapters = setup
     loras = requests_of(adapters)
-    head = build_eagle_checkpoint(str(tmp_path / "head"), model_dir, method, "mimic" if method == "eagle" else
-                                  "random")
+    head = build_eagle_checkpoint(str(tmp_path / "head"), model_dir, method, "mimic" if method == "eagle" else "random")
     batch = [(NGRAMMY, "a"), (SHARED, None), (OTHER, "b")]
-    llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
-              block_size=4, num_kv_blocks=128,
-              speculative_config={"method": method, "model": head, "num_speculative_tokens": 2})
-    outs = llm.generate([p for p, _ in batch], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False, lora_request=[loras[n] if n else None for _, n in batch])
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cpu",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        block_size=4,
+        num_kv_blocks=128,
+        speculative_config={"method": method, "model": head, "num_speculative_tokens": 2},
+    )
+    outs = llm.generate(
+        [p for p, _ in batch],
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=[loras[n] if n else None for _, n in batch],
+    )
     for (p, n), out in zip(batch, outs):
         assert out.outputs[0].token_ids == hf_reference(model_dir, adapters[n] if n else None, p), n
     assert llm.get_metrics()["vlserve:spec_decode_num_draft_tokens_total"] > 0
@@ -126,20 +174,27 @@ def test_lora_errors(setup, tmp_path):
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate([OTHER], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=loras["a"])
     with pytest.raises(ValueError, match="enable_lora"):
-        plain.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False,
-                   lora_request=loras["a"])
+        plain.chat(
+            [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=loras["a"]
+        )
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(model_dir, lora_modules={"a": adapters["a"]})
-    llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8, block_size=4,
-              num_kv_blocks=64)
+    llm = LLM(
+        model_dir, dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8, block_size=4, num_kv_blocks=64
+    )
     with pytest.raises(ValueError, match="max_lora_rank"):  # adapter c has rank 16: refused at add, not mid-step
         llm.generate([OTHER], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=loras["c"])
     with pytest.raises(ValueError, match="missing"):
-        llm.generate([OTHER], SamplingParams(max_tokens=2), use_tqdm=False,
-                     lora_request=LoRARequest("nope", 9, str(tmp_path)))
+        llm.generate(
+            [OTHER], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=LoRARequest("nope", 9, str(tmp_path))
+        )
     with pytest.raises(ValueError, match="own id"):  # one id, two adapters
-        llm.generate([OTHER, OTHER], SamplingParams(max_tokens=2), use_tqdm=False,
-                     lora_request=[loras["a"], LoRARequest("b", loras["a"].lora_int_id, adapters["b"])])
+        llm.generate(
+            [OTHER, OTHER],
+            SamplingParams(max_tokens=2),
+            use_tqdm=False,
+            lora_request=[loras["a"], LoRARequest("b", loras["a"].lora_int_id, adapters["b"])],
+        )
     out = llm.generate([OTHER], SamplingParams(max_tokens=2), use_tqdm=False, lora_request=loras["a"])
     assert len(out[0].outputs[0].token_ids) == 2
     llm.check_integrity()
@@ -154,11 +209,22 @@ def test_async_scheduling_keeps_adapter_outputs(setup):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outs = {}
     for use_async in (False, True):
-        llm = LLM(model_dir, dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_cpu_loras=2,
-                  max_lora_rank=16, block_size=4, num_kv_blocks=128, max_num_batched_tokens=16,
-                  async_scheduling=use_async)
-        got = llm.generate([p for p, _ in batch], params, use_tqdm=False,
-                           lora_request=[loras[n] if n else None for _, n in batch])
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            device="cpu",
+            enable_lora=True,
+            max_loras=2,
+            max_cpu_loras=2,
+            max_lora_rank=16,
+            block_size=4,
+            num_kv_blocks=128,
+            max_num_batched_tokens=16,
+            async_scheduling=use_async,
+        )
+        got = llm.generate(
+            [p for p, _ in batch], params, use_tqdm=False, lora_request=[loras[n] if n else None for _, n in batch]
+        )
         outs[use_async] = [o.outputs[0].token_ids for o in got]
         llm.check_integrity()
     assert outs[True] == outs[False]

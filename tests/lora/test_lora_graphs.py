@@ -3,6 +3,7 @@ manager's persistent slot buffer (`graph_slots`, what a captured graph reads), r
 (`CudaGraphRunner(use_graphs=False)`), under the captured step where every layer adds its delta. A batch mixing two
 adapters and the base, finishing one by one (batches padded to buckets 1 / 2 / 4 / 8), equals the same engine
 without graphs, and the padding rows read slot -1."""
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,12 @@ def test_padded_decode_graph_steps_keep_adapter_outputs(checkpoint, tmp_path):
     loras = [LoRARequest("a1", 1, a1), None, LoRARequest("a2", 2, a2), LoRARequest("a1", 1, a1), None]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_NEW]
     kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
-    expected = [o.outputs[0].token_ids for o in LLM(model_dir, **kw).generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=loras)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(model_dir, **kw).generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=loras
+        )
+    ]
 
     llm = LLM(model_dir, **kw)
     runner = llm.engine.runner
@@ -40,8 +45,10 @@ def test_padded_decode_graph_steps_keep_adapter_outputs(checkpoint, tmp_path):
         return runner.forward.run(step, runner.kv_caches)
 
     runner.forward.graph_runner = CudaGraphRunner(forward, buffers, sizes, 1024, use_graphs=False, lora=manager)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                                                         use_tqdm=False, lora_request=loras)]
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=loras)
+    ]
     assert got == expected
     assert {(5, 8), (3, 4), (1, 1)} <= {(b, bucket) for b, bucket, _ in seen}  # padded and exact buckets ran
     for b, bucket, slots in seen:

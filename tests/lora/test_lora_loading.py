@@ -1,6 +1,7 @@
 """Adapters load off the step loop: while a slow adapter load is under way (its file read blocked until the test
 lets it go), a running request keeps producing tokens, the load then settles the caller's `add_lora`, and a
 request naming the new adapter runs with it. A load that fails reaches its caller as a ValueError."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,9 +36,16 @@ def test_a_slow_load_does_not_stall_running_requests(adapter, monkeypatch, tmp_p
         return real_read(path)
 
     monkeypatch.setattr(mm, "read_peft_files", slow_read)
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, dtype="float32", num_kv_blocks=128,
-                                                  enable_lora=True, max_lora_rank=8,
-                                                  async_scheduling=async_scheduling))
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(
+            model=model_dir,
+            dtype="float32",
+            num_kv_blocks=128,
+            enable_lora=True,
+            max_lora_rank=8,
+            async_scheduling=async_scheduling,
+        )
+    )
 
     async def run() -> tuple[int, list[int], list[int]]:
         tokens_during_load, base = 0, []
@@ -61,10 +69,13 @@ def test_a_slow_load_does_not_stall_running_requests(adapter, monkeypatch, tmp_p
         await asyncio.wait_for(asyncio.shield(load), 30)
         assert load.result() is True
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        final = None
-        async for final in engine.generate([5, 6, 7, 8], params, request_id="with-adapter",  # noqa: B007
-                                           lora_request=LoRARequest("slow", 1, adapter_dir)):
-            pass
+        outs = [
+            out
+            async for out in engine.generate(
+                [5, 6, 7, 8], params, request_id="with-adapter", lora_request=LoRARequest("slow", 1, adapter_dir)
+            )
+        ]
+        final = outs[-1]
         await task
         with pytest.raises(ValueError, match="missing adapter_config.json"):
             await engine.add_lora(LoRARequest("bad", 2, str(tmp_path)))

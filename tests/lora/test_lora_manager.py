@@ -1,5 +1,6 @@
 """LoRAModelManager: device slots (LRU eviction, max_loras per step), the host LRU (max_cpu_loras), adding and
 removing adapters, a reused slot holding no stale weights, unwrapping."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,10 @@ def setup(checkpoint, tmp_path_factory):
     model_dir, cfg = checkpoint("qwen2")
     d = tmp_path_factory.mktemp("mgr")
     targets = {1: ALL, 2: ["q_proj", "v_proj"], 3: ["gate_proj", "up_proj", "down_proj"], 4: ["o_proj"]}
-    reqs = {i: LoRARequest(f"a{i}", i, make_adapter(model_dir, d / f"a{i}", t, r=2 * i, alpha=8, seed=i)[0])
-            for i, t in targets.items()}
+    reqs = {
+        i: LoRARequest(f"a{i}", i, make_adapter(model_dir, d / f"a{i}", t, r=2 * i, alpha=8, seed=i)[0])
+        for i, t in targets.items()
+    }
     return model_dir, cfg, reqs
 
 

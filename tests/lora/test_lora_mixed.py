@@ -1,5 +1,6 @@
 """A mixed step: three adapters and base rows in one forward equal each sequence run alone; base rows are
 bit-identical to the same step without LoRA; the grouped path equals the per-token (bgmv) reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,13 @@ from vlserve.kernels.lora_ref import add_lora_grouped, bgmv_expand_slice, bgmv_s
 from vlserve.kernels.packed_linear import pack_linears_for_cpu
 from vlserve.lora import LoRAModelManager, LoRARequest, lora_step
 
-PROMPTS = {"b0": [5, 17, 42, 7, 99, 3], "s1": [64, 12, 8, 150, 33], "s2": [21, 77, 9, 4, 61, 88, 2],
-           "s3": [13, 14, 15], "b4": [40, 41, 42, 43]}
+PROMPTS = {
+    "b0": [5, 17, 42, 7, 99, 3],
+    "s1": [64, 12, 8, 150, 33],
+    "s2": [21, 77, 9, 4, 61, 88, 2],
+    "s3": [13, 14, 15],
+    "b4": [40, 41, 42, 43],
+}
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +26,15 @@ def adapters(checkpoint, tmp_path_factory):
     """Three adapters over the llama checkpoint: all projections r=4; attention only r=8; MLP only r=2 rslora."""
     model_dir, _ = checkpoint("llama")
     d = tmp_path_factory.mktemp("adapters")
-    specs = [(ALL, 4, 8, {}), (["q_proj", "k_proj", "v_proj", "o_proj"], 8, 16, {}),
-             (["gate_proj", "up_proj", "down_proj"], 2, 4, {"use_rslora": True})]
-    return {f"s{i + 1}": LoRARequest(f"a{i + 1}", i + 1, make_adapter(model_dir, d / f"a{i}", t, r, a, seed=i, **kw)[0])
-            for i, (t, r, a, kw) in enumerate(specs)}
+    specs = [
+        (ALL, 4, 8, {}),
+        (["q_proj", "k_proj", "v_proj", "o_proj"], 8, 16, {}),
+        (["gate_proj", "up_proj", "down_proj"], 2, 4, {"use_rslora": True}),
+    ]
+    return {
+        f"s{i + 1}": LoRARequest(f"a{i + 1}", i + 1, make_adapter(model_dir, d / f"a{i}", t, r, a, seed=i, **kw)[0])
+        for i, (t, r, a, kw) in enumerate(specs)
+    }
 
 
 def _run(model, cfg, manager, seqs, adapters, decode_steps=2):

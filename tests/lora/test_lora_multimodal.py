@@ -1,6 +1,7 @@
 """LoRA on a multimodal base: a tiny LLaVA (CLIP tower, llama LM) with a PEFT adapter on its language model's
 projections (a regex target, so the tower's q/k/v/out projections stay untouched); image prompts through `LLM` with
 the adapter and without, in one batch, equal HF + PEFT merged (`merge_and_unload`) greedy, EOS ignored."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,15 +42,19 @@ def test_image_prompts_with_an_adapter_match_hf_peft(llava):
     from vlserve.multimodal.processor import load_hf_processor
 
     model_dir, adapter_dir = llava
-    text = load_hf_processor(model_dir).apply_chat_template(_user("What is this?"), tokenize=False,
-                                                            add_generation_prompt=True)
+    text = load_hf_processor(model_dir).apply_chat_template(
+        _user("What is this?"), tokenize=False, add_generation_prompt=True
+    )
     images = [Image.fromarray(rand_image(40, 60, seed=0)), Image.fromarray(rand_image(50, 50, seed=1))]
     lora = LoRARequest("lm", 1, adapter_dir)
     batch = [(images[0], lora), (images[0], None), (images[1], lora)]
     llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=256, enable_lora=True, max_lora_rank=8)
-    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": [img]}} for img, _ in batch],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False,
-                        lora_request=[r for _, r in batch])
+    outs = llm.generate(
+        [{"prompt": text, "multi_modal_data": {"image": [img]}} for img, _ in batch],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=[r for _, r in batch],
+    )
     for (img, r), out in zip(batch, outs):
         prompt_ids, new = hf_vlm_greedy(model_dir, adapter_dir if r else None, text, img, MAX_NEW)
         assert out.prompt_token_ids == prompt_ids

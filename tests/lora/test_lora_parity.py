@@ -1,5 +1,6 @@
 """Our decoder through LoRAModelManager with one adapter vs HF + PEFT (`PeftModel` forward), float32: prefill and
 decode steps over the paged cache, every projection targeted or a subset, llama / qwen2 / qwen3, packed or not."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,12 +14,18 @@ from vlserve.lora import LoRAModelManager, LoRARequest
 ATOL = RTOL = 1e-4
 PROMPT = [5, 17, 42, 7, 99, 3, 64, 12, 8, 150, 33, 21, 77]
 
-CASES = [("llama", ALL, False), ("llama", ["q_proj", "v_proj", "down_proj"], True), ("qwen2", ALL, True),
-         ("qwen2", ["k_proj", "o_proj", "gate_proj"], False), ("qwen3", ["q_proj", "up_proj", "down_proj"], True)]
+CASES = [
+    ("llama", ALL, False),
+    ("llama", ["q_proj", "v_proj", "down_proj"], True),
+    ("qwen2", ALL, True),
+    ("qwen2", ["k_proj", "o_proj", "gate_proj"], False),
+    ("qwen3", ["q_proj", "up_proj", "down_proj"], True),
+]
 
 
-@pytest.mark.parametrize("arch,targets,packed", CASES, ids=[f"{a}-{len(t)}-{'packed' if p else 'plain'}"
-                                                              for a, t, p in CASES])
+@pytest.mark.parametrize(
+    "arch,targets,packed", CASES, ids=[f"{a}-{len(t)}-{'packed' if p else 'plain'}" for a, t, p in CASES]
+)
 def test_one_adapter_matches_peft(arch, targets, packed, checkpoint, tmp_path):
     model_dir, cfg = checkpoint(arch)
     adapter_dir, ref = make_adapter(model_dir, tmp_path / "a", targets, r=8, alpha=16, seed=1)

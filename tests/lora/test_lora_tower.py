@@ -3,6 +3,7 @@ linear_1 / linear_2 projector; Qwen2-VL: the ViT blocks + the merger MLP). Image
 same image without it and with a decoder-only adapter, in one `LLM.generate` batch, equal HF + PEFT merged greedy
 token for token; the adapter's image embeddings are cached apart from the base's (their mm_hash carries the
 adapter)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,10 @@ CONV = {"llava": r".*vision_tower.*patch_embedding", "qwen2_vl": r".*visual\.pat
 def _build(family: str, root) -> str:
     if family == "llava":
         from vlserve.demo.llava_checkpoints import build_llava_checkpoint
+
         return build_llava_checkpoint(str(root / "model"), variant="llava", tower="clip", text_model="llama")
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
     return build_qwen2_vl_checkpoint(str(root / "model"))
 
 
@@ -66,11 +69,15 @@ def test_tower_adapter_matches_hf_peft_in_a_mixed_batch(tower_case):
     images = [Image.fromarray(rand_image(56, 84, seed=0)), Image.fromarray(rand_image(70, 70, seed=1))]
     tower, lm = LoRARequest("tower", 1, tower_dir), LoRARequest("lm", 2, lm_dir)
     batch = [(images[0], tower), (images[0], None), (images[0], lm), (images[1], tower)]
-    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=256, enable_lora=True, max_lora_rank=8,
-              max_loras=2)
-    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": [img]}} for img, _ in batch],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False,
-                        lora_request=[r for _, r in batch])
+    llm = LLM(
+        model_dir, dtype="float32", device="cpu", num_kv_blocks=256, enable_lora=True, max_lora_rank=8, max_loras=2
+    )
+    outs = llm.generate(
+        [{"prompt": text, "multi_modal_data": {"image": [img]}} for img, _ in batch],
+        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=[r for _, r in batch],
+    )
     dirs = {None: None, tower: tower_dir, lm: lm_dir}
     for (img, r), out in zip(batch, outs):
         prompt_ids, new = hf_vlm_greedy(model_dir, dirs[r], text, img, MAX_NEW)
@@ -86,13 +93,18 @@ def test_tower_adapter_changes_the_image_embeddings_and_keys_them_apart(tower_ca
 
     model_dir, tower_dir, lm_dir = tower_case
     assert adapter_targets_encoder(tower_dir) and not adapter_targets_encoder(lm_dir)
-    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=256, enable_lora=True, max_lora_rank=8,
-              max_loras=2)
+    llm = LLM(
+        model_dir, dtype="float32", device="cpu", num_kv_blocks=256, enable_lora=True, max_lora_rank=8, max_loras=2
+    )
     image = Image.fromarray(rand_image(56, 84, seed=3))
     prompts = [{"prompt": _prompt(model_dir), "multi_modal_data": {"image": [image]}}] * 3
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate(prompts, params, use_tqdm=False,
-                 lora_request=[None, LoRARequest("lm", 2, lm_dir), LoRARequest("tower", 1, tower_dir)])
+    llm.generate(
+        prompts,
+        params,
+        use_tqdm=False,
+        lora_request=[None, LoRARequest("lm", 2, lm_dir), LoRARequest("tower", 1, tower_dir)],
+    )
     # the base's run (shared by the decoder-only adapter) + the tower adapter's own
     assert llm.get_metrics()["vlserve:encoder_runs_total"] == 2
     llm.check_integrity()
@@ -105,8 +117,9 @@ def test_tower_adapter_on_a_conv_is_refused(tower_case, tmp_path):
     bad = _adapter(model_dir, str(tmp_path / "conv"), CONV[family], seed=3)
     llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
     with pytest.raises(ValueError, match="patch_embed"):
-        llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=1), use_tqdm=False,
-                     lora_request=LoRARequest("conv", 3, bad))
+        llm.generate(
+            {"prompt": "hi"}, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=LoRARequest("conv", 3, bad)
+        )
 
 
 def test_tower_adapter_over_the_server_with_the_engine_in_its_own_process(tower_case):
@@ -120,16 +133,35 @@ def test_tower_adapter_over_the_server_with_the_engine_in_its_own_process(tower_
     model_dir, tower_dir, _ = tower_case
     image = Image.fromarray(rand_image(56, 84, seed=5))
     tokenizer = load_hf_processor(model_dir).tokenizer
-    served = start_proc_server(EngineArgs(model=model_dir, served_model_name="base", dtype="float32",
-                                          num_kv_blocks=128, enable_lora=True, max_lora_rank=8,
-                                          lora_modules={"tower": tower_dir}))
+    served = start_proc_server(
+        EngineArgs(
+            model=model_dir,
+            served_model_name="base",
+            dtype="float32",
+            num_kv_blocks=128,
+            enable_lora=True,
+            max_lora_rank=8,
+            lora_modules={"tower": tower_dir},
+        )
+    )
     try:
         for name, adapter in (("tower", tower_dir), ("base", None)):
             _, want = hf_vlm_greedy(model_dir, adapter, _prompt(model_dir), image, MAX_NEW)
             r = served.client.chat.completions.create(
-                model=name, temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
-                                                       {"type": "text", "text": "Describe it."}]}])
+                model=name,
+                temperature=0,
+                max_tokens=MAX_NEW,
+                extra_body={"ignore_eos": True},
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": data_url(image)}},
+                            {"type": "text", "text": "Describe it."},
+                        ],
+                    }
+                ],
+            )
             # a reply ending inside a UTF-8 sequence holds that partial character back
             want_text = tokenizer.decode(want, skip_special_tokens=True).rstrip("\ufffd")
             assert r.choices[0].message.content.rstrip("\ufffd") == want_text and want_text, name

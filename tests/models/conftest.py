@@ -2,6 +2,7 @@
 
 `PagedRunner` (tests.support.paged_runner) plays the model runner over a paged KV cache.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,6 +36,9 @@ def prompts():
     from vlserve.demo.checkpoints import _tokenizer
 
     tok = _tokenizer()
-    texts = ["hello world", "The quick brown fox jumps over the lazy dog and the red circle moves left.",
-             "Describe the image: a blue square, two green triangles and one yellow circle at the top left " * 2]
+    texts = [
+        "hello world",
+        "The quick brown fox jumps over the lazy dog and the red circle moves left.",
+        "Describe the image: a blue square, two green triangles and one yellow circle at the top left " * 2,
+    ]
     return [tok(t)["input_ids"] for t in texts]

@@ -1,6 +1,7 @@
 """The model contract (vlserve.models.capabilities): every registered class states its `ModelCapabilities` in its own
 body, the statement matches what the class implements, the values a config decides are read from it, and no module
 outside vlserve/models probes a model for optional attributes (read from the source with `ast`)."""
+
 from __future__ import annotations
 
 import ast
@@ -33,9 +34,14 @@ def test_every_registered_class_states_its_capabilities(arch):
     assert stated_capabilities(cls) is caps
     assert caps.multimodal == issubclass(cls, MultiModalLM)
     assert not caps.pooling  # every model here generates
-    implements = {"mrope": "get_mrope_input_positions", "pipeline_parallel": "on_other_stage",
-                  "tensor_parallel": "checkpoint_shard", "encoder_lora": "encoder_linear_name",
-                  "mm_encoder_only": "keep_encoder_parts", "multimodal": "embed_multimodal"}
+    implements = {
+        "mrope": "get_mrope_input_positions",
+        "pipeline_parallel": "on_other_stage",
+        "tensor_parallel": "checkpoint_shard",
+        "encoder_lora": "encoder_linear_name",
+        "mm_encoder_only": "keep_encoder_parts",
+        "multimodal": "embed_multimodal",
+    }
     for capability, method in implements.items():
         if getattr(caps, capability):
             assert callable(getattr(cls, method, None)), f"{cls.__name__}: {capability} without {method}"
@@ -53,8 +59,11 @@ def test_a_class_that_states_nothing_is_refused():
 def test_config_values():
     """Token ids and encoder stages come from the checkpoint's config; the statement leaves them at their defaults."""
     qwen2_vl, qwen3_vl = AutoConfig.for_model("qwen2_vl"), AutoConfig.for_model("qwen3_vl")
-    gemma3, llava, audio = AutoConfig.for_model("gemma3"), AutoConfig.for_model("llava"), \
-        AutoConfig.for_model("qwen2_audio")
+    gemma3, llava, audio = (
+        AutoConfig.for_model("gemma3"),
+        AutoConfig.for_model("llava"),
+        AutoConfig.for_model("qwen2_audio"),
+    )
     classes = registered_classes()
     caps = model_capabilities(classes["Qwen2VLForConditionalGeneration"], qwen2_vl)
     depth = qwen2_vl.vision_config.depth
@@ -66,8 +75,7 @@ def test_config_values():
     caps = model_capabilities(classes["Gemma3ForConditionalGeneration"], gemma3)
     assert caps.image_token_id == gemma3.boi_token_index and caps.bidirectional_token_id == gemma3.image_token_index
     assert caps.unsplit_mm_items
-    assert model_capabilities(classes["LlavaForConditionalGeneration"], llava).image_token_id == \
-        llava.image_token_index
+    assert model_capabilities(classes["LlavaForConditionalGeneration"], llava).image_token_id == llava.image_token_index
     assert model_capabilities(classes["Qwen2AudioForConditionalGeneration"], audio).image_token_id is None
     text = model_capabilities(classes["LlamaForCausalLM"], AutoConfig.for_model("llama"))
     assert text == stated_capabilities(classes["LlamaForCausalLM"])
@@ -80,12 +88,20 @@ def test_gemma3_config_without_its_image_tokens_is_refused():
         model_capabilities(cls, SimpleNamespace(image_token_index=5))
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"unsplit_mm_items": True}, {"encoder_lora": True}, {"mm_encoder_only": True}, {"image_token_id": 3},
-    {"bidirectional_token_id": 3}, {"pipeline_parallel": True, "pipeline_parallel_refusal": "why"},
-    {"lora_targets": ("q_proj",)}, {"modalities": ("image",), "encoder_stage_counts": {"video": 4}},
-    {"modalities": ("image",), "encoder_stage_counts": {"image": 0}},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"unsplit_mm_items": True},
+        {"encoder_lora": True},
+        {"mm_encoder_only": True},
+        {"image_token_id": 3},
+        {"bidirectional_token_id": 3},
+        {"pipeline_parallel": True, "pipeline_parallel_refusal": "why"},
+        {"lora_targets": ("q_proj",)},
+        {"modalities": ("image",), "encoder_stage_counts": {"video": 4}},
+        {"modalities": ("image",), "encoder_stage_counts": {"image": 0}},
+    ],
+)
 def test_inconsistent_statements_are_refused(kwargs):
     with pytest.raises(ValueError, match="inconsistent ModelCapabilities"):
         ModelCapabilities(**kwargs)
@@ -93,16 +109,30 @@ def test_inconsistent_statements_are_refused(kwargs):
 
 # ---- no probing outside vlserve/models -------------------------------------------------------------------------------
 
-SKIPPED_DIRS = {"models",  # the contract and the classes that state it
-                "testing", "bench"}  # test and benchmark support: they drive transformers' own models
+SKIPPED_DIRS = {
+    "models",  # the contract and the classes that state it
+    "testing",
+    "bench",
+}  # test and benchmark support: they drive transformers' own models
 # (file, attribute) probes of transformers' models, not ours
 ALLOWED = {("training/audio_build.py", "model")}  # Qwen2-Audio nests its tower under `.model` in 5.x, not in 4.x
 MODEL_NAMES = {"model", "model_cls", "cls", "draft", "target", "draft_model", "target_model"}
 # What a model class states or implements; `image_token_id` is left out: HF processors have one too.
 CONTRACT_NAMES = ({f.name for f in fields(ModelCapabilities)} - {"image_token_id"}) | {
-    "capabilities", "capabilities_for", "multimodal", "supported_modalities", "encoder_parts", "keep_encoder_parts",
-    "keep_stage_parts", "checkpoint_shard", "encoder_linear_name", "embed_multimodal", "begin_encode_stages",
-    "lm_head", "uses_mrope"}
+    "capabilities",
+    "capabilities_for",
+    "multimodal",
+    "supported_modalities",
+    "encoder_parts",
+    "keep_encoder_parts",
+    "keep_stage_parts",
+    "checkpoint_shard",
+    "encoder_linear_name",
+    "embed_multimodal",
+    "begin_encode_stages",
+    "lm_head",
+    "uses_mrope",
+}
 
 
 def _object_name(node: ast.expr) -> str | None:
@@ -121,8 +151,12 @@ def model_probes(source: str) -> list[tuple[int, str]]:
     attribute on anything."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+        ):
             continue
         target, attr = node.args[0], node.args[1]
         name = attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str) else "?"
@@ -153,8 +187,11 @@ def test_no_module_outside_models_probes_a_model():
         rel = path.relative_to(PKG_ROOT)
         if rel.parts[0] in SKIPPED_DIRS:
             continue
-        probes += [f"vlserve/{rel}:{line} ({attr})" for line, attr in model_probes(path.read_text())
-                   if (rel.as_posix(), attr) not in ALLOWED]
+        probes += [
+            f"vlserve/{rel}:{line} ({attr})"
+            for line, attr in model_probes(path.read_text())
+            if (rel.as_posix(), attr) not in ALLOWED
+        ]
     assert not probes, "read the model's ModelCapabilities (vlserve.models.capabilities) instead: " + ", ".join(probes)
 
 
@@ -170,8 +207,15 @@ def test_lora_wraps_only_the_stated_targets():
     class NoLoRA(LlamaForCausalLM):
         capabilities = ModelCapabilities()
 
-    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
     with torch.device("meta"):
         attention_only, no_lora = AttentionLoRA(config), NoLoRA(config)
     manager = LoRAModelManager(attention_only, max_loras=1, max_lora_rank=4)

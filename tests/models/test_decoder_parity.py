@@ -1,4 +1,5 @@
 """Logit parity of vlserve's Llama/Qwen2/Qwen3 against HF transformers over a paged KV cache (float32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,10 @@ def hf_logits(ref, ids: list[int]) -> torch.Tensor:
 
 def test_config_flags(ckpt):
     arch, _, cfg, ours, _ = ckpt
-    assert cfg.architectures[0] == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                    "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (
+        cfg.architectures[0]
+        == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    )
     tied = ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
     assert tied == ARCHS[arch]["tie_word_embeddings"]
     attn = ours.model.layers[0].self_attn
@@ -81,10 +84,10 @@ def test_chunked_prefill_and_mixed_batches(ckpt, paged_runner, prompts):
     torch.testing.assert_close(out["a"], full_a[:7], atol=ATOL, rtol=RTOL)
     out = runner.step([("b", b), ("a", a[7:20])])  # two prefills, one over a cached prefix
     torch.testing.assert_close(out["a"], full_a[7:20], atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out["b"], full_b[:len(b)], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out["b"], full_b[: len(b)], atol=ATOL, rtol=RTOL)
     out = runner.step([("a", a[20:]), ("b", [7]), ("c", c)])  # decode b + prefill chunk a + new prefill c
-    torch.testing.assert_close(out["a"], full_a[20:len(a)], atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out["b"], full_b[len(b):], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out["a"], full_a[20 : len(a)], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out["b"], full_b[len(b) :], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out["c"], full_c, atol=ATOL, rtol=RTOL)
     out = runner.step([("a", [5])])
     out = runner.step([("a", [6])])

@@ -2,6 +2,7 @@
 layer) served with block size 4, so its sliding layers hand back blocks as a sequence runs past the window; greedy
 tokens equal HF's through chunked prefill, prefix hits and preemption, and the same KV bytes hold a prompt the plain
 layout refuses."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,14 @@ def test_greedy_equals_hf_across_chunks_prefix_hits_and_preemption(model_dir, pr
     assert llm.engine.scheduler.kv.prefix_hits > hits_before
     llm.engine.scheduler.check_integrity()
     # a pool too small for all three at once: requests are preempted and recomputed
-    small = LLM(model_dir, dtype="float32", block_size=BS, num_kv_blocks=48, max_num_batched_tokens=16,
-                enable_prefix_caching=False)
+    small = LLM(
+        model_dir,
+        dtype="float32",
+        block_size=BS,
+        num_kv_blocks=48,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     assert _generate(small, prompts) == hf_greedy
     assert small.engine.scheduler.stats.num_preemptions > 0
     small.engine.scheduler.check_integrity()
@@ -87,12 +94,16 @@ def test_the_same_bytes_hold_a_prompt_the_plain_layout_refuses(model_dir, tmp_pa
     cfg_bytes = LLM(model_dir, dtype="float32", block_size=BS, num_kv_blocks=8).engine.runner.bytes_per_block()
     budget = 4 * cfg_bytes * 16  # 16 blocks of the plain layout (4 layer pages each): 64 tokens
     prompt = list(range(3, 103))  # 100 tokens
-    full = LLM(_without_window(model_dir, str(tmp_path / "plain")), dtype="float32", block_size=BS,
-               kv_cache_memory_bytes=budget, max_num_batched_tokens=16)
+    full = LLM(
+        _without_window(model_dir, str(tmp_path / "plain")),
+        dtype="float32",
+        block_size=BS,
+        kv_cache_memory_bytes=budget,
+        max_num_batched_tokens=16,
+    )
     with pytest.raises(ValueError, match="KV cache holds only"):
         full.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4), use_tqdm=False)
     hybrid = LLM(model_dir, dtype="float32", block_size=BS, kv_cache_memory_bytes=budget, max_num_batched_tokens=16)
-    out = hybrid.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, ignore_eos=True),
-                          use_tqdm=False)
+    out = hybrid.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     hybrid.engine.scheduler.check_integrity()

@@ -1,6 +1,7 @@
 """Gemma 3's text decoder (`Gemma3ForCausalLM`) against HF transformers: a tiny random model with 3 sliding layers
 (window 8) and a full one whose RoPE is linearly scaled, logits over a paged KV cache and greedy tokens through
 vlserve.LLM (whole and chunked prefill, tensor parallel); breaking any one Gemma specific makes the logits differ."""
+
 from __future__ import annotations
 
 import json
@@ -134,7 +135,7 @@ def _break(name: str, model, monkeypatch) -> None:
         monkeypatch.setattr(dec.embed_tokens, "rounded_scale", 1.0)
     elif name == "attn_scale":  # head_dim ** -0.5 instead of query_pre_attn_scalar ** -0.5
         for layer in dec.layers:
-            monkeypatch.setattr(layer.self_attn, "scale", layer.self_attn.head_dim ** -0.5)
+            monkeypatch.setattr(layer.self_attn, "scale", layer.self_attn.head_dim**-0.5)
     elif name == "local_rope":  # the sliding layers take the global table
         for layer in dec.layers:
             monkeypatch.setattr(layer.self_attn, "rotary", [dec.rotary_emb["full_attention"]])
@@ -169,7 +170,7 @@ def test_embedding_scale_is_rounded_to_the_model_dtype():
     assert emb.rounded_scale == 55.5  # sqrt(3072) = 55.43 in bfloat16, as HF scales
     emb.float()
     emb.init_buffers()
-    assert emb.rounded_scale == pytest.approx(3072 ** 0.5)
+    assert emb.rounded_scale == pytest.approx(3072**0.5)
 
 
 @pytest.mark.parametrize("bad", [{"attn_logit_softcapping": 50.0}, {"use_bidirectional_attention": True}])

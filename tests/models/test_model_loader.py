@@ -1,4 +1,5 @@
 """Loader and registry behaviour: sharded checkpoints, dtypes, tied weights, clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def test_sharded_checkpoint_matches_single_file(qwen2_dir, tmp_path, paged_runne
     cfg = AutoConfig.from_pretrained(qwen2_dir)
     single = load_model(qwen2_dir, cfg, torch.float32, "cpu")
     sharded = load_model(str(tmp_path), cfg, torch.float32, "cpu")
-    torch.testing.assert_close(_logits(sharded, cfg, paged_runner, prompts[1]),
-                               _logits(single, cfg, paged_runner, prompts[1]), atol=0, rtol=0)
+    torch.testing.assert_close(
+        _logits(sharded, cfg, paged_runner, prompts[1]), _logits(single, cfg, paged_runner, prompts[1]), atol=0, rtol=0
+    )
 
     shard = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))[-1]
     os.remove(tmp_path / shard)
@@ -131,8 +133,9 @@ def test_registry():
     assert get_model_class(cfg) is LlamaForCausalLM
     cfg.architectures = ["Qwen2ForCausalLM"]
     assert get_model_class(cfg) is Qwen2ForCausalLM
-    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-            "Qwen2VLForConditionalGeneration"} <= set(supported_architectures())
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration"} <= set(
+        supported_architectures()
+    )
 
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
@@ -167,12 +170,15 @@ def test_kv_cache_spec():
 
     from vlserve.models import kv_cache_spec
 
-    cfg = AutoConfig.for_model("qwen3", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                               hidden_size=64, head_dim=32)
+    cfg = AutoConfig.for_model(
+        "qwen3", num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, hidden_size=64, head_dim=32
+    )
     assert kv_cache_spec(cfg) == (3, 2, 32)
-    cfg = AutoConfig.for_model("llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=None,
-                               hidden_size=64)
+    cfg = AutoConfig.for_model(
+        "llama", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=None, hidden_size=64
+    )
     assert kv_cache_spec(cfg) == (2, 4, 16)
-    vl = Qwen2VLConfig(text_config=dict(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
-                                        hidden_size=64))
+    vl = Qwen2VLConfig(
+        text_config=dict(num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    )
     assert kv_cache_spec(vl) == (5, 2, 16)

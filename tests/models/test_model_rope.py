@@ -1,4 +1,5 @@
 """RoPE scaling parity (llama3, linear, dynamic, yarn) and Qwen2-VL M-RoPE parity of the reusable decoder."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,13 @@ pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-h
 
 ATOL = RTOL = 1e-4
 SCALINGS = {
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "linear": {"rope_type": "linear", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},  # HF rescales only past max_position_embeddings
@@ -55,17 +61,23 @@ def _unscaled(cfg):
 
     from vlserve.models.hf_config import rope_params_of
 
-    return SimpleNamespace(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                           max_position_embeddings=cfg.max_position_embeddings,
-                           rope_theta=rope_params_of(cfg).theta)
+    return SimpleNamespace(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=rope_params_of(cfg).theta,
+    )
 
 
 def test_unsupported_rope_type_raises(tmp_path):
     d = build_text_checkpoint(str(tmp_path), "llama")
     cfg = AutoConfig.from_pretrained(d)
     cfg.rope_parameters = cfg.rope_scaling = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(ValueError, match=r"rope type 'longrope' is not supported; supported: default, linear, "
-                                         r"dynamic, llama3, yarn"):
+    with pytest.raises(
+        ValueError,
+        match=r"rope type 'longrope' is not supported; supported: default, linear, "
+        r"dynamic, llama3, yarn",
+    ):
         load_model(d, cfg, torch.float32, "cpu")
 
 
@@ -103,9 +115,17 @@ def test_mrope_decoder_matches_hf_qwen2vl_text_model(paged_runner):
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel
 
-    cfg = Qwen2VLTextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, initializer_range=0.2)
+    cfg = Qwen2VLTextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        initializer_range=0.2,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     ref = Qwen2VLTextModel(cfg).eval()
@@ -141,8 +161,13 @@ def test_mrope_decoder_matches_hf_qwen2vl_text_model(paged_runner):
 def test_mrope_with_equal_axes_equals_1d_rope():
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 
-    cfg = Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, max_position_embeddings=64)
+    cfg = Qwen2VLTextConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        max_position_embeddings=64,
+    )
     rot = RotaryEmbedding(cfg)
     q, k = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
     pos = torch.arange(3, 13)

@@ -1,6 +1,7 @@
 """A pipeline stage's model, loaded in this process (the stage set by hand, no process group needed): it builds only
 its layers (the embeddings on the first stage, the final norm and LM head on the last), reads only their checkpoint
 tensors, and they equal the whole model's."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -17,8 +18,15 @@ from vlserve.models import loader
 def ckpts(tmp_path_factory):
     from vlserve.demo.checkpoints import build_text_checkpoint
 
-    return {tied: build_text_checkpoint(str(tmp_path_factory.mktemp(f"pp{tied}")), arch="qwen2" if tied else "llama",
-                                        num_layers=4, tie_word_embeddings=tied) for tied in (True, False)}
+    return {
+        tied: build_text_checkpoint(
+            str(tmp_path_factory.mktemp(f"pp{tied}")),
+            arch="qwen2" if tied else "llama",
+            num_layers=4,
+            tie_word_embeddings=tied,
+        )
+        for tied in (True, False)
+    }
 
 
 def _load(model_dir, monkeypatch, stage=None, num_stages=2):
@@ -48,8 +56,15 @@ def load_two_stages(model_dir, monkeypatch) -> SimpleNamespace:
     full, _ = _load(model_dir, monkeypatch)
     first, read0 = _load(model_dir, monkeypatch, stage=0)
     last, read1 = _load(model_dir, monkeypatch, stage=1)
-    return SimpleNamespace(whole=dict(full.named_parameters()), first=first, last=last, read0=read0, read1=read1,
-                           p0=dict(first.named_parameters()), p1=dict(last.named_parameters()))
+    return SimpleNamespace(
+        whole=dict(full.named_parameters()),
+        first=first,
+        last=last,
+        read0=read0,
+        read1=read1,
+        p0=dict(first.named_parameters()),
+        p1=dict(last.named_parameters()),
+    )
 
 
 def assert_stage_params_are_the_models(stages: SimpleNamespace, embed_name: str, tied: bool) -> None:

@@ -2,6 +2,7 @@
 test_pipeline_stage_load.py): the encoder parts (tower, projector, LLaVA-NeXT's image_newline) only on the first stage,
 nothing of them read by the others; the decoder split as for the text models, with the LM head on the last stage
 (read from the embeddings when tied); Qwen3-VL and Gemma 3 refused with their reason."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,8 +12,16 @@ import pytest
 from tests.models.test_pipeline_stage_load import assert_stage_params_are_the_models, load_two_stages
 from vlserve.models.llama import AbsentOnStage
 
-ENCODER_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-                    "model.multi_modal_projector.", "image_newline", "model.image_newline")
+ENCODER_PREFIXES = (
+    "visual.",
+    "model.visual.",
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+    "image_newline",
+    "model.image_newline",
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +30,10 @@ def vl_ckpts(tmp_path_factory):
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
     root = tmp_path_factory.mktemp("pp_vl")
-    return {"qwen2_vl_tied": build_qwen2_vl_checkpoint(str(root / "q"), num_layers=4, tie_word_embeddings=True),
-            "llava_next": build_llava_checkpoint(str(root / "n"), variant="llava_next", num_layers=4)}
+    return {
+        "qwen2_vl_tied": build_qwen2_vl_checkpoint(str(root / "q"), num_layers=4, tie_word_embeddings=True),
+        "llava_next": build_llava_checkpoint(str(root / "n"), variant="llava_next", num_layers=4),
+    }
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl_tied", "llava_next"])

@@ -8,6 +8,7 @@ the greedy references the formats' own libraries computed (`reference.json`, flo
 - the Qwen2-VL fixtures' image prompt, through `LLM.generate`: the reference's greedy tokens, up to its first
   near-tie.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,7 @@ def test_text_prompts_match_the_format_library(name, capsys):
             continue
         runner = PagedRunner(model, cfg)
         ids = prompt["prompt_token_ids"] + want["output_token_ids"][:-1]
-        logits = runner.step([("a", ids)])["a"][len(prompt["prompt_token_ids"]) - 1:]  # [16, V]
+        logits = runner.step([("a", ids)])["a"][len(prompt["prompt_token_ids"]) - 1 :]  # [16, V]
         logprobs = logits.log_softmax(-1)
         for step, tok in enumerate(want["output_token_ids"]):
             ours = int(logits[step].argmax())
@@ -78,12 +79,14 @@ def test_image_prompt_matches_through_llm(name):
     want = ref["results"][ref["primary"]][ref["prompts"].index(prompt)]
     image = Image.open(os.path.join(ROOT, name, prompt["image"]["file"])).convert("RGB")
     llm = LLM(os.path.join(ROOT, name), dtype="float32", num_kv_blocks=64)
-    out = llm.generate({"prompt": prompt["text"], "multi_modal_data": {"image": image}},
-                       SamplingParams(max_tokens=len(want["output_token_ids"]), temperature=0, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt": prompt["text"], "multi_modal_data": {"image": image}},
+        SamplingParams(max_tokens=len(want["output_token_ids"]), temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert list(out.prompt_token_ids) == prompt["prompt_token_ids"]
     got = list(out.outputs[0].token_ids)
     certain = next((s for s, m in enumerate(want["top2_margins"]) if m <= MARGIN), len(got))
     if _activation_quantized(ref):
         certain = min(certain, 4)  # fake-quantized activations: the first tokens only
-    assert got[:certain + 1] == want["output_token_ids"][:certain + 1]
+    assert got[: certain + 1] == want["output_token_ids"][: certain + 1]

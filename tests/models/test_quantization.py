@@ -10,6 +10,7 @@
   leave greedy output unchanged;
 - bad checkpoints and requests are ValueErrors that name the method or the tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,30 @@ from vlserve.models import load_model
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 600, 2, 8, 31]]
 DECODES = [13, 688]
-WEIGHT_ONLY = ["ct-w4a16", "ct-w4a16-asym", "ct-w4a16-actorder", "ct-w4a16-channel", "ct-w8a16", "gptq-4",
-               "gptq-8", "gptq-4-actorder", "awq"]
+WEIGHT_ONLY = [
+    "ct-w4a16",
+    "ct-w4a16-asym",
+    "ct-w4a16-actorder",
+    "ct-w4a16-channel",
+    "ct-w8a16",
+    "gptq-4",
+    "gptq-8",
+    "gptq-4-actorder",
+    "awq",
+]
 HF_LOADS = ["ct-w4a16", "ct-w4a16-channel", "ct-w8a16", "ct-fp8", "ct-fp8-tensor", "ct-fp8-block"]
 
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    return build_text_checkpoint(str(tmp_path_factory.mktemp("qbase")), arch="qwen2", hidden_size=128,
-                                 intermediate_size=256, num_layers=2, tie_word_embeddings=False)
+    return build_text_checkpoint(
+        str(tmp_path_factory.mktemp("qbase")),
+        arch="qwen2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +64,12 @@ def quantized(base_dir, tmp_path_factory):
     def get(scheme: str) -> tuple[str, str]:
         if scheme not in made:
             root = tmp_path_factory.mktemp(scheme)
-            made[scheme] = (quantize_checkpoint(base_dir, str(root / "q"), scheme, dequantized_dst=str(root / "f")),
-                            str(root / "f"))
+            made[scheme] = (
+                quantize_checkpoint(base_dir, str(root / "q"), scheme, dequantized_dst=str(root / "f")),
+                str(root / "f"),
+            )
         return made[scheme]
+
     return get
 
 
@@ -114,10 +133,11 @@ def test_llm_greedy_equals_transformers_generate(quantized, scheme):
     qdir, fdir = quantized(scheme)
     hf = AutoModelForCausalLM.from_pretrained(fdir, dtype=torch.float32)
     llm = LLM(qdir, dtype="float32", num_kv_blocks=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
     for prompt, out in zip(PROMPTS, outs):
-        want = hf_greedy_ignoring_eos(hf, {"input_ids": torch.tensor([prompt])}, 12)[0, len(prompt):].tolist()
+        want = hf_greedy_ignoring_eos(hf, {"input_ids": torch.tensor([prompt])}, 12)[0, len(prompt) :].tolist()
         assert list(out.outputs[0].token_ids) == want
 
 
@@ -128,8 +148,9 @@ def test_prefix_cache_and_ngram_drafts_leave_output_unchanged(quantized):
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]}, {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     plain = LLM(qdir, dtype="float32", num_kv_blocks=64, enable_prefix_caching=False).generate(prompts, params)
-    spec = LLM(qdir, dtype="float32", num_kv_blocks=64,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3}).generate(prompts * 2, params)
+    spec = LLM(
+        qdir, dtype="float32", num_kv_blocks=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+    ).generate(prompts * 2, params)
     want = [list(o.outputs[0].token_ids) for o in plain]
     assert [list(o.outputs[0].token_ids) for o in spec] == want * 2
 
@@ -145,8 +166,12 @@ def test_eagle_head_stays_float_on_a_quantized_target(quantized, tmp_path):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = LLM(qdir, dtype="float32", num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
-    spec = LLM(qdir, dtype="float32", num_kv_blocks=64,
-               speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": head})
+    spec = LLM(
+        qdir,
+        dtype="float32",
+        num_kv_blocks=64,
+        speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": head},
+    )
     got = spec.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
 
@@ -166,8 +191,9 @@ def test_two_ranks_match_unsharded(quantized):
             for got_step, want_step in zip(rank[name]["logits"], want, strict=True):
                 for seq in want_step:
                     if name in exact:
-                        torch.testing.assert_close(got_step[seq], want_step[seq], atol=1e-4, rtol=1e-4,
-                                                   msg=lambda m, name=name: f"{name}: {m}")
+                        torch.testing.assert_close(
+                            got_step[seq], want_step[seq], atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+                        )
                     agree += int((got_step[seq].argmax(-1) == want_step[seq].argmax(-1)).sum())
                     total += got_step[seq].shape[0]
         assert agree / total >= (1.0 if name in exact else 0.85), f"{name}: top-1 {agree}/{total}"
@@ -177,8 +203,9 @@ def test_quantized_qwen2_vl_runs_an_image(tmp_path):
     """A Qwen2-VL whose language model is W4A16: the image prefill and decodes equal the dequantized model's."""
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
-    base = build_qwen2_vl_checkpoint(str(tmp_path / "vl"), hidden_size=128, intermediate_size=256,
-                                     mrope_section=(4, 6, 6))
+    base = build_qwen2_vl_checkpoint(
+        str(tmp_path / "vl"), hidden_size=128, intermediate_size=256, mrope_section=(4, 6, 6)
+    )
     qdir = quantize_checkpoint(base, str(tmp_path / "q"), "gptq-4", dequantized_dst=str(tmp_path / "f"))
     got = paged_step_logits(qdir, PROMPTS, DECODES, image=True)["logits"]
     want = paged_step_logits(str(tmp_path / "f"), PROMPTS, DECODES, image=True)["logits"]
@@ -195,12 +222,13 @@ def test_other_families_load_quantized_language_models(tmp_path, family):
     model's."""
     if family == "qwen2_audio":
         from tests.support.audio_checkpoints import build_qwen2_audio_checkpoint
+
         base = build_qwen2_audio_checkpoint(str(tmp_path / "b"))
     else:
         from vlserve.demo.llava_checkpoints import build_llava_checkpoint
+
         base = build_llava_checkpoint(str(tmp_path / "b"), variant=family)
-    qdir = quantize_checkpoint(base, str(tmp_path / "q"), "gptq-4", group_size=32,
-                               dequantized_dst=str(tmp_path / "f"))
+    qdir = quantize_checkpoint(base, str(tmp_path / "q"), "gptq-4", group_size=32, dequantized_dst=str(tmp_path / "f"))
     model = _load(qdir)
     assert sum(getattr(m, "quant_scheme", None) is not None for m in model.modules()) == 2 * 4  # 2 layers x 4
     got = paged_step_logits(qdir, PROMPTS, DECODES)["logits"]
@@ -211,6 +239,7 @@ def test_other_families_load_quantized_language_models(tmp_path, family):
 
 
 # ------------------------------------------------------------------------------------------------- bad input
+
 
 def _edit_config(model_dir: str, fn) -> None:
     path = os.path.join(model_dir, "config.json")
@@ -250,14 +279,23 @@ def test_unquantized_checkpoint_with_quantization_flag(base_dir):
         _load(base_dir, "gptq")
 
 
-@pytest.mark.parametrize("scheme,edit,match", [
-    ("gptq-4", lambda t: t.pop("model.layers.0.self_attn.q_proj.scales"), "missing .*q_proj.scales"),
-    ("gptq-4", lambda t: t.update({"model.layers.1.mlp.down_proj.qzeros": torch.zeros(3, 16, dtype=torch.int32)}),
-     "down_proj.qzeros.* has shape"),
-    ("ct-w4a16", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(256, 3)}),
-     "up_proj.weight_scale.* has shape"),
-    ("awq", lambda t: t.pop("model.layers.0.self_attn.o_proj.qzeros"), "missing .*o_proj.qzeros"),
-])
+@pytest.mark.parametrize(
+    "scheme,edit,match",
+    [
+        ("gptq-4", lambda t: t.pop("model.layers.0.self_attn.q_proj.scales"), "missing .*q_proj.scales"),
+        (
+            "gptq-4",
+            lambda t: t.update({"model.layers.1.mlp.down_proj.qzeros": torch.zeros(3, 16, dtype=torch.int32)}),
+            "down_proj.qzeros.* has shape",
+        ),
+        (
+            "ct-w4a16",
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(256, 3)}),
+            "up_proj.weight_scale.* has shape",
+        ),
+        ("awq", lambda t: t.pop("model.layers.0.self_attn.o_proj.qzeros"), "missing .*o_proj.qzeros"),
+    ],
+)
 def test_missing_or_misshaped_tensor_names_it(quantized, tmp_path, scheme, edit, match):
     import shutil
 
@@ -292,6 +330,7 @@ def test_quantized_lm_head_is_refused_by_name(quantized, tmp_path):
 
     def quantize_head(t):
         t["lm_head.qweight"] = torch.zeros(16, 689, dtype=torch.int32)
+
     _edit_tensors(qdir, quantize_head)
     with pytest.raises(ValueError, match="runs unquantized only .*'lm_head'"):
         _load(qdir)
@@ -302,5 +341,8 @@ def test_tensor_parallel_split_off_a_group_boundary_is_a_value_error(base_dir, t
     from tests.models.test_tensor_parallel import fake_rank
 
     qdir = quantize_checkpoint(base_dir, str(tmp_path / "q"), "gptq-4", group_size=128)
-    with fake_rank(0, 2), pytest.raises(ValueError, match="o_proj: gptq group_size: .*input size 64 is not divisible by 128"):
+    with (
+        fake_rank(0, 2),
+        pytest.raises(ValueError, match="o_proj: gptq group_size: .*input size 64 is not divisible by 128"),
+    ):
         _load(qdir)

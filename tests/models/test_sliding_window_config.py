@@ -1,4 +1,5 @@
 """`hf_config.sliding_window_of`: which decoder layers slide, decided as HF's Mistral, Qwen2 and Qwen3 decide it."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -25,7 +26,11 @@ def test_mistral_slides_every_layer_even_with_layer_types():
 def test_layer_types_pick_the_sliding_layers():
     types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     assert _windows(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=types) == [
-        16, None, 16, None]
+        16,
+        None,
+        16,
+        None,
+    ]
 
 
 def test_use_sliding_window_false_or_no_window_turns_it_off():
@@ -36,7 +41,11 @@ def test_use_sliding_window_false_or_no_window_turns_it_off():
 
 def test_max_window_layers_without_layer_types():  # older Qwen2/Qwen3 configs: layers >= max_window_layers slide
     assert _windows(model_type="qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=2) == [
-        None, None, 32, 32]
+        None,
+        None,
+        32,
+        32,
+    ]
 
 
 def test_hf_configs_agree():

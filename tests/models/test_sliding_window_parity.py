@@ -1,6 +1,7 @@
 """Sliding-window layers against HF generate: a tiny random Mistral (every layer slides) and a Qwen2 whose
 `layer_types` mix sliding and full layers, greedy through vlserve.LLM token for token (whole and chunked prefill);
 the same models without their window give other tokens, so the window is what makes them agree."""
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,29 @@ from vlserve.models.hf_config import sliding_window_of
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
 MAX_NEW = 16
-COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              initializer_range=0.2, max_position_embeddings=512, tie_word_embeddings=False)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 MODELS = {
     # window 8: inside one 16-slot cache block
     "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=8)),
     # window 20: spans blocks; layers 0 and 2 full, 1 sliding
-    "qwen2": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=20,
-                                  max_window_layers=0,
-                                  layer_types=["full_attention", "sliding_attention", "full_attention"])),
+    "qwen2": (
+        "Qwen2Config",
+        dict(
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=20,
+            max_window_layers=0,
+            layer_types=["full_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
 }
 
 
@@ -38,8 +53,14 @@ def _build(out_dir: str, name: str, seed: int = 0) -> str:
 
     tok = _tokenizer()
     cls_name, kw = MODELS[name]
-    config = getattr(transformers, cls_name)(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                                             pad_token_id=tok.pad_token_id, bos_token_id=None, **COMMON, **kw)
+    config = getattr(transformers, cls_name)(
+        vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        **COMMON,
+        **kw,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -2,6 +2,7 @@
 `load_model`, run paged prefill + decode steps, and must give the unsharded model's logits; each rank reads only its
 slices of the sharded tensors. Sizes checks, replicated towers and the EAGLE refusal run in-process with a faked
 rank (building modules and loading issue no collective)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,11 @@ DECODES = [13, 688]
 # (arch, Hq, Hkv, tied): kv heads split / replicated, qkv bias (qwen2), q/k norm (qwen3) with q/k/v/o biases
 # (attention_bias: o_proj's bias is added once after the all-reduce), tied and untied lm_head.
 # The test tokenizer's vocab (689) is odd, so the vocab is padded to 690 over 2 ranks.
-TEXT_CASES = {"llama_gqa_untied": ("llama", 4, 2, False), "qwen2_mqa_tied": ("qwen2", 4, 1, True),
-              "qwen3_qknorm_untied": ("qwen3", 4, 2, False)}
+TEXT_CASES = {
+    "llama_gqa_untied": ("llama", 4, 2, False),
+    "qwen2_mqa_tied": ("qwen2", 4, 1, True),
+    "qwen3_qknorm_untied": ("qwen3", 4, 2, False),
+}
 
 
 @contextlib.contextmanager
@@ -40,10 +44,17 @@ def fake_rank(rank: int, world_size: int):
 
 @pytest.fixture(scope="module")
 def text_dirs(tmp_path_factory):
-    return {name: build_text_checkpoint(str(tmp_path_factory.mktemp(name)), arch=arch, num_heads=hq,
-                                        num_kv_heads=hkv, tie_word_embeddings=tied,
-                                        attention_bias=arch == "qwen3")
-            for name, (arch, hq, hkv, tied) in TEXT_CASES.items()}
+    return {
+        name: build_text_checkpoint(
+            str(tmp_path_factory.mktemp(name)),
+            arch=arch,
+            num_heads=hq,
+            num_kv_heads=hkv,
+            tie_word_embeddings=tied,
+            attention_bias=arch == "qwen3",
+        )
+        for name, (arch, hq, hkv, tied) in TEXT_CASES.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +113,8 @@ def _check_reads(name: str, model_dir: str, reads: list[dict]) -> None:
             else:
                 raise AssertionError(f"unclassified checkpoint tensor {n}")
     assert sum(sum(torch.Size(s).numel() for s in r.values()) for r in reads) < 2 * sum(
-        torch.Size(s).numel() for s in full.values())
+        torch.Size(s).numel() for s in full.values()
+    )
 
 
 @pytest.mark.slow
@@ -119,6 +131,7 @@ def test_compiled_decoder_two_ranks_match_unsharded(tmp_path):
 
 
 # ---- in-process checks with a faked rank ----------------------------------------------------------------------
+
 
 def test_unsharded_names_and_shapes_unchanged(text_dirs):
     model_dir = text_dirs["llama_gqa_untied"]
@@ -141,13 +154,13 @@ def test_replicated_kv_head_follows_the_rank(text_dirs):
             part = load_model(model_dir, cfg, torch.float32, "cpu")
         qkv, full_qkv = part.model.layers[0].self_attn.qkv_proj, whole.model.layers[0].self_attn.qkv_proj
         assert (qkv.num_heads, qkv.num_kv_heads) == (2, 1)
-        torch.testing.assert_close(qkv.weight[:32], full_qkv.weight[rank * 32:(rank + 1) * 32])
+        torch.testing.assert_close(qkv.weight[:32], full_qkv.weight[rank * 32 : (rank + 1) * 32])
         torch.testing.assert_close(qkv.weight[32:], full_qkv.weight[64:])  # k and v of the one kv head
         torch.testing.assert_close(qkv.bias[32:], full_qkv.bias[64:])
         emb = part.model.embed_tokens.weight
         assert emb.shape == (345, 64) and part.lm_head.weight is emb
         valid = 345 - rank
-        torch.testing.assert_close(emb[:valid], whole.model.embed_tokens.weight[rank * 345:rank * 345 + valid])
+        torch.testing.assert_close(emb[:valid], whole.model.embed_tokens.weight[rank * 345 : rank * 345 + valid])
         assert rank == 0 or not emb[344].any()  # the padding row of the last rank is zero
 
 
@@ -167,18 +180,27 @@ def test_towers_are_replicated_in_checkpoint_shard(tmp_path):
         assert model.checkpoint_shard("lm_head.weight") == (0, rows, cfg.text_config.vocab_size - rows)
 
 
-@pytest.mark.parametrize("heads, kv_heads, inter, match", [
-    (3, 1, 128, r"num_attention_heads \(3\) must be divisible by tensor_parallel_size \(2\)"),
-    (6, 3, 128, r"num_key_value_heads \(3\) must be a multiple or a divisor of tensor_parallel_size \(2\)"),
-    (4, 2, 129, r"intermediate_size \(129\) must be divisible by tensor_parallel_size \(2\)"),
-])
+@pytest.mark.parametrize(
+    "heads, kv_heads, inter, match",
+    [
+        (3, 1, 128, r"num_attention_heads \(3\) must be divisible by tensor_parallel_size \(2\)"),
+        (6, 3, 128, r"num_key_value_heads \(3\) must be a multiple or a divisor of tensor_parallel_size \(2\)"),
+        (4, 2, 129, r"intermediate_size \(129\) must be divisible by tensor_parallel_size \(2\)"),
+    ],
+)
 def test_unsplittable_sizes_are_value_errors(heads, kv_heads, inter, match):
     from transformers import LlamaConfig
 
     from vlserve.models.causal_lm import LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=48, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      intermediate_size=inter, num_hidden_layers=1, vocab_size=100)
+    cfg = LlamaConfig(
+        hidden_size=48,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        vocab_size=100,
+    )
     with fake_rank(0, 2), torch.device("meta"), pytest.raises(ValueError, match=match):
         LlamaForCausalLM(cfg)
 
@@ -196,8 +218,13 @@ def test_kv_cache_shapes_are_per_rank(text_dirs):
 
     gqa = AutoConfig.from_pretrained(text_dirs["llama_gqa_untied"])
     mqa = AutoConfig.from_pretrained(text_dirs["qwen2_mqa_tied"])
-    runner = ModelRunner(load_model(text_dirs["llama_gqa_untied"], gqa, "float32", "cpu"), gqa, torch.device("cpu"),
-                         torch.float32, block_size=4)
+    runner = ModelRunner(
+        load_model(text_dirs["llama_gqa_untied"], gqa, "float32", "cpu"),
+        gqa,
+        torch.device("cpu"),
+        torch.float32,
+        block_size=4,
+    )
     assert kv_cache_spec(gqa) == (2, 2, 16) and runner.kv_cache_shape(8) == (8, 4, 2, 16)
     whole_block = runner.bytes_per_block()
     with fake_rank(1, 2):

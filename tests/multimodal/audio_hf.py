@@ -1,5 +1,6 @@
 """HF reference for the audio tests: Qwen2AudioProcessor + Qwen2AudioForConditionalGeneration greedy generate on the
 waveforms vlserve decodes, and Qwen2-Audio chat prompts rendered with the checkpoint's template."""
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class HFAudioOracle:
         from tests.support.hf_generate import hf_greedy_ignoring_eos
 
         inputs = self.inputs(text, clips)
-        return hf_greedy_ignoring_eos(self.model, inputs, n)[0, inputs["input_ids"].shape[1]:].tolist()
+        return hf_greedy_ignoring_eos(self.model, inputs, n)[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def chat_text(tok, turns: list[tuple[str, int | str]]) -> str:

@@ -1,4 +1,5 @@
 """Audio generators for the audio tests: random-ish tones and PyAV-encoded files."""
+
 from __future__ import annotations
 
 import io
@@ -34,6 +35,7 @@ def encode_audio(samples: np.ndarray, sample_rate: int, name: str = "wav") -> by
     fmt, codec, forced_rate = AUDIO_CODECS[name]
     if forced_rate is not None and forced_rate != sample_rate:
         from vlserve.multimodal.audio import resample
+
         samples = np.stack([resample(ch, sample_rate, forced_rate) for ch in samples])
         sample_rate = forced_rate
     layout = "mono" if samples.shape[0] == 1 else "stereo"
@@ -43,8 +45,9 @@ def encode_audio(samples: np.ndarray, sample_rate: int, name: str = "wav") -> by
         frame_size = stream.codec_context.frame_size or 1024
         pcm = np.ascontiguousarray(samples, dtype=np.float32)
         for start in range(0, pcm.shape[1], frame_size):
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, start:start + frame_size]),
-                                               format="fltp", layout=layout)
+            frame = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(pcm[:, start : start + frame_size]), format="fltp", layout=layout
+            )
             frame.sample_rate = sample_rate
             for packet in stream.encode(frame):
                 out.mux(packet)

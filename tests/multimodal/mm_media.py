@@ -1,4 +1,5 @@
 """Media generators for the multimodal tests."""
+
 from __future__ import annotations
 
 import io
@@ -19,6 +20,7 @@ def rand_video(t: int, h: int, w: int, seed: int = 0) -> np.ndarray:
 def encode_video(frames: np.ndarray, fps: int = 10, codec: str = "mpeg4", fmt: str = "mp4") -> bytes:
     """Encode [T,H,W,3] uint8 frames into an in-memory video file with PyAV."""
     import av
+
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=fmt) as out:
         stream = out.add_stream(codec, rate=fps)

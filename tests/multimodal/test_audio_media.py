@@ -1,4 +1,5 @@
 """Audio loading: formats, mono mixdown, resampling, the placeholder count, and every bad-input case."""
+
 from __future__ import annotations
 
 import base64
@@ -46,17 +47,20 @@ def test_input_audio_part_becomes_a_data_url():
         input_audio_data_url({"format": "wav"})
 
 
-@pytest.mark.parametrize("source, message", [
-    (b"RIFF\x00\x00garbage that is not audio at all" * 4, "could not decode audio"),
-    (b"", "empty audio bytes"),
-    ("data:audio/wav;base64,", "empty audio data URL"),
-    ("data:image/png;base64,AAAA", "where audio data is expected"),
-    ((np.zeros(0, np.float32), 16000), "zero length"),
-    ((np.zeros(16000, np.float32), 0), "positive integer rate"),
-    ((np.full(100, np.nan, np.float32), 16000), "finite"),
-    (np.zeros(100, np.float32), "no sample rate"),
-    ((np.zeros(31 * 16000, np.float32), 16000), "over the 30 s limit"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (b"RIFF\x00\x00garbage that is not audio at all" * 4, "could not decode audio"),
+        (b"", "empty audio bytes"),
+        ("data:audio/wav;base64,", "empty audio data URL"),
+        ("data:image/png;base64,AAAA", "where audio data is expected"),
+        ((np.zeros(0, np.float32), 16000), "zero length"),
+        ((np.zeros(16000, np.float32), 0), "positive integer rate"),
+        ((np.full(100, np.nan, np.float32), 16000), "finite"),
+        (np.zeros(100, np.float32), "no sample rate"),
+        ((np.zeros(31 * 16000, np.float32), 16000), "over the 30 s limit"),
+    ],
+)
 def test_bad_audio_is_a_value_error(source, message):
     with pytest.raises(ValueError, match=message):
         load_audio(source, 16000)
@@ -71,6 +75,7 @@ def test_too_long_encoded_audio_stops_decoding():
 
 def test_video_without_audio_stream_is_refused():
     from tests.multimodal.mm_media import encode_video, rand_video
+
     with pytest.raises(ValueError, match="no audio stream"):
         load_audio(encode_video(rand_video(2, 32, 32)), 16000)
 

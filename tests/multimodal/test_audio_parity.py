@@ -1,5 +1,6 @@
 """Qwen2-Audio end to end: our encoder and greedy decoding against HF (both checkpoint layouts), through
 LLM.generate(audios=...), multi_modal_data dicts and LLM.chat; chunked prefill, preemption, the encoder cache."""
+
 from __future__ import annotations
 
 import base64
@@ -68,6 +69,7 @@ def test_encoder_embeddings_match_hf(audio_dir, oracle, llm):
     ids, feats = proc.process(oracle.processor.tokenizer(text)["input_ids"], audios=pair)
     assert ids == inputs["input_ids"][0].tolist()
     from vlserve.worker.encoder_runs import concat_mm_data
+
     model = llm.engine_loop.core.loaded.model
     ours = model.embed_multimodal("audio", concat_mm_data([f.data for f in feats]))
     assert ours.shape == hf_rows.shape and ours.shape[0] == 12 + 75  # 25 tokens a second
@@ -82,13 +84,17 @@ def test_generate_audios_and_dicts_match_hf(oracle, llm):
         ("44k stereo", chat_text(tok, [("user", (1, "What is this?"))]), [c["3s-44k-stereo"]]),
         ("30s", chat_text(tok, [("user", (1, "Describe the audio."))]), [c["30s"]]),
         ("two clips", chat_text(tok, [("user", (2, "Which is louder?"))]), [c["0.5s"], c["flac-44k-stereo"]]),
-        ("follow-up", chat_text(tok, [("user", (1, "What is it?")), ("assistant", "A beep."),
-                                      ("user", (0, "And how long?"))]), [c["3s-44k-stereo"]]),
+        (
+            "follow-up",
+            chat_text(tok, [("user", (1, "What is it?")), ("assistant", "A beep."), ("user", (0, "And how long?"))]),
+            [c["3s-44k-stereo"]],
+        ),
     ]
     expected = [oracle.greedy(text, cl) for _, text, cl in cases]
     via_audios = llm.generate([t for _, t, _ in cases], greedy(), audios=[cl for _, _, cl in cases], use_tqdm=False)
-    via_dicts = llm.generate([{"prompt": t, "multi_modal_data": {"audio": cl}} for _, t, cl in cases], greedy(),
-                             use_tqdm=False)
+    via_dicts = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"audio": cl}} for _, t, cl in cases], greedy(), use_tqdm=False
+    )
     for (name, _, _), exp, a, d in zip(cases, expected, via_audios, via_dicts):
         assert a.outputs[0].token_ids == exp, name
         assert d.outputs[0].token_ids == exp, name
@@ -100,29 +106,42 @@ def test_chat_with_input_audio_and_audio_url_parts(oracle, llm, tmp_path):
     wav = encode_audio(tones(1.5, 22050, channels=2, seed=5), 22050, "wav")
     path = tmp_path / "clip.mp3"
     path.write_bytes(encode_audio(tones(1.0, 16000, seed=6), 16000, "mp3"))
-    messages = [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
-        {"type": "audio_url", "audio_url": {"url": f"file://{path}"}},
-        {"type": "text", "text": "Two sounds?"}]},
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+                {"type": "audio_url", "audio_url": {"url": f"file://{path}"}},
+                {"type": "text", "text": "Two sounds?"},
+            ],
+        },
         {"role": "assistant", "content": "Yes."},
-        {"role": "user", "content": [{"type": "text", "text": "Are you sure?"}]}]
+        {"role": "user", "content": [{"type": "text", "text": "Are you sure?"}]},
+    ]
     out = llm.chat(messages, greedy(), use_tqdm=False)[0]
-    text = chat_text(llm.get_tokenizer(), [("user", (2, "Two sounds?")), ("assistant", "Yes."),
-                                           ("user", (0, "Are you sure?"))])
+    text = chat_text(
+        llm.get_tokenizer(), [("user", (2, "Two sounds?")), ("assistant", "Yes."), ("user", (0, "Are you sure?"))]
+    )
     assert out.outputs[0].token_ids == oracle.greedy(text, [wav, str(path)])
     del c
 
 
-@pytest.mark.parametrize("engine_kw", [
-    {"max_num_batched_tokens": 48},  # chunked prefill: windows stop inside the audio runs
-    {"num_kv_blocks": 16, "block_size": 16, "max_num_batched_tokens": 512},  # forced preemption
-], ids=["chunked", "preempt"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {"max_num_batched_tokens": 48},  # chunked prefill: windows stop inside the audio runs
+        {"num_kv_blocks": 16, "block_size": 16, "max_num_batched_tokens": 512},  # forced preemption
+    ],
+    ids=["chunked", "preempt"],
+)
 def test_chunked_prefill_and_preemption_match_hf(audio_dir, oracle, engine_kw):
     llm = LLM(audio_dir, dtype="float32", **{"num_kv_blocks": 256, **engine_kw})
     tok = llm.get_tokenizer()
     c = clips()
-    cases = [(chat_text(tok, [("user", (1, f"Question {i}?"))]), [clip]) for i, clip in
-             enumerate([c["3s-44k-stereo"], c["0.5s"], c["flac-44k-stereo"], (tones(4.0, seed=7)[0], 16000)])]
+    cases = [
+        (chat_text(tok, [("user", (1, f"Question {i}?"))]), [clip])
+        for i, clip in enumerate([c["3s-44k-stereo"], c["0.5s"], c["flac-44k-stereo"], (tones(4.0, seed=7)[0], 16000)])
+    ]
     n = 24 if "num_kv_blocks" in engine_kw else MAX_NEW
     outs = llm.generate([t for t, _ in cases], greedy(n), audios=[cl for _, cl in cases], use_tqdm=False)
     for (text, cl), out in zip(cases, outs):
@@ -169,20 +188,26 @@ def test_module_layout_checkpoint_loads_the_same(audio_dir, llm, tmp_path):
 
     out = tmp_path / "module_layout"
     shutil.copytree(audio_dir, out)
-    renames = (("audio_tower.", "model.audio_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
-               ("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
+    renames = (
+        ("audio_tower.", "model.audio_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
     tensors = load_file(os.path.join(audio_dir, "model.safetensors"))
     renamed = {}
     for name, t in tensors.items():
-        new = next((new + name[len(old):] for old, new in renames if name.startswith(old)), name)
+        new = next((new + name[len(old) :] for old, new in renames if name.startswith(old)), name)
         renamed[new] = t
     assert any(k.startswith("model.audio_tower.") for k in renamed) and "lm_head.weight" in renamed
     save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
     clip = [(tones(1.0, seed=11)[0], 16000)]
     text = chat_text(llm.get_tokenizer(), [("user", (1, "Hi?"))])
     other = LLM(str(out), dtype="float32", num_kv_blocks=64)
-    assert other.generate([text], greedy(), audios=[clip], use_tqdm=False)[0].outputs[0].token_ids == \
-        llm.generate([text], greedy(), audios=[clip], use_tqdm=False)[0].outputs[0].token_ids
+    assert (
+        other.generate([text], greedy(), audios=[clip], use_tqdm=False)[0].outputs[0].token_ids
+        == llm.generate([text], greedy(), audios=[clip], use_tqdm=False)[0].outputs[0].token_ids
+    )
     renamed["model.audio_tower.extra.weight"] = torch.zeros(1)
     save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected weights.*extra"):
@@ -192,8 +217,12 @@ def test_module_layout_checkpoint_loads_the_same(audio_dir, llm, tmp_path):
 
 def test_bad_audio_leaves_nothing_behind(llm):
     text = chat_text(llm.get_tokenizer(), [("user", (1, "Hi?"))])
-    bad = [b"not audio at all, just bytes" * 3, (np.zeros(0, np.float32), 16000),
-           (np.zeros(31 * 16000, np.float32), 16000), (np.zeros(10, np.float32), 16000)]
+    bad = [
+        b"not audio at all, just bytes" * 3,
+        (np.zeros(0, np.float32), 16000),
+        (np.zeros(31 * 16000, np.float32), 16000),
+        (np.zeros(10, np.float32), 16000),
+    ]
     for clip in bad:
         with pytest.raises(ValueError):
             llm.generate([text, text], greedy(), audios=[[(tones(1.0)[0], 16000)], [clip]], use_tqdm=False)

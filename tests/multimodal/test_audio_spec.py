@@ -1,5 +1,6 @@
 """Speculative decoding with Qwen2-Audio targets: n-gram and EAGLE drafts give the same greedy tokens as no
 drafting, with chunked prefill windows that stop inside the audio runs."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,11 @@ def greedy() -> SamplingParams:
 
 def audio_requests(tok) -> tuple[list[str], list[list]]:
     """Three chat prompts: one 1 s clip, one 2 s 44.1 kHz stereo wav, two clips in one prompt."""
-    prompts = [chat_text(tok, [("user", (1, "beep beep beep beep"))]), chat_text(tok, [("user", (1, "one two one"))]),
-               chat_text(tok, [("user", (2, "Describe both."))])]
+    prompts = [
+        chat_text(tok, [("user", (1, "beep beep beep beep"))]),
+        chat_text(tok, [("user", (1, "one two one"))]),
+        chat_text(tok, [("user", (2, "Describe both."))]),
+    ]
     one = (tones(1.0, seed=21)[0], 16000)
     stereo = encode_audio(tones(2.0, 44100, channels=2, seed=22), 44100, "wav")
     return prompts, [[one], [stereo], [stereo, one]]

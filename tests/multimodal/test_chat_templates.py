@@ -1,6 +1,7 @@
 """Chat templates as real checkpoints ship them: Qwen2-VL's (content parts recognised by type 'image'/'video' or an
 'image'/'video' key) and string-only ones. LLM.chat and the server must be token-exact with HF's processor + generate.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,7 +18,10 @@ from vlserve.multimodal.media import load_video
 
 pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-hf4)
 
-VISION = {"image": "<|vision_start|><|image_pad|><|vision_end|>", "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+VISION = {
+    "image": "<|vision_start|><|image_pad|><|vision_end|>",
+    "video": "<|vision_start|><|video_pad|><|vision_end|>",
+}
 
 
 def _greedy(n=MAX_NEW):
@@ -52,18 +56,49 @@ def _cases():
     frames = rand_video(4, 84, 84, seed=4)
     text = lambda s: {"type": "text", "text": s}  # noqa: E731
     return [
-        ("one image", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_url(a)}},
-                                                    text("What is this?")]}], [a], []),
-        ("one video", [{"role": "user", "content": [{"type": "video", "video": frames}, text("What happens?")]}],
-         [], [frames]),
-        ("several images", [{"role": "user", "content": [{"type": "image_pil", "image_pil": a},
-                                                         {"type": "image_pil", "image_pil": small},
-                                                         text("Compare them.")]}], [a, small], []),
-        ("multi-turn", [{"role": "system", "content": "You answer briefly."},
-                        {"role": "user", "content": [{"type": "image_pil", "image_pil": a}, text("Shape?")]},
-                        {"role": "assistant", "content": "A red circle."},
-                        {"role": "user", "content": [{"type": "image_pil", "image_pil": b}, text("And this?")]}],
-         [a, b], []),
+        (
+            "one image",
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": _png_url(a)}}, text("What is this?")],
+                }
+            ],
+            [a],
+            [],
+        ),
+        (
+            "one video",
+            [{"role": "user", "content": [{"type": "video", "video": frames}, text("What happens?")]}],
+            [],
+            [frames],
+        ),
+        (
+            "several images",
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_pil", "image_pil": a},
+                        {"type": "image_pil", "image_pil": small},
+                        text("Compare them."),
+                    ],
+                }
+            ],
+            [a, small],
+            [],
+        ),
+        (
+            "multi-turn",
+            [
+                {"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": [{"type": "image_pil", "image_pil": a}, text("Shape?")]},
+                {"role": "assistant", "content": "A red circle."},
+                {"role": "user", "content": [{"type": "image_pil", "image_pil": b}, text("And this?")]},
+            ],
+            [a, b],
+            [],
+        ),
     ]
 
 
@@ -71,15 +106,19 @@ def _cases():
 def real_setup(request, tmp_path_factory):
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
-    path = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp(f"real_{request.param}")), variant=request.param,
-                                     chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    path = build_qwen2_vl_checkpoint(
+        str(tmp_path_factory.mktemp(f"real_{request.param}")),
+        variant=request.param,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
     return path, HFOracle(path), LLM(path, dtype="float32", num_kv_blocks=256)
 
 
 def _hf_prompt_ids(hf: HFOracle, messages, images, videos, **kw) -> tuple[str, list[int]]:
     text = hf.processor.apply_chat_template(_to_hf(messages), add_generation_prompt=True, tokenize=False)
-    ids = hf.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
-                       **kw)["input_ids"][0]
+    ids = hf.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt", **kw)[
+        "input_ids"
+    ][0]
     return text, ids.tolist()
 
 
@@ -101,8 +140,13 @@ def test_image_url_part_gets_its_placeholder(real_setup):
     _, _, llm = real_setup
     url = _png_url(_img(56, 56, 5))
     processed = llm.input_processor.process_chat(
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                      {"type": "text", "text": "Describe."}]}])
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}],
+            }
+        ]
+    )
     assert processed.prompt.count(VISION["image"]) == 1
     assert len(processed.mm_features) == 1
 
@@ -111,9 +155,11 @@ def test_generate_with_images_wraps_in_real_template(real_setup):
     _, _, llm = real_setup
     img = _img(56, 56, 6)
     wrapped = llm.generate("Describe.", _greedy(), images=[img], use_tqdm=False)[0]
-    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
-                                                  {"type": "text", "text": "Describe."}]}], _greedy(),
-                    use_tqdm=False)[0]
+    chat = llm.chat(
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": img}, {"type": "text", "text": "Describe."}]}],
+        _greedy(),
+        use_tqdm=False,
+    )[0]
     assert wrapped.prompt_token_ids == chat.prompt_token_ids
     assert wrapped.outputs[0].token_ids == chat.outputs[0].token_ids
 
@@ -122,12 +168,18 @@ def test_string_only_template_gets_placeholders_in_front(real_setup):
     """A template that prints content as one string gets vLLM's rendering: placeholders, newline, text."""
     _, _, llm = real_setup
     a, b = _img(56, 56, 7), _img(28, 56, 8)
-    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a},
-                                             {"type": "image_pil", "image_pil": b},
-                                             {"type": "text", "text": "Compare."}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": a},
+                {"type": "image_pil", "image_pil": b},
+                {"type": "text", "text": "Compare."},
+            ],
+        }
+    ]
     out = llm.chat(messages, _greedy(), use_tqdm=False, chat_template_kwargs={"chat_template": STRING_CHAT_TEMPLATE})
-    expected = (f"<|im_start|>user\n{VISION['image']}\n{VISION['image']}\nCompare.<|im_end|>\n"
-                f"<|im_start|>assistant\n")
+    expected = f"<|im_start|>user\n{VISION['image']}\n{VISION['image']}\nCompare.<|im_end|>\n<|im_start|>assistant\n"
     assert out[0].prompt == expected
     ref = llm.generate({"prompt": expected, "multi_modal_data": {"image": [a, b]}}, _greedy(), use_tqdm=False)
     assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
@@ -137,8 +189,12 @@ def test_forced_content_format(real_setup):
     from vlserve.engine.input_processor import InputProcessor
 
     _, _, llm = real_setup
-    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _img(28, 28, 9)},
-                                             {"type": "text", "text": "Hi"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_pil", "image_pil": _img(28, 28, 9)}, {"type": "text", "text": "Hi"}],
+        }
+    ]
     as_string = InputProcessor(llm.input_processor.loaded, chat_template_content_format="string")
     assert f"user\n{VISION['image']}\nHi<|im_end|>" in as_string.process_chat(messages).prompt
     as_parts = InputProcessor(llm.input_processor.loaded, chat_template_content_format="openai")
@@ -157,11 +213,14 @@ def test_text_model_with_string_only_template(tmp_path):
     tok.chat_template = STRING_CHAT_TEMPLATE
     tok.save_pretrained(path)
     llm = LLM(path, dtype="float32", num_kv_blocks=64)
-    parts = [{"role": "system", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    parts = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]},
+    ]
     out = llm.chat(parts, _greedy(6), use_tqdm=False)[0]
-    expected = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello\nworld<|im_end|>\n"
-                "<|im_start|>assistant\n")
+    expected = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello\nworld<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert out.prompt == expected
     assert out.prompt_token_ids == tok(expected, add_special_tokens=False)["input_ids"]
     ref = llm.generate(expected, _greedy(6), use_tqdm=False)[0]
@@ -186,19 +245,32 @@ def test_server_token_exact_with_hf(real_setup, tmp_path):
     text = lambda s: {"type": "text", "text": s}  # noqa: E731
     cases = [
         ([{"role": "user", "content": [image(a), text("What is this?")]}], [a], [], {}),
-        ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_url}}, text("What moves?")]}],
-         [], [video.frames], {"fps": video.sampled_fps}),
+        (
+            [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_url}}, text("What moves?")]}],
+            [],
+            [video.frames],
+            {"fps": video.sampled_fps},
+        ),
         ([{"role": "user", "content": [image(a), image(b), text("Compare.")]}], [a, b], [], {}),
-        ([{"role": "user", "content": [image(a), text("Shape?")]}, {"role": "assistant", "content": "A circle."},
-          {"role": "user", "content": [image(b), text("And this?")]}], [a, b], [], {}),
+        (
+            [
+                {"role": "user", "content": [image(a), text("Shape?")]},
+                {"role": "assistant", "content": "A circle."},
+                {"role": "user", "content": [image(b), text("And this?")]},
+            ],
+            [a, b],
+            [],
+            {},
+        ),
     ]
     served = start_server(EngineArgs(model=path, dtype="float32", num_kv_blocks=256, served_model_name="real-vl"))
     try:
         for messages, images, videos, kw in cases:
             prompt, ids = _hf_prompt_ids(hf, messages, images, videos, **kw)
             expected = hf.greedy(prompt, images, videos, **kw)
-            r = served.client.chat.completions.create(model="real-vl", messages=messages, temperature=0,
-                                                      max_tokens=MAX_NEW, extra_body={"ignore_eos": True})
+            r = served.client.chat.completions.create(
+                model="real-vl", messages=messages, temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True}
+            )
             assert r.usage.prompt_tokens == len(ids)
             offline = llm.chat(messages, _greedy(), use_tqdm=False)[0]
             assert offline.prompt_token_ids == ids and offline.outputs[0].token_ids == expected

@@ -9,6 +9,7 @@ SMOOTH_MAX_LEVELS; on uniform noise (the worst case: 37x211 squeezed to 28 rows 
 a few values) the mean difference is at most NOISE_MEAN_LEVELS and at most NOISE_FAR_FRACTION of the values differ
 by more than SMOOTH_MAX_LEVELS.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -45,13 +46,15 @@ def local_dirs(tmp_path_factory):
     dirs = {"qwen2_vl": build_qwen2_vl_checkpoint(str(root / "qwen2_vl"), variant="qwen2_vl")}
     for variant in ("llava", "llava_next"):
         for tower in ("clip", "siglip"):
-            dirs[f"{variant}_{tower}"] = build_llava_checkpoint(str(root / f"{variant}_{tower}"), variant=variant,
-                                                                tower=tower)
+            dirs[f"{variant}_{tower}"] = build_llava_checkpoint(
+                str(root / f"{variant}_{tower}"), variant=variant, tower=tower
+            )
     return dirs
 
 
-@pytest.fixture(scope="module", params=["demo", "qwen2_vl", "llava_clip", "llava_siglip", "llava_next_clip",
-                                        "llava_next_siglip"])
+@pytest.fixture(
+    scope="module", params=["demo", "qwen2_vl", "llava_clip", "llava_siglip", "llava_next_clip", "llava_next_siglip"]
+)
 def pair(request, local_dirs):
     """(fast, slow) MultiModalProcessors of one checkpoint."""
     from vlserve.demo import default_model_path

@@ -3,6 +3,7 @@ Gemma 3 text decoder): prompt ids against HF's Gemma3Processor (one image, two i
 runs tokenized anew), weight loading in both checkpoint layouts, tower + projector against HF's
 `get_image_features`, logits over the paged cache with the bidirectional image mask, and greedy parity with HF
 generate through LLM.generate / LLM.chat (float32)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,13 @@ SIZES = [(40, 90), (100, 30), (48, 48), (12, 20), (20, 200), (50, 56)]
 
 
 # checkpoint piece -> (our fused weight, its place in it)
-PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def _img(size, seed: int) -> Image.Image:
@@ -40,6 +46,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 @pytest.fixture(scope="module")
 def g3_dir(tmp_path_factory):
     from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+
     return build_gemma3_vlm_checkpoint(str(tmp_path_factory.mktemp("gemma3_vlm")))
 
 
@@ -73,8 +80,10 @@ def expected(oracle):
 
 
 def _run(llm, cases, sp=None):
-    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs} if imgs else {}, "mm_processor_kwargs": kw}
-               for _, text, imgs, kw in cases]
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": imgs} if imgs else {}, "mm_processor_kwargs": kw}
+        for _, text, imgs, kw in cases
+    ]
     return llm.generate(prompts, sp or _greedy(), use_tqdm=False)
 
 
@@ -84,6 +93,7 @@ def _image_features(out):
 
 
 # ---- prompt ids ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kwargs", [None, PAN_AND_SCAN], ids=["plain", "pan_and_scan"])
 def test_prompt_ids_match_hf_processor(g3_dir, kwargs):
@@ -97,12 +107,33 @@ def test_prompt_ids_match_hf_processor(g3_dir, kwargs):
     boi = hf.tokenizer.convert_tokens_to_ids("<start_of_image>")
     assert proc.image_token_id == boi and proc.max_image_embeds() == 16
     prompts = [
-        (hf.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}],
-                                tokenize=False, add_generation_prompt=True), 1),
-        (hf.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                 {"role": "user", "content": [{"type": "text", "text": "One"}, {"type": "image"},
-                                                              {"type": "text", "text": "two"}, {"type": "image"}]}],
-                                tokenize=False, add_generation_prompt=True), 2),
+        (
+            hf.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            1,
+        ),
+        (
+            hf.apply_chat_template(
+                [
+                    {"role": "system", "content": "Be brief."},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "One"},
+                            {"type": "image"},
+                            {"type": "text", "text": "two"},
+                            {"type": "image"},
+                        ],
+                    },
+                ],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            2,
+        ),
         ("<bos>a<start_of_image><start_of_image>\n b", 2),
     ]
     crops_seen = set()
@@ -114,7 +145,7 @@ def test_prompt_ids_match_hf_processor(g3_dir, kwargs):
             assert ids == want["input_ids"][0].tolist(), (text, [im.size for im in imgs])
             assert len(feats) == int(want["pixel_values"].shape[0])  # one feature per crop, originals included
             for f in feats:
-                assert ids[f.offset - 1] == boi and ids[f.offset:f.end] == [soft] * 16 and f.length == 16
+                assert ids[f.offset - 1] == boi and ids[f.offset : f.end] == [soft] * 16 and f.length == 16
             assert sum(t == soft for t in ids) == 16 * len(feats)
             torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in feats]), want["pixel_values"])
             crops_seen.add(len(feats) - n)
@@ -128,11 +159,14 @@ def test_tokenizer_merges_newlines_next_to_runs(g3_dir):
 
     proc = MultiModalProcessor.from_pretrained(g3_dir)
     tok = proc.hf_processor.tokenizer
-    assert tok("user\n\n\n", add_special_tokens=False)["input_ids"] != \
-        tok("user\n", add_special_tokens=False)["input_ids"] + tok("\n\n", add_special_tokens=False)["input_ids"]
+    assert (
+        tok("user\n\n\n", add_special_tokens=False)["input_ids"]
+        != tok("user\n", add_special_tokens=False)["input_ids"] + tok("\n\n", add_special_tokens=False)["input_ids"]
+    )
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
+
 
 def test_weights_load_from_both_layouts(g3_dir, tmp_path):
     """Every checkpoint tensor lands in a parameter with its value (the 4.57 layout the checkpoint is saved in, and
@@ -166,7 +200,7 @@ def test_weights_load_from_both_layouts(g3_dir, tmp_path):
     for name, t in ckpt.items():
         name = name.replace("language_model.model.", "language_model.", 1)
         if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-            name = "vision_tower.vision_model." + name[len("vision_tower."):]
+            name = "vision_tower.vision_model." + name[len("vision_tower.") :]
         module["model." + name] = t
     dst = str(tmp_path / "module_layout")
     shutil.copytree(g3_dir, dst)
@@ -220,7 +254,7 @@ def test_paged_logits_match_hf_with_bidirectional_images(g3_dir, oracle):
     soft = capabilities_of(model).bidirectional_token_id
     limits = list(range(len(ids)))
     for first, last in token_runs(ids, soft):
-        limits[first:last + 1] = [last] * (last - first + 1)
+        limits[first : last + 1] = [last] * (last - first + 1)
 
     def logits(bidirectional: bool) -> torch.Tensor:
         def forward(input_ids, positions, kv_caches, md, inputs_embeds=None):
@@ -241,8 +275,8 @@ def test_paged_logits_match_hf_with_bidirectional_images(g3_dir, oracle):
 
 # ---- engine ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", range(5), ids=["text_only", "one_image", "other_image", "two_images",
-                                                 "pan_and_scan"])
+
+@pytest.mark.parametrize("case", range(5), ids=["text_only", "one_image", "other_image", "two_images", "pan_and_scan"])
 def test_generate_parity_with_hf(g3_dir, oracle, expected, llm_fixture, case):
     """The prompt ids and the greedy tokens equal HF's (image cases: HF's bidirectional mask over each run)."""
     out = _run(llm_fixture, [_cases(oracle)[case]])[0]
@@ -259,9 +293,19 @@ def llm_fixture(g3_dir):
 def test_images_change_the_output_and_chat_matches(oracle, expected, llm_fixture):
     assert expected[1][1] != expected[2][1], "different images must give different outputs"
     url = data_url(_cases(oracle)[1][2][0])
-    chat = llm_fixture.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                          {"type": "text", "text": "What is this?"}]}], _greedy(),
-                            use_tqdm=False)
+    chat = llm_fixture.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert list(chat[0].outputs[0].token_ids) == expected[1][1]
     llm_fixture.check_integrity()
 
@@ -284,8 +328,9 @@ def test_prefix_caching_and_encoder_cache(g3_dir, oracle, expected):
     m = llm.get_metrics()
     assert m["vlserve:prefix_cache_hits_total"] > 0 and m["vlserve:encoder_runs_total"] == runs == 3
     img = _img((60, 90), seed=11)
-    outs = llm.generate([oracle.text(1, f"Question {i}?") for i in range(6)], _greedy(3), images=[[img]] * 6,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [oracle.text(1, f"Question {i}?") for i in range(6)], _greedy(3), images=[[img]] * 6, use_tqdm=False
+    )
     assert len(outs) == 6 and llm.get_metrics()["vlserve:encoder_runs_total"] == 4  # the same image: once
     llm.check_integrity()
 

@@ -3,6 +3,7 @@ test_gemma3_vlm.py): forced preemption with a small KV pool and steps barely abo
 would cut a run of soft tokens without the keep-whole rule (no step ends inside one; HF's tokens), an item longer
 than max_num_batched_tokens refused with a clear ValueError while the engine keeps serving, and the OpenAI server
 with an image_url against HF's decoded greedy text."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,7 @@ ITEM = 16  # soft tokens per image / crop (mm_tokens_per_image of the test check
 @pytest.fixture(scope="module")
 def g3_dir(tmp_path_factory):
     from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+
     return build_gemma3_vlm_checkpoint(str(tmp_path_factory.mktemp("gemma3_vlm_engine")))
 
 
@@ -57,8 +59,14 @@ def test_chunked_prefill_with_forced_preemption(g3_dir, oracle, expected):
     """18-token steps (one 16-token item fits, with 2 tokens to spare) and 26 blocks x 16 slots shared by the full
     and the two sliding-window groups: the batch (the 234-token pan-and-scan prompt included) cannot fit at once,
     requests are preempted and recomputed, outputs stay HF's."""
-    llm = LLM(g3_dir, dtype="float32", num_kv_blocks=26, block_size=16, max_num_batched_tokens=ITEM + 2,
-              enable_prefix_caching=False)
+    llm = LLM(
+        g3_dir,
+        dtype="float32",
+        num_kv_blocks=26,
+        block_size=16,
+        max_num_batched_tokens=ITEM + 2,
+        enable_prefix_caching=False,
+    )
     assert _tokens(_run(llm, _cases(oracle))) == [e[1] for e in expected]
     assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
     llm.check_integrity()
@@ -69,10 +77,22 @@ def test_step_budget_never_cuts_an_image_run(g3_dir, oracle):
     end steps inside the runs; the scheduler ends them at the run's edges instead (recorded per step) and the tokens
     are HF's (a run cut in two would lose its bidirectional keys)."""
     proc = oracle.processor
-    long_first = proc.apply_chat_template([{"role": "user", "content": [
-        {"type": "text", "text": "Please look carefully at the following picture before you answer"},
-        {"type": "image"}, {"type": "text", "text": "and this one as well"}, {"type": "image"},
-        {"type": "text", "text": "What is this?"}]}], tokenize=False, add_generation_prompt=True)
+    long_first = proc.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Please look carefully at the following picture before you answer"},
+                    {"type": "image"},
+                    {"type": "text", "text": "and this one as well"},
+                    {"type": "image"},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     cases = [("text first", long_first, [_img((40, 90), seed=5), _img((100, 30), seed=6)], None)] + _cases(oracle)[1:4]
     want = [oracle.run(text, imgs)[1] for _, text, imgs, _ in cases]
     budget = ITEM + 1
@@ -82,7 +102,7 @@ def test_step_budget_never_cuts_an_image_run(g3_dir, oracle):
     assert _tokens(outs) == want
     ids, soft = outs[0].prompt_token_ids, oracle.model.config.image_token_index
     first_runs = [(i, i + ITEM) for i, t in enumerate(ids) if t == soft and ids[i - 1] != soft]
-    assert len(first_runs) == 2 and ids[first_runs[0][0]:first_runs[0][1]] == [soft] * ITEM
+    assert len(first_runs) == 2 and ids[first_runs[0][0] : first_runs[0][1]] == [soft] * ITEM
     naive_ends = range(budget, len(ids), budget)  # the prompt alone cut every `budget` tokens: inside both runs
     assert all(any(a < e < b for e in naive_ends) for a, b in first_runs), first_runs
     assert sum(bool(runs) for *_, runs in steps) > 2 * len(cases)  # every image prompt spanned several steps
@@ -97,8 +117,11 @@ def test_item_longer_than_step_budget_is_refused(g3_dir, oracle, expected):
     llm = LLM(g3_dir, dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=ITEM - 4)
     text_only, one_image = _cases(oracle)[:2]
     for batch in ([one_image], [text_only, one_image]):
-        with pytest.raises(ValueError, match=r"image item 0 has 16 placeholder tokens, more than "
-                                             r"max_num_batched_tokens=12"):
+        with pytest.raises(
+            ValueError,
+            match=r"image item 0 has 16 placeholder tokens, more than "
+            r"max_num_batched_tokens=12",
+        ):
             _run(llm, batch)
         assert not llm.engine.scheduler.requests and not llm.engine.scheduler.waiting
     assert _tokens(_run(llm, [text_only, text_only])) == [expected[0][1]] * 2
@@ -108,5 +131,13 @@ def test_item_longer_than_step_budget_is_refused(g3_dir, oracle, expected):
 def test_server_image_url_parity_with_hf(g3_dir, oracle, expected):
     _, text, imgs, _ = _cases(oracle)[1]
     assert len(expected[1][0]) == oracle.inputs(text, imgs)["input_ids"].shape[1]
-    assert_server_image_parity(g3_dir, imgs[0], expected[1][1], oracle.processor.tokenizer, len(expected[1][0]),
-                               MAX_NEW, "tiny-gemma3", max_num_batched_tokens=ITEM + 4)
+    assert_server_image_parity(
+        g3_dir,
+        imgs[0],
+        expected[1][1],
+        oracle.processor.tokenizer,
+        len(expected[1][0]),
+        MAX_NEW,
+        "tiny-gemma3",
+        max_num_batched_tokens=ITEM + 4,
+    )

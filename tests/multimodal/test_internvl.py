@@ -4,6 +4,7 @@ parity with HF generate through LLM.generate / LLM.chat / the server for text, o
 prefill with forced preemption, prefix caching with the encoder cache, and tensor parallel 2. Videos (one tile and
 one feature per frame, `FrameN: <img>...</img>` lines): prompt ids, greedy parity alone and after an image, and the
 per-frame encoder cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 @pytest.fixture(scope="module")
 def ivl_dir(tmp_path_factory):
     from tests.support.internvl_checkpoints import build_internvl_checkpoint
+
     return build_internvl_checkpoint(str(tmp_path_factory.mktemp("internvl")))
 
 
@@ -78,10 +80,14 @@ def test_tower_and_projector_match_hf(oracle):
     hf = oracle.model.model
     ours = InternVLForConditionalGeneration(oracle.model.config)
     state = {k: v for k, v in hf.state_dict().items() if k.startswith(("vision_tower.", "multi_modal_projector."))}
-    ours.load_weights(list(state.items()) + [(f"model.language_model.{k}", v) for k, v in
-                                             hf.language_model.state_dict().items()]
-                      + [("lm_head.weight", oracle.model.lm_head.weight)])
-    pixels = oracle.inputs("<IMG_CONTEXT><IMG_CONTEXT>", [_img(SIZES[0], seed=1), _img(SIZES[1], seed=2)])["pixel_values"]
+    ours.load_weights(
+        list(state.items())
+        + [(f"model.language_model.{k}", v) for k, v in hf.language_model.state_dict().items()]
+        + [("lm_head.weight", oracle.model.lm_head.weight)]
+    )
+    pixels = oracle.inputs("<IMG_CONTEXT><IMG_CONTEXT>", [_img(SIZES[0], seed=1), _img(SIZES[1], seed=2)])[
+        "pixel_values"
+    ]
     with torch.no_grad():
         want = _image_features(hf.get_image_features(pixel_values=pixels))  # [N, F, H]
         got = ours.to(oracle.device).tile_features(pixels)
@@ -89,10 +95,13 @@ def test_tower_and_projector_match_hf(oracle):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [
-    dict(norm_type="rms_norm", use_qk_norm=True, attention_bias=False, use_mean_pooling=False),
-    dict(norm_type="layer_norm", use_qk_norm=True, attention_bias=True, use_mean_pooling=True, depth=3),
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(norm_type="rms_norm", use_qk_norm=True, attention_bias=False, use_mean_pooling=False),
+        dict(norm_type="layer_norm", use_qk_norm=True, attention_bias=True, use_mean_pooling=True, depth=3),
+    ],
+)
 def test_tower_variants_match_hf(variant):
     """RMSNorm / qk-norm / final LayerNorm towers (InternVL3's larger checkpoints) against HF InternVLVisionModel."""
     from transformers import InternVLVisionConfig, InternVLVisionModel
@@ -127,7 +136,7 @@ def test_placeholder_ids_match_hf_processor(ivl_dir, oracle):
         ids, feats = proc.process(hf.tokenizer(text)["input_ids"], imgs)
         assert ids == hf(text=[text], images=imgs, return_tensors="pt")["input_ids"][0].tolist(), size
         for f in feats:
-            assert set(ids[f.offset:f.end]) == {hf.image_token_id}
+            assert set(ids[f.offset : f.end]) == {hf.image_token_id}
             assert ids[f.offset - 1] == hf.start_image_token_id and ids[f.end] == hf.end_image_token_id
         counts.append(feats[0].length)
     assert max(counts) <= proc.max_image_embeds()
@@ -144,17 +153,28 @@ def test_generate_and_chat_parity_with_hf(ivl_dir, oracle, expected):
         assert list(out.outputs[0].token_ids) == hf_new, name
     assert expected[0][1] != expected[1][1], "different images must give different outputs"
     url = data_url(cases[0][2][0])
-    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                  {"type": "text", "text": "What is this?"}]}], _greedy(),
-                    use_tqdm=False)
+    chat = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert list(chat[0].outputs[0].token_ids) == expected[0][1]
     llm.check_integrity()
 
 
 def test_chunked_prefill_8_with_forced_preemption(ivl_dir, oracle, expected):
     # 8-token steps split every image's placeholder run; 6 blocks x 16 slots cannot hold the batch at once
-    llm = LLM(ivl_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        ivl_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
     assert _run(llm, _cases(oracle)) == [e[1] for e in expected]
     assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
     llm.check_integrity()
@@ -190,13 +210,31 @@ def test_server_image_url_parity_with_hf(ivl_dir, oracle, expected):
     from vlserve.config import EngineArgs
 
     _, text, imgs = _cases(oracle)[0]
-    served = start_server(EngineArgs(model=ivl_dir, served_model_name="tiny-internvl", dtype="float32",
-                                     num_kv_blocks=128, max_num_batched_tokens=16))
+    served = start_server(
+        EngineArgs(
+            model=ivl_dir,
+            served_model_name="tiny-internvl",
+            dtype="float32",
+            num_kv_blocks=128,
+            max_num_batched_tokens=16,
+        )
+    )
     try:
         r = served.client.chat.completions.create(
-            model="tiny-internvl", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(imgs[0])}},
-                                                   {"type": "text", "text": "What is this?"}]}])
+            model="tiny-internvl",
+            temperature=0,
+            max_tokens=MAX_NEW,
+            extra_body={"ignore_eos": True},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(imgs[0])}},
+                        {"type": "text", "text": "What is this?"},
+                    ],
+                }
+            ],
+        )
         tok = oracle.processor.tokenizer
         # a stream ending inside a UTF-8 sequence holds that partial character back
         want = tok.decode(expected[0][1], skip_special_tokens=True).rstrip("\ufffd")
@@ -209,12 +247,17 @@ def test_server_image_url_parity_with_hf(ivl_dir, oracle, expected):
 
 # ---- videos -----------------------------------------------------------------------------------------------------
 
+
 def _video_cases(oracle):
     """(name, prompt, images, videos): frames [T, H, W, 3] uint8 of several sizes (each resized to one tile)."""
     return [
         ("4-frame video", oracle.text(0, "What happens?", n_videos=1), [], [rand_video(4, 40, 50, seed=21)]),
-        ("image + 3-frame video", oracle.text(1, "Compare them.", n_videos=1), [_img(SIZES[1], seed=22)],
-         [rand_video(3, 70, 30, seed=23)]),
+        (
+            "image + 3-frame video",
+            oracle.text(1, "Compare them.", n_videos=1),
+            [_img(SIZES[1], seed=22)],
+            [rand_video(3, 70, 30, seed=23)],
+        ),
     ]
 
 
@@ -241,7 +284,7 @@ def test_video_placeholder_ids_match_hf_processor(ivl_dir, oracle):
         frames = [f for f in feats if f.modality == "video"]
         assert len(frames) == len(vids[0]) and len({f.mm_hash for f in frames}) == len(frames)
         for f in frames:
-            assert set(ids[f.offset:f.end]) == {hf.image_token_id} and f.length == hf.image_seq_length
+            assert set(ids[f.offset : f.end]) == {hf.image_token_id} and f.length == hf.image_seq_length
             assert ids[f.offset - 1] == hf.start_image_token_id and ids[f.end] == hf.end_image_token_id
         pixels = torch.cat([f.data.get("pixel_values", f.data.get("pixel_values_videos")) for f in feats])
         torch.testing.assert_close(pixels, out["pixel_values"].cpu(), rtol=0, atol=0)  # items in prompt order
@@ -257,7 +300,7 @@ def test_video_ids_not_from_text_are_kept(ivl_dir, oracle):
     odd = [i for ch in "Frame" for i in tok(ch, add_special_tokens=False)["input_ids"]]  # spelled out, letter by letter
     assert odd != tok("Frame", add_special_tokens=False)["input_ids"]
     ids, feats = proc.process(odd + tok("<video>")["input_ids"], [], [rand_video(2, 40, 40, seed=27)])
-    assert ids[:len(odd)] == odd and len(feats) == 2
+    assert ids[: len(odd)] == odd and len(feats) == 2
 
 
 def test_video_generate_parity_with_hf(ivl_dir, oracle, video_expected):

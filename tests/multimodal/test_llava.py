@@ -1,6 +1,7 @@
 """LLaVA-1.5 (CLIP / SigLIP towers) and LLaVA-NeXT (anyres) end to end: placeholder counts against HF's processors,
 greedy parity with HF generate through LLM.generate / LLM.chat, chunked prefill and preemption, the encoder cache,
 prefix hits, n-gram and EAGLE spec decode, both checkpoint layouts."""
+
 from __future__ import annotations
 
 import os
@@ -105,8 +106,10 @@ def test_greedy_parity_with_hf(case):
         assert list(out.outputs[0].token_ids) == hf_new, f"{kind}: {len(imgs)} images"
     # LLM.chat and LLM.generate(images=...) with a plain prompt (wrapped in the chat template) agree with HF too
     img = prompts[1][1]
-    message = {"role": "user", "content": [{"type": "image_pil", "image_pil": img[0]},
-                                           {"type": "text", "text": "What is this?"}]}
+    message = {
+        "role": "user",
+        "content": [{"type": "image_pil", "image_pil": img[0]}, {"type": "text", "text": "What is this?"}],
+    }
     chat = llm.chat([message], _greedy(), use_tqdm=False)
     plain = llm.generate(["What is this?"], _greedy(), images=[img], use_tqdm=False)
     assert list(chat[0].outputs[0].token_ids) == expected[1][1]
@@ -128,8 +131,7 @@ def test_placeholder_counts_match_hf_processor(llava_ckpts):
     """Our per-image counts equal the HF processor's expansion for many sizes; max_image_embeds bounds them all."""
     from vlserve.multimodal.processor import MultiModalProcessor
 
-    sizes = SIZES + [(1, 1), (3, 50), (28, 28), (56, 29), (29, 56), (100, 7), (7, 100), (84, 28), (300, 301),
-                     (57, 113)]
+    sizes = SIZES + [(1, 1), (3, 50), (28, 28), (56, 29), (29, 56), (100, 7), (7, 100), (84, 28), (300, 301), (57, 113)]
     for kind in ("llava_clip", "next_clip"):
         proc = MultiModalProcessor.from_pretrained(llava_ckpts[kind])
         hf = proc.hf_processor
@@ -164,14 +166,19 @@ def test_ngram_and_eagle_spec_decode_equal_plain(llava_ckpts, tmp_path):
     path = llava_ckpts["next_clip"]
     hf = HFOracle.__new__(HFOracle)
     from transformers import AutoProcessor
+
     hf.processor = AutoProcessor.from_pretrained(path)
-    prompts = [(hf.chat_text(1, "Say the same words the same words the same"), [_img(s, seed=i)])
-               for i, s in enumerate(SIZES[:3])]
+    prompts = [
+        (hf.chat_text(1, "Say the same words the same words the same"), [_img(s, seed=i)])
+        for i, s in enumerate(SIZES[:3])
+    ]
     kw = dict(dtype="float32", num_kv_blocks=256, max_num_batched_tokens=32)
     base = [list(o.outputs[0].token_ids) for o in _generate(LLM(path, **kw), prompts)]
     head = build_eagle_checkpoint(str(tmp_path / "head"), path, "eagle", "random")
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
-                 {"method": "eagle", "num_speculative_tokens": 2, "model": head}):
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        {"method": "eagle", "num_speculative_tokens": 2, "model": head},
+    ):
         llm = LLM(path, speculative_config=spec, **kw)
         assert [list(o.outputs[0].token_ids) for o in _generate(llm, prompts)] == base, spec["method"]
         assert llm.get_metrics()["vlserve:spec_decode_num_drafts_total"] > 0
@@ -191,14 +198,19 @@ def test_module_layout_checkpoint_loads_the_same(llava_ckpts, tmp_path):
     ref = load_model(src, cfg, "float32", "cpu").state_dict()
     tensors = load_file(os.path.join(src, "model.safetensors"))
     for tower_prefix in ("model.vision_tower.vision_model.", "model.vision_tower."):
-        renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                   ("vision_tower.vision_model.", tower_prefix), ("vision_tower.", tower_prefix),
-                   ("multi_modal_projector.", "model.multi_modal_projector."), ("image_newline", "model.image_newline"))
+        renames = (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.vision_model.", tower_prefix),
+            ("vision_tower.", tower_prefix),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+            ("image_newline", "model.image_newline"),
+        )
         out = {}
         for name, t in tensors.items():
             for old, new in renames:
                 if name.startswith(old):
-                    name = new + name[len(old):]
+                    name = new + name[len(old) :]
                     break
             out[name] = t
         assert not any(n.startswith(("language_model.", "vision_tower.")) for n in out)

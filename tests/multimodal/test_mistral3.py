@@ -3,6 +3,7 @@ placeholder runs ([IMG] per column, [IMG_BREAK] per row, [IMG_END] last) against
 parity with HF generate through LLM.generate / LLM.chat / the server for text, one image and two images of different
 sizes; chunked prefill through image runs with forced preemption, prefix caching with the encoder cache, and tensor
 parallel 2."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,7 @@ def _greedy(n: int = MAX_NEW) -> SamplingParams:
 @pytest.fixture(scope="module")
 def m3_dir(tmp_path_factory):
     from tests.support.mistral3_checkpoints import build_mistral3_checkpoint
+
     return build_mistral3_checkpoint(str(tmp_path_factory.mktemp("mistral3")))
 
 
@@ -93,8 +95,13 @@ def test_tower_and_projector_match_hf(oracle):
     inputs = oracle.processor.image_processor(images=imgs, return_tensors="pt", patch_size=32)  # padded batch
     sizes = inputs["image_sizes"]
     with torch.no_grad():
-        want = torch.cat(_image_features(hf.model.get_image_features(
-            pixel_values=inputs["pixel_values"].to(oracle.device), image_sizes=sizes.to(oracle.device))))
+        want = torch.cat(
+            _image_features(
+                hf.model.get_image_features(
+                    pixel_values=inputs["pixel_values"].to(oracle.device), image_sizes=sizes.to(oracle.device)
+                )
+            )
+        )
         rows = torch.cat([patch_rows(px[:, :h, :w], 16) for px, (h, w) in zip(inputs["pixel_values"], sizes.tolist())])
         got = ours.image_features(rows, ours.patch_grids(sizes))  # [sum of tokens, H]
     assert got.shape == want.shape and len({tuple(s) for s in sizes.tolist()}) == 4
@@ -116,7 +123,7 @@ def test_placeholder_ids_match_hf_processor(m3_dir):
         ids, feats = proc.process(hf.tokenizer(prompt)["input_ids"], [img])
         want = hf(text=[prompt], images=[img], return_tensors="pt")["input_ids"][0].tolist()
         feat = feats[0]
-        run = ids[:feat.offset] + family.placeholder_ids(feat.data) + ids[feat.offset + feat.length:]
+        run = ids[: feat.offset] + family.placeholder_ids(feat.data) + ids[feat.offset + feat.length :]
         assert run == want, size
         assert _as_image_tokens(ids, hf.tokenizer) == _as_image_tokens(want, hf.tokenizer), size
         counts.append(feat.length)
@@ -133,17 +140,28 @@ def test_generate_and_chat_parity_with_hf(m3_dir, oracle, expected):
         assert list(out.outputs[0].token_ids) == hf_new, name
     assert expected[0][1] != expected[1][1], "different images must give different outputs"
     url = data_url(cases[0][2][0])
-    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}], _greedy(),
-                    use_tqdm=False)
+    chat = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert list(chat[0].outputs[0].token_ids) == expected[0][1]
     llm.check_integrity()
 
 
 def test_chunked_prefill_8_with_forced_preemption(m3_dir, oracle, expected):
     # 8-token steps split every image's run; 4 blocks x 16 slots cannot hold the batch at once
-    llm = LLM(m3_dir, dtype="float32", num_kv_blocks=4, block_size=16, max_num_batched_tokens=8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        m3_dir, dtype="float32", num_kv_blocks=4, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
     assert [list(o.outputs[0].token_ids) for o in _run(llm, _cases(oracle))] == [e[1] for e in expected]
     assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
     llm.check_integrity()
@@ -166,9 +184,15 @@ def test_prefix_caching_and_encoder_cache(m3_dir, oracle, expected):
 
 def test_server_image_url_parity_with_hf(m3_dir, oracle, expected):
     _, text, imgs = _cases(oracle)[0]
-    assert_server_image_parity(m3_dir, imgs[0], expected[0][1], oracle.processor.tokenizer,
-                               oracle.inputs(text, imgs)["input_ids"].shape[1], MAX_NEW, "tiny-mistral3")
-
+    assert_server_image_parity(
+        m3_dir,
+        imgs[0],
+        expected[0][1],
+        oracle.processor.tokenizer,
+        oracle.inputs(text, imgs)["input_ids"].shape[1],
+        MAX_NEW,
+        "tiny-mistral3",
+    )
 
 
 def test_module_layout_checkpoint_loads_the_same(m3_dir, tmp_path):
@@ -184,13 +208,17 @@ def test_module_layout_checkpoint_loads_the_same(m3_dir, tmp_path):
 
     cfg = AutoConfig.from_pretrained(m3_dir)
     ref = load_model(m3_dir, cfg, "float32", "cpu").state_dict()
-    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+    renames = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
     out = {}
     for name, t in load_file(os.path.join(m3_dir, "model.safetensors")).items():
         for old, new in renames:
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         out[name] = t
     dst = str(tmp_path / "module_layout")
@@ -200,6 +228,7 @@ def test_module_layout_checkpoint_loads_the_same(m3_dir, tmp_path):
     assert list(got) == list(ref)
     for name, t in ref.items():
         assert torch.equal(t, got[name]), name
+
 
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_hf(m3_dir, oracle, expected):

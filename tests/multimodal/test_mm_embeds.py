@@ -1,4 +1,5 @@
 """slice_mm_embeds / merge_mm_embeds: which rows of which item embeddings a window needs, written over the step."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ def test_windows_cut_items():
     feats = [MultiModalFeature("image", "a", 2, 4), MultiModalFeature("video", "b", 8, 3)]
     enc = {"a": torch.arange(4.0)[:, None], "b": 10 + torch.arange(3.0)[:, None]}
     assert slice_mm_embeds(feats, enc, 0, 2) == []
-    (s, e), = slice_mm_embeds(feats, enc, 0, 4)
+    ((s, e),) = slice_mm_embeds(feats, enc, 0, 4)
     assert s == 2 and e[:, 0].tolist() == [0, 1]
     got = slice_mm_embeds(feats, enc, 4, 10, step_offset=5)  # request starts at row 5 of the step
     assert [(s, e[:, 0].tolist()) for s, e in got] == [(5, [2, 3]), (9, [10, 11])]

@@ -1,4 +1,5 @@
 """EncoderCacheManager: hits, misses, lazy LRU eviction of unreferenced entries, integrity."""
+
 from __future__ import annotations
 
 import random
@@ -12,6 +13,7 @@ from vlserve.core.encoder_cache_manager import EncoderCacheManager
 def test_no_torch_import():
     import subprocess
     from pathlib import Path
+
     code = "import sys, vlserve.core.encoder_cache_manager; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 

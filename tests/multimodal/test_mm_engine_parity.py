@@ -1,4 +1,5 @@
 """End to end through LLM: Qwen2-VL / Qwen2.5-VL greedy parity with HF generate, encoder-cache behaviour, bad media."""
+
 from __future__ import annotations
 
 import io
@@ -36,13 +37,14 @@ class HFOracle:
     def greedy(self, text: str, images=None, videos=None, n: int = MAX_NEW, **processor_kwargs) -> list[int]:
         from tests.support.hf_generate import align_hf_video_inputs, hf_greedy_ignoring_eos
 
-        inputs = self.processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt",
-                                **processor_kwargs).to(self.device)
+        inputs = self.processor(
+            text=[text], images=images or None, videos=videos or None, return_tensors="pt", **processor_kwargs
+        ).to(self.device)
         skip = align_hf_video_inputs(inputs, processor_kwargs.get("fps"), self.model.config)
         if skip:
             pytest.skip(skip)
         out = hf_greedy_ignoring_eos(self.model, inputs, n)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +93,18 @@ def test_chunked_placeholder_runs_and_tiny_encoder_cache(setup, vl_dir):
     expected = [hf.greedy(text, imgs, vids) for _, text, imgs, vids in cases]
     proc = llm.input_processor.mm_processor
     tok = llm.get_tokenizer()
-    sizes = [f.length for _, text, imgs, vids in cases
-             for f in proc.process(tok(text)["input_ids"], imgs, vids)[1]]
+    sizes = [f.length for _, text, imgs, vids in cases for f in proc.process(tok(text)["input_ids"], imgs, vids)[1]]
     assert max(sizes) > 4 and len(sizes) >= 5
     # 4-token steps split every placeholder run; a cache the size of the largest item holds one item at a time,
     # so entries are evicted and recomputed.
-    small = LLM(vl_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=4,
-                encoder_cache_size=max(sizes), enable_prefix_caching=False)
+    small = LLM(
+        vl_dir,
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=4,
+        encoder_cache_size=max(sizes),
+        enable_prefix_caching=False,
+    )
     assert _run_llm(small, cases) == expected
     assert _run_llm(small, cases) == expected  # a second pass re-encodes what was evicted
     m = small.get_metrics()
@@ -124,12 +131,21 @@ def test_chat_api_matches_generate(setup):
     import base64
 
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "Describe."}]}], _greedy(),
-                    use_tqdm=False)
-    pil = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
-                                                  {"type": "text", "text": "Describe."}]}], _greedy(),
-                   use_tqdm=False)
+    chat = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe."}],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
+    pil = llm.chat(
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": img}, {"type": "text", "text": "Describe."}]}],
+        _greedy(),
+        use_tqdm=False,
+    )
     wrapped = llm.generate("Describe.", _greedy(), images=[img], use_tqdm=False)
     assert chat[0].outputs[0].token_ids == pil[0].outputs[0].token_ids == wrapped[0].outputs[0].token_ids
 
@@ -160,11 +176,14 @@ def _bad_png_bytes():
     return buf.getvalue()[:60]
 
 
-@pytest.mark.parametrize("item,match", [
-    (b"definitely not an image", "image"),
-    (None, "truncated"),
-    (np.zeros((0, 10, 3), dtype=np.uint8), "image"),
-])
+@pytest.mark.parametrize(
+    "item,match",
+    [
+        (b"definitely not an image", "image"),
+        (None, "truncated"),
+        (np.zeros((0, 10, 3), dtype=np.uint8), "image"),
+    ],
+)
 def test_bad_images_rejected_and_engine_continues(setup, item, match):
     _, _, llm = setup
     if item is None:
@@ -198,10 +217,12 @@ def test_limits_and_mismatches(vl_dir):
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         llm.generate("Two?", _greedy(2), images=[[img, img]], use_tqdm=False)
     with pytest.raises(ValueError):  # one placeholder, no image? -> the text is used as is; two images, one slot
-        llm.generate({"prompt": _chat_text(tok, 1, 0, "x"), "multi_modal_data": {"video": [rand_video(2, 28, 28)]}},
-                     _greedy(2), use_tqdm=False)
+        llm.generate(
+            {"prompt": _chat_text(tok, 1, 0, "x"), "multi_modal_data": {"video": [rand_video(2, 28, 28)]}},
+            _greedy(2),
+            use_tqdm=False,
+        )
     with pytest.raises(ValueError, match="frames"):
-        llm.generate("Empty video.", _greedy(2), videos=[[np.zeros((0, 28, 28, 3), dtype=np.uint8)]],
-                     use_tqdm=False)
+        llm.generate("Empty video.", _greedy(2), videos=[[np.zeros((0, 28, 28, 3), dtype=np.uint8)]], use_tqdm=False)
     llm.check_integrity()
     assert not llm.engine.has_unfinished_requests()

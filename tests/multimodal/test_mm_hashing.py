@@ -1,4 +1,5 @@
 """hash_mm_item: same content + kwargs => same hash; any difference => different hash."""
+
 from __future__ import annotations
 
 import numpy as np

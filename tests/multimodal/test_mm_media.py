@@ -1,4 +1,5 @@
 """load_image / load_video: accepted inputs, mode conversion, rejections, frame sampling."""
+
 from __future__ import annotations
 
 import base64
@@ -57,18 +58,21 @@ def test_rgba_composited_on_white():
     assert load_image(pal).mode == "RGB"
 
 
-@pytest.mark.parametrize("bad, msg", [
-    (b"not an image at all", "could not decode"),
-    (b"", "empty"),
-    ("data:image/png;base64,%%%%", "base64"),
-    ("data:image/png,abc", "base64"),
-    ("/definitely/not/here.png", "not found"),
-    ("http://example.com/a.png", "remote"),
-    (12345, "unsupported image input type"),
-    (np.zeros((4, 4, 3), np.float32), "uint8"),
-    (np.zeros((4, 4, 2), np.uint8), "shape"),
-    (np.zeros((0, 4, 3), np.uint8), "zero size"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (b"not an image at all", "could not decode"),
+        (b"", "empty"),
+        ("data:image/png;base64,%%%%", "base64"),
+        ("data:image/png,abc", "base64"),
+        ("/definitely/not/here.png", "not found"),
+        ("http://example.com/a.png", "remote"),
+        (12345, "unsupported image input type"),
+        (np.zeros((4, 4, 3), np.float32), "uint8"),
+        (np.zeros((4, 4, 2), np.uint8), "shape"),
+        (np.zeros((0, 4, 3), np.uint8), "zero size"),
+    ],
+)
 def test_image_rejections(bad, msg):
     with pytest.raises(ValueError, match=msg):
         load_image(bad)

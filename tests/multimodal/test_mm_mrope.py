@@ -1,4 +1,5 @@
 """get_mrope_positions against transformers' own get_rope_index (Qwen2-VL and Qwen2.5-VL)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -21,8 +22,11 @@ def _build(cfg, items, texts):
         ids.append(cfg.vision_start_token_id)
         n = thw[0] * thw[1] * thw[2] // 4
         tok = cfg.image_token_id if modality == "image" else cfg.video_token_id
-        data = ({"image_grid_thw": torch.tensor([thw])} if modality == "image" else
-                {"video_grid_thw": torch.tensor([thw]), "second_per_grid_ts": torch.tensor([spg])})
+        data = (
+            {"image_grid_thw": torch.tensor([thw])}
+            if modality == "image"
+            else {"video_grid_thw": torch.tensor([thw]), "second_per_grid_ts": torch.tensor([spg])}
+        )
         feats.append(MultiModalFeature(modality, f"h{len(feats)}", len(ids), n, data))
         ids += [tok] * n + [cfg.vision_end_token_id] + [TEXT] * n_text
     return ids, feats
@@ -47,8 +51,11 @@ def _hf_rope_index(cfg, ids, feats):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel as M
     imgs = [f.data["image_grid_thw"] for f in feats if f.modality == "image"]
     vids = [f for f in feats if f.modality == "video"]
-    kwargs = dict(input_ids=torch.tensor([ids]), image_grid_thw=torch.cat(imgs) if imgs else None,
-                  video_grid_thw=torch.cat([f.data["video_grid_thw"] for f in vids]) if vids else None)
+    kwargs = dict(
+        input_ids=torch.tensor([ids]),
+        image_grid_thw=torch.cat(imgs) if imgs else None,
+        video_grid_thw=torch.cat([f.data["video_grid_thw"] for f in vids]) if vids else None,
+    )
     if cfg.model_type == "qwen2_5_vl" and vids:
         kwargs["second_per_grid_ts"] = torch.cat([f.data["second_per_grid_ts"] for f in vids])
     import inspect
@@ -63,15 +70,20 @@ def _hf_rope_index(cfg, ids, feats):
 @pytest.fixture(scope="module")
 def configs(qwen2_vl_dir, qwen2_5_vl_dir):
     from transformers import AutoConfig
-    return {"qwen2_vl": AutoConfig.from_pretrained(qwen2_vl_dir),
-            "qwen2_5_vl": AutoConfig.from_pretrained(qwen2_5_vl_dir)}
+
+    return {
+        "qwen2_vl": AutoConfig.from_pretrained(qwen2_vl_dir),
+        "qwen2_5_vl": AutoConfig.from_pretrained(qwen2_5_vl_dir),
+    }
 
 
 CASES = {
     "one_image": ([("image", (1, 4, 6), None)], [3, 5]),
     "image_first_token": ([("image", (1, 2, 2), None)], [0, 0]),
-    "images_and_videos": ([("image", (1, 4, 4), None), ("video", (3, 2, 4), 1.0), ("image", (1, 6, 2), None),
-                           ("video", (2, 4, 2), 2.0)], [2, 4, 0, 3, 6]),
+    "images_and_videos": (
+        [("image", (1, 4, 4), None), ("video", (3, 2, 4), 1.0), ("image", (1, 6, 2), None), ("video", (2, 4, 2), 2.0)],
+        [2, 4, 0, 3, 6],
+    ),
     "video_fractional_seconds": ([("video", (4, 2, 2), 0.5), ("video", (3, 2, 2), 1.5)], [1, 2, 2]),
     "many_frames_tall": ([("video", (6, 8, 2), 1.0), ("image", (1, 2, 12), None)], [5, 1, 7]),
 }
@@ -84,9 +96,11 @@ def test_matches_hf_get_rope_index(configs, variant, case):
 
     cfg = configs[variant]
     if transformers_major() >= 5 and any(m == "video" for m, _, _ in CASES[case][0]):
-        pytest.skip("transformers 5.x moves the text after a video on by max(h, w) and keeps fractional temporal "
-                    "steps, not the rule the checkpoints were trained with (4.57's, kept by vlserve): checked on 4.57 "
-                    "in the hf_parity job, and by hand in test_text_after_a_video_follows_its_last_position")
+        pytest.skip(
+            "transformers 5.x moves the text after a video on by max(h, w) and keeps fractional temporal "
+            "steps, not the rule the checkpoints were trained with (4.57's, kept by vlserve): checked on 4.57 "
+            "in the hf_parity job, and by hand in test_text_after_a_video_follows_its_last_position"
+        )
     ids, feats = _build(cfg, *CASES[case])
     pos, delta = get_mrope_positions(ids, feats, cfg)
     ref_pos, ref_delta = _hf_rope_index(cfg, ids, feats)
@@ -104,7 +118,7 @@ def test_qwen2_5_video_time_scaling(configs):
     cfg = configs["qwen2_5_vl"]  # tokens_per_second = 2
     ids, feats = _build(cfg, [("video", (3, 2, 2), 2.0)], [1, 1])
     pos, delta = get_mrope_positions(ids, feats, cfg)
-    vid = pos[:, feats[0].offset:feats[0].end]
+    vid = pos[:, feats[0].offset : feats[0].end]
     start = feats[0].offset
     assert vid[0].tolist() == [start + 4 * t for t in range(3) for _ in range(1)]  # t * 2 s * 2 tok/s
     assert pos[:, -1].tolist() == [start + 8 + 1 + 1] * 3  # vision_end, then the last text token
@@ -126,7 +140,7 @@ def test_decode_positions_continue_after_prompt(configs):
     assert dec.shape == (3, 3) and dec[0].tolist() == [pos.max() + 1, pos.max() + 2, pos.max() + 3]
     assert torch.equal(dec[0], dec[2])
     both = mrope_positions_for_range(pos, delta, L - 2, L + 2)
-    assert torch.equal(both, torch.cat([pos[:, L - 2:], decode_mrope_positions(delta, L, L + 2)], dim=1))
+    assert torch.equal(both, torch.cat([pos[:, L - 2 :], decode_mrope_positions(delta, L, L + 2)], dim=1))
     assert torch.equal(mrope_positions_for_range(pos, delta, 3, 9), pos[:, 3:9])
 
 
@@ -149,9 +163,7 @@ def test_text_after_a_video_follows_its_last_position(configs, variant):
     interval = 1 if variant == "qwen2_vl" else int(1.0) * tps
     last = 3 + interval  # the second temporal step of the video
     after = [last + 1, last + 2, last + 3]  # <ve>, T, T
-    expected = torch.tensor([[0, 1, 2, 3, last] + after,
-                             [0, 1, 2, 3, 3] + after,
-                             [0, 1, 2, 3, 3] + after])
+    expected = torch.tensor([[0, 1, 2, 3, last] + after, [0, 1, 2, 3, 3] + after, [0, 1, 2, 3, 3] + after])
     pos, delta = get_mrope_positions(ids, feats, cfg)
     assert torch.equal(pos, expected), f"\n{pos}\n{expected}"
     assert delta == after[-1] + 1 - len(ids)

@@ -1,4 +1,5 @@
 """MultiModalProcessor: parity with the HF processor's own __call__, per-item caching, errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ VID = "<|vision_start|><|video_pad|><|vision_end|>"
 @pytest.fixture(scope="module")
 def hf_processors(qwen2_vl_dir, qwen2_5_vl_dir):
     from transformers import AutoProcessor
+
     return {d: AutoProcessor.from_pretrained(d) for d in (qwen2_vl_dir, qwen2_5_vl_dir)}
 
 
@@ -29,6 +31,7 @@ def _ids(hf_proc, text: str) -> list[int]:
 
 def test_checkpoint_loads_offline(vl_dir, hf_proc):
     from transformers import AutoConfig
+
     cfg = AutoConfig.from_pretrained(vl_dir)
     tok = hf_proc.tokenizer
     assert cfg.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>") == hf_proc.image_token_id
@@ -36,7 +39,9 @@ def test_checkpoint_loads_offline(vl_dir, hf_proc):
     assert cfg.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
     text = hf_proc.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color?"}]}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert IMG in text and text.endswith("<|im_start|>assistant\n")
 
 
@@ -49,12 +54,11 @@ def test_images_match_hf_call(hf_proc):
     ref = hf_proc(text=[prompt], images=images, return_tensors="pt", **kwargs)
     assert new_ids == ref["input_ids"][0].tolist()
     assert [f.modality for f in feats] == ["image"] * 3
-    torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in feats]), ref["pixel_values"],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in feats]), ref["pixel_values"], rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([f.data["image_grid_thw"] for f in feats]), ref["image_grid_thw"])
     for f in feats:
         assert f.length == int(f.data["image_grid_thw"].prod()) // 4
-        assert set(new_ids[f.offset:f.end]) == {hf_proc.image_token_id}
+        assert set(new_ids[f.offset : f.end]) == {hf_proc.image_token_id}
         assert new_ids[f.offset - 1] == hf_proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")
         assert new_ids[f.end] == hf_proc.tokenizer.convert_tokens_to_ids("<|vision_end|>")
     assert len({f.mm_hash for f in feats}) == 3
@@ -65,19 +69,18 @@ def test_mixed_images_and_videos_match_hf_call(hf_proc):
     videos = [rand_video(4, 40, 60, 6), rand_video(5, 56, 56, 7)]  # odd frame count: HF pads the last frame
     prompt = f"a {VID} b {IMG} c {VID}{IMG} d"
     proc = MultiModalProcessor(hf_proc)
-    new_ids, feats = proc.process(_ids(hf_proc, prompt), images=images, videos=videos,
-                                  mm_processor_kwargs={"fps": 1.0})
+    new_ids, feats = proc.process(_ids(hf_proc, prompt), images=images, videos=videos, mm_processor_kwargs={"fps": 1.0})
     ref = hf_proc(text=[prompt], images=images, videos=videos, fps=1.0, return_tensors="pt")
     assert new_ids == ref["input_ids"][0].tolist()
     assert [f.modality for f in feats] == ["video", "image", "video", "image"]
     assert [f.offset for f in feats] == sorted(f.offset for f in feats)
     vids = [f for f in feats if f.modality == "video"]
-    torch.testing.assert_close(torch.cat([f.data["pixel_values_videos"] for f in vids]),
-                               ref["pixel_values_videos"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.cat([f.data["pixel_values_videos"] for f in vids]), ref["pixel_values_videos"], rtol=0, atol=0
+    )
     torch.testing.assert_close(torch.cat([f.data["video_grid_thw"] for f in vids]), ref["video_grid_thw"])
     imgs = [f for f in feats if f.modality == "image"]
-    torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in imgs]), ref["pixel_values"],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in imgs]), ref["pixel_values"], rtol=0, atol=0)
     from tests.support.hf_generate import transformers_major
 
     # Qwen2.5-VL; transformers 5.x's processor ignores fps for raw frames (it assumes 24 fps), 4.x honours it
@@ -149,8 +152,9 @@ def test_text_only_and_video_pixel_kwargs(hf_proc):
     ids = _ids(hf_proc, "hello world")
     assert proc.process(ids) == (ids, [])
     # min/max_pixels also bound video frames (translated into the video processor's `size`).
-    _, (small,) = proc.process(_ids(hf_proc, VID), videos=[rand_video(2, 112, 112)],
-                               mm_processor_kwargs={"max_pixels": 28 * 28 * 4})
+    _, (small,) = proc.process(
+        _ids(hf_proc, VID), videos=[rand_video(2, 112, 112)], mm_processor_kwargs={"max_pixels": 28 * 28 * 4}
+    )
     assert small.data["video_grid_thw"].tolist() == [[1, 4, 4]]
     assert proc.max_image_embeds() == 64 and proc.max_video_embeds(8) == 4 * 64
 

@@ -1,5 +1,6 @@
 """A VL engine whose towers stay unpacked and whose decoder splits by rows (what bf16 does on AMX CPUs, forced
 here by $VLSERVE_CPU_ONEDNN_ROWS) still matches HF token for token."""
+
 import pytest
 
 from tests.multimodal.test_mm_engine_parity import HFOracle, _case_prompts, _run_llm

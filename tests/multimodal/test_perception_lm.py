@@ -1,5 +1,6 @@
 """PerceptionLM with a timm-built vision tower: greedy parity with HF generate through LLM.generate, LLM.chat and
 the server; chunked prefill and preemption; placeholder counts as HF's processor computes them; the encoder cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,7 @@ SIZES = [(60, 100), (50, 150), (40, 44), (20, 300)]
 @pytest.fixture(scope="module")
 def plm_dir(tmp_path_factory):
     from tests.support.plm_checkpoints import build_plm_checkpoint
+
     return build_plm_checkpoint(str(tmp_path_factory.mktemp("plm")))
 
 
@@ -92,9 +94,19 @@ def test_generate_and_chat_parity_with_hf(plm_dir, oracle, expected):
     wrapped = llm.generate("What is this?", _greedy(), images=[imgs], use_tqdm=False)
     assert wrapped[0].outputs[0].token_ids == expected[0]
     url = data_url(imgs[0])
-    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}], _greedy(),
-                    use_tqdm=False)
+    chat = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert chat[0].outputs[0].token_ids == expected[0]
     llm.check_integrity()
 
@@ -102,8 +114,9 @@ def test_generate_and_chat_parity_with_hf(plm_dir, oracle, expected):
 @pytest.mark.slow
 def test_chunked_prefill_32_with_forced_preemption(plm_dir, oracle, expected):
     # 32-token steps split every image's placeholder run; 8 blocks x 16 slots cannot hold the batch at once.
-    llm = LLM(plm_dir, dtype="float32", num_kv_blocks=8, block_size=16, max_num_batched_tokens=32,
-              enable_prefix_caching=False)
+    llm = LLM(
+        plm_dir, dtype="float32", num_kv_blocks=8, block_size=16, max_num_batched_tokens=32, enable_prefix_caching=False
+    )
     assert _run(llm, _cases(oracle)) == expected
     m = llm.get_metrics()
     assert m["vlserve:num_preemptions_total"] > 0
@@ -127,8 +140,7 @@ def test_bad_tiling_kwargs_rejected_and_engine_continues(plm_dir):
     with pytest.raises(ValueError, match="tile_size"):
         llm.generate("Look.", _greedy(2), images=[[img]], mm_processor_kwargs={"tile_size": 64}, use_tqdm=False)
     with pytest.raises(ValueError, match="max_num_tiles"):
-        llm.generate("Look.", _greedy(2), images=[[img]], mm_processor_kwargs={"max_num_tiles": 10**6},
-                     use_tqdm=False)
+        llm.generate("Look.", _greedy(2), images=[[img]], mm_processor_kwargs={"max_num_tiles": 10**6}, use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         llm.generate("Two.", _greedy(2), images=[[img, img]], use_tqdm=False)
     with pytest.raises(ValueError, match="video"):
@@ -143,13 +155,27 @@ def test_server_image_url_parity_with_hf(plm_dir, oracle, expected):
 
     _, text, imgs = _cases(oracle)[0]
     url = data_url(imgs[0])
-    served = start_server(EngineArgs(model=plm_dir, served_model_name="tiny-plm", dtype="float32",
-                                     num_kv_blocks=128, max_num_batched_tokens=32))
+    served = start_server(
+        EngineArgs(
+            model=plm_dir, served_model_name="tiny-plm", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=32
+        )
+    )
     try:
         r = served.client.chat.completions.create(
-            model="tiny-plm", temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}])
+            model="tiny-plm",
+            temperature=0,
+            max_tokens=MAX_NEW,
+            extra_body={"ignore_eos": True},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "What is this?"},
+                    ],
+                }
+            ],
+        )
         tok = oracle.processor.tokenizer
         assert r.choices[0].message.content == tok.decode(expected[0], skip_special_tokens=True)
         assert r.usage.prompt_tokens == oracle.inputs(text, imgs)["input_ids"].shape[1]

@@ -2,6 +2,7 @@
 images / video and merges their embeddings, the second receives hidden states only; every stage computes the
 M-RoPE positions. Greedy token for token with HF and with PP=1 under chunked prefill that splits the placeholder
 runs, and the encoder counters are the first stage's."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,12 @@ def test_qwen2_vl_pp2_matches_pp1_and_hf_on_images_and_video(qwen2_vl_dir):
     tok = hf.processor.tokenizer
     img_a, img_b = (Image.fromarray(rand_image(56, 84, seed=s)) for s in (1, 2))
     frames = rand_video(4, 84, 84, seed=4)
-    cases = [(_chat_text(tok, 1, 0, "What is this?"), [img_a], []),
-             (_chat_text(tok, 2, 0, "Compare them."), [img_a, img_b], []),
-             (_chat_text(tok, 0, 1, "What happens?"), [], [frames]),
-             (_chat_text(tok, 0, 0, "Hello there"), [], [])]
+    cases = [
+        (_chat_text(tok, 1, 0, "What is this?"), [img_a], []),
+        (_chat_text(tok, 2, 0, "Compare them."), [img_a, img_b], []),
+        (_chat_text(tok, 0, 1, "What happens?"), [], [frames]),
+        (_chat_text(tok, 0, 0, "Hello there"), [], []),
+    ]
     expected = [hf.greedy(text, imgs, vids) for text, imgs, vids in cases]
     one = LLM(qwen2_vl_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8)
     try:
@@ -62,9 +65,11 @@ def test_llava_pp2_matches_hf_with_chunked_prefill(llava_dir):
     from tests.multimodal.test_llava import _img
 
     hf = LlavaOracle(llava_dir)
-    cases = [(hf.chat_text(1, "What is this?"), [_img((40, 60), seed=0)], []),
-             (hf.chat_text(2, "Compare them."), [_img((32, 400), seed=7), _img((40, 60), seed=0)], []),
-             (hf.chat_text(0, "Hello there"), [], [])]
+    cases = [
+        (hf.chat_text(1, "What is this?"), [_img((40, 60), seed=0)], []),
+        (hf.chat_text(2, "Compare them."), [_img((32, 400), seed=7), _img((40, 60), seed=0)], []),
+        (hf.chat_text(0, "Hello there"), [], []),
+    ]
     expected = [hf.greedy(text, imgs)[1] for text, imgs, _ in cases]
     llm = LLM(llava_dir, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, pipeline_parallel_size=2)
     try:
@@ -72,7 +77,7 @@ def test_llava_pp2_matches_hf_with_chunked_prefill(llava_dir):
         assert [i["layers"] for i in info] == [(0, 2), (2, 4)]
         assert info[1]["num_params"] < info[0]["num_params"]  # no tower or projector on the second stage
         got = _generate(llm, cases)
-        assert [g[:len(e)] for g, e in zip(got, expected)] == expected
+        assert [g[: len(e)] for g, e in zip(got, expected)] == expected
         assert llm.get_metrics()["vlserve:encoder_runs_total"] == 2
         llm.check_integrity()
     finally:

@@ -1,6 +1,7 @@
 """MultiModalProcessor from several threads (the server's preprocessing pool): distinct images are processed at the
 same time, one image asked for by many threads at once runs the HF processor once (one miss, the rest hits), and
 results equal the one-thread ones."""
+
 from __future__ import annotations
 
 import threading

@@ -2,6 +2,7 @@
 generate through LLM.generate / LLM.chat / the server for text, one image, two images, a video and an image with a
 video; chunked prefill through image spans with forced preemption, prefix caching with images, the encoder cache,
 n-gram speculation and tensor parallel 2."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,7 @@ MAX_NEW = 8
 @pytest.fixture(scope="module")
 def q3_dir(tmp_path_factory):
     from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")))
 
 
@@ -35,15 +37,21 @@ class Qwen3Oracle(HFImageTextOracle):
         from transformers.video_utils import VideoMetadata
 
         # what vlserve assumes for raw frames: indices 0..T-1 at HF's default 24 fps
-        return {"video_metadata": [VideoMetadata(total_num_frames=len(v), fps=24.0, frames_indices=list(range(len(v))))
-                                   for v in videos], "do_sample_frames": False}
+        return {
+            "video_metadata": [
+                VideoMetadata(total_num_frames=len(v), fps=24.0, frames_indices=list(range(len(v)))) for v in videos
+            ],
+            "do_sample_frames": False,
+        }
 
     def adjust(self, inputs):
         from transformers import BatchFeature
 
         tok = self.processor.tokenizer
-        special = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                                                          "<|video_pad|>")]
+        special = [
+            tok.convert_tokens_to_ids(t)
+            for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+        ]
         return BatchFeature(trained_video_layout(inputs, *special))
 
 
@@ -128,9 +136,19 @@ def test_generate_and_chat_parity_with_hf(q3_dir, oracle, expected):
     assert expected[0] != expected[1], "different images must give different outputs"
     _, text, imgs, _ = cases[0]
     url = data_url(imgs[0])
-    chat = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                   {"type": "text", "text": "What is this?"}]}], _greedy(),
-                    use_tqdm=False)
+    chat = llm.chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
+        _greedy(),
+        use_tqdm=False,
+    )
     assert chat[0].outputs[0].token_ids == expected[0]
     llm.check_integrity()
 
@@ -138,8 +156,9 @@ def test_generate_and_chat_parity_with_hf(q3_dir, oracle, expected):
 @pytest.mark.slow
 def test_chunked_prefill_8_with_forced_preemption(q3_dir, oracle, expected):
     # 8-token steps split every image's placeholder run; 6 blocks x 16 slots cannot hold the batch at once
-    llm = LLM(q3_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        q3_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
     assert _run(llm, _cases(oracle)) == expected
     assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
     llm.check_integrity()
@@ -179,8 +198,15 @@ def test_tensor_parallel_2_matches_hf(q3_dir, oracle, expected):
 
 def test_server_image_url_parity_with_hf(q3_dir, oracle, expected):
     _, text, imgs, _ = _cases(oracle)[0]
-    assert_server_image_parity(q3_dir, imgs[0], expected[0], oracle.processor.tokenizer,
-                               oracle.inputs(text, imgs)["input_ids"].shape[1], MAX_NEW, "tiny-qwen3-vl")
+    assert_server_image_parity(
+        q3_dir,
+        imgs[0],
+        expected[0],
+        oracle.processor.tokenizer,
+        oracle.inputs(text, imgs)["input_ids"].shape[1],
+        MAX_NEW,
+        "tiny-qwen3-vl",
+    )
 
 
 def test_eagle_over_qwen3_vl_keeps_greedy_output(tmp_path_factory):

@@ -1,6 +1,7 @@
 """Qwen3-VL-MoE: the routing and fused experts against HF's sparse MoE block, then greedy parity with HF generate
 for text, images and video; the 4.57 / released layout of the stacked expert weights; chunked prefill with
 preemption; expert parallelism over two tensor-parallel ranks."""
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,18 @@ from vlserve import LLM
 
 pytestmark = pytest.mark.hf_parity
 
-MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "mlp_only_layers": [1]}  # 96: packs on CPU
+MOE = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 96,
+    "mlp_only_layers": [1],
+}  # 96: packs on CPU
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl_moe")), moe=MOE)
 
 
@@ -74,8 +81,10 @@ def test_both_layouts_of_stacked_experts_load(moe_dir, oracle, expected, tmp_pat
     out = tmp_path / "transposed"
     shutil.copytree(moe_dir, out)
     tensors = load_file(os.path.join(moe_dir, "model.safetensors"))
-    flipped = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
-               for k, v in tensors.items()}
+    flipped = {
+        k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+        for k, v in tensors.items()
+    }
     inter = MOE["moe_intermediate_size"]
     assert tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape[2] == 2 * inter  # released
     assert any(tuple(flipped[k].shape) != tuple(tensors[k].shape) for k in tensors)
@@ -86,8 +95,9 @@ def test_both_layouts_of_stacked_experts_load(moe_dir, oracle, expected, tmp_pat
 
 @pytest.mark.slow
 def test_chunked_prefill_with_forced_preemption(moe_dir, oracle, expected):
-    llm = LLM(moe_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        moe_dir, dtype="float32", num_kv_blocks=6, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
     assert _run(llm, _cases(oracle)) == expected
     assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
     llm.check_integrity()

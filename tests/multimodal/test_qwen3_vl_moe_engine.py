@@ -2,6 +2,7 @@
 outputs equal to HF greedy, prefix hits, no new encoder runs; one image in six prompts: encoded once), chunked
 prefill through image spans with forced preemption, and the OpenAI server with an image_url data URL, each against
 HF generate on the tiny MoE checkpoint of test_qwen3_vl_moe."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.hf_parity  # also run on transformers 4.57 (make test-h
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl_moe_engine")), moe=MOE)
 
 
@@ -57,8 +59,9 @@ def test_prefix_caching_and_encoder_cache(moe_dir, oracle, expected):
 def test_chunked_prefill_8_with_forced_preemption(moe_dir, oracle, expected):
     # 8-token steps split every image's placeholder run; 4 blocks x 16 slots cannot hold the batch at once (6 do
     # for these image prompts; test_qwen3_vl_moe's slow test runs the longer video cases with 6)
-    llm = LLM(moe_dir, dtype="float32", num_kv_blocks=4, block_size=16, max_num_batched_tokens=8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        moe_dir, dtype="float32", num_kv_blocks=4, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
     assert _run(llm, _image_cases(oracle)) == expected
     assert llm.get_metrics()["vlserve:num_preemptions_total"] > 0
     llm.check_integrity()
@@ -66,5 +69,12 @@ def test_chunked_prefill_8_with_forced_preemption(moe_dir, oracle, expected):
 
 def test_server_image_url_parity_with_hf(moe_dir, oracle, expected):
     _, text, imgs, _ = _image_cases(oracle)[0]
-    assert_server_image_parity(moe_dir, imgs[0], expected[0], oracle.processor.tokenizer,
-                               oracle.inputs(text, imgs)["input_ids"].shape[1], MAX_NEW, "tiny-qwen3-vl-moe")
+    assert_server_image_parity(
+        moe_dir,
+        imgs[0],
+        expected[0],
+        oracle.processor.tokenizer,
+        oracle.inputs(text, imgs)["input_ids"].shape[1],
+        MAX_NEW,
+        "tiny-qwen3-vl-moe",
+    )

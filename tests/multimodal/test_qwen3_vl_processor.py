@@ -1,4 +1,5 @@
 """MultiModalProcessor on Qwen3-VL: prompt ids and per-frame video features against HF's Qwen3VLProcessor."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,12 +18,14 @@ MERGE = 2  # the tiny checkpoint's spatial merge size
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
     return build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("qwen3_vl")))
 
 
 @pytest.fixture(scope="module")
 def hf(ckpt):
     from transformers import AutoProcessor
+
     return AutoProcessor.from_pretrained(ckpt)
 
 
@@ -33,8 +36,7 @@ def proc(ckpt):
 
 def _chat(hf, parts: list[str], text: str = "Describe it.") -> str:
     content = [{"type": p} for p in parts] + [{"type": "text", "text": text}]
-    return hf.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                  tokenize=False)
+    return hf.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
 
 
 def _hf_call(hf, text: str, images=(), videos=()):
@@ -46,14 +48,17 @@ def _hf_call(hf, text: str, images=(), videos=()):
         kw["images"] = list(images)
     if videos:
         kw["videos"] = [frames for frames, _, _ in videos]
-        kw["video_metadata"] = [VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(idx))
-                                for frames, fps, idx in videos]
+        kw["video_metadata"] = [
+            VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(idx))
+            for frames, fps, idx in videos
+        ]
         kw["do_sample_frames"] = False
     from tests.support.qwen3_vl_checkpoints import trained_video_layout
 
     tok = hf.tokenizer
-    special = [tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                                                      "<|video_pad|>")]
+    special = [
+        tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    ]
     return trained_video_layout(hf(text=[text], return_tensors="pt", **kw), *special)
 
 
@@ -70,16 +75,17 @@ def _raw(frames):
 def _check_videos(proc, ids, feats, ref):
     """Per-frame video features: HF's pixel rows in order, grids [1, h, w], each on a run of video pads."""
     vids = [f for f in feats if f.modality == "video"]
-    torch.testing.assert_close(torch.cat([f.data["pixel_values_videos"] for f in vids]),
-                               ref["pixel_values_videos"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.cat([f.data["pixel_values_videos"] for f in vids]), ref["pixel_values_videos"], rtol=0, atol=0
+    )
     assert sum(int(g[0]) for g in ref["video_grid_thw"]) == len(vids)
     start, end = (proc.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>"))
     for f in vids:
         _, h, w = f.data["video_grid_thw"][0].tolist()
         assert f.data["video_grid_thw"].tolist() == [[1, h, w]] and f.data["video_grid_thw"].dtype == torch.int64
         assert f.data["pixel_values_videos"].shape[0] == h * w
-        assert f.length == h * w // MERGE ** 2
-        assert set(ids[f.offset:f.end]) == {proc.video_token_id}
+        assert f.length == h * w // MERGE**2
+        assert set(ids[f.offset : f.end]) == {proc.video_token_id}
         assert ids[f.offset - 1] == start and ids[f.end] == end
     assert sum(f.length for f in vids) == ids.count(proc.video_token_id)
     assert [f.offset for f in feats] == sorted(f.offset for f in feats)
@@ -99,7 +105,7 @@ def test_one_image_matches_hf(proc, hf):
     assert ids == ref["input_ids"][0].tolist()
     assert [f.modality for f in feats] == ["image"]
     torch.testing.assert_close(feats[0].data["pixel_values"], ref["pixel_values"], rtol=0, atol=0)
-    assert feats[0].length == ids.count(proc.image_token_id) == int(ref["image_grid_thw"].prod()) // MERGE ** 2
+    assert feats[0].length == ids.count(proc.image_token_id) == int(ref["image_grid_thw"].prod()) // MERGE**2
 
 
 def test_two_images_match_hf(proc, hf):
@@ -108,8 +114,7 @@ def test_two_images_match_hf(proc, hf):
     ids, feats = _ours(proc, text, images=images)
     ref = _hf_call(hf, text, images=images)
     assert ids == ref["input_ids"][0].tolist()
-    torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in feats]), ref["pixel_values"],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([f.data["pixel_values"] for f in feats]), ref["pixel_values"], rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([f.data["image_grid_thw"] for f in feats]), ref["image_grid_thw"])
 
 
@@ -122,7 +127,7 @@ def test_video_matches_hf(proc, hf, num_frames):
     assert ids == ref["input_ids"][0].tolist()
     vids = _check_videos(proc, ids, feats, ref)
     assert len(vids) == -(-num_frames // 2)
-    video_hash = vids[0].mm_hash[:-len("-f0")]
+    video_hash = vids[0].mm_hash[: -len("-f0")]
     assert [f.mm_hash for f in vids] == [frame_hash(video_hash, j) for j in range(len(vids))]
     # HF's own default rate for clips without one is the constant ours falls back on
     assert _hf_call(hf, text, videos=[(frames, None, range(num_frames))])["input_ids"][0].tolist() == ids

@@ -1,6 +1,7 @@
 """Split encoding through the engine on tiny Qwen2-VL / Qwen2.5-VL checkpoints with a 4-block tower: with a forced
 encoder budget of one embedding each image's tower runs one block per step, a running text stream gets a token in
 every one of those steps, greedy outputs equal the unsplit run's, and an abort mid-encode leaves nothing behind."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,13 @@ def deep_tower_dir(request, tmp_path_factory):
     """Qwen2.5-VL: windowed blocks 0, 2, 3 and a full-attention block 1 (both kinds cross a slice boundary)."""
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
 
-    return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp(request.param)), variant=request.param,
-                                     vision_depth=DEPTH, fullatt_block_indexes=(1,), seed=5)
+    return build_qwen2_vl_checkpoint(
+        str(tmp_path_factory.mktemp(request.param)),
+        variant=request.param,
+        vision_depth=DEPTH,
+        fullatt_block_indexes=(1,),
+        seed=5,
+    )
 
 
 def _images():
@@ -36,8 +42,12 @@ def _run(model_dir: str, budget: int, **engine_kwargs):
     loop.add_requests([NewRequest("text", ip.process_prompt("Count to ten."), TEXT_PARAMS, 0.0)])
     loop.step()
     img_a, img_b = _images()
-    loop.add_requests([NewRequest("a", ip.process_prompt("Describe it.", images=[img_a]), PARAMS, 0.0),
-                       NewRequest("ab", ip.process_prompt("Compare them.", images=[img_a, img_b]), PARAMS, 0.0)])
+    loop.add_requests(
+        [
+            NewRequest("a", ip.process_prompt("Describe it.", images=[img_a]), PARAMS, 0.0),
+            NewRequest("ab", ip.process_prompt("Compare them.", images=[img_a, img_b]), PARAMS, 0.0),
+        ]
+    )
     scheduler, steps, tokens, text_len = llm.engine.scheduler, [], {}, 1
     schedule = scheduler.schedule
 
@@ -90,8 +100,12 @@ def test_split_tower_over_two_pipeline_stages_equals_unsplit(deep_tower_dir):
 def test_abort_mid_encode_leaves_no_partial_state(deep_tower_dir):
     llm = LLM(deep_tower_dir, dtype="float32", num_kv_blocks=256, max_num_encoder_input_tokens=1)
     loop, ip, runner, sched = llm.engine_loop, llm.input_processor, llm.engine.runner, llm.engine.scheduler
-    loop.add_requests([NewRequest("text", ip.process_prompt("Count to ten."), TEXT_PARAMS, 0.0),
-                       NewRequest("a", ip.process_prompt("Describe it.", images=_images()[:1]), PARAMS, 0.0)])
+    loop.add_requests(
+        [
+            NewRequest("text", ip.process_prompt("Count to ten."), TEXT_PARAMS, 0.0),
+            NewRequest("a", ip.process_prompt("Describe it.", images=_images()[:1]), PARAMS, 0.0),
+        ]
+    )
     loop.step()
     loop.step()
     assert len(runner.encoders.partial_hashes()) == 1 and sched.encoder_cache.partial  # mid-encode

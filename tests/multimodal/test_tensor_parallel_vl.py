@@ -1,5 +1,6 @@
 """Qwen2-VL over two tensor-parallel gloo ranks (the vision tower replicated on each, the language model sharded):
 greedy token for token with HF on image prompts, with chunked prefill splitting the image placeholders."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,11 @@ def test_qwen2_vl_tp2_matches_hf_on_images(qwen2_vl_dir):
     hf = HFOracle(qwen2_vl_dir)
     tok = hf.processor.tokenizer
     img_a, img_b = (Image.fromarray(rand_image(56, 84, seed=s)) for s in (1, 2))
-    cases = [(_chat_text(tok, 1, 0, "What is this?"), [img_a]), (_chat_text(tok, 2, 0, "Compare them."), [img_a, img_b]),
-             (_chat_text(tok, 0, 0, "Hello there"), [])]
+    cases = [
+        (_chat_text(tok, 1, 0, "What is this?"), [img_a]),
+        (_chat_text(tok, 2, 0, "Compare them."), [img_a, img_b]),
+        (_chat_text(tok, 0, 0, "Hello there"), []),
+    ]
     expected = [hf.greedy(text, imgs) for text, imgs in cases]
     llm = LLM(qwen2_vl_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8, tensor_parallel_size=2)
     try:

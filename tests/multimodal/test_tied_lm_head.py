@@ -1,6 +1,7 @@
 """Qwen2-VL / Qwen2.5-VL checkpoints whose LM head is tied to the embeddings (Qwen2-VL-2B's layout): transformers
 5.x keeps the flag only at the top level of the config, 4.57 in the text config too; either way vlserve ties and
 matches HF generate."""
+
 import json
 import os
 

@@ -1,6 +1,7 @@
 """EAGLE / EAGLE-3 drafting through the engine: greedy output identical with the draft on and off (text and
 Qwen2-VL with images, chunked prefill, preemption), an exactly-right head accepts every draft, the training path
 matches the serving path, and `train-eagle` produces a head that beats an untrained one on held-out prompts."""
+
 import json
 import os
 import shutil
@@ -107,8 +108,13 @@ def test_exact_head_accepts_every_draft(text_target, tmp_path):
     head = build_eagle_checkpoint(str(tmp_path / "head"), target, "eagle", "mimic")
     prompts = _prompts(5, seed=3)
     base = LLM(target, dtype="float32", num_kv_blocks=64).generate(prompts, _greedy(), use_tqdm=False)
-    llm = LLM(target, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16,
-              speculative_config=_spec("eagle", head, k=4))
+    llm = LLM(
+        target,
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        speculative_config=_spec("eagle", head, k=4),
+    )
     out = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
     m = llm.get_metrics()
@@ -151,6 +157,7 @@ def test_eagle_near_max_model_len(text_target, heads):
 
 # ---------------------------------------------------------------------------------------------------- Qwen2-VL
 
+
 @pytest.fixture(scope="module")
 def vl_target(tmp_path_factory):
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
@@ -179,6 +186,7 @@ def test_eagle_on_vlm_with_images(vl_target, tmp_path_factory, engine_kwargs):
 
 # ---------------------------------------------------------------------------------------------------- the model
 
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_training_forward_matches_serving(text_target, method):
     """forward_train's unrolled step t at position p equals the paged path: pass 0 up to the last valid row P,
@@ -204,23 +212,29 @@ def test_training_forward_matches_serving(text_target, method):
     hid = torch.randn(N, 3 * H if method == "eagle3" else H)
     outs = draft.forward_train(emb[None], hid[None], pos[None], num_steps=3)
     head_dim = H // hf.num_attention_heads
-    kv = (torch.zeros(NB, BS, hf.num_key_value_heads, head_dim), torch.zeros(NB, BS, hf.num_key_value_heads,
-                                                                            head_dim))
+    kv = (torch.zeros(NB, BS, hf.num_key_value_heads, head_dim), torch.zeros(NB, BS, hf.num_key_value_heads, head_dim))
     bt = torch.arange(NB, dtype=torch.int32)[None]
 
     def md(start, n):
         return AttentionMetadata(
-            slot_mapping=torch.arange(start, start + n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([start + n], dtype=torch.int32), block_tables=bt, num_decodes=int(n == 1),
-            max_query_len=n, max_seq_len=start + n, query_start_loc_cpu=[0, n], seq_lens_cpu=[start + n])
+            slot_mapping=torch.arange(start, start + n),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([start + n], dtype=torch.int32),
+            block_tables=bt,
+            num_decodes=int(n == 1),
+            max_query_len=n,
+            max_seq_len=start + n,
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[start + n],
+        )
 
     with torch.no_grad():
-        o0 = draft(emb[:P + 1], hid[:P + 1], pos[:P + 1], kv, md(0, P + 1), from_target=True)
-        torch.testing.assert_close(o0, outs[0][0, :P + 1], atol=1e-5, rtol=1e-5)
-        h = o0[P:P + 1]
+        o0 = draft(emb[: P + 1], hid[: P + 1], pos[: P + 1], kv, md(0, P + 1), from_target=True)
+        torch.testing.assert_close(o0, outs[0][0, : P + 1], atol=1e-5, rtol=1e-5)
+        h = o0[P : P + 1]
         for t in (1, 2):
             q = P + t
-            h = draft(emb[q:q + 1], h, pos[q:q + 1], kv, md(q, 1), from_target=False)
+            h = draft(emb[q : q + 1], h, pos[q : q + 1], kv, md(q, 1), from_target=False)
             torch.testing.assert_close(h[0], outs[t][0, q], atol=1e-5, rtol=1e-5)
 
 
@@ -242,6 +256,7 @@ def test_bad_eagle_checkpoints(text_target, heads, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- training
+
 
 @pytest.fixture(scope="module")
 def small_target(tmp_path_factory):
@@ -267,9 +282,30 @@ def test_train_eagle_beats_untrained(small_target, tmp_path, method, capsys):
 
     target, data = small_target
     out = str(tmp_path / "head")
-    argv = ["--target", target, "--data", data, "--out", out, "--method", method, "--gen-len", "32",
-            "--ignore-eos", "--num-eval", "20", "--max-steps", "400", "--batch-size", "16",
-            "--lr", "3e-3", "--label-temperature", "0", "--quiet"]
+    argv = [
+        "--target",
+        target,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--method",
+        method,
+        "--gen-len",
+        "32",
+        "--ignore-eos",
+        "--num-eval",
+        "20",
+        "--max-steps",
+        "400",
+        "--batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--label-temperature",
+        "0",
+        "--quiet",
+    ]
     if method == "eagle3":
         argv += ["--draft-vocab-size", "48"]
     report = train_eagle(build_parser().parse_args(argv))

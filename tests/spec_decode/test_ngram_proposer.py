@@ -1,4 +1,5 @@
 """NgramProposer: hand cases, a brute-force cross-check, the list-buffer cache, and a printed timing."""
+
 import time
 
 import numpy as np
@@ -13,10 +14,10 @@ def brute(t, mn, mx, k, match="earliest"):
     for n in range(mx, mn - 1, -1):
         if n >= L:
             continue
-        occ = [s for s in range(0, L - n) if t[s:s + n] == t[L - n:]]
+        occ = [s for s in range(0, L - n) if t[s : s + n] == t[L - n :]]
         if occ:
             s = occ[0] if match == "earliest" else occ[-1]
-            return t[s + n:s + n + k]
+            return t[s + n : s + n + k]
     return []
 
 
@@ -99,8 +100,9 @@ def test_buffer_cache_follows_growing_lists():
 
 
 def test_from_config():
-    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                                     "prompt_lookup_max": 3})
+    c = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    )
     p = NgramProposer.from_config(c, max_model_len=100)
     assert (p.min_n, p.max_n, p.k, p.max_model_len) == (2, 3, 4, 100)
     with pytest.raises(ValueError):
@@ -111,7 +113,7 @@ def _text_like(rng, L, V=32000):
     x = rng.permutation(V)[rng.zipf(1.2, L) % V]  # Zipf-ish token frequencies
     for _ in range(5):  # plus some copied spans
         s, d = rng.integers(0, L - 50, 2)
-        x[d:d + 30] = x[s:s + 30]
+        x[d : d + 30] = x[s : s + 30]
     return x.astype(np.int64)
 
 
@@ -124,8 +126,7 @@ def test_speed_printed():
     for mn, mx in ((1, 3), (2, 5), (5, 5)):
         p = NgramProposer(mn, mx, 5)
         res = {}
-        for name, inp, kw in (("numpy", arrays, {}), ("lists+req_ids", lists, {"req_ids": ids}),
-                              ("lists", lists, {})):
+        for name, inp, kw in (("numpy", arrays, {}), ("lists+req_ids", lists, {"req_ids": ids}), ("lists", lists, {})):
             p.propose(inp, **kw)
             ts = []
             for it in range(15 if name != "lists" else 3):

@@ -1,4 +1,5 @@
 """Speculative decoding through the engine: greedy output identical with n-gram drafts on and off."""
+
 import pytest
 import torch
 from PIL import Image
@@ -25,11 +26,15 @@ def _greedy(n=24):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    {"max_num_batched_tokens": 16},  # chunked prefill
-    {"num_kv_blocks": 12, "max_num_batched_tokens": 64},  # forced preemption
-], ids=["plain", "chunked", "preempt"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked prefill
+        {"num_kv_blocks": 12, "max_num_batched_tokens": 64},  # forced preemption
+    ],
+    ids=["plain", "chunked", "preempt"],
+)
 def test_ngram_greedy_equals_plain(text_model, engine_kwargs):
     prompts = copy_heavy_prompts(6)
     kw = {"dtype": "float32", "num_kv_blocks": 128, **engine_kwargs}
@@ -74,8 +79,7 @@ def test_ngram_on_vlm_with_images(tmp_path_factory):
     model = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("spec_vl")))
     imgs = [[Image.fromarray(rand_image(56, 56, seed=s))] for s in range(3)]
     prompts = ["red red red square square square red red red square", "one two one two one two", "Describe."]
-    base = LLM(model, dtype="float32", num_kv_blocks=128).generate(prompts, _greedy(16), images=imgs,
-                                                                    use_tqdm=False)
+    base = LLM(model, dtype="float32", num_kv_blocks=128).generate(prompts, _greedy(16), images=imgs, use_tqdm=False)
     spec_llm = LLM(model, dtype="float32", num_kv_blocks=128, speculative_config=NGRAM, max_num_batched_tokens=16)
     spec = spec_llm.generate(prompts, _greedy(16), images=imgs, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]

@@ -5,6 +5,7 @@ Each target has one decoder layer with a zero attention output (a draft that cop
 exactly on text rows, so acceptance is not luck); Qwen3-VL-MoE gets two layers, the last dense, as the draft copies
 a dense MLP (its drafts are checked for exactness, not acceptance). Gemma 3's layer (one sliding-window layer here)
 cannot be copied into the Llama-style draft layer either, so its drafts too are checked for exactness only."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,16 +21,24 @@ PROMPTS = ["red red red square square square red red red square", "one two one t
 def _build(family: str, out: str) -> str:
     if family == "internvl":
         from tests.support.internvl_checkpoints import build_internvl_checkpoint
+
         return build_internvl_checkpoint(out, num_layers=1)
     if family == "mistral3":
         from tests.support.mistral3_checkpoints import build_mistral3_checkpoint
+
         return build_mistral3_checkpoint(out, num_layers=1)
     if family == "gemma3":
         from tests.support.gemma3_checkpoints import build_gemma3_vlm_checkpoint
+
         return build_gemma3_vlm_checkpoint(out, layer_types=("sliding_attention",))
     from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
-    return build_qwen3_vl_checkpoint(out, num_layers=2, deepstack_visual_indexes=(0,), moe={
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]})
+
+    return build_qwen3_vl_checkpoint(
+        out,
+        num_layers=2,
+        deepstack_visual_indexes=(0,),
+        moe={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]},
+    )
 
 
 @pytest.fixture(scope="module", params=["internvl", "mistral3", "qwen3_vl_moe", "gemma3"])

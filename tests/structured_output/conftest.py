@@ -1,6 +1,7 @@
 """Fixtures for the structured-output tests: the demo model's real tokenizer (Qwen2 byte-level BPE, 467 tokens) and a
 full-size one: a local Hugging Face cache's when there is one (never downloaded from a hub), else Mistral's Tekken
 (131,072 tokens) built from the mistral_common wheel (`tests.support.tekken_tokenizer`, package registry only)."""
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ LOCAL_TOKENIZER_CANDIDATES = ("Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen2.5-0.5B-In
 @pytest.fixture(scope="session")
 def demo_tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(DEMO_MODEL)
 
 
@@ -24,6 +26,7 @@ def demo_tokenizer():
 def big_tokenizer():
     """A real tokenizer of tens of thousands of tokens from this machine, or a skip."""
     from transformers import AutoTokenizer
+
     explicit = os.environ.get("VLSERVE_TEST_TOKENIZER")
     for name in ([explicit] if explicit else []) + list(LOCAL_TOKENIZER_CANDIDATES):
         try:

@@ -1,6 +1,7 @@
 """Both grammar backends (xgrammar, llguidance) on the demo model's real tokenizer: sampled walks end in output the
 constraint accepts (jsonschema validation, regex fullmatch, one of the choices), and the matcher protocol holds
 (refused tokens leave no trace, validate_tokens changes nothing, rollback and reset restore earlier masks)."""
+
 from __future__ import annotations
 
 import json
@@ -65,24 +66,38 @@ def test_json_schema_walks_validate(backend, demo_tokenizer, seed, compact):
         assert "\n" not in text and "\t" not in text
 
 
-@pytest.mark.parametrize("backend_name", [
-    pytest.param("xgrammar", marks=pytest.mark.xfail(strict=True, reason=(
-        "xgrammar 0.2.8 compiles a maxLength string to a character class that lets raw control characters "
-        "(invalid JSON) through; strict, so a fixed xgrammar shows up here"))),
-    "guidance"])
+@pytest.mark.parametrize(
+    "backend_name",
+    [
+        pytest.param(
+            "xgrammar",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "xgrammar 0.2.8 compiles a maxLength string to a character class that lets raw control characters "
+                    "(invalid JSON) through; strict, so a fixed xgrammar shows up here"
+                ),
+            ),
+        ),
+        "guidance",
+    ],
+)
 def test_bounded_json_string_allows_no_control_character(demo_tokenizer, backend_name):
     backend = make_backend(demo_tokenizer, DEMO_VOCAB_SIZE, StructuredOutputsConfig(backend=backend_name))
     grammar = backend.compile(StructuredOutputsParams(json={"type": "string", "maxLength": 6}))
     assert grammar.accept_tokens(demo_tokenizer.encode('"'))
     allowed = set(allowed_tokens(grammar, DEMO_VOCAB_SIZE))
-    control_tokens = {t for t in range(len(demo_tokenizer))
-                      if any(ord(ch) < 0x20 for ch in demo_tokenizer.decode([t]))}
+    control_tokens = {t for t in range(len(demo_tokenizer)) if any(ord(ch) < 0x20 for ch in demo_tokenizer.decode([t]))}
     assert control_tokens and not allowed & control_tokens
 
 
 def test_json_keeps_the_schema_property_order(backend, demo_tokenizer):
-    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
-              "required": ["zeta", "alpha"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
     text = walk_text(backend, demo_tokenizer, StructuredOutputsParams(json=json.dumps(schema)), seed=None)
     assert list(json.loads(text)) == ["zeta", "alpha"]
 
@@ -121,8 +136,9 @@ def test_regex_walks_fullmatch(backend, demo_tokenizer, seed):
     assert re.fullmatch(pattern, text), text
 
 
-@pytest.mark.parametrize("grammar_text", ['root ::= ("yes" | "no") "!"?', 'start: ("yes" | "no") "!"?'],
-                         ids=["ebnf", "lark"])
+@pytest.mark.parametrize(
+    "grammar_text", ['root ::= ("yes" | "no") "!"?', 'start: ("yes" | "no") "!"?'], ids=["ebnf", "lark"]
+)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_grammar_walks_match(backend, demo_tokenizer, grammar_text, seed):
     text = walk_text(backend, demo_tokenizer, StructuredOutputsParams(grammar=grammar_text), seed)
@@ -130,9 +146,15 @@ def test_grammar_walks_match(backend, demo_tokenizer, grammar_text, seed):
 
 
 def test_structural_tag(backend, demo_tokenizer):
-    tag = {"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<n>", "end": "</n>",
-        "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}}}}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<n>",
+            "end": "</n>",
+            "content": {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}},
+        },
+    }
     params = StructuredOutputsParams(structural_tag=tag)
     if backend.name == "guidance":
         with pytest.raises(ValueError, match="needs the xgrammar backend"):
@@ -223,12 +245,16 @@ def test_rollback_over_the_stop_token(backend, demo_tokenizer, pattern, text):
     assert grammar.validate_tokens(tokens[-1:] + [eos]) == tokens[-1:] + [eos]
 
 
-@pytest.mark.parametrize("kind, value, message", [
-    ("json", {"type": "foo"}, r"foo"),
-    ("regex", "(ab", r"(?i)not closed|unclosed"),
-    ("grammar", 'root ::= "a" foo', r"foo"),
-    ("grammar", 'start: "a" bar', r"bar"),
-], ids=["bad-schema", "unclosed-paren", "ebnf-undefined-rule", "lark-undefined-rule"])
+@pytest.mark.parametrize(
+    "kind, value, message",
+    [
+        ("json", {"type": "foo"}, r"foo"),
+        ("regex", "(ab", r"(?i)not closed|unclosed"),
+        ("grammar", 'root ::= "a" foo', r"foo"),
+        ("grammar", 'start: "a" bar', r"bar"),
+    ],
+    ids=["bad-schema", "unclosed-paren", "ebnf-undefined-rule", "lark-undefined-rule"],
+)
 def test_compile_errors_are_value_errors(backend, kind, value, message):
     with pytest.raises(ValueError, match=message) as error:
         backend.compile(StructuredOutputsParams(**{kind: value}))
@@ -241,8 +267,9 @@ def test_big_tokenizer_json_walk(big_tokenizer, backend_name):
     vocab_size = len(big_tokenizer) + 64
     # compact JSON: a real vocabulary has hundreds of whitespace tokens, and a uniform walk that may take them
     # between tokens keeps taking them (the loop disable_any_whitespace exists for)
-    backend = make_backend(big_tokenizer, vocab_size,
-                           StructuredOutputsConfig(backend=backend_name, disable_any_whitespace=True))
+    backend = make_backend(
+        big_tokenizer, vocab_size, StructuredOutputsConfig(backend=backend_name, disable_any_whitespace=True)
+    )
     eos = big_tokenizer.eos_token_id
     for seed in range(3):
         grammar = backend.compile(StructuredOutputsParams(json=PERSON_SCHEMA))

@@ -1,6 +1,7 @@
 """StructuredOutputManager on both backends: compiles run on the pool and are cached (one compile per constraint,
 a fresh matcher per request), validate() turns compiler errors into ValueErrors, and grammar_bitmask lays out draft
 and bonus rows while leaving every matcher as it found it."""
+
 from __future__ import annotations
 
 import threading
@@ -111,21 +112,29 @@ def test_a_failed_compile_is_a_request_error(manager):
         request.is_terminated()
 
 
-@pytest.mark.parametrize("params, message", [
-    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "foo"}}}), "foo"),
-    (StructuredOutputsParams(regex="(ab"), r"(?i)not closed|unclosed"),
-    (StructuredOutputsParams(grammar='root ::= ("a" | "b"'), r"^structured outputs grammar: "),
-    (StructuredOutputsParams(grammar='root ::= "a" undefined_rule'), r"undefined_rule"),
-    (StructuredOutputsParams(regex=r"[^\s\S]"), "accepts no string"),
-], ids=["bad-schema", "unclosed-paren", "bad-ebnf", "undefined-rule", "regex-matching-nothing"])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "foo"}}}), "foo"),
+        (StructuredOutputsParams(regex="(ab"), r"(?i)not closed|unclosed"),
+        (StructuredOutputsParams(grammar='root ::= ("a" | "b"'), r"^structured outputs grammar: "),
+        (StructuredOutputsParams(grammar='root ::= "a" undefined_rule'), r"undefined_rule"),
+        (StructuredOutputsParams(regex=r"[^\s\S]"), "accepts no string"),
+    ],
+    ids=["bad-schema", "unclosed-paren", "bad-ebnf", "undefined-rule", "regex-matching-nothing"],
+)
 def test_validate_errors(manager, params, message):
     with pytest.raises(ValueError, match=message):
         manager.validate(params)
 
 
 def test_validate_accepts_good_constraints(manager):
-    for params in (ABC, StructuredOutputsParams(choice=["x", ""]), StructuredOutputsParams(json_object=True),
-                   StructuredOutputsParams(grammar='start: "yes" | "no"')):
+    for params in (
+        ABC,
+        StructuredOutputsParams(choice=["x", ""]),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(grammar='start: "yes" | "no"'),
+    ):
         manager.validate(params)
 
 
@@ -139,11 +148,21 @@ def test_grammar_bitmask_rows_and_unchanged_state(manager, abc_ids, demo_tokeniz
     mask = manager.grammar_bitmask(requests, drafts)
     assert mask.dtype == np.int32 and mask.shape == (3 + 3 + 1 + 4 + 2, bitmask_words(DEMO_VOCAB_SIZE))
     after = {n: expected_row(manager, ABC, [a, b, c][:n]) for n in range(4)}
-    expected = [-1, -1, -1,                    # unconstrained: two drafts and the bonus row
-                after[0], after[1], after[2],  # a, b drafted: rows at "", "a", "ab"
-                after[0],                      # no drafts: the bonus row only
-                after[0], after[1], -1, -1,    # x refused after "a": its later rows are left open
-                after[3], -1]                  # "abc" then EOS: the row after EOS is open
+    expected = [
+        -1,
+        -1,
+        -1,  # unconstrained: two drafts and the bonus row
+        after[0],
+        after[1],
+        after[2],  # a, b drafted: rows at "", "a", "ab"
+        after[0],  # no drafts: the bonus row only
+        after[0],
+        after[1],
+        -1,
+        -1,  # x refused after "a": its later rows are left open
+        after[3],
+        -1,
+    ]  # "abc" then EOS: the row after EOS is open
     for row, want in enumerate(expected):
         assert (mask[row] == want).all(), f"row {row}: {allowed_in_row(mask[row], DEMO_VOCAB_SIZE)}"
     assert allowed_in_row(mask[11], DEMO_VOCAB_SIZE) == [eos]

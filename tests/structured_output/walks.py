@@ -1,4 +1,5 @@
 """Helpers that read token bitmasks and walk a matcher to the end of its grammar, as a sampler would."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,14 @@ def allowed_tokens(grammar: StructuredOutputGrammar, vocab_size: int) -> list[in
     return allowed_in_row(mask_row(grammar, vocab_size), vocab_size)
 
 
-def walk(grammar: StructuredOutputGrammar, vocab_size: int, eos_id: int, rng: random.Random | None,
-         stop_chance: float = 0.5, max_tokens: int = 200) -> list[int]:
+def walk(
+    grammar: StructuredOutputGrammar,
+    vocab_size: int,
+    eos_id: int,
+    rng: random.Random | None,
+    stop_chance: float = 0.5,
+    max_tokens: int = 200,
+) -> list[int]:
     """Sample tokens the grammar allows until it accepts EOS; returns the tokens before EOS.
 
     rng None: greedy, the lowest allowed id that is not EOS, stopping as soon as EOS is allowed. Otherwise a

@@ -1,5 +1,6 @@
 """Tiny random Qwen2-Audio checkpoints (model + real HF processor: WhisperFeatureExtractor, offline tokenizer with
 the audio special tokens, a Qwen2-Audio-style chat template) built offline for tests."""
+
 from __future__ import annotations
 
 import os
@@ -43,17 +44,38 @@ def build_qwen2_audio_checkpoint(
     tok = build_qwen2_tokenizer(chat_template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|AUDIO|>", "<|im_end|>", "<|endoftext|>")}
     text_cfg = dict(
-        model_type="qwen2", vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rope_theta=10000.0,
-        rms_norm_eps=1e-6, initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+        model_type="qwen2",
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
     audio_cfg = dict(
-        model_type="qwen2_audio_encoder", num_mel_bins=num_mel_bins, d_model=audio_d_model,
-        encoder_layers=audio_layers, encoder_attention_heads=audio_heads, encoder_ffn_dim=2 * audio_d_model,
-        max_source_positions=1500, initializer_range=initializer_range)
-    config = Qwen2AudioConfig(audio_config=audio_cfg, text_config=text_cfg, audio_token_index=ids["<|AUDIO|>"],
-                              tie_word_embeddings=tie_word_embeddings)
+        model_type="qwen2_audio_encoder",
+        num_mel_bins=num_mel_bins,
+        d_model=audio_d_model,
+        encoder_layers=audio_layers,
+        encoder_attention_heads=audio_heads,
+        encoder_ffn_dim=2 * audio_d_model,
+        max_source_positions=1500,
+        initializer_range=initializer_range,
+    )
+    config = Qwen2AudioConfig(
+        audio_config=audio_cfg,
+        text_config=text_cfg,
+        audio_token_index=ids["<|AUDIO|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
     config.architectures = ["Qwen2AudioForConditionalGeneration"]
     torch.manual_seed(seed)
     model = Qwen2AudioForConditionalGeneration(config).to(torch.float32).eval()

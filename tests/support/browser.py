@@ -1,13 +1,22 @@
 """A headless Chromium for browser tests, driven by selenium (Debian's `chromium` + `chromium-driver`; `make
 browser` installs them where apt-get exists)."""
+
 from __future__ import annotations
 
 import shutil
 
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+)
 
 
 def find_chromium() -> tuple[str, str] | str:
@@ -19,8 +28,10 @@ def find_chromium() -> tuple[str, str] | str:
     browser = next((path for path in map(shutil.which, BROWSER_NAMES) if path), None)
     driver = shutil.which("chromedriver")
     if browser is None or driver is None:
-        return ("no Chromium and chromedriver found on PATH: run `make browser` "
-                "(apt-get install -y chromium chromium-driver)")
+        return (
+            "no Chromium and chromedriver found on PATH: run `make browser` "
+            "(apt-get install -y chromium chromium-driver)"
+        )
     return browser, driver
 
 

@@ -7,6 +7,7 @@ Unlike vlserve.demo.tokenizer.CHAT_TEMPLATE it does not know `{"type": "image_ur
 
 STRING_CHAT_TEMPLATE is ChatML that prints each message's content as one string (no content parts).
 """
+
 from __future__ import annotations
 
 QWEN2_VL_CHAT_TEMPLATE = (

@@ -1,4 +1,5 @@
 """EAGLE test targets: checkpoints rewritten so a draft head can match them, and a draft's config.json."""
+
 from __future__ import annotations
 
 import json

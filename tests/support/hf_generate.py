@@ -1,4 +1,5 @@
 """HF `generate` as a greedy oracle that ignores EOS, on transformers 4.x and 5.x alike (tests only)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,14 +18,19 @@ def hf_greedy_ignoring_eos(model, inputs: dict, max_new_tokens: int) -> torch.Te
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = model.generate(**inputs, generation_config=cfg)
     if out.shape[1] != inputs["input_ids"].shape[1] + max_new_tokens:
-        raise AssertionError(f"HF generate stopped early: {out.shape[1] - inputs['input_ids'].shape[1]} of "
-                             f"{max_new_tokens} tokens")
+        raise AssertionError(
+            f"HF generate stopped early: {out.shape[1] - inputs['input_ids'].shape[1]} of {max_new_tokens} tokens"
+        )
     return out
 
 
-def hf_greedy_continuations(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
-                            device: torch.device | str = "cpu", attn_implementation: str | None = None
-                            ) -> list[list[int]]:
+def hf_greedy_continuations(
+    model_dir: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    device: torch.device | str = "cpu",
+    attn_implementation: str | None = None,
+) -> list[list[int]]:
     """HF's greedy continuations (EOS ignored) of token-id prompts, one at a time, by a float32
     AutoModelForCausalLM of the text checkpoint at `model_dir`."""
     from transformers import AutoModelForCausalLM
@@ -34,9 +40,8 @@ def hf_greedy_continuations(model_dir: str, prompts: list[list[int]], max_new_to
     outs = []
     for p in prompts:
         ids = torch.tensor([p], device=device)
-        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                                     max_new_tokens)
-        outs.append(gen[0, len(p):].tolist())
+        gen = hf_greedy_ignoring_eos(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, max_new_tokens)
+        outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -47,11 +52,18 @@ def hf_beam_search_ignoring_eos(model, inputs: dict, num_beams: int, max_new_tok
     from transformers import GenerationConfig
 
     model.generation_config.eos_token_id = None
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, num_beams=num_beams, num_return_sequences=num_beams,
-                           do_sample=False, early_stopping=False, length_penalty=1.0, eos_token_id=None,
-                           pad_token_id=0)
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        num_beams=num_beams,
+        num_return_sequences=num_beams,
+        do_sample=False,
+        early_stopping=False,
+        length_penalty=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     out = model.generate(**inputs, generation_config=cfg)
-    return out[:, inputs["input_ids"].shape[1]:].tolist()
+    return out[:, inputs["input_ids"].shape[1] :].tolist()
 
 
 def transformers_major() -> int:
@@ -92,7 +104,9 @@ def align_hf_video_inputs(inputs, fps: float | None, hf_config) -> str | None:
     interval = int(spg) * tps if tps is not None else 1  # vlserve.multimodal.mrope's rule
     for t, h, w in grids.tolist():
         if (t - 1) * interval > max(h, w) // merge - 1:
-            return (f"transformers {transformers.__version__} places text after this video (grid {t}x{h}x{w}) "
-                    f"by max(h, w), not by the video's last position + 1 as the checkpoints were trained; "
-                    f"checked against transformers 4.57 in the hf_parity job")
+            return (
+                f"transformers {transformers.__version__} places text after this video (grid {t}x{h}x{w}) "
+                f"by max(h, w), not by the video's last position + 1 as the checkpoints were trained; "
+                f"checked against transformers 4.57 in the hf_parity job"
+            )
     return None

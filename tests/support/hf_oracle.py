@@ -1,5 +1,6 @@
 """HF's processor + `AutoModelForImageTextToText` greedy generate on a checkpoint: the oracle the multimodal family
 tests compare vlserve with (tests only)."""
+
 from __future__ import annotations
 
 import base64
@@ -34,8 +35,9 @@ class HFImageTextOracle:
     def text(self, n_images: int, question: str, n_videos: int = 0) -> str:
         """A one-turn chat prompt with `n_images` images, then `n_videos` videos, then the question."""
         parts = [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos + [{"type": "text", "text": question}]
-        return self.processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                                  add_generation_prompt=True)
+        return self.processor.apply_chat_template(
+            [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+        )
 
     def video_kwargs(self, videos: list) -> dict:
         """Processor kwargs for raw frames: vlserve samples before processing, so the processor samples nothing."""

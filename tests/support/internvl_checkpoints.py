@@ -2,6 +2,7 @@
 save_pretrained, a real InternVLProcessor with a tiling GotOcr2ImageProcessor, the offline tokenizer with InternVL's
 `<img>` / `</img>` / `<IMG_CONTEXT>` / `<video>` tokens and a ChatML template that writes `<IMG_CONTEXT>\\n` per image
 and `<video>\\n` per video, an InternVLVideoProcessor that makes every frame one tile, all saved together)."""
+
 from __future__ import annotations
 
 import os
@@ -38,9 +39,15 @@ def internvl_tokenizer():
     from vlserve.demo.tokenizer import build_tokenizer, extra_special_tokens
 
     base = build_tokenizer()
-    common = dict(tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                  unk_token=None, bos_token=None, clean_up_tokenization_spaces=False,
-                  model_input_names=["input_ids", "attention_mask"])
+    common = dict(
+        tokenizer_object=base.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )
     named = dict(start_image_token=START, end_image_token=END, context_image_token=CONTEXT, video_token=VIDEO)
     special = extra_special_tokens(base) + [START, END, CONTEXT, VIDEO]
     if "additional_special_tokens" in Qwen2TokenizerFast.SPECIAL_TOKENS_ATTRIBUTES:
@@ -56,10 +63,22 @@ def internvl_tokenizer():
 
 def internvl_vision_config(width: int = 32, depth: int = 2, **overrides) -> dict:
     """An InternVLVisionConfig dict at the tiny tile size (InternVL3-1B's choices unless overridden)."""
-    cfg = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=depth, num_attention_heads=2,
-               image_size=TILE, patch_size=PATCH, num_channels=3, hidden_act="gelu", norm_type="layer_norm",
-               use_qk_norm=False, attention_bias=True, use_mean_pooling=True, layer_norm_eps=1e-6,
-               layer_scale_init_value=0.1)
+    cfg = dict(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=depth,
+        num_attention_heads=2,
+        image_size=TILE,
+        patch_size=PATCH,
+        num_channels=3,
+        hidden_act="gelu",
+        norm_type="layer_norm",
+        use_qk_norm=False,
+        attention_bias=True,
+        use_mean_pooling=True,
+        layer_norm_eps=1e-6,
+        layer_scale_init_value=0.1,
+    )
     cfg.update(overrides)
     return cfg
 
@@ -97,17 +116,35 @@ def build_internvl_checkpoint(
     tok = internvl_tokenizer()
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     text_cfg = dict(
-        model_type="qwen2", vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rope_theta=10000.0,
-        rms_norm_eps=1e-6, initializer_range=initializer_range, tie_word_embeddings=False,
-        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+        model_type="qwen2",
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
     vision_cfg = internvl_vision_config(vision_width, vision_depth, **vision_overrides)
     seq_length = (TILE // PATCH) ** 2 // 4  # downsample_ratio 0.5
-    config = tf.InternVLConfig(vision_config=vision_cfg, text_config=text_cfg,
-                               image_token_id=tok.convert_tokens_to_ids(CONTEXT), image_seq_length=seq_length,
-                               downsample_ratio=0.5, projector_hidden_act="gelu", vision_feature_layer=-1,
-                               vision_feature_select_strategy="default", tie_word_embeddings=False)
+    config = tf.InternVLConfig(
+        vision_config=vision_cfg,
+        text_config=text_cfg,
+        image_token_id=tok.convert_tokens_to_ids(CONTEXT),
+        image_seq_length=seq_length,
+        downsample_ratio=0.5,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
     config.architectures = ["InternVLForConditionalGeneration"]
     config.initializer_range = initializer_range
     config.text_config.initializer_range = initializer_range
@@ -115,10 +152,16 @@ def build_internvl_checkpoint(
     model = tf.InternVLForConditionalGeneration(config).to(torch.float32).eval()
     randomize_(model)
     model.save_pretrained(out_dir, safe_serialization=True)
-    image_processor = tf.GotOcr2ImageProcessor(size={"height": TILE, "width": TILE}, crop_to_patches=True,
-                                               min_patches=1, max_patches=MAX_TILES)
+    image_processor = tf.GotOcr2ImageProcessor(
+        size={"height": TILE, "width": TILE}, crop_to_patches=True, min_patches=1, max_patches=MAX_TILES
+    )
     video_processor = tf.InternVLVideoProcessor(size={"height": TILE, "width": TILE})
-    processor = tf.InternVLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                     image_seq_length=seq_length, chat_template=INTERNVL_CHAT_TEMPLATE)
+    processor = tf.InternVLProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        image_seq_length=seq_length,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
     processor.save_pretrained(out_dir)
     return out_dir

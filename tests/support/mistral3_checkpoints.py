@@ -1,6 +1,7 @@
 """Tiny random Mistral 3 checkpoints built offline the way HF does it (config -> model -> save_pretrained, a real
 PixtralProcessor with a PixtralImageProcessor, the offline tokenizer with Pixtral's `[IMG]` / `[IMG_BREAK]` /
 `[IMG_END]` tokens and a Mistral-style chat template, all saved together)."""
+
 from __future__ import annotations
 
 import os
@@ -37,9 +38,13 @@ def _tokenizer():
 
     base = build_tokenizer()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=extra_special_tokens(base) + IMAGE_TOKENS, clean_up_tokenization_spaces=False,
-        model_input_names=["input_ids", "attention_mask"])  # no token_type_ids: 4.57's generate rejects them
+        tokenizer_object=base.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=extra_special_tokens(base) + IMAGE_TOKENS,
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )  # no token_type_ids: 4.57's generate rejects them
     tok.chat_template = MISTRAL3_CHAT_TEMPLATE
     return tok
 
@@ -72,19 +77,46 @@ def build_mistral3_checkpoint(
     image_id = tok.convert_tokens_to_ids("[IMG]")
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     text_cfg = dict(
-        model_type="mistral", vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads, head_dim=head_dim,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rope_theta=10000.0,
-        rms_norm_eps=1e-5, sliding_window=None, initializer_range=initializer_range, tie_word_embeddings=False,
-        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
-    vision_cfg = dict(model_type="pixtral", hidden_size=vision_width, intermediate_size=2 * vision_width,
-                      num_hidden_layers=vision_depth, num_attention_heads=vision_heads, num_channels=3,
-                      image_size=longest_edge, patch_size=PATCH, hidden_act="silu",
-                      initializer_range=initializer_range)
-    config = tf.Mistral3Config(vision_config=vision_cfg, text_config=text_cfg, image_token_index=image_id,
-                               spatial_merge_size=spatial_merge_size, vision_feature_layer=vision_feature_layer,
-                               projector_hidden_act="gelu", multimodal_projector_bias=multimodal_projector_bias,
-                               tie_word_embeddings=False)
+        model_type="mistral",
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        head_dim=head_dim,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    vision_cfg = dict(
+        model_type="pixtral",
+        hidden_size=vision_width,
+        intermediate_size=2 * vision_width,
+        num_hidden_layers=vision_depth,
+        num_attention_heads=vision_heads,
+        num_channels=3,
+        image_size=longest_edge,
+        patch_size=PATCH,
+        hidden_act="silu",
+        initializer_range=initializer_range,
+    )
+    config = tf.Mistral3Config(
+        vision_config=vision_cfg,
+        text_config=text_cfg,
+        image_token_index=image_id,
+        spatial_merge_size=spatial_merge_size,
+        vision_feature_layer=vision_feature_layer,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=multimodal_projector_bias,
+        tie_word_embeddings=False,
+    )
     config.architectures = ["Mistral3ForConditionalGeneration"]
     config.initializer_range = initializer_range
     torch.manual_seed(seed)
@@ -94,9 +126,15 @@ def build_mistral3_checkpoint(
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
-    image_processor = tf.PixtralImageProcessor(size={"longest_edge": longest_edge},
-                                               patch_size={"height": PATCH, "width": PATCH})
-    processor = tf.PixtralProcessor(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
-                                    spatial_merge_size=spatial_merge_size, chat_template=MISTRAL3_CHAT_TEMPLATE)
+    image_processor = tf.PixtralImageProcessor(
+        size={"longest_edge": longest_edge}, patch_size={"height": PATCH, "width": PATCH}
+    )
+    processor = tf.PixtralProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=PATCH,
+        spatial_merge_size=spatial_merge_size,
+        chat_template=MISTRAL3_CHAT_TEMPLATE,
+    )
     processor.save_pretrained(out_dir)
     return out_dir

@@ -3,12 +3,20 @@ offline the way transformers builds one: `PerceptionLMConfig` with a `TimmWrappe
 `model_args` shrink a timm `vit_pe_core_*` architecture, saved with a PerceptionLMProcessor, an offline tokenizer
 carrying `<|image|>` / `<|video|>` and a Llama-3-style chat template (PLM_CHAT_TEMPLATE).
 """
+
 from __future__ import annotations
 
 import os
 
-PLM_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                      "<|eot_id|>", "<|image|>", "<|video|>"]
+PLM_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|image|>",
+    "<|video|>",
+]
 
 # Llama-3 turns; every media part of a message is printed (as its placeholder) before the message's text, the way
 # the template of the released PerceptionLM checkpoints does.
@@ -39,13 +47,21 @@ def build_plm_tokenizer(vocab_size: int = 1024):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=PLM_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=PLM_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|end_of_text|>",
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
         extra_special_tokens={"image_token": "<|image|>", "video_token": "<|video|>"},
-        clean_up_tokenization_spaces=False)
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = PLM_CHAT_TEMPLATE
     return fast
 
@@ -97,23 +113,45 @@ def build_plm_checkpoint(
     tok = build_plm_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in PLM_SPECIAL_TOKENS}
     grid = tile_size // patch_size
-    timm_args = dict(embed_dim=vision_embed_dim, depth=vision_depth, num_heads=vision_num_heads,
-                     img_size=tile_size, patch_size=patch_size, global_pool="")
+    timm_args = dict(
+        embed_dim=vision_embed_dim,
+        depth=vision_depth,
+        num_heads=vision_num_heads,
+        img_size=tile_size,
+        patch_size=patch_size,
+        global_pool="",
+    )
     if architecture.startswith("vit_pe_"):
         timm_args["ref_feat_shape"] = (grid, grid)
     timm_args.update(model_args or {})
-    vision_cfg = dict(model_type="timm_wrapper", architecture=architecture, do_pooling=False, num_classes=0,
-                      model_args=timm_args)
+    vision_cfg = dict(
+        model_type="timm_wrapper", architecture=architecture, do_pooling=False, num_classes=0, model_args=timm_args
+    )
     text_cfg = dict(
-        model_type="llama", vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        initializer_range=initializer_range, tie_word_embeddings=False,
-        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|eot_id|>"], pad_token_id=ids["<|end_of_text|>"])
+        model_type="llama",
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|begin_of_text|>"],
+        eos_token_id=ids["<|eot_id|>"],
+        pad_token_id=ids["<|end_of_text|>"],
+    )
     config = PerceptionLMConfig(
-        vision_config=vision_cfg, text_config=text_cfg, vision_use_cls_token=True,
-        projector_pooling_ratio=pooling_ratio, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
-        tie_word_embeddings=False)
+        vision_config=vision_cfg,
+        text_config=text_cfg,
+        vision_use_cls_token=True,
+        projector_pooling_ratio=pooling_ratio,
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        tie_word_embeddings=False,
+    )
     config.architectures = [PerceptionLMForConditionalGeneration.__name__]
     torch.manual_seed(seed)
     model = PerceptionLMForConditionalGeneration(config).to(torch.float32).eval()
@@ -126,12 +164,20 @@ def build_plm_checkpoint(
                     p.uniform_(-0.1, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
 
-    image_processor = _image_processor(tile_size=tile_size, max_num_tiles=max_num_tiles,
-                                       vision_input_type=vision_input_type,
-                                       size={"height": tile_size, "width": tile_size})
+    image_processor = _image_processor(
+        tile_size=tile_size,
+        max_num_tiles=max_num_tiles,
+        vision_input_type=vision_input_type,
+        size={"height": tile_size, "width": tile_size},
+    )
     video_processor = PerceptionLMVideoProcessor(size={"height": tile_size, "width": tile_size})
-    processor = PerceptionLMProcessor(image_processor=image_processor, video_processor=video_processor,
-                                      tokenizer=tok, patch_size=patch_size, pooling_ratio=pooling_ratio,
-                                      chat_template=PLM_CHAT_TEMPLATE)
+    processor = PerceptionLMProcessor(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        tokenizer=tok,
+        patch_size=patch_size,
+        pooling_ratio=pooling_ratio,
+        chat_template=PLM_CHAT_TEMPLATE,
+    )
     processor.save_pretrained(out_dir)
     return out_dir

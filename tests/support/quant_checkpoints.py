@@ -7,6 +7,7 @@ llm-compressor and GPTQModel) do not have; transformers loads the compressed-ten
 Only the language decoder's projections (`*.layers.N.self_attn.{q,k,v,o}_proj`, `*.layers.N.mlp.*_proj`) are
 quantized; everything else keeps its float tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,11 @@ def _ct_wna16(w, bits, group, symmetric, actorder, rng):
         q[:, perm] = q_sorted
     else:
         q, s, z = _int_qparams(w, bits, group, symmetric)
-    t = {"weight_packed": pack_int32(q, bits, 1), "weight_scale": s.to(torch.float32),
-         "weight_shape": torch.tensor([out, inp])}
+    t = {
+        "weight_packed": pack_int32(q, bits, 1),
+        "weight_scale": s.to(torch.float32),
+        "weight_shape": torch.tensor([out, inp]),
+    }
     if not symmetric:
         t["weight_zero_point"] = pack_int32(z, bits, 0)
     if g_idx is not None:
@@ -93,30 +97,60 @@ def _gptq(w, bits, group, desc_act, rng):
     z = unpack_int32(t["weight_zero_point"], bits, 0, out)  # [O, G]
     g_idx = t.get("weight_g_idx", torch.arange(inp, dtype=torch.int32) // group)
     stored_z = ((z.to(torch.int16) - 1) & ((1 << bits) - 1)).to(torch.uint8)  # v1 format: zero - 1
-    return {"qweight": pack_int32(q.t().contiguous(), bits, 0),
-            "qzeros": pack_int32(stored_z.t().contiguous(), bits, 1),
-            "scales": t["weight_scale"].t().contiguous().to(torch.float16), "g_idx": g_idx.to(torch.int32)}
+    return {
+        "qweight": pack_int32(q.t().contiguous(), bits, 0),
+        "qzeros": pack_int32(stored_z.t().contiguous(), bits, 1),
+        "scales": t["weight_scale"].t().contiguous().to(torch.float16),
+        "g_idx": g_idx.to(torch.int32),
+    }
 
 
 def _awq(w, group):
     """AWQ GEMM tensors of one linear: qweight [I, O/8], qzeros [G, O/8] (interleaved nibbles), scales [G, O]."""
     q, s, z = _int_qparams(w, 4, group, False)
-    return {"qweight": pack_int32(q.t().contiguous(), 4, 1, AWQ_ORDER),
-            "qzeros": pack_int32(z.t().contiguous(), 4, 1, AWQ_ORDER), "scales": s.t().contiguous().to(torch.float16)}
+    return {
+        "qweight": pack_int32(q.t().contiguous(), 4, 1, AWQ_ORDER),
+        "qzeros": pack_int32(z.t().contiguous(), 4, 1, AWQ_ORDER),
+        "scales": s.t().contiguous().to(torch.float16),
+    }
 
 
 def _ct_config(weights: dict, acts: dict | None, fmt: str) -> dict:
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
-                                          "output_activations": None, "format": fmt}},
-            "ignore": ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*",
-                       "re:.*audio_tower.*"], "kv_cache_scheme": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": acts,
+                "output_activations": None,
+                "format": fmt,
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*visual.*",
+            "re:.*vision_tower.*",
+            "re:.*multi_modal_projector.*",
+            "re:.*audio_tower.*",
+        ],
+        "kv_cache_scheme": None,
+    }
 
 
 def _int_args(bits, strategy, group, symmetric, actorder=None) -> dict:
-    return {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
-            "group_size": group if strategy == "group" else None, "dynamic": False, "actorder": actorder,
-            "observer": "minmax"}
+    return {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": strategy,
+        "group_size": group if strategy == "group" else None,
+        "dynamic": False,
+        "actorder": actorder,
+        "observer": "minmax",
+    }
 
 
 def dequantize(tensors: dict[str, torch.Tensor], scheme: str, shape: tuple[int, int], group: int) -> torch.Tensor:
@@ -134,8 +168,11 @@ def dequantize(tensors: dict[str, torch.Tensor], scheme: str, shape: tuple[int, 
         bits = 8 if scheme.startswith("ct-w8") else 4
         q = unpack_int32(tensors["weight_packed"], bits, 1, inp).float()
         s = tensors["weight_scale"].float()
-        z = (unpack_int32(tensors["weight_zero_point"], bits, 0, out).float() if "weight_zero_point" in tensors
-             else torch.full_like(s, 1 << (bits - 1)))
+        z = (
+            unpack_int32(tensors["weight_zero_point"], bits, 0, out).float()
+            if "weight_zero_point" in tensors
+            else torch.full_like(s, 1 << (bits - 1))
+        )
         g_idx = tensors.get("weight_g_idx")
         cols = g_idx.long() if g_idx is not None else torch.arange(inp) // (inp // s.shape[1])
         return (q - z[:, cols]) * s[:, cols]
@@ -155,8 +192,15 @@ def dequantize(tensors: dict[str, torch.Tensor], scheme: str, shape: tuple[int, 
     raise ValueError(f"unknown scheme {scheme!r}")
 
 
-def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 64, seed: int = 0,
-                        block: tuple[int, int] = (64, 64), dequantized_dst: str | None = None) -> str:
+def quantize_checkpoint(
+    src: str,
+    dst: str,
+    scheme: str,
+    group_size: int = 64,
+    seed: int = 0,
+    block: tuple[int, int] = (64, 64),
+    dequantized_dst: str | None = None,
+) -> str:
     """Copy checkpoint `src` to `dst` with its decoder projections quantized by `scheme`: "ct-w4a16",
     "ct-w4a16-asym", "ct-w4a16-actorder", "ct-w4a16-channel", "ct-w8a16", "ct-w8a8", "ct-fp8", "ct-fp8-tensor",
     "ct-fp8-block", "gptq-4", "gptq-8", "gptq-4-actorder", "awq". With `dequantized_dst`, also write a float
@@ -175,7 +219,7 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 64, s
             if not _DECODER_LINEAR.search(name) or _TOWER.search(name):
                 out[name] = w
                 continue
-            module = name[:-len(".weight")]
+            module = name[: -len(".weight")]
             # projections that read the same input share one act order (as GPTQ's Hessian makes them)
             shared = re.sub(r"(q|k|v)_proj$", "qkv", re.sub(r"(gate|up)_proj$", "gate_up", module))
             rng = torch.Generator().manual_seed(seed + zlib.crc32(shared.encode()))
@@ -219,20 +263,42 @@ def _quant_config(scheme: str, group: int, block: tuple[int, int]) -> dict:
         return _ct_config(_int_args(8, "channel", None, True), acts, "int-quantized")
     if scheme.startswith("ct-fp8"):
         strategy = {"ct-fp8": "channel", "ct-fp8-tensor": "tensor", "ct-fp8-block": "block"}[scheme]
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
-                   "block_structure": list(block) if strategy == "block" else None}
-        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
-                "strategy": "group" if strategy == "block" else "token",
-                "group_size": block[1] if strategy == "block" else None}
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": strategy,
+            "dynamic": False,
+            "block_structure": list(block) if strategy == "block" else None,
+        }
+        acts = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "dynamic": True,
+            "strategy": "group" if strategy == "block" else "token",
+            "group_size": block[1] if strategy == "block" else None,
+        }
         return _ct_config(weights, acts, "float-quantized")
     if scheme.startswith("ct-w"):
         bits = 8 if scheme.startswith("ct-w8") else 4
         strategy = "channel" if scheme.endswith("channel") else "group"
-        return _ct_config(_int_args(bits, strategy, group, not scheme.endswith("asym"),
-                                    "group" if scheme.endswith("actorder") else None), None, "pack-quantized")
+        return _ct_config(
+            _int_args(
+                bits, strategy, group, not scheme.endswith("asym"), "group" if scheme.endswith("actorder") else None
+            ),
+            None,
+            "pack-quantized",
+        )
     if scheme.startswith("gptq"):
-        return {"quant_method": "gptq", "bits": int(scheme.split("-")[1]), "group_size": group,
-                "desc_act": scheme.endswith("actorder"), "sym": False, "checkpoint_format": "gptq"}
+        return {
+            "quant_method": "gptq",
+            "bits": int(scheme.split("-")[1]),
+            "group_size": group,
+            "desc_act": scheme.endswith("actorder"),
+            "sym": False,
+            "checkpoint_format": "gptq",
+        }
     if scheme == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     raise ValueError(f"unknown scheme {scheme!r}")

@@ -1,4 +1,5 @@
 """Tiny random Qwen3-VL checkpoints (model + real HF processor) built offline for tests and demos."""
+
 from __future__ import annotations
 
 import os
@@ -41,6 +42,7 @@ def build_qwen3_vl_checkpoint(
     """
     import torch
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
     if moe:
         from transformers import Qwen3VLMoeConfig as Config
         from transformers import Qwen3VLMoeForConditionalGeneration as Model
@@ -57,27 +59,52 @@ def build_qwen3_vl_checkpoint(
         raise ValueError(f"{len(deepstack_visual_indexes)} DeepStack levels need at least as many decoder layers")
     os.makedirs(out_dir, exist_ok=True)
     tok = build_qwen2_tokenizer(chat_template)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in
-           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")
+    }
     text_cfg = dict(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads, head_dim=head_dim,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        head_dim=head_dim,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
         rope_theta=10000.0,  # the 4.57 spelling; 5.x folds both into rope_parameters
         rope_scaling={"rope_type": "default", "mrope_section": list(mrope_section), "mrope_interleaved": True},
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-        **(moe or {}))
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        **(moe or {}),
+    )
     vision_cfg = dict(
-        depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
-        num_heads=vision_num_heads, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
-        temporal_patch_size=2, num_position_embeddings=num_position_embeddings,
-        deepstack_visual_indexes=list(deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh",
-        initializer_range=initializer_range)
+        depth=vision_depth,
+        hidden_size=vision_hidden_size,
+        intermediate_size=2 * vision_hidden_size,
+        num_heads=vision_num_heads,
+        out_hidden_size=hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=num_position_embeddings,
+        deepstack_visual_indexes=list(deepstack_visual_indexes),
+        hidden_act="gelu_pytorch_tanh",
+        initializer_range=initializer_range,
+    )
     config = Config(
-        text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=tie_word_embeddings,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+        text_config=text_cfg,
+        vision_config=vision_cfg,
+        tie_word_embeddings=tie_word_embeddings,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
     config.architectures = [Model.__name__]
     torch.manual_seed(seed)
     model = Model(config).to(torch.float32).eval()
@@ -96,8 +123,9 @@ def build_qwen3_vl_checkpoint(
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image_processor = Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2)
     video_processor = Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2)
-    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                                 chat_template=chat_template)
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tok, video_processor=video_processor, chat_template=chat_template
+    )
     processor.save_pretrained(out_dir)
     return out_dir
 
@@ -111,16 +139,19 @@ def _write_released_expert_layout(out_dir: str, moe_intermediate_size: int) -> N
     tensors = load_file(path)
     changed = False
     for name, t in tensors.items():
-        if name.endswith("experts.gate_up_proj") and t.shape[1] == 2 * moe_intermediate_size or \
-                name.endswith("experts.down_proj") and t.shape[2] == moe_intermediate_size:
+        if (
+            name.endswith("experts.gate_up_proj")
+            and t.shape[1] == 2 * moe_intermediate_size
+            or name.endswith("experts.down_proj")
+            and t.shape[2] == moe_intermediate_size
+        ):
             tensors[name] = t.transpose(1, 2).contiguous()
             changed = True
     if changed:
         save_file(tensors, path, metadata={"format": "pt"})
 
 
-def trained_video_layout(inputs: dict, vision_start_id: int, vision_end_id: int, image_id: int,
-                         video_id: int) -> dict:
+def trained_video_layout(inputs: dict, vision_start_id: int, vision_end_id: int, image_id: int, video_id: int) -> dict:
     """HF processor output -> the same with every video in the layout Qwen3-VL was trained on (and transformers
     4.57 writes): transformers 5.x keeps the chat template's outer `<|vision_start|>` / `<|vision_end|>` around a
     video's per-frame runs, which bring their own pairs; those outer two tokens are dropped (input_ids,
@@ -146,5 +177,6 @@ def trained_video_layout(inputs: dict, vision_start_id: int, vision_end_id: int,
     if "mm_token_type_ids" in inputs:
         kept = out["input_ids"]
         out["mm_token_type_ids"] = ((kept == image_id).long() + 2 * (kept == video_id).long()).to(
-            inputs["mm_token_type_ids"].dtype)
+            inputs["mm_token_type_ids"].dtype
+        )
     return out

@@ -9,6 +9,7 @@ mistral_common and its few pure-Python needs on PYTHONPATH from a private folder
 included, which mistral_common pins lower) stay as they are. Structured-output benchmarks and tests use it for a
 real vocabulary's bitmask and grammar costs (the test tokenizer has 689 tokens).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,11 +48,15 @@ def tekken_tokenizer_dir(out: str | os.PathLike | None = None, timeout: float = 
     with tempfile.TemporaryDirectory(prefix="vlserve-tekken-") as tmp:
         wheels, site = Path(tmp) / "wheels", Path(tmp) / "site"
         pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-        _run([*pip, "download", "--no-deps", "-d", str(wheels), MISTRAL_COMMON], "downloading " + MISTRAL_COMMON,
-             timeout)
+        _run(
+            [*pip, "download", "--no-deps", "-d", str(wheels), MISTRAL_COMMON], "downloading " + MISTRAL_COMMON, timeout
+        )
         wheel = next(wheels.glob("mistral_common-*.whl"))
-        _run([*pip, "install", "--no-deps", "--target", str(site), str(wheel), *CONVERTER_NEEDS],
-             "installing mistral_common for the conversion", timeout)
+        _run(
+            [*pip, "install", "--no-deps", "--target", str(site), str(wheel), *CONVERTER_NEEDS],
+            "installing mistral_common for the conversion",
+            timeout,
+        )
         with zipfile.ZipFile(wheel) as zf:
             vocab = Path(zf.extract(TEKKEN_FILE, tmp))
         staging = Path(tmp) / "tokenizer"

@@ -6,6 +6,7 @@ the group at a free loopback port, calls `fn(*args)` and saves its return value 
 plain values). `fn` must be importable by name (a module-level function). A rank's exception fails the call with
 that rank's traceback.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,24 +45,30 @@ def run_tensor_parallel(fn, world_size: int, *args) -> list:
 
 # ---- the rank-side model step -------------------------------------------------------------------------------------
 
+
 def _image_inputs(model, hf_config, num_tokens: int) -> tuple[dict, dict]:
     """A random 1-image step for a Qwen2-VL model: ({seq: inputs_embeds [T, H]}, {seq: positions [3, T]})."""
     vision = hf_config.vision_config
     grid = (1, 4, 4)
-    row = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    row = 3 * vision.temporal_patch_size * vision.patch_size**2
     pixels = torch.randn(grid[0] * grid[1] * grid[2], row, generator=torch.Generator().manual_seed(7))
     image = model.embed_multimodal("image", {"pixel_values": pixels, "image_grid_thw": torch.tensor([grid])})
     ids = torch.arange(num_tokens) * 7 % hf_config.text_config.vocab_size
     embeds = model.get_input_embeddings(ids).clone()  # [T, H]
-    embeds[2:2 + image.shape[0]] = image
+    embeds[2 : 2 + image.shape[0]] = image
     t = torch.arange(num_tokens)
     positions = torch.stack([t, t // 2, t % 3 + t // 3])  # [3, T]: distinct per M-RoPE axis
     return {"img": embeds}, {"img": positions}
 
 
-def paged_step_logits(model_dir: str, prompts: list[list[int]], decode_tokens: list[int],
-                      compile_cache_dir: str | None = None, image: bool = False,
-                      compile_rank: int | None = None) -> dict:
+def paged_step_logits(
+    model_dir: str,
+    prompts: list[list[int]],
+    decode_tokens: list[int],
+    compile_cache_dir: str | None = None,
+    image: bool = False,
+    compile_rank: int | None = None,
+) -> dict:
     """Load `model_dir` (float32, CPU) in this process's TP rank and run, over a paged KV cache, one batched prefill
     of `prompts` then one decode step per entry of `decode_tokens` (that token appended to every prompt).
 
@@ -96,7 +103,8 @@ def paged_step_logits(model_dir: str, prompts: list[list[int]], decode_tokens: l
     return {"logits": steps, "read_shapes": read_shapes}
 
 
-def paged_step_logits_of_cases(cases: dict[str, tuple[str, bool]], prompts: list[list[int]],
-                               decode_tokens: list[int]) -> dict:
+def paged_step_logits_of_cases(
+    cases: dict[str, tuple[str, bool]], prompts: list[list[int]], decode_tokens: list[int]
+) -> dict:
     """`paged_step_logits` for each `{name: (model_dir, image)}` (several checkpoints in one spawn)."""
     return {name: paged_step_logits(d, prompts, decode_tokens, image=image) for name, (d, image) in cases.items()}

@@ -1,4 +1,5 @@
 """The torch decode path's scratch buffer belongs to the model runner: sized once, passed in the step's metadata."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The runner's per-token key limits for bidirectional image runs (vlserve.worker.bidirectional)."""
+
 import numpy as np
 import pytest
 import torch

@@ -1,4 +1,5 @@
 """Compilation config, padded decode buckets (the path CUDA graphs replay) and compiled == eager greedy output."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,13 +31,22 @@ def compile_cache(tmp_path_factory):
 
 
 # -- configuration ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value, match", [
-    (4, "level must be an integer 0..3"), (-1, "level must be an integer 0..3"), (True, "int level or a dict"),
-    ("fast", "a level 0..3 or a JSON object"), ({"level": "2"}, "level must be an integer"),
-    ({"cudagraph_capture_sizes": [4, -2]}, "must all be >= 1"), ({"cudagraph_capture_sizes": [0]}, ">= 1"),
-    ({"cudagraph_capture_sizes": "1,2"}, "list of integers"), ({"mode": 3}, "unknown keys \\['mode'\\]"),
-    ([3], "int level or a dict"), ({"inductor_compile_config": "freezing"}, "JSON object of inductor options"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (4, "level must be an integer 0..3"),
+        (-1, "level must be an integer 0..3"),
+        (True, "int level or a dict"),
+        ("fast", "a level 0..3 or a JSON object"),
+        ({"level": "2"}, "level must be an integer"),
+        ({"cudagraph_capture_sizes": [4, -2]}, "must all be >= 1"),
+        ({"cudagraph_capture_sizes": [0]}, ">= 1"),
+        ({"cudagraph_capture_sizes": "1,2"}, "list of integers"),
+        ({"mode": 3}, "unknown keys \\['mode'\\]"),
+        ([3], "int level or a dict"),
+        ({"inductor_compile_config": "freezing"}, "JSON object of inductor options"),
+    ],
+)
 def test_bad_compilation_config_is_a_value_error(value, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(compilation_config=value)
@@ -59,8 +69,11 @@ def test_compilation_config_values_and_defaults(monkeypatch):
     assert default.inductor_options("cuda") == {}
     assert CompilationConfig(level=3).inductor_options("cuda") == {"max_autotune": True}
     off = EngineArgs(compilation_config='{"level": 1, "inductor_compile_config": {"freezing": false}}')
-    assert off.compilation_config.inductor_options("cpu") == {"freezing": False, "size_asserts": False,
-                                                              "alignment_asserts": False}
+    assert off.compilation_config.inductor_options("cpu") == {
+        "freezing": False,
+        "size_asserts": False,
+        "alignment_asserts": False,
+    }
 
 
 def test_serve_flags():
@@ -68,8 +81,9 @@ def test_serve_flags():
 
     args, _ = serve_config_from_args(build_parser().parse_args(["serve", "-O3", "--enforce-eager"]))
     assert args.compilation_config.level == 3 and args.enforce_eager
-    args, _ = serve_config_from_args(build_parser().parse_args(
-        ["serve", "--compilation-config", '{"level": 1, "cache_dir": "/tmp/x"}']))
+    args, _ = serve_config_from_args(
+        build_parser().parse_args(["serve", "--compilation-config", '{"level": 1, "cache_dir": "/tmp/x"}'])
+    )
     assert (args.compilation_config.level, args.compilation_config.cache_dir) == (1, "/tmp/x")
 
 
@@ -84,11 +98,17 @@ def _decode_step(seq_lens: list[int], block_size: int = 4) -> StepInputs:
         first += n
     pos = torch.tensor(seq_lens) - 1
     slots = table[torch.arange(b), pos // block_size].long() * block_size + pos % block_size  # [B]
-    md = AttentionMetadata(slot_mapping=slots,
-                           query_start_loc=torch.arange(b + 1, dtype=torch.int32),
-                           seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table, num_decodes=b,
-                           max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(b + 1)),
-                           seq_lens_cpu=list(seq_lens))
+    md = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=table,
+        num_decodes=b,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=list(range(b + 1)),
+        seq_lens_cpu=list(seq_lens),
+    )
     return StepInputs(torch.arange(7, 7 + b), pos, md)
 
 
@@ -129,8 +149,10 @@ def pad_decode_steps(llm, sizes: list[int]) -> list[tuple[int, int]]:
 def test_padded_decode_buckets_match_unpadded(qwen2_dir):
     prompts = varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40, 9, 25))
     params = [_greedy(n) for n in (12, 5, 9, 7, 3)]  # finishing one by one: batches 5, 4, 3, 2, 1
-    expected = [o.outputs[0].token_ids for o in LLM(qwen2_dir, dtype="float32", num_kv_blocks=64).generate(
-        prompts, params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(qwen2_dir, dtype="float32", num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    ]
     llm = LLM(qwen2_dir, dtype="float32", num_kv_blocks=64)
     seen = pad_decode_steps(llm, [1, 2, 4, 8])
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -171,8 +193,13 @@ def test_cuda_graphs_equal_eager(qwen2_dir, compile_cache):
     prompts = varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40, 9, 25))
     params = [_greedy(n) for n in (12, 5, 9, 7, 3)]
     eager = LLM(qwen2_dir, dtype="float32", num_kv_blocks=64, enforce_eager=True)
-    graphed = LLM(qwen2_dir, dtype="float32", num_kv_blocks=64, max_num_seqs=8,
-                  compilation_config={"level": 2, "cudagraph_capture_sizes": [1, 2, 4, 8], "cache_dir": compile_cache})
+    graphed = LLM(
+        qwen2_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        compilation_config={"level": 2, "cudagraph_capture_sizes": [1, 2, 4, 8], "cache_dir": compile_cache},
+    )
     assert sorted(graphed.engine.runner.forward.graph_runner.graphs) == [1, 2, 4, 8]
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)] == expected
@@ -194,13 +221,14 @@ def test_compiled_equals_eager_qwen2_vl_with_images(tmp_path_factory, compile_ca
 
     def chat(n_images: int, question: str) -> str:
         parts = [{"type": "image"}] * n_images + [{"type": "text", "text": question}]
-        return tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
-                                       add_generation_prompt=True)
+        return tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
 
     images = [Image.fromarray(rand_image(56, 84, seed=s)) for s in (1, 2)]
-    prompts = [{"prompt": chat(1, "What is this?"), "multi_modal_data": {"image": [images[0]]}},
-               {"prompt": chat(2, "Compare them."), "multi_modal_data": {"image": images}},
-               {"prompt": chat(0, "Hello there")}]
+    prompts = [
+        {"prompt": chat(1, "What is this?"), "multi_modal_data": {"image": [images[0]]}},
+        {"prompt": chat(2, "Compare them."), "multi_modal_data": {"image": images}},
+        {"prompt": chat(0, "Hello there")},
+    ]
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, _greedy(8), use_tqdm=False)]
     from torch._dynamo.utils import guard_failures
 
@@ -257,8 +285,9 @@ def test_cpu_engines_run_projections_through_the_packed_kernel(qwen2_dir, compil
     monkeypatch.setenv(cl.ONEDNN_ROWS_ENV, "0")  # every row count through the kernel (test_onednn_rows: the split)
     calls = []  # (rows, silu_mul, out_features) of every kernel call
     kernel = cl.cpu_linear_kernel()
-    monkeypatch.setattr(cl, "cpu_linear_kernel",
-                        lambda: lambda *args: calls.append((args[7], args[12], args[8])) or kernel(*args))
+    monkeypatch.setattr(
+        cl, "cpu_linear_kernel", lambda: lambda *args: calls.append((args[7], args[12], args[8])) or kernel(*args)
+    )
     cfg = AutoConfig.from_pretrained(qwen2_dir)
     layers = cfg.num_hidden_layers
     prompts = varied_prompts(_vocab(qwen2_dir), lengths=(3, 17, 40))

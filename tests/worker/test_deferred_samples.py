@@ -1,5 +1,6 @@
 """Deferred read-back (async scheduling): a step's sampled ids stay on the device, the next step's input ids are
 filled from them there in any request order, and `output()` puts the real ids where the placeholders were."""
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +14,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 def _state(rid: str, tokens: list[int]) -> CachedRequestState:
-    return CachedRequestState(req_id=rid, token_ids=list(tokens), num_prompt_tokens=len(tokens),
-                              sampling_params=SamplingParams(), generator=None, block_ids=[0], num_computed_tokens=0)
+    return CachedRequestState(
+        req_id=rid,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        sampling_params=SamplingParams(),
+        generator=None,
+        block_ids=[0],
+        num_computed_tokens=0,
+    )
 
 
 def _launch(feed, states, sampled):

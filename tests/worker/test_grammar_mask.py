@@ -1,5 +1,6 @@
 """The runner's half of structured outputs: the int32 token bitmask unpacks to the right tokens and only the
 constrained requests' rows (drafts' rows included) lose their forbidden tokens."""
+
 import numpy as np
 import torch
 
@@ -60,7 +61,7 @@ def test_word_level_masking_equals_bit_by_bit():
     rng = np.random.default_rng(0)
     for vocab, dtype in ((151, torch.float32), (160, torch.bfloat16), (1000, torch.float32)):
         words = (vocab + 31) // 32
-        mask = rng.integers(-2**31, 2**31 - 1, size=(6, words), dtype=np.int64).astype(np.int32)
+        mask = rng.integers(-(2**31), 2**31 - 1, size=(6, words), dtype=np.int64).astype(np.int32)
         mask[0] = -1
         mask[1] = 0
         mask[2, ::2] = 0

@@ -1,4 +1,5 @@
 """InputBatch == the straightforward per-step build (block tables from lists), across growth, preemption, drafts."""
+
 import numpy as np
 import torch
 
@@ -10,7 +11,7 @@ def _reference(block_ids: list[list[int]], windows, starts, bs):
     cu = np.concatenate([[0], np.cumsum(q)])
     table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
     for i, b in enumerate(block_ids):
-        table[i, :len(b)] = b
+        table[i, : len(b)] = b
     pos, slots = [], []
     for i, (w, s) in enumerate(zip(windows, starts)):
         for j in range(len(w)):
@@ -79,8 +80,14 @@ def test_host_buffers_wait_for_their_pending_copy_before_being_rewritten():
     """Off CPU each copy out of a pinned host buffer is non_blocking: the buffer records an event after it, and the
     next step's `prepare` (through `ensure`) waits on that event before writing the host side again; once only."""
     batch = InputBatch(4, torch.device("cpu"))
-    buffers = [batch.input_ids, batch.positions, batch.query_start_loc, batch.seq_lens, *batch.slot_mappings,
-               *batch.step_block_tables]
+    buffers = [
+        batch.input_ids,
+        batch.positions,
+        batch.query_start_loc,
+        batch.seq_lens,
+        *batch.slot_mappings,
+        *batch.step_block_tables,
+    ]
     for buf in buffers:  # what _allocate makes on CUDA: a device twin and an event
         buf.dev, buf.copied = torch.zeros_like(buf.host), _FakeEvent()
     batch.add_request("a", ([1, 2],))

@@ -2,6 +2,7 @@
 of a bf16 cache (4x of float32), per-layer k_scale / v_scale load from the checkpoint, greedy tokens stay close to
 the "auto" (model dtype) cache's, prefix caching and n-gram spec decode run on it, and the flag is in
 `vlserve serve --help`. The kernels' own fp8 checks are in tests/kernels/test_kv_fp8.py."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def ckpt(tmp_path_factory):
     of the teacher-forced argmaxes)."""
     from vlserve.demo.checkpoints import build_text_checkpoint
 
-    return build_text_checkpoint(str(tmp_path_factory.mktemp("qwen2_fp8kv")), arch="qwen2", num_layers=2,
-                                 initializer_range=0.1)
+    return build_text_checkpoint(
+        str(tmp_path_factory.mktemp("qwen2_fp8kv")), arch="qwen2", num_layers=2, initializer_range=0.1
+    )
 
 
 def _llm(model, **kw):
@@ -78,8 +80,10 @@ def test_fp8_greedy_tokens_agree_with_auto(ckpt, capsys):
     prefixes = [p + w[:t] for p, w in zip(prompts, want) for t in range(len(w))]
     forced = sum(a == b for a, b in zip(_tokens(fp8, prefixes, 1), ([t] for w in want for t in w)))
     with capsys.disabled():
-        print(f"\n[fp8 KV] greedy agreement with the float32 cache over {len(prompts)} prompts: teacher-forced "
-              f"{forced}/{total} = {forced / total:.1%}, free-running {free}/{total} = {free / total:.1%}")
+        print(
+            f"\n[fp8 KV] greedy agreement with the float32 cache over {len(prompts)} prompts: teacher-forced "
+            f"{forced}/{total} = {forced / total:.1%}, free-running {free}/{total} = {free / total:.1%}"
+        )
     assert forced / total >= MIN_AGREEMENT
 
 
@@ -119,8 +123,11 @@ def test_checkpoint_kv_scales_load_and_run(ckpt, tmp_path):
     # compressed-tensors' kv_cache_scheme names; powers of two, so that x / scale * scale is x again in e4m3 (but
     # for the values the scale moves across the subnormal boundary)
     scales = [(0.25, 0.5), (0.5, 0.125)]
-    ct = {f"model.layers.{i}.self_attn.{n}": torch.tensor(s) for i, pair in enumerate(scales)
-          for n, s in zip(("k_scale", "v_scale"), pair)}
+    ct = {
+        f"model.layers.{i}.self_attn.{n}": torch.tensor(s)
+        for i, pair in enumerate(scales)
+        for n, s in zip(("k_scale", "v_scale"), pair)
+    }
     plain = _llm(ckpt, kv_cache_dtype="fp8")
     want = _tokens(plain, _prompts(3), 8)
     llm = _llm(_with_scales(ckpt, str(tmp_path / "ct"), ct), kv_cache_dtype="fp8")
@@ -156,8 +163,8 @@ def test_unknown_kv_cache_dtype_is_refused_and_the_flag_is_in_serve_help(capsys)
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    flag_help = help_text[help_text.rindex("--kv-cache-dtype {auto,fp8,fp8_e4m3}"):]  # its line, not the usage
-    flag_help = flag_help[:flag_help.index(" --", 3)]
+    flag_help = help_text[help_text.rindex("--kv-cache-dtype {auto,fp8,fp8_e4m3}") :]  # its line, not the usage
+    flag_help = flag_help[: flag_help.index(" --", 3)]
     assert "float8_e4m3fn" in flag_help and "(default: auto)" in flag_help
     engine_args, _ = serve_config_from_args(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"]))
     assert engine_args.kv_cache_dtype == "fp8"

@@ -1,6 +1,7 @@
 """The KV pool's size: --num-kv-blocks, else --kv-cache-memory-bytes, else (CPU) $VLSERVE_CPU_KVCACHE_SPACE GiB, else
 the default: enough for max_num_seqs x max_model_len tokens at the model's KV bytes per token, capped by the memory
 budget (a fraction of free memory less a profiled forward). One start-up line says what was reserved and why."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,13 @@ MiB = 2**20
 class _Runner:
     """What determine_num_kv_blocks asks of a ModelRunner."""
 
-    def __init__(self, bytes_per_token: int = DEMO_BYTES_PER_TOKEN, block_size: int = 16, device: str = "cpu",
-                 peak: int = 10 * MiB):
+    def __init__(
+        self,
+        bytes_per_token: int = DEMO_BYTES_PER_TOKEN,
+        block_size: int = 16,
+        device: str = "cpu",
+        peak: int = 10 * MiB,
+    ):
         self.block_size = block_size
         self.device = torch.device("cpu") if device == "cpu" else SimpleNamespace(type=device)
         self._per_block = bytes_per_token * block_size
@@ -35,11 +41,18 @@ class _Runner:
         return self._peak
 
 
-def size(runner, *, num_kv_blocks=None, kv_cache_memory_bytes=None, max_num_seqs=128, max_model_len=4096,
-         fraction=0.25) -> int:
-    return determine_num_kv_blocks(runner, num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                   memory_fraction=fraction, max_num_batched_tokens=4096, max_model_len=max_model_len,
-                                   max_num_seqs=max_num_seqs)
+def size(
+    runner, *, num_kv_blocks=None, kv_cache_memory_bytes=None, max_num_seqs=128, max_model_len=4096, fraction=0.25
+) -> int:
+    return determine_num_kv_blocks(
+        runner,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        memory_fraction=fraction,
+        max_num_batched_tokens=4096,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -50,14 +63,20 @@ def _host(monkeypatch):
 
 def test_default_rule_is_max_num_seqs_times_max_model_len_capped_by_the_budget():
     per_block = DEMO_BYTES_PER_TOKEN * 16
-    n, why = default_num_kv_blocks(bytes_per_block=per_block, block_size=16, budget_bytes=4 << 30, max_num_seqs=8,
-                                   max_model_len=1000)
+    n, why = default_num_kv_blocks(
+        bytes_per_block=per_block, block_size=16, budget_bytes=4 << 30, max_num_seqs=8, max_model_len=1000
+    )
     assert n == 8 * 63 + 1 and "8 x 1000 tokens" in why  # 1000 tokens take 63 blocks of 16; one null block
-    n, why = default_num_kv_blocks(bytes_per_block=per_block, block_size=16, budget_bytes=100 * per_block + 5,
-                                   max_num_seqs=8, max_model_len=1000)
+    n, why = default_num_kv_blocks(
+        bytes_per_block=per_block, block_size=16, budget_bytes=100 * per_block + 5, max_num_seqs=8, max_model_len=1000
+    )
     assert n == 100 and "capped by the memory budget" in why
-    assert default_num_kv_blocks(bytes_per_block=per_block, block_size=16, budget_bytes=-1, max_num_seqs=8,
-                                 max_model_len=1000)[0] == 0
+    assert (
+        default_num_kv_blocks(
+            bytes_per_block=per_block, block_size=16, budget_bytes=-1, max_num_seqs=8, max_model_len=1000
+        )[0]
+        == 0
+    )
 
 
 def test_default_on_cpu_sizes_from_the_model_and_logs_why(caplog):

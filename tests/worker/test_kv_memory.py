@@ -2,6 +2,7 @@
 as blocks are used; and the engine process loads no HF processor (its requests arrive processed), so transformers'
 image-processing stack (torchvision, scipy) stays out of it. Residency is read per page from /proc/self/pagemap,
 not from RSS, which every other allocation moves."""
+
 from __future__ import annotations
 
 import json
@@ -68,13 +69,13 @@ _ENGINE_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU KV pool (anonymous mmap): on CUDA the engine's KV "
-                                                    "lives in GPU memory")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU KV pool (anonymous mmap): on CUDA the engine's KV lives in GPU memory"
+)
 def test_engine_process_core_starts_with_an_untouched_kv_pool_and_no_hf_processor():
     """What core_proc builds: EngineCore(args, processor=False) on the demo model, profile and warm-up included, in a
     fresh interpreter (this one has imported everything already)."""
-    out = subprocess.run([sys.executable, "-c", _ENGINE_PROBE], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", _ENGINE_PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["kv"] and all(resident == 0 and pages > 0 for resident, pages in got["kv"]), got["kv"]

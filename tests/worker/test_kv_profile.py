@@ -1,5 +1,6 @@
 """The memory profile's token count: a CPU runs at most CPU_PROFILE_MAX_TOKENS and scales the peak up; a GPU runs
 the whole count."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace

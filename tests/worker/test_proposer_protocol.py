@@ -1,5 +1,6 @@
 """The runner drives any `Proposer` the same way: it allocates the draft KV from draft_kv_spec(), hands
 DraftInputs after each step, and verifies whatever drafts come back (greedy output unchanged)."""
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 CUDA_HOME=..." (logged when it is first imported on a machine with a CUDA toolkit and no usable GPU: inductor imports
 it to build the C++ CPU kernels) is dropped in every process that builds a model's kernels (each imports
 vlserve.executor.worker, which imports kv_sizing, where the filter is installed); its other messages still pass."""
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,7 @@ def _import_cpp_extension(tmp_path, prelude: str) -> str:
     CPU-only with a CUDA toolkit (CUDA_HOME set, no visible GPU)."""
     env = {**os.environ, "CUDA_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
     code = f"{prelude}\nimport torch.utils.cpp_extension\n"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                          cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 

@@ -1,4 +1,5 @@
 """RejectionSampler: greedy exactness, Leviathan distribution exactness, seeding, reference parity."""
+
 import pytest
 import torch
 
@@ -18,8 +19,15 @@ RS = RejectionSampler()
 
 def spec_md(params, drafts, vocab, generators=None, prompts=None, outputs=None):
     B = len(params)
-    return build_spec_sampling_metadata(params, generators or [None] * B, prompts or [[] for _ in range(B)],
-                                        outputs or [[] for _ in range(B)], drafts, vocab, DEV)
+    return build_spec_sampling_metadata(
+        params,
+        generators or [None] * B,
+        prompts or [[] for _ in range(B)],
+        outputs or [[] for _ in range(B)],
+        drafts,
+        vocab,
+        DEV,
+    )
 
 
 def expected_p(logits_row, temperature=1.0, top_k=None, top_p=None, min_p=None):
@@ -27,8 +35,9 @@ def expected_p(logits_row, temperature=1.0, top_k=None, top_p=None, min_p=None):
     x = logits_row.unsqueeze(0) / temperature
     if min_p is not None:
         x = apply_min_p(x, torch.tensor([min_p]))
-    x = apply_top_k_top_p(x, None if top_k is None else torch.tensor([top_k]),
-                          None if top_p is None else torch.tensor([top_p]))
+    x = apply_top_k_top_p(
+        x, None if top_k is None else torch.tensor([top_k]), None if top_p is None else torch.tensor([top_p])
+    )
     return torch.softmax(x, -1)[0].double()
 
 
@@ -58,6 +67,7 @@ def _seed():
 
 # ---------------------------------------------------------------- greedy
 
+
 def test_greedy_prefix_correction_and_bonus():
     V = 10
     # request 0: argmaxes 3, 4, 5 | bonus 6; drafts [3, 4, 9] -> accept 2, correction 5
@@ -84,8 +94,9 @@ def test_greedy_matches_sequential_decoding_with_penalties_and_min_tokens():
     """Row j sees outputs + drafts[:j]: repetition penalty and min_tokens bans are exact per position."""
     V, eos = 12, 11
     torch.manual_seed(1)
-    params = SamplingParams(temperature=0.0, repetition_penalty=3.0, frequency_penalty=0.5, min_tokens=3,
-                            _eos_token_ids=(eos,))
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=3.0, frequency_penalty=0.5, min_tokens=3, _eos_token_ids=(eos,)
+    )
     prompt, outputs = [1, 2], [5]  # min_tokens=3: the stop token is banned for the next 2 positions only
     k = 5
     logits = torch.randn(k + 1, V)
@@ -95,7 +106,7 @@ def test_greedy_matches_sequential_decoding_with_penalties_and_min_tokens():
     seq = []
     for j in range(k + 1):
         md1 = build_sampling_metadata([params], [None], [prompt], [outputs + seq], V, DEV)
-        seq.append(int(Sampler()(logits[j:j + 1], md1).sampled_token_ids[0]))
+        seq.append(int(Sampler()(logits[j : j + 1], md1).sampled_token_ids[0]))
     assert seq[0] != eos and seq[1] != eos and eos in seq[2:]  # the ban lifts exactly at position 2
     for m in range(k + 1):  # drafts correct up to position m
         drafts = seq[:k]
@@ -103,11 +114,12 @@ def test_greedy_matches_sequential_decoding_with_penalties_and_min_tokens():
             drafts = list(drafts)
             drafts[m] = (drafts[m] + 1) % V
         md = spec_md([params], [drafts], V, prompts=[prompt], outputs=[outputs])
-        assert RS(logits, [drafts], None, md).to_lists() == [seq[:m + 1]], m
-        assert rejection_sample_ref(logits, [drafts], None, md).to_lists() == [seq[:m + 1]]
+        assert RS(logits, [drafts], None, md).to_lists() == [seq[: m + 1]], m
+        assert rejection_sample_ref(logits, [drafts], None, md).to_lists() == [seq[: m + 1]]
 
 
 # ---------------------------------------------------------------- random rows: exactness
+
 
 def test_q_equal_p_accepts_everything():
     V, B, k = 16, 400, 4
@@ -159,11 +171,15 @@ def _check_convergence(V, params_kw, q_full: bool, adversarial: bool, n=20000, k
 
 @pytest.mark.parametrize("q_full", [False, True], ids=["one_hot_q", "full_q"])
 @pytest.mark.parametrize("adversarial", [False, True], ids=["random_q", "adversarial_q"])
-@pytest.mark.parametrize("params_kw", [
-    dict(temperature=1.0),
-    dict(temperature=0.7, top_k=6, top_p=0.9),
-    dict(temperature=1.3, min_p=0.05),
-], ids=["plain", "temp_topk_topp", "temp_minp"])
+@pytest.mark.parametrize(
+    "params_kw",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=6, top_p=0.9),
+        dict(temperature=1.3, min_p=0.05),
+    ],
+    ids=["plain", "temp_topk_topp", "temp_minp"],
+)
 def test_emitted_tokens_follow_target_distribution(params_kw, adversarial, q_full):
     first, second, acc, theory, p = _check_convergence(8, params_kw, q_full, adversarial)
     assert tv(freqs(first, 8), p) < 0.02, (freqs(first, 8), p)
@@ -177,13 +193,18 @@ def test_emitted_tokens_follow_target_distribution(params_kw, adversarial, q_ful
 
 # ---------------------------------------------------------------- seeding and parity
 
+
 def _mixed_batch(V=20, seed=3, full_q=True):
     g = torch.Generator().manual_seed(seed)
     drafts = [[1, 2, 3], [], [4, 5], [6], [7, 8, 9, 10], [2, 2]]
-    params = [SamplingParams(temperature=0.9, seed=11), SamplingParams(temperature=0.7, seed=12),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.8, seed=13),
-              SamplingParams(temperature=1.1, top_k=5, repetition_penalty=1.3),
-              SamplingParams(temperature=0.6, min_p=0.1, logprobs=2)]
+    params = [
+        SamplingParams(temperature=0.9, seed=11),
+        SamplingParams(temperature=0.7, seed=12),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=13),
+        SamplingParams(temperature=1.1, top_k=5, repetition_penalty=1.3),
+        SamplingParams(temperature=0.6, min_p=0.1, logprobs=2),
+    ]
     T = sum(len(d) + 1 for d in drafts)
     logits = torch.randn(T, V, generator=g)
     # make drafts plausible so both acceptances and rejections happen
@@ -191,8 +212,14 @@ def _mixed_batch(V=20, seed=3, full_q=True):
         base = sum(len(x) + 1 for x in drafts[:i])
         for j, t in enumerate(d):
             logits[base + j, t] += 2.0
-    q = [None if (i % 2 or not d) else torch.softmax(torch.randn(len(d), V, generator=g), -1)
-         for i, d in enumerate(drafts)] if full_q else None
+    q = (
+        [
+            None if (i % 2 or not d) else torch.softmax(torch.randn(len(d), V, generator=g), -1)
+            for i, d in enumerate(drafts)
+        ]
+        if full_q
+        else None
+    )
     return logits, drafts, params, q
 
 
@@ -205,12 +232,24 @@ def test_fast_path_matches_reference():
         for full_q in (False, True):
             logits, drafts, params, q = _mixed_batch(seed=seed, full_q=full_q)
             V = logits.shape[1]
-            md = spec_md(params, drafts, V, generators=_gens(params), prompts=[[1, 2, 3]] * len(params),
-                         outputs=[[4]] * len(params))
+            md = spec_md(
+                params,
+                drafts,
+                V,
+                generators=_gens(params),
+                prompts=[[1, 2, 3]] * len(params),
+                outputs=[[4]] * len(params),
+            )
             torch.manual_seed(seed)
             fast = RS(logits, drafts, q, md)
-            md = spec_md(params, drafts, V, generators=_gens(params), prompts=[[1, 2, 3]] * len(params),
-                         outputs=[[4]] * len(params))
+            md = spec_md(
+                params,
+                drafts,
+                V,
+                generators=_gens(params),
+                prompts=[[1, 2, 3]] * len(params),
+                outputs=[[4]] * len(params),
+            )
             torch.manual_seed(seed)
             ref = rejection_sample_ref(logits, drafts, q, md)
             assert fast.to_lists() == ref.to_lists()
@@ -234,7 +273,7 @@ def test_seeded_requests_are_deterministic_and_batch_independent():
         cu.append(cu[-1] + len(d) + 1)
     for n, i in enumerate(seeded):
         md = spec_md([params[i]], [drafts[i]], V, generators=_gens([params[i]]))
-        alone = RS(logits[cu[i]:cu[i + 1]], [drafts[i]], None if q is None else [q[i]], md).to_lists()[0]
+        alone = RS(logits[cu[i] : cu[i + 1]], [drafts[i]], None if q is None else [q[i]], md).to_lists()[0]
         assert alone == runs[0][n]
     # and the generator advances from step to step
     g = make_generator(5)

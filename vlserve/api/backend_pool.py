@@ -6,6 +6,7 @@ refused). A call fails over to the next backend when it could not reach one (con
 server gone mid-answer) or the backend answered 502 / 503 / 504, before any of its answer went to the client; a
 backend that is slow past the timeout is not retried elsewhere (the work may be running there) but is a 504.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -64,8 +65,9 @@ class BackendPool:
         now = self.clock()
         return [u for u in self.urls if now - self.failed_at.get(u, -float("inf")) < self.backoff_s]
 
-    async def send(self, client: httpx.AsyncClient, method: str, path: str, stream: bool = False,
-                   **kwargs) -> tuple[str, httpx.Response]:
+    async def send(
+        self, client: httpx.AsyncClient, method: str, path: str, stream: bool = False, **kwargs
+    ) -> tuple[str, httpx.Response]:
         """Send the call to the first backend that takes it: (its url, its response, opened but unread when
         `stream`). NoBackendError (503) when none could, naming each backend's failure; (504) on a timeout."""
         errors = []

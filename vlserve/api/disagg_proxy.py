@@ -27,6 +27,7 @@ timeout). /v1/models comes from a decode server; /health is 200 when every serve
     vlserve proxy --encode http://127.0.0.1:8300 --decode http://127.0.0.1:8200 --port 8000
     vlserve proxy --encode http://127.0.0.1:8300 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,12 @@ def has_media(body: dict) -> bool:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return False
-    return any(isinstance(p, dict) and p.get("type") in _MEDIA_PARTS
-               for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"])
+    return any(
+        isinstance(p, dict) and p.get("type") in _MEDIA_PARTS
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+        for p in m["content"]
+    )
 
 
 def _one_token(body: dict) -> dict:
@@ -89,8 +94,13 @@ def _base(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float = 600.0,
-                    encode: list[str] | None = None, backoff_s: float = 5.0):
+def build_proxy_app(
+    prefill: list[str] | None,
+    decode: list[str],
+    timeout: float = 600.0,
+    encode: list[str] | None = None,
+    backoff_s: float = 5.0,
+):
     """The proxy's FastAPI app over these base URLs (e.g. http://127.0.0.1:8100): encode servers (optional, for
     requests with media), prefill servers (optional: without them the decode servers prefill too), decode servers;
     a backend whose call failed is skipped for `backoff_s` (`backend_pool.BackendPool`)."""
@@ -103,14 +113,19 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
     if not prefill and not encode:
         raise ValueError("the proxy needs --prefill servers, --encode servers or both in front of --decode")
     prefill, decode, encode = [_base(u) for u in prefill], [_base(u) for u in decode], [_base(u) for u in encode]
-    encodes, prefills, decodes = (BackendPool(role, urls, backoff_s) for role, urls in
-                                  (("encode", encode), ("prefill", prefill), ("decode", decode)))
+    encodes, prefills, decodes = (
+        BackendPool(role, urls, backoff_s)
+        for role, urls in (("encode", encode), ("prefill", prefill), ("decode", decode))
+    )
     registry = CollectorRegistry()
-    encode_requests = Counter("vlserve:proxy_encode_requests", "requests sent to an encode server first",
-                              registry=registry)
-    encode_failures = Counter("vlserve:proxy_encode_failures",
-                              "encode stages that failed (the request went on, encoded where it ran)",
-                              registry=registry)
+    encode_requests = Counter(
+        "vlserve:proxy_encode_requests", "requests sent to an encode server first", registry=registry
+    )
+    encode_failures = Counter(
+        "vlserve:proxy_encode_failures",
+        "encode stages that failed (the request went on, encoded where it ran)",
+        registry=registry,
+    )
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -154,9 +169,12 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
             await resp.aread()
             await resp.aclose()
             return _passthrough(resp)
-        return StreamingResponse(resp.aiter_raw(), status_code=200,
-                                 media_type=resp.headers.get("content-type", "text/event-stream"),
-                                 background=BackgroundTask(resp.aclose))
+        return StreamingResponse(
+            resp.aiter_raw(),
+            status_code=200,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+            background=BackgroundTask(resp.aclose),
+        )
 
     async def forward(path: str, raw: Request) -> Response:
         try:
@@ -179,8 +197,11 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
             return _passthrough(r)
         params = r.json().get("kv_transfer_params")
         if not params:
-            return error_response(f"prefill server {p_url} returned no kv_transfer_params (is it started with "
-                                  "--kv-transfer-config and kv_role kv_producer?)", 502)
+            return error_response(
+                f"prefill server {p_url} returned no kv_transfer_params (is it started with "
+                "--kv-transfer-config and kv_role kv_producer?)",
+                502,
+            )
         dec = {**body, "kv_transfer_params": params}
         if params.get("remote_mm_features") and "messages" in body:  # the producer encoded the media: the decode
             dec["messages"] = _without_media(body["messages"])  # server gets its expanded prompt, never the media
@@ -225,23 +246,44 @@ def build_proxy_app(prefill: list[str] | None, decode: list[str], timeout: float
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vlserve proxy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--encode", nargs="+", default=None, metavar="URL",
-                   help="base URLs of the encode servers (vlserve serve --mm-encoder-only with an ec_producer "
-                        "--ec-transfer-config): requests with media are encoded there first")
-    p.add_argument("--prefill", nargs="+", default=None, metavar="URL",
-                   help="base URLs of the prefill servers (vlserve serve with a P2PConnector kv_producer); without "
-                        "them the --decode servers prefill too (E + PD: needs --encode)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="base URLs of the decode servers (a P2PConnector kv_consumer; without --prefill, plain "
-                        "servers: ec_consumers behind --encode)")
+    p = argparse.ArgumentParser(
+        prog="vlserve proxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--encode",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="base URLs of the encode servers (vlserve serve --mm-encoder-only with an ec_producer "
+        "--ec-transfer-config): requests with media are encoded there first",
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="base URLs of the prefill servers (vlserve serve with a P2PConnector kv_producer); without "
+        "them the --decode servers prefill too (E + PD: needs --encode)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="base URLs of the decode servers (a P2PConnector kv_consumer; without --prefill, plain "
+        "servers: ec_consumers behind --encode)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a backend's answer")
-    p.add_argument("--backoff", type=float, default=5.0, metavar="SECONDS",
-                   help="skip a backend for this long after a call to it failed (it is still tried when every "
-                        "backend of its kind is skipped)")
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="skip a backend for this long after a call to it failed (it is still tried when every "
+        "backend of its kind is skipped)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 

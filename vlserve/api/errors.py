@@ -3,6 +3,7 @@
 400 bad JSON / fields / media / prompts, 401 API key, 404 unknown model or route, 503 waiting queue full. Anything
 unexpected is a 500 with the same shape; no request can take the server down.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,17 @@ from vlserve.core.admission import QueueFullError
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
-          500: "InternalServerError", 503: "ServiceUnavailableError"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class APIError(Exception):
@@ -74,8 +83,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = ".".join(loc) or None
-    msgs = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                     for e in errors[:5])
+    msgs = "; ".join(
+        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+    )
     return msgs, param
 
 

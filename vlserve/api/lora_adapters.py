@@ -7,6 +7,7 @@ Every adapter is loaded into the engine(s) when it is registered (`AsyncLLM.add_
 an engine process too), so a bad directory is the loader's 400, never a failed step. Adapter ids are handed out
 here, increasing, never reused: the KV prefix cache keys blocks by them.
 """
+
 from __future__ import annotations
 
 import os

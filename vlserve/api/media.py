@@ -7,6 +7,7 @@
 - anything else (bare paths, other schemes, Python-object part types) is refused.
 Every failure is an `APIError(400)` naming the URL and the reason.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,9 @@ class MediaConfig:
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     timeouts: dict[str, float] = field(default_factory=lambda: {"image": 5.0, "video": 30.0, "audio": 10.0})
-    max_bytes: dict[str, int] = field(default_factory=lambda: {"image": 20 << 20, "video": 200 << 20,
-                                                               "audio": 50 << 20})
+    max_bytes: dict[str, int] = field(
+        default_factory=lambda: {"image": 20 << 20, "video": 200 << 20, "audio": 50 << 20}
+    )
     max_redirects: int = 5
 
 
@@ -71,8 +73,12 @@ class MediaFetcher:
                 if ptype in URL_PARTS or ptype in PASSTHROUGH_PARTS:
                     found.append((ptype, part))
                 elif ptype in ("image", "image_pil", "video"):
-                    raise APIError(f"content part type {ptype!r} is not accepted over HTTP; use image_url or "
-                                   f"video_url (data:, http(s):// or file:// URLs)", 400, "messages")
+                    raise APIError(
+                        f"content part type {ptype!r} is not accepted over HTTP; use image_url or "
+                        f"video_url (data:, http(s):// or file:// URLs)",
+                        400,
+                        "messages",
+                    )
         return found
 
     async def resolve(self, messages: list[dict]) -> dict[int, Any]:
@@ -191,8 +197,9 @@ def _read_capped(path: str, limit: int, kind: str, url: str) -> bytes:
     if stat.S_ISDIR(mode):
         raise APIError(f"{kind} file URL {shorten(url, 100)} names a directory, not a file", 400, "messages")
     if not stat.S_ISREG(mode):
-        raise APIError(f"{kind} file URL {shorten(url, 100)} is not a regular file (a FIFO, socket or device)",
-                       400, "messages")
+        raise APIError(
+            f"{kind} file URL {shorten(url, 100)} is not a regular file (a FIFO, socket or device)", 400, "messages"
+        )
     try:
         with open(path, "rb") as f:
             data = f.read(limit + 1)

@@ -1,15 +1,58 @@
 """Prometheus metrics for /metrics: every `vlserve:` counter/gauge of the engine, plus latency histograms
 (TTFT, inter-token, end-to-end) and request counters, in a registry of their own."""
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics"}
 
@@ -65,8 +108,10 @@ def _replica_families(replicas: list[dict[str, float]]):
                 label_values.append(label_value.strip('"'))
             if name not in families:
                 kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-                families[name] = (kind(name, f"vlserve engine metric {base}, per data-parallel replica",
-                                       labels=label_names), label_names)
+                families[name] = (
+                    kind(name, f"vlserve engine metric {base}, per data-parallel replica", labels=label_names),
+                    label_names,
+                )
             family, names = families[name]
             if names == label_names:
                 family.add_metric(label_values, float(value))
@@ -81,20 +126,36 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine))
         r = self.registry
-        self.ttft = Histogram("vlserve:time_to_first_token_seconds", "Time from arrival to the first output token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vlserve:inter_token_latency_seconds", "Time between successive output tokens.",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vlserve:e2e_request_latency_seconds", "Time from arrival to the end of a request.",
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.request_success = Counter("vlserve:request_success", "Requests that ended, by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.request_prompt_tokens = Counter("vlserve:request_prompt_tokens", "Prompt tokens of ended requests.",
-                                             registry=r)
-        self.request_generation_tokens = Counter("vlserve:request_generation_tokens",
-                                                 "Output tokens of ended requests.", registry=r)
-        self.http_requests = Counter("vlserve:http_requests", "HTTP requests by endpoint and status code.",
-                                     ["endpoint", "status"], registry=r)
+        self.ttft = Histogram(
+            "vlserve:time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vlserve:inter_token_latency_seconds",
+            "Time between successive output tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vlserve:e2e_request_latency_seconds",
+            "Time from arrival to the end of a request.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.request_success = Counter(
+            "vlserve:request_success", "Requests that ended, by finish reason.", ["finished_reason"], registry=r
+        )
+        self.request_prompt_tokens = Counter(
+            "vlserve:request_prompt_tokens", "Prompt tokens of ended requests.", registry=r
+        )
+        self.request_generation_tokens = Counter(
+            "vlserve:request_generation_tokens", "Output tokens of ended requests.", registry=r
+        )
+        self.http_requests = Counter(
+            "vlserve:http_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
         engine.add_stats_listener(self)
 
     # StatsListener (engine thread) -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 style and example media, and `GET /v1/playground/info` (behind --api-key like all of /v1) tells the page which
 media the model takes and whether it is the embedded demo model. `--disable-playground` leaves all of it out.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ def is_demo_model(model_path: str | None) -> bool:
 
 def install_playground(app: FastAPI, models: ServedModels, modalities: tuple[str, ...]) -> None:
     """Add the page, its static files and its info endpoint to `app`."""
-    info = {"models": list(models.names), "modalities": list(modalities), "demo": is_demo_model(models.root),
-            "max_model_len": models.max_model_len}
+    info = {
+        "models": list(models.names),
+        "modalities": list(modalities),
+        "demo": is_demo_model(models.root),
+        "max_model_len": models.max_model_len,
+    }
 
     async def page() -> FileResponse:
         """The playground page (no caching, so an upgraded server serves its own page)."""

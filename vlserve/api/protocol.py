@@ -1,4 +1,5 @@
 """Pydantic models of the OpenAI-compatible API: requests (validated) and responses (serialized)."""
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,10 @@ def check_unicode(value: Any) -> Any:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"text is not valid Unicode: {shorten(value[e.start:e.end])} at character {e.start} is a "
-                             f"lone UTF-16 surrogate") from None
+            raise ValueError(
+                f"text is not valid Unicode: {shorten(value[e.start : e.end])} at character {e.start} is a "
+                f"lone UTF-16 surrogate"
+            ) from None
     elif isinstance(value, dict):
         for item in value.values():
             check_unicode(item)
@@ -94,8 +97,14 @@ class _SamplingFields(OpenAIModel):
 
     _check_stop = field_validator("stop")(check_unicode)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, endpoint: str,
-                         tool_schema: dict | None, structured_backend: str) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        endpoint: str,
+        tool_schema: dict | None,
+        structured_backend: str,
+    ) -> SamplingParams:
         """SamplingParams for this request (ValueError when a value is out of range or a field is unsupported)."""
         check_extra_fields(self.model_extra, endpoint)
         structured = structured_outputs_from_request(self, tool_schema, structured_backend)
@@ -104,14 +113,26 @@ class _SamplingFields(OpenAIModel):
         if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1] - MAX_N:
             raise ValueError(f"seed must fit in a signed 64-bit integer (and leave room for n), got {self.seed}")
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, seed=self.seed,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured,
-            kv_transfer_params=self.kv_transfer_params)
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured,
+            kv_transfer_params=self.kv_transfer_params,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -170,25 +191,30 @@ class ChatCompletionRequest(_SamplingFields):
     def template_kwargs(self, trust_request_template: bool) -> dict[str, Any]:
         """The kwargs for apply_chat_template; a request-supplied template only when the server trusts them."""
         if self.chat_template is not None and not trust_request_template:
-            raise ValueError("chat_template: request-supplied chat templates are refused; start the server with "
-                             "--trust-request-chat-template to allow them")
+            raise ValueError(
+                "chat_template: request-supplied chat templates are refused; start the server with "
+                "--trust-request-chat-template to allow them"
+            )
         kwargs = check_chat_template_kwargs(self.chat_template_kwargs, trust_request_template)
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         return kwargs
 
-    def to_sampling_params(self, *, tool_schema: dict | None = None,
-                           structured_backend: str = "xgrammar") -> SamplingParams:
+    def to_sampling_params(
+        self, *, tool_schema: dict | None = None, structured_backend: str = "xgrammar"
+    ) -> SamplingParams:
         """max_completion_tokens wins over the deprecated max_tokens; logprobs=true -> top_logprobs (default 0).
         `tool_schema`: the JSON schema a tool_choice imposes (vlserve.api.tool_choice.ToolPlan.constraint);
         `structured_backend`: the server's grammar backend (what guided_decoding_backend may name)."""
         self.check_supported()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.max_completion_tokens is not None and self.min_tokens > self.max_completion_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_completion_tokens "
-                             f"({self.max_completion_tokens}).")
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, "chat",
-                                     tool_schema, structured_backend)
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_completion_tokens ({self.max_completion_tokens})."
+            )
+        return self._sampling_params(
+            max_tokens, (self.top_logprobs or 0) if self.logprobs else None, "chat", tool_schema, structured_backend
+        )
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump(exclude_none=False) for m in self.messages]

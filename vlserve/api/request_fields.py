@@ -5,6 +5,7 @@
 - Fields that change no output (bookkeeping: metadata, store, request_id, ...) are accepted quietly.
 - A field neither vLLM nor OpenAI knows is accepted and ignored with one warning in the log per field name.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,28 +21,58 @@ _EMPTY = (None, [], {})
 
 # Both endpoints (vLLM's sampling and extra parameters, OpenAI's fields vLLM lacks), field -> no-op values.
 _UNSUPPORTED_COMMON: dict[str, tuple] = {
-    "logit_bias": _EMPTY, "best_of": (None, 1), "use_beam_search": _FALSE, "length_penalty": (None, 1, 1.0),
+    "logit_bias": _EMPTY,
+    "best_of": (None, 1),
+    "use_beam_search": _FALSE,
+    "length_penalty": (None, 1, 1.0),
     "early_stopping": _FALSE,
-    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": _NONE, "prompt_logprobs": _NONE,
-    "allowed_token_ids": _NONE, "bad_words": _EMPTY, "priority": (None, 0), "logits_processors": _EMPTY,
-    "return_tokens_as_token_ids": _FALSE, "return_token_ids": _FALSE, "cache_salt": _NONE,
-    "vllm_xargs": _EMPTY, "prompt_embeds": _NONE, "media_io_kwargs": _EMPTY,
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": _NONE,
+    "prompt_logprobs": _NONE,
+    "allowed_token_ids": _NONE,
+    "bad_words": _EMPTY,
+    "priority": (None, 0),
+    "logits_processors": _EMPTY,
+    "return_tokens_as_token_ids": _FALSE,
+    "return_token_ids": _FALSE,
+    "cache_salt": _NONE,
+    "vllm_xargs": _EMPTY,
+    "prompt_embeds": _NONE,
+    "media_io_kwargs": _EMPTY,
     "thinking_token_budget": _NONE,
 }
 _UNSUPPORTED_CHAT: dict[str, tuple] = {
     **_UNSUPPORTED_COMMON,
-    "echo": _FALSE, "add_generation_prompt": (None, True), "continue_final_message": _FALSE,
-    "add_special_tokens": _FALSE, "documents": _EMPTY, "reasoning_effort": _NONE,
+    "echo": _FALSE,
+    "add_generation_prompt": (None, True),
+    "continue_final_message": _FALSE,
+    "add_special_tokens": _FALSE,
+    "documents": _EMPTY,
+    "reasoning_effort": _NONE,
     # OpenAI's: the legacy function-calling fields (use tools / tool_choice), audio output, predicted outputs
-    "functions": _EMPTY, "function_call": (None, "none"), "audio": _NONE, "modalities": (None, ["text"]),
-    "prediction": _NONE, "web_search_options": _NONE,
+    "functions": _EMPTY,
+    "function_call": (None, "none"),
+    "audio": _NONE,
+    "modalities": (None, ["text"]),
+    "prediction": _NONE,
+    "web_search_options": _NONE,
 }
 _UNSUPPORTED_COMPLETION: dict[str, tuple] = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
 
 # Known fields that change nothing a response carries (ids, bookkeeping, options of parts we do not have).
-_NO_EFFECT = frozenset({
-    "request_id", "include_reasoning", "store", "metadata", "service_tier", "safety_identifier",
-    "prompt_cache_key", "prompt_cache_retention", "verbosity"})
+_NO_EFFECT = frozenset(
+    {
+        "request_id",
+        "include_reasoning",
+        "store",
+        "metadata",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "verbosity",
+    }
+)
 
 # Refused above unless the request runs beam search, which takes them (vlserve.api.serving_beam).
 BEAM_SEARCH_FIELDS = frozenset({"use_beam_search", "length_penalty", "early_stopping"})
@@ -64,8 +95,10 @@ def check_extra_fields(extra: dict[str, Any] | None, endpoint: str) -> None:
         noops = table.get(name)
         if noops is not None:
             if not _is_noop(value, noops):
-                raise ValueError(f"{name} is not supported by this server (it would change the output); leave it "
-                                 f"out{_default_hint(noops)}{_BEAM_ONLY_HINT if name in _BEAM_ONLY else ''}")
+                raise ValueError(
+                    f"{name} is not supported by this server (it would change the output); leave it "
+                    f"out{_default_hint(noops)}{_BEAM_ONLY_HINT if name in _BEAM_ONLY else ''}"
+                )
         elif name not in _NO_EFFECT:
             _warn_once(name)
 

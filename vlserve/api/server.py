@@ -3,6 +3,7 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics,
 and the playground page (GET /, /playground; see playground.py) unless `playground` is off.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -73,11 +74,14 @@ class _GateMiddleware:
             if not token or not hmac.compare_digest(token, self.api_key):
                 rejection = error_response("missing or invalid API key (send 'Authorization: Bearer <key>')", 401)
         length = headers.get(b"content-length", b"")
-        too_large = error_response(f"request body over the {self.max_body_bytes} byte cap (--max-request-body-bytes)",
-                                   413)
+        too_large = error_response(
+            f"request body over the {self.max_body_bytes} byte cap (--max-request-body-bytes)", 413
+        )
         if rejection is None and length.isdigit() and int(length) > self.max_body_bytes:
             rejection = too_large
-        elif rejection is None and not length and scope.get("method") in ("POST", "PUT", "PATCH"):  # chunked: no length to check up front, so count while reading
+        elif (
+            rejection is None and not length and scope.get("method") in ("POST", "PUT", "PATCH")
+        ):  # chunked: no length to check up front, so count while reading
             body = await _read_body_capped(receive, self.max_body_bytes)
             if body is None:
                 rejection = too_large
@@ -137,9 +141,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     models = ServedModels(names, engine.engine.loaded.model_path, engine.max_model_len)
     fetcher = MediaFetcher(config.media)
     metrics = ServerMetrics(engine)
-    chat = OpenAIServingChat(engine, models, fetcher, config.trust_request_chat_template,
-                             enable_auto_tool_choice=config.enable_auto_tool_choice,
-                             tool_call_parser=config.tool_call_parser)
+    chat = OpenAIServingChat(
+        engine,
+        models,
+        fetcher,
+        config.trust_request_chat_template,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        tool_call_parser=config.tool_call_parser,
+    )
     completion = OpenAIServingCompletion(engine, models)
 
     @asynccontextmanager
@@ -154,8 +163,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="vlserve", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.models = engine, metrics, models
     install_error_handlers(app)
-    app.add_middleware(_GateMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       metrics=metrics)
+    app.add_middleware(_GateMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
 
     @app.get("/health")
     async def health() -> Response:
@@ -192,8 +200,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-          log_level: str = "info", engine_process: bool = True) -> int:
+def serve(
+    engine_args: EngineArgs,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    config: ServerConfig | None = None,
+    log_level: str = "info",
+    engine_process: bool = True,
+) -> int:
     """Load the model, then serve until interrupted (Ctrl-C / SIGTERM) or until the engine dies.
 
     `engine_process`: run the engine core in its own process (default, like vLLM v1) or in a thread of this one.
@@ -202,8 +216,10 @@ def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, co
     import uvicorn
 
     if not engine_process and engine_args.data_parallel_size > 1:
-        raise ValueError(f"--data-parallel-size {engine_args.data_parallel_size} needs engine processes; it cannot "
-                         "be combined with --no-engine-process")
+        raise ValueError(
+            f"--data-parallel-size {engine_args.data_parallel_size} needs engine processes; it cannot "
+            "be combined with --no-engine-process"
+        )
     if engine_process:
         from vlserve.engine.mp_async_llm import MPAsyncLLM
 
@@ -211,10 +227,19 @@ def serve(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, co
     else:
         engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, config)
-    logger.info("serving %s on http://%s:%d (pid %d, engine %s)", app.state.models.names[0], host, port,
-                os.getpid(), f"processes x{engine_args.data_parallel_size}" if engine_process else "thread")
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
-                                           timeout_graceful_shutdown=10))
+    logger.info(
+        "serving %s on http://%s:%d (pid %d, engine %s)",
+        app.state.models.names[0],
+        host,
+        port,
+        os.getpid(),
+        f"processes x{engine_args.data_parallel_size}" if engine_process else "thread",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, timeout_keep_alive=30, timeout_graceful_shutdown=10
+        )
+    )
     died = threading.Event()
 
     def stop_when_engine_dies() -> None:

@@ -1,5 +1,6 @@
 """Pieces shared by the chat and completion endpoints: served models, SSE framing, streamed-text deltas,
 usage, and tying a request's life to its HTTP connection (a disconnect aborts it)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,10 @@ class ServedModels:
 
     def list(self) -> ModelList:
         cards = [ModelCard(id=n, root=self.root, max_model_len=self.max_model_len) for n in self.names]
-        cards += [ModelCard(id=name, root=lora.lora_path, parent=self.names[0], max_model_len=self.max_model_len)
-                  for name, lora in self.loras.items()]
+        cards += [
+            ModelCard(id=name, root=lora.lora_path, parent=self.names[0], max_model_len=self.max_model_len)
+            for name, lora in self.loras.items()
+        ]
         return ModelList(data=cards)
 
 
@@ -78,8 +81,9 @@ class MMKwargLimits:
         return cls(max_pixels=None if pixels is None else int(pixels), max_frames=int(proc.max_video_frames))
 
 
-def check_mm_processor_kwargs(kwargs: dict[str, Any] | None, limits: MMKwargLimits | None = None
-                              ) -> dict[str, Any] | None:
+def check_mm_processor_kwargs(
+    kwargs: dict[str, Any] | None, limits: MMKwargLimits | None = None
+) -> dict[str, Any] | None:
     """Only the documented per-request media knobs, with positive values within the server's bounds (400 otherwise)."""
     if not kwargs:
         return None
@@ -87,28 +91,37 @@ def check_mm_processor_kwargs(kwargs: dict[str, Any] | None, limits: MMKwargLimi
     unknown = [k for k in kwargs if k not in _MM_KWARG_KEYS]
     if unknown:
         names = ", ".join(shorten(k) for k in unknown[:5])
-        raise APIError(f"mm_processor_kwargs: unsupported key(s) {names}; allowed: {', '.join(sorted(_MM_KWARG_KEYS))}",
-                       400, "mm_processor_kwargs")
+        raise APIError(
+            f"mm_processor_kwargs: unsupported key(s) {names}; allowed: {', '.join(sorted(_MM_KWARG_KEYS))}",
+            400,
+            "mm_processor_kwargs",
+        )
     for key, value in kwargs.items():
         whole = key != "fps"
         ok_type = (int,) if whole else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok_type) or value <= 0:
             kind = "a positive integer" if whole else "a positive number"
-            raise APIError(f"mm_processor_kwargs.{key} must be {kind}, got {shorten(value)}", 400,
-                           "mm_processor_kwargs")
+            raise APIError(
+                f"mm_processor_kwargs.{key} must be {kind}, got {shorten(value)}", 400, "mm_processor_kwargs"
+            )
         bound = limits.max_pixels if key.endswith("_pixels") else limits.max_frames if whole else None
         if bound is not None and value > bound:
-            raise APIError(f"mm_processor_kwargs.{key} may be at most {bound} on this server, got {value}", 400,
-                           "mm_processor_kwargs")
+            raise APIError(
+                f"mm_processor_kwargs.{key} may be at most {bound} on this server, got {value}",
+                400,
+                "mm_processor_kwargs",
+            )
     lo, hi = kwargs.get("min_pixels"), kwargs.get("max_pixels")
     if lo is not None and hi is not None and lo > hi:
-        raise APIError(f"mm_processor_kwargs.min_pixels ({lo}) must be <= max_pixels ({hi})", 400,
-                       "mm_processor_kwargs")
+        raise APIError(
+            f"mm_processor_kwargs.min_pixels ({lo}) must be <= max_pixels ({hi})", 400, "mm_processor_kwargs"
+        )
     return dict(kwargs)
 
 
-def check_fits_context(max_tokens: int | None, prompt_tokens: int, max_model_len: int,
-                       field: str = "max_tokens") -> None:
+def check_fits_context(
+    max_tokens: int | None, prompt_tokens: int, max_model_len: int, field: str = "max_tokens"
+) -> None:
     """400 (param `field`, the name the client used) when the prompt plus the requested completion exceed the
     model's context."""
     try:
@@ -123,11 +136,17 @@ def check_kv_transfer_params(engine: Any, req: Any, num_prompts: int = 1) -> Non
     if req.kv_transfer_params is None:
         return
     if getattr(engine.engine_args, "kv_transfer_config", None) is None:
-        raise APIError("kv_transfer_params needs a server started with a KV connector (--kv-transfer-config); "
-                       "this one has none", 400, "kv_transfer_params")
+        raise APIError(
+            "kv_transfer_params needs a server started with a KV connector (--kv-transfer-config); this one has none",
+            400,
+            "kv_transfer_params",
+        )
     if num_prompts != 1 or req.n != 1 or getattr(req, "use_beam_search", False):
-        raise APIError("kv_transfer_params applies to one sequence: send one prompt with n=1 and no beam search",
-                       400, "kv_transfer_params")
+        raise APIError(
+            "kv_transfer_params applies to one sequence: send one prompt with n=1 and no beam search",
+            400,
+            "kv_transfer_params",
+        )
 
 
 def structured_backend(engine: Any) -> str:
@@ -150,8 +169,12 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 class DeltaTracker:
@@ -210,8 +233,12 @@ class EngineStreamingResponse(StreamingResponse):
     no tokens are flowing (e.g. the request is still queued)."""
 
     def __init__(self, content: AsyncIterator[str], **kwargs: Any):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kwargs)
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            **kwargs,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream_task = asyncio.ensure_future(self.stream_response(send))

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream;
 tools / tool_choice (vlserve.api.tool_choice) -> tool_calls in the message or as streamed deltas."""
+
 from __future__ import annotations
 
 import logging
@@ -61,10 +62,21 @@ def chat_logprobs(entries: list[dict[int, Logprob]] | None, top_k: int) -> ChatL
         sampled = items[0]
         top = sorted((lp for lp in items if lp.rank is not None and lp.rank <= top_k), key=lambda lp: lp.rank)
         token = sampled.decoded_token or ""
-        content.append(ChatTokenLogprob(
-            token=token, logprob=max(sampled.logprob, -9999.0), bytes=list(token.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=t.decoded_token or "", logprob=max(t.logprob, -9999.0),
-                                     bytes=list((t.decoded_token or "").encode("utf-8"))) for t in top]))
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=max(sampled.logprob, -9999.0),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(
+                        token=t.decoded_token or "",
+                        logprob=max(t.logprob, -9999.0),
+                        bytes=list((t.decoded_token or "").encode("utf-8")),
+                    )
+                    for t in top
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -80,16 +92,25 @@ async def prepare_input(coro):
         raise APIError(f"could not process the input: {e}", 400) from None
     except Exception as e:  # noqa: BLE001 -- decoding/processing errors of untrusted media
         logger.info("input processing failed", exc_info=e)
-        raise APIError(f"could not process the input ({type(e).__name__}); check the messages, media and "
-                       f"mm_processor_kwargs / chat_template_kwargs", 400) from None
+        raise APIError(
+            f"could not process the input ({type(e).__name__}); check the messages, media and "
+            f"mm_processor_kwargs / chat_template_kwargs",
+            400,
+        ) from None
 
 
 class OpenAIServingChat:
     """Validates, fetches media, processes, queues, and renders chat completions."""
 
-    def __init__(self, engine: AsyncLLM, models: ServedModels, fetcher: MediaFetcher,
-                 trust_request_chat_template: bool = False, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: ServedModels,
+        fetcher: MediaFetcher,
+        trust_request_chat_template: bool = False,
+        enable_auto_tool_choice: bool = False,
+        tool_call_parser: str | None = None,
+    ):
         self.engine = engine
         self.models = models
         self.fetcher = fetcher
@@ -98,8 +119,9 @@ class OpenAIServingChat:
         self.trust_request_chat_template = trust_request_chat_template
         parser = None if tool_call_parser is None else ToolParserManager.get(tool_call_parser)
         if enable_auto_tool_choice and parser is None:
-            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of "
-                             f"{', '.join(ToolParserManager.names())})")
+            raise ValueError(
+                f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(ToolParserManager.names())})"
+            )
         self.auto_tool_parser = parser if enable_auto_tool_choice else None  # tool_choice "auto" is refused without
         self.structured_backend = structured_backend(engine)
 
@@ -109,12 +131,14 @@ class OpenAIServingChat:
         for modality, count in counts.items():
             if modality not in self.engine.modalities:
                 what = ", ".join(self.engine.modalities) or "text only"
-                raise APIError(f"{modality} input is not supported by this model (it takes: {what})", 400,
-                               "messages")
+                raise APIError(f"{modality} input is not supported by this model (it takes: {what})", 400, "messages")
             limit = self.limits.get(modality)
             if limit is not None and count > limit:
-                raise APIError(f"{count} {modality} items exceed the limit of {limit} per prompt "
-                               f"(--limit-mm-per-prompt)", 400, "messages")
+                raise APIError(
+                    f"{count} {modality} items exceed the limit of {limit} per prompt (--limit-mm-per-prompt)",
+                    400,
+                    "messages",
+                )
 
     async def _process(self, req: ChatCompletionRequest, tools: list | None = None) -> ProcessedPrompt:
         """The request's messages (media fetched) through the chat template and the processor; `tools` go to the
@@ -126,8 +150,11 @@ class OpenAIServingChat:
         messages = req.messages_as_dicts()
         self._check_media(messages)
         payloads = await self.fetcher.resolve(messages)
-        return await prepare_input(self.engine.process_chat(
-            messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)]))
+        return await prepare_input(
+            self.engine.process_chat(
+                messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)]
+            )
+        )
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
@@ -142,32 +169,59 @@ class OpenAIServingChat:
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         processed = await self._process(req, plan.tools)
         kv = params.kv_transfer_params or {}
-        remote_ids = kv.get("remote_prompt_token_ids") if kv.get("remote_mm_features") and not processed.mm_features \
-            else None  # a decode server's media-less request: the producer's expanded prompt is what runs
+        remote_ids = (
+            kv.get("remote_prompt_token_ids") if kv.get("remote_mm_features") and not processed.mm_features else None
+        )  # a decode server's media-less request: the producer's expanded prompt is what runs
         num_prompt = len(remote_ids) if isinstance(remote_ids, list) else len(processed.prompt_token_ids)
-        check_fits_context(params.max_tokens, num_prompt, self.engine.max_model_len,
-                           "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        check_fits_context(
+            params.max_tokens,
+            num_prompt,
+            self.engine.max_model_len,
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+        )
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params, lora)
         top_k = req.top_logprobs or 0
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            return EngineStreamingResponse(self._stream(stream, request_id, model, params.n, top_k, holdback,
-                                                        req.include_usage, continuous, plan))
+            return EngineStreamingResponse(
+                self._stream(stream, request_id, model, params.n, top_k, holdback, req.include_usage, continuous, plan)
+            )
         final = await run_unless_disconnected(raw, _last(stream), stream.abort)
         choices = []
         for c in final.outputs:
             message, finish_reason = _message(plan, c.text, c.finish_reason)
-            choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c.logprobs, top_k),
-                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of([final]),
-                                      kv_transfer_params=final.kv_transfer_params)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=chat_logprobs(c.logprobs, top_k),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        body = ChatCompletionResponse(
+            id=request_id,
+            model=model,
+            choices=choices,
+            usage=usage_of([final]),
+            kv_transfer_params=final.kv_transfer_params,
+        )
         return JSONResponse(body.model_dump())
 
-    async def _stream(self, stream: RequestStream, request_id: str, model: str, n: int, top_k: int, holdback: int,
-                      include_usage: bool, continuous_usage: bool = False,
-                      plan: ToolPlan | None = None) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        stream: RequestStream,
+        request_id: str,
+        model: str,
+        n: int,
+        top_k: int,
+        holdback: int,
+        include_usage: bool,
+        continuous_usage: bool = False,
+        plan: ToolPlan | None = None,
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         plan = plan or ToolPlan()
         parsers = {i: plan.new_parser() for i in range(n)}  # per choice; None: plain content
@@ -181,8 +235,9 @@ class OpenAIServingChat:
         try:
             async for out in stream:
                 if last is None:  # the role goes out with the first output, as vLLM sends it (TTFT counts from it)
-                    yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                                 for i in range(n)])
+                    yield chunk(
+                        [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]
+                    )
                 last = out
                 choices = []
                 for c in out.outputs:
@@ -198,9 +253,15 @@ class OpenAIServingChat:
                         delta, news = parsed or DeltaMessage(content=""), parsed is not None
                         finish_reason = plan.finish_reason(finish_reason, parser.streamed_calls > 0)
                     if news or finished or lps:
-                        choices.append(ChatStreamChoice(
-                            index=c.index, delta=delta, logprobs=chat_logprobs(lps, top_k),
-                            finish_reason=finish_reason, stop_reason=c.stop_reason))
+                        choices.append(
+                            ChatStreamChoice(
+                                index=c.index,
+                                delta=delta,
+                                logprobs=chat_logprobs(lps, top_k),
+                                finish_reason=finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        )
                 if choices:
                     yield chunk(choices, usage_of([out]) if continuous_usage else None)
             if include_usage and last is not None:
@@ -219,8 +280,10 @@ def _message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[Chat
     if parser is None:
         return ChatResponseMessage(content=text), finish_reason
     content, calls = parser.extract_tool_calls(text)
-    return (ChatResponseMessage(content=content, tool_calls=calls or None),
-            plan.finish_reason(finish_reason, bool(calls)))
+    return (
+        ChatResponseMessage(content=content, tool_calls=calls or None),
+        plan.finish_reason(finish_reason, bool(calls)),
+    )
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

@@ -1,4 +1,5 @@
 """POST /v1/completions: prompt (string, strings, token ids, lists of token ids) -> completions or an SSE stream."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,11 @@ from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.outputs import Logprob, RequestOutput
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]] | None, top_k: int, text_start: int,
-                        ) -> CompletionLogprobs | None:
+def completion_logprobs(
+    entries: list[dict[int, Logprob]] | None,
+    top_k: int,
+    text_start: int,
+) -> CompletionLogprobs | None:
     """Legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
     if entries is None:
         return None
@@ -66,8 +70,9 @@ class OpenAIServingCompletion:
         if wants_beam_search(req):
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
-            return await beam_completion(self.engine, req, raw, model,
-                                         lambda p: prepare_input(self.engine.process_prompt(p)))
+            return await beam_completion(
+                self.engine, req, raw, model, lambda p: prepare_input(self.engine.process_prompt(p))
+            )
         params = req.to_sampling_params(structured_backend=self.structured_backend)
         prompts = req.prompts()
         processed = [await prepare_input(self.engine.process_prompt(p)) for p in prompts]
@@ -85,8 +90,9 @@ class OpenAIServingCompletion:
         top_k = req.logprobs or 0
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1
-            return EngineStreamingResponse(self._stream(streams, request_id, model, params.n, top_k, holdback,
-                                                        req.include_usage))
+            return EngineStreamingResponse(
+                self._stream(streams, request_id, model, params.n, top_k, holdback, req.include_usage)
+            )
 
         def abort_all() -> None:
             for s in streams:
@@ -97,16 +103,36 @@ class OpenAIServingCompletion:
         except BaseException:
             abort_all()
             raise
-        choices = [CompletionChoice(index=p * params.n + c.index, text=c.text,
-                                    logprobs=completion_logprobs(c.logprobs, top_k, 0),
-                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for p, out in enumerate(finals) for c in out.outputs]
-        body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage_of(finals),
-                                  kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
+        choices = [
+            CompletionChoice(
+                index=p * params.n + c.index,
+                text=c.text,
+                logprobs=completion_logprobs(c.logprobs, top_k, 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for p, out in enumerate(finals)
+            for c in out.outputs
+        ]
+        body = CompletionResponse(
+            id=request_id,
+            model=model,
+            choices=choices,
+            usage=usage_of(finals),
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
+        )
         return JSONResponse(body.model_dump())
 
-    async def _stream(self, streams: list[RequestStream], request_id: str, model: str, n: int, top_k: int,
-                      holdback: int, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        streams: list[RequestStream],
+        request_id: str,
+        model: str,
+        n: int,
+        top_k: int,
+        holdback: int,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         trackers = [DeltaTracker(holdback) for _ in streams]
         finals: dict[int, RequestOutput] = {}
@@ -121,14 +147,27 @@ class OpenAIServingCompletion:
                     start = trackers[p].sent_text.get(c.index, 0)
                     text, lps = trackers[p].delta(c.index, c.text, c.logprobs, finished)
                     if text or finished or lps:
-                        choices.append(CompletionChoice(
-                            index=p * n + c.index, text=text, logprobs=completion_logprobs(lps, top_k, start),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        choices.append(
+                            CompletionChoice(
+                                index=p * n + c.index,
+                                text=text,
+                                logprobs=completion_logprobs(lps, top_k, start),
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        )
                 if choices:
                     yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=choices))
             if include_usage:
-                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                             usage=usage_of([finals[p] for p in sorted(finals)])))
+                yield sse(
+                    CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=model,
+                        choices=[],
+                        usage=usage_of([finals[p] for p in sorted(finals)]),
+                    )
+                )
         except Exception as e:  # noqa: BLE001 -- headers are out: report in-band
             err = to_api_error(e)
             yield sse_error(err.message, err.status)

@@ -15,6 +15,7 @@ Fields read (chat and completions alike):
 - a tool_choice of "required" or a named function (its JSON schema, from vlserve.api.tool_choice).
 Two constraints in one request are a 400 naming both. Compiling is the engine's business (its errors are 400s too).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,8 +27,13 @@ OPTION_KEYS = ("disable_any_whitespace",)
 # vLLM's other keys: disable_fallback changes nothing here (there is no fallback backend); whitespace_pattern is
 # checked like guided_whitespace_pattern
 _OTHER_KEYS = ("disable_fallback", "whitespace_pattern")
-GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                 ("guided_grammar", "grammar"), ("structural_tag", "structural_tag"))
+GUIDED_FIELDS = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+    ("structural_tag", "structural_tag"),
+)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 _JSON_SCHEMA_KEYS = ("name", "schema", "description", "strict")
 _BACKEND_OPTIONS = ("disable-any-whitespace", "no-fallback")
@@ -44,10 +50,15 @@ def _structured_outputs_sources(value: Any) -> tuple[list[Source], dict[str, Any
     known = CONSTRAINT_KINDS + OPTION_KEYS + _OTHER_KEYS
     unknown = [k for k in value if k not in known]
     if unknown:
-        raise ValueError(f"structured_outputs: unsupported field(s) {', '.join(shorten(k) for k in unknown[:5])}; "
-                         f"supported: {', '.join(known)}")
-    sources = [(f"structured_outputs.{k}", k, value[k]) for k in CONSTRAINT_KINDS
-               if value.get(k) is not None and value.get(k) is not False]
+        raise ValueError(
+            f"structured_outputs: unsupported field(s) {', '.join(shorten(k) for k in unknown[:5])}; "
+            f"supported: {', '.join(known)}"
+        )
+    sources = [
+        (f"structured_outputs.{k}", k, value[k])
+        for k in CONSTRAINT_KINDS
+        if value.get(k) is not None and value.get(k) is not False
+    ]
     options = {k: value[k] for k in OPTION_KEYS if value.get(k) is not None}
     return sources, options
 
@@ -55,8 +66,10 @@ def _structured_outputs_sources(value: Any) -> tuple[list[Source], dict[str, Any
 def _refuse_keys(where: str, value: dict, allowed: tuple[str, ...]) -> None:
     unknown = [k for k in value if k not in allowed]
     if unknown:
-        raise ValueError(f"{where}: unsupported field(s) {', '.join(shorten(k) for k in unknown[:5])}; "
-                         f"supported: {', '.join(allowed)}")
+        raise ValueError(
+            f"{where}: unsupported field(s) {', '.join(shorten(k) for k in unknown[:5])}; "
+            f"supported: {', '.join(allowed)}"
+        )
 
 
 def _response_format_source(value: Any) -> Source | None:
@@ -67,8 +80,7 @@ def _response_format_source(value: Any) -> Source | None:
         raise ValueError(f"response_format must be an object, got {shorten(value)}")
     kind = value.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
-        raise ValueError(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got "
-                         f"{shorten(kind)}")
+        raise ValueError(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {shorten(kind)}")
     if kind == "structural_tag":
         return "response_format structural_tag", "structural_tag", dict(value)
     if kind != "json_schema":
@@ -77,7 +89,7 @@ def _response_format_source(value: Any) -> Source | None:
     _refuse_keys("response_format json_schema", value, ("type", "json_schema"))
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise ValueError("response_format json_schema needs a json_schema object: {\"name\": ..., \"schema\": {...}}")
+        raise ValueError('response_format json_schema needs a json_schema object: {"name": ..., "schema": {...}}')
     _refuse_keys("response_format.json_schema", spec, _JSON_SCHEMA_KEYS)
     if not isinstance(spec.get("name"), str):
         raise ValueError("response_format.json_schema.name must be a string")
@@ -97,20 +109,25 @@ def _backend_options(value: str | None, server_backend: str) -> dict[str, Any]:
         raise ValueError(f"guided_decoding_backend must be a string, got {shorten(value)}")
     name, _, opts = value.partition(":")
     if name not in ("auto", server_backend):
-        raise ValueError(f"guided_decoding_backend {shorten(value)} is not supported: this server compiles every "
-                         f"constraint with {server_backend} (--structured-outputs-config); leave the field out")
+        raise ValueError(
+            f"guided_decoding_backend {shorten(value)} is not supported: this server compiles every "
+            f"constraint with {server_backend} (--structured-outputs-config); leave the field out"
+        )
     options: dict[str, Any] = {}
     for opt in filter(None, (o.strip() for o in opts.split(","))):
         if opt not in _BACKEND_OPTIONS:
-            raise ValueError(f"guided_decoding_backend option {shorten(opt)} is not supported; supported: "
-                             f"{', '.join(_BACKEND_OPTIONS)}")
+            raise ValueError(
+                f"guided_decoding_backend option {shorten(opt)} is not supported; supported: "
+                f"{', '.join(_BACKEND_OPTIONS)}"
+            )
         if opt == "disable-any-whitespace":
             options["disable_any_whitespace"] = True
     return options
 
 
-def structured_outputs_from_request(request: Any, tool_schema: dict | None = None,
-                                    server_backend: str = "xgrammar") -> StructuredOutputsParams | None:
+def structured_outputs_from_request(
+    request: Any, tool_schema: dict | None = None, server_backend: str = "xgrammar"
+) -> StructuredOutputsParams | None:
     """The one constraint a request sets, or None (ValueError, naming the fields, for a bad or doubled one)."""
     sources, options = _structured_outputs_sources(getattr(request, "structured_outputs", None))
     from_format = _response_format_source(getattr(request, "response_format", None))
@@ -127,19 +144,27 @@ def structured_outputs_from_request(request: Any, tool_schema: dict | None = Non
         raise ValueError(f"a request takes one output constraint; got {', '.join(names[:-1])} and {names[-1]}")
     if not sources:
         if getattr(request, "structured_outputs", None) is not None:
-            raise ValueError(f"structured_outputs sets no constraint; give one of {', '.join(CONSTRAINT_KINDS)} "
-                             f"(or response_format / guided_*)")
+            raise ValueError(
+                f"structured_outputs sets no constraint; give one of {', '.join(CONSTRAINT_KINDS)} "
+                f"(or response_format / guided_*)"
+            )
         return None
     field, kind, value = sources[0]
     backend_options = _backend_options(getattr(request, "guided_decoding_backend", None), server_backend)
     options = {**backend_options, **options}
-    patterns = [("guided_whitespace_pattern", getattr(request, "guided_whitespace_pattern", None)),
-                 ("structured_outputs.whitespace_pattern", (getattr(request, "structured_outputs", None) or {})
-                  .get("whitespace_pattern"))]
+    patterns = [
+        ("guided_whitespace_pattern", getattr(request, "guided_whitespace_pattern", None)),
+        (
+            "structured_outputs.whitespace_pattern",
+            (getattr(request, "structured_outputs", None) or {}).get("whitespace_pattern"),
+        ),
+    ]
     for name, pattern in patterns:
         if pattern is not None and kind in ("json", "json_object"):
-            raise ValueError(f"{name} is not supported (xgrammar takes no whitespace pattern); send "
-                             f"structured_outputs: {{\"disable_any_whitespace\": true}} for compact JSON instead")
+            raise ValueError(
+                f"{name} is not supported (xgrammar takes no whitespace pattern); send "
+                f'structured_outputs: {{"disable_any_whitespace": true}} for compact JSON instead'
+            )
     try:
         return StructuredOutputsParams(**{kind: value}, **options)
     except (TypeError, ValueError) as e:

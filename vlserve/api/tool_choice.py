@@ -13,6 +13,7 @@ and how each choice's text becomes tool calls (non-streamed and streamed alike).
 In every tool mode but "none", content is null when only tool calls remain. A finish_reason other than "stop"
 (e.g. "length") is kept.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,9 +28,11 @@ from vlserve.shorten import shorten
 TOOL_CHOICES = ("none", "auto", "required")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 _DEFS_KEYS = ("$defs", "definitions")
-AUTO_NEEDS_FLAGS = ('tool_choice "auto" (the default when tools are given) needs the server started with '
-                    '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "none", "required" or '
-                    '{"type": "function", "function": {"name": ...}} instead')
+AUTO_NEEDS_FLAGS = (
+    'tool_choice "auto" (the default when tools are given) needs the server started with '
+    '--enable-auto-tool-choice and --tool-call-parser; send tool_choice "none", "required" or '
+    '{"type": "function", "function": {"name": ...}} instead'
+)
 
 
 def validate_tools(tools: Any) -> list[dict]:
@@ -37,7 +40,7 @@ def validate_tools(tools: Any) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise ValueError("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise ValueError('tools must be a list of {"type": "function", "function": {"name": ...}}')
     names: set[str] = set()
     out = []
     for i, tool in enumerate(tools):
@@ -58,8 +61,9 @@ def validate_tools(tools: Any) -> list[dict]:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ValueError(f"{where}.function.description must be a string")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise ValueError(f"{where}.function.parameters must be a JSON schema object, got "
-                             f"{shorten(fn['parameters'])}")
+            raise ValueError(
+                f"{where}.function.parameters must be a JSON schema object, got {shorten(fn['parameters'])}"
+            )
         if fn.get("strict") not in (None, True, False):
             raise ValueError(f"{where}.function.strict must be true or false")
         out.append({**tool, "type": "function"})
@@ -76,8 +80,10 @@ def _hoist_defs(schema: dict, defs: dict[str, dict]) -> None:
         for name, sub in (schema.pop(key, None) or {}).items():
             known = defs.setdefault(key, {})
             if name in known and known[name] != sub:
-                raise ValueError(f"tools: {key} {shorten(name)} has different schemas in two tools; "
-                                 f"tool_choice \"required\" needs one schema per definition name")
+                raise ValueError(
+                    f"tools: {key} {shorten(name)} has different schemas in two tools; "
+                    f'tool_choice "required" needs one schema per definition name'
+                )
             known[name] = sub
 
 
@@ -88,9 +94,14 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     for tool in tools:
         params = _parameters(tool)
         _hoist_defs(params, defs)
-        variants.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                         "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
-                                        "parameters": params}})
+        variants.append(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "parameters"],
+                "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]}, "parameters": params},
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1
@@ -125,8 +136,12 @@ class RequiredToolsParser(ToolParser):
             if finished:
                 items = json.loads(text)
                 if not isinstance(items, list) or not all(
-                        isinstance(i, dict) and isinstance(i.get("name"), str) and i["name"]
-                        and isinstance(i.get("parameters"), dict) for i in items):
+                    isinstance(i, dict)
+                    and isinstance(i.get("name"), str)
+                    and i["name"]
+                    and isinstance(i.get("parameters"), dict)
+                    for i in items
+                ):
                     return text, []
             calls = []
             for item in scan_object_array(text):
@@ -169,14 +184,15 @@ class ToolPlan:
         return None
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
-        """"tool_calls" instead of "stop" when calls were made in "auto" or "required" mode."""
+        """ "tool_calls" instead of "stop" when calls were made in "auto" or "required" mode."""
         if reason == "stop" and called and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
 
 
-def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None = None,
-               auto_parser: type[ToolParser] | None = None) -> ToolPlan:
+def plan_tools(
+    tools: Any, tool_choice: Any, parallel_tool_calls: bool | None = None, auto_parser: type[ToolParser] | None = None
+) -> ToolPlan:
     """The plan for a request (ValueError naming the problem). `auto_parser`: the server's tool-call parser when
     --enable-auto-tool-choice is on, else None (then "auto" is refused)."""
     checked = validate_tools(tools)
@@ -184,24 +200,30 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None = 
     choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
-            raise ValueError(f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
-                             f"\"function\": {{\"name\": ...}}}}, got {shorten(choice)}")
+            raise ValueError(
+                f'tool_choice must be "none", "auto", "required" or {{"type": "function", '
+                f'"function": {{"name": ...}}}}, got {shorten(choice)}'
+            )
         if choice == "none":
             return ToolPlan("none", checked or None, parallel=parallel)
         if not checked:
-            raise ValueError(f"tool_choice \"{choice}\" needs tools")
+            raise ValueError(f'tool_choice "{choice}" needs tools')
         if choice == "auto" and auto_parser is None:
             raise ValueError(AUTO_NEEDS_FLAGS)
         return ToolPlan(choice, checked, parallel=parallel, parser_class=auto_parser)
     if not isinstance(choice, dict) or choice.get("type", "function") != "function":
-        raise ValueError(f"tool_choice {shorten(choice)} is not supported; use \"none\", \"auto\", \"required\" or "
-                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        raise ValueError(
+            f'tool_choice {shorten(choice)} is not supported; use "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}'
+        )
     fn = choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError("tool_choice.function.name must be a non-empty string")
     known = [t["function"]["name"] for t in checked]
     if name not in known:
-        raise ValueError(f"tool_choice names function {shorten(name)}, which is not in tools "
-                         f"({', '.join(shorten(k) for k in known) or 'none given'})")
+        raise ValueError(
+            f"tool_choice names function {shorten(name)}, which is not in tools "
+            f"({', '.join(shorten(k) for k in known) or 'none given'})"
+        )
     return ToolPlan("function", checked, function=name, parallel=parallel)

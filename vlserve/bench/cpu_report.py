@@ -11,6 +11,7 @@ whole batch (one prefill step, then one decode step per further output token). W
 (the fastest of several runs), an engine with prefix caching (vlserve and vLLM both) finds them cached; the work
 then counts only each prompt's last token (its K/V still read), the least any engine must recompute.
 """
+
 from __future__ import annotations
 
 import time
@@ -68,8 +69,11 @@ class _Shapes:
         hidden, heads = text_cfg.hidden_size, text_cfg.num_attention_heads
         head_dim = getattr(text_cfg, "head_dim", None) or hidden // heads
         kv_heads = getattr(text_cfg, "num_key_value_heads", None) or heads
-        layer_weights = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-                         + 3 * hidden * text_cfg.intermediate_size)
+        layer_weights = (
+            hidden * (heads + 2 * kv_heads) * head_dim
+            + heads * head_dim * hidden
+            + 3 * hidden * text_cfg.intermediate_size
+        )
         return cls(hidden, text_cfg.num_hidden_layers, heads, kv_heads, head_dim, layer_weights)
 
 
@@ -128,17 +132,24 @@ def measure_gemm_gflops(dtype: torch.dtype, k: int, n: int, m: int = 2048, repea
     return 2 * m * k * n / best / 1e9
 
 
-def cpu_roofline(text_cfg, prompt_lens: list[int], output_lens: list[int], dtype: str,
-                 cached_lens: list[int] | None = None) -> CpuRoofline:
+def cpu_roofline(
+    text_cfg, prompt_lens: list[int], output_lens: list[int], dtype: str, cached_lens: list[int] | None = None
+) -> CpuRoofline:
     """The run's matmul work (prompts cached up to `cached_lens`) against this machine's GEMM rate for the model's
     MLP up-projection shape, and its bytes against the measured read bandwidth."""
     k, n = text_cfg.hidden_size, text_cfg.intermediate_size
     torch_dtype = getattr(torch, dtype)
     peak = measure_gemm_gflops(torch_dtype, k, n)
     element_size = torch.empty((), dtype=torch_dtype).element_size()
-    return CpuRoofline(run_gflop(text_cfg, prompt_lens, output_lens, cached_lens), peak, (2048, k, n),
-                       sum(output_lens), run_gbytes(text_cfg, prompt_lens, output_lens, element_size),
-                       measure_read_gbs(), cached=bool(cached_lens))
+    return CpuRoofline(
+        run_gflop(text_cfg, prompt_lens, output_lens, cached_lens),
+        peak,
+        (2048, k, n),
+        sum(output_lens),
+        run_gbytes(text_cfg, prompt_lens, output_lens, element_size),
+        measure_read_gbs(),
+        cached=bool(cached_lens),
+    )
 
 
 def format_roofline(roof: CpuRoofline, rates: dict[str, float]) -> str:
@@ -146,8 +157,10 @@ def format_roofline(roof: CpuRoofline, rates: dict[str, float]) -> str:
     m, k, n = roof.shape
     shares = ", ".join(f"{name} {100 * rate / roof.ceiling_tok_s:.0f}%" for name, rate in rates.items())
     cached = " (prompts cached but their last token: the timed runs repeat them)" if roof.cached else ""
-    return (f"CPU roofline: {roof.gflop:.1f} GFLOP of matmuls per run{cached} at the measured "
-            f"{roof.peak_gflops:.0f} GFLOP/s "
-            f"(linear [{m}x{k}] x [{k}x{n}]) = {roof.compute_seconds:.3f} s; {roof.gbytes:.2f} GB of weights and KV "
-            f"at the measured {roof.bandwidth_gbs:.1f} GB/s = {roof.memory_seconds:.3f} s; {roof.bound}-bound -> at "
-            f"most {roof.ceiling_tok_s:.0f} tok/s; {shares} of it")
+    return (
+        f"CPU roofline: {roof.gflop:.1f} GFLOP of matmuls per run{cached} at the measured "
+        f"{roof.peak_gflops:.0f} GFLOP/s "
+        f"(linear [{m}x{k}] x [{k}x{n}]) = {roof.compute_seconds:.3f} s; {roof.gbytes:.2f} GB of weights and KV "
+        f"at the measured {roof.bandwidth_gbs:.1f} GB/s = {roof.memory_seconds:.3f} s; {roof.bound}-bound -> at "
+        f"most {roof.ceiling_tok_s:.0f} tok/s; {shares} of it"
+    )

@@ -3,6 +3,7 @@
 The roofline is the time one step needs just to stream the weights and the KV it reads at the device's peak memory
 bandwidth; the ratio to the measured ms/step says how far the engine is from the memory limit.
 """
+
 from __future__ import annotations
 
 import time
@@ -10,8 +11,15 @@ import time
 import torch
 
 # Peak HBM bandwidth in bytes/s by device-name fragment (vendor figures); override with VLSERVE_PEAK_BW_GBS.
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12,
-                  "A10": 0.6e12, "L4": 0.3e12}
+PEAK_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 NVL": 3.9e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "L40S": 0.864e12,
+    "A10": 0.6e12,
+    "L4": 0.3e12,
+}
 
 
 def peak_bandwidth(name: str) -> float | None:
@@ -55,9 +63,11 @@ def print_gpu_report(llm, prompts, params, seconds: float, steps: int) -> None:
         print(f"roofline: unknown peak bandwidth for {torch.cuda.get_device_name()} (set VLSERVE_PEAK_BW_GBS)")
         return
     floor_ms = 1000 * step_bytes / bw
-    print(f"roofline: {step_bytes / 1e9:.2f} GB per decode step (weights {weight_bytes / 1e9:.2f} GB + KV) at "
-          f"{bw / 1e12:.2f} TB/s = {floor_ms:.3f} ms/step; measured {1000 * seconds / max(steps, 1):.3f} ms/step "
-          f"({floor_ms / (1000 * seconds / max(steps, 1)) * 100:.1f}% of the limit)")
+    print(
+        f"roofline: {step_bytes / 1e9:.2f} GB per decode step (weights {weight_bytes / 1e9:.2f} GB + KV) at "
+        f"{bw / 1e12:.2f} TB/s = {floor_ms:.3f} ms/step; measured {1000 * seconds / max(steps, 1):.3f} ms/step "
+        f"({floor_ms / (1000 * seconds / max(steps, 1)) * 100:.1f}% of the limit)"
+    )
 
 
 def runner_batch(llm) -> int:

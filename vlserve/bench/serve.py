@@ -7,6 +7,7 @@ Requests arrive as a Poisson process at --request-rate per second (default: all 
 in flight. Prints request throughput, output tokens/s, and TTFT / inter-token latency percentiles (p50/p90/p99).
 Speaks only the OpenAI HTTP API (POST /v1/chat/completions with stream=true and stream_options.include_usage).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,17 +40,20 @@ def make_png_data_url(width: int, height: int, rng: random.Random) -> str:
     draw = ImageDraw.Draw(img)
     for _ in range(4):
         x0, y0 = rng.randrange(width), rng.randrange(height)
-        draw.rectangle([x0, y0, x0 + rng.randrange(1, width), y0 + rng.randrange(1, height)],
-                       fill=tuple(rng.randrange(256) for _ in range(3)))
+        draw.rectangle(
+            [x0, y0, x0 + rng.randrange(1, width), y0 + rng.randrange(1, height)],
+            fill=tuple(rng.randrange(256) for _ in range(3)),
+        )
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def build_messages(args, rng: random.Random) -> list[dict]:
-    parts: list[dict] = [{"type": "image_url", "image_url": {"url": make_png_data_url(args.image_width,
-                                                                                      args.image_height, rng)}}
-                         for _ in range(args.num_images)]
+    parts: list[dict] = [
+        {"type": "image_url", "image_url": {"url": make_png_data_url(args.image_width, args.image_height, rng)}}
+        for _ in range(args.num_images)
+    ]
     parts.append({"type": "text", "text": args.prompt})
     return [{"role": "user", "content": parts}]
 
@@ -58,8 +62,14 @@ async def one_request(client, args, messages: list[dict]) -> RequestResult:
     """Send one streamed chat request and time its chunks."""
     import httpx
 
-    body = {"model": args.model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": args.model,
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     res = RequestResult()
@@ -109,8 +119,13 @@ async def run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.max_concurrency or args.num_prompts, 1) + 4)
     sem = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url.rstrip("/"),
+        headers=headers,
+        limits=limits,
+        timeout=httpx.Timeout(args.timeout),
+        trust_env=False,
+    ) as client:
 
         async def limited(messages):
             async with sem:
@@ -128,11 +143,19 @@ async def run(args) -> dict:
     ttft = percentiles([r.ttft for r in ok if r.ttft is not None])
     itl = percentiles([x for r in ok for x in r.itls])
     out_tokens = sum(r.output_tokens for r in ok)
-    summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-               "request_throughput": len(ok) / duration, "output_tokens_per_s": out_tokens / duration,
-               "ttft_ms": {p: v * 1000 for p, v in ttft.items()}, "itl_ms": {p: v * 1000 for p, v in itl.items()}}
-    print(f"completed {len(ok)}/{len(results)} requests in {duration:.2f} s "
-          f"({args.num_images} image(s) of {args.image_width}x{args.image_height} each)")
+    summary = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": out_tokens / duration,
+        "ttft_ms": {p: v * 1000 for p, v in ttft.items()},
+        "itl_ms": {p: v * 1000 for p, v in itl.items()},
+    }
+    print(
+        f"completed {len(ok)}/{len(results)} requests in {duration:.2f} s "
+        f"({args.num_images} image(s) of {args.image_width}x{args.image_height} each)"
+    )
     for r in results:
         if not r.ok:
             print(f"  first failure: {r.error}")
@@ -145,8 +168,9 @@ async def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vlserve bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="vlserve bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True)
     p.add_argument("--api-key", default=None)

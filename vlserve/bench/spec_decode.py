@@ -9,6 +9,7 @@ vlserve.spec_decode.eagle_heads): it shows the machinery, not what a trained hea
 Copy-heavy prompts (a random span repeated), greedy, ignore_eos. Prints decode tokens/s for both, the speedup,
 the acceptance rate and the mean accepted length (accepted drafts per verification step + 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,20 +28,28 @@ def copy_heavy_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 def spec_stats(before: dict, after: dict) -> dict:
     """Acceptance rate and mean accepted length (accepted drafts per verification step + 1) between two
     `get_metrics()` snapshots."""
+
     def delta(name: str) -> float:
         key = f"vlserve:spec_decode_num_{name}_total"
         return after[key] - before[key]
 
     drafts, accepted, steps = delta("draft_tokens"), delta("accepted_tokens"), delta("drafts")
-    return {"acceptance": accepted / drafts if drafts else 0.0,
-            "mean_accepted_len": accepted / steps + 1 if steps else 1.0}
+    return {
+        "acceptance": accepted / drafts if drafts else 0.0,
+        "mean_accepted_len": accepted / steps + 1 if steps else 1.0,
+    }
 
 
 def run(model: str, prompts, output_len: int, spec: dict | None, dtype: str) -> dict:
     from vlserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, speculative_config=spec, max_num_seqs=max(len(prompts), 1),
-              max_model_len=len(prompts[0]) + output_len + 32)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        speculative_config=spec,
+        max_num_seqs=max(len(prompts), 1),
+        max_model_len=len(prompts[0]) + output_len + 32,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     before = llm.get_metrics()
@@ -48,8 +57,7 @@ def run(model: str, prompts, output_len: int, spec: dict | None, dtype: str) -> 
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tok_s": n / dt, "tokens": [o.outputs[0].token_ids for o in outs],
-            **spec_stats(before, llm.get_metrics())}
+    return {"tok_s": n / dt, "tokens": [o.outputs[0].token_ids for o in outs], **spec_stats(before, llm.get_metrics())}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,8 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--init-range", type=float, default=0.2,
-                   help="initializer_range of the random target (large values make it loop, so drafts can hit)")
+    p.add_argument(
+        "--init-range",
+        type=float,
+        default=0.2,
+        help="initializer_range of the random target (large values make it loop, so drafts can hit)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,9 +88,17 @@ def main(argv: list[str] | None = None) -> None:
 
         model = os.path.join(tempfile.mkdtemp(prefix="vlserve-specbench-"), "model")
         heads = max(args.hidden_size // 64, 1)
-        build_text_checkpoint(model, arch="qwen2", hidden_size=args.hidden_size, num_layers=args.num_layers,
-                              num_heads=heads, num_kv_heads=max(heads // 4, 1),
-                              intermediate_size=args.hidden_size * 3, initializer_range=args.init_range, seed=args.seed)
+        build_text_checkpoint(
+            model,
+            arch="qwen2",
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=heads,
+            num_kv_heads=max(heads // 4, 1),
+            intermediate_size=args.hidden_size * 3,
+            initializer_range=args.init_range,
+            seed=args.seed,
+        )
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).get_text_config().vocab_size
@@ -92,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("--method eagle3 needs --draft DIR")
             from vlserve.spec_decode.eagle_heads import build_eagle_checkpoint
 
-            draft = build_eagle_checkpoint(tempfile.mkdtemp(prefix="vlserve-specbench-eagle-"), model, "eagle",
-                                           "mimic")
+            draft = build_eagle_checkpoint(tempfile.mkdtemp(prefix="vlserve-specbench-eagle-"), model, "eagle", "mimic")
             print(f"no --draft: built a head copied from the target's last layer at {draft}")
         spec = {"method": args.method, "num_speculative_tokens": args.k, "model": draft}
         label = args.method
@@ -103,9 +122,11 @@ def main(argv: list[str] | None = None) -> None:
         plain = run(model, prompts, args.output_len, None, args.dtype)
         fast = run(model, prompts, args.output_len, spec, args.dtype)
         same = plain["tokens"] == fast["tokens"]
-        print(f"batch {bs:2d}: plain {plain['tok_s']:7.1f} tok/s, {label} {fast['tok_s']:7.1f} tok/s, "
-              f"speedup {fast['tok_s'] / plain['tok_s']:.2f}x, acceptance {fast['acceptance']:.2f}, "
-              f"mean accepted length {fast['mean_accepted_len']:.2f}, identical outputs: {same}")
+        print(
+            f"batch {bs:2d}: plain {plain['tok_s']:7.1f} tok/s, {label} {fast['tok_s']:7.1f} tok/s, "
+            f"speedup {fast['tok_s'] / plain['tok_s']:.2f}x, acceptance {fast['acceptance']:.2f}, "
+            f"mean accepted length {fast['mean_accepted_len']:.2f}, identical outputs: {same}"
+        )
 
 
 if __name__ == "__main__":

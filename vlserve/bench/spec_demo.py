@@ -9,6 +9,7 @@ question about the same picture was already answered, so the answer can be copie
 the requests one at a time; batch B sends them B at a time. Prints end-to-end output tokens/s, decode tokens/s
 (after each request's first token), the speedups, the acceptance rate and the mean accepted length.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,7 @@ def conversations(n: int, seed: int, repeat: bool) -> list[list[dict]]:
     for it in items:
         msgs = messages_for(it, "vlserve")
         if repeat:
-            msgs = msgs + [{"role": "assistant", "content": it["answer"]},
-                           {"role": "user", "content": it["question"]}]
+            msgs = msgs + [{"role": "assistant", "content": it["answer"]}, {"role": "user", "content": it["question"]}]
         out.append(msgs)
     return out
 
@@ -41,14 +41,18 @@ def run(llm, convs: list, batch: int) -> dict:
     before = llm.get_metrics()
     outs, t = [], time.perf_counter()
     for i in range(0, len(convs), batch):
-        outs += llm.chat(convs[i:i + batch], sp, use_tqdm=False)
+        outs += llm.chat(convs[i : i + batch], sp, use_tqdm=False)
     wall = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     decode_time = sum(o.metrics.last_token_time - o.metrics.first_token_time for o in outs)
-    return {"tok_s": tokens / wall, "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
-            "ids": [o.outputs[0].token_ids for o in outs], "tokens": tokens,
-            **spec_stats(before, llm.get_metrics())}
+    return {
+        "tok_s": tokens / wall,
+        "decode_tok_s": decode_tokens / decode_time if decode_time else 0.0,
+        "ids": [o.outputs[0].token_ids for o in outs],
+        "tokens": tokens,
+        **spec_stats(before, llm.get_metrics()),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,15 +79,19 @@ def main(argv: list[str] | None = None) -> None:
         spec = {"method": a.method, "num_speculative_tokens": a.k, **({"model": a.draft} if a.draft else {})}
     convs = conversations(a.num_prompts, a.seed, repeat=a.method == "ngram")
     plain_llm, spec_llm = LLM(a.model), LLM(a.model, speculative_config=spec)
-    print(f"target {plain_llm.engine.loaded.model_path}, draft {spec_llm.engine.spec_config.model or '-'}, "
-          f"{a.method} k={a.k}, {len(convs)} demo conversations{' (repeated question)' if a.method == 'ngram' else ''}")
+    print(
+        f"target {plain_llm.engine.loaded.model_path}, draft {spec_llm.engine.spec_config.model or '-'}, "
+        f"{a.method} k={a.k}, {len(convs)} demo conversations{' (repeated question)' if a.method == 'ngram' else ''}"
+    )
     for bs in (int(b) for b in a.batch_sizes.split(",")):
         plain, fast = run(plain_llm, convs, bs), run(spec_llm, convs, bs)
-        print(f"batch {bs:2d}: plain {plain['tok_s']:6.1f} tok/s (decode {plain['decode_tok_s']:6.1f}), "
-              f"{a.method} {fast['tok_s']:6.1f} tok/s (decode {fast['decode_tok_s']:6.1f}), speedup "
-              f"{fast['tok_s'] / plain['tok_s']:.2f}x (decode {fast['decode_tok_s'] / plain['decode_tok_s']:.2f}x), "
-              f"acceptance {fast['acceptance']:.2f}, mean accepted length {fast['mean_accepted_len']:.2f}, "
-              f"{fast['tokens']} tokens, identical outputs: {plain['ids'] == fast['ids']}")
+        print(
+            f"batch {bs:2d}: plain {plain['tok_s']:6.1f} tok/s (decode {plain['decode_tok_s']:6.1f}), "
+            f"{a.method} {fast['tok_s']:6.1f} tok/s (decode {fast['decode_tok_s']:6.1f}), speedup "
+            f"{fast['tok_s'] / plain['tok_s']:.2f}x (decode {fast['decode_tok_s'] / plain['decode_tok_s']:.2f}x), "
+            f"acceptance {fast['acceptance']:.2f}, mean accepted length {fast['mean_accepted_len']:.2f}, "
+            f"{fast['tokens']} tokens, identical outputs: {plain['ids'] == fast['ids']}"
+        )
 
 
 if __name__ == "__main__":

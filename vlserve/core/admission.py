@@ -1,4 +1,5 @@
 """What a new request must meet before the scheduler queues it: the engine's limits (pure Python)."""
+
 from __future__ import annotations
 
 from vlserve.config import SchedulerConfig
@@ -17,20 +18,28 @@ def check_request(cfg: SchedulerConfig, engine_req: EngineCoreRequest, max_kv_to
     if n_prompt == 0:
         raise ValueError("the prompt is empty; give at least one token")
     if n_prompt >= cfg.max_model_len:
-        raise ValueError(f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
-                         f"the prompt or raise max_model_len (one position must stay free for output)")
+        raise ValueError(
+            f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
+            f"the prompt or raise max_model_len (one position must stay free for output)"
+        )
     if n_prompt + 1 > max_kv_tokens:
-        raise ValueError(f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
-                         f"raise num_kv_blocks or kv_cache_memory_bytes")
+        raise ValueError(
+            f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
+            f"raise num_kv_blocks or kv_cache_memory_bytes"
+        )
     for i, f in enumerate(engine_req.mm_features):  # the per-step budget never refuses: a big item runs alone
         if f.length > cfg.encoder_cache_size:
-            raise ValueError(f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
-                             f"budget of {cfg.encoder_cache_size}; shrink it (e.g. max_pixels) or raise "
-                             f"encoder_cache_size")
+            raise ValueError(
+                f"{f.modality} item {i} needs {f.length} embeddings, more than the encoder cache "
+                f"budget of {cfg.encoder_cache_size}; shrink it (e.g. max_pixels) or raise "
+                f"encoder_cache_size"
+            )
         if cfg.disable_chunked_mm_input and f.length > cfg.max_num_batched_tokens:
-            raise ValueError(f"{f.modality} item {i} has {f.length} placeholder tokens, more than "
-                             f"max_num_batched_tokens={cfg.max_num_batched_tokens}; this model needs a whole "
-                             f"item in one step: raise max_num_batched_tokens or shrink the item")
+            raise ValueError(
+                f"{f.modality} item {i} has {f.length} placeholder tokens, more than "
+                f"max_num_batched_tokens={cfg.max_num_batched_tokens}; this model needs a whole "
+                f"item in one step: raise max_num_batched_tokens or shrink the item"
+            )
     if engine_req.lora_request is not None and not cfg.max_loras:
         raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
     if cfg.max_waiting_requests is not None and num_waiting >= cfg.max_waiting_requests:

@@ -1,4 +1,5 @@
 """Block pool of the paged KV cache: ref counts, an LRU free queue and the prefix-hash index (pure Python)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -27,6 +27,7 @@ request, and images cut into slices of one decode step each cannot share a tower
 requests to a small Qwen2-VL took 2.54 s offline at one decode step (~10 ms) of encoder work a step, 1.96 s at one
 image a step (~90 ms), 1.66 s at four (docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,13 @@ logger = logging.getLogger(__name__)
 class EncoderBudget:
     """Embeddings to encode per step: `fixed` when the user set it, else adapted from measured timings."""
 
-    def __init__(self, fixed: int | None = None, smoothing: float = 0.25, min_step_seconds: float = 0.0,
-                 max_slice_seconds: float = 1.0):
+    def __init__(
+        self,
+        fixed: int | None = None,
+        smoothing: float = 0.25,
+        min_step_seconds: float = 0.0,
+        max_slice_seconds: float = 1.0,
+    ):
         if fixed is not None and fixed < 1:
             raise ValueError(f"the encoder budget must be >= 1 embedding, got {fixed}")
         if not 0.0 < smoothing <= 1.0:
@@ -57,8 +63,9 @@ class EncoderBudget:
         self.max_slice_seconds = max_slice_seconds
         self.slice_cap = 0  # embeddings of max_slice_seconds at the measured rate (0: unmeasured, or a fixed budget)
 
-    def observe(self, encoder_seconds: float, num_encoded_embeds: int, step_seconds: float,
-                is_decode: bool = True) -> int:
+    def observe(
+        self, encoder_seconds: float, num_encoded_embeds: int, step_seconds: float, is_decode: bool = True
+    ) -> int:
         """Fold one step's timings in; returns the budget for the steps planned from now on. `is_decode`: the step
         computed one token (plus its drafts) per request; only such a step times a decode step, by its seconds
         less its encoder seconds (a text prefill would make the budget as long as that prefill)."""
@@ -77,8 +84,13 @@ class EncoderBudget:
         self.pack = min(budget, max(1, round((self.decode_step_seconds or 0.0) / max(self.seconds_per_embed, 1e-12))))
         old = self.budget
         if budget >= 2 * old or 2 * budget <= old:
-            logger.debug("encoder budget %d -> %d embeddings per step (%.2f ms a step, %.3f ms per embedding)",
-                         old, budget, 1e3 * step, 1e3 * self.seconds_per_embed)
+            logger.debug(
+                "encoder budget %d -> %d embeddings per step (%.2f ms a step, %.3f ms per embedding)",
+                old,
+                budget,
+                1e3 * step,
+                1e3 * self.seconds_per_embed,
+            )
         self.budget = budget
         return budget
 

@@ -12,6 +12,7 @@ other request reuses it until it is complete, and once no request references it,
 as freeable): its space is freed and its mm_hash goes out with the evicted ones, so the runner drops its partial
 state.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -71,8 +72,13 @@ class EncoderCacheManager:
                 self.hits_by_modality[modality] = self.hits_by_modality.get(modality, 0) + 1
         return True
 
-    def can_allocate(self, num_embeds: int, compute_budget_left: int | None = None,
-                     num_embeds_to_schedule: int = 0, reuse: Collection[str] = ()) -> bool:
+    def can_allocate(
+        self,
+        num_embeds: int,
+        compute_budget_left: int | None = None,
+        num_embeds_to_schedule: int = 0,
+        reuse: Collection[str] = (),
+    ) -> bool:
         """Whether an item of `num_embeds` embeddings can be encoded now and cached (a pure query).
 
         False if num_embeds exceeds `compute_budget_left` (the encoder budget left in this step, None = no limit)
@@ -98,8 +104,10 @@ class EncoderCacheManager:
         if self.check_and_update_cache(request_id, mm_hash, modality):
             return
         if num_embeds > self.num_freeable:
-            raise RuntimeError(f"encoder cache: allocating {num_embeds} embeddings for {mm_hash[:16]} but only "
-                               f"{self.num_freeable} are free or freeable; call can_allocate() first")
+            raise RuntimeError(
+                f"encoder cache: allocating {num_embeds} embeddings for {mm_hash[:16]} but only "
+                f"{self.num_freeable} are free or freeable; call can_allocate() first"
+            )
         self._evict_until_free(num_embeds)
         self.cached[mm_hash] = {request_id}
         self.num_embeds[mm_hash] = num_embeds
@@ -171,14 +179,15 @@ class EncoderCacheManager:
         used = sum(self.num_embeds.values())
         assert set(self.num_embeds) == set(self.cached), "entries without sizes or sizes without entries"
         assert used + self.num_free == self.cache_size, (
-            f"encoder cache: used {used} + free {self.num_free} != size {self.cache_size}")
+            f"encoder cache: used {used} + free {self.num_free} != size {self.cache_size}"
+        )
         assert self.num_free >= 0, f"negative free space {self.num_free}"
         unreferenced = {h for h, refs in self.cached.items() if not refs}
         assert unreferenced == set(self.freeable), "freeable list != unreferenced entries"
         assert all(self.freeable[h] == self.num_embeds[h] for h in self.freeable), "freeable sizes differ"
         assert self.num_freeable == self.num_free + sum(self.freeable.values()), (
-            f"freeable space {self.num_freeable} != free {self.num_free} + unreferenced "
-            f"{sum(self.freeable.values())}")
+            f"freeable space {self.num_freeable} != free {self.num_free} + unreferenced {sum(self.freeable.values())}"
+        )
         pairs = {(r, h) for h, refs in self.cached.items() for r in refs}
         pairs_from_reqs = {(r, h) for r, hashes in self.req_to_hashes.items() for h in hashes}
         assert pairs == pairs_from_reqs, "request -> mm_hash index disagrees with entry references"

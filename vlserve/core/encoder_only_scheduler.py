@@ -8,6 +8,7 @@ ends "length" with no tokens: what the client (the `vlserve proxy --encode` stag
 request ends so at its first step. Windows end at an item's start, so after each step every item a request
 referenced is released: nothing holds the encoder cache between steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -53,11 +54,17 @@ class EncoderOnlyScheduler(Scheduler):
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         encoder_inputs: dict[str, list[int]] = {}
-        for req in self.running[:max_num_reqs or cfg.max_num_seqs]:
+        for req in self.running[: max_num_reqs or cfg.max_num_seqs]:
             start = req.num_computed_tokens
             plan, num_new, num_encoding_after = plan_encoder_inputs(
-                req.mm_features, self.encoder_cache, self.encoder_budget, start, req.num_tokens - start,
-                num_encoding, cfg.disable_chunked_mm_input)
+                req.mm_features,
+                self.encoder_cache,
+                self.encoder_budget,
+                start,
+                req.num_tokens - start,
+                num_encoding,
+                cfg.disable_chunked_mm_input,
+            )
             if num_new <= 0:
                 continue  # its next item waits for room in the encoder cache or the step's budget
             num_encoding = num_encoding_after
@@ -67,14 +74,29 @@ class EncoderOnlyScheduler(Scheduler):
                 cached_reqs.append(CachedRequestData(rid, (), start))
             else:
                 self.runner_req_ids.add(rid)
-                new_reqs.append(NewRequestData(rid, req.prompt_token_ids, [], req.sampling_params, req.mm_features,
-                                               ([],), start, req.lora_request))
+                new_reqs.append(
+                    NewRequestData(
+                        rid,
+                        req.prompt_token_ids,
+                        [],
+                        req.sampling_params,
+                        req.mm_features,
+                        ([],),
+                        start,
+                        req.lora_request,
+                    )
+                )
             num_scheduled[rid] = num_new
             req.num_computed_tokens = start + num_new
         out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()), scheduled_encoder_inputs=encoder_inputs,
-            finished_req_ids=self.finished_req_ids, free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes())
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_encoder_inputs=encoder_inputs,
+            finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
+        )
         self.finished_req_ids = set()
         return out
 

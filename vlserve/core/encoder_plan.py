@@ -1,5 +1,6 @@
 """Which media items a scheduled token window needs encoded or reused, within the step's encoder budget and the
 encoder cache, and the cache entries a scheduled plan takes (pure Python; the scheduler's helpers)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,10 +23,19 @@ NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, n
 SLICES_PER_ITEM = 3  # a lone slice takes at least this share of an item's stages (within the slice cap)
 
 
-def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: int, start: int, num_new: int,
-                        num_encoding: int, keep_whole: bool = False, stage_counts: dict[str, int] | None = None,
-                        request_id: str | None = None, slice_cap: int = 0,
-                        pack_budget: int | None = None) -> tuple[EncoderPlan, int, int]:
+def plan_encoder_inputs(
+    features,
+    cache: EncoderCacheManager,
+    encoder_budget: int,
+    start: int,
+    num_new: int,
+    num_encoding: int,
+    keep_whole: bool = False,
+    stage_counts: dict[str, int] | None = None,
+    request_id: str | None = None,
+    slice_cap: int = 0,
+    pack_budget: int | None = None,
+) -> tuple[EncoderPlan, int, int]:
     """Plan (without side effects) the media items the token window [start, start + num_new) reaches: the cached
     ones it reuses and the ones it must encode. `num_encoding`: embeddings the step already encodes. An item
     that cannot be afforded cuts the window to the text before it: one that does not fit the cache, or that
@@ -88,8 +98,12 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
         fits = num_encoding + f.length <= limit
         stages = stage_counts.get(f.modality, 1) if stage_counts else 1
         whole_next_step = num_encoding > 0 and f.length <= encoder_budget  # it fits a step of its own: wait for one
-        if not fits and stages > 1 and not whole_next_step and cache.can_allocate(f.length, None, pending,
-                                                                                    reuse=plan.reuse):
+        if (
+            not fits
+            and stages > 1
+            and not whole_next_step
+            and cache.can_allocate(f.length, None, pending, reuse=plan.reuse)
+        ):
             piece = _affordable_slice(f, i, 0, stages, encoder_budget - num_encoding, num_encoding == 0, slice_cap)
             if piece is not None:
                 plan.slices.append(piece)
@@ -107,8 +121,9 @@ def plan_encoder_inputs(features, cache: EncoderCacheManager, encoder_budget: in
     return plan, num_new, num_encoding
 
 
-def _affordable_slice(f, item_index: int, done: int, stages: int, budget_left: int, alone: bool,
-                      slice_cap: int = 0) -> EncoderSlice | None:
+def _affordable_slice(
+    f, item_index: int, done: int, stages: int, budget_left: int, alone: bool, slice_cap: int = 0
+) -> EncoderSlice | None:
     """The stages [done, end) of item f that `budget_left` embeddings pay for (when `alone`, the step encoding
     nothing else: at least one, and at least stages / SLICES_PER_ITEM as far as `slice_cap` embeddings pay for),
     or None when not even one fits."""
@@ -134,8 +149,13 @@ def _keep_items_whole(features, start: int, num_new: int) -> int:
     return num_new
 
 
-def commit_encoder_inputs(cache: EncoderCacheManager, req, plan: EncoderPlan, out: dict[str, list[int]],
-                          out_slices: dict[str, list[EncoderSlice]]) -> None:
+def commit_encoder_inputs(
+    cache: EncoderCacheManager,
+    req,
+    plan: EncoderPlan,
+    out: dict[str, list[int]],
+    out_slices: dict[str, list[EncoderSlice]],
+) -> None:
     """Carry out a scheduled request's plan in the encoder cache: reference the reused items, then allocate (evicting
     as needed) the ones to encode, whole or in slices (a split item's entry is allocated at its first slice and
     partial until its last); record them in the step's `out` (item indices) and `out_slices` by request id."""

@@ -5,6 +5,7 @@ waits in the queue until its grammar has compiled, every token it keeps is fed t
 the prefix the grammar allows before they are verified, and a matcher that reached its end finishes the request.
 The rows of the step's token bitmask are laid out here; the engine fills them, the runner applies them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,8 +61,9 @@ def allowed_drafts(req: Request, drafts: list[int]) -> list[int]:
     return so.validate_tokens(drafts)
 
 
-def bitmask_rows(requests: dict[str, Request], num_scheduled: dict[str, int],
-                 spec_tokens: dict[str, list[int]]) -> BitmaskRows:
+def bitmask_rows(
+    requests: dict[str, Request], num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]
+) -> BitmaskRows:
     """Lay out the bitmask rows of a planned step: constrained requests whose window reaches their last token
     (a partial prefill samples nothing), each with one row per verified draft plus its bonus row."""
     rows = BitmaskRows()

@@ -9,6 +9,7 @@ A sliding-window group can hand back the blocks that fell out of its window (the
 block, since the speculative draft reads its block table. With one kind of attention there is a single group of
 all layers, which is exactly the plain layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ def group_layers(layer_windows: list[int | None]) -> KVCacheGroups:
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(window, []).append(layer)
     if len(kinds) == 1:
-        (window, layers), = kinds.items()
+        ((window, layers),) = kinds.items()
         return KVCacheGroups((tuple(layers),), (window,), len(layers))
     size = min(len(v) for v in kinds.values())
     order = sorted(kinds, key=lambda w: (w is not None, w or 0))
@@ -61,6 +62,6 @@ def group_layers(layer_windows: list[int | None]) -> KVCacheGroups:
     for window in order:
         layers = kinds[window]
         for i in range(0, len(layers), size):
-            groups.append(tuple(layers[i:i + size]))
+            groups.append(tuple(layers[i : i + size]))
             windows.append(window)
     return KVCacheGroups(tuple(groups), tuple(windows), size)

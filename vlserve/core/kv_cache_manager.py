@@ -5,6 +5,7 @@ request then holds one block list per group, all of the same length (block i of 
 i*bs .. (i+1)*bs - 1), drawn from one pool. A sliding-window group past group 0 replaces the blocks that left its
 window by the pool's null block and hands them back; its prefix hits need only the blocks inside the window.
 """
+
 from __future__ import annotations
 
 from vlserve.core.block_pool import BlockPool, KVBlock
@@ -39,8 +40,13 @@ class KVCacheManager:
 
     `group_windows[g]`: KV cache group g's sliding window, None for full attention (default: one full group)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 group_windows: tuple[int | None, ...] = (None,)):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        group_windows: tuple[int | None, ...] = (None,),
+    ):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
@@ -112,8 +118,9 @@ class KVCacheManager:
         self._update_block_hashes(request, max_hit_tokens)
         hashes = request.block_hashes[: max_hit_tokens // self.block_size]
         n = 0
-        while n < len(hashes) and all(self._cached(g, hashes[n]) is not None for g in range(self.num_groups)
-                                      if g not in self._dropping):
+        while n < len(hashes) and all(
+            self._cached(g, hashes[n]) is not None for g in range(self.num_groups) if g not in self._dropping
+        ):
             n += 1
         changed = bool(self._dropping)
         while changed and n:  # the groups' answers shrink n until all agree
@@ -127,8 +134,11 @@ class KVCacheManager:
         if n == 0:
             return None, 0
         null = self.pool.null_block
-        hits = tuple([null] * (first := self._first_in_window(g, n * self.block_size))
-                     + [self._cached(g, h) for h in hashes[first:n]] for g in range(self.num_groups))
+        hits = tuple(
+            [null] * (first := self._first_in_window(g, n * self.block_size))
+            + [self._cached(g, h) for h in hashes[first:n]]
+            for g in range(self.num_groups)
+        )
         return hits, n * self.block_size
 
     def _window_hit(self, group: int, hashes: list[int], n: int) -> int:
@@ -144,9 +154,14 @@ class KVCacheManager:
             m = j  # block j is missing: a hit must end at or before it
         return 0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: GroupBlocks | None = None,
-                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> GroupBlockIds | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: GroupBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> GroupBlockIds | None:
         """Make room for num_new_tokens (+ lookahead) after the request's computed tokens.
 
         Returns the ids of newly added blocks per group (`()` when none), or None when the pool cannot afford
@@ -160,8 +175,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(rid)
         if not new_computed_blocks and blocks is not None:  # the common decode step: room left in the last block
             known = request.num_computed_tokens + num_new_tokens
-            if (cdiv(known + num_lookahead_tokens, bs) <= len(blocks[0])
-                    and (not self.enable_caching or known // bs <= self._num_cached_blocks[rid][0])):
+            if cdiv(known + num_lookahead_tokens, bs) <= len(blocks[0]) and (
+                not self.enable_caching or known // bs <= self._num_cached_blocks[rid][0]
+            ):
                 return ()
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         num_computed = request.num_computed_tokens + num_hit * bs

@@ -3,6 +3,7 @@ load waits in `waiting_for_kv` holding its blocks (not yet in the prefix cache) 
 it goes back to the head of the scheduler's waiting queue with `load_done[id]` computed tokens (the loaded ones, or
 only its device hit when the load failed, so it recomputes the rest). A finished request whose blocks the connector
 still sends stays in `kept_blocks` until a worker lists it in `finished_sending`."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -30,10 +31,18 @@ class KVConnectorState:
         if config.kv_transfer_config is None:
             return cls()
         if len(config.kv_group_windows) > 1:
-            raise ValueError("KV connectors support models with one KV cache group (no sliding-window layers "
-                             "beside full ones) for now")
-        return cls(create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
-                                    block_size=config.block_size, extra_keys_of=block_extra_keys))
+            raise ValueError(
+                "KV connectors support models with one KV cache group (no sliding-window layers "
+                "beside full ones) for now"
+            )
+        return cls(
+            create_connector(
+                config.kv_transfer_config,
+                KVConnectorRole.SCHEDULER,
+                block_size=config.block_size,
+                extra_keys_of=block_extra_keys,
+            )
+        )
 
     def num_external_tokens(self, req: Request, num_hit: int) -> int:
         """Tokens past the device prefix hit `num_hit` the connector can load (0 without a connector)."""
@@ -116,8 +125,11 @@ class KVConnectorState:
     def gauges(self, kv: KVCacheManager) -> dict[str, int]:
         """The blocks and requests kept for a peer, and the requests waiting for remote / offloaded KV."""
         kept = sum(len(ids) for rid in self.kept_blocks for ids in kv.get_block_ids(rid))
-        return {"kv_kept_blocks": kept, "kv_kept_requests": len(self.kept_blocks),
-                "num_requests_waiting_for_kv": len(self.waiting_for_kv)}
+        return {
+            "kv_kept_blocks": kept,
+            "kv_kept_requests": len(self.kept_blocks),
+            "num_requests_waiting_for_kv": len(self.waiting_for_kv),
+        }
 
     def check_integrity(self, held: set[str], requests: dict[str, Request]) -> None:
         """Kept requests hold blocks (`held`: the ids the KV pool holds blocks for) and are no longer alive."""

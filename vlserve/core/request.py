@@ -1,4 +1,5 @@
 """The engine core's view of one request (pure Python)."""
+
 from __future__ import annotations
 
 import enum
@@ -26,8 +27,11 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass
@@ -129,5 +133,7 @@ class Request:
         return self.status.is_finished
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

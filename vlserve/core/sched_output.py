@@ -1,5 +1,6 @@
 """Plain-data messages between the scheduler, the model runner and the engine core's output path, and the plan of a
 step the scheduler builds them from (`StepPlan`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -8,6 +8,7 @@ between steps); the first item of a step always runs, so one larger than the bud
 its tower runs in stages (`config.encoder_stage_counts`): then it is encoded a slice of stages per step within the
 budget, its request's prefill waits before it until the last slice, and other requests keep decoding meanwhile.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
         self.config = config
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.kv_group_windows)
+        self.kv = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, config.kv_group_windows
+        )
         self.max_kv_tokens = self.kv.max_request_tokens(config.max_num_batched_tokens)  # one request, alone
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_size)
         self.encoder_budget = config.encoder_compute_budget  # embeddings encoded per step
@@ -111,9 +113,11 @@ class Scheduler:
                 idx += 1
                 continue
             computed = req.num_computed_tokens
-            num_new = min(len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
-                          token_budget,
-                          last_position - computed)  # never past the model's length (late spec tokens unverified)
+            num_new = min(
+                len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
+                token_budget,
+                last_position - computed,
+            )  # never past the model's length (late spec tokens unverified)
             enc, num_encoding_after = NO_MEDIA, num_encoding
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
@@ -142,7 +146,7 @@ class Scheduler:
             cached = CachedRequestData(req.request_id, new_block_ids, computed)
             if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
                 cached.token_start = start = min(computed, req.num_tokens_sent)
-                cached.new_token_ids = req.all_token_ids[start:computed + num_new]
+                cached.new_token_ids = req.all_token_ids[start : computed + num_new]
                 req.num_tokens_sent = max(req.num_tokens_sent, start + len(cached.new_token_ids))
             cached_reqs.append(cached)
             num_scheduled[req.request_id] = num_new
@@ -165,8 +169,13 @@ class Scheduler:
             self.waiting = kv_transfer.resumed_first(self.waiting)
         waiting = self.waiting
         set_aside: list[Request] = []  # they keep their place
-        while (waiting and not step.preempted and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs
-               and len(step.num_scheduled) < step.max_reqs):
+        while (
+            waiting
+            and not step.preempted
+            and step.token_budget > 0
+            and len(self.running) < cfg.max_num_seqs
+            and len(step.num_scheduled) < step.max_reqs
+        ):
             req = waiting[0]
             if grammar_waiting(req) or req.request_id in self.in_flight_req_ids:  # preempted while in flight
                 set_aside.append(waiting.popleft())
@@ -191,16 +200,23 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - num_hit, step.token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, step.num_encoding)
-            if any(req.mm_features[i].data.get("remote_media")
-                   for i in (*enc.to_encode, *(s.item_index for s in enc.slices))):
+            if any(
+                req.mm_features[i].data.get("remote_media")
+                for i in (*enc.to_encode, *(s.item_index for s in enc.slices))
+            ):
                 self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
                 continue
             if num_new <= 0 and not enc.slices:  # (with a slice to run it is admitted with no token this step)
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
             new_block_ids = kv.allocate_slots(req, num_new, computed_blocks, num_lookahead_tokens=lookahead)
-            if (new_block_ids is None and resume is not None and not step.num_scheduled and not self.running
-                    and kv_transfer.release_parked(req, self.requests, kv)):
+            if (
+                new_block_ids is None
+                and resume is not None
+                and not step.num_scheduled
+                and not self.running
+                and kv_transfer.release_parked(req, self.requests, kv)
+            ):
                 new_block_ids = kv.allocate_slots(req, num_new, None, num_lookahead_tokens=lookahead)
             if new_block_ids is None:
                 break
@@ -223,9 +239,18 @@ class Scheduler:
         self.running.append(req)
         commit_encoder_inputs(self.encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
         req.num_tokens_sent = req.num_tokens
-        step.new_reqs.append(NewRequestData(
-            req.request_id, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params,
-            req.mm_features, self.kv.get_block_ids(req.request_id), num_hit, req.lora_request))
+        step.new_reqs.append(
+            NewRequestData(
+                req.request_id,
+                req.prompt_token_ids,
+                list(req.output_token_ids),
+                req.sampling_params,
+                req.mm_features,
+                self.kv.get_block_ids(req.request_id),
+                num_hit,
+                req.lora_request,
+            )
+        )
         if num_new:
             step.num_scheduled[req.request_id] = num_new
             step.token_budget -= num_new
@@ -242,11 +267,16 @@ class Scheduler:
                 if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
                     req.num_output_placeholders += 1  # this step samples; its token is known at update
         out = SchedulerOutput(
-            scheduled_new_reqs=step.new_reqs, scheduled_cached_reqs=step.cached_reqs,
-            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=step.spec_tokens, scheduled_encoder_inputs=step.encoder_inputs,
-            finished_req_ids=self.finished_req_ids, free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
-            scheduled_encoder_slices=step.encoder_slices)
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            scheduled_encoder_inputs=step.encoder_inputs,
+            finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=self.encoder_cache.get_freed_mm_hashes(),
+            scheduled_encoder_slices=step.encoder_slices,
+        )
         connector = self.kv_transfer.connector
         if connector is not None:
             out.kv_connector_metadata = connector.build_connector_meta(out, self)
@@ -261,17 +291,27 @@ class Scheduler:
     def _finishes_in_flight(self, req: Request) -> bool:
         """Whether the tokens already in flight end the request by length for sure (no step is scheduled then)."""
         n = req.num_output_placeholders
-        return (req.num_output_tokens + n >= req.max_tokens
-                or req.num_tokens + n >= self.config.max_model_len)
+        return req.num_output_tokens + n >= req.max_tokens or req.num_tokens + n >= self.config.max_model_len
 
-    def _schedule_encoder_inputs(self, req: Request, start: int, num_new: int, num_encoding: int
-                                 ) -> tuple[EncoderPlan, int, int]:
+    def _schedule_encoder_inputs(
+        self, req: Request, start: int, num_new: int, num_encoding: int
+    ) -> tuple[EncoderPlan, int, int]:
         """Plan the media items the token window [start, start + num_new) reaches (see `plan_encoder_inputs`; the
         items of a request with a LoRA adapter are never split: its tower weights may differ)."""
         stage_counts = None if req.lora_int_id else self.config.encoder_stage_counts
-        return plan_encoder_inputs(req.mm_features, self.encoder_cache, self.encoder_budget, start, num_new,
-                                   num_encoding, self.config.disable_chunked_mm_input, stage_counts, req.request_id,
-                                   self.encoder_slice_cap, self.encoder_pack_budget)
+        return plan_encoder_inputs(
+            req.mm_features,
+            self.encoder_cache,
+            self.encoder_budget,
+            start,
+            num_new,
+            num_encoding,
+            self.config.disable_chunked_mm_input,
+            stage_counts,
+            req.request_id,
+            self.encoder_slice_cap,
+            self.encoder_pack_budget,
+        )
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -321,15 +361,21 @@ class Scheduler:
                 advance_matcher(req, new_tokens)
             is_finished = req.status >= FIRST_FINISHED
             if req.spec_token_ids or spec_next:
-                req.spec_token_ids = (allowed_drafts(req, spec_next.get(rid, [])) if running and not is_finished
-                                      else [])
+                req.spec_token_ids = allowed_drafts(req, spec_next.get(rid, [])) if running and not is_finished else []
             if not new_tokens and not is_finished:
                 continue
             self.stats.generation_tokens += len(new_tokens)
             lps = logprobs.get(rid) if logprobs else None
-            outputs.append(EngineCoreOutput(
-                rid, new_tokens, req.status.finish_reason, req.stop_reason,
-                lps[: len(new_tokens)] if lps else None, max(req.num_cached_tokens, 0)))
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    new_tokens,
+                    req.status.finish_reason,
+                    req.stop_reason,
+                    lps[: len(new_tokens)] if lps else None,
+                    max(req.num_cached_tokens, 0),
+                )
+            )
             if is_finished:
                 finished.append((req, running))
         if finished:
@@ -341,8 +387,9 @@ class Scheduler:
                     self.waiting.remove(req)
                 params = self._free_request(req)
                 if params is not None:
-                    outputs[-1 - next(i for i, o in enumerate(reversed(outputs))
-                                      if o.request_id == req.request_id)].kv_transfer_params = params
+                    outputs[
+                        -1 - next(i for i, o in enumerate(reversed(outputs)) if o.request_id == req.request_id)
+                    ].kv_transfer_params = params
         return outputs
 
     # -- ending requests ---------------------------------------------------------------------------------------
@@ -396,8 +443,10 @@ class Scheduler:
         with the error."""
         self.waiting.popleft()
         self.kv_transfer.drop(req.request_id)
-        error = ("the producer's KV for this request's media could not be used and the decode server has no media "
-                 "to encode; send the request again")
+        error = (
+            "the producer's KV for this request's media could not be used and the decode server has no media "
+            "to encode; send the request again"
+        )
         self._fail_waiting(req, error, error)
 
     def _fail_waiting(self, req: Request, message: str, error: str) -> None:
@@ -435,8 +484,11 @@ class Scheduler:
         """Leak gauges for /metrics (names without `vlserve:`): the KV pool's free and used blocks, the blocks and
         requests a producer keeps for a peer, and the requests waiting for remote / offloaded KV."""
         pool = self.kv.pool
-        return {"kv_free_blocks": pool.num_free_blocks, "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
-                **self.kv_transfer.gauges(self.kv)}
+        return {
+            "kv_free_blocks": pool.num_free_blocks,
+            "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
+            **self.kv_transfer.gauges(self.kv),
+        }
 
     def check_integrity(self) -> None:
         """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
@@ -450,4 +502,5 @@ class Scheduler:
         elif not self.has_unfinished_requests():
             assert held == kept, f"KV blocks leaked: {held - kept}"
             assert not self.encoder_cache.req_to_hashes, (
-                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}")
+                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}"
+            )

@@ -1,4 +1,5 @@
 """Counters the scheduler keeps; the engine turns them into `vlserve:` metrics (pure Python)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

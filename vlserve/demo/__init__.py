@@ -12,6 +12,7 @@ This module only locates the checkpoints (and the vision demo's EAGLE head); the
 builds (`checkpoints`, `vl_checkpoints`, `llava_checkpoints`, their `tokenizer`). None of it imports anything from
 vlserve outside vlserve.demo, so `config` may use it.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,10 @@ def demo_model_path(name: str) -> str:
     path, rebuild = DEMO_MODELS[name]
     missing = [f for f in _REQUIRED if not os.path.isfile(os.path.join(path, f))]
     if missing:
-        raise ValueError(f"the embedded demo model {name!r} is missing or incomplete at {path} (no "
-                         f"{', '.join(missing)}); build it with `{rebuild.format(dir=path)}`")
+        raise ValueError(
+            f"the embedded demo model {name!r} is missing or incomplete at {path} (no "
+            f"{', '.join(missing)}); build it with `{rebuild.format(dir=path)}`"
+        )
     return path
 
 

@@ -8,6 +8,7 @@ answer, a clip has no long beep, exactly one, or only long ones ("They are all t
 or more beeps of one length). A clip fixes everything its rendering needs (including the noise seed), so
 `render(clip)` is deterministic.
 """
+
 from __future__ import annotations
 
 import io
@@ -44,6 +45,7 @@ QUESTION_TEMPLATES = {
 @dataclass(frozen=True)
 class Beep:
     """One beep: pitch and length names, start and duration in seconds, frequency in Hz, amplitude (0-1)."""
+
     pitch: str
     length: str
     start: float
@@ -55,6 +57,7 @@ class Beep:
 @dataclass(frozen=True)
 class Clip:
     """A clip: its beeps in time order, total duration in seconds, and the background noise (colour, level, seed)."""
+
     beeps: tuple[Beep, ...]
     seconds: float
     noise_colour: str
@@ -81,12 +84,14 @@ def sample_clip(rng: random.Random, num_beeps: int | None = None) -> Clip:
     for _i, length in enumerate(_lengths(rng, n)):
         pitch = rng.choice(PITCHES)
         duration = rng.uniform(*LENGTH_SECONDS[length])
-        beeps.append(Beep(pitch, length, round(t, 4), round(duration, 4), rng.uniform(*PITCH_HZ[pitch]),
-                          rng.uniform(0.25, 0.8)))
+        beeps.append(
+            Beep(pitch, length, round(t, 4), round(duration, 4), rng.uniform(*PITCH_HZ[pitch]), rng.uniform(0.25, 0.8))
+        )
         t += duration + rng.uniform(*GAP_SECONDS)
     seconds = min(MAX_SECONDS, beeps[-1].start + beeps[-1].duration + rng.uniform(*TAIL_SECONDS))
-    return Clip(tuple(beeps), round(seconds, 4), rng.choice(NOISE_COLOURS), rng.uniform(0.0, 0.12),
-                rng.randrange(2 ** 31))
+    return Clip(
+        tuple(beeps), round(seconds, 4), rng.choice(NOISE_COLOURS), rng.uniform(0.0, 0.12), rng.randrange(2**31)
+    )
 
 
 def _noise(gen: np.random.Generator, colour: str, n: int) -> np.ndarray:
@@ -97,7 +102,7 @@ def _noise(gen: np.random.Generator, colour: str, n: int) -> np.ndarray:
         f = np.maximum(np.arange(spectrum.shape[0]), 1.0)
         spectrum /= np.sqrt(f) if colour == "pink" else f
         white = np.fft.irfft(spectrum, n)
-    return white / max(float(np.sqrt(np.mean(white ** 2))), 1e-9)
+    return white / max(float(np.sqrt(np.mean(white**2))), 1e-9)
 
 
 def render(clip: Clip) -> np.ndarray:
@@ -111,10 +116,10 @@ def render(clip: Clip) -> np.ndarray:
         length = min(length, n - start)
         tt = np.arange(length) / SAMPLE_RATE
         env = np.ones(length)
-        env[:ramp] = np.linspace(0.0, 1.0, min(ramp, length))[:min(ramp, length)]
-        env[-ramp:] = np.minimum(env[-ramp:], np.linspace(1.0, 0.0, ramp)[-min(ramp, length):])
+        env[:ramp] = np.linspace(0.0, 1.0, min(ramp, length))[: min(ramp, length)]
+        env[-ramp:] = np.minimum(env[-ramp:], np.linspace(1.0, 0.0, ramp)[-min(ramp, length) :])
         phase = gen.uniform(0, 2 * np.pi)
-        wave_[start:start + length] += b.amplitude * env * np.sin(2 * np.pi * b.freq * tt + phase)
+        wave_[start : start + length] += b.amplitude * env * np.sin(2 * np.pi * b.freq * tt + phase)
     return np.clip(wave_, -1.0, 1.0).astype(np.float32)
 
 
@@ -174,5 +179,6 @@ def answer(clip: Clip, question: str) -> str:
     for _, q, a in qas(clip):
         if q == question.strip():
             return a
-    raise ValueError(f"unsupported question for this clip: {question[:100]!r}; ask one of "
-                     f"{list(QUESTION_TEMPLATES.values())}")
+    raise ValueError(
+        f"unsupported question for this clip: {question[:100]!r}; ask one of {list(QUESTION_TEMPLATES.values())}"
+    )

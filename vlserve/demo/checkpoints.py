@@ -1,4 +1,5 @@
 """Tiny random HF checkpoints (config + safetensors + tokenizer + generation_config) for tests and demos."""
+
 from __future__ import annotations
 
 import functools
@@ -31,13 +32,25 @@ def _make_config(arch: str, **kw):
     raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(_ARCHS)}")
 
 
-def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 64, num_layers: int = 2,
-                          num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                          vocab_size: int | None = None, tie_word_embeddings: bool | None = None,
-                          initializer_range: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32,
-                          max_position_embeddings: int = 2048, rope_scaling: dict | None = None,
-                          randomize_norms_and_biases: bool = True, attention_bias: bool = False,
-                          tokenizer_dir: str | None = None) -> str:
+def build_text_checkpoint(
+    out_dir: str,
+    arch: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool | None = None,
+    initializer_range: float = 0.2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_position_embeddings: int = 2048,
+    rope_scaling: dict | None = None,
+    randomize_norms_and_biases: bool = True,
+    attention_bias: bool = False,
+    tokenizer_dir: str | None = None,
+) -> str:
     """Save a random `arch` ("llama" | "qwen2" | "qwen3") HF causal LM with the test tokenizer to `out_dir`.
 
     vocab_size defaults to `len(tokenizer)`; tie_word_embeddings defaults to True for Qwen, False for Llama.
@@ -54,12 +67,22 @@ def build_text_checkpoint(out_dir: str, arch: str = "qwen2", hidden_size: int = 
     vocab_size = vocab_size or len(tok)
     tie = _DEFAULT_TIE[arch] if tie_word_embeddings is None and arch in _DEFAULT_TIE else tie_word_embeddings
     config = _make_config(
-        arch, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
-        tie_word_embeddings=bool(tie), initializer_range=initializer_range,
-        max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
-        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        **({"attention_bias": True} if attention_bias else {}))
+        arch,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        tie_word_embeddings=bool(tie),
+        initializer_range=initializer_range,
+        max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **({"attention_bias": True} if attention_bias else {}),
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if randomize_norms_and_biases:

@@ -1,4 +1,5 @@
 """The demo world's held-out items (a seed the training stream never uses) and their one-turn chat messages."""
+
 from __future__ import annotations
 
 import random
@@ -18,8 +19,9 @@ def held_out_set(per_form: int, seed: int = EVAL_SEED) -> list[dict]:
             scene = world.sample_video(rng) if is_video else world.sample_scene(rng)
             _, q, a = world.sample_qa(rng, scene, form)
             media = world.render_video(scene) if is_video else world.render_image(scene)
-            items.append({"form": form, "kind": "video" if is_video else "image", "media": media,
-                          "question": q, "answer": a})
+            items.append(
+                {"form": form, "kind": "video" if is_video else "image", "media": media, "question": q, "answer": a}
+            )
     return items
 
 

@@ -1,6 +1,7 @@
 """Tiny random LLaVA-1.5 / LLaVA-NeXT checkpoints built offline the way HF does it (config -> model ->
 save_pretrained, a real LlavaProcessor / LlavaNextProcessor with a CLIP or SigLIP image processor, the offline
 tokenizer with an `<image>` token and a LLaVA-style chat template, all saved together)."""
+
 from __future__ import annotations
 
 import os
@@ -36,16 +37,27 @@ def _tokenizer():
 
     base = build_tokenizer()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=extra_special_tokens(base) + ["<image>"], clean_up_tokenization_spaces=False,
-        model_input_names=["input_ids", "attention_mask"])  # no token_type_ids: 4.57's generate rejects them
+        tokenizer_object=base.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=extra_special_tokens(base) + ["<image>"],
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )  # no token_type_ids: 4.57's generate rejects them
     tok.chat_template = LLAVA_CHAT_TEMPLATE
     return tok
 
 
 def _vision_config(tower: str, width: int, depth: int) -> dict:
-    common = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=depth, num_attention_heads=2,
-                  image_size=TILE, patch_size=PATCH, num_channels=3)
+    common = dict(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=depth,
+        num_attention_heads=2,
+        image_size=TILE,
+        patch_size=PATCH,
+        num_channels=3,
+    )
     if tower == "clip":
         return dict(model_type="clip_vision_model", hidden_act="quick_gelu", projection_dim=width, **common)
     if tower == "siglip":
@@ -83,14 +95,30 @@ def build_llava_checkpoint(
     image_id = tok.convert_tokens_to_ids("<image>")
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     text_cfg = dict(
-        model_type=text_model, vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rope_theta=10000.0,
-        rms_norm_eps=1e-6, initializer_range=initializer_range, tie_word_embeddings=False,
-        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
-    common = dict(vision_config=_vision_config(tower, vision_width, vision_depth), text_config=text_cfg,
-                  image_token_index=image_id, vision_feature_layer=vision_feature_layer,
-                  vision_feature_select_strategy=strategy, projector_hidden_act="gelu")
+        model_type=text_model,
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    common = dict(
+        vision_config=_vision_config(tower, vision_width, vision_depth),
+        text_config=text_cfg,
+        image_token_index=image_id,
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy=strategy,
+        projector_hidden_act="gelu",
+    )
     if tower == "clip":
         image_processor = tf.CLIPImageProcessor(size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE})
     else:
@@ -101,9 +129,11 @@ def build_llava_checkpoint(
         config = tf.LlavaNextConfig(image_grid_pinpoints=[list(p) for p in GRID_PINPOINTS], **common)
         model_cls, proc_cls = tf.LlavaNextForConditionalGeneration, tf.LlavaNextProcessor
         image_processor = tf.LlavaNextImageProcessor(
-            size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE},
+            size={"shortest_edge": TILE},
+            crop_size={"height": TILE, "width": TILE},
             image_grid_pinpoints=[list(p) for p in GRID_PINPOINTS],
-            **({} if tower == "clip" else {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+            **({} if tower == "clip" else {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}),
+        )
     else:
         raise ValueError(f"unknown variant {variant!r}; expected 'llava' or 'llava_next'")
     config.architectures = [model_cls.__name__]
@@ -116,8 +146,14 @@ def build_llava_checkpoint(
             if name.endswith(("bias", "image_newline", "class_embedding")) or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
-    processor = proc_cls(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
-                         vision_feature_select_strategy=strategy, chat_template=LLAVA_CHAT_TEMPLATE,
-                         image_token="<image>", num_additional_image_tokens=1 if tower == "clip" else 0)
+    processor = proc_cls(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=PATCH,
+        vision_feature_select_strategy=strategy,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token="<image>",
+        num_additional_image_tokens=1 if tower == "clip" else 0,
+    )
     processor.save_pretrained(out_dir)
     return out_dir

@@ -3,14 +3,22 @@
 Tests and the demo model use it instead of a downloaded tokenizer. Training depends only on its corpus,
 so the same call always yields the same vocabulary.
 """
+
 from __future__ import annotations
 
 import os
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-    "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|AUDIO|>",
 ]
 
 # ChatML with Qwen2-VL's media placeholders: every image part becomes
@@ -76,12 +84,19 @@ def build_tokenizer(out_dir: str | None = None, vocab_size: int = 1024):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:], clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
@@ -96,8 +111,13 @@ def build_qwen2_tokenizer(chat_template: str | None = None):
 
     base = build_tokenizer()
     tok = Qwen2TokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, additional_special_tokens=extra_special_tokens(base),
-        clean_up_tokenization_spaces=False)
+        tokenizer_object=base.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=extra_special_tokens(base),
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = CHAT_TEMPLATE if chat_template is None else chat_template
     return tok

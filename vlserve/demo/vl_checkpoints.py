@@ -1,4 +1,5 @@
 """Tiny random Qwen2-VL / Qwen2.5-VL checkpoints (model + real HF processor) built offline for tests and demos."""
+
 from __future__ import annotations
 
 import os
@@ -51,44 +52,82 @@ def build_qwen2_vl_checkpoint(
         raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must be head_dim/2={head_dim // 2}")
     os.makedirs(out_dir, exist_ok=True)
     tok = build_qwen2_tokenizer(chat_template)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in
-           ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")}
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_end|>", "<|endoftext|>")
+    }
     text_cfg = dict(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=4096, rope_theta=10000.0,
-        rms_norm_eps=1e-6, initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
         rope_scaling={"type": "mrope", "mrope_section": list(mrope_section)},
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
     )
     token_cfg = dict(
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
     )
     if variant == "qwen2_vl":
         from transformers import Qwen2VLConfig as Config
         from transformers import Qwen2VLForConditionalGeneration as Model
         from transformers import Qwen2VLProcessor as Processor
+
         vision_cfg = dict(
-            depth=vision_depth, embed_dim=vision_embed_dim, hidden_size=hidden_size, num_heads=vision_num_heads,
-            mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-            initializer_range=initializer_range)
+            depth=vision_depth,
+            embed_dim=vision_embed_dim,
+            hidden_size=hidden_size,
+            num_heads=vision_num_heads,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=initializer_range,
+        )
     elif variant == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig as Config
         from transformers import Qwen2_5_VLForConditionalGeneration as Model
         from transformers import Qwen2_5_VLProcessor as Processor
+
         vision_cfg = dict(
-            depth=vision_depth, hidden_size=vision_embed_dim, intermediate_size=2 * vision_embed_dim,
-            num_heads=vision_num_heads, out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2,
-            temporal_patch_size=2, tokens_per_second=tokens_per_second, window_size=window_size,
-            fullatt_block_indexes=list(fullatt_block_indexes), hidden_act="silu",
-            initializer_range=initializer_range)
+            depth=vision_depth,
+            hidden_size=vision_embed_dim,
+            intermediate_size=2 * vision_embed_dim,
+            num_heads=vision_num_heads,
+            out_hidden_size=hidden_size,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            tokens_per_second=tokens_per_second,
+            window_size=window_size,
+            fullatt_block_indexes=list(fullatt_block_indexes),
+            hidden_act="silu",
+            initializer_range=initializer_range,
+        )
     else:
         raise ValueError(f"unknown variant {variant!r}; expected 'qwen2_vl' or 'qwen2_5_vl'")
 
-    config = Config(text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=tie_word_embeddings,
-                    initializer_range=initializer_range, **token_cfg)
+    config = Config(
+        text_config=text_cfg,
+        vision_config=vision_cfg,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        **token_cfg,
+    )
     config.architectures = [Model.__name__]
     torch.manual_seed(seed)
     model = Model(config).to(torch.float32).eval()
@@ -96,7 +135,8 @@ def build_qwen2_vl_checkpoint(
 
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     video_processor = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
-    processor = Processor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                          chat_template=chat_template)
+    processor = Processor(
+        image_processor=image_processor, tokenizer=tok, video_processor=video_processor, chat_template=chat_template
+    )
     processor.save_pretrained(out_dir)
     return out_dir

@@ -7,6 +7,7 @@ to the same visual-token grid, which keeps positions simple for a model this sma
 moving left, right, up or down over 4-16 frames. A scene fixes everything a rendering needs (including its
 anti-aliasing style and noise seed), so `render_image(scene)` / `render_video(scene)` are deterministic.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,8 +21,14 @@ from PIL import Image, ImageDraw, ImageFilter
 
 SHAPES = ("circle", "square", "triangle")
 COLORS = {
-    "red": (220, 35, 35), "green": (30, 170, 50), "blue": (35, 70, 225), "yellow": (245, 220, 30),
-    "purple": (140, 50, 185), "orange": (250, 140, 20), "white": (250, 250, 250), "black": (12, 12, 12),
+    "red": (220, 35, 35),
+    "green": (30, 170, 50),
+    "blue": (35, 70, 225),
+    "yellow": (245, 220, 30),
+    "purple": (140, 50, 185),
+    "orange": (250, 140, 20),
+    "white": (250, 250, 250),
+    "black": (12, 12, 12),
 }
 PLACES = ("left", "right", "top", "bottom", "center")
 PLACE_XY = {"left": (0.18, 0.5), "right": (0.82, 0.5), "top": (0.5, 0.18), "bottom": (0.5, 0.82), "center": (0.5, 0.5)}
@@ -63,8 +70,10 @@ DEMO_JSON_SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"shape": {"type": "string", "enum": list(SHAPES)},
-                               "color": {"type": "string", "enum": list(COLORS)}},
+                "properties": {
+                    "shape": {"type": "string", "enum": list(SHAPES)},
+                    "color": {"type": "string", "enum": list(COLORS)},
+                },
                 "required": ["shape", "color"],
                 "additionalProperties": False,
             },
@@ -82,6 +91,7 @@ RESAMPLE = (Image.NEAREST, Image.BILINEAR, Image.BOX, Image.BICUBIC, Image.LANCZ
 @dataclass(frozen=True)
 class Style:
     """How a scene is drawn: supersampling factor, downsampling filter, blur, pixel noise, JPEG round trip."""
+
     supersample: int
     resample: int
     blur: float
@@ -93,6 +103,7 @@ class Style:
 @dataclass(frozen=True)
 class Background:
     """kind is "solid", "gradient" or "noise"; colors are RGB; angle (radians) orients a gradient."""
+
     kind: str
     color_a: tuple[int, int, int]
     color_b: tuple[int, int, int]
@@ -103,6 +114,7 @@ class Background:
 class Shape:
     """One shape: kind, color name, place name; center (cx, cy) and radius r in pixels; rotation in degrees; fill
     is the exact RGB drawn (the named color, jittered)."""
+
     kind: str
     color: str
     place: str
@@ -116,6 +128,7 @@ class Shape:
 @dataclass(frozen=True)
 class Scene:
     """A still image: its size, background, shapes (sorted by kind) and drawing style."""
+
     width: int
     height: int
     background: Background
@@ -126,6 +139,7 @@ class Scene:
 @dataclass(frozen=True)
 class VideoScene:
     """A clip of one shape moving in `direction`: its per-frame centers, size, background and style."""
+
     width: int
     height: int
     background: Background
@@ -148,10 +162,14 @@ def _sample_size(rng: random.Random, max_side: int = MAX_SIDE) -> tuple[int, int
 
 def _sample_style(rng: random.Random, w: int, h: int) -> Style:
     k = min(rng.choice((1, 1, 2, 3, 4)), max(1, 1024 // max(w, h)))  # supersampled canvas <= 1024 px
-    return Style(supersample=k, resample=rng.choice(RESAMPLE),
-                 blur=rng.choice((0.0, 0.0, 0.0, rng.uniform(0.3, 1.2))),
-                 noise=rng.choice((0.0, 0.0, rng.uniform(2.0, 12.0))),
-                 jpeg_quality=rng.choice((0, 0, 0, rng.randint(45, 95))), seed=rng.getrandbits(31))
+    return Style(
+        supersample=k,
+        resample=rng.choice(RESAMPLE),
+        blur=rng.choice((0.0, 0.0, 0.0, rng.uniform(0.3, 1.2))),
+        noise=rng.choice((0.0, 0.0, rng.uniform(2.0, 12.0))),
+        jpeg_quality=rng.choice((0, 0, 0, rng.randint(45, 95))),
+        seed=rng.getrandbits(31),
+    )
 
 
 def _far_color(rng: random.Random, avoid: list[tuple[int, int, int]], min_dist: float = 110.0):
@@ -197,11 +215,23 @@ def sample_scene(rng: random.Random, num_shapes: int | None = None) -> Scene:
         shapes = []
         for kind, color, place in zip(kinds, colors, places):
             px, py = PLACE_XY[place]
-            shapes.append(Shape(kind, color, place, (px + rng.uniform(-PLACE_JITTER, PLACE_JITTER)) * w,
-                                (py + rng.uniform(-PLACE_JITTER, PLACE_JITTER)) * h, rng.uniform(*SHAPE_RADIUS) * side,
-                                rng.uniform(-20, 20), _jitter_color(rng, color)))
-        if all(math.dist((a.cx, a.cy), (b.cx, b.cy)) >= _bound(a.kind, a.r) + _bound(b.kind, b.r) + 0.02 * side
-               for i, a in enumerate(shapes) for b in shapes[i + 1:]):
+            shapes.append(
+                Shape(
+                    kind,
+                    color,
+                    place,
+                    (px + rng.uniform(-PLACE_JITTER, PLACE_JITTER)) * w,
+                    (py + rng.uniform(-PLACE_JITTER, PLACE_JITTER)) * h,
+                    rng.uniform(*SHAPE_RADIUS) * side,
+                    rng.uniform(-20, 20),
+                    _jitter_color(rng, color),
+                )
+            )
+        if all(
+            math.dist((a.cx, a.cy), (b.cx, b.cy)) >= _bound(a.kind, a.r) + _bound(b.kind, b.r) + 0.02 * side
+            for i, a in enumerate(shapes)
+            for b in shapes[i + 1 :]
+        ):
             break
     return Scene(w, h, _sample_background(rng, colors), tuple(shapes), _sample_style(rng, w, h))
 
@@ -344,8 +374,9 @@ def describe_image(scene: Scene) -> str:
 def json_answer(scene: Scene) -> str:
     """The "json" form's answer: `json.dumps` (default separators) of {"count": N, "shapes": [{"shape", "color"}, ...]},
     the shapes in describe_image's order."""
-    return json.dumps({"count": len(scene.shapes),
-                       "shapes": [{"shape": s.kind, "color": s.color} for s in scene.shapes]})
+    return json.dumps(
+        {"count": len(scene.shapes), "shapes": [{"shape": s.kind, "color": s.color} for s in scene.shapes]}
+    )
 
 
 def _fits(value, schema: dict) -> bool:
@@ -389,12 +420,20 @@ def image_qas(scene: Scene) -> list[tuple[str, str, str]]:
     kinds = [s.kind for s in scene.shapes]
     shape_ans = f"It is {_a(kinds[0])}." if n == 1 else f"There are {_article_list(kinds)}."
     count_ans = "There is 1 shape." if n == 1 else f"There are {n} shapes."
-    qas = [("shape", QUESTION_TEMPLATES["shape"], shape_ans), ("count", QUESTION_TEMPLATES["count"], count_ans),
-           ("describe", QUESTION_TEMPLATES["describe"], describe_image(scene))]
+    qas = [
+        ("shape", QUESTION_TEMPLATES["shape"], shape_ans),
+        ("count", QUESTION_TEMPLATES["count"], count_ans),
+        ("describe", QUESTION_TEMPLATES["describe"], describe_image(scene)),
+    ]
     for s in scene.shapes:
         qas.append(("color", QUESTION_TEMPLATES["color"].format(shape=s.kind), f"The {s.kind} is {s.color}."))
-        qas.append(("where", QUESTION_TEMPLATES["where"].format(color=s.color, shape=s.kind),
-                    f"The {s.color} {s.kind} is at the {s.place}."))
+        qas.append(
+            (
+                "where",
+                QUESTION_TEMPLATES["where"].format(color=s.color, shape=s.kind),
+                f"The {s.color} {s.kind} is at the {s.place}.",
+            )
+        )
     qas.append(("json", QUESTION_TEMPLATES["json"], json_answer(scene)))
     return qas
 
@@ -405,8 +444,11 @@ def video_qas(scene: VideoScene) -> list[tuple[str, str, str]]:
     return [
         ("direction", QUESTION_TEMPLATES["direction"].format(shape=s.kind), f"The {s.kind} moves {scene.direction}."),
         ("moving_color", QUESTION_TEMPLATES["moving_color"], f"The moving shape is {s.color}."),
-        ("describe_video", QUESTION_TEMPLATES["describe_video"],
-         f"The video shows {_a(s.color)} {s.kind} that moves {scene.direction} across the frame."),
+        (
+            "describe_video",
+            QUESTION_TEMPLATES["describe_video"],
+            f"The video shows {_a(s.color)} {s.kind} that moves {scene.direction} across the frame.",
+        ),
     ]
 
 

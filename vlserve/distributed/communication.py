@@ -6,6 +6,7 @@ stages). With several ranks they call `torch.ops.vlserve.tp_all_reduce` / `tp_al
 custom ops (a fresh output tensor), so dynamo records one node per collective instead of tracing
 torch.distributed, and their fake implementations give inductor the output shape.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ size 1 the other's group is the default (whole) group and no subgroup is made. A
 is rank 0 of 1 on both axes: every model layer then runs unsharded and whole, and single-process serving never
 touches torch.distributed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ k < last sends its own on (point to point: gloo on CPU, NCCL on CUDA; under TP x
 stages that hold the same tensor-parallel shard, over `pp_group`); the last stage samples, and the other stages learn
 the sampled tokens from the scheduler's next SchedulerOutput (so no stage waits for a later one).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,7 @@ def stage_layer_range(num_layers: int) -> tuple[int, int]:
     if info.world_size == 1:
         return 0, num_layers
     counts = layer_partition(num_layers, info.world_size)
-    start = sum(counts[:info.rank])
+    start = sum(counts[: info.rank])
     return start, start + counts[info.rank]
 
 
@@ -82,8 +83,9 @@ def send_intermediate(tensors: IntermediateTensors) -> None:
         dist.send(t.contiguous(), dst, group=pp_group())
 
 
-def recv_intermediate(num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                      device: torch.device) -> IntermediateTensors:
+def recv_intermediate(
+    num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> IntermediateTensors:
     """Receive the previous stage's `(hidden, residual)`, each `[num_tokens, hidden_size]` (blocking)."""
     info = pp_info()
     src = info.global_rank_of(info.rank - 1)
@@ -92,4 +94,3 @@ def recv_intermediate(num_tokens: int, hidden_size: int, dtype: torch.dtype,
     for t in (hidden, residual):
         dist.recv(t, src, group=pp_group())
     return IntermediateTensors(hidden, residual)
-

@@ -4,6 +4,7 @@ TimmVisionTower, which timm builds and runs; timm is imported only when one is b
 Imports only torch, vlserve.kernels and plain config objects (never transformers modules). A tower maps the
 concatenated pixel rows of every item of a step plus their grids to one `[num_embeddings, O]` tensor.
 """
+
 from vlserve.encoders.qwen2_5_vl_vision import Qwen2_5VisionTower, qwen2_5_vl_tower_config
 from vlserve.encoders.qwen2_audio_encoder import AudioEncoderConfig, Qwen2AudioEncoder, qwen2_audio_encoder_config
 from vlserve.encoders.qwen2_vl_vision import Qwen2VisionTower, qwen2_vl_tower_config

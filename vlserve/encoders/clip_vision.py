@@ -7,6 +7,7 @@ to its own tokens (one varlen attention call per layer). Module names follow HF'
 (`embeddings.patch_embedding`, `pre_layrnorm`, `encoder.layers.N.self_attn.q_proj`, ...) so weights load by name.
 The pieces here (config, encoder layer, weight loading) are shared with the SigLIP tower.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -40,11 +41,17 @@ class VitConfig:
     @classmethod
     def from_hf(cls, vision_config) -> VitConfig:
         """Read an HF CLIPVisionConfig / SiglipVisionConfig."""
-        return cls(depth=vision_config.num_hidden_layers, width=vision_config.hidden_size,
-                   num_heads=vision_config.num_attention_heads, mlp_hidden=vision_config.intermediate_size,
-                   hidden_act=vision_config.hidden_act, image_size=vision_config.image_size,
-                   patch_size=vision_config.patch_size, layer_norm_eps=vision_config.layer_norm_eps,
-                   in_channels=getattr(vision_config, "num_channels", 3))
+        return cls(
+            depth=vision_config.num_hidden_layers,
+            width=vision_config.hidden_size,
+            num_heads=vision_config.num_attention_heads,
+            mlp_hidden=vision_config.intermediate_size,
+            hidden_act=vision_config.hidden_act,
+            image_size=vision_config.image_size,
+            patch_size=vision_config.patch_size,
+            layer_norm_eps=vision_config.layer_norm_eps,
+            in_channels=getattr(vision_config, "num_channels", 3),
+        )
 
     @property
     def num_patches(self) -> int:
@@ -82,8 +89,15 @@ class VitAttention(nn.Module):
         q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)  # [R, H, Hd]
         k = self.k_proj(x).view(rows, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(rows, self.num_heads, self.head_dim)
-        out = varlen_attention(q, k, v, segments.cu_seqlens, self.head_dim**-0.5, max_seqlen=segments.max_len,
-                               cu_seqlens_cpu=segments.bounds)  # [R, H, Hd]
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            segments.cu_seqlens,
+            self.head_dim**-0.5,
+            max_seqlen=segments.max_len,
+            cu_seqlens_cpu=segments.bounds,
+        )  # [R, H, Hd]
         return self.out_proj(out.reshape(rows, -1))
 
 
@@ -115,7 +129,7 @@ class VitEncoder(nn.Module):
         segments = AttentionSegments.from_lengths([tokens_per_tile] * num_tiles, x.device)
         h = x.reshape(num_tiles * tokens_per_tile, -1)  # [R, E]
         kept = {0: h} if 0 in feature_layers else {}
-        for i, layer in enumerate(self.layers[:max(feature_layers)], start=1):
+        for i, layer in enumerate(self.layers[: max(feature_layers)], start=1):
             h = layer(h, segments)
             if i in feature_layers:
                 kept[i] = h
@@ -179,14 +193,15 @@ class ClipVisionTower(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            rel = name[len("vision_model."):] if name.startswith("vision_model.") else name
+            rel = name[len("vision_model.") :] if name.startswith("vision_model.") else name
             if rel.endswith(_IGNORED_SUFFIXES) or rel.startswith(self.ignored_prefixes):
                 continue
             if rel not in params:
                 raise ValueError(f"unexpected vision tower weight {name!r}")
             if tuple(params[rel].shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(params[rel].shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[rel].shape)}"
+                )
             params[rel].data.copy_(tensor)
             loaded.add(rel)
         return loaded

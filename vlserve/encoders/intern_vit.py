@@ -7,6 +7,7 @@ own tokens (one varlen attention call per layer). Blocks are pre-norm with learn
 Module names follow the 5.x checkpoints (`embeddings.patch_embeddings.projection`, `encoder.layer.N.attention.q_proj`,
 `encoder.layer.N.lambda_1`, ...) so weights load by name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,14 +46,22 @@ class InternVitConfig(VitConfig):
         norm_type = getattr(vc, "norm_type", "layer_norm")
         if norm_type not in ("layer_norm", "rms_norm"):
             raise ValueError(f"InternViT norm_type must be 'layer_norm' or 'rms_norm', got {str(norm_type)[:40]!r}")
-        return cls(depth=vc.num_hidden_layers, width=vc.hidden_size, num_heads=vc.num_attention_heads,
-                   mlp_hidden=vc.intermediate_size, hidden_act=vc.hidden_act, image_size=_side(vc.image_size),
-                   patch_size=_side(vc.patch_size), layer_norm_eps=vc.layer_norm_eps, norm_type=norm_type,
-                   qk_norm=bool(getattr(vc, "use_qk_norm", False)),
-                   qkv_bias=bool(getattr(vc, "attention_bias", False)),
-                   use_mean_pooling=bool(getattr(vc, "use_mean_pooling", True)),
-                   absolute_positions=bool(getattr(vc, "use_absolute_position_embeddings", True)),
-                   in_channels=getattr(vc, "num_channels", 3))
+        return cls(
+            depth=vc.num_hidden_layers,
+            width=vc.hidden_size,
+            num_heads=vc.num_attention_heads,
+            mlp_hidden=vc.intermediate_size,
+            hidden_act=vc.hidden_act,
+            image_size=_side(vc.image_size),
+            patch_size=_side(vc.patch_size),
+            layer_norm_eps=vc.layer_norm_eps,
+            norm_type=norm_type,
+            qk_norm=bool(getattr(vc, "use_qk_norm", False)),
+            qkv_bias=bool(getattr(vc, "attention_bias", False)),
+            use_mean_pooling=bool(getattr(vc, "use_mean_pooling", True)),
+            absolute_positions=bool(getattr(vc, "use_absolute_position_embeddings", True)),
+            in_channels=getattr(vc, "num_channels", 3),
+        )
 
     @property
     def grid(self) -> int:
@@ -87,8 +96,15 @@ class InternVitAttention(nn.Module):
         q = self.q_norm(self.q_proj(x)).view(rows, self.num_heads, self.head_dim)  # [R, H, Hd]
         k = self.k_norm(self.k_proj(x)).view(rows, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(rows, self.num_heads, self.head_dim)
-        out = varlen_attention(q.contiguous(), k.contiguous(), v, segments.cu_seqlens, self.head_dim**-0.5,
-                               max_seqlen=segments.max_len, cu_seqlens_cpu=segments.bounds)  # [R, H, Hd]
+        out = varlen_attention(
+            q.contiguous(),
+            k.contiguous(),
+            v,
+            segments.cu_seqlens,
+            self.head_dim**-0.5,
+            max_seqlen=segments.max_len,
+            cu_seqlens_cpu=segments.bounds,
+        )  # [R, H, Hd]
         return self.projection_layer(out.reshape(rows, -1))
 
 
@@ -136,8 +152,9 @@ class InternVitEmbeddings(nn.Module):
         super().__init__()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.width))
         self.patch_embeddings = PatchEmbeddings(cfg)
-        self.position_embeddings = nn.Parameter(torch.zeros(1, cfg.grid**2 + 1, cfg.width)) \
-            if cfg.absolute_positions else None
+        self.position_embeddings = (
+            nn.Parameter(torch.zeros(1, cfg.grid**2 + 1, cfg.width)) if cfg.absolute_positions else None
+        )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # pixels: [N, C, S, S] -> [N, 1 + np, E]

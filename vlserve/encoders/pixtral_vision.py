@@ -8,6 +8,7 @@ through in one call, one varlen attention call per layer. Module names follow HF
 `ln_pre`, `transformer.layers.N.attention.q_proj`, `...feed_forward.gate_proj`, ...) so weights load by name.
 P = patch rows of the step, E = tower width, Hd = E // num_heads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,18 +40,26 @@ class PixtralConfig:
 
     def __post_init__(self) -> None:
         if self.width % self.num_heads or (self.width // self.num_heads) % 4:
-            raise ValueError(f"vision width {self.width} must split into {self.num_heads} heads of a size "
-                             f"divisible by 4 (2-D rotary)")
+            raise ValueError(
+                f"vision width {self.width} must split into {self.num_heads} heads of a size "
+                f"divisible by 4 (2-D rotary)"
+            )
 
     @classmethod
     def from_hf(cls, vision_config) -> PixtralConfig:
         """Read an HF PixtralVisionConfig (`rope_parameters` on 5.x, `rope_theta` on 4.x)."""
         rope = getattr(vision_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(vision_config, "rope_theta", None) or 10000.0
-        return cls(depth=vision_config.num_hidden_layers, width=vision_config.hidden_size,
-                   num_heads=vision_config.num_attention_heads, mlp_hidden=vision_config.intermediate_size,
-                   hidden_act=vision_config.hidden_act, patch_size=int(vision_config.patch_size),
-                   rope_theta=float(theta), in_channels=getattr(vision_config, "num_channels", 3))
+        return cls(
+            depth=vision_config.num_hidden_layers,
+            width=vision_config.hidden_size,
+            num_heads=vision_config.num_attention_heads,
+            mlp_hidden=vision_config.intermediate_size,
+            hidden_act=vision_config.hidden_act,
+            patch_size=int(vision_config.patch_size),
+            rope_theta=float(theta),
+            in_channels=getattr(vision_config, "num_channels", 3),
+        )
 
 
 def pixtral_rotary(grids: list[PatchGrid], head_dim: int, theta: float, device: torch.device) -> VisionRotary:
@@ -89,8 +98,15 @@ class PixtralAttention(nn.Module):
         k = self.k_proj(x).view(rows, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(rows, self.num_heads, self.head_dim)
         apply_rotary(q, k, rotary.positions, rotary.cos_cache, rotary.sin_cache, rotary.section)  # in place
-        out = varlen_attention(q, k, v, segments.cu_seqlens, self.head_dim**-0.5, max_seqlen=segments.max_len,
-                               cu_seqlens_cpu=segments.bounds)  # [P, Hh, Hd]
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            segments.cu_seqlens,
+            self.head_dim**-0.5,
+            max_seqlen=segments.max_len,
+            cu_seqlens_cpu=segments.bounds,
+        )  # [P, Hh, Hd]
         return self.o_proj(out.reshape(rows, -1))
 
 
@@ -157,7 +173,7 @@ class PixtralVisionTower(nn.Module):
         rotary = pixtral_rotary(grids, self.cfg.width // self.cfg.num_heads, self.cfg.rope_theta, device)
         segments = AttentionSegments.from_lengths([gh * gw for gh, gw in grids], device)
         kept = {0: h} if 0 in feature_layers else {}
-        for i, layer in enumerate(self.transformer.layers[:max(feature_layers)], start=1):
+        for i, layer in enumerate(self.transformer.layers[: max(feature_layers)], start=1):
             h = layer(h, rotary, segments)
             if i in feature_layers:
                 kept[i] = h

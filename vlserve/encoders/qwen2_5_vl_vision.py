@@ -5,6 +5,7 @@ the blocks in `fullatt_block_indexes` attend over whole frames. To make windows 
 call covers them), the merge units of each frame are permuted into window order before the blocks and the merged
 embeddings are put back in processor order after the merger. Parameter names match HF's `visual.*` weights.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,12 +30,19 @@ from vlserve.kernels.packed_linear import PackableLinear
 def qwen2_5_vl_tower_config(vision_config) -> VisionTowerConfig:
     """Read a Qwen2.5-VL `vision_config` (width is `hidden_size`; the merger projects to `out_hidden_size`)."""
     return VisionTowerConfig(
-        depth=vision_config.depth, width=vision_config.hidden_size, num_heads=vision_config.num_heads,
-        mlp_hidden=vision_config.intermediate_size, hidden_act=getattr(vision_config, "hidden_act", "silu"),
-        out_dim=vision_config.out_hidden_size, in_channels=getattr(vision_config, "in_channels", 3),
-        patch_size=vision_config.patch_size, temporal_patch_size=vision_config.temporal_patch_size,
-        spatial_merge_size=vision_config.spatial_merge_size, window_size=vision_config.window_size,
-        fullatt_block_indexes=tuple(vision_config.fullatt_block_indexes))
+        depth=vision_config.depth,
+        width=vision_config.hidden_size,
+        num_heads=vision_config.num_heads,
+        mlp_hidden=vision_config.intermediate_size,
+        hidden_act=getattr(vision_config, "hidden_act", "silu"),
+        out_dim=vision_config.out_hidden_size,
+        in_channels=getattr(vision_config, "in_channels", 3),
+        patch_size=vision_config.patch_size,
+        temporal_patch_size=vision_config.temporal_patch_size,
+        spatial_merge_size=vision_config.spatial_merge_size,
+        window_size=vision_config.window_size,
+        fullatt_block_indexes=tuple(vision_config.fullatt_block_indexes),
+    )
 
 
 def window_order(merged_grids: list[Grid], window_units: int) -> tuple[torch.Tensor, list[int]]:
@@ -79,8 +87,9 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
     def __init__(self, cfg: VisionTowerConfig) -> None:
         merge_px = cfg.spatial_merge_size * cfg.patch_size
         if cfg.window_size < merge_px:
-            raise ValueError(f"vision window_size {cfg.window_size} must be at least spatial_merge_size * "
-                             f"patch_size = {merge_px}")
+            raise ValueError(
+                f"vision window_size {cfg.window_size} must be at least spatial_merge_size * patch_size = {merge_px}"
+            )
         super().__init__(cfg)
 
     @staticmethod

@@ -10,6 +10,7 @@ Shapes: M = mel bins, F = feature frames of a clip, S = frames after the stride-
 (`d_model`). Parameter names follow the HF checkpoints (`conv1.weight`, `layers.N.self_attn.q_proj.weight`,
 `layers.N.fc1.weight`, `embed_positions.weight`, `layer_norm.weight`) so weights load by name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,10 +44,14 @@ class AudioEncoderConfig:
 def qwen2_audio_encoder_config(audio_config) -> AudioEncoderConfig:
     """An HF Qwen2AudioEncoderConfig (4.57 or 5.x) -> AudioEncoderConfig."""
     return AudioEncoderConfig(
-        num_mel_bins=int(audio_config.num_mel_bins), width=int(audio_config.d_model),
-        num_layers=int(audio_config.encoder_layers), num_heads=int(audio_config.encoder_attention_heads),
-        ffn_dim=int(audio_config.encoder_ffn_dim), max_source_positions=int(audio_config.max_source_positions),
-        activation=str(getattr(audio_config, "activation_function", "gelu")))
+        num_mel_bins=int(audio_config.num_mel_bins),
+        width=int(audio_config.d_model),
+        num_layers=int(audio_config.encoder_layers),
+        num_heads=int(audio_config.encoder_attention_heads),
+        ffn_dim=int(audio_config.encoder_ffn_dim),
+        max_source_positions=int(audio_config.max_source_positions),
+        activation=str(getattr(audio_config, "activation_function", "gelu")),
+    )
 
 
 def conv_output_frames(num_frames: int) -> int:
@@ -80,7 +85,7 @@ class AudioSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, bounds: list[int], max_len: int) -> torch.Tensor:
         n = x.shape[0]  # x: [N, E] (all clips' frames)
-        q = (self.q_proj(x) * self.head_dim ** -0.5).view(n, self.num_heads, self.head_dim)  # [N, heads, Hd]
+        q = (self.q_proj(x) * self.head_dim**-0.5).view(n, self.num_heads, self.head_dim)  # [N, heads, Hd]
         k = self.k_proj(x).view(n, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
         out = varlen_attention(q, k, v, cu_seqlens, 1.0, max_seqlen=max_len, cu_seqlens_cpu=bounds)
@@ -123,8 +128,10 @@ class Qwen2AudioEncoder(nn.Module):
         x = self.act(self.conv2(x))  # [1, E, (F' - 1) // 2 + 1]
         s = conv_output_frames(valid_frames)
         if s > self.cfg.max_source_positions:
-            raise ValueError(f"audio clip of {valid_frames} feature frames is longer than the encoder's "
-                             f"{self.cfg.max_source_positions * 2} frame window")
+            raise ValueError(
+                f"audio clip of {valid_frames} feature frames is longer than the encoder's "
+                f"{self.cfg.max_source_positions * 2} frame window"
+            )
         x = x[0, :, :s].transpose(0, 1)  # [S, E]
         return x + self.embed_positions.weight[:s]
 
@@ -141,6 +148,6 @@ class Qwen2AudioEncoder(nn.Module):
             x = layer(x, cu, bounds, max(lengths))
         pooled = []
         for i, n in enumerate(lengths):
-            clip = x[bounds[i]:bounds[i] + 2 * (n // 2)]  # [2 * (S_i // 2), E]
+            clip = x[bounds[i] : bounds[i] + 2 * (n // 2)]  # [2 * (S_i // 2), E]
             pooled.append(clip.view(n // 2, 2, -1).mean(dim=1))  # [S_i // 2, E]
         return self.layer_norm(torch.cat(pooled, dim=0))  # [sum S_i // 2, E]

@@ -4,6 +4,7 @@
 through in one call, each frame attending only to its own patches (one varlen attention call per block).
 Parameter names match HF's `visual.*` weights.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,11 +31,17 @@ def qwen2_vl_tower_config(vision_config) -> VisionTowerConfig:
     width = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
     out_dim = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
     return VisionTowerConfig(
-        depth=vision_config.depth, width=width, num_heads=vision_config.num_heads,
+        depth=vision_config.depth,
+        width=width,
+        num_heads=vision_config.num_heads,
         mlp_hidden=int(width * getattr(vision_config, "mlp_ratio", 4)),
-        hidden_act=getattr(vision_config, "hidden_act", "quick_gelu"), out_dim=out_dim,
-        in_channels=getattr(vision_config, "in_channels", 3), patch_size=vision_config.patch_size,
-        temporal_patch_size=vision_config.temporal_patch_size, spatial_merge_size=vision_config.spatial_merge_size)
+        hidden_act=getattr(vision_config, "hidden_act", "quick_gelu"),
+        out_dim=out_dim,
+        in_channels=getattr(vision_config, "in_channels", 3),
+        patch_size=vision_config.patch_size,
+        temporal_patch_size=vision_config.temporal_patch_size,
+        spatial_merge_size=vision_config.spatial_merge_size,
+    )
 
 
 def as_grid_list(grid_thw) -> list[Grid]:

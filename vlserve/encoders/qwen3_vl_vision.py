@@ -6,6 +6,7 @@ followed by the K DeepStack features of each LLM token, concatenated on the last
 Every image and video frame of a step goes through in one call, each frame attending only to its own patches.
 Parameter names match HF's `model.visual.*` weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,13 +41,19 @@ class Qwen3VisionConfig(VisionTowerConfig):
 def qwen3_vl_tower_config(vision_config) -> Qwen3VisionConfig:
     """Read a Qwen3-VL `vision_config` (width is `hidden_size`; mergers project to `out_hidden_size`)."""
     return Qwen3VisionConfig(
-        depth=vision_config.depth, width=vision_config.hidden_size, num_heads=vision_config.num_heads,
-        mlp_hidden=vision_config.intermediate_size, hidden_act=vision_config.hidden_act,
-        out_dim=vision_config.out_hidden_size, in_channels=getattr(vision_config, "in_channels", 3),
-        patch_size=vision_config.patch_size, temporal_patch_size=vision_config.temporal_patch_size,
+        depth=vision_config.depth,
+        width=vision_config.hidden_size,
+        num_heads=vision_config.num_heads,
+        mlp_hidden=vision_config.intermediate_size,
+        hidden_act=vision_config.hidden_act,
+        out_dim=vision_config.out_hidden_size,
+        in_channels=getattr(vision_config, "in_channels", 3),
+        patch_size=vision_config.patch_size,
+        temporal_patch_size=vision_config.temporal_patch_size,
         spatial_merge_size=vision_config.spatial_merge_size,
         num_position_embeddings=vision_config.num_position_embeddings,
-        deepstack_visual_indexes=tuple(vision_config.deepstack_visual_indexes))
+        deepstack_visual_indexes=tuple(vision_config.deepstack_visual_indexes),
+    )
 
 
 def bilinear_grid_taps(positions: torch.Tensor, grids: list[Grid], side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +117,8 @@ class Qwen3VisionTower(nn.Module):
     def __init__(self, cfg: Qwen3VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.grid_side = int(cfg.num_position_embeddings ** 0.5)
-        if self.grid_side ** 2 != cfg.num_position_embeddings:
+        self.grid_side = int(cfg.num_position_embeddings**0.5)
+        if self.grid_side**2 != cfg.num_position_embeddings:
             raise ValueError(f"num_position_embeddings {cfg.num_position_embeddings} must be a square")
         bad = [i for i in cfg.deepstack_visual_indexes if not 0 <= i < cfg.depth]
         if bad:
@@ -121,7 +128,8 @@ class Qwen3VisionTower(nn.Module):
         self.blocks = nn.ModuleList([VisionBlock(cfg, "layernorm", Qwen3VisionMLP(cfg)) for _ in range(cfg.depth)])
         self.merger = Qwen3PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
-            [Qwen3PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes])
+            [Qwen3PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes]
+        )
 
     @property
     def num_deepstack_levels(self) -> int:

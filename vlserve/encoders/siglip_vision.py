@@ -6,6 +6,7 @@ positions, the shared ViT encoder (clip_vision.py), post_layernorm loaded but un
 `SiglipVisionModel(...).last_hidden_state`, what Gemma 3 reads).
 The attention-pooling `head.*` weights of checkpoints that have one are skipped: LLaVA reads hidden states only.
 """
+
 from __future__ import annotations
 
 import torch

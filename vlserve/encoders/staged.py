@@ -6,6 +6,7 @@ Protocol: `num_stages` (its blocks), `begin_stages(pixels, grid_thw)` (patch emb
 segments) -> `TowerState`, `run_stages(state, start, end)` (blocks [start, end) on the carried hidden rows) and
 `finish_stages(state)` (merger / projector) -> `[num_embeds, O]`. Running every stage in one go equals `forward`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ Any backbone the wrapper accepts serves without new tower code. The tower runs t
 (`F.scaled_dot_product_attention` inside timm), not vlserve.kernels. Features are what the wrapper returns as
 `last_hidden_state`: `forward_features` (tokens after the final norm, prefix tokens such as CLS included).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -24,8 +25,10 @@ def timm_tower_args(vision_config) -> tuple[str, dict]:
         raise ValueError(f"vision_config.architecture must name a timm model, got {architecture!r}")
     model_args = dict(get("model_args") or {})
     if model_args.get("features_only"):
-        raise ValueError("vision_config.model_args.features_only=True gives feature maps, not the token features a "
-                         "multimodal projector takes; it is not supported")
+        raise ValueError(
+            "vision_config.model_args.features_only=True gives feature maps, not the token features a "
+            "multimodal projector takes; it is not supported"
+        )
     model_args.pop("num_classes", None)  # the wrapper always builds the backbone without a classifier
     return architecture, model_args
 
@@ -44,12 +47,14 @@ class TimmVisionTower(nn.Module):
         self.architecture = architecture
         self.model_args = dict(model_args or {})
         try:
-            self.timm_model = packable(timm.create_model(architecture, pretrained=False, num_classes=0,
-                                                         **self.model_args))
+            self.timm_model = packable(
+                timm.create_model(architecture, pretrained=False, num_classes=0, **self.model_args)
+            )
         except RuntimeError as e:
             if "Unknown model" in str(e):
-                raise ValueError(f"timm {timm.__version__} has no architecture {architecture!r} "
-                                 f"(vision_config.architecture)") from None
+                raise ValueError(
+                    f"timm {timm.__version__} has no architecture {architecture!r} (vision_config.architecture)"
+                ) from None
             raise
         self.num_features = int(self.timm_model.num_features)  # D, the width of forward_features' tokens
         self.num_prefix_tokens = int(getattr(self.timm_model, "num_prefix_tokens", 0))
@@ -81,8 +86,9 @@ class TimmVisionTower(nn.Module):
         import timm
 
         with torch.device("cpu"):
-            ref = dict(timm.create_model(self.architecture, pretrained=False, num_classes=0,
-                                         **self.model_args).named_buffers())
+            ref = dict(
+                timm.create_model(self.architecture, pretrained=False, num_classes=0, **self.model_args).named_buffers()
+            )
         own = dict(self.timm_model.named_buffers())
         for n in rest:
             own[n].copy_(ref[n].to(dtype=own[n].dtype))
@@ -114,8 +120,9 @@ class TimmVisionTower(nn.Module):
                 raise ValueError(f"unexpected vision tower weight {name!r} for timm {self.architecture!r}")
             dst = targets[name]
             if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"vision tower weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dst.shape)}")
+                raise ValueError(
+                    f"vision tower weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
             dst.copy_(tensor)
             loaded.add(name)
         return loaded

@@ -6,6 +6,7 @@ unit = spatial_merge_size**2 (patches merged into one LLM token), O = merger out
 Module and parameter names follow the HF checkpoints (`patch_embed.proj.weight`, `blocks.N.attn.qkv.weight`,
 `merger.mlp.0.weight`, ...) so weights load by name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,8 +40,10 @@ class VisionTowerConfig:
 
     def __post_init__(self) -> None:
         if self.width % self.num_heads or (self.width // self.num_heads) % 4:
-            raise ValueError(f"vision width {self.width} must split into {self.num_heads} heads of a size "
-                             f"divisible by 4 (2-D rotary)")
+            raise ValueError(
+                f"vision width {self.width} must split into {self.num_heads} heads of a size "
+                f"divisible by 4 (2-D rotary)"
+            )
 
 
 @dataclass
@@ -85,8 +88,9 @@ def merge_ordered_positions(grids: list[Grid], merge: int) -> torch.Tensor:
     return torch.cat(out, dim=0)
 
 
-def build_vision_rotary(positions: torch.Tensor, head_dim: int, device: torch.device,
-                        theta: float = 10000.0) -> VisionRotary:
+def build_vision_rotary(
+    positions: torch.Tensor, head_dim: int, device: torch.device, theta: float = 10000.0
+) -> VisionRotary:
     """Rotary tables for `positions [P, 2]`: the first Hd/4 frequencies rotate by row, the next Hd/4 by column."""
     quarter = head_dim // 4
     inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float32) / (2 * quarter)))  # [Hd/4]
@@ -110,7 +114,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int) -> nn.Module:
-    """"layernorm" (Qwen2-VL) or "rmsnorm" (Qwen2.5-VL), eps 1e-6 like the checkpoints."""
+    """ "layernorm" (Qwen2-VL) or "rmsnorm" (Qwen2.5-VL), eps 1e-6 like the checkpoints."""
     return nn.LayerNorm(dim, eps=1e-6) if kind == "layernorm" else RMSNorm(dim, eps=1e-6)
 
 
@@ -143,8 +147,15 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim).unbind(1)  # [P, H, Hd] each
         q, k = q.float(), k.float()  # copies: rotated in place
         apply_rotary(q, k, rotary.positions, rotary.cos_cache, rotary.sin_cache, rotary.section)
-        out = varlen_attention(q.to(v.dtype), k.to(v.dtype), v, segments.cu_seqlens, self.head_dim**-0.5,
-                               max_seqlen=segments.max_len, cu_seqlens_cpu=segments.bounds)  # [P, H, Hd]
+        out = varlen_attention(
+            q.to(v.dtype),
+            k.to(v.dtype),
+            v,
+            segments.cu_seqlens,
+            self.head_dim**-0.5,
+            max_seqlen=segments.max_len,
+            cu_seqlens_cpu=segments.bounds,
+        )  # [P, H, Hd]
         return self.proj(out.reshape(num_rows, -1))
 
 
@@ -169,8 +180,11 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged_width = cfg.width * cfg.spatial_merge_size**2
         self.ln_q = make_norm(norm, cfg.width)
-        self.mlp = nn.Sequential(PackableLinear(self.merged_width, self.merged_width), nn.GELU(),
-                                 PackableLinear(self.merged_width, cfg.out_dim))
+        self.mlp = nn.Sequential(
+            PackableLinear(self.merged_width, self.merged_width),
+            nn.GELU(),
+            PackableLinear(self.merged_width, cfg.out_dim),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.merged_width))

@@ -7,6 +7,7 @@ decoding and resizing, HF processor) runs in a pool of `mm_preprocess_workers` t
 also off the event loop, so one slow request (a big image, a long prompt) does not hold up the others; the
 multimodal processor and its item cache are shared by the pool's threads (thread-safe).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,18 +72,23 @@ class _Abort:
 
 
 _STOP = object()
+
+
 class AsyncLLM(ControlCalls):
     """Async engine client: `generate()` yields cumulative `RequestOutput`s while a background thread steps the core.
 
     Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; call `shutdown()` when done.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int | None = None,
-                 engine_loop: EngineLoop | None = None):
+    def __init__(
+        self, engine_args: EngineArgs, input_workers: int | None = None, engine_loop: EngineLoop | None = None
+    ):
         self.engine_args = engine_args
         if engine_loop is None and engine_args.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size > 1 (got {engine_args.data_parallel_size}) needs the engine in "
-                             "its own processes (MPAsyncLLM, `vlserve serve` without --no-engine-process)")
+            raise ValueError(
+                f"data_parallel_size > 1 (got {engine_args.data_parallel_size}) needs the engine in "
+                "its own processes (MPAsyncLLM, `vlserve serve` without --no-engine-process)"
+            )
         # touched only by the engine thread, input_processor aside; `engine_loop` lets a subclass drive another
         self.engine_loop = engine_loop if engine_loop is not None else EngineLoop(engine_args)
         self.engine = self.engine_loop.core
@@ -93,8 +99,7 @@ class AsyncLLM(ControlCalls):
         # Several workers: a slow input does not block the rest. The fast tokenizer is only read (no truncation or
         # padding state changes), which is safe from several threads; the multimodal processor locks its cache.
         self.num_input_workers = input_workers or engine_args.mm_preprocess_workers
-        self._executor = ThreadPoolExecutor(max_workers=self.num_input_workers,
-                                            thread_name_prefix="vlserve-preprocess")
+        self._executor = ThreadPoolExecutor(max_workers=self.num_input_workers, thread_name_prefix="vlserve-preprocess")
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched only by the engine thread
         self._ids = itertools.count()
@@ -114,15 +119,23 @@ class AsyncLLM(ControlCalls):
     async def _in_pool(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
-                             mm_processor_kwargs: dict | None = None) -> ProcessedPrompt:
+    async def process_prompt(
+        self,
+        prompt: Any,
+        images: list | None = None,
+        videos: list | None = None,
+        mm_processor_kwargs: dict | None = None,
+    ) -> ProcessedPrompt:
         """Tokenize a prompt (string, token ids or vLLM-style dict) and process its media, off the event loop."""
-        return await self._in_pool(self.input_processor.process_prompt, prompt, images, videos,
-                                   mm_processor_kwargs)
+        return await self._in_pool(self.input_processor.process_prompt, prompt, images, videos, mm_processor_kwargs)
 
-    async def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                           chat_template_kwargs: dict | None = None,
-                           media_source: Callable[[str, dict], Any] | None = None) -> ProcessedPrompt:
+    async def process_chat(
+        self,
+        messages: list[dict],
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        media_source: Callable[[str, dict], Any] | None = None,
+    ) -> ProcessedPrompt:
         """OpenAI messages through the chat template and the HF processor, off the event loop.
 
         `media_source(part_type, part)` supplies each media part's payload (the server hands over pre-fetched bytes).
@@ -131,8 +144,13 @@ class AsyncLLM(ControlCalls):
         return await self._in_pool(process, messages, mm_processor_kwargs, chat_template_kwargs)
 
     # -- requests --------------------------------------------------------------------------------------------
-    async def add_request(self, request_id: str | None, prompt: ProcessedPrompt,
-                          sampling_params: SamplingParams | None = None, lora_request=None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str | None,
+        prompt: ProcessedPrompt,
+        sampling_params: SamplingParams | None = None,
+        lora_request=None,
+    ) -> RequestStream:
         """Queue a processed prompt; returns once the engine accepted it (ValueError / QueueFullError if not)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running ({self._dead})")
@@ -153,9 +171,17 @@ class AsyncLLM(ControlCalls):
             raise
         return RequestStream(self, rid, stream.queue)
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, images: list | None = None, videos: list | None = None,
-                       mm_processor_kwargs: dict | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        images: list | None = None,
+        videos: list | None = None,
+        mm_processor_kwargs: dict | None = None,
+        lora_request=None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes (the last one has `finished=True`).
 
         `prompt` is a string, token ids, a vLLM-style dict or an already `ProcessedPrompt`. Closing or cancelling
@@ -168,9 +194,16 @@ class AsyncLLM(ControlCalls):
             async for out in stream:
                 yield out
 
-    async def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-                   request_id: str | None = None, *, mm_processor_kwargs: dict | None = None,
-                   chat_template_kwargs: dict | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
+    async def chat(
+        self,
+        messages: list[dict],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        lora_request=None,
+    ) -> AsyncIterator[RequestOutput]:
         """Like `generate`, for OpenAI-format messages."""
         processed = await self.process_chat(messages, mm_processor_kwargs, chat_template_kwargs)
         async for out in self.generate(processed, sampling_params, request_id, lora_request=lora_request):
@@ -256,8 +289,9 @@ class AsyncLLM(ControlCalls):
         """Hand the request to the engine loop and register its stream; False (and the caller told why) when the
         engine refuses it."""
         try:
-            self.engine_loop.add_requests([NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival,
-                                                      msg.lora_request)])
+            self.engine_loop.add_requests(
+                [NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival, msg.lora_request)]
+            )
         except Exception as e:
             _post(msg.stream.loop, _settle, msg.done, e)
             return False

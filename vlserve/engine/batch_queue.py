@@ -15,6 +15,7 @@ only reused by later batches, which every stage runs after the one in flight, an
 kept, when preempted, as under async scheduling), since the fold only reaches requests that are still the ones it
 scheduled.
 """
+
 from __future__ import annotations
 
 from collections import deque

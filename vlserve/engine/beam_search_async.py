@@ -3,6 +3,7 @@ one-token request at once and waits for all of them (vlserve.beam_search holds t
 the caller (a client that hung up) or any failure aborts every beam request still in flight, so no KV block or
 encoder cache reference outlives the search.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,9 @@ async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
         raise
 
 
-async def _one_token(engine: AsyncLLM, request_id: str, prompt: ProcessedPrompt, tokens: list[int],
-                     params) -> RequestOutput:
+async def _one_token(
+    engine: AsyncLLM, request_id: str, prompt: ProcessedPrompt, tokens: list[int], params
+) -> RequestOutput:
     """One beam's step: a request of one token on the beam's tokens (the prompt's media kept); its final output."""
     stream = await engine.add_request(request_id, ProcessedPrompt(None, tokens, prompt.mm_features), params)
     last = None
@@ -53,17 +55,21 @@ async def _one_token(engine: AsyncLLM, request_id: str, prompt: ProcessedPrompt,
     return last
 
 
-async def beam_search(engine: AsyncLLM, prompt: ProcessedPrompt, params: BeamSearchParams,
-                      request_id: str) -> AsyncBeamSearchResult:
+async def beam_search(
+    engine: AsyncLLM, prompt: ProcessedPrompt, params: BeamSearchParams, request_id: str
+) -> AsyncBeamSearchResult:
     """Run vLLM's beam search for one processed prompt on `engine`; the `params.beam_width` best beams."""
     eos = tuple(engine.engine.loaded.eos_token_ids)
     search = BeamSearch(list(prompt.prompt_token_ids), params, eos)
     step = replace(search.step_params(), detokenize=False)  # only the candidates' logprobs are read
     cached = 0
     while not search.done:
-        outs = await gather_or_cancel(*(
-            _one_token(engine, f"{request_id}-s{search.num_steps}-b{i}", prompt, beam.tokens, step)
-            for i, beam in enumerate(search.live)))
+        outs = await gather_or_cancel(
+            *(
+                _one_token(engine, f"{request_id}-s{search.num_steps}-b{i}", prompt, beam.tokens, step)
+                for i, beam in enumerate(search.live)
+            )
+        )
         if search.num_steps == 0:
             cached = outs[0].num_cached_tokens
         search.advance([{t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()} for out in outs])

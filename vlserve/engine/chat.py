@@ -6,6 +6,7 @@ Chat templates take message content in one of two shapes (vLLM's "content format
 - "string": content is one string; media become the model's placeholder strings in front of the text.
 "auto" finds out which one a template takes by reading its Jinja syntax tree (cached per template).
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,15 @@ from vlserve.shorten import shorten
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 
-_MEDIA_PART = {"image_url": "image", "image_pil": "image", "image": "image",
-               "video_url": "video", "video": "video", "input_audio": "audio", "audio_url": "audio"}
+_MEDIA_PART = {
+    "image_url": "image",
+    "image_pil": "image",
+    "image": "image",
+    "video_url": "video",
+    "video": "video",
+    "input_audio": "audio",
+    "audio_url": "audio",
+}
 
 # What a string-only template gets for each media item (Qwen2-VL's vision markers; Qwen2-Audio's audio markers).
 MEDIA_PLACEHOLDERS = {
@@ -44,18 +52,21 @@ def default_media_source(part_type: str, part: dict) -> Any:
         if not isinstance(url, str) or not url:
             raise ValueError(f"content part '{part_type}' needs a non-empty url")
         if url.startswith("file://"):
-            return url[len("file://"):]
+            return url[len("file://") :]
         if url.startswith(("http://", "https://")):
-            raise ValueError(f"{part_type} {url[:100]!r}: http(s) media is fetched by the server; in the offline API "
-                             f"pass a data: URL, a file:// URL, a path or the media itself")
+            raise ValueError(
+                f"{part_type} {url[:100]!r}: http(s) media is fetched by the server; in the offline API "
+                f"pass a data: URL, a file:// URL, a path or the media itself"
+            )
         return url
     if part_type == "input_audio":
         return input_audio_data_url(part.get("input_audio"))
     return part.get(part_type)
 
 
-def parse_chat_messages(messages: list[dict], media_source: Callable[[str, dict], Any] = default_media_source
-                        ) -> tuple[list[dict], dict[str, list]]:
+def parse_chat_messages(
+    messages: list[dict], media_source: Callable[[str, dict], Any] = default_media_source
+) -> tuple[list[dict], dict[str, list]]:
     """Validate messages; media parts become {"type": "image" | "video" | "audio"} parts (the "openai" content
     format) and their payloads are collected per modality, in order of appearance."""
     if not isinstance(messages, list) or not messages:
@@ -119,8 +130,9 @@ def _template_tool_call(call: Any, where: str) -> dict:
     """An OpenAI tool call {id, type, function: {name, arguments: JSON text}} with its arguments parsed."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or call.get("type", "function") != "function":
-        raise ValueError(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
-                         f'"arguments": ...}}}}')
+        raise ValueError(
+            f'{where} must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": ...}}}}'
+        )
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ValueError(f"{where}.function.name must be a non-empty string")
     arguments = fn.get("arguments")
@@ -151,23 +163,26 @@ def flatten_content(parts: list[dict], placeholders: dict[str, str] = MEDIA_PLAC
     return "\n".join(missing + [text])
 
 
-def to_content_format(messages: list[dict], content_format: str,
-                      placeholders: dict[str, str] = MEDIA_PLACEHOLDERS) -> list[dict]:
+def to_content_format(
+    messages: list[dict], content_format: str, placeholders: dict[str, str] = MEDIA_PLACEHOLDERS
+) -> list[dict]:
     """Messages from `parse_chat_messages` in the shape a template with `content_format` expects."""
     if content_format == "openai":
         return messages
     if content_format != "string":
         raise ValueError(f"content format must be 'string' or 'openai', got {shorten(content_format)}")
-    return [{**m, "content": m["content"] if isinstance(m["content"], str) else flatten_content(m["content"],
-                                                                                                placeholders)}
-            for m in messages]
+    return [
+        {**m, "content": m["content"] if isinstance(m["content"], str) else flatten_content(m["content"], placeholders)}
+        for m in messages
+    ]
 
 
 def resolve_content_format(requested: str, chat_template: Any) -> str:
     """'string' or 'openai': `requested` unless it is 'auto', then what the template's syntax shows."""
     if requested not in CONTENT_FORMATS:
-        raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
-                         f"got {shorten(requested)}")
+        raise ValueError(
+            f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got {shorten(requested)}"
+        )
     if requested != "auto":
         return requested
     if isinstance(chat_template, dict):  # named templates: transformers renders the "default" one
@@ -234,5 +249,7 @@ def _uses_content_as_list(tree) -> bool:
                 contents.add(target.name)
     if any(is_content(f.iter) for f in tree.find_all(nodes.For)):
         return True
-    return any(is_content(g.node) and isinstance(g.arg, nodes.Const) and isinstance(g.arg.value, int)
-               for g in tree.find_all(nodes.Getitem))
+    return any(
+        is_content(g.node) and isinstance(g.arg, nodes.Const) and isinstance(g.arg.value, int)
+        for g in tree.find_all(nodes.Getitem)
+    )

@@ -1,4 +1,5 @@
 """EngineCore: schedule -> execute -> update, one step at a time. Front ends (LLM, AsyncLLM) drive it."""
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ class EngineCore:
         check_kv_transfer(args)  # before loading anything: an unknown connector is a ValueError at once
         sharded = args.world_size > 1 or args.distributed_executor_backend not in (None, "uni")
         if loaded is None:  # the ranks load their own shards when they run elsewhere; `processor`: see load_for_serving
-            loaded = load_for_serving(resolve_model_path(args.model), args, build_model=not sharded,
-                                      processor=processor)
+            loaded = load_for_serving(
+                resolve_model_path(args.model), args, build_model=not sharded, processor=processor
+            )
         self.loaded = loaded
         args = resolve_kv_transfer(args, loaded)  # the connector checked, the offloading tier sized and keyed
         args = resolve_ec_transfer(args, loaded)  # the encoder-cache connector's namespace
@@ -48,33 +50,51 @@ class EngineCore:
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
         settings = WorkerSettings(args, loaded.model_path, self.max_model_len, max_batched, self.spec_config)
-        rank_model = None if loaded.model is None else RankModel(
-            loaded.model_path, loaded.hf_config, loaded.model, loaded.device, loaded.dtype, loaded.mrope_positions_fn)
+        rank_model = (
+            None
+            if loaded.model is None
+            else RankModel(
+                loaded.model_path,
+                loaded.hf_config,
+                loaded.model,
+                loaded.device,
+                loaded.dtype,
+                loaded.mrope_positions_fn,
+            )
+        )
         self.executor = build_executor(settings, rank_model)
         self.runner = self.executor.runner  # the ModelRunner when it runs in this process, else None
         num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         # Embeddings encoded per step: the user's number, else about max(one decode step, encoder_step_ms) of time
         # (measured as it runs). An encode server has no decode steps to keep short: the user's, else the cache.
-        self.encoder_budget = EncoderBudget(args.max_num_encoder_input_tokens
-                                            or (enc_size if args.mm_encoder_only else None),
-                                            min_step_seconds=args.encoder_step_ms / 1000.0)
+        self.encoder_budget = EncoderBudget(
+            args.max_num_encoder_input_tokens or (enc_size if args.mm_encoder_only else None),
+            min_step_seconds=args.encoder_step_ms / 1000.0,
+        )
         caps = model_capabilities(get_model_class(loaded.hf_config), loaded.hf_config)
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
-            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            encoder_cache_size=enc_size, encoder_compute_budget=self.encoder_budget.budget,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            encoder_cache_size=enc_size,
+            encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests,
             disable_chunked_mm_input=caps.unsplit_mm_items,
             # towers that run a slice of their blocks per step (an item over the budget is split across steps)
             encoder_stage_counts=dict(caps.encoder_stage_counts),
             kv_group_windows=group_layers(layer_windows_of(text_config_of(loaded.hf_config))).windows,
-            max_loras=args.max_loras if args.enable_lora else 0, kv_transfer_config=args.kv_transfer_config)
+            max_loras=args.max_loras if args.enable_lora else 0,
+            kv_transfer_config=args.kv_transfer_config,
+        )
         self.enable_lora = args.enable_lora
         # an encode server (mm_encoder_only): plans encoder work only, ends requests with no tokens
-        self.scheduler = (EncoderOnlyScheduler if args.mm_encoder_only else Scheduler)(self.scheduler_config,
-                                                                                      num_blocks)
+        self.scheduler = (EncoderOnlyScheduler if args.mm_encoder_only else Scheduler)(
+            self.scheduler_config, num_blocks
+        )
         # the adapters registered on every rank, and those loading there off the step loop
         self.loras = LoRALoads(self.executor, self.scheduler, args.max_lora_rank)
         self.structured_outputs_config = args.structured_outputs_config
@@ -140,21 +160,25 @@ class EngineCore:
         """Compiles grammars (off the step loop) and fills token bitmasks; built on first use."""
         if self._structured_output_manager is None:
             from vlserve.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
+
             loaded = self.loaded
             self._structured_output_manager = StructuredOutputManager(
-                loaded.tokenizer, loaded.hf_config.get_text_config().vocab_size, self.structured_outputs_config,
-                stop_token_ids=loaded.eos_token_ids)
+                loaded.tokenizer,
+                loaded.hf_config.get_text_config().vocab_size,
+                self.structured_outputs_config,
+                stop_token_ids=loaded.eos_token_ids,
+            )
         return self._structured_output_manager
 
     def _schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Plan a step; constrained requests that sample in it get their rows of the token bitmask."""
         sched_out = self.scheduler.schedule(max_num_reqs)
         if self._structured_output_manager is not None and not sched_out.is_empty:
-            rows = bitmask_rows(self.scheduler.requests, sched_out.num_scheduled_tokens,
-                                sched_out.scheduled_spec_decode_tokens)
+            rows = bitmask_rows(
+                self.scheduler.requests, sched_out.num_scheduled_tokens, sched_out.scheduled_spec_decode_tokens
+            )
             if rows.num_rows:
-                sched_out.grammar_bitmask = self._structured_output_manager.grammar_bitmask(rows.matchers,
-                                                                                            rows.drafts)
+                sched_out.grammar_bitmask = self._structured_output_manager.grammar_bitmask(rows.matchers, rows.drafts)
                 sched_out.grammar_rows = rows.first_row
         return sched_out
 
@@ -230,7 +254,8 @@ class EngineCore:
         """Whether a running request follows a grammar: its next bitmask needs the tokens of the step in flight,
         so the next step is planned after them (as with spec decode)."""
         return self._structured_output_manager is not None and any(
-            r.structured_output is not None for r in self.scheduler.running)
+            r.structured_output is not None for r in self.scheduler.running
+        )
 
     def _observe_timings(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Resize the per-step encoder budget from the step's measured timings (a user-set budget stays)."""
@@ -238,9 +263,11 @@ class EngineCore:
             return
         num_drafts = sum(len(t) for t in sched_out.scheduled_spec_decode_tokens.values())
         is_decode = bool(sched_out.num_scheduled_tokens) and (  # (a step of encoder slices only is none)
-            sched_out.total_num_scheduled_tokens == len(sched_out.num_scheduled_tokens) + num_drafts)
-        budget = self.encoder_budget.observe(runner_out.encoder_seconds, runner_out.num_encoded_embeds,
-                                             runner_out.step_seconds, is_decode)
+            sched_out.total_num_scheduled_tokens == len(sched_out.num_scheduled_tokens) + num_drafts
+        )
+        budget = self.encoder_budget.observe(
+            runner_out.encoder_seconds, runner_out.num_encoded_embeds, runner_out.step_seconds, is_decode
+        )
         self.scheduler.set_encoder_budget(budget, self.encoder_budget.slice_cap, self.encoder_budget.pack)
 
     def _drain_in_flight(self) -> None:
@@ -279,12 +306,15 @@ class EngineCore:
         s = self.scheduler
         st, enc, ranks, connector = s.stats, s.encoder_cache, self.executor.stats(), s.kv_transfer.connector
         per_modality = {}  # `name{modality="..."}`: /metrics exports these as one labelled family per name
-        for name, counts in (("encoder_runs_by_modality_total", ranks.encoder_runs_by_modality),
-                             ("encoder_cache_hits_by_modality_total", enc.hits_by_modality),
-                             ("encoder_cache_misses_by_modality_total", enc.misses_by_modality)):
+        for name, counts in (
+            ("encoder_runs_by_modality_total", ranks.encoder_runs_by_modality),
+            ("encoder_cache_hits_by_modality_total", enc.hits_by_modality),
+            ("encoder_cache_misses_by_modality_total", enc.misses_by_modality),
+        ):
             for modality in self.loaded.modalities:
                 per_modality[f'vlserve:{name}{{modality="{modality}"}}'] = counts.get(modality, 0)
-        return {**per_modality,
+        return {
+            **per_modality,
             "vlserve:num_requests_running": len(s.running),
             "vlserve:num_requests_waiting": len(s.waiting),
             "vlserve:kv_cache_usage": s.kv.usage,

@@ -5,6 +5,7 @@ paths in a private temporary directory: a PUSH socket per engine (its input) and
 to (messages carry `engine_index`). After the handshake a receiver thread owns the PULL socket: it hands each
 decoded message to a callback and, when any engine process exits, hands an `EngineGone` for it instead.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,13 +74,15 @@ class EngineCoreClient:
         """Start the engine processes (they begin loading the model); `wait_ready()` then waits for them."""
         ctx = multiprocessing.get_context("spawn")
         for i, address in enumerate(self.input_addresses):
-            process = ctx.Process(target=run_engine_core, name=f"vlserve-engine-{i}",
-                                  args=(self.engine_args, address, self.output_address, i,
-                                        logging.getLogger().getEffectiveLevel()),
-                                  # an engine that starts rank processes of its own cannot be a daemon; it still
-                                  # exits with this process (it watches its parent) and `close` stops it
-                                  daemon=not self.engine_args.world_size > 1
-                                  and self.engine_args.distributed_executor_backend in (None, "uni"))
+            process = ctx.Process(
+                target=run_engine_core,
+                name=f"vlserve-engine-{i}",
+                args=(self.engine_args, address, self.output_address, i, logging.getLogger().getEffectiveLevel()),
+                # an engine that starts rank processes of its own cannot be a daemon; it still
+                # exits with this process (it watches its parent) and `close` stops it
+                daemon=not self.engine_args.world_size > 1
+                and self.engine_args.distributed_executor_backend in (None, "uni"),
+            )
             process.start()
             self.processes.append(process)
 
@@ -95,16 +98,19 @@ class EngineCoreClient:
                     if isinstance(msg, EngineReady):
                         ready[msg.engine_index] = msg
                     elif isinstance(msg, EngineFailed):
-                        raise EngineStartupError(f"the engine process{self._which(msg.engine_index)} failed to "
-                                                 f"start: {msg.error}")
+                        raise EngineStartupError(
+                            f"the engine process{self._which(msg.engine_index)} failed to start: {msg.error}"
+                        )
                     else:
                         logger.warning("unexpected %s before the engine was ready", type(msg).__name__)
                     continue
                 dead = [i for i, p in enumerate(self.processes) if not p.is_alive()]
                 if dead:
-                    raise EngineStartupError(f"the engine process{self._which(dead[0])} exited (code "
-                                             f"{self.processes[dead[0]].exitcode}) before it was ready; see its "
-                                             "log above")
+                    raise EngineStartupError(
+                        f"the engine process{self._which(dead[0])} exited (code "
+                        f"{self.processes[dead[0]].exitcode}) before it was ready; see its "
+                        "log above"
+                    )
                 if time.monotonic() > deadline:
                     raise EngineStartupError(f"the engine process was not ready after {self.startup_timeout:.0f}s")
         except BaseException:
@@ -119,8 +125,9 @@ class EngineCoreClient:
 
     def start_receiver(self, on_message: Callable[[object], None]) -> None:
         """Hand every later engine message to `on_message` from a daemon thread (and an EngineGone at the end)."""
-        self._receiver = threading.Thread(target=self._receive_loop, args=(on_message,),
-                                          name="vlserve-engine-recv", daemon=True)
+        self._receiver = threading.Thread(
+            target=self._receive_loop, args=(on_message,), name="vlserve-engine-recv", daemon=True
+        )
         self._receiver.start()
 
     def _receive_loop(self, on_message: Callable[[object], None]) -> None:

@@ -5,6 +5,7 @@ engine's input socket; every engine pushes `EngineReady` / `EngineFailed` / `Add
 to the client's one output
 socket, each tagged with its `engine_index`, so one client can later drive N engine processes (DP replicas).
 """
+
 from __future__ import annotations
 
 import pickle

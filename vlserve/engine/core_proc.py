@@ -5,6 +5,7 @@ cache, runner, encoder cache) and nothing textual: token ids and processed media
 core's counters go out (see `core_messages`). It exits when told to, when its parent process is gone, or on a fatal
 error (after telling the client when it still can).
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,13 @@ logger = logging.getLogger(__name__)
 PARENT_CHECK_MS = 1000  # how often an idle engine checks that the API process still exists
 
 
-def run_engine_core(engine_args: EngineArgs, input_address: str, output_address: str, engine_index: int = 0,
-                    log_level: int = logging.WARNING) -> None:
+def run_engine_core(
+    engine_args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    engine_index: int = 0,
+    log_level: int = logging.WARNING,
+) -> None:
     """Process entry point: connect, load, say ready (or why not), then serve messages until shut down."""
     import zmq
 
@@ -67,8 +73,18 @@ def run_engine_core(engine_args: EngineArgs, input_address: str, output_address:
         ctx.term()
         sys.exit(1)
     loaded = core.loaded
-    outbox.send(encode(EngineReady(engine_index, os.getpid(), core.max_model_len, tuple(loaded.modalities),
-                                   tuple(loaded.eos_token_ids), engine_metrics(core))))
+    outbox.send(
+        encode(
+            EngineReady(
+                engine_index,
+                os.getpid(),
+                core.max_model_len,
+                tuple(loaded.modalities),
+                tuple(loaded.eos_token_ids),
+                engine_metrics(core),
+            )
+        )
+    )
     code = 0
     try:
         _EngineLoopProc(core, inbox, outbox, engine_index).run()
@@ -95,9 +111,11 @@ class _ParentGone(Exception):
 def engine_metrics(core) -> dict[str, float]:
     """The core's counters plus two leak gauges only this process can see: requests the scheduler still holds and
     requests still referencing encoder-cache entries (both 0 when idle)."""
-    return {**core.get_metrics(),
-            "vlserve:engine_requests_held": len(core.scheduler.requests),
-            "vlserve:encoder_cache_referencing_requests": len(core.scheduler.encoder_cache.req_to_hashes)}
+    return {
+        **core.get_metrics(),
+        "vlserve:engine_requests_held": len(core.scheduler.requests),
+        "vlserve:encoder_cache_referencing_requests": len(core.scheduler.encoder_cache.req_to_hashes),
+    }
 
 
 class _EngineLoopProc:
@@ -166,8 +184,12 @@ class _EngineLoopProc:
 
     def _control(self, msg: ControlCall) -> None:
         if msg.op == "add_lora":  # loads off the step loop: acknowledged between steps when it ends
-            self.core.add_lora_async(msg.arg, lambda err, result: self._send(
-                ControlAck(self.engine_index, msg.call_id, result, None if err is None else portable_error(err))))
+            self.core.add_lora_async(
+                msg.arg,
+                lambda err, result: self._send(
+                    ControlAck(self.engine_index, msg.call_id, result, None if err is None else portable_error(err))
+                ),
+            )
             return
         try:
             if msg.op not in CONTROL_OPS:

@@ -1,4 +1,5 @@
 """Incremental detokenization and stop-string detection for one output sequence."""
+
 from __future__ import annotations
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so leading spaces come out right
@@ -11,8 +12,14 @@ class IncrementalDetokenizer:
     tokens; others keep a sliding window of ids and decode it twice per token.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
@@ -51,10 +58,10 @@ class IncrementalDetokenizer:
                 new_token_ids = new_token_ids[i:]
         for tok in new_token_ids:
             self._ids.append(tok)
-            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset:])
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.output_text += full[len(prefix):]
+                self.output_text += full[len(prefix) :]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
         return self._check_stop(start_len)

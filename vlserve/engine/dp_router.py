@@ -8,6 +8,7 @@ counts the sequences it sent to each replica and has not seen finish; when the a
 margin defaults to the engine's `max_num_seqs`: until the affinity replica's batch is full, staying costs no
 queueing, so a cache hit is worth more than an idle replica.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +49,7 @@ class DPRouter:
         if mm_hashes:
             key = b"mm:" + mm_hashes[0].encode()
         else:
-            prefix = prompt_token_ids[:self.block_size * self.prefix_blocks]
+            prefix = prompt_token_ids[: self.block_size * self.prefix_blocks]
             key = b"tok:" + array("q", prefix).tobytes()
         return _stable_hash(key) % self.num_replicas
 
@@ -60,8 +61,9 @@ class DPRouter:
             return least
         return replica
 
-    def route(self, request_id: str, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = (),
-              num_seqs: int = 1) -> int:
+    def route(
+        self, request_id: str, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = (), num_seqs: int = 1
+    ) -> int:
         """Choose a replica for a new request (of `num_seqs` sequences) and count it there until `release`."""
         if request_id in self._owners:
             raise ValueError(f"request id {request_id[:64]!r} is already routed")

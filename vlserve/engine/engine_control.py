@@ -6,6 +6,7 @@ in process the engine thread calls the core's method (`EngineCore.add_lora`, ...
 (`MPAsyncLLM`) the dispatcher sends a `core_messages.ControlCall` to every engine and settles the caller's future
 once each `ControlAck` is back. Errors (a bad adapter: ValueError) reach the caller as raised by the core.
 """
+
 from __future__ import annotations
 
 import asyncio

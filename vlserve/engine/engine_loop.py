@@ -2,6 +2,7 @@
 
 `LLM` calls it inline; `AsyncLLM` calls it only from its engine thread. It is not thread-safe on its own.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -34,8 +35,13 @@ class EngineLoop:
         self.core = core if core is not None else EngineCore(args)
         loaded = self.core.loaded
         self.tokenizer = loaded.tokenizer
-        self.input_processor = InputProcessor(loaded, args.limit_mm_per_prompt, args.mm_processor_kwargs,
-                                              args.chat_template_content_format, args.structured_outputs_config)
+        self.input_processor = InputProcessor(
+            loaded,
+            args.limit_mm_per_prompt,
+            args.mm_processor_kwargs,
+            args.chat_template_content_format,
+            args.structured_outputs_config,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -51,18 +57,24 @@ class EngineLoop:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
         # a disaggregated consumer's media-less request: the producer's expanded prompt and items (no media)
-        requests = [replace(r, processed=self.input_processor.with_remote_media(r.processed,
-                                                                                r.params.kv_transfer_params))
-                    for r in requests]
-        engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
-                                                                r.arrival, r.lora_request)
-                       for r in requests for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
+        requests = [
+            replace(r, processed=self.input_processor.with_remote_media(r.processed, r.params.kv_transfer_params))
+            for r in requests
+        ]
+        engine_reqs = [
+            self.input_processor.make_engine_request(
+                cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request
+            )
+            for r in requests
+            for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))
+        ]
         tracked: list[str] = []
         queued: list[str] = []
         try:
             for r in requests:
-                self.output_processor.add_request(r.request_id, r.processed.prompt, r.processed.prompt_token_ids,
-                                                  r.params, r.arrival)
+                self.output_processor.add_request(
+                    r.request_id, r.processed.prompt, r.processed.prompt_token_ids, r.params, r.arrival
+                )
                 tracked.append(r.request_id)
             for req in engine_reqs:
                 self.core.add_request(req)

@@ -1,4 +1,5 @@
 """Front-end input processing: prompts and chat messages -> token ids (+ processed media) -> EngineCoreRequest."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -34,12 +35,19 @@ class ProcessedPrompt:
 class InputProcessor:
     """Tokenizes prompts, applies the chat template, runs the HF processor on media, validates limits."""
 
-    def __init__(self, loaded: LoadedModel, limit_mm_per_prompt: dict[str, int] | None = None,
-                 mm_processor_kwargs: dict[str, Any] | None = None, chat_template_content_format: str = "auto",
-                 structured_outputs_config: Any = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
+        structured_outputs_config: Any = None,
+    ):
         if chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
-                             f"got {shorten(chat_template_content_format)}")
+            raise ValueError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                f"got {shorten(chat_template_content_format)}"
+            )
         self.chat_template_content_format = chat_template_content_format
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -51,8 +59,14 @@ class InputProcessor:
         self._grammar_checker = None  # a StructuredOutputManager that only validates (built on first use)
 
     # -- prompts -----------------------------------------------------------------------------------------------
-    def process_prompt(self, prompt: Any, images: list | None = None, videos: list | None = None,
-                       mm_processor_kwargs: dict | None = None, audios: list | None = None) -> ProcessedPrompt:
+    def process_prompt(
+        self,
+        prompt: Any,
+        images: list | None = None,
+        videos: list | None = None,
+        mm_processor_kwargs: dict | None = None,
+        audios: list | None = None,
+    ) -> ProcessedPrompt:
         """A string, token ids, or a vLLM-style dict {"prompt"/"prompt_token_ids", "multi_modal_data"}."""
         mm_data: dict[str, Any] = {}
         text: str | None = None
@@ -60,8 +74,9 @@ class InputProcessor:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
             if unknown:
-                raise ValueError(f"unknown prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' and "
-                                 f"'multi_modal_data'")
+                raise ValueError(
+                    f"unknown prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' and 'multi_modal_data'"
+                )
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             mm_data = dict(prompt.get("multi_modal_data") or {})
             mm_processor_kwargs = {**(prompt.get("mm_processor_kwargs") or {}), **(mm_processor_kwargs or {})}
@@ -96,8 +111,13 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
 
-    def process_chat(self, messages: list[dict], mm_processor_kwargs: dict | None = None,
-                     chat_template_kwargs: dict | None = None, media_source=None) -> ProcessedPrompt:
+    def process_chat(
+        self,
+        messages: list[dict],
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        media_source=None,
+    ) -> ProcessedPrompt:
         """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order).
         `media_source(part_type, part)` turns a media part into what the loader takes (the server passes
         pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media."""
@@ -112,11 +132,14 @@ class InputProcessor:
         kwargs = dict(chat_template_kwargs or {})
         template = kwargs.get("chat_template") or self.tokenizer.chat_template
         if template is None:
-            raise ValueError("this model's tokenizer has no chat template; give a plain prompt (with the media "
-                             "placeholder tokens, if any) instead")
+            raise ValueError(
+                "this model's tokenizer has no chat template; give a plain prompt (with the media "
+                "placeholder tokens, if any) instead"
+            )
         content_format = resolve_content_format(self.chat_template_content_format, template)
-        return self.tokenizer.apply_chat_template(to_content_format(messages, content_format), tokenize=False,
-                                                  add_generation_prompt=True, **kwargs)
+        return self.tokenizer.apply_chat_template(
+            to_content_format(messages, content_format), tokenize=False, add_generation_prompt=True, **kwargs
+        )
 
     def _wrap_in_chat_template(self, text: str, mm_data: dict[str, list]) -> str:
         parts = [{"type": m} for m in ("image", "video", "audio") for _ in mm_data.get(m, [])]
@@ -134,16 +157,19 @@ class InputProcessor:
             return ProcessedPrompt(text, token_ids, [])
         for modality, items in mm_data.items():
             if modality not in self.loaded.modalities:
-                what = "a text-only model" if not self.loaded.modalities else \
-                    f"a model that takes {', '.join(self.loaded.modalities)}"
+                what = (
+                    "a text-only model"
+                    if not self.loaded.modalities
+                    else f"a model that takes {', '.join(self.loaded.modalities)}"
+                )
                 raise ValueError(f"{modality} input was given to {what} ({self.loaded.model_path})")
             limit = self.limit_mm_per_prompt.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(f"{len(items)} {modality} items exceed limit_mm_per_prompt[{modality!r}]={limit}")
         kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
-        token_ids, features = self.mm_processor.process(token_ids, mm_data.get("image", []),
-                                                        mm_data.get("video", []), kwargs,
-                                                        audios=mm_data.get("audio", []))
+        token_ids, features = self.mm_processor.process(
+            token_ids, mm_data.get("image", []), mm_data.get("video", []), kwargs, audios=mm_data.get("audio", [])
+        )
         return ProcessedPrompt(text, token_ids, features)
 
     # -- metrics -----------------------------------------------------------------------------------------------
@@ -151,8 +177,10 @@ class InputProcessor:
         """The multimodal processor cache's counters, as named on /metrics (0 for a text-only model): they count in
         the process that runs this InputProcessor, which is where media are processed."""
         proc = self.mm_processor
-        return {"vlserve:mm_processor_cache_hits_total": getattr(proc, "cache_hits", 0),
-                "vlserve:mm_processor_cache_misses_total": getattr(proc, "cache_misses", 0)}
+        return {
+            "vlserve:mm_processor_cache_hits_total": getattr(proc, "cache_hits", 0),
+            "vlserve:mm_processor_cache_misses_total": getattr(proc, "cache_misses", 0),
+        }
 
     # -- requests ----------------------------------------------------------------------------------------------
     def check_structured_outputs(self, constraint: Any) -> None:
@@ -161,18 +189,25 @@ class InputProcessor:
         if self._grammar_checker is None:
             from vlserve.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
             from vlserve.structured_output.params import StructuredOutputsConfig
+
             self._grammar_checker = StructuredOutputManager(
-                self.tokenizer, self.loaded.hf_config.get_text_config().vocab_size,
+                self.tokenizer,
+                self.loaded.hf_config.get_text_config().vocab_size,
                 StructuredOutputsConfig.from_any(self.structured_outputs_config),
-                stop_token_ids=self.loaded.eos_token_ids)
+                stop_token_ids=self.loaded.eos_token_ids,
+            )
         self._grammar_checker.validate(constraint)
 
     def with_remote_media(self, processed: ProcessedPrompt, kv_params: dict | None) -> ProcessedPrompt:
         """A disaggregated consumer's request whose media the producer encoded: the producer's kv_transfer_params
         carry the expanded prompt and the items without pixel data (the request itself carries no media); they
         replace the prompt this server rendered. A request that brought its media keeps it."""
-        if not kv_params or not kv_params.get("do_remote_prefill") or not kv_params.get("remote_mm_features") \
-                or processed.mm_features:
+        if (
+            not kv_params
+            or not kv_params.get("do_remote_prefill")
+            or not kv_params.get("remote_mm_features")
+            or processed.mm_features
+        ):
             return processed
         ids = kv_params.get("remote_prompt_token_ids")
         vocab = self.loaded.hf_config.get_text_config().vocab_size
@@ -184,8 +219,10 @@ class InputProcessor:
             raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
         for f in features:
             if f.modality not in self.loaded.modalities or f.offset < 0 or f.length <= 0 or f.end > len(ids):
-                raise ValueError(f"bad kv_transfer_params.remote_mm_features item ({f.modality} at {f.offset}, "
-                                 f"{f.length} tokens) for this model and prompt")
+                raise ValueError(
+                    f"bad kv_transfer_params.remote_mm_features item ({f.modality} at {f.offset}, "
+                    f"{f.length} tokens) for this model and prompt"
+                )
         mrope = getattr(self.loaded, "mrope_positions_fn", None)
         if mrope is not None:  # the items' grids must give their spans (what the runner computes positions from)
             try:
@@ -194,8 +231,14 @@ class InputProcessor:
                 raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
         return ProcessedPrompt(processed.prompt, list(ids), features)
 
-    def make_engine_request(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams,
-                            arrival_time: float, lora_request: Any = None) -> EngineCoreRequest:
+    def make_engine_request(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        arrival_time: float,
+        lora_request: Any = None,
+    ) -> EngineCoreRequest:
         """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint) and the LoRA adapter
         it runs with (None: the base model). An adapter with tower / projector weights makes the items' embeddings
         its own: their mm_hash gains `:lora:<id>`, so the encoder cache never mixes them with the base's."""
@@ -205,5 +248,4 @@ class InputProcessor:
         features = processed.mm_features
         if lora_request is not None and features and adapter_targets_encoder(lora_request.lora_path):
             features = [replace(f, mm_hash=f"{f.mm_hash}:lora:{lora_request.lora_int_id}") for f in features]
-        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time, features,
-                                 lora_request)
+        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time, features, lora_request)

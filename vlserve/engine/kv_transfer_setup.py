@@ -1,5 +1,6 @@
 """The engine's part of KV transfer: check the configured connector, and give the offloading connector what both of
 its sides must agree on (the host tier's size in blocks, the namespace its stable keys start from)."""
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,10 @@ def disk_tier_blocks(hf_config, block_size: int, kv_dtype: torch.dtype, cap_byte
     """How many block files fit the disk tier's cap; ValueError when not even one does."""
     per_file = disk_file_bytes(hf_config, block_size, kv_dtype)
     if cap_bytes < per_file:
-        raise ValueError(f"kv_offloading_dir_size / disk_bytes_to_use ({cap_bytes} bytes) is less than one block "
-                         f"file ({per_file} bytes)")
+        raise ValueError(
+            f"kv_offloading_dir_size / disk_bytes_to_use ({cap_bytes} bytes) is less than one block "
+            f"file ({per_file} bytes)"
+        )
     return cap_bytes // per_file
 
 
@@ -70,8 +73,13 @@ def _eagle_part(args: EngineArgs) -> str:
 def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
     """What makes a block's KV differ for the same tokens: the checkpoint (its config, and its weight files by name,
     size and mtime), the KV dtype, the block size, the sharding, and the EAGLE head whose layer the blocks hold."""
-    parts = [*checkpoint_parts(loaded), str(kv_dtype), str(args.block_size),
-             f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}", args.quantization or ""]
+    parts = [
+        *checkpoint_parts(loaded),
+        str(kv_dtype),
+        str(args.block_size),
+        f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}",
+        args.quantization or "",
+    ]
     eagle = _eagle_part(args)
     if eagle:  # the tier's blocks then hold the head's layer too (an older namespace stays the same without one)
         parts.append(eagle)
@@ -84,10 +92,14 @@ def encoder_namespace(args: EngineArgs, loaded) -> bytes:
     quantization."""
     from vlserve.models.registry import get_model_class
 
-    return namespace_key("encoder-outputs", *checkpoint_parts(loaded), str(loaded.dtype),
-                         get_model_class(loaded.hf_config).__name__,
-                         json.dumps(args.mm_processor_kwargs or {}, sort_keys=True, default=str),
-                         args.quantization or "")
+    return namespace_key(
+        "encoder-outputs",
+        *checkpoint_parts(loaded),
+        str(loaded.dtype),
+        get_model_class(loaded.hf_config).__name__,
+        json.dumps(args.mm_processor_kwargs or {}, sort_keys=True, default=str),
+        args.quantization or "",
+    )
 
 
 def resolve_ec_transfer(args: EngineArgs, loaded) -> EngineArgs:
@@ -97,8 +109,10 @@ def resolve_ec_transfer(args: EngineArgs, loaded) -> EngineArgs:
     if cfg is None:
         return args
     if args.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
-        raise ValueError("ec_transfer_config runs with one rank in the engine's process for now "
-                         "(tensor_parallel_size = pipeline_parallel_size = 1, no distributed executor)")
+        raise ValueError(
+            "ec_transfer_config runs with one rank in the engine's process for now "
+            "(tensor_parallel_size = pipeline_parallel_size = 1, no distributed executor)"
+        )
     if not loaded.modalities:
         raise ValueError(f"ec_transfer_config needs a multimodal model; {loaded.model_path} has no encoder")
     extra = {**cfg.ec_connector_extra_config, "_namespace": encoder_namespace(args, loaded).hex()}
@@ -114,8 +128,10 @@ def check_kv_transfer(args: EngineArgs) -> None:
         return
     check_kv_transfer_config(cfg)
     if args.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
-        raise ValueError("KV connectors run with one rank in the engine's process for now "
-                         "(tensor_parallel_size = pipeline_parallel_size = 1, no distributed executor)")
+        raise ValueError(
+            "KV connectors run with one rank in the engine's process for now "
+            "(tensor_parallel_size = pipeline_parallel_size = 1, no distributed executor)"
+        )
 
 
 def resolve_kv_transfer(args: EngineArgs, loaded) -> EngineArgs:
@@ -132,8 +148,9 @@ def resolve_kv_transfer(args: EngineArgs, loaded) -> EngineArgs:
             per_block += per_block // kv_cache_spec(text_config_of(loaded.hf_config))[0]
         extra["_num_cpu_blocks"] = int(extra.get("cpu_bytes_to_use", 0)) // per_block
         if extra.get("disk_bytes_to_use") is not None:
-            extra["_disk_max_blocks"] = disk_tier_blocks(loaded.hf_config, args.block_size, kv_dtype,
-                                                         int(extra["disk_bytes_to_use"]))
+            extra["_disk_max_blocks"] = disk_tier_blocks(
+                loaded.hf_config, args.block_size, kv_dtype, int(extra["disk_bytes_to_use"])
+            )
         extra["_namespace"] = model_namespace(args, loaded, kv_dtype).hex()
     elif cfg.kv_connector == "P2PConnector":
         import uuid

@@ -7,6 +7,7 @@ run, or it failed and they end "abort" with its error. Running requests keep ste
 checked at once (LoRA on, the id not taken by another adapter, the files present, the config valid, the rank
 within max_lora_rank) is a ValueError at `begin`, so a bad request is refused when it is added.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,10 +43,11 @@ class LoRALoads:
         lora_id = lora_request.lora_int_id
         load = self.loading.get(lora_id)
         known = self.registered.get(lora_id) or (load.request if load else None)
-        if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name,
-                                                                         lora_request.lora_path):
-            raise ValueError(f"lora_int_id {lora_id} is {known.lora_name!r} ({known.lora_path}); "
-                             f"{lora_request.lora_name!r} needs its own id")
+        if known is not None and (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            raise ValueError(
+                f"lora_int_id {lora_id} is {known.lora_name!r} ({known.lora_path}); "
+                f"{lora_request.lora_name!r} needs its own id"
+            )
         if lora_id in self.registered:
             if on_done is not None:
                 on_done(None, False)

@@ -1,4 +1,5 @@
 """Multimodal parts of a checkpoint: the HF processor wrapper and the M-RoPE position function."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,9 +21,14 @@ class MultimodalParts:
     mrope_positions_fn: Callable | None = None
 
 
-def load_multimodal(model_path: str, hf_config: Any, model: Any,
-                    max_audio_seconds: float | None = None, use_fast: bool = True,
-                    processor: bool = True) -> MultimodalParts:
+def load_multimodal(
+    model_path: str,
+    hf_config: Any,
+    model: Any,
+    max_audio_seconds: float | None = None,
+    use_fast: bool = True,
+    processor: bool = True,
+) -> MultimodalParts:
     """The checkpoint's own AutoProcessor (wrapped; `use_fast`: its torchvision-backed image processor where one
     exists; none without `processor`) and, for M-RoPE models, the function that turns an expanded prompt + its
     media into 3-axis positions; empty parts when the model takes no media. Audio clips longer than
@@ -36,9 +42,13 @@ def load_multimodal(model_path: str, hf_config: Any, model: Any,
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
         mm_processor = MultiModalProcessor.from_pretrained(
-            model_path, use_fast=use_fast, image_token_id=caps.image_token_id, **kwargs)
+            model_path, use_fast=use_fast, image_token_id=caps.image_token_id, **kwargs
+        )
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
-                         f"friends are needed for {', '.join(modalities)} input): {e}") from e
-    return MultimodalParts(modalities, mm_processor.hf_processor, mm_processor,
-                           mrope_positions_fn_for(model, hf_config))
+        raise ValueError(
+            f"cannot load the HF processor of {model_path!r} (preprocessor_config.json and "
+            f"friends are needed for {', '.join(modalities)} input): {e}"
+        ) from e
+    return MultimodalParts(
+        modalities, mm_processor.hf_processor, mm_processor, mrope_positions_fn_for(model, hf_config)
+    )

@@ -1,4 +1,5 @@
 """Load everything a checkpoint directory provides: config, weights, tokenizer, HF processor, EOS ids."""
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,7 @@ def _eos_token_ids(model_path: str, hf_config, tokenizer) -> tuple[int, ...]:
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     for src in sources:
-        for tid in (src if isinstance(src, list) else [src]):
+        for tid in src if isinstance(src, list) else [src]:
             if isinstance(tid, int) and tid not in ids:
                 ids.append(tid)
     return tuple(ids)
@@ -81,14 +82,18 @@ def check_pipeline_stages(model_cls, hf_config, num_stages: int) -> None:
     stated = stated_capabilities(model_cls)  # whether a class splits over stages does not depend on the checkpoint
     if not stated.pipeline_parallel:
         why = stated.pipeline_parallel_refusal
-        raise ValueError(f"{model_cls.__name__} does not support pipeline_parallel_size > 1 yet"
-                         + (f": {why}" if why else "") + " (the Llama, Mistral, Qwen2 and Qwen3 causal LMs, "
-                         "Qwen2-VL, Qwen2.5-VL, LLaVA and LLaVA-NeXT do)")
+        raise ValueError(
+            f"{model_cls.__name__} does not support pipeline_parallel_size > 1 yet"
+            + (f": {why}" if why else "")
+            + " (the Llama, Mistral, Qwen2 and Qwen3 causal LMs, "
+            "Qwen2-VL, Qwen2.5-VL, LLaVA and LLaVA-NeXT do)"
+        )
     layer_partition(text_config_of(hf_config).num_hidden_layers, num_stages)
 
 
-def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True,
-                     processor: bool = True) -> LoadedModel:
+def load_for_serving(
+    model_path: str, args: EngineArgs, build_model: bool = True, processor: bool = True
+) -> LoadedModel:
     """Read the checkpoint at model_path and build the model on the chosen device and dtype. Without
     `build_model` (the ranks load their own shards elsewhere) no weight is read: `model` is None, and the config is
     checked by building the model on the meta device, which holds no memory. Without
@@ -107,8 +112,9 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     model_cls = get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
     if args.mm_encoder_only and not model_capabilities(model_cls, hf_config).mm_encoder_only:
-        raise ValueError(f"mm_encoder_only needs a multimodal model; {model_path} ({model_cls.__name__}) has no "
-                         f"media encoder")
+        raise ValueError(
+            f"mm_encoder_only needs a multimodal model; {model_path} ({model_cls.__name__}) has no media encoder"
+        )
     if args.pipeline_parallel_size > 1:
         check_pipeline_stages(model_cls, hf_config, args.pipeline_parallel_size)
     get_quantization_config(hf_config, args.quantization)  # an unsupported or mismatched quantization, too
@@ -122,12 +128,30 @@ def load_for_serving(model_path: str, args: EngineArgs, build_model: bool = True
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     torch.manual_seed(args.seed)
     if build_model:
-        model = facts = load_model(model_path, hf_config, dtype, device, args.quantization,
-                                   encoder_only=args.mm_encoder_only)
+        model = facts = load_model(
+            model_path, hf_config, dtype, device, args.quantization, encoder_only=args.mm_encoder_only
+        )
     else:
         model, facts = None, meta_model(hf_config)
-    mm = load_multimodal(model_path, hf_config, facts, max_audio_seconds=args.max_audio_seconds,
-                         use_fast=wants_fast_processor(args.mm_processor_kwargs), processor=processor)
-    return LoadedModel(model_path, hf_config, model, tokenizer, mm.processor, device, dtype, max_model_len,
-                       _eos_token_ids(model_path, hf_config, tokenizer), mrope_positions_fn=mm.mrope_positions_fn,
-                       modalities=mm.modalities, mm_processor=mm.mm_processor)
+    mm = load_multimodal(
+        model_path,
+        hf_config,
+        facts,
+        max_audio_seconds=args.max_audio_seconds,
+        use_fast=wants_fast_processor(args.mm_processor_kwargs),
+        processor=processor,
+    )
+    return LoadedModel(
+        model_path,
+        hf_config,
+        model,
+        tokenizer,
+        mm.processor,
+        device,
+        dtype,
+        max_model_len,
+        _eos_token_ids(model_path, hf_config, tokenizer),
+        mrope_positions_fn=mm.mrope_positions_fn,
+        modalities=mm.modalities,
+        mm_processor=mm.mm_processor,
+    )

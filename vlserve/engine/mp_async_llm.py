@@ -9,6 +9,7 @@ Stop-string hits go back to the engine as `FinishStopped`, aborts as `AbortReque
 One thread (the base class's "engine thread", here a dispatcher) applies, in order, everything in the inbox: user
 adds and aborts, and the engine's messages, which the client's receiver thread posts there too.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -60,7 +61,8 @@ def load_frontend(model_path: str, args: EngineArgs):
     if modalities:
         kwargs = {"max_audio_seconds": args.max_audio_seconds} if "audio" in modalities else {}
         mm_processor = MultiModalProcessor.from_pretrained(
-            model_path, use_fast=wants_fast_processor(args.mm_processor_kwargs), **kwargs)
+            model_path, use_fast=wants_fast_processor(args.mm_processor_kwargs), **kwargs
+        )
     return hf_config, tokenizer, mm_processor
 
 
@@ -109,8 +111,13 @@ class RemoteEngineLoop:
         self.client = client
         self.core = RemoteCore(loaded, [r.metrics for r in ready])
         self.tokenizer = loaded.tokenizer
-        self.input_processor = InputProcessor(loaded, args.limit_mm_per_prompt, args.mm_processor_kwargs,
-                                              args.chat_template_content_format, args.structured_outputs_config)
+        self.input_processor = InputProcessor(
+            loaded,
+            args.limit_mm_per_prompt,
+            args.mm_processor_kwargs,
+            args.chat_template_content_format,
+            args.structured_outputs_config,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.router = DPRouter(len(ready), margin=args.max_num_seqs, block_size=args.block_size)
         self.staged: list[StepOutputs] = []
@@ -121,17 +128,23 @@ class RemoteEngineLoop:
             if r.request_id in self.output_processor.parents:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
         # a disaggregated consumer's media-less request: the producer's expanded prompt and items (no media)
-        requests = [replace(r, processed=self.input_processor.with_remote_media(r.processed,
-                                                                                r.params.kv_transfer_params))
-                    for r in requests]
+        requests = [
+            replace(r, processed=self.input_processor.with_remote_media(r.processed, r.params.kv_transfer_params))
+            for r in requests
+        ]
         for r in requests:
-            engine_reqs = [self.input_processor.make_engine_request(cid, r.processed, child_params(r.params, i),
-                                                                    r.arrival, r.lora_request)
-                           for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))]
-            self.output_processor.add_request(r.request_id, r.processed.prompt, r.processed.prompt_token_ids,
-                                              r.params, r.arrival)
-            engine = self.router.route(r.request_id, r.processed.prompt_token_ids,
-                                       [f.mm_hash for f in r.processed.mm_features], r.params.n)
+            engine_reqs = [
+                self.input_processor.make_engine_request(
+                    cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request
+                )
+                for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))
+            ]
+            self.output_processor.add_request(
+                r.request_id, r.processed.prompt, r.processed.prompt_token_ids, r.params, r.arrival
+            )
+            engine = self.router.route(
+                r.request_id, r.processed.prompt_token_ids, [f.mm_hash for f in r.processed.mm_features], r.params.n
+            )
             self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
     def forget(self, request_id: str) -> None:
@@ -196,8 +209,12 @@ class MPAsyncLLM(AsyncLLM):
     dies, every open request fails with `EngineDeadError` and `is_running` turns False.
     """
 
-    def __init__(self, engine_args: EngineArgs, input_workers: int | None = None,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        input_workers: int | None = None,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    ):
         model_path = resolve_model_path(engine_args.model)  # a bad path fails here, before any spawn
         client = EngineCoreClient(engine_args, startup_timeout=startup_timeout)  # data_parallel_size engines
         client.spawn()
@@ -210,15 +227,24 @@ class MPAsyncLLM(AsyncLLM):
         from vlserve.engine.model_setup import pick_device
         from vlserve.models.loader import resolve_dtype
 
-        loaded = LoadedModel(model_path, hf_config, None, tokenizer, getattr(mm_processor, "hf_processor", None),
-                             pick_device("cpu"), resolve_dtype(engine_args.dtype, hf_config), ready[0].max_model_len,
-                             ready[0].eos_token_ids, modalities=ready[0].modalities, mm_processor=mm_processor)
+        loaded = LoadedModel(
+            model_path,
+            hf_config,
+            None,
+            tokenizer,
+            getattr(mm_processor, "hf_processor", None),
+            pick_device("cpu"),
+            resolve_dtype(engine_args.dtype, hf_config),
+            ready[0].max_model_len,
+            ready[0].eos_token_ids,
+            modalities=ready[0].modalities,
+            mm_processor=mm_processor,
+        )
         self.client = client
         self._pending: dict[str, _Add] = {}  # adds sent, AddAck not yet back
         self._controls: dict[int, list] = {}  # control calls sent: call_id -> [Control, engines left, first error]
         self._control_ids = itertools.count()
-        super().__init__(engine_args, input_workers, engine_loop=RemoteEngineLoop(engine_args, client, loaded,
-                                                                                  ready))
+        super().__init__(engine_args, input_workers, engine_loop=RemoteEngineLoop(engine_args, client, loaded, ready))
         client.start_receiver(self._inbox.put)
 
     @classmethod

@@ -1,4 +1,5 @@
 """Turns the engine core's per-step token outputs into RequestOutputs: detokenize, stop strings, logprobs, n > 1."""
+
 from __future__ import annotations
 
 import time
@@ -65,24 +66,42 @@ class OutputProcessor:
         self.parents: dict[str, _ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> list[str]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[str]:
         """Track a request; returns the engine ids of its n sequences."""
         seqs = {}
         for i, cid in enumerate(child_request_ids(request_id, params.n)):
             detok = None
             if params.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                               params.stop, params.include_stop_str_in_output)
-            seqs[cid] = _SeqState(i, params, detok, logprobs=[] if params.logprobs is not None else None,
-                                  cumulative_logprob=0.0 if params.logprobs is not None else None)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                )
+            seqs[cid] = _SeqState(
+                i,
+                params,
+                detok,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
             self.child_to_parent[cid] = request_id
-        self.parents[request_id] = _ParentState(request_id, prompt, prompt_token_ids,
-                                                RequestMetrics(arrival_time), seqs)
+        self.parents[request_id] = _ParentState(
+            request_id, prompt, prompt_token_ids, RequestMetrics(arrival_time), seqs
+        )
         return list(seqs)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False
-                        ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], final_only: bool = False
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's outputs. Returns the updated RequestOutputs (one per touched parent; with `final_only`
         only those of parents that finished, which skips copying every open sequence each step) and the engine
         ids that hit a stop string, which the caller must finish in the engine core."""
@@ -171,10 +190,25 @@ class OutputProcessor:
         return bool(self.parents)
 
     def _make_output(self, parent: _ParentState) -> RequestOutput:
-        outs = [CompletionOutput(
-            index=s.index, text=s.detok.output_text if s.detok is not None else "", token_ids=list(s.token_ids),
-            cumulative_logprob=s.cumulative_logprob, logprobs=None if s.logprobs is None else list(s.logprobs),
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in parent.seqs.values()]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs, parent.finished,
-                             parent.metrics, parent.num_cached_tokens,
-                             kv_transfer_params=parent.kv_transfer_params)
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.output_text if s.detok is not None else "",
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=None if s.logprobs is None else list(s.logprobs),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in parent.seqs.values()
+        ]
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outs,
+            parent.finished,
+            parent.metrics,
+            parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
+        )

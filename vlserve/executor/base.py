@@ -1,4 +1,5 @@
 """The executor interface the engine core drives."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -117,13 +118,18 @@ class RankGroupExecutor(Executor):
         if ref != 0:  # pipeline stages: the first one runs the encoders, so its encoder counters are the step's
             first, first_stats = results[0]
             output.encoder_seconds, output.num_encoded_embeds = first.encoder_seconds, first.num_encoded_embeds
-            self._stats = replace(self._stats, num_encoder_runs=first_stats.num_encoder_runs,
-                                  encoder_runs_by_modality=first_stats.encoder_runs_by_modality)
+            self._stats = replace(
+                self._stats,
+                num_encoder_runs=first_stats.num_encoder_runs,
+                encoder_runs_by_modality=first_stats.encoder_runs_by_modality,
+            )
         for rank in range(ref + 1, ref + self.tp_size):  # the sampling stage's ranks (the others sample nothing)
             other = results[rank][0]
             if other.sampled_token_ids != output.sampled_token_ids:
-                self._fail(f"rank {rank} sampled {other.sampled_token_ids} where rank {ref} sampled "
-                           f"{output.sampled_token_ids}: the ranks diverged")
+                self._fail(
+                    f"rank {rank} sampled {other.sampled_token_ids} where rank {ref} sampled "
+                    f"{output.sampled_token_ids}: the ranks diverged"
+                )
         return output
 
     def stats(self) -> WorkerStats:

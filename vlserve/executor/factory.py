@@ -1,4 +1,5 @@
 """Which executor runs the ranks: in process, worker processes or Ray actors."""
+
 from __future__ import annotations
 
 from vlserve.executor.base import Executor

@@ -14,6 +14,7 @@ While it waits, the executor also watches every rank's process sentinel: a rank 
 crash inside a collective) turns into `WorkerDied` at once, naming the rank and its exit code; the remaining ranks
 are then stopped, so nothing hangs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,8 +44,9 @@ def _send(conn: Connection, message) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def run_worker_process(settings: WorkerSettings, rank: int, world_size: int, init_method: str,
-                       conn: Connection, log_level: int) -> None:
+def run_worker_process(
+    settings: WorkerSettings, rank: int, world_size: int, init_method: str, conn: Connection, log_level: int
+) -> None:
     """A rank's process: load its shard, say ready (or why not), then answer calls until told to stop or until the
     executor's end of the pipe closes (the engine is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it stops the ranks
@@ -95,9 +97,19 @@ class MultiprocExecutor(RankGroupExecutor):
         try:
             for rank in range(self.world_size):
                 ours, theirs = ctx.Pipe()
-                proc = ctx.Process(target=run_worker_process, name=f"vlserve-rank{rank}", daemon=True,
-                                   args=(settings, rank, self.world_size, init_method, theirs,
-                                         logging.getLogger("vlserve").getEffectiveLevel()))
+                proc = ctx.Process(
+                    target=run_worker_process,
+                    name=f"vlserve-rank{rank}",
+                    daemon=True,
+                    args=(
+                        settings,
+                        rank,
+                        self.world_size,
+                        init_method,
+                        theirs,
+                        logging.getLogger("vlserve").getEffectiveLevel(),
+                    ),
+                )
                 proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -107,8 +119,13 @@ class MultiprocExecutor(RankGroupExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d TP x %d PP ranks (pids %s), %d KV blocks each", self.tp_size, self.pp_size,
-                    [p.pid for p in self.procs], self.num_blocks)
+        logger.info(
+            "%d TP x %d PP ranks (pids %s), %d KV blocks each",
+            self.tp_size,
+            self.pp_size,
+            [p.pid for p in self.procs],
+            self.num_blocks,
+        )
 
     # -- calls -------------------------------------------------------------------------------------------------
     def _submit(self, method: str, arg=None) -> int:
@@ -168,8 +185,13 @@ class MultiprocExecutor(RankGroupExecutor):
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         code = proc.exitcode
-        how = (f"was killed by signal {-code}" if code is not None and code < 0
-               else f"exited with code {code}" if code is not None else "stopped answering")
+        how = (
+            f"was killed by signal {-code}"
+            if code is not None and code < 0
+            else f"exited with code {code}"
+            if code is not None
+            else "stopped answering"
+        )
         return f"{self._rank_name(rank)} (pid {proc.pid}) {how}; the engine cannot continue"
 
     def _stop_ranks(self) -> None:

@@ -13,6 +13,7 @@ once (a rank blocked in a collective with the lost one is killed, not waited for
 naming the rank (and its stage). Like the mp backend, the sampling rank's output (rank 0's, or the last stage's
 first rank's) is the step's result and the other ranks' sampled ids must equal it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,9 @@ def import_ray():
     try:
         import ray
     except ImportError as e:
-        raise ValueError("distributed_executor_backend 'ray' needs Ray: install vlserve[ray] "
-                         "(pip install 'vlserve[ray]')") from e
+        raise ValueError(
+            "distributed_executor_backend 'ray' needs Ray: install vlserve[ray] (pip install 'vlserve[ray]')"
+        ) from e
     return ray
 
 
@@ -119,20 +121,26 @@ class RayExecutor(RankGroupExecutor):
                 f"Ray could not place {self.world_size} ranks ({self.tp_size} TP x {self.pp_size} PP, {bundle} "
                 f"each) within {PLACEMENT_TIMEOUT_S:g} s: the cluster has {ray.available_resources()} available "
                 f"and {ray.cluster_resources()} in all; add resources or lower tensor_parallel_size / "
-                f"pipeline_parallel_size")
+                f"pipeline_parallel_size"
+            )
         if on_gpu:  # Ray shows each actor only its own GPU, which is cuda:0 inside the actor
             settings = replace(settings, args=replace(settings.args, device="cuda:0"))
         actor_cls = ray.remote(RankActor)
         log_level = logging.getLogger("vlserve").getEffectiveLevel()
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=rank)
-            self.actors.append(actor_cls.options(
-                num_cpus=1, num_gpus=1 if on_gpu else 0, scheduling_strategy=strategy,
-                max_restarts=0).remote(log_level, "OMP_NUM_THREADS" in os.environ))
+                placement_group=self.placement_group, placement_group_bundle_index=rank
+            )
+            self.actors.append(
+                actor_cls.options(
+                    num_cpus=1, num_gpus=1 if on_gpu else 0, scheduling_strategy=strategy, max_restarts=0
+                ).remote(log_level, "OMP_NUM_THREADS" in os.environ)
+            )
         init_method = self._wait_all([self.actors[0].rendezvous_address.remote()], "start-up", ranks=[0])[0]
-        self._wait_all([a.start.remote(settings, rank, self.world_size, init_method)
-                        for rank, a in enumerate(self.actors)], "start-up")
+        self._wait_all(
+            [a.start.remote(settings, rank, self.world_size, init_method) for rank, a in enumerate(self.actors)],
+            "start-up",
+        )
 
     # -- calls -------------------------------------------------------------------------------------------------
     def _submit(self, method: str, arg=None) -> list:
@@ -159,11 +167,12 @@ class RayExecutor(RankGroupExecutor):
                 try:
                     results[i] = ray.get(ref)
                 except (rex.RayActorError, rex.WorkerCrashedError) as e:
-                    self._fail(f"{self._rank_name(rank)} (Ray actor {self._actor_id(rank)}) died during "
-                               f"{what}: {type(e).__name__}; the engine cannot continue")
+                    self._fail(
+                        f"{self._rank_name(rank)} (Ray actor {self._actor_id(rank)}) died during "
+                        f"{what}: {type(e).__name__}; the engine cannot continue"
+                    )
                 except rex.RayError as e:
-                    self._fail(f"{self._rank_name(rank)} (Ray actor {self._actor_id(rank)}) failed during "
-                               f"{what}: {e}")
+                    self._fail(f"{self._rank_name(rank)} (Ray actor {self._actor_id(rank)}) failed during {what}: {e}")
         return results
 
     def _actor_id(self, rank: int) -> str:

@@ -1,4 +1,5 @@
 """The in-process executor: one rank, the whole model, in the engine's own process."""
+
 from __future__ import annotations
 
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput

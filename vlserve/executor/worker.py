@@ -1,6 +1,7 @@
 """One rank's share of the model: its weights (a tensor-parallel shard, a pipeline stage's layers, or the whole
 model), its KV cache and the model runner that executes each step. The executors build one `Worker` per rank, in
 this process or in another."""
+
 from __future__ import annotations
 
 import logging
@@ -71,6 +72,7 @@ def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
 
     def mrope_fn(ids, feats):
         return get_mrope_positions(ids, feats, hf_config)
+
     return mrope_fn
 
 
@@ -113,17 +115,30 @@ class Worker:
         staged = pp_size() > 1  # a pipeline stage: eager for now (EngineArgs refuses a compilation level)
         # Drafts are proposed where tokens are sampled: the last stage (the n-gram proposer reads only token ids; the
         # scheduler hands its drafts to every stage in the next SchedulerOutput, the last stage verifies them).
-        proposer = (build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size)
-                    if is_last_stage() else None)
+        proposer = (
+            build_proposer(settings.spec_config, settings.max_model_len, rank_model, args.block_size)
+            if is_last_stage()
+            else None
+        )
         self.runner = (PipelineStageRunner if staged else ModelRunner)(
-            rank_model.model, rank_model.hf_config, rank_model.device, rank_model.dtype, args.block_size,
+            rank_model.model,
+            rank_model.hf_config,
+            rank_model.device,
+            rank_model.dtype,
+            args.block_size,
             mrope_positions_fn=rank_model.mrope_positions_fn,
             proposer=proposer,
-            compilation_config=args.compilation_config, enforce_eager=args.enforce_eager or staged,
+            compilation_config=args.compilation_config,
+            enforce_eager=args.enforce_eager or staged,
             kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device),
-            lora_config=None if not args.enable_lora else {
-                "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
-                "max_cpu_loras": args.max_cpu_loras})
+            lora_config=None
+            if not args.enable_lora
+            else {
+                "max_loras": args.max_loras,
+                "max_lora_rank": args.max_lora_rank,
+                "max_cpu_loras": args.max_cpu_loras,
+            },
+        )
         # async scheduling: a step may return with its sampled ids on the device; the next step reads them there
         self.runner.defer_readback = bool(args.async_scheduling) and not staged
 
@@ -133,8 +148,9 @@ class Worker:
         backend = "nccl" if rank_device(settings.args.device, rank).type == "cuda" else "gloo"
         args = settings.args
         if world_size != args.tensor_parallel_size * args.pipeline_parallel_size:
-            raise ValueError(f"{world_size} ranks for {args.tensor_parallel_size} TP x "
-                             f"{args.pipeline_parallel_size} PP")
+            raise ValueError(
+                f"{world_size} ranks for {args.tensor_parallel_size} TP x {args.pipeline_parallel_size} PP"
+            )
         init_model_parallel(rank, args.tensor_parallel_size, args.pipeline_parallel_size, init_method, backend)
         return cls(settings, load_rank_model(settings, rank))
 
@@ -145,10 +161,14 @@ class Worker:
         if args.mm_encoder_only:
             return 0  # an encode server holds no KV cache
         return determine_num_kv_blocks(
-            self.runner, num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            self.runner,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             memory_fraction=args.kv_cache_memory_fraction * memory_share,
             max_num_batched_tokens=self.settings.max_num_batched_tokens,
-            max_model_len=self.settings.max_model_len, max_num_seqs=args.max_num_seqs)
+            max_model_len=self.settings.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+        )
 
     def initialize(self, num_blocks: int) -> None:
         """Allocate the KV cache (the same block count on every rank) and compile / capture per the level."""
@@ -159,15 +179,19 @@ class Worker:
             from vlserve.distributed.kv_transfer.factory import create_connector
             from vlserve.distributed.parallel_state import pp_rank, tp_rank
 
-            self.runner.set_kv_connector(create_connector(
-                cfg, KVConnectorRole.WORKER, block_size=self.settings.args.block_size,
-                rank=pp_rank() * self.settings.args.tensor_parallel_size + tp_rank()))
+            self.runner.set_kv_connector(
+                create_connector(
+                    cfg,
+                    KVConnectorRole.WORKER,
+                    block_size=self.settings.args.block_size,
+                    rank=pp_rank() * self.settings.args.tensor_parallel_size + tp_rank(),
+                )
+            )
         ec_cfg = self.settings.args.ec_transfer_config
         if ec_cfg is not None:  # encoder outputs through a shared directory (distributed/ec_transfer)
             from vlserve.distributed.ec_transfer.shared_storage import ECSharedStorageConnector
 
-            self.runner.encoders.ec_connector = ECSharedStorageConnector(ec_cfg, self.runner.device,
-                                                                         self.runner.dtype)
+            self.runner.encoders.ec_connector = ECSharedStorageConnector(ec_cfg, self.runner.device, self.runner.dtype)
         self.runner.warm_up_model(self.settings.args.max_num_seqs, self.settings.max_model_len)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -215,17 +239,30 @@ class Worker:
         model = self.rank_model.model
         numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied weights once
         held = [kv for kv in self.runner.kv_caches if kv is not None]
-        return {"rank": tp_rank(), "world_size": tp_size(), "pp_rank": pp_rank(), "pp_size": pp_size(),
-                "num_params": numel, "kv_cache_shape": tuple(held[0][0].shape) if held else None,
-                "num_kv_layers": len(held), "layers": (self.runner.kv_layers.start, self.runner.kv_layers.stop)}
+        return {
+            "rank": tp_rank(),
+            "world_size": tp_size(),
+            "pp_rank": pp_rank(),
+            "pp_size": pp_size(),
+            "num_params": numel,
+            "kv_cache_shape": tuple(held[0][0].shape) if held else None,
+            "num_kv_layers": len(held),
+            "layers": (self.runner.kv_layers.start, self.runner.kv_layers.stop),
+        }
 
     def stats(self) -> WorkerStats:
         """This rank's counters now."""
         r = self.runner
         fwd, enc = r.forward, r.encoders.counters()  # (forward: None on an encode server, no decoder forward)
-        return WorkerStats(enc.num_runs, enc.runs_by_modality, len(r.requests),
-                           0 if fwd is None else fwd.num_graph_replays, 0 if fwd is None else fwd.num_eager_forwards,
-                           enc.ec_counters, enc.num_partial)
+        return WorkerStats(
+            enc.num_runs,
+            enc.runs_by_modality,
+            len(r.requests),
+            0 if fwd is None else fwd.num_graph_replays,
+            0 if fwd is None else fwd.num_eager_forwards,
+            enc.ec_counters,
+            enc.num_partial,
+        )
 
 
 FRONTEND_CORE_FROM = 4  # machines with at least this many cores keep one core for the API process

@@ -16,6 +16,7 @@ then attends only to keys at positions p - W + 1 .. p (HF's `sliding_window_caus
 tokens; see `key_limits`): the torch path masks those prefill sequences per row; on the GPU (Triton backend) a step
 with such tokens runs its prefill sequences through that torch path as a fallback, its decodes stay on Triton.
 """
+
 from __future__ import annotations
 
 import functools
@@ -155,8 +156,18 @@ def paged_attention_decode(
     `sliding_window` of them when given; `workspace`: the torch path's scratch buffer, see `decode_workspace_numel`;
     the Triton path ignores it)."""
     return _impl("paged_attention_decode", query.device)(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out,
-        workspace=workspace, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        max_seq_len=max_seq_len,
+        out=out,
+        workspace=workspace,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=sliding_window,
     )
 
 
@@ -178,8 +189,18 @@ def paged_prefill_attention(
     """Causal varlen prefill: query [T, Hq, D] over each sequence's cached prefix plus its new tokens (within
     `sliding_window` when given)."""
     return _impl("paged_prefill_attention", query.device)(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        max_query_len=max_query_len, out=out, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=max_query_len,
+        out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=sliding_window,
     )
 
 
@@ -198,8 +219,9 @@ def attention_forward(
 ) -> torch.Tensor:
     """Write K/V through md.slot_mapping, then decode md.num_decodes sequences and prefill the rest -> [T, Hq, D]
     (FP8 caches: with the layer's k_scale / v_scale; `sliding_window` W: each query sees its last W positions)."""
-    return _impl("attention_forward", query.device)(query, key, value, k_cache, v_cache, md, scale, k_scale=k_scale,
-                                                    v_scale=v_scale, sliding_window=sliding_window)
+    return _impl("attention_forward", query.device)(
+        query, key, value, k_cache, v_cache, md, scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window
+    )
 
 
 def varlen_attention(
@@ -220,8 +242,15 @@ def varlen_attention(
     )
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation_name: str = "silu", expert_offset: int = 0) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation_name: str = "silu",
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """Mixture-of-experts FFN over the chosen experts: `x [T, H]`, `w13 [E, 2I, H]`, `w2 [E, H, I]`,
     `topk_weights / topk_ids [T, k]` -> `[T, H]` (see kernels.fused_moe_ref; experts [expert_offset, +E) only)."""
     return _impl("fused_moe", x.device)(x, w13, w2, topk_weights, topk_ids, activation_name, expert_offset)

@@ -1,4 +1,5 @@
 """Elementwise activations by the names HF configs use (`hidden_act`), our own table instead of transformers'."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -9,6 +9,7 @@ KV caches come from a step context the forward wrapper sets around the call (`at
 context does. The op writes the layer's K/V into its cache (a side effect the graph does not see: no other op in
 the graph reads the caches) and returns a fresh `[T, Hq, D]` tensor; its fake implementation only gives the shape.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,20 +52,39 @@ def current_attention_step() -> AttentionStep:
 # Defined through torch.library.Library (one implementation for every device) rather than the custom_op decorator,
 # whose wrappers cost ~15 us more a call, eight or more calls a step.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
-_LIB.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, "
-            "float k_scale=1.0, float v_scale=1.0, int? sliding_window=None) -> Tensor")
+_LIB.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, "
+    "float k_scale=1.0, float v_scale=1.0, int? sliding_window=None) -> Tensor"
+)
 
 
-def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                     scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def _paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Write key/value [T, Hkv, D] into layer `layer_idx`'s cache and attend: query [T, Hq, D] -> [T, Hq, D]
     (`sliding_window` W: each query sees its last W positions)."""
     step = current_attention_step()
     k_cache, v_cache = step.kv_caches[layer_idx]
     # an op's output may not alias its inputs; attention_forward always returns a new tensor
-    return kernels.attention_forward(query, key, value, k_cache, v_cache, step.metadata.for_layer(layer_idx), scale,
-                                     k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
+    return kernels.attention_forward(
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        step.metadata.for_layer(layer_idx),
+        scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=sliding_window,
+    )
 
 
 _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")

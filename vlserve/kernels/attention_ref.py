@@ -27,6 +27,7 @@ attends the decodes only and every prefill chunk runs here.
 FP8 caches (`kv_quant`): the write stores `quantize_kv(x, scale)`; the gathered K/V are dequantized (times
 k_scale / v_scale in float32, then in the query's dtype) before SDPA. Other caches ignore the scales.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ from vlserve.kernels.metadata import AttentionMetadata
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
 DECODE_CHUNK_BYTES = 8 << 20
 
-def decode_workspace_numel(max_seq_len: int, block_size: int, num_kv_heads: int, head_dim: int,
-                           element_size: int) -> int:
+
+def decode_workspace_numel(
+    max_seq_len: int, block_size: int, num_kv_heads: int, head_dim: int, element_size: int
+) -> int:
     """Elements of the flat scratch buffer `paged_attention_decode_ref` gathers K and V into: enough for any step
     whose sequences are at most max_seq_len long (DECODE_CHUNK_BYTES worth, or one whole longest sequence when that
     is larger). The model runner allocates it once and passes it as `workspace`."""
@@ -75,8 +78,9 @@ class DecodeChunk:
         return self.block_ids.shape[0] // self.num_blocks
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int,
-                token_bytes: int) -> list[DecodeChunk]:
+def plan_decode(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int, token_bytes: int
+) -> list[DecodeChunk]:
     """Split a step's decode sequences into gather chunks of about DECODE_CHUNK_BYTES of K+V (`token_bytes`: K+V of
     one position), longest first. Everything here depends only on the step, not the layer, so the runner's
     attention computes it once per step (`AttentionMetadata.derived`) and every layer reuses it."""
@@ -177,14 +181,15 @@ def paged_attention_decode_ref(
     return out
 
 
-def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float,
-                    dtype: torch.dtype, first_block: int = 0) -> torch.Tensor:
+def _gather_context(
+    cache: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float, dtype: torch.dtype, first_block: int = 0
+) -> torch.Tensor:
     # cache: [NB, BS, Hkv, D]; table: [M] -> [Hkv, S, D] contiguous (SDPA is faster on it), in `dtype`: positions
     # first_block * BS .. seq_len - 1, S of them (FP8 caches: dequantized with `scale`)
     _, block_size, num_kv_heads, head_dim = cache.shape
     num_blocks = -(-seq_len // block_size) - first_block
-    blocks = cache.index_select(0, table[first_block:first_block + num_blocks].to(torch.long))  # [nblk, BS, Hkv, D]
-    context = blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len - first_block * block_size]
+    blocks = cache.index_select(0, table[first_block : first_block + num_blocks].to(torch.long))  # [nblk, BS, Hkv, D]
+    context = blocks.view(num_blocks * block_size, num_kv_heads, head_dim)[: seq_len - first_block * block_size]
     context = context.transpose(0, 1)
     return dequantize_kv(context.contiguous(), scale, dtype) if is_fp8(cache) else context.contiguous()
 
@@ -221,8 +226,9 @@ def _prefill_from_lists(
         k = _gather_context(k_cache, block_tables[b], seq_len, k_scale, query.dtype, first).unsqueeze(0)  # [1,Hkv,S,D]
         v = _gather_context(v_cache, block_tables[b], seq_len, v_scale, query.dtype, first).unsqueeze(0)
         if bidirectional and bidirectional[b]:
-            mask = key_limit_mask(key_limits[q_start:q_end], seq_len - q_len, first * block_size, seq_len,
-                                  sliding_window)  # [q_len, S]
+            mask = key_limit_mask(
+                key_limits[q_start:q_end], seq_len - q_len, first * block_size, seq_len, sliding_window
+            )  # [q_len, S]
         elif sliding_window is not None:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
             k_pos = torch.arange(first * block_size, seq_len, device=query.device)  # [S]
@@ -234,8 +240,9 @@ def _prefill_from_lists(
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
             k_pos = torch.arange(seq_len, device=query.device)  # [S]
             mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, S]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=num_q_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_q_heads != num_kv_heads
+        )
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 
@@ -262,46 +269,103 @@ def paged_prefill_attention_ref(
     if out is None:
         out = torch.zeros_like(query)
     return _prefill_from_lists(
-        query, k_cache, v_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale, out,
-        k_scale, v_scale, sliding_window,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc.tolist(),
+        seq_lens.tolist(),
+        scale,
+        out,
+        k_scale,
+        v_scale,
+        sliding_window,
     )
 
 
-def _decode_with_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                       scale: float, out: torch.Tensor, k_scale: float, v_scale: float,
-                       sliding_window: int | None) -> None:
+def _decode_with_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+    sliding_window: int | None,
+) -> None:
     """The step's decode rows through the gather + SDPA path, its plan made once per step for all layers."""
     num_decodes = md.num_decodes
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     token_bytes = 2 * num_kv_heads * head_dim * k_cache.element_size()
-    plan = md.derive(("decode_plan", block_size, token_bytes), lambda: plan_decode(
-        md.block_tables[:num_decodes], md.seq_lens[:num_decodes], md.seq_lens_cpu[:num_decodes], block_size,
-        token_bytes))
-    paged_attention_decode_ref(query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes],
-                               md.seq_lens[:num_decodes], scale, out=out[:num_decodes], workspace=md.workspace,
-                               plan=plan, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
+    plan = md.derive(
+        ("decode_plan", block_size, token_bytes),
+        lambda: plan_decode(
+            md.block_tables[:num_decodes],
+            md.seq_lens[:num_decodes],
+            md.seq_lens_cpu[:num_decodes],
+            block_size,
+            token_bytes,
+        ),
+    )
+    paged_attention_decode_ref(
+        query[:num_decodes],
+        k_cache,
+        v_cache,
+        md.block_tables[:num_decodes],
+        md.seq_lens[:num_decodes],
+        scale,
+        out=out[:num_decodes],
+        workspace=md.workspace,
+        plan=plan,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=sliding_window,
+    )
 
 
-def prefill_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                scale: float, out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-                sliding_window: int | None = None) -> None:
+def prefill_ref(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> None:
     """The step's prefill sequences (md.num_decodes ..) through the torch path into `out`, with md.key_limits when
     set (also the Triton path's fallback for a step with bidirectional tokens); the K/V are already written."""
     # query, out: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]
     num_decodes = md.num_decodes
-    _prefill_from_lists(query, k_cache, v_cache, md.block_tables[num_decodes:], md.query_start_loc_cpu[num_decodes:],
-                        md.seq_lens_cpu[num_decodes:], scale, out, k_scale, v_scale, sliding_window, md.key_limits,
-                        bidirectional_prefills(md))
+    _prefill_from_lists(
+        query,
+        k_cache,
+        v_cache,
+        md.block_tables[num_decodes:],
+        md.query_start_loc_cpu[num_decodes:],
+        md.seq_lens_cpu[num_decodes:],
+        scale,
+        out,
+        k_scale,
+        v_scale,
+        sliding_window,
+        md.key_limits,
+        bidirectional_prefills(md),
+    )
 
 
 def _cpu_step_rows(md: AttentionMetadata):
     """The rows the step's C++ calls attend (the decodes, and short prefill chunks' tokens unless a prefill token
     attends past its own position), converted once a step."""
     causal = not bidirectional_prefills(md)
-    num_rows, row_seqs, row_lens = kernel_rows(md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes,
-                                               MAX_KERNEL_QUERY_LEN if causal else 0)
-    return step_rows(md.slot_mapping, md.block_tables, md.seq_lens if row_lens is None else row_lens, num_rows,
-                     row_seqs)
+    num_rows, row_seqs, row_lens = kernel_rows(
+        md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes, MAX_KERNEL_QUERY_LEN if causal else 0
+    )
+    return step_rows(
+        md.slot_mapping, md.block_tables, md.seq_lens if row_lens is None else row_lens, num_rows, row_seqs
+    )
 
 
 def attention_forward_ref(
@@ -328,8 +392,10 @@ def attention_forward_ref(
         out[num_actual:].zero_()  # padding rows
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
     # the runner allocates every layer's caches alike: one check per step and dtypes (a draft's cache may differ)
-    if md.derive(("cpu_attention_step", query.dtype, key.dtype, k_cache.dtype), lambda: attention_step_supported(
-            query, key, k_cache, v_cache)):
+    if md.derive(
+        ("cpu_attention_step", query.dtype, key.dtype, k_cache.dtype),
+        lambda: attention_step_supported(query, key, k_cache, v_cache),
+    ):
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
         rows = md.derive("cpu_step_rows", lambda: _cpu_step_rows(md))
@@ -337,8 +403,15 @@ def attention_forward_ref(
         if rows.seqs.shape[0]:  # the prefill chunks' rows were in the call too
             kernel_seqs = md.num_seqs
     else:
-        write_kv_slots(key, value, k_cache, v_cache, md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)),
-                       k_scale, v_scale)
+        write_kv_slots(
+            key,
+            value,
+            k_cache,
+            v_cache,
+            md.derive("kv_write_slots", lambda: valid_slots(md.slot_mapping)),
+            k_scale,
+            v_scale,
+        )
         if num_decodes > 0:
             _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
     if kernel_seqs < md.num_seqs:

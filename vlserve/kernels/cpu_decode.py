@@ -23,6 +23,7 @@ The source is compiled once per process, through the C++ toolchain torch's induc
 on-disk cache keeps the library across processes). Where no compiler works, `cpu_decode_kernel()` returns None and
 the torch path (`attention_ref.paged_attention_decode_ref`, `kv_write_ref`) runs instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 _BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # built for AVX512-BF16: bf16 scores through vdpbf16ps
 _SOURCE = ('#pragma GCC target("avx512bf16")\n' if _BF16_DOT else "") + (
-    Path(__file__).parent / "csrc" / "cpu_decode.cpp").read_text()
+    Path(__file__).parent / "csrc" / "cpu_decode.cpp"
+).read_text()
 
 _DECLARATION = """
 #include <cstdint>
@@ -50,10 +52,37 @@ extern "C" void kernel(const void* q, int64_t q_stride, const void* key, const v
                        int64_t is_bf16, int64_t dp_bf16, float k_scale, float v_scale, int64_t cache_fp8,
                        int64_t window);
 """
-_ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t", "void*",
-              "void*", "const int32_t*", "const int32_t*", "const int32_t*", "int64_t", "void*", "int64_t", "int64_t",
-              "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t", "int64_t", "float", "float",
-              "int64_t", "int64_t"]
+_ARG_TYPES = [
+    "const void*",
+    "int64_t",
+    "const void*",
+    "const void*",
+    "int64_t",
+    "int64_t",
+    "const int64_t*",
+    "int64_t",
+    "void*",
+    "void*",
+    "const int32_t*",
+    "const int32_t*",
+    "const int32_t*",
+    "int64_t",
+    "void*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "float",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "float",
+    "float",
+    "int64_t",
+    "int64_t",
+]
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
 _NO_ROWS = torch.empty(0, dtype=torch.int32)
 MAX_KERNEL_QUERY_LEN = 32  # a prefill chunk of up to this many tokens runs in the kernel, row by row
@@ -71,11 +100,13 @@ def cpu_decode_kernel():
 
         # the kernel goes in as `kernel_code`, which inductor builds with its vector ISA flags (CPU_CAPABILITY_*,
         # which select at::vec's AVX2/AVX-512 code); the bindings only see its declaration
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_SOURCE,
-                                                         kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=_SOURCE, kernel_needs_vec_isa=True
+        )
     except Exception as exc:  # no compiler, or an inductor without this loader: the torch path runs instead
-        logger.warning("the C++ CPU decode attention could not be built (%s: %s); using the torch path",
-                       type(exc).__name__, exc)
+        logger.warning(
+            "the C++ CPU decode attention could not be built (%s: %s); using the torch path", type(exc).__name__, exc
+        )
         return None
 
 
@@ -84,17 +115,29 @@ def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     query, a cache of the query's dtype or float8_e4m3fn, a head dim that is a multiple of 16 (whole vectors) up to
     256, a kernel built here, and not switched off by $VLSERVE_CPU_DECODE_KERNEL=0."""
     head_dim = query.shape[-1]
-    return (query.device.type == "cpu" and query.dtype in _DTYPES and (k_cache.dtype == query.dtype or is_fp8(k_cache))
-            and head_dim % 16 == 0 and head_dim <= _MAX_HEAD_DIM and os.environ.get(DISABLE_ENV, "1") != "0"
-            and cpu_decode_kernel() is not None)
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _DTYPES
+        and (k_cache.dtype == query.dtype or is_fp8(k_cache))
+        and head_dim % 16 == 0
+        and head_dim <= _MAX_HEAD_DIM
+        and os.environ.get(DISABLE_ENV, "1") != "0"
+        and cpu_decode_kernel() is not None
+    )
 
 
-def attention_step_supported(query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor) -> bool:
+def attention_step_supported(
+    query: torch.Tensor, key: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
     """Whether `attention_step_cpu` takes these tensors: `cpu_decode_supported`, key in the query's dtype (copied
     in as it is, or quantized into an FP8 cache), and caches it can write in place (contiguous, one dtype)."""
-    return (cpu_decode_supported(query, k_cache) and key.dtype == query.dtype and v_cache.dtype == k_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
+    return (
+        cpu_decode_supported(query, k_cache)
+        and key.dtype == query.dtype
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -116,18 +159,41 @@ class StepRows:
     num_rows: int
 
 
-def step_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, row_lens: torch.Tensor, num_rows: int,
-              row_seqs: torch.Tensor | None = None) -> StepRows:
+def step_rows(
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_lens: torch.Tensor,
+    num_rows: int,
+    row_seqs: torch.Tensor | None = None,
+) -> StepRows:
     """`StepRows` from a step's slot_mapping [T], block_tables [S, M], row_lens and (optional) row_seqs."""
-    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1 else (
-        block_tables.to(torch.int32).contiguous())
-    return StepRows(slot_mapping.to(torch.long).contiguous(), tables, row_lens.to(torch.int32).contiguous(),
-                    _NO_ROWS if row_seqs is None else row_seqs.to(torch.int32).contiguous(), num_rows)
+    tables = (
+        block_tables
+        if block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+        else (block_tables.to(torch.int32).contiguous())
+    )
+    return StepRows(
+        slot_mapping.to(torch.long).contiguous(),
+        tables,
+        row_lens.to(torch.int32).contiguous(),
+        _NO_ROWS if row_seqs is None else row_seqs.to(torch.int32).contiguous(),
+        num_rows,
+    )
 
 
-def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, rows: StepRows, scale: float, out: torch.Tensor, k_scale: float = 1.0,
-                v_scale: float = 1.0, sliding_window: int | None = None) -> None:
+def attend_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: StepRows,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at rows.slots, then attend the first rows.num_rows
     rows of query [T, Hq, D] into out [T, Hq, D] (contiguous). The caller checks `attention_step_supported`. FP8
     caches are written and read with k_scale / v_scale; other caches ignore them. `sliding_window` W: a row of
@@ -139,30 +205,79 @@ def attend_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_c
     value, v_stride = _rows(value)
     seqs = rows.seqs
     fp8 = is_fp8(k_cache)
-    cpu_decode_kernel()(query, q_stride, key, value, k_stride, v_stride, rows.slots, rows.slots.shape[0], k_cache,
-                        v_cache, rows.tables, rows.lens, seqs, int(seqs.shape[0] > 0), out, rows.num_rows,
-                        query.shape[1], num_kv_heads, head_dim, block_size, rows.tables.stride(0), float(scale),
-                        torch.get_num_threads(), int(query.dtype == torch.bfloat16), _DP_BF16,
-                        float(k_scale) if fp8 else 1.0, float(v_scale) if fp8 else 1.0, int(fp8),
-                        int(sliding_window or 0))
+    cpu_decode_kernel()(
+        query,
+        q_stride,
+        key,
+        value,
+        k_stride,
+        v_stride,
+        rows.slots,
+        rows.slots.shape[0],
+        k_cache,
+        v_cache,
+        rows.tables,
+        rows.lens,
+        seqs,
+        int(seqs.shape[0] > 0),
+        out,
+        rows.num_rows,
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        rows.tables.stride(0),
+        float(scale),
+        torch.get_num_threads(),
+        int(query.dtype == torch.bfloat16),
+        _DP_BF16,
+        float(k_scale) if fp8 else 1.0,
+        float(v_scale) if fp8 else 1.0,
+        int(fp8),
+        int(sliding_window or 0),
+    )
 
 
-def attention_step_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                       row_lens: torch.Tensor, num_rows: int, scale: float, out: torch.Tensor,
-                       row_seqs: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                       sliding_window: int | None = None) -> None:
+def attention_step_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_lens: torch.Tensor,
+    num_rows: int,
+    scale: float,
+    out: torch.Tensor,
+    row_seqs: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> None:
     """One C++ call: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (int64; -1 skipped), then
     attend the first `num_rows` rows of query [T, Hq, D] into out [T, Hq, D] (contiguous): row r reads the positions
     0 .. row_lens[r] - 1 of table row row_seqs[r] (default: r, one decode token per sequence). The caller checks
     `attention_step_supported`; rows past `num_rows` are left to it. FP8 caches and `sliding_window`: see
     `attend_rows`."""
-    attend_rows(query, key, value, k_cache, v_cache, step_rows(slot_mapping, block_tables, row_lens, num_rows,
-                                                               row_seqs), scale, out, k_scale, v_scale, sliding_window)
+    attend_rows(
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        step_rows(slot_mapping, block_tables, row_lens, num_rows, row_seqs),
+        scale,
+        out,
+        k_scale,
+        v_scale,
+        sliding_window,
+    )
 
 
-def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
-                max_query_len: int = MAX_KERNEL_QUERY_LEN) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+def kernel_rows(
+    query_start_loc: list[int], seq_lens: list[int], num_decodes: int, max_query_len: int = MAX_KERNEL_QUERY_LEN
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
     """The query rows `attention_step_cpu` takes in a step: `(num_rows, row_seqs, row_lens)`. The decodes always;
     the prefill chunks too when none is longer than `max_query_len` (token i of a chunk of q over a context of L
     attends to positions 0 .. L - q + i), with row_seqs/row_lens to say so (max_query_len 0: the decodes only, as for
@@ -181,10 +296,18 @@ def kernel_rows(query_start_loc: list[int], seq_lens: list[int], num_decodes: in
     return len(seqs), torch.tensor(seqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
 
 
-def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               out: torch.Tensor | None = None, k_scale: float = 1.0,
-                               v_scale: float = 1.0, sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention_decode_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """`paged_attention_decode_ref`'s contract in one C++ call (check `cpu_decode_supported` first)."""
     # query: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [B, M] int32; seq_lens: [B] int32
     if out is None:
@@ -192,9 +315,22 @@ def paged_attention_decode_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     if query.shape[0] == 0:
         return out
     result = out if out.is_contiguous() else torch.empty_like(query)
-    attention_step_cpu(query, query[:0], query[:0], k_cache.contiguous(), v_cache.contiguous(), _NO_SLOTS,
-                       block_tables, seq_lens, query.shape[0], scale, result, k_scale=k_scale, v_scale=v_scale,
-                       sliding_window=sliding_window)
+    attention_step_cpu(
+        query,
+        query[:0],
+        query[:0],
+        k_cache.contiguous(),
+        v_cache.contiguous(),
+        _NO_SLOTS,
+        block_tables,
+        seq_lens,
+        query.shape[0],
+        scale,
+        result,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=sliding_window,
+    )
     if result is not out:
         out.copy_(result)
     return out

@@ -41,6 +41,7 @@ The source is built through inductor's C++ toolchain on first use, like `cpu_dec
 AVX-512 nor AVX2 + FMA, no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is False
 and the layers keep `F.linear`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,8 +62,24 @@ extern "C" void kernel(const void* a, int64_t lda, const void* packed, const voi
                        int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
                        int64_t silu_mul, const void* add, int64_t ldadd, int64_t has_add);
 """
-_ARG_TYPES = ["const void*", "int64_t", "const void*", "const void*", "int64_t", "void*", "int64_t", "int64_t",
-              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "const void*", "int64_t", "int64_t"]
+_ARG_TYPES = [
+    "const void*",
+    "int64_t",
+    "const void*",
+    "const void*",
+    "int64_t",
+    "void*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "const void*",
+    "int64_t",
+    "int64_t",
+]
 PANEL = 32  # output columns per packed panel
 DISABLE_ENV = "VLSERVE_CPU_LINEAR_KERNEL"  # "0": the layers keep F.linear
 ISA_ENV = "VLSERVE_CPU_ISA"  # "avx2": build the AVX2 path even where the CPU has AVX-512
@@ -91,7 +108,7 @@ def _vec_isa() -> str | None:
 def isas_here() -> list[str]:
     """The paths this machine can build and run: ["avx512", "avx2"] on AVX-512 CPUs, ["avx2"] on AVX2 ones."""
     native = _vec_isa()
-    return [] if native is None else ISAS[ISAS.index(native):]
+    return [] if native is None else ISAS[ISAS.index(native) :]
 
 
 @functools.cache
@@ -109,8 +126,9 @@ def build_cpu_linear(isa: str):
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=prefix + _source(
-            "cpu_linear.cpp"), kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=prefix + _source("cpu_linear.cpp"), kernel_needs_vec_isa=True
+        )
     except Exception as exc:  # no compiler, or an inductor without this loader: F.linear stays
         logger.warning("the C++ CPU linear could not be built (%s: %s); using F.linear", type(exc).__name__, exc)
         return None
@@ -122,13 +140,16 @@ def cpu_linear_kernel():
     AVX2 CPUs or where $VLSERVE_CPU_ISA is "avx2"; None where this CPU or toolchain cannot run either."""
     requested = os.environ.get(ISA_ENV, "")
     if requested not in ("", "avx2"):
-        logger.warning("$%s=%r is not a CPU linear path to force (only \"avx2\" is); ignored", ISA_ENV, requested)
+        logger.warning('$%s=%r is not a CPU linear path to force (only "avx2" is); ignored', ISA_ENV, requested)
     native = _vec_isa()
     isa = "avx2" if native and requested == "avx2" else native
     kernel = build_cpu_linear(isa) if isa else None
     if kernel is not None:
-        logger.debug("packed CPU linear built: float32 on its %s path, bf16 on its %s path",
-                    cpu_linear_isa(torch.float32, kernel), cpu_linear_isa(torch.bfloat16, kernel))
+        logger.debug(
+            "packed CPU linear built: float32 on its %s path, bf16 on its %s path",
+            cpu_linear_isa(torch.float32, kernel),
+            cpu_linear_isa(torch.bfloat16, kernel),
+        )
     return kernel
 
 
@@ -150,9 +171,15 @@ def _dtype_served(dtype: torch.dtype) -> bool:
 def cpu_linear_supported(weight: torch.Tensor) -> bool:
     """Whether `pack_linear_weight(weight)` and `cpu_linear` serve this [N, K] weight: a CPU float32 or bf16 matrix
     (bf16 with an even K), a kernel built here, and not switched off by $VLSERVE_CPU_LINEAR_KERNEL=0."""
-    return (weight.device.type == "cpu" and _dtype_served(weight.dtype) and weight.dim() == 2
-            and weight.shape[1] > 0 and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
-            and os.environ.get(DISABLE_ENV, "1") != "0" and cpu_linear_kernel() is not None)
+    return (
+        weight.device.type == "cpu"
+        and _dtype_served(weight.dtype)
+        and weight.dim() == 2
+        and weight.shape[1] > 0
+        and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0)
+        and os.environ.get(DISABLE_ENV, "1") != "0"
+        and cpu_linear_kernel() is not None
+    )
 
 
 @functools.cache
@@ -227,28 +254,40 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 # instead of ~14, and a decode step makes three or four calls per layer.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
 _LIB.define("cpu_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
-_LIB.define("cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? pre_act_add=None) "
-            "-> Tensor")
+_LIB.define(
+    "cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? pre_act_add=None) -> Tensor"
+)
 
 
 def _addend(add: torch.Tensor, m: int, out_features: int) -> torch.Tensor:
     """`pre_act_add [..., 2I]` float32 as rows [m, 2I] with unit column stride (ValueError otherwise)."""
     if add.dtype is not torch.float32 or add.shape[-1] != 2 * out_features or add.numel() != m * 2 * out_features:
-        raise ValueError(f"vlserve::cpu_linear_silu_mul's pre_act_add must be float32 [{m}, {2 * out_features}], got "
-                         f"{add.dtype} {tuple(add.shape)}")
+        raise ValueError(
+            f"vlserve::cpu_linear_silu_mul's pre_act_add must be float32 [{m}, {2 * out_features}], got "
+            f"{add.dtype} {tuple(add.shape)}"
+        )
     add = add.reshape(m, 2 * out_features)
     return add if add.stride(1) == 1 else add.contiguous()
 
 
-def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, silu_mul: bool,
-         name: str, add: torch.Tensor | None = None) -> torch.Tensor:
+def _run(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    silu_mul: bool,
+    name: str,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul, after
     `add [..., 2 out_features]` float32 joins the gate and up sums where given). Runs four times per layer and step:
     the common case (2-D rows, unit stride, no add) takes no detours."""
     dtype = x.dtype
     if dtype is not packed.dtype or not _dtype_served(dtype):
-        raise ValueError(f"vlserve::{name} takes inputs in its packed weight's dtype ({packed.dtype}, float32 or "
-                         f"bfloat16), got {dtype}")
+        raise ValueError(
+            f"vlserve::{name} takes inputs in its packed weight's dtype ({packed.dtype}, float32 or "
+            f"bfloat16), got {dtype}"
+        )
     shape = x.shape
     rows = x
     if len(shape) != 2 or x.stride(1) != 1:
@@ -263,10 +302,24 @@ def _run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_f
         is_bf16 = dtype is torch.bfloat16
         if is_bf16 and 0 < tile_rows() <= m:
             is_bf16 = 3  # on the AMX tiles (where K % 32 == 0; the kernel checks)
-        cpu_linear_kernel()(rows, rows.stride(0), packed, _NO_BIAS if bias is None else bias, bias is not None, out,
-                            out_features, m, out_features, k, torch.get_num_threads(), is_bf16,
-                            silu_mul, _NO_BIAS if add is None else add, 0 if add is None else add.stride(0),
-                            add is not None)
+        cpu_linear_kernel()(
+            rows,
+            rows.stride(0),
+            packed,
+            _NO_BIAS if bias is None else bias,
+            bias is not None,
+            out,
+            out_features,
+            m,
+            out_features,
+            k,
+            torch.get_num_threads(),
+            is_bf16,
+            silu_mul,
+            _NO_BIAS if add is None else add,
+            0 if add is None else add.stride(0),
+            add is not None,
+        )
     return out if len(shape) == 2 else out.view(*shape[:-1], out_features)
 
 
@@ -275,15 +328,22 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _run(x, packed, bias, out_features, False, "cpu_linear")
 
 
-def _cpu_linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                         pre_act_add: torch.Tensor | None = None) -> torch.Tensor:
+def _cpu_linear_silu_mul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    pre_act_add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] times a packed gate_up matrix [2I, K] (+ bias [2I]), I = out_features a multiple of 32 ->
     silu(gate) * up [..., I]; `pre_act_add [..., 2I]` float32 (e.g. a LoRA delta of gate_up) joins the float32 gate
     and up sums after the bias: silu(gate + add[:I]) * (up + add[I:]). A zero row of it leaves that row's output
     bit-identical to the call without it."""
     if out_features % PANEL or packed.shape[0] * PANEL != 2 * out_features:
-        raise ValueError(f"vlserve::cpu_linear_silu_mul needs a packed [2I, K] matrix with I a multiple of {PANEL}; "
-                         f"got {packed.shape[0]} panels for I = {out_features}")
+        raise ValueError(
+            f"vlserve::cpu_linear_silu_mul needs a packed [2I, K] matrix with I a multiple of {PANEL}; "
+            f"got {packed.shape[0]} panels for I = {out_features}"
+        )
     return _run(x, packed, bias, out_features, True, "cpu_linear_silu_mul", pre_act_add)
 
 
@@ -291,8 +351,13 @@ _LIB.impl("cpu_linear", _cpu_linear, "CPU")
 _LIB.impl("cpu_linear_silu_mul", _cpu_linear_silu_mul, "CPU")
 
 
-def _fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-          pre_act_add: torch.Tensor | None = None) -> torch.Tensor:
+def _fake(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    pre_act_add: torch.Tensor | None = None,
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 

@@ -7,6 +7,7 @@ with tokens runs two matmuls over its contiguous rows (no per-token loop, no one
 
 Shapes: T tokens, H hidden, E experts (this rank's), I expert MLP width, k experts per token.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool = True
     return weights.to(router_logits.dtype), ids
 
 
-def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                    expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+def group_by_expert(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, expert_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
     """The (token, choice) pairs routed to experts [expert_offset, +num_experts), sorted by expert then token:
     (`tokens [S]`, `weights [S]`, rows per local expert), or None when there are none."""
     top_k = topk_ids.shape[1]
@@ -41,8 +43,14 @@ def group_by_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_expe
     return slots // top_k, topk_weights.reshape(-1)[slots], counts
 
 
-def _run_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                 expert_offset: int, expert_ffn) -> torch.Tensor:
+def _run_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert_offset: int,
+    expert_ffn,
+) -> torch.Tensor:
     """`expert_ffn(e, rows [n, H]) -> [n, H]` over each local expert's rows, weighted and summed per token."""
     out = torch.zeros_like(x)  # [T, H]
     grouped = group_by_expert(topk_weights, topk_ids, num_experts, expert_offset) if x.shape[0] else None
@@ -54,14 +62,21 @@ def _run_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     start = 0
     for e, n in enumerate(counts):
         if n:
-            outputs[start:start + n] = expert_ffn(e, rows[start:start + n]) * weights[start:start + n, None]
+            outputs[start : start + n] = expert_ffn(e, rows[start : start + n]) * weights[start : start + n, None]
             start += n
     out.index_add_(0, tokens, outputs)  # ascending expert order per token, as HF accumulates
     return out
 
 
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation_name: str = "silu", expert_offset: int = 0) -> torch.Tensor:
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation_name: str = "silu",
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """`x [T, H]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, `topk_weights / topk_ids [T, k]`
     -> `[T, H]`. Expert ids are global; this rank holds experts [expert_offset, expert_offset + E) and ids
     outside that range contribute nothing (expert parallelism sums the ranks' outputs)."""
@@ -75,9 +90,15 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return _run_experts(x, topk_weights, topk_ids, w13.shape[0], expert_offset, ffn)
 
 
-def fused_moe_packed_cpu(x: torch.Tensor, packed_w13: torch.Tensor, packed_w2: torch.Tensor,
-                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, intermediate_size: int,
-                         expert_offset: int = 0) -> torch.Tensor:
+def fused_moe_packed_cpu(
+    x: torch.Tensor,
+    packed_w13: torch.Tensor,
+    packed_w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    intermediate_size: int,
+    expert_offset: int = 0,
+) -> torch.Tensor:
     """`fused_moe_ref` with SiLU on the packed CPU linear kernel: each expert's `w13` / `w2` packed
     (kernels.cpu_linear.pack_linear_weight, stacked `[E, ...]`), silu(gate) * up fused into the first matmul's
     pass. Under torch.compile it is one opaque op (`vlserve::fused_moe_packed_cpu`): grouping tokens by expert
@@ -86,23 +107,30 @@ def fused_moe_packed_cpu(x: torch.Tensor, packed_w13: torch.Tensor, packed_w2: t
     return run(x, packed_w13, packed_w2, topk_weights, topk_ids, intermediate_size, expert_offset)
 
 
-def _fused_moe_packed_cpu(x: torch.Tensor, packed_w13: torch.Tensor, packed_w2: torch.Tensor,
-                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, intermediate_size: int,
-                          expert_offset: int) -> torch.Tensor:
+def _fused_moe_packed_cpu(
+    x: torch.Tensor,
+    packed_w13: torch.Tensor,
+    packed_w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    intermediate_size: int,
+    expert_offset: int,
+) -> torch.Tensor:
     from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_silu_mul
 
     hidden = x.shape[1]
 
     def ffn(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(cpu_linear_silu_mul(rows, packed_w13[e], None, intermediate_size), packed_w2[e], None,
-                          hidden)
+        return cpu_linear(cpu_linear_silu_mul(rows, packed_w13[e], None, intermediate_size), packed_w2[e], None, hidden)
 
     return _run_experts(x, topk_weights, topk_ids, len(packed_w13), expert_offset, ffn)
 
 
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
-_LIB.define("fused_moe_packed_cpu(Tensor x, Tensor packed_w13, Tensor packed_w2, Tensor topk_weights, "
-            "Tensor topk_ids, int intermediate_size, int expert_offset) -> Tensor")
+_LIB.define(
+    "fused_moe_packed_cpu(Tensor x, Tensor packed_w13, Tensor packed_w2, Tensor topk_weights, "
+    "Tensor topk_ids, int intermediate_size, int expert_offset) -> Tensor"
+)
 _LIB.impl("fused_moe_packed_cpu", _fused_moe_packed_cpu, "CPU")
 
 

@@ -13,6 +13,7 @@ over torch.get_num_threads() OpenMP threads; small masks (under 32k tokens a thr
 The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where no compiler works or
 $VLSERVE_CPU_GRAMMAR_MASK_KERNEL is "0", `grammar_mask_supported` is False and callers keep the reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,20 @@ extern "C" void kernel(void* logits, int64_t ld, const int32_t* mask, int64_t ld
                        const int64_t* mask_rows, int64_t has_rows, int64_t R, int64_t V, int64_t W, int64_t dtype,
                        int64_t threads);
 """
-_ARG_TYPES = ["void*", "int64_t", "const int32_t*", "int64_t", "const int64_t*", "const int64_t*", "int64_t",
-              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"]
+_ARG_TYPES = [
+    "void*",
+    "int64_t",
+    "const int32_t*",
+    "int64_t",
+    "const int64_t*",
+    "const int64_t*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 DISABLE_ENV = "VLSERVE_CPU_GRAMMAR_MASK_KERNEL"  # "0": mask with the numpy + torch reference instead
@@ -47,20 +60,27 @@ def grammar_mask_kernel():
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_SOURCE,
-                                                         kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=_SOURCE, kernel_needs_vec_isa=True
+        )
     except Exception as exc:  # no compiler, or an inductor without this loader: the reference runs instead
-        logger.warning("the C++ grammar bitmask pass could not be built (%s: %s); using the numpy path",
-                       type(exc).__name__, exc)
+        logger.warning(
+            "the C++ grammar bitmask pass could not be built (%s: %s); using the numpy path", type(exc).__name__, exc
+        )
         return None
 
 
 def grammar_mask_supported(logits: torch.Tensor) -> bool:
     """Whether `apply_token_bitmask_cpu` takes these logits: a CPU [N, V] tensor of float32, bfloat16 or float16
     with unit stride along V, a pass built here, and not switched off by $VLSERVE_CPU_GRAMMAR_MASK_KERNEL=0."""
-    return (logits.device.type == "cpu" and logits.dtype in _DTYPE_CODES and logits.dim() == 2
-            and logits.stride(1) == 1 and os.environ.get(DISABLE_ENV, "1") != "0"
-            and grammar_mask_kernel() is not None)
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype in _DTYPE_CODES
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and os.environ.get(DISABLE_ENV, "1") != "0"
+        and grammar_mask_kernel() is not None
+    )
 
 
 def _words(bitmask: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -75,9 +95,13 @@ def _words(bitmask: np.ndarray | torch.Tensor) -> torch.Tensor:
     return words if words.stride(-1) == 1 else words.contiguous()
 
 
-def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: np.ndarray | torch.Tensor,
-                            logit_rows: list[int] | None = None, mask_rows: list[int] | None = None,
-                            threads: int | None = None) -> None:
+def apply_token_bitmask_cpu(
+    logits: torch.Tensor,
+    bitmask: np.ndarray | torch.Tensor,
+    logit_rows: list[int] | None = None,
+    mask_rows: list[int] | None = None,
+    threads: int | None = None,
+) -> None:
     """Set the logits a bitmask forbids to -inf, in place, in one C++ call (check `grammar_mask_supported`).
     logits [N, V]; bitmask int32 [M, W]; logit row logit_rows[i] takes mask row mask_rows[i], or, without them, row
     i takes row i (then N == M). threads: at most this many (default torch.get_num_threads())."""
@@ -93,9 +117,20 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: np.ndarray | torch.Te
         mrows = torch.tensor(mask_rows, dtype=torch.int64)  # [R]
         count = len(logit_rows)
     if count and vocab:
-        grammar_mask_kernel()(logits, logits.stride(0), words, words.stride(0), lrows, mrows,
-                              int(logit_rows is not None), count, vocab, words.shape[1], _DTYPE_CODES[logits.dtype],
-                              threads or torch.get_num_threads())
+        grammar_mask_kernel()(
+            logits,
+            logits.stride(0),
+            words,
+            words.stride(0),
+            lrows,
+            mrows,
+            int(logit_rows is not None),
+            count,
+            vocab,
+            words.shape[1],
+            _DTYPE_CODES[logits.dtype],
+            threads or torch.get_num_threads(),
+        )
 
 
 def unpack_bitmask(words: np.ndarray, vocab_size: int) -> torch.Tensor:
@@ -105,12 +140,13 @@ def unpack_bitmask(words: np.ndarray, vocab_size: int) -> torch.Tensor:
     if bits.shape[1] >= vocab_size:
         return torch.from_numpy(bits[:, :vocab_size]).to(torch.bool)
     padded = np.zeros((bits.shape[0], vocab_size), dtype=np.uint8)
-    padded[:, :bits.shape[1]] = bits
+    padded[:, : bits.shape[1]] = bits
     return torch.from_numpy(padded).to(torch.bool)
 
 
-def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: np.ndarray, logit_rows: list[int] | None = None,
-                            mask_rows: list[int] | None = None) -> None:
+def apply_token_bitmask_ref(
+    logits: torch.Tensor, bitmask: np.ndarray, logit_rows: list[int] | None = None, mask_rows: list[int] | None = None
+) -> None:
     """`apply_token_bitmask_cpu`'s contract through numpy's unpack and `masked_fill` (any device)."""
     words = bitmask if mask_rows is None else bitmask[mask_rows]  # [R, W]
     allowed = to_device(unpack_bitmask(words, logits.shape[-1]), logits.device)  # [R, V]

@@ -6,6 +6,7 @@ scheduling the device is still running the step before, so each such copy would 
 done and nothing would overlap. These helpers stage through pinned memory (torch's caching host allocator, which
 keeps the block until the copy has run) and copy with `non_blocking=True`; off CUDA they are plain conversions.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,6 +7,7 @@ Gemma 3: AND(sliding window of q, OR(causal, same image block))). Only the torch
 prefill sequences to the torch path. A step none of whose limits passes its own position runs exactly as a causal
 one, and so does every prefill sequence without such a token (`bidirectional_prefills`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def _bidirectional_prefills(md: AttentionMetadata) -> tuple[bool, ...]:
     q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in seqs], device=device)  # [P]
     # token t of sequence b sits at position seq_len_b - qsl[b + 1] + t
     offsets = torch.tensor([lens[b] - qsl[b + 1] for b in seqs], dtype=torch.long, device=device)  # [P]
-    seq_ids = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens,
-                                      output_size=end - start)  # [end - start]
+    seq_ids = torch.repeat_interleave(
+        torch.arange(len(q_lens), device=device), q_lens, output_size=end - start
+    )  # [end - start]
     own = offsets[seq_ids] + torch.arange(start, end, device=device)  # [end - start]
     beyond = (md.key_limits[start:end] > own).to(torch.long)  # [end - start]
     counts = torch.zeros(len(q_lens), dtype=torch.long, device=device).index_add_(0, seq_ids, beyond)  # [P]
@@ -42,8 +44,9 @@ def _bidirectional_prefills(md: AttentionMetadata) -> tuple[bool, ...]:
     return flags if any(flags) else ()
 
 
-def key_limit_mask(limits: torch.Tensor, first_query: int, first_key: int, seq_len: int,
-                   sliding_window: int | None) -> torch.Tensor:
+def key_limit_mask(
+    limits: torch.Tensor, first_query: int, first_key: int, seq_len: int, sliding_window: int | None
+) -> torch.Tensor:
     """[q_len, S] bool: query i (at position first_query + i, limit limits[i]) may see key first_key + j."""
     # limits: [q_len] int64
     device = limits.device

@@ -5,6 +5,7 @@ A cache of float8_e4m3fn holds `clamp(x / scale, -448, 448)` rounded to the near
 one float scale per layer for K and one for V (`k_scale`, `v_scale`: from the checkpoint, else 1.0). Reading
 multiplies by the scale in float32 before any dot product. Caches of any other dtype ignore the scales.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
-                         device: torch.device | None = None) -> torch.dtype:
+def kv_cache_torch_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None
+) -> torch.dtype:
     """The KV cache tensors' dtype: the model's for "auto", float8_e4m3fn for "fp8" / "fp8_e4m3". ValueError for
     other names, and for FP8 on a GPU below compute capability 8.9 (Triton has no e4m3 conversions there)."""
     if kv_cache_dtype == "auto":
@@ -26,9 +28,11 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype,
     if device is not None and torch.device(device).type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
-                             f"(Ada, Hopper) for the Triton kernels' float8_e4m3fn; this one is "
-                             f"{capability[0]}.{capability[1]}")
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                f"(Ada, Hopper) for the Triton kernels' float8_e4m3fn; this one is "
+                f"{capability[0]}.{capability[1]}"
+            )
     return FP8_KV_DTYPE
 
 

@@ -1,4 +1,5 @@
 """Torch implementation of the paged KV-cache write (reshape-and-cache); FP8 caches store `quantize_kv(x, scale)`."""
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,15 @@ def valid_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
     return slots[rows], rows
 
 
-def write_kv_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots_and_rows: tuple[torch.Tensor, torch.Tensor | None], k_scale: float = 1.0,
-                   v_scale: float = 1.0) -> None:
+def write_kv_slots(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots_and_rows: tuple[torch.Tensor, torch.Tensor | None],
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Scatter key/value rows into the caches at `valid_slots`' slots (FP8 caches: divided by k_scale / v_scale,
     clamped and rounded to float8_e4m3fn)."""
     # key, value: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]
@@ -34,9 +41,11 @@ def write_kv_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         key, value = key[rows], value[rows]
     if is_fp8(k_cache):  # torch has no float8 index_copy_ on CPU: copy the bytes
         kv_bytes(k_cache).view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
-            0, slots, kv_bytes(quantize_kv(key, k_scale)))
+            0, slots, kv_bytes(quantize_kv(key, k_scale))
+        )
         kv_bytes(v_cache).view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(
-            0, slots, kv_bytes(quantize_kv(value, v_scale)))
+            0, slots, kv_bytes(quantize_kv(value, v_scale))
+        )
         return
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))

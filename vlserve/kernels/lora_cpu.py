@@ -29,6 +29,7 @@ for bf16 inputs (what `cpu_linear_silu_mul(..., pre_act_add=)` takes).
 Built through inductor's C++ toolchain on first use, like `grammar_mask`. Where no compiler works or
 $VLSERVE_CPU_LORA_KERNEL is "0", `lora_cpu_supported` is False and `lora_add` runs the torch twin.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,9 +46,26 @@ extern "C" void kernel(const void* x, int64_t ldx, void* out, int64_t ldo, const
                        const void* a, const void* b, const int32_t* ranks, const int64_t* slices, int64_t L, int64_t S,
                        int64_t R, int64_t I, int64_t Ob, int64_t dtype, int64_t out_f32, int64_t threads);
 """
-_ARG_TYPES = ["const void*", "int64_t", "void*", "int64_t", "const int64_t*", "int64_t", "const void*", "const void*",
-              "const int32_t*", "const int64_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-              "int64_t", "int64_t"]
+_ARG_TYPES = [
+    "const void*",
+    "int64_t",
+    "void*",
+    "int64_t",
+    "const int64_t*",
+    "int64_t",
+    "const void*",
+    "const void*",
+    "const int32_t*",
+    "const int64_t*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 DISABLE_ENV = "VLSERVE_CPU_LORA_KERNEL"  # "0": the torch twin (lora_ref.add_lora_grouped) instead
 
@@ -60,11 +78,11 @@ def lora_cpu_kernel():
 
         from vlserve.kernels.cpu_linear import _source  # pastes the shared header in
 
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=_source("lora_cpu.cpp"),
-                                                         kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=_source("lora_cpu.cpp"), kernel_needs_vec_isa=True
+        )
     except Exception as exc:  # no compiler, or an inductor without this loader: the torch twin runs instead
-        logger.warning("the C++ LoRA kernel could not be built (%s: %s); using the torch path", type(exc).__name__,
-                       exc)
+        logger.warning("the C++ LoRA kernel could not be built (%s: %s); using the torch path", type(exc).__name__, exc)
         return None
 
 
@@ -72,8 +90,12 @@ def lora_cpu_supported(dtype: torch.dtype = torch.float32, device: torch.device 
     """Whether `lora_add_cpu` serves weights of `dtype` on `device`: CPU, float32 or bfloat16, a kernel built here,
     and not switched off by $VLSERVE_CPU_LORA_KERNEL=0. Cheap after the first call, but meant to be asked once per
     layer (at init_lora), not per step."""
-    return (torch.device(device).type == "cpu" and dtype in _DTYPE_CODES
-            and os.environ.get(DISABLE_ENV, "1") != "0" and lora_cpu_kernel() is not None)
+    return (
+        torch.device(device).type == "cpu"
+        and dtype in _DTYPE_CODES
+        and os.environ.get(DISABLE_ENV, "1") != "0"
+        and lora_cpu_kernel() is not None
+    )
 
 
 class LoRAStack:
@@ -90,16 +112,37 @@ class LoRAStack:
         self.offsets, self.sizes = list(offsets), list(sizes)
         self.slices = torch.tensor([[o, n] for o, n in zip(offsets, sizes)], dtype=torch.int64).reshape(-1, 2)
         L, SR, I = a.shape
-        if SR != len(sizes) * self.max_rank or b.shape[0] != L or b.shape[2] < max(
-                (o + n for o, n in zip(offsets, sizes)), default=0):
+        if (
+            SR != len(sizes) * self.max_rank
+            or b.shape[0] != L
+            or b.shape[2] < max((o + n for o, n in zip(offsets, sizes)), default=0)
+        ):
             raise ValueError(f"LoRAStack: a {tuple(a.shape)} and b {tuple(b.shape)} do not fit slices {sizes}")
         # what every call passes after x, out and the slots: weights, ranks, slices, L, S, R, I, Ob, dtype code
-        self.kernel_args = (a, b, ranks, self.slices, L, len(sizes), self.max_rank, I, b.shape[2],
-                            _DTYPE_CODES.get(a.dtype, -1) if a.is_cpu else -1)
+        self.kernel_args = (
+            a,
+            b,
+            ranks,
+            self.slices,
+            L,
+            len(sizes),
+            self.max_rank,
+            I,
+            b.shape[2],
+            _DTYPE_CODES.get(a.dtype, -1) if a.is_cpu else -1,
+        )
 
     @classmethod
-    def zeros(cls, max_loras: int, max_rank: int, in_features: int, offsets: list[int], sizes: list[int],
-              dtype: torch.dtype, device: torch.device | str = "cpu") -> LoRAStack:
+    def zeros(
+        cls,
+        max_loras: int,
+        max_rank: int,
+        in_features: int,
+        offsets: list[int],
+        sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> LoRAStack:
         """Empty slots for output slices at `offsets` of widths `sizes` (what `init_lora` allocates)."""
         width = max((o + n for o, n in zip(offsets, sizes)), default=0)
         a = torch.zeros(max_loras, len(sizes) * max_rank, in_features, dtype=dtype, device=device)  # [L, S*R, I]
@@ -108,12 +151,14 @@ class LoRAStack:
         return cls(a, b, ranks, offsets, sizes)
 
     @classmethod
-    def from_lists(cls, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], offsets: list[int],
-                   ranks: list[list[int]]) -> LoRAStack:
+    def from_lists(
+        cls, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], offsets: list[int], ranks: list[list[int]]
+    ) -> LoRAStack:
         """A copy of `add_lora_grouped`'s operands: `lora_a[q] [L, R, I]`, `lora_b[q] [L, O_q, R]`, ranks[slot][q]."""
         max_loras, max_rank, in_features = lora_a[0].shape
-        stack = cls.zeros(max_loras, max_rank, in_features, offsets, [b.shape[1] for b in lora_b], lora_a[0].dtype,
-                          lora_a[0].device)
+        stack = cls.zeros(
+            max_loras, max_rank, in_features, offsets, [b.shape[1] for b in lora_b], lora_a[0].dtype, lora_a[0].device
+        )
         for view, a in zip(stack.lora_a_views(), lora_a):
             view.copy_(a)
         for view, b in zip(stack.lora_b_views(), lora_b):
@@ -129,35 +174,51 @@ class LoRAStack:
 
     def lora_b_views(self) -> list[torch.Tensor]:
         """Slice q's B as a view `[L, O_q, R]` into `b` (writes through)."""
-        return [self.b[:, :, o:o + n].transpose(1, 2) for o, n in zip(self.offsets, self.sizes)]
+        return [self.b[:, :, o : o + n].transpose(1, 2) for o, n in zip(self.offsets, self.sizes)]
 
     def rank_lists(self) -> list[list[int]]:
         """`ranks` as the layers' `lora_ranks` lists (ranks[slot][q])."""
         return self.ranks.tolist()
 
 
-def lora_add_cpu(x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor, stack: LoRAStack,
-                 threads: int | None = None) -> torch.Tensor:
+def lora_add_cpu(
+    x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor, stack: LoRAStack, threads: int | None = None
+) -> torch.Tensor:
     """`out [T, O] += ` the LoRA delta of `x [T, I]` for each token's slot (`token_slots [T]` int64 on CPU, -1:
     none), in place, in one C++ call; returns out. x and the stack share a dtype (float32 or bfloat16); out has it
     too, or is float32 (a delta buffer). x and out need unit stride along their last dim. Slots past the stack's L
     are skipped like -1. Check `lora_cpu_supported` first."""
     dtype, args = x.dtype, stack.kernel_args
-    if (dtype is not stack.a.dtype or args[-1] < 0 or (out.dtype is not dtype and out.dtype is not torch.float32)
-            or not (x.is_cpu and out.is_cpu and token_slots.is_cpu)):
-        raise ValueError(f"lora_add_cpu: CPU tensors, x {dtype}, weights {stack.a.dtype} (float32 or bfloat16), "
-                         f"out {out.dtype} (x's or float32)")
+    if (
+        dtype is not stack.a.dtype
+        or args[-1] < 0
+        or (out.dtype is not dtype and out.dtype is not torch.float32)
+        or not (x.is_cpu and out.is_cpu and token_slots.is_cpu)
+    ):
+        raise ValueError(
+            f"lora_add_cpu: CPU tensors, x {dtype}, weights {stack.a.dtype} (float32 or bfloat16), "
+            f"out {out.dtype} (x's or float32)"
+        )
     T, I = x.shape
     xs, os_ = x.stride(), out.stride()
-    if (xs[1] != 1 or os_[1] != 1 or I != args[7] or out.shape[0] != T or out.shape[1] < args[8]
-            or token_slots.shape[0] != T):
-        raise ValueError(f"lora_add_cpu: x [T, {args[7]}] and out [T, >= {args[8]}] with unit column stride and "
-                         f"token_slots [T]; got {tuple(x.shape)}, {tuple(out.shape)}, {tuple(token_slots.shape)}")
+    if (
+        xs[1] != 1
+        or os_[1] != 1
+        or I != args[7]
+        or out.shape[0] != T
+        or out.shape[1] < args[8]
+        or token_slots.shape[0] != T
+    ):
+        raise ValueError(
+            f"lora_add_cpu: x [T, {args[7]}] and out [T, >= {args[8]}] with unit column stride and "
+            f"token_slots [T]; got {tuple(x.shape)}, {tuple(out.shape)}, {tuple(token_slots.shape)}"
+        )
     if token_slots.dtype is not torch.int64 or not token_slots.is_contiguous():
         token_slots = token_slots.to(torch.int64).contiguous()
     if T:
-        lora_cpu_kernel()(x, xs[0], out, os_[0], token_slots, T, *args, out.dtype is not dtype,
-                          threads or torch.get_num_threads())
+        lora_cpu_kernel()(
+            x, xs[0], out, os_[0], token_slots, T, *args, out.dtype is not dtype, threads or torch.get_num_threads()
+        )
     return out
 
 
@@ -165,8 +226,9 @@ def lora_add_ref(x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor, 
     """`lora_add_cpu`'s contract through the torch twin (`lora_ref.add_lora_grouped`, any device)."""
     from vlserve.kernels.lora_ref import add_lora_grouped, token_groups
 
-    add_lora_grouped(x, out, stack.lora_a_views(), stack.lora_b_views(), stack.offsets, stack.rank_lists(),
-                     token_groups(token_slots))
+    add_lora_grouped(
+        x, out, stack.lora_a_views(), stack.lora_b_views(), stack.offsets, stack.rank_lists(), token_groups(token_slots)
+    )
     return out
 
 
@@ -177,9 +239,16 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor, stac
     return lora_add_ref(x, out, token_slots, stack)
 
 
-def lora_add_cpu_lists(x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor, lora_a: list[torch.Tensor],
-                       lora_b: list[torch.Tensor], offsets: list[int], ranks: list[list[int]],
-                       threads: int | None = None) -> torch.Tensor:
+def lora_add_cpu_lists(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    token_slots: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    offsets: list[int],
+    ranks: list[list[int]],
+    threads: int | None = None,
+) -> torch.Tensor:
     """`lora_add_cpu` on `add_lora_grouped`'s operands (per-slice lists): stacks them on every call, so for tests and
     one-off use; the layers keep a `LoRAStack` instead."""
     return lora_add_cpu(x, out, token_slots, LoRAStack.from_lists(lora_a, lora_b, offsets, ranks), threads)

@@ -11,6 +11,7 @@ tokens are contiguous, so a group is usually a slice) and each active slot costs
 per output slice. `bgmv_shrink` / `bgmv_expand_slice` are the per-token forms (each token gathers its own
 matrices), kept as the reference the grouped path is tested against and as the spec a fused kernel must meet.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,20 +42,28 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, slot: int, rank: int) -> torch
     return x @ lora_a[slot, :rank].t()
 
 
-def expand_slice(y: torch.Tensor, lora_b: torch.Tensor, slot: int, rank: int, out: torch.Tensor, rows,
-                 offset: int) -> None:
+def expand_slice(
+    y: torch.Tensor, lora_b: torch.Tensor, slot: int, rank: int, out: torch.Tensor, rows, offset: int
+) -> None:
     """Add `y [n, rank] @ B[slot, :, :rank]^T` (`[n, O_s]`) into `out[rows, offset:offset + O_s]` in place."""
     b = lora_b[slot, :, :rank]  # [O_s, rank]
     delta = (y @ b.t()).to(out.dtype)  # [n, O_s]
-    cols = out[:, offset:offset + b.shape[0]]  # a view of out: [T, O_s]
+    cols = out[:, offset : offset + b.shape[0]]  # a view of out: [T, O_s]
     if isinstance(rows, slice):
         cols[rows] += delta
     else:
         cols.index_add_(0, rows, delta)
 
 
-def add_lora_grouped(x: torch.Tensor, out: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-                     offsets: list[int], ranks: list[list[int]], groups) -> None:
+def add_lora_grouped(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora_a: list[torch.Tensor],
+    lora_b: list[torch.Tensor],
+    offsets: list[int],
+    ranks: list[list[int]],
+    groups,
+) -> None:
     """The fused-layer op: for each `(slot, rows)` group and each output slice s with `ranks[slot][s] > 0`,
     `out[rows, offsets[s]:...] += x[rows] @ A_s[slot]^T @ B_s[slot]^T`. `x [T, I]`, `out [T, O]`, `lora_a[s]
     [L, R, I]`, `lora_b[s] [L, O_s, R]`. Rows of no group (and slices without weights) are not touched."""
@@ -70,6 +79,7 @@ def add_lora_grouped(x: torch.Tensor, out: torch.Tensor, lora_a: list[torch.Tens
 
 # ---- per-token reference (bgmv) ---------------------------------------------------------------------------------
 
+
 def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Per token: `x [T, I]` -> `[T, R]` = `scale * x[t] @ A[slot_t]^T`, zero rows where slot_t < 0."""
     picked = lora_a[token_slots.clamp(min=0)]  # [T, R, I]
@@ -77,10 +87,11 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     return y.masked_fill((token_slots < 0).unsqueeze(1), 0)
 
 
-def bgmv_expand_slice(y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor,
-                      offset: int) -> None:
+def bgmv_expand_slice(
+    y: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor, offset: int
+) -> None:
     """Per token: `out[t, offset:offset + O_s] += y[t] @ B[slot_t]^T` for slot_t >= 0 (`y [T, R]`, `out [T, O]`)."""
     picked = lora_b[token_slots.clamp(min=0)]  # [T, O_s, R]
     delta = torch.einsum("tr,tor->to", y, picked)  # [T, O_s]
     keep = token_slots >= 0
-    out[keep, offset:offset + lora_b.shape[1]] += delta[keep].to(out.dtype)
+    out[keep, offset : offset + lora_b.shape[1]] += delta[keep].to(out.dtype)

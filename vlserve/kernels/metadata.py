@@ -1,4 +1,5 @@
 """Per-step attention metadata that the model runner builds and every attention layer reads."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable

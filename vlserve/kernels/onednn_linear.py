@@ -7,6 +7,7 @@ rows, even at thousands, and from 4 rows faster than the packed C++ kernel (`cpu
 1-2 rows; the sums came out equal to `F.linear`'s on every shape tried. Packed layers on such CPUs hold this form
 instead of the plain matrix (`packed_linear`), towers hold only it.
 """
+
 from __future__ import annotations
 
 import torch

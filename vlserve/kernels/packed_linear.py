@@ -7,6 +7,7 @@ parallel layers (`models.parallel_layers`) and the encoders' towers, projectors 
 the towers' patch embeddings) in one walk. `packable(module)` turns the plain `nn.Linear`s of a module built by
 someone else (timm) into PackableLinears in place.
 """
+
 from __future__ import annotations
 
 import logging
@@ -158,8 +159,12 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
     for module in model.modules():
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
-    unpacked = {id(m) for part in many_rows for m in part.modules()
-                if getattr(m, "weight", None) is not None and onednn_min_rows(m.weight.dtype) is not None}
+    unpacked = {
+        id(m)
+        for part in many_rows
+        for m in part.modules()
+        if getattr(m, "weight", None) is not None and onednn_min_rows(m.weight.dtype) is not None
+    }
     packed = 0
     for m in model.modules():
         pack = getattr(m, "pack_for_cpu", None)
@@ -175,8 +180,13 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
     split = [m for m in model.modules() if getattr(m, "onednn_rows", None) and m.packed_weight is not None]
     if split:
         twice = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in split)
-        logger.info("%d packed CPU linears hand inputs of %d+ rows to torch's matmul (oneDNN): their matrices are "
-                    "held twice, %.2f GiB more", len(split), split[0].onednn_rows, twice / 2**30)
+        logger.info(
+            "%d packed CPU linears hand inputs of %d+ rows to torch's matmul (oneDNN): their matrices are "
+            "held twice, %.2f GiB more",
+            len(split),
+            split[0].onednn_rows,
+            twice / 2**30,
+        )
     return packed
 
 
@@ -227,7 +237,7 @@ class PatchConv2d(_PatchConv, nn.Conv2d):
         n, c, height, width = pixels.shape
         p = self.kernel_size[0]
         gh, gw = height // p, width // p
-        cut = pixels[:, :, :gh * p, :gw * p].reshape(n, c, gh, p, gw, p)
+        cut = pixels[:, :, : gh * p, : gw * p].reshape(n, c, gh, p, gw, p)
         patches = cut.permute(0, 2, 4, 1, 3, 5).reshape(n, gh * gw, c * p * p)  # [N, np, C*p*p], row-major grid
         return self.rows(patches)  # [N, np, E]
 
@@ -249,8 +259,15 @@ class PackableConv1d(_PatchConv, nn.Conv1d):
     packs like a linear: `[B, C, T]` -> `[B, E, T_out]` (torch's bf16 convolution on CPUs without native bf16 math
     cost a Whisper stem seconds)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0,
-                 bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        padding: int = 0,
+        bias: bool = True,
+    ) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=bias)
         self.register_parameter("packed_weight", None)
 

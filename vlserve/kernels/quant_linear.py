@@ -59,6 +59,7 @@ What runs where:
   2.0x; with the caches flushed before each call, as a decode step's weights are (`--cold`), M=1 ran W4A16
   1.7-2.0x, INT8 1.7-2.4x, FP8 1.4-2.1x as fast on all five shapes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ def _packs_here(weight: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------- W8A8 INT8
+
 
 @dataclass
 class Int8Weights:
@@ -113,8 +115,9 @@ def prepare_int8(weight: torch.Tensor, scale: torch.Tensor, keep_canonical: bool
     return w
 
 
-def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Reference W8A8: x [M, K] -> [M, N] in x.dtype (int32 sums of int8 products, rescaled in float32)."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows_int8(x2)
@@ -125,8 +128,9 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def int8_linear_onednn(x: torch.Tensor, weight: torch.Tensor | QC.OneDnnInt8, scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear_onednn(
+    x: torch.Tensor, weight: torch.Tensor | QC.OneDnnInt8, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """W8A8 through oneDNN's int8 matmul (`torch._int_mm`, or the prepacked matrix's `qlinear_pointwise`; AMX
     tiles where the CPU has them): the reference's quantization and epilogue, the same exact int32 sums. x [..., K]
     -> [..., N] in x.dtype."""
@@ -135,7 +139,7 @@ def int8_linear_onednn(x: torch.Tensor, weight: torch.Tensor | QC.OneDnnInt8, sc
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows_int8(x2)  # [M, K] int8, [M, 1]
     y = torch._int_mm(xq, weight.t()).float().mul_(xs).mul_(scale.reshape(1, -1))  # [M, N]; weight [N, K] read
-    if bias is not None:                                                           # transposed, in place after
+    if bias is not None:  # transposed, in place after
         y.add_(bias.float())
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
@@ -151,18 +155,25 @@ def int8_linear(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None) -> t
     return int8_linear_ref(x, w.weight, w.scale, bias)
 
 
-def int8_linear_silu_mul(x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None,
-                         intermediate: int) -> torch.Tensor | None:
+def int8_linear_silu_mul(
+    x: torch.Tensor, w: Int8Weights, bias: torch.Tensor | None, intermediate: int
+) -> torch.Tensor | None:
     """W8A8 gate_up ([2I, K], gate rows first) followed by silu(gate) * up: [..., K] -> [..., I] in one pass of the
     AMX int8 kernel, rounded as the unfused ops round; None where the matrix is not in the tile layout or I is not a
     multiple of 32 (the caller runs `int8_linear` and the activation apart)."""
-    if (w.cpu is None or not w.cpu.amx_rows or intermediate % QC.PANEL or 2 * intermediate != w.cpu.out_features
-            or x.dtype not in (torch.float32, torch.bfloat16)):  # (float16 would round through float32 here)
+    if (
+        w.cpu is None
+        or not w.cpu.amx_rows
+        or intermediate % QC.PANEL
+        or 2 * intermediate != w.cpu.out_features
+        or x.dtype not in (torch.float32, torch.bfloat16)
+    ):  # (float16 would round through float32 here)
         return None
     return QC.quant_matmul(x, w.cpu, bias, silu_mul=True)
 
 
 # ----------------------------------------------------------------------------------------------------- WNA16
+
 
 @dataclass
 class WNA16Weights:
@@ -186,8 +197,9 @@ def group_index(in_features: int, group_size: int, g_idx: torch.Tensor | None) -
     return torch.arange(in_features, dtype=torch.int64) // group_size
 
 
-def dequantize_wna16_ref(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                         g_idx: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_wna16_ref(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None
+) -> torch.Tensor:
     """Canonical q [N, K], scales [N, G], zeros [N, G] (+ g_idx [K]) -> float32 W [N, K] = (q - z) * s."""
     groups = group_index(q.shape[1], group_size, g_idx).to(q.device)  # [K]
     z = zeros.to(torch.float32)[:, groups]  # [N, K]
@@ -195,9 +207,16 @@ def dequantize_wna16_ref(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return (q.to(torch.float32) - z) * s
 
 
-def wna16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                     g_idx: torch.Tensor | None, bias: torch.Tensor | None,
-                     weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def wna16_linear_ref(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    weight_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Reference weight-only matmul: x [..., K] -> [..., N] in x.dtype, computed in float32. `weight_dtype` bf16:
     each dequantized weight rounded to bf16 first (what the AMX tile path multiplies, as HF's bf16 models do)."""
     w = dequantize_wna16_ref(q, scales, zeros, group_size, g_idx).to(weight_dtype).float()
@@ -205,8 +224,15 @@ def wna16_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zer
     return y.to(x.dtype)
 
 
-def prepare_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
-                  g_idx: torch.Tensor | None = None, keep_canonical: bool = True) -> WNA16Weights:
+def prepare_wna16(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    g_idx: torch.Tensor | None = None,
+    keep_canonical: bool = True,
+) -> WNA16Weights:
     """Canonical q / scales / zeros (+ act-order g_idx) -> the kernel's form. With a g_idx that is not k // group
     size the columns are sorted by group (`perm`), so every group is contiguous. Without `keep_canonical`, a matrix
     packed for the CPU kernel is held only packed (`q` None)."""
@@ -218,8 +244,9 @@ def prepare_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
         if not torch.equal(groups, torch.arange(q.shape[1], device=q.device) // group_size):
             perm = torch.argsort(groups, stable=True)
             q = q[:, perm]
-    w = WNA16Weights(q.to(torch.uint8).contiguous(), scales.contiguous(), zeros.to(torch.uint8).contiguous(),
-                     group_size, bits, perm)
+    w = WNA16Weights(
+        q.to(torch.uint8).contiguous(), scales.contiguous(), zeros.to(torch.uint8).contiguous(), group_size, bits, perm
+    )
     if _packs_here(q):
         w.cpu = QC.pack_wna16(w.q, w.scales, w.zeros, group_size, bits)
         if not keep_canonical:
@@ -242,6 +269,7 @@ def wna16_linear(x: torch.Tensor, w: WNA16Weights, bias: torch.Tensor | None) ->
 
 # ----------------------------------------------------------------------------------------------------- FP8
 
+
 @dataclass
 class FP8Weights:
     """An FP8 matrix: `weight` float8_e4m3fn [N, K]; `scale` float32 [] (tensor), [N] (channel) or [N/bn, K/bk]
@@ -257,8 +285,9 @@ class FP8Weights:
     cpu: PackedQuant | None = None
 
 
-def quantize_fp8_ref(x: torch.Tensor, act: str, act_group: int = 0,
-                     input_scale: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_fp8_ref(
+    x: torch.Tensor, act: str, act_group: int = 0, input_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] float -> float32 [M, K]: x rounded through float8_e4m3fn with a dynamic per-token / per-group or a
     static scale, then scaled back (the values an FP8 GEMM would multiply)."""
     xf = x.float()
@@ -282,7 +311,7 @@ def dequantize_fp8_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[i
     if block is None:
         return w * (scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float())
     bn, bk = block
-    s = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:w.shape[0], :w.shape[1]]  # [N, K]
+    s = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: w.shape[0], : w.shape[1]]  # [N, K]
     return w * s
 
 
@@ -294,13 +323,25 @@ def fp8_linear_ref(x: torch.Tensor, w: FP8Weights, bias: torch.Tensor | None) ->
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def prepare_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, act: str,
-                act_group: int = 0, input_scale: torch.Tensor | None = None,
-                keep_canonical: bool = True) -> FP8Weights:
+def prepare_fp8(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    act: str,
+    act_group: int = 0,
+    input_scale: torch.Tensor | None = None,
+    keep_canonical: bool = True,
+) -> FP8Weights:
     """float8_e4m3fn [N, K] weight, its scale and the activation scheme -> the kernel's form. Without
     `keep_canonical`, a weight packed for the CPU kernel is held only packed (`weight` None)."""
-    w = FP8Weights(weight.contiguous(), scale.float().contiguous(), block, act, act_group,
-                   None if input_scale is None else input_scale.float())
+    w = FP8Weights(
+        weight.contiguous(),
+        scale.float().contiguous(),
+        block,
+        act,
+        act_group,
+        None if input_scale is None else input_scale.float(),
+    )
     if _packs_here(weight):
         w.cpu = QC.pack_fp8(w.weight, w.scale, block, act, act_group, w.input_scale)
         if not keep_canonical:

@@ -4,6 +4,7 @@ float32 register blocks and work split they reuse. Where this CPU or toolchain c
 $VLSERVE_QUANT_CPU_KERNEL is "0", `quant_kernel()` is None and `prepare_*` keep the canonical tensors (the float32
 references run). See `quant_linear`'s docstring for what runs where and how fast.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,24 @@ extern "C" void kernel(int64_t op, const void* x, int64_t ldx, const void* w, co
                        const void* bias, void* out, int64_t ldo, int64_t M, int64_t N, int64_t K, int64_t group,
                        int64_t threads, int64_t flags, int64_t act);
 """
-_ARG_TYPES = ["int64_t", "const void*", "int64_t", "const void*", "const void*", "const void*", "const void*", "void*",
-              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"]
+_ARG_TYPES = [
+    "int64_t",
+    "const void*",
+    "int64_t",
+    "const void*",
+    "const void*",
+    "const void*",
+    "const void*",
+    "void*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+]
 _NONE = torch.empty(0)
 
 
@@ -46,11 +63,15 @@ def build_quant_linear(isa: str):
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         source = prefix + cpu_linear._source("quant_linear.cpp")
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=source,
-                                                         kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
+        )
     except Exception as exc:  # no compiler, or an inductor without this loader: the references run
-        logger.warning("the C++ quantized CPU linear could not be built (%s: %s); using the float32 references",
-                       type(exc).__name__, exc)
+        logger.warning(
+            "the C++ quantized CPU linear could not be built (%s: %s); using the float32 references",
+            type(exc).__name__,
+            exc,
+        )
         return None
 
 
@@ -143,8 +164,9 @@ def _group_panels(t: torch.Tensor) -> torch.Tensor:
     return _pad_rows(t).view(-1, PANEL, g).permute(0, 2, 1).contiguous()
 
 
-def pack_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               bits: int) -> PackedQuant | None:
+def pack_wna16(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int
+) -> PackedQuant | None:
     """Canonical q uint8 [N, K] (columns already in group order), scales [N, G], zeros [N, G] -> the kernel's form,
     or None where its layout cannot hold them (G > 1 with groups not a multiple of 8 positions long)."""
     n, k = q.shape
@@ -161,10 +183,17 @@ def pack_wna16(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
     scales = scales[:, :groups]
     if scales.dtype not in _SCALE_DTYPES:
         scales = scales.float()
-    return PackedQuant(OP_W4 if bits == 4 else OP_W8, _lanes(cols), _group_panels(scales),
-                       _group_panels(zeros[:, :groups].to(torch.uint8)), n, k, group, _SCALE_DTYPES[scales.dtype],
-                       amx_rows=amx_rows(AMX_INT4_ROWS if bits == 4 and (groups == 1 or group % 32 == 0) else
-                                         AMX_ROWS) or 0)
+    return PackedQuant(
+        OP_W4 if bits == 4 else OP_W8,
+        _lanes(cols),
+        _group_panels(scales),
+        _group_panels(zeros[:, :groups].to(torch.uint8)),
+        n,
+        k,
+        group,
+        _SCALE_DTYPES[scales.dtype],
+        amx_rows=amx_rows(AMX_INT4_ROWS if bits == 4 and (groups == 1 or group % 32 == 0) else AMX_ROWS) or 0,
+    )
 
 
 def fp8_act_code(act: str, act_group: int = 0) -> int:
@@ -175,15 +204,23 @@ def fp8_act_code(act: str, act_group: int = 0) -> int:
     return codes[act] | (act_group << 2 if act == "group" else 0)
 
 
-def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, act: str, act_group: int = 0,
-             input_scale: torch.Tensor | None = None) -> PackedQuant | None:
+def pack_fp8(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    act: str,
+    act_group: int = 0,
+    input_scale: torch.Tensor | None = None,
+) -> PackedQuant | None:
     """float8_e4m3fn [N, K] and its scale ([] / [N] / blocks [N/bn, K/bk]), and the activation scheme -> the
     kernel's form, or None where the layout cannot hold it (block columns not a multiple of 8; a scale of 256 or
     more, see Fp8W in the C++)."""
     n, k = weight.shape
     if act == "static" and input_scale is None or act == "group" and (act_group <= 0 or k % act_group):
-        raise ValueError(f"FP8 activations {act!r} need a static input scale or groups dividing K = {k} "
-                         f"(got {input_scale}, {act_group})")
+        raise ValueError(
+            f"FP8 activations {act!r} need a static input scale or groups dividing K = {k} "
+            f"(got {input_scale}, {act_group})"
+        )
     kp = -(-k // 8) * 8
     scale = scale.float()
     if not bool(torch.isfinite(scale).all()) or float(scale.abs().max()) >= 256:
@@ -201,8 +238,18 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
     cols[:, :k] = weight.view(torch.uint8)
     static = _NONE if input_scale is None else input_scale.float().reshape(1).contiguous()
     tiles = group == kp and act in ("token", "static")  # what the AMX path serves (csrc: amx_serves)
-    return PackedQuant(OP_FP8, _lanes(cols), _group_panels(per_col.contiguous()), static, n, k, group, 0,
-                       fp8_act_code(act, act_group), (amx_rows(AMX_FP8_ROWS) or 0) if tiles else 0)
+    return PackedQuant(
+        OP_FP8,
+        _lanes(cols),
+        _group_panels(per_col.contiguous()),
+        static,
+        n,
+        k,
+        group,
+        0,
+        fp8_act_code(act, act_group),
+        (amx_rows(AMX_FP8_ROWS) or 0) if tiles else 0,
+    )
 
 
 def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedQuant:
@@ -212,8 +259,9 @@ def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> PackedQuant:
     int8 matmul and than the register kernel from 1 to 512 rows on a 2-core Xeon, docs/benchmarks.md)."""
     n, k = weight.shape
     if amx_rows() and _amx_int8_built(quant_kernel()):
-        return PackedQuant(OP_INT8, pack_int8_amx(weight), _pad_rows(scale.reshape(-1).float()), _NONE, n, k,
-                           amx_rows=1)
+        return PackedQuant(
+            OP_INT8, pack_int8_amx(weight), _pad_rows(scale.reshape(-1).float()), _NONE, n, k, amx_rows=1
+        )
     kp = k + k % 2
     padded = torch.zeros(n, kp, dtype=torch.int8)
     padded[:, :k] = weight
@@ -235,13 +283,26 @@ def pack_int8_amx(weight: torch.Tensor) -> torch.Tensor:
 
 # Defined through torch.library.Library (as cpu_linear's ops): an opaque op to torch.compile, with a fake.
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
-_LIB.define("quant_linear_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor? bias, int op, int out_features, "
-            "int group, int scale_dtype, int act, int amx_rows=0, bool silu_mul=False) -> Tensor")
+_LIB.define(
+    "quant_linear_cpu(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor? bias, int op, int out_features, "
+    "int group, int scale_dtype, int act, int amx_rows=0, bool silu_mul=False) -> Tensor"
+)
 
 
-def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      bias: torch.Tensor | None, op: int, out_features: int, group: int, scale_dtype: int,
-                      act: int, amx_rows: int = 0, silu_mul: bool = False) -> torch.Tensor:
+def _quant_linear_cpu(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    op: int,
+    out_features: int,
+    group: int,
+    scale_dtype: int,
+    act: int,
+    amx_rows: int = 0,
+    silu_mul: bool = False,
+) -> torch.Tensor:
     """x [..., K] float32 or bf16 times a packed matrix (+ float32 bias [N]) -> [..., N] in x.dtype (`silu_mul`, a
     W8A8 gate_up matrix in the tile layout: silu(gate) * up, [..., N / 2]). Runs for every quantized projection of
     a decode step: the common case (2-D rows, unit stride) takes no detours."""
@@ -260,8 +321,24 @@ def _quant_linear_cpu(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
             flags |= 32 * bool(amx_rows) | 64 * silu_mul  # the tile layout: every row count on the AMX tiles
         else:
             flags |= 16 * bool(amx_rows and flags & 1 and m >= amx_rows)  # bf16 rows from the threshold on
-        quant_kernel()(op, rows, rows.stride(0), w, scales, zeros, _NONE if bias is None else bias, out, out_features,
-                       m, out_features, k, group, torch.get_num_threads(), flags, act)
+        quant_kernel()(
+            op,
+            rows,
+            rows.stride(0),
+            w,
+            scales,
+            zeros,
+            _NONE if bias is None else bias,
+            out,
+            out_features,
+            m,
+            out_features,
+            k,
+            group,
+            torch.get_num_threads(),
+            flags,
+            act,
+        )
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
@@ -282,8 +359,9 @@ def quant_matmul(x: torch.Tensor, p: PackedQuant, bias: torch.Tensor | None, sil
     xk = x if dtype is torch.float32 or dtype is torch.bfloat16 else x.float()
     b = None if bias is None else bias.float().contiguous()
     run = torch.ops.vlserve.quant_linear_cpu if torch.compiler.is_compiling() else _quant_linear_cpu
-    y = run(xk, p.weight, p.scales, p.zeros, b, p.op, p.out_features, p.group, p.scale_dtype, p.act, p.amx_rows,
-            silu_mul)
+    y = run(
+        xk, p.weight, p.scales, p.zeros, b, p.op, p.out_features, p.group, p.scale_dtype, p.act, p.amx_rows, silu_mul
+    )
     return y if y.dtype is dtype else y.to(dtype)
 
 
@@ -305,29 +383,39 @@ def prepack_int8_onednn(weight: torch.Tensor) -> OneDnnInt8 | None:
     if not cpu_linear._has_amx() or not hasattr(torch.ops.onednn, "qlinear_prepack"):
         return None
     n = weight.shape[0]
-    return OneDnnInt8(torch.ops.onednn.qlinear_prepack(weight.contiguous(), None), torch.ones(n),
-                      torch.zeros(n, dtype=torch.int64))
+    return OneDnnInt8(
+        torch.ops.onednn.qlinear_prepack(weight.contiguous(), None), torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    )
 
 
 _MAX_OUT = 1 << 22  # rows of one oneDNN call x N: a 16 MB float32 output (a 40 MB one ran 4x slower per row)
 
-_LIB.define("int8_linear_onednn_cpu(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? unit_scales=None, "
-            "Tensor? unit_zeros=None) -> Tensor")
+_LIB.define(
+    "int8_linear_onednn_cpu(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? unit_scales=None, "
+    "Tensor? unit_zeros=None) -> Tensor"
+)
 
 
-def _int8_sums(xq: torch.Tensor, weight: torch.Tensor, unit_scales: torch.Tensor | None,
-               unit_zeros: torch.Tensor | None) -> torch.Tensor:
+def _int8_sums(
+    xq: torch.Tensor, weight: torch.Tensor, unit_scales: torch.Tensor | None, unit_zeros: torch.Tensor | None
+) -> torch.Tensor:
     """int8 xq [M, K] . W^T -> the exact int32 sums [M, N]: through oneDNN's prepacked matmul (float32 of the
     sums: scales and zero points of one and zero) where `weight` is prepacked, else `torch._int_mm`."""
     if unit_scales is None:
         return torch._int_mm(xq, weight.t())  # weight [N, K] read transposed
-    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, weight, unit_scales, unit_zeros, None, 1.0, 0,
-                                              torch.float32, "none", [], "")
+    return torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, weight, unit_scales, unit_zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
-def _int8_linear_onednn_cpu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                            unit_scales: torch.Tensor | None = None,
-                            unit_zeros: torch.Tensor | None = None) -> torch.Tensor:
+def _int8_linear_onednn_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    unit_scales: torch.Tensor | None = None,
+    unit_zeros: torch.Tensor | None = None,
+) -> torch.Tensor:
     """W8A8 with oneDNN's int8 matmul in the middle (`_int8_sums`) and both ends in C++: x [M, K] float32 or bf16
     quantized per row (as `quantize_rows_int8`), then the sums [M, N] rescaled (+ float32 bias [N]) into x.dtype in
     one pass. weight int8 [N, K] (or prepacked, with unit_scales / unit_zeros), scale float32 [N]."""
@@ -343,8 +431,24 @@ def _int8_linear_onednn_cpu(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     for r0 in range(0, m, step):
         r1 = min(m, r0 + step)
         sums = _int8_sums(xq[r0:r1], weight, unit_scales, unit_zeros)
-        kernel(OP_INT8_EPILOGUE, sums, sums.stride(0), xs[r0:], scale, _NONE, _NONE if bias is None else bias,
-               out[r0:], n, r1 - r0, n, k, 0, threads, flags, int(sums.dtype is torch.float32))
+        kernel(
+            OP_INT8_EPILOGUE,
+            sums,
+            sums.stride(0),
+            xs[r0:],
+            scale,
+            _NONE,
+            _NONE if bias is None else bias,
+            out[r0:],
+            n,
+            r1 - r0,
+            n,
+            k,
+            0,
+            threads,
+            flags,
+            int(sums.dtype is torch.float32),
+        )
     return out
 
 
@@ -357,8 +461,9 @@ for _key in ("CPU", "MkldnnCPU"):  # a prepacked weight dispatches as MkldnnCPU
 torch.library.register_fake("vlserve::int8_linear_onednn_cpu")(_int8_fake)
 
 
-def int8_matmul_onednn(x: torch.Tensor, weight: torch.Tensor | OneDnnInt8, scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+def int8_matmul_onednn(
+    x: torch.Tensor, weight: torch.Tensor | OneDnnInt8, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x [..., K] (float32 or bf16) times W8A8's int8 [N, K] (or its `OneDnnInt8`) with its float32 scale [N]
     (+ bias) -> [..., N] in x.dtype, through oneDNN's int8 matmul with the quantization and epilogue in C++:
     bit-equal to `int8_linear_ref`."""

@@ -18,6 +18,7 @@ Where this has run: on CPU only. The `_int_mm` and row-/tensor-wise `_scaled_mm`
 references with torch's CPU kernels, the WNA16 route under Triton's interpreter. No line here has executed on a GPU
 yet; the blockwise `scaled_mm` call (layouts taken from torch 2.14's own tests) has never executed at all.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -55,13 +56,15 @@ def _finish(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torc
 
 # ----------------------------------------------------------------------------------------------------- W8A8 INT8
 
+
 def int8_path(m: int, k: int, n: int) -> str:
-    """"int_mm" (rows padded to 17 when M <= 16) or "float" when K or N is not a multiple of 8."""
+    """ "int_mm" (rows padded to 17 when M <= 16) or "float" when K or N is not a multiple of 8."""
     return "int_mm" if k % 8 == 0 and n % 8 == 0 else "float"
 
 
-def int8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear_cuda(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """W8A8 matmul through torch._int_mm: x [..., K] float, weight int8 [N, K], scale [N] -> [..., N] in x.dtype.
     M <= 16 pads x with zero rows up to 17; K or N not a multiple of 8 falls back to a float32 matmul of the int8
     values (exact while the partial sums stay below 2^24)."""
@@ -82,8 +85,15 @@ def int8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 # ----------------------------------------------------------------------------------------------------- FP8
 
-def fp8_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, act: str,
-             act_group: int = 0) -> str:
+
+def fp8_path(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    act: str,
+    act_group: int = 0,
+) -> str:
     """The route `fp8_linear_cuda` takes: "tensorwise" / "rowwise" (`_scaled_mm`), "blockwise" (`scaled_mm` v2) or
     "dequant" (W dequantized to x.dtype, F.linear)."""
     cap = _capability(x.device)
@@ -96,8 +106,16 @@ def fp8_path(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         if act in ("static", "token"):
             return "rowwise"
         return "dequant"
-    if (tuple(block) == (128, 128) and act == "group" and act_group == 128 and cap[0] == 9
-            and _cuda_version() >= (12, 9) and k % 128 == 0 and n % 128 == 0 and not _blockwise_failed):
+    if (
+        tuple(block) == (128, 128)
+        and act == "group"
+        and act_group == 128
+        and cap[0] == 9
+        and _cuda_version() >= (12, 9)
+        and k % 128 == 0
+        and n % 128 == 0
+        and not _blockwise_failed
+    ):
         return "blockwise"
     return "dequant"
 
@@ -116,8 +134,15 @@ def _token_scales(x2: torch.Tensor, group: int = 0) -> torch.Tensor:
     return xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
 
 
-def _fp8_fallback(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block, act: str, act_group: int,
-                  input_scale: torch.Tensor | None) -> torch.Tensor:
+def _fp8_fallback(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block,
+    act: str,
+    act_group: int,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
     # x2 [M, K] -> [M, N] in x2.dtype: x rounded through fp8 as the reference does, W dequantized once
     xq = quantize_fp8_ref(x2, act, act_group, input_scale).to(x2.dtype)  # [M, K]
     w = dequantize_fp8_ref(weight, scale, block).to(x2.dtype)  # [N, K]
@@ -127,8 +152,9 @@ def _fp8_fallback(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
 def _scaled_mm(xq, weight, x_scale, w_scale, bias, out_dtype):
     # xq fp8 [M, K] row-major, weight fp8 [N, K] (its .t() is the column-major [K, N] that cuBLAS wants)
     use_bias = bias is not None and bias.dtype == out_dtype == torch.bfloat16
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias if use_bias else None,
-                         out_dtype=out_dtype)
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=x_scale, scale_b=w_scale, bias=bias if use_bias else None, out_dtype=out_dtype
+    )
     return y, use_bias
 
 
@@ -140,14 +166,29 @@ def _blockwise(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     kb = scale.shape[1]
     ws = F.pad(scale.float(), (0, (-kb) % 4)).t()  # [L4, N/128] view of a contiguous [N/128, L4]
     xs_cm = xs.t().contiguous().t()  # [M, K/128], stride (1, M)
-    return F.scaled_mm(xq, weight.t(), xs_cm, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
-                       swizzle_a=F.SwizzleType.NO_SWIZZLE, swizzle_b=F.SwizzleType.NO_SWIZZLE,
-                       output_dtype=torch.bfloat16)
+    return F.scaled_mm(
+        xq,
+        weight.t(),
+        xs_cm,
+        F.ScalingType.BlockWise1x128,
+        ws,
+        F.ScalingType.BlockWise128x128,
+        swizzle_a=F.SwizzleType.NO_SWIZZLE,
+        swizzle_b=F.SwizzleType.NO_SWIZZLE,
+        output_dtype=torch.bfloat16,
+    )
 
 
-def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                    act: str, act_group: int = 0, input_scale: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    act: str,
+    act_group: int = 0,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """FP8 matmul: x [..., K] float, weight float8_e4m3fn [N, K], scale [] / [N] / [N/bn, K/bk] -> [..., N] in
     x.dtype (routes: `fp8_path`)."""
     global _blockwise_failed
@@ -159,8 +200,9 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
             return _finish(_blockwise(x2, weight, scale), bias, x)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             _blockwise_failed = True
-            warnings.warn(f"blockwise scaled_mm failed ({err}); FP8 block-scaled layers dequantize from now on",
-                          stacklevel=2)
+            warnings.warn(
+                f"blockwise scaled_mm failed ({err}); FP8 block-scaled layers dequantize from now on", stacklevel=2
+            )
             path = "dequant"
     if path == "dequant":
         return _finish(_fp8_fallback(x2, weight, scale, block, act, act_group, input_scale), bias, x)
@@ -182,6 +224,7 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------------------- WNA16
+
 
 @dataclass
 class TritonWNA16Weights:

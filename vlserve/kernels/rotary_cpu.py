@@ -7,6 +7,7 @@ one pass, each token's cos / sin row built once for all its heads. Taken where i
 one dtype, float32 or bf16, the last dim contiguous, a float32 or bf16 cache, a kernel built here; not switched
 off by $VLSERVE_CPU_ROTARY_KERNEL=0); the reference runs otherwise.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,9 +30,26 @@ extern "C" void kernel(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void*
                        const void* sin_cache, int64_t cache_bf16, int64_t half, const int64_t* section,
                        int64_t is_bf16, int64_t threads);
 """
-_ARG_TYPES = ["void*", "int64_t", "int64_t", "int64_t", "void*", "int64_t", "int64_t", "int64_t", "const int64_t*",
-              "int64_t", "int64_t", "const void*", "const void*", "int64_t", "int64_t", "const int64_t*", "int64_t",
-              "int64_t"]
+_ARG_TYPES = [
+    "void*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "void*",
+    "int64_t",
+    "int64_t",
+    "int64_t",
+    "const int64_t*",
+    "int64_t",
+    "int64_t",
+    "const void*",
+    "const void*",
+    "int64_t",
+    "int64_t",
+    "const int64_t*",
+    "int64_t",
+    "int64_t",
+]
 _NO_SECTION = torch.zeros(3, dtype=torch.long)
 
 
@@ -42,18 +60,27 @@ def rotary_cpu_kernel():
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         source = (Path(__file__).parent / "csrc" / "rotary_cpu.cpp").read_text()
-        return CppPythonBindingsCodeCache.load_pybinding(_ARG_TYPES, _DECLARATION, kernel_code=source,
-                                                         kernel_needs_vec_isa=True)
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
+        )
     except Exception as exc:  # no compiler (or no AVX2 build): the reference runs
         logger.warning("the C++ CPU rotary could not be built (%s: %s); using the torch path", type(exc).__name__, exc)
         return None
 
 
 def _takes(query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor) -> bool:
-    return (query.device.type == "cpu" and query.dtype in _DTYPES and key.dtype == query.dtype
-            and cos_cache.dtype in _DTYPES and query.dim() == 3 and key.dim() == 3
-            and query.stride(-1) == 1 and key.stride(-1) == 1 and os.environ.get(DISABLE_ENV, "1") != "0"
-            and rotary_cpu_kernel() is not None)
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _DTYPES
+        and key.dtype == query.dtype
+        and cos_cache.dtype in _DTYPES
+        and query.dim() == 3
+        and key.dim() == 3
+        and query.stride(-1) == 1
+        and key.stride(-1) == 1
+        and os.environ.get(DISABLE_ENV, "1") != "0"
+        and rotary_cpu_kernel() is not None
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,8 +88,14 @@ def _section_tensor(section: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(section, dtype=torch.long)
 
 
-def apply_rotary_cpu(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor, mrope_section: list[int] | None = None) -> None:
+def apply_rotary_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    mrope_section: list[int] | None = None,
+) -> None:
     """`apply_rotary_ref`'s contract and results: the first R dims of query [T, Hq, D] and key [T, Hk, D] rotated in
     place at positions [T] or [3, T] (M-RoPE sections); cos / sin caches [P, R/2]."""
     if not _takes(query, key, cos_cache) or (positions.dim() == 2 and mrope_section is None):
@@ -73,12 +106,31 @@ def apply_rotary_cpu(query: torch.Tensor, key: torch.Tensor, positions: torch.Te
     half = cos_cache.shape[-1]
     if positions.dim() == 2 and sum(mrope_section) != half:
         raise ValueError(f"sum(mrope_section)={sum(mrope_section)} must equal rotary_dim/2={half}")
-    pos = positions if positions.dtype == torch.long and positions.is_contiguous() else (
-        positions.to(torch.long).contiguous())
+    pos = (
+        positions
+        if positions.dtype == torch.long and positions.is_contiguous()
+        else (positions.to(torch.long).contiguous())
+    )
     cos, sin = cos_cache.contiguous(), sin_cache.contiguous()
     section = _NO_SECTION if positions.dim() == 1 else _section_tensor(tuple(mrope_section))
-    rotary_cpu_kernel()(query, query.stride(0), query.stride(1), query.shape[1], key, key.stride(0), key.stride(1),
-                        key.shape[1], pos, 1 if positions.dim() == 1 else 3, tokens, cos, sin,
-                        int(cos.dtype is torch.bfloat16), half, section, int(query.dtype is torch.bfloat16),
-                        torch.get_num_threads())
+    rotary_cpu_kernel()(
+        query,
+        query.stride(0),
+        query.stride(1),
+        query.shape[1],
+        key,
+        key.stride(0),
+        key.stride(1),
+        key.shape[1],
+        pos,
+        1 if positions.dim() == 1 else 3,
+        tokens,
+        cos,
+        sin,
+        int(cos.dtype is torch.bfloat16),
+        half,
+        section,
+        int(query.dtype is torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return None

@@ -4,6 +4,7 @@ The arithmetic mirrors HF transformers exactly: cos/sin are taken from float cac
 query dtype, and the rotation is evaluated as separate multiply / add ops in that dtype, so the
 result is bit-identical to `q * cos + rotate_half(q) * sin`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ def build_rotary_cache(
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
-def mrope_frequency_axes(mrope_section: list[int], device: torch.device | None = None,
-                         interleaved: bool = False) -> torch.Tensor:
+def mrope_frequency_axes(
+    mrope_section: list[int], device: torch.device | None = None, interleaved: bool = False
+) -> torch.Tensor:
     """Axis (0=t, 1=h, 2=w) that each of the R/2 frequencies takes its position from: contiguous sections
     (Qwen2-VL), or interleaved t, h, w, t, h, w, ... with h and w taking every third frequency from 1 and 2 for
     section[1] and section[2] turns, the rest t (Qwen3-VL)."""
@@ -30,7 +32,7 @@ def mrope_frequency_axes(mrope_section: list[int], device: torch.device | None =
         return torch.tensor(axes, dtype=torch.long, device=device)
     axes = torch.zeros(sum(mrope_section), dtype=torch.long)
     for axis in (1, 2):
-        axes[axis:3 * mrope_section[axis]:3] = axis
+        axes[axis : 3 * mrope_section[axis] : 3] = axis
     return axes.to(device)
 
 

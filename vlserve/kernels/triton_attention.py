@@ -10,6 +10,7 @@ Key limits (`md.key_limits`, Gemma 3's bidirectional image tokens): when a prefi
 its own position, `attention_forward_triton` runs the step's prefill sequences through the torch reference path
 (`attention_ref.prefill_ref`, on the GPU) instead of `triton_prefill`; the decodes stay on the decode kernel.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,12 +30,39 @@ from vlserve.kernels.triton_prefill import paged_prefill_attention_triton
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, split_len, num_splits, window,
-    stride_qb, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ob, stride_oh, k_scale, v_scale,
-    BLOCK_SIZE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, FP8: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale_log2,
+    split_len,
+    num_splits,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    k_scale,
+    v_scale,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # grid: (B, Hkv, num_splits); program covers key positions [lo + split * split_len, +split_len) of one group,
     # lo: the first position attended (0, or seq_len - window with a sliding window; window <= 0: none)
@@ -53,7 +81,8 @@ def _decode_kernel(
     q_head = kv_head * GROUP + g  # [GROUP_P2]
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [GROUP_P2, HEAD_DIM_P2]
     if UPCAST:
         q = q.to(tl.float32)
@@ -65,16 +94,48 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
-        k = load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                         k_scale, BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2, FP8)  # [BLOCK_N, HEAD_DIM_P2]
+        k = load_kv_tile(
+            k_cache_ptr,
+            bt_row_ptr,
+            n,
+            n_mask,
+            kv_head,
+            d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            k_scale,
+            BLOCK_SIZE,
+            UPCAST,
+            True,
+            HEAD_DIM != HEAD_DIM_P2,
+            FP8,
+        )  # [BLOCK_N, HEAD_DIM_P2]
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2  # [GROUP_P2, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                         v_scale, BLOCK_SIZE, UPCAST, True, HEAD_DIM != HEAD_DIM_P2, FP8).to(q.dtype)
+        v = load_kv_tile(
+            v_cache_ptr,
+            bt_row_ptr,
+            n,
+            n_mask,
+            kv_head,
+            d,
+            d_mask,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            v_scale,
+            BLOCK_SIZE,
+            UPCAST,
+            True,
+            HEAD_DIM != HEAD_DIM_P2,
+            FP8,
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -93,8 +154,17 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
 ):
     # grid: (B, Hq); merges the num_splits online-softmax partials of one (sequence, head)
     b = tl.program_id(0)
@@ -108,12 +178,14 @@ def _decode_reduce_kernel(
     m_max = tl.max(m, 0)  # finite unless seq_len == 0 (padding row)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # [SPLITS_P2], 0 for empty splits
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
-                  mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0
+    )
     denom = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
+    )
 
 
 @functools.cache
@@ -179,19 +251,52 @@ def paged_attention_decode_triton(
         part_acc = part_m = part_l = out  # unused
     head_dim_p2 = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, split_len, num_splits, int(sliding_window or 0),
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), float(k_scale), float(v_scale),
-        BLOCK_SIZE=block_size, NUM_Q_HEADS=num_q_heads, GROUP=group,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        scale * LOG2E,
+        split_len,
+        num_splits,
+        int(sliding_window or 0),
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        float(k_scale),
+        float(v_scale),
+        BLOCK_SIZE=block_size,
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
         GROUP_P2=max(MIN_DOT, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
-        UPCAST=upcast_dots(query), FP8=is_fp8(k_cache),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        BLOCK_N=block_n,
+        SINGLE_SPLIT=num_splits == 1,
+        UPCAST=upcast_dots(query),
+        FP8=is_fp8(k_cache),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
+            part_acc,
+            part_m,
+            part_l,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
             SPLITS_P2=triton.next_power_of_2(num_splits),
         )
     return out
@@ -222,9 +327,17 @@ def attention_forward_triton(
         out[num_actual:].zero_()  # padding rows
     if num_decodes > 0:
         paged_attention_decode_triton(
-            query[:num_decodes], k_cache, v_cache, md.block_tables[:num_decodes], md.seq_lens[:num_decodes],
-            scale, max_seq_len=max(md.seq_lens_cpu[:num_decodes]), out=out[:num_decodes], k_scale=k_scale,
-            v_scale=v_scale, sliding_window=sliding_window,
+            query[:num_decodes],
+            k_cache,
+            v_cache,
+            md.block_tables[:num_decodes],
+            md.seq_lens[:num_decodes],
+            scale,
+            max_seq_len=max(md.seq_lens_cpu[:num_decodes]),
+            out=out[:num_decodes],
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sliding_window=sliding_window,
         )
     if num_decodes < md.num_seqs and md.key_limits is not None and bidirectional_prefills(md):
         # the GPU fallback for bidirectional tokens: no Triton kernel takes key limits
@@ -235,8 +348,18 @@ def attention_forward_triton(
         qsl_cpu = md.query_start_loc_cpu[num_decodes:]
         max_q = max(b - a for a, b in zip(qsl_cpu[:-1], qsl_cpu[1:]))
         paged_prefill_attention_triton(
-            query, k_cache, v_cache, md.block_tables[num_decodes:], qsl, md.seq_lens[num_decodes:],
-            scale, max_query_len=max_q, out=out, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+            query,
+            k_cache,
+            v_cache,
+            md.block_tables[num_decodes:],
+            qsl,
+            md.seq_lens[num_decodes:],
+            scale,
+            max_query_len=max_q,
+            out=out,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            sliding_window=sliding_window,
         )
     return out
 

@@ -17,6 +17,7 @@ Where this has run: Triton's CPU interpreter (tests/kernels/test_fused_moe.py) a
 ahead-of-time compile (lowered to a cubin, never launched). It has not executed on a GPU; the GPU tiles of
 `moe_config` are untuned guesses.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,11 +31,31 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_valid_ptr, weights_ptr,
-    N, K, num_pairs, top_k, num_blocks,
-    stride_am, stride_we, stride_wn, stride_wk, stride_om,
-    GATHER_A: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_valid_ptr,
+    weights_ptr,
+    N,
+    K,
+    num_pairs,
+    top_k,
+    num_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    GATHER_A: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # GATHER_A: a = x [T, K], A row of position r is x[sorted_ids[r] // top_k], out [S_max, N] at position r.
     # else:     a = hidden [S_max, K] at position r, out [num_pairs, N] at row sorted_ids[r] (padding not stored).
@@ -65,8 +86,9 @@ def _moe_gemm_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             k_mask = offs_k < K
             a = tl.load(a_ptrs + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-            w = tl.load(w_ptrs + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :],
-                        other=0.0)  # [BLOCK_K, BLOCK_N]
+            w = tl.load(
+                w_ptrs + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0
+            )  # [BLOCK_K, BLOCK_N]
             if UPCAST:
                 # the interpreter's bf16 dot is wrong: multiply the bf16 values in float32 instead
                 acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -83,8 +105,9 @@ def _moe_gemm_kernel(
         else:
             out_rows = ids.to(tl.int64)
             out_mask = valid[:, None] & n_mask[None, :]
-        tl.store(out_ptr + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(
+            out_ptr + out_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask
+        )
 
 
 def moe_config(num_pairs: int, num_experts: int, interpreted: bool = False) -> dict:
@@ -99,8 +122,9 @@ def moe_config(num_pairs: int, num_experts: int, interpreted: bool = False) -> d
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                         expert_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`topk_ids [T, k]` (global ids) -> (`sorted_ids [S_max]` int32 pair ids, sentinel T*k on padding;
     `block_expert [S_max / block_m]` int32 local expert per M-block, `num_experts` past the used rows;
     `num_valid [1]` int32 padded rows in use). Pairs outside [expert_offset, +num_experts) are left out."""
@@ -134,17 +158,42 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, num_valid, weights, num_p
     interpreted = a.device.type != "cuda"
     grid = (num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, num_valid, weights,
-        n, k, num_pairs, top_k, num_blocks,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        GATHER_A=gather_a, MUL_ROUTED_WEIGHT=not gather_a, UPCAST=interpreted and a.dtype == torch.bfloat16,
-        FP32_DOT=a.dtype == torch.float32, **cfg,
+        a,
+        w,
+        out,
+        sorted_ids,
+        block_expert,
+        num_valid,
+        weights,
+        n,
+        k,
+        num_pairs,
+        top_k,
+        num_blocks,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        GATHER_A=gather_a,
+        MUL_ROUTED_WEIGHT=not gather_a,
+        UPCAST=interpreted and a.dtype == torch.bfloat16,
+        FP32_DOT=a.dtype == torch.float32,
+        **cfg,
     )
 
 
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, activation_name: str = "silu", expert_offset: int = 0, *,
-                     config: dict | None = None) -> torch.Tensor:
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation_name: str = "silu",
+    expert_offset: int = 0,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
     """`fused_moe_ref`'s contract on Triton grouped GEMMs: `x [T, H]`, `w13 [E, 2I, H]`, `w2 [E, H, I]`,
     `topk_weights / topk_ids [T, k]` -> `[T, H]` in x.dtype (experts [expert_offset, +E) only). `config` fixes
     the launch (`moe_config`'s keys)."""

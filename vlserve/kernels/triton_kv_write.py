@@ -5,6 +5,7 @@ to even): on a GPU by the hardware conversion; under Triton's CPU interpreter, w
 carry when the mantissa rounds up (1.95 -> 1.0), the value is first rounded onto the e4m3 grid in float32
 (`_round_to_e4m3`), so that the cast is exact.
 """
+
 from __future__ import annotations
 
 import torch

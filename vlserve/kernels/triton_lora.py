@@ -35,6 +35,7 @@ Where this has run: Triton's CPU interpreter (tests/kernels/test_triton_lora.py,
 test there, the sm_90 ahead-of-time compile (lowered to a cubin, never launched). Not yet executed on a GPU; the
 tiles of `lora_config` are untuned guesses.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -49,11 +50,31 @@ MAX_SLICES = 3  # weight pointers one launch carries
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(
-    x_ptr, y_ptr, rows_ptr, block_slot_ptr, a0_ptr, a1_ptr, a2_ptr,
-    num_tokens, num_slots, rank, in_features, scale,
-    stride_xt, stride_xi, stride_ys, stride_yt, stride_al, stride_ar, stride_ai,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    rows_ptr,
+    block_slot_ptr,
+    a0_ptr,
+    a1_ptr,
+    a2_ptr,
+    num_tokens,
+    num_slots,
+    rank,
+    in_features,
+    scale,
+    stride_xt,
+    stride_xi,
+    stride_ys,
+    stride_yt,
+    stride_al,
+    stride_ar,
+    stride_ai,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     # x [T, I]; a_q [L, R, I]; y [SPLIT_K, T, S*R] float32 (slice q at column q*R, split k at y + k*stride_ys).
     # grid: (P / BLOCK_M, slices, SPLIT_K); program = one slot's M-block, one slice, one share of I.
@@ -79,10 +100,12 @@ def _shrink_kernel(
         for k0 in range(pid_k * BLOCK_K, in_features, BLOCK_K * SPLIT_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             k_mask = offs_k < in_features
-            xt = tl.load(x_rows + offs_k[None, :] * stride_xi, mask=valid[:, None] & k_mask[None, :],
-                         other=0.0)  # [BLOCK_M, BLOCK_K]
-            at = tl.load(a_cols + offs_k[:, None] * stride_ai, mask=k_mask[:, None] & r_mask[None, :],
-                         other=0.0)  # [BLOCK_K, BLOCK_R] = A[slot, r, k] transposed
+            xt = tl.load(
+                x_rows + offs_k[None, :] * stride_xi, mask=valid[:, None] & k_mask[None, :], other=0.0
+            )  # [BLOCK_M, BLOCK_K]
+            at = tl.load(
+                a_cols + offs_k[:, None] * stride_ai, mask=k_mask[:, None] & r_mask[None, :], other=0.0
+            )  # [BLOCK_K, BLOCK_R] = A[slot, r, k] transposed
             xt = xt.to(at.dtype)
             if UPCAST:
                 # the interpreter's 16-bit dot is unreliable: multiply the 16-bit values in float32 instead
@@ -97,10 +120,35 @@ def _shrink_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _expand_kernel(
-    y_ptr, out_ptr, rows_ptr, block_slot_ptr, b0_ptr, b1_ptr, b2_ptr,
-    num_tokens, num_slots, rank, size0, size1, size2, off0, off1, off2, stride_bl0, stride_bl1, stride_bl2,
-    stride_yt, stride_yc, stride_ot, stride_oc, stride_bo, stride_br,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    y_ptr,
+    out_ptr,
+    rows_ptr,
+    block_slot_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    num_tokens,
+    num_slots,
+    rank,
+    size0,
+    size1,
+    size2,
+    off0,
+    off1,
+    off2,
+    stride_bl0,
+    stride_bl1,
+    stride_bl2,
+    stride_yt,
+    stride_yc,
+    stride_ot,
+    stride_oc,
+    stride_bo,
+    stride_br,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     # y [T, S*R]; b_q [L, O_q, R] (slot stride per slice, the other strides shared); out [T, O], slice q at off_q.
@@ -126,10 +174,16 @@ def _expand_kernel(
         r_mask = offs_r < rank
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns within the slice
         n_mask = offs_n < size
-        yt = tl.load(y_ptr + tok[:, None] * stride_yt + (sid * rank + offs_r)[None, :] * stride_yc,
-                     mask=valid[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-        bt = tl.load(b_ptr + slot * stride_bl + offs_n[None, :] * stride_bo + offs_r[:, None] * stride_br,
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N] = B[slot, n, r]^T
+        yt = tl.load(
+            y_ptr + tok[:, None] * stride_yt + (sid * rank + offs_r)[None, :] * stride_yc,
+            mask=valid[:, None] & r_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_R]
+        bt = tl.load(
+            b_ptr + slot * stride_bl + offs_n[None, :] * stride_bo + offs_r[:, None] * stride_br,
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_R, BLOCK_N] = B[slot, n, r]^T
         if UPCAST:
             acc = tl.dot(yt.to(bt.dtype).to(tl.float32), bt.to(tl.float32), input_precision="ieee")
         elif FP32_DOT:
@@ -216,8 +270,16 @@ def _prepare(token_slots, num_slots, num_tokens, device, blocks, config):
     return blocks, cfg
 
 
-def lora_shrink(x: torch.Tensor, lora_a_stack, token_slots: torch.Tensor, out: torch.Tensor, scale: float = 1.0,
-                *, blocks: LoRATokenBlocks | None = None, config: dict | None = None) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a_stack,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    scale: float = 1.0,
+    *,
+    blocks: LoRATokenBlocks | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """`out [T, S*R]` (float32, overwritten) = per token and slice `scale * x[t] @ A_s[slot_t]^T`, zero rows for
     slot -1; `x [T, I]`, `lora_a_stack`: S tensors `[L, R, I]`. Returns out."""
     slices = _as_slices(lora_a_stack)
@@ -236,24 +298,50 @@ def lora_shrink(x: torch.Tensor, lora_a_stack, token_slots: torch.Tensor, out: t
     for group in _launch_groups(slices, lambda a: a.stride()):
         ptrs = [slices[i] for i in group] + [slices[group[0]]] * (MAX_SLICES - len(group))
         a0 = slices[group[0]]
-        y = part[..., group[0] * rank:]  # the group's first slice column onwards
+        y = part[..., group[0] * rank :]  # the group's first slice column onwards
         grid = (blocks.block_slot.shape[0], len(group), split)
         _shrink_kernel[grid](
-            x, y, blocks.rows, blocks.block_slot, *ptrs,
-            num_tokens, num_slots, rank, in_features, float(scale),
-            x.stride(0), x.stride(1), y.stride(0) if split > 1 else 0, y.stride(-2),
-            a0.stride(0), a0.stride(1), a0.stride(2),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_R=max(MIN_DOT, triton.next_power_of_2(rank)), BLOCK_K=cfg["BLOCK_K"],
-            SPLIT_K=split, UPCAST=interpreted and a0.dtype != torch.float32, FP32_DOT=a0.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            x,
+            y,
+            blocks.rows,
+            blocks.block_slot,
+            *ptrs,
+            num_tokens,
+            num_slots,
+            rank,
+            in_features,
+            float(scale),
+            x.stride(0),
+            x.stride(1),
+            y.stride(0) if split > 1 else 0,
+            y.stride(-2),
+            a0.stride(0),
+            a0.stride(1),
+            a0.stride(2),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_R=max(MIN_DOT, triton.next_power_of_2(rank)),
+            BLOCK_K=cfg["BLOCK_K"],
+            SPLIT_K=split,
+            UPCAST=interpreted and a0.dtype != torch.float32,
+            FP32_DOT=a0.dtype == torch.float32,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     if split > 1:
         torch.sum(part, dim=0, out=out)
     return out
 
 
-def lora_expand(y: torch.Tensor, lora_b_stack, token_slots: torch.Tensor, out: torch.Tensor, offsets: list[int],
-                *, blocks: LoRATokenBlocks | None = None, config: dict | None = None) -> torch.Tensor:
+def lora_expand(
+    y: torch.Tensor,
+    lora_b_stack,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    offsets: list[int],
+    *,
+    blocks: LoRATokenBlocks | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """`out[t, off_s:off_s + O_s] += y[t, s*R:(s+1)*R] @ B_s[slot_t]^T` in place (float32 sums, one rounding to
     out.dtype), rows of slot -1 untouched; `y [T, S*R]`, `lora_b_stack`: S tensors `[L, O_s, R]`, `out [T, O]`.
     Returns out."""
@@ -262,8 +350,9 @@ def lora_expand(y: torch.Tensor, lora_b_stack, token_slots: torch.Tensor, out: t
     num_slots, _, rank = slices[0].shape
     assert len(offsets) == len(slices) and y.shape == (num_tokens, len(slices) * rank)
     assert all(b.shape[0] == num_slots and b.shape[2] == rank and b.dtype == slices[0].dtype for b in slices)
-    assert out.shape[0] == num_tokens and all(0 <= o and o + b.shape[1] <= out.shape[1]
-                                              for o, b in zip(offsets, slices)), (tuple(out.shape), offsets)
+    assert out.shape[0] == num_tokens and all(
+        0 <= o and o + b.shape[1] <= out.shape[1] for o, b in zip(offsets, slices)
+    ), (tuple(out.shape), offsets)
     if num_tokens == 0:
         return out
     blocks, cfg = _prepare(token_slots, num_slots, num_tokens, y.device, blocks, config)
@@ -271,24 +360,49 @@ def lora_expand(y: torch.Tensor, lora_b_stack, token_slots: torch.Tensor, out: t
     for group in _launch_groups(slices, lambda b: b.stride()[1:]):
         pick = group + [group[0]] * (MAX_SLICES - len(group))
         b0 = slices[group[0]]
-        yg = y[:, group[0] * rank:]  # the group's first slice column onwards
+        yg = y[:, group[0] * rank :]  # the group's first slice column onwards
         width = max(slices[i].shape[1] for i in group)
         grid = (triton.cdiv(width, cfg["BLOCK_N"]), blocks.block_slot.shape[0], len(group))
         _expand_kernel[grid](
-            yg, out, blocks.rows, blocks.block_slot, *(slices[i] for i in pick),
-            num_tokens, num_slots, rank, *(slices[i].shape[1] for i in pick), *(offsets[i] for i in pick),
+            yg,
+            out,
+            blocks.rows,
+            blocks.block_slot,
+            *(slices[i] for i in pick),
+            num_tokens,
+            num_slots,
+            rank,
+            *(slices[i].shape[1] for i in pick),
+            *(offsets[i] for i in pick),
             *(slices[i].stride(0) for i in pick),
-            yg.stride(0), yg.stride(1), out.stride(0), out.stride(1), b0.stride(1), b0.stride(2),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_R=max(MIN_DOT, triton.next_power_of_2(rank)), BLOCK_N=cfg["BLOCK_N"],
-            UPCAST=interpreted and b0.dtype != torch.float32, FP32_DOT=b0.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            yg.stride(0),
+            yg.stride(1),
+            out.stride(0),
+            out.stride(1),
+            b0.stride(1),
+            b0.stride(2),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_R=max(MIN_DOT, triton.next_power_of_2(rank)),
+            BLOCK_N=cfg["BLOCK_N"],
+            UPCAST=interpreted and b0.dtype != torch.float32,
+            FP32_DOT=b0.dtype == torch.float32,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     return out
 
 
-def add_lora_triton(x: torch.Tensor, out: torch.Tensor, lora_a, lora_b, offsets: list[int],
-                    token_slots: torch.Tensor, *, blocks: LoRATokenBlocks | None = None,
-                    config: dict | None = None) -> torch.Tensor:
+def add_lora_triton(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora_a,
+    lora_b,
+    offsets: list[int],
+    token_slots: torch.Tensor,
+    *,
+    blocks: LoRATokenBlocks | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """`lora_ref.add_lora_grouped` per token: `out[t, off_s:...] += x[t] @ A_s[slot_t]^T @ B_s[slot_t]^T` for
     every slice s and every token with slot_t >= 0 (others untouched); `x [T, I]`, `out [T, O]`, `lora_a[s]
     [L, R, I]`, `lora_b[s] [L, O_s, R]`. Shrink into a float32 `[T, S*R]`, then expand. Returns out."""

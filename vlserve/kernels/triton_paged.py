@@ -5,6 +5,7 @@ Key positions are mapped to cache slots token by token (`block_table[p // BS] * 
 align with cache blocks. FP8 caches (float8_e4m3fn, `kv_quant`) are dequantized as their tiles are loaded: times the
 layer's k_scale / v_scale in float32 (the kernels then cast the tile to the query's dtype for the dot products).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,22 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 @triton.jit
 def load_kv_tile(
-    cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, kv_scale,
-    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr, FP8: tl.constexpr,
+    cache_ptr,
+    bt_row_ptr,
+    n,
+    n_mask,
+    kv_head,
+    d,
+    d_mask,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    kv_scale,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASK_N: tl.constexpr,
+    MASK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # rows of cache for token positions n: [BLOCK_N, HEAD_DIM_P2]. MASK_N=False: every n is a valid position;
     # MASK_D=False: the head dim is a power of two (no padded columns). Unmasked loads vectorize fully.

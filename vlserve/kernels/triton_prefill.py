@@ -16,6 +16,7 @@ Tile shapes come from `prefill_tile`: 128-row tiles of 64 keys for 16-bit inputs
 stages by head dim and GPU generation), the small tile everywhere else. `benchmarks/prefill_attention.py --sweep`
 times the candidates on a GPU against flash SDPA.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,17 +62,56 @@ def prefill_tile(head_dim: int, dtype: torch.dtype, device: torch.device) -> Pre
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head, d, d_mask,
-    stride_cb, stride_cs, stride_ch, scale_log2, k_scale, v_scale, window,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK_D: tl.constexpr,
-    DIAGONAL: tl.constexpr, FP8: tl.constexpr, SLIDING: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    n0,
+    end,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    kv_head,
+    d,
+    d_mask,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    scale_log2,
+    k_scale,
+    v_scale,
+    window,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASK_D: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+    FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # one online-softmax step over keys [n0, n0 + BLOCK_N); DIAGONAL: apply the causal and the length masks (and,
     # SLIDING, the window's lower bound: key n is visible to the row at q_pos when n > q_pos - window)
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < end
-    k = load_kv_tile(k_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                     k_scale, BLOCK_SIZE, UPCAST, DIAGONAL, MASK_D, FP8)  # [BLOCK_N, HEAD_DIM_P2]
+    k = load_kv_tile(
+        k_cache_ptr,
+        bt_row_ptr,
+        n,
+        n_mask,
+        kv_head,
+        d,
+        d_mask,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        k_scale,
+        BLOCK_SIZE,
+        UPCAST,
+        DIAGONAL,
+        MASK_D,
+        FP8,
+    )  # [BLOCK_N, HEAD_DIM_P2]
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale_log2  # [ROWS, BLOCK_N]
     if DIAGONAL:
         visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -84,20 +124,59 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_kv_tile(v_cache_ptr, bt_row_ptr, n, n_mask, kv_head, d, d_mask, stride_cb, stride_cs, stride_ch,
-                     v_scale, BLOCK_SIZE, UPCAST, DIAGONAL, MASK_D, FP8).to(q.dtype)
+    v = load_kv_tile(
+        v_cache_ptr,
+        bt_row_ptr,
+        n,
+        n_mask,
+        kv_head,
+        d,
+        d_mask,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        v_scale,
+        BLOCK_SIZE,
+        UPCAST,
+        DIAGONAL,
+        MASK_D,
+        FP8,
+    ).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, scale_log2,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_btb, stride_ot, stride_oh, k_scale, v_scale,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_btb,
+    stride_ot,
+    stride_oh,
+    k_scale,
+    v_scale,
     window,
-    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, FP8: tl.constexpr, SLIDING: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # grid: (cdiv(max_q_len, BLOCK_M), B, Hkv); rows = BLOCK_M query tokens x GROUP_P2 heads of one group
     m0 = tl.program_id(0) * BLOCK_M
@@ -135,26 +214,104 @@ def _prefill_kernel(
             full = (tl.maximum(end - window, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
             mid = tl.maximum(tl.minimum(full, below), start_n)
             for n0 in range(start_n, mid, BLOCK_N):
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                             kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2, k_scale,
-                                             v_scale, window, BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2,
-                                             True, FP8, SLIDING)
+                acc, m_i, l_i = _attend_tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    q_pos,
+                    n0,
+                    end,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    bt_row_ptr,
+                    kv_head,
+                    d,
+                    d_mask,
+                    stride_cb,
+                    stride_cs,
+                    stride_ch,
+                    scale_log2,
+                    k_scale,
+                    v_scale,
+                    window,
+                    BLOCK_SIZE,
+                    BLOCK_N,
+                    UPCAST,
+                    HEAD_DIM != HEAD_DIM_P2,
+                    True,
+                    FP8,
+                    SLIDING,
+                )
         for n0 in range(mid, below, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                         kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2, k_scale,
-                                         v_scale, window, BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2, False,
-                                         FP8, SLIDING)
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                n0,
+                end,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt_row_ptr,
+                kv_head,
+                d,
+                d_mask,
+                stride_cb,
+                stride_cs,
+                stride_ch,
+                scale_log2,
+                k_scale,
+                v_scale,
+                window,
+                BLOCK_SIZE,
+                BLOCK_N,
+                UPCAST,
+                HEAD_DIM != HEAD_DIM_P2,
+                False,
+                FP8,
+                SLIDING,
+            )
         for n0 in range(below, end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, n0, end, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-                                         kv_head, d, d_mask, stride_cb, stride_cs, stride_ch, scale_log2, k_scale,
-                                         v_scale, window, BLOCK_SIZE, BLOCK_N, UPCAST, HEAD_DIM != HEAD_DIM_P2, True,
-                                         FP8, SLIDING)
+            acc, m_i, l_i = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q_pos,
+                n0,
+                end,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt_row_ptr,
+                kv_head,
+                d,
+                d_mask,
+                stride_cb,
+                stride_cs,
+                stride_ch,
+                scale_log2,
+                k_scale,
+                v_scale,
+                window,
+                BLOCK_SIZE,
+                BLOCK_N,
+                UPCAST,
+                HEAD_DIM != HEAD_DIM_P2,
+                True,
+                FP8,
+                SLIDING,
+            )
         if SLIDING:  # a padded row (past seq_len) may see no key in its window: keep its (unstored) row finite
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_i[:, None]
         o_off = (q_start + tok).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
-        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + o_off[:, None] + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
 
 
 _fallen_back: set[tuple] = set()  # (device, head dim, dtype, tile) launches that ran out of shared memory
@@ -206,13 +363,37 @@ def paged_prefill_attention_triton(
         # query tokens per program: the tile's rows over the group, no more than the longest chunk needs
         bm = min(max(1, t.rows // group_p2), max(triton.next_power_of_2(max_query_len), MIN_DOT // group_p2, 1))
         _prefill_kernel[(triton.cdiv(max_query_len, bm), num_seqs, num_kv_heads)](
-            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * LOG2E,
-            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1), float(k_scale), float(v_scale),
-            int(sliding_window or 0), BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=group_p2,
-            HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_M=bm, BLOCK_N=t.block_n,
-            UPCAST=upcast_dots(query), FP8=is_fp8(k_cache), SLIDING=sliding_window is not None,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            out,
+            scale * LOG2E,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            float(k_scale),
+            float(v_scale),
+            int(sliding_window or 0),
+            BLOCK_SIZE=block_size,
+            GROUP=group,
+            GROUP_P2=group_p2,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+            BLOCK_M=bm,
+            BLOCK_N=t.block_n,
+            UPCAST=upcast_dots(query),
+            FP8=is_fp8(k_cache),
+            SLIDING=sliding_window is not None,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
         )
 
     try:

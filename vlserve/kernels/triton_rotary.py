@@ -1,4 +1,5 @@
 """Triton NeoX-style rotary embedding (and Qwen2-VL M-RoPE), in place on query and key."""
+
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,15 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, stride_t, stride_h, t, cos, sin, NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
+    x_ptr,
+    stride_t,
+    stride_h,
+    t,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
 ):
     # x[t]: [H, D]; rotates [:, :HALF] with [:, HALF:2*HALF]; cos, sin: [HALF_P2] float32

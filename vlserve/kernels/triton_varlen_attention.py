@@ -4,6 +4,7 @@ Segment b is rows [cu_seqlens[b], cu_seqlens[b+1]) of query/key/value and attend
 block-diagonal. One program computes BLOCK_M query rows of one head of one segment with an online softmax over
 that segment's keys in BLOCK_N tiles.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,10 +16,26 @@ from vlserve.kernels.triton_paged import LOG2E, MIN_DOT
 
 @triton.jit
 def _varlen_kernel(
-    q_ptr, k_ptr, v_ptr, cu_ptr, out_ptr, scale_log2,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cu_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # grid: (cdiv(max_seqlen, BLOCK_M), B, Hq)
     m0 = tl.program_id(0) * BLOCK_M
@@ -33,8 +50,11 @@ def _varlen_kernel(
         d = tl.arange(0, HEAD_DIM_P2)
         d_mask = d < HEAD_DIM
         rows = (start + m).to(tl.int64)  # [BLOCK_M]
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, HEAD_DIM_P2]
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -45,8 +65,9 @@ def _varlen_kernel(
             n_mask = n < seq_len
             kv_rows = (start + n).to(tl.int64)  # [BLOCK_N]
             tile_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + kv_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                        mask=tile_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+            k = tl.load(
+                k_ptr + kv_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=tile_mask, other=0.0
+            )  # [BLOCK_N, HEAD_DIM_P2]
             if UPCAST:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -55,15 +76,19 @@ def _varlen_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                        mask=tile_mask, other=0.0)
+            v = tl.load(
+                v_ptr + kv_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=tile_mask, other=0.0
+            )
             if UPCAST:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
         o = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
 
 def varlen_attention_triton(
@@ -94,12 +119,26 @@ def varlen_attention_triton(
     block_m = min(64, max(MIN_DOT, triton.next_power_of_2(max_seqlen)))
     upcast = query.device.type != "cuda" and query.dtype == torch.bfloat16  # the CPU interpreter's bf16 dot is off
     _varlen_kernel[(triton.cdiv(max_seqlen, block_m), num_seqs, num_q_heads)](
-        query, key, value, cu_seqlens, out, scale * LOG2E,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=num_q_heads // key.shape[1], HEAD_DIM=head_dim,
+        query,
+        key,
+        value,
+        cu_seqlens,
+        out,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_q_heads // key.shape[1],
+        HEAD_DIM=head_dim,
         HEAD_DIM_P2=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=32, UPCAST=upcast,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        UPCAST=upcast,
     )
     return out
 

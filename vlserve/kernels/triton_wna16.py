@@ -22,6 +22,7 @@ Where this has run: only under Triton's CPU interpreter (tests/kernels/test_trit
 ahead-of-time compile in that test (lowered to a cubin, never launched). No line of it, autotuning included, has
 executed on a GPU yet.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,17 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
 @triton.jit
-def _group_rows(ptr, k0, offs_n, n_mask, num_groups, stride_g,
-                GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _group_rows(
+    ptr,
+    k0,
+    offs_n,
+    n_mask,
+    num_groups,
+    stride_g,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     # the [BLOCK_K, BLOCK_N] (broadcastable) per-input-column values of a [G, N] table for columns k0 .. k0+BLOCK_K
     if GROUP_SIZE % BLOCK_K == 0:
         # the whole tile lies in one group: one row, broadcast over the tile's K
@@ -46,25 +56,49 @@ def _group_rows(ptr, k0, offs_n, n_mask, num_groups, stride_g,
         # BLOCK_K / GROUP_SIZE whole groups: load each row once, repeat it GROUP_SIZE times along K
         NG: tl.constexpr = BLOCK_K // GROUP_SIZE
         g = k0 // GROUP_SIZE + tl.arange(0, NG)
-        rows = tl.load(ptr + g[:, None] * stride_g + offs_n[None, :],
-                       mask=(g < num_groups)[:, None] & n_mask[None, :], other=0)  # [NG, BLOCK_N]
+        rows = tl.load(
+            ptr + g[:, None] * stride_g + offs_n[None, :], mask=(g < num_groups)[:, None] & n_mask[None, :], other=0
+        )  # [NG, BLOCK_N]
         rows = tl.broadcast_to(rows[:, None, :], (NG, GROUP_SIZE, BLOCK_N))
         return tl.reshape(rows, (BLOCK_K, BLOCK_N))
     else:
         # any other group size: gather the group of every column
         g = (k0 + tl.arange(0, BLOCK_K)) // GROUP_SIZE
-        return tl.load(ptr + g[:, None] * stride_g + offs_n[None, :],
-                       mask=(g < num_groups)[:, None] & n_mask[None, :], other=0)
+        return tl.load(
+            ptr + g[:, None] * stride_g + offs_n[None, :], mask=(g < num_groups)[:, None] & n_mask[None, :], other=0
+        )
 
 
 @triton.jit(do_not_specialize=["M", "m_bucket"])
 def _wna16_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
-    M, N, K, m_bucket, num_groups, k_per_split,
-    stride_xm, stride_qk, stride_sg, stride_zg, stride_om, stride_osplit,
-    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    m_bucket,
+    num_groups,
+    k_per_split,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_zg,
+    stride_om,
+    stride_osplit,
+    GROUP_SIZE: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # x [M, K] (last dim contiguous); qweight int32 [ceil(K/P), N]; scales, zeros [G, N]; out [M, N] or, with
     # SPLIT_K > 1, float32 [SPLIT_K, M, N]. m_bucket only keys the autotuner (M is not specialized on, so one
@@ -98,8 +132,11 @@ def _wna16_kernel(
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         # packed words: [PACKED_K, BLOCK_N] -> values [BLOCK_K, BLOCK_N], k = row * PACK + i
         r = k0 // PACK + tl.arange(0, PACKED_K)
-        words = tl.load(qw_ptr + r[:, None] * stride_qk + offs_n[None, :],
-                        mask=(r < packed_rows)[:, None] & n_mask[None, :], other=0)
+        words = tl.load(
+            qw_ptr + r[:, None] * stride_qk + offs_n[None, :],
+            mask=(r < packed_rows)[:, None] & n_mask[None, :],
+            other=0,
+        )
         q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [PACKED_K, PACK, BLOCK_N]
         q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         s = _group_rows(s_ptr, k0, offs_n, n_mask, num_groups, stride_sg, GROUP_SIZE, BLOCK_K, BLOCK_N)
@@ -136,17 +173,31 @@ class WNA16Config:
     group_m: int = 8
 
     def meta(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+        return dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_K=self.block_k,
+            GROUP_M=self.group_m,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 # autotune candidates by M bucket: decode (M <= 32) streams the weight, so wide K tiles, few rows, many programs;
 # prefill (M >= 128) is compute-bound, so large square-ish tiles
-DECODE_CONFIGS = [WNA16Config(16, 64, 128, 4, 4), WNA16Config(16, 128, 128, 4, 4), WNA16Config(16, 64, 256, 4, 3),
-                  WNA16Config(32, 64, 128, 4, 4)]
+DECODE_CONFIGS = [
+    WNA16Config(16, 64, 128, 4, 4),
+    WNA16Config(16, 128, 128, 4, 4),
+    WNA16Config(16, 64, 256, 4, 3),
+    WNA16Config(32, 64, 128, 4, 4),
+]
 MID_CONFIGS = [WNA16Config(32, 64, 128, 4, 4), WNA16Config(64, 64, 64, 4, 4), WNA16Config(64, 128, 64, 4, 4)]
-PREFILL_CONFIGS = [WNA16Config(64, 128, 64, 4, 4), WNA16Config(128, 128, 64, 8, 3), WNA16Config(128, 256, 64, 8, 3),
-                   WNA16Config(128, 64, 64, 4, 4)]
+PREFILL_CONFIGS = [
+    WNA16Config(64, 128, 64, 4, 4),
+    WNA16Config(128, 128, 64, 8, 3),
+    WNA16Config(128, 256, 64, 8, 3),
+    WNA16Config(128, 64, 64, 4, 4),
+]
 K_SPLIT_ALIGN = 256  # k_per_split is a multiple of every BLOCK_K above
 
 
@@ -179,16 +230,21 @@ def _triton_configs() -> list[triton.Config]:
     out = []
     for cfg in dict.fromkeys(DECODE_CONFIGS + MID_CONFIGS + PREFILL_CONFIGS):
         meta = cfg.meta()
-        tc = triton.Config({k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        tc = triton.Config(
+            {k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")},
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
         tc._wna16 = cfg  # what _prune matches on
         out.append(tc)
     return out
 
 
 _tuned_kernel = triton.autotune(
-    configs=_triton_configs(), key=["m_bucket", "N", "K", "GROUP_SIZE", "BITS", "SPLIT_K"],
-    prune_configs_by={"early_config_prune": _prune})(_wna16_kernel)
+    configs=_triton_configs(),
+    key=["m_bucket", "N", "K", "GROUP_SIZE", "BITS", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_wna16_kernel)
 
 
 @functools.cache
@@ -207,8 +263,9 @@ def _split_k(m: int, n: int, k: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(sms, tiles), k // 512, 8))
 
 
-def pack_wna16_for_triton(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                          bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_wna16_for_triton(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Canonical q uint8 [N, K] (values < 2^bits), scales [N, G], zeros uint8 [N, G] -> the kernel's qweight int32
     [ceil(K * bits / 32), N], scales [G, N] (dtype kept) and zeros uint8 [G, N]."""
     if bits not in (4, 8):
@@ -224,14 +281,23 @@ def pack_wna16_for_triton(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     qt = qt.reshape(-1, pack, n)  # [K/P, P, N]
     shifts = (torch.arange(pack, device=q.device, dtype=torch.int64) * bits).reshape(1, pack, 1)
     words = (qt << shifts).sum(dim=1)  # [K/P, N], in [0, 2^32): the bit fields do not overlap
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # same bits, as int32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same bits, as int32
     return words.contiguous(), scales.t().contiguous(), zeros.to(torch.uint8).t().contiguous()
 
 
-def wna16_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                        group_size: int, bits: int, bias: torch.Tensor | None = None, *,
-                        config: WNA16Config | None = None, split_k: int | None = None,
-                        autotune: bool = True) -> torch.Tensor:
+def wna16_matmul_triton(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bits: int,
+    bias: torch.Tensor | None = None,
+    *,
+    config: WNA16Config | None = None,
+    split_k: int | None = None,
+    autotune: bool = True,
+) -> torch.Tensor:
     """y = x @ W^T (+ bias) for x [..., K] and the packed W of `pack_wna16_for_triton`: [..., N] in x.dtype.
     `config` / `split_k` fix the launch (else tuned on CUDA, `default_config` elsewhere)."""
     k = x.shape[-1]
@@ -256,11 +322,34 @@ def wna16_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     # out [M, N] in x.dtype, or float32 partial sums [SPLIT_K, M, N]
     out = x2.new_empty(m, n) if split == 1 else x2.new_empty(split, m, n, dtype=torch.float32)
     has_bias = bias is not None and split == 1
-    args = (x2, qweight, scales, zeros, bias if has_bias else x2, out, m, n, k, m_bucket(m), num_groups, k_per_split,
-            x2.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(-2),
-            out.stride(0) if split > 1 else 0)
-    flags = dict(GROUP_SIZE=group_size, BITS=bits, HAS_BIAS=has_bias, SPLIT_K=split,
-                 UPCAST=interpreted and x.dtype == torch.bfloat16, FP32_DOT=x.dtype == torch.float32)
+    args = (
+        x2,
+        qweight,
+        scales,
+        zeros,
+        bias if has_bias else x2,
+        out,
+        m,
+        n,
+        k,
+        m_bucket(m),
+        num_groups,
+        k_per_split,
+        x2.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0),
+        out.stride(-2),
+        out.stride(0) if split > 1 else 0,
+    )
+    flags = dict(
+        GROUP_SIZE=group_size,
+        BITS=bits,
+        HAS_BIAS=has_bias,
+        SPLIT_K=split,
+        UPCAST=interpreted and x.dtype == torch.bfloat16,
+        FP32_DOT=x.dtype == torch.float32,
+    )
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)

@@ -23,10 +23,18 @@ Loading: a new adapter's files are read on a background thread of each rank whil
 `engine/lora_loads.py` polls the ranks between steps; requests naming it wait in the scheduler's queue).
 Not yet: async scheduling, graph-captured LoRA.
 """
+
 from vlserve.lora.layers import current_lora_step, lora_step
 from vlserve.lora.model_manager import LoRAModelManager
 from vlserve.lora.peft_checkpoint import LoRAAdapter, PeftLoRAConfig, load_peft_adapter
 from vlserve.lora.request import LoRARequest
 
-__all__ = ["LoRAAdapter", "LoRAModelManager", "LoRARequest", "PeftLoRAConfig", "current_lora_step",
-           "load_peft_adapter", "lora_step"]
+__all__ = [
+    "LoRAAdapter",
+    "LoRAModelManager",
+    "LoRARequest",
+    "PeftLoRAConfig",
+    "current_lora_step",
+    "load_peft_adapter",
+    "lora_step",
+]

@@ -20,6 +20,7 @@ host sync), else (and for an encoder run's single slot) grouped by slot in torch
 slot -1 keep exactly the base output; with no active step, or no slot of the step holding weights for this layer,
 nothing is added at all.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,9 @@ class LoRAStep:
     def groups(self) -> tuple:
         """`((slot, rows), ...)` for the torch twin (`lora_ref.token_groups`; made once a step, on first use)."""
         if self._groups is None:
-            self._groups = (((self.uniform_slot, slice(None)),) if self.token_slots is None
-                            else token_groups(self.token_slots))
+            self._groups = (
+                ((self.uniform_slot, slice(None)),) if self.token_slots is None else token_groups(self.token_slots)
+            )
         return self._groups
 
 
@@ -110,14 +112,16 @@ class LoRALayerMixin:
     base_class: type
     lora_pieces: tuple[str, ...]  # HF projection of each output slice, in output order
 
-    def init_lora(self, max_loras: int, max_rank: int, pieces: tuple[str, ...], dtype: torch.dtype,
-                  device: torch.device) -> None:
+    def init_lora(
+        self, max_loras: int, max_rank: int, pieces: tuple[str, ...], dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Allocate zeroed slot storage for `pieces` (the HF projections filling this layer's output)."""
         self.lora_pieces, self.max_loras, self.max_lora_rank = tuple(pieces), max_loras, max_rank
         self.lora_offsets = [self.lora_slice_rows(p)[0] for p in pieces]
         sizes = [self.lora_slice_rows(p)[1] for p in pieces]
-        self.lora_stack = LoRAStack.zeros(max_loras, max_rank, self.in_features, self.lora_offsets, sizes, dtype,
-                                          device)  # a [L, S*R, in_local], b [L, R, out_local], ranks [L, S]
+        self.lora_stack = LoRAStack.zeros(
+            max_loras, max_rank, self.in_features, self.lora_offsets, sizes, dtype, device
+        )  # a [L, S*R, in_local], b [L, R, out_local], ranks [L, S]
         self.lora_a = self.lora_stack.lora_a_views()  # each [L, R, in_local], a view into lora_stack.a
         self.lora_b = self.lora_stack.lora_b_views()  # each [L, out_s, R], a view into lora_stack.b
         self.lora_ranks = [[0] * len(pieces) for _ in range(max_loras)]
@@ -187,10 +191,12 @@ class LoRALayerMixin:
         key = (self.max_loras, config["BLOCK_M"])
         blocks = step.triton_blocks.get(key)
         if blocks is None:  # tokens grouped by slot on the device, once a step
-            blocks = step.triton_blocks[key] = triton_lora.lora_token_blocks(step.token_slots, self.max_loras,
-                                                                              config["BLOCK_M"])
-        return triton_lora.add_lora_triton(x, out, self.lora_a, self.lora_b, self.lora_offsets, step.token_slots,
-                                           blocks=blocks, config=config)
+            blocks = step.triton_blocks[key] = triton_lora.lora_token_blocks(
+                step.token_slots, self.max_loras, config["BLOCK_M"]
+            )
+        return triton_lora.add_lora_triton(
+            x, out, self.lora_a, self.lora_b, self.lora_offsets, step.token_slots, blocks=blocks, config=config
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, I] -> base [T, O] (+ delta on the step's adapter rows)
@@ -247,16 +253,27 @@ class GatedMLPWithLoRA(GatedMLP):
         proj = self.gate_up_proj
         step = current_lora_step()
         fusable = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
-        if (not isinstance(proj, LoRALayerMixin) or not proj.lora_active(step) or proj.packed_for(x) is None
-                or not fusable):
+        if (
+            not isinstance(proj, LoRALayerMixin)
+            or not proj.lora_active(step)
+            or proj.packed_for(x) is None
+            or not fusable
+        ):
             return super().forward(x)  # gate_up_proj adds its own delta on the unfused path
         slots = step.token_slots
-        if proj.lora_cpu_kernel and slots is not None and x.dim() == 2 and x.stride(-1) == 1 \
-                and x.dtype is proj.lora_stack.a.dtype:
-            delta = lora_add_cpu(x, x.new_zeros(x.shape[0], 2 * self.intermediate_size, dtype=torch.float32), slots,
-                                 proj.lora_stack)  # [T, 2I] float32: gate_up's delta, 0 on base rows
-            return self.down_proj(cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size,
-                                                      delta))  # silu(gate + dg) * (up + du)
+        if (
+            proj.lora_cpu_kernel
+            and slots is not None
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and x.dtype is proj.lora_stack.a.dtype
+        ):
+            delta = lora_add_cpu(
+                x, x.new_zeros(x.shape[0], 2 * self.intermediate_size, dtype=torch.float32), slots, proj.lora_stack
+            )  # [T, 2I] float32: gate_up's delta, 0 on base rows
+            return self.down_proj(
+                cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size, delta)
+            )  # silu(gate + dg) * (up + du)
         act = cpu_linear_silu_mul(x, proj.packed_weight, proj.bias, self.intermediate_size)  # [T, I]
         for slot, rows in step.groups:
             if not any(proj.lora_ranks[slot]):
@@ -291,14 +308,22 @@ class LinearWithLoRA(LoRALayerMixin, PackableLinear):
         return out
 
 
-_LORA_CLASSES = {QKVParallelLinear: QKVParallelLinearWithLoRA,
-                 MergedColumnParallelLinear: MergedColumnParallelLinearWithLoRA,
-                 RowParallelLinear: RowParallelLinearWithLoRA,
-                 PackableLinear: LinearWithLoRA}
+_LORA_CLASSES = {
+    QKVParallelLinear: QKVParallelLinearWithLoRA,
+    MergedColumnParallelLinear: MergedColumnParallelLinearWithLoRA,
+    RowParallelLinear: RowParallelLinearWithLoRA,
+    PackableLinear: LinearWithLoRA,
+}
 
 
-def wrap_layer(module: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-               pieces: tuple[str, ...] | None = None):
+def wrap_layer(
+    module: torch.nn.Module,
+    max_loras: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    pieces: tuple[str, ...] | None = None,
+):
     """Turn a decoder linear into its LoRA class in place (same module, same parameters) with zeroed slots;
     `pieces` names its output slices (default: a fused layer's pieces; an encoder linear needs them given).
     ValueError for other layer types."""
@@ -323,7 +348,16 @@ def unwrap(module: torch.nn.Module) -> None:
     base = getattr(type(module), "base_class", None)
     if base is None:
         return
-    for attr in ("lora_a", "lora_b", "lora_ranks", "lora_pieces", "lora_offsets", "max_loras", "max_lora_rank",
-                 "lora_stack", "lora_cpu_kernel"):
+    for attr in (
+        "lora_a",
+        "lora_b",
+        "lora_ranks",
+        "lora_pieces",
+        "lora_offsets",
+        "max_loras",
+        "max_lora_rank",
+        "lora_stack",
+        "lora_cpu_kernel",
+    ):
         module.__dict__.pop(attr, None)
     module.__class__ = base

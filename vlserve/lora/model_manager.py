@@ -19,6 +19,7 @@ an engine whose adapters never do pays nothing there), and `encoder_step(adapter
 every row of an encoder run (the runner encodes each adapter's items apart; their embeddings are cached under
 adapter-specific keys).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,13 @@ class LoRAModelManager:
     """LoRA for `model`'s decoder: `max_loras` device slots of rank up to `max_lora_rank`, an LRU of up to
     `max_cpu_loras` parsed adapters in host memory (default: max_loras)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int | None = None,
+    ) -> None:
         max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1")
@@ -121,8 +127,9 @@ class LoRAModelManager:
 
     def _parse(self, request: LoRARequest, files=None) -> LoRAAdapter:
         encoder_target = self._encoder_target if self.encoder_lora else None
-        return load_peft_adapter(request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id,
-                                 encoder_target, files)
+        return load_peft_adapter(
+            request.lora_path, self.targets, self.max_lora_rank, request.lora_int_id, encoder_target, files
+        )
 
     def _hold(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
         """Put a parsed adapter in the host LRU, evicting the least recently used ones past max_cpu_loras."""
@@ -164,8 +171,9 @@ class LoRAModelManager:
             module = self.model.get_submodule(name)
             held = (module.packed_weight, module.weight, getattr(module, "onednn_weight", None))
             weight = next(w for w in held if w is not None)  # a tower's matrix may be held only prepacked (AMX)
-            self.targets[name] = wrap_layer(module, self.max_loras, self.max_lora_rank, weight.dtype, weight.device,
-                                            (name.rpartition(".")[2],))
+            self.targets[name] = wrap_layer(
+                module, self.max_loras, self.max_lora_rank, weight.dtype, weight.device, (name.rpartition(".")[2],)
+            )
             self._wrapped.append(module)
         return name, self.targets[name]
 
@@ -211,8 +219,9 @@ class LoRAModelManager:
         """`_prepare_step`'s token slots alone (see there)."""
         return self._prepare_step(adapters, num_tokens)[0]
 
-    def _prepare_step(self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None
-                      ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def _prepare_step(
+        self, adapters: Sequence[AdapterRef], num_tokens: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Slots for one step. `adapters[i]`: request i's LoRARequest (added if not held), a held lora_int_id, or
         None / 0 for the base model, in batch order; `num_tokens[i]`: its scheduled tokens (None: `adapters` is
         per token). Returns `token_slots [T]` int64 on the model's device (-1: base) and the distinct slots it
@@ -221,8 +230,9 @@ class LoRAModelManager:
         ids = [_ref_id(a) for a in adapters]
         distinct = list(dict.fromkeys(i for i in ids if i))
         if len(distinct) > self.max_loras:
-            raise ValueError(f"a step uses {len(distinct)} distinct LoRA adapters, more than max_loras "
-                             f"({self.max_loras})")
+            raise ValueError(
+                f"a step uses {len(distinct)} distinct LoRA adapters, more than max_loras ({self.max_loras})"
+            )
         for i in distinct:  # touch the held ones first, so loading the others evicts none of this step's
             if i in self._adapters:
                 self._adapters.move_to_end(i)

@@ -17,6 +17,7 @@ On a multimodal model an adapter may also target linears of the vision / audio t
 LoRA): the caller passes `encoder_target`, which maps such a PEFT module name onto our linear (or None), and
 each of those is one whole-output slice named by its leaf (`qkv`, `fc1`, `linear_1`, ...).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,15 @@ import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # HF projection -> (its block, our module holding it): q/k/v and gate/up live in fused matrices.
-PROJECTIONS = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
-               "v_proj": ("self_attn", "qkv_proj"), "o_proj": ("self_attn", "o_proj"),
-               "gate_proj": ("mlp", "gate_up_proj"), "up_proj": ("mlp", "gate_up_proj"),
-               "down_proj": ("mlp", "down_proj")}
+PROJECTIONS = {
+    "q_proj": ("self_attn", "qkv_proj"),
+    "k_proj": ("self_attn", "qkv_proj"),
+    "v_proj": ("self_attn", "qkv_proj"),
+    "o_proj": ("self_attn", "o_proj"),
+    "gate_proj": ("mlp", "gate_up_proj"),
+    "up_proj": ("mlp", "gate_up_proj"),
+    "down_proj": ("mlp", "down_proj"),
+}
 # Where the text decoder's layers sit in a PEFT module name (after `base_model.model.`), most specific first.
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.")
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -69,10 +75,15 @@ class PeftLoRAConfig:
             raise ValueError(f"{where}: r must be a positive integer, got {r!r}")
         targets = cfg.get("target_modules") or ()
         targets = targets if isinstance(targets, str) else tuple(sorted(targets))
-        return cls(r=r, lora_alpha=float(cfg.get("lora_alpha", 8)), use_rslora=bool(cfg.get("use_rslora", False)),
-                   target_modules=targets, rank_pattern=dict(cfg.get("rank_pattern") or {}),
-                   alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
-                   fan_in_fan_out=bool(cfg.get("fan_in_fan_out", False)))
+        return cls(
+            r=r,
+            lora_alpha=float(cfg.get("lora_alpha", 8)),
+            use_rslora=bool(cfg.get("use_rslora", False)),
+            target_modules=targets,
+            rank_pattern=dict(cfg.get("rank_pattern") or {}),
+            alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
+            fan_in_fan_out=bool(cfg.get("fan_in_fan_out", False)),
+        )
 
     def rank_alpha(self, module_key: str) -> tuple[int, float]:
         """`(r, alpha)` of the module named `module_key` (PEFT's name, e.g. `model.layers.0.self_attn.q_proj`)."""
@@ -190,7 +201,7 @@ def decoder_module_of(module_key: str) -> str | None:
     of the text decoder's seven projections (vision tower, projector, embeddings, lm_head)."""
     for prefix in _DECODER_PREFIXES:
         if module_key.startswith(prefix):
-            rel = module_key[len(prefix):]
+            rel = module_key[len(prefix) :]
             m = _LAYER.match(rel)
             if m and m["proj"] in PROJECTIONS and PROJECTIONS[m["proj"]][0] == m["block"]:
                 return rel
@@ -205,16 +216,23 @@ def _check_targets(config: PeftLoRAConfig, where: str) -> None:
         return
     unknown = [t for t in config.target_modules if t.rsplit(".", 1)[-1] not in PROJECTIONS]
     if unknown:
-        raise ValueError(f"{where}: target_modules {unknown} are not supported; LoRA applies to the text decoder's "
-                         f"projections only ({', '.join(PROJECTIONS)})")
+        raise ValueError(
+            f"{where}: target_modules {unknown} are not supported; LoRA applies to the text decoder's "
+            f"projections only ({', '.join(PROJECTIONS)})"
+        )
 
 
 EncoderTarget = Callable[[str], "tuple[str, object] | None"]
 
 
-def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: int,
-                      lora_int_id: int = 0, encoder_target: EncoderTarget | None = None,
-                      files: tuple[PeftLoRAConfig, dict[str, torch.Tensor]] | None = None) -> LoRAAdapter:
+def load_peft_adapter(
+    path: str,
+    targets: Mapping[str, object],
+    max_lora_rank: int,
+    lora_int_id: int = 0,
+    encoder_target: EncoderTarget | None = None,
+    files: tuple[PeftLoRAConfig, dict[str, torch.Tensor]] | None = None,
+) -> LoRAAdapter:
     """Parse the PEFT adapter at `path` onto `targets` (decoder-relative module name -> LoRA-capable layer, see
     `vlserve.lora.layers`), slicing A and B for this tensor-parallel rank and folding the scaling into B.
     `encoder_target(PEFT module name)` -> `(our module name, its LoRA layer)` or None resolves the modules outside
@@ -236,18 +254,25 @@ def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: i
         else:
             pairs.setdefault(m["module"], {})[m["ab"]] = tensor
     if others:
-        raise ValueError(f"LoRA adapter {path!r}: unsupported tensors {sorted(others)[:5]} (only lora_A / lora_B "
-                         "weights of linear projections are supported)")
+        raise ValueError(
+            f"LoRA adapter {path!r}: unsupported tensors {sorted(others)[:5]} (only lora_A / lora_B "
+            "weights of linear projections are supported)"
+        )
     outside = sorted(k for k in pairs if decoder_module_of(k) is None)
     encoder = {k: encoder_target(k) for k in outside} if encoder_target is not None else {}
     unresolved = [k for k in outside if encoder.get(k) is None]
     if unresolved:
-        where = ("the text decoder's projections or a linear of the vision / audio tower or projector"
-                 if encoder_target is not None else "the text decoder's projections")
-        raise ValueError(f"LoRA adapter {path!r} targets modules outside {where}: {unresolved[:6]}"
-                         f"{' ...' if len(unresolved) > 6 else ''} (LoRA on embeddings, lm_head"
-                         f"{'' if encoder_target is not None else ', vision towers, projectors'} and non-linear "
-                         "layers is not supported)")
+        where = (
+            "the text decoder's projections or a linear of the vision / audio tower or projector"
+            if encoder_target is not None
+            else "the text decoder's projections"
+        )
+        raise ValueError(
+            f"LoRA adapter {path!r} targets modules outside {where}: {unresolved[:6]}"
+            f"{' ...' if len(unresolved) > 6 else ''} (LoRA on embeddings, lm_head"
+            f"{'' if encoder_target is not None else ', vision towers, projectors'} and non-linear "
+            "layers is not supported)"
+        )
     if not pairs:
         raise ValueError(f"LoRA adapter {path!r} holds no lora_A / lora_B weights")
     weights: dict[tuple[str, str], LoRAWeights] = {}
@@ -269,8 +294,17 @@ def load_peft_adapter(path: str, targets: Mapping[str, object], max_lora_rank: i
     return LoRAAdapter(lora_int_id, config, weights, frozenset(ours for ours, _ in encoder.values()))
 
 
-def _prepare(key: str, module: str, piece: str, a: torch.Tensor, b: torch.Tensor, config: PeftLoRAConfig, target,
-             max_lora_rank: int, path: str) -> LoRAWeights:
+def _prepare(
+    key: str,
+    module: str,
+    piece: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    config: PeftLoRAConfig,
+    target,
+    max_lora_rank: int,
+    path: str,
+) -> LoRAWeights:
     """Check one projection's A `[r, in]` / B `[out, r]` against the config and the target layer; slice them for
     this rank (A's columns for row-parallel targets, B's rows for column-parallel ones); fold the scaling into B."""
     r, _ = config.rank_alpha(key)
@@ -283,10 +317,15 @@ def _prepare(key: str, module: str, piece: str, a: torch.Tensor, b: torch.Tensor
         raise ValueError(f"{where}: rank {r} is above max_lora_rank {max_lora_rank}")
     in_start, in_count, in_total = target.checkpoint_in_cols()
     out_start, out_count, out_total = target.checkpoint_out_rows(piece)
-    if a.shape[1] != in_total or (out_total is not None and b.shape[0] != out_total) or \
-            b.shape[0] < out_start + out_count:
-        raise ValueError(f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base layer "
-                         f"(in {in_total}, out {out_total if out_total is not None else out_count})")
-    a = a[:, in_start:in_start + in_count].float().contiguous()  # [r, in_local]
-    b = (b[out_start:out_start + out_count].float() * config.scaling(key)).contiguous()  # [out_local, r]
+    if (
+        a.shape[1] != in_total
+        or (out_total is not None and b.shape[0] != out_total)
+        or b.shape[0] < out_start + out_count
+    ):
+        raise ValueError(
+            f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base layer "
+            f"(in {in_total}, out {out_total if out_total is not None else out_count})"
+        )
+    a = a[:, in_start : in_start + in_count].float().contiguous()  # [r, in_local]
+    b = (b[out_start : out_start + out_count].float() * config.scaling(key)).contiguous()  # [out_local, r]
     return LoRAWeights(module=module, piece=piece, lora_a=a, lora_b=b)

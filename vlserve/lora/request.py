@@ -1,4 +1,5 @@
 """`LoRARequest`: which adapter a request runs with (vLLM's fields)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

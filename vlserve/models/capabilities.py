@@ -6,6 +6,7 @@ a checkpoint's config decides (token ids, encoder stages) are filled by the clas
 hf_config)` or `capabilities_of(model)`, never by probing a model for optional attributes. Defaults are the
 least a model may offer: a text-only causal LM on one device, without LoRA.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -52,15 +53,22 @@ class ModelCapabilities:
     modality not named is encoded in one piece."""
 
     def __post_init__(self) -> None:
-        media_only = {"unsplit_mm_items": self.unsplit_mm_items, "encoder_lora": self.encoder_lora,
-                      "mm_encoder_only": self.mm_encoder_only, "image_token_id": self.image_token_id is not None,
-                      "bidirectional_token_id": self.bidirectional_token_id is not None,
-                      "encoder_stage_counts": bool(self.encoder_stage_counts)}
+        media_only = {
+            "unsplit_mm_items": self.unsplit_mm_items,
+            "encoder_lora": self.encoder_lora,
+            "mm_encoder_only": self.mm_encoder_only,
+            "image_token_id": self.image_token_id is not None,
+            "bidirectional_token_id": self.bidirectional_token_id is not None,
+            "encoder_stage_counts": bool(self.encoder_stage_counts),
+        }
         wrong = [name for name, value in media_only.items() if value and not self.modalities]
         wrong += ["pipeline_parallel_refusal"] if self.pipeline_parallel and self.pipeline_parallel_refusal else []
         wrong += [f"lora_targets {t!r}" for t in self.lora_targets if t not in DECODER_LORA_TARGETS]
-        wrong += [f"encoder_stage_counts[{m!r}]" for m, n in self.encoder_stage_counts.items()
-                  if m not in self.modalities or n < 1]
+        wrong += [
+            f"encoder_stage_counts[{m!r}]"
+            for m, n in self.encoder_stage_counts.items()
+            if m not in self.modalities or n < 1
+        ]
         if wrong:
             raise ValueError(f"inconsistent ModelCapabilities: {', '.join(wrong)} ({self})")
 

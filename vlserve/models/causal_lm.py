@@ -4,6 +4,7 @@ and Qwen3 causal LMs, which load a HF checkpoint's `model.*` and `lm_head.weight
 over pipeline stages (`ModelCapabilities.pipeline_parallel`): `lm_head` lives on the last stage, which reads it
 from `model.embed_tokens.weight` when the two are tied and the embeddings are on another stage.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -68,10 +69,15 @@ class DecoderWithLMHead(nn.Module):
         """`input_ids [T]` -> token embeddings `[T, H]` (a VLM's runner writes item embeddings over placeholders)."""
         return self.decoder.get_input_embeddings(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None,
-                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """Flattened step -> hidden states `[T, H]`; positions `[T]`, or `[3, T]` under M-RoPE (see
         `LlamaDecoderModel.forward`, also for the pipeline stages' `intermediate`)."""
         if intermediate is None:
@@ -88,7 +94,7 @@ class DecoderWithLMHead(nn.Module):
         if name == "lm_head.weight":
             return "lm_head", "weight"
         if name.startswith("model."):
-            return self.decoder_attr, name[len("model."):]
+            return self.decoder_attr, name[len("model.") :]
         return "", name
 
     def checkpoint_shard(self, name: str) -> ShardSpec | None:
@@ -135,7 +141,7 @@ class LlamaForCausalLM(DecoderWithLMHead):
             return False
         if name == "lm_head.weight":
             return isinstance(self.lm_head, AbsentOnStage)
-        return name.startswith("model.") and self.model.on_other_stage(name[len("model."):])
+        return name.startswith("model.") and self.model.on_other_stage(name[len("model.") :])
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -150,7 +156,7 @@ class LlamaForCausalLM(DecoderWithLMHead):
                     self.lm_head.load_shard("weight", None, tensor, name)
                     loaded.add(name)
                 elif name.startswith("model."):
-                    yield name[len("model."):], tensor
+                    yield name[len("model.") :], tensor
                 elif name == "lm_head.weight":
                     pass  # tied to the embeddings, or on another pipeline stage
                 elif not name.endswith(IGNORED_SUFFIXES):

@@ -12,6 +12,7 @@ tied to the embeddings by default).
 
 Tokens are flattened as in llama.py: `T` tokens, `H` hidden size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,8 +66,12 @@ class LayerTypeRotary(nn.ModuleDict):
     """One RotaryEmbedding per layer type of the config (shared by the layers of that type)."""
 
     def __init__(self, config) -> None:
-        super().__init__({t: RotaryEmbedding(config, params=layer_type_rope_params_of(config, t))
-                          for t in sorted(set(config.layer_types))})
+        super().__init__(
+            {
+                t: RotaryEmbedding(config, params=layer_type_rope_params_of(config, t))
+                for t in sorted(set(config.layer_types))
+            }
+        )
 
 
 class Gemma3Attention(DecoderAttention):
@@ -87,8 +92,16 @@ class Gemma3DecoderLayer(nn.Module):
     Takes DecoderLayer's constructor arguments (the biases and q/k-norm flags are fixed by Gemma, an MLP factory
     is not supported) and `rotary`, the decoder's LayerTypeRotary, from which it takes its layer type's table."""
 
-    def __init__(self, config, rotary: LayerTypeRotary, qkv_bias=None, o_bias=None, qk_norm=None,
-                 layer_idx: int = 0, mlp_factory=None) -> None:
+    def __init__(
+        self,
+        config,
+        rotary: LayerTypeRotary,
+        qkv_bias=None,
+        o_bias=None,
+        qk_norm=None,
+        layer_idx: int = 0,
+        mlp_factory=None,
+    ) -> None:
         super().__init__()
         if mlp_factory is not None:
             raise ValueError("Gemma 3 layers take no MLP factory")
@@ -101,8 +114,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache, attn_metadata):
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache, attn_metadata
+    ):
         """`(hidden [T,H], residual [T,H] | None) -> (normed mlp_out [T,H], residual [T,H])`, as DecoderLayer."""
         if residual is None:
             residual = hidden
@@ -129,14 +143,18 @@ def check_gemma3_text_config(config) -> None:
     """ValueError for Gemma 3 settings vlserve does not implement (attention logit soft-capping, bidirectional
     attention) or layer types it does not know."""
     if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"Gemma 3 attn_logit_softcapping={config.attn_logit_softcapping} is not supported "
-                         "(the attention kernels do not soft-cap scores)")
+        raise ValueError(
+            f"Gemma 3 attn_logit_softcapping={config.attn_logit_softcapping} is not supported "
+            "(the attention kernels do not soft-cap scores)"
+        )
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("Gemma 3 with use_bidirectional_attention=True (embedding models) is not supported")
     types = list(getattr(config, "layer_types", None) or [])
     if len(types) != config.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
-        raise ValueError(f"Gemma 3 layer_types must give one of {LAYER_TYPES} per layer "
-                         f"({config.num_hidden_layers} layers), got {types}")
+        raise ValueError(
+            f"Gemma 3 layer_types must give one of {LAYER_TYPES} per layer "
+            f"({config.num_hidden_layers} layers), got {types}"
+        )
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

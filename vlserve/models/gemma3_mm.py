@@ -20,6 +20,7 @@ Flow per step (the runner drives it):
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 T = tokens in the step, H = LLM hidden size, V = vocab size, E = tower width, P = patches per image.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,10 +38,14 @@ from vlserve.models.mm_wrapper import MultiModalLM, image_token_of
 from vlserve.models.registry import register_model
 
 # Checkpoint prefixes, longest first: 5.x writes `model.<part>.`, 4.57 the top-level names.
-_PREFIXES = (("model.vision_tower.", "vision_tower"), ("vision_tower.", "vision_tower"),
-             ("model.multi_modal_projector.", "multi_modal_projector"),
-             ("multi_modal_projector.", "multi_modal_projector"),
-             ("model.language_model.", "language_model"), ("language_model.model.", "language_model"))
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower"),
+    ("vision_tower.", "vision_tower"),
+    ("model.multi_modal_projector.", "multi_modal_projector"),
+    ("multi_modal_projector.", "multi_modal_projector"),
+    ("model.language_model.", "language_model"),
+    ("language_model.model.", "language_model"),
+)
 
 
 class Gemma3Projector(nn.Module):
@@ -51,8 +56,9 @@ class Gemma3Projector(nn.Module):
         super().__init__()
         side = math.isqrt(tokens)
         if side * side != tokens or grid % side:
-            raise ValueError(f"mm_tokens_per_image={tokens} must be a square whose side divides the {grid}x{grid} "
-                             f"patch grid")
+            raise ValueError(
+                f"mm_tokens_per_image={tokens} must be a square whose side divides the {grid}x{grid} patch grid"
+            )
         self.grid, self.side, self.kernel = grid, side, grid // side
         self.mm_input_projection_weight = nn.Parameter(torch.zeros(width, out_dim))
         self.mm_soft_emb_norm = GemmaRMSNorm(width, eps)
@@ -73,10 +79,17 @@ class Gemma3ForConditionalGeneration(MultiModalLM):
 
     # unsplit items: the scheduler keeps each crop's soft-token run inside one step
     capabilities = ModelCapabilities(
-        modalities=("image",), unsplit_mm_items=True, tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS,
-        encoder_lora=True, mm_encoder_only=True,
-        pipeline_parallel_refusal=("the Gemma 3 decoder (scaled embeddings, per-layer-type RoPE, bidirectional "
-                                   "image runs) has not been split over pipeline stages"))
+        modalities=("image",),
+        unsplit_mm_items=True,
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+        pipeline_parallel_refusal=(
+            "the Gemma 3 decoder (scaled embeddings, per-layer-type RoPE, bidirectional "
+            "image runs) has not been split over pipeline stages"
+        ),
+    )
     weight_prefixes = _PREFIXES
     copied_parts = ("multi_modal_projector",)
     delegated_parts = ("vision_tower",)
@@ -102,9 +115,13 @@ class Gemma3ForConditionalGeneration(MultiModalLM):
         self.vision_tower = SiglipVisionTower(VitConfig.from_hf(vision))
         cfg = self.vision_tower.cfg
         self.mm_tokens_per_image = int(config.mm_tokens_per_image)
-        self.multi_modal_projector = Gemma3Projector(cfg.width, self.text_config.hidden_size,
-                                                     cfg.image_size // cfg.patch_size, self.mm_tokens_per_image,
-                                                     cfg.layer_norm_eps)
+        self.multi_modal_projector = Gemma3Projector(
+            cfg.width,
+            self.text_config.hidden_size,
+            cfg.image_size // cfg.patch_size,
+            self.mm_tokens_per_image,
+            cfg.layer_norm_eps,
+        )
         self.build_language_model()
         self.capabilities_for(config)  # ValueError for a config without its image tokens
 

@@ -6,6 +6,7 @@ can carry `architectures` (and token ids) only inside `text_config`; `tie_word_e
 level, in `text_config`, or both. Everything else in vlserve asks these helpers instead of branching on the
 installed version.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,8 +78,7 @@ def _rope_dict(config) -> dict[str, Any]:
         value = getattr(config, key, None)
         if isinstance(value, dict) and value:
             if any(isinstance(v, dict) for v in value.values()):
-                raise ValueError(f"per-layer-type RoPE parameters ({key} keyed by {sorted(value)}) are not "
-                                 f"supported")
+                raise ValueError(f"per-layer-type RoPE parameters ({key} keyed by {sorted(value)}) are not supported")
             return dict(value)
     return {}
 
@@ -102,8 +102,9 @@ def layer_type_rope_params_of(text_config, layer_type: str) -> RopeParams:
         per_type = getattr(text_config, key, None)
         if isinstance(per_type, dict) and any(isinstance(v, dict) for v in per_type.values()):
             if not isinstance(per_type.get(layer_type), dict):
-                raise ValueError(f"{key} has no RoPE parameters for layer type {layer_type!r} "
-                                 f"(it has {sorted(per_type)})")
+                raise ValueError(
+                    f"{key} has no RoPE parameters for layer type {layer_type!r} (it has {sorted(per_type)})"
+                )
             return _rope_params(text_config, dict(per_type[layer_type]), None)
     local_theta = getattr(text_config, "rope_local_base_freq", None)
     if layer_type == "sliding_attention" and local_theta is not None:
@@ -124,15 +125,17 @@ def _rope_params(text_config, d: dict[str, Any], theta: float | None) -> RopePar
     partial = d.pop("partial_rotary_factor", None)
     if partial is None:
         partial = getattr(text_config, "partial_rotary_factor", None)
-    head_dim = getattr(text_config, "head_dim", None) or (
-        text_config.hidden_size // text_config.num_attention_heads)
+    head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size // text_config.num_attention_heads)
     return RopeParams(
-        rope_type=str(rope_type), theta=float(theta), head_dim=int(head_dim),
+        rope_type=str(rope_type),
+        theta=float(theta),
+        head_dim=int(head_dim),
         max_position_embeddings=int(text_config.max_position_embeddings),
         partial_rotary_factor=float(partial if partial is not None else 1.0),
         mrope_section=tuple(int(s) for s in section) if section is not None else None,
         mrope_interleaved=interleaved,
-        scaling=d)
+        scaling=d,
+    )
 
 
 def sliding_window_of(text_config, layer_idx: int) -> int | None:

@@ -14,6 +14,7 @@ Flow per step (the runner drives it):
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 T = tokens in the step, H = LLM hidden size, V = vocab size, E = tower width, k = 1 / downsample_ratio.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,10 +29,14 @@ from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
 # Checkpoint prefixes, longest first: 5.x writes `model.<part>.`, 4.57 the top-level names.
-_PREFIXES = (("model.vision_tower.", "vision_tower"), ("vision_tower.", "vision_tower"),
-             ("model.multi_modal_projector.", "multi_modal_projector"),
-             ("multi_modal_projector.", "multi_modal_projector"),
-             ("model.language_model.", "language_model"), ("language_model.model.", "language_model"))
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower"),
+    ("vision_tower.", "vision_tower"),
+    ("model.multi_modal_projector.", "multi_modal_projector"),
+    ("multi_modal_projector.", "multi_modal_projector"),
+    ("model.language_model.", "language_model"),
+    ("language_model.model.", "language_model"),
+)
 # Tower weights HF may save that we never compute with (masked image modeling).
 _UNUSED_TOWER_WEIGHTS = ("embeddings.mask_token",)
 
@@ -77,8 +82,13 @@ class InternVLForConditionalGeneration(MultiModalLM):
     `language_model.lm_head.weight`); the original OpenGVLab remote-code layout is not read.
     """
 
-    capabilities = ModelCapabilities(modalities=("image", "video"), tensor_parallel=True,
-                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
+    capabilities = ModelCapabilities(
+        modalities=("image", "video"),
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+    )
     weight_prefixes = _PREFIXES
     copied_parts = ("vision_tower", "multi_modal_projector")
 
@@ -95,8 +105,10 @@ class InternVLForConditionalGeneration(MultiModalLM):
         self.drop_cls = strategy == "default"
         self.shuffle = shuffle_factor(getattr(config, "downsample_ratio", 0.5))
         self.multi_modal_projector = InternVLProjector(
-            self.vision_tower.cfg.width * self.shuffle**2, self.text_config.hidden_size,
-            getattr(config, "projector_hidden_act", "gelu"))
+            self.vision_tower.cfg.width * self.shuffle**2,
+            self.text_config.hidden_size,
+            getattr(config, "projector_hidden_act", "gelu"),
+        )
         self.build_language_model(**decoder_kwargs_for(self.text_config))
 
     def _load_extra(self, part: str, rel: str, tensor: torch.Tensor) -> str | None:

@@ -2,6 +2,7 @@
 
 All tensors are flattened over the step: `T` tokens, `H` hidden size, no batch dimension.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,7 +57,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias)
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
+        )
         self.intermediate_size = self.gate_up_proj.piece_offsets["up_proj"][1]  # this rank's I / tp
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.hidden_act = hidden_act
@@ -84,8 +86,9 @@ def compute_inv_freq(config) -> tuple[torch.Tensor, float]:
     return rope_inv_freq(rope_params_of(config))
 
 
-def build_rope_cache(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
-                     dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_rope_cache(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[max_positions, R/2]` computed exactly like HF (float32 outer product, scale, cast)."""
     # inv_freq: [R/2] float32; pos: [P] float32 -> freqs [P, R/2]
     with torch.device("cpu"):  # overrides an enclosing meta-device context
@@ -101,7 +104,7 @@ def _rotate_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     half = cos.shape[-1]
     cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, R/2]
     sin = sin.to(x.dtype).unsqueeze(1)
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
@@ -114,8 +117,13 @@ class RotaryEmbedding(nn.Module):
     RoPE settings (Gemma 3 gives each layer type its own table).
     """
 
-    def __init__(self, config, max_positions: int | None = None, dtype: torch.dtype | None = None,
-                 params: RopeParams | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        max_positions: int | None = None,
+        dtype: torch.dtype | None = None,
+        params: RopeParams | None = None,
+    ) -> None:
         super().__init__()
         params = params if params is not None else rope_params_of(config)
         inv_freq, scaling = rope_inv_freq(params)
@@ -141,8 +149,9 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables on `device` (used after `to_empty` when the model was built on meta)."""
         device = device if device is not None else self.cos_cache.device
         dtype = dtype or self.cos_cache.dtype
-        self.cos_cache, self.sin_cache = build_rope_cache(self._inv_freq, self._scaling, self.max_positions,
-                                                          dtype, device)
+        self.cos_cache, self.sin_cache = build_rope_cache(
+            self._inv_freq, self._scaling, self.max_positions, dtype, device
+        )
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotate `query [T,Hq,D]` and `key [T,Hkv,D]` in place at `positions` ([T] or [3,T] int64)."""
@@ -161,15 +170,19 @@ class RotaryEmbedding(nn.Module):
             return
         kernels.apply_rotary(query, key, positions, self.cos_cache, self.sin_cache, mrope)
 
-    def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
-                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Out-of-place twin of `forward` in plain torch, for compiled forwards (inductor fuses the table gather,
         the casts and the rotation into one kernel per tensor): returns rotated `(query, key)`."""
         mrope = self.mrope_section if positions.dim() == 2 else None
-        cos, sin = rotary_cos_sin(positions, self.cos_cache, self.sin_cache, mrope,
-                                  interleaved=self.mrope_interleaved)  # [T, R/2] each
+        cos, sin = rotary_cos_sin(
+            positions, self.cos_cache, self.sin_cache, mrope, interleaved=self.mrope_interleaved
+        )  # [T, R/2] each
         return _rotate_native(query, cos, sin), _rotate_native(key, cos, sin)
 
     def extra_repr(self) -> str:
-        return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, mrope={self.mrope_section}"
-                f"{', interleaved' if self.mrope_interleaved else ''}")
+        return (
+            f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, mrope={self.mrope_section}"
+            f"{', interleaved' if self.mrope_interleaved else ''}"
+        )

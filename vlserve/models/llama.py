@@ -16,6 +16,7 @@ Under pipeline parallelism (`vlserve.distributed.pipeline`) a stage builds only 
 `AbsentOnStage` placeholders without weights, whose checkpoint tensors the loader skips), the embeddings on the first
 stage and the final norm on the last; a later stage's forward takes the previous one's `IntermediateTensors`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -44,13 +45,21 @@ from vlserve.models.parallel_layers import (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # Per-tensor FP8 KV-cache scales (compressed-tensors' kv_cache_scheme; older FP8 checkpoints: the k/v projections'
 # output_scale, or one kv_scale) -> the attention attributes they set; used only by FP8 caches (kernels.kv_quant).
-_KV_SCALE_SUFFIXES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
-                      "self_attn.k_proj.output_scale": ("k_scale",), "self_attn.v_proj.output_scale": ("v_scale",),
-                      "self_attn.kv_scale": ("k_scale", "v_scale")}
+_KV_SCALE_SUFFIXES = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.output_scale": ("k_scale",),
+    "self_attn.v_proj.output_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
 # HF projections that live inside our fused matrices: HF name -> (module kind in the name, fused parameter).
-_FUSED_PIECES = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"),
-                 "v_proj": ("self_attn", "qkv_proj"), "gate_proj": ("mlp", "gate_up_proj"),
-                 "up_proj": ("mlp", "gate_up_proj")}
+_FUSED_PIECES = {
+    "q_proj": ("self_attn", "qkv_proj"),
+    "k_proj": ("self_attn", "qkv_proj"),
+    "v_proj": ("self_attn", "qkv_proj"),
+    "gate_proj": ("mlp", "gate_up_proj"),
+    "up_proj": ("mlp", "gate_up_proj"),
+}
 
 
 # (text config, layer index) -> the layer's FFN module, or None for the dense GatedMLP (MoE models pass one).
@@ -83,8 +92,9 @@ class DecoderAttention(nn.Module):
 
     Head counts are this tensor-parallel rank's (`qkv_proj` splits them; `o_proj` sums the ranks' outputs)."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 layer_idx: int = 0) -> None:
+    def __init__(
+        self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, layer_idx: int = 0
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         total_heads = config.num_attention_heads
@@ -94,7 +104,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -102,9 +112,13 @@ class DecoderAttention(nn.Module):
         self.k_scale = self.v_scale = 1.0  # FP8 KV cache scales (the checkpoint's, if any): stored x / scale
         self.sliding_window = sliding_window_of(config, layer_idx)  # W: queries see their last W positions; None: all
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
-                attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
         """Eager: the kernels run in place on `kv_cache` with `attn_metadata`. Compiled (`torch.compiler.
         is_compiling()`): plain-torch rotary and the opaque `vlserve::paged_attention` op, which takes the caches
         and metadata from `kernels.attention_op.attention_step` (both arguments are then ignored)."""
@@ -120,32 +134,64 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(k)
         if torch.compiler.is_compiling():
             q, k = self.rotary[0].forward_native(positions, q, k)
-            out = paged_attention(q, k, v, self.layer_idx, self.scale, self.k_scale, self.v_scale,
-                                  self.sliding_window)  # [T, Hq, D]
+            out = paged_attention(
+                q, k, v, self.layer_idx, self.scale, self.k_scale, self.v_scale, self.sliding_window
+            )  # [T, Hq, D]
             return self.o_proj(out.reshape(T, self.q_size))
         self.rotary[0](positions, q, k)  # in place
         k_cache, v_cache = kv_cache
-        out = kernels.attention_forward(q, k, v, k_cache, v_cache, attn_metadata, self.scale, k_scale=self.k_scale,
-                                        v_scale=self.v_scale, sliding_window=self.sliding_window)
+        out = kernels.attention_forward(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            attn_metadata,
+            self.scale,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            sliding_window=self.sliding_window,
+        )
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: `h = x + attn(norm(x)); out = h + mlp(norm(h))`, residual adds fused into the norms."""
 
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 layer_idx: int = 0, mlp_factory: MlpFactory | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        layer_idx: int = 0,
+        mlp_factory: MlpFactory | None = None,
+    ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary, qkv_bias, o_bias, qk_norm, layer_idx)
         mlp = mlp_factory(config, layer_idx) if mlp_factory is not None else None
-        self.mlp = mlp if mlp is not None else GatedMLP(
-            config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-            bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else GatedMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                getattr(config, "hidden_act", "silu"),
+                bias=bool(getattr(config, "mlp_bias", False)),
+            )
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata):
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ):
         """`(hidden [T,H], residual [T,H] | None) -> (mlp_out [T,H], residual [T,H])`; the sum is the block output."""
         if residual is None:
             residual = hidden
@@ -169,27 +215,41 @@ class LlamaDecoderModel(nn.Module):
     # Subclass seams (Gemma 3): same-signature embedding/block/norm classes; `rotary_cls(config)` goes to each layer
     embedding_cls, layer_cls, norm_cls, rotary_cls = VocabParallelEmbedding, DecoderLayer, RMSNorm, RotaryEmbedding
 
-    def __init__(self, config, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
-                 qk_norm: bool = False, mlp_factory: MlpFactory | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        *,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+        mlp_factory: MlpFactory | None = None,
+    ) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
-        check_tensor_parallel_sizes(config.num_attention_heads,
-                                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                                    config.intermediate_size, tp_size())
+        check_tensor_parallel_sizes(
+            config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            config.intermediate_size,
+            tp_size(),
+        )
         self.config = config
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
         # this pipeline stage's layers [start_layer, end_layer) (all of them without pipeline parallelism)
         self.start_layer, self.end_layer = stage_layer_range(self.num_layers)
         self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
-        self.embed_tokens = (self.embedding_cls(config.vocab_size, config.hidden_size) if self.first_stage
-                             else AbsentOnStage())
+        self.embed_tokens = (
+            self.embedding_cls(config.vocab_size, config.hidden_size) if self.first_stage else AbsentOnStage()
+        )
         self.rotary_emb = self.rotary_cls(config)
         self.layers = nn.ModuleList(
             self.layer_cls(config, self.rotary_emb, qkv_bias, o_bias, qk_norm, i, mlp_factory)
-            if self.start_layer <= i < self.end_layer else AbsentOnStage() for i in range(self.num_layers))
+            if self.start_layer <= i < self.end_layer
+            else AbsentOnStage()
+            for i in range(self.num_layers)
+        )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if self.last_stage else AbsentOnStage()
         # EAGLE drafts read intermediate states: layer ids i whose INPUT (the residual stream after layer i - 1;
         # 0 = the embeddings, num_layers = the final stream before the last norm) `forward` keeps in
@@ -210,11 +270,16 @@ class LlamaDecoderModel(nn.Module):
         """`input_ids [T]` -> `[T, H]`."""
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None,
-                layer_additions: list[torch.Tensor] | None = None,
-                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        layer_additions: list[torch.Tensor] | None = None,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`.
         `layer_additions[i] [T, H]` is added to the output of layer i (Qwen3-VL's DeepStack features; zero rows
         for text tokens). Pipeline stages: a later stage starts from `intermediate` (the previous stage's output);

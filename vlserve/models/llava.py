@@ -11,6 +11,7 @@ Flow per step (the runner drives it):
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 T = tokens in the step, H = LLM hidden size, V = vocab size, E = tower width.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,11 +27,16 @@ from vlserve.models.registry import register_model
 
 _TOWERS = {"clip_vision_model": ClipVisionTower, "siglip_vision_model": SiglipVisionTower}
 # Checkpoint prefixes, longest first: 5.x writes `model.<part>.`, 4.57 the top-level names.
-_PREFIXES = (("model.vision_tower.", "vision_tower"), ("vision_tower.", "vision_tower"),
-             ("model.multi_modal_projector.", "multi_modal_projector"),
-             ("multi_modal_projector.", "multi_modal_projector"),
-             ("model.language_model.", "language_model"), ("language_model.model.", "language_model"),
-             ("model.image_newline", "image_newline"), ("image_newline", "image_newline"))
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower"),
+    ("vision_tower.", "vision_tower"),
+    ("model.multi_modal_projector.", "multi_modal_projector"),
+    ("multi_modal_projector.", "multi_modal_projector"),
+    ("model.language_model.", "language_model"),
+    ("language_model.model.", "language_model"),
+    ("model.image_newline", "image_newline"),
+    ("image_newline", "image_newline"),
+)
 
 
 def decoder_kwargs_for(text_config) -> dict:
@@ -73,8 +79,14 @@ class LlavaForConditionalGeneration(MultiModalLM):
     """
 
     # over pipeline stages: the tower and projector on the first stage (LLaVA-NeXT's image_newline too)
-    capabilities = ModelCapabilities(modalities=("image",), pipeline_parallel=True, tensor_parallel=True,
-                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
+    capabilities = ModelCapabilities(
+        modalities=("image",),
+        pipeline_parallel=True,
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+    )
     weight_prefixes = _PREFIXES
     copied_parts = ("multi_modal_projector",)
     delegated_parts = ("vision_tower",)
@@ -88,8 +100,11 @@ class LlavaForConditionalGeneration(MultiModalLM):
             raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {str(strategy)[:40]!r}")
         self.drop_cls = strategy == "default"
         self.multi_modal_projector = LlavaProjector(
-            self.vision_tower.cfg.width * len(self.feature_layers), self.text_config.hidden_size,
-            getattr(config, "projector_hidden_act", "gelu"), bool(getattr(config, "multimodal_projector_bias", True)))
+            self.vision_tower.cfg.width * len(self.feature_layers),
+            self.text_config.hidden_size,
+            getattr(config, "projector_hidden_act", "gelu"),
+            bool(getattr(config, "multimodal_projector_bias", True)),
+        )
         self.build_language_model(**decoder_kwargs_for(self.text_config))
 
     # ---- multimodal ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ with the learned `image_newline` embedding closing every row. So the count per i
 embed_multimodal data = {"pixel_values": [sum of tiles, C, S, S], "image_sizes": [N, 2] (original height,
 width)} for N images in item order -> `[sum of counts, H]`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     def layouts(self, image_sizes) -> list:
         """The anyres layout of each (height, width) row of `image_sizes`."""
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2).tolist()
-        return [anyres_layout(int(h), int(w), self.pinpoints, self.tile_size, self.patches_per_side)
-                for h, w in sizes]
+        return [anyres_layout(int(h), int(w), self.pinpoints, self.tile_size, self.patches_per_side) for h, w in sizes]
 
     @torch.no_grad()
     def embed_multimodal(self, modality: str, data: dict) -> torch.Tensor:
@@ -46,13 +46,16 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         layouts = self.layouts(data["image_sizes"])
         pixels = data["pixel_values"]  # [sum tiles, C, S, S]
         if pixels.shape[0] != sum(lay.num_tiles for lay in layouts):
-            raise ValueError(f"{pixels.shape[0]} tiles given for images needing "
-                             f"{[lay.num_tiles for lay in layouts]} tiles")
+            raise ValueError(
+                f"{pixels.shape[0]} tiles given for images needing {[lay.num_tiles for lay in layouts]} tiles"
+            )
         feats = self.tile_features(pixels)  # [sum tiles, F, H]
         side = self.patches_per_side
         if feats.shape[1] != side * side:
-            raise ValueError(f"anyres packing needs {side * side} features per tile, the tower gave "
-                             f"{feats.shape[1]} (vision_feature_select_strategy 'full' with a class token?)")
+            raise ValueError(
+                f"anyres packing needs {side * side} features per tile, the tower gave "
+                f"{feats.shape[1]} (vision_feature_select_strategy 'full' with a class token?)"
+            )
         hidden = feats.shape[-1]
         newline = self.image_newline.to(feats.dtype)
         out = []
@@ -60,7 +63,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
             tiles_h, tiles_w = lay.grid_rows // side, lay.grid_cols // side
             grid = per_image[1:].view(tiles_h, tiles_w, side, side, hidden)  # [th, tw, side, side, H]
             grid = grid.permute(0, 2, 1, 3, 4).reshape(lay.grid_rows, lay.grid_cols, hidden)  # [rows, cols, H]
-            grid = grid[lay.top:lay.bottom, lay.left:lay.right]  # [kept rows, kept cols, H]
+            grid = grid[lay.top : lay.bottom, lay.left : lay.right]  # [kept rows, kept cols, H]
             rows = torch.cat([grid, newline.view(1, 1, -1).expand(grid.shape[0], 1, hidden)], dim=1)
             out += [per_image[0], rows.reshape(-1, hidden)]  # base [F, H], grid [kept rows * (cols + 1), H]
         return torch.cat(out).to(self.embed_dtype)

@@ -1,4 +1,5 @@
 """Build a registered model and fill it from a HF safetensors checkpoint (single file or sharded index)."""
+
 from __future__ import annotations
 
 import json
@@ -53,15 +54,20 @@ def safetensors_files(model_dir: str) -> list[str]:
         return files
     raise FileNotFoundError(
         f"no safetensors weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}"
-        + (" (only PyTorch .bin weights are present, which are not supported)"
-           if any(n.endswith(".bin") for n in os.listdir(model_dir)) else ""))
+        + (
+            " (only PyTorch .bin weights are present, which are not supported)"
+            if any(n.endswith(".bin") for n in os.listdir(model_dir))
+            else ""
+        )
+    )
 
 
 ShardFn = Callable[[str], "tuple[int, int, int] | None"]
 
 
-def iter_safetensors_weights(model_dir: str, shard_of: ShardFn | None = None,
-                             skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(
+    model_dir: str, shard_of: ShardFn | None = None, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(HF name, CPU tensor)` for every tensor of the checkpoint in `model_dir`.
 
     With `shard_of` (a model's `checkpoint_shard`), a name it maps to `(dim, start, length)` yields only that slice,
@@ -101,10 +107,12 @@ def checkpoint_tensor_names(model_dir: str) -> list[str]:
 def decoder_prefix(names: list[str]) -> str:
     """The checkpoint prefix of the language decoder's tensors (`model.`, `model.language_model.`,
     `language_model.model.`): where its `embed_tokens.weight` lies."""
-    found = sorted(n[:-len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight"))
+    found = sorted(n[: -len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight"))
     if len(found) != 1:
-        raise ValueError(f"cannot tell the language decoder's tensors apart in this checkpoint ({len(found)} "
-                         "embed_tokens.weight tensors)")
+        raise ValueError(
+            f"cannot tell the language decoder's tensors apart in this checkpoint ({len(found)} "
+            "embed_tokens.weight tensors)"
+        )
     return found[0]
 
 
@@ -115,8 +123,9 @@ def meta_model(hf_config) -> nn.Module:
         return get_model_class(hf_config)(hf_config)
 
 
-def load_model(model_dir: str, hf_config, dtype, device, quantization: str | None = None,
-               encoder_only: bool = False) -> nn.Module:
+def load_model(
+    model_dir: str, hf_config, dtype, device, quantization: str | None = None, encoder_only: bool = False
+) -> nn.Module:
     """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
 
     The module is built on the meta device (no random init), materialized with `to_empty`, then every module
@@ -145,8 +154,10 @@ def load_model(model_dir: str, hf_config, dtype, device, quantization: str | Non
     safetensors_files(model_dir)  # fail fast, before building anything
     qconfig = get_quantization_config(hf_config, quantization)
     if encoder_only and qconfig is not None:
-        raise ValueError("mm_encoder_only does not load quantized checkpoints yet (their quantization is the "
-                         "decoder's, which an encode server does not hold)")
+        raise ValueError(
+            "mm_encoder_only does not load quantized checkpoints yet (their quantization is the "
+            "decoder's, which an encode server does not hold)"
+        )
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

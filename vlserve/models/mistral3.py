@@ -17,6 +17,7 @@ Flow per step (the runner drives it):
      `compute_logits(hidden [N, H])` -> `[N, V]` float32.
 T = tokens in the step, H = LLM hidden size, V = vocab size, E = tower width, m = spatial_merge_size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,10 +34,14 @@ from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
 # Checkpoint prefixes, longest first: 5.x writes `model.<part>.`, 4.57 the top-level names.
-_PREFIXES = (("model.vision_tower.", "vision_tower"), ("vision_tower.", "vision_tower"),
-             ("model.multi_modal_projector.", "multi_modal_projector"),
-             ("multi_modal_projector.", "multi_modal_projector"),
-             ("model.language_model.", "language_model"), ("language_model.model.", "language_model"))
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower"),
+    ("vision_tower.", "vision_tower"),
+    ("model.multi_modal_projector.", "multi_modal_projector"),
+    ("multi_modal_projector.", "multi_modal_projector"),
+    ("model.language_model.", "language_model"),
+    ("language_model.model.", "language_model"),
+)
 
 
 class Mistral3PatchMerger(nn.Module):
@@ -78,8 +83,13 @@ class Mistral3ForConditionalGeneration(MultiModalLM):
     `lm_head`; loads 5.x's checkpoint layout (`model.vision_tower.*`, `model.multi_modal_projector.*`,
     `model.language_model.*`, `lm_head.weight`) and 4.57's top-level names."""
 
-    capabilities = ModelCapabilities(modalities=("image",), tensor_parallel=True,
-                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
+    capabilities = ModelCapabilities(
+        modalities=("image",),
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+    )
     weight_prefixes = _PREFIXES
     copied_parts = ("vision_tower", "multi_modal_projector")
 
@@ -92,9 +102,13 @@ class Mistral3ForConditionalGeneration(MultiModalLM):
         self.feature_layers = feature_layer_indices(feature_layer, self.vision_tower.cfg.depth)
         self.merge = int(getattr(config, "spatial_merge_size", 2))
         self.multi_modal_projector = Mistral3Projector(
-            self.vision_tower.cfg.width, self.text_config.hidden_size, self.merge,
-            getattr(config, "projector_hidden_act", "gelu"), bool(getattr(config, "multimodal_projector_bias", False)),
-            float(getattr(self.text_config, "rms_norm_eps", 1e-5)))
+            self.vision_tower.cfg.width,
+            self.text_config.hidden_size,
+            self.merge,
+            getattr(config, "projector_hidden_act", "gelu"),
+            bool(getattr(config, "multimodal_projector_bias", False)),
+            float(getattr(self.text_config, "rms_norm_eps", 1e-5)),
+        )
         self.build_language_model(**decoder_kwargs_for(self.text_config))
 
     # ---- multimodal ------------------------------------------------------------------------------------------------

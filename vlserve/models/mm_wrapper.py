@@ -21,6 +21,7 @@ tensors this stage skips. `lm_head` is on the last stage, read from the decoder'
 and the embeddings live elsewhere. An encode server (mm_encoder_only) holds the encoder parts and the token
 embeddings only (`keep_encoder_parts`), through the same skipping.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -79,8 +80,11 @@ class MultiModalLM(DecoderWithLMHead):
     def build_language_model(self, **decoder_kwargs) -> None:
         """Add `language_model` and `lm_head` (after the encoder parts) and tie them when the config says so."""
         self.language_model = self.decoder_cls(self.text_config, **decoder_kwargs)
-        self.lm_head = (ParallelLMHead(self.text_config.hidden_size, self.text_config.vocab_size) if is_last_stage()
-                        else AbsentOnStage())
+        self.lm_head = (
+            ParallelLMHead(self.text_config.hidden_size, self.text_config.vocab_size)
+            if is_last_stage()
+            else AbsentOnStage()
+        )
         self.tie_weights()
 
     # ---- pipeline stages -------------------------------------------------------------------------------------------
@@ -136,7 +140,7 @@ class MultiModalLM(DecoderWithLMHead):
             return "lm_head", "weight"
         for prefix, part in self.weight_prefixes:
             if name.startswith(prefix):
-                return part, name[len(prefix):]
+                return part, name[len(prefix) :]
         return "", name
 
     def encoder_linear_name(self, hf_module: str) -> str | None:
@@ -146,7 +150,7 @@ class MultiModalLM(DecoderWithLMHead):
         part, rel = self._split_name(hf_module + ".weight")
         if part in ("", "language_model", "lm_head") or not hasattr(self, part):
             return None
-        rel = rel[:-len(".weight")]
+        rel = rel[: -len(".weight")]
         modules = dict(getattr(self, part).named_modules())
         for candidate in (rel, rel.removeprefix("vision_model.")):  # CLIP-style towers load without it
             if isinstance(modules.get(candidate), PackableLinear):

@@ -9,6 +9,7 @@ Under tensor parallelism the experts are split by index over the ranks (expert p
 
 T = tokens, H = hidden size, E = experts, I = expert MLP width, k = experts per token.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,10 @@ class FusedExperts(nn.Module):
         super().__init__()
         tp = tp_size()
         if num_experts % tp:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by tensor_parallel_size ({tp}): the "
-                             f"experts are split over the ranks")
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by tensor_parallel_size ({tp}): the "
+                f"experts are split over the ranks"
+            )
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.num_local = num_experts // tp
         self.expert_offset = tp_rank() * self.num_local
@@ -63,10 +66,12 @@ class FusedExperts(nn.Module):
         fits = self.hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0
         if not fits or not cpu_linear_supported(self.gate_up_proj[0].data):
             return False
-        self.packed_gate_up = nn.Parameter(torch.stack([pack_linear_weight(w) for w in self.gate_up_proj.data]),
-                                           requires_grad=False)  # [E/tp, 2I/32, H, 32] (float32 panels)
-        self.packed_down = nn.Parameter(torch.stack([pack_linear_weight(w) for w in self.down_proj.data]),
-                                        requires_grad=False)  # [E/tp, H/32, I, 32]
+        self.packed_gate_up = nn.Parameter(
+            torch.stack([pack_linear_weight(w) for w in self.gate_up_proj.data]), requires_grad=False
+        )  # [E/tp, 2I/32, H, 32] (float32 panels)
+        self.packed_down = nn.Parameter(
+            torch.stack([pack_linear_weight(w) for w in self.down_proj.data]), requires_grad=False
+        )  # [E/tp, H/32, I, 32]
         if not keep_weight:
             self.gate_up_proj = self.down_proj = None  # held once
         return True
@@ -74,11 +79,19 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`x [T, H]`, the routing `[T, k]` -> `[T, H]` summed over the ranks."""
         if self.packed_gate_up is not None:
-            out = fused_moe_packed_cpu(x.to(self.packed_gate_up.dtype), self.packed_gate_up, self.packed_down,
-                                       topk_weights, topk_ids, self.intermediate_size, self.expert_offset)
+            out = fused_moe_packed_cpu(
+                x.to(self.packed_gate_up.dtype),
+                self.packed_gate_up,
+                self.packed_down,
+                topk_weights,
+                topk_ids,
+                self.intermediate_size,
+                self.expert_offset,
+            )
         else:
-            out = kernels.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.hidden_act,
-                                    self.expert_offset)
+            out = kernels.fused_moe(
+                x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.hidden_act, self.expert_offset
+            )
         return tp_all_reduce(out) if tp_size() > 1 else out
 
 
@@ -91,8 +104,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = bool(getattr(config, "norm_topk_prob", True))
         self.gate = PackableLinear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                    getattr(config, "hidden_act", "silu"))
+        self.experts = FusedExperts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, getattr(config, "hidden_act", "silu")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> router logits [T, E] -> (weights, ids) [T, k] -> [T, H]
@@ -104,5 +118,8 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     """Whether decoder layer `layer_idx` has a sparse MoE block (else a dense MLP), by Qwen3-MoE's rule:
     not in `mlp_only_layers`, and every `decoder_sparse_step`-th layer."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return (getattr(config, "num_experts", 0) > 0 and layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
-            and (layer_idx + 1) % step == 0)
+    return (
+        getattr(config, "num_experts", 0) > 0
+        and layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and (layer_idx + 1) % step == 0
+    )

@@ -26,6 +26,7 @@ Loading: `checkpoint_shard(param, piece)` says which `(dim, start, length)` of a
 (None: the whole tensor), and `load_shard(param, piece, tensor, name)` copies that slice into place. `piece` names
 one matrix of a fused parameter ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ def check_tensor_parallel_sizes(num_heads: int, num_kv_heads: int, intermediate_
     if num_heads % tp:
         raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({tp})")
     if num_kv_heads % tp and tp % num_kv_heads:
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be a multiple or a divisor of "
-                         f"tensor_parallel_size ({tp})")
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) must be a multiple or a divisor of tensor_parallel_size ({tp})"
+        )
     if intermediate_size % tp:
         raise ValueError(f"intermediate_size ({intermediate_size}) must be divisible by tensor_parallel_size ({tp})")
 
@@ -166,8 +168,10 @@ class RowParallelLinear(PackableLinear):
         layout = layout_of(self, param)
         if self.tp_size == 1 or layout.input_dim is None:
             return None
-        return (layout.input_dim, *shard_range(self.tp_rank * self.in_features, self.in_features, layout.input_div,
-                                               param))
+        return (
+            layout.input_dim,
+            *shard_range(self.tp_rank * self.in_features, self.in_features, layout.input_div, param),
+        )
 
     def load_shard(self, param: str, piece: str | None, tensor: torch.Tensor, name: str) -> None:
         """Copy this rank's columns (or the whole bias) of checkpoint tensor `name`."""
@@ -204,8 +208,8 @@ class _VocabRows:
         if self.tp_size == 1:
             copy_weight(self.weight, tensor, name)
             return
-        copy_weight(self.weight.data[:self.shard.valid], tensor, name)
-        self.weight.data[self.shard.valid:].zero_()
+        copy_weight(self.weight.data[: self.shard.valid], tensor, name)
+        self.weight.data[self.shard.valid :].zero_()
 
 
 class VocabParallelEmbedding(_VocabRows, nn.Embedding):
@@ -242,4 +246,4 @@ class ParallelLMHead(_VocabRows, PackableLinear):
         logits = self.matmul(hidden, None)
         if self.tp_size == 1:
             return logits
-        return tp_all_gather(logits, dim=-1)[..., :self.vocab_size]
+        return tp_all_gather(logits, dim=-1)[..., : self.vocab_size]

@@ -5,6 +5,7 @@ One image is a stack of tiles (a thumbnail plus up to `max_num_tiles` crops, as 
 tile gives (S/p / r)**2 embeddings (S tile size, p patch size, r projector_pooling_ratio), tiles in order.
 N = tiles in a step, L = tokens per tile from the tower (CLS first), D = tower width, H = LLM hidden size.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,13 +53,21 @@ class PerceptionLMForConditionalGeneration(MultiModalLM):
     `vision_tower.*` / `multi_modal_projector.*` / `language_model.model.*` / `language_model.lm_head.*` spelling.
     """
 
-    capabilities = ModelCapabilities(modalities=("image",), tensor_parallel=True,
-                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
-    weight_prefixes = (("model.vision_tower.timm_model.", "vision_tower"),
-                       ("vision_tower.timm_model.", "vision_tower"),
-                       ("model.multi_modal_projector.", "multi_modal_projector"),
-                       ("multi_modal_projector.", "multi_modal_projector"),
-                       ("model.language_model.", "language_model"), ("language_model.model.", "language_model"))
+    capabilities = ModelCapabilities(
+        modalities=("image",),
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+    )
+    weight_prefixes = (
+        ("model.vision_tower.timm_model.", "vision_tower"),
+        ("vision_tower.timm_model.", "vision_tower"),
+        ("model.multi_modal_projector.", "multi_modal_projector"),
+        ("multi_modal_projector.", "multi_modal_projector"),
+        ("model.language_model.", "language_model"),
+        ("language_model.model.", "language_model"),
+    )
     copied_parts = ("multi_modal_projector",)
     delegated_parts = ("vision_tower",)
 
@@ -69,7 +78,8 @@ class PerceptionLMForConditionalGeneration(MultiModalLM):
         self.use_cls_token = bool(getattr(config, "vision_use_cls_token", True))
         width = int(model_args.get("embed_dim") or self.vision_tower.num_features)
         self.multi_modal_projector = PerceptionLMProjector(
-            width, self.text_config.hidden_size, int(getattr(config, "projector_pooling_ratio", 1) or 1))
+            width, self.text_config.hidden_size, int(getattr(config, "projector_pooling_ratio", 1) or 1)
+        )
         self.build_language_model()
 
     # ---- multimodal ------------------------------------------------------------------------------------------------
@@ -92,5 +102,6 @@ class PerceptionLMForConditionalGeneration(MultiModalLM):
         return embeds.reshape(-1, embeds.shape[-1]).to(self.embed_dtype)
 
 
-register_model("PerceptionLMForConditionalGeneration",
-               "vlserve.models.perception_lm:PerceptionLMForConditionalGeneration")
+register_model(
+    "PerceptionLMForConditionalGeneration", "vlserve.models.perception_lm:PerceptionLMForConditionalGeneration"
+)

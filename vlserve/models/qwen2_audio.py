@@ -10,6 +10,7 @@ Flow per step (the runner drives it):
 
 T = tokens in the step, H = LLM hidden size, V = vocab size, M = mel bins.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,10 +23,14 @@ from vlserve.models.mm_wrapper import MultiModalLM
 from vlserve.models.registry import register_model
 
 # checkpoint prefix -> part; transformers 5.x nests everything under `model.`, 4.57 does not.
-_PREFIXES = (("model.audio_tower.", "audio_tower"), ("audio_tower.", "audio_tower"),
-             ("model.multi_modal_projector.", "multi_modal_projector"),
-             ("multi_modal_projector.", "multi_modal_projector"),
-             ("model.language_model.", "language_model"), ("language_model.model.", "language_model"))
+_PREFIXES = (
+    ("model.audio_tower.", "audio_tower"),
+    ("audio_tower.", "audio_tower"),
+    ("model.multi_modal_projector.", "multi_modal_projector"),
+    ("multi_modal_projector.", "multi_modal_projector"),
+    ("model.language_model.", "language_model"),
+    ("language_model.model.", "language_model"),
+)
 
 
 class Qwen2AudioProjector(nn.Module):
@@ -47,16 +52,22 @@ class Qwen2AudioForConditionalGeneration(MultiModalLM):
     `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.weight`).
     """
 
-    capabilities = ModelCapabilities(modalities=("audio",), tensor_parallel=True,
-                                     lora_targets=DECODER_LORA_TARGETS, encoder_lora=True, mm_encoder_only=True)
+    capabilities = ModelCapabilities(
+        modalities=("audio",),
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+    )
     weight_prefixes = _PREFIXES
     copied_parts = ("audio_tower", "multi_modal_projector")
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self.audio_tower = Qwen2AudioEncoder(qwen2_audio_encoder_config(config.audio_config))
-        self.multi_modal_projector = Qwen2AudioProjector(int(config.audio_config.d_model),
-                                                         int(self.text_config.hidden_size))
+        self.multi_modal_projector = Qwen2AudioProjector(
+            int(config.audio_config.d_model), int(self.text_config.hidden_size)
+        )
         self.build_language_model(qkv_bias=True, o_bias=False)
         self.audio_token_id = int(getattr(config, "audio_token_id", None) or config.audio_token_index)
 
@@ -81,5 +92,4 @@ class Qwen2AudioForConditionalGeneration(MultiModalLM):
         return self.multi_modal_projector(states).to(self.embed_dtype)  # [N, H]
 
 
-register_model("Qwen2AudioForConditionalGeneration",
-               "vlserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration")
+register_model("Qwen2AudioForConditionalGeneration", "vlserve.models.qwen2_audio:Qwen2AudioForConditionalGeneration")

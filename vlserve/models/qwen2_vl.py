@@ -12,6 +12,7 @@ Positions come from `vlserve.multimodal.mrope` (`get_mrope_input_positions` belo
 
 T = tokens in the step, H = LLM hidden size, V = vocab size.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -35,12 +36,22 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
     """
 
     # over pipeline stages: the tower on the first stage; every stage computes the M-RoPE positions
-    capabilities = ModelCapabilities(modalities=("image", "video"), mrope=True, pipeline_parallel=True,
-                                     tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS, encoder_lora=True,
-                                     mm_encoder_only=True)
-    weight_prefixes = (("model.visual.", "visual"), ("visual.", "visual"),
-                       ("model.language_model.", "language_model"), ("language_model.model.", "language_model"),
-                       ("model.", "language_model"))
+    capabilities = ModelCapabilities(
+        modalities=("image", "video"),
+        mrope=True,
+        pipeline_parallel=True,
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+    )
+    weight_prefixes = (
+        ("model.visual.", "visual"),
+        ("visual.", "visual"),
+        ("model.language_model.", "language_model"),
+        ("language_model.model.", "language_model"),
+        ("model.", "language_model"),
+    )
     copied_parts = ("visual",)
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")
 
@@ -114,6 +125,7 @@ class Qwen2VLForConditionalGeneration(MultiModalLM):
     def get_mrope_input_positions(self, prompt_token_ids: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         """`(positions [3, L] int64, mrope_position_delta)` of a whole prompt (see vlserve.multimodal.mrope)."""
         from vlserve.multimodal.mrope import get_mrope_positions
+
         return get_mrope_positions(prompt_token_ids, mm_features, self.config)
 
 

@@ -10,6 +10,7 @@ with grid (1, h, w); positions are Qwen2-VL's rules on those grids (`vlserve.mul
 
 T = tokens in the step, H = LLM hidden size, K = DeepStack levels.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,17 +35,25 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     decoder_kwargs: dict = {"qk_norm": True}  # dense FFNs; Qwen3-VL-MoE adds an mlp_factory
     staged_tower = False  # its tower (DeepStack taps between blocks) runs in one piece
     capabilities = ModelCapabilities(
-        modalities=("image", "video"), mrope=True, tensor_parallel=True, lora_targets=DECODER_LORA_TARGETS,
-        encoder_lora=True, mm_encoder_only=True,
-        pipeline_parallel_refusal=("its DeepStack features, added to the first decoder layers' outputs, would have "
-                                   "to cross pipeline stages"))
+        modalities=("image", "video"),
+        mrope=True,
+        tensor_parallel=True,
+        lora_targets=DECODER_LORA_TARGETS,
+        encoder_lora=True,
+        mm_encoder_only=True,
+        pipeline_parallel_refusal=(
+            "its DeepStack features, added to the first decoder layers' outputs, would have to cross pipeline stages"
+        ),
+    )
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self.language_model.rotary_emb.mrope_interleaved = True  # Qwen3-VL's layout, whatever the config says
         if self.visual.num_deepstack_levels > self.language_model.num_layers:
-            raise ValueError(f"{self.visual.num_deepstack_levels} DeepStack levels but only "
-                             f"{self.language_model.num_layers} decoder layers")
+            raise ValueError(
+                f"{self.visual.num_deepstack_levels} DeepStack levels but only "
+                f"{self.language_model.num_layers} decoder layers"
+            )
 
     @property
     def mm_embed_width(self) -> int:
@@ -55,19 +64,25 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         """`input_ids [T]` -> `[T, H * (1 + K)]`: token embeddings, then zeros where DeepStack features go."""
         embeds = self.language_model.get_input_embeddings(input_ids)  # [T, H]
         out = embeds.new_zeros(embeds.shape[0], self.mm_embed_width)
-        out[:, :embeds.shape[1]] = embeds
+        out[:, : embeds.shape[1]] = embeds
         return out
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn_metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """As the other models; `inputs_embeds`, when given, is `[T, H * (1 + K)]` (see get_input_embeddings)."""
         additions = None
         if inputs_embeds is not None and inputs_embeds.shape[1] != self.text_config.hidden_size:
             parts = inputs_embeds.split(self.text_config.hidden_size, dim=1)  # 1 + K of [T, H]
             inputs_embeds, additions = parts[0], list(parts[1:])
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds,
-                                   layer_additions=additions)
+        return self.language_model(
+            input_ids, positions, kv_caches, attn_metadata, inputs_embeds, layer_additions=additions
+        )
 
 
 def _moe_or_dense(config, layer_idx: int) -> nn.Module | None:

@@ -3,6 +3,7 @@
 Entries are classes or lazy `"module:ClassName"` strings (imported on first use), so heavy or optional models
 (multimodal ones) cost nothing until asked for. Add models with `register_model`.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -11,6 +11,7 @@ context vlserve serves), so one table computed at load time is exact:
 - yarn: a ramp between interpolated (/factor) and original frequencies, plus a magnitude `attention_scaling`.
 M-RoPE (Qwen2-VL) uses default frequencies; its `mrope_section` only splits them across the 3 position axes.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,13 +30,14 @@ def _rotary_dim(p: RopeParams) -> int:
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
     # [dim/2] float32: 1 / theta^(2i/dim)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    return 1.0 / (theta ** exponents)
+    return 1.0 / (theta**exponents)
 
 
 def _required(p: RopeParams, key: str):
     if p.scaling.get(key) is None:
-        raise ValueError(f"rope type {p.rope_type!r} needs {key!r} in the config's rope parameters "
-                         f"(got keys {sorted(p.scaling)})")
+        raise ValueError(
+            f"rope type {p.rope_type!r} needs {key!r} in the config's rope parameters (got keys {sorted(p.scaling)})"
+        )
     return p.scaling[key]
 
 
@@ -111,8 +113,7 @@ def rope_inv_freq(p: RopeParams) -> tuple[torch.Tensor, float]:
     """`(inv_freq [R/2] float32 on CPU, attention_scaling)` for `p`; ValueError naming an unsupported type."""
     init = _INIT.get(p.rope_type)
     if init is None:
-        raise ValueError(f"rope type {p.rope_type!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(f"rope type {p.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     with torch.device("cpu"):  # overrides an enclosing meta-device context
         inv_freq, scaling = init(p)
     return inv_freq.to(torch.float32), float(scaling)

@@ -5,6 +5,7 @@ cut into tiles of the tower's input size, and encoded together with a downscaled
 form a (rows x cols) feature grid from which the rows / columns that only cover padding are removed ("unpadding"),
 and one `image_newline` embedding ends every remaining row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

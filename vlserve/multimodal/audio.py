@@ -6,6 +6,7 @@ bytes / a path / a `data:audio/...;base64,` URL (wav, mp3, flac, ogg/opus, m4a, 
 already loaded `LoadedAudio`. Every problem with untrusted input (corrupt or empty data, no audio stream, no
 samples, non-finite samples, too long) is a ValueError naming it, so the API layer answers 400.
 """
+
 from __future__ import annotations
 
 import io
@@ -42,8 +43,9 @@ def input_audio_data_url(part: Any) -> str:
         raise ValueError("content part 'input_audio' needs {'data': <base64 string>, 'format': ...}")
     fmt = part.get("format", "wav")
     if not isinstance(fmt, str) or fmt.lower() not in INPUT_AUDIO_FORMATS:
-        raise ValueError(f"input_audio.format {shorten(fmt)} is not supported; use one of "
-                         f"{', '.join(INPUT_AUDIO_FORMATS)}")
+        raise ValueError(
+            f"input_audio.format {shorten(fmt)} is not supported; use one of {', '.join(INPUT_AUDIO_FORMATS)}"
+        )
     return f"data:audio/{fmt.lower()};base64,{part['data']}"
 
 
@@ -145,8 +147,9 @@ class AudioItemProcessor:
         window = float(feature_extractor.n_samples) / self.sample_rate
         max_seconds = window if max_seconds is None else max_seconds
         if not 0 < max_seconds <= window:
-            raise ValueError(f"max audio seconds must be in (0, {window:g}] (the feature extractor's window), "
-                             f"got {max_seconds}")
+            raise ValueError(
+                f"max audio seconds must be in (0, {window:g}] (the feature extractor's window), got {max_seconds}"
+            )
         self.max_seconds = float(max_seconds)
 
     def load_and_hash(self, audio: Any) -> tuple[LoadedAudio, str]:
@@ -158,13 +161,20 @@ class AudioItemProcessor:
         """Run the feature extractor as HF's processor does (padded to the window, with its attention mask)."""
         import torch
 
-        out = self.feature_extractor(clip.waveform, sampling_rate=self.sample_rate, return_attention_mask=True,
-                                     padding="max_length", return_tensors="pt")
+        out = self.feature_extractor(
+            clip.waveform,
+            sampling_rate=self.sample_rate,
+            return_attention_mask=True,
+            padding="max_length",
+            return_tensors="pt",
+        )
         mel, mask = out["input_features"][0], out["attention_mask"][0]  # [M, W], [W]
         valid = int(mask.sum())
         if audio_tokens(valid) < 1:
             raise ValueError(f"audio of {clip.seconds * 1000:.1f} ms is too short to give any audio token")
         keep = min(valid + 2, mel.shape[1])
-        return {"input_features": mel[:, :keep].transpose(0, 1).contiguous(),  # [F, M]
-                "feature_frames": torch.tensor([keep], dtype=torch.long),
-                "valid_frames": torch.tensor([valid], dtype=torch.long)}
+        return {
+            "input_features": mel[:, :keep].transpose(0, 1).contiguous(),  # [F, M]
+            "feature_frames": torch.tensor([keep], dtype=torch.long),
+            "valid_frames": torch.tensor([valid], dtype=torch.long),
+        }

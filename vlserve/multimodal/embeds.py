@@ -1,5 +1,6 @@
 """Placing encoder outputs into a step: which rows of which item embeddings a (chunked) prefill window needs, and
 writing them over the placeholder tokens' embeddings. The runner's one merge path."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -10,8 +11,14 @@ import torch
 from vlserve.multimodal.inputs import MultiModalFeature
 
 
-def slice_mm_embeds(features: list[MultiModalFeature], encoder_outputs: Mapping[str, Any], start: int, end: int,
-                    step_offset: int = 0, skip_missing: bool = False) -> list[tuple[int, Any]]:
+def slice_mm_embeds(
+    features: list[MultiModalFeature],
+    encoder_outputs: Mapping[str, Any],
+    start: int,
+    end: int,
+    step_offset: int = 0,
+    skip_missing: bool = False,
+) -> list[tuple[int, Any]]:
     """For the window [start, end) of one request, return [(row in the flattened step, embeddings [n, H])]
     covering every placeholder token in the window, ready for `merge_mm_embeds`.
 
@@ -27,10 +34,12 @@ def slice_mm_embeds(features: list[MultiModalFeature], encoder_outputs: Mapping[
         if f.mm_hash not in encoder_outputs:
             if skip_missing:
                 continue
-            raise KeyError(f"encoder output for {f.modality} item {f.mm_hash[:16]} (tokens [{f.offset}, {f.end})) "
-                           f"is not cached but the step covers tokens [{start}, {end})")
+            raise KeyError(
+                f"encoder output for {f.modality} item {f.mm_hash[:16]} (tokens [{f.offset}, {f.end})) "
+                f"is not cached but the step covers tokens [{start}, {end})"
+            )
         emb = encoder_outputs[f.mm_hash]
-        out.append((step_offset + lo - start, emb[lo - f.offset:hi - f.offset]))
+        out.append((step_offset + lo - start, emb[lo - f.offset : hi - f.offset]))
     return out
 
 
@@ -40,7 +49,8 @@ def merge_mm_embeds(embeds: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]
     for row, emb in pieces:
         n = emb.shape[0]
         if row < 0 or row + n > embeds.shape[0]:
-            raise ValueError(f"multimodal embeddings [{row}, {row + n}) fall outside the {embeds.shape[0]} "
-                             f"tokens of the step")
-        embeds[row:row + n] = emb.to(device=embeds.device, dtype=embeds.dtype)
+            raise ValueError(
+                f"multimodal embeddings [{row}, {row + n}) fall outside the {embeds.shape[0]} tokens of the step"
+            )
+        embeds[row : row + n] = emb.to(device=embeds.device, dtype=embeds.dtype)
     return embeds

@@ -13,6 +13,7 @@ Representation: one item per crop (the original image first, then the crops in t
 covering its image_seq_length soft tokens only; `<start_of_image>` / `<end_of_image>` and the text are ordinary
 prompt tokens. Item data: {"pixel_values": float [1, C, S, S]}; crop k > 0 of an image has mm_hash `<hash>-c<k>`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,13 @@ from typing import Any
 from vlserve.multimodal.inputs import MultiModalFeature
 
 # What Gemma3Processor passes to its image processor unless told otherwise (its config keeps these null).
-DEFAULT_IMAGE_KWARGS = {"do_convert_rgb": True, "do_pan_and_scan": False, "pan_and_scan_min_crop_size": 256,
-                        "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2}
+DEFAULT_IMAGE_KWARGS = {
+    "do_convert_rgb": True,
+    "do_pan_and_scan": False,
+    "pan_and_scan_min_crop_size": 256,
+    "pan_and_scan_max_num_crops": 4,
+    "pan_and_scan_min_ratio_to_activate": 1.2,
+}
 # The text HF's processor writes around an image's runs (each run is wrapped in "\n\n" ... "\n\n").
 BEFORE_RUN, AFTER_RUN = "\n\n", "\n\n"
 ORIGINAL_INTRO = "Here is the original image "
@@ -92,8 +98,7 @@ class Gemma3ImageItems:
         is added)."""
         if not lead and not tail:
             return list(ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) \
-            if ids else ""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) if ids else ""
         return self._encode(lead + text + tail)
 
     def _runs(self, image_hash: str, data: dict, out: list[int]) -> list[MultiModalFeature]:
@@ -106,14 +111,22 @@ class Gemma3ImageItems:
                 out.extend(self._fixed(between))
             out.append(self.boi_id)
             # cloned: pickling one crop's data must not carry the whole image's storage along
-            features.append(MultiModalFeature(modality="image", mm_hash=crop_hash(image_hash, k), offset=len(out),
-                                              length=self.seq_length, data={"pixel_values": pixels[k:k + 1].clone()}))
+            features.append(
+                MultiModalFeature(
+                    modality="image",
+                    mm_hash=crop_hash(image_hash, k),
+                    offset=len(out),
+                    length=self.seq_length,
+                    data={"pixel_values": pixels[k : k + 1].clone()},
+                )
+            )
             out.extend([self.soft_id] * self.seq_length)
             out.append(self.eoi_id)
         return features
 
-    def expand_prompt(self, ids: list[int], items: list[tuple[int, str, str, dict]]
-                      ) -> tuple[list[int], list[MultiModalFeature]]:
+    def expand_prompt(
+        self, ids: list[int], items: list[tuple[int, str, str, dict]]
+    ) -> tuple[list[int], list[MultiModalFeature]]:
         """Prompt ids with `<start_of_image>` at each item's position -> (expanded ids, features by offset), the ids
         as Gemma3Processor gives them for the decoded prompt. `items`: (position, modality, mm_hash, data) sorted
         by position, images only."""

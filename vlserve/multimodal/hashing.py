@@ -4,6 +4,7 @@ The hash keys the processor cache, the encoder cache and (through the KV manager
 of multimodal prompts, so it covers everything that changes the encoder output: modality, pixel bytes, shape,
 dtype and the processor kwargs.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """Plain-data description of one media item inside a request (what the scheduler and caches see)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -11,6 +11,7 @@ Videos: every sampled frame is resized to one S x S tile (no tiling, no thumbnai
 sits between the frames' runs, so a video gives one "video" feature per frame (`expand_video`), each encoded like an
 image tile.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,8 +44,11 @@ class InternVLImageItems:
         self.start_id = int(hf_processor.start_image_token_id)
         self.end_id = int(hf_processor.end_image_token_id)
         self.context_id = int(hf_processor.image_token_id)
-        self.video_token_id = int(self.tokenizer.convert_tokens_to_ids(hf_processor.video_token)) \
-            if self.video_processor is not None else None
+        self.video_token_id = (
+            int(self.tokenizer.convert_tokens_to_ids(hf_processor.video_token))
+            if self.video_processor is not None
+            else None
+        )
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         self._memo: dict[str, list[int]] = {}  # "\nFrame{i}: " -> its ids (a handful of entries)
 
@@ -56,8 +60,9 @@ class InternVLImageItems:
     def run_video(self, frames: Any, kwargs: dict) -> dict:
         """Sampled frames `[T, H, W, 3]` uint8 -> one S x S tile per frame from the HF video processor."""
         kwargs = {k: v for k, v in kwargs.items() if k not in IMAGE_ONLY_KEYS}
-        out = self.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False,
-                                   input_data_format="channels_last", **kwargs)
+        out = self.video_processor(
+            videos=[frames], return_tensors="pt", do_sample_frames=False, input_data_format="channels_last", **kwargs
+        )
         return {"pixel_values_videos": out["pixel_values_videos"][0]}  # [T, C, S, S]
 
     def num_embeds(self, modality: str, data: dict) -> int:
@@ -97,8 +102,9 @@ class InternVLImageItems:
                 return list(self.tokenizer(decoded + text, add_special_tokens=False)["input_ids"])
         return segment + self._text_ids(text)
 
-    def expand_video(self, video_hash: str, data: dict, ids: list[int], pos: int
-                     ) -> tuple[int, int, list[int], list[MultiModalFeature]]:
+    def expand_video(
+        self, video_hash: str, data: dict, ids: list[int], pos: int
+    ) -> tuple[int, int, list[int], list[MultiModalFeature]]:
         """The `<video>` at `ids[pos]` -> (start, end, run, features): `ids[start:end]` becomes `run`, one "video"
         feature per frame with offsets counted from the start of `run`.
 
@@ -115,9 +121,16 @@ class InternVLImageItems:
                 run.extend(self._text_ids(f"\nFrame{i + 1}: "))
             run.append(self.start_id)
             # cloned: pickling one frame's data must not carry the whole video's storage along
-            frame = {"pixel_values_videos": frames[i:i + 1].clone()}  # [1, C, S, S]
-            features.append(MultiModalFeature(modality="video", mm_hash=frame_hash(video_hash, i), offset=len(run),
-                                              length=self.seq_length, data=frame))
+            frame = {"pixel_values_videos": frames[i : i + 1].clone()}  # [1, C, S, S]
+            features.append(
+                MultiModalFeature(
+                    modality="video",
+                    mm_hash=frame_hash(video_hash, i),
+                    offset=len(run),
+                    length=self.seq_length,
+                    data=frame,
+                )
+            )
             run.extend([self.context_id] * self.seq_length)
             run.append(self.end_id)
         return start, pos + 1, run, features

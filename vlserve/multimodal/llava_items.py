@@ -7,6 +7,7 @@ minus one under the "default" select strategy (the class token is dropped).
 LLaVA-NeXT: the base image plus anyres tiles; the count adds the unpadded feature grid and one newline per row
 (vlserve.multimodal.anyres), so it depends on the image's size and aspect ratio.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -84,9 +85,12 @@ class LlavaNextImageItems(LlavaImageItems):
         return self._count(tile, tile) + max_grid_features(self.pinpoints, tile, tile // self.patch_size)
 
 
-_FAMILIES = {"LlavaProcessor": LlavaImageItems, "LlavaNextProcessor": LlavaNextImageItems,
-             "PixtralProcessor": PixtralImageItems,  # Mistral 3: vlserve.multimodal.mistral3_items
-             "InternVLProcessor": InternVLImageItems}  # InternVL: vlserve.multimodal.internvl_items
+_FAMILIES = {
+    "LlavaProcessor": LlavaImageItems,
+    "LlavaNextProcessor": LlavaNextImageItems,
+    "PixtralProcessor": PixtralImageItems,  # Mistral 3: vlserve.multimodal.mistral3_items
+    "InternVLProcessor": InternVLImageItems,
+}  # InternVL: vlserve.multimodal.internvl_items
 
 
 def image_items_for(hf_processor: Any) -> LlavaImageItems | None:

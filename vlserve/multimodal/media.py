@@ -4,6 +4,7 @@ Everything that can go wrong with untrusted input (corrupt or truncated bytes, z
 bombs, unsupported types, undecodable videos) is reported as a ValueError whose message names the problem, so the
 API layer can turn it into a 400 response.
 """
+
 from __future__ import annotations
 
 import base64
@@ -39,10 +40,12 @@ def _decode_data_url(url: str, kind: str) -> bytes:
         raise ValueError("malformed data URL: missing ',' between header and payload")
     if not header.endswith(";base64"):
         raise ValueError("unsupported data URL: only ';base64' payloads are accepted")
-    mime = header[len("data:"):].split(";", 1)[0].strip().lower()
+    mime = header[len("data:") :].split(";", 1)[0].strip().lower()
     if mime not in _GENERIC_MIMES and not mime.startswith(f"{kind}/"):
-        raise ValueError(f"a data URL of type {shorten(mime)} was given where {kind} data is expected; "
-                         f"send data:{kind}/<format>;base64,...")
+        raise ValueError(
+            f"a data URL of type {shorten(mime)} was given where {kind} data is expected; "
+            f"send data:{kind}/<format>;base64,..."
+        )
     try:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as e:
@@ -83,7 +86,7 @@ def _source_bytes_or_path(x: Any, kind: str) -> bytes | str:
         if x.startswith(("http://", "https://")):
             raise ValueError(f"remote {kind} URLs are not fetched here; download it first: {shorten(x, 80)}")
         if x.startswith("file://"):
-            x = x[len("file://"):]
+            x = x[len("file://") :]
         _check_local_file(x, kind)
         return x
     raise ValueError(f"unsupported {kind} input type: {type(x).__name__}")
@@ -94,7 +97,8 @@ def _check_size(width: int, height: int, max_pixels: int | None, what: str = "im
         raise ValueError(f"{what} has zero size ({width}x{height})")
     if max_pixels is not None and width * height > max_pixels:
         raise ValueError(
-            f"{what} too large: {width}x{height} = {width * height} pixels exceeds the cap of {max_pixels} pixels")
+            f"{what} too large: {width}x{height} = {width * height} pixels exceeds the cap of {max_pixels} pixels"
+        )
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -156,8 +160,10 @@ def load_image(x: Any, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
         except Image.DecompressionBombError as e:
             raise ValueError(f"image too large (decompression bomb): {e}") from None
         except Image.UnidentifiedImageError:  # its message names an in-memory object by address
-            raise ValueError("could not decode image: the data is not in an image format Pillow reads (PNG, JPEG, "
-                             "GIF, WebP, BMP, ...)") from None
+            raise ValueError(
+                "could not decode image: the data is not in an image format Pillow reads (PNG, JPEG, "
+                "GIF, WebP, BMP, ...)"
+            ) from None
         except (OSError, SyntaxError, ValueError) as e:
             raise ValueError(f"could not decode image: {e}") from None
         try:
@@ -183,8 +189,9 @@ class LoadedVideo:
     num_source_frames: int
 
 
-def sample_frame_indices(total: int, source_fps: float | None, fps: float | None, num_frames: int | None,
-                         max_frames: int) -> list[int]:
+def sample_frame_indices(
+    total: int, source_fps: float | None, fps: float | None, num_frames: int | None, max_frames: int
+) -> list[int]:
     """Uniformly choose frame indices: `num_frames` of them, or as many as `fps` needs, capped at `max_frames`."""
     if total <= 0:
         raise ValueError("video has no decodable frames")
@@ -222,13 +229,16 @@ def _frames_from_sequence(x: Any, max_pixels: int | None) -> np.ndarray:
 
 def _count_packets(src: bytes | str, stream_index: int) -> int:
     import av
+
     with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
         return sum(1 for p in container.demux(container.streams.video[stream_index]) if p.size)
 
 
-def _decode_video(src: bytes | str, fps: float | None, num_frames: int | None, max_frames: int,
-                  max_pixels: int | None) -> LoadedVideo:
+def _decode_video(
+    src: bytes | str, fps: float | None, num_frames: int | None, max_frames: int, max_pixels: int | None
+) -> LoadedVideo:
     import av
+
     try:
         with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
             fmt = container.format.name or ""
@@ -260,9 +270,14 @@ def _decode_video(src: bytes | str, fps: float | None, num_frames: int | None, m
     return LoadedVideo(frames, source_fps, sampled, order, total)
 
 
-def load_video(x: Any, fps: float | None = None, num_frames: int | None = None,
-               max_frames: int = DEFAULT_MAX_VIDEO_FRAMES, source_fps: float | None = None,
-               max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> LoadedVideo:
+def load_video(
+    x: Any,
+    fps: float | None = None,
+    num_frames: int | None = None,
+    max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+    source_fps: float | None = None,
+    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+) -> LoadedVideo:
     """Load and uniformly sample a video from a list of frames, a [T,H,W,3] array, a file path, bytes or data URL.
 
     `fps` samples that many frames per second of video, `num_frames` a fixed count (uniformly spread); with neither,

@@ -12,6 +12,7 @@ Item data: {"pixel_values": float [P, C*p*p] (patches row-major, see `patch_rows
 int64 [1, 2] (resized height, width in pixels), "special_token_ids": int64 [1, 2] ([IMG_BREAK], [IMG_END] ids)}; rows
 of several items concatenate along dim 0, which is how the runner batches them.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,14 +33,14 @@ def run_token_ids(rows: int, cols: int, image_id: int, break_id: int, end_id: in
     return ids
 
 
-
 def patch_rows(pixels: torch.Tensor, patch: int) -> torch.Tensor:
     """One image `[C, H, W]` (H, W multiples of `patch`) -> its patches row-major `[(H/p) * (W/p), C*p*p]`, each
     flattened in the conv weight's (C, p, p) order."""
     c, height, width = pixels.shape
     gh, gw = height // patch, width // patch
-    cut = pixels[:, :gh * patch, :gw * patch].reshape(c, gh, patch, gw, patch)
+    cut = pixels[:, : gh * patch, : gw * patch].reshape(c, gh, patch, gw, patch)
     return cut.permute(1, 3, 0, 2, 4).reshape(gh * gw, c * patch * patch)
+
 
 class PixtralImageItems:
     """Runs the HF image processor on one image and counts / spells its placeholder run (as PixtralProcessor)."""
@@ -59,9 +60,11 @@ class PixtralImageItems:
         out = self.image_processor(images=[image], return_tensors="pt", **dict(kwargs, patch_size=self.unit))
         height, width = (int(v) for v in out["image_sizes"][0])
         pixels = torch.as_tensor(out["pixel_values"])[0, :, :height, :width]  # [C, H, W]
-        return {"pixel_values": patch_rows(pixels, self.patch_size),  # [P, C*p*p]
-                "image_sizes": torch.tensor([[height, width]], dtype=torch.long),
-                "special_token_ids": torch.tensor([[self.break_id, self.end_id]], dtype=torch.long)}
+        return {
+            "pixel_values": patch_rows(pixels, self.patch_size),  # [P, C*p*p]
+            "image_sizes": torch.tensor([[height, width]], dtype=torch.long),
+            "special_token_ids": torch.tensor([[self.break_id, self.end_id]], dtype=torch.long),
+        }
 
     def num_embeds(self, modality: str, data: dict) -> int:
         """Placeholder tokens of one processed image: rows * (cols + 1)."""
@@ -70,8 +73,9 @@ class PixtralImageItems:
 
     def placeholder_ids(self, data: dict) -> list[int]:
         """The exact token ids of one image's placeholder run, as HF's PixtralProcessor expands it."""
-        return run_token_ids(*merged_grid(data["image_sizes"][0].tolist(), self.unit), self.image_id,
-                             self.break_id, self.end_id)
+        return run_token_ids(
+            *merged_grid(data["image_sizes"][0].tolist(), self.unit), self.image_id, self.break_id, self.end_id
+        )
 
     def placeholder_run(self, placeholder_id: int, num: int, data: dict) -> tuple[list[int], int]:
         """(the run's token ids, 0): every token of it, breaks and end included, is a row of the embeddings."""

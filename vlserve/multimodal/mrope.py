@@ -8,6 +8,7 @@ truncating second_per_grid_t to an integer exactly as transformers 4.57's get_ro
 
 After the prompt, every token at sequence index p has position p + mrope_position_delta on all three axes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -39,8 +40,12 @@ def _second_per_grid(feature: MultiModalFeature) -> float:
     return float(spg[0]) if isinstance(spg, (list, tuple)) else float(spg)
 
 
-def get_mrope_positions(prompt_token_ids: Sequence[int], mm_features: list[MultiModalFeature], hf_config: Any,
-                        truncate_second_per_grid: bool = True) -> tuple[torch.Tensor, int]:
+def get_mrope_positions(
+    prompt_token_ids: Sequence[int],
+    mm_features: list[MultiModalFeature],
+    hf_config: Any,
+    truncate_second_per_grid: bool = True,
+) -> tuple[torch.Tensor, int]:
     """Return (positions int64 [3, L], mrope_position_delta) for a whole (already expanded) prompt.
 
     Matches transformers' Qwen2VLModel.get_rope_index (Qwen2-VL) / Qwen2_5_VLModel.get_rope_index (Qwen2.5-VL,
@@ -59,11 +64,14 @@ def get_mrope_positions(prompt_token_ids: Sequence[int], mm_features: list[Multi
         t, h, w = _grid(f)
         llm_t, llm_h, llm_w = t, h // merge, w // merge
         if llm_t * llm_h * llm_w != f.length:
-            raise ValueError(f"{f.modality} feature at offset {f.offset} has length {f.length} but its grid "
-                             f"({t}, {h}, {w}) with merge size {merge} needs {llm_t * llm_h * llm_w} tokens")
+            raise ValueError(
+                f"{f.modality} feature at offset {f.offset} has length {f.length} but its grid "
+                f"({t}, {h}, {w}) with merge size {merge} needs {llm_t * llm_h * llm_w} tokens"
+            )
         if f.offset < st or f.end > num_tokens:
-            raise ValueError(f"{f.modality} feature [{f.offset}, {f.end}) overlaps another or exceeds the prompt "
-                             f"length {num_tokens}")
+            raise ValueError(
+                f"{f.modality} feature [{f.offset}, {f.end}) overlaps another or exceeds the prompt length {num_tokens}"
+            )
         text_len = f.offset - st
         if text_len:
             chunks.append(torch.arange(text_len, dtype=torch.long).expand(3, -1) + next_pos)
@@ -99,14 +107,15 @@ def decode_mrope_positions(mrope_position_delta: int, start: int, end: int) -> t
     return pos.expand(3, -1).contiguous()  # [3, n]
 
 
-def mrope_positions_for_range(prompt_positions: torch.Tensor, mrope_position_delta: int, start: int,
-                              end: int) -> torch.Tensor:
+def mrope_positions_for_range(
+    prompt_positions: torch.Tensor, mrope_position_delta: int, start: int, end: int
+) -> torch.Tensor:
     """Positions [3, end - start] for sequence indices [start, end): prompt positions where available (chunked
     prefill), then decode positions (index + delta) for generated tokens."""
     num_prompt = prompt_positions.shape[1]
     parts = []
     if start < num_prompt:
-        parts.append(prompt_positions[:, start:min(end, num_prompt)])
+        parts.append(prompt_positions[:, start : min(end, num_prompt)])
     if end > num_prompt:
         parts.append(decode_mrope_positions(mrope_position_delta, max(start, num_prompt), end))
     if not parts:

@@ -5,6 +5,7 @@ what PerceptionLMProcessor computes from those pixels: (S // patch_size // pooli
 MultiModalProcessor (processor.py) hands image items here when the checkpoint's HF processor is a
 PerceptionLMProcessor. Images only: videos are not served for this family yet.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,13 +29,17 @@ class PerceptionLMItems:
         """The vision tower was built for one tile size: another would fail inside the engine, so refuse it here."""
         tile = kwargs.get("tile_size")
         if tile is not None and tile != self.tile_size:
-            raise ValueError(f"mm_processor_kwargs.tile_size must equal the checkpoint's tile size "
-                             f"{self.tile_size} (its vision tower takes only that size), got {str(tile)[:40]}")
+            raise ValueError(
+                f"mm_processor_kwargs.tile_size must equal the checkpoint's tile size "
+                f"{self.tile_size} (its vision tower takes only that size), got {str(tile)[:40]}"
+            )
         max_tiles = kwargs.get("max_num_tiles")
-        if max_tiles is not None and (isinstance(max_tiles, bool) or not isinstance(max_tiles, int)
-                                      or not 1 <= max_tiles <= 64):
-            raise ValueError(f"mm_processor_kwargs.max_num_tiles must be an integer in [1, 64], "
-                             f"got {str(max_tiles)[:40]}")
+        if max_tiles is not None and (
+            isinstance(max_tiles, bool) or not isinstance(max_tiles, int) or not 1 <= max_tiles <= 64
+        ):
+            raise ValueError(
+                f"mm_processor_kwargs.max_num_tiles must be an integer in [1, 64], got {str(max_tiles)[:40]}"
+            )
 
     def run_image(self, image: Any, kwargs: dict) -> dict:
         """One loaded image -> {"pixel_values": float [tiles, C, S, S]} (tiles in the HF processor's order)."""

@@ -8,6 +8,7 @@ results can be cached per item: a repeated image (same pixels, same kwargs) skip
 The image processor is the torchvision-backed ("fast") one where transformers has one (`use_fast=False`: the
 PIL / numpy one). Several threads may process items at once (the server's preprocessing pool).
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,8 +81,12 @@ def load_hf_processor(model_dir: str, use_fast: bool = True) -> Any:
     if other is not None and is_fast_image_processor(other) == use_fast:
         hf_processor.image_processor = other
     else:
-        logger.info("%s has no %s image processor; keeping %s", model_dir, "fast" if use_fast else "slow",
-                    type(current).__name__)
+        logger.info(
+            "%s has no %s image processor; keeping %s",
+            model_dir,
+            "fast" if use_fast else "slow",
+            type(current).__name__,
+        )
     return hf_processor
 
 
@@ -89,6 +94,7 @@ def _last_line(error: Exception) -> str:
     """The last line of a processor's error message, cut short (5.x puts the field's rule there, after a heading)."""
     lines = str(error).strip().splitlines()
     return (lines[-1] if lines else type(error).__name__)[:200]
+
 
 class MultiModalProcessor:
     """Per-item HF processing with an LRU cache keyed by mm_hash, and placeholder expansion.
@@ -103,21 +109,31 @@ class MultiModalProcessor:
     result (a hit) instead of running the HF processor again.
     """
 
-    def __init__(self, hf_processor: Any, cache_size: int = 256, cache_max_bytes: int = 1 << 30,
-                 max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-                 max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
-                 max_audio_seconds: float | None = None, image_token_id: int | None = None):
+    def __init__(
+        self,
+        hf_processor: Any,
+        cache_size: int = 256,
+        cache_max_bytes: int = 1 << 30,
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+        max_audio_seconds: float | None = None,
+        image_token_id: int | None = None,
+    ):
         self.hf_processor = hf_processor
         self.image_processor = getattr(hf_processor, "image_processor", None)
         self.video_processor = getattr(hf_processor, "video_processor", None)
         self.tokenizer = hf_processor.tokenizer
-        self.image_token_id: int | None = getattr(hf_processor, "image_token_id", None) \
-            if image_token_id is None else image_token_id
+        self.image_token_id: int | None = (
+            getattr(hf_processor, "image_token_id", None) if image_token_id is None else image_token_id
+        )
         self.video_token_id: int | None = getattr(hf_processor, "video_token_id", None)
         self.audio_token_id: int | None = getattr(hf_processor, "audio_token_id", None)
         extractor = getattr(hf_processor, "feature_extractor", None)
-        self.audio_processor = None if extractor is None or self.audio_token_id is None else \
-            AudioItemProcessor(extractor, max_audio_seconds)
+        self.audio_processor = (
+            None
+            if extractor is None or self.audio_token_id is None
+            else AudioItemProcessor(extractor, max_audio_seconds)
+        )
         # A family's own per-image processing (tiling, placeholder counts: PerceptionLM, LLaVA-1.5 / NeXT);
         # None = Qwen2-VL's grid rules below.
         self.family = family_items(hf_processor) or image_items_for(hf_processor) or gemma3_items_for(hf_processor)
@@ -126,15 +142,21 @@ class MultiModalProcessor:
         if self.video_token_id is None:  # InternVLProcessor names its `<video>` token only as text
             self.video_token_id = getattr(self.family, "video_token_id", None)
         # Qwen3-VL: a video becomes per-frame placeholder runs with timestamp text between them (qwen3_vl_video)
-        self.qwen3_videos = Qwen3VLVideos(hf_processor) \
-            if self.video_processor is not None and is_qwen3_vl_processor(hf_processor) else None
+        self.qwen3_videos = (
+            Qwen3VLVideos(hf_processor)
+            if self.video_processor is not None and is_qwen3_vl_processor(hf_processor)
+            else None
+        )
         # whoever spells a video out as per-frame runs with text between them (`expand_video`): Qwen3-VL, InternVL
-        self.video_expander = self.qwen3_videos or \
-            (self.family if hasattr(self.family, "expand_video") and self.video_processor is not None else None)
+        self.video_expander = self.qwen3_videos or (
+            self.family if hasattr(self.family, "expand_video") and self.video_processor is not None else None
+        )
         # modality -> its placeholder token text, for the modalities this checkpoint has
-        self.placeholders = {m: self.tokenizer.convert_ids_to_tokens(t) for m, t in (
-            ("image", self.image_token_id), ("video", self.video_token_id), ("audio", self.audio_token_id))
-            if t is not None}
+        self.placeholders = {
+            m: self.tokenizer.convert_ids_to_tokens(t)
+            for m, t in (("image", self.image_token_id), ("video", self.video_token_id), ("audio", self.audio_token_id))
+            if t is not None
+        }
         self.cache_size = cache_size
         self.cache_max_bytes = cache_max_bytes
         self._cache_bytes = 0
@@ -250,11 +272,13 @@ class MultiModalProcessor:
             out = self.image_processor(images=[_unambiguous(img)], return_tensors="pt", **kwargs)
             return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         except Exception as e:  # bad kwargs (5.x: huggingface_hub's strict-field errors) or unprocessable shapes
-            raise ValueError(f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): "
-                             f"{_last_line(e)}") from None
+            raise ValueError(
+                f"image processing failed (mm_processor_kwargs={shorten(image_kwargs)}): {_last_line(e)}"
+            ) from None
 
-    def process_video(self, video: Any, video_kwargs: dict | None = None,
-                      sampling_kwargs: dict | None = None) -> tuple[str, dict]:
+    def process_video(
+        self, video: Any, video_kwargs: dict | None = None, sampling_kwargs: dict | None = None
+    ) -> tuple[str, dict]:
         """Load/sample, hash and (on a cache miss) run the HF video processor on one video -> (mm_hash, data).
 
         data = {"pixel_values_videos": float [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch],
@@ -268,8 +292,13 @@ class MultiModalProcessor:
         video_kwargs, sampling = video_kwargs or {}, dict(sampling_kwargs or {})
         max_frames = int(sampling.pop("max_frames", self.max_video_frames))
         if not isinstance(video, LoadedVideo):
-            video = load_video(video, fps=sampling.get("fps"), num_frames=sampling.get("num_frames"),
-                               max_frames=max_frames, max_pixels=self.max_image_pixels)
+            video = load_video(
+                video,
+                fps=sampling.get("fps"),
+                num_frames=sampling.get("num_frames"),
+                max_frames=max_frames,
+                max_pixels=self.max_image_pixels,
+            )
         timing = {"qwen3_vl_timing": self.qwen3_videos.timing(video)} if self.qwen3_videos is not None else {}
         mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames, **timing})
         return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(video, video_kwargs, sampling))
@@ -281,16 +310,25 @@ class MultiModalProcessor:
             if hasattr(self.family, "run_video"):  # a family's own video rules (InternVL: one tile per frame)
                 return self.family.run_video(video.frames, video_kwargs)
             out = self.video_processor(
-                videos=[video.frames], return_tensors="pt", do_sample_frames=False,
-                input_data_format="channels_last", **self._video_hf_kwargs(video_kwargs))
+                videos=[video.frames],
+                return_tensors="pt",
+                do_sample_frames=False,
+                input_data_format="channels_last",
+                **self._video_hf_kwargs(video_kwargs),
+            )
         except Exception as e:  # as for images
-            raise ValueError(f"video processing failed (mm_processor_kwargs={shorten(video_kwargs)}): "
-                             f"{_last_line(e)}") from None
+            raise ValueError(
+                f"video processing failed (mm_processor_kwargs={shorten(video_kwargs)}): {_last_line(e)}"
+            ) from None
         fps = video.sampled_fps or sampling.get("fps") or DEFAULT_VIDEO_FPS
         temporal_patch = int(getattr(self.video_processor, "temporal_patch_size", 2))
         timing = self.qwen3_videos.timing(video) if self.qwen3_videos is not None else {}
-        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"],
-                "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32), **timing}
+        return {
+            "pixel_values_videos": out["pixel_values_videos"],
+            "video_grid_thw": out["video_grid_thw"],
+            "second_per_grid_ts": torch.tensor([temporal_patch / float(fps)], dtype=torch.float32),
+            **timing,
+        }
 
     def process_audio(self, audio: Any) -> tuple[str, dict]:
         """Decode (mono, the extractor's rate), hash and (on a cache miss) extract one clip's features
@@ -301,9 +339,14 @@ class MultiModalProcessor:
         return mm_hash, self._get_or_compute(mm_hash, lambda: self.audio_processor.features(clip))
 
     # ----------------------------------------------------------------------------------------------- prompt
-    def process(self, prompt_token_ids: list[int], images: list | None = None, videos: list | None = None,
-                mm_processor_kwargs: dict | None = None, audios: list | None = None
-                ) -> tuple[list[int], list[MultiModalFeature]]:
+    def process(
+        self,
+        prompt_token_ids: list[int],
+        images: list | None = None,
+        videos: list | None = None,
+        mm_processor_kwargs: dict | None = None,
+        audios: list | None = None,
+    ) -> tuple[list[int], list[MultiModalFeature]]:
         """Expand each `<|image_pad|>` / `<|video_pad|>` token of the prompt into its item's embedding count and
         return (new_prompt_token_ids, features ordered by offset).
 
@@ -318,15 +361,21 @@ class MultiModalProcessor:
         img_pos = [i for i, t in enumerate(ids) if t == self.image_token_id]
         vid_pos = [i for i, t in enumerate(ids) if t == self.video_token_id and t is not None]
         if len(img_pos) != len(images):
-            raise ValueError(f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders.get('image')}) "
-                             f"but {len(images)} images were given")
+            raise ValueError(
+                f"prompt has {len(img_pos)} image placeholder tokens ({self.placeholders.get('image')}) "
+                f"but {len(images)} images were given"
+            )
         if len(vid_pos) != len(videos):
-            raise ValueError(f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders.get('video')}) "
-                             f"but {len(videos)} videos were given")
+            raise ValueError(
+                f"prompt has {len(vid_pos)} video placeholder tokens ({self.placeholders.get('video')}) "
+                f"but {len(videos)} videos were given"
+            )
         aud_pos = [i for i, t in enumerate(ids) if t == self.audio_token_id] if self.audio_token_id is not None else []
         if len(aud_pos) != len(audios):
-            raise ValueError(f"prompt has {len(aud_pos)} audio placeholder tokens (<|AUDIO|>) "
-                             f"but {len(audios)} audio clips were given")
+            raise ValueError(
+                f"prompt has {len(aud_pos)} audio placeholder tokens (<|AUDIO|>) "
+                f"but {len(audios)} audio clips were given"
+            )
 
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
@@ -365,8 +414,11 @@ class MultiModalProcessor:
             # row breaks, which are then rows of the item's embeddings too); `start`: where the embeddings begin
             spell = getattr(self.family, "placeholder_run", None) if modality == "image" else None
             run, start = spell(ids[pos], num, data) if spell is not None else ([ids[pos]] * num, 0)
-            features.append(MultiModalFeature(modality=modality, mm_hash=mm_hash, offset=len(new_ids) + start,
-                                              length=num, data=data))
+            features.append(
+                MultiModalFeature(
+                    modality=modality, mm_hash=mm_hash, offset=len(new_ids) + start, length=num, data=data
+                )
+            )
             new_ids.extend(run)
             prev = pos + 1
         new_ids.extend(ids[prev:])
@@ -379,8 +431,9 @@ class MultiModalProcessor:
         kw = mm_processor_kwargs or {}
         if self.family is not None:
             return self.family.max_image_embeds(kw)
-        max_pixels = kw.get("max_pixels") or self.image_processor.size.get("longest_edge") or \
-            self.image_processor.max_pixels
+        max_pixels = (
+            kw.get("max_pixels") or self.image_processor.size.get("longest_edge") or self.image_processor.max_pixels
+        )
         unit = int(self.image_processor.patch_size) * self._merge_size("image")
         return int(max_pixels) // (unit * unit)
 

@@ -7,6 +7,7 @@ MultiModalProcessor (processor.py) hands each processed video here and gets back
 MultiModalFeature per grid step (the vision tower encodes the frames of a Qwen3-VL video independently).
 Images follow the Qwen2-VL grid rules and do not come here.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -53,10 +54,10 @@ class Qwen3VLVideos:
         tok = hf_processor.tokenizer
         self.tokenizer = tok
         self.video_token_id = int(hf_processor.video_token_id)
-        self.vision_start_id = int(tok.convert_tokens_to_ids(getattr(hf_processor, "vision_start_token",
-                                                                     "<|vision_start|>")))
-        self.vision_end_id = int(tok.convert_tokens_to_ids(getattr(hf_processor, "vision_end_token",
-                                                                   "<|vision_end|>")))
+        self.vision_start_id = int(
+            tok.convert_tokens_to_ids(getattr(hf_processor, "vision_start_token", "<|vision_start|>"))
+        )
+        self.vision_end_id = int(tok.convert_tokens_to_ids(getattr(hf_processor, "vision_end_token", "<|vision_end|>")))
         video_processor = hf_processor.video_processor
         self.temporal_patch = int(getattr(video_processor, "temporal_patch_size", 2))
         self.merge_size = int(getattr(video_processor, "merge_size", 2))
@@ -66,8 +67,10 @@ class Qwen3VLVideos:
     def timing(video: Any) -> dict:
         """The facts timestamps derive from, for a LoadedVideo: kept in its processed data and folded into its
         mm_hash (two sampled clips with equal pixels can sit at different times)."""
-        return {"timestamp_fps": timestamp_fps(video.source_fps),
-                "frame_indices": [int(i) for i in video.frame_indices]}
+        return {
+            "timestamp_fps": timestamp_fps(video.source_fps),
+            "frame_indices": [int(i) for i in video.frame_indices],
+        }
 
     def _text_ids(self, text: str) -> list[int]:
         ids = self._memo.get(text)
@@ -93,7 +96,7 @@ class Qwen3VLVideos:
 
         grid_t, grid_h, grid_w = (int(x) for x in data["video_grid_thw"][0])
         rows = grid_h * grid_w  # patch rows of one grid step in pixel_values_videos
-        num = rows // self.merge_size ** 2  # embeddings of one grid step
+        num = rows // self.merge_size**2  # embeddings of one grid step
         seconds = frame_timestamps(data["frame_indices"], data["timestamp_fps"], self.temporal_patch)
         if len(seconds) != grid_t:
             raise ValueError(f"video has {grid_t} temporal grid steps but {len(seconds)} frame timestamps")
@@ -106,17 +109,25 @@ class Qwen3VLVideos:
             frame = {
                 # [grid_h*grid_w, C*temporal_patch*patch*patch]; cloned so that pickling one frame's data does not
                 # carry the whole video's storage along
-                "pixel_values_videos": pixels[j * rows:(j + 1) * rows].clone(),
+                "pixel_values_videos": pixels[j * rows : (j + 1) * rows].clone(),
                 "video_grid_thw": torch.tensor([[1, grid_h, grid_w]], dtype=torch.int64),  # [1, 3]
             }
-            features.append(MultiModalFeature(modality="video", mm_hash=frame_hash(video_hash, j),
-                                              offset=offset + len(ids), length=num, data=frame))
+            features.append(
+                MultiModalFeature(
+                    modality="video",
+                    mm_hash=frame_hash(video_hash, j),
+                    offset=offset + len(ids),
+                    length=num,
+                    data=frame,
+                )
+            )
             ids.extend([self.video_token_id] * num)
             ids.append(self.vision_end_id)
         return ids, features
 
-    def expand_video(self, video_hash: str, data: dict, ids: list[int], pos: int
-                     ) -> tuple[int, int, list[int], list[MultiModalFeature]]:
+    def expand_video(
+        self, video_hash: str, data: dict, ids: list[int], pos: int
+    ) -> tuple[int, int, list[int], list[MultiModalFeature]]:
         """The video placeholder at `ids[pos]` -> (start, end, run, features): `ids[start:end]` becomes `run`, the
         features' offsets counted from the start of `run` (MultiModalProcessor.process's video seam)."""
         start, end = self.placeholder_span(ids, pos)

@@ -5,6 +5,7 @@
 
 Every problem raises ValueError naming the offending field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -83,8 +84,10 @@ class SpeculativeConfig:
 
         if self.method == "ngram":
             if self.model not in (None, "ngram", "[ngram]"):
-                raise ValueError(f"speculative_config: model must not be set for method 'ngram' (it uses no draft "
-                                 f"model), got {self.model!r}")
+                raise ValueError(
+                    f"speculative_config: model must not be set for method 'ngram' (it uses no draft "
+                    f"model), got {self.model!r}"
+                )
             self.model = None
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if lo is None and hi is None:
@@ -101,12 +104,13 @@ class SpeculativeConfig:
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         else:
             if not isinstance(self.model, str) or not self.model.strip():
-                raise ValueError(f"speculative_config: model (the draft checkpoint directory) is required for "
-                                 f"method {self.method!r}, got {self.model!r}")
+                raise ValueError(
+                    f"speculative_config: model (the draft checkpoint directory) is required for "
+                    f"method {self.method!r}, got {self.model!r}"
+                )
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"speculative_config: {name} only applies to method 'ngram', "
-                                     f"not {self.method!r}")
+                    raise ValueError(f"speculative_config: {name} only applies to method 'ngram', not {self.method!r}")
 
 
 def fill_default_draft(speculative_config: Any, target: str | None) -> Any:

@@ -46,6 +46,7 @@ Preempted requests recompute from scratch like the target (the draft keeps no pe
 With prefix caching, a reused block carries the draft KV of the request that wrote it; at the block's last
 position that KV saw that request's next token (only acceptance can differ, never output).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,8 +66,9 @@ class EagleProposer:
 
     uses_target_hidden_states = True
 
-    def __init__(self, draft: EagleDraftModel, k: int, max_model_len: int, block_size: int,
-                 target_num_layers: int) -> None:
+    def __init__(
+        self, draft: EagleDraftModel, k: int, max_model_len: int, block_size: int, target_num_layers: int
+    ) -> None:
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         self.draft = draft
@@ -79,8 +81,7 @@ class EagleProposer:
             ids = cfg.target_layer_ids or default_eagle3_layer_ids(target_num_layers)
             bad = [i for i in ids if not 0 <= i <= target_num_layers]
             if bad:
-                raise ValueError(f"EAGLE-3 target_layer_ids {bad} out of range for a {target_num_layers}-layer "
-                                 f"target")
+                raise ValueError(f"EAGLE-3 target_layer_ids {bad} out of range for a {target_num_layers}-layer target")
             self.aux_layer_ids: list[int] = list(ids)
         else:
             self.aux_layer_ids = [target_num_layers] if cfg.target_hidden == "pre_norm" else []
@@ -92,16 +93,18 @@ class EagleProposer:
         self.num_propose_calls = 0
 
     @classmethod
-    def from_config(cls, spec_config, target: torch.nn.Module, target_hf_config, device, dtype,
-                    max_model_len: int, block_size: int) -> EagleProposer:
+    def from_config(
+        cls, spec_config, target: torch.nn.Module, target_hf_config, device, dtype, max_model_len: int, block_size: int
+    ) -> EagleProposer:
         text_cfg = getattr(target_hf_config, "text_config", None) or target_hf_config
         cfg = EagleConfig.from_dir(spec_config.model)
         if cfg.method != spec_config.method:
-            raise ValueError(f"speculative_config method {spec_config.method!r} does not match the draft "
-                             f"checkpoint's method {cfg.method!r} ({spec_config.model})")
+            raise ValueError(
+                f"speculative_config method {spec_config.method!r} does not match the draft "
+                f"checkpoint's method {cfg.method!r} ({spec_config.model})"
+            )
         draft = load_eagle_draft(spec_config.model, target, text_cfg, device, dtype)
-        return cls(draft, spec_config.num_speculative_tokens, max_model_len, block_size,
-                   text_cfg.num_hidden_layers)
+        return cls(draft, spec_config.num_speculative_tokens, max_model_len, block_size, text_cfg.num_hidden_layers)
 
     # -- runner interface (vlserve.worker.proposer.Proposer) ---------------------------------------------------
     def draft_kv_spec(self) -> DraftKVSpec:
@@ -129,8 +132,14 @@ class EagleProposer:
         draft = self.draft
         embeds = inp.inputs_embeds if inp.inputs_embeds is not None else draft.embed(inp.input_ids)
         target_hidden = self.select_hidden(inp.hidden_states, inp.aux_hidden_states)  # [T, H] or [T, 3H]
-        out = draft(embeds.to(self.dtype), target_hidden.to(self.dtype), inp.positions, self.kv_cache,
-                    inp.attn_metadata, from_target=True)  # [T, H]
+        out = draft(
+            embeds.to(self.dtype),
+            target_hidden.to(self.dtype),
+            inp.positions,
+            self.kv_cache,
+            inp.attn_metadata,
+            from_target=True,
+        )  # [T, H]
         if not inp.req_ids:
             return {}
         dev = self.device
@@ -154,19 +163,27 @@ class EagleProposer:
             if len(active) == 0:
                 break
             pos_np = L[active] - 1 + j  # [b]
-            btab = md.block_tables.index_select(0, torch.from_numpy(inp.batch_rows[active].astype(np.int64)).to(
-                md.block_tables.device))
+            btab = md.block_tables.index_select(
+                0, torch.from_numpy(inp.batch_rows[active].astype(np.int64)).to(md.block_tables.device)
+            )
             pos = torch.from_numpy(pos_np).to(dev)
             slots = btab.gather(1, (pos // bs).unsqueeze(1).to(btab.device)).squeeze(1).long() * bs + pos % bs
             b = len(active)
             seq_lens = pos_np + 1
             step_md = AttentionMetadata(
-                slot_mapping=slots, query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=dev),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev), block_tables=btab,
-                num_decodes=b, max_query_len=1, max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=seq_lens.tolist(), workspace=md.workspace)
+                slot_mapping=slots,
+                query_start_loc=torch.arange(b + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+                block_tables=btab,
+                num_decodes=b,
+                max_query_len=1,
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=list(range(b + 1)),
+                seq_lens_cpu=seq_lens.tolist(),
+                workspace=md.workspace,
+            )
             if inp.mrope_deltas is not None:
-                positions = (pos + torch.from_numpy(inp.mrope_deltas[active].astype(np.int64)).to(dev))
+                positions = pos + torch.from_numpy(inp.mrope_deltas[active].astype(np.int64)).to(dev)
                 positions = positions.unsqueeze(0).expand(3, -1).contiguous()
             else:
                 positions = pos
@@ -187,10 +204,14 @@ def build_eagle_proposer(spec_config, loaded, max_model_len: int, block_size: in
     """EagleProposer for `loaded` (vlserve.engine.model_setup.LoadedModel); ValueError under tensor parallelism
     (the draft head is not sharded)."""
     if tp_size() > 1:
-        raise ValueError(f"EAGLE speculative decoding is not supported with tensor_parallel_size > 1 (got "
-                         f"{tp_size()}); use method 'ngram' or tensor_parallel_size=1")
+        raise ValueError(
+            f"EAGLE speculative decoding is not supported with tensor_parallel_size > 1 (got "
+            f"{tp_size()}); use method 'ngram' or tensor_parallel_size=1"
+        )
     if capabilities_of(loaded.model).pooling:
-        raise ValueError(f"EAGLE drafting needs a target with an lm_head; {type(loaded.model).__name__} is a pooling "
-                         "model")
-    return EagleProposer.from_config(spec_config, loaded.model, loaded.hf_config, loaded.device, loaded.dtype,
-                                     max_model_len, block_size)
+        raise ValueError(
+            f"EAGLE drafting needs a target with an lm_head; {type(loaded.model).__name__} is a pooling model"
+        )
+    return EagleProposer.from_config(
+        spec_config, loaded.model, loaded.hf_config, loaded.device, loaded.dtype, max_model_len, block_size
+    )

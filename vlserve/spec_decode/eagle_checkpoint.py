@@ -2,6 +2,7 @@
 
 The format is described in `vlserve/spec_decode/eagle.py`; the model itself is `eagle_model.EagleDraftModel`.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ def init_eagle_weights(model: EagleDraftModel, std: float = 0.02, seed: int = 0)
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def load_eagle_draft(path: str, target: nn.Module, target_text_config, device: torch.device,
-                     dtype: torch.dtype) -> EagleDraftModel:
+def load_eagle_draft(
+    path: str, target: nn.Module, target_text_config, device: torch.device, dtype: torch.dtype
+) -> EagleDraftModel:
     """Read `path` (config.json + *.safetensors) into an EagleDraftModel attached to `target`."""
     from safetensors.torch import load_file
 
@@ -39,11 +41,16 @@ def load_eagle_draft(path: str, target: nn.Module, target_text_config, device: t
     for f in files:
         for name, t in load_file(os.path.join(path, f)).items():
             if name.startswith("midlayer."):  # EAGLE-3 reference checkpoints
-                name = "layers.0." + name[len("midlayer."):]
+                name = "layers.0." + name[len("midlayer.") :]
             tensors[name] = t
     tensors.pop("t2d", None)
-    model = EagleDraftModel(cfg, target_text_config, own_embed="embed_tokens.weight" in tensors,
-                            own_norm="norm.weight" in tensors, own_lm_head="lm_head.weight" in tensors)
+    model = EagleDraftModel(
+        cfg,
+        target_text_config,
+        own_embed="embed_tokens.weight" in tensors,
+        own_norm="norm.weight" in tensors,
+        own_lm_head="lm_head.weight" in tensors,
+    )
     _split_fused(tensors, model)
     params = dict(model.named_parameters())
     params["d2t"] = model.d2t
@@ -57,13 +64,15 @@ def load_eagle_draft(path: str, target: nn.Module, target_text_config, device: t
         for name, t in tensors.items():
             dst = params[name]
             if tuple(dst.shape) != tuple(t.shape):
-                raise ValueError(f"EAGLE draft {path!r}: weight {name!r} has shape {tuple(t.shape)}, expected "
-                                 f"{tuple(dst.shape)}")
+                raise ValueError(
+                    f"EAGLE draft {path!r}: weight {name!r} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
+                )
             dst.copy_(t)
     ids = torch.arange(model.draft_vocab_size) + model.d2t
     if bool(((ids < 0) | (ids >= model.target_vocab_size)).any()):
-        raise ValueError(f"EAGLE draft {path!r}: d2t maps draft ids outside the target vocabulary "
-                         f"[0, {model.target_vocab_size})")
+        raise ValueError(
+            f"EAGLE draft {path!r}: d2t maps draft ids outside the target vocabulary [0, {model.target_vocab_size})"
+        )
     model = model.to(device=device, dtype=dtype)
     model.d2t = model.d2t.to(device=device, dtype=torch.long)
     model.rotary_emb.init_buffers(device=device, dtype=dtype)

@@ -8,6 +8,7 @@
     (RoPE is relative), so most drafts are accepted, some are not; with `zero_attention=True` on a target whose
     attention output is zero (every o_proj zeroed) it reproduces the target exactly (acceptance 1).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,11 +30,14 @@ def eagle_config_for(text_cfg, method: str = "eagle", **overrides) -> dict:
 
     heads = text_cfg.num_attention_heads
     cfg = {
-        "architectures": ["EagleDraftModel"], "method": method, "hidden_size": text_cfg.hidden_size,
+        "architectures": ["EagleDraftModel"],
+        "method": method,
+        "hidden_size": text_cfg.hidden_size,
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(text_cfg, "num_key_value_heads", None) or heads,
         "head_dim": getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
-        "intermediate_size": text_cfg.intermediate_size, "rms_norm_eps": text_cfg.rms_norm_eps,
+        "intermediate_size": text_cfg.intermediate_size,
+        "rms_norm_eps": text_cfg.rms_norm_eps,
         "vocab_size": text_cfg.vocab_size,
     }
     if method == "eagle3":
@@ -42,8 +46,15 @@ def eagle_config_for(text_cfg, method: str = "eagle", **overrides) -> dict:
     return cfg
 
 
-def build_eagle_checkpoint(out_dir: str, target_dir: str, method: str = "eagle", init: str = "random",
-                           seed: int = 0, std: float = 0.02, **config_overrides) -> str:
+def build_eagle_checkpoint(
+    out_dir: str,
+    target_dir: str,
+    method: str = "eagle",
+    init: str = "random",
+    seed: int = 0,
+    std: float = 0.02,
+    **config_overrides,
+) -> str:
     from vlserve.spec_decode.eagle_checkpoint import init_eagle_weights, save_eagle_draft
     from vlserve.spec_decode.eagle_model import EagleConfig, EagleDraftModel
 

@@ -22,6 +22,7 @@ reference (not registered), so the draft's state_dict holds only the draft's own
 Two attention paths share the weights: paged (`forward`, the serving path, one KV cache over the target's block
 tables) and dense (`forward_train`, whole padded sequences with EAGLE-3 "training-time test" unrolling).
 """
+
 from __future__ import annotations
 
 import copy
@@ -77,11 +78,13 @@ class EagleConfig:
         if self.method not in METHODS:
             raise ValueError(f"EAGLE config: method must be one of {list(METHODS)}, got {self.method!r}")
         if self.num_hidden_layers != 1:
-            raise ValueError(f"EAGLE config: only 1-layer draft heads are supported, got "
-                             f"num_hidden_layers={self.num_hidden_layers}")
+            raise ValueError(
+                f"EAGLE config: only 1-layer draft heads are supported, got num_hidden_layers={self.num_hidden_layers}"
+            )
         if self.target_hidden not in ("pre_norm", "post_norm"):
-            raise ValueError(f"EAGLE config: target_hidden must be 'pre_norm' or 'post_norm', "
-                             f"got {self.target_hidden!r}")
+            raise ValueError(
+                f"EAGLE config: target_hidden must be 'pre_norm' or 'post_norm', got {self.target_hidden!r}"
+            )
         if self.input_layernorm is None:
             self.input_layernorm = self.method == "eagle3"
         if self.method == "eagle3" and not self.input_layernorm:
@@ -98,8 +101,11 @@ class EagleConfig:
         if not arch or arch[0] != ARCHITECTURE:
             raise ValueError(f"EAGLE draft config: architectures must be [{ARCHITECTURE!r}], got {arch!r}")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        missing = [k for k in ("method", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                               "intermediate_size") if k not in d]
+        missing = [
+            k
+            for k in ("method", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+            if k not in d
+        ]
         if missing:
             raise ValueError(f"EAGLE draft config: missing {missing}")
         extra = {k: d.pop(k) for k in list(d) if k not in known}
@@ -152,7 +158,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     half = cos.shape[-1]
     cos = cos.to(x.dtype).unsqueeze(1)
     sin = sin.to(x.dtype).unsqueeze(1)
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
@@ -161,9 +167,12 @@ class EagleAttention(nn.Module):
 
     def __init__(self, cfg: EagleConfig, in_dim: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, \
-            cfg.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(in_dim, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
@@ -173,9 +182,11 @@ class EagleAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor):
         T = x.shape[0]
-        return (self.q_proj(x).view(T, self.num_heads, self.head_dim),
-                self.k_proj(x).view(T, self.num_kv_heads, self.head_dim),
-                self.v_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        return (
+            self.q_proj(x).view(T, self.num_heads, self.head_dim),
+            self.k_proj(x).view(T, self.num_kv_heads, self.head_dim),
+            self.v_proj(x).view(T, self.num_kv_heads, self.head_dim),
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache, md: AttentionMetadata) -> torch.Tensor:
         """Paged: x [T, in] -> [T, H]; writes K/V at md.slot_mapping."""
@@ -218,8 +229,15 @@ class EagleDecoderLayer(nn.Module):
 class EagleDraftModel(nn.Module):
     """Draft head; see the module docstring. `target` supplies shared embeddings / norm / lm_head."""
 
-    def __init__(self, cfg: EagleConfig, target_text_config, *, own_embed: bool = False, own_norm: bool = False,
-                 own_lm_head: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: EagleConfig,
+        target_text_config,
+        *,
+        own_embed: bool = False,
+        own_norm: bool = False,
+        own_lm_head: bool = False,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.eagle3 = cfg.method == "eagle3"
@@ -228,10 +246,13 @@ class EagleDraftModel(nn.Module):
             raise ValueError(f"EAGLE draft hidden_size {H} != target hidden_size {target_text_config.hidden_size}")
         self.target_vocab_size = target_text_config.vocab_size
         if cfg.vocab_size is not None and cfg.vocab_size != self.target_vocab_size:
-            raise ValueError(f"EAGLE draft was built for a vocabulary of {cfg.vocab_size} tokens, the target has "
-                             f"{self.target_vocab_size}")
-        self.draft_vocab_size = (cfg.draft_vocab_size or self.target_vocab_size) if self.eagle3 \
-            else self.target_vocab_size
+            raise ValueError(
+                f"EAGLE draft was built for a vocabulary of {cfg.vocab_size} tokens, the target has "
+                f"{self.target_vocab_size}"
+            )
+        self.draft_vocab_size = (
+            (cfg.draft_vocab_size or self.target_vocab_size) if self.eagle3 else self.target_vocab_size
+        )
         lcfg = cfg.layer_config(target_text_config)
         self.rotary_emb = RotaryEmbedding(lcfg)
         self.fc = nn.Linear((3 if self.eagle3 else 2) * H, H, bias=cfg.fc_bias)
@@ -290,9 +311,15 @@ class EagleDraftModel(nn.Module):
             embeds, hidden = self.enorm(embeds), self.hnorm(hidden)
         return self.fc(torch.cat([embeds, hidden], dim=-1))
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata,
-                from_target: bool) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+        from_target: bool,
+    ) -> torch.Tensor:
         """Paged step: embeds [T, H] (of token p+1), hidden [T, H or 3H] (target or previous draft output at p),
         positions [T] / [3, T] -> draft output [T, H] (pre-norm; fed back as the next hidden)."""
         layer = self.layers[0]
@@ -301,8 +328,9 @@ class EagleDraftModel(nn.Module):
         return layer.finish(a, x)
 
     # -- training ----------------------------------------------------------------------------------------------
-    def forward_train(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                      num_steps: int = 1) -> list[torch.Tensor]:
+    def forward_train(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, num_steps: int = 1
+    ) -> list[torch.Tensor]:
         """Dense, right-padded batch: embeds [B, L, H] (row p: token p+1), hidden [B, L, H|3H] (target at p),
         positions [B, L] or [B, 3, L]. Returns one [B, L, H] output per unrolled step.
 
@@ -334,17 +362,28 @@ class EagleDraftModel(nn.Module):
             diag_s, diag_v = [], []
             for i in range(1, t + 1):  # step i's key at position p - (t - i)
                 shift = t - i
-                ki = torch.cat([keys[i].new_zeros(B, attn.num_heads, shift, attn.head_dim),
-                                keys[i][:, :, :L - shift]], dim=2) if shift else keys[i]
-                vi = torch.cat([values[i].new_zeros(B, attn.num_heads, shift, attn.head_dim),
-                                values[i][:, :, :L - shift]], dim=2) if shift else values[i]
+                ki = (
+                    torch.cat(
+                        [keys[i].new_zeros(B, attn.num_heads, shift, attn.head_dim), keys[i][:, :, : L - shift]], dim=2
+                    )
+                    if shift
+                    else keys[i]
+                )
+                vi = (
+                    torch.cat(
+                        [values[i].new_zeros(B, attn.num_heads, shift, attn.head_dim), values[i][:, :, : L - shift]],
+                        dim=2,
+                    )
+                    if shift
+                    else values[i]
+                )
                 diag_s.append((q * ki).sum(-1, keepdim=True) * attn.scale)  # [B, h, L, 1]
                 diag_v.append(vi)
             scores = torch.cat([s0] + diag_s, dim=-1)
             probs = scores.float().softmax(-1).to(q.dtype)
             o = probs[..., :L] @ values[0]
             for i, vi in enumerate(diag_v):
-                o = o + probs[..., L + i:L + i + 1] * vi
+                o = o + probs[..., L + i : L + i + 1] * vi
             o = attn.o_proj(o.transpose(1, 2).reshape(B * L, -1))
             outs.append(layer.finish(o, x).view(B, L, H))
         return outs

@@ -21,6 +21,7 @@ Python lists are the slow part (converting 1-2k ints costs ~50-150 us per reques
 keeps one growing numpy buffer per request and only appends the new tokens; call `remove_requests` for finished
 requests. numpy arrays are used as they are.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -36,11 +37,18 @@ _SEP = np.full(1, -1, dtype=_DTYPE)
 class NgramProposer:
     """`NgramProposer(min_n, max_n, k).propose([tokens_of_req0, tokens_of_req1, ...]) -> [[drafts], ...]`."""
 
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, k: int, max_model_len: int | None = None,
-                 match: str = "earliest"):
+    def __init__(
+        self,
+        prompt_lookup_min: int,
+        prompt_lookup_max: int,
+        k: int,
+        max_model_len: int | None = None,
+        match: str = "earliest",
+    ):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({prompt_lookup_max})")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max ({prompt_lookup_max})"
+            )
         if k < 1:
             raise ValueError(f"k (num_speculative_tokens) must be >= 1, got {k}")
         if match not in ("earliest", "latest"):
@@ -54,8 +62,12 @@ class NgramProposer:
 
     @classmethod
     def from_config(cls, spec_config, max_model_len: int | None = None) -> NgramProposer:
-        return cls(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max,
-                   spec_config.num_speculative_tokens, max_model_len)
+        return cls(
+            spec_config.prompt_lookup_min,
+            spec_config.prompt_lookup_max,
+            spec_config.num_speculative_tokens,
+            max_model_len,
+        )
 
     # -- per-request token buffers (list inputs) ----------------------------------------------------------------
     def remove_requests(self, req_ids: Iterable[str]) -> None:
@@ -72,21 +84,21 @@ class NgramProposer:
         if entry is None or L < entry[1] or (entry[1] > 0 and tokens[entry[1] - 1] != entry[2]):
             buf = np.empty(max(2 * L, 64) + 1, dtype=_DTYPE)
             buf[0] = -1
-            buf[1:L + 1] = tokens
+            buf[1 : L + 1] = tokens
             self._buffers[req_id] = [buf, L, tokens[L - 1] if L else None]
-            return buf[:L + 1]
+            return buf[: L + 1]
         buf, n = entry[0], entry[1]
         if L > n:
             if L + 1 > buf.shape[0]:
                 new = np.empty(2 * (L + 1), dtype=_DTYPE)
-                new[:n + 1] = buf[:n + 1]
+                new[: n + 1] = buf[: n + 1]
                 buf = entry[0] = new
             if L - n == 1:
                 buf[L] = tokens[n]
             else:
-                buf[n + 1:L + 1] = tokens[n:L]
+                buf[n + 1 : L + 1] = tokens[n:L]
             entry[1], entry[2] = L, tokens[L - 1]
-        return buf[:L + 1]
+        return buf[: L + 1]
 
     # -- runner interface (vlserve.worker.proposer.Proposer) ---------------------------------------------------
     uses_target_hidden_states = False
@@ -104,8 +116,9 @@ class NgramProposer:
         return dict(zip(inputs.req_ids, self.propose(inputs.token_ids, req_ids=inputs.req_ids)))
 
     # -- proposing ---------------------------------------------------------------------------------------------
-    def propose(self, token_ids_per_request: Sequence[np.ndarray | Sequence[int]],
-                req_ids: Sequence[str] | None = None) -> list[list[int]]:
+    def propose(
+        self, token_ids_per_request: Sequence[np.ndarray | Sequence[int]], req_ids: Sequence[str] | None = None
+    ) -> list[list[int]]:
         """Drafts (0..k tokens each) for each request's full token sequence (prompt + outputs, no drafts).
 
         req_ids (optional, same order): lets list inputs use the per-request numpy buffers (see module doc).

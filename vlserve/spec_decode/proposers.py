@@ -1,4 +1,5 @@
 """Choose the draft proposer for a speculative config."""
+
 from __future__ import annotations
 
 from vlserve.spec_decode.config import SpeculativeConfig
@@ -17,8 +18,9 @@ def build_proposer(spec_config: SpeculativeConfig | None, max_model_len: int, lo
         return NgramProposer.from_config(spec_config, max_model_len)
     if spec_config.use_eagle:
         if loaded is None:
-            raise ValueError(f"speculative method {spec_config.method!r} needs the target model "
-                             f"(build_proposer(..., loaded=...))")
+            raise ValueError(
+                f"speculative method {spec_config.method!r} needs the target model (build_proposer(..., loaded=...))"
+            )
         from vlserve.spec_decode.eagle import build_eagle_proposer
 
         return build_eagle_proposer(spec_config, loaded, max_model_len, block_size)

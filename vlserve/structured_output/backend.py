@@ -3,6 +3,7 @@
 Token bitmasks follow xgrammar's layout: int32 [num_rows, ceil(vocab_size / 32)], token t is allowed in a row when
 bit (t % 32) of word (t // 32) is set; a row of -1 (all bits set) constrains nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,8 +90,9 @@ class StructuredOutputBackend(ABC):
 
     def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """Compile params (no cache) and return a fresh matcher for it."""
-        return self.new_grammar(self.compile_constraint(params.kind, constraint_text(params),
-                                                        self.any_whitespace(params)))
+        return self.new_grammar(
+            self.compile_constraint(params.kind, constraint_text(params), self.any_whitespace(params))
+        )
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A CPU int32 [num_rows, bitmask_words(vocab_size)] bitmask with every token allowed."""

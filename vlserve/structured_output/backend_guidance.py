@@ -12,6 +12,7 @@ supported (a ValueError that names the xgrammar backend).
 An LLMatcher that is fed a token it does not allow enters an error state it never leaves, so tokens are validated
 before they are consumed.
 """
+
 from __future__ import annotations
 
 import llguidance
@@ -43,7 +44,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
         if self.eos_position is not None:
             return 0
         valid = self.matcher.validate_tokens(tokens)
-        eos_at = next((i for i, t in enumerate(tokens[:valid + 1]) if t in self.eos_token_ids), None)
+        eos_at = next((i for i, t in enumerate(tokens[: valid + 1]) if t in self.eos_token_ids), None)
         if eos_at is None:
             return valid
         self._consume(tokens[:eos_at])  # look at the state the tokens before it reach, then go back
@@ -71,7 +72,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
         return valid == len(tokens)
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
-        return tokens[:self._num_valid(tokens)]
+        return tokens[: self._num_valid(tokens)]
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -113,11 +114,13 @@ class GuidanceBackend(StructuredOutputBackend):
 
     name = "guidance"
 
-    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig,
-                 stop_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, config: StructuredOutputsConfig, stop_token_ids: list[int] | None = None
+    ) -> None:
         super().__init__(vocab_size, config)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) if stop_token_ids else None)
+            tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) if stop_token_ids else None
+        )
 
     def grammar_text(self, kind: str, spec: str, any_whitespace: bool) -> str:
         """The llguidance grammar definition for one constraint (not yet checked)."""

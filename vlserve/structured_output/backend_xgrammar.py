@@ -13,6 +13,7 @@ How each kind compiles:
 Matchers are built without max_rollback_tokens: since xgrammar 0.2 rollback is unlimited and the argument is
 deprecated (it only warns), so speculative decoding can roll back any number of draft tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -111,11 +112,13 @@ class XgrammarBackend(StructuredOutputBackend):
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig,
-                 stop_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, config: StructuredOutputsConfig, stop_token_ids: list[int] | None = None
+    ) -> None:
         super().__init__(vocab_size, config)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None
+        )
         # The manager caches compiled grammars itself; xgrammar's own cache would only hide compiles from it.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
 
@@ -124,8 +127,9 @@ class XgrammarBackend(StructuredOutputBackend):
             if kind == "json":
                 return self.compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
             if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
-                                                         strict_mode=False)
+                return self.compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False
+                )
             if kind == "regex":
                 return self.compiler.compile_regex(spec)
             if kind == "choice":

@@ -1,5 +1,6 @@
 """The engine's entry to structured outputs: compiles constraints on a thread pool (with a cache), hands each request
 its own matcher, and builds the per-step token bitmask, speculative draft positions included."""
+
 from __future__ import annotations
 
 import threading
@@ -19,13 +20,16 @@ MAX_CACHED_GRAMMARS = 1024
 MAX_TOKENS_TRIED = 16  # validate(): with more allowed first tokens than this, the grammar is taken to start
 
 
-def make_backend(tokenizer, vocab_size: int, config: StructuredOutputsConfig,
-                 stop_token_ids: list[int] | None = None) -> StructuredOutputBackend:
+def make_backend(
+    tokenizer, vocab_size: int, config: StructuredOutputsConfig, stop_token_ids: list[int] | None = None
+) -> StructuredOutputBackend:
     """The backend config.backend names, built for this tokenizer, logits width and stop tokens."""
     if config.backend == "guidance":
         from vlserve.structured_output.backend_guidance import GuidanceBackend
+
         return GuidanceBackend(tokenizer, vocab_size, config, stop_token_ids)
     from vlserve.structured_output.backend_xgrammar import XgrammarBackend
+
     return XgrammarBackend(tokenizer, vocab_size, config, stop_token_ids)
 
 
@@ -37,8 +41,14 @@ class StructuredOutputManager:
     `num_compiles` counts the compiles actually run. vocab_size: the model's logits width; stop_token_ids: the
     checkpoint's EOS ids (None: the tokenizer's eos_token_id)."""
 
-    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None, *,
-                 stop_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        config: StructuredOutputsConfig | None = None,
+        *,
+        stop_token_ids: list[int] | None = None,
+    ) -> None:
         self.config = StructuredOutputsConfig.from_any(config)
         self.vocab_size = vocab_size
         self.backend = make_backend(tokenizer, vocab_size, self.config, stop_token_ids)
@@ -75,8 +85,7 @@ class StructuredOutputManager:
         if not can_start(grammar, self.backend.allocate_bitmask(1), self.vocab_size):
             raise ValueError(f"structured outputs {params.kind}: the constraint accepts no string")
 
-    def grammar_bitmask(self, requests: list[StructuredOutputRequest | None],
-                        drafts: list[list[int]]) -> np.ndarray:
+    def grammar_bitmask(self, requests: list[StructuredOutputRequest | None], drafts: list[list[int]]) -> np.ndarray:
         """The allowed tokens of every position the model scores this step: int32 [sum(len(d) + 1), words].
 
         Per request, in order: one row per draft token position, then the bonus position. An unconstrained
@@ -151,8 +160,7 @@ def can_start(grammar: StructuredOutputGrammar, row_buffer: torch.Tensor, vocab_
     return any(grammar.validate_tokens([int(token)]) for token in allowed)
 
 
-def fill_draft_rows(grammar: StructuredOutputGrammar, draft: list[int], bitmask: torch.Tensor,
-                    first_row: int) -> None:
+def fill_draft_rows(grammar: StructuredOutputGrammar, draft: list[int], bitmask: torch.Tensor, first_row: int) -> None:
     """Fill bitmask rows first_row .. first_row + len(draft) for one request (draft positions, then the bonus
     position), accepting each draft token on the way and rolling them all back at the end."""
     accepted = 0

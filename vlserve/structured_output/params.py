@@ -1,5 +1,6 @@
 """What a request constrains its output to (pure Python): vLLM's `StructuredOutputsParams` and the engine-wide
 `StructuredOutputsConfig` (`--structured-outputs-config`)."""
+
 from __future__ import annotations
 
 import json as _json
@@ -52,8 +53,10 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured outputs json_object must be true or false, got {shorten(self.json_object)}")
         if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
-            raise ValueError(f"structured outputs structural_tag must be a JSON object or its text, got "
-                             f"{shorten(self.structural_tag)}")
+            raise ValueError(
+                f"structured outputs structural_tag must be a JSON object or its text, got "
+                f"{shorten(self.structural_tag)}"
+            )
         if self.disable_any_whitespace not in (None, True, False):
             raise ValueError("structured outputs disable_any_whitespace must be true or false")
 
@@ -93,8 +96,10 @@ class StructuredOutputsConfig:
         if self.backend == "auto":
             self.backend = "xgrammar"
         if self.backend not in BACKENDS:
-            raise ValueError(f"structured outputs backend must be one of {', '.join(BACKENDS)} (or auto), got "
-                             f"{shorten(self.backend)}")
+            raise ValueError(
+                f"structured outputs backend must be one of {', '.join(BACKENDS)} (or auto), got "
+                f"{shorten(self.backend)}"
+            )
         if not isinstance(self.compile_workers, int) or self.compile_workers < 1:
             raise ValueError(f"compile_workers must be an integer >= 1, got {shorten(self.compile_workers)}")
 
@@ -115,6 +120,7 @@ def _from_known_keys(cls, d: dict[str, Any], where: str):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"{where} has unsupported field(s) {', '.join(unknown)}; supported: "
-                         f"{', '.join(sorted(known))}")
+        raise ValueError(
+            f"{where} has unsupported field(s) {', '.join(unknown)}; supported: {', '.join(sorted(known))}"
+        )
     return cls(**d)

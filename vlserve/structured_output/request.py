@@ -1,4 +1,5 @@
 """One request's structured-output state: its constraint and the grammar being compiled for it off the step loop."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future

@@ -6,6 +6,7 @@ to b, any other token up to its own position (`AttentionMetadata.key_limits`; a 
 from the query's own position). The scheduler keeps a run inside one step (`unsplit_mm_items`), so key b is written
 in the same step as the query that needs it.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,14 @@ def token_runs(token_ids: list[int], token_id: int) -> list[tuple[int, int]]:
     return runs
 
 
-def step_key_limits(runs_per_row: list[list[tuple[int, int]]], starts: np.ndarray, q_lens: np.ndarray,
-                    cu: np.ndarray, positions: np.ndarray, device: torch.device) -> torch.Tensor | None:
+def step_key_limits(
+    runs_per_row: list[list[tuple[int, int]]],
+    starts: np.ndarray,
+    q_lens: np.ndarray,
+    cu: np.ndarray,
+    positions: np.ndarray,
+    device: torch.device,
+) -> torch.Tensor | None:
     """The step's key limits `[T]` int64 (`positions [T]`: each flat token's own position, the step's), or None
     when no row's window reaches a run (causal everywhere).
 
@@ -46,11 +53,12 @@ def step_key_limits(runs_per_row: list[list[tuple[int, int]]], starts: np.ndarra
             if last < s or first >= s + n:
                 continue
             if last >= s + n:
-                raise ValueError(f"an image run at positions {first}..{last} is cut by the step's window "
-                                 f"{s}..{s + n - 1}; bidirectional image attention needs the whole run in one step")
+                raise ValueError(
+                    f"an image run at positions {first}..{last} is cut by the step's window "
+                    f"{s}..{s + n - 1}; bidirectional image attention needs the whole run in one step"
+                )
             if limits is None:
                 limits = positions.astype(np.int64, copy=True)
             lo = max(first, s)
-            limits[row + lo - s: row + last - s + 1] = last
+            limits[row + lo - s : row + last - s + 1] = last
     return None if limits is None else to_device(torch.from_numpy(limits), device)
-

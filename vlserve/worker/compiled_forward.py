@@ -10,6 +10,7 @@ inductor fuses. Inductor's on-disk
 caches (FX graph and autograd caches) live in the config's cache dir, so a second start skips most of the work.
 Level >= 2 on CUDA also captures CUDA graphs for decode batches (`cuda_graphs.py`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,9 @@ def _own_code(method):
     recompile of one shared function, and the eighth would hit dynamo's recompile limit."""
     fn = method.__func__
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_INSTANCES)}")
-    return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__),
-                            method.__self__)
+    return types.MethodType(
+        types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__), method.__self__
+    )
 
 
 def shape_classes(model: torch.nn.Module) -> list[tuple[int, bool]]:
@@ -79,8 +81,14 @@ def keep_input_guards(entries) -> list[bool]:
 class ModelForward:
     """`forward(input_ids, positions, kv_caches, md, inputs_embeds) -> hidden [T, H]` at the configured level."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, config: CompilationConfig | None = None,
-                 enforce_eager: bool = False, lora=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        config: CompilationConfig | None = None,
+        enforce_eager: bool = False,
+        lora=None,
+    ):
         config = config or CompilationConfig()
         self.model = model
         self.device = device
@@ -97,13 +105,19 @@ class ModelForward:
         # layers' kernels are not traced), but CUDA graphs at level >= 2, with the slots as a graph input
         self.lora = lora
         if self.level >= 1 and lora is not None:
-            logger.info("LoRA: the decoder runs without torch.compile%s",
-                        "; decode steps replay CUDA graphs" if self.uses_cuda_graphs else "")
+            logger.info(
+                "LoRA: the decoder runs without torch.compile%s",
+                "; decode steps replay CUDA graphs" if self.uses_cuda_graphs else "",
+            )
         if self.level >= 1 and lora is None:
             self.cache_dir = use_compile_cache_dir(config.cache_dir or default_compile_cache_dir())
             self.inductor_options = config.inductor_options(device.type)
-            self.compiled = torch.compile(_own_code(self._decoder_call), backend="inductor", fullgraph=True,
-                                          options={**self.inductor_options, "guard_filter_fn": keep_input_guards})
+            self.compiled = torch.compile(
+                _own_code(self._decoder_call),
+                backend="inductor",
+                fullgraph=True,
+                options={**self.inductor_options, "guard_filter_fn": keep_input_guards},
+            )
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -123,9 +137,14 @@ class ModelForward:
         # traced by dynamo: no caches, no metadata (the attention op takes them from attention_step)
         return self.model(input_ids, positions, None, None, inputs_embeds=inputs_embeds)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata,
-                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         step = StepInputs(input_ids, positions, md, inputs_embeds)
         if self.graph_runner is not None:
             hidden = self.graph_runner.try_replay(step)
@@ -138,8 +157,9 @@ class ModelForward:
     def run(self, step: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One forward without graphs: eager, or the compiled function (what a CUDA graph captures)."""
         if self.compiled is None:
-            return self.model(step.input_ids, step.positions, kv_caches, step.metadata,
-                              inputs_embeds=step.inputs_embeds)
+            return self.model(
+                step.input_ids, step.positions, kv_caches, step.metadata, inputs_embeds=step.inputs_embeds
+            )
         torch._dynamo.maybe_mark_dynamic(step.input_ids, 0)
         torch._dynamo.maybe_mark_dynamic(step.positions, step.positions.dim() - 1)
         if step.inputs_embeds is not None:
@@ -166,11 +186,21 @@ class ModelForward:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.compile_seconds = time.perf_counter() - t0
-        logger.info("torch.compile (level %d) of the decoder took %.1f s (cache: %s)", self.level,
-                    self.compile_seconds, self.cache_dir)
+        logger.info(
+            "torch.compile (level %d) of the decoder took %.1f s (cache: %s)",
+            self.level,
+            self.compile_seconds,
+            self.cache_dir,
+        )
 
-    def capture_cuda_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                            max_model_len: int, block_size: int, mrope: bool) -> None:
+    def capture_cuda_graphs(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        mrope: bool,
+    ) -> None:
         """Capture decode graphs for the configured batch sizes over these KV caches (CUDA, level >= 2 only)."""
         self.graph_runner = None
         if not self.uses_cuda_graphs:
@@ -181,7 +211,8 @@ class ModelForward:
         decoder = decoder_of(self.model)
         if self.lora is not None:
             self.lora.enable_graph_slots(max(sizes))
-        runner = CudaGraphRunner(lambda step: self.run(step, kv_caches), buffers, sizes, max_model_len,
-                                 aux_source=decoder, lora=self.lora)
+        runner = CudaGraphRunner(
+            lambda step: self.run(step, kv_caches), buffers, sizes, max_model_len, aux_source=decoder, lora=self.lora
+        )
         runner.capture()
         self.graph_runner = runner

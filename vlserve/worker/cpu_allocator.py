@@ -7,6 +7,7 @@ is faulted in page by page again on every use. In the VMs these machines are, a 
 effect comes from two `mallopt` calls made once per process before the model runs: no mmap below 1 GiB, and no
 trimming of the heap's top. Set $VLSERVE_CPU_MALLOC_TUNING=0 to leave glibc's defaults.
 """
+
 from __future__ import annotations
 
 import ctypes

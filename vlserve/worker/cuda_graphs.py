@@ -15,6 +15,7 @@ graphs are captured under `graph_step`, where every LoRA layer launches its delt
 through the same forward the graphs capture. `CudaGraphRunner` captures and replays (CUDA only); built with
 `use_graphs=False` it pads and runs the forward eagerly instead of replaying (the device-independent check).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -65,8 +66,9 @@ class DecodeBuffers:
 
     def _allocate(self, max_seqs: int, max_blocks: int, mrope: bool, device: torch.device) -> None:
         self.input_ids = torch.zeros(max_seqs, dtype=torch.long, device=device)  # [S]
-        self.positions = torch.zeros((3, max_seqs) if mrope else (max_seqs,), dtype=torch.long,
-                                     device=device)  # [S] or [3, S]
+        self.positions = torch.zeros(
+            (3, max_seqs) if mrope else (max_seqs,), dtype=torch.long, device=device
+        )  # [S] or [3, S]
         self.slot_mapping = torch.full((max_seqs,), -1, dtype=torch.long, device=device)  # [S]
         self.seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)  # [S]
         self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)  # [S, M]
@@ -76,10 +78,17 @@ class DecodeBuffers:
         """The first `bucket` rows of every buffer as a decode step (`seq_lens_cpu` as the host copy; a graph is
         captured with the longest length it may meet, since the Triton decode sizes its splits from it)."""
         md = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.query_start_loc[:bucket + 1],
-            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket], num_decodes=bucket,
-            max_query_len=1, max_seq_len=max(seq_lens_cpu), query_start_loc_cpu=list(range(bucket + 1)),
-            seq_lens_cpu=seq_lens_cpu, workspace=workspace)
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            num_decodes=bucket,
+            max_query_len=1,
+            max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=list(range(bucket + 1)),
+            seq_lens_cpu=seq_lens_cpu,
+            workspace=workspace,
+        )
         return StepInputs(self.input_ids[:bucket], self.positions[..., :bucket], md)
 
     def load(self, step: StepInputs, bucket: int) -> StepInputs:
@@ -88,8 +97,10 @@ class DecodeBuffers:
         md = step.metadata
         b = md.num_seqs
         if not is_graphable(step) or b > bucket or bucket > self.max_seqs:
-            raise ValueError(f"cannot pad a step of {b} sequences (decode only: {is_graphable(step)}) "
-                             f"to a bucket of {bucket} (buffers hold {self.max_seqs})")
+            raise ValueError(
+                f"cannot pad a step of {b} sequences (decode only: {is_graphable(step)}) "
+                f"to a bucket of {bucket} (buffers hold {self.max_seqs})"
+            )
         width = md.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"block table of {width} blocks exceeds the buffers' {self.max_blocks}")
@@ -110,8 +121,16 @@ class DecodeBuffers:
 class CudaGraphRunner:
     """Captures `forward(step) -> hidden [T, H]` once per bucket size and replays it for decode steps."""
 
-    def __init__(self, forward: Callable[[StepInputs], torch.Tensor], buffers: DecodeBuffers, sizes: list[int],
-                 max_seq_len: int, aux_source=None, use_graphs: bool = True, lora=None):
+    def __init__(
+        self,
+        forward: Callable[[StepInputs], torch.Tensor],
+        buffers: DecodeBuffers,
+        sizes: list[int],
+        max_seq_len: int,
+        aux_source=None,
+        use_graphs: bool = True,
+        lora=None,
+    ):
         self.forward = forward
         self.lora = lora  # the LoRAModelManager whose slot buffer the graphs read, or None
         self.use_graphs = use_graphs
@@ -146,8 +165,7 @@ class CudaGraphRunner:
                 self.aux_outputs[bucket] = list(self.aux_source.aux_hidden_states)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(sizes), self.sizes,
-                    self.capture_seconds)
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(sizes), self.sizes, self.capture_seconds)
 
     def _lora_graph_step(self, bucket: int):
         return contextlib.nullcontext() if self.lora is None else self.lora.graph_step(bucket)

@@ -9,6 +9,7 @@ are written on the host with those placeholders and then filled on the device fr
 N's tokens first. `StepHandle.output()` (the engine, when it folds step N back) waits for the copy, writes the real
 ids over the placeholders and completes the `ModelRunnerOutput`.
 """
+
 from __future__ import annotations
 
 import time
@@ -67,8 +68,14 @@ class DeviceTokenFeed:
         self.device = device
         self.num_fed_tokens = 0  # input ids taken on the device from an earlier step's samples (tests, benches)
 
-    def defer(self, handle: StepHandle, states: list[CachedRequestState], rows: list[int], tokens: torch.Tensor,
-              logprobs: tuple[torch.Tensor, ...] | None = None) -> None:
+    def defer(
+        self,
+        handle: StepHandle,
+        states: list[CachedRequestState],
+        rows: list[int],
+        tokens: torch.Tensor,
+        logprobs: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
         """Leave `tokens` ([S] int64, states[i]'s sampled id at i; `logprobs`: the sampler's [S]-row logprob
         tensors) on the device: start their copies to the host and put a placeholder at the end of each state's
         token ids."""
@@ -85,8 +92,14 @@ class DeviceTokenFeed:
             state.pending_sample = (handle, i)
         handle._states = list(states)
 
-    def fill(self, input_ids: torch.Tensor, ids_np: np.ndarray, positions_np: np.ndarray, cu: np.ndarray,
-             states: list[CachedRequestState]) -> None:
+    def fill(
+        self,
+        input_ids: torch.Tensor,
+        ids_np: np.ndarray,
+        positions_np: np.ndarray,
+        cu: np.ndarray,
+        states: list[CachedRequestState],
+    ) -> None:
         """Write each placeholder among the step's input ids (`ids_np` [T] on the host, `input_ids` [T] the tensor
         the model reads) from the sampled ids it stands for, on the device. `positions_np` [T]: each row's token
         position; cu [B + 1]: the requests' row offsets (states in batch order)."""
@@ -106,8 +119,10 @@ class DeviceTokenFeed:
             for hole, owner in zip(holes.tolist(), owners.tolist()):
                 handle, i = states[owner].pending_sample
                 if handle._positions[i] != positions_np[hole]:
-                    raise RuntimeError(f"request {states[owner].req_id}: a placeholder at position "
-                                       f"{positions_np[hole]} is not its latest sample's ({handle._positions[i]})")
+                    raise RuntimeError(
+                        f"request {states[owner].req_id}: a placeholder at position "
+                        f"{positions_np[hole]} is not its latest sample's ({handle._positions[i]})"
+                    )
                 dst, src = groups.setdefault(handle, ([], []))
                 dst.append(hole)
                 src.append(i)

@@ -1,6 +1,7 @@
 """The runner of an encode server (E/PD disaggregation, `mm_encoder_only`): it owns the towers' weights and the
 encoder outputs (its EncoderRunner), no KV cache. Each step encodes the media items the scheduler released
 (`EncoderRunner.run`, which publishes each new item through the encoder-cache connector) and samples nothing."""
+
 from __future__ import annotations
 
 import time

@@ -2,6 +2,7 @@
 embeddings kept by mm_hash (`[n, H]`) until the scheduler frees them; the step's embedding merge writes them over the
 placeholder tokens. Items split over several steps run a slice of their tower's stages per step, their state between
 steps kept by mm_hash (`vlserve.encoders.staged.TowerState`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -104,15 +105,21 @@ class EncoderRunner:
         num_embeds = 0
         for (modality, lora_id), by_hash in pending.items():
             feats = list(by_hash.values())
-            lora = (contextlib.nullcontext() if not lora_id  # the adapter's tower / projector weights apply
-                    else self.lora_manager.encoder_step(  # the step's other adapters keep their slots
-                        adapters[lora_id], [requests[r].lora_request for r in so.num_scheduled_tokens]))
+            lora = (
+                contextlib.nullcontext()
+                if not lora_id  # the adapter's tower / projector weights apply
+                else self.lora_manager.encoder_step(  # the step's other adapters keep their slots
+                    adapters[lora_id], [requests[r].lora_request for r in so.num_scheduled_tokens]
+                )
+            )
             with lora:
                 emb = self.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
             lengths = [f.length for f in feats]
             if emb.shape[0] != sum(lengths):
-                raise RuntimeError(f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
-                                   f"{lengths} tokens ({[f.mm_hash for f in feats]})")
+                raise RuntimeError(
+                    f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
+                    f"{lengths} tokens ({[f.mm_hash for f in feats]})"
+                )
             for feat, item_emb in zip(feats, emb.split(lengths)):
                 # own storage per entry, so dropping one cache entry frees its memory
                 outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
@@ -151,8 +158,10 @@ class EncoderRunner:
                 del partial[feat.mm_hash]
                 emb = model.finish_encode_stages(state)  # [n, H]
                 if emb.shape[0] != feat.length:
-                    raise RuntimeError(f"encoder produced {emb.shape[0]} {feat.modality} embeddings for a "
-                                       f"placeholder run of {feat.length} tokens ({feat.mm_hash})")
+                    raise RuntimeError(
+                        f"encoder produced {emb.shape[0]} {feat.modality} embeddings for a "
+                        f"placeholder run of {feat.length} tokens ({feat.mm_hash})"
+                    )
                 outputs[feat.mm_hash] = emb
                 if ec is not None:
                     ec.save(feat.mm_hash, emb)
@@ -167,8 +176,9 @@ class EncoderRunner:
         self._runs_by_modality[modality] = self._runs_by_modality.get(modality, 0) + n
 
     # -- what it holds -----------------------------------------------------------------------------------------
-    def merge_embeddings(self, input_ids: torch.Tensor, states, starts, q_lens, cu,
-                         skip_missing: bool = False) -> torch.Tensor | None:
+    def merge_embeddings(
+        self, input_ids: torch.Tensor, states, starts, q_lens, cu, skip_missing: bool = False
+    ) -> torch.Tensor | None:
         """inputs_embeds [T, H] (the model's token embeddings of input_ids [T]) with the held embeddings written over
         placeholder tokens, or None when no row has media. Row cu[i] + j holds position starts[i] + j of states[i];
         skip_missing leaves token embeddings where an item is not held (the EAGLE draft's shifted window may reach
@@ -208,5 +218,9 @@ class EncoderRunner:
 
     def counters(self) -> EncoderCounters:
         """The run counters, the items held part-encoded and the connector's counters, now (copies)."""
-        return EncoderCounters(self._num_runs, dict(self._runs_by_modality), len(self._partial),
-                               {} if self.ec_connector is None else dict(self.ec_connector.counters))
+        return EncoderCounters(
+            self._num_runs,
+            dict(self._runs_by_modality),
+            len(self._partial),
+            {} if self.ec_connector is None else dict(self.ec_connector.counters),
+        )

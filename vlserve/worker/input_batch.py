@@ -9,6 +9,7 @@ On CUDA a buffer's copy may still be in flight when the next step is prepared (s
 consecutive prefill chunks, never synchronize with the device), so each buffer records an event after its copy and
 `prepare` waits for it before writing the host side again.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,7 @@ class _HostDeviceBuffer:
         on_cuda = self.device.type == "cuda"
         with torch.inference_mode(False):
             self.host = torch.zeros(numel, dtype=self.dtype, pin_memory=on_cuda)
-            self.dev = (None if self.device.type == "cpu"
-                        else torch.zeros(numel, dtype=self.dtype, device=self.device))
+            self.dev = None if self.device.type == "cpu" else torch.zeros(numel, dtype=self.dtype, device=self.device)
         self.np = self.host.numpy()
         self.copied = torch.cuda.Event() if on_cuda else None  # recorded after each copy out of `host`
         self.copy_pending = False
@@ -86,9 +86,15 @@ class InputBatch:
     """Persistent block tables per request (one per KV cache group) and the per-step input buffers of a
     ModelRunner. `layer_groups[l]`: decoder layer l's KV cache group (None: a single group)."""
 
-    def __init__(self, block_size: int, device: torch.device, max_num_tokens: int = 2048,
-                 max_num_reqs: int = 64, max_blocks_per_req: int = 32,
-                 layer_groups: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        max_num_tokens: int = 2048,
+        max_num_reqs: int = 64,
+        max_blocks_per_req: int = 32,
+        layer_groups: tuple[int, ...] | None = None,
+    ):
         self.block_size = block_size
         self.device = device
         self.layer_groups = layer_groups
@@ -104,8 +110,9 @@ class InputBatch:
         self.seq_lens = _HostDeviceBuffer(max_num_reqs, torch.int32, device)
         # per group: the step's slot mapping and block table
         self.slot_mappings = [_HostDeviceBuffer(max_num_tokens, torch.int64, device) for _ in range(G)]
-        self.step_block_tables = [_HostDeviceBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device)
-                                  for _ in range(G)]
+        self.step_block_tables = [
+            _HostDeviceBuffer(max_num_reqs * max_blocks_per_req, torch.int32, device) for _ in range(G)
+        ]
         self._arange = np.arange(max_num_tokens, dtype=np.int64)
 
     # -- block tables ------------------------------------------------------------------------------------------
@@ -130,7 +137,7 @@ class InputBatch:
             width = max(n + k, 2 * self.block_table.shape[2])
             self.block_table = np.pad(self.block_table, ((0, 0), (0, 0), (0, width - self.block_table.shape[2])))
         for g, ids in enumerate(new_block_ids):
-            self.block_table[g, row, n:n + k] = ids
+            self.block_table[g, row, n : n + k] = ids
         self.num_blocks[row] = n + k
 
     def remove_request(self, req_id: str) -> None:
@@ -150,8 +157,14 @@ class InputBatch:
         self.free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def prepare(self, req_ids: list[str], token_windows: list[list[int]], q_lens: np.ndarray,
-                starts: np.ndarray, workspace: torch.Tensor | None) -> StepInputs:
+    def prepare(
+        self,
+        req_ids: list[str],
+        token_windows: list[list[int]],
+        q_lens: np.ndarray,
+        starts: np.ndarray,
+        workspace: torch.Tensor | None,
+    ) -> StepInputs:
         """Fill the step buffers. req_ids: decodes first; token_windows[i]: request i's q_lens[i] input ids;
         starts[i]: its computed tokens before the step."""
         B = len(req_ids)
@@ -177,10 +190,16 @@ class InputBatch:
 
         rows = np.fromiter((self.rows[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
         M = max(int(self.num_blocks[rows].max()), 1)
-        shared = dict(query_start_loc=self.query_start_loc.to_device(B + 1), seq_lens=self.seq_lens.to_device(B),
-                      num_decodes=int(np.count_nonzero(q_lens == 1)), max_query_len=int(q_lens.max()),
-                      max_seq_len=int(seq_lens.max()), query_start_loc_cpu=cu.tolist(),
-                      seq_lens_cpu=seq_lens.tolist(), workspace=workspace)
+        shared = dict(
+            query_start_loc=self.query_start_loc.to_device(B + 1),
+            seq_lens=self.seq_lens.to_device(B),
+            num_decodes=int(np.count_nonzero(q_lens == 1)),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            workspace=workspace,
+        )
         views = []
         for g in range(self.num_groups):
             slots, block_tables = self._group_slots(g, rows, M, req_index, positions)
@@ -188,12 +207,21 @@ class InputBatch:
         md = views[0]  # group 0's: the draft's too
         if self.layer_groups is not None:
             md.layer_views = [views[g] for g in self.layer_groups]
-        return StepInputs(req_ids=req_ids, q_lens=q_lens, starts=starts, seq_lens=seq_lens, cu=cu,
-                          positions_np=positions, input_ids_np=ids, input_ids=self.input_ids.to_device(T),
-                          attn_metadata=md)
+        return StepInputs(
+            req_ids=req_ids,
+            q_lens=q_lens,
+            starts=starts,
+            seq_lens=seq_lens,
+            cu=cu,
+            positions_np=positions,
+            input_ids_np=ids,
+            input_ids=self.input_ids.to_device(T),
+            attn_metadata=md,
+        )
 
-    def _group_slots(self, g: int, rows: np.ndarray, M: int, req_index: np.ndarray,
-                     positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _group_slots(
+        self, g: int, rows: np.ndarray, M: int, req_index: np.ndarray, positions: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Group g's step block table `[B, M]` and slot mapping `[T]` (flat KV slots), on the device."""
         B, T = rows.shape[0], positions.shape[0]
         buf = self.step_block_tables[g]

@@ -6,6 +6,7 @@ is instead its own private anonymous mapping: the kernel hands its pages out zer
 contents are the same zeros (the null block, padding slots and never-written blocks read 0 as before) while the
 resident size grows with the blocks actually written, up to the reservation the start-up log reports.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,4 +23,3 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
         return torch.zeros(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped with the tensor
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
-

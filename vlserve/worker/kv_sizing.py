@@ -1,5 +1,6 @@
 """How many KV blocks fit: an explicit count, an explicit byte budget, or a profile of a dummy forward (numbers only:
 the runner runs the profile and allocates every cache)."""
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,13 @@ def profile_peak_bytes(runner, num_tokens: int) -> int:
     start = time.perf_counter()
     peak = runner.profile_peak_activation_bytes(run)
     scaled = peak if run == num_tokens else cdiv(peak * num_tokens, run)
-    logger.debug("profile: a %d-token forward took %.1f s, peak %.1f MiB%s", run, time.perf_counter() - start,
-                peak / 2**20, "" if run == num_tokens else f", {scaled / 2**20:.1f} MiB scaled to {num_tokens} tokens")
+    logger.debug(
+        "profile: a %d-token forward took %.1f s, peak %.1f MiB%s",
+        run,
+        time.perf_counter() - start,
+        peak / 2**20,
+        "" if run == num_tokens else f", {scaled / 2**20:.1f} MiB scaled to {num_tokens} tokens",
+    )
     return scaled
 
 
@@ -71,17 +77,21 @@ def cpu_kvcache_space_bytes() -> int | None:
     return int(gib * 2**30)
 
 
-def default_num_kv_blocks(*, bytes_per_block: int, block_size: int, budget_bytes: int, max_num_seqs: int,
-                          max_model_len: int) -> tuple[int, str]:
+def default_num_kv_blocks(
+    *, bytes_per_block: int, block_size: int, budget_bytes: int, max_num_seqs: int, max_model_len: int
+) -> tuple[int, str]:
     """The KV pool when the user sized none: enough blocks for max_num_seqs sequences of max_model_len tokens (plus
     the null block), capped by what the memory budget holds; and why, for the start-up log."""
     demand = max_num_seqs * cdiv(max_model_len, block_size) + 1
     fit = max(budget_bytes, 0) // bytes_per_block
     if demand <= fit:
-        return demand, (f"max_num_seqs x max_model_len = {max_num_seqs} x {max_model_len} tokens, within the memory "
-                        "budget")
-    return int(fit), (f"capped by the memory budget: max_num_seqs x max_model_len = {max_num_seqs} x {max_model_len} "
-                      f"tokens would take {demand * bytes_per_block / 2**20:.1f} MiB")
+        return demand, (
+            f"max_num_seqs x max_model_len = {max_num_seqs} x {max_model_len} tokens, within the memory budget"
+        )
+    return int(fit), (
+        f"capped by the memory budget: max_num_seqs x max_model_len = {max_num_seqs} x {max_model_len} "
+        f"tokens would take {demand * bytes_per_block / 2**20:.1f} MiB"
+    )
 
 
 def _bytes_budget(per_block: int, budget: int, what: str) -> int:
@@ -91,9 +101,16 @@ def _bytes_budget(per_block: int, budget: int, what: str) -> int:
     return int(n)
 
 
-def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None,
-                            memory_fraction: float, max_num_batched_tokens: int, max_model_len: int,
-                            max_num_seqs: int) -> int:
+def determine_num_kv_blocks(
+    runner,
+    *,
+    num_kv_blocks: int | None,
+    kv_cache_memory_bytes: int | None,
+    memory_fraction: float,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> int:
     """num_kv_blocks if given; else kv_cache_memory_bytes / bytes per block (the runner's: its KV cache dtype's
     element size, so an FP8 cache holds twice the blocks of a bf16 one in the same bytes); else, on CPU,
     $VLSERVE_CPU_KVCACHE_SPACE GiB; else `default_num_kv_blocks`: max_num_seqs x max_model_len tokens' worth, capped
@@ -113,17 +130,34 @@ def determine_num_kv_blocks(runner, *, num_kv_blocks: int | None, kv_cache_memor
         peak = profile_peak_bytes(runner, min(max_num_batched_tokens, max_model_len))
         free = _available_host_bytes() if cpu else torch.cuda.mem_get_info()[0]
         budget = int(free * memory_fraction) - peak
-        n, why = default_num_kv_blocks(bytes_per_block=per_block, block_size=runner.block_size, budget_bytes=budget,
-                                       max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        why += (f" ({budget / 2**20:.0f} MiB: {100 * memory_fraction:.0f}% of {free / 2**20:.0f} MiB free less a "
-                f"{peak / 2**20:.0f} MiB forward); --kv-cache-memory-bytes"
-                + (f" or ${CPU_KVCACHE_SPACE_ENV} (GiB)" if cpu else "") + " sets it")
+        n, why = default_num_kv_blocks(
+            bytes_per_block=per_block,
+            block_size=runner.block_size,
+            budget_bytes=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
+        why += (
+            f" ({budget / 2**20:.0f} MiB: {100 * memory_fraction:.0f}% of {free / 2**20:.0f} MiB free less a "
+            f"{peak / 2**20:.0f} MiB forward); --kv-cache-memory-bytes"
+            + (f" or ${CPU_KVCACHE_SPACE_ENV} (GiB)" if cpu else "")
+            + " sets it"
+        )
         if n < cdiv(max_model_len, runner.block_size):
-            raise ValueError(f"only {n} KV blocks fit in memory ({budget} bytes); a max_model_len sequence needs "
-                             f"{cdiv(max_model_len, runner.block_size)}: lower max_model_len or free memory")
+            raise ValueError(
+                f"only {n} KV blocks fit in memory ({budget} bytes); a max_model_len sequence needs "
+                f"{cdiv(max_model_len, runner.block_size)}: lower max_model_len or free memory"
+            )
     kv_dtype = str(getattr(runner, "kv_cache_dtype", "")).replace("torch.", "")
-    logger.info("KV cache: %.1f MiB reserved%s, %d blocks of %d tokens = %d tokens at %d bytes/token%s (%s)",
-                n * per_block / 2**20, " (resident as blocks are first used)" if cpu else "", n, runner.block_size,
-                n * runner.block_size, round(per_token),
-                f" in {kv_dtype}" if kv_dtype else "", why)
+    logger.info(
+        "KV cache: %.1f MiB reserved%s, %d blocks of %d tokens = %d tokens at %d bytes/token%s (%s)",
+        n * per_block / 2**20,
+        " (resident as blocks are first used)" if cpu else "",
+        n,
+        runner.block_size,
+        n * runner.block_size,
+        round(per_token),
+        f" in {kv_dtype}" if kv_dtype else "",
+        why,
+    )
     return int(n)

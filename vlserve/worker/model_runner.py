@@ -1,5 +1,6 @@
 """The model runner: owns every tensor (weights, KV cache; encoder outputs through its EncoderRunner) and runs one
 scheduled step."""
+
 from __future__ import annotations
 
 import contextlib
@@ -41,10 +42,20 @@ from vlserve.worker.sampler import make_generator
 class ModelRunner:
     """Turns a SchedulerOutput into one flattened varlen batch, runs encoders + the model + the sampler."""
 
-    def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
-                 block_size: int, mrope_positions_fn=None, proposer: Proposer | None = None,
-                 compilation_config=None, enforce_eager: bool = False, kv_cache_dtype: torch.dtype | None = None,
-                 lora_config: dict | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        mrope_positions_fn=None,
+        proposer: Proposer | None = None,
+        compilation_config=None,
+        enforce_eager: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
+        lora_config: dict | None = None,
+    ):
         self.model = model
         if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
             tune_cpu_allocator()
@@ -73,8 +84,13 @@ class ModelRunner:
         # the layers whose KV this runner holds (a pipeline stage: its own run), and the cache slots they use
         self.kv_layers = range(*stage_layer_range(num_layers))
         self.kv_slots = sorted({self.kv_groups.slot_of(layer) for layer in self.kv_layers})
-        self.input_batch = InputBatch(block_size, device, layer_groups=None if self.kv_groups.num_groups == 1 else
-                                      tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)))
+        self.input_batch = InputBatch(
+            block_size,
+            device,
+            layer_groups=None
+            if self.kv_groups.num_groups == 1
+            else tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)),
+        )
         self.requests: dict[str, CachedRequestState] = {}
         # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
         self.encoders = EncoderRunner(model, device, self.lora_manager)
@@ -130,12 +146,18 @@ class ModelRunner:
         keeps KV groups; None for another pipeline stage's layers). On CPU their pages become resident only as blocks
         are written (`kv_memory`)."""
         shape = self.kv_cache_shape(num_blocks)
-        slots = {slot: (zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
-                        zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device)) for slot in self.kv_slots}
+        slots = {
+            slot: (
+                zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
+                zeroed_kv_tensor(shape, self.kv_cache_dtype, self.device),
+            )
+            for slot in self.kv_slots
+        }
         groups = self.kv_groups
         # None for the layers another pipeline stage holds
-        self.kv_caches = [slots[groups.slot_of(layer)] if layer in self.kv_layers else None
-                          for layer in range(groups.num_layers)]
+        self.kv_caches = [
+            slots[groups.slot_of(layer)] if layer in self.kv_layers else None for layer in range(groups.num_layers)
+        ]
         self._allocate_draft_kv(num_blocks)
         self.attn_workspace = self._allocate_attn_workspace(num_blocks)
         self.forward.graph_runner = None  # graphs point at the old caches; `warm_up_model` captures anew
@@ -149,8 +171,9 @@ class ModelRunner:
         longest = min(num_blocks * bs, getattr(self.text_config, "max_position_embeddings", None) or num_blocks * bs)
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         with torch.inference_mode(False):  # written in and out of inference mode (profiling, steps)
-            return torch.empty(decode_workspace_numel(longest, bs, h, d, elem), dtype=self.kv_cache_dtype,
-                               device=self.device)
+            return torch.empty(
+                decode_workspace_numel(longest, bs, h, d, elem), dtype=self.kv_cache_dtype, device=self.device
+            )
 
     def _allocate_draft_kv(self, num_blocks: int) -> None:
         spec = self.draft_kv_spec
@@ -158,8 +181,10 @@ class ModelRunner:
             self.draft_kv_cache = None
             return
         shape = (num_blocks, *spec.block_shape())  # [NB, BS, Hkv_draft, D_draft]
-        self.draft_kv_cache = (zeroed_kv_tensor(shape, spec.dtype, self.device),
-                               zeroed_kv_tensor(shape, spec.dtype, self.device))
+        self.draft_kv_cache = (
+            zeroed_kv_tensor(shape, spec.dtype, self.device),
+            zeroed_kv_tensor(shape, spec.dtype, self.device),
+        )
         self.proposer.bind_kv_cache(self.draft_kv_cache)
 
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
@@ -176,8 +201,15 @@ class ModelRunner:
             before = torch.cuda.memory_allocated()
         else:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        dummy = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), [],
-                               tuple(list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(num_groups)), 0)
+        dummy = NewRequestData(
+            "__profile__",
+            [0] * num_tokens,
+            [],
+            SamplingParams(max_tokens=1),
+            [],
+            tuple(list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(num_groups)),
+            0,
+        )
         with self.forward.eager():  # no compile here: its memory would count as activations
             self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
             self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
@@ -195,6 +227,7 @@ class ModelRunner:
     def warm_up_model(self, max_num_seqs: int, max_model_len: int) -> None:
         """At start-up, after `initialize_kv_cache`: compile every shape class of the decoder (`shape_classes`:
         dummy steps that write no KV) and capture CUDA graphs, per the compilation level."""
+
         def dummy_steps():
             for q_len, from_embeds in shape_classes(self.model):
                 with torch.inference_mode(False):  # normal tensors, as the step buffers are: one dynamo guard
@@ -206,8 +239,9 @@ class ModelRunner:
 
         self.forward.timed_warm_up(dummy_steps)
         if self.kv_groups.num_groups == 1:  # a graph replays one block table for every layer
-            self.forward.capture_cuda_graphs(self.kv_caches, max_num_seqs, max_model_len, self.block_size,
-                                             mrope=self.mrope_positions_fn is not None)
+            self.forward.capture_cuda_graphs(
+                self.kv_caches, max_num_seqs, max_model_len, self.block_size, mrope=self.mrope_positions_fn is not None
+            )
 
     def _dummy_inputs(self, q_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A `q_len`-token prefill (2) or decode (1) that writes no KV: input ids [T], positions [T] or [3, T]."""
@@ -216,8 +250,13 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([q_len], dtype=torch.int32, device=self.device),
             block_tables=torch.zeros((1, cdiv(q_len, self.block_size)), dtype=torch.int32, device=self.device),
-            num_decodes=int(q_len == 1), max_query_len=q_len, max_seq_len=q_len,
-            query_start_loc_cpu=[0, q_len], seq_lens_cpu=[q_len], workspace=self.attn_workspace)
+            num_decodes=int(q_len == 1),
+            max_query_len=q_len,
+            max_seq_len=q_len,
+            query_start_loc_cpu=[0, q_len],
+            seq_lens_cpu=[q_len],
+            workspace=self.attn_workspace,
+        )
         positions = torch.arange(q_len, device=self.device)  # [T]
         if self.mrope_positions_fn is not None:
             positions = positions.expand(3, q_len).contiguous()  # [3, T]
@@ -235,14 +274,20 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             state = CachedRequestState(
-                req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=params,
                 generator=make_generator(params.seed, self.device) if params.seed is not None else None,
-                block_ids=list(new.block_ids[0]), num_computed_tokens=new.num_computed_tokens,
-                mm_features=new.mm_features, lora_request=new.lora_request)
+                block_ids=list(new.block_ids[0]),
+                num_computed_tokens=new.num_computed_tokens,
+                mm_features=new.mm_features,
+                lora_request=new.lora_request,
+            )
             if self.mrope_positions_fn is not None:
                 state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(
-                    new.prompt_token_ids, new.mm_features)
+                    new.prompt_token_ids, new.mm_features
+                )
             if self.bidirectional_token_id is not None:
                 state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
@@ -256,7 +301,7 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_token_ids is not None:  # pipeline stages: the tokens sampled since, up to the window's end
                 c = cached.token_start
-                state.token_ids[c:c + len(cached.new_token_ids)] = cached.new_token_ids
+                state.token_ids[c : c + len(cached.new_token_ids)] = cached.new_token_ids
 
     # -- one step ----------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -286,9 +331,15 @@ class ModelRunner:
         self._update_states(so)
         encoded = self._run_encoders(so)  # (a step may carry only slices of a split item)
         if so.total_num_scheduled_tokens == 0:
-            return StepHandle(ModelRunnerOutput([], [], encoder_seconds=encoded.seconds,
-                                                num_encoded_embeds=encoded.num_embeds,
-                                                step_seconds=time.perf_counter() - t0))
+            return StepHandle(
+                ModelRunnerOutput(
+                    [],
+                    [],
+                    encoder_seconds=encoded.seconds,
+                    num_encoded_embeds=encoded.num_embeds,
+                    step_seconds=time.perf_counter() - t0,
+                )
+            )
         # Decodes (one query token) first: the attention layer splits the batch there.
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
@@ -297,8 +348,9 @@ class ModelRunner:
         B = len(req_ids)
         q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=B)  # [B]
-        step = self.input_batch.prepare(req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts,
-                                        self.attn_workspace)
+        step = self.input_batch.prepare(
+            req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts, self.attn_workspace
+        )
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
         if self.defer_readback:  # ids sampled by a step whose read-back is deferred
             self.token_feed.fill(input_ids, step.input_ids_np, step.positions_np, cu, states)
@@ -308,8 +360,11 @@ class ModelRunner:
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self.merge_mm_embeddings(input_ids, states, starts, q_lens, cu)  # [T, H] or None
 
-        lora = (contextlib.nullcontext() if self.lora_manager is None  # each token runs its request's adapter
-                else self.lora_manager.step([s.lora_request for s in states], q_lens.tolist()))
+        lora = (
+            contextlib.nullcontext()
+            if self.lora_manager is None  # each token runs its request's adapter
+            else self.lora_manager.step([s.lora_request for s in states], q_lens.tolist())
+        )
         with lora:
             hidden = self._run_model(input_ids, positions, md, inputs_embeds)  # [T, H]
 
@@ -322,8 +377,7 @@ class ModelRunner:
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             spec = so.scheduled_spec_decode_tokens
-            drafts = ([spec.get(s.req_id, []) for s in sample_states] if spec
-                      else [[] for _ in sample_states])
+            drafts = [spec.get(s.req_id, []) for s in sample_states] if spec else [[] for _ in sample_states]
             defer = defer and self.proposer is None  # (a proposer reads the sampled tokens at once)
             if defer and any(s.sampling_params.needs_penalties for s in sample_states):
                 self.token_feed.read_back_pending(sample_states)  # penalties count every output token
@@ -332,10 +386,12 @@ class ModelRunner:
         # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.
         if self.proposer is not None and (samples is not None or self.uses_hidden_states):
             spec_tokens = self.proposer.propose_drafts(
-                build_draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx))
+                build_draft_inputs(self, states, starts, q_lens, cu, positions, hidden, md, sample_idx)
+            )
         if samples is not None and samples.device_tokens is not None:  # read back by handle.output()
-            self.token_feed.defer(handle, sample_states, sample_idx.tolist(), samples.device_tokens,
-                                  samples.device_logprobs)
+            self.token_feed.defer(
+                handle, sample_states, sample_idx.tolist(), samples.device_tokens, samples.device_logprobs
+            )
         elif samples is not None:  # the sampled ids were read back to the host: the device work is done
             out.sampled_token_ids = [samples.tokens.get(r, []) for r in req_ids]
             out.logprobs, out.spec_token_ids = samples.logprobs, spec_tokens
@@ -350,18 +406,31 @@ class ModelRunner:
         nothing)."""
         return self.encoders.run(so, self.requests)
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                   inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The decoder over this step: `input_ids [T]`, `positions [T]|[3, T]` -> hidden `[T, H]` (a pipeline stage
         overrides it to receive and send the stream between stages)."""
         return self.forward(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds)
 
-    def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
-                     drafts: list[list[int]], so: SchedulerOutput, keep_on_device: bool = False) -> StepSamples:
+    def _sample_step(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        ends: np.ndarray,
+        drafts: list[list[int]],
+        so: SchedulerOutput,
+        keep_on_device: bool = False,
+    ) -> StepSamples:
         """Sample the requests in `states` (appending their tokens, unless kept on the device); see
         `StepSampler.sample`."""
-        return self.step_sampler.sample(self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows,
-                                        keep_on_device)
+        return self.step_sampler.sample(
+            self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows, keep_on_device
+        )
 
     @staticmethod
     def _token_windows(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray) -> list[list[int]]:
@@ -369,7 +438,7 @@ class ModelRunner:
         windows = []
         spec = so.scheduled_spec_decode_tokens
         for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            window = state.token_ids[s:s + n]
+            window = state.token_ids[s : s + n]
             if len(window) < n:  # speculative tokens beyond the known ones
                 window = window + spec[state.req_id][: n - len(window)]
             windows.append(window)
@@ -378,13 +447,22 @@ class ModelRunner:
     def _positions(self, states, starts, q_lens, step) -> torch.Tensor:
         if self.mrope_positions_fn is None:
             return self.input_batch.positions_on_device(step.num_tokens)  # [T]
-        parts = [mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
-                 for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
+        parts = [
+            mrope_positions_for_range(state.mrope_positions, state.mrope_delta, s, s + n)
+            for state, s, n in zip(states, starts.tolist(), q_lens.tolist())
+        ]
         with torch.inference_mode(False):  # a normal tensor, as the text positions are: one dynamo guard for both
             return to_device(torch.cat(parts, dim=1), self.device)  # [3, T]
 
-    def merge_mm_embeddings(self, input_ids: torch.Tensor, states, starts: np.ndarray, q_lens: np.ndarray,
-                            cu: np.ndarray, skip_missing: bool = False) -> torch.Tensor | None:
+    def merge_mm_embeddings(
+        self,
+        input_ids: torch.Tensor,
+        states,
+        starts: np.ndarray,
+        q_lens: np.ndarray,
+        cu: np.ndarray,
+        skip_missing: bool = False,
+    ) -> torch.Tensor | None:
         """inputs_embeds [T, H] of input_ids [T] with the encoder outputs written over placeholder tokens, or None for
         text only (see `EncoderRunner.merge_embeddings`; a later pipeline stage embeds nothing)."""
         return self.encoders.merge_embeddings(input_ids, states, starts, q_lens, cu, skip_missing)

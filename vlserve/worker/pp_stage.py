@@ -12,6 +12,7 @@ Multimodal models: only the first stage holds the encoder parts, so only it enco
 their embeddings and writes them over the placeholder rows; later stages start from the stream they receive. Every
 stage keeps the requests' mm features (M-RoPE positions are computed from them on every stage).
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,6 +44,7 @@ class StageTiming:
     """Where one stage's time went since the last reset: `busy_s` inside steps, less `wait_s` blocked handing the
     stream over (receiving from the stage before, sending to the one after), over `span_s`, the wall time from the
     first step's start to the last one's end. `idle_fraction` is the pipeline bubble as this stage sees it."""
+
     steps: int = 0
     busy_s: float = 0.0
     wait_s: float = 0.0
@@ -59,8 +61,13 @@ class StageTiming:
         return 0.0 if span <= 0 else 1.0 - (self.busy_s - self.wait_s) / span
 
     def summary(self) -> dict:
-        return {"steps": self.steps, "span_s": self.span_s, "busy_s": self.busy_s, "wait_s": self.wait_s,
-                "idle_fraction": self.idle_fraction}
+        return {
+            "steps": self.steps,
+            "span_s": self.span_s,
+            "busy_s": self.busy_s,
+            "wait_s": self.wait_s,
+            "idle_fraction": self.idle_fraction,
+        }
 
 
 class PipelineStageRunner(ModelRunner):
@@ -71,9 +78,13 @@ class PipelineStageRunner(ModelRunner):
         self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
         self.hidden_size = self.text_config.hidden_size
         self.timing = StageTiming()
-        logger.info("pipeline stage: decoder layers [%d, %d)%s%s, eager", self.kv_layers.start, self.kv_layers.stop,
-                    " + embeddings" if self.first_stage else "", " + final norm, LM head, sampler" if self.last_stage
-                    else "")
+        logger.info(
+            "pipeline stage: decoder layers [%d, %d)%s%s, eager",
+            self.kv_layers.start,
+            self.kv_layers.stop,
+            " + embeddings" if self.first_stage else "",
+            " + final norm, LM head, sampler" if self.last_stage else "",
+        )
 
     def execute_model(self, so: SchedulerOutput):
         """ModelRunner's step, timed into `self.timing` (steps that run no tokens are not counted)."""
@@ -99,24 +110,29 @@ class PipelineStageRunner(ModelRunner):
         """The first stage encodes; the others hold no encoder (and their EncoderRunner holds nothing)."""
         return super()._run_encoders(so) if self.first_stage else NO_ENCODER_WORK
 
-    def merge_mm_embeddings(self, input_ids, states, starts, q_lens, cu,
-                            skip_missing: bool = False) -> torch.Tensor | None:
+    def merge_mm_embeddings(
+        self, input_ids, states, starts, q_lens, cu, skip_missing: bool = False
+    ) -> torch.Tensor | None:
         """`inputs_embeds [T, H]` on the first stage (see ModelRunner); None on the others, which receive hidden
         states instead of embedding tokens."""
         if not self.first_stage:
             return None
         return super().merge_mm_embeddings(input_ids, states, starts, q_lens, cu, skip_missing)
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                   inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Receive the stream (stage > 0), run this stage's layers, send it on (stage < last). Returns the normed
         hidden `[T, H]` on the last stage, this stage's hidden (unused) on the others."""
         T = input_ids.shape[0]
         t0 = time.perf_counter()
         received = None if self.first_stage else recv_intermediate(T, self.hidden_size, self.dtype, self.device)
         self.timing.wait_s += time.perf_counter() - t0
-        out = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds,
-                         intermediate=received)
+        out = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=inputs_embeds, intermediate=received)
         if isinstance(out, IntermediateTensors):
             t0 = time.perf_counter()
             send_intermediate(out)
@@ -124,8 +140,15 @@ class PipelineStageRunner(ModelRunner):
             return out.hidden
         return out
 
-    def _sample_step(self, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
-                     drafts: list[list[int]], so: SchedulerOutput, keep_on_device: bool = False) -> StepSamples:
+    def _sample_step(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        ends: np.ndarray,
+        drafts: list[list[int]],
+        so: SchedulerOutput,
+        keep_on_device: bool = False,
+    ) -> StepSamples:
         """The last stage samples; the others return no tokens (the scheduler sends them the tokens later)."""
         if self.last_stage:
             return super()._sample_step(hidden, states, ends, drafts, so, keep_on_device)

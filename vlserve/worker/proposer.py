@@ -6,6 +6,7 @@ The runner calls every proposer the same way, without knowing which one it is: a
 metadata). A proposer that needs KV of its own describes it with `draft_kv_spec()`; the runner allocates that cache
 (indexed by the target's block ids) and hands it over with `bind_kv_cache`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -31,7 +32,9 @@ class DraftKVSpec:
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
     def bytes_per_block(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2 * self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
 
 
 @dataclass

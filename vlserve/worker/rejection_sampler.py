@@ -36,6 +36,7 @@ Output: `RejectionSamplerOutput.output_token_ids` [B, max_k + 1] int64, -1 padde
 drafts then the final token (1 .. k_i + 1 tokens). Logprobs, when asked for, are per logits row: the emitted
 token number j of request i comes from row cu_i + j.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,14 @@ from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_me
 
 PLACEHOLDER_TOKEN_ID = -1
 
-__all__ = ["RejectionSampler", "RejectionSamplerOutput", "rejection_sample_ref", "build_spec_sampling_metadata",
-           "compute_target_probs", "PLACEHOLDER_TOKEN_ID"]
+__all__ = [
+    "RejectionSampler",
+    "RejectionSamplerOutput",
+    "rejection_sample_ref",
+    "build_spec_sampling_metadata",
+    "compute_target_probs",
+    "PLACEHOLDER_TOKEN_ID",
+]
 
 
 @dataclass
@@ -75,14 +82,22 @@ class RejectionSamplerOutput:
 
 # ------------------------------------------------------------------------------------------------- metadata
 
-def build_spec_sampling_metadata(params: list[SamplingParams], generators: list[torch.Generator | None],
-                                 prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-                                 draft_token_ids: list[list[int]], vocab_size: int, device) -> SamplingMetadata:
+
+def build_spec_sampling_metadata(
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    draft_token_ids: list[list[int]],
+    vocab_size: int,
+    device,
+) -> SamplingMetadata:
     """The per-row SamplingMetadata for `RejectionSampler`: request i contributes k_i + 1 rows, row j of them
     seeing output_token_ids[i] + draft_token_ids[i][:j] (exact penalties and min_tokens bans per position)."""
     r_params, r_gens, r_prompts, r_outputs = [], [], [], []
-    for p, g, prompt, out, drafts in zip(params, generators, prompt_token_ids, output_token_ids, draft_token_ids,
-                                         strict=True):
+    for p, g, prompt, out, drafts in zip(
+        params, generators, prompt_token_ids, output_token_ids, draft_token_ids, strict=True
+    ):
         # Only penalties (counts) and min_tokens (length) read the outputs; skip copying lists otherwise.
         needs_outputs = p.needs_penalties or p.min_tokens > len(out)
         for j in range(len(drafts) + 1):
@@ -94,6 +109,7 @@ def build_spec_sampling_metadata(params: list[SamplingParams], generators: list[
 
 
 # ------------------------------------------------------------------------------------------------- layout
+
 
 @dataclass
 class _Layout:
@@ -113,15 +129,18 @@ class _Layout:
     q_given: list[bool] | None  # per flat draft: True when its q came from draft_probs
 
 
-def _layout(target_logits: torch.Tensor, draft_token_ids: list[list[int]], draft_probs,
-            md: SamplingMetadata) -> _Layout:
+def _layout(
+    target_logits: torch.Tensor, draft_token_ids: list[list[int]], draft_probs, md: SamplingMetadata
+) -> _Layout:
     T, V = target_logits.shape
     dev = target_logits.device
     num_draft = [len(d) for d in draft_token_ids]
     B, D = len(num_draft), sum(num_draft)
     if D + B != T:
-        raise ValueError(f"target_logits has {T} rows but {B} requests with {D} drafts need sum(k_i + 1) = "
-                         f"{D + B} (k_i draft rows + 1 bonus row each)")
+        raise ValueError(
+            f"target_logits has {T} rows but {B} requests with {D} drafts need sum(k_i + 1) = "
+            f"{D + B} (k_i draft rows + 1 bonus row each)"
+        )
     cu, dstart = [0], [0]
     for k in num_draft:
         cu.append(cu[-1] + k + 1)
@@ -161,8 +180,9 @@ def _layout(target_logits: torch.Tensor, draft_token_ids: list[list[int]], draft
     return _Layout(T, V, B, num_draft, cu, dstart, greedy, q, q_given)
 
 
-def _draw_uniforms_and_noise(lay: _Layout, random_reqs: list[int], md: SamplingMetadata, device
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_uniforms_and_noise(
+    lay: _Layout, random_reqs: list[int], md: SamplingMetadata, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """u [D]: one uniform per flat draft (only random requests' entries are read); noise [len(random_reqs), V]
     ~ Exp(1), one row per random request. Unseeded requests share one global draw of each; a seeded request
     draws its k_i uniforms and then its noise row from its own generator (md.generators[cu_i]), nothing else."""
@@ -174,7 +194,7 @@ def _draw_uniforms_and_noise(lay: _Layout, random_reqs: list[int], md: SamplingM
         noise.exponential_()
     for r, i, g in seeded:
         if lay.num_draft[i]:
-            u[lay.dstart[i]:lay.dstart[i + 1]] = torch.rand(lay.num_draft[i], generator=g, device=device)
+            u[lay.dstart[i] : lay.dstart[i + 1]] = torch.rand(lay.num_draft[i], generator=g, device=device)
         noise[r].exponential_(generator=g)
     # exponential_ can in principle return 0; keep 0-probability tokens at 0 instead of NaN (as the Sampler).
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
@@ -186,8 +206,9 @@ def _accept(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor | None) -> tor
     q(x) == 0 (x could not have been drafted from q): accept iff p(x) > 0."""
     if q_x is None:
         return u < p_x
-    ratio = torch.where(q_x > 0, p_x / q_x.clamp(min=torch.finfo(q_x.dtype).tiny),
-                        torch.where(p_x > 0, float("inf"), 0.0))
+    ratio = torch.where(
+        q_x > 0, p_x / q_x.clamp(min=torch.finfo(q_x.dtype).tiny), torch.where(p_x > 0, float("inf"), 0.0)
+    )
     return u < ratio
 
 
@@ -218,6 +239,7 @@ def _finish(out_tokens: torch.Tensor, lay: _Layout, raw_logprobs, md: SamplingMe
 
 # ------------------------------------------------------------------------------------------------- fast path
 
+
 class RejectionSampler:
     """Stateless; `RejectionSampler()(target_logits, draft_token_ids, draft_probs, md)`.
 
@@ -233,8 +255,9 @@ class RejectionSampler:
     def __call__(self, target_logits, draft_token_ids, draft_probs, md) -> RejectionSamplerOutput:
         return self.forward(target_logits, draft_token_ids, draft_probs, md)
 
-    def forward(self, target_logits: torch.Tensor, draft_token_ids: list[list[int]],
-                draft_probs, md: SamplingMetadata) -> RejectionSamplerOutput:
+    def forward(
+        self, target_logits: torch.Tensor, draft_token_ids: list[list[int]], draft_probs, md: SamplingMetadata
+    ) -> RejectionSamplerOutput:
         lay = _layout(target_logits, draft_token_ids, draft_probs, md)
         B, T, D = lay.B, lay.T, lay.dstart[-1]
         dev = target_logits.device
@@ -319,8 +342,10 @@ class RejectionSampler:
 
 # ------------------------------------------------------------------------------------------------- reference
 
-def rejection_sample_ref(target_logits: torch.Tensor, draft_token_ids: list[list[int]], draft_probs,
-                         md: SamplingMetadata) -> RejectionSamplerOutput:
+
+def rejection_sample_ref(
+    target_logits: torch.Tensor, draft_token_ids: list[list[int]], draft_probs, md: SamplingMetadata
+) -> RejectionSamplerOutput:
     """The same algorithm as a plain per-request, per-position loop, with the same random draws (so it
     reproduces `RejectionSampler` exactly, seeded or not, given the same global RNG state). For tests."""
     lay = _layout(target_logits, draft_token_ids, draft_probs, md)
@@ -350,8 +375,9 @@ def rejection_sample_ref(target_logits: torch.Tensor, draft_token_ids: list[list
                 x = drafts[j]
                 one_hot = lay.q is None or not lay.q_given[d]
                 q = None if one_hot else lay.q[d]
-                ratio = p[x] if one_hot else (p[x] / q[x] if q[x] > 0 else
-                                              torch.tensor(float("inf") if p[x] > 0 else 0.0))
+                ratio = (
+                    p[x] if one_hot else (p[x] / q[x] if q[x] > 0 else torch.tensor(float("inf") if p[x] > 0 else 0.0))
+                )
                 if u[d] < ratio:  # accept x with probability min(1, p(x)/q(x))
                     emitted.append(x)
                     continue
@@ -365,5 +391,5 @@ def rejection_sample_ref(target_logits: torch.Tensor, draft_token_ids: list[list
                     r = p
                 emitted.append(int((r / E).argmax()))
                 break
-        out[i, :len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
+        out[i, : len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
     return _finish(out, lay, raw_logprobs, md)

@@ -1,4 +1,5 @@
 """The model runner's per-request state: token ids, block table, generator, M-RoPE offsets."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,4 +35,4 @@ class CachedRequestState:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]

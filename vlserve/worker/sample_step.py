@@ -1,4 +1,5 @@
 """The sampling half of a runner step: pick logits rows, sample (or verify drafts), collect tokens and logprobs."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,8 +27,9 @@ class StepSamples:
     device_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def logprob_lists(states: list[CachedRequestState], emitted: list[int], strides: list[int], lp_ids: list,
-                  lp_vals: list, ranks: list) -> dict[str, list[tuple[list[int], list[float], int]]]:
+def logprob_lists(
+    states: list[CachedRequestState], emitted: list[int], strides: list[int], lp_ids: list, lp_vals: list, ranks: list
+) -> dict[str, list[tuple[list[int], list[float], int]]]:
     """Per request that asked for logprobs: (top ids, their logprobs, the sampled token's rank) per emitted token;
     request i has emitted[i] tokens and its rows start at sum(strides[:i]) of the read-back lists."""
     result = {}
@@ -35,8 +37,9 @@ def logprob_lists(states: list[CachedRequestState], emitted: list[int], strides:
     for state, n, stride in zip(states, emitted, strides):
         k = state.sampling_params.logprobs
         if k is not None:
-            result[state.req_id] = [(lp_ids[base + j][: k + 1], lp_vals[base + j][: k + 1], ranks[base + j])
-                                    for j in range(n)]
+            result[state.req_id] = [
+                (lp_ids[base + j][: k + 1], lp_vals[base + j][: k + 1], ranks[base + j]) for j in range(n)
+            ]
         base += stride
     return result
 
@@ -64,9 +67,17 @@ class StepSampler:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
 
-    def sample(self, model, hidden: torch.Tensor, states: list[CachedRequestState], ends: np.ndarray,
-               drafts: list[list[int]], grammar_bitmask: np.ndarray | None = None,
-               grammar_rows: dict[str, int] | None = None, keep_on_device: bool = False) -> StepSamples:
+    def sample(
+        self,
+        model,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        ends: np.ndarray,
+        drafts: list[list[int]],
+        grammar_bitmask: np.ndarray | None = None,
+        grammar_rows: dict[str, int] | None = None,
+        keep_on_device: bool = False,
+    ) -> StepSamples:
         """hidden: [T, H]; ends[i] (increasing): index after request i's last token in the batch; drafts[i]: its
         verified draft tokens (they sit at the last len(drafts[i]) positions of its window, before the bonus
         position). grammar_bitmask / grammar_rows: the structured-output token bitmask of the step (see
@@ -79,13 +90,14 @@ class StepSampler:
         else:
             rows = np.asarray(ends, dtype=np.int64) - 1
         if len(rows) and rows[-1] == len(rows) - 1:  # increasing rows that end at n - 1 are all of 0..n-1
-            picked = hidden[:len(rows)]
+            picked = hidden[: len(rows)]
         else:
             picked = hidden.index_select(0, to_device(torch.from_numpy(rows), hidden.device))
         logits = model.compute_logits(picked)  # [sum(k_i + 1), V]
         if grammar_bitmask is not None:
-            apply_grammar_bitmask(logits, grammar_bitmask, grammar_rows, [s.req_id for s in states],
-                                  [len(d) + 1 for d in drafts])
+            apply_grammar_bitmask(
+                logits, grammar_bitmask, grammar_rows, [s.req_id for s in states], [len(d) + 1 for d in drafts]
+            )
         params = [s.sampling_params for s in states]
         gens = [s.generator for s in states]
         prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens rows
@@ -99,15 +111,24 @@ class StepSampler:
             md = build_sampling_metadata(params, gens, prompts, outputs, vocab, logits.device)
             out = self.sampler(logits, md)
             if keep_on_device:
-                return StepSamples(device_tokens=out.sampled_token_ids, device_logprobs=None if out.logprobs is None
-                                   else (out.logprob_token_ids, out.logprobs, out.sampled_ranks))
+                return StepSamples(
+                    device_tokens=out.sampled_token_ids,
+                    device_logprobs=None
+                    if out.logprobs is None
+                    else (out.logprob_token_ids, out.logprobs, out.sampled_ranks),
+                )
             token_lists = [[t] for t in out.sampled_token_ids.tolist()]
         result = StepSamples()
         for state, toks in zip(states, token_lists):
             state.token_ids.extend(toks)
             result.tokens[state.req_id] = toks
         if out.logprobs is not None:
-            result.logprobs = logprob_lists(states, [len(t) for t in token_lists], [len(d) + 1 for d in drafts],
-                                            out.logprob_token_ids.tolist(), out.logprobs.tolist(),
-                                            out.sampled_ranks.tolist())
+            result.logprobs = logprob_lists(
+                states,
+                [len(t) for t in token_lists],
+                [len(d) + 1 for d in drafts],
+                out.logprob_token_ids.tolist(),
+                out.logprobs.tolist(),
+                out.sampled_ranks.tolist(),
+            )
         return result

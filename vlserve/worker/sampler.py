@@ -3,6 +3,7 @@
 Order: min_tokens bans -> penalties -> greedy rows take argmax -> temperature -> min_p -> top_k -> top_p
 -> sample (exponential race). Logprobs come from the raw logits (before bans/penalties/temperature).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +12,20 @@ import torch
 
 from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata, make_generator
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata", "make_generator",
-           "apply_penalties", "apply_min_p", "apply_top_k_top_p", "random_sample", "prepare_logits",
-           "compute_target_probs", "gather_logprobs"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "build_sampling_metadata",
+    "make_generator",
+    "apply_penalties",
+    "apply_min_p",
+    "apply_top_k_top_p",
+    "random_sample",
+    "prepare_logits",
+    "compute_target_probs",
+    "gather_logprobs",
+]
 
 
 @dataclass
@@ -45,8 +57,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None,
-                      max_k: int | None = None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, max_k: int | None = None
+) -> torch.Tensor:
     """Keep each row's top-k tokens (ties at the k-th value kept), then the smallest set of them whose
     cumulative probability reaches top_p (always at least the most likely token). Returns new logits. max_k: an
     upper bound of the enabled k's, when the caller knows one (else it is read from the device)."""
@@ -78,8 +91,9 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+def random_sample(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exponential race: argmax(probs / E), E ~ Exp(1) i.i.d., samples each row from `probs`.
     Row i (an index into probs) with generators[i] draws its noise only from that generator, so a seeded
     row's result doesn't depend on the rest of the batch. `rows` maps probs rows to batch rows (None = same)."""
@@ -120,12 +134,13 @@ def prepare_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Te
     return logits, raw_logprobs
 
 
-def compute_target_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+def compute_target_probs(logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities [len(rows), V] of (prepared) logits at `rows` (None: every row): temperature -> min_p ->
     top_k/top_p -> softmax, the random-sampling path. Out of place."""
+
     def sel(t):
         return t if (t is None or rows is None) else t.index_select(0, rows)
+
     if rows is not None:
         logits = logits.index_select(0, rows)
     temperature, min_p, top_k, top_p = sel(md.temperature), sel(md.min_p), sel(md.top_k), sel(md.top_p)

@@ -4,6 +4,7 @@ Built every step by the model runner with `build_sampling_metadata`; read by `Sa
 Everything optional is `None` when no row of the batch needs it, so the common cases
 (all greedy, no penalties, no logprobs) cost almost nothing.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -69,8 +70,9 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
-def _token_index(rows: list[int], token_lists: list[list[int]], vocab_size: int,
-                 device) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_index(
+    rows: list[int], token_lists: list[list[int]], vocab_size: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten token_lists[r] for r in rows into (row index, token id) tensors, dropping out-of-vocab ids."""
     lens = [len(token_lists[r]) for r in rows]
     ids = torch.tensor(list(itertools.chain.from_iterable(token_lists[r] for r in rows)), dtype=torch.int64)
@@ -98,7 +100,8 @@ def build_sampling_metadata(
     if not (len(generators) == len(prompt_token_ids) == len(output_token_ids) == B):
         raise ValueError(
             f"build_sampling_metadata: params ({B}), generators ({len(generators)}), prompt_token_ids "
-            f"({len(prompt_token_ids)}) and output_token_ids ({len(output_token_ids)}) must have the same length.")
+            f"({len(prompt_token_ids)}) and output_token_ids ({len(output_token_ids)}) must have the same length."
+        )
     greedy = [p.is_greedy for p in params]
     all_greedy = all(greedy)
     all_random = not any(greedy)
@@ -117,8 +120,9 @@ def build_sampling_metadata(
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         if any(t != 1.0 for t in temps):
             md.temperature = tensor_to_device(temps, torch.float32, device)
-        top_ks = [vocab_size if (g or p.top_k < 1 or p.top_k >= vocab_size) else p.top_k
-                  for p, g in zip(params, greedy)]
+        top_ks = [
+            vocab_size if (g or p.top_k < 1 or p.top_k >= vocab_size) else p.top_k for p, g in zip(params, greedy)
+        ]
         if any(k < vocab_size for k in top_ks):
             md.top_k = tensor_to_device(top_ks, torch.int64, device)
             md.max_top_k = max(k for k in top_ks if k < vocab_size)
@@ -142,8 +146,7 @@ def build_sampling_metadata(
         prompt_mask[r, t] = True
         output_counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
         r, t = _token_index(pen_rows, output_token_ids, vocab_size, device)
-        output_counts.index_put_((r, t), torch.ones(r.numel(), dtype=torch.float32, device=device),
-                                 accumulate=True)
+        output_counts.index_put_((r, t), torch.ones(r.numel(), dtype=torch.float32, device=device), accumulate=True)
         md.prompt_mask, md.output_counts = prompt_mask, output_counts
 
     # min_tokens: ban the stop tokens of rows that have not produced min_tokens tokens yet.

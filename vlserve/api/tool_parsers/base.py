@@ -4,6 +4,7 @@ A parser reads tool calls out of the model's text. Subclasses implement only `pa
 of the text so far; the non-streaming result and the streamed deltas both come from it, so streamed fragments
 concatenate to the non-streamed calls.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,7 +37,7 @@ class ToolParser:
         raise NotImplementedError
 
     def _calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
-        return calls if self.max_calls is None else calls[:self.max_calls]
+        return calls if self.max_calls is None else calls[: self.max_calls]
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output; content is None when only tool calls remain."""
@@ -50,7 +51,7 @@ class ToolParser:
         """What is new in the cumulative `text` since the last call: content, and per call its index with id, type
         and name once, then fragments of its arguments. None when nothing is new."""
         content, calls = self.parse(text, finished)
-        new_content = content[self._content_sent:]
+        new_content = content[self._content_sent :]
         self._content_sent = max(self._content_sent, len(content))
         deltas: list[DeltaToolCall] = []
         for index, call in enumerate(self._calls(calls)):
@@ -58,10 +59,16 @@ class ToolParser:
                 break
             if index == len(self._arguments_sent):
                 self._arguments_sent.append(len(call.arguments))
-                deltas.append(DeltaToolCall(index=index, id=ToolCall.new_id(), type="function",
-                                            function=DeltaFunctionCall(name=call.name, arguments=call.arguments)))
+                deltas.append(
+                    DeltaToolCall(
+                        index=index,
+                        id=ToolCall.new_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                    )
+                )
             elif len(call.arguments) > self._arguments_sent[index]:
-                fragment = call.arguments[self._arguments_sent[index]:]
+                fragment = call.arguments[self._arguments_sent[index] :]
                 self._arguments_sent[index] = len(call.arguments)
                 deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=fragment)))
         if not new_content and not deltas:
@@ -82,11 +89,13 @@ class ToolParserManager:
     @classmethod
     def register(cls, name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
         """Class decorator: make the parser available as --tool-call-parser `name`."""
+
         def add(parser: type[ToolParser]) -> type[ToolParser]:
             if not (isinstance(parser, type) and issubclass(parser, ToolParser)):
                 raise TypeError(f"{parser!r} is not a ToolParser subclass")
             cls._parsers[name] = parser
             return parser
+
         return add
 
     @classmethod

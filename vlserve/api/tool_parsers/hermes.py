@@ -9,6 +9,7 @@ Each block holding a JSON object with a string `name` and an object `arguments` 
 The content is the text outside the calls, with the whitespace that touches a call removed; an unclosed last
 block counts when the output ends with valid JSON in it (a stop string may cut the closing tag).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,7 @@ class HermesToolParser(ToolParser):
                     segments[-1] += text[start:]
                     break
             if call is None and (end >= 0 or finished):
-                segments[-1] += text[start:] if end < 0 else text[start:end + len(self.end_tag)]
+                segments[-1] += text[start:] if end < 0 else text[start : end + len(self.end_tag)]
             else:
                 if call is not None:
                     calls.append(call)
@@ -84,7 +85,7 @@ class HermesToolParser(ToolParser):
             if k < len(boundaries):
                 segment = segment.rstrip()
             elif not finished:  # the tail may still open a block: hold back what could be its tag and spacing
-                segment = segment[:len(segment) - _held_tag_prefix(segment, self.start_tag)].rstrip()
+                segment = segment[: len(segment) - _held_tag_prefix(segment, self.start_tag)].rstrip()
             out.append(segment)
         return "".join(out)
 

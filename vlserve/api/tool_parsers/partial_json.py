@@ -4,6 +4,7 @@ Tool-call streaming needs the raw text of a value (a call's arguments) as it is 
 the output is complete, so streamed fragments concatenate to exactly what a non-streamed response holds. Spans are
 (start, end): `end` is None while the value is not finished. A text that cannot be JSON raises ValueError.
 """
+
 from __future__ import annotations
 
 import json
@@ -147,7 +148,7 @@ def string_value(text: str, span: Span | None) -> str | None:
     """The decoded string at a finished span, else None (also when the value is not a string)."""
     if span is None or span[1] is None:
         return None
-    value = json.loads(text[span[0]:span[1]])
+    value = json.loads(text[span[0] : span[1]])
     return value if isinstance(value, str) else None
 
 
@@ -155,4 +156,4 @@ def raw_value(text: str, span: Span | None) -> str:
     """The raw text of a value so far ('' when it has not begun)."""
     if span is None:
         return ""
-    return text[span[0]:span[1]] if span[1] is not None else text[span[0]:]
+    return text[span[0] : span[1]] if span[1] is not None else text[span[0] :]

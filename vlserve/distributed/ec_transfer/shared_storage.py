@@ -9,6 +9,7 @@ renamed into place). A missing file is a miss; a file that fails any check (or w
 placeholder length) is logged, counted, deleted, and the item is encoded locally. The scheduler never sees this
 connector: it budgets the encoder cache as always; only the tower run is skipped (`worker/encoder_runs.py`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,6 @@ _SAFE_NAME = re.compile(r"[0-9A-Za-z_.-]{1,128}")
 
 
 class ECSharedStorageConnector:
-
     def __init__(self, config, device: torch.device, dtype: torch.dtype):
         extra = config.ec_connector_extra_config
         if "_namespace" not in extra:
@@ -37,13 +37,21 @@ class ECSharedStorageConnector:
         os.makedirs(self.dir, exist_ok=True)
         self.is_producer, self.is_consumer = config.is_producer, config.is_consumer
         self.device, self.dtype = device, dtype
-        self.counters = {"ec_load_hits_total": 0, "ec_load_misses_total": 0, "ec_load_failures_total": 0,
-                         "ec_stores_total": 0, "ec_store_failures_total": 0}
+        self.counters = {
+            "ec_load_hits_total": 0,
+            "ec_load_misses_total": 0,
+            "ec_load_failures_total": 0,
+            "ec_stores_total": 0,
+            "ec_store_failures_total": 0,
+        }
         self._warned_write = False
 
     def path(self, mm_hash: str) -> str:
-        name = mm_hash if _SAFE_NAME.fullmatch(mm_hash) and not mm_hash.startswith(".") else \
-            "h-" + hashlib.blake2b(mm_hash.encode(), digest_size=16).hexdigest()
+        name = (
+            mm_hash
+            if _SAFE_NAME.fullmatch(mm_hash) and not mm_hash.startswith(".")
+            else "h-" + hashlib.blake2b(mm_hash.encode(), digest_size=16).hexdigest()
+        )
         return os.path.join(self.dir, name + FILE_SUFFIX)
 
     def load(self, mm_hash: str, length: int) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ Worker side (in the model runner, around each step's forward: `ModelRunner.execu
       (optional per-layer hooks), `wait_for_save()` after the forward, and `get_finished()` -> the step's
       `KVConnectorOutput` (loads and saves that ended, loads that failed), returned in `ModelRunnerOutput`.
 """
+
 from __future__ import annotations
 
 import enum

@@ -1,5 +1,6 @@
 """Builds the connector a KVTransferConfig names (vLLM's KVConnectorFactory): name -> (module, class), imported
 only when used, so the scheduler's process never imports a connector it does not run."""
+
 from __future__ import annotations
 
 import importlib
@@ -24,8 +25,10 @@ def known_connectors() -> list[str]:
 def check_kv_transfer_config(config) -> None:
     """ValueError naming the connector when no connector of that name is registered."""
     if config is not None and config.kv_connector not in _REGISTRY:
-        raise ValueError(f"unknown KV connector {config.kv_connector!r} in kv_transfer_config; known: "
-                         f"{', '.join(known_connectors())}")
+        raise ValueError(
+            f"unknown KV connector {config.kv_connector!r} in kv_transfer_config; known: "
+            f"{', '.join(known_connectors())}"
+        )
 
 
 def create_connector(config, role: KVConnectorRole, **context) -> KVConnectorBase | None:

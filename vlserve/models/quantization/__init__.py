@@ -10,6 +10,7 @@ The loader calls three functions, and nothing else in the model code knows about
    any other module (a vision tower, the LM head) are refused with their names.
 3. `process_quantized_weights(model)` once every tensor is loaded: the schemes turn them into their kernels' form.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,20 +39,26 @@ def get_quantization_config(hf_config, requested: str | None = None) -> Quantiza
         raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
     requested = _ALIASES.get(requested, requested) if requested else None
     if requested is not None and requested not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={requested!r} is not supported; choose one of "
-                         f"{', '.join(QUANTIZATION_METHODS)}")
+        raise ValueError(
+            f"quantization={requested!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}"
+        )
     if raw is None:
         if requested is not None:
-            raise ValueError(f"quantization={requested!r} was requested but the checkpoint's config.json has no "
-                             "quantization_config (vlserve runs checkpoints that a quantization tool wrote)")
+            raise ValueError(
+                f"quantization={requested!r} was requested but the checkpoint's config.json has no "
+                "quantization_config (vlserve runs checkpoints that a quantization tool wrote)"
+            )
         return None
     method = _ALIASES.get(str(raw.get("quant_method")), str(raw.get("quant_method")))
     if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization_config.quant_method {raw.get('quant_method')!r} is not supported; "
-                         f"supported: {', '.join(QUANTIZATION_METHODS)}")
+        raise ValueError(
+            f"quantization_config.quant_method {raw.get('quant_method')!r} is not supported; "
+            f"supported: {', '.join(QUANTIZATION_METHODS)}"
+        )
     if requested is not None and requested != method:
-        raise ValueError(f"quantization={requested!r} does not match the checkpoint's quantization_config.quant_method "
-                         f"{method!r}")
+        raise ValueError(
+            f"quantization={requested!r} does not match the checkpoint's quantization_config.quant_method {method!r}"
+        )
     return QUANTIZATION_METHODS[method](raw)
 
 
@@ -70,12 +77,11 @@ def quantized_modules(config: QuantizationConfig, checkpoint_names) -> set[str]:
     for name in checkpoint_names:
         for suffix in config.quantized_suffixes:
             if name.endswith(suffix):
-                found.add(name[:-len(suffix)])
+                found.add(name[: -len(suffix)])
     return found
 
 
-def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: QuantizationConfig,
-                       checkpoint_names) -> int:
+def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: QuantizationConfig, checkpoint_names) -> int:
     """Give every linear layer of `decoder` (whose checkpoint names start with `decoder_prefix`) that the
     checkpoint stores quantized its scheme; how many layers. ValueError when fused projections disagree, when the
     config leaves a stored-quantized module unquantized, or when quantized modules lie outside the decoder."""
@@ -93,8 +99,10 @@ def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: Quantiza
             raise ValueError(f"{config.method}: the fused projections {names} are stored partly quantized")
         schemes = {id(config.scheme_for(n)): config.scheme_for(n) for n in names}
         if len(schemes) != 1 or None in schemes.values():
-            raise ValueError(f"{config.method}: {names} are stored quantized but quantization_config gives them "
-                             f"{'different schemes' if len(schemes) > 1 else 'no scheme (ignore list)'}")
+            raise ValueError(
+                f"{config.method}: {names} are stored quantized but quantization_config gives them "
+                f"{'different schemes' if len(schemes) > 1 else 'no scheme (ignore list)'}"
+            )
         scheme: LinearScheme = next(iter(schemes.values()))
         layer.quant_device = layer.weight.device
         try:
@@ -106,9 +114,11 @@ def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: Quantiza
         count += 1
     others = sorted(stored - claimed)
     if others:
-        raise ValueError(f"{config.method}: the checkpoint stores quantized weights for modules vlserve runs "
-                         f"unquantized only (vision towers, projectors, the LM head): {others[:5]}; quantize the "
-                         "model with them in the recipe's ignore list")
+        raise ValueError(
+            f"{config.method}: the checkpoint stores quantized weights for modules vlserve runs "
+            f"unquantized only (vision towers, projectors, the LM head): {others[:5]}; quantize the "
+            "model with them in the recipe's ignore list"
+        )
     if count:
         logger.info("quantized checkpoint: %s, %d linear layers", config.describe(), count)
     return count

@@ -8,6 +8,7 @@ by the layout tags the scheme records for each of its parameters (`layer.quant_l
 and input, and how many output or input units one element there covers (a packed int32 word holds 8 4-bit values;
 a group scale covers `group_size` input columns).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -48,8 +49,9 @@ def layout_of(layer: nn.Module, param_name: str) -> QuantParamLayout:
     return PLAIN_BIAS if param_name == "bias" else PLAIN_WEIGHT
 
 
-def add_quant_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                    layout: QuantParamLayout) -> None:
+def add_quant_param(
+    layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, layout: QuantParamLayout
+) -> None:
     """Register an empty, frozen parameter `name` on `layer` (on `layer.quant_device`, meta while building) and
     record its layout in `layer.quant_layouts`."""
     device = getattr(layer, "quant_device", None) or torch.get_default_device()
@@ -83,8 +85,9 @@ class LinearScheme(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out]: the layer's matmul through this scheme's kernel."""
 
-    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       intermediate: int) -> torch.Tensor | None:
+    def apply_silu_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, intermediate: int
+    ) -> torch.Tensor | None:
         """For a gate_up layer: silu(gate) * up [..., intermediate] in one pass of this scheme's kernel, or None
         where it has no fused form here (the default)."""
         return None
@@ -114,13 +117,22 @@ def shard_range(start: int, count: int, div: int, what: str) -> tuple[int, int]:
     """`(start, count)` in matrix units -> in elements of a tensor whose element covers `div` units; ValueError
     when the range does not fall on element boundaries (a packed or grouped tensor that cannot be split there)."""
     if start % div or count % div:
-        raise ValueError(f"{what}: rows/columns [{start}, {start + count}) do not fall on its packing or group "
-                         f"boundaries ({div} per element), so it cannot be split over the tensor-parallel ranks")
+        raise ValueError(
+            f"{what}: rows/columns [{start}, {start + count}) do not fall on its packing or group "
+            f"boundaries ({div} per element), so it cannot be split over the tensor-parallel ranks"
+        )
     return start // div, count // div
 
 
-def copy_into_rows(layer: nn.Module, param_name: str, offset: int | None, count: int | None,
-                   tensor: torch.Tensor, name: str, source_start: int = 0) -> None:
+def copy_into_rows(
+    layer: nn.Module,
+    param_name: str,
+    offset: int | None,
+    count: int | None,
+    tensor: torch.Tensor,
+    name: str,
+    source_start: int = 0,
+) -> None:
     """Copy checkpoint tensor `name` into `param`: into output units `[offset, offset + count)` along the layout's
     output dim (a fused piece), or the whole parameter when `offset` is None or the tensor has no output dim.
     A per-piece scalar is broadcast over its rows; a `same_in_pieces` tensor already loaded must be equal; an
@@ -132,8 +144,11 @@ def copy_into_rows(layer: nn.Module, param_name: str, offset: int | None, count:
         dst = dst.narrow(layout.output_dim, first, length)
     if layout.expand_rows > 1:
         rows = tensor.repeat_interleave(layout.expand_rows, dim=layout.output_dim)
-        tensor = rows.narrow(layout.output_dim, source_start, min(dst.shape[layout.output_dim],
-                                                                  rows.shape[layout.output_dim] - source_start))
+        tensor = rows.narrow(
+            layout.output_dim,
+            source_start,
+            min(dst.shape[layout.output_dim], rows.shape[layout.output_dim] - source_start),
+        )
     if layout.per_piece_scalar and tensor.numel() == 1:
         dst.fill_(tensor.reshape(()).item())
         return

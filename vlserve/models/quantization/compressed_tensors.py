@@ -12,6 +12,7 @@ Supported, per config group (`config_groups.*`: `targets`, `weights`, `input_act
 `ignore` lists (exact module names or `re:` patterns) leave modules unquantized. Anything else is a ValueError that
 names the field.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,8 +62,9 @@ class CTWNA16(WNA16Scheme):
         if self.packed:
             per_word = 32 // self.bits
             check_divides("input size", inp, per_word, f"{METHOD} {self.bits}-bit packing")
-            add_quant_param(layer, "weight_packed", (out, inp // per_word), torch.int32,
-                            QuantParamLayout(input_div=per_word))
+            add_quant_param(
+                layer, "weight_packed", (out, inp // per_word), torch.int32, QuantParamLayout(input_div=per_word)
+            )
             add_quant_param(layer, "weight_shape", (2,), torch.int64, NO_DIMS)
         else:
             add_quant_param(layer, "weight", (out, inp), torch.int8, QuantParamLayout())
@@ -70,14 +72,25 @@ class CTWNA16(WNA16Scheme):
         if not self.symmetric:
             per_word = 32 // self.bits if self.packed else 1
             zp_layout = QuantParamLayout(output_div=per_word, input_dim=scale_layout.input_dim, input_div=group)
-            add_quant_param(layer, "weight_zero_point", (-(-out // per_word), groups),
-                            torch.int32 if self.packed else torch.int8, zp_layout)
+            add_quant_param(
+                layer,
+                "weight_zero_point",
+                (-(-out // per_word), groups),
+                torch.int32 if self.packed else torch.int8,
+                zp_layout,
+            )
         if self.actorder:
             if getattr(layer, "shards_input", False):
-                raise ValueError(f"{METHOD}: act-order (weight_g_idx) weights cannot be split by input over "
-                                 "tensor-parallel ranks")
-            add_quant_param(layer, "weight_g_idx", (inp,), torch.int32,
-                            QuantParamLayout(output_dim=None, input_dim=0, same_in_pieces=True))
+                raise ValueError(
+                    f"{METHOD}: act-order (weight_g_idx) weights cannot be split by input over tensor-parallel ranks"
+                )
+            add_quant_param(
+                layer,
+                "weight_g_idx",
+                (inp,),
+                torch.int32,
+                QuantParamLayout(output_dim=None, input_dim=0, same_in_pieces=True),
+            )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out, inp = layer.out_features, layer.in_features
@@ -95,8 +108,9 @@ class CTWNA16(WNA16Scheme):
             zeros = (layer.weight_zero_point.data.to(torch.int16) + offset).to(torch.uint8)
         g_idx = layer.weight_g_idx.data if self.actorder else None
         prepared = prepare_wna16(q, scales, zeros, self.group_size_for(inp), self.bits, g_idx, keep_canonical=False)
-        replace_params(layer, ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
-                               "weight_g_idx"), prepared)
+        replace_params(
+            layer, ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx"), prepared
+        )
 
 
 class CTInt8(Int8Scheme):
@@ -110,12 +124,18 @@ class CTInt8(Int8Scheme):
     def create_weights(self, layer: nn.Module) -> None:
         remove_weight(layer)
         add_quant_param(layer, "weight", (layer.out_features, layer.in_features), torch.int8, QuantParamLayout())
-        add_quant_param(layer, "weight_scale", (layer.out_features, 1), torch.float32,
-                        QuantParamLayout(input_dim=None, per_piece_scalar=self.per_tensor))
+        add_quant_param(
+            layer,
+            "weight_scale",
+            (layer.out_features, 1),
+            torch.float32,
+            QuantParamLayout(input_dim=None, per_piece_scalar=self.per_tensor),
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        replace_params(layer, ("weight_scale",),
-                       prepare_int8(layer.weight.data, layer.weight_scale.data, keep_canonical=False))
+        replace_params(
+            layer, ("weight_scale",), prepare_int8(layer.weight.data, layer.weight_scale.data, keep_canonical=False)
+        )
 
 
 class CTFP8(FP8Scheme):
@@ -134,21 +154,39 @@ class CTFP8(FP8Scheme):
             bn, bk = self.block
             if getattr(layer, "shards_input", False):
                 check_divides("input size of a rank", inp, bk, f"{METHOD} FP8 block")
-            add_quant_param(layer, "weight_scale", (out, -(-inp // bk)), torch.float32,
-                            QuantParamLayout(input_div=bk, expand_rows=bn))
+            add_quant_param(
+                layer,
+                "weight_scale",
+                (out, -(-inp // bk)),
+                torch.float32,
+                QuantParamLayout(input_div=bk, expand_rows=bn),
+            )
         else:
-            add_quant_param(layer, "weight_scale", (out, 1), torch.float32,
-                            QuantParamLayout(input_dim=None, per_piece_scalar=self.strategy == "tensor"))
+            add_quant_param(
+                layer,
+                "weight_scale",
+                (out, 1),
+                torch.float32,
+                QuantParamLayout(input_dim=None, per_piece_scalar=self.strategy == "tensor"),
+            )
         if self.act == "static":
-            add_quant_param(layer, "input_scale", (out,), torch.float32,
-                            QuantParamLayout(input_dim=None, per_piece_scalar=True))
+            add_quant_param(
+                layer, "input_scale", (out,), torch.float32, QuantParamLayout(input_dim=None, per_piece_scalar=True)
+            )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scale = layer.weight_scale.data
         input_scale = layer.input_scale.data.max().reshape(1) if self.act == "static" else None
         block = (1, self.block[1]) if self.strategy == "block" else None  # scales already expanded to rows
-        prepared = prepare_fp8(layer.weight.data, scale if block else scale.reshape(-1), block, self.act,
-                               self.act_group, input_scale, keep_canonical=False)
+        prepared = prepare_fp8(
+            layer.weight.data,
+            scale if block else scale.reshape(-1),
+            block,
+            self.act,
+            self.act_group,
+            input_scale,
+            keep_canonical=False,
+        )
         replace_params(layer, ("weight_scale", "input_scale"), prepared)
 
 
@@ -187,8 +225,10 @@ def _scheme_of_group(name: str, group: dict, default_format: str | None) -> Line
         raise ValueError(f"{where}.weights.type {wtype!r} is not supported (int or float)")
     if acts is not None:
         if not (bits == 8 and acts.get("num_bits") == 8 and acts.get("type", "int") == "int"):
-            raise ValueError(f"{where}: int weights with {acts.get('num_bits')}-bit activations are not supported "
-                             "(W8A8 INT8 or weight-only)")
+            raise ValueError(
+                f"{where}: int weights with {acts.get('num_bits')}-bit activations are not supported "
+                "(W8A8 INT8 or weight-only)"
+            )
         if not acts.get("dynamic") or acts.get("strategy") != "token" or not acts.get("symmetric", True):
             raise ValueError(f"{where}.input_activations: only dynamic symmetric per-token INT8 is supported")
         if not weights.get("symmetric", True) or strategy not in ("channel", "tensor"):
@@ -202,8 +242,13 @@ def _scheme_of_group(name: str, group: dict, default_format: str | None) -> Line
         raise ValueError(f"{where}: {bits}-bit weights must be pack-quantized")
     group_size = weights.get("group_size") if strategy == "group" else None
     # actorder "group" stores a weight_g_idx; "weight" (act order with static groups) stores the weight as usual
-    return CTWNA16(bits, group_size, weights.get("symmetric", True),
-                   weights.get("actorder") == "group" and strategy == "group", fmt == "pack-quantized")
+    return CTWNA16(
+        bits,
+        group_size,
+        weights.get("symmetric", True),
+        weights.get("actorder") == "group" and strategy == "group",
+        fmt == "pack-quantized",
+    )
 
 
 class CompressedTensorsConfig(QuantizationConfig):

@@ -7,6 +7,7 @@ group of every input column; with `desc_act` not in column order).
 AWQ, per linear: `qweight` int32 [I, O / 8] and `qzeros` int32 [G, O / 8], both packed along the output with the
 nibbles interleaved (`packing.AWQ_ORDER`), `scales` float16 [G, O]; 4 bits, zero points always stored.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,16 +32,30 @@ class _PackedGroupScheme(WNA16Scheme):
 
     def _add_group_params(self, layer: nn.Module, groups: int, group: int, zero_div: int) -> None:
         input_dim = 0 if self.group_size and self.group_size > 0 else None  # per-channel: not along the input
-        add_quant_param(layer, "qzeros", (groups, layer.out_features // zero_div), torch.int32,
-                        QuantParamLayout(output_dim=1, output_div=zero_div, input_dim=input_dim, input_div=group))
-        add_quant_param(layer, "scales", (groups, layer.out_features), torch.float32,
-                        QuantParamLayout(output_dim=1, input_dim=input_dim, input_div=group))
+        add_quant_param(
+            layer,
+            "qzeros",
+            (groups, layer.out_features // zero_div),
+            torch.int32,
+            QuantParamLayout(output_dim=1, output_div=zero_div, input_dim=input_dim, input_div=group),
+        )
+        add_quant_param(
+            layer,
+            "scales",
+            (groups, layer.out_features),
+            torch.float32,
+            QuantParamLayout(output_dim=1, input_dim=input_dim, input_div=group),
+        )
 
     def _check(self, layer: nn.Module) -> tuple[int, int]:
         group = self.group_size_for(layer.in_features)
         check_divides(f"{type(layer).__name__} input size", layer.in_features, group, f"{self.method} group_size")
-        check_divides(f"{type(layer).__name__} output size", layer.out_features, 32 // self.bits,
-                      f"{self.method} zero-point packing")
+        check_divides(
+            f"{type(layer).__name__} output size",
+            layer.out_features,
+            32 // self.bits,
+            f"{self.method} zero-point packing",
+        )
         return layer.in_features // group, group
 
 
@@ -58,11 +73,21 @@ class GPTQScheme(_PackedGroupScheme):
         if self.desc_act and getattr(layer, "shards_input", False):
             raise ValueError("gptq: desc_act (act-order) weights cannot be split by input over tensor-parallel ranks")
         remove_weight(layer)
-        add_quant_param(layer, "qweight", (layer.in_features // per_word, layer.out_features), torch.int32,
-                        QuantParamLayout(output_dim=1, input_dim=0, input_div=per_word))
+        add_quant_param(
+            layer,
+            "qweight",
+            (layer.in_features // per_word, layer.out_features),
+            torch.int32,
+            QuantParamLayout(output_dim=1, input_dim=0, input_div=per_word),
+        )
         self._add_group_params(layer, groups, group, per_word)
-        add_quant_param(layer, "g_idx", (layer.in_features,), torch.int32,
-                        QuantParamLayout(output_dim=None, input_dim=0, same_in_pieces=True))
+        add_quant_param(
+            layer,
+            "g_idx",
+            (layer.in_features,),
+            torch.int32,
+            QuantParamLayout(output_dim=None, input_dim=0, same_in_pieces=True),
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32(layer.qweight.data, self.bits, 0, layer.in_features).t()  # [O, I]
@@ -70,8 +95,9 @@ class GPTQScheme(_PackedGroupScheme):
         zeros = ((zeros.to(torch.int16) + self.zero_offset) & ((1 << self.bits) - 1)).to(torch.uint8)
         scales = layer.scales.data.t()  # [O, G]
         g_idx = layer.g_idx.data if self.desc_act else None
-        prepared = prepare_wna16(q, scales, zeros, self.group_size_for(layer.in_features), self.bits, g_idx,
-                                 keep_canonical=False)
+        prepared = prepare_wna16(
+            q, scales, zeros, self.group_size_for(layer.in_features), self.bits, g_idx, keep_canonical=False
+        )
         replace_params(layer, ("qweight", "qzeros", "scales", "g_idx"), prepared)
 
 
@@ -84,15 +110,21 @@ class AWQScheme(_PackedGroupScheme):
     def create_weights(self, layer: nn.Module) -> None:
         groups, group = self._check(layer)
         remove_weight(layer)
-        add_quant_param(layer, "qweight", (layer.in_features, layer.out_features // 8), torch.int32,
-                        QuantParamLayout(output_dim=1, output_div=8, input_dim=0))
+        add_quant_param(
+            layer,
+            "qweight",
+            (layer.in_features, layer.out_features // 8),
+            torch.int32,
+            QuantParamLayout(output_dim=1, output_div=8, input_dim=0),
+        )
         self._add_group_params(layer, groups, group, 8)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32(layer.qweight.data, 4, 1, layer.out_features, AWQ_ORDER).t()  # [O, I]
         zeros = unpack_int32(layer.qzeros.data, 4, 1, layer.out_features, AWQ_ORDER).t()  # [O, G]
-        prepared = prepare_wna16(q, layer.scales.data.t(), zeros, self.group_size_for(layer.in_features), 4,
-                                 keep_canonical=False)
+        prepared = prepare_wna16(
+            q, layer.scales.data.t(), zeros, self.group_size_for(layer.in_features), 4, keep_canonical=False
+        )
         replace_params(layer, ("qweight", "qzeros", "scales"), prepared)
 
 
@@ -121,8 +153,9 @@ class GPTQConfig(QuantizationConfig):
         if cfg.get("dynamic"):
             raise ValueError("gptq 'dynamic' per-module overrides are not supported")
         self.skip = list(cfg.get("modules_to_not_convert") or [])
-        self.scheme = GPTQScheme(bits, int(cfg.get("group_size", 128)), bool(cfg.get("desc_act", False)),
-                                 1 if fmt == "gptq" else 0)
+        self.scheme = GPTQScheme(
+            bits, int(cfg.get("group_size", 128)), bool(cfg.get("desc_act", False)), 1 if fmt == "gptq" else 0
+        )
 
     def scheme_for(self, hf_module_name: str) -> LinearScheme | None:
         return None if _skipped(hf_module_name, self.skip) else self.scheme

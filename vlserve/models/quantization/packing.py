@@ -1,4 +1,5 @@
 """Unpacking the integer weights and zero points that the checkpoint formats store several to an int32 word."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,9 @@ import torch
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int, size: int,
-                 order: tuple[int, ...] | None = None) -> torch.Tensor:
+def unpack_int32(
+    packed: torch.Tensor, bits: int, dim: int, size: int, order: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """int32 words -> uint8 values, unpacked along `dim` and cut to `size` there.
 
     Word w holds `32 / bits` consecutive elements along `dim`, element i of them in bits `[bits * i, bits * (i + 1))`
@@ -38,5 +40,5 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...]
         groups = groups[..., list(order)]  # nibble i holds element order[i]
     shifts = torch.arange(per_word, dtype=torch.int64, device=values.device) * bits
     words = (groups << shifts).sum(dim=-1)  # [..., W] in [0, 2^32)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.movedim(-1, dim).contiguous()

@@ -1,6 +1,7 @@
 """The kernel side shared by the formats: a W8A8 INT8, a weight-only (WNA16) and an FP8 linear scheme. Each format
 (compressed-tensors, GPTQ, AWQ) subclasses one of them with its own parameters and unpacking; all of them end in
 `layer.quant_weights`, the kernel's form (`kernels.quant_linear`), and multiply through it."""
+
 from __future__ import annotations
 
 import torch
@@ -65,8 +66,9 @@ class Int8Scheme(LinearScheme):
             return int8_linear_cuda(x, w.weight, w.scale, bias)
         return int8_linear(x, w, bias)
 
-    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       intermediate: int) -> torch.Tensor | None:
+    def apply_silu_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, intermediate: int
+    ) -> torch.Tensor | None:
         return None if x.is_cuda else int8_linear_silu_mul(x, layer.quant_weights, bias, intermediate)
 
     def describe(self) -> str:

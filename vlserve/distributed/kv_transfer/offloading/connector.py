@@ -17,6 +17,7 @@ disk_bytes_to_use (the disk tier's cap; `--kv-offloading-dir-size` GiB: past it 
 deleted, files an earlier engine left by their mtime; the cap is this engine's view of its own namespace folder),
 and what the engine fills in: _num_cpu_blocks, _disk_max_blocks (the cap in files), _namespace (hex).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,9 +54,9 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
 
 
 class OffloadingConnector(KVConnectorBase):
-
-    def __init__(self, config, role: KVConnectorRole, block_size: int = 16, extra_keys_of=None, rank: int = 0,
-                 **context):
+    def __init__(
+        self, config, role: KVConnectorRole, block_size: int = 16, extra_keys_of=None, rank: int = 0, **context
+    ):
         super().__init__(config, role, block_size=block_size, rank=rank, **context)
         extra = config.kv_connector_extra_config
         self.block_size = block_size
@@ -65,20 +66,28 @@ class OffloadingConnector(KVConnectorBase):
         disk_dir = extra.get("disk_dir")
         self.disk_dir = None if disk_dir is None else tier_dir(disk_dir, namespace_hex, rank)
         if self.num_cpu_blocks <= 0 and self.disk_dir is None:
-            raise ValueError("the OffloadingConnector needs a host tier (kv_offloading_size / cpu_bytes_to_use "
-                             "large enough for one block) or a disk tier (kv_offloading_dir / disk_dir)")
+            raise ValueError(
+                "the OffloadingConnector needs a host tier (kv_offloading_size / cpu_bytes_to_use "
+                "large enough for one block) or a disk tier (kv_offloading_dir / disk_dir)"
+            )
         self.store_enabled, self.load_enabled = config.is_producer, config.is_consumer
         self.worker = None
         if role == KVConnectorRole.WORKER:
             from vlserve.distributed.kv_transfer.offloading.tier_store import TierStore  # torch: workers only
+
             self.worker = TierStore(self.num_cpu_blocks, self.disk_dir)
             return
         self._extra_keys_of = extra_keys_of
         self.host: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
-        self.counters = {"kv_offload_hit_tokens_total": 0, "kv_offload_stores_total": 0,
-                         "kv_offload_evictions_total": 0, "kv_offload_load_failures_total": 0,
-                         "kv_offload_store_failures_total": 0, "kv_offload_disk_evictions_total": 0}
+        self.counters = {
+            "kv_offload_hit_tokens_total": 0,
+            "kv_offload_stores_total": 0,
+            "kv_offload_evictions_total": 0,
+            "kv_offload_load_failures_total": 0,
+            "kv_offload_store_failures_total": 0,
+            "kv_offload_disk_evictions_total": 0,
+        }
         self.disk: OrderedDict[bytes, None] = OrderedDict()  # keys with a file, least recently used first
         self.disk_max_blocks = int(extra.get("_disk_max_blocks", 0)) or None  # None: no cap
         self._evictions: list[bytes] = []  # disk keys dropped from the index, their files not deleted yet
@@ -190,8 +199,11 @@ class OffloadingConnector(KVConnectorBase):
         if self.disk_max_blocks is not None and len(self.disk) > self.disk_max_blocks:
             self._evict_over_cap()
             evicted = set(self._evictions)  # a file this step would write and evict at once: not written
-            stores = [(b, slot, key, to_disk and key not in evicted) for b, slot, key, to_disk in stores
-                      if slot != NO_SLOT or key not in evicted]
+            stores = [
+                (b, slot, key, to_disk and key not in evicted)
+                for b, slot, key, to_disk in stores
+                if slot != NO_SLOT or key not in evicted
+            ]
         evictions, self._evictions = self._evictions, []
         if not stores and not loads and not evictions:
             return None

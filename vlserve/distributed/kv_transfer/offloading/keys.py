@@ -5,6 +5,7 @@ process (PYTHONHASHSEED); a disk tier that outlives the process, or another serv
 A key is blake2b (16 bytes) over the parent block's key (the namespace for the first block: the model, its dtype
 and the block size), the block's token ids and its extra keys (the mm_hash of every media item overlapping it,
 "lora:<id>"). Computed once per full block, only when a connector is on."""
+
 from __future__ import annotations
 
 import hashlib
@@ -42,6 +43,5 @@ def extend_block_keys(request, num_blocks: int, block_size: int, namespace: byte
     while len(keys) < num_blocks:
         i = len(keys)
         start, end = i * block_size, (i + 1) * block_size
-        keys.append(block_key(keys[-1] if keys else namespace, tokens[start:end],
-                              extra_keys_of(request, start, end)))
+        keys.append(block_key(keys[-1] if keys else namespace, tokens[start:end], extra_keys_of(request, start, end)))
     return keys

@@ -6,6 +6,7 @@ payload; it is written to a temporary name and renamed, so a reader never sees h
 A file that fails any check (header, dtype, shape, size, checksum) is deleted and reported; the request then
 recomputes. A write that fails (disk full) is reported and the block simply is not on disk.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,13 @@ class TierFileError(Exception):
 
 
 def _header_line(fmt: str, dtype: torch.dtype, shape: list[int], payload: bytes) -> bytes:
-    header = {"format": fmt, "dtype": str(dtype), "shape": list(shape), "nbytes": len(payload),
-              "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()}
+    header = {
+        "format": fmt,
+        "dtype": str(dtype),
+        "shape": list(shape),
+        "nbytes": len(payload),
+        "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest(),
+    }
     return json.dumps(header).encode() + b"\n"
 
 
@@ -69,9 +75,14 @@ def read_checked_file(path: str, fmt: str, dtype: torch.dtype, shape: list[int])
     except (OSError, ValueError) as e:
         raise TierFileError(f"{path}: {e}") from None
     got = header.get("shape") if isinstance(header, dict) else None
-    if (not isinstance(header, dict) or header.get("format") != fmt or header.get("dtype") != str(dtype)
-            or not isinstance(got, list) or len(got) != len(shape)
-            or any(not isinstance(g, int) or g < 0 or (s != -1 and g != s) for g, s in zip(got, shape))):
+    if (
+        not isinstance(header, dict)
+        or header.get("format") != fmt
+        or header.get("dtype") != str(dtype)
+        or not isinstance(got, list)
+        or len(got) != len(shape)
+        or any(not isinstance(g, int) or g < 0 or (s != -1 and g != s) for g, s in zip(got, shape))
+    ):
         raise TierFileError(f"{path}: header {header} does not match format {fmt}, dtype {dtype}, shape {shape}")
     if header.get("nbytes") != len(payload):
         raise TierFileError(f"{path}: {len(payload)} payload bytes, the header says {header.get('nbytes')}")
@@ -88,7 +99,6 @@ def read_checked_file(path: str, fmt: str, dtype: torch.dtype, shape: list[int])
 
 
 class TierStore:
-
     def __init__(self, num_cpu_blocks: int, disk_dir: str | None):
         self.num_cpu_blocks = num_cpu_blocks
         self.disk_dir = disk_dir
@@ -109,21 +119,27 @@ class TierStore:
             if d.shape[1:] == k.shape[1:] and d.dtype == k.dtype:
                 self.layers.append(draft_kv_cache)
             else:
-                logger.warning("KV offloading: the EAGLE draft's KV pages %s differ from the target's %s: the tier "
-                               "keeps the target's only", tuple(d.shape[1:]), tuple(k.shape[1:]))
+                logger.warning(
+                    "KV offloading: the EAGLE draft's KV pages %s differ from the target's %s: the tier "
+                    "keeps the target's only",
+                    tuple(d.shape[1:]),
+                    tuple(k.shape[1:]),
+                )
         self.block_shape = (len(self.layers), 2, *k.shape[1:])
         self.dtype = k.dtype
         self.device = k.device
         if self.num_cpu_blocks:
-            self.host = torch.empty((self.num_cpu_blocks, *self.block_shape), dtype=self.dtype,
-                                    pin_memory=k.device.type == "cuda")
+            self.host = torch.empty(
+                (self.num_cpu_blocks, *self.block_shape), dtype=self.dtype, pin_memory=k.device.type == "cuda"
+            )
 
     # -- copies ------------------------------------------------------------------------------------------------
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """`[n, L, 2, BS, H, D]` of these device blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
-                            for k, v in self.layers], dim=1)
+        return torch.stack(
+            [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1) for k, v in self.layers], dim=1
+        )
 
     def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -142,8 +158,9 @@ class TierStore:
             write_checked_file(path, FORMAT, block)
         except OSError as e:
             if not self._warned_write:
-                logger.warning("KV offloading: could not write %s (%s); blocks that do not fit stay off the disk "
-                               "tier", path, e)
+                logger.warning(
+                    "KV offloading: could not write %s (%s); blocks that do not fit stay off the disk tier", path, e
+                )
                 self._warned_write = True
             self._out.extra.setdefault("failed_store_keys", []).append(key)
 

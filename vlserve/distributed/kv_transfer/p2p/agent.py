@@ -11,6 +11,7 @@ target's layers move (the consumer's drafts then see no prompt KV: fewer accepte
 Mooncake is optional (`pip install vlserve[kv]`, the non-CUDA wheel `mooncake-transfer-engine-non-cuda` on hosts
 without CUDA); importing this module without it raises an ImportError that says so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,10 @@ def _transfer_engine_class():
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:  # pragma: no cover - depends on the host
-        raise ImportError("the P2P KV connector needs Mooncake's transfer engine: pip install 'vlserve[kv]' "
-                          "(mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda without CUDA)") from e
+        raise ImportError(
+            "the P2P KV connector needs Mooncake's transfer engine: pip install 'vlserve[kv]' "
+            "(mooncake-transfer-engine, or mooncake-transfer-engine-non-cuda without CUDA)"
+        ) from e
     return TransferEngine
 
 
@@ -43,15 +46,25 @@ class CacheDescriptor:
     draft_block_bytes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"session": self.session, "bases": self.bases, "block_bytes": self.block_bytes,
-                "num_blocks": self.num_blocks, "draft_bases": self.draft_bases,
-                "draft_block_bytes": self.draft_block_bytes}
+        return {
+            "session": self.session,
+            "bases": self.bases,
+            "block_bytes": self.block_bytes,
+            "num_blocks": self.num_blocks,
+            "draft_bases": self.draft_bases,
+            "draft_block_bytes": self.draft_block_bytes,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheDescriptor:
-        return cls(d["session"], [int(x) for x in d["bases"]], [int(x) for x in d["block_bytes"]],
-                   int(d["num_blocks"]), [int(x) for x in d.get("draft_bases", [])],
-                   [int(x) for x in d.get("draft_block_bytes", [])])
+        return cls(
+            d["session"],
+            [int(x) for x in d["bases"]],
+            [int(x) for x in d["block_bytes"]],
+            int(d["num_blocks"]),
+            [int(x) for x in d.get("draft_bases", [])],
+            [int(x) for x in d.get("draft_block_bytes", [])],
+        )
 
 
 class TransferAgent:
@@ -60,8 +73,7 @@ class TransferAgent:
         self.engine = _transfer_engine_class()()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
-            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
-                               f"failed: {rc}")
+            raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) failed: {rc}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self.bases: list[int] = []
         self.block_bytes: list[int] = []
@@ -93,8 +105,14 @@ class TransferAgent:
             block_bytes.append(nbytes)
 
     def describe(self) -> CacheDescriptor:
-        return CacheDescriptor(self.session, list(self.bases), list(self.block_bytes), self.num_blocks,
-                               list(self.draft_bases), list(self.draft_block_bytes))
+        return CacheDescriptor(
+            self.session,
+            list(self.bases),
+            list(self.block_bytes),
+            self.num_blocks,
+            list(self.draft_bases),
+            list(self.draft_block_bytes),
+        )
 
     def reads_draft_from(self, peer: CacheDescriptor) -> bool:
         """Whether both caches hold the same EAGLE draft layer (then its blocks move with the target's)."""
@@ -102,9 +120,11 @@ class TransferAgent:
 
     def check_compatible(self, peer: CacheDescriptor) -> None:
         if peer.block_bytes != self.block_bytes:
-            raise ValueError(f"the peer's KV cache layout differs ({len(peer.block_bytes)} tensors, block bytes "
-                             f"{peer.block_bytes[:2]}..; here {len(self.block_bytes)}, {self.block_bytes[:2]}..): "
-                             f"prefill and decode must run the same model, KV dtype and block size")
+            raise ValueError(
+                f"the peer's KV cache layout differs ({len(peer.block_bytes)} tensors, block bytes "
+                f"{peer.block_bytes[:2]}..; here {len(self.block_bytes)}, {self.block_bytes[:2]}..): "
+                f"prefill and decode must run the same model, KV dtype and block size"
+            )
 
     def read_blocks(self, peer: CacheDescriptor, remote_ids: list[int], local_ids: list[int]) -> bool:
         """Copy the peer's blocks `remote_ids` into this cache's `local_ids` (one batched synchronous read,
@@ -113,7 +133,8 @@ class TransferAgent:
         if len(remote_ids) != len(local_ids):
             raise ValueError(f"{len(remote_ids)} remote blocks for {len(local_ids)} local ones")
         if any(not 0 <= r < peer.num_blocks for r in remote_ids) or any(
-                not 0 <= b < self.num_blocks for b in local_ids):
+            not 0 <= b < self.num_blocks for b in local_ids
+        ):
             raise ValueError("a block id is out of range")
         dst, src, lens = [], [], []
         tensors = list(zip(self.bases, peer.bases, self.block_bytes))

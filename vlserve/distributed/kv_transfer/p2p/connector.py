@@ -17,6 +17,7 @@ extra config: side_channel_host (default 127.0.0.1: also the address Mooncake bi
 producer's; the engine picks a free one when absent, `_side_channel_port`), send_timeout_s, and `_engine_id`.
 Limits: one rank per engine, one KV cache group, the two engines must share model, KV dtype and block size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,7 +51,6 @@ class P2PMetadata(KVConnectorMetadata):
 
 
 class P2PConnector(KVConnectorBase):
-
     def __init__(self, config, role: KVConnectorRole, block_size: int = 16, **context):
         super().__init__(config, role, block_size=block_size, **context)
         extra = config.kv_connector_extra_config
@@ -65,6 +65,7 @@ class P2PConnector(KVConnectorBase):
         self.worker = None
         if role == KVConnectorRole.WORKER:
             from vlserve.distributed.kv_transfer.p2p.worker import P2PWorker  # torch / Mooncake: workers only
+
             self.worker = P2PWorker(self.host, self.port if config.is_producer else None, self.send_timeout_s)
             return
         self._loads: dict[str, P2PLoad] = {}  # planned this step
@@ -74,9 +75,14 @@ class P2PConnector(KVConnectorBase):
         self._done_with_params: set[str] = set()  # consumer requests whose params were acted on
         # loads: blocks read, requests read / failed (recomputed); sends: requests kept for a consumer, freed on
         # its confirmation, freed after send_timeout_s without one
-        self.counters = {"kv_p2p_loaded_blocks_total": 0, "kv_p2p_loads_done_total": 0,
-                         "kv_p2p_failed_loads_total": 0, "kv_p2p_kept_requests_total": 0,
-                         "kv_p2p_sends_confirmed_total": 0, "kv_p2p_send_timeouts_total": 0}
+        self.counters = {
+            "kv_p2p_loaded_blocks_total": 0,
+            "kv_p2p_loads_done_total": 0,
+            "kv_p2p_failed_loads_total": 0,
+            "kv_p2p_kept_requests_total": 0,
+            "kv_p2p_sends_confirmed_total": 0,
+            "kv_p2p_send_timeouts_total": 0,
+        }
 
     # -- scheduler side ----------------------------------------------------------------------------------------
     def _remote(self, request) -> dict | None:
@@ -93,13 +99,13 @@ class P2PConnector(KVConnectorBase):
             return 0, False
         n_prompt = len(request.prompt_token_ids)
         n_load = n_prompt - 1 - num_computed_tokens  # the last prompt token is computed here (its logits)
-        usable = (int(p.get("remote_num_tokens", -1)) == n_prompt
-                  and len(p.get("remote_block_ids", ())) >= -(-n_prompt // self.block_size))
+        usable = int(p.get("remote_num_tokens", -1)) == n_prompt and len(p.get("remote_block_ids", ())) >= -(
+            -n_prompt // self.block_size
+        )
         if n_load > 0 and usable:
             return n_load, True
         if not usable:
-            logger.warning("request %s: kv_transfer_params do not match its prompt; recomputing",
-                           request.request_id)
+            logger.warning("request %s: kv_transfer_params do not match its prompt; recomputing", request.request_id)
         self._plan(request, p, [], [])  # nothing to read: only let the producer free its blocks
         return 0, False
 
@@ -114,9 +120,14 @@ class P2PConnector(KVConnectorBase):
 
     def _plan(self, request, p: dict, remote: list[int], local: list[int]) -> None:
         self._done_with_params.add(request.request_id)
-        self._loads[request.request_id] = P2PLoad(str(p["remote_host"]), int(p["remote_port"]),
-                                                  str(p["remote_request_id"]), remote, local,
-                                                  str(p.get("remote_engine_id", "")))
+        self._loads[request.request_id] = P2PLoad(
+            str(p["remote_host"]),
+            int(p["remote_port"]),
+            str(p["remote_request_id"]),
+            remote,
+            local,
+            str(p.get("remote_engine_id", "")),
+        )
 
     def build_connector_meta(self, scheduler_output, scheduler) -> KVConnectorMetadata | None:
         if not (self._loads or self._new_sends or self._loading or scheduler.kv_transfer.kept_blocks):
@@ -144,16 +155,26 @@ class P2PConnector(KVConnectorBase):
             return True, None
         self._done_with_params.discard(rid)
         p = request.kv_transfer_params
-        if not (self.config.is_producer and p and p.get("do_remote_decode")) or not request.status.is_finished \
-                or request.status.finish_reason == "abort" or not block_ids:
+        if (
+            not (self.config.is_producer and p and p.get("do_remote_decode"))
+            or not request.status.is_finished
+            or request.status.finish_reason == "abort"
+            or not block_ids
+        ):
             return False, None
         n_prompt = len(request.prompt_token_ids)
         self._new_sends.append(rid)
         self.counters["kv_p2p_kept_requests_total"] += 1
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                  "remote_host": self.host, "remote_port": self.port, "remote_request_id": rid,
-                  "remote_block_ids": list(block_ids[:-(-n_prompt // self.block_size)]),
-                  "remote_num_tokens": n_prompt}
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_request_id": rid,
+            "remote_block_ids": list(block_ids[: -(-n_prompt // self.block_size)]),
+            "remote_num_tokens": n_prompt,
+        }
         if request.mm_features:  # the consumer takes the expanded prompt and media-less items, never the media
             params["remote_prompt_token_ids"] = list(request.prompt_token_ids)
             params["remote_mm_features"] = [feature_to_remote(f) for f in request.mm_features]

@@ -1,6 +1,7 @@
 """The producer worker's side channel (plain TCP, one JSON line each way): a consumer asks how to address the
 producer's cache (`describe`: the transfer engine's session, each tensor's base and bytes per block) and says when it
 is done reading a request's blocks (`done`), which lets the producer free them. No torch, no Mooncake."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """The P2P connector's worker half: the transfer agent over this rank's KV cache, the producer's side channel and
 kept-block deadlines, and the consumer's reads on a background thread (their blocks belong to requests parked in
 the scheduler's `waiting_for_kv`, which no forward touches)."""
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,9 @@ class P2PWorker:
         self.agent = TransferAgent(self.host)
         self.agent.register(kv_caches, draft_kv_cache)
         if self.side_channel_port is not None:
-            self.server = SideChannelServer(self.host, self.side_channel_port, lambda: self.agent.describe().to_dict(),
-                                            self._on_done)
+            self.server = SideChannelServer(
+                self.host, self.side_channel_port, lambda: self.agent.describe().to_dict(), self._on_done
+            )
 
     def _on_done(self, request_id: str) -> None:
         with self._lock:
@@ -57,12 +59,17 @@ class P2PWorker:
                 key = (load.host, load.port, load.remote_engine_id)
                 peer = self._peers.get(key)
                 if peer is None:
-                    peer = self._peers[key] = CacheDescriptor.from_dict(ask(load.host, load.port,
-                                                                            {"op": "describe"})["cache"])
+                    peer = self._peers[key] = CacheDescriptor.from_dict(
+                        ask(load.host, load.port, {"op": "describe"})["cache"]
+                    )
                     if self.agent.draft_block_bytes and not self.agent.reads_draft_from(peer):
-                        logger.warning("the producer at %s:%s runs no EAGLE draft like this server's: its drafts "
-                                       "will see no prompt KV (fewer accepted, same output); start the prefill "
-                                       "server with the same --speculative-config", load.host, load.port)
+                        logger.warning(
+                            "the producer at %s:%s runs no EAGLE draft like this server's: its drafts "
+                            "will see no prompt KV (fewer accepted, same output); start the prefill "
+                            "server with the same --speculative-config",
+                            load.host,
+                            load.port,
+                        )
                 ok = self.agent.read_blocks(peer, load.remote_block_ids, load.local_block_ids)
         except Exception as e:  # noqa: BLE001 - a failed read recomputes
             logger.warning("KV read from %s:%s failed: %s", load.host, load.port, e)
@@ -94,8 +101,9 @@ class P2PWorker:
                     stat = "sends_confirmed" if rid in confirmed else "send_timeouts"
                     out.stats[stat] = out.stats.get(stat, 0) + 1
                     if rid not in confirmed:
-                        logger.warning("request %s: no consumer read its KV within %.0f s; freeing it", rid,
-                                       self.send_timeout_s)
+                        logger.warning(
+                            "request %s: no consumer read its KV within %.0f s; freeing it", rid, self.send_timeout_s
+                        )
                     del self._deadlines[rid]
                     out.finished_sending.add(rid)
         return out
@@ -106,5 +114,6 @@ def _tell_done(load) -> None:
     try:
         ask(load.host, load.port, {"op": "done", "request_id": load.remote_request_id})
     except Exception as e:  # noqa: BLE001 - the producer frees them on its timeout then
-        logger.warning("could not tell %s:%s that request %s is read: %s", load.host, load.port,
-                       load.remote_request_id, e)
+        logger.warning(
+            "could not tell %s:%s that request %s is read: %s", load.host, load.port, load.remote_request_id, e
+        )
