@@ -42,6 +42,7 @@ RANKS = {
     "api": 9,
     "vlserve": 9,
     "cli": 10,
+    "serve_args": 10,  # the serve flags (cli and the server tests read them)
     "bench": 10,
     "quickstart": 10,
 }

@@ -139,6 +139,12 @@ class EncoderCacheManager:
         self.num_free += self.num_embeds.pop(mm_hash)
         self._freed.append(mm_hash)
 
+    def release_written(self, request_id: str, features, num_computed_tokens: int) -> None:
+        """Drop the request's references to the items whose placeholder runs end within its computed tokens."""
+        for f in features:
+            if f.end <= num_computed_tokens:
+                self.free_encoder_input(request_id, f.mm_hash)
+
     def free_encoder_input(self, request_id: str, mm_hash: str) -> None:
         """Drop one request's reference (its tokens for that item are in the KV cache now). The entry stays cached;
         once unreferenced it becomes freeable. No-op if the request holds no reference."""

@@ -109,7 +109,7 @@ class EncoderOnlyScheduler(Scheduler):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            self._release_written_encoder_inputs(req)
+            self.encoder_cache.release_written(req.request_id, req.mm_features, req.num_computed_tokens)
             if req.num_computed_tokens >= req.num_tokens:
                 req.status = RequestStatus.FINISHED_LENGTH
                 outputs.append(EngineCoreOutput(rid, [], ENCODED_FINISH_REASON, num_cached_tokens=0))

@@ -109,7 +109,9 @@ class Scheduler:
         idx = 0
         while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
             req = running[idx]
-            if (req.num_output_placeholders and self._finishes_in_flight(req)) or req.request_id in in_flight:
+            if (
+                req.num_output_placeholders and req.finishes_in_flight(cfg.max_model_len)
+            ) or req.request_id in in_flight:
                 idx += 1
                 continue
             computed = req.num_computed_tokens
@@ -288,11 +290,6 @@ class Scheduler:
         lora_id = req.lora_int_id
         return bool(lora_id) and lora_id not in loras and len(loras) >= self.config.max_loras
 
-    def _finishes_in_flight(self, req: Request) -> bool:
-        """Whether the tokens already in flight end the request by length for sure (no step is scheduled then)."""
-        n = req.num_output_placeholders
-        return req.num_output_tokens + n >= req.max_tokens or req.num_tokens + n >= self.config.max_model_len
-
     def _schedule_encoder_inputs(
         self, req: Request, start: int, num_new: int, num_encoding: int
     ) -> tuple[EncoderPlan, int, int]:
@@ -355,7 +352,7 @@ class Scheduler:
                 self.stats.spec_num_draft_tokens += len(scheduled_spec)
                 self.stats.spec_num_accepted_tokens += len(sampled) - 1
             if running and req.mm_features:
-                self._release_written_encoder_inputs(req)
+                self.encoder_cache.release_written(req.request_id, req.mm_features, req.num_computed_tokens)
             new_tokens = req.accept_sampled(sampled, max_model_len) if sampled else []
             if req.structured_output is not None:
                 advance_matcher(req, new_tokens)
@@ -455,11 +452,6 @@ class Scheduler:
         logger.error("request %s: %s", req.request_id, message)
         self.failed.append(EngineCoreOutput(req.request_id, [], "abort", extra={"error": error}))
         self._free_request(req)
-
-    def _release_written_encoder_inputs(self, req: Request) -> None:
-        for f in req.mm_features:
-            if f.end <= req.num_computed_tokens:
-                self.encoder_cache.free_encoder_input(req.request_id, f.mm_hash)
 
     def _free_request(self, req: Request) -> dict | None:
         """Free a finished request's encoder references and KV blocks (unless the KV connector keeps them until
