@@ -113,9 +113,14 @@ def random_sample(
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (the first of equal maxima; NaN wins, as argmax). On CPU through `max(dim)`, which
-    returns the same index: torch's CPU argmax ran 2-4.7x slower (bf16 [32, 151936]: 8.0 vs 1.7 ms, 2 threads)."""
-    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+    """argmax over the last dim (the first of equal maxima; NaN wins, as argmax). On CPU float32 through numpy's
+    argmax (the same index; ~9x faster than torch's: [256, 689] 21 vs 179 us, [32, 151936] 1.4 vs 13.5 ms), other
+    CPU dtypes through `max(dim)` (torch's CPU argmax ran 2-4.7x slower: bf16 [32, 151936] 8.0 vs 1.7 ms)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    if logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))  # [N] int64
+    return logits.max(dim=-1).indices
 
 
 def prepare_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
