@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
                     if piece:
                         self.output_text += piece
                         self._prefix_offset = self._read_offset = len(self._ids)
-                return self._check_stop(start_len)
+                return self._check_stop(start_len) if self.stop else None
             except Exception:  # the stream rejected a sequence: continue on the windowed path from here
                 self._stream = None
                 new_token_ids = new_token_ids[i:]

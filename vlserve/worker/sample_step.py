@@ -66,6 +66,21 @@ class StepSampler:
     def __init__(self):
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        # the last plain step's metadata when no row of it changes from step to step (greedy, no penalties, no
+        # min_tokens): (ids of its params, vocab, the metadata, the params, which keeps those ids theirs)
+        self._static_md: tuple | None = None
+
+    def _metadata(self, params, gens, prompts, outputs, vocab: int, device):
+        """build_sampling_metadata, or the last step's when the rows carry the same params objects and nothing in
+        them depends on the step (greedy rows read neither generators nor token counts)."""
+        key = tuple(map(id, params))
+        cached = self._static_md
+        if cached is not None and cached[0] == key and cached[1] == vocab:
+            return cached[2]
+        md = build_sampling_metadata(params, gens, prompts, outputs, vocab, device)
+        static = md.all_greedy and md.no_penalties and all(p.min_tokens == 0 for p in params)
+        self._static_md = (key, vocab, md, params) if static else None
+        return md
 
     def sample(
         self,
@@ -108,7 +123,7 @@ class StepSampler:
             out = self.rejection_sampler(logits, drafts, None, md)
             token_lists = out.to_lists()
         else:
-            md = build_sampling_metadata(params, gens, prompts, outputs, vocab, logits.device)
+            md = self._metadata(params, gens, prompts, outputs, vocab, logits.device)
             out = self.sampler(logits, md)
             if keep_on_device:
                 return StepSamples(
