@@ -20,6 +20,7 @@ class StepSamples:
     """Per sampled request: emitted tokens (accepted drafts + 1) and, when asked, one logprob entry per token."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    token_lists: list[list[int]] = field(default_factory=list)  # the same lists, in the order of the states
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # `keep_on_device`: [S] int64 sampled ids, and (top ids [S, k+1], their logprobs, sampled ranks [S]) or None,
     # left on the device unread (tokens and logprobs then stay empty)
@@ -133,7 +134,7 @@ class StepSampler:
                     else (out.logprob_token_ids, out.logprobs, out.sampled_ranks),
                 )
             token_lists = [[t] for t in out.sampled_token_ids.tolist()]
-        result = StepSamples()
+        result = StepSamples(token_lists=token_lists)
         for state, toks in zip(states, token_lists):
             state.token_ids.extend(toks)
             result.tokens[state.req_id] = toks
