@@ -124,12 +124,14 @@ class Request:
                 tok = sampled[i]
                 if tok in stop_ids and n_out + i + 1 >= min_tokens:
                     kept = sampled[: i + 1]
-                    self.append_output_token_ids(kept)
+                    self.output_token_ids.extend(kept)
+                    self.all_token_ids.extend(kept)
                     self.status = RequestStatus.FINISHED_STOPPED
                     self.stop_reason = None if tok in self.sampling_params._eos_token_ids else tok
                     return kept
         kept = sampled[:keep]  # a copy: the runner's list is not shared
-        self.append_output_token_ids(kept)
+        self.output_token_ids.extend(kept)
+        self.all_token_ids.extend(kept)
         if keep >= room:
             self.status = RequestStatus.FINISHED_LENGTH
         return kept
