@@ -180,7 +180,8 @@ class Sampler:
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if md.all_greedy and md.max_num_logprobs is None and md.ban_rows is None and md.no_penalties:
             # nothing changes the logits: argmax in their own dtype (widening to float32 keeps their order and ties)
-            return SamplerOutput(sampled_token_ids=greedy_ids(logits).to(torch.int64))
+            ids = greedy_ids(logits)  # [B]
+            return SamplerOutput(sampled_token_ids=ids if ids.dtype == torch.int64 else ids.to(torch.int64))
         logits, raw_logprobs = prepare_logits(logits, md)
         if md.all_greedy:
             sampled = greedy_ids(logits)
