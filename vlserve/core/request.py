@@ -107,7 +107,7 @@ class Request:
     def finishes_in_flight(self, max_model_len: int) -> bool:
         """Whether the tokens already in flight end the request by length for sure (no step is scheduled then)."""
         n = self.num_output_placeholders
-        return self.num_output_tokens + n >= self.max_tokens or self.num_tokens + n >= max_model_len
+        return len(self.output_token_ids) + n >= self.max_tokens or len(self.all_token_ids) + n >= max_model_len
 
     def accept_sampled(self, sampled: list[int], max_model_len: int) -> list[int]:
         """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or

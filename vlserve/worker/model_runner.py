@@ -92,6 +92,7 @@ class ModelRunner:
             else tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)),
         )
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_penalized = 0  # >= the tracked requests with penalties (0: none has any)
         # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
         self.encoders = EncoderRunner(model, device, self.lora_manager)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -265,7 +266,9 @@ class ModelRunner:
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None and state.sampling_params.needs_penalties:
+                self.num_penalized -= 1
             self.input_batch.remove_request(rid)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
@@ -291,6 +294,7 @@ class ModelRunner:
             if self.bidirectional_token_id is not None:
                 state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
+            self.num_penalized += params.needs_penalties
             self.input_batch.add_request(new.req_id, new.block_ids)
         requests = self.requests
         for cached in so.scheduled_cached_reqs:
@@ -383,7 +387,7 @@ class ModelRunner:
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec.get(s.req_id, []) for s in sample_states] if spec else [[] for _ in sample_states]
             defer = defer and self.proposer is None  # (a proposer reads the sampled tokens at once)
-            if defer and any(s.sampling_params.needs_penalties for s in sample_states):
+            if defer and self.num_penalized and any(s.sampling_params.needs_penalties for s in sample_states):
                 self.token_feed.read_back_pending(sample_states)  # penalties count every output token
             samples = self._sample_step(hidden, sample_states, cu[1:][sample_idx], drafts, so, keep_on_device=defer)
         spec_tokens: dict[str, list[int]] = {}
