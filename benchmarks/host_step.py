@@ -6,6 +6,13 @@ A tiny random Qwen2 (hidden 64, 2 layers) makes the forward nearly free, so ms/s
 scheduling, KV slot allocation, input preparation, output folding and detokenizing. Each repeat runs
 `LLM.generate` over N prompts (greedy, ignore_eos, seeded output lengths) and prints ms/step; the breakdown times
 the main components by wrapping them (a small overhead per call) and, with `--profile`, cProfile's top functions.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.host_step --null-model --output-len-range 64 64 --batches 1,64,256
+
+`--null-model` leaves no model work at all (null_model.py: the forward and the logits return preset tensors, the
+next token being the last one plus 1) and prints one table of wall and CPU ms/step per batch size, synchronous and
+with async scheduling, with whether every output was the null model's; `--profile` then prints cProfile's top
+functions at the largest batch of each mode.
 """
 
 from __future__ import annotations
