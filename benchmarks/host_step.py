@@ -6,6 +6,13 @@ A tiny random Qwen2 (hidden 64, 2 layers) makes the forward nearly free, so ms/s
 scheduling, KV slot allocation, input preparation, output folding and detokenizing. Each repeat runs
 `LLM.generate` over N prompts (greedy, ignore_eos, seeded output lengths) and prints ms/step; the breakdown times
 the main components by wrapping them (a small overhead per call) and, with `--profile`, cProfile's top functions.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.host_step --null-model --output-len-range 64 64 --batches 1,64,256
+
+`--null-model` leaves no model work at all (null_model.py: the forward and the logits return preset tensors, the
+next token being the last one plus 1) and prints one table of wall and CPU ms/step per batch size, synchronous and
+with async scheduling, with whether every output was the null model's; `--profile` then prints cProfile's top
+functions at the largest batch of each mode.
 """
 
 from __future__ import annotations
@@ -84,7 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions (one run)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--null-model",
+        action="store_true",
+        help="the forward and logits return preset tensors (null_model.py): a table of ms/step per batch and mode",
+    )
+    ap.add_argument("--batches", default="1,64,256", help="with --null-model: the batch sizes of the table")
     args = ap.parse_args(argv)
+    if args.null_model:
+        null_table(args)
+        return
 
     import torch
 
@@ -140,6 +156,75 @@ def main(argv: list[str] | None = None) -> None:
             llm.generate(prompts, params, use_tqdm=False)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+def _timed_runs(llm, prompts, params, repeats: int) -> tuple[list[float], list[float], int]:
+    """ms/step (wall, CPU) per repeat of `generate`, and the steps of the last run."""
+    walls, cpus, steps = [], [], 0
+    for _ in range(repeats):
+        steps0 = llm.engine.num_steps
+        t, c = time.perf_counter(), time.process_time()
+        llm.generate(prompts, params, use_tqdm=False)
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        steps = llm.engine.num_steps - steps0
+        walls.append(1e3 * dt / steps)
+        cpus.append(1e3 * dc / steps)
+    return walls, cpus, steps
+
+
+def null_table(args) -> None:
+    """ms/step of the engine around the null model, per batch size, synchronous and async scheduling: one table
+    (median of the repeats; CPU time is the steadier figure on a shared machine)."""
+    import torch
+
+    from benchmarks.null_model import expected_tokens, install_null_model
+    from vlserve import LLM, SamplingParams
+    from vlserve.demo.checkpoints import build_text_checkpoint
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    batches = [int(b) for b in args.batches.split(",")]
+    lo, hi = args.output_len_range
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vlserve-host-step-") as tmp:
+        path = build_text_checkpoint(tmp, hidden_size=args.hidden_size, num_layers=args.num_layers)
+        for mode in ("sync", "async"):
+            llm = LLM(
+                path,
+                dtype="float32",
+                max_num_seqs=max(batches),
+                max_model_len=args.input_len + hi + 16,
+                async_scheduling=mode == "async",
+                enforce_eager=True,
+            )
+            null = install_null_model(llm)
+            vocab = llm.engine.loaded.hf_config.vocab_size
+            for batch in batches:
+                ids = make_prompts(batch, args.input_len, vocab, seed=0)
+                prompts = [{"prompt_token_ids": p} for p in ids]
+                lens = random_lengths([lo, hi], batch, seed=1)
+                params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+                outs = llm.generate(prompts, params, use_tqdm=False)  # warm-up, and the outputs' check
+                ok = all(
+                    list(o.outputs[0].token_ids) == expected_tokens(p, n, vocab) for o, p, n in zip(outs, ids, lens)
+                )
+                walls, cpus, steps = _timed_runs(llm, prompts, params, args.repeats)
+                rows.append((mode, batch, steps, statistics.median(walls), statistics.median(cpus), ok))
+                if args.profile and batch == max(batches):
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    prof.disable()
+                    print(f"cProfile, {mode}, batch {batch}:")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+            assert null.num_calls > 0, "the null forward was not called"
+            del llm
+    print(
+        f"host_step --null-model: {args.input_len} in, {[lo, hi]} out, {args.repeats} repeats (median), "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(f"{'mode':<6s} {'batch':>5s} {'steps':>5s} {'wall ms/step':>12s} {'CPU ms/step':>11s} {'outputs':>7s}")
+    for mode, batch, steps, wall, cpu, ok in rows:
+        print(f"{mode:<6s} {batch:5d} {steps:5d} {wall:12.3f} {cpu:11.3f} {'ok' if ok else 'WRONG':>7s}")
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(rid)
         if not new_computed_blocks and blocks is not None:  # the common decode step: room left in the last block
             known = request.num_computed_tokens + num_new_tokens
-            if cdiv(known + num_lookahead_tokens, bs) <= len(blocks[0]) and (
+            if -(-(known + num_lookahead_tokens) // bs) <= len(blocks[0]) and (
                 not self.enable_caching or known // bs <= self._num_cached_blocks[rid][0]
             ):
                 return ()

@@ -24,7 +24,7 @@ class NewRequestData:
     lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already tracks: only what changed."""
 

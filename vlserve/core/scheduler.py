@@ -103,15 +103,14 @@ class Scheduler:
         (pipeline parallel) or whose tokens in flight end it (async scheduling), one with no token to run (a slice of
         its next item's tower may still run), one whose LoRA adapter finds no room in the step."""
         cfg, running, in_flight, encoder_cache = self.config, self.running, self.in_flight_req_ids, self.encoder_cache
+        max_model_len, send_token_ids = cfg.max_model_len, self.send_token_ids
         token_budget, num_encoding, max_reqs, loras = step.token_budget, step.num_encoding, step.max_reqs, step.loras
         num_scheduled, cached_reqs, spec_tokens = step.num_scheduled, step.cached_reqs, step.spec_tokens
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
         while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
             req = running[idx]
-            if (
-                req.num_output_placeholders and req.finishes_in_flight(cfg.max_model_len)
-            ) or req.request_id in in_flight:
+            if (req.num_output_placeholders and req.finishes_in_flight(max_model_len)) or req.request_id in in_flight:
                 idx += 1
                 continue
             computed = req.num_computed_tokens
@@ -146,7 +145,7 @@ class Scheduler:
                 commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                 num_encoding = num_encoding_after
             cached = CachedRequestData(req.request_id, new_block_ids, computed)
-            if self.send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
+            if send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
                 cached.token_start = start = min(computed, req.num_tokens_sent)
                 cached.new_token_ids = req.all_token_ids[start : computed + num_new]
                 req.num_tokens_sent = max(req.num_tokens_sent, start + len(cached.new_token_ids))
@@ -334,6 +333,7 @@ class Scheduler:
         spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
         RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         max_model_len = self.config.max_model_len
+        num_generated = 0
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = get_request(rid)
             if req is None or req.status >= FIRST_FINISHED:
@@ -361,13 +361,13 @@ class Scheduler:
                 req.spec_token_ids = allowed_drafts(req, spec_next.get(rid, [])) if running and not is_finished else []
             if not new_tokens and not is_finished:
                 continue
-            self.stats.generation_tokens += len(new_tokens)
+            num_generated += len(new_tokens)
             lps = logprobs.get(rid) if logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     rid,
                     new_tokens,
-                    req.status.finish_reason,
+                    req.status.finish_reason if is_finished else None,
                     req.stop_reason,
                     lps[: len(new_tokens)] if lps else None,
                     max(req.num_cached_tokens, 0),
@@ -375,6 +375,7 @@ class Scheduler:
             )
             if is_finished:
                 finished.append((req, running))
+        self.stats.generation_tokens += num_generated
         if finished:
             done = {id(req) for req, running in finished if running}
             if done:

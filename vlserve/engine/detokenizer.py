@@ -44,6 +44,18 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears in the text (the text is cut there)."""
         start_len = len(self.output_text)
+        if self._stream is not None and len(new_token_ids) == 1:  # the usual step: one token
+            tok = new_token_ids[0]
+            try:
+                piece = self._stream.step(self._backend, tok)
+            except Exception:  # the stream rejected it: the windowed path from here, as below
+                self._stream = None
+            else:
+                self._ids.append(tok)
+                if piece:
+                    self.output_text += piece
+                    self._prefix_offset = self._read_offset = len(self._ids)
+                return self._check_stop(start_len) if self.stop else None
         if self._stream is not None:
             try:
                 for i, tok in enumerate(new_token_ids):  # noqa: B007  (i: where the except goes on)
@@ -52,7 +64,7 @@ class IncrementalDetokenizer:
                     if piece:
                         self.output_text += piece
                         self._prefix_offset = self._read_offset = len(self._ids)
-                return self._check_stop(start_len)
+                return self._check_stop(start_len) if self.stop else None
             except Exception:  # the stream rejected a sequence: continue on the windowed path from here
                 self._stream = None
                 new_token_ids = new_token_ids[i:]

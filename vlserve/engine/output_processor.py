@@ -133,6 +133,8 @@ class OutputProcessor:
                 stop_string_hits.append(out.request_id)
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, (stop_str or out.stop_reason)
+            elif final_only:
+                continue  # a parent finishes only in a step that finishes one of its sequences
             touched[pid] = parent
         results = []
         for parent in touched.values():

@@ -184,9 +184,9 @@ class EncoderRunner:
         skip_missing leaves token embeddings where an item is not held (the EAGLE draft's shifted window may reach
         one token into the next, unscheduled item)."""
         pieces = []  # (batch row, embeddings slice [n, H])
-        for i, (state, s, n) in enumerate(zip(states, starts.tolist(), q_lens.tolist())):
-            if state.mm_features:  # (most rows of most steps have none)
-                pieces += slice_mm_embeds(state.mm_features, self._outputs, s, s + n, int(cu[i]), skip_missing)
+        for i in [i for i, state in enumerate(states) if state.mm_features]:  # (most rows of most steps: none)
+            s, n = int(starts[i]), int(q_lens[i])
+            pieces += slice_mm_embeds(states[i].mm_features, self._outputs, s, s + n, int(cu[i]), skip_missing)
         if not pieces:
             return None
         return merge_mm_embeds(self.model.get_input_embeddings(input_ids), pieces)  # [T, H]

@@ -52,6 +52,7 @@ class _HostDeviceBuffer:
             self.host = torch.zeros(numel, dtype=self.dtype, pin_memory=on_cuda)
             self.dev = None if self.device.type == "cpu" else torch.zeros(numel, dtype=self.dtype, device=self.device)
         self.np = self.host.numpy()
+        self._views: dict[tuple, torch.Tensor] = {}  # CPU: (numel, shape) -> the view of `host` handed out
         self.copied = torch.cuda.Event() if on_cuda else None  # recorded after each copy out of `host`
         self.copy_pending = False
 
@@ -70,15 +71,19 @@ class _HostDeviceBuffer:
 
     def to_device(self, numel: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The first numel elements on the device (one non_blocking copy off CPU), viewed as shape."""
-        src = self.host[:numel]
-        if self.dev is None:
-            out = src
-        else:
-            out = self.dev[:numel]
-            out.copy_(src, non_blocking=True)
-            if self.copied is not None:
-                self.copied.record()
-                self.copy_pending = True
+        if self.dev is None:  # the model reads the host buffer: the same view as last time, most steps
+            key = (numel, shape)
+            out = self._views.get(key)
+            if out is None:
+                if len(self._views) > 64:
+                    self._views.clear()
+                out = self._views[key] = self.host[:numel] if shape is None else self.host[:numel].view(shape)
+            return out
+        out = self.dev[:numel]
+        out.copy_(self.host[:numel], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+            self.copy_pending = True
         return out if shape is None else out.view(shape)
 
 
@@ -169,9 +174,13 @@ class InputBatch:
         starts[i]: its computed tokens before the step."""
         B = len(req_ids)
         seq_lens = starts + q_lens  # [B]
-        cu = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        T = int(cu[-1])
+        T = int(q_lens.sum())
+        all_decodes = T == B  # one token each (q_lens >= 1)
+        if all_decodes:
+            cu = np.arange(B + 1, dtype=np.int64)
+        else:
+            cu = np.zeros(B + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=cu[1:])
         if T > self._arange.shape[0]:
             self._arange = np.arange(max(T, 2 * self._arange.shape[0]), dtype=np.int64)
         for buf in (self.input_ids, self.positions, *self.slot_mappings):
@@ -180,11 +189,15 @@ class InputBatch:
             buf.ensure(B + 1)
 
         ids = self.input_ids.np[:T]
-        ids[:] = [t for window in token_windows for t in window] if T > B else [w[0] for w in token_windows]
+        ids[:] = [w[0] for w in token_windows] if all_decodes else [t for window in token_windows for t in window]
         # positions[t] = start of its request + offset within the request's chunk
-        req_index = np.repeat(np.arange(B), q_lens)  # [T]
         positions = self.positions.np[:T]
-        np.add(self._arange[:T] - cu[:-1][req_index], starts[req_index], out=positions)
+        if all_decodes:
+            req_index = self._arange[:B]  # [T] (T == B)
+            positions[:] = starts
+        else:
+            req_index = np.repeat(self._arange[:B], q_lens)  # [T]
+            np.add(self._arange[:T] - cu[:-1][req_index], starts[req_index], out=positions)
         self.query_start_loc.np[: B + 1] = cu
         self.seq_lens.np[:B] = seq_lens
 
@@ -193,8 +206,8 @@ class InputBatch:
         shared = dict(
             query_start_loc=self.query_start_loc.to_device(B + 1),
             seq_lens=self.seq_lens.to_device(B),
-            num_decodes=int(np.count_nonzero(q_lens == 1)),
-            max_query_len=int(q_lens.max()),
+            num_decodes=B if all_decodes else int(np.count_nonzero(q_lens == 1)),
+            max_query_len=1 if all_decodes else int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=cu.tolist(),
             seq_lens_cpu=seq_lens.tolist(),

@@ -92,6 +92,7 @@ class ModelRunner:
             else tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)),
         )
         self.requests: dict[str, CachedRequestState] = {}
+        self.num_penalized = 0  # >= the tracked requests with penalties (0: none has any)
         # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
         self.encoders = EncoderRunner(model, device, self.lora_manager)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -265,7 +266,9 @@ class ModelRunner:
     # -- state updates -----------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None and state.sampling_params.needs_penalties:
+                self.num_penalized -= 1
             self.input_batch.remove_request(rid)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
@@ -291,6 +294,7 @@ class ModelRunner:
             if self.bidirectional_token_id is not None:
                 state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
+            self.num_penalized += params.needs_penalties
             self.input_batch.add_request(new.req_id, new.block_ids)
         requests = self.requests
         for cached in so.scheduled_cached_reqs:
@@ -346,7 +350,10 @@ class ModelRunner:
         req_ids = list(n_sched) if all_decodes else sorted(n_sched, key=lambda r: n_sched[r] != 1)
         states = [self.requests[r] for r in req_ids]
         B = len(req_ids)
-        q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
+        if all_decodes:
+            q_lens = np.ones(B, dtype=np.int64)  # [B]
+        else:
+            q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=B)  # [B]
         step = self.input_batch.prepare(
             req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts, self.attn_workspace
@@ -374,12 +381,13 @@ class ModelRunner:
         samples = None
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         handle = StepHandle(out)
+        all_sample = len(sample_idx) == B  # (every decode step)
         if len(sample_idx):
-            sample_states = [states[i] for i in sample_idx]
+            sample_states = states if all_sample else [states[i] for i in sample_idx.tolist()]
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec.get(s.req_id, []) for s in sample_states] if spec else [[] for _ in sample_states]
             defer = defer and self.proposer is None  # (a proposer reads the sampled tokens at once)
-            if defer and any(s.sampling_params.needs_penalties for s in sample_states):
+            if defer and self.num_penalized and any(s.sampling_params.needs_penalties for s in sample_states):
                 self.token_feed.read_back_pending(sample_states)  # penalties count every output token
             samples = self._sample_step(hidden, sample_states, cu[1:][sample_idx], drafts, so, keep_on_device=defer)
         spec_tokens: dict[str, list[int]] = {}
@@ -393,7 +401,7 @@ class ModelRunner:
                 handle, sample_states, sample_idx.tolist(), samples.device_tokens, samples.device_logprobs
             )
         elif samples is not None:  # the sampled ids were read back to the host: the device work is done
-            out.sampled_token_ids = [samples.tokens.get(r, []) for r in req_ids]
+            out.sampled_token_ids = samples.token_lists if all_sample else [samples.tokens.get(r, []) for r in req_ids]
             out.logprobs, out.spec_token_ids = samples.logprobs, spec_tokens
         elif self.device.type == "cuda" and not defer:
             torch.cuda.synchronize()  # nothing was read back: the forward may still be running
@@ -435,13 +443,12 @@ class ModelRunner:
     @staticmethod
     def _token_windows(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray) -> list[list[int]]:
         """Per request, its input ids this step: known tokens, then the scheduled draft tokens past them."""
-        windows = []
+        windows = [state.token_ids[s : s + n] for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
         spec = so.scheduled_spec_decode_tokens
-        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            window = state.token_ids[s : s + n]
-            if len(window) < n:  # speculative tokens beyond the known ones
-                window = window + spec[state.req_id][: n - len(window)]
-            windows.append(window)
+        if spec:  # speculative tokens beyond the known ones
+            for i, (window, n) in enumerate(zip(windows, q_lens.tolist())):
+                if len(window) < n:
+                    windows[i] = window + spec[states[i].req_id][: n - len(window)]
         return windows
 
     def _positions(self, states, starts, q_lens, step) -> torch.Tensor:

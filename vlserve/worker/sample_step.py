@@ -20,6 +20,7 @@ class StepSamples:
     """Per sampled request: emitted tokens (accepted drafts + 1) and, when asked, one logprob entry per token."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    token_lists: list[list[int]] = field(default_factory=list)  # the same lists, in the order of the states
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # `keep_on_device`: [S] int64 sampled ids, and (top ids [S, k+1], their logprobs, sampled ranks [S]) or None,
     # left on the device unread (tokens and logprobs then stay empty)
@@ -66,6 +67,21 @@ class StepSampler:
     def __init__(self):
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        # the last plain step's metadata when no row of it changes from step to step (greedy, no penalties, no
+        # min_tokens): (ids of its params, vocab, the metadata, the params, which keeps those ids theirs)
+        self._static_md: tuple | None = None
+
+    def _metadata(self, params, gens, prompts, outputs, vocab: int, device):
+        """build_sampling_metadata, or the last step's when the rows carry the same params objects and nothing in
+        them depends on the step (greedy rows read neither generators nor token counts)."""
+        key = tuple(map(id, params))
+        cached = self._static_md
+        if cached is not None and cached[0] == key and cached[1] == vocab:
+            return cached[2]
+        md = build_sampling_metadata(params, gens, prompts, outputs, vocab, device)
+        static = md.all_greedy and md.no_penalties and all(p.min_tokens == 0 for p in params)
+        self._static_md = (key, vocab, md, params) if static else None
+        return md
 
     def sample(
         self,
@@ -108,7 +124,7 @@ class StepSampler:
             out = self.rejection_sampler(logits, drafts, None, md)
             token_lists = out.to_lists()
         else:
-            md = build_sampling_metadata(params, gens, prompts, outputs, vocab, logits.device)
+            md = self._metadata(params, gens, prompts, outputs, vocab, logits.device)
             out = self.sampler(logits, md)
             if keep_on_device:
                 return StepSamples(
@@ -118,7 +134,7 @@ class StepSampler:
                     else (out.logprob_token_ids, out.logprobs, out.sampled_ranks),
                 )
             token_lists = [[t] for t in out.sampled_token_ids.tolist()]
-        result = StepSamples()
+        result = StepSamples(token_lists=token_lists)
         for state, toks in zip(states, token_lists):
             state.token_ids.extend(toks)
             result.tokens[state.req_id] = toks

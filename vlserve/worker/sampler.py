@@ -113,9 +113,14 @@ def random_sample(
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (the first of equal maxima; NaN wins, as argmax). On CPU through `max(dim)`, which
-    returns the same index: torch's CPU argmax ran 2-4.7x slower (bf16 [32, 151936]: 8.0 vs 1.7 ms, 2 threads)."""
-    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+    """argmax over the last dim (the first of equal maxima; NaN wins, as argmax). On CPU float32 through numpy's
+    argmax (the same index; ~9x faster than torch's: [256, 689] 21 vs 179 us, [32, 151936] 1.4 vs 13.5 ms), other
+    CPU dtypes through `max(dim)` (torch's CPU argmax ran 2-4.7x slower: bf16 [32, 151936] 8.0 vs 1.7 ms)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    if logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))  # [N] int64
+    return logits.max(dim=-1).indices
 
 
 def prepare_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,7 +180,8 @@ class Sampler:
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if md.all_greedy and md.max_num_logprobs is None and md.ban_rows is None and md.no_penalties:
             # nothing changes the logits: argmax in their own dtype (widening to float32 keeps their order and ties)
-            return SamplerOutput(sampled_token_ids=greedy_ids(logits).to(torch.int64))
+            ids = greedy_ids(logits)  # [B]
+            return SamplerOutput(sampled_token_ids=ids if ids.dtype == torch.int64 else ids.to(torch.int64))
         logits, raw_logprobs = prepare_logits(logits, md)
         if md.all_greedy:
             sampled = greedy_ids(logits)
