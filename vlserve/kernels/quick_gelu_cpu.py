@@ -1,0 +1,67 @@
+"""quick-GELU (`x * sigmoid(1.702 x)`, Qwen2-VL's and CLIP's tower MLP) on CPU in one C++ pass
+(csrc/quick_gelu_cpu.cpp), where torch makes three passes over memory and rounds between them.
+
+The kernel rounds as the three torch ops do: each op in float32, rounded to the dtype before the next. float32
+uses torch.sigmoid's vector exp (the same values, but for torch's scalar tail loop: an ulp at most); bf16 a faster exp within 2e-7 relative, whose
+results round to the same bf16 values on the inputs tests/kernels/test_quick_gelu_cpu.py draws. Taken for contiguous float32 / bf16 CPU tensors where
+the kernel builds (not with $VLSERVE_CPU_QUICK_GELU_KERNEL=0); the torch expression runs otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "VLSERVE_CPU_QUICK_GELU_KERNEL"
+_DECLARATION = """
+#include <cstdint>
+extern "C" void kernel(const void* x, void* y, int64_t n, int64_t is_bf16, int64_t threads);
+"""
+_ARG_TYPES = ["const void*", "void*", "int64_t", "int64_t", "int64_t"]
+
+
+def quick_gelu_ref(x: torch.Tensor) -> torch.Tensor:
+    """The torch expression HF's `QuickGELUActivation` evaluates."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+@functools.cache
+def quick_gelu_cpu_kernel():
+    """The compiled kernel (built on first use), or None where it cannot be built here."""
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        source = (Path(__file__).parent / "csrc" / "quick_gelu_cpu.cpp").read_text()
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
+        )
+    except Exception as exc:  # no compiler or no vector build: the torch expression runs
+        logger.warning("the C++ quick-GELU could not be built (%s: %s); using torch", type(exc).__name__, exc)
+        return None
+
+
+def _takes(x: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_contiguous()
+        and not x.requires_grad
+        and not torch.compiler.is_compiling()
+        and os.environ.get(DISABLE_ENV, "1") != "0"
+        and quick_gelu_cpu_kernel() is not None
+    )
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """`quick_gelu_ref(x)` in a new tensor of x's shape and dtype; one pass on CPU where the kernel applies."""
+    if not _takes(x):
+        return quick_gelu_ref(x)
+    out = torch.empty_like(x)
+    quick_gelu_cpu_kernel()(x, out, x.numel(), int(x.dtype is torch.bfloat16), torch.get_num_threads())
+    return out
