@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlserve.kernels import apply_rotary
+from vlserve.kernels import apply_rotary, apply_rotary_float32
 from vlserve.kernels.rotary_cpu import DISABLE_ENV, apply_rotary_cpu, rotary_cpu_kernel
-from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
+from vlserve.kernels.rotary_ref import apply_rotary_float32_ref, apply_rotary_ref, build_rotary_cache
 
 pytestmark = pytest.mark.skipif(rotary_cpu_kernel() is None, reason="no C++ toolchain for the CPU rotary here")
 CASES = [  # tokens, query heads, key heads, head dim, rotary dim, M-RoPE sections
@@ -71,3 +71,27 @@ def test_bad_sections_are_a_value_error():
     q, k, positions, cos, sin = _case(3, *CASES[2], torch.float32, torch.float32)
     with pytest.raises(ValueError, match="mrope_section"):
         apply_rotary_cpu(q, k, positions, cos, sin, [8, 12, 10])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_float32_math_equal_bits_to_float32_copies(dtype, case):
+    """Vision towers rotate bf16 q / k in float32 and round once: the kernel equals doing it on float32 copies."""
+    q, k, positions, cos, sin = _case(len(case) + 7, *case, dtype, torch.float32)
+    want_q, want_k = q.clone(), k.clone()
+    apply_rotary_float32_ref(want_q, want_k, positions, cos, sin, case[-1])
+    apply_rotary_cpu(q, k, positions, cos, sin, case[-1], float32_math=True)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    if dtype is torch.bfloat16:  # and it differs from the bf16 op-by-op rotation the decoder uses
+        plain_q, plain_k = want_q.clone(), want_k.clone()
+        q2, k2, *_ = _case(len(case) + 7, *case, dtype, torch.float32)
+        apply_rotary_ref(q2, k2, positions, cos, sin, case[-1])
+        assert not (torch.equal(q2, plain_q) and torch.equal(k2, plain_k))
+
+
+def test_float32_math_dispatch_matches_the_reference():
+    q, k, positions, cos, sin = _case(3, *CASES[2], torch.bfloat16, torch.float32)
+    want_q, want_k = q.clone(), k.clone()
+    apply_rotary_float32_ref(want_q, want_k, positions, cos, sin, CASES[2][-1])
+    apply_rotary_float32(q, k, positions, cos, sin, CASES[2][-1])
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)

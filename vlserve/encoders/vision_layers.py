@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vlserve.kernels import apply_rotary, build_rotary_cache, varlen_attention
+from vlserve.kernels import apply_rotary_float32, build_rotary_cache, varlen_attention
 from vlserve.kernels.activation import activation
 from vlserve.kernels.packed_linear import PackableLinear, PatchConv3d
 
@@ -145,11 +145,11 @@ class VisionAttention(nn.Module):
         # x: [P, E] -> [P, E]
         num_rows = x.shape[0]
         q, k, v = self.qkv(x).view(num_rows, 3, self.num_heads, self.head_dim).unbind(1)  # [P, H, Hd] each
-        q, k = q.float(), k.float()  # copies: rotated in place
-        apply_rotary(q, k, rotary.positions, rotary.cos_cache, rotary.sin_cache, rotary.section)
+        # rotated in place in float32 and rounded back once, as HF's towers do
+        apply_rotary_float32(q, k, rotary.positions, rotary.cos_cache, rotary.sin_cache, rotary.section)
         out = varlen_attention(
-            q.to(v.dtype),
-            k.to(v.dtype),
+            q,
+            k,
             v,
             segments.cu_seqlens,
             self.head_dim**-0.5,

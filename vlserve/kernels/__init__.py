@@ -268,11 +268,31 @@ def apply_rotary(
     _impl("apply_rotary", query.device)(query, key, positions, cos_cache, sin_cache, mrope_section)
 
 
+def apply_rotary_float32(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    mrope_section: list[int] | None = None,
+) -> None:
+    """`apply_rotary` evaluated in float32 whatever query/key's dtype, the results rounded back once in place (HF's
+    vision towers): one C++ pass on CPU, float32 copies elsewhere."""
+    if query.device.type == "cpu":
+        apply_rotary_cpu(query, key, positions, cos_cache, sin_cache, mrope_section, float32_math=True)
+        return
+    q32, k32 = query.float(), key.float()
+    apply_rotary(q32, k32, positions, cos_cache, sin_cache, mrope_section)
+    query.copy_(q32)
+    key.copy_(k32)
+
+
 __all__ = [
     "decode_workspace_numel",
     "AttentionMetadata",
     "BACKEND_ENV",
     "apply_rotary",
+    "apply_rotary_float32",
     "fused_moe",
     "apply_rotary_ref",
     "attention_forward",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vlserve.kernels.rotary_ref import apply_rotary_ref
+from vlserve.kernels.rotary_ref import apply_rotary_float32_ref, apply_rotary_ref
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ _DECLARATION = """
 extern "C" void kernel(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int64_t k_tok, int64_t k_head,
                        int64_t Hk, const int64_t* pos, int64_t axes, int64_t T, const void* cos_cache,
                        const void* sin_cache, int64_t cache_bf16, int64_t half, const int64_t* section,
-                       int64_t is_bf16, int64_t threads);
+                       int64_t is_bf16, int64_t float32_math, int64_t threads);
 """
 _ARG_TYPES = [
     "void*",
@@ -47,6 +47,7 @@ _ARG_TYPES = [
     "int64_t",
     "int64_t",
     "const int64_t*",
+    "int64_t",
     "int64_t",
     "int64_t",
 ]
@@ -95,10 +96,14 @@ def apply_rotary_cpu(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     mrope_section: list[int] | None = None,
+    float32_math: bool = False,
 ) -> None:
     """`apply_rotary_ref`'s contract and results: the first R dims of query [T, Hq, D] and key [T, Hk, D] rotated in
-    place at positions [T] or [3, T] (M-RoPE sections); cos / sin caches [P, R/2]."""
+    place at positions [T] or [3, T] (M-RoPE sections); cos / sin caches [P, R/2]. `float32_math`: bf16 tensors
+    rotate as float32 copies of them would and are rounded back once (`apply_rotary_float32_ref`)."""
     if not _takes(query, key, cos_cache) or (positions.dim() == 2 and mrope_section is None):
+        if float32_math:
+            return apply_rotary_float32_ref(query, key, positions, cos_cache, sin_cache, mrope_section)
         return apply_rotary_ref(query, key, positions, cos_cache, sin_cache, mrope_section)
     tokens = query.shape[0]
     if tokens == 0:
@@ -131,6 +136,7 @@ def apply_rotary_cpu(
         half,
         section,
         int(query.dtype is torch.bfloat16),
+        int(float32_math),
         torch.get_num_threads(),
     )
     return None

@@ -94,3 +94,20 @@ def apply_rotary_ref(
         cos_q = cos.to(key.dtype).unsqueeze(1)
         sin_q = sin.to(key.dtype).unsqueeze(1)
     _rotate_(key, cos_q, sin_q)
+
+
+def apply_rotary_float32_ref(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    mrope_section: list[int] | None = None,
+) -> None:
+    """`apply_rotary_ref` on float32 copies of query and key, written back in their dtypes (HF's vision towers
+    rotate q and k in float32 whatever the model's dtype)."""
+    # query: [T, Hq, D]; key: [T, Hkv, D]
+    q32, k32 = query.float(), key.float()
+    apply_rotary_ref(q32, k32, positions, cos_cache.float(), sin_cache.float(), mrope_section)
+    query.copy_(q32)
+    key.copy_(k32)

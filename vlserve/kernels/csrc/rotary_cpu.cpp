@@ -2,7 +2,9 @@
 // vlserve/kernels/rotary_cpu.py. Bit-identical to rotary_ref.apply_rotary_ref: cos / sin are taken from the cache
 // and rounded to the tensor's dtype, and o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin are evaluated op by op, each
 // product and sum rounded to that dtype (bf16: computed in float32, rounded to nearest even, as torch's CPU bf16
-// ops do). No FMA: a fused multiply-add would round once where torch rounds twice.
+// ops do). No FMA: a fused multiply-add would round once where torch rounds twice. With float32_math, bf16 tensors
+// rotate as float32 copies of them would (the float32 cache, float32 ops) and round once when stored: HF's vision
+// towers' `q.float()` rotation then `.to(bf16)`.
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 #include <omp.h>
@@ -60,36 +62,37 @@ inline void store8(void* p, int64_t i, __m256 v) {  // v already a bf16 value wh
     }
 }
 
-template <bool kBf16>
+template <bool kRound>
 inline __m256 rnd(__m256 v) {
-    if constexpr (kBf16) return round8(v);
+    if constexpr (kRound) return round8(v);
     else return v;
 }
 
-// one head's first 2 * half dims rotated in place by per-frequency c / s (already in the tensor's dtype)
-template <bool kBf16>
+// one head's first 2 * half dims rotated in place by per-frequency c / s (already rounded as kRound says):
+// kRound rounds every product and sum to bf16; otherwise float32 ops, one rounding at a bf16 store
+template <bool kBf16, bool kRound>
 void rotate_head(void* x, int64_t half, const float* c, const float* s) {
     int64_t j = 0;
     for (; j + 8 <= half; j += 8) {
         const __m256 x1 = load8<kBf16>(x, j), x2 = load8<kBf16>(x, half + j);
         const __m256 cv = _mm256_loadu_ps(c + j), sv = _mm256_loadu_ps(s + j);
-        const __m256 o1 = rnd<kBf16>(_mm256_sub_ps(rnd<kBf16>(_mm256_mul_ps(x1, cv)), rnd<kBf16>(_mm256_mul_ps(x2, sv))));
-        const __m256 o2 = rnd<kBf16>(_mm256_add_ps(rnd<kBf16>(_mm256_mul_ps(x2, cv)), rnd<kBf16>(_mm256_mul_ps(x1, sv))));
-        store8<kBf16>(x, j, o1);
-        store8<kBf16>(x, half + j, o2);
+        const __m256 o1 = rnd<kRound>(_mm256_sub_ps(rnd<kRound>(_mm256_mul_ps(x1, cv)), rnd<kRound>(_mm256_mul_ps(x2, sv))));
+        const __m256 o2 = rnd<kRound>(_mm256_add_ps(rnd<kRound>(_mm256_mul_ps(x2, cv)), rnd<kRound>(_mm256_mul_ps(x1, sv))));
+        store8<kBf16>(x, j, rnd<kBf16 && !kRound>(o1));
+        store8<kBf16>(x, half + j, rnd<kBf16 && !kRound>(o2));
     }
     for (; j < half; ++j) {
         float x1, x2;
         if constexpr (kBf16) x1 = widen(((bf16*)x)[j]), x2 = widen(((bf16*)x)[half + j]);
         else x1 = ((float*)x)[j], x2 = ((float*)x)[half + j];
-        const float o1 = round_to(round_to(x1 * c[j], kBf16) - round_to(x2 * s[j], kBf16), kBf16);
-        const float o2 = round_to(round_to(x2 * c[j], kBf16) + round_to(x1 * s[j], kBf16), kBf16);
+        const float o1 = round_to(round_to(x1 * c[j], kRound) - round_to(x2 * s[j], kRound), kRound);
+        const float o2 = round_to(round_to(x2 * c[j], kRound) + round_to(x1 * s[j], kRound), kRound);
         if constexpr (kBf16) ((bf16*)x)[half + j] = narrow(o2), ((bf16*)x)[j] = narrow(o1);
         else ((float*)x)[j] = o1, ((float*)x)[half + j] = o2;
     }
 }
 
-template <bool kBf16>
+template <bool kBf16, bool kRound>
 void rotate_all(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int64_t k_tok, int64_t k_head,
                 int64_t Hk, const int64_t* pos, int64_t axes, int64_t T, const void* cos_cache,
                 const void* sin_cache, int64_t cache_bf16, int64_t half, const int64_t* section, int64_t threads) {
@@ -106,13 +109,13 @@ void rotate_all(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int
                                             : ((const float*)cos_cache)[p * half + j];
                 const float sv = cache_bf16 ? widen(((const bf16*)sin_cache)[p * half + j])
                                             : ((const float*)sin_cache)[p * half + j];
-                c[j] = round_to(cv, kBf16);
-                s[j] = round_to(sv, kBf16);
+                c[j] = round_to(cv, kRound);
+                s[j] = round_to(sv, kRound);
             }
             for (int64_t h = 0; h < Hq; ++h)
-                rotate_head<kBf16>((char*)q + (t * q_tok + h * q_head) * esize, half, c.data(), s.data());
+                rotate_head<kBf16, kRound>((char*)q + (t * q_tok + h * q_head) * esize, half, c.data(), s.data());
             for (int64_t h = 0; h < Hk; ++h)
-                rotate_head<kBf16>((char*)k + (t * k_tok + h * k_head) * esize, half, c.data(), s.data());
+                rotate_head<kBf16, kRound>((char*)k + (t * k_tok + h * k_head) * esize, half, c.data(), s.data());
         }
     }
 }
@@ -121,15 +124,19 @@ void rotate_all(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int
 
 // q [T, Hq, D], k [T, Hk, D] (float32 or bf16: is_bf16; strides in elements per token and per head, the last dim
 // contiguous); pos int64 [T] (axes 1) or [3, T] (axes 3, M-RoPE: frequency j takes its position from the axis whose
-// section holds it); cos / sin caches [P, half] float32 or bf16 (cache_bf16); the first 2 * half dims rotate.
+// section holds it); cos / sin caches [P, half] float32 or bf16 (cache_bf16); the first 2 * half dims rotate;
+// float32_math: bf16 tensors rotated in float32, rounded once (see the top).
 extern "C" void kernel(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int64_t k_tok, int64_t k_head,
                        int64_t Hk, const int64_t* pos, int64_t axes, int64_t T, const void* cos_cache,
                        const void* sin_cache, int64_t cache_bf16, int64_t half, const int64_t* section,
-                       int64_t is_bf16, int64_t threads) {
-    if (is_bf16)
-        rotate_all<true>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache, cache_bf16,
-                         half, section, threads);
+                       int64_t is_bf16, int64_t float32_math, int64_t threads) {
+    if (is_bf16 && float32_math)
+        rotate_all<true, false>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache,
+                                cache_bf16, half, section, threads);
+    else if (is_bf16)
+        rotate_all<true, true>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache,
+                               cache_bf16, half, section, threads);
     else
-        rotate_all<false>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache,
-                          cache_bf16, half, section, threads);
+        rotate_all<false, false>(q, q_tok, q_head, Hq, k, k_tok, k_head, Hk, pos, axes, T, cos_cache, sin_cache,
+                                 cache_bf16, half, section, threads);
 }
