@@ -10,7 +10,8 @@ or null}}}]}. Every prompt is final text (chat template already applied, image p
 engine gets the same strings and images and generates greedily exactly `max_tokens` tokens (ignore_eos). Per
 workload: a warm-up on "warmup", the "ttft" set with max_tokens=1 (its wall time: every request's first token,
 all submitted at once), then the "main" set, timed; with each request's prompt and output token counts and the
-engine's own mean time to first token where it reports one. Standard library only at import time: each engine's
+engine's own mean time to first token where it reports one (OpenVINO: its output count from how it finished
+and the call's total, as its VLM results carry no token ids). Standard library only at import time: each engine's
 modules are imported by the function that runs it.
 """
 
@@ -119,14 +120,21 @@ class OpenVinoEngine:
         configs = [cfg] * len(prompts)
         tensors = [[self.ov.Tensor(img[None])] for img in images] if images else [[] for _ in prompts]
         outs = self.pipe.generate(prompts, images=tensors, generation_config=configs)
-        return [_openvino_counts(o) for o in outs]
+        return [_openvino_counts(o, max_tokens) for o in outs]
 
 
-def _openvino_counts(result) -> dict:
-    """Prompt and output token counts of one VLMDecodedResults (from its perf metrics), time to first token."""
+def _openvino_counts(result, max_tokens: int) -> dict:
+    """Counts of one VLMDecodedResults: its prompt tokens and time to first token from its perf metrics; it has no
+    token ids, so its output is max_tokens long when it finished by length (min_new_tokens = max_new_tokens), and
+    `batch_output_tokens` is the metrics' count of the whole call, for the caller to check."""
     pm = result.perf_metrics
-    ttft = pm.get_ttft().mean / 1e3 if pm.get_ttft().mean > 0 else None  # ms -> s
-    return {"prompt_tokens": pm.get_num_input_tokens(), "output_tokens": pm.get_num_generated_tokens(), "ttft": ttft}
+    by_length = all(r.name == "LENGTH" for r in result.finish_reasons)
+    return {
+        "prompt_tokens": pm.get_num_input_tokens(),
+        "output_tokens": max_tokens if by_length else None,
+        "batch_output_tokens": pm.get_num_generated_tokens(),
+        "ttft": pm.get_ttft().mean / 1e3 if pm.get_ttft().mean > 0 else None,  # ms -> s
+    }
 
 
 def run(spec: dict) -> dict:
@@ -158,6 +166,8 @@ def run(spec: dict) -> dict:
             "ttft_pass_output_tokens": [r["output_tokens"] for r in first],
             "engine_mean_ttft_s": _mean([r["ttft"] for r in main]),
         }
+        if "batch_output_tokens" in main[0]:
+            result["workloads"][w["name"]]["batch_output_tokens"] = main[0]["batch_output_tokens"]
         print(f"# {spec['engine']} {w['name']}: {json.dumps(result['workloads'][w['name']])}", flush=True)
     return result
 

@@ -9,10 +9,14 @@ ANCHORS = ("vllm", "openvino")
 
 def check_counts(result: dict, prompt_lens: list[int], max_tokens: int) -> str:
     """ "ok" when the engine saw the prompts at the expected token counts and generated exactly max_tokens each
-    (one in the max_tokens=1 pass); otherwise what differed."""
+    (one in the max_tokens=1 pass), and the whole call's count where the engine reports only that; otherwise what
+    differed."""
     problems = []
     if result["output_tokens"] != [max_tokens] * len(prompt_lens):
         problems.append(f"output tokens {sorted(set(result['output_tokens']))} != {max_tokens}")
+    batch = result.get("batch_output_tokens")
+    if batch is not None and batch != max_tokens * len(prompt_lens):
+        problems.append(f"the call generated {batch} tokens, not {max_tokens} x {len(prompt_lens)}")
     if any(n != 1 for n in result["ttft_pass_output_tokens"]):
         problems.append("max_tokens=1 pass gave other than 1 token")
     if result["prompt_tokens"] != prompt_lens:
