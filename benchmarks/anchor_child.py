@@ -4,7 +4,8 @@
     <python> benchmarks/anchor_child.py SPEC.json      # prints `CHILD_RESULT <json>` as its last such line
 
 SPEC: {"engine", "model" (for OpenVINO: the exported directory), "dtype" ("bfloat16" | "float32"),
-"max_model_len", "max_num_seqs", "anchor_env" (path of vlserve/bench/anchor_env.py), "workloads": [{"name",
+"max_model_len", "max_num_seqs", "anchor_env" (path of vlserve/bench/anchor_env.py), "engine_kwargs" (optional:
+more `LLM` arguments, or OpenVINO properties), "workloads": [{"name",
 "max_tokens", "sets": {"warmup" | "ttft" | "main": {"prompts": [str], "images": path of a uint8 [n, H, W, 3] .npy
 or null}}}]}. Every prompt is final text (chat template already applied, image placeholders in place); every
 engine gets the same strings and images and generates greedily exactly `max_tokens` tokens (ignore_eos). Per
@@ -60,13 +61,12 @@ class VllmStyleEngine:
             from vllm import LLM, SamplingParams
 
             # block_size: a multiple of 32 on CPU; --runner generate: vLLM 0.32 resolved Qwen2-VL to pooling without
-            self.llm = LLM(
-                model=spec["model"], block_size=32, runner="generate", seed=0, disable_log_stats=False, **common
-            )
+            kwargs = dict(block_size=32, runner="generate", seed=0, disable_log_stats=False, **common)
+            self.llm = LLM(model=spec["model"], **{**kwargs, **spec.get("engine_kwargs", {})})
         else:
             from vlserve import LLM, SamplingParams
 
-            self.llm = LLM(spec["model"], **common)
+            self.llm = LLM(spec["model"], **{**common, **spec.get("engine_kwargs", {})})
         self.sampling_params = SamplingParams
 
     def generate(self, prompts: list[str], images: list, max_tokens: int) -> list[dict]:
@@ -106,7 +106,7 @@ class OpenVinoEngine:
         scheduler = openvino_genai.SchedulerConfig()
         scheduler.enable_prefix_caching = False
         scheduler.max_num_seqs = spec["max_num_seqs"]
-        self.properties = {"INFERENCE_PRECISION_HINT": precision}
+        self.properties = {"INFERENCE_PRECISION_HINT": precision, **spec.get("engine_kwargs", {})}
         self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["model"], scheduler, "CPU", self.properties)
         self.ov, self.genai = ov, openvino_genai
         self.threads = ov.Core().get_property("CPU", "INFERENCE_NUM_THREADS")

@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--config-override", type=json.loads, default=None, help="JSON of checkpoint-builder args")
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square matmul measuring the GEMM rate")
     p.add_argument("--seed", type=int, default=0)
+    for engine, what in (("vlserve", "vlserve.LLM arguments, e.g. '{\"compilation_config\": 1}'"),
+                         ("vllm", "vllm.LLM arguments"), ("openvino", "OpenVINO properties")):  # fmt: skip
+        p.add_argument(f"--{engine}-kwargs", type=json.loads, default={}, help=f"JSON: more {what}")
     p.add_argument("--vllm-python", default=None, help="default: the anchor venv's (installed when missing)")
     p.add_argument("--openvino-python", default=None, help="default: the anchor venv's (installed when missing)")
     args = p.parse_args(argv)
@@ -167,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "max_model_len": max_len,
                 "max_num_seqs": max(w.requests for w in workloads.values()),
                 "workloads": [w.child_spec() for w in workloads.values()],
+                "engine_kwargs": getattr(args, f"{engine}_kwargs"),
             }
             log = os.path.join(args.workdir, f"{engine}-{dtype}.log")
             print(f"[{dtype}] {ENGINE_LABELS[engine]} (log {log}) ...", flush=True)
