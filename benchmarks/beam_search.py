@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.offline_case import add_case_args, case_setup, run_engines
-from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE
+from vlserve.bench.anchor_env import VLLM_CPU_BLOCK_SIZE
 
 _CASE = r"""
 import json, sys, time
@@ -53,6 +53,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
         hits = after["vlserve:prefix_cache_hits_total"] - before["vlserve:prefix_cache_hits_total"]
         result["computed_prompt_tokens"] = (asked - hits) / (cfg["repeats"] + 1)
         result["asked_prompt_tokens"] = asked / (cfg["repeats"] + 1)
+    print("CASE_CORES " + json.dumps(engine_cores()))
     print("CASE_RESULT " + json.dumps(result))
 """
 

@@ -38,10 +38,10 @@ from benchmarks.serve_harness import (
     free_port,
     machine_kind,
     vllm_cmd,
-    vllm_cpu_env,
     vllm_version,
     vlserve_cmd,
 )
+from vlserve.bench.anchor_env import process_tree_cores, vllm_cpu_env
 
 NAME = "bench"
 
@@ -157,6 +157,7 @@ class Stack:
         why = server.wait_healthy(args.server_timeout)
         if why:
             raise RuntimeError(f"{tag} {why}:\n{server.log_tail()}")
+        print(f"[{tag}] cores: {process_tree_cores(server.proc.pid)}", flush=True)
         return server.base_url
 
     def __enter__(self):
@@ -231,7 +232,7 @@ def scenario_pd(model: str, args, result_dir: str) -> None:
                     args.vllm_python, model, NAME, port, args.dtype, args.max_model_len, {"image": 1, "video": 0}, []
                 )
                 url = st.serve(
-                    "vllm", model, args, command=["taskset", "-c", cores, *cmd], port=port, env=vllm_cpu_env()
+                    "vllm", model, args, command=["taskset", "-c", cores, *cmd], port=port, env=vllm_cpu_env(cores)
                 )
             else:
 

@@ -48,6 +48,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
     llm = make(True)
     result["base_on_lora_engine"], _ = tok_s(llm, False)
     result["mixed"], result["mixed_tokens"] = tok_s(llm, True)
+    print("CASE_CORES " + json.dumps(engine_cores()))
     print("CASE_RESULT " + json.dumps(result))
 """
 

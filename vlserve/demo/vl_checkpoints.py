@@ -30,6 +30,9 @@ def build_qwen2_vl_checkpoint(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     chat_template: str | None = None,
+    text_overrides: dict | None = None,
+    vision_overrides: dict | None = None,
+    dtype: str = "float32",
 ) -> str:
     """Write a random tiny Qwen2VLForConditionalGeneration (variant="qwen2_vl") or
     Qwen2_5_VLForConditionalGeneration (variant="qwen2_5_vl") plus its processor to `out_dir`; return out_dir.
@@ -40,6 +43,8 @@ def build_qwen2_vl_checkpoint(
     that attend globally, `tokens_per_second` the temporal position scale of videos.
     `chat_template` goes to both the tokenizer and the processor (default: vlserve.demo.tokenizer.CHAT_TEMPLATE;
     tests.support.chat_templates.QWEN2_VL_CHAT_TEMPLATE behaves like the real checkpoints' template).
+    `text_overrides` / `vision_overrides` replace or add fields of the text / vision config (e.g. a released
+    checkpoint's vocab_size or mlp_ratio); `dtype` is the dtype the weights are initialized and saved in.
     """
     import torch
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -122,15 +127,20 @@ def build_qwen2_vl_checkpoint(
         raise ValueError(f"unknown variant {variant!r}; expected 'qwen2_vl' or 'qwen2_5_vl'")
 
     config = Config(
-        text_config=text_cfg,
-        vision_config=vision_cfg,
+        text_config={**text_cfg, **(text_overrides or {})},
+        vision_config={**vision_cfg, **(vision_overrides or {})},
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=initializer_range,
         **token_cfg,
     )
     config.architectures = [Model.__name__]
     torch.manual_seed(seed)
-    model = Model(config).to(torch.float32).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # initialized in `dtype`: no float32 copy of a large model
+    try:
+        model = Model(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
 
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
