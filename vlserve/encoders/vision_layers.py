@@ -17,6 +17,7 @@ from torch import nn
 from vlserve.kernels import apply_rotary_float32, build_rotary_cache, varlen_attention
 from vlserve.kernels.activation import activation
 from vlserve.kernels.packed_linear import PackableLinear, PatchConv3d
+from vlserve.kernels.rms_norm_cpu import rms_norm
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as the HF processors' *_grid_thw rows
 
@@ -109,6 +110,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = rms_norm(x, self.weight, self.eps)  # one C++ pass over CPU rows; None elsewhere
+        if fused is not None:
+            return fused
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 

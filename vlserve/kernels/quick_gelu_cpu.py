@@ -9,21 +9,18 @@ the kernel builds (not with $VLSERVE_CPU_QUICK_GELU_KERNEL=0); the torch express
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vlserve.kernels.cpp_build import load_cpu_kernel
 
 DISABLE_ENV = "VLSERVE_CPU_QUICK_GELU_KERNEL"
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* x, void* y, int64_t n, int64_t is_bf16, int64_t threads);
 """
-_ARG_TYPES = ["const void*", "void*", "int64_t", "int64_t", "int64_t"]
+_ARG_TYPES = ("const void*", "void*", "int64_t", "int64_t", "int64_t")
 
 
 def quick_gelu_ref(x: torch.Tensor) -> torch.Tensor:
@@ -31,19 +28,9 @@ def quick_gelu_ref(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
-@functools.cache
 def quick_gelu_cpu_kernel():
     """The compiled kernel (built on first use), or None where it cannot be built here."""
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        source = (Path(__file__).parent / "csrc" / "quick_gelu_cpu.cpp").read_text()
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler or no vector build: the torch expression runs
-        logger.warning("the C++ quick-GELU could not be built (%s: %s); using torch", type(exc).__name__, exc)
-        return None
+    return load_cpu_kernel("quick_gelu_cpu.cpp", _DECLARATION, _ARG_TYPES)
 
 
 def _takes(x: torch.Tensor) -> bool:

@@ -37,6 +37,9 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps)
         nn.init.zeros_(self.weight)
 
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+        return None  # the C++ kernel computes RMSNorm's arithmetic, not this one
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., H] -> [..., H] (x's dtype); statistics, scale and (1 + weight) all in float32
         xf = x.to(torch.float32)

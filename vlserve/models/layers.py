@@ -12,7 +12,9 @@ from torch import nn
 from vlserve import kernels
 from vlserve.kernels.activation import activation
 from vlserve.kernels.cpu_linear import PANEL
+from vlserve.kernels.rms_norm_cpu import rms_norm
 from vlserve.kernels.rotary_ref import rotary_cos_sin
+from vlserve.kernels.silu_mul_cpu import silu_mul
 from vlserve.models.hf_config import RopeParams, rope_params_of
 from vlserve.models.parallel_layers import MergedColumnParallelLinear, RowParallelLinear
 from vlserve.models.rope import rope_inv_freq
@@ -22,7 +24,8 @@ class RMSNorm(nn.Module):
     """HF-exact RMSNorm: statistics in float32, cast back to the input dtype, then scaled by `weight`.
 
     `forward(x, residual=None)`: with a residual, computes `s = x + residual` (in the input dtype, like HF's
-    `residual + hidden_states`) and returns `(norm(s), s)`; without one it returns `norm(x)`.
+    `residual + hidden_states`) and returns `(norm(s), s)`; without one it returns `norm(x)`. On CPU rows both
+    run as one C++ pass (`kernels.rms_norm_cpu`), the same roundings but the order of the float32 sum of squares.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -38,7 +41,13 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+        return rms_norm(x, self.weight, self.eps, residual)  # one C++ pass on CPU rows; None elsewhere
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        fused = self._fused(x, residual)
+        if fused is not None:
+            return fused
         if residual is None:
             return self._norm(x)
         s = residual + x
@@ -72,6 +81,10 @@ class GatedMLP(nn.Module):
             if fused is not None:
                 return self.down_proj(fused)
         gate_up = proj(x)
+        if self.hidden_act in ("silu", "swish"):
+            fused = silu_mul(gate_up, self.intermediate_size)  # one C++ pass over CPU rows; None elsewhere
+            if fused is not None:
+                return self.down_proj(fused)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.hidden_act == "silu":
             return self.down_proj(F.silu(gate) * up)
