@@ -39,9 +39,14 @@ What runs where:
   WNA16 bf16 inputs of 4+ rows run on the bf16 tile unit, the weights rounded to bf16 as `wna16_linear_ref(...,
   weight_dtype=torch.bfloat16)` states: 4-bit ones by table lookup (csrc/quant_linear_amx_int4.cpp: the 16 bf16
   values of each column's group computed once per call, a vpermw per 32 weights, the matrix as the A operand), 8-bit
-  ones and groups of 8 or 16 positions dequantized a panel at a time (csrc/quant_linear_amx.cpp); tdpbf16ps; so do FP8 bf16 inputs of 8+ rows where the matrix has one scale per column and x is
+  ones and groups of 8 or 16 positions dequantized a panel at a time (csrc/quant_linear_amx.cpp); tdpbf16ps; so do FP8 bf16 inputs where the matrix has one scale per column and x is
   rounded per token or by a static scale (the e4m3 weights and x's e4m3 values are exact in bf16; the row and
-  column scales multiply the float32 sums: within float32 rounding of the reference).
+  column scales multiply the float32 sums: within float32 rounding of the reference), at every row count. Rows are
+  independent: a row's output never depends on the other rows of its call. The tile unit's sums are not the
+  register kernel's bit for bit (tdpbf16ps rounds inside its dot products), and FP8 activations turn a one-ulp
+  difference into an e4m3 step in the next layer, so each FP8 matrix takes one path for all row counts (the tiles
+  where they serve it: slower than the register kernel at a few rows, faster from about 8 on); all other FP8
+  layouts and float32 x take the register kernel, whose 1-2 row and block paths sum in the same order.
 - AVX-512 CPUs build the same AVX2 source with inductor's AVX-512 flags and -march=native (EVEX encodings, 32
   vector registers, vpdpwssd with VNNI): the tests run both builds there. There WNA16's 1-2 row kernel runs on
   16-lane zmm registers (the same operations per column as the 8-lane one); the other register kernels stay 8 wide. torch's own candidates lost on AVX2 (bf16 x, hot, ms at 4864x896 M=1 / 32

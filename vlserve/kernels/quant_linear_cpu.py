@@ -95,16 +95,15 @@ def quant_kernel_info(kernel=None) -> dict:
     return {"width": int(report[0]), "vnni": bool(report[1]), "amx": bool(report[2]), "amx_int8": bool(report[3])}
 
 
-AMX_ROWS_ENV = "VLSERVE_QUANT_AMX_ROWS"  # "0": never; N: WNA16 / FP8 bf16 inputs of N+ rows on AMX tiles
+AMX_ROWS_ENV = "VLSERVE_QUANT_AMX_ROWS"  # "0": never; N: WNA16 bf16 inputs of N+ rows (FP8: all) on AMX tiles
 AMX_ROWS = 4  # from here the tile path beat the register kernel on a 2-core AMX Xeon (docs/benchmarks.md)
-AMX_FP8_ROWS = 8  # FP8's (x rounded through e4m3 per row first): the register kernel was 5-30% faster at 4
 AMX_INT4_ROWS = 3  # 4-bit by table lookup (groups of whole tile steps): 0.6x the register kernel's time at 3 rows
 
 
 def amx_rows(default: int = AMX_ROWS) -> int | None:
-    """From how many rows a bf16 input to a WNA16 or FP8 matrix runs on the AMX tiles (the weights made bf16
-    once per call, then tdpbf16ps), or None where this kernel has no AMX path; $VLSERVE_QUANT_AMX_ROWS
-    overrides."""
+    """From how many rows a bf16 input to a WNA16 matrix runs on the AMX tiles (the weights made bf16 once per
+    call, then tdpbf16ps), or None where this kernel has no AMX path (FP8 where it is not None: every row count);
+    $VLSERVE_QUANT_AMX_ROWS overrides."""
     forced = cpu_linear.forced_rows(AMX_ROWS_ENV)
     rows = default if forced is None else forced
     kernel = quant_kernel()
@@ -127,8 +126,8 @@ class PackedQuant:
     `scales` and `zeros` ([N/32, G, 32] groups or, INT8, [N/32 * 32] channels; zeros: FP8's static input scale,
     else empty but for WNA16), `group` K positions per group, `scale_dtype` 0/1/2 for float32/float16/bf16 scales,
     `act` FP8's activation rounding (`fp8_act_code`), `amx_rows` from how many bf16 rows the AMX tiles multiply
-    (0: never; `amx_rows()` when packed, for WNA16 and for FP8 with one scale per column and per-token or static
-    activations)."""
+    (0: never; `amx_rows()` when packed for WNA16; 1 for FP8 with one scale per column and per-token or static
+    activations where `amx_rows()` is not None)."""
 
     op: int
     weight: torch.Tensor
@@ -248,7 +247,7 @@ def pack_fp8(
         group,
         0,
         fp8_act_code(act, act_group),
-        (amx_rows(AMX_FP8_ROWS) or 0) if tiles else 0,
+        1 if tiles and amx_rows() else 0,  # every row count: a row's sums never depend on the batch's size
     )
 
 
