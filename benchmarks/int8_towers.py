@@ -12,12 +12,12 @@ demo model's greedy agreement.
    call in bf16 and int8, and the fastest (alternating, after one warm-up call each; the fastest for a machine
    shared with other jobs).
 2. The demo model's held-out eval (`vlserve.demo.held_out`, what `python -m training.eval` scores): every item
-   answered greedily by `LLM(demo, dtype=--eval-dtype)` (bf16 by default) with its float tower and with INT8 towers; printed: the fraction
-   of items whose greedy token ids are equal, and each engine's accuracy (`training.eval.score`).
+   answered greedily by `LLM(demo, dtype=--eval-dtype)` (bf16 by default) with its float tower and with INT8
+   towers; printed: the fraction of items whose greedy token ids are equal, and each one's accuracy
+   (`training.eval.score`).
 
     python -m benchmarks.int8_towers [--sizes 448 896] [--iters 3] [--per-form 50] [--eval-dtype bfloat16]
-        [--skip-2b] [--skip-eval]
-        [--threads N]
+        [--skip-2b] [--skip-eval] [--threads N]
 """
 
 from __future__ import annotations
