@@ -63,6 +63,15 @@ def test_the_cli_flag_reaches_the_engine_args():
         build_parser().parse_args(["serve", "--mm-encoder-quantization", "int4"])
 
 
+def test_a_rank_process_loads_int8_towers_from_its_settings(qwen2_vl_dir):
+    """The executor's ranks (mp, ray, the engine process) load from `WorkerSettings.args`."""
+    from vlserve.executor.worker import WorkerSettings, load_rank_model
+
+    args = EngineArgs(model=qwen2_vl_dir, dtype="float32", device="cpu", mm_encoder_quantization="int8")
+    rank = load_rank_model(WorkerSettings(args, qwen2_vl_dir, 512, 512), rank=0)
+    assert isinstance(rank.model.visual.merger.mlp[0].quant_scheme, EncoderInt8Scheme)
+
+
 def test_a_text_model_is_refused(tmp_path):
     from vlserve.demo.checkpoints import build_text_checkpoint
 
