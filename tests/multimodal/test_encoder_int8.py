@@ -50,6 +50,8 @@ def test_bad_values_are_refused():
         EngineArgs(mm_encoder_quantization="int8", device="cuda")
     with pytest.raises(ValueError, match="not supported"):
         quantize_encoder_linears(_TowerHolder(nn.Identity()), "fp8")
+    with pytest.raises(ValueError, match="CPU only for now; visual is on meta"):  # (a CUDA tower alike)
+        quantize_encoder_linears(_TowerHolder(PackableLinear(8, 8).to("meta")), "int8")
 
 
 def test_the_cli_flag_reaches_the_engine_args():

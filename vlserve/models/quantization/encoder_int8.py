@@ -52,11 +52,10 @@ class EncoderInt8Scheme(Int8Scheme):
 def encoder_linears(model: nn.Module) -> list[tuple[str, PackableLinear]]:
     """(name, layer) of every float `PackableLinear` in `model.encoder_parts()` that can be quantized: not
     quantized already, holding its weight, and not read directly by another library (`keep_weight`)."""
-    parts = {id(p) for p in model.encoder_parts()}
+    names = {id(m): name for name, m in model.named_modules()}
     found = []
-    for part_name, part in model.named_children():
-        if id(part) not in parts:
-            continue
+    for part in model.encoder_parts():
+        part_name = names.get(id(part), type(part).__name__)
         for rel, layer in part.named_modules():
             if (
                 isinstance(layer, PackableLinear)
@@ -79,11 +78,10 @@ def quantize_encoder_linears(model: nn.Module, method: str) -> int:
     if not model.encoder_parts():
         raise ValueError(f"mm_encoder_quantization needs a multimodal model; {type(model).__name__} has no encoder")
     layers = encoder_linears(model)
-    off_cpu = [name for name, layer in layers if layer.weight.device.type != "cpu"]
+    off_cpu = [(name, layer.weight.device) for name, layer in layers if layer.weight.device.type != "cpu"]
     if off_cpu:
         raise ValueError(
-            f"mm_encoder_quantization={method!r} runs on the CPU only for now; {off_cpu[0]} is on "
-            f"{layers[0][1].weight.device}"
+            f"mm_encoder_quantization={method!r} runs on the CPU only for now; {off_cpu[0][0]} is on {off_cpu[0][1]}"
         )
     scheme = EncoderInt8Scheme()
     for _, layer in layers:
