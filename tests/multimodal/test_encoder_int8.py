@@ -65,6 +65,22 @@ def test_the_cli_flag_reaches_the_engine_args():
         build_parser().parse_args(["serve", "--mm-encoder-quantization", "int4"])
 
 
+def test_shared_caches_keep_int8_towers_apart(qwen2_vl_dir):
+    """Encoder outputs shared on disk and offloaded KV blocks (which hold media tokens) carry the option."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from vlserve.engine.kv_transfer_setup import encoder_namespace, model_namespace
+
+    loaded = SimpleNamespace(
+        model_path=qwen2_vl_dir, hf_config=AutoConfig.from_pretrained(qwen2_vl_dir), dtype=torch.float32
+    )
+    float_args, int8_args = EngineArgs(), EngineArgs(mm_encoder_quantization="int8")
+    assert encoder_namespace(float_args, loaded) != encoder_namespace(int8_args, loaded)
+    assert model_namespace(float_args, loaded, torch.float32) != model_namespace(int8_args, loaded, torch.float32)
+
+
 def test_a_rank_process_loads_int8_towers_from_its_settings(qwen2_vl_dir):
     """The executor's ranks (mp, ray, the engine process) load from `WorkerSettings.args`."""
     from vlserve.executor.worker import WorkerSettings, load_rank_model
