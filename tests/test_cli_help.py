@@ -68,6 +68,7 @@ DEFAULTS = {
     "kv_transfer_config": None,
     "ec_transfer_config": None,
     "mm_encoder_only": False,
+    "mm_encoder_quantization": None,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
     "Frontend": [
@@ -99,7 +100,13 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
         "--enforce-eager",
     ],
     "DeviceConfig": ["--device"],
-    "MultiModalConfig": ["--limit-mm-per-prompt", "--mm-processor-kwargs", "--max-audio-seconds", "--mm-encoder-only"],
+    "MultiModalConfig": [
+        "--limit-mm-per-prompt",
+        "--mm-processor-kwargs",
+        "--max-audio-seconds",
+        "--mm-encoder-only",
+        "--mm-encoder-quantization",
+    ],
     "CacheConfig": [
         "--block-size",
         "--kv-cache-memory-bytes",

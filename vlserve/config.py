@@ -165,6 +165,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     quantization: str | None = None  # the checkpoint's quant method, checked against its quantization_config
+    mm_encoder_quantization: str | None = None  # "int8": the towers' linears W8A8 at load (CPU; models.quantization)
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
@@ -240,6 +241,12 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {shorten(self.kv_cache_dtype)}"
             )
+        if self.mm_encoder_quantization not in (None, "int8"):
+            raise ValueError(
+                f"mm_encoder_quantization must be None or 'int8', got {shorten(self.mm_encoder_quantization)}"
+            )
+        if self.mm_encoder_quantization is not None and str(self.device).startswith("cuda"):
+            raise ValueError("mm_encoder_quantization='int8' runs on the CPU only for now (device='cpu')")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -195,6 +195,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "window, 30 s for Whisper's)",
     )
     mm.add_argument(
+        "--mm-encoder-quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: the media towers' and projectors' linears quantized at load to W8A8 (int8 weights per output "
+        "channel, int8 activations per token; AMX int8 tiles where the CPU has them); patch embeddings and norms "
+        "stay float. CPU only (default: the towers run in the model dtype)",
+    )
+    mm.add_argument(
         "--mm-encoder-only",
         action="store_true",
         help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "

@@ -83,23 +83,28 @@ def model_namespace(args: EngineArgs, loaded, kv_dtype: torch.dtype) -> bytes:
     eagle = _eagle_part(args)
     if eagle:  # the tier's blocks then hold the head's layer too (an older namespace stays the same without one)
         parts.append(eagle)
+    if args.mm_encoder_quantization:  # media tokens' KV comes from the quantized towers' embeddings
+        parts.append(f"mm-encoder:{args.mm_encoder_quantization}")
     return namespace_key(*parts)
 
 
 def encoder_namespace(args: EngineArgs, loaded) -> bytes:
     """What makes an item's encoder output differ for the same mm_hash: the checkpoint (its config holds the tower's
     and projector's), the model dtype, the model class running the tower, the processor's settings and the
-    quantization."""
+    quantization (the towers' own, `mm_encoder_quantization`, too)."""
     from vlserve.models.registry import get_model_class
 
-    return namespace_key(
+    parts = [
         "encoder-outputs",
         *checkpoint_parts(loaded),
         str(loaded.dtype),
         get_model_class(loaded.hf_config).__name__,
         json.dumps(args.mm_processor_kwargs or {}, sort_keys=True, default=str),
         args.quantization or "",
-    )
+    ]
+    if args.mm_encoder_quantization:  # (a namespace without it stays the same)
+        parts.append(f"mm-encoder:{args.mm_encoder_quantization}")
+    return namespace_key(*parts)
 
 
 def resolve_ec_transfer(args: EngineArgs, loaded) -> EngineArgs:

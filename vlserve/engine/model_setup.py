@@ -115,6 +115,10 @@ def load_for_serving(
         raise ValueError(
             f"mm_encoder_only needs a multimodal model; {model_path} ({model_cls.__name__}) has no media encoder"
         )
+    if args.mm_encoder_quantization and not model_capabilities(model_cls, hf_config).modalities:
+        raise ValueError(
+            f"mm_encoder_quantization needs a multimodal model; {model_path} ({model_cls.__name__}) has no media encoder"
+        )
     if args.pipeline_parallel_size > 1:
         check_pipeline_stages(model_cls, hf_config, args.pipeline_parallel_size)
     get_quantization_config(hf_config, args.quantization)  # an unsupported or mismatched quantization, too
@@ -129,7 +133,13 @@ def load_for_serving(
     torch.manual_seed(args.seed)
     if build_model:
         model = facts = load_model(
-            model_path, hf_config, dtype, device, args.quantization, encoder_only=args.mm_encoder_only
+            model_path,
+            hf_config,
+            dtype,
+            device,
+            args.quantization,
+            encoder_only=args.mm_encoder_only,
+            mm_encoder_quantization=args.mm_encoder_quantization,
         )
     else:
         model, facts = None, meta_model(hf_config)

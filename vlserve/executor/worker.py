@@ -98,7 +98,14 @@ def load_rank_model(settings: WorkerSettings, rank: int) -> RankModel:
         torch.cuda.set_device(device)
     dtype = resolve_dtype(settings.args.dtype, hf_config)
     torch.manual_seed(settings.args.seed)
-    model = load_model(settings.model_path, hf_config, dtype, device, settings.args.quantization)
+    model = load_model(
+        settings.model_path,
+        hf_config,
+        dtype,
+        device,
+        settings.args.quantization,
+        mm_encoder_quantization=settings.args.mm_encoder_quantization,
+    )
     return RankModel(settings.model_path, hf_config, model, device, dtype, mrope_positions_fn_for(model, hf_config))
 
 

@@ -169,6 +169,11 @@ class LoRAModelManager:
             return None
         if name not in self.targets:
             module = self.model.get_submodule(name)
+            if getattr(module, "quant_scheme", None) is not None:
+                raise ValueError(
+                    f"the adapter targets the encoder linear {hf_module}, which is quantized "
+                    f"({module.quant_scheme.describe()}): tower LoRA needs float towers (no mm_encoder_quantization)"
+                )
             held = (module.packed_weight, module.weight, getattr(module, "onednn_weight", None))
             weight = next(w for w in held if w is not None)  # a tower's matrix may be held only prepacked (AMX)
             self.targets[name] = wrap_layer(

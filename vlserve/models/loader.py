@@ -13,6 +13,7 @@ from vlserve.distributed.parallel_state import pp_size, tp_size
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.llama import decoder_of
 from vlserve.models.quantization import apply_quantization, get_quantization_config, process_quantized_weights
+from vlserve.models.quantization.encoder_int8 import quantize_encoder_linears
 from vlserve.models.registry import get_model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -124,7 +125,13 @@ def meta_model(hf_config) -> nn.Module:
 
 
 def load_model(
-    model_dir: str, hf_config, dtype, device, quantization: str | None = None, encoder_only: bool = False
+    model_dir: str,
+    hf_config,
+    dtype,
+    device,
+    quantization: str | None = None,
+    encoder_only: bool = False,
+    mm_encoder_quantization: str | None = None,
 ) -> nn.Module:
     """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
 
@@ -143,7 +150,8 @@ def load_model(
 
     A quantized checkpoint (`quantization_config` in its config; `quantization` may name the method and must
     match) gets its decoder's linear layers swapped for the format's tensors before loading and turned into the
-    kernels' form after (`models.quantization`).
+    kernels' form after (`models.quantization`). `mm_encoder_quantization` ("int8") quantizes the float linears of
+    the encoder parts once loaded (`models.quantization.encoder_int8`).
     """
     cls = get_model_class(hf_config)
     caps = model_capabilities(cls, hf_config)
@@ -190,4 +198,6 @@ def load_model(
         raise ValueError(f"{e} (checkpoint {model_dir})") from e
     if qconfig is not None:
         process_quantized_weights(model)
+    if mm_encoder_quantization is not None:
+        quantize_encoder_linears(model, mm_encoder_quantization)
     return model.eval()

@@ -9,6 +9,9 @@ The loader calls three functions, and nothing else in the model code knows about
    the checkpoint's tensor names (so `ignore` lists are honored as the tool applied them); quantized tensors of
    any other module (a vision tower, the LM head) are refused with their names.
 3. `process_quantized_weights(model)` once every tensor is loaded: the schemes turn them into their kernels' form.
+
+Apart from the checkpoint's format, `encoder_int8.quantize_encoder_linears` quantizes a loaded model's float tower
+and projector linears to W8A8 INT8 (`mm_encoder_quantization="int8"`).
 """
 
 from __future__ import annotations
