@@ -1,6 +1,6 @@
 """The C++ CPU RMSNorm (with its residual add) and SiLU-and-mul against the torch ops they replace: the residual sum
 bit-equal, bf16 norms equal but for an occasional one-step difference (the order of the float32 sum of squares),
-float32 norms within float32 rounding; silu-and-mul equal in bf16 and within an ulp in float32 (torch's scalar
+float32 norms left to torch; silu-and-mul equal in bf16 and within an ulp in float32 (torch's scalar
 tail); what falls back; and the model layers taking them."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def _norm_case(seed, tokens, hidden, dtype):
     return norm, x, residual
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @torch.no_grad()
-def test_rms_norm_matches_torch(dtype, shape):
+def test_rms_norm_matches_torch(shape):
+    dtype = torch.bfloat16
     norm, x, residual = _norm_case(shape[0], *shape, dtype)
     want_sum = residual + x
     _close(rms_norm(x, norm.weight, norm.eps), norm._norm(x), dtype)
@@ -44,13 +44,11 @@ def test_rms_norm_matches_torch(dtype, shape):
 
 
 def _close(got, want, dtype):
-    if dtype is torch.float32:
-        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
-    else:  # at most one bf16 step apart, and on a small fraction of the values
-        step = want.float().abs().clamp_min(1e-30) * 2**-7
-        diff = (got.float() - want.float()).abs()
-        assert bool((diff <= step).all())
-        assert (diff > 0).float().mean().item() < 0.01
+    assert dtype is torch.bfloat16  # at most one bf16 step apart, and on a small fraction of the values
+    step = want.float().abs().clamp_min(1e-30) * 2**-7
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= step).all())
+    assert (diff > 0).float().mean().item() < 0.01
 
 
 @torch.no_grad()
@@ -69,10 +67,12 @@ def test_rms_norm_layer_takes_the_kernel_and_gemma_does_not(monkeypatch):
 
 @torch.no_grad()
 def test_rms_norm_refuses_what_it_does_not_take():
-    norm, x, _ = _norm_case(2, 4, 32, torch.float32)
+    norm, x, _ = _norm_case(2, 4, 32, torch.bfloat16)
+    assert rms_norm(x, norm.weight, norm.eps) is not None
     assert rms_norm(x.t().contiguous().t(), norm.weight, norm.eps) is None  # not contiguous
     assert rms_norm(x.view(2, 2, 32), norm.weight, norm.eps) is None  # not [T, H]
-    assert rms_norm(x, norm.weight.to(torch.bfloat16), norm.eps) is None  # weight of another dtype
+    assert rms_norm(x, norm.weight.float(), norm.eps) is None  # weight of another dtype
+    assert rms_norm(x.float(), norm.weight.float(), norm.eps) is None  # float32 stays on torch
     assert rms_norm(x.half(), norm.weight.half(), norm.eps) is None
     with torch.enable_grad():
         assert rms_norm(x, norm.weight, norm.eps) is None

@@ -2,10 +2,12 @@
 seven passes (the add, two casts, square, mean, scale, weight) over the step's hidden states.
 
 It rounds as HF's ops do (the add and the weight product in the tensor's dtype, the statistics and the scaling in
-float32); only the order of the float32 sum of squares differs from torch's reduction, so a bf16 output can sit
-one bf16 step from eager's where the scale lands on a rounding boundary. Taken for contiguous float32 / bf16 CPU
-rows whose weight has their dtype, outside torch.compile (inductor fuses the torch ops itself), where the kernel
-builds and $VLSERVE_CPU_RMS_NORM_KERNEL is not 0; `rms_norm` returns None otherwise and the caller runs torch.
+float32); only the order of the float32 sum of squares differs from torch's reduction, so an output can sit one
+bf16 step from eager's where the scale lands on a rounding boundary. Taken for contiguous bf16 CPU rows whose weight
+is bf16, outside torch.compile (inductor fuses the torch ops itself), where the kernel builds and
+$VLSERVE_CPU_RMS_NORM_KERNEL is not 0; `rms_norm` returns None otherwise and the caller runs torch. float32 rows
+stay on torch: there the summation order shows in the output's last bits, which activation quantization (W8A8)
+turns into different int8 values than the checkpoint format's own library computes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _eps_tensor(eps: float) -> torch.Tensor:
 def _takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
     return (
         x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dtype is torch.bfloat16
         and weight.dtype == x.dtype
         and x.dim() == 2
         and x.is_contiguous()

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
     `forward(x, residual=None)`: with a residual, computes `s = x + residual` (in the input dtype, like HF's
     `residual + hidden_states`) and returns `(norm(s), s)`; without one it returns `norm(x)`. On CPU rows both
-    run as one C++ pass (`kernels.rms_norm_cpu`), the same roundings but the order of the float32 sum of squares.
+    run as one C++ pass for bf16 (`kernels.rms_norm_cpu`), the same roundings but the order of the float32 sum.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
