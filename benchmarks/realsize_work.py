@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vlserve.bench.cpu_report import measure_read_gbs
+
 
 @dataclass(frozen=True)
 class MachineLimits:
@@ -43,20 +45,10 @@ def measure_gemm_gflops(dtype: str, size: int, repeats: int = 3) -> float:
     return 2 * size**3 / best / 1e9
 
 
-def measure_read_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """The best GB/s of summing a `megabytes` float32 tensor (far larger than the caches)."""
-    x = torch.ones(megabytes * (1 << 20) // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
-
-
 def measure_limits(dtypes: list[str], gemm_size: int = 4096) -> MachineLimits:
-    return MachineLimits({d: measure_gemm_gflops(d, gemm_size) for d in dtypes}, measure_read_gbs(), gemm_size)
+    return MachineLimits(
+        {d: measure_gemm_gflops(d, gemm_size) for d in dtypes}, measure_read_gbs(megabytes=512), gemm_size
+    )
 
 
 def vision_flops(vision_cfg, grids: list[tuple[int, int, int]]) -> float:

@@ -38,7 +38,7 @@ from vlserve.kernels.fused_moe_ref import fused_moe_ref
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.rotary_cpu import apply_rotary_cpu
-from vlserve.kernels.rotary_ref import apply_rotary_ref, build_rotary_cache
+from vlserve.kernels.rotary_ref import apply_rotary_float32_ref, apply_rotary_ref, build_rotary_cache
 
 BACKEND_ENV = "VLSERVE_ATTENTION_BACKEND"
 _BACKENDS = ("torch", "triton")
@@ -281,10 +281,7 @@ def apply_rotary_float32(
     if query.device.type == "cpu":
         apply_rotary_cpu(query, key, positions, cos_cache, sin_cache, mrope_section, float32_math=True)
         return
-    q32, k32 = query.float(), key.float()
-    apply_rotary(q32, k32, positions, cos_cache, sin_cache, mrope_section)
-    query.copy_(q32)
-    key.copy_(k32)
+    apply_rotary_float32_ref(query, key, positions, cos_cache, sin_cache, mrope_section, rotate=apply_rotary)
 
 
 __all__ = [

@@ -103,11 +103,12 @@ def apply_rotary_float32_ref(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     mrope_section: list[int] | None = None,
+    rotate=None,
 ) -> None:
-    """`apply_rotary_ref` on float32 copies of query and key, written back in their dtypes (HF's vision towers
-    rotate q and k in float32 whatever the model's dtype)."""
+    """`rotate` (default `apply_rotary_ref`) on float32 copies of query and key, written back in their dtypes (HF's
+    vision towers rotate q and k in float32 whatever the model's dtype)."""
     # query: [T, Hq, D]; key: [T, Hkv, D]
     q32, k32 = query.float(), key.float()
-    apply_rotary_ref(q32, k32, positions, cos_cache.float(), sin_cache.float(), mrope_section)
+    (rotate or apply_rotary_ref)(q32, k32, positions, cos_cache.float(), sin_cache.float(), mrope_section)
     query.copy_(q32)
     key.copy_(k32)
