@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: app factory (`build_app`), routes, API-key check, and `serve()` (uvicorn).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics,
-and the playground page (GET /, /playground; see playground.py) unless `playground` is off.
+POST /tokenize and /detokenize (serving_tokenize.py), and the playground page (GET /, /playground; see
+playground.py) unless `playground` is off.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vlserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from vlserve.api.serving_base import ServedModels
 from vlserve.api.serving_chat import OpenAIServingChat
 from vlserve.api.serving_completion import OpenAIServingCompletion
+from vlserve.api.serving_tokenize import install_tokenize_routes
 from vlserve.config import EngineArgs
 from vlserve.engine.async_llm import AsyncLLM
 
@@ -193,6 +195,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await completion.create(body, raw)
 
+    install_tokenize_routes(app, chat, models)
     if runtime_lora_updating_allowed():
         install_lora_routes(app, engine, models)
     if config.playground:

@@ -140,9 +140,9 @@ class OpenAIServingChat:
                     "messages",
                 )
 
-    async def _process(self, req: ChatCompletionRequest, tools: list | None = None) -> ProcessedPrompt:
+    async def _process(self, req: ChatCompletionRequest, tools: list | None = None, **render: bool) -> ProcessedPrompt:
         """The request's messages (media fetched) through the chat template and the processor; `tools` go to the
-        template."""
+        template; `render`: add_generation_prompt / add_special_tokens (the /tokenize route sets them)."""
         template_kwargs = req.template_kwargs(self.trust_request_chat_template)
         if tools:  # after the kwargs check, which refuses a client's own "tools" key
             template_kwargs["tools"] = tools
@@ -152,7 +152,7 @@ class OpenAIServingChat:
         payloads = await self.fetcher.resolve(messages)
         return await prepare_input(
             self.engine.process_chat(
-                messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)]
+                messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)], **render
             )
         )
 

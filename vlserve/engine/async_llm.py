@@ -135,12 +135,14 @@ class AsyncLLM(ControlCalls):
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         media_source: Callable[[str, dict], Any] | None = None,
+        **render: bool,
     ) -> ProcessedPrompt:
         """OpenAI messages through the chat template and the HF processor, off the event loop.
 
-        `media_source(part_type, part)` supplies each media part's payload (the server hands over pre-fetched bytes).
+        `media_source(part_type, part)` supplies each media part's payload (the server hands over pre-fetched bytes);
+        `render`: InputProcessor.process_chat's add_generation_prompt / add_special_tokens.
         """
-        process = functools.partial(self.input_processor.process_chat, media_source=media_source)
+        process = functools.partial(self.input_processor.process_chat, media_source=media_source, **render)
         return await self._in_pool(process, messages, mm_processor_kwargs, chat_template_kwargs)
 
     # -- requests --------------------------------------------------------------------------------------------

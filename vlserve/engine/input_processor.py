@@ -117,16 +117,22 @@ class InputProcessor:
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         media_source=None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> ProcessedPrompt:
         """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order).
         `media_source(part_type, part)` turns a media part into what the loader takes (the server passes
-        pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media."""
+        pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media.
+        `add_generation_prompt`: end with the assistant turn's header; `add_special_tokens`: let the tokenizer add
+        its own (BOS, ...) on top of the template's."""
         template_messages, mm_data = parse_chat_messages(messages, media_source or default_media_source)
-        text = self._render_chat(template_messages, chat_template_kwargs)
-        token_ids = self._tokenize(text, add_special_tokens=False)
+        text = self._render_chat(template_messages, chat_template_kwargs, add_generation_prompt)
+        token_ids = self._tokenize(text, add_special_tokens=add_special_tokens)
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
 
-    def _render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+    def _render_chat(
+        self, messages: list[dict], chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True
+    ) -> str:
         """Parsed messages (content parts in the "openai" shape) through the chat template, in the content format
         the template takes; transformers renders it in its sandboxed Jinja environment."""
         kwargs = dict(chat_template_kwargs or {})
@@ -138,7 +144,10 @@ class InputProcessor:
             )
         content_format = resolve_content_format(self.chat_template_content_format, template)
         return self.tokenizer.apply_chat_template(
-            to_content_format(messages, content_format), tokenize=False, add_generation_prompt=True, **kwargs
+            to_content_format(messages, content_format),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
         )
 
     def _wrap_in_chat_template(self, text: str, mm_data: dict[str, list]) -> str:
