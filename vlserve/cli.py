@@ -46,6 +46,7 @@ def serve_config_from_args(args: argparse.Namespace):
         structured_outputs_config=args.structured_outputs_config,
         served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format,
+        generation_config=args.generation_config,
         max_audio_seconds=args.max_audio_seconds,
         async_scheduling=args.async_scheduling,
         compilation_config=args.compilation_config,

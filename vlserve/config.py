@@ -188,6 +188,8 @@ class EngineArgs:
     structured_outputs_config: Any = None  # StructuredOutputsConfig, its dict or JSON text (None: xgrammar)
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
+    # default sampling parameters: "auto" (the checkpoint's generation_config.json), "vlserve" (built-in) or a directory
+    generation_config: str = "auto"
     max_audio_seconds: float | None = None  # longest audio clip accepted (None: the feature extractor's window)
     async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
     compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)

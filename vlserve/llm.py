@@ -13,9 +13,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from vlserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from vlserve.config import EngineArgs
+from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.core_messages import KV_POLL_S
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
+from vlserve.engine.generation_config import load_generation_defaults
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
 from vlserve.lora.request import LoRARequest
@@ -39,6 +40,9 @@ class LLM:
                 "processes, which only `vlserve serve` starts; LLM runs one engine in this process "
                 "(start several LLMs, or serve with --data-parallel-size)"
             )
+        self.generation_defaults = load_generation_defaults(
+            self.engine_args.generation_config, resolve_model_path(self.engine_args.model)
+        )
         self.engine_loop = EngineLoop(self.engine_args)
         self.engine = self.engine_loop.core
         self.tokenizer = self.engine_loop.tokenizer
@@ -54,6 +58,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use when given no SamplingParams: the built-in defaults, or the ones the
+        generation config (`generation_config=`: "auto", "vlserve" or a directory) gives."""
+        return self.generation_defaults.sampling_params()
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(
@@ -191,7 +200,7 @@ class LLM:
         self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool, lora_request=None
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(processed)
         )

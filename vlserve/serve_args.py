@@ -128,6 +128,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL's own)")
     model.add_argument(
+        "--generation-config",
+        default="auto",
+        help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
+        "auto reads MODEL's generation_config.json, vlserve keeps the built-in ones, a directory is read for its "
+        "generation_config.json; a request's own fields win",
+    )
+    model.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"],

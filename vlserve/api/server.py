@@ -30,8 +30,9 @@ from vlserve.api.serving_base import ServedModels
 from vlserve.api.serving_chat import OpenAIServingChat
 from vlserve.api.serving_completion import OpenAIServingCompletion
 from vlserve.api.serving_tokenize import install_tokenize_routes
-from vlserve.config import EngineArgs
+from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.async_llm import AsyncLLM
+from vlserve.engine.generation_config import load_generation_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     models = ServedModels(names, engine.engine.loaded.model_path, engine.max_model_len)
     fetcher = MediaFetcher(config.media)
     metrics = ServerMetrics(engine)
+    generation_defaults = load_generation_defaults(engine.engine_args.generation_config, models.root)
+    logger.info("%s", generation_defaults.describe())
     chat = OpenAIServingChat(
         engine,
         models,
@@ -150,8 +153,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         config.trust_request_chat_template,
         enable_auto_tool_choice=config.enable_auto_tool_choice,
         tool_call_parser=config.tool_call_parser,
+        generation_defaults=generation_defaults,
     )
-    completion = OpenAIServingCompletion(engine, models)
+    completion = OpenAIServingCompletion(engine, models, generation_defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -223,6 +227,7 @@ def serve(
             f"--data-parallel-size {engine_args.data_parallel_size} needs engine processes; it cannot "
             "be combined with --no-engine-process"
         )
+    load_generation_defaults(engine_args.generation_config, resolve_model_path(engine_args.model))  # fail early
     if engine_process:
         from vlserve.engine.mp_async_llm import MPAsyncLLM
 

@@ -44,6 +44,7 @@ from vlserve.api.serving_beam import beam_chat, wants_beam_search
 from vlserve.api.tool_choice import ToolPlan, plan_tools
 from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
+from vlserve.engine.generation_config import GenerationDefaults
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.outputs import Logprob, RequestOutput
 
@@ -110,8 +111,10 @@ class OpenAIServingChat:
         trust_request_chat_template: bool = False,
         enable_auto_tool_choice: bool = False,
         tool_call_parser: str | None = None,
+        generation_defaults: GenerationDefaults | None = None,
     ):
         self.engine = engine
+        self.generation_defaults = generation_defaults or GenerationDefaults()  # --generation-config
         self.models = models
         self.fetcher = fetcher
         self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
@@ -167,6 +170,7 @@ class OpenAIServingChat:
             return await beam_chat(self.engine, req, raw, model, self._process)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
+        params = self.generation_defaults.apply_to_request(params, req)
         processed = await self._process(req, plan.tools)
         kv = params.kv_transfer_params or {}
         remote_ids = (

@@ -26,6 +26,7 @@ from vlserve.api.serving_base import (
 from vlserve.api.serving_beam import beam_completion, wants_beam_search
 from vlserve.api.serving_chat import prepare_input
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
+from vlserve.engine.generation_config import GenerationDefaults
 from vlserve.outputs import Logprob, RequestOutput
 
 
@@ -57,9 +58,10 @@ def completion_logprobs(
 class OpenAIServingCompletion:
     """Validates, processes, queues (one engine request per prompt) and renders completions."""
 
-    def __init__(self, engine: AsyncLLM, models: ServedModels):
+    def __init__(self, engine: AsyncLLM, models: ServedModels, generation_defaults: GenerationDefaults | None = None):
         self.engine = engine
         self.models = models
+        self.generation_defaults = generation_defaults or GenerationDefaults()  # --generation-config
         self.structured_backend = structured_backend(engine)
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
@@ -74,6 +76,7 @@ class OpenAIServingCompletion:
                 self.engine, req, raw, model, lambda p: prepare_input(self.engine.process_prompt(p))
             )
         params = req.to_sampling_params(structured_backend=self.structured_backend)
+        params = self.generation_defaults.apply_to_request(params, req)
         prompts = req.prompts()
         processed = [await prepare_input(self.engine.process_prompt(p)) for p in prompts]
         for proc in processed:
