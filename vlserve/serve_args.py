@@ -32,7 +32,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 SERVE_DESCRIPTION = """\
 Serve MODEL (a local Hugging Face checkpoint directory; none: the embedded demo model) over the OpenAI API:
-/v1/chat/completions, /v1/completions, /v1/models, /health, /version, /metrics, and the playground at /.
+/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics, and the
+playground at /.
 Flags are vLLM's, grouped as `vllm serve --help` groups them."""
 
 

@@ -137,3 +137,24 @@ def test_serve_with_a_bad_directory_fails_at_start_up(text_ckpt, tmp_path, capsy
     assert rc == 2
     err = capsys.readouterr().err
     assert "--generation-config" in err and "generation_config.json" in err
+
+
+@pytest.mark.slow
+def test_cli_server_logs_its_defaults_and_serves_tokenize(tuned_ckpt, repo_root):
+    """`vlserve serve` (engine in its own process): one start-up log line, the defaults applied, /tokenize served."""
+    import httpx
+
+    from tests.api.conftest import serve_subprocess
+
+    procs: list = []
+    flags = [tuned_ckpt, "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64"]
+    with serve_subprocess(flags, repo_root, procs=procs) as base:
+        with httpx.Client(base_url=base, timeout=60, trust_env=False) as http:
+            r = http.post("/v1/completions", json={"prompt": "one two", "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+            tokens = http.post("/tokenize", json={"prompt": "one two"}).json()
+            assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
+            assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "one two"}
+    log = procs[0].stdout.read()
+    lines = [line for line in log.splitlines() if "default sampling parameters" in line]
+    assert len(lines) == 1 and "repetition_penalty=3.0" in lines[0] and "max_tokens=6" in lines[0], log[-2000:]
