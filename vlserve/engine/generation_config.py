@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_FILE = "generation_config.json"
 BUILTIN = "vlserve"
 _KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
-_REQUEST_ALIASES = {"max_completion_tokens": "max_tokens", "max_new_tokens": "max_tokens"}
+_REQUEST_ALIASES = {"max_completion_tokens": "max_tokens"}  # request field -> the SamplingParams field it sets
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def load_generation_defaults(setting: str, model_path: str) -> GenerationDefault
         config = GenerationConfig.from_pretrained(folder).to_diff_dict()
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}: {e}") from None
-    values = {_REQUEST_ALIASES.get(k, k): config[k] for k in _KEYS if config.get(k) is not None}
+    values = {("max_tokens" if k == "max_new_tokens" else k): config[k] for k in _KEYS if config.get(k) is not None}
     try:
         SamplingParams(**values)
     except (ValueError, TypeError) as e:
