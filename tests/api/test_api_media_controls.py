@@ -284,3 +284,41 @@ def test_image_embeds_bad_shapes(served):
         status, msg = post(served, image_msg(part))
         assert status == 400 and words in msg, (words, msg)
     check_nothing_held(served)
+
+
+# -- `vlserve serve` (engine in its own process, the flags from the command line) -------------------------------------
+@pytest.mark.slow
+def test_serve_flags_through_the_engine_process(vl_ckpt, repo_root):
+    import json
+
+    import httpx
+
+    from tests.api.conftest import serve_subprocess
+    from vlserve import LLM
+
+    llm = LLM(vl_ckpt, dtype="float32", num_kv_blocks=64)
+    url = data_url(png_bytes(41, size=(84, 84)))
+    _, data = llm.input_processor.mm_processor.process_image(url)
+    emb = llm.engine.runner.model.embed_multimodal("image", data).cpu()  # [n, H]: the tower's
+    grid = data["image_grid_thw"].tolist()
+    llm.shutdown()
+    flags = [vl_ckpt, "--dtype", "float32", "--num-kv-blocks", "256", "--served-model-name", "tiny-vl"]
+    flags += ["--media-io-kwargs", json.dumps({"video": {"num_frames": 4}}), "--enable-mm-embeds"]
+    with serve_subprocess(flags, repo_root, 180) as base, httpx.Client(base_url=base, timeout=120) as http:
+
+        def ask(messages, **extra) -> dict:
+            body = {"model": "tiny-vl", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            r = http.post("/v1/chat/completions", json={**body, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        by_image = ask(image_msg(image_part(url, "img-41")))
+        by_embeds = ask(image_msg(_embeds_part(emb, grid)))
+        by_name = ask(image_msg(image_part(None, "img-41")))
+        texts = {r["choices"][0]["message"]["content"] for r in (by_image, by_embeds, by_name)}
+        assert len(texts) == 1 and by_embeds["usage"]["prompt_tokens"] == by_image["usage"]["prompt_tokens"]
+        four = ask(video_msg())["usage"]["prompt_tokens"]
+        eight = ask(video_msg(), media_io_kwargs={"video": {"num_frames": 8}})["usage"]["prompt_tokens"]
+        assert four < eight
+        r = http.post("/v1/chat/completions", json={"model": "tiny-vl", "messages": image_msg(image_part(None, "x"))})
+        assert r.status_code == 400 and "no cached item" in r.json()["error"]["message"]

@@ -149,7 +149,7 @@ class OpenAIServingChat:
         if tools:  # after the kwargs check, which refuses a client's own "tools" key
             template_kwargs["tools"] = tools
         mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs, self.mm_kwarg_limits)
-        mm_kwargs = self.media_controls.merge(req.media_io_kwargs, mm_kwargs)
+        mm_kwargs = self.media_controls.merge(getattr(req, "media_io_kwargs", None), mm_kwargs)
         messages = req.messages_as_dicts()
         self._check_media(messages)
         self.media_controls.check_parts(messages)
