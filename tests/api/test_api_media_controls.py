@@ -135,6 +135,14 @@ def test_media_io_kwargs_merge_rules():
             controls.merge(value, None)
     with pytest.raises(APIError, match="both"):
         controls.merge({"video": {"fps": 1}}, {"num_frames": 4})
+    from types import SimpleNamespace
+
+    from vlserve.api.media import MediaConfig
+
+    textless = SimpleNamespace(input_processor=None)  # no media processor: only the fps bound applies
+    with pytest.raises(ValueError, match="--media-io-kwargs: media_io_kwargs.video.fps may be at most 30"):
+        MediaIOControls.from_engine(textless, MediaConfig(media_io_kwargs={"video": {"fps": 60}}))
+    assert MediaIOControls.from_engine(textless, MediaConfig(media_io_kwargs={"video": {"fps": 3}})).defaults
     with pytest.raises(APIError, match="--enable-mm-embeds"):
         MediaIOControls({}).check_parts(image_msg({"type": "image_embeds", "image_embeds": "AAAA"}))
 
