@@ -30,6 +30,8 @@ DEFAULTS = {
     "enable_prefix_caching": True,
     "limit_mm_per_prompt": None,
     "mm_processor_kwargs": None,
+    "media_io_kwargs": None,
+    "enable_mm_embeds": False,
     "mm_preprocess_workers": 4,
     "encoder_cache_size": None,
     "max_num_encoder_input_tokens": None,
@@ -105,6 +107,8 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
     "MultiModalConfig": [
         "--limit-mm-per-prompt",
         "--mm-processor-kwargs",
+        "--media-io-kwargs",
+        "--enable-mm-embeds",
         "--max-audio-seconds",
         "--mm-encoder-only",
         "--mm-encoder-quantization",

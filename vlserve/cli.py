@@ -79,6 +79,8 @@ def serve_config_from_args(args: argparse.Namespace):
         media=MediaConfig(
             allowed_local_media_path=args.allowed_local_media_path,
             allowed_media_domains=_split_domains(args.allowed_media_domains),
+            media_io_kwargs=args.media_io_kwargs,
+            enable_mm_embeds=args.enable_mm_embeds,
         ),
     )
     return engine_args, config

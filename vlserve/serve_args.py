@@ -196,6 +196,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "image processor where transformers has one)",
     )
     mm.add_argument(
+        "--media-io-kwargs",
+        type=_json_dict,
+        default=None,
+        help='defaults of the per-request media_io_kwargs, e.g. \'{"video":{"num_frames":8}}\' (or fps); a '
+        "request's value replaces them (default: every frame, up to the frame cap)",
+    )
+    mm.add_argument(
+        "--enable-mm-embeds",
+        action="store_true",
+        help="accept image_embeds content parts (precomputed tower embeddings; default: refused)",
+    )
+    mm.add_argument(
         "--max-audio-seconds",
         type=float,
         default=None,

@@ -20,6 +20,7 @@ from urllib.parse import unquote, urljoin, urlparse
 import httpx
 
 from vlserve.api.errors import APIError
+from vlserve.engine.chat import is_name_only
 from vlserve.multimodal.audio import input_audio_data_url
 from vlserve.shorten import shorten
 
@@ -38,6 +39,9 @@ class MediaConfig:
         default_factory=lambda: {"image": 20 << 20, "video": 200 << 20, "audio": 50 << 20}
     )
     max_redirects: int = 5
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None  # defaults of the per-request field (media_controls)
+    max_video_fps: float = 30.0  # bound on media_io_kwargs.video.fps
+    enable_mm_embeds: bool = False  # image_embeds content parts
 
 
 class MediaFetcher:
@@ -83,7 +87,7 @@ class MediaFetcher:
 
     async def resolve(self, messages: list[dict]) -> dict[int, Any]:
         """Fetch every media part concurrently -> {id(part): payload} (the first failure cancels the rest)."""
-        parts = self.media_parts(messages)
+        parts = [(t, p) for t, p in self.media_parts(messages) if not is_name_only(p)]  # uuid alone: cached
         if not parts:
             return {}
         try:

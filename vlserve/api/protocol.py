@@ -168,6 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None  # checked by vlserve.api.media_controls
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     tools: Any = None  # checked by vlserve.api.tool_choice
@@ -228,6 +229,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    media_io_kwargs: dict[str, Any] | None = None  # checked by vlserve.api.media_controls (no media here)
 
     _check_prompt = field_validator("prompt")(check_unicode)
 

@@ -38,7 +38,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple] = {
     "cache_salt": _NONE,
     "vllm_xargs": _EMPTY,
     "prompt_embeds": _NONE,
-    "media_io_kwargs": _EMPTY,
     "thinking_token_budget": _NONE,
 }
 _UNSUPPORTED_CHAT: dict[str, tuple] = {

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError, sse_error, to_api_error
 from vlserve.api.media import PASSTHROUGH_PARTS, URL_PARTS, MediaFetcher
+from vlserve.api.media_controls import MediaIOControls
 from vlserve.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -119,6 +120,7 @@ class OpenAIServingChat:
         self.fetcher = fetcher
         self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
         self.mm_kwarg_limits = MMKwargLimits.from_engine(engine)
+        self.media_controls = MediaIOControls.from_engine(engine, fetcher.config)
         self.trust_request_chat_template = trust_request_chat_template
         parser = None if tool_call_parser is None else ToolParserManager.get(tool_call_parser)
         if enable_auto_tool_choice and parser is None:
@@ -150,12 +152,14 @@ class OpenAIServingChat:
         if tools:  # after the kwargs check, which refuses a client's own "tools" key
             template_kwargs["tools"] = tools
         mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs, self.mm_kwarg_limits)
+        mm_kwargs = self.media_controls.merge(getattr(req, "media_io_kwargs", None), mm_kwargs)
         messages = req.messages_as_dicts()
         self._check_media(messages)
+        self.media_controls.check_parts(messages)
         payloads = await self.fetcher.resolve(messages)
         return await prepare_input(
             self.engine.process_chat(
-                messages, mm_kwargs, template_kwargs, media_source=lambda _t, part: payloads[id(part)], **render
+                messages, mm_kwargs, template_kwargs, media_source=self.media_controls.media_source(payloads), **render
             )
         )
 

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError, sse_error, to_api_error
+from vlserve.api.media_controls import MediaIOControls
 from vlserve.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id
 from vlserve.api.serving_base import (
     SSE_DONE,
@@ -63,12 +64,14 @@ class OpenAIServingCompletion:
         self.models = models
         self.generation_defaults = generation_defaults or GenerationDefaults()  # --generation-config
         self.structured_backend = structured_backend(engine)
+        self.media_controls = MediaIOControls.from_engine(engine)  # checks media_io_kwargs (prompts carry no media)
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
         model = self.models.check(req.model)
         lora = self.models.lora_of(model)
         check_kv_transfer_params(self.engine, req, len(req.prompts()))
+        self.media_controls.check(req.media_io_kwargs)
         if wants_beam_search(req):
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")

@@ -16,6 +16,7 @@ from typing import Any
 
 from vlserve.engine.request_limits import check_role
 from vlserve.multimodal.audio import input_audio_data_url
+from vlserve.multimodal.media_refs import NamedItem, check_uuid, decode_image_embeds
 from vlserve.shorten import shorten
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -28,6 +29,7 @@ _MEDIA_PART = {
     "video": "video",
     "input_audio": "audio",
     "audio_url": "audio",
+    "image_embeds": "image",
 }
 
 # What a string-only template gets for each media item (Qwen2-VL's vision markers; Qwen2-Audio's audio markers).
@@ -61,7 +63,26 @@ def default_media_source(part_type: str, part: dict) -> Any:
         return url
     if part_type == "input_audio":
         return input_audio_data_url(part.get("input_audio"))
+    if part_type == "image_embeds":
+        return decode_image_embeds(part.get("image_embeds"))
     return part.get(part_type)
+
+
+def is_name_only(part: dict) -> bool:
+    """A media part that carries a `uuid` and no media: it asks for the item cached under that name."""
+    ptype = part.get("type")
+    if part.get("uuid") is None or ptype not in _MEDIA_PART:
+        return False
+    return (_url_of(part, ptype) if ptype.endswith("_url") else part.get(ptype)) is None
+
+
+def _media_item(ptype: str, part: dict, media_source: Callable[[str, dict], Any]) -> Any:
+    """A media part's item for the processor: its payload, wrapped in a NamedItem when the part has a `uuid`."""
+    if part.get("uuid") is None:
+        return media_source(ptype, part)
+    if ptype == "image_embeds":
+        raise ValueError("image_embeds parts take no uuid (their content is their key)")
+    return NamedItem(check_uuid(part["uuid"]), None if is_name_only(part) else media_source(ptype, part))
 
 
 def parse_chat_messages(
@@ -93,7 +114,7 @@ def parse_chat_messages(
                 parts.append({"type": "text", "text": part["text"]})
             elif ptype in _MEDIA_PART:
                 modality = _MEDIA_PART[ptype]
-                mm_data.setdefault(modality, []).append(media_source(ptype, part))
+                mm_data.setdefault(modality, []).append(_media_item(ptype, part, media_source))
                 parts.append({"type": modality})
             else:
                 raise ValueError(f"message {i} part {j}: unsupported content part type {shorten(ptype)}")

@@ -17,6 +17,7 @@ from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.lora.peft_checkpoint import adapter_targets_encoder
 from vlserve.multimodal.inputs import MultiModalFeature, feature_from_remote
+from vlserve.multimodal.media_refs import ImageEmbeds
 from vlserve.sampling_params import SamplingParams
 from vlserve.shorten import shorten
 
@@ -175,6 +176,9 @@ class InputProcessor:
             limit = self.limit_mm_per_prompt.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(f"{len(items)} {modality} items exceed limit_mm_per_prompt[{modality!r}]={limit}")
+        for item in mm_data.get("image", []):
+            if isinstance(item, ImageEmbeds):
+                item.check(self.loaded.hf_config)  # width and grid against this model (ValueError)
         kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
         token_ids, features = self.mm_processor.process(
             token_ids, mm_data.get("image", []), mm_data.get("video", []), kwargs, audios=mm_data.get("audio", [])

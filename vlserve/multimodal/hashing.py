@@ -2,7 +2,8 @@
 
 The hash keys the processor cache, the encoder cache and (through the KV manager's block hashes) prefix caching
 of multimodal prompts, so it covers everything that changes the encoder output: modality, pixel bytes, shape,
-dtype and the processor kwargs.
+dtype and the processor kwargs (for videos, the frame sampling too: `fps`, `num_frames`, `max_frames`).
+An item the client named (`uuid`) is keyed by its name and the same kwargs instead of its content.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ def hash_mm_item(modality: str, item: Any, processor_kwargs: dict | None = None)
     h = hashlib.blake2b(digest_size=32)
     h.update(f"vlserve-mm-v1|{modality}|".encode())
     _update(h, item)
+    h.update(b"|kwargs|")
+    h.update(_canonical_kwargs(processor_kwargs).encode())
+    return h.hexdigest()
+
+
+def hash_named_item(modality: str, uuid: str, processor_kwargs: dict | None = None) -> str:
+    """The mm_hash of an item the client named (a content part's `uuid`): the name stands for the content, so the
+    digest covers (modality, name, sorted processor kwargs) and never equals a content hash."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(f"vlserve-mm-uuid-v1|{modality}|{len(uuid)}|".encode())
+    h.update(uuid.encode())
     h.update(b"|kwargs|")
     h.update(_canonical_kwargs(processor_kwargs).encode())
     return h.hexdigest()

@@ -20,7 +20,7 @@ from typing import Any
 
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.gemma3_items import gemma3_items_for
-from vlserve.multimodal.hashing import hash_mm_item
+from vlserve.multimodal.hashing import hash_mm_item, hash_named_item
 from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.llava_items import image_items_for
 from vlserve.multimodal.media import (
@@ -30,6 +30,7 @@ from vlserve.multimodal.media import (
     load_image,
     load_video,
 )
+from vlserve.multimodal.media_refs import ImageEmbeds, NamedItem
 from vlserve.multimodal.perception_lm import family_items
 from vlserve.multimodal.qwen3_vl_video import Qwen3VLVideos, is_qwen3_vl_processor
 from vlserve.shorten import shorten
@@ -180,6 +181,7 @@ class MultiModalProcessor:
         """-> (image processor kwargs, video processor kwargs, video sampling kwargs)."""
         mm_kwargs = {k: v for k, v in (mm_kwargs or {}).items() if k not in LOAD_TIME_KEYS}
         sampling = {k: mm_kwargs.pop(k) for k in VIDEO_SAMPLING_KEYS if k in mm_kwargs}
+        sampling = {k: v for k, v in sampling.items() if v is not None}  # None: a request unset a server default
         return dict(mm_kwargs), dict(mm_kwargs), sampling
 
     def _video_hf_kwargs(self, video_kwargs: dict) -> dict:
@@ -260,6 +262,12 @@ class MultiModalProcessor:
                 "image_grid_thw": int64 [1, 3]} for Qwen; LLaVA's: see llava_items.
         """
         image_kwargs = image_kwargs or {}
+        if isinstance(image, ImageEmbeds):  # precomputed embeddings: nothing to process or cache
+            return image.mm_hash, image.data()
+        if isinstance(image, NamedItem):  # keyed by the client's name; without media, only a cached item serves
+            mm_hash = hash_named_item("image", image.uuid, image_kwargs)
+            load = lambda: load_image(image.require_media("image"), max_pixels=self.max_image_pixels)  # noqa: E731
+            return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_image(load(), image_kwargs))
         img = load_image(image, max_pixels=self.max_image_pixels)
         mm_hash = hash_mm_item("image", img, image_kwargs)
         return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_image(img, image_kwargs))
@@ -291,17 +299,20 @@ class MultiModalProcessor:
             raise ValueError("this model's processor has no video processor; videos are not supported")
         video_kwargs, sampling = video_kwargs or {}, dict(sampling_kwargs or {})
         max_frames = int(sampling.pop("max_frames", self.max_video_frames))
-        if not isinstance(video, LoadedVideo):
-            video = load_video(
-                video,
-                fps=sampling.get("fps"),
-                num_frames=sampling.get("num_frames"),
-                max_frames=max_frames,
-                max_pixels=self.max_image_pixels,
-            )
+        if isinstance(video, NamedItem):  # as for images: the key is the name and every kwarg, sampling included
+            mm_hash = hash_named_item("video", video.uuid, {**video_kwargs, **sampling, "max_frames": max_frames})
+            load = lambda: self._load_video(video.require_media("video"), sampling, max_frames)  # noqa: E731
+            return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(load(), video_kwargs, sampling))
+        video = self._load_video(video, sampling, max_frames)
         timing = {"qwen3_vl_timing": self.qwen3_videos.timing(video)} if self.qwen3_videos is not None else {}
         mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames, **timing})
         return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(video, video_kwargs, sampling))
+
+    def _load_video(self, video: Any, sampling: dict, max_frames: int) -> LoadedVideo:
+        if isinstance(video, LoadedVideo):
+            return video
+        fps, num_frames = sampling.get("fps"), sampling.get("num_frames")
+        return load_video(video, fps, num_frames, max_frames, max_pixels=self.max_image_pixels)
 
     def _run_video(self, video: LoadedVideo, video_kwargs: dict, sampling: dict) -> dict:
         import torch
@@ -335,6 +346,10 @@ class MultiModalProcessor:
         -> (mm_hash, data); data as vlserve.multimodal.audio.AudioItemProcessor describes."""
         if self.audio_processor is None:
             raise ValueError("this model's processor has no audio feature extractor; audio is not supported")
+        if isinstance(audio, NamedItem):  # as for images
+            load = lambda: self.audio_processor.load_and_hash(audio.require_media("audio"))[0]  # noqa: E731
+            mm_hash = hash_named_item("audio", audio.uuid)
+            return mm_hash, self._get_or_compute(mm_hash, lambda: self.audio_processor.features(load()))
         clip, mm_hash = self.audio_processor.load_and_hash(audio)
         return mm_hash, self._get_or_compute(mm_hash, lambda: self.audio_processor.features(clip))
 

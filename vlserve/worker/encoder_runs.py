@@ -95,6 +95,9 @@ class EncoderRunner:
                 feat = state.mm_features[i]
                 if feat.mm_hash in outputs:
                     continue
+                if "image_embeds" in feat.data:  # precomputed by the client: what the tower would give
+                    outputs[feat.mm_hash] = feat.data["image_embeds"].to(self.device)  # [n, H]
+                    continue
                 if ec is not None and not lora_id and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
                     outputs[feat.mm_hash] = loaded  # [n, H] a producer encoded: the tower does not run
                 else:
@@ -147,6 +150,9 @@ class EncoderRunner:
                 if feat.mm_hash in outputs:
                     continue  # loaded from a producer at its first slice
                 if piece.start == 0:
+                    if "image_embeds" in feat.data:  # precomputed: no stage runs
+                        outputs[feat.mm_hash] = feat.data["image_embeds"].to(self.device)  # [n, H]
+                        continue
                     if ec is not None and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
                         outputs[feat.mm_hash] = loaded  # [n, H]
                         continue
