@@ -45,7 +45,9 @@ def hf_greedy_adjusted(hf, prompt: list[int], steps: int, adjust) -> list[int]:
 
 def generate(llm, prompts, **params) -> list[list[int]]:
     sp = SamplingParams(ignore_eos=True, **params)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ]
 
 
 def test_logit_bias_matches_hf_and_forces_a_token(llm, hf, prompts):
@@ -141,9 +143,9 @@ def test_prompt_logprobs_skip_prefix_cache_hits(llm, hf, qwen2_dir):
     warm = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     again = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert warm.num_cached_tokens == 0 and again.num_cached_tokens >= 32  # the prompt's blocks are cached
-    out = llm.generate(
-        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-    )[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[
+        0
+    ]
     assert out.num_cached_tokens == 0
     check_prompt_logprobs(out.prompt_logprobs, prompt, hf_prompt_logprobs(hf, prompt), 0)
     llm.check_integrity()
