@@ -55,6 +55,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    prompt_logprobs: None = None
+    # per prompt token (prompt_logprobs asked for): None for the first, then {token id: Logprob} of the token itself
+    # and the top ones; None when not asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     encoder_stats: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # a KV connector's (a producer's: where the decode side finds the KV)

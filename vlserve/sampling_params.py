@@ -31,7 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (plus the sampled one)
-    prompt_logprobs: int | None = None  # accepted for API compatibility; not computed
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top ones (RequestOutput.prompt_logprobs)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -40,6 +40,13 @@ class SamplingParams:
     # request asks its engine to keep the KV for a consumer; a decode request carries what the prefill's output
     # returned ({"do_remote_prefill": True, "remote_host", "remote_port", "remote_block_ids", ...}).
     kv_transfer_params: dict | None = None
+    # Logits adjustments, applied before sampling (returned logprobs stay the model's own): a bias added to a token's
+    # logit (in [-100, 100]), the only ids that may be sampled, and words never generated (vLLM's bad_words: the
+    # engine tokenizes each, with and without a leading space, into `_bad_words_token_ids`).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # Filled by the engine: ids that end the request (EOS plus generation_config's eos list).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -54,7 +61,37 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
+        self._verify_logits_adjustments()
         self._verify()
+
+    def _verify_logits_adjustments(self) -> None:
+        """Normalize and check logit_bias (keys may be id strings, as OpenAI sends them), allowed_token_ids and
+        bad_words; the vocabulary bounds are checked by the engine, which knows the vocabulary."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to biases.")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                tid = int(token) if isinstance(token, str) and token.strip().lstrip("-").isdigit() else token
+                if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}.")
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}.")
+                bias[tid] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids.")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise ValueError("allowed_token_ids must hold non-negative integers.")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words
+            ):
+                raise ValueError("bad_words must be a list of non-empty strings.")
+            self.bad_words = list(self.bad_words) or None
 
     def _verify(self) -> None:
         def bad(msg: str) -> None:
@@ -110,6 +147,16 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when logit_bias, allowed_token_ids or bad_words change the logits before sampling."""
+        return bool(self.logit_bias or self.allowed_token_ids or self._bad_words_token_ids)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """True when sampling reads the output tokens so far (penalties count them; bad words match their tail)."""
+        return self.needs_penalties or bool(self._bad_words_token_ids)
 
     def all_stop_token_ids(self) -> set[int]:
         """Token ids that end generation (EOS unless ignore_eos, plus stop_token_ids)."""

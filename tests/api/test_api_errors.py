@@ -34,7 +34,7 @@ BAD_REQUESTS = [
     (CHAT, chat(seed="x"), 400, "seed"),
     (CHAT, chat(seed=2**70), 400, "seed"),
     (CHAT, chat(n=2**40), 400, "n must"),
-    (CHAT, chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias"),
     (CHAT, chat(stop=[""]), 400, "stop"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "logprobs"),

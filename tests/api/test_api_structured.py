@@ -195,15 +195,11 @@ def test_other_server_backend():
 
 # -- no silent drops -----------------------------------------------------------------------------------------------
 CHANGING = {
-    "logit_bias": {"5": 10},
     "best_of": 2,
     "use_beam_search": True,
     "length_penalty": 0.5,
     "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 5,
-    "prompt_logprobs": 1,
-    "allowed_token_ids": [1, 2],
-    "bad_words": ["x"],
     "priority": 1,
     "logits_processors": ["a.b"],
     "return_tokens_as_token_ids": True,
@@ -352,7 +348,7 @@ def test_http_completions(server):
         ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex and guided_choice"),
         ({"best_of": 3}, "best_of"),
         ({"use_beam_search": True, "guided_choice": ["a", "b"]}, "guided_choice"),  # beam search takes no constraint
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 99}, "prompt_logprobs"),
         ({"structured_outputs": {"regex": "a", "backend": "x"}}, "backend"),
         ({"guided_json": SCHEMA, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"guided_json": SCHEMA, "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),

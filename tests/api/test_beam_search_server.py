@@ -168,7 +168,7 @@ def test_chat_with_image_equals_offline(llava_ckpt):
         ({**BEAM, "guided_choice": ["a", "b"]}, "guided_choice", "guided_choice"),
         ({**BEAM, "response_format": {"type": "json_object"}}, "response_format", "response_format"),
         ({**BEAM, "echo": True}, "echo", "echo"),
-        ({**BEAM, "logit_bias": {"5": 3}}, None, "logit_bias"),
+        ({**BEAM, "logit_bias": {"5": 3}}, "logit_bias", "logit_bias is not supported with use_beam_search"),
         ({**BEAM, "max_tokens": 2000}, "max_tokens", "too large"),
         ({"use_beam_search": "yes"}, "use_beam_search", "boolean"),
         ({**BEAM, "length_penalty": "long"}, "length_penalty", "number"),

@@ -94,6 +94,12 @@ class _SamplingFields(OpenAIModel):
     # disaggregated prefill / decode (P2PConnector): {"do_remote_decode": true} on a producer, or the params a
     # producer returned on a consumer; the server refuses it without a KV connector (serving_base)
     kv_transfer_params: dict[str, Any] | None = None
+    # logits adjustments (OpenAI's logit_bias: token id string -> bias in [-100, 100]; vLLM's allowed_token_ids and
+    # bad_words) and vLLM's prompt_logprobs (top-k per prompt token; not with stream)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
 
     _check_stop = field_validator("stop")(check_unicode)
 
@@ -112,6 +118,8 @@ class _SamplingFields(OpenAIModel):
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if self.seed is not None and not _INT64[0] <= self.seed <= _INT64[1] - MAX_N:
             raise ValueError(f"seed must fit in a signed 64-bit integer (and leave room for n), got {self.seed}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream=true")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -132,6 +140,10 @@ class _SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured,
             kv_transfer_params=self.kv_transfer_params,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property
@@ -357,6 +369,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None  # a P2P producer's: where a consumer reads the prompt's KV
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # when the request asked for them
 
 
 class DeltaMessage(_OmitNone):
@@ -392,12 +405,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class PromptLogprob(BaseModel):
+    """One token of a position's `prompt_logprobs` entry (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionChoice(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # when the request asked for them
 
 
 class CompletionResponse(BaseModel):

@@ -21,16 +21,12 @@ _EMPTY = (None, [], {})
 
 # Both endpoints (vLLM's sampling and extra parameters, OpenAI's fields vLLM lacks), field -> no-op values.
 _UNSUPPORTED_COMMON: dict[str, tuple] = {
-    "logit_bias": _EMPTY,
     "best_of": (None, 1),
     "use_beam_search": _FALSE,
     "length_penalty": (None, 1, 1.0),
     "early_stopping": _FALSE,
     "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": _NONE,
-    "prompt_logprobs": _NONE,
-    "allowed_token_ids": _NONE,
-    "bad_words": _EMPTY,
     "priority": (None, 0),
     "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _FALSE,

@@ -59,6 +59,10 @@ _REFUSED_COMMON: dict[str, tuple] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structural_tag": (None,),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
 }
 _REFUSED = {
     "completion": {**_REFUSED_COMMON, "logprobs": (None,), "echo": (False,), "suffix": (None, "")},

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from vlserve.api.errors import APIError, sse_error, to_api_error
 from vlserve.api.media import PASSTHROUGH_PARTS, URL_PARTS, MediaFetcher
 from vlserve.api.media_controls import MediaIOControls
+from vlserve.api.prompt_logprobs import prompt_logprobs_body
 from vlserve.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -215,6 +216,7 @@ class OpenAIServingChat:
             choices=choices,
             usage=usage_of([final]),
             kv_transfer_params=final.kv_transfer_params,
+            prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
         )
         return JSONResponse(body.model_dump())
 

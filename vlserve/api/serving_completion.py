@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError, sse_error, to_api_error
 from vlserve.api.media_controls import MediaIOControls
+from vlserve.api.prompt_logprobs import prompt_logprobs_body
 from vlserve.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id
 from vlserve.api.serving_base import (
     SSE_DONE,
@@ -116,6 +117,7 @@ class OpenAIServingCompletion:
                 logprobs=completion_logprobs(c.logprobs, top_k, 0),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs),
             )
             for p, out in enumerate(finals)
             for c in out.outputs

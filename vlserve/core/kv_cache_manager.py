@@ -111,8 +111,9 @@ class KVCacheManager:
     # -- protocol --------------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks | None, int]:
         """The longest cached prefix every group can serve (always leaves >= 1 token to compute): per group its
-        blocks (the null block below a dropping group's window), and the number of tokens they hold."""
-        if not self.enable_caching:
+        blocks (the null block below a dropping group's window), and the number of tokens they hold. A request asking
+        for prompt_logprobs reads no hit: every prompt token's logits are computed."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return None, 0
         max_hit_tokens = request.num_tokens - 1
         self._update_block_hashes(request, max_hit_tokens)

@@ -124,6 +124,9 @@ class ModelRunnerOutput:
     num_encoded_embeds: int = 0  # embeddings those calls produced
     step_seconds: float = 0.0  # the whole execute_model call
     kv_connector_output: Any = None  # a kv_transfer KVConnectorOutput (loads / saves that ended), or None
+    # Per request whose prompt ended this step and that asked for prompt_logprobs: per prompt token after the first,
+    # (its id then the top ids, their logprobs, its rank), or None where its logprob was not computed here.
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int] | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +141,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # a KV connector's, with the request's last output
+    prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None  # as ModelRunnerOutput's
 
     @property
     def finished(self) -> bool:

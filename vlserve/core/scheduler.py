@@ -330,7 +330,7 @@ class Scheduler:
             self.waiting.extendleft(kv_transfer.update_from_output(runner_out.kv_connector_output, self.kv))
         finished: list[tuple[Request, bool]] = []  # (request, was running)
         get_request, spec_scheduled = self.requests.get, sched_out.scheduled_spec_decode_tokens
-        spec_next, logprobs = runner_out.spec_token_ids, runner_out.logprobs
+        spec_next, logprobs, prompt_lps = runner_out.spec_token_ids, runner_out.logprobs, runner_out.prompt_logprobs
         RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         max_model_len = self.config.max_model_len
         num_generated = 0
@@ -371,6 +371,7 @@ class Scheduler:
                     req.stop_reason,
                     lps[: len(new_tokens)] if lps else None,
                     max(req.num_cached_tokens, 0),
+                    prompt_logprobs=prompt_lps.get(rid) if prompt_lps else None,
                 )
             )
             if is_finished:

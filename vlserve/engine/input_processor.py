@@ -13,6 +13,7 @@ from vlserve.engine.chat import (
     resolve_content_format,
     to_content_format,
 )
+from vlserve.engine.logits_fields import bind_logits_fields
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.lora.peft_checkpoint import adapter_targets_encoder
@@ -256,6 +257,7 @@ class InputProcessor:
         it runs with (None: the base model). An adapter with tower / projector weights makes the items' embeddings
         its own: their mm_hash gains `:lora:<id>`, so the encoder cache never mixes them with the base's."""
         params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
+        params = bind_logits_fields(params, self.tokenizer, self.loaded.hf_config.get_text_config().vocab_size)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         features = processed.mm_features

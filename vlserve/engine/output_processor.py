@@ -36,6 +36,7 @@ class _ParentState:
     seqs: dict[str, _SeqState]
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None first: the first token has none
 
     @property
     def finished(self) -> bool:
@@ -120,6 +121,8 @@ class OutputProcessor:
             parent.num_cached_tokens = out.num_cached_tokens
             if out.kv_transfer_params is not None:
                 parent.kv_transfer_params = out.kv_transfer_params
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:  # (n > 1: each sequence sends it)
+                parent.prompt_logprobs = [None] + [self._logprob_dict(*e) if e else None for e in out.prompt_logprobs]
             metrics = parent.metrics
             if metrics.first_token_time is None and out.new_token_ids:
                 metrics.first_token_time = now
@@ -150,13 +153,17 @@ class OutputProcessor:
 
     def _append_logprobs(self, seq: _SeqState, new: list) -> None:
         for ids, vals, rank in new:
-            entry = {}
-            for j, (tid, lp) in enumerate(zip(ids, vals)):
-                if tid not in entry:
-                    text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
-                    entry[tid] = Logprob(lp, rank if j == 0 else j, text)
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_dict(ids, vals, rank))
             seq.cumulative_logprob += vals[0]
+
+    def _logprob_dict(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
+        """{token id: Logprob} of one position: ids[0] (the chosen token, with `rank`) then the top ones (rank j)."""
+        entry = {}
+        for j, (tid, lp) in enumerate(zip(ids, vals)):
+            if tid not in entry:
+                text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+                entry[tid] = Logprob(lp, rank if j == 0 else j, text)
+        return entry
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request (by user id); returns its engine ids so the core can abort them too."""
@@ -212,5 +219,6 @@ class OutputProcessor:
             parent.finished,
             parent.metrics,
             parent.num_cached_tokens,
+            prompt_logprobs=None if parent.prompt_logprobs is None else list(parent.prompt_logprobs),
             kv_transfer_params=parent.kv_transfer_params,
         )

@@ -33,6 +33,7 @@ from vlserve.worker.draft_inputs import build_draft_inputs
 from vlserve.worker.encoder_runs import EncoderRunner, EncoderWork
 from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
+from vlserve.worker.prompt_logprobs import PromptLogprobsCollector
 from vlserve.worker.proposer import DraftKVSpec, Proposer
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler, StepSamples
@@ -92,7 +93,8 @@ class ModelRunner:
             else tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)),
         )
         self.requests: dict[str, CachedRequestState] = {}
-        self.num_penalized = 0  # >= the tracked requests with penalties (0: none has any)
+        self.num_penalized = 0  # >= the tracked requests with penalties or bad words (0: none has any)
+        self.prompt_logprobs = PromptLogprobsCollector()  # requests whose prompt logprobs are being computed
         # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
         self.encoders = EncoderRunner(model, device, self.lora_manager)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -267,9 +269,10 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             state = self.requests.pop(rid, None)
-            if state is not None and state.sampling_params.needs_penalties:
+            if state is not None and state.sampling_params.reads_output_tokens:
                 self.num_penalized -= 1
             self.input_batch.remove_request(rid)
+        self.prompt_logprobs.drop(so.finished_req_ids)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
         if so.free_encoder_mm_hashes:  # evicted, or abandoned mid-encode
@@ -294,7 +297,8 @@ class ModelRunner:
             if self.bidirectional_token_id is not None:
                 state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
-            self.num_penalized += params.needs_penalties
+            self.num_penalized += params.reads_output_tokens
+            self.prompt_logprobs.start(new.req_id, params, len(new.output_token_ids))
             self.input_batch.add_request(new.req_id, new.block_ids)
         requests = self.requests
         for cached in so.scheduled_cached_reqs:
@@ -381,14 +385,16 @@ class ModelRunner:
         samples = None
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         handle = StepHandle(out)
+        if self.prompt_logprobs.partial:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, states, starts, q_lens, cu)
         all_sample = len(sample_idx) == B  # (every decode step)
         if len(sample_idx):
             sample_states = states if all_sample else [states[i] for i in sample_idx.tolist()]
             spec = so.scheduled_spec_decode_tokens
             drafts = [spec.get(s.req_id, []) for s in sample_states] if spec else [[] for _ in sample_states]
             defer = defer and self.proposer is None  # (a proposer reads the sampled tokens at once)
-            if defer and self.num_penalized and any(s.sampling_params.needs_penalties for s in sample_states):
-                self.token_feed.read_back_pending(sample_states)  # penalties count every output token
+            if defer and self.num_penalized and any(s.sampling_params.reads_output_tokens for s in sample_states):
+                self.token_feed.read_back_pending(sample_states)  # penalties / bad words read the outputs
             samples = self._sample_step(hidden, sample_states, cu[1:][sample_idx], drafts, so, keep_on_device=defer)
         spec_tokens: dict[str, list[int]] = {}
         # A hidden-state proposer runs even when nothing sampled: the draft still writes its KV for this chunk.
@@ -439,6 +445,10 @@ class ModelRunner:
         return self.step_sampler.sample(
             self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows, keep_on_device
         )
+
+    def _prompt_logprobs(self, hidden, states, starts, q_lens, cu) -> dict:
+        """The prompt logprobs of requests whose prompt ended this step (see `PromptLogprobsCollector.collect`)."""
+        return self.prompt_logprobs.collect(self.model, hidden, states, starts, q_lens, cu)
 
     @staticmethod
     def _token_windows(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray) -> list[list[int]]:

@@ -140,6 +140,10 @@ class PipelineStageRunner(ModelRunner):
             return out.hidden
         return out
 
+    def _prompt_logprobs(self, hidden, states, starts, q_lens, cu) -> dict:
+        """Only the last stage has the final hidden states (and the LM head)."""
+        return super()._prompt_logprobs(hidden, states, starts, q_lens, cu) if self.last_stage else {}
+
     def _sample_step(
         self,
         hidden: torch.Tensor,

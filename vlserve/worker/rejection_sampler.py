@@ -98,8 +98,8 @@ def build_spec_sampling_metadata(
     for p, g, prompt, out, drafts in zip(
         params, generators, prompt_token_ids, output_token_ids, draft_token_ids, strict=True
     ):
-        # Only penalties (counts) and min_tokens (length) read the outputs; skip copying lists otherwise.
-        needs_outputs = p.needs_penalties or p.min_tokens > len(out)
+        # Only penalties (counts), bad words (tail) and min_tokens (length) read the outputs; skip copying otherwise.
+        needs_outputs = p.reads_output_tokens or p.min_tokens > len(out)
         for j in range(len(drafts) + 1):
             r_params.append(p)
             r_gens.append(g)

@@ -68,7 +68,7 @@ class StepSampler:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         # the last plain step's metadata when no row of it changes from step to step (greedy, no penalties, no
-        # min_tokens): (ids of its params, vocab, the metadata, the params, which keeps those ids theirs)
+        # min_tokens, no bad words): (ids of its params, vocab, the metadata, the params, which keeps those ids theirs)
         self._static_md: tuple | None = None
 
     def _metadata(self, params, gens, prompts, outputs, vocab: int, device):
@@ -79,7 +79,13 @@ class StepSampler:
         if cached is not None and cached[0] == key and cached[1] == vocab:
             return cached[2]
         md = build_sampling_metadata(params, gens, prompts, outputs, vocab, device)
-        static = md.all_greedy and md.no_penalties and all(p.min_tokens == 0 for p in params)
+        adjustment = md.logits_adjustment
+        static = (
+            md.all_greedy
+            and md.no_penalties
+            and all(p.min_tokens == 0 for p in params)
+            and (adjustment is None or not adjustment.reads_outputs)
+        )
         self._static_md = (key, vocab, md, params) if static else None
         return md
 
@@ -116,7 +122,7 @@ class StepSampler:
             )
         params = [s.sampling_params for s in states]
         gens = [s.generator for s in states]
-        prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens rows
+        prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens / bad words rows
         outputs = TokenSlices(states, prompt=False)
         vocab = logits.shape[-1]
         if any_drafts:

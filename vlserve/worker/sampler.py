@@ -1,6 +1,6 @@
 """Sampler: turns one step's logits [B, V] into next tokens (plus optional logprobs), like vLLM v1.
 
-Order: min_tokens bans -> penalties -> greedy rows take argmax -> temperature -> min_p -> top_k -> top_p
+Order: logits adjustments (allowed_token_ids, bad_words, logit_bias) -> min_tokens bans -> penalties -> greedy rows take argmax -> temperature -> min_p -> top_k -> top_p
 -> sample (exponential race). Logprobs come from the raw logits (before bans/penalties/temperature).
 """
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlserve.worker.logits_adjustment import apply_logits_adjustment
 from vlserve.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata, make_generator
 
 __all__ = [
@@ -124,14 +125,17 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_logits(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The shared first steps of the Sampler and the rejection sampler: float32 logits [N, V] with min_tokens
-    bans and penalties applied (never modifying the caller's tensor), and the raw log-softmax [N, V] of the
+    """The shared first steps of the Sampler and the rejection sampler: float32 logits [N, V] with the logits
+    adjustments, min_tokens bans and penalties applied (never modifying the caller's tensor), and the raw log-softmax [N, V] of the
     unprocessed logits when logprobs are wanted (else None)."""
     if logits.dtype != torch.float32:
         logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
-    if md.ban_rows is not None or not md.no_penalties:
+    adjustment = md.logits_adjustment
+    if md.ban_rows is not None or not md.no_penalties or adjustment is not None:
         logits = logits.clone()
+    if adjustment is not None:
+        apply_logits_adjustment(logits, adjustment)
     if md.ban_rows is not None:
         logits[md.ban_rows, md.ban_token_ids] = float("-inf")
     if not md.no_penalties:
@@ -178,7 +182,13 @@ class Sampler:
         return self.forward(logits, md)
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if md.all_greedy and md.max_num_logprobs is None and md.ban_rows is None and md.no_penalties:
+        if (
+            md.all_greedy
+            and md.max_num_logprobs is None
+            and md.ban_rows is None
+            and md.no_penalties
+            and md.logits_adjustment is None
+        ):
             # nothing changes the logits: argmax in their own dtype (widening to float32 keeps their order and ties)
             ids = greedy_ids(logits)  # [B]
             return SamplerOutput(sampled_token_ids=ids if ids.dtype == torch.int64 else ids.to(torch.int64))

@@ -14,6 +14,7 @@ import torch
 
 from vlserve.kernels.host_copy import tensor_to_device, to_device
 from vlserve.sampling_params import SamplingParams
+from vlserve.worker.logits_adjustment import LogitsAdjustment, build_logits_adjustment
 
 
 @dataclass
@@ -48,6 +49,8 @@ class SamplingMetadata:
     ban_token_ids: torch.Tensor | None = None  # [N] int64
     # Largest `logprobs` asked for in the batch; None when no row asked for logprobs.
     max_num_logprobs: int | None = None
+    # allowed_token_ids / bad_words / logit_bias of the rows that have them; None when no row does.
+    logits_adjustment: LogitsAdjustment | None = None
 
     @property
     def no_top_k(self) -> bool:
@@ -94,7 +97,7 @@ def build_sampling_metadata(
     """Pack B requests' options into a SamplingMetadata (row i = params[i]).
 
     generators[i] is request i's persistent generator (seeded requests) or None. prompt_token_ids and
-    output_token_ids are only read for rows that need penalties (and output length for min_tokens).
+    output_token_ids are only read for rows that need penalties or bad words (and output length for min_tokens).
     """
     B = len(params)
     if not (len(generators) == len(prompt_token_ids) == len(output_token_ids) == B):
@@ -162,6 +165,7 @@ def build_sampling_metadata(
         md.ban_rows = tensor_to_device(ban_r, torch.int64, device)
         md.ban_token_ids = tensor_to_device(ban_t, torch.int64, device)
 
+    md.logits_adjustment = build_logits_adjustment(params, output_token_ids, vocab_size, device)
     nums = [p.logprobs for p in params if p.logprobs is not None]
     md.max_num_logprobs = max(nums) if nums else None
     return md
