@@ -9,9 +9,8 @@ import uuid
 import openai
 import pytest
 
-from vlserve import SamplingParams
-
 from tests.api.conftest import TEXT_ENGINE_KW, start_server
+from vlserve import SamplingParams
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
 NO_EOS = {"ignore_eos": True}
@@ -143,7 +142,11 @@ def test_return_token_ids_chat_streamed_equals_nonstreamed(server, tokenizer):
     chunks = [
         c.model_dump()
         for c in server.client.chat.completions.create(
-            model=server.model, messages=messages, stream=True, **GREEDY, extra_body={**NO_EOS, "return_token_ids": True}
+            model=server.model,
+            messages=messages,
+            stream=True,
+            **GREEDY,
+            extra_body={**NO_EOS, "return_token_ids": True},
         )
     ]
     assert chunks[0]["prompt_token_ids"] == prompt_ids

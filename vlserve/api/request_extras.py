@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from vlserve.api.errors import APIError
 from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt, check_cache_salt
 
 # field -> its default: what beam search (vlserve.api.serving_beam) does not take
@@ -35,10 +36,11 @@ _NOT_WITH_BEAM_SEARCH = {
 
 
 def check_beam_search_extras(req: Any) -> None:
-    """ValueError naming the first extra a beam-search request sets (the beam search path does not apply them)."""
+    """APIError (400) naming the first extra a beam-search request sets (the beam search path does not apply
+    them)."""
     for name, default in _NOT_WITH_BEAM_SEARCH.items():
         if getattr(req, name, default) != default:
-            raise ValueError(f"{name} is not supported with use_beam_search; leave it out")
+            raise APIError(f"{name} is not supported with use_beam_search; leave it out", 400, name)
 
 
 def chat_template_options(req: Any) -> ChatTemplateOptions:
