@@ -9,7 +9,7 @@ import uuid
 import openai
 import pytest
 
-from tests.api.conftest import TEXT_ENGINE_KW, start_server
+from tests.api.conftest import TEXT_ENGINE_KW
 from vlserve import SamplingParams
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -112,22 +112,32 @@ def test_priority_under_fcfs_is_a_400(server):
 
 @pytest.fixture(scope="module")
 def priority_server(text_ckpt):
+    """The engine in its own process (the fields cross the process boundary), scheduling by priority."""
+    from tests.api.test_engine_process import start_proc_server
     from vlserve.config import EngineArgs
 
-    served = start_server(
+    served = start_proc_server(
         EngineArgs(model=text_ckpt, served_model_name="tiny-prio", scheduling_policy="priority", **TEXT_ENGINE_KW)
     )
     yield served
     served.close()
 
 
-def test_priority_policy_takes_priorities_with_the_same_greedy_output(priority_server):
+def test_priority_policy_in_the_engine_process(priority_server):
     plain = _complete(priority_server, "What color is the circle?").choices[0].text
     for priority in (-5, 0, 7):
         r = _complete(priority_server, "What color is the circle?", priority=priority)
         assert r.choices[0].text == plain
     chat = _chat(priority_server, [{"role": "user", "content": "hello"}], priority=2)
     assert chat.choices[0].finish_reason == "length"
+    prompt = f"{uuid.uuid4().hex} " + "a salted prompt for the engine process " * 6
+    salted = [
+        _complete(priority_server, prompt, cache_salt=salt).usage.prompt_tokens_details.cached_tokens
+        for salt in ("x", "y", "x")
+    ]
+    assert salted[0] == 0 and salted[1] == 0 and salted[2] >= 16
+    r = _complete(priority_server, list(range(40, 80)), truncate_prompt_tokens=9, return_token_ids=True)
+    assert r.choices[0].model_dump()["prompt_token_ids"] == list(range(71, 80))
     assert priority_server.wait_idle()["vlserve:num_requests_running"] == 0
 
 
