@@ -272,3 +272,17 @@ def test_offline_llm_truncates_and_refuses_priority_under_fcfs(offline_llm):
             SamplingParams(truncate_prompt_tokens=bad)
     with pytest.raises(ValueError, match="cannot both be true"):
         offline_llm.chat([{"role": "user", "content": "x"}], continue_final_message=True)
+
+
+def test_offline_llm_takes_cache_salt_in_the_prompt_dict(offline_llm):
+    ids = [300 + (i * 7) % 200 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(**salt) -> int:
+        return offline_llm.generate([{"prompt_token_ids": ids, **salt}], params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached(cache_salt="one") == 0
+    assert cached(cache_salt="two") == 0
+    assert cached(cache_salt="one") >= 32
+    with pytest.raises(ValueError, match="cache_salt"):
+        cached(cache_salt="")
