@@ -286,3 +286,19 @@ def test_offline_llm_takes_cache_salt_in_the_prompt_dict(offline_llm):
     assert cached(cache_salt="one") >= 32
     with pytest.raises(ValueError, match="cache_salt"):
         cached(cache_salt="")
+
+
+def test_truncation_refuses_to_cut_a_media_prompt_but_keeps_a_short_one(offline_llm):
+    from vlserve.engine.input_processor import ProcessedPrompt
+    from vlserve.multimodal.inputs import MultiModalFeature
+
+    proc = offline_llm.input_processor
+    media = ProcessedPrompt(None, list(range(10, 30)), [MultiModalFeature("image", "h", 12, 4)])
+    with pytest.raises(ValueError, match="media"):
+        proc.truncate_prompt(media, 8)
+    assert proc.truncate_prompt(media, 20) is media and proc.truncate_prompt(media, None) is media
+    text = proc.process_prompt("one two three four five six seven")
+    cut = proc.truncate_prompt(text, 3)
+    assert cut.prompt_token_ids == text.prompt_token_ids[-3:] and cut.prompt == proc.tokenizer.decode(
+        cut.prompt_token_ids
+    )

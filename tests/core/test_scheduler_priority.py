@@ -133,3 +133,13 @@ def test_priority_queue_puts_requests_back_in_place():
     assert [r.request_id for r in q] == ["y", "x", "z"] and q[0] is head and len(q) == 3
     q.remove(head)
     assert [r.request_id for r in q] == ["x", "z"]
+
+
+def test_requests_whose_kv_load_ended_go_first_in_the_same_fcfs_queue():
+    s = make_sched(policy="fcfs")
+    add(s, "x", priority=0, arrival=0.0)
+    add(s, "y", priority=0, arrival=1.0)
+    s.kv_transfer.load_done["y"] = 0
+    resumed = s.kv_transfer.resumed_first(s.waiting)
+    assert type(resumed) is type(s.waiting) and [r.request_id for r in resumed] == ["y", "x"]
+    resumed.add_running([], resumed[0])  # still the policy's queue
