@@ -272,12 +272,12 @@ class InputProcessor:
                 mrope(ids, features)
             except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
-        return ProcessedPrompt(processed.prompt, list(ids), features)
+        return replace(processed, prompt_token_ids=list(ids), mm_features=features)
 
     def truncate_prompt(self, processed: ProcessedPrompt, num_tokens: int | None) -> ProcessedPrompt:
         """The prompt's last `num_tokens` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len; None: all),
-        its text decoded from them when it was cut. ValueError when `num_tokens` is over max_model_len or the cut
-        would go through the prompt's media (media prompts may only be truncated where nothing is cut)."""
+        its text decoded from them when it was cut. ValueError when `num_tokens` is over max_model_len or when it
+        would cut a prompt with media (only text-only prompts are cut)."""
         if num_tokens is None:
             return processed
         max_model_len = self.loaded.max_model_len
