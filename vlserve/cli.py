@@ -40,6 +40,7 @@ def serve_config_from_args(args: argparse.Namespace):
         mm_preprocess_workers=args.mm_preprocess_workers,
         encoder_cache_size=args.encoder_cache_size,
         max_waiting_requests=args.max_waiting_requests,
+        scheduling_policy=args.scheduling_policy,
         max_num_encoder_input_tokens=args.max_num_encoder_input_tokens,
         encoder_step_ms=args.encoder_step_ms,
         speculative_config=args.speculative_config,

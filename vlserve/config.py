@@ -34,6 +34,7 @@ class SchedulerConfig:
     # per modality, the stages an item's tower may be split into across steps (absent: one piece); the model's
     # `encoder_stage_counts`
     encoder_stage_counts: dict[str, int] = field(default_factory=dict)
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (core/request_queue.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "encoder_compute_budget"):
@@ -41,6 +42,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy == "priority" and self.kv_transfer_config is not None:
+            raise ValueError("scheduling_policy='priority' does not work with a KV connector yet; use 'fcfs'")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
@@ -184,6 +189,7 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = None  # embeddings encoded per step (None: sized in time, below)
     encoder_step_ms: float = 150.0  # adaptive budget: a step's encoder work ~ max(one decode step, this many ms)
     max_waiting_requests: int | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (SchedulerConfig.scheduling_policy)
     speculative_config: dict[str, Any] | None = None
     structured_outputs_config: Any = None  # StructuredOutputsConfig, its dict or JSON text (None: xgrammar)
     served_model_name: str | None = None

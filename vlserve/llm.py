@@ -17,7 +17,7 @@ from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.core_messages import KV_POLL_S
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.generation_config import load_generation_defaults
-from vlserve.engine.input_processor import ProcessedPrompt
+from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
 from vlserve.lora.request import LoRARequest
 from vlserve.outputs import RequestOutput
@@ -75,15 +75,18 @@ class LLM:
         mm_processor_kwargs: dict | None = None,
         audios: list | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list (strings, token-id lists, or {"prompt", "multi_modal_data"} dicts).
+        """Generate for one prompt or a list (strings, token-id lists, or {"prompt", "multi_modal_data",
+        "cache_salt"} dicts).
 
         `images`/`videos`/`audios`, when given, hold one entry per prompt (an item or a list of items); an audio
         item is `(np.ndarray, sample_rate)`, encoded bytes, a path or a data URL. `lora_request`: the LoRA adapter
-        every prompt runs with, or one per prompt (None: the base model); needs `enable_lora=True`.
+        every prompt runs with, or one per prompt (None: the base model); needs `enable_lora=True`. `priority`:
+        one per prompt, under scheduling_policy="priority" (lower first).
         """
         processed = self._process_prompts(prompts, images, videos, audios, mm_processor_kwargs)
-        return self._run(processed, sampling_params, use_tqdm, lora_request)
+        return self._run(processed, sampling_params, use_tqdm, lora_request, priority)
 
     def chat(
         self,
@@ -94,10 +97,13 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """OpenAI-format conversations (one, or a list of them) through the checkpoint's chat template; `tools`
         (OpenAI function tools) go to the template as vLLM's `LLM.chat(tools=...)` passes them; `lora_request` as
-        in `generate`."""
+        in `generate`; `add_generation_prompt` / `continue_final_message` as vLLM's (not both)."""
+        options = ChatTemplateOptions(add_generation_prompt, continue_final_message)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         # The caller's own code: a chat_template in the kwargs is trusted here (the server refuses it by default).
         chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs, allow_template=True)
@@ -106,7 +112,8 @@ class LLM:
                 raise ValueError("tools must be a list of OpenAI tool objects (dicts)")
             chat_template_kwargs["tools"] = tools
         processed = [
-            self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs) for c in conversations
+            self.input_processor.process_chat(c, mm_processor_kwargs, chat_template_kwargs, options=options)
+            for c in conversations
         ]
         return self._run(processed, sampling_params, use_tqdm, lora_request)
 
@@ -197,7 +204,7 @@ class LLM:
         return results
 
     def _run(
-        self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool, lora_request=None
+        self, processed: list[ProcessedPrompt], sampling_params, use_tqdm: bool, lora_request=None, priority=None
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -207,12 +214,15 @@ class LLM:
         if len(params_list) != len(processed):
             raise ValueError(f"got {len(params_list)} sampling params for {len(processed)} prompts")
         loras = self._lora_requests(lora_request, len(processed))
+        priorities = [0] * len(processed) if priority is None else list(priority)
+        if len(priorities) != len(processed):
+            raise ValueError(f"got {len(priorities)} priorities for {len(processed)} prompts")
         for lora in dict.fromkeys(r for r in loras if r is not None):  # offline: load now, so a bad one raises here
             self.engine_loop.core.add_lora(lora)
         now = time.time()
         requests = [
-            NewRequest(str(next(self._ids)), proc, params, now, lora)
-            for proc, params, lora in zip(processed, params_list, loras)
+            NewRequest(str(next(self._ids)), proc, params, now, lora, prio)
+            for proc, params, lora, prio in zip(processed, params_list, loras, priorities)
         ]
         with self._lock:
             self.engine_loop.add_requests(requests)  # all or none: one bad prompt leaves the engine untouched

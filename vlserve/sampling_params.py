@@ -47,6 +47,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # keep only the prompt's last k tokens (-1: max_model_len tokens; None: the whole prompt), as vLLM does
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine: ids that end the request (EOS plus generation_config's eos list).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -134,6 +136,9 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers.")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
+            bad(f"truncate_prompt_tokens must be an integer >= 1 or -1 (max_model_len), got {k!r}.")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63 - 1024
         ):

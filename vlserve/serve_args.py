@@ -297,6 +297,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="reject new requests with 503 while this many wait (default: no limit)",
     )
     sched.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="waiting order: fcfs (arrival), or priority (a request's priority field, lower first, ties by arrival; "
+        "a lower-priority running request is preempted first when KV blocks run out)",
+    )
+    sched.add_argument(
         "--async-scheduling",
         action="store_true",
         help="plan the next step and process outputs while the current step runs; same outputs (default: off)",

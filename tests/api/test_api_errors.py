@@ -62,7 +62,7 @@ BAD_REQUESTS = [
     (COMPL, {"model": "tiny-text", "prompt": [10, 99999999]}, 400, "prompt_token_ids"),
     (COMPL, {"model": "tiny-text", "prompt": [[]]}, 400, "empty"),
     (COMPL, {"model": "tiny-text", "prompt": ""}, 400, "empty"),
-    (COMPL, {"model": "tiny-text", "prompt": "x", "echo": True}, 400, "echo"),
+    (COMPL, {"model": "tiny-text", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     (COMPL, {"model": "tiny-text", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     (COMPL, {"model": "tiny-text", "prompt": {"a": 1}}, 400, "prompt"),
     (COMPL, {"model": "nope", "prompt": "x"}, 404, "nope"),

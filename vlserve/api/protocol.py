@@ -100,6 +100,11 @@ class _SamplingFields(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's prompt and response extras (vlserve.api.request_extras)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    priority: int = 0  # --scheduling-policy priority: lower runs first
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache blocks
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids in the response
 
     _check_stop = field_validator("stop")(check_unicode)
 
@@ -144,6 +149,7 @@ class _SamplingFields(OpenAIModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             prompt_logprobs=self.prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property
@@ -186,6 +192,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Any = None  # checked by vlserve.api.tool_choice
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras (vlserve.api.request_extras)
+    echo: bool = False  # the last message's content before the reply, when its role is the reply's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -260,8 +271,8 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, *, structured_backend: str = "xgrammar") -> SamplingParams:
         """SamplingParams of each prompt (ValueError for unsupported fields and bad values)."""
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported by this server (it needs the prompt's logprobs)")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_TOP_LOGPROBS:
@@ -351,16 +362,20 @@ class ChatResponseMessage(_OmitNone):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("token_ids",)
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitNone):
     """Non-streamed chat completion."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -370,6 +385,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None  # a P2P producer's: where a consumer reads the prompt's KV
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # when the request asked for them
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(_OmitNone):
@@ -379,16 +395,20 @@ class DeltaMessage(_OmitNone):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitNone):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("token_ids",)
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens new since the choice's last chunk
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitNone):
     """One SSE event of a streamed chat completion."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("prompt_token_ids",)
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -396,6 +416,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class CompletionLogprobs(BaseModel):
@@ -414,13 +435,16 @@ class PromptLogprob(BaseModel):
 
 
 class CompletionChoice(_OmitNone):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "prompt_token_ids", "token_ids")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # when the request asked for them
+    # return_token_ids (streamed: the prompt's on a choice's first chunk, then the tokens new since its last one)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -26,22 +26,14 @@ _UNSUPPORTED_COMMON: dict[str, tuple] = {
     "length_penalty": (None, 1, 1.0),
     "early_stopping": _FALSE,
     "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": _NONE,
-    "priority": (None, 0),
     "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _FALSE,
-    "return_token_ids": _FALSE,
-    "cache_salt": _NONE,
     "vllm_xargs": _EMPTY,
     "prompt_embeds": _NONE,
     "thinking_token_budget": _NONE,
 }
 _UNSUPPORTED_CHAT: dict[str, tuple] = {
     **_UNSUPPORTED_COMMON,
-    "echo": _FALSE,
-    "add_generation_prompt": (None, True),
-    "continue_final_message": _FALSE,
-    "add_special_tokens": _FALSE,
     "documents": _EMPTY,
     "reasoning_effort": _NONE,
     # OpenAI's: the legacy function-calling fields (use tools / tool_choice), audio output, predicted outputs

@@ -28,6 +28,14 @@ from vlserve.api.protocol import (
     TopLogprob,
     random_id,
 )
+from vlserve.api.request_extras import (
+    TokenIdsDelta,
+    chat_echo_text,
+    chat_template_options,
+    check_beam_search_extras,
+    reply_role,
+    with_prompt_extras,
+)
 from vlserve.api.serving_base import (
     SSE_DONE,
     DeltaTracker,
@@ -47,7 +55,7 @@ from vlserve.api.tool_choice import ToolPlan, plan_tools
 from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.engine.generation_config import GenerationDefaults
-from vlserve.engine.input_processor import ProcessedPrompt
+from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -146,9 +154,11 @@ class OpenAIServingChat:
                     "messages",
                 )
 
-    async def _process(self, req: ChatCompletionRequest, tools: list | None = None, **render: bool) -> ProcessedPrompt:
-        """The request's messages (media fetched) through the chat template and the processor; `tools` go to the
-        template; `render`: add_generation_prompt / add_special_tokens (the /tokenize route sets them)."""
+    async def _process(
+        self, req: ChatCompletionRequest, tools: list | None = None, options: ChatTemplateOptions | None = None
+    ) -> ProcessedPrompt:
+        """The request's messages (media fetched) through the chat template (with `options`) and the processor;
+        `tools` go to the template."""
         template_kwargs = req.template_kwargs(self.trust_request_chat_template)
         if tools:  # after the kwargs check, which refuses a client's own "tools" key
             template_kwargs["tools"] = tools
@@ -160,7 +170,11 @@ class OpenAIServingChat:
         payloads = await self.fetcher.resolve(messages)
         return await prepare_input(
             self.engine.process_chat(
-                messages, mm_kwargs, template_kwargs, media_source=self.media_controls.media_source(payloads), **render
+                messages,
+                mm_kwargs,
+                template_kwargs,
+                media_source=self.media_controls.media_source(payloads),
+                options=options,
             )
         )
 
@@ -170,13 +184,15 @@ class OpenAIServingChat:
         lora = self.models.lora_of(model)
         check_kv_transfer_params(self.engine, req)
         if wants_beam_search(req):
+            check_beam_search_extras(req)
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
             return await beam_chat(self.engine, req, raw, model, self._process)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         params = self.generation_defaults.apply_to_request(params, req)
-        processed = await self._process(req, plan.tools)
+        options = chat_template_options(req)
+        processed = with_prompt_extras(self.engine, await self._process(req, plan.tools, options), req)
         kv = params.kv_transfer_params or {}
         remote_ids = (
             kv.get("remote_prompt_token_ids") if kv.get("remote_mm_features") and not processed.mm_features else None
@@ -189,18 +205,24 @@ class OpenAIServingChat:
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
         )
         request_id = random_id("chatcmpl")
-        stream = await self.engine.add_request(request_id, processed, params, lora)
+        stream = await self.engine.add_request(request_id, processed, params, lora, req.priority)
         top_k = req.top_logprobs or 0
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return EngineStreamingResponse(
-                self._stream(stream, request_id, model, params.n, top_k, holdback, req.include_usage, continuous, plan)
+                self._stream(
+                    stream, request_id, model, params.n, top_k, holdback, req.include_usage, continuous, plan, req
+                )
             )
         final = await run_unless_disconnected(raw, _last(stream), stream.abort)
         choices = []
+        echo, token_ids = chat_echo_text(req), req.return_token_ids
         for c in final.outputs:
             message, finish_reason = _message(plan, c.text, c.finish_reason)
+            message.role = reply_role(req)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -208,6 +230,7 @@ class OpenAIServingChat:
                     logprobs=chat_logprobs(c.logprobs, top_k),
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if token_ids else None,
                 )
             )
         body = ChatCompletionResponse(
@@ -217,6 +240,7 @@ class OpenAIServingChat:
             usage=usage_of([final]),
             kv_transfer_params=final.kv_transfer_params,
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
+            prompt_token_ids=final.prompt_token_ids if token_ids else None,
         )
         return JSONResponse(body.model_dump())
 
@@ -231,14 +255,26 @@ class OpenAIServingChat:
         include_usage: bool,
         continuous_usage: bool = False,
         plan: ToolPlan | None = None,
+        req: ChatCompletionRequest | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         plan = plan or ToolPlan()
+        role, echo = (reply_role(req), chat_echo_text(req)) if req is not None else ("assistant", "")
+        new_token_ids = TokenIdsDelta(req is not None and req.return_token_ids)
         parsers = {i: plan.new_parser() for i in range(n)}  # per choice; None: plain content
         released = {i: "" for i in range(n)}  # each choice's text sent through its parser so far
 
-        def chunk(choices, usage=None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
+            return sse(
+                ChatCompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=choices,
+                    usage=usage,
+                    prompt_token_ids=prompt_token_ids,
+                )
+            )
 
         tracker = DeltaTracker(holdback)
         last: RequestOutput | None = None
@@ -246,8 +282,11 @@ class OpenAIServingChat:
             async for out in stream:
                 if last is None:  # the role goes out with the first output, as vLLM sends it (TTFT counts from it)
                     yield chunk(
-                        [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]
+                        [ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content="")) for i in range(n)],
+                        prompt_token_ids=out.prompt_token_ids if new_token_ids.enabled else None,
                     )
+                    if echo:  # then the echoed last message, as vLLM sends it
+                        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(content=echo)) for i in range(n)])
                 last = out
                 choices = []
                 for c in out.outputs:
@@ -270,6 +309,7 @@ class OpenAIServingChat:
                                 logprobs=chat_logprobs(lps, top_k),
                                 finish_reason=finish_reason,
                                 stop_reason=c.stop_reason,
+                                token_ids=new_token_ids.delta(c.index, c.token_ids),
                             )
                         )
                 if choices:

@@ -13,6 +13,7 @@ from vlserve.api.errors import APIError, sse_error, to_api_error
 from vlserve.api.media_controls import MediaIOControls
 from vlserve.api.prompt_logprobs import prompt_logprobs_body
 from vlserve.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, random_id
+from vlserve.api.request_extras import TokenIdsDelta, check_beam_search_extras, with_prompt_extras
 from vlserve.api.serving_base import (
     SSE_DONE,
     DeltaTracker,
@@ -74,6 +75,7 @@ class OpenAIServingCompletion:
         check_kv_transfer_params(self.engine, req, len(req.prompts()))
         self.media_controls.check(req.media_io_kwargs)
         if wants_beam_search(req):
+            check_beam_search_extras(req)
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
             return await beam_completion(
@@ -82,14 +84,17 @@ class OpenAIServingCompletion:
         params = req.to_sampling_params(structured_backend=self.structured_backend)
         params = self.generation_defaults.apply_to_request(params, req)
         prompts = req.prompts()
-        processed = [await prepare_input(self.engine.process_prompt(p)) for p in prompts]
+        processed = [
+            with_prompt_extras(self.engine, await prepare_input(self.engine.process_prompt(p)), req) for p in prompts
+        ]
+        echoes = [_prompt_text_of(self.engine, proc) if req.echo else "" for proc in processed]
         for proc in processed:
             check_fits_context(params.max_tokens, len(proc.prompt_token_ids), self.engine.max_model_len)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:
             for i, proc in enumerate(processed):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", proc, params, lora))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", proc, params, lora, req.priority))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -98,7 +103,17 @@ class OpenAIServingCompletion:
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1
             return EngineStreamingResponse(
-                self._stream(streams, request_id, model, params.n, top_k, holdback, req.include_usage)
+                self._stream(
+                    streams,
+                    request_id,
+                    model,
+                    params.n,
+                    top_k,
+                    holdback,
+                    req.include_usage,
+                    echoes,
+                    req.return_token_ids,
+                )
             )
 
         def abort_all() -> None:
@@ -110,14 +125,17 @@ class OpenAIServingCompletion:
         except BaseException:
             abort_all()
             raise
+        token_ids = req.return_token_ids
         choices = [
             CompletionChoice(
                 index=p * params.n + c.index,
-                text=c.text,
+                text=echoes[p] + c.text,
                 logprobs=completion_logprobs(c.logprobs, top_k, 0),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs),
+                prompt_token_ids=out.prompt_token_ids if token_ids else None,
+                token_ids=list(c.token_ids) if token_ids else None,
             )
             for p, out in enumerate(finals)
             for c in out.outputs
@@ -140,9 +158,14 @@ class OpenAIServingCompletion:
         top_k: int,
         holdback: int,
         include_usage: bool,
+        echoes: list[str] | None = None,
+        return_token_ids: bool = False,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         trackers = [DeltaTracker(holdback) for _ in streams]
+        echoes = echoes or [""] * len(streams)
+        new_token_ids = TokenIdsDelta(return_token_ids)
+        started: set[tuple[int, int]] = set()  # (prompt, choice) pairs whose first chunk went out
         finals: dict[int, RequestOutput] = {}
         try:
             async for p, out in _merge(streams):
@@ -155,13 +178,17 @@ class OpenAIServingCompletion:
                     start = trackers[p].sent_text.get(c.index, 0)
                     text, lps = trackers[p].delta(c.index, c.text, c.logprobs, finished)
                     if text or finished or lps:
+                        first = (p, c.index) not in started  # its first chunk: the echo and the prompt's ids
+                        started.add((p, c.index))
                         choices.append(
                             CompletionChoice(
                                 index=p * n + c.index,
-                                text=text,
+                                text=echoes[p] + text if first else text,
                                 logprobs=completion_logprobs(lps, top_k, start),
                                 finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason,
+                                prompt_token_ids=out.prompt_token_ids if first and return_token_ids else None,
+                                token_ids=new_token_ids.delta((p, c.index), c.token_ids),
                             )
                         )
                 if choices:
@@ -183,6 +210,13 @@ class OpenAIServingCompletion:
             for s in streams:
                 s.abort()
         yield SSE_DONE
+
+
+def _prompt_text_of(engine: AsyncLLM, processed) -> str:
+    """The text `echo` puts first: the prompt's text, or its token ids decoded when it came as ids."""
+    if processed.prompt is not None:
+        return processed.prompt
+    return engine.tokenizer.decode(processed.prompt_token_ids)
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -24,6 +24,7 @@ from vlserve.api.protocol import ChatCompletionRequest, ChatMessage, check_unico
 from vlserve.api.serving_base import ServedModels
 from vlserve.api.serving_chat import OpenAIServingChat
 from vlserve.api.tool_choice import validate_tools
+from vlserve.engine.input_processor import ChatTemplateOptions
 from vlserve.engine.request_limits import check_prompt_chars
 
 
@@ -130,8 +131,9 @@ class OpenAIServingTokenization:
             processed = await self.chat._process(
                 req.as_chat_request(),
                 tools,
-                add_generation_prompt=req.add_generation_prompt,
-                add_special_tokens=req.add_special_tokens,
+                ChatTemplateOptions(
+                    add_generation_prompt=req.add_generation_prompt, add_special_tokens=req.add_special_tokens
+                ),
             )
             token_ids = list(processed.prompt_token_ids)
         else:

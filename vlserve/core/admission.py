@@ -42,6 +42,11 @@ def check_request(cfg: SchedulerConfig, engine_req: EngineCoreRequest, max_kv_to
             )
     if engine_req.lora_request is not None and not cfg.max_loras:
         raise ValueError("this request names a LoRA adapter but the engine runs without LoRA (enable_lora)")
+    if engine_req.priority and cfg.scheduling_policy != "priority":  # vLLM refuses it the same way
+        raise ValueError(
+            f"priority {engine_req.priority} was given but priority scheduling is off; start the engine with "
+            f"scheduling_policy='priority' (--scheduling-policy priority) or leave priority out"
+        )
     if cfg.max_waiting_requests is not None and num_waiting >= cfg.max_waiting_requests:
         raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} requests)")
     params = engine_req.sampling_params

@@ -21,17 +21,19 @@ def cdiv(a: int, b: int) -> int:
 
 def block_extra_keys(request: Request, start: int, end: int) -> tuple[str, ...]:
     """What besides its tokens tells apart the KV of tokens start..end-1: the mm_hash of every media item
-    overlapping them, and "lora:<lora_int_id>" for a request run with a LoRA adapter."""
+    overlapping them, "lora:<lora_int_id>" for a request run with a LoRA adapter, and "salt:<cache_salt>" for the
+    first block of a salted request (the chain carries it into every later block, as vLLM does)."""
     extra = tuple(f.mm_hash for f in request.mm_features if f.offset < end and f.offset + f.length > start)
     lora_id = request.lora_int_id
     if lora_id:  # an adapter's KV is its own: never shared with the base or another adapter
         extra += (f"lora:{lora_id}",)
+    if start == 0 and request.cache_salt:  # tenants with different salts never share a prefix
+        extra += (f"salt:{request.cache_salt}",)
     return extra
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple[str, ...]) -> int:
-    """Chained hash of one full block: the parent's hash, its tokens and the mm_hash of every overlapping item
-    (and "lora:<lora_int_id>" for a request run with a LoRA adapter)."""
+    """Chained hash of one full block: the parent's hash, its tokens and its `block_extra_keys`."""
     return hash((parent_hash, token_ids, extra_keys))
 
 

@@ -68,7 +68,7 @@ class KVConnectorState:
         if not waiting or waiting[0].request_id in done:
             return waiting
         resumed = [r for r in waiting if r.request_id in done]
-        return deque(resumed + [r for r in waiting if r.request_id not in done])
+        return type(waiting)(resumed + [r for r in waiting if r.request_id not in done])  # (the same queue class)
 
     def release_parked(self, keep: Request, requests: dict[str, Request], kv: KVCacheManager) -> bool:
         """Nothing runs and the resumed request `keep` finds no room: the other requests that hold blocks without

@@ -45,6 +45,8 @@ class EngineCoreRequest:
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     # The LoRA adapter to run with: a vlserve.lora.LoRARequest (plain data; core reads only lora_int_id), None: base
     lora_request: Any = None
+    priority: int = 0  # scheduling policy "priority": lower runs first (ties by arrival_time)
+    cache_salt: str | None = None  # enters the first block's prefix-cache hash: only equal salts share KV blocks
 
 
 class Request:
@@ -60,6 +62,8 @@ class Request:
         self.arrival_time = req.arrival_time
         self.mm_features = req.mm_features
         self.lora_request = req.lora_request
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
         self.kv_transfer_params = req.sampling_params.kv_transfer_params  # KV transfer (kv_transfer/p2p), or None
         self.max_tokens = max_tokens  # resolved: min(params.max_tokens, max_model_len - prompt_len)
         self.stop_token_ids = req.sampling_params.all_stop_token_ids()

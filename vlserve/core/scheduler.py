@@ -12,7 +12,6 @@ budget, its request's prefill waits before it until the last slice, and other re
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from vlserve.config import SchedulerConfig
 from vlserve.core.admission import check_request
@@ -22,6 +21,7 @@ from vlserve.core.grammar_sync import advance_matcher, allowed_drafts, grammar_e
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.kv_connector_sched import KVConnectorState
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
+from vlserve.core.request_queue import new_waiting_queue
 from vlserve.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -50,7 +50,7 @@ class Scheduler:
         self.encoder_slice_cap = 0  # embeddings a lone slice may take past the budget (set_encoder_budget)
         self.encoder_pack_budget = self.encoder_budget  # how far a step's later items may bring it (set_encoder_budget)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = new_waiting_queue(config.scheduling_policy)  # its order: config.scheduling_policy
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.failed: list[EngineCoreOutput] = []  # ended while waiting (a grammar or an adapter that failed)
@@ -237,7 +237,7 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self.waiting.add_running(self.running, req)  # where the policy wants it (the tail is preempted first)
         commit_encoder_inputs(self.encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
         req.num_tokens_sent = req.num_tokens
         step.new_reqs.append(

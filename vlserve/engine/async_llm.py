@@ -26,7 +26,7 @@ from vlserve.config import EngineArgs
 from vlserve.engine.core_messages import KV_POLL_S
 from vlserve.engine.engine_control import Control, ControlCalls, EngineDeadError, _post, _settle, settle_control
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
-from vlserve.engine.input_processor import ProcessedPrompt
+from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.executor import WorkerDied
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
@@ -64,6 +64,7 @@ class _Add:
     stream: _Stream
     done: asyncio.Future = field(repr=False)
     lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
+    priority: int = 0
 
 
 @dataclass
@@ -135,14 +136,14 @@ class AsyncLLM(ControlCalls):
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         media_source: Callable[[str, dict], Any] | None = None,
-        **render: bool,
+        options: ChatTemplateOptions | None = None,
     ) -> ProcessedPrompt:
         """OpenAI messages through the chat template and the HF processor, off the event loop.
 
         `media_source(part_type, part)` supplies each media part's payload (the server hands over pre-fetched bytes);
-        `render`: InputProcessor.process_chat's add_generation_prompt / add_special_tokens.
+        `options`: generation prompt / continued final message / special tokens (ChatTemplateOptions).
         """
-        process = functools.partial(self.input_processor.process_chat, media_source=media_source, **render)
+        process = functools.partial(self.input_processor.process_chat, media_source=media_source, options=options)
         return await self._in_pool(process, messages, mm_processor_kwargs, chat_template_kwargs)
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -152,8 +153,10 @@ class AsyncLLM(ControlCalls):
         prompt: ProcessedPrompt,
         sampling_params: SamplingParams | None = None,
         lora_request=None,
+        priority: int = 0,
     ) -> RequestStream:
-        """Queue a processed prompt; returns once the engine accepted it (ValueError / QueueFullError if not)."""
+        """Queue a processed prompt; returns once the engine accepted it (ValueError / QueueFullError if not).
+        `priority`: its place under scheduling policy "priority" (lower first; fcfs refuses a non-zero one)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running ({self._dead})")
         params = sampling_params or SamplingParams()
@@ -163,7 +166,7 @@ class AsyncLLM(ControlCalls):
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.time())
         done = loop.create_future()
-        self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done, lora_request))
+        self._inbox.put(_Add(rid, prompt, params, stream.arrival, stream, done, lora_request, priority))
         if self._dead is not None:  # the engine died between the check above and the put: nobody will read it
             self._fail_all(EngineDeadError(f"the engine is not running ({self._dead})"), drain_inbox=True)
         try:
@@ -183,6 +186,7 @@ class AsyncLLM(ControlCalls):
         videos: list | None = None,
         mm_processor_kwargs: dict | None = None,
         lora_request=None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes (the last one has `finished=True`).
 
@@ -191,7 +195,7 @@ class AsyncLLM(ControlCalls):
         """
         if not isinstance(prompt, ProcessedPrompt):
             prompt = await self.process_prompt(prompt, images, videos, mm_processor_kwargs)
-        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request, priority)
         async with stream:
             async for out in stream:
                 yield out
@@ -292,7 +296,7 @@ class AsyncLLM(ControlCalls):
         engine refuses it."""
         try:
             self.engine_loop.add_requests(
-                [NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival, msg.lora_request)]
+                [NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival, msg.lora_request, msg.priority)]
             )
         except Exception as e:
             _post(msg.stream.loop, _settle, msg.done, e)

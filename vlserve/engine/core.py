@@ -83,6 +83,7 @@ class EngineCore:
             encoder_compute_budget=self.encoder_budget.budget,
             num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
             max_waiting_requests=args.max_waiting_requests,
+            scheduling_policy=args.scheduling_policy,
             disable_chunked_mm_input=caps.unsplit_mm_items,
             # towers that run a slice of their blocks per step (an item over the budget is split across steps)
             encoder_stage_counts=dict(caps.encoder_stage_counts),

@@ -26,6 +26,7 @@ class NewRequest:
     params: SamplingParams
     arrival: float
     lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
+    priority: int = 0  # scheduling policy "priority": lower runs first
 
 
 class EngineLoop:
@@ -56,14 +57,11 @@ class EngineLoop:
             if r.request_id in self.output_processor.parents or r.request_id in seen:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
-        # a disaggregated consumer's media-less request: the producer's expanded prompt and items (no media)
-        requests = [
-            replace(r, processed=self.input_processor.with_remote_media(r.processed, r.params.kv_transfer_params))
-            for r in requests
-        ]
+        # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)
+        requests = [replace(r, processed=self.input_processor.prepare(r.processed, r.params)) for r in requests]
         engine_reqs = [
             self.input_processor.make_engine_request(
-                cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request
+                cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request, r.priority
             )
             for r in requests
             for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))

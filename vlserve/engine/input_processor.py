@@ -32,6 +32,36 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeature]
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share cached KV
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How messages become a prompt (vLLM's chat options): open an assistant turn after them
+    (`add_generation_prompt`), or leave the final message open for the model to continue it
+    (`continue_final_message`; not both), and whether the tokenizer adds its special tokens (BOS) to the rendered
+    text (`add_special_tokens`; templates usually write them)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {shorten(getattr(self, name))}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: continue the final "
+                "message or open a new assistant turn (send add_generation_prompt=false with it)"
+            )
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    """The salt as given (None: no salt); ValueError unless a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string if given")
+    return salt
 
 
 class InputProcessor:
@@ -69,17 +99,20 @@ class InputProcessor:
         mm_processor_kwargs: dict | None = None,
         audios: list | None = None,
     ) -> ProcessedPrompt:
-        """A string, token ids, or a vLLM-style dict {"prompt"/"prompt_token_ids", "multi_modal_data"}."""
+        """A string, token ids, or a vLLM-style dict {"prompt"/"prompt_token_ids", "multi_modal_data", "cache_salt"}."""
         mm_data: dict[str, Any] = {}
         text: str | None = None
         token_ids: list[int] | None = None
+        cache_salt = None
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs"}
+            known = {"prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "cache_salt"}
+            unknown = set(prompt) - known
             if unknown:
                 raise ValueError(
                     f"unknown prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' and 'multi_modal_data'"
                 )
             text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            cache_salt = check_cache_salt(prompt.get("cache_salt"))
             mm_data = dict(prompt.get("multi_modal_data") or {})
             mm_processor_kwargs = {**(prompt.get("mm_processor_kwargs") or {}), **(mm_processor_kwargs or {})}
         elif isinstance(prompt, str):
@@ -111,7 +144,7 @@ class InputProcessor:
             vocab = self.loaded.hf_config.get_text_config().vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
+        return replace(self._with_media(text, token_ids, mm_data, mm_processor_kwargs), cache_salt=cache_salt)
 
     def process_chat(
         self,
@@ -119,21 +152,20 @@ class InputProcessor:
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         media_source=None,
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
+        options: ChatTemplateOptions | None = None,
     ) -> ProcessedPrompt:
         """OpenAI-format messages through the checkpoint's chat template (media parts are collected in order).
         `media_source(part_type, part)` turns a media part into what the loader takes (the server passes
-        pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media.
-        `add_generation_prompt`: end with the assistant turn's header; `add_special_tokens`: let the tokenizer add
-        its own (BOS, ...) on top of the template's."""
+        pre-fetched bytes); the default accepts data:/file: URLs, paths and in-memory media. `options`: see
+        ChatTemplateOptions (default: a generation prompt, no special tokens added)."""
+        options = options or ChatTemplateOptions()
         template_messages, mm_data = parse_chat_messages(messages, media_source or default_media_source)
-        text = self._render_chat(template_messages, chat_template_kwargs, add_generation_prompt)
-        token_ids = self._tokenize(text, add_special_tokens=add_special_tokens)
+        text = self._render_chat(template_messages, chat_template_kwargs, options)
+        token_ids = self._tokenize(text, add_special_tokens=options.add_special_tokens)
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
 
     def _render_chat(
-        self, messages: list[dict], chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True
+        self, messages: list[dict], chat_template_kwargs: dict | None = None, options: ChatTemplateOptions | None = None
     ) -> str:
         """Parsed messages (content parts in the "openai" shape) through the chat template, in the content format
         the template takes; transformers renders it in its sandboxed Jinja environment."""
@@ -145,10 +177,12 @@ class InputProcessor:
                 "placeholder tokens, if any) instead"
             )
         content_format = resolve_content_format(self.chat_template_content_format, template)
+        options = options or ChatTemplateOptions()
         return self.tokenizer.apply_chat_template(
             to_content_format(messages, content_format),
             tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
             **kwargs,
         )
 
@@ -243,7 +277,37 @@ class InputProcessor:
                 mrope(ids, features)
             except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"bad kv_transfer_params.remote_mm_features: {shorten(str(e))}") from None
-        return ProcessedPrompt(processed.prompt, list(ids), features)
+        return replace(processed, prompt_token_ids=list(ids), mm_features=features)
+
+    def truncate_prompt(self, processed: ProcessedPrompt, num_tokens: int | None) -> ProcessedPrompt:
+        """The prompt's last `num_tokens` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len; None: all),
+        its text decoded from them when it was cut. ValueError when `num_tokens` is over max_model_len or when it
+        would cut a prompt with media (only text-only prompts are cut)."""
+        if num_tokens is None:
+            return processed
+        max_model_len = self.loaded.max_model_len
+        if num_tokens > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({num_tokens}) is greater than max_model_len ({max_model_len}); "
+                f"give a smaller truncation size"
+            )
+        keep = max_model_len if num_tokens == -1 else num_tokens
+        cut = len(processed.prompt_token_ids) - keep
+        if cut <= 0:
+            return processed
+        if processed.mm_features:
+            raise ValueError(
+                f"truncate_prompt_tokens={num_tokens} would cut a prompt with media input "
+                f"({len(processed.prompt_token_ids)} tokens); this server truncates text-only prompts"
+            )
+        ids = processed.prompt_token_ids[cut:]
+        return replace(processed, prompt=self.tokenizer.decode(ids), prompt_token_ids=ids)
+
+    def prepare(self, processed: ProcessedPrompt, params: SamplingParams) -> ProcessedPrompt:
+        """The prompt the engine runs: a disaggregated consumer's remote media (`with_remote_media`), then
+        truncated to `params.truncate_prompt_tokens`."""
+        processed = self.with_remote_media(processed, params.kv_transfer_params)
+        return self.truncate_prompt(processed, params.truncate_prompt_tokens)
 
     def make_engine_request(
         self,
@@ -252,10 +316,12 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> EngineCoreRequest:
-        """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint) and the LoRA adapter
-        it runs with (None: the base model). An adapter with tower / projector weights makes the items' embeddings
-        its own: their mm_hash gains `:lora:<id>`, so the encoder cache never mixes them with the base's."""
+        """Bind a processed prompt to sampling params (EOS ids filled in from the checkpoint), the LoRA adapter
+        it runs with (None: the base model) and its scheduling priority. An adapter with tower / projector weights
+        makes the items' embeddings its own: their mm_hash gains `:lora:<id>`, so the encoder cache never mixes
+        them with the base's."""
         params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
         params = bind_logits_fields(params, self.tokenizer, self.loaded.hf_config.get_text_config().vocab_size)
         if params.structured_outputs is not None:
@@ -263,4 +329,13 @@ class InputProcessor:
         features = processed.mm_features
         if lora_request is not None and features and adapter_targets_encoder(lora_request.lora_path):
             features = [replace(f, mm_hash=f"{f.mm_hash}:lora:{lora_request.lora_int_id}") for f in features]
-        return EngineCoreRequest(request_id, processed.prompt_token_ids, params, arrival_time, features, lora_request)
+        return EngineCoreRequest(
+            request_id,
+            processed.prompt_token_ids,
+            params,
+            arrival_time,
+            features,
+            lora_request,
+            priority,
+            processed.cache_salt,
+        )

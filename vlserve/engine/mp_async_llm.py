@@ -127,15 +127,12 @@ class RemoteEngineLoop:
         for r in requests:
             if r.request_id in self.output_processor.parents:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
-        # a disaggregated consumer's media-less request: the producer's expanded prompt and items (no media)
-        requests = [
-            replace(r, processed=self.input_processor.with_remote_media(r.processed, r.params.kv_transfer_params))
-            for r in requests
-        ]
+        # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)
+        requests = [replace(r, processed=self.input_processor.prepare(r.processed, r.params)) for r in requests]
         for r in requests:
             engine_reqs = [
                 self.input_processor.make_engine_request(
-                    cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request
+                    cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request, r.priority
                 )
                 for i, cid in enumerate(child_request_ids(r.request_id, r.params.n))
             ]
