@@ -46,6 +46,7 @@ from vlserve.api.tool_parsers import ToolParserManager
 from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.engine.input_processor import ProcessedPrompt
 from vlserve.outputs import Logprob, RequestOutput
+from vlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -156,15 +157,12 @@ class OpenAIServingChat:
             )
         )
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
-        model = self.models.check(req.model)
-        lora = self.models.lora_of(model)
-        check_kv_transfer_params(self.engine, req)
-        if wants_beam_search(req):
-            if lora is not None:
-                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
-            return await beam_chat(self.engine, req, raw, model, self._process)
+    async def prepare(
+        self, req: ChatCompletionRequest, max_tokens_field: str | None = None
+    ) -> tuple[ToolPlan, SamplingParams, ProcessedPrompt]:
+        """A chat request's tool plan, sampling params and processed prompt, checked against the context (the
+        input side of the chat endpoint, shared with the Responses front end). `max_tokens_field`: the name a
+        too-long request's error gives (default: the chat field the client used)."""
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         processed = await self._process(req, plan.tools)
@@ -177,8 +175,20 @@ class OpenAIServingChat:
             params.max_tokens,
             num_prompt,
             self.engine.max_model_len,
-            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            max_tokens_field or ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
         )
+        return plan, params, processed
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
+        model = self.models.check(req.model)
+        lora = self.models.lora_of(model)
+        check_kv_transfer_params(self.engine, req)
+        if wants_beam_search(req):
+            if lora is not None:
+                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
+            return await beam_chat(self.engine, req, raw, model, self._process)
+        plan, params, processed = await self.prepare(req)
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params, lora)
         top_k = req.top_logprobs or 0
@@ -188,7 +198,7 @@ class OpenAIServingChat:
             return EngineStreamingResponse(
                 self._stream(stream, request_id, model, params.n, top_k, holdback, req.include_usage, continuous, plan)
             )
-        final = await run_unless_disconnected(raw, _last(stream), stream.abort)
+        final = await run_unless_disconnected(raw, last_output(stream), stream.abort)
         choices = []
         for c in final.outputs:
             message, finish_reason = _message(plan, c.text, c.finish_reason)
@@ -286,7 +296,7 @@ def _message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[Chat
     )
 
 
-async def _last(stream: RequestStream) -> RequestOutput:
+async def last_output(stream: RequestStream) -> RequestOutput:
     """Drain a request's stream and return its final output."""
     last = None
     async with stream:
