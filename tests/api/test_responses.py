@@ -233,7 +233,7 @@ BAD_REQUESTS = [
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "web_search"),
     ({"input": "hi", "tool_choice": "auto", "tools": [{"type": "function", "name": "f", "oops": 1}]}, "oops"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": []}, "no message"),
@@ -268,3 +268,33 @@ def test_store_evicts_the_least_recently_used(text_ckpt):
             served.client.responses.retrieve(a.id)
     finally:
         served.close()
+
+
+class FirstWordReasons:
+    """A reasoning parser of the shape the seam takes: the text up to the first space is reasoning (none until it
+    is written), the rest content."""
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        reasoning, sep, content = text.partition(" ")
+        return (reasoning, content) if sep else (text, None)
+
+
+def test_reasoning_seam_streamed_and_not(rserver):
+    serving = rserver.thread.server.config.app.state.responses
+    serving.reasoning_parser = FirstWordReasons
+    try:
+        kw = dict(input="Tell me about Rome.", max_output_tokens=12)
+        whole = respond(rserver, **kw)
+        plain = chat_text(rserver, [{"role": "user", "content": "Tell me about Rome."}])[0]
+        with rserver.client.responses.stream(model=rserver.model, **GREEDY, **kw) as stream:
+            events = list(stream)
+    finally:
+        serving.reasoning_parser = None
+    reasoning, _, content = plain.partition(" ")
+    assert reasoning and content  # the greedy text has both parts
+    assert [i.type for i in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == reasoning and whole.output_text == content
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == reasoning and final.output_text == content
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content

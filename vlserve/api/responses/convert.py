@@ -24,6 +24,7 @@ from vlserve.shorten import shorten
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "refusal")
 _DETAILS = (None, "auto", "low", "high")
+_JSON_SCHEMA_KEYS = ("name", "schema", "description", "strict")
 _FILE_MEDIA = {"image/": "image_url", "audio/": "audio_url", "video/": "video_url"}
 
 
@@ -175,9 +176,19 @@ def response_format(text: dict | None) -> dict | None:
         return None
     if not isinstance(fmt, dict):
         raise ValueError(f"text.format must be an object, got {shorten(fmt)}")
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    return dict(fmt)
+    if fmt.get("type") != "json_schema":
+        return dict(fmt)  # text / json_object: checked with the chat request's response_format
+    extra = [k for k in fmt if k not in ("type", *_JSON_SCHEMA_KEYS)]
+    if extra:
+        raise ValueError(
+            f"text.format json_schema: unsupported field(s) {', '.join(shorten(k) for k in extra)}; supported: "
+            f"type, {', '.join(_JSON_SCHEMA_KEYS)}"
+        )
+    if not isinstance(fmt.get("name"), str):
+        raise ValueError("text.format.name must be a string")
+    if not isinstance(fmt.get("schema"), dict):
+        raise ValueError(f"text.format.schema must be a JSON schema object, got {shorten(fmt.get('schema'))}")
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
 def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
