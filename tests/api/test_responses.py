@@ -88,6 +88,7 @@ def test_text_is_the_chat_endpoints_greedy_text(rserver):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     if chat.choices[0].finish_reason == "length":
         assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[0].status == "incomplete"
 
 
 def test_two_turns_follow_the_stored_conversation(rserver):
@@ -247,6 +248,14 @@ def test_bad_input_is_a_4xx_and_the_server_lives_on(rserver, body, named):
     assert named in r.json()["error"]["message"], r.text
     assert rserver.http.get("/health").status_code == 200
     assert respond(rserver, input="still here", max_output_tokens=2).output_text is not None
+
+
+def test_media_the_model_lacks_names_the_input_field(rserver):
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA=="}
+    r = rserver.http.post(
+        "/v1/responses", json={"model": rserver.model, "input": [{"role": "user", "content": [image]}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
 def test_store_evicts_the_least_recently_used(text_ckpt):

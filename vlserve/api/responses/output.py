@@ -40,9 +40,12 @@ def initial_response(req: ResponsesRequest, model: str) -> ResponseObject:
     )
 
 
-def output_items(text: str, plan: ToolPlan, reasoning_parser: Any | None) -> list[OutputItem]:
+def output_items(
+    text: str, plan: ToolPlan, reasoning_parser: Any | None, status: str = "completed"
+) -> list[OutputItem]:
     """The output of a finished text: a reasoning item (when the parser finds reasoning), the message (its text
-    with tool calls taken out; left out when only tool calls remain), then one function_call item per call."""
+    with tool calls taken out; left out when only tool calls remain), then one function_call item per call; the
+    message and calls carry `status`."""
     reasoning, content = split_reasoning(reasoning_parser, text)
     items: list[OutputItem] = []
     if reasoning is not None:
@@ -53,9 +56,14 @@ def output_items(text: str, plan: ToolPlan, reasoning_parser: Any | None) -> lis
         found, calls = parser.extract_tool_calls(content)
         content = found or ""
     if content or not calls:
-        items.append(MessageItem(content=[OutputText(text=content)]))
-    items += [FunctionCallItem(name=c.function.name, arguments=c.function.arguments) for c in calls]
+        items.append(MessageItem(content=[OutputText(text=content)], status=status))
+    items += [FunctionCallItem(name=c.function.name, arguments=c.function.arguments, status=status) for c in calls]
     return items
+
+
+def item_status(response: ResponseObject) -> str:
+    """The status of a finished Response's message and call items: "incomplete" when the Response is."""
+    return "incomplete" if response.status == "incomplete" else "completed"
 
 
 def usage_of(final: RequestOutput) -> ResponseUsage:

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from vlserve.api.errors import APIError, to_api_error
 from vlserve.api.responses.convert import chat_request, history_messages
-from vlserve.api.responses.output import finish, initial_response, output_items
+from vlserve.api.responses.output import finish, initial_response, item_status, output_items
 from vlserve.api.responses.protocol import ResponseObject, ResponsesRequest
 from vlserve.api.responses.reasoning import split_reasoning
 from vlserve.api.responses.store import DEFAULT_STORE_SIZE, ResponseStore, StoredResponse
@@ -56,7 +56,12 @@ class OpenAIServingResponses:
         if req.previous_response_id is not None:
             history = self._stored(req.previous_response_id, "previous_response_id").conversation
         chat_req, conversation = chat_request(req, history)
-        plan, params, processed = await self.chat.prepare(chat_req, "max_output_tokens")
+        try:
+            plan, params, processed = await self.chat.prepare(chat_req, "max_output_tokens")
+        except APIError as e:
+            if e.param == "messages":  # what the client sent as input
+                e.param = "input"
+            raise
         response = initial_response(req, model)
         stream = await self.engine.add_request(response.id, processed, params, lora)
         reasoning_parser = None if self.reasoning_parser is None else self.reasoning_parser()
@@ -65,8 +70,8 @@ class OpenAIServingResponses:
             events = self._stream(stream, response, plan, reasoning_parser, holdback, conversation)
             return EngineStreamingResponse(events)
         final = await run_unless_disconnected(raw, last_output(stream), stream.abort)
-        response.output = output_items(final.outputs[0].text, plan, reasoning_parser)
         finish(response, final)
+        response.output = output_items(final.outputs[0].text, plan, reasoning_parser, item_status(response))
         self._keep(response, conversation)
         return JSONResponse(response.model_dump())
 
@@ -108,12 +113,12 @@ class OpenAIServingResponses:
                 for event in self._content_events(items, tool_parser, content, content_sent, finished):
                     yield event
                 content_sent = len(content)
-            for event in items.finish():
-                yield event
             if last is None:
                 raise APIError("the request ended without output", 500)
-            response.output = items.items
             finish(response, last)
+            for event in items.finish(item_status(response)):
+                yield event
+            response.output = items.items
             self._keep(response, conversation)
             kind = "response.completed" if response.status == "completed" else "response.incomplete"
             yield write.lifecycle(kind, response)

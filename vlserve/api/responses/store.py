@@ -2,7 +2,8 @@
 
 In memory, per server process: at most `capacity` responses (`--responses-store-size`, default
 DEFAULT_STORE_SIZE); storing one more evicts the least recently used (stored, retrieved, or continued from). A
-restart forgets them all.
+restart forgets them all. An entry holds its conversation as sent, media data URLs included, so the memory the store
+takes grows with the media of the conversations it keeps; `store: false` keeps nothing.
 """
 
 from __future__ import annotations

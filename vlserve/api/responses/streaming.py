@@ -57,11 +57,12 @@ class OutputStreamer:
             dumped.update(status="in_progress", arguments="")
         return self.write("response.output_item.added", output_index=len(self.items) - 1, item=dumped)
 
-    def close(self) -> list[str]:
-        """Finish the open item, if any."""
+    def close(self, status: str = "completed") -> list[str]:
+        """Finish the open item, if any, with `status`."""
         item, self.open = self.open, None
         if item is None:
             return []
+        item.status = status
         index = len(self.items) - 1
         events = []
         if isinstance(item, MessageItem):
@@ -132,9 +133,10 @@ class OutputStreamer:
         events.append(self.write("response.output_item.done", output_index=index, item=item.model_dump()))
         return events
 
-    def finish(self) -> list[str]:
-        """Close the open item; an output with neither message nor call gets an empty message (as non-streamed)."""
-        events = self.close()
+    def finish(self, status: str = "completed") -> list[str]:
+        """Close the open item with `status`; an output with neither message nor call gets an empty message (as
+        non-streamed)."""
+        events = self.close(status)
         if not any(isinstance(i, (MessageItem, FunctionCallItem)) for i in self.items):
-            events += self.text("") + self.close()
+            events += self.text("") + self.close(status)
         return events
