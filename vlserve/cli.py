@@ -76,6 +76,7 @@ def serve_config_from_args(args: argparse.Namespace):
         **body_cap,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        responses_store_size=args.responses_store_size,
         playground=not args.disable_playground,
         media=MediaConfig(
             allowed_local_media_path=args.allowed_local_media_path,

@@ -70,6 +70,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="how tool calls are read out of the model's text (hermes: <tool_call>{...}</tool_call>) (default: none)",
     )
     front.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="stored Responses kept for previous_response_id and GET /v1/responses/{id}; the least recently used "
+        "go first (default: 1000)",
+    )
+    front.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=None,

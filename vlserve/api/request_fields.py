@@ -45,6 +45,30 @@ _UNSUPPORTED_CHAT: dict[str, tuple] = {
     "web_search_options": _NONE,
 }
 _UNSUPPORTED_COMPLETION: dict[str, tuple] = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
+# POST /v1/responses (vlserve.api.responses): OpenAI's Responses fields this server lacks, and the chat sampling
+# fields vLLM's Responses endpoint takes but this one does not
+_UNSUPPORTED_RESPONSES: dict[str, tuple] = {
+    **_UNSUPPORTED_COMMON,
+    "background": _FALSE,
+    "conversation": _NONE,
+    "include": _EMPTY,
+    "max_tool_calls": _NONE,
+    "prompt": _NONE,
+    "reasoning": _EMPTY,
+    "truncation": (None, "disabled"),
+    "top_logprobs": (None, 0),
+    "n": (None, 1),
+    "stop": _EMPTY,
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "mm_processor_kwargs": _EMPTY,
+    "chat_template_kwargs": _EMPTY,
+    "chat_template": _NONE,
+}
+_TABLES = {"chat": _UNSUPPORTED_CHAT, "completion": _UNSUPPORTED_COMPLETION, "responses": _UNSUPPORTED_RESPONSES}
 
 # Known fields that change nothing a response carries (ids, bookkeeping, options of parts we do not have).
 _NO_EFFECT = frozenset(
@@ -58,6 +82,7 @@ _NO_EFFECT = frozenset(
         "prompt_cache_key",
         "prompt_cache_retention",
         "verbosity",
+        "stream_options",
     }
 )
 
@@ -76,8 +101,8 @@ def _is_noop(value: Any, noops: tuple) -> bool:
 
 def check_extra_fields(extra: dict[str, Any] | None, endpoint: str) -> None:
     """ValueError naming the first field that this server does not implement and that would change the output;
-    one log warning per other unknown field name. `endpoint`: "chat" or "completion"."""
-    table = _UNSUPPORTED_CHAT if endpoint == "chat" else _UNSUPPORTED_COMPLETION
+    one log warning per other unknown field name. `endpoint`: "chat", "completion" or "responses"."""
+    table = _TABLES[endpoint]
     for name, value in (extra or {}).items():
         noops = table.get(name)
         if noops is not None:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: app factory (`build_app`), routes, API-key check, and `serve()` (uvicorn).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version, GET /metrics,
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (and GET / DELETE
+/v1/responses/{id}; see api/responses/), GET /v1/models, GET /health, GET /version, GET /metrics,
 POST /tokenize and /detokenize (serving_tokenize.py), and the playground page (GET /, /playground; see
 playground.py) unless `playground` is off.
 """
@@ -26,6 +27,7 @@ from vlserve.api.media import MediaConfig, MediaFetcher
 from vlserve.api.metrics import ServerMetrics
 from vlserve.api.playground import install_playground
 from vlserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from vlserve.api.responses import DEFAULT_STORE_SIZE, install_responses_routes
 from vlserve.api.serving_base import ServedModels
 from vlserve.api.serving_chat import OpenAIServingChat
 from vlserve.api.serving_completion import OpenAIServingCompletion
@@ -52,6 +54,7 @@ class ServerConfig:
     playground: bool = True  # serve the playground page at / and /playground (--disable-playground)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides (--enable-auto-tool-choice)
     tool_call_parser: str | None = None  # how tool calls are read from the model's text (--tool-call-parser)
+    responses_store_size: int = DEFAULT_STORE_SIZE  # stored Responses kept, LRU (--responses-store-size)
 
 
 class _GateMiddleware:
@@ -200,6 +203,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
         return await completion.create(body, raw)
 
     install_tokenize_routes(app, chat, models)
+    install_responses_routes(app, chat, config.responses_store_size)
     if runtime_lora_updating_allowed():
         install_lora_routes(app, engine, models)
     if config.playground:

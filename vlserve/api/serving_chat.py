@@ -57,6 +57,7 @@ from vlserve.engine.async_llm import AsyncLLM, RequestStream
 from vlserve.engine.generation_config import GenerationDefaults
 from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.outputs import Logprob, RequestOutput
+from vlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -178,16 +179,12 @@ class OpenAIServingChat:
             )
         )
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
-        model = self.models.check(req.model)
-        lora = self.models.lora_of(model)
-        check_kv_transfer_params(self.engine, req)
-        if wants_beam_search(req):
-            check_beam_search_extras(req)
-            if lora is not None:
-                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
-            return await beam_chat(self.engine, req, raw, model, self._process)
+    async def prepare(
+        self, req: ChatCompletionRequest, max_tokens_field: str | None = None
+    ) -> tuple[ToolPlan, SamplingParams, ProcessedPrompt]:
+        """A chat request's tool plan, sampling params and processed prompt, checked against the context (the
+        input side of the chat endpoint, shared with the Responses front end). `max_tokens_field`: the name a
+        too-long request's error gives (default: the chat field the client used)."""
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         params = self.generation_defaults.apply_to_request(params, req)
@@ -202,8 +199,21 @@ class OpenAIServingChat:
             params.max_tokens,
             num_prompt,
             self.engine.max_model_len,
-            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            max_tokens_field or ("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"),
         )
+        return plan, params, processed
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """Handle one request (errors raise APIError / ValueError, which the app renders as OpenAI errors)."""
+        model = self.models.check(req.model)
+        lora = self.models.lora_of(model)
+        check_kv_transfer_params(self.engine, req)
+        if wants_beam_search(req):
+            check_beam_search_extras(req)
+            if lora is not None:
+                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
+            return await beam_chat(self.engine, req, raw, model, self._process)
+        plan, params, processed = await self.prepare(req)
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params, lora, req.priority)
         top_k = req.top_logprobs or 0
@@ -215,7 +225,7 @@ class OpenAIServingChat:
                     stream, request_id, model, params.n, top_k, holdback, req.include_usage, continuous, plan, req
                 )
             )
-        final = await run_unless_disconnected(raw, _last(stream), stream.abort)
+        final = await run_unless_disconnected(raw, last_output(stream), stream.abort)
         choices = []
         echo, token_ids = chat_echo_text(req), req.return_token_ids
         for c in final.outputs:
@@ -336,7 +346,7 @@ def _message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[Chat
     )
 
 
-async def _last(stream: RequestStream) -> RequestOutput:
+async def last_output(stream: RequestStream) -> RequestOutput:
     """Drain a request's stream and return its final output."""
     last = None
     async with stream:
