@@ -40,6 +40,9 @@ class SamplingParams:
     # request asks its engine to keep the KV for a consumer; a decode request carries what the prefill's output
     # returned ({"do_remote_prefill": True, "remote_host", "remote_port", "remote_block_ids", ...}).
     kv_transfer_params: dict | None = None
+    # With a reasoning parser (EngineArgs.reasoning_parser): the most tokens inside the reasoning before the engine
+    # forces its end token; None: no limit. An engine without a reasoning parser refuses it.
+    thinking_token_budget: int | None = None
     # Filled by the engine: ids that end the request (EOS plus generation_config's eos list).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -97,6 +100,9 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers.")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            bad(f"thinking_token_budget must be an integer >= 0, got {budget!r}.")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63 - 1024
         ):
