@@ -104,6 +104,7 @@ class _SamplingFields(OpenAIModel):
         endpoint: str,
         tool_schema: dict | None,
         structured_backend: str,
+        thinking_token_budget: int | None = None,
     ) -> SamplingParams:
         """SamplingParams for this request (ValueError when a value is out of range or a field is unsupported)."""
         check_extra_fields(self.model_extra, endpoint)
@@ -132,6 +133,7 @@ class _SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured,
             kv_transfer_params=self.kv_transfer_params,
+            thinking_token_budget=thinking_token_budget,
         )
 
     @property
@@ -173,6 +175,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Any = None  # checked by vlserve.api.tool_choice
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # reasoning (--reasoning-parser): whether the reply carries it (it is split off the content either way), and
+    # the most tokens the model may reason before the engine ends the reasoning (a 400 without a parser)
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -213,7 +219,12 @@ class ChatCompletionRequest(_SamplingFields):
                 f"min_tokens ({self.min_tokens}) must be <= max_completion_tokens ({self.max_completion_tokens})."
             )
         return self._sampling_params(
-            max_tokens, (self.top_logprobs or 0) if self.logprobs else None, "chat", tool_schema, structured_backend
+            max_tokens,
+            (self.top_logprobs or 0) if self.logprobs else None,
+            "chat",
+            tool_schema,
+            structured_backend,
+            self.thinking_token_budget,
         )
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
@@ -331,9 +342,13 @@ class DeltaToolCall(_OmitNone):
 
 
 class ChatResponseMessage(_OmitNone):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
+    """`reasoning` and its older name `reasoning_content` (same value) come with a reasoning parser."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning", "reasoning_content")
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -358,9 +373,11 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(_OmitNone):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning", "reasoning_content")
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -57,13 +57,16 @@ _UNSUPPORTED_CHAT: dict[str, tuple] = {
     "prediction": _NONE,
     "web_search_options": _NONE,
 }
-_UNSUPPORTED_COMPLETION: dict[str, tuple] = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
+_UNSUPPORTED_COMPLETION: dict[str, tuple] = {
+    **_UNSUPPORTED_COMMON,
+    "add_special_tokens": (None, True),
+    "include_reasoning": (None, True),  # completions return the text whole (chat splits reasoning off)
+}
 
 # Known fields that change nothing a response carries (ids, bookkeeping, options of parts we do not have).
 _NO_EFFECT = frozenset(
     {
         "request_id",
-        "include_reasoning",
         "store",
         "metadata",
         "service_tier",
