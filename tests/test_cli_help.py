@@ -43,6 +43,7 @@ DEFAULTS = {
     "structured_outputs_config": None,
     "enable_auto_tool_choice": False,
     "tool_call_parser": None,
+    "reasoning_parser": None,
     "max_waiting_requests": None,
     "chat_template_content_format": "auto",
     "async_scheduling": False,

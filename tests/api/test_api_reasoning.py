@@ -141,3 +141,21 @@ def test_bad_budgets_are_400(reasoning_server, server):
         server.client.completions.create(
             model=server.model, prompt="hi", max_tokens=2, extra_body={"include_reasoning": False}
         )
+
+
+def test_tool_calls_are_read_from_the_content_only():
+    from tests.api.test_tool_calls import TOOLS
+    from vlserve.api.reasoning_output import ReasoningOutput
+    from vlserve.api.serving_chat import _message
+    from vlserve.api.tool_choice import plan_tools
+    from vlserve.api.tool_parsers import ToolParserManager
+    from vlserve.reasoning import get_reasoning_parser
+
+    plan = plan_tools(TOOLS, "auto", None, ToolParserManager.get("hermes"))
+    thought = 'maybe <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>?'
+    text = f'<think>{thought}</think><tool_call>{{"name": "get_time", "arguments": {{}}}}</tool_call>'
+    message, finish_reason = _message(plan, text, "stop", ReasoningOutput(get_reasoning_parser("qwen3")(), []))
+    assert message.reasoning == message.reasoning_content == thought
+    assert [c.function.name for c in message.tool_calls] == ["get_time"] and finish_reason == "tool_calls"
+    hidden, _ = _message(plan, text, "stop", ReasoningOutput(get_reasoning_parser("qwen3")(), [], include=False))
+    assert hidden.reasoning is None and [c.function.name for c in hidden.tool_calls] == ["get_time"]
