@@ -159,3 +159,11 @@ def test_tool_calls_are_read_from_the_content_only():
     assert [c.function.name for c in message.tool_calls] == ["get_time"] and finish_reason == "tool_calls"
     hidden, _ = _message(plan, text, "stop", ReasoningOutput(get_reasoning_parser("qwen3")(), [], include=False))
     assert hidden.reasoning is None and [c.function.name for c in hidden.tool_calls] == ["get_time"]
+
+
+def test_beam_search_splits_reasoning_too(reasoning_server):
+    r = create(reasoning_server, n=2, max_tokens=3, extra_body={"use_beam_search": True, "ignore_eos": True})
+    for choice in r.choices:  # the template opened <think> and nothing closed it: all reasoning
+        assert choice.message.content is None and choice.message.reasoning
+    with pytest.raises(openai.BadRequestError, match="beam search"):
+        create(reasoning_server, max_tokens=3, extra_body={"use_beam_search": True, "thinking_token_budget": 1})

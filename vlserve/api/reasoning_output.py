@@ -33,6 +33,13 @@ class ReasoningOutput:
         """A streamed choice's split (None without a parser)."""
         return None if self.parser is None else self.parser.new_stream(self.prompt_token_ids)
 
+    def message(self, text: str) -> ChatResponseMessage:
+        """A finished choice's message: its content, and its reasoning when there is one to include."""
+        reasoning, content = self.split(text)
+        message = ChatResponseMessage(content=content)
+        self.attach(message, reasoning)
+        return message
+
     def attach(self, message: ChatResponseMessage | DeltaMessage, reasoning: str | None) -> None:
         """Put `reasoning` on a message or delta under both names, unless the request left it out."""
         if self.include and reasoning is not None:

@@ -164,16 +164,18 @@ class OpenAIServingChat:
         model = self.models.check(req.model)
         lora = self.models.lora_of(model)
         check_kv_transfer_params(self.engine, req)
-        if wants_beam_search(req):
-            if lora is not None:
-                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
-            return await beam_chat(self.engine, req, raw, model, self._process)
         if req.thinking_token_budget is not None and self.reasoning_parser is None:
             raise APIError(
                 "thinking_token_budget needs a reasoning parser: start the server with --reasoning-parser",
                 400,
                 "thinking_token_budget",
             )
+        if wants_beam_search(req):
+            if lora is not None:
+                raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
+            if req.thinking_token_budget is not None:
+                raise APIError("thinking_token_budget is not supported with beam search", 400, "thinking_token_budget")
+            return await beam_chat(self.engine, req, raw, model, self._process, self.reasoning_parser)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         processed = await self._process(req, plan.tools)
@@ -301,17 +303,15 @@ def _message(
 ) -> tuple[ChatResponseMessage, str | None]:
     """A finished choice's message (the reasoning split off first, then tool calls read out of the content when
     the plan asks) and its finish_reason."""
-    thought, content = (None, text) if reasoning is None else reasoning.split(text)
+    reasoning = reasoning or ReasoningOutput(None, [])
     parser = plan.new_parser()
-    if parser is None or content is None:
-        message = ChatResponseMessage(content=content)
-    else:
-        content, calls = parser.extract_tool_calls(content)
-        message = ChatResponseMessage(content=content, tool_calls=calls or None)
-        finish_reason = plan.finish_reason(finish_reason, bool(calls))
-    if reasoning is not None:
-        reasoning.attach(message, thought)
-    return message, finish_reason
+    if parser is None:
+        return reasoning.message(text), finish_reason
+    thought, content = reasoning.split(text)
+    content, calls = (None, []) if content is None else parser.extract_tool_calls(content)
+    message = ChatResponseMessage(content=content, tool_calls=calls or None)
+    reasoning.attach(message, thought)
+    return message, plan.finish_reason(finish_reason, bool(calls))
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
