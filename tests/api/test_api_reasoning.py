@@ -167,3 +167,19 @@ def test_beam_search_splits_reasoning_too(reasoning_server):
         assert choice.message.content is None and choice.message.reasoning
     with pytest.raises(openai.BadRequestError, match="beam search"):
         create(reasoning_server, max_tokens=3, extra_body={"use_beam_search": True, "thinking_token_budget": 1})
+
+
+@pytest.mark.slow
+def test_serve_flag_with_the_engine_process(thinking_ckpt, repo_root, reasoning_server):
+    """`vlserve serve --reasoning-parser qwen3` (engine core in its own process) answers as the in-process server."""
+    from tests.api.conftest import serve_subprocess
+
+    kw = dict(max_tokens=8, extra_body={"thinking_token_budget": 3, "ignore_eos": True})
+    expected = create(reasoning_server, **kw).choices[0].message
+    args = [thinking_ckpt, "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64"]
+    args += ["--served-model-name", "tiny-thinking", "--reasoning-parser", "qwen3", "--log-level", "warning"]
+    with serve_subprocess(args, repo_root) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        message = client.chat.completions.create(model="tiny-thinking", messages=ASK, temperature=0, **kw)
+        assert message.choices[0].message.reasoning == expected.reasoning
+        assert message.choices[0].message.content == expected.content
