@@ -134,7 +134,9 @@ class EngineCore:
         budget = request.sampling_params.thinking_token_budget
         if self.reasoning_tokens is None:
             if budget is not None:
-                raise ValueError("thinking_token_budget needs a reasoning parser (start the engine with one)")
+                raise ValueError(
+                    "thinking_token_budget needs a reasoning parser (reasoning_parser, --reasoning-parser)"
+                )
             return None
         if budget is None and request.sampling_params.structured_outputs is None:
             return None
@@ -280,6 +282,8 @@ class EngineCore:
     def _constrained_running(self) -> bool:
         """Whether a running request follows a grammar or tracks its reasoning: its next bitmask needs the tokens
         of the step in flight, so the next step is planned after them (as with spec decode)."""
+        if self._structured_output_manager is None and self.reasoning_tokens is None:
+            return False
         return any(r.structured_output is not None or r.reasoning is not None for r in self.scheduler.running)
 
     def _observe_timings(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
