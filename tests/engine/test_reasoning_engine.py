@@ -27,7 +27,8 @@ def _runs(llm: LLM) -> list[list[int]]:
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking_token_budget=5),
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking_token_budget=0),
         SamplingParams(temperature=0, max_tokens=40, thinking_token_budget=4, structured_outputs={"choice": CHOICES}),
-        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, thinking_token_budget=8),  # mid-repeat
     ]
     outs = [llm.generate([prompt], p, use_tqdm=False)[0].outputs[0] for p in params]
     llm.check_integrity()
@@ -51,6 +52,7 @@ def test_budget_and_grammar(reference):
     assert ids[1][0] == end
     assert ids[2][:4] == free[:4] and ids[2][4] == end
     assert texts[2].split("</think>")[1] in CHOICES
+    assert ids[4][:8] == free[:8] and ids[4][8] == end
 
 
 @pytest.mark.parametrize("extra", [{"async_scheduling": True}, {"speculative_config": NGRAM}], ids=["async", "ngram"])
