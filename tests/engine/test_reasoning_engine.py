@@ -73,3 +73,33 @@ def test_budget_without_parser_is_refused(thinking_ckpt):
             llm.generate(["hi"], SamplingParams(max_tokens=2, thinking_token_budget=1), use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_pending_output_takes_the_grammar_or_opens_reasoning(thinking_ckpt):
+    """A prompt without think tags leaves the output pending: its first token is the grammar's or `<think>`; either
+    way the content the qwen3 parser reads out is one of the choices ("hello\n\n" is a prompt whose greedy pick
+    on this checkpoint is `<think>`, then the budget of 2 ends it)."""
+    from vlserve.reasoning import get_reasoning_parser
+
+    llm = LLM(thinking_ckpt, reasoning_parser="qwen3", **KW)
+    try:
+        parser = get_reasoning_parser("qwen3")(llm.get_tokenizer())
+        tags = parser.token_ids()
+        opened = 0
+        for prompt in ("hello", "the quick brown fox", "hello\n\n"):
+            constraint = {"choice": CHOICES}
+            params = SamplingParams(
+                temperature=0, max_tokens=40, thinking_token_budget=2, structured_outputs=constraint
+            )
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            ids = out.outputs[0].token_ids
+            reasoning, content = parser.extract(out.outputs[0].text, out.prompt_token_ids)
+            assert content in CHOICES, (prompt, out.outputs[0].text)
+            assert (reasoning is not None) == (ids[0] == tags.start_token_id)
+            if ids[0] == tags.start_token_id:
+                opened += 1
+                assert ids[3] == tags.end_token_id and tags.end_token_id not in ids[:3]
+        assert opened >= 1
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
