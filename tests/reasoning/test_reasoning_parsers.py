@@ -70,6 +70,10 @@ def test_initial_state_follows_the_last_tag_of_the_prompt():
     assert qwen3.initial_state(PLAIN_PROMPT) is ReasoningState.PENDING
     assert r1.initial_state(PLAIN_PROMPT) is ReasoningState.REASONING
     assert qwen3.is_reasoning_end(OPEN_PROMPT + [7, 1001]) and not qwen3.is_reasoning_end(OPEN_PROMPT)
+    assert qwen3.num_reasoning_tokens([7, 8, 1001, 9], OPEN_PROMPT) == 2
+    assert qwen3.num_reasoning_tokens([1000, 7, 1001, 9], PLAIN_PROMPT) == 1
+    assert qwen3.num_reasoning_tokens([7, 1000, 8], PLAIN_PROMPT) == 0  # no leading <think>: content
+    assert r1.num_reasoning_tokens([7, 8, 9], PLAIN_PROMPT) == 3
 
 
 def stream_split(p, prompt, pieces):

@@ -5,6 +5,7 @@ registry `--reasoning-parser NAME` picks from.
     reasoning, content = parser.extract(text, prompt_token_ids)
     stream = parser.new_stream(prompt_token_ids)
     reasoning_delta, content_delta = stream.feed(text_delta, finished)
+    parser.num_reasoning_tokens(output_token_ids, prompt_token_ids)   # usage's reasoning_tokens
 
 Both follow one rule (the engine's `ReasoningTracker` follows it in token ids): the prompt's last tag says where
 the output begins (`initial_state`: an open `<think>`: inside reasoning; a closed one: content); with neither, it
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from vlserve.reasoning.tracker import ReasoningState, ReasoningTokens, initial_state
+from vlserve.reasoning.tracker import ReasoningState, ReasoningTokens, ReasoningTracker, initial_state
 from vlserve.shorten import shorten
 
 _PARSERS: dict[str, type[ReasoningParser]] = {}
@@ -135,6 +136,13 @@ class ReasoningParser:
             if token == tokens.start_token_id:
                 return False
         return False
+
+    def num_reasoning_tokens(self, output_token_ids: list[int], prompt_token_ids: list[int] | None = None) -> int:
+        """How many output tokens lie inside the reasoning (the tags not counted), as the engine counts them for a
+        thinking budget (usage's reasoning_tokens)."""
+        tracker = ReasoningTracker(self.token_ids(), list(prompt_token_ids or ()))
+        tracker.advance(list(output_token_ids))
+        return tracker.num_reasoning_tokens
 
     def new_stream(self, prompt_token_ids: list[int] | None = None) -> ReasoningStream:
         """A streaming split of one output generated after this prompt."""
