@@ -46,6 +46,7 @@ DEFAULTS = {
     "structured_outputs_config": None,
     "enable_auto_tool_choice": False,
     "tool_call_parser": None,
+    "reasoning_parser": None,
     "max_waiting_requests": None,
     "scheduling_policy": "fcfs",
     "chat_template_content_format": "auto",

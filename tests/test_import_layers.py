@@ -27,6 +27,7 @@ RANKS = {
     "shorten": 1,
     "beam_search": 1,
     "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
+    "reasoning": 1,  # reasoning parsers and the engine's tracker (pure Python): import only shorten among ours
     "core": 2,
     "kernels": 2,
     "multimodal": 2,

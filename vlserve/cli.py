@@ -45,6 +45,7 @@ def serve_config_from_args(args: argparse.Namespace):
         encoder_step_ms=args.encoder_step_ms,
         speculative_config=args.speculative_config,
         structured_outputs_config=args.structured_outputs_config,
+        reasoning_parser=args.reasoning_parser,
         served_model_name=names[0] if names else None,
         chat_template_content_format=args.chat_template_content_format,
         generation_config=args.generation_config,

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlserve.reasoning import get_reasoning_parser
 from vlserve.shorten import shorten
 from vlserve.structured_output.params import StructuredOutputsConfig
 from vlserve.transfer_config import ECTransferConfig, KVTransferConfig  # noqa: F401 - re-exported (vlserve.config)
@@ -192,6 +193,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (SchedulerConfig.scheduling_policy)
     speculative_config: dict[str, Any] | None = None
     structured_outputs_config: Any = None  # StructuredOutputsConfig, its dict or JSON text (None: xgrammar)
+    # how reasoning ends in the output (vlserve.reasoning: "qwen3", "deepseek_r1"): grammars start after it, and
+    # requests may set thinking_token_budget; the server splits reasoning from content with it. None: off
+    reasoning_parser: str | None = None
     served_model_name: str | None = None
     chat_template_content_format: str = "auto"  # "auto" | "string" | "openai": what the chat template's content is
     # default sampling parameters: "auto" (the checkpoint's generation_config.json), "vlserve" (built-in) or a directory
@@ -241,6 +245,8 @@ class EngineArgs:
         if isinstance(self.limit_mm_per_prompt, str):
             self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here, before anything loads
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32"):

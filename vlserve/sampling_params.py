@@ -49,6 +49,9 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # keep only the prompt's last k tokens (-1: max_model_len tokens; None: the whole prompt), as vLLM does
     truncate_prompt_tokens: int | None = None
+    # With a reasoning parser (EngineArgs.reasoning_parser): the most tokens inside the reasoning before the engine
+    # forces its end token; None: no limit. An engine without a reasoning parser refuses it.
+    thinking_token_budget: int | None = None
     # Filled by the engine: ids that end the request (EOS plus generation_config's eos list).
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -139,6 +142,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k == 0 or k < -1):
             bad(f"truncate_prompt_tokens must be an integer >= 1 or -1 (max_model_len), got {k!r}.")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+            bad(f"thinking_token_budget must be an integer >= 0, got {budget!r}.")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**63 - 1024
         ):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from vlserve.reasoning import reasoning_parser_names
+
 
 def _json_dict(value: str) -> dict:
     try:
@@ -75,6 +77,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=1000,
         help="stored Responses kept for previous_response_id and GET /v1/responses/{id}; the least recently used "
         "go first (default: 1000)",
+    )
+    front.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=reasoning_parser_names(),
+        help="how the model's reasoning ends (qwen3, deepseek_r1: <think>...</think>): replies carry it apart from "
+        "the content, grammars start after it, requests may set thinking_token_budget (default: none)",
     )
     front.add_argument(
         "--max-request-body-bytes",

@@ -263,7 +263,7 @@ def test_server_tool_flags_are_checked_at_start(kw, words):
     from vlserve.api.serving_chat import OpenAIServingChat
 
     engine = SimpleNamespace(
-        engine_args=SimpleNamespace(limit_mm_per_prompt={}, mm_processor_kwargs=None),
+        engine_args=SimpleNamespace(limit_mm_per_prompt={}, mm_processor_kwargs=None, reasoning_parser=None),
         input_processor=SimpleNamespace(mm_processor=None),
     )
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):

@@ -115,6 +115,7 @@ class _SamplingFields(OpenAIModel):
         endpoint: str,
         tool_schema: dict | None,
         structured_backend: str,
+        thinking_token_budget: int | None = None,
     ) -> SamplingParams:
         """SamplingParams for this request (ValueError when a value is out of range or a field is unsupported)."""
         check_extra_fields(self.model_extra, endpoint)
@@ -150,6 +151,7 @@ class _SamplingFields(OpenAIModel):
             bad_words=self.bad_words,
             prompt_logprobs=self.prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            thinking_token_budget=thinking_token_budget,
         )
 
     @property
@@ -197,6 +199,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    # reasoning (--reasoning-parser): whether the reply carries it (it is split off the content either way), and
+    # the most tokens the model may reason before the engine ends the reasoning (a 400 without a parser)
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -237,7 +243,12 @@ class ChatCompletionRequest(_SamplingFields):
                 f"min_tokens ({self.min_tokens}) must be <= max_completion_tokens ({self.max_completion_tokens})."
             )
         return self._sampling_params(
-            max_tokens, (self.top_logprobs or 0) if self.logprobs else None, "chat", tool_schema, structured_backend
+            max_tokens,
+            (self.top_logprobs or 0) if self.logprobs else None,
+            "chat",
+            tool_schema,
+            structured_backend,
+            self.thinking_token_budget,
         )
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
@@ -356,9 +367,13 @@ class DeltaToolCall(_OmitNone):
 
 
 class ChatResponseMessage(_OmitNone):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
+    """`reasoning` and its older name `reasoning_content` (same value) come with a reasoning parser."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning", "reasoning_content")
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -389,9 +404,11 @@ class ChatCompletionResponse(_OmitNone):
 
 
 class DeltaMessage(_OmitNone):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning", "reasoning_content")
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

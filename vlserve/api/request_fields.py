@@ -44,7 +44,11 @@ _UNSUPPORTED_CHAT: dict[str, tuple] = {
     "prediction": _NONE,
     "web_search_options": _NONE,
 }
-_UNSUPPORTED_COMPLETION: dict[str, tuple] = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
+_UNSUPPORTED_COMPLETION: dict[str, tuple] = {
+    **_UNSUPPORTED_COMMON,
+    "add_special_tokens": (None, True),
+    "include_reasoning": (None, True),  # completions return the text whole (chat splits reasoning off)
+}
 # POST /v1/responses (vlserve.api.responses): OpenAI's Responses fields this server lacks, and the chat sampling
 # fields vLLM's Responses endpoint takes but this one does not
 _UNSUPPORTED_RESPONSES: dict[str, tuple] = {
@@ -74,7 +78,6 @@ _TABLES = {"chat": _UNSUPPORTED_CHAT, "completion": _UNSUPPORTED_COMPLETION, "re
 _NO_EFFECT = frozenset(
     {
         "request_id",
-        "include_reasoning",
         "store",
         "metadata",
         "service_tier",

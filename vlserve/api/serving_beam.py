@@ -23,7 +23,6 @@ from vlserve.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -31,12 +30,14 @@ from vlserve.api.protocol import (
     UsageInfo,
     random_id,
 )
+from vlserve.api.reasoning_output import ReasoningOutput
 from vlserve.api.request_fields import BEAM_SEARCH_FIELDS, check_extra_fields
 from vlserve.api.serving_base import run_unless_disconnected
 from vlserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, BeamSearchSequence
 from vlserve.engine.async_llm import AsyncLLM
 from vlserve.engine.beam_search_async import AsyncBeamSearchResult, beam_search, gather_or_cancel
 from vlserve.engine.input_processor import ProcessedPrompt
+from vlserve.reasoning import ReasoningParser
 from vlserve.shorten import shorten
 
 _NO_TEXT = (None, "", [])
@@ -259,11 +260,13 @@ async def beam_chat(
     raw: Request,
     model: str,
     process: Callable[[ChatCompletionRequest], Awaitable[ProcessedPrompt]],
+    reasoning_parser: ReasoningParser | None = None,
 ) -> Response:
     """POST /v1/chat/completions with use_beam_search; `process(req)` is the endpoint's chat input processing
-    (template, media) -> one ProcessedPrompt."""
+    (template, media) -> one ProcessedPrompt; `reasoning_parser` (the server's) splits each beam's reasoning off."""
     spec = BeamRequest.from_request(req, "chat")
     processed = await process(req)
+    split = ReasoningOutput(reasoning_parser, processed.prompt_token_ids, req.include_reasoning)
     request_id = random_id("chatcmpl")
     results, choices = await run_beam_searches(engine, [processed], spec, request_id, raw)
     body = ChatCompletionResponse(
@@ -271,7 +274,7 @@ async def beam_chat(
         model=model,
         usage=_usage(results, choices[0]),
         choices=[
-            ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason)
+            ChatChoice(index=i, message=split.message(c.text), finish_reason=c.finish_reason)
             for i, c in enumerate(choices[0])
         ],
     )

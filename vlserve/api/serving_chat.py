@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages (text, image_url, video_url, input_audio) -> one completion or an SSE stream;
-tools / tool_choice (vlserve.api.tool_choice) -> tool_calls in the message or as streamed deltas."""
+tools / tool_choice (vlserve.api.tool_choice) -> tool_calls in the message or as streamed deltas; with a reasoning
+parser (vlserve.api.reasoning_output) the reasoning is split off first and tool calls are read from the content."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from vlserve.api.protocol import (
     TopLogprob,
     random_id,
 )
+from vlserve.api.reasoning_output import ReasoningOutput, reasoning_parser_of
 from vlserve.api.request_extras import (
     TokenIdsDelta,
     chat_echo_text,
@@ -139,6 +141,7 @@ class OpenAIServingChat:
             )
         self.auto_tool_parser = parser if enable_auto_tool_choice else None  # tool_choice "auto" is refused without
         self.structured_backend = structured_backend(engine)
+        self.reasoning_parser = reasoning_parser_of(engine)  # --reasoning-parser; None: all text is content
 
     def _check_media(self, messages: list[dict]) -> None:
         """Fail fast (before any download) on modalities the model lacks and on too many items."""
@@ -185,6 +188,12 @@ class OpenAIServingChat:
         """A chat request's tool plan, sampling params and processed prompt, checked against the context (the
         input side of the chat endpoint, shared with the Responses front end). `max_tokens_field`: the name a
         too-long request's error gives (default: the chat field the client used)."""
+        if req.thinking_token_budget is not None and self.reasoning_parser is None:
+            raise APIError(
+                "thinking_token_budget needs a reasoning parser: start the server with --reasoning-parser",
+                400,
+                "thinking_token_budget",
+            )
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.auto_tool_parser)
         params = req.to_sampling_params(tool_schema=plan.constraint(), structured_backend=self.structured_backend)
         params = self.generation_defaults.apply_to_request(params, req)
@@ -212,24 +221,37 @@ class OpenAIServingChat:
             check_beam_search_extras(req)
             if lora is not None:
                 raise APIError("beam search with a LoRA adapter is not supported yet", 400, "model")
-            return await beam_chat(self.engine, req, raw, model, self._process)
+            if req.thinking_token_budget is not None:
+                raise APIError("thinking_token_budget is not supported with beam search", 400, "thinking_token_budget")
+            return await beam_chat(self.engine, req, raw, model, self._process, self.reasoning_parser)
         plan, params, processed = await self.prepare(req)
         request_id = random_id("chatcmpl")
         stream = await self.engine.add_request(request_id, processed, params, lora, req.priority)
         top_k = req.top_logprobs or 0
+        reasoning = ReasoningOutput(self.reasoning_parser, processed.prompt_token_ids, req.include_reasoning)
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             return EngineStreamingResponse(
                 self._stream(
-                    stream, request_id, model, params.n, top_k, holdback, req.include_usage, continuous, plan, req
+                    stream,
+                    request_id,
+                    model,
+                    params.n,
+                    top_k,
+                    holdback,
+                    req.include_usage,
+                    continuous,
+                    plan,
+                    reasoning,
+                    req,
                 )
             )
         final = await run_unless_disconnected(raw, last_output(stream), stream.abort)
         choices = []
         echo, token_ids = chat_echo_text(req), req.return_token_ids
         for c in final.outputs:
-            message, finish_reason = _message(plan, c.text, c.finish_reason)
+            message, finish_reason = _message(plan, c.text, c.finish_reason, reasoning)
             message.role = reply_role(req)
             if echo:
                 message.content = echo + (message.content or "")
@@ -265,6 +287,7 @@ class OpenAIServingChat:
         include_usage: bool,
         continuous_usage: bool = False,
         plan: ToolPlan | None = None,
+        reasoning: ReasoningOutput | None = None,
         req: ChatCompletionRequest | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
@@ -272,6 +295,8 @@ class OpenAIServingChat:
         role, echo = (reply_role(req), chat_echo_text(req)) if req is not None else ("assistant", "")
         new_token_ids = TokenIdsDelta(req is not None and req.return_token_ids)
         parsers = {i: plan.new_parser() for i in range(n)}  # per choice; None: plain content
+        reasoning = reasoning or ReasoningOutput(None, [])
+        splits = {i: reasoning.new_stream() for i in range(n)}  # per choice; None: no reasoning parser
         released = {i: "" for i in range(n)}  # each choice's text sent through its parser so far
 
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
@@ -304,6 +329,10 @@ class OpenAIServingChat:
                         continue
                     finished = c.finish_reason is not None
                     text, lps = tracker.delta(c.index, c.text, c.logprobs, finished)
+                    thought, split = None, splits.get(c.index)
+                    if split is not None:
+                        thought, text = split.feed(text, finished)
+                        text = text or ""
                     delta, finish_reason, parser = DeltaMessage(content=text), c.finish_reason, parsers.get(c.index)
                     news = bool(text)
                     if parser is not None:
@@ -311,6 +340,9 @@ class OpenAIServingChat:
                         parsed = parser.extract_tool_calls_streaming(released[c.index], finished)
                         delta, news = parsed or DeltaMessage(content=""), parsed is not None
                         finish_reason = plan.finish_reason(finish_reason, parser.streamed_calls > 0)
+                    if thought and reasoning.include:
+                        reasoning.attach(delta, thought)
+                        delta.content, news = delta.content or None, True
                     if news or finished or lps:
                         choices.append(
                             ChatStreamChoice(
@@ -334,16 +366,20 @@ class OpenAIServingChat:
         yield SSE_DONE
 
 
-def _message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
-    """A finished choice's message (tool calls read out of the text when the plan asks) and its finish_reason."""
+def _message(
+    plan: ToolPlan, text: str, finish_reason: str | None, reasoning: ReasoningOutput | None = None
+) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message (the reasoning split off first, then tool calls read out of the content when
+    the plan asks) and its finish_reason."""
+    reasoning = reasoning or ReasoningOutput(None, [])
     parser = plan.new_parser()
     if parser is None:
-        return ChatResponseMessage(content=text), finish_reason
-    content, calls = parser.extract_tool_calls(text)
-    return (
-        ChatResponseMessage(content=content, tool_calls=calls or None),
-        plan.finish_reason(finish_reason, bool(calls)),
-    )
+        return reasoning.message(text), finish_reason
+    thought, content = reasoning.split(text)
+    content, calls = (None, []) if content is None else parser.extract_tool_calls(content)
+    message = ChatResponseMessage(content=content, tool_calls=calls or None)
+    reasoning.attach(message, thought)
+    return message, plan.finish_reason(finish_reason, bool(calls))
 
 
 async def last_output(stream: RequestStream) -> RequestOutput:

@@ -82,6 +82,9 @@ class Request:
         # The output constraint's matcher (a StructuredOutputRequest, duck-typed: the scheduler only calls
         # is_ready / error / accept_tokens / validate_tokens / is_terminated); None when unconstrained.
         self.structured_output = None
+        # Where the output's reasoning ends (a vlserve.reasoning.ReasoningTracker) when the engine has a reasoning
+        # parser and the request has a grammar or a thinking budget; None otherwise.
+        self.reasoning = None
 
     @property
     def lora_int_id(self) -> int:

@@ -65,14 +65,14 @@ class Scheduler:
         self.kv_transfer = KVConnectorState.from_config(config)
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def add_request(self, engine_req: EngineCoreRequest, structured_output=None) -> None:
+    def add_request(self, engine_req: EngineCoreRequest, structured_output=None, reasoning=None) -> None:
         """Validate against the engine's limits (`admission.check_request`) and queue it. `structured_output`: the
-        request's grammar matcher (compiling), when its output is constrained."""
+        request's grammar matcher (compiling), when its output is constrained; `reasoning`: its ReasoningTracker."""
         rid = engine_req.request_id
         if rid in self.requests or rid in self.kv_transfer.kept_blocks:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
-        req.structured_output = structured_output
+        req.structured_output, req.reasoning = structured_output, reasoning
         self.stats.prompt_tokens += len(engine_req.prompt_token_ids)
         self.requests[rid] = req
         self.waiting.append(req)
@@ -354,7 +354,7 @@ class Scheduler:
             if running and req.mm_features:
                 self.encoder_cache.release_written(req.request_id, req.mm_features, req.num_computed_tokens)
             new_tokens = req.accept_sampled(sampled, max_model_len) if sampled else []
-            if req.structured_output is not None:
+            if req.structured_output is not None or req.reasoning is not None:
                 advance_matcher(req, new_tokens)
             is_finished = req.status >= FIRST_FINISHED
             if req.spec_token_ids or spec_next:

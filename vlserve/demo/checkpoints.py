@@ -20,6 +20,31 @@ def _tokenizer():
     return build_tokenizer()
 
 
+THINK_TAGS = ("<think>", "</think>")
+
+
+def thinking_tokenizer(tok):
+    """A copy of `tok` with Qwen3's thinking tags as added tokens (one id each, kept when special tokens are
+    skipped, as in Qwen3's tokenizer) and a chat template with Qwen3's thinking switch: the generation prompt opens
+    `<think>` (the model reasons first), and `enable_thinking=False` closes an empty `<think>\n\n</think>\n\n`."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    from vlserve.demo.tokenizer import CHAT_TEMPLATE
+
+    tok = copy.deepcopy(tok)
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in THINK_TAGS])
+    prompt = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    assert CHAT_TEMPLATE.endswith(prompt)
+    tok.chat_template = CHAT_TEMPLATE[: -len(prompt)] + (
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+        "{% else %}<think>\n{% endif %}{% endif %}"
+    )
+    return tok
+
+
 def _make_config(arch: str, **kw):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -50,6 +75,7 @@ def build_text_checkpoint(
     randomize_norms_and_biases: bool = True,
     attention_bias: bool = False,
     tokenizer_dir: str | None = None,
+    thinking: bool = False,
 ) -> str:
     """Save a random `arch` ("llama" | "qwen2" | "qwen3") HF causal LM with the test tokenizer to `out_dir`.
 
@@ -59,11 +85,14 @@ def build_text_checkpoint(
     `N(0, initializer_range)` (HF initializes them to 1 and 0), so loaders that drop them are caught.
     config.json carries eos/pad ids of the tokenizer (eos = <|im_end|>, pad = <|endoftext|>), as does
     generation_config.json. `attention_bias` (llama, qwen3) adds biases to q/k/v/o_proj. `tokenizer_dir`: a local
-    tokenizer to ship instead of the test one (e.g. `tests.support.tekken_tokenizer`'s). Returns `out_dir`.
+    tokenizer to ship instead of the test one (e.g. `tests.support.tekken_tokenizer`'s). `thinking`: the tokenizer
+    gets `<think>` / `</think>` and a thinking chat template (`thinking_tokenizer`). Returns `out_dir`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else _tokenizer()
+    if thinking:
+        tok = thinking_tokenizer(tok)
     vocab_size = vocab_size or len(tok)
     tie = _DEFAULT_TIE[arch] if tie_word_embeddings is None and arch in _DEFAULT_TIE else tie_word_embeddings
     config = _make_config(

@@ -7,12 +7,13 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlserve.config import EngineArgs, SchedulerConfig, resolve_model_path
 from vlserve.core.encoder_budget import EncoderBudget
 from vlserve.core.encoder_only_scheduler import EncoderOnlyScheduler
-from vlserve.core.grammar_sync import bitmask_rows
+from vlserve.core.grammar_sync import apply_reasoning_rows, bitmask_rows
 from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.request import EngineCoreRequest, RequestStatus
 from vlserve.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -26,6 +27,7 @@ from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.hf_config import layer_windows_of, text_config_of
 from vlserve.models.registry import get_model_class
+from vlserve.reasoning import ReasoningTracker, get_reasoning_parser
 from vlserve.spec_decode import SpeculativeConfig
 from vlserve.spec_decode.config import fill_default_draft
 
@@ -100,6 +102,12 @@ class EngineCore:
         self.loras = LoRALoads(self.executor, self.scheduler, args.max_lora_rank)
         self.structured_outputs_config = args.structured_outputs_config
         self._structured_output_manager = None  # built on the first constrained request
+        # the reasoning tags' ids (--reasoning-parser): grammars start after the end tag, budgets force it
+        self.reasoning_tokens = (
+            None
+            if args.reasoning_parser is None
+            else get_reasoning_parser(args.reasoning_parser)(loaded.tokenizer).token_ids()
+        )
         self.num_steps = 0
         # Async scheduling: submitted steps not yet folded back, oldest first, with the executor's handle for
         # `collect_execute` (None when synchronous).
@@ -117,8 +125,23 @@ class EngineCore:
             self._check_lora_on()
             self.loras.begin(request.lora_request)
         constraint = request.sampling_params.structured_outputs
+        reasoning = self._reasoning_tracker(request)
         matcher = None if constraint is None else self.structured_output_manager.init_request(constraint)
-        self.scheduler.add_request(request, matcher)
+        self.scheduler.add_request(request, matcher, reasoning)
+
+    def _reasoning_tracker(self, request: EngineCoreRequest) -> ReasoningTracker | None:
+        """Where the request's reasoning ends, when that matters: it has a grammar or a thinking budget and the
+        engine has a reasoning parser (a budget without one is a ValueError)."""
+        budget = request.sampling_params.thinking_token_budget
+        if self.reasoning_tokens is None:
+            if budget is not None:
+                raise ValueError(
+                    "thinking_token_budget needs a reasoning parser (reasoning_parser, --reasoning-parser)"
+                )
+            return None
+        if budget is None and request.sampling_params.structured_outputs is None:
+            return None
+        return ReasoningTracker(self.reasoning_tokens, request.prompt_token_ids, budget)
 
     # -- LoRA adapters -----------------------------------------------------------------------------------------
     def add_lora(self, lora_request) -> bool:
@@ -174,12 +197,18 @@ class EngineCore:
     def _schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Plan a step; constrained requests that sample in it get their rows of the token bitmask."""
         sched_out = self.scheduler.schedule(max_num_reqs)
-        if self._structured_output_manager is not None and not sched_out.is_empty:
+        manager = self._structured_output_manager
+        if (manager is not None or self.reasoning_tokens is not None) and not sched_out.is_empty:
             rows = bitmask_rows(
                 self.scheduler.requests, sched_out.num_scheduled_tokens, sched_out.scheduled_spec_decode_tokens
             )
             if rows.num_rows:
-                sched_out.grammar_bitmask = self._structured_output_manager.grammar_bitmask(rows.matchers, rows.drafts)
+                if any(m is not None for m in rows.matchers):
+                    bitmask = manager.grammar_bitmask(rows.matchers, rows.drafts)
+                else:  # only reasoning rows: all tokens allowed, then the forced ones
+                    words = (self.loaded.hf_config.get_text_config().vocab_size + 31) // 32
+                    bitmask = np.full((rows.num_rows, words), -1, dtype=np.int32)
+                sched_out.grammar_bitmask = apply_reasoning_rows(bitmask, rows.force_only, rows.also_allow)
                 sched_out.grammar_rows = rows.first_row
         return sched_out
 
@@ -252,11 +281,11 @@ class EngineCore:
         return True
 
     def _constrained_running(self) -> bool:
-        """Whether a running request follows a grammar: its next bitmask needs the tokens of the step in flight,
-        so the next step is planned after them (as with spec decode)."""
-        return self._structured_output_manager is not None and any(
-            r.structured_output is not None for r in self.scheduler.running
-        )
+        """Whether a running request follows a grammar or tracks its reasoning: its next bitmask needs the tokens
+        of the step in flight, so the next step is planned after them (as with spec decode)."""
+        if self._structured_output_manager is None and self.reasoning_tokens is None:
+            return False
+        return any(r.structured_output is not None or r.reasoning is not None for r in self.scheduler.running)
 
     def _observe_timings(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Resize the per-step encoder budget from the step's measured timings (a user-set budget stays)."""

@@ -14,7 +14,7 @@ from vlserve.api.errors import APIError, to_api_error
 from vlserve.api.responses.convert import chat_request, history_messages
 from vlserve.api.responses.output import finish, initial_response, item_status, output_items
 from vlserve.api.responses.protocol import ResponseObject, ResponsesRequest
-from vlserve.api.responses.reasoning import split_reasoning
+from vlserve.api.responses.reasoning import PromptReasoning, split_reasoning
 from vlserve.api.responses.store import DEFAULT_STORE_SIZE, ResponseStore, StoredResponse
 from vlserve.api.responses.streaming import EventWriter, OutputStreamer
 from vlserve.api.serving_base import DeltaTracker, EngineStreamingResponse, run_unless_disconnected
@@ -27,7 +27,8 @@ from vlserve.shorten import shorten
 
 class OpenAIServingResponses:
     """Runs Responses requests on the chat endpoint's input processing; keeps stored ones in `store`.
-    `reasoning_parser`: a factory of a fresh reasoning parser per request (None: no reasoning items)."""
+    `reasoning_parser`: a factory of a fresh reasoning parser per request (None: the chat endpoint's parser, from
+    --reasoning-parser, if the server has one; else no reasoning items)."""
 
     def __init__(
         self, chat: OpenAIServingChat, store: ResponseStore, reasoning_parser: Callable[[], Any] | None = None
@@ -36,6 +37,12 @@ class OpenAIServingResponses:
         self.engine = chat.engine
         self.store = store
         self.reasoning_parser = reasoning_parser
+
+    def _reasoning_for(self, prompt_token_ids: list[int]) -> Any | None:
+        if self.reasoning_parser is not None:
+            return self.reasoning_parser()
+        parser = self.chat.reasoning_parser
+        return None if parser is None else PromptReasoning(parser, prompt_token_ids)
 
     def _stored(self, response_id: str, param: str | None = None) -> StoredResponse:
         entry = self.store.get(response_id)
@@ -64,7 +71,7 @@ class OpenAIServingResponses:
             raise
         response = initial_response(req, model)
         stream = await self.engine.add_request(response.id, processed, params, lora)
-        reasoning_parser = None if self.reasoning_parser is None else self.reasoning_parser()
+        reasoning_parser = self._reasoning_for(processed.prompt_token_ids)
         if req.stream:
             holdback = max((len(s) for s in params.stop), default=1) - 1
             events = self._stream(stream, response, plan, reasoning_parser, holdback, conversation)
