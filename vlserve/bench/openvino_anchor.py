@@ -201,12 +201,15 @@ def bench_openvino(
     repeats: int,
     export_dir: str = DEFAULT_EXPORT_DIR,
     weight_format: str | None = None,
+    threads: int | None = None,
 ) -> dict | None:
-    """Export `model` (cached) with `weight_format` weights and run `cases` on it (see `run_openvino`), printing the
-    run's IR, precision and cores: the result with "ir" (the IR directory) added, or None (the reason printed)."""
+    """Export `model` (cached) with `weight_format` weights and run `cases` on it (see `run_openvino`) on `threads`
+    threads (default: OpenVINO's, every core), printing the run's IR, precision and cores: the result with "ir"
+    (the IR directory) added, or None (the reason printed)."""
+    properties = {"INFERENCE_NUM_THREADS": threads} if threads else None
     try:
         ir_dir = openvino_export(model, dtype, export_dir, python, weight_format)
-        result = run_openvino(python, ir_dir, dtype, cases, repeats)
+        result = run_openvino(python, ir_dir, dtype, cases, repeats, properties)
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as err:
         print(f"{OPENVINO_LABEL} did not run: {err}", file=sys.stderr, flush=True)
         return None

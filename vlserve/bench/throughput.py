@@ -388,7 +388,9 @@ def main(argv: list[str] | None = None) -> None:
     ov_python = openvino_python(args)
     if ov_python:
         case = OpenVinoCase("all", prompts, output_lens)
-        r = bench_openvino(ov_python, model, args.dtype, [case], args.repeats, args.openvino_export_dir)
+        r = bench_openvino(
+            ov_python, model, args.dtype, [case], args.repeats, args.openvino_export_dir, threads=args.threads
+        )
         if r is not None:
             odt, on = r["cases"]["all"].seconds, r["cases"]["all"].tokens
             per_token = 1000 * odt / per_stream
