@@ -33,13 +33,8 @@ def offline_inputs(w: Workload, model: str, args, out_dir: str):
     from transformers import AutoProcessor
 
     os.makedirs(out_dir, exist_ok=True)
-    shape = SimpleNamespace(
-        requests=args.num_prompts,
-        image_size=w.width,
-        image_text_tokens=args.input_len,
-        max_tokens=args.output_len,
-        seed=args.seed,
-    )
+    shape = SimpleNamespace(requests=args.num_prompts, image_size=w.width, seed=args.seed)
+    shape.image_text_tokens, shape.max_tokens = args.input_len, args.output_len
     return prepare_image_workload(AutoProcessor.from_pretrained(model), out_dir, shape)
 
 
