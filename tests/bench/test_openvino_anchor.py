@@ -149,6 +149,12 @@ def test_run_openvino_reports_a_failed_child(tmp_path, monkeypatch):
         openvino_anchor.run_openvino(sys.executable, str(tmp_path), "float32", [OpenVinoCase("a", [[1]], [1])], 1)
 
 
+def test_run_openvino_refuses_token_ids_for_a_vlm_ir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {}, "text_config": {}}))
+    with pytest.raises(RuntimeError, match="vision-language model's IR"):
+        openvino_anchor.run_openvino("/no/python", str(tmp_path), "float32", [OpenVinoCase("a", [[1]], [1])], 1)
+
+
 def test_quantized_rows_and_ratios_against_openvino():
     ours = {"1": 20.0, "32": 400.0, "rss_gib": 1.5}
     int8 = {"1": 10.0, "32": 500.0, "rss_gib": 0.9}

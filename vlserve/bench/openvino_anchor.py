@@ -156,7 +156,16 @@ def run_openvino(
 ) -> dict:
     """Run `cases` on the exported model `ir_dir` in the OpenVINO venv's process (`python`), compute precision from
     `dtype`: {"load_s", "cores", "rss_gib", "cases": {name: OpenVinoCaseResult}}, the counts checked. Raises
-    RuntimeError with the child's last lines when it fails."""
+    RuntimeError for a vision-language model's IR (no token-id input there) or with the child's last lines when it
+    fails."""
+    config_path = os.path.join(ir_dir, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            if "vision_config" in json.load(f):
+                raise RuntimeError(
+                    f"{ir_dir} is a vision-language model's IR: OpenVINO's ContinuousBatchingPipeline takes its "
+                    "prompts as text only, so these token-id prompts cannot be given to it unchanged"
+                )
     spec = {
         "model": ir_dir,
         "precision": OPENVINO_PRECISION[dtype],
