@@ -4,7 +4,8 @@
     <python> benchmarks/anchor_child.py SPEC.json      # prints `CHILD_RESULT <json>` as its last such line
 
 SPEC: {"engine", "model" (for OpenVINO: the exported directory), "dtype" ("bfloat16" | "float32"),
-"max_model_len", "max_num_seqs", "anchor_env" (path of vlserve/bench/anchor_env.py), "engine_kwargs" (optional:
+"max_model_len", "max_num_seqs", "anchor_env" (path of vlserve/bench/anchor_env.py), "openvino_child" (path of
+vlserve/bench/openvino_child.py, whose pipeline and generation config OpenVINO runs with), "engine_kwargs" (optional:
 more `LLM` arguments, or OpenVINO properties), "workloads": [{"name",
 "max_tokens", "sets": {"warmup" | "ttft" | "main": {"prompts": [str], "images": path of a uint8 [n, H, W, 3] .npy
 or null}}}]}. Every prompt is final text (chat template already applied, image placeholders in place); every
@@ -24,8 +25,8 @@ import sys
 import time
 
 
-def _anchor_env(path: str):
-    spec = importlib.util.spec_from_file_location("anchor_env", path)
+def _load_by_path(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -100,24 +101,14 @@ class OpenVinoEngine:
 
     def __init__(self, spec: dict):
         import openvino as ov
-        import openvino_genai
 
-        precision = {"bfloat16": "bf16", "float32": "f32"}[spec["dtype"]]
-        scheduler = openvino_genai.SchedulerConfig()
-        scheduler.enable_prefix_caching = False
-        scheduler.max_num_seqs = spec["max_num_seqs"]
-        self.properties = {"INFERENCE_PRECISION_HINT": precision, **spec.get("engine_kwargs", {})}
-        self.pipe = openvino_genai.ContinuousBatchingPipeline(spec["model"], scheduler, "CPU", self.properties)
-        self.ov, self.genai = ov, openvino_genai
-        self.threads = ov.Core().get_property("CPU", "INFERENCE_NUM_THREADS")
+        child = _load_by_path("openvino_child", spec["openvino_child"])
+        precision, properties = child.PRECISION[spec["dtype"]], spec.get("engine_kwargs", {})
+        self.pipe, self.threads = child.open_pipeline(spec["model"], precision, spec["max_num_seqs"], properties)
+        self.ov, self.greedy_config = ov, child.greedy_config
 
     def generate(self, prompts: list[str], images: list, max_tokens: int) -> list[dict]:
-        cfg = self.genai.GenerationConfig()
-        cfg.max_new_tokens = cfg.min_new_tokens = max_tokens
-        cfg.ignore_eos = True
-        cfg.do_sample = False
-        cfg.apply_chat_template = False
-        configs = [cfg] * len(prompts)
+        configs = [self.greedy_config(max_tokens)] * len(prompts)
         tensors = [[self.ov.Tensor(img[None])] for img in images] if images else [[] for _ in prompts]
         outs = self.pipe.generate(prompts, images=tensors, generation_config=configs)
         return [_openvino_counts(o, max_tokens) for o in outs]
@@ -139,7 +130,7 @@ def _openvino_counts(result, max_tokens: int) -> dict:
 
 def run(spec: dict) -> dict:
     """Load the engine, then per workload a warm-up, the max_tokens=1 pass and the timed pass."""
-    anchor_env = _anchor_env(spec["anchor_env"])
+    anchor_env = _load_by_path("anchor_env", spec["anchor_env"])
     t0 = time.perf_counter()
     engine = OpenVinoEngine(spec) if spec["engine"] == "openvino" else VllmStyleEngine(spec)
     result = {"load_s": time.perf_counter() - t0, "cores": anchor_env.process_tree_cores(), "workloads": {}}

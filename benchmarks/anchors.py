@@ -2,62 +2,26 @@
 `benchmarks/anchor_child.py` in their own processes.
 
 The environment of a vLLM-CPU process (every core bound) comes from `vlserve.bench.anchor_env`, the one place that
-builds it. OpenVINO GenAI runs an OpenVINO IR export of the checkpoint (`openvino_export`, cached per checkpoint
-path, modification time and weight format).
+builds it. OpenVINO GenAI runs an OpenVINO IR export of the checkpoint (`openvino_export`, from
+`vlserve.bench.openvino_anchor`, cached per checkpoint path, modification time and weight format).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from vlserve.bench.anchor_env import (
-    ANCHOR_ENV_PATH,
-    anchor_python,
-    openvino_env,
-    shared_tools_dir,
-    vllm_cpu_env,
-)
+from vlserve.bench.anchor_env import ANCHOR_ENV_PATH, openvino_env, vllm_cpu_env
+from vlserve.bench.openvino_anchor import OPENVINO_CHILD_PATH, openvino_export
+
+__all__ = ["ENGINES", "ENGINE_LABELS", "child_env", "openvino_export", "run_child"]
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchor_child.py")
 ENGINES = ("vlserve", "vllm", "openvino")
 ENGINE_LABELS = {"vlserve": "vlserve", "vllm": "vLLM-CPU", "openvino": "OpenVINO GenAI"}
-# OpenVINO's export formats: fp16 weights for bf16 compute (the same two bytes a weight as bf16), fp32 for float32
-OPENVINO_WEIGHT_FORMAT = {"bfloat16": "fp16", "float32": "fp32"}
-
-
-def checkpoint_stamp(path: str) -> str:
-    """A key that changes when the checkpoint does: its absolute path and its files' sizes and modification times."""
-    path = os.path.abspath(path)
-    entries = sorted(
-        (name, os.path.getsize(os.path.join(path, name)), os.path.getmtime(os.path.join(path, name)))
-        for name in os.listdir(path)
-        if os.path.isfile(os.path.join(path, name))
-    )
-    return hashlib.sha1(json.dumps([path, entries]).encode()).hexdigest()[:16]
-
-
-def openvino_export(model: str, dtype: str, cache_dir: str, python: str | None = None) -> str:
-    """The OpenVINO IR of `model` for compute in `dtype` (exported once with ../shared/tools/openvino-export.py into
-    `cache_dir`; later calls on the unchanged checkpoint reuse it); returns its directory."""
-    fmt = OPENVINO_WEIGHT_FORMAT[dtype]
-    out = os.path.join(cache_dir, f"{os.path.basename(os.path.abspath(model))}-{checkpoint_stamp(model)}-{fmt}")
-    done = os.path.join(out, ".complete")
-    if os.path.exists(done):
-        return out
-    python = python or anchor_python("openvino")
-    exporter = os.path.join(shared_tools_dir(), "openvino-export.py")
-    proc = subprocess.run(
-        [python, exporter, model, out, "--weight-format", fmt], capture_output=True, text=True, env=openvino_env()
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"OpenVINO export of {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    open(done, "w").close()
-    return out
 
 
 def child_env(engine: str) -> dict[str, str]:
@@ -70,7 +34,7 @@ def child_env(engine: str) -> dict[str, str]:
 def run_child(engine: str, python: str, spec: dict, log_path: str, timeout: float = 7200.0) -> dict | str:
     """`benchmarks/anchor_child.py` for `engine` with `python` on `spec` (see that file): its result, or why it has
     none (the log's last lines). The child's output goes to `log_path`."""
-    spec = {**spec, "engine": engine, "anchor_env": ANCHOR_ENV_PATH}
+    spec = {**spec, "engine": engine, "anchor_env": ANCHOR_ENV_PATH, "openvino_child": OPENVINO_CHILD_PATH}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:

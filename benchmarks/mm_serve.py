@@ -13,8 +13,11 @@ with vLLM-CPU's OpenAI server (the anchor venv's python). The client is vLLM's `
 /v1/chat/completions, random-mm dataset: random-pixel images or mp4 videos, random-token prompts, ignore_eos), run
 with the anchor's python; `--client vlserve` uses vlserve.bench.serve's client instead (PNG images only). Before
 the client, one probe request reads the prompt's token count from each server (media tokens included), so the two
-servers are seen to get the same work. Prints one table: req/s, output tok/s, TTFT p50/p99, ITL p99 and the ratios
-vlserve/vLLM. Server and client logs and the clients' JSON results go to --result-dir.
+servers are seen to get the same work. With `--openvino`, OpenVINO GenAI (no OpenAI server of its own) runs each
+single-image workload offline on the same checkpoint (benchmarks/mm_openvino.py): its row is labelled offline and its
+prompt tokens are its requests' mean. Prints one table: req/s, output tok/s, TTFT p50/p99, ITL p99 and the ratios
+vlserve/vLLM (and each server's req/s over OpenVINO's offline). Server and client logs and the clients' JSON results
+go to --result-dir.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from benchmarks.mm_openvino import OFFLINE_SERVER, run_offline
 from benchmarks.serve_harness import (
     ANCHOR_PYTHON,
     REPO_ROOT,
@@ -49,6 +53,7 @@ from benchmarks.serve_harness import (
     vlserve_cmd,
 )
 from vlserve.bench.anchor_env import process_tree_cores, vllm_cpu_env
+from vlserve.bench.openvino_anchor import add_openvino_args, openvino_python
 
 WORKLOADS = {
     w.name: w
@@ -207,7 +212,7 @@ def print_table(rows: list[Row], header: str) -> None:
                 f"{fmt(m.get('request_throughput'), 2)} | {fmt(m.get('output_throughput'))} | "
                 f"{fmt(m.get('median_ttft_ms'))} | {fmt(m.get('p99_ttft_ms'))} | {fmt(m.get('p99_itl_ms'))} |"
             )
-        ours, theirs = (by.get(s) for s in SERVERS)
+        ours, theirs, offline = (by.get(s) for s in (*SERVERS, OFFLINE_SERVER))
         if ours and theirs and ours.result and theirs.result:
             print(
                 f"| {wname} | ratio vlserve/vLLM | | | "
@@ -215,6 +220,13 @@ def print_table(rows: list[Row], header: str) -> None:
                 f"{ratio(ours.result['output_throughput'], theirs.result['output_throughput'])} | "
                 f"{ratio(ours.result['median_ttft_ms'], theirs.result['median_ttft_ms'])} | | |"
             )
+        for served in (ours, theirs):
+            if served and served.result and offline and offline.result:
+                print(
+                    f"| {wname} | ratio {served.server} served / OpenVINO offline | | | "
+                    f"{ratio(served.result['request_throughput'], offline.result['request_throughput'])} | "
+                    f"{ratio(served.result['output_throughput'], offline.result['output_throughput'])} | | | |"
+                )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -262,6 +274,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "uses every core; 'auto' is vLLM's own default, which on a 2-core machine binds one core and "
         "reserves the other; or a list such as '0-1'. The table notes the cores it used",
     )
+    add_openvino_args(p)
     p.add_argument("--result-dir", default=None, help="logs and JSON results (default: a new temporary directory)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to be healthy")
     p.add_argument("--client-timeout", type=float, default=3600.0)
@@ -290,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint_dir, args.vision_depth, args.vision_width, args.hidden_size, args.num_layers, args.seed
     )
     print(f"checkpoint: {model} ({time.perf_counter() - t0:.1f} s); results and logs: {result_dir}", flush=True)
-    rows = [bench_server(s, w, model, args, result_dir) for w in workloads for s in servers]
+    ov_python = openvino_python(args)
+    rows = []
+    for w in workloads:
+        rows += [bench_server(s, w, model, args, result_dir) for s in servers]
+        if ov_python:
+            result, prompt_tokens, note = run_offline(w, model, args, ov_python, result_dir)
+            rows.append(Row(w.name, OFFLINE_SERVER, result, prompt_tokens, note))
     client = "vLLM bench serve (random-mm)" if args.client == "vllm" else "vlserve.bench.serve"
     sizes = (
         f"ViT depth {args.vision_depth} width {args.vision_width} + merger, LM {args.hidden_size} x "

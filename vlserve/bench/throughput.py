@@ -1,4 +1,5 @@
-"""Offline throughput: vlserve vs HF `generate` (and vLLM, when a python with vLLM is given) in one run.
+"""Offline throughput: vlserve vs HF `generate` (and vLLM-CPU, when a python with vLLM is given, and OpenVINO
+GenAI with `--openvino`, on the same token ids) in one run.
 
     python -m vlserve.bench.throughput --num-prompts 64 --output-len 64 --hidden-size 1024 --num-layers 12
     vlserve bench throughput --model PATH
@@ -25,6 +26,7 @@ import time
 import torch
 
 from vlserve.bench.anchor_env import CORES_PROBE, VLLM_CPU_BLOCK_SIZE, process_tree_cores, vllm_cpu_env
+from vlserve.bench.openvino_anchor import OpenVinoCase, add_openvino_args, bench_openvino, openvino_python
 
 _VLLM_SCRIPT = (
     CORES_PROBE
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
     p.add_argument("--vllm-python", help="python of a venv with vLLM (e.g. from shared/tools/setup-vllm-anchor.sh)")
+    add_openvino_args(p)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -382,6 +385,20 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"ratio vlserve/vLLM: {(n / dt) / (vn / vdt):.2f}x")
             rates["vLLM"] = vn / vdt
+    ov_python = openvino_python(args)
+    if ov_python:
+        case = OpenVinoCase("all", prompts, output_lens)
+        r = bench_openvino(
+            ov_python, model, args.dtype, [case], args.repeats, args.openvino_export_dir, threads=args.threads
+        )
+        if r is not None:
+            odt, on = r["cases"]["all"].seconds, r["cases"]["all"].tokens
+            per_token = 1000 * odt / per_stream
+            print(
+                f"OpenVINO GenAI: {on / odt:8.1f} tok/s, {per_token:.2f} ms/token per stream  ({on} tokens in {odt:.2f} s)"
+            )
+            print(f"ratio vlserve/OpenVINO: {(n / dt) / (on / odt):.2f}x")
+            rates["OpenVINO"] = on / odt
     if not torch.cuda.is_available():
         from vlserve.bench.cpu_report import cpu_roofline, format_roofline
 
