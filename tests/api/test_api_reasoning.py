@@ -63,6 +63,23 @@ def test_budget_forces_the_end_of_reasoning(reasoning_server):
     assert message.reasoning == message.reasoning_content == expected
     assert message.content and "</think>" not in message.content
     assert r.usage.completion_tokens == 12  # max_tokens counts reasoning and content
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4  # the tags not counted
+
+
+def test_responses_give_a_reasoning_item(reasoning_server):
+    expected = free_reasoning(reasoning_server, 5)
+    r = reasoning_server.client.responses.create(
+        model=reasoning_server.model, input="hello", temperature=0, max_output_tokens=5
+    )
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == expected
+    assert r.usage.output_tokens == 5 and r.usage.output_tokens_details.reasoning_tokens == 5
+    with reasoning_server.client.responses.stream(
+        model=reasoning_server.model, input="hello", temperature=0, max_output_tokens=5
+    ) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"  # the length ran out inside the reasoning
+    final = events[-1].response
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == expected
 
 
 def test_streaming_splits_the_same(reasoning_server):

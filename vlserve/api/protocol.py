@@ -296,13 +296,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
-    """Token counts; `prompt_tokens_details.cached_tokens` counts prompt tokens served from the prefix cache."""
+    """Token counts; `prompt_tokens_details.cached_tokens` counts prompt tokens served from the prefix cache,
+    `completion_tokens_details.reasoning_tokens` (with a reasoning parser) the output tokens inside the reasoning."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

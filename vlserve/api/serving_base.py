@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from vlserve.api.errors import APIError
-from vlserve.api.protocol import ModelCard, ModelList, PromptTokensDetails, UsageInfo
+from vlserve.api.protocol import CompletionTokensDetails, ModelCard, ModelList, PromptTokensDetails, UsageInfo
 from vlserve.engine.request_limits import check_max_tokens_fit
 from vlserve.outputs import RequestOutput
 from vlserve.shorten import shorten
@@ -164,16 +164,24 @@ def sse(payload: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
-    """Token usage summed over the RequestOutputs of one API request."""
+def usage_of(outputs: list[RequestOutput], reasoning_parser=None) -> UsageInfo:
+    """Token usage summed over the RequestOutputs of one API request; with a reasoning parser, also how many
+    output tokens lie inside the reasoning."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
+    details = None
+    if reasoning_parser is not None:
+        reasoning = sum(
+            reasoning_parser.num_reasoning_tokens(c.token_ids, o.prompt_token_ids) for o in outputs for c in o.outputs
+        )
+        details = CompletionTokensDetails(reasoning_tokens=reasoning)
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=details,
     )
 
 

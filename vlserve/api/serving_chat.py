@@ -269,7 +269,7 @@ class OpenAIServingChat:
             id=request_id,
             model=model,
             choices=choices,
-            usage=usage_of([final]),
+            usage=usage_of([final], self.reasoning_parser),
             kv_transfer_params=final.kv_transfer_params,
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
             prompt_token_ids=final.prompt_token_ids if token_ids else None,
@@ -355,9 +355,9 @@ class OpenAIServingChat:
                             )
                         )
                 if choices:
-                    yield chunk(choices, usage_of([out]) if continuous_usage else None)
+                    yield chunk(choices, usage_of([out], reasoning.parser) if continuous_usage else None)
             if include_usage and last is not None:
-                yield chunk([], usage_of([last]))
+                yield chunk([], usage_of([last], reasoning.parser))
         except Exception as e:  # noqa: BLE001 -- headers are out: report in-band
             err = to_api_error(e)
             yield sse_error(err.message, err.status)

@@ -10,6 +10,7 @@ from vlserve.api.responses.protocol import (
     MessageItem,
     OutputItem,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ResponseObject,
@@ -66,19 +67,25 @@ def item_status(response: ResponseObject) -> str:
     return "incomplete" if response.status == "incomplete" else "completed"
 
 
-def usage_of(final: RequestOutput) -> ResponseUsage:
-    """Token counts of one finished request."""
+def usage_of(final: RequestOutput, reasoning_parser=None) -> ResponseUsage:
+    """Token counts of one finished request (reasoning tokens counted by the server's reasoning parser, if any)."""
     prompt = len(final.prompt_token_ids)
     output = sum(len(c.token_ids) for c in final.outputs)
+    reasoning = 0
+    if reasoning_parser is not None:
+        reasoning = sum(
+            reasoning_parser.num_reasoning_tokens(c.token_ids, final.prompt_token_ids) for c in final.outputs
+        )
     return ResponseUsage(
         input_tokens=prompt,
         input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
         output_tokens=output,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
         total_tokens=prompt + output,
     )
 
 
-def finish(response: ResponseObject, final: RequestOutput) -> None:
+def finish(response: ResponseObject, final: RequestOutput, reasoning_parser=None) -> None:
     """Set status ("incomplete" with reason max_output_tokens when the length ran out, else "completed") and
     usage."""
     if final.outputs[0].finish_reason == "length":
@@ -86,4 +93,4 @@ def finish(response: ResponseObject, final: RequestOutput) -> None:
         response.incomplete_details = {"reason": "max_output_tokens"}
     else:
         response.status = "completed"
-    response.usage = usage_of(final)
+    response.usage = usage_of(final, reasoning_parser)

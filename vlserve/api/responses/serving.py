@@ -77,7 +77,7 @@ class OpenAIServingResponses:
             events = self._stream(stream, response, plan, reasoning_parser, holdback, conversation)
             return EngineStreamingResponse(events)
         final = await run_unless_disconnected(raw, last_output(stream), stream.abort)
-        finish(response, final)
+        finish(response, final, self.chat.reasoning_parser)
         response.output = output_items(final.outputs[0].text, plan, reasoning_parser, item_status(response))
         self._keep(response, conversation)
         return JSONResponse(response.model_dump())
@@ -122,7 +122,7 @@ class OpenAIServingResponses:
                 content_sent = len(content)
             if last is None:
                 raise APIError("the request ended without output", 500)
-            finish(response, last)
+            finish(response, last, self.chat.reasoning_parser)
             for event in items.finish(item_status(response)):
                 yield event
             response.output = items.items
