@@ -266,9 +266,12 @@ def test_server_tool_flags_are_checked_at_start(kw, words):
         engine_args=SimpleNamespace(limit_mm_per_prompt={}, mm_processor_kwargs=None, reasoning_parser=None),
         input_processor=SimpleNamespace(mm_processor=None),
     )
+    fetcher = SimpleNamespace(config=None)  # the default media settings
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
-        OpenAIServingChat(engine, None, None, **kw)
+        OpenAIServingChat(engine, None, fetcher, **kw)
     assert (
-        OpenAIServingChat(engine, None, None, enable_auto_tool_choice=True, tool_call_parser="hermes").auto_tool_parser
+        OpenAIServingChat(
+            engine, None, fetcher, enable_auto_tool_choice=True, tool_call_parser="hermes"
+        ).auto_tool_parser
         is not None
     )

@@ -130,15 +130,15 @@ class OpenAIServingChat:
         self.generation_defaults = generation_defaults or GenerationDefaults()  # --generation-config
         self.models = models
         self.fetcher = fetcher
-        self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
-        self.mm_kwarg_limits = MMKwargLimits.from_engine(engine)
-        self.media_controls = MediaIOControls.from_engine(engine, fetcher.config)
-        self.trust_request_chat_template = trust_request_chat_template
         parser = None if tool_call_parser is None else ToolParserManager.get(tool_call_parser)
         if enable_auto_tool_choice and parser is None:
             raise ValueError(
                 f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(ToolParserManager.names())})"
             )
+        self.limits = dict(engine.engine_args.limit_mm_per_prompt or {})
+        self.mm_kwarg_limits = MMKwargLimits.from_engine(engine)
+        self.media_controls = MediaIOControls.from_engine(engine, fetcher.config)
+        self.trust_request_chat_template = trust_request_chat_template
         self.auto_tool_parser = parser if enable_auto_tool_choice else None  # tool_choice "auto" is refused without
         self.structured_backend = structured_backend(engine)
         self.reasoning_parser = reasoning_parser_of(engine)  # --reasoning-parser; None: all text is content
