@@ -80,7 +80,9 @@ def _assert_one_bf16_rounding(out, x, w, b):
 # ragged and whole panels; K odd (float32 only: bf16 reads K in pairs, so it takes k + 1), K past one K block and
 # not a multiple of it
 @pytest.mark.parametrize("m", [1, 3, 5, 7, 8, 13, 64, 130, 300])
-@pytest.mark.parametrize("n,k", [(8, 30), (100, 64), (40, 33), (96, 512), (72, 300), (768, 512), (64, 1536)])
+@pytest.mark.parametrize(
+    "n,k", [(8, 30), (100, 64), (40, 33), (96, 512), (72, 300), (768, 512), (64, 1536), (100, 1111)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_linear_is_float32_math(m, n, k, bias, dtype, isa):
@@ -201,6 +203,17 @@ def test_cpu_linear_is_the_same_on_one_thread_and_several(dtype, isa):
     for one, several in zip(*runs):
         torch.testing.assert_close(one, several, atol=0, rtol=0)
     torch.testing.assert_close(runs[0][2], runs[0][0][:, :20], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n,k", [(100, 1111), (64, 1536)])
+def test_float32_sums_in_one_order_at_every_row_count(n, k, isa):
+    """Many rows (long K walked in blocks, partial sums parked in the output) and one row at a time (one pass over
+    K) add the same products in the same order: equal to the bit."""
+    x, w, b = _operands(300, n, k, True, torch.float32)
+    packed = pack_linear_weight(w)
+    whole = cpu_linear(x, packed, b, n)
+    rows = torch.cat([cpu_linear(x[i : i + 1], packed, b, n) for i in range(x.shape[0])])
+    torch.testing.assert_close(whole, rows, atol=0, rtol=0)
 
 
 def test_pack_layouts_and_custom_ops(isa):

@@ -5,6 +5,8 @@ namespace avx512 {
 
 constexpr int64_t kRows = 8;       // rows of the register block
 constexpr int64_t kRowChunk = 64;  // rows whose products with a panel are computed before the next panel
+// float32's: its panels are twice bf16's bytes, so each one read from memory serves more rows
+constexpr int64_t kF32RowChunk = 256;
 
 // How a block multiplies: F32Panel reads float32 panels [K, 32] and broadcasts one x value per step; Bf16Panel
 // reads bf16 panels [K/2, 32, 2] and broadcasts a pair of x values, whose products with a pair from each of 16
@@ -178,6 +180,87 @@ static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P:
     }
 }
 
+constexpr int64_t kKBlock = 256;        // float32 K positions a pass over a chunk of rows reads before the next panel
+constexpr int64_t kKBlockRows = 256;    // rows of such a chunk: each panel block read from memory serves them all
+constexpr int64_t kKBlockMinRows = 128; // fewer rows (decode) take the unblocked walk, which prefetches the next panel
+
+// float32 sums[R rows, 32 columns] += a . panel rows [kb, 32], for one block of K, `a` copied k-major ([kb, R]: the
+// R values a step broadcasts share a cache line): the sums start from c's
+// (the earlier K blocks' partial sums, exact in float32, so the order of the additions is the unblocked one's) or
+// zero for the first block, and the last block adds the bias; `ncols` < 32 only in the last panel
+template <int R>
+static inline void f32_kblock(const float* a, const float* panel, int64_t kb, float* c, int64_t ldc,
+                              int64_t ncols, bool first, const float* bias_or_null_unless_last) {
+    const __mmask16 keep_lo = ncols >= 16 ? 0xffff : (1u << ncols) - 1;
+    const __mmask16 keep_hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1;
+    __m512 lo[R], hi[R];
+    UNROLL for (int r = 0; r < R; ++r) {
+        lo[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep_lo, c + r * ldc);
+        hi[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep_hi, c + r * ldc + 16);
+    }
+    for (int64_t k = 0; k < kb; ++k) {
+        const __m512 w_lo = _mm512_loadu_ps(panel + k * kPanel);
+        const __m512 w_hi = _mm512_loadu_ps(panel + k * kPanel + 16);
+        UNROLL for (int r = 0; r < R; ++r) {
+            const __m512 x = _mm512_set1_ps(a[k * R + r]);
+            lo[r] = _mm512_fmadd_ps(x, w_lo, lo[r]);
+            hi[r] = _mm512_fmadd_ps(x, w_hi, hi[r]);
+        }
+    }
+    const float* bias = bias_or_null_unless_last;
+    const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(keep_lo, bias) : _mm512_setzero_ps();
+    const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(keep_hi, bias + 16) : _mm512_setzero_ps();
+    UNROLL for (int r = 0; r < R; ++r) {
+        _mm512_mask_storeu_ps(c + r * ldc, keep_lo, _mm512_add_ps(lo[r], b_lo));
+        _mm512_mask_storeu_ps(c + r * ldc + 16, keep_hi, _mm512_add_ps(hi[r], b_hi));
+    }
+}
+
+// The float32 linear for long K (a down projection, a tower's fc2): per chunk of rows, K in blocks of kKBlock, each
+// block against this thread's panels, so the chunk's block of `a` and a panel's block stay in cache; the partial
+// sums wait in c. Same results as the unblocked walk.
+static void f32_linear_kblocked(const float* A, int64_t lda, const float* W, const float* B, float* C, int64_t ldc,
+                                int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+    std::vector<float> copy(kKBlockRows * kKBlock);  // the chunk's block of `a`, k-major per block of rows
+    for (int64_t m0 = 0; m0 < M; m0 += kKBlockRows) {
+        const int64_t m1 = std::min(M, m0 + kKBlockRows);
+        for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+            const int64_t kb = std::min(kKBlock, K - k0);
+            const bool first = k0 == 0, last = k0 + kb >= K;
+            for (int64_t m = m0; m < m1; m += kRows) {  // rows [m, m + R) -> copy[(m - m0) * kb ...] as [kb, R]
+                const int64_t R = std::min(kRows, m1 - m);
+                float* dst = copy.data() + (m - m0) * kb;
+                for (int64_t r = 0; r < R; ++r) {
+                    const float* src = A + (m + r) * lda + k0;
+                    for (int64_t k = 0; k < kb; ++k) dst[k * R + r] = src[k];
+                }
+            }
+            for (int64_t p = p0; p < p1; ++p) {
+                const float* panel = W + p * K * kPanel + k0 * kPanel;
+                const int64_t ncols = std::min<int64_t>(kPanel, N - p * kPanel);
+                const float* bias = last && B ? B + p * kPanel : nullptr;
+                auto run = [&](auto rows, int64_t m) {
+                    constexpr int R = decltype(rows)::value;
+                    f32_kblock<R>(copy.data() + (m - m0) * kb, panel, kb, C + m * ldc + p * kPanel, ldc, ncols, first,
+                                  bias);
+                };
+                int64_t m = m0;
+                for (; m + kRows <= m1; m += kRows) run(std::integral_constant<int, kRows>(), m);
+                switch (m1 - m) {
+                    case 1: run(std::integral_constant<int, 1>(), m); break;
+                    case 2: run(std::integral_constant<int, 2>(), m); break;
+                    case 3: run(std::integral_constant<int, 3>(), m); break;
+                    case 4: run(std::integral_constant<int, 4>(), m); break;
+                    case 5: run(std::integral_constant<int, 5>(), m); break;
+                    case 6: run(std::integral_constant<int, 6>(), m); break;
+                    case 7: run(std::integral_constant<int, 7>(), m); break;
+                    default: break;
+                }
+            }
+        }
+    }
+}
+
 template <typename P, bool kSilu, bool kAdd>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
                    int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
@@ -187,16 +270,23 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
     const T* B = (const T*)bias;
     T* C = (T*)c;
     const int64_t panels = (N + kPanel - 1) / kPanel;
-    const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+    constexpr int64_t rows_a_chunk = std::is_same_v<P, F32Panel> ? kF32RowChunk : kRowChunk;
+    const int64_t chunks = (M + rows_a_chunk - 1) / rows_a_chunk;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         if (panels >= nt) {  // each thread its contiguous range of panels, for every chunk of rows
             const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-            for (int64_t ch = 0; ch < chunks; ++ch)
+            bool blocked = false;
+            if constexpr (std::is_same_v<P, F32Panel> && !kSilu && !kAdd) {
+                blocked = K > 2 * kKBlock && M >= kKBlockMinRows;
+                if (blocked) f32_linear_kblocked(A, lda, W, B, C, ldc, M, N, K, p0, p1);
+            }
+            for (int64_t ch = 0; ch < (blocked ? 0 : chunks); ++ch)
                 for (int64_t p = p0; p < p1; ++p)
-                    rows_by_panel<P, kSilu, kAdd>(A, lda, W, B, C, ldc, ch * kRowChunk,
-                                                  std::min(M, (ch + 1) * kRowChunk), p, N, K, p + 1 < p1, add, ldadd);
+                    rows_by_panel<P, kSilu, kAdd>(A, lda, W, B, C, ldc, ch * rows_a_chunk,
+                                                  std::min(M, (ch + 1) * rows_a_chunk), p, N, K, p + 1 < p1, add,
+                                                  ldadd);
         } else {  // fewer panels than threads: split the rows instead
             const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
             for (int64_t p = 0; p < panels; ++p)
