@@ -16,6 +16,13 @@ the same shapes (its wall time is the "TTFT" column: all requests submitted at o
 timed pass on the main set; decode tok/s = the tokens after the first / (timed - TTFT pass). The machine's limits
 (GEMM rate per dtype, read bandwidth) are measured first; the work (see benchmarks/realsize_work.py) at those limits
 gives each phase's ideal time and each engine its fraction of it. Results also go to --out as JSON.
+
+    python -m benchmarks.realsize --quantized W8A8_DIR --vlserve-kwargs '{"mm_encoder_quantization": "int8"}'
+
+compares the engines' quantized configurations instead (bfloat16 only; see benchmarks/realsize_quant.py): vlserve and
+vLLM-CPU on W8A8_DIR, a compressed-tensors W8A8 copy of the checkpoint this run builds (`examples/
+quantize_llmcompressor.py CHECKPOINT W8A8_DIR --scheme W8A8`), OpenVINO GenAI on the checkpoint's int8-weight export.
+Its fractions of the ideal time are against the bf16 work and limits, as without --quantized.
 """
 
 from __future__ import annotations
@@ -28,7 +35,14 @@ import os
 import subprocess
 import sys
 
-from benchmarks.anchors import ENGINE_LABELS, ENGINES, openvino_export, run_child
+from benchmarks.anchors import ENGINE_LABELS, ENGINES, run_child
+from benchmarks.realsize_quant import (
+    QUANTIZED_DTYPE,
+    check_same_model,
+    check_w8a8_checkpoint,
+    engine_checkpoint,
+    quantized_labels,
+)
 from benchmarks.realsize_table import format_table, result_rows
 from benchmarks.realsize_work import WorkloadWork, measure_limits
 from benchmarks.realsize_workloads import prepare_workloads
@@ -105,7 +119,9 @@ def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=os.path.expanduser("~/.cache/vlserve-bench/realsize"))
     p.add_argument("--out", default=None, help="results JSON (default: WORKDIR/results-<time>.json)")
-    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument(
+        "--dtypes", default=None, help="default: bfloat16,float32 (with --quantized: bfloat16, the only one)"
+    )
     p.add_argument("--engines", default=",".join(ENGINES), help=f"a subset of {','.join(ENGINES)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"a subset of {','.join(WORKLOADS)}")
     p.add_argument("--requests", type=int, default=8, help="image workload: requests")
@@ -118,13 +134,20 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--config-override", type=json.loads, default=None, help="JSON of checkpoint-builder args")
     p.add_argument("--gemm-size", type=int, default=4096, help="side of the square matmul measuring the GEMM rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantized",
+        default=None,
+        metavar="DIR",
+        help="a compressed-tensors W8A8 copy of the checkpoint: vlserve and vLLM run it, OpenVINO int8 weights",
+    )
     for engine, what in (("vlserve", "vlserve.LLM arguments, e.g. '{\"compilation_config\": 1}'"),
                          ("vllm", "vllm.LLM arguments"), ("openvino", "OpenVINO properties")):  # fmt: skip
         p.add_argument(f"--{engine}-kwargs", type=json.loads, default={}, help=f"JSON: more {what}")
     p.add_argument("--vllm-python", default=None, help="default: the anchor venv's (installed when missing)")
     p.add_argument("--openvino-python", default=None, help="default: the anchor venv's (installed when missing)")
     args = p.parse_args(argv)
-    args.dtypes, args.engines = args.dtypes.split(","), args.engines.split(",")
+    args.dtypes = (args.dtypes or (QUANTIZED_DTYPE if args.quantized else "bfloat16,float32")).split(",")
+    args.engines = args.engines.split(",")
     args.workloads = args.workloads.split(",")
     for name, chosen, allowed in (
         ("--dtypes", args.dtypes, ("bfloat16", "float32")),
@@ -133,6 +156,13 @@ def parse_args(argv: list[str] | None):
     ):
         if not chosen or any(c not in allowed for c in chosen):
             p.error(f"{name} must be a comma-separated subset of {','.join(allowed)}")
+    if args.quantized:
+        if args.dtypes != [QUANTIZED_DTYPE]:
+            p.error(f"--quantized runs {QUANTIZED_DTYPE} activations only: --dtypes must be {QUANTIZED_DTYPE}")
+        try:
+            check_w8a8_checkpoint(args.quantized)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -149,10 +179,15 @@ def main(argv: list[str] | None = None) -> dict:
     out_path = args.out or os.path.join(args.workdir, f"results-{datetime.datetime.now():%Y%m%d-%H%M%S}.json")
     spec = checkpoint_spec(args.tiny, args.config_override)
     model = build_checkpoint(args.workdir, spec)
+    if args.quantized:
+        check_same_model(model, args.quantized)
+    labels = quantized_labels(args.vlserve_kwargs) if args.quantized else dict(ENGINE_LABELS)
     workloads = prepare_workloads(model, args)
     limits = measure_limits(args.dtypes, args.gemm_size)
     machine = cpu_name()
     print(f"machine: {machine}; {limits.describe()}\ncheckpoint: {model}", flush=True)
+    if args.quantized:
+        print(f"quantized: {', '.join(labels[e] for e in args.engines)}; W8A8 copy: {args.quantized}", flush=True)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
@@ -161,9 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {}
     for dtype in args.dtypes:
         for engine in args.engines:
-            engine_model = model
-            if engine == "openvino":
-                engine_model = openvino_export(model, dtype, os.path.join(args.workdir, "openvino"), pythons[engine])
+            export_dir = os.path.join(args.workdir, "openvino")
+            engine_model = engine_checkpoint(engine, model, args.quantized, dtype, export_dir, pythons[engine])
             child_spec = {
                 "model": engine_model,
                 "dtype": dtype,
@@ -172,26 +206,32 @@ def main(argv: list[str] | None = None) -> dict:
                 "workloads": [w.child_spec() for w in workloads.values()],
                 "engine_kwargs": getattr(args, f"{engine}_kwargs"),
             }
-            log = os.path.join(args.workdir, f"{engine}-{dtype}.log")
-            print(f"[{dtype}] {ENGINE_LABELS[engine]} (log {log}) ...", flush=True)
+            log = os.path.join(args.workdir, f"{engine}-{dtype}{'-quantized' if args.quantized else ''}.log")
+            print(f"[{dtype}] {labels[engine]} on {engine_model} (log {log}) ...", flush=True)
             results[(dtype, engine)] = run_child(engine, pythons[engine], child_spec, log)
             r = results[(dtype, engine)]
             if isinstance(r, dict):
-                print(f"[{dtype}] {ENGINE_LABELS[engine]}: loaded in {r['load_s']:.1f} s; cores {r['cores']}")
+                print(f"[{dtype}] {labels[engine]}: loaded in {r['load_s']:.1f} s; cores {r['cores']}")
     work = {
         (name, dtype): WorkloadWork.of(config, w.prompt_lens, w.max_tokens, w.grids, 2 if dtype == "bfloat16" else 4)
         for name, w in workloads.items()
         for dtype in args.dtypes
     }
-    rows = result_rows(results, workloads, work, limits)
+    rows = result_rows(results, workloads, work, limits, labels)
     print(f"\nmachine: {machine}; {limits.describe()}")
     for w in workloads.values():
         print(f"workload {w.name}: {w.describe()}")
     print(format_table(rows))
+    if args.quantized:
+        print(
+            "quantized engines: 'vs faster anchor' is against the faster quantized peer; the ideal times and fractions "
+            "are the bf16 work at this machine's bf16 GEMM rate and read bandwidth (as for the bf16 rows)"
+        )
     report = {
         "machine": machine,
         "limits": {"gemm_gflops": limits.gemm_gflops, "read_gbs": limits.read_gbs, "gemm_size": limits.gemm_size},
-        "checkpoint": {"path": model, "spec": spec},
+        "checkpoint": {"path": model, "spec": spec, "quantized": args.quantized},
+        "labels": labels,
         "workloads": {name: w.describe() for name, w in workloads.items()},
         "work": {f"{n}/{d}": wk.as_dict() for (n, d), wk in work.items()},
         "engines": {f"{d}/{e}": r for (d, e), r in results.items()},

@@ -24,10 +24,11 @@ def check_counts(result: dict, prompt_lens: list[int], max_tokens: int) -> str:
     return "ok" if not problems else "; ".join(problems)
 
 
-def result_rows(results: dict, workloads: dict, work: dict, limits) -> list[dict]:
+def result_rows(results: dict, workloads: dict, work: dict, limits, labels: dict | None = None) -> list[dict]:
     """Per (workload, dtype, engine): rates, TTFT, the ratio to the faster anchor and the fraction of the ideal
     time. `results`: (dtype, engine) -> the child's result or why it has none; `work`: (workload, dtype) ->
-    WorkloadWork."""
+    WorkloadWork; `labels`: engine -> its row's name (default ENGINE_LABELS)."""
+    labels = {**ENGINE_LABELS, **(labels or {})}
     rows = []
     for name, w in workloads.items():
         for dtype in dict.fromkeys(d for d, _ in results):
@@ -36,7 +37,7 @@ def result_rows(results: dict, workloads: dict, work: dict, limits) -> list[dict
             for (d, engine), r in results.items():
                 if d != dtype:
                     continue
-                row = {"workload": name, "dtype": dtype, "engine": engine, "ideal": ideal}
+                row = {"workload": name, "dtype": dtype, "engine": engine, "label": labels[engine], "ideal": ideal}
                 if not isinstance(r, dict) or name not in r["workloads"]:
                     row["error"] = r if isinstance(r, str) else "no result"
                     group.append(row)
@@ -80,7 +81,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         ideal = r["ideal"]
         ideal_s = f"{ideal['first_tokens_s']:.3f} / {ideal['decode_s']:.3f} / {ideal['total_s']:.3f}"
-        head = f"| {r['workload']} | {r['dtype']} | {ENGINE_LABELS[r['engine']]} |"
+        head = f"| {r['workload']} | {r['dtype']} | {r['label']} |"
         if "error" in r:
             lines.append(f"{head} {r['error']} | | | | | {ideal_s} | | |")
             continue

@@ -1,5 +1,6 @@
 """benchmarks.realsize: its work accounting against torch's FLOP counter on HF's modules, its table, the anchor
-environment (every core bound for vLLM-CPU), and (slow) a tiny end-to-end run through vlserve."""
+environment (every core bound for vLLM-CPU), --quantized (arguments, labels, each engine's checkpoint), and (slow) tiny
+end-to-end runs through vlserve, the second quantized beside OpenVINO's int8 weights."""
 
 import json
 import os
@@ -10,7 +11,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.realsize import QWEN2_VL_2B, TINY, checkpoint_spec
+from benchmarks import realsize_quant
+from benchmarks.realsize import QWEN2_VL_2B, TINY, checkpoint_spec, parse_args
+from benchmarks.realsize_quant import check_same_model, check_w8a8_checkpoint, engine_checkpoint, quantized_labels
 from benchmarks.realsize_table import check_counts, format_table, result_rows
 from benchmarks.realsize_work import (
     MachineLimits,
@@ -126,6 +129,11 @@ def test_rows_ratio_to_the_faster_anchor_fractions_and_count_checks():
     assert "output tokens [8, 9] != 9" in by_engine["openvino"]["counts"]
     table = format_table(rows)
     assert table.count("\n") == 4 and "OpenVINO GenAI" in table and "1.25x" in table
+    quantized = result_rows(
+        results, {"image": workload}, {("image", "bfloat16"): _work()}, limits, quantized_labels({})
+    )
+    assert [r["label"] for r in quantized] == ["vlserve W8A8", "vLLM-CPU W8A8", "OpenVINO int8 weights"]
+    assert "| OpenVINO int8 weights |" in format_table(quantized) and "OpenVINO GenAI" not in format_table(quantized)
 
 
 def test_count_check_catches_prompts_and_batch_totals():
@@ -190,6 +198,86 @@ def test_cores_probe_runs_in_a_bare_python():
     assert any(k.startswith("python3[") for k in json.loads(out.stdout))
 
 
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+        }
+    },
+}
+
+
+def _checkpoint_dir(path, quantization_config: dict | None) -> str:
+    os.makedirs(path, exist_ok=True)
+    config = {"model_type": "qwen2_vl"} | ({"quantization_config": quantization_config} if quantization_config else {})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+def test_quantized_args_default_to_bfloat16_and_refuse_float32_and_non_w8a8(tmp_path, capsys):
+    w8a8 = _checkpoint_dir(tmp_path / "w8a8", W8A8_CONFIG)
+    assert parse_args([]).dtypes == ["bfloat16", "float32"] and parse_args([]).quantized is None
+    args = parse_args(["--quantized", w8a8, "--vlserve-kwargs", '{"mm_encoder_quantization": "int8"}'])
+    assert args.dtypes == ["bfloat16"] and args.quantized == w8a8
+    assert args.vlserve_kwargs == {"mm_encoder_quantization": "int8"}
+    with pytest.raises(SystemExit):
+        parse_args(["--quantized", w8a8, "--dtypes", "bfloat16,float32"])
+    assert "--dtypes must be bfloat16" in capsys.readouterr().err
+    w4a16 = json.loads(json.dumps(W8A8_CONFIG))
+    w4a16["config_groups"]["group_0"] |= {"weights": {"num_bits": 4, "type": "int"}, "input_activations": None}
+    for path, why in (
+        (str(tmp_path / "missing"), "no config.json"),
+        (_checkpoint_dir(tmp_path / "bf16", None), "not a compressed-tensors checkpoint"),
+        (_checkpoint_dir(tmp_path / "w4a16", w4a16), "weights are not INT8"),
+        (_checkpoint_dir(tmp_path / "empty", {"quant_method": "compressed-tensors"}), "no scheme groups"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--quantized", path])
+        assert why in capsys.readouterr().err
+    fp8 = json.loads(json.dumps(W8A8_CONFIG))
+    fp8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "float"}
+    with pytest.raises(ValueError, match="input activations are not INT8"):
+        check_w8a8_checkpoint(_checkpoint_dir(tmp_path / "fp8", fp8))
+
+
+def test_quantized_labels_name_the_towers_only_when_asked():
+    assert quantized_labels({"mm_encoder_quantization": "int8"})["vlserve"] == "vlserve W8A8 + INT8 towers"
+    assert quantized_labels({})["vlserve"] == "vlserve W8A8"
+    assert quantized_labels({}) | {"vlserve": "-"} == {
+        "vlserve": "-", "vllm": "vLLM-CPU W8A8", "openvino": "OpenVINO int8 weights"}  # fmt: skip
+
+
+def test_each_engine_gets_its_checkpoint(monkeypatch):
+    exports = []
+    monkeypatch.setattr(realsize_quant, "openvino_export", lambda *a: exports.append(a) or f"ir-{a[-1]}")
+    assert engine_checkpoint("vlserve", "/base", "/w8a8", "bfloat16", "/ov") == "/w8a8"
+    assert engine_checkpoint("vllm", "/base", "/w8a8", "bfloat16", "/ov") == "/w8a8"
+    assert engine_checkpoint("openvino", "/base", "/w8a8", "bfloat16", "/ov", "py") == "ir-int8"
+    assert engine_checkpoint("vlserve", "/base", None, "float32", "/ov") == "/base"
+    assert engine_checkpoint("openvino", "/base", None, "float32", "/ov") == "ir-None"
+    assert exports == [("/base", "bfloat16", "/ov", "py", "int8"), ("/base", "float32", "/ov", None, None)]
+
+
+def test_the_quantized_copy_must_have_the_base_checkpoints_shapes(tmp_path):
+    from transformers import Qwen2VLConfig
+
+    vision = {"depth": 2, "embed_dim": 64, "num_heads": 2, "hidden_size": 64}
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 300}
+    Qwen2VLConfig(vision_config=vision, **text).save_pretrained(tmp_path / "base")
+    Qwen2VLConfig(vision_config=vision, **text).save_pretrained(tmp_path / "copy")
+    Qwen2VLConfig(vision_config=vision, **text | {"num_hidden_layers": 3}).save_pretrained(tmp_path / "deeper")
+    Qwen2VLConfig(vision_config=vision | {"depth": 3}, **text).save_pretrained(tmp_path / "deeper_tower")
+    check_same_model(str(tmp_path / "base"), str(tmp_path / "copy"))
+    with pytest.raises(ValueError, match="text num_hidden_layers 3 != 2"):
+        check_same_model(str(tmp_path / "base"), str(tmp_path / "deeper"))
+    with pytest.raises(ValueError, match="vision depth 3 != 2"):
+        check_same_model(str(tmp_path / "base"), str(tmp_path / "deeper_tower"))
+
+
 @pytest.mark.slow
 def test_realsize_runs_end_to_end_on_a_tiny_checkpoint(tmp_path):
     from benchmarks import realsize
@@ -202,3 +290,42 @@ def test_realsize_runs_end_to_end_on_a_tiny_checkpoint(tmp_path):
     assert all(r["counts"] == "ok" and r["req_s"] > 0 for r in report["rows"])
     image = report["engines"]["bfloat16/vlserve"]["workloads"]["image"]
     assert image["prompt_tokens"][0] > 16 + 60  # a 112x112 image is 16 placeholder tokens, then ~60 of text
+
+
+@pytest.mark.slow
+def test_realsize_quantized_runs_vlserve_w8a8_beside_openvino_int8_on_a_tiny_checkpoint(tmp_path):
+    """The tiny base, quantized W8A8 by llm-compressor (its own venv), through vlserve with INT8 towers and OpenVINO
+    GenAI's int8-weight export; both venvs must be installed already."""
+    from benchmarks import realsize
+    from vlserve.bench.anchor_env import OPENVINO_PYTHON
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    quant_python = next(
+        (
+            p
+            for p in (os.path.join(root, ".venv-quant/bin/python"), "/work/main/.venv-quant/bin/python")
+            if os.path.exists(p)
+        ),
+        None,
+    )
+    if quant_python is None or not os.path.exists(OPENVINO_PYTHON):
+        pytest.skip("needs .venv-quant (make quant-tools) and the OpenVINO anchor venv")
+    base = realsize.build_checkpoint(str(tmp_path), checkpoint_spec(tiny=True, override=None))
+    w8a8 = str(tmp_path / "w8a8")
+    script = os.path.join(root, "examples", "quantize_llmcompressor.py")
+    subprocess.run([quant_python, script, base, w8a8, "--scheme", "W8A8"], check=True, capture_output=True)
+    args = ["--tiny", "--quantized", w8a8, "--engines", "vlserve,openvino", "--requests", "2", "--text-requests", "2"]
+    args += ["--image-size", "112", "--max-tokens", "3", "--text-len", "8", "--gemm-size", "256"]
+    args += ["--vlserve-kwargs", '{"mm_encoder_quantization": "int8"}', "--workdir", str(tmp_path)]
+    report = realsize.main(args + ["--out", str(tmp_path / "r.json")])
+    assert report["checkpoint"]["quantized"] == w8a8
+    labels = [(r["workload"], r["label"]) for r in report["rows"]]
+    assert labels == [
+        ("image", "vlserve W8A8 + INT8 towers"), ("image", "OpenVINO int8 weights"),
+        ("text", "vlserve W8A8 + INT8 towers"), ("text", "OpenVINO int8 weights")]  # fmt: skip
+    assert all(r["counts"] == "ok" and r["req_s"] > 0 for r in report["rows"])
+    engines = report["engines"]
+    for name in ("image", "text"):  # the same prompts, token for token, through both engines
+        vl, ov = (engines[f"bfloat16/{e}"]["workloads"][name]["prompt_tokens"] for e in ("vlserve", "openvino"))
+        assert vl == ov
+    assert os.listdir(tmp_path / "openvino") and all(d.endswith("-int8") for d in os.listdir(tmp_path / "openvino"))
