@@ -47,6 +47,7 @@ DEFAULTS = {
     "enable_auto_tool_choice": False,
     "tool_call_parser": None,
     "reasoning_parser": None,
+    "responses_store_size": 1000,
     "max_waiting_requests": None,
     "scheduling_policy": "fcfs",
     "chat_template_content_format": "auto",
