@@ -110,6 +110,14 @@ def test_towers_stay_unpacked_where_torch_wins(monkeypatch, split):
         assert model.decoder.packed_weight is not None and model.decoder.weight is not None
 
 
+def test_float32_towers_go_to_torch_by_default(monkeypatch):
+    monkeypatch.delenv(cl.ONEDNN_ROWS_ENV, raising=False)
+    model = _Model()  # float32: torch's sgemm serves a tower's many rows, the decoder stays on the kernel alone
+    assert pack_linears_for_cpu(model, many_rows=[model.tower]) == 1
+    assert all(m.packed_weight is None and m.weight is not None for m in model.tower)
+    assert model.decoder.packed_weight is not None and model.decoder.weight is None
+
+
 @pytest.mark.skipif(not onednn_prepacks(torch.bfloat16), reason="bf16 prepacking for oneDNN needs AMX")
 def test_bf16_towers_are_held_prepacked_and_match_f_linear():
     torch.manual_seed(0)

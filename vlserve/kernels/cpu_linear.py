@@ -18,11 +18,11 @@ What runs where (`cpu_linear_isa(dtype)` says, as the built kernel reports it):
   columns of zmm FMAs down K, bf16 through `vdpbf16ps` where the CPU has AVX512-BF16. Only a panel's first row block
   waits on memory: while the later ones run from cache, the thread prefetches its next panel a line per step (3-6%
   of a batch-32 decode step on the bench model). float32 takes rows in chunks of 256 (a float32 panel is twice a
-  bf16 one's bytes, so each panel fetched from memory must serve more rows), and from 128 rows with K > 512 (a down
-  projection or a tower's fc2 at prefill) walks K in blocks of 256: the chunk's block of x, copied k-major, and each
-  panel's block stay in L2 while the thread's panels pass, the partial sums waiting in the output (the additions in
-  the same order, so every row count gives the same bits). On 1 AMX Xeon core at 256 rows: K 8,960 at 142 GFLOP/s
-  (89 before; F.linear 163), K 1,536 at 175 (134; F.linear 186).
+  bf16 one's bytes, so each panel fetched from memory must serve more rows), and from 128 rows with K >= 4,096 (a
+  down projection at prefill) walks K in blocks of 256: the chunk's block of x, copied k-major, and each panel's
+  block stay in L2 while the thread's panels pass, the partial sums waiting in the output (the additions in the same
+  order, so every row count gives the same bits). Qwen2-VL-2B's down projection at 1,024 rows on 2 AMX Xeon cores:
+  260-268 GFLOP/s (215-239 unblocked; torch's sgemm 354-370, which takes float32 towers: `torch_serves_many_rows`).
 - AVX2 + FMA (where inductor builds for AVX2; on AVX-512 CPUs for bf16 without AVX512-BF16, and for everything with
   $VLSERVE_CPU_ISA=avx2, read when the kernel is built, so both paths can be tested on one machine): register
   blocks of 6 rows (bf16: 5) x 16 columns of ymm FMAs, each panel walked as two 16-column halves, K in blocks of 128
@@ -224,6 +224,17 @@ def onednn_min_rows(dtype: torch.dtype) -> int | None:
     if dtype is torch.bfloat16 and tile_rows():  # our tiles beat oneDNN's up to ~128 rows (docs/benchmarks.md)
         return max(ONEDNN_BF16_ROWS_OVER_TILES, tile_rows())
     return AMX_ROWS.get(dtype)
+
+
+def torch_serves_many_rows(dtype: torch.dtype) -> bool:
+    """Whether torch's matmul beats the packed kernel at the hundreds of rows of a tower's calls: float32 on every
+    CPU (its sgemm: 340-370 GFLOP/s at 1,024 rows of Qwen2-VL-2B's tower shapes on 2 AMX Xeon cores, the packed
+    kernel 265-330), and the dtypes `onednn_min_rows` hands over. $VLSERVE_CPU_ONEDNN_ROWS="0" keeps every weight
+    on the packed kernel."""
+    forced = forced_rows(ONEDNN_ROWS_ENV)
+    if forced is not None:
+        return forced > 0
+    return dtype is torch.float32 or onednn_min_rows(dtype) is not None
 
 
 def forced_rows(env: str) -> int | None:

@@ -24,6 +24,7 @@ from vlserve.kernels.cpu_linear import (
     onednn_min_rows,
     onednn_takes,
     pack_linear_weight,
+    torch_serves_many_rows,
 )
 from vlserve.kernels.onednn_linear import onednn_linear, prepack_onednn
 
@@ -153,8 +154,8 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
     """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
     linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
     beside its packed copy. Under the `many_rows` parts (towers: hundreds of patches a call), a weight whose dtype
-    torch's matmul serves faster from some row count on (`onednn_min_rows`) is left unpacked (and held in oneDNN's
-    prepacked form instead where that serves it: bf16 on AMX)."""
+    torch's matmul serves faster at many rows (`torch_serves_many_rows`: float32, and bf16 on AMX) is left unpacked
+    (and held in oneDNN's prepacked form instead where that serves it: bf16 on AMX)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -163,7 +164,7 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
         id(m)
         for part in many_rows
         for m in part.modules()
-        if getattr(m, "weight", None) is not None and onednn_min_rows(m.weight.dtype) is not None
+        if getattr(m, "weight", None) is not None and torch_serves_many_rows(m.weight.dtype)
     }
     packed = 0
     for m in model.modules():
