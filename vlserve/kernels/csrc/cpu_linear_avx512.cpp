@@ -131,6 +131,23 @@ static inline void block(const typename P::T* a, int64_t lda, const typename P::
     }
 }
 
+// Rows [m0, m1) in register blocks: run(std::integral_constant<int, R>, m) for blocks of kRows, then the rest
+template <typename Run>
+static inline void for_row_blocks(int64_t m0, int64_t m1, Run&& run) {
+    int64_t m = m0;
+    for (; m + kRows <= m1; m += kRows) run(std::integral_constant<int, kRows>(), m);
+    switch (m1 - m) {
+        case 1: run(std::integral_constant<int, 1>(), m); break;
+        case 2: run(std::integral_constant<int, 2>(), m); break;
+        case 3: run(std::integral_constant<int, 3>(), m); break;
+        case 4: run(std::integral_constant<int, 4>(), m); break;
+        case 5: run(std::integral_constant<int, 5>(), m); break;
+        case 6: run(std::integral_constant<int, 6>(), m); break;
+        case 7: run(std::integral_constant<int, 7>(), m); break;
+        default: break;
+    }
+}
+
 // Rows [m0, m1) against output panel p, in blocks of kRows and then the rest. With SiLU, output panel p is gate
 // panel p and up panel p + N / 32 of the packed [2N/32, ...] matrix; with kAdd, add [M, 2N] joins their sums.
 template <typename P, bool kSilu, bool kAdd>
@@ -166,18 +183,7 @@ static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P:
         }
         if (prefetch_next) pf = &next;
     };
-    int64_t m = m0;
-    for (; m + kRows <= m1; m += kRows) run(std::integral_constant<int, kRows>(), m);
-    switch (m1 - m) {
-        case 1: run(std::integral_constant<int, 1>(), m); break;
-        case 2: run(std::integral_constant<int, 2>(), m); break;
-        case 3: run(std::integral_constant<int, 3>(), m); break;
-        case 4: run(std::integral_constant<int, 4>(), m); break;
-        case 5: run(std::integral_constant<int, 5>(), m); break;
-        case 6: run(std::integral_constant<int, 6>(), m); break;
-        case 7: run(std::integral_constant<int, 7>(), m); break;
-        default: break;
-    }
+    for_row_blocks(m0, m1, run);
 }
 
 constexpr int64_t kKBlock = 256;        // float32 K positions a pass over a chunk of rows reads before the next panel
@@ -245,18 +251,7 @@ static void f32_linear_kblocked(const float* A, int64_t lda, const float* W, con
                     f32_kblock<R>(copy.data() + (m - m0) * kb, panel, kb, C + m * ldc + p * kPanel, ldc, ncols, first,
                                   bias);
                 };
-                int64_t m = m0;
-                for (; m + kRows <= m1; m += kRows) run(std::integral_constant<int, kRows>(), m);
-                switch (m1 - m) {
-                    case 1: run(std::integral_constant<int, 1>(), m); break;
-                    case 2: run(std::integral_constant<int, 2>(), m); break;
-                    case 3: run(std::integral_constant<int, 3>(), m); break;
-                    case 4: run(std::integral_constant<int, 4>(), m); break;
-                    case 5: run(std::integral_constant<int, 5>(), m); break;
-                    case 6: run(std::integral_constant<int, 6>(), m); break;
-                    case 7: run(std::integral_constant<int, 7>(), m); break;
-                    default: break;
-                }
+                for_row_blocks(m0, m1, run);
             }
         }
     }
