@@ -60,3 +60,40 @@ def test_audio_the_model_lacks_is_refused(vl_server):
         )
     assert "audio" in str(e.value)
     assert vl_server.http.get("/health").status_code == 200
+
+
+def test_media_settings_reach_the_input_side(vl_server):
+    """mm_processor_kwargs shrink the image as on chat; a media_io_kwargs value over the server's bound is a 400
+    naming it."""
+    picture = data_url(png_bytes(5, size=(112, 112)))
+    content = [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": ASK}]
+    small = {"max_pixels": 28 * 28 * 4}
+    chat = vl_server.client.chat.completions.create(
+        model=vl_server.model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"mm_processor_kwargs": small},
+    )
+    item = {
+        "role": "user",
+        "content": [{"type": "input_image", "image_url": picture}, {"type": "input_text", "text": ASK}],
+    }
+    r = vl_server.client.responses.create(
+        model=vl_server.model,
+        input=[item],
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"mm_processor_kwargs": small},
+    )
+    full = vl_server.client.responses.create(model=vl_server.model, input=[item], max_output_tokens=1)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens < full.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        vl_server.client.responses.create(
+            model=vl_server.model,
+            input=[item],
+            max_output_tokens=2,
+            extra_body={"media_io_kwargs": {"video": {"num_frames": 100000}}},
+        )
+    assert "num_frames" in str(e.value)
+    assert vl_server.http.get("/health").status_code == 200

@@ -68,7 +68,6 @@ _UNSUPPORTED_RESPONSES: dict[str, tuple] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
-    "mm_processor_kwargs": _EMPTY,
     "chat_template_kwargs": _EMPTY,
     "chat_template": _NONE,
 }

@@ -208,6 +208,8 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
+        mm_processor_kwargs=req.mm_processor_kwargs,
+        media_io_kwargs=req.media_io_kwargs,
     )
     return chat, conversation
 

@@ -38,6 +38,9 @@ class ResponsesRequest(OpenAIModel):
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # vLLM's per-request media settings, passed to the chat endpoint's input side as they are
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
 
     _check_text = field_validator("input", "instructions")(check_unicode)
 
