@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import mm_openvino, mm_serve, quantized, structured
 from vlserve.bench import openvino_anchor, throughput
-from vlserve.bench.anchor_env import OPENVINO_PYTHON
+from vlserve.bench.anchor_env import OPENVINO_PYTHON, shared_tools_dir
 from vlserve.bench.openvino_anchor import OpenVinoCase, OpenVinoCaseResult, check_counts
 
 
@@ -193,6 +193,10 @@ def test_mm_offline_runs_single_square_image_workloads_only():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(OPENVINO_PYTHON), reason="the OpenVINO anchor venv is not installed")
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(shared_tools_dir(), "openvino-export.py")),
+    reason="no shared/tools/openvino-export.py beside this checkout (a clone elsewhere has none)",
+)
 def test_throughput_with_openvino_on_a_tiny_model(tmp_path, capsys):
     throughput.main(
         ["--hidden-size", "64", "--num-layers", "1", "--num-prompts", "3", "--input-len", "6", "--output-len", "4"]

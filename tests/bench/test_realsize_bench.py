@@ -297,19 +297,15 @@ def test_realsize_quantized_runs_vlserve_w8a8_beside_openvino_int8_on_a_tiny_che
     """The tiny base, quantized W8A8 by llm-compressor (its own venv), through vlserve with INT8 towers and OpenVINO
     GenAI's int8-weight export; both venvs must be installed already."""
     from benchmarks import realsize
-    from vlserve.bench.anchor_env import OPENVINO_PYTHON
+    from vlserve.bench.anchor_env import OPENVINO_PYTHON, shared_tools_dir
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    quant_python = next(
-        (
-            p
-            for p in (os.path.join(root, ".venv-quant/bin/python"), "/work/main/.venv-quant/bin/python")
-            if os.path.exists(p)
-        ),
-        None,
-    )
-    if quant_python is None or not os.path.exists(OPENVINO_PYTHON):
-        pytest.skip("needs .venv-quant (make quant-tools) and the OpenVINO anchor venv")
+    quant_python = os.path.join(root, ".venv-quant/bin/python")
+    exporter = os.path.join(shared_tools_dir(), "openvino-export.py")
+    if not (os.path.exists(quant_python) and os.path.exists(OPENVINO_PYTHON) and os.path.exists(exporter)):
+        pytest.skip(
+            "needs .venv-quant (make quant-tools), the OpenVINO anchor venv and shared/tools beside the checkout"
+        )
     base = realsize.build_checkpoint(str(tmp_path), checkpoint_spec(tiny=True, override=None))
     w8a8 = str(tmp_path / "w8a8")
     script = os.path.join(root, "examples", "quantize_llmcompressor.py")
