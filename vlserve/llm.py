@@ -40,11 +40,15 @@ class LLM:
                 "processes, which only `vlserve serve` starts; LLM runs one engine in this process "
                 "(start several LLMs, or serve with --data-parallel-size)"
             )
-        self.generation_defaults = load_generation_defaults(
-            self.engine_args.generation_config, resolve_model_path(self.engine_args.model)
-        )
-        self.engine_loop = EngineLoop(self.engine_args)
+        self.engine_loop = EngineLoop(self.engine_args)  # checks the settings before it reads the checkpoint
         self.engine = self.engine_loop.core
+        try:
+            self.generation_defaults = load_generation_defaults(
+                self.engine_args.generation_config, resolve_model_path(self.engine_args.model)
+            )
+        except Exception:
+            self.engine.shutdown()
+            raise
         self.tokenizer = self.engine_loop.tokenizer
         self.input_processor = self.engine_loop.input_processor
         self.output_processor = self.engine_loop.output_processor
