@@ -398,6 +398,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "ec_consumer | ec_both): encoder outputs through a shared directory (default: none)",
     )
 
+    pooling = p.add_argument_group("PoolerConfig", "pooling models: embeddings, classifiers, rerankers")
+    pooling.add_argument(
+        "--runner",
+        choices=["auto", "generate", "pooling"],
+        default="auto",
+        help="pooling: prefill only, each prompt's final hidden states pooled (embeddings, scores) instead of "
+        "generating (default auto: pooling for --convert embed|classify or a *ForSequenceClassification checkpoint)",
+    )
+    pooling.add_argument(
+        "--convert",
+        choices=["auto", "none", "embed", "classify"],
+        default="auto",
+        help="serve a generative checkpoint as an embedder (last-token pooling, normalized) or a classifier "
+        '(with --pooler-config classifier_from_token, e.g. ["no", "yes"] for a yes/no reranker)',
+    )
+    pooling.add_argument(
+        "--pooler-config",
+        type=_json_dict,
+        default=None,
+        help='JSON: {"pooling_type": "LAST|MEAN|CLS|ALL", "normalize": true, "classifier_from_token": [...]}; '
+        "overrides the checkpoint's sentence-transformers modules.json / 1_Pooling/config.json",
+    )
+
     spec = p.add_argument_group("SpeculativeConfig")
     spec.add_argument(
         "--speculative-config",

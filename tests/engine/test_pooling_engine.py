@@ -90,7 +90,9 @@ def test_chunked_prefill_and_prefix_hit_give_the_same_embedding(qwen2_vl_dir, em
     hits = embedder.get_metrics()["vlserve:prefix_cache_hits_total"]
     assert hits > 0
     for a, b in zip(whole, again):
-        assert torch.nn.functional.cosine_similarity(torch.tensor(a), torch.tensor(b.outputs.embedding), dim=0) > 0.99999
+        assert (
+            torch.nn.functional.cosine_similarity(torch.tensor(a), torch.tensor(b.outputs.embedding), dim=0) > 0.99999
+        )
     chunked = LLM(
         qwen2_vl_dir,
         dtype="float32",

@@ -8,14 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from vlserve.config import EngineArgs
 from vlserve.engine.core import EngineCore
 from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
-from vlserve.engine.pooling import POOLING_SAMPLING_PARAMS, check_pooling_params, finish_pooled
-from vlserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from vlserve.engine.pooling import PoolingRequests
+from vlserve.outputs import PoolingRequestOutput, RequestOutput
 from vlserve.pooling_params import PoolingParams
 from vlserve.sampling_params import SamplingParams
 from vlserve.shorten import shorten
@@ -49,8 +47,8 @@ class EngineLoop:
             args.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        # open pooling requests: id -> (params, prompt token ids); their results skip the output processor
-        self.pooling: dict[str, tuple[PoolingParams, list[int]]] = {}
+        # open pooling requests: their results go around the output processor
+        self.pooling = PoolingRequests(self.core.pooler_spec, loaded.hf_config.get_text_config().hidden_size)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_requests(self, requests: list[NewRequest]) -> None:
@@ -93,45 +91,25 @@ class EngineLoop:
     def add_pooling_requests(self, requests: list[NewRequest]) -> None:
         """Queue pooling requests (their `params` are PoolingParams), all or none; ValueError when the engine
         does not pool, the params ask what it does not serve, or an id is in use."""
-        spec, hidden = self.core.pooler_spec, self.core.loaded.hf_config.get_text_config().hidden_size
-        seen: set[str] = set()
-        for r in requests:
-            check_pooling_params(r.params, spec, hidden)
-            if r.request_id in self.output_processor.parents or r.request_id in self.pooling or r.request_id in seen:
-                raise ValueError(f"request id {shorten(r.request_id)} is already in use")
-            seen.add(r.request_id)
-        engine_reqs = [
-            replace(
-                self.input_processor.make_engine_request(
-                    r.request_id, r.processed, POOLING_SAMPLING_PARAMS, r.arrival, r.lora_request, r.priority
-                ),
-                pools=True,
-            )
-            for r in requests
-        ]
+        engine_reqs = self.pooling.engine_requests(
+            requests, self.input_processor, lambda rid: rid in self.output_processor.parents
+        )
         queued: list[str] = []
         try:
             for r, req in zip(requests, engine_reqs):
                 self.core.add_request(req)
                 queued.append(req.request_id)
-                self.pooling[r.request_id] = (r.params, list(r.processed.prompt_token_ids))
+                self.pooling.track(r)
         except BaseException:
             self.core.abort_requests(queued)
             for rid in queued:
-                self.pooling.pop(rid, None)
+                self.pooling.open.pop(rid, None)
             raise
-
-    def _pooled_output(self, out) -> PoolingRequestOutput:
-        """A finished pooling request's result as its params ask (an aborted one's data is empty)."""
-        params, prompt_ids = self.pooling.pop(out.request_id)
-        data = out.pooling_output
-        data = torch.empty(0) if data is None else finish_pooled(data, params, self.core.pooler_spec)
-        return PoolingRequestOutput(out.request_id, PoolingOutput(data), prompt_ids, True, out.num_cached_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a user request: its final output (open sequences end "abort"), or None when it is not open (or
         a pooling request, which is dropped)."""
-        if self.pooling.pop(request_id, None) is not None:
+        if self.pooling.open.pop(request_id, None) is not None:
             self.core.abort_requests([request_id])
             return None
         child_ids = self.output_processor.child_ids(request_id)
@@ -142,22 +120,18 @@ class EngineLoop:
 
     def abort_all(self) -> list[str]:
         """After a failure: forget every open request and clear the core; returns the user ids dropped."""
-        dropped = list(self.output_processor.parents) + list(self.pooling)
-        self.pooling.clear()
+        dropped = list(self.output_processor.parents) + list(self.pooling.open)
+        self.pooling.open.clear()
         for rid in dropped:
             self.output_processor.abort(rid)
         self.core.abort_requests(list(self.core.scheduler.requests))
         return dropped
 
     # -- the loop ----------------------------------------------------------------------------------------------
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput | PoolingRequestOutput]:
         """One core step; returns the cumulative outputs it touched, or with `final_only` those that finished
         (stop-string hits are finished in the core)."""
-        core_outputs, pooled = self.core.step(), []
-        if self.pooling:  # a pooling engine's results go around the output processor
-            mine = [o for o in core_outputs if o.request_id in self.pooling]
-            core_outputs = [o for o in core_outputs if o.request_id not in self.pooling]
-            pooled = [self._pooled_output(o) for o in mine if o.finished]
+        core_outputs, pooled = self.pooling.split(self.core.step())
         outputs, stop_hits = self.output_processor.process_outputs(core_outputs, final_only)
         if stop_hits:
             self.core.finish_requests_stopped(stop_hits)

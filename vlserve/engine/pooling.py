@@ -12,9 +12,13 @@ from dataclasses import replace
 import torch
 
 from vlserve.config import EngineArgs
+from vlserve.core.request import EngineCoreRequest
+from vlserve.core.sched_output import EngineCoreOutput
 from vlserve.models.hf_config import architectures_of
+from vlserve.outputs import PoolingOutput, PoolingRequestOutput
 from vlserve.pooling_params import PoolerConfig, PoolerSpec, PoolingParams
 from vlserve.sampling_params import SamplingParams
+from vlserve.shorten import shorten
 
 # what a pooling request's EngineCoreRequest carries for the core's limits: one position past the prompt, never used
 POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False)
@@ -146,3 +150,52 @@ def finish_pooled(data: torch.Tensor, params: PoolingParams, spec: PoolerSpec) -
     if params.activation is False:
         return data
     return torch.sigmoid(data) if data.shape[-1] == 1 else torch.softmax(data, dim=-1)
+
+
+class PoolingRequests:
+    """A front end's open pooling requests (`EngineLoop`, or the API side of the engine process): checks them,
+    makes their engine requests, and turns their finished core outputs into PoolingRequestOutputs."""
+
+    def __init__(self, spec: PoolerSpec | None, hidden_size: int):
+        self.spec = spec
+        self.hidden_size = hidden_size
+        self.open: dict[str, tuple[PoolingParams, list[int]]] = {}  # id -> (params, prompt token ids)
+
+    def engine_requests(self, requests, input_processor, in_use) -> list[EngineCoreRequest]:
+        """Check `requests` (NewRequests with PoolingParams; ValueError on bad params or an id `in_use` or open)
+        and make their engine requests, which pool (`pools=True`)."""
+        seen: set[str] = set()
+        for r in requests:
+            check_pooling_params(r.params, self.spec, self.hidden_size)
+            if in_use(r.request_id) or r.request_id in self.open or r.request_id in seen:
+                raise ValueError(f"request id {shorten(r.request_id)} is already in use")
+            seen.add(r.request_id)
+        return [
+            replace(
+                input_processor.make_engine_request(
+                    r.request_id, r.processed, POOLING_SAMPLING_PARAMS, r.arrival, r.lora_request, r.priority
+                ),
+                pools=True,
+            )
+            for r in requests
+        ]
+
+    def track(self, request) -> None:
+        """Open a request (a NewRequest the core accepted or was sent)."""
+        self.open[request.request_id] = (request.params, list(request.processed.prompt_token_ids))
+
+    def split(self, outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[PoolingRequestOutput]]:
+        """(the generation outputs, the finished pooling requests' results) of one step's core outputs."""
+        if not self.open:
+            return outputs, []
+        mine = [o for o in outputs if o.request_id in self.open]
+        if not mine:
+            return outputs, []
+        rest = [o for o in outputs if o.request_id not in self.open]
+        return rest, [self._result(o) for o in mine if o.finished]
+
+    def _result(self, out: EngineCoreOutput) -> PoolingRequestOutput:
+        """A finished request's result as its params ask (an aborted one's data is empty)."""
+        params, prompt_ids = self.open.pop(out.request_id)
+        data = torch.empty(0) if out.pooling_output is None else finish_pooled(out.pooling_output, params, self.spec)
+        return PoolingRequestOutput(out.request_id, PoolingOutput(data), prompt_ids, True, out.num_cached_tokens)

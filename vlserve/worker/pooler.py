@@ -67,29 +67,35 @@ class Pooler:
         return {rid: pooled[k] for k, rid in enumerate(ids)}
 
 
-class TokenClassifierHead(torch.nn.Module):
-    """A classifier from LM-head rows: one token -> its logit `[N, 1]`; (a, b) -> logit(b) - logit(a) `[N, 1]`
-    (the "no" / "yes" reranker layout). It runs the model's own LM head (packed or sharded as it is)."""
+class LogitsHead(torch.nn.Module):
+    """The model's own head (`compute_logits`: a classifier's `score`, or the LM head) over pooled states; with
+    `token_ids`, only those logits: one token -> its logit `[N, 1]`, (a, b) -> logit(b) - logit(a) `[N, 1]` (the
+    "no" / "yes" reranker layout)."""
 
-    def __init__(self, model: torch.nn.Module, token_ids: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, token_ids: tuple[int, ...] = ()):
         super().__init__()
         self.model = model
+        self.dtype = dtype  # the model's: what its head takes
         self.token_ids = list(token_ids)
-        self.dtype = dtype  # the model's: what its LM head takes
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        logits = self.model.compute_logits(pooled.to(self.dtype))[:, self.token_ids].float()  # [N, k]
-        return logits if len(self.token_ids) == 1 else logits[:, 1:] - logits[:, :1]  # [N, 1]
+        logits = self.model.compute_logits(pooled.to(self.dtype)).float()  # [N, V] or [N, num_labels]
+        if not self.token_ids:
+            return logits
+        picked = logits[:, self.token_ids]  # [N, k]
+        return picked if len(self.token_ids) == 1 else picked[:, 1:] - picked[:, :1]  # [N, 1]
 
 
 def build_pooler(model: torch.nn.Module, spec: PoolerSpec, dtype: torch.dtype) -> Pooler:
-    """The runner's pooler for `spec`: a classifier's head comes from the model's LM head (`classifier_token_ids`)
-    or from its own `score` layer."""
+    """The runner's pooler for `spec`: a classifier's head is LM-head rows (`classifier_token_ids`) or the model's
+    own `score` layer (a *ForSequenceClassification checkpoint)."""
     if spec.task == "embed":
         return Pooler(spec)
     if spec.classifier_token_ids:
-        return Pooler(spec, TokenClassifierHead(model, spec.classifier_token_ids, dtype))
-    score = getattr(model, "score", None)
-    if score is None:
-        raise ValueError("this model has no classifier head: give pooler_config classifier_from_token")
-    return Pooler(spec, score)
+        return Pooler(spec, LogitsHead(model, dtype, spec.classifier_token_ids))
+    if getattr(model, "score", None) is None:
+        raise ValueError(
+            "this model has no classifier head: serve a *ForSequenceClassification checkpoint, or give "
+            'pooler_config classifier_from_token (LM-head rows, e.g. ["no", "yes"])'
+        )
+    return Pooler(spec, LogitsHead(model, dtype))
