@@ -71,9 +71,10 @@ class PoolingCalls:
             raise ValueError(f"score needs one query or as many as documents, got {len(queries)} and {len(docs)}")
         if not all(isinstance(t, str) for t in queries + docs):
             raise ValueError("score takes strings (or lists of strings)")
-        if "score" not in self.engine.pooling_tasks:
-            raise ValueError(f"this engine does not score; it serves {sorted(self.engine.pooling_tasks)}")
-        if self.engine.pooler_spec.task == "embed":
+        tasks = self.engine.pooling_tasks
+        if "score" not in tasks and "embed" not in tasks:
+            raise ValueError(f"this engine does not score; it serves {sorted(tasks) or 'generation'}")
+        if "embed" in tasks:
             embeds = self.embed(queries + docs, pooling_params, use_tqdm, lora_request)
             vectors = torch.tensor([e.outputs.embedding for e in embeds])  # [2N, D]
             q, d = vectors[: len(docs)], vectors[len(docs) :]

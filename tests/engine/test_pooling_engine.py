@@ -171,3 +171,63 @@ def test_bad_pooling_requests_are_value_errors(embedder, qwen2_vl_dir):
         PoolingParams(task="nope").verify()
     embedder.check_integrity()
     assert not embedder.engine.has_unfinished_requests()
+
+
+def test_blocks_cover_the_prompt_only(embedder):
+    from vlserve.engine.engine_loop import NewRequest
+
+    tok = embedder.tokenizer
+    ids = tok("one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen")["input_ids"]
+    ids = (ids * 4)[:32]  # two full blocks of 16
+    prompt = embedder.input_processor.process_prompt({"prompt_token_ids": ids})
+    core = embedder.engine
+    embedder.engine_loop.add_pooling_requests([NewRequest("blocks", prompt, PoolingParams(), 0.0)])
+    so = core.scheduler.schedule()
+    assert [len(b) for b in core.scheduler.kv.req_to_blocks["blocks"]] == [2]  # no block for a next token
+    outs = core.scheduler.update_from_output(so, core.executor.execute_model(so))
+    assert outs[0].finished and outs[0].new_token_ids == [] and outs[0].pooling_output.shape == (64,)
+    assert not core.scheduler.kv.req_to_blocks
+    embedder.engine_loop.pooling.open.clear()
+    core.step()  # the runner drops the finished request's state
+    embedder.check_integrity()
+
+
+def test_conversations_and_cosine_scores(embedder, hf):
+    img = Image.fromarray(rand_image(56, 84, seed=5))
+    conversation = [
+        {
+            "role": "user",
+            "content": [{"type": "image_pil", "image_pil": img}, {"type": "text", "text": "what is shown?"}],
+        }
+    ]
+    out = embedder.embed([conversation], use_tqdm=False)[0]
+    text = _chat_text(embedder.tokenizer, 1, "what is shown?")
+    ref = torch.nn.functional.normalize(_hf_last_hidden(hf, text, [img]), dim=-1)
+    assert torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0) >= 0.9999
+    scores = embedder.score("a cat", ["a cat", "a dog"], use_tqdm=False)
+    a, b, c = (torch.tensor(e.outputs.embedding) for e in embedder.embed(["a cat", "a cat", "a dog"], use_tqdm=False))
+    assert abs(scores[0].outputs.score - float(a @ b)) < 1e-5 and abs(scores[1].outputs.score - float(a @ c)) < 1e-5
+    embedder.check_integrity()
+
+
+def test_qwen3_vl_embedder_matches_hf(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+
+    model_dir = build_qwen3_vl_checkpoint(str(tmp_path / "qwen3_vl"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=128, convert="embed")
+    try:
+        img = Image.fromarray(rand_image(64, 96, seed=9))
+        text = _chat_text(llm.tokenizer, 1, "embed this")
+        out = llm.embed({"prompt": text, "multi_modal_data": {"image": [img]}}, use_tqdm=False)[0]
+        inputs = processor(text=[text], images=[img], return_tensors="pt")
+        with torch.no_grad():
+            ref = model(**inputs, output_hidden_states=True).hidden_states[-1][0, -1].float()
+        ref = torch.nn.functional.normalize(ref, dim=-1)
+        assert torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0) >= 0.9999
+        llm.check_integrity()
+    finally:
+        llm.shutdown()

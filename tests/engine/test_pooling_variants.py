@@ -174,3 +174,30 @@ def test_async_llm_add_pooling_request(text_dir, hf_hidden):
         assert torch.nn.functional.cosine_similarity(outs[0].outputs.data, ref, dim=0) >= 0.9999
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_engine_process_pools(text_dir, hf_hidden):
+    from vlserve.config import EngineArgs
+    from vlserve.engine.mp_async_llm import MPAsyncLLM
+
+    engine = MPAsyncLLM.from_engine_args(
+        EngineArgs(model=text_dir, dtype="float32", num_kv_blocks=64, convert="embed"), startup_timeout=120
+    )
+
+    async def run():
+        assert engine.engine.runner_type == "pooling"
+        prompts = [await engine.process_prompt(t) for t in TEXTS]
+        streams = [await engine.add_pooling_request(f"p{i}", p, PoolingParams()) for i, p in enumerate(prompts)]
+        outs = [[o async for o in s][-1] for s in streams]
+        with pytest.raises(ValueError, match="pools"):
+            await engine.add_request("g1", prompts[0])
+        return outs
+
+    try:
+        outs = asyncio.run(run())
+        for out, text in zip(outs, TEXTS):
+            ref = torch.nn.functional.normalize(hf_hidden(text)[-1], dim=-1)
+            assert torch.nn.functional.cosine_similarity(out.outputs.data, ref, dim=0) >= 0.9999
+    finally:
+        engine.shutdown()
