@@ -74,3 +74,37 @@ def test_finish_pooled():
     one = torch.tensor([0.5])
     assert torch.allclose(finish_pooled(one, PoolingParams(task="score"), cls), torch.sigmoid(one))
     assert torch.equal(finish_pooled(one, PoolingParams(task="score", activation=False), cls), one)
+
+
+def test_hf_overrides_for_rerankers():
+    args = EngineArgs(
+        hf_overrides={
+            "architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"],
+            "is_original_qwen3_reranker": True,
+        }
+    )
+    assert args.convert == "classify" and args.pooler_config.classifier_from_token == ["no", "yes"]
+    with pytest.raises(ValueError, match="not supported"):
+        EngineArgs(hf_overrides={"rope_theta": 1.0})
+    with pytest.raises(ValueError, match="two tokens"):
+        EngineArgs(hf_overrides={"is_original_qwen3_reranker": True})
+    with pytest.raises(ValueError, match="contradicts"):
+        EngineArgs(convert="embed", hf_overrides={"architectures": ["Qwen3ForSequenceClassification"]})
+
+
+def test_serve_flags_reach_engine_args():
+    import argparse
+
+    from vlserve.cli import serve_config_from_args
+    from vlserve.serve_args import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    flags = ["m", "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "mean"}']
+    engine_args, _ = serve_config_from_args(parser.parse_args(flags))
+    assert (engine_args.runner, engine_args.convert, engine_args.pooler_config.pooling_type) == (
+        "pooling",
+        "embed",
+        "MEAN",
+    )

@@ -71,6 +71,7 @@ def serve_config_from_args(args: argparse.Namespace):
         runner=args.runner,
         convert=args.convert,
         pooler_config=args.pooler_config,
+        hf_overrides=args.hf_overrides,
     )
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(

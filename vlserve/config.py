@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlserve.pooling_params import PoolerConfig, check_runner_args
+from vlserve.pooling_params import PoolerConfig, apply_hf_overrides, check_runner_args
 from vlserve.reasoning import get_reasoning_parser
 from vlserve.shorten import shorten
 from vlserve.structured_output.params import StructuredOutputsConfig
@@ -233,6 +233,7 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: Any = None  # PoolerConfig, its dict or JSON text: overrides the checkpoint's pooling settings
+    hf_overrides: dict[str, Any] | str | None = None  # vLLM's reranker keys only (pooling_params.apply_hf_overrides)
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -294,8 +295,9 @@ class EngineArgs:
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
-        check_runner_args(self.runner, self.convert)
         self.pooler_config = PoolerConfig.from_any(self.pooler_config)
+        self.convert, self.pooler_config = apply_hf_overrides(self.hf_overrides, self.convert, self.pooler_config)
+        check_runner_args(self.runner, self.convert)
         self._resolve_kv_transfer()
         self.ec_transfer_config = ECTransferConfig.from_any(self.ec_transfer_config)
         self._check_encoder_only()

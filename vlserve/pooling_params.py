@@ -109,3 +109,37 @@ class PoolerSpec:
     def supported_tasks(self) -> set[str]:
         """The PoolingParams tasks this engine serves."""
         return {"embed", "encode"} if self.task == "embed" else {"classify", "score", "encode"}
+
+
+HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+
+
+def apply_hf_overrides(overrides, convert: str, pooler_config: PoolerConfig) -> tuple[str, PoolerConfig]:
+    """vLLM's reranker `--hf-overrides` as (convert, pooler_config): `architectures` naming a
+    `*ForSequenceClassification` means convert="classify", `classifier_from_token` goes to the pooler config,
+    `is_original_qwen3_reranker` asks for its two tokens (["no", "yes"]). ValueError on any other key."""
+    if overrides is None:
+        return convert, pooler_config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
+    unknown = sorted(set(overrides) - set(HF_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"hf_overrides keys {unknown} are not supported; supported: {list(HF_OVERRIDE_KEYS)}")
+    archs = overrides.get("architectures")
+    if archs is not None:
+        if not isinstance(archs, list) or len(archs) != 1 or not str(archs[0]).endswith("ForSequenceClassification"):
+            raise ValueError(f"hf_overrides architectures must name one *ForSequenceClassification, got {archs!r}")
+        if convert not in ("auto", "classify"):
+            raise ValueError(f"hf_overrides architectures {archs[0]} contradicts convert={convert!r}")
+        convert = "classify"
+    tokens = overrides.get("classifier_from_token")
+    if tokens is not None:
+        pooler_config = PoolerConfig.from_any({**pooler_config.__dict__, "classifier_from_token": tokens})
+    if overrides.get("is_original_qwen3_reranker") and len(pooler_config.classifier_from_token or ()) != 2:
+        raise ValueError('is_original_qwen3_reranker needs classifier_from_token with two tokens (["no", "yes"])')
+    return convert, pooler_config
