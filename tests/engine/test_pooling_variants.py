@@ -157,7 +157,7 @@ def test_async_llm_add_pooling_request(text_dir, hf_hidden):
     )
 
     async def run():
-        assert engine.engine.runner_type == "pooling" and engine.engine.pooling_tasks == {"embed", "encode"}
+        assert engine.runner_type == "pooling" and engine.pooling_tasks == {"embed", "encode"}
         prompt = await engine.process_prompt(TEXTS[1])
         stream = await engine.add_pooling_request("p1", prompt, PoolingParams())
         outs = [o async for o in stream]
@@ -186,7 +186,7 @@ def test_engine_process_pools(text_dir, hf_hidden):
     )
 
     async def run():
-        assert engine.engine.runner_type == "pooling"
+        assert engine.runner_type == "pooling" and engine.pooling_tasks == {"embed", "encode"}
         prompts = [await engine.process_prompt(t) for t in TEXTS]
         streams = [await engine.add_pooling_request(f"p{i}", p, PoolingParams()) for i, p in enumerate(prompts)]
         outs = [[o async for o in s][-1] for s in streams]

@@ -246,6 +246,16 @@ class AsyncLLM(ControlCalls):
         return {**self._metrics, **self.input_processor.get_metrics()}
 
     @property
+    def runner_type(self) -> str:
+        """ "pooling" when the engine pools prompts (embed / classify / score / encode), else "generate"."""
+        return self.engine.runner_type
+
+    @property
+    def pooling_tasks(self) -> set[str]:
+        """The PoolingParams tasks the engine serves (none when it generates)."""
+        return self.engine.pooling_tasks
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
