@@ -201,3 +201,16 @@ def test_engine_process_pools(text_dir, hf_hidden):
             assert torch.nn.functional.cosine_similarity(out.outputs.data, ref, dim=0) >= 0.9999
     finally:
         engine.shutdown()
+
+
+def test_a_prompt_of_max_model_len_pools(text_dir, hf_hidden):
+    llm = _llm(text_dir, convert="embed", max_model_len=16)
+    try:
+        ids = (llm.tokenizer(TEXTS[2])["input_ids"] * 4)[:16]
+        out = llm.encode({"prompt_token_ids": ids}, PoolingParams(task="encode"), use_tqdm=False)[0]
+        assert out.outputs.data.shape == (64,)
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.encode({"prompt_token_ids": ids + ids[:1]}, use_tqdm=False)
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
