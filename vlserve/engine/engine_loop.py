@@ -59,7 +59,11 @@ class EngineLoop:
         """
         seen: set[str] = set()
         for r in requests:
-            if r.request_id in self.output_processor.parents or r.request_id in seen:
+            if (
+                r.request_id in self.output_processor.parents
+                or r.request_id in seen
+                or r.request_id in self.pooling.open
+            ):
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
         # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)

@@ -140,7 +140,7 @@ class RemoteEngineLoop:
     def add_requests(self, requests: list[NewRequest]) -> None:
         """Track each request and send it to its engine (its AddAck says whether the core took it)."""
         for r in requests:
-            if r.request_id in self.output_processor.parents:
+            if r.request_id in self.output_processor.parents or r.request_id in self.pooling.open:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
         # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)
         requests = [replace(r, processed=self.input_processor.prepare(r.processed, r.params)) for r in requests]
