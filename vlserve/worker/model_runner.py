@@ -388,7 +388,7 @@ class ModelRunner:
         samples = None
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if self.pooler is not None:  # the pooling seam: prompts that ended are pooled, nothing is sampled
-            out.pooler_output = self.pooler.pool(hidden, req_ids, starts, q_lens, cu, known.tolist(), sample_idx)
+            out.pooler_output = self.pooler.pool(hidden, req_ids, starts, cu, known.tolist(), sample_idx)
             sample_idx = sample_idx[:0]
         handle = StepHandle(out)
         if self.prompt_logprobs.partial:

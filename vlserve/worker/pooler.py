@@ -29,14 +29,13 @@ class Pooler:
         hidden: torch.Tensor,
         req_ids: list[str],
         starts: np.ndarray,
-        q_lens: np.ndarray,
         cu: np.ndarray,
         num_prompt_tokens: list[int],
         ending: np.ndarray,
     ) -> dict[str, torch.Tensor]:
-        """`hidden [T, H]` of this step (request i's window is rows cu[i]:cu[i+1], prompt positions
-        starts[i]:starts[i]+q_lens[i]); `ending`: the indices of requests whose prompt ends this step. Returns their
-        results, float32 on the CPU: [D] or [L] (a head), [P, H] for ALL."""
+        """`hidden [T, H]` of this step (request i's window: rows cu[i]:cu[i+1], from prompt position starts[i]);
+        `ending`: the indices of requests whose prompt ends this step. Returns their results, float32 on the CPU,
+        each its own storage: [D] or [L] (a head), [P, H] for ALL."""
         kind = self.spec.pooling_type
         if kind != "LAST":  # accumulate every request's window
             for i, rid in enumerate(req_ids):
@@ -64,7 +63,7 @@ class Pooler:
         if self.head is not None:
             pooled = self.head(pooled)  # [N, L]
         pooled = pooled.cpu()
-        return {rid: pooled[k] for k, rid in enumerate(ids)}
+        return {rid: pooled[k].clone() for k, rid in enumerate(ids)}  # (a view would pickle the whole batch)
 
 
 class LogitsHead(torch.nn.Module):
