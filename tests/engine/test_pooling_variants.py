@@ -214,3 +214,18 @@ def test_a_prompt_of_max_model_len_pools(text_dir, hf_hidden):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_per_prompt_pooling_params(text_dir):
+    llm = _llm(text_dir, convert="embed")
+    try:
+        plain, raw = llm.embed(TEXTS[:2], [PoolingParams(), PoolingParams(normalize=False)], use_tqdm=False)
+        assert abs(torch.tensor(plain.outputs.embedding).norm() - 1.0) < 1e-5
+        assert abs(torch.tensor(raw.outputs.embedding).norm() - 1.0) > 1e-3
+        with pytest.raises(ValueError, match="pooling params for 2 prompts"):
+            llm.embed(TEXTS[:2], [PoolingParams()], use_tqdm=False)
+        with pytest.raises(ValueError, match="must be PoolingParams"):
+            llm.embed(TEXTS[0], {"normalize": False}, use_tqdm=False)
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
