@@ -229,3 +229,24 @@ def test_per_prompt_pooling_params(text_dir):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_lora_adapter_embeddings_match_peft(tmp_path, text_dir, hf_hidden):
+    from tests.lora.lora_helpers import make_adapter
+    from vlserve.lora.request import LoRARequest
+
+    adapter_dir, peft_model = make_adapter(text_dir, str(tmp_path / "adapter"))
+    llm = _llm(text_dir, convert="embed", enable_lora=True)
+    try:
+        lora = LoRARequest("a", 1, adapter_dir)
+        base, tuned = llm.embed([TEXTS[0], TEXTS[0]], lora_request=[None, lora], use_tqdm=False)
+        ids = llm.tokenizer(TEXTS[0])["input_ids"]
+        with torch.no_grad():
+            ref = peft_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        ref = torch.nn.functional.normalize(ref.float(), dim=-1)
+        assert torch.nn.functional.cosine_similarity(torch.tensor(tuned.outputs.embedding), ref, dim=0) >= 0.9999
+        base_ref = torch.nn.functional.normalize(hf_hidden(TEXTS[0])[-1], dim=-1)
+        assert torch.nn.functional.cosine_similarity(torch.tensor(base.outputs.embedding), base_ref, dim=0) >= 0.9999
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
