@@ -153,8 +153,13 @@ def test_yes_no_reranker_scores_match_hf(qwen2_vl_dir, hf):
                 logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
             ref = torch.sigmoid(logits[yes] - logits[no]).item()
             assert abs(out.outputs.score - ref) < 1e-4
-        probs = llm.classify(_chat_text(tok, 0, "is this a cat?"), use_tqdm=False)[0].outputs.probs
-        assert len(probs) == 1 and 0.0 < probs[0] < 1.0
+        img = Image.fromarray(rand_image(56, 84, seed=11))  # an image document, formatted by the caller
+        text = _chat_text(tok, 1, "is this a cat?")
+        probs = llm.classify({"prompt": text, "multi_modal_data": {"image": [img]}}, use_tqdm=False)[0].outputs.probs
+        inputs = hf[0](text=[text], images=[img], return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, -1].float()
+        assert len(probs) == 1 and abs(probs[0] - torch.sigmoid(logits[yes] - logits[no]).item()) < 1e-4
         llm.check_integrity()
     finally:
         llm.shutdown()
