@@ -108,3 +108,16 @@ def test_serve_flags_reach_engine_args():
         "embed",
         "MEAN",
     )
+
+
+def test_pooling_engine_args():
+    from vlserve.engine.pooling import pooling_engine_args
+
+    args = EngineArgs(convert="embed")
+    assert pooling_engine_args(args, None) is args
+    assert pooling_engine_args(args, PoolerSpec()).enable_prefix_caching  # LAST: prefix hits are fine
+    assert not pooling_engine_args(args, PoolerSpec(pooling_type="MEAN")).enable_prefix_caching
+    with pytest.raises(ValueError, match="async_scheduling"):
+        pooling_engine_args(EngineArgs(convert="embed", async_scheduling=True), PoolerSpec())
+    with pytest.raises(ValueError, match="speculative_config"):
+        pooling_engine_args(EngineArgs(speculative_config={"method": "ngram"}), PoolerSpec())
