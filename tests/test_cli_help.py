@@ -75,6 +75,10 @@ DEFAULTS = {
     "ec_transfer_config": None,
     "mm_encoder_only": False,
     "mm_encoder_quantization": None,
+    "runner": "auto",
+    "convert": "auto",
+    "pooler_config": None,
+    "hf_overrides": None,
 }
 GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where they fit)
     "Frontend": [
@@ -93,6 +97,10 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
     ],
     "ModelConfig": [
         "model",
+        "--runner",
+        "--convert",
+        "--pooler-config",
+        "--hf-overrides",
         "--model",
         "--served-model-name",
         "--tokenizer",

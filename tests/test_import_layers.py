@@ -24,6 +24,7 @@ RANKS = {
     "transfer_config": 1,
     "sampling_params": 1,
     "outputs": 1,
+    "pooling_params": 1,
     "shorten": 1,
     "beam_search": 1,
     "structured_output": 1,  # params (pure), backends and the manager: import only shorten among ours
@@ -40,6 +41,7 @@ RANKS = {
     "executor": 7,
     "engine": 8,
     "llm": 9,
+    "llm_pooling": 9,
     "api": 9,
     "vlserve": 9,
     "cli": 10,

@@ -68,6 +68,10 @@ def serve_config_from_args(args: argparse.Namespace):
         kv_offloading_dir_size=args.kv_offloading_dir_size,
         ec_transfer_config=args.ec_transfer_config,
         mm_encoder_only=args.mm_encoder_only,
+        runner=args.runner,
+        convert=args.convert,
+        pooler_config=args.pooler_config,
+        hf_overrides=args.hf_overrides,
     )
     body_cap = {} if args.max_request_body_bytes is None else {"max_body_bytes": args.max_request_body_bytes}
     config = ServerConfig(

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlserve.pooling_params import PoolerConfig, apply_hf_overrides, check_runner_args
 from vlserve.reasoning import get_reasoning_parser
 from vlserve.shorten import shorten
 from vlserve.structured_output.params import StructuredOutputsConfig
@@ -227,6 +228,12 @@ class EngineArgs:
     ec_transfer_config: Any = None
     # an encode server (E/PD, vLLM's --mm-encoder-only; an ec_producer turns it on): core/encoder_only_scheduler.py
     mm_encoder_only: bool = False
+    # pooling (vlserve/pooling_params.py): "pooling" runs prefill only and returns pooled hidden states; "auto" picks
+    # it for a converted or *ForSequenceClassification checkpoint. convert: "embed" / "classify" a generative one
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None  # PoolerConfig, its dict or JSON text: overrides the checkpoint's pooling settings
+    hf_overrides: dict[str, Any] | str | None = None  # vLLM's reranker keys only (pooling_params.apply_hf_overrides)
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -288,6 +295,9 @@ class EngineArgs:
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)
+        self.pooler_config = PoolerConfig.from_any(self.pooler_config)
+        self.convert, self.pooler_config = apply_hf_overrides(self.hf_overrides, self.convert, self.pooler_config)
+        check_runner_args(self.runner, self.convert)
         self._resolve_kv_transfer()
         self.ec_transfer_config = ECTransferConfig.from_any(self.ec_transfer_config)
         self._check_encoder_only()

@@ -19,6 +19,7 @@ from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.generation_config import load_generation_defaults
 from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
+from vlserve.llm_pooling import PoolingCalls
 from vlserve.lora.request import LoRARequest
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
@@ -26,7 +27,7 @@ from vlserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(PoolingCalls):
     """Load a local checkpoint and generate for batches of prompts with continuous batching.
 
     `LLM(model=path, dtype="float32", max_model_len=..., max_num_seqs=..., ...)`; with no model, the embedded demo.

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -60,3 +64,83 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     encoder_stats: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # a KV connector's (a producer's: where the decode side finds the KV)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: float32 on the CPU; [D] for embed, [num_labels] for classify / score, [T, H]
+    for ALL pooling (encode)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The final output of a pooling request."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result per prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result per pair (vLLM's shape): a cross-encoder's probability, or two embeddings' cosine."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

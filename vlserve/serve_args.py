@@ -398,6 +398,39 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "ec_consumer | ec_both): encoder outputs through a shared directory (default: none)",
     )
 
+    # pooling models (embeddings, classifiers, rerankers): vLLM lists these under ModelConfig
+    model.add_argument(
+        "--runner",
+        choices=["auto", "generate", "pooling"],
+        default="auto",
+        help="pooling: prefill only, each prompt's final hidden states pooled (embeddings, scores) instead of "
+        "generating (default auto: pooling for --convert embed|classify or a *ForSequenceClassification checkpoint)",
+    )
+    model.add_argument(
+        "--convert",
+        choices=["auto", "none", "embed", "classify"],
+        default="auto",
+        help="serve a generative checkpoint as an embedder (last-token pooling, normalized) or a classifier "
+        '(with --pooler-config classifier_from_token, e.g. ["no", "yes"] for a yes/no reranker)',
+    )
+    model.add_argument(
+        "--pooler-config",
+        type=_json_dict,
+        default=None,
+        help='JSON: {"pooling_type": "LAST|MEAN|CLS|ALL", "normalize": true, "classifier_from_token": [...]}; '
+        "overrides the checkpoint's sentence-transformers modules.json / 1_Pooling/config.json (default: the "
+        "checkpoint's settings, else LAST pooling, normalized for embed)",
+    )
+
+    model.add_argument(
+        "--hf-overrides",
+        type=_json_dict,
+        default=None,
+        help='vLLM\'s reranker overrides only: {"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} (= --convert classify '
+        "with those tokens); other keys are refused (default: none)",
+    )
+
     spec = p.add_argument_group("SpeculativeConfig")
     spec.add_argument(
         "--speculative-config",

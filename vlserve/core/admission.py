@@ -17,12 +17,13 @@ def check_request(cfg: SchedulerConfig, engine_req: EngineCoreRequest, max_kv_to
     n_prompt = len(engine_req.prompt_token_ids)
     if n_prompt == 0:
         raise ValueError("the prompt is empty; give at least one token")
-    if n_prompt >= cfg.max_model_len:
+    out = 0 if engine_req.pools else 1  # a pooling request needs no position for output
+    if n_prompt + out > cfg.max_model_len:
         raise ValueError(
-            f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten "
-            f"the prompt or raise max_model_len (one position must stay free for output)"
+            f"the prompt has {n_prompt} tokens but max_model_len is {cfg.max_model_len}; shorten the prompt or "
+            "raise max_model_len" + ("" if engine_req.pools else " (one position must stay free for output)")
         )
-    if n_prompt + 1 > max_kv_tokens:
+    if n_prompt + out > max_kv_tokens:
         raise ValueError(
             f"the prompt has {n_prompt} tokens but the KV cache holds only {max_kv_tokens}; "
             f"raise num_kv_blocks or kv_cache_memory_bytes"

@@ -47,6 +47,7 @@ class EngineCoreRequest:
     lora_request: Any = None
     priority: int = 0  # scheduling policy "priority": lower runs first (ties by arrival_time)
     cache_salt: str | None = None  # enters the first block's prefix-cache hash: only equal salts share KV blocks
+    pools: bool = False  # a pooling request: prefill only, it ends when its prompt is computed (no token sampled)
 
 
 class Request:
@@ -64,6 +65,7 @@ class Request:
         self.lora_request = req.lora_request
         self.priority = req.priority
         self.cache_salt = req.cache_salt
+        self.pools = req.pools
         self.kv_transfer_params = req.sampling_params.kv_transfer_params  # KV transfer (kv_transfer/p2p), or None
         self.max_tokens = max_tokens  # resolved: min(params.max_tokens, max_model_len - prompt_len)
         self.stop_token_ids = req.sampling_params.all_stop_token_ids()

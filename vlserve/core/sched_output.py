@@ -127,6 +127,8 @@ class ModelRunnerOutput:
     # Per request whose prompt ended this step and that asked for prompt_logprobs: per prompt token after the first,
     # (its id then the top ids, their logprobs, its rank), or None where its logprob was not computed here.
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int] | None]] = field(default_factory=dict)
+    # A pooling runner: per request whose prompt ended this step, its pooled result (a float32 CPU tensor)
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,6 +144,7 @@ class EngineCoreOutput:
     extra: dict[str, Any] = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # a KV connector's, with the request's last output
     prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None  # as ModelRunnerOutput's
+    pooling_output: Any = None  # a pooling request's result (ModelRunnerOutput.pooler_output), when it ended
 
     @property
     def finished(self) -> bool:

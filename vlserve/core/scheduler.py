@@ -2,11 +2,10 @@
 
 Each step it walks the running requests, then the waiting ones, giving each as many tokens as the token budget,
 the KV pool and the encoder cache allow. Prefill, chunked prefill, decode, prefix hits and spec tokens all fall out
-of that rule. Out of KV blocks, it preempts the most recently admitted request (frees it, recomputes it later).
-Media items are encoded within a per-step budget of embeddings (`encoder_budget`, which the engine may resize
-between steps); the first item of a step always runs, so one larger than the budget runs alone in its step, unless
-its tower runs in stages (`config.encoder_stage_counts`): then it is encoded a slice of stages per step within the
-budget, its request's prefill waits before it until the last slice, and other requests keep decoding meanwhile.
+of that rule; a pooling request ends once its prompt is computed. Out of KV blocks, it preempts the most recently
+admitted request. Media items are encoded within a per-step budget of embeddings (`encoder_budget`); the first item
+of a step always runs, unless its tower runs in stages (`config.encoder_stage_counts`): then it is encoded a slice
+of stages per step, and its request's prefill waits before it until the last slice.
 """
 
 from __future__ import annotations
@@ -55,13 +54,12 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.failed: list[EngineCoreOutput] = []  # ended while waiting (a grammar or an adapter that failed)
         self.loras_loading: set[int] = set()  # adapters being loaded off the step loop: their requests wait
-        # Pipeline parallel: requests in a batch still in flight (the engine's batch queue keeps this set); they are
-        # not scheduled again until its output is folded back. `send_token_ids`: cached requests carry their tokens.
+        # Pipeline parallel: requests of a batch in flight (not scheduled again until it is folded back; the engine's
+        # batch queue keeps this set); `send_token_ids`: cached requests carry their tokens
         self.in_flight_req_ids: set[str] = set()
         self.send_token_ids = False
         self.stats = SchedulerStats()
-        # KV connector (distributed/kv_transfer), scheduler side: prefix blocks it can load from outside the device
-        # pool, the requests parked for those loads and the finished ones whose blocks it still sends
+        # KV connector's scheduler side (distributed/kv_transfer): external prefix blocks, parked loads, sends
         self.kv_transfer = KVConnectorState.from_config(config)
 
     # -- admission ---------------------------------------------------------------------------------------------
@@ -354,6 +352,8 @@ class Scheduler:
             if running and req.mm_features:
                 self.encoder_cache.release_written(req.request_id, req.mm_features, req.num_computed_tokens)
             new_tokens = req.accept_sampled(sampled, max_model_len) if sampled else []
+            if req.pools and req.num_computed_tokens >= req.num_prompt_tokens:  # pooled: ends with its prompt
+                req.status = FIRST_FINISHED
             if req.structured_output is not None or req.reasoning is not None:
                 advance_matcher(req, new_tokens)
             is_finished = req.status >= FIRST_FINISHED
@@ -372,6 +372,7 @@ class Scheduler:
                     lps[: len(new_tokens)] if lps else None,
                     max(req.num_cached_tokens, 0),
                     prompt_logprobs=prompt_lps.get(rid) if prompt_lps else None,
+                    pooling_output=runner_out.pooler_output.get(rid) if req.pools else None,
                 )
             )
             if is_finished:
@@ -457,8 +458,7 @@ class Scheduler:
 
     def _free_request(self, req: Request) -> dict | None:
         """Free a finished request's encoder references and KV blocks (unless the KV connector keeps them until
-        they are sent, see `KVConnectorState.release_blocks`). Returns the connector's kv_transfer_params for the
-        client (or None)."""
+        they are sent, see `KVConnectorState.release_blocks`); returns the connector's kv_transfer_params or None."""
         params = self.kv_transfer.release_blocks(req, self.kv)
         self.encoder_cache.free(req.request_id)
         self.finished_req_ids.add(req.request_id)

@@ -28,7 +28,8 @@ from vlserve.engine.engine_control import Control, ControlCalls, EngineDeadError
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.executor import WorkerDied
-from vlserve.outputs import RequestOutput
+from vlserve.outputs import PoolingRequestOutput, RequestOutput
+from vlserve.pooling_params import PoolingParams
 from vlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class _Stream:
 class _Add:
     request_id: str
     processed: ProcessedPrompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival: float
     stream: _Stream
     done: asyncio.Future = field(repr=False)
@@ -160,7 +161,8 @@ class AsyncLLM(ControlCalls):
         if self._dead is not None:
             raise EngineDeadError(f"the engine is not running ({self._dead})")
         params = sampling_params or SamplingParams()
-        if params.structured_outputs is not None:  # a grammar that does not compile is the client's 400, now
+        # a grammar that does not compile is the client's 400, now
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             await self._in_pool(self.input_processor.check_structured_outputs, params.structured_outputs)
         rid = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
@@ -175,6 +177,20 @@ class AsyncLLM(ControlCalls):
             self.abort(rid)  # queued behind the add, so it cannot be missed
             raise
         return RequestStream(self, rid, stream.queue)
+
+    async def add_pooling_request(
+        self,
+        request_id: str | None,
+        prompt: ProcessedPrompt,
+        pooling_params: PoolingParams,
+        lora_request=None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a processed prompt on a pooling engine; returns once the engine accepted it (ValueError if not:
+        bad params, or an engine that generates). Its stream's one output is a PoolingRequestOutput."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        return await self.add_request(request_id, prompt, pooling_params, lora_request, priority)
 
     async def generate(
         self,
@@ -228,6 +244,16 @@ class AsyncLLM(ControlCalls):
         """The core's `vlserve:` counters and gauges, as of the engine thread's last iteration, and the input
         processor's (the multimodal processor cache: this process preprocesses)."""
         return {**self._metrics, **self.input_processor.get_metrics()}
+
+    @property
+    def runner_type(self) -> str:
+        """ "pooling" when the engine pools prompts (embed / classify / score / encode), else "generate"."""
+        return self.engine.runner_type
+
+    @property
+    def pooling_tasks(self) -> set[str]:
+        """The PoolingParams tasks the engine serves (none when it generates)."""
+        return self.engine.pooling_tasks
 
     @property
     def is_running(self) -> bool:
@@ -294,10 +320,12 @@ class AsyncLLM(ControlCalls):
     def _start_stream(self, msg: _Add) -> bool:
         """Hand the request to the engine loop and register its stream; False (and the caller told why) when the
         engine refuses it."""
+        request = NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival, msg.lora_request, msg.priority)
         try:
-            self.engine_loop.add_requests(
-                [NewRequest(msg.request_id, msg.processed, msg.params, msg.arrival, msg.lora_request, msg.priority)]
-            )
+            if isinstance(msg.params, PoolingParams):
+                self.engine_loop.add_pooling_requests([request])
+            else:
+                self.engine_loop.add_requests([request])
         except Exception as e:
             _post(msg.stream.loop, _settle, msg.done, e)
             return False
@@ -339,6 +367,8 @@ class AsyncLLM(ControlCalls):
                     self._do_abort(rid)
 
     def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        if isinstance(out, PoolingRequestOutput):  # no tokens: only its end is reported
+            return
         num = sum(len(o.token_ids) for o in out.outputs)
         if num <= stream.num_tokens or not self._listeners:
             stream.num_tokens = max(num, stream.num_tokens)
@@ -350,10 +380,13 @@ class AsyncLLM(ControlCalls):
                 listener.on_inter_token(now - stream.last_token_time)
         stream.num_tokens, stream.last_token_time = num, now
 
-    def _notify_finished(self, stream: _Stream, out: RequestOutput) -> None:
-        reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
-        reason = "abort" if "abort" in reasons else (reasons[0] if reasons else "abort")
-        n_out = sum(len(o.token_ids) for o in out.outputs)
+    def _notify_finished(self, stream: _Stream, out: RequestOutput | PoolingRequestOutput) -> None:
+        if isinstance(out, PoolingRequestOutput):
+            reason, n_out = ("stop" if out.outputs.data.numel() else "abort"), 0
+        else:
+            reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+            reason = "abort" if "abort" in reasons else (reasons[0] if reasons else "abort")
+            n_out = sum(len(o.token_ids) for o in out.outputs)
         for listener in self._listeners:
             try:
                 listener.on_finished(reason, time.time() - stream.arrival, len(out.prompt_token_ids), n_out)

@@ -22,6 +22,7 @@ from vlserve.engine.batch_queue import BatchQueue
 from vlserve.engine.kv_transfer_setup import check_kv_transfer, resolve_ec_transfer, resolve_kv_transfer
 from vlserve.engine.lora_loads import LoRALoads
 from vlserve.engine.model_setup import LoadedModel, load_for_serving
+from vlserve.engine.pooling import pooling_engine_args, resolve_pooler_spec
 from vlserve.executor import build_executor
 from vlserve.executor.worker import RankModel, WorkerSettings
 from vlserve.models.capabilities import model_capabilities
@@ -47,11 +48,16 @@ class EngineCore:
         self.loaded = loaded
         args = resolve_kv_transfer(args, loaded)  # the connector checked, the offloading tier sized and keyed
         args = resolve_ec_transfer(args, loaded)  # the encoder-cache connector's namespace
+        # a pooling engine's pooler (engine/pooling.py), None when it generates
+        self.pooler_spec = resolve_pooler_spec(args, loaded.hf_config, loaded.tokenizer, loaded.model_path)
+        args = pooling_engine_args(args, self.pooler_spec)
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
         max_batched = args.max_num_batched_tokens or max(2048, min(self.max_model_len, 8192))
-        settings = WorkerSettings(args, loaded.model_path, self.max_model_len, max_batched, self.spec_config)
+        settings = WorkerSettings(
+            args, loaded.model_path, self.max_model_len, max_batched, self.spec_config, self.pooler_spec
+        )
         rank_model = (
             None
             if loaded.model is None
@@ -119,8 +125,24 @@ class EngineCore:
         self.batch_queue = BatchQueue(self, pp) if pp > 1 else None
 
     # -- requests ----------------------------------------------------------------------------------------------
+    @property
+    def runner_type(self) -> str:
+        """ "pooling" when the runner pools prompts (`pooler_spec`), else "generate"."""
+        return "generate" if self.pooler_spec is None else "pooling"
+
+    @property
+    def pooling_tasks(self) -> set[str]:
+        """The PoolingParams tasks this engine serves (none when it generates)."""
+        return set() if self.pooler_spec is None else self.pooler_spec.supported_tasks
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request (ValueError if it can never run); a constrained one starts compiling its grammar."""
+        if request.pools != (self.pooler_spec is not None):
+            raise ValueError(
+                "this engine pools (runner='pooling'): use embed / classify / score / encode, not generation"
+                if self.pooler_spec is not None
+                else "this engine generates text; pooling requests need runner='pooling' (--runner pooling)"
+            )
         if request.lora_request is not None:  # a new adapter loads off the step loop; the request waits for it
             self._check_lora_on()
             self.loras.begin(request.lora_request)

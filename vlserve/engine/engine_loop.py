@@ -12,18 +12,21 @@ from vlserve.config import EngineArgs
 from vlserve.engine.core import EngineCore
 from vlserve.engine.input_processor import InputProcessor, ProcessedPrompt
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
-from vlserve.outputs import RequestOutput
+from vlserve.engine.pooling import PoolingRequests
+from vlserve.outputs import PoolingRequestOutput, RequestOutput
+from vlserve.pooling_params import PoolingParams
 from vlserve.sampling_params import SamplingParams
 from vlserve.shorten import shorten
 
 
 @dataclass
 class NewRequest:
-    """A user request to queue: its id, processed prompt, sampling params (n sequences) and arrival time."""
+    """A user request to queue: its id, processed prompt, sampling params (n sequences; or, for a pooling engine,
+    PoolingParams) and arrival time."""
 
     request_id: str
     processed: ProcessedPrompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival: float
     lora_request: Any = None  # a vlserve.lora.LoRARequest, or None (the base model)
     priority: int = 0  # scheduling policy "priority": lower runs first
@@ -44,6 +47,8 @@ class EngineLoop:
             args.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # open pooling requests: their results go around the output processor
+        self.pooling = PoolingRequests(self.core.pooler_spec, loaded.hf_config.get_text_config().hidden_size)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def add_requests(self, requests: list[NewRequest]) -> None:
@@ -54,7 +59,11 @@ class EngineLoop:
         """
         seen: set[str] = set()
         for r in requests:
-            if r.request_id in self.output_processor.parents or r.request_id in seen:
+            if (
+                r.request_id in self.output_processor.parents
+                or r.request_id in seen
+                or r.request_id in self.pooling.open
+            ):
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
         # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)
@@ -83,8 +92,30 @@ class EngineLoop:
                 self.output_processor.abort(rid)
             raise
 
+    def add_pooling_requests(self, requests: list[NewRequest]) -> None:
+        """Queue pooling requests (their `params` are PoolingParams), all or none; ValueError when the engine
+        does not pool, the params ask what it does not serve, or an id is in use."""
+        engine_reqs = self.pooling.engine_requests(
+            requests, self.input_processor, lambda rid: rid in self.output_processor.parents
+        )
+        queued: list[str] = []
+        try:
+            for r, req in zip(requests, engine_reqs):
+                self.core.add_request(req)
+                queued.append(req.request_id)
+                self.pooling.track(r)
+        except BaseException:
+            self.core.abort_requests(queued)
+            for rid in queued:
+                self.pooling.open.pop(rid, None)
+            raise
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a user request: its final output (open sequences end "abort"), or None when it is not open."""
+        """Abort a user request: its final output (open sequences end "abort"), or None when it is not open (or
+        a pooling request, which is dropped)."""
+        if self.pooling.open.pop(request_id, None) is not None:
+            self.core.abort_requests([request_id])
+            return None
         child_ids = self.output_processor.child_ids(request_id)
         final = self.output_processor.finish_aborted(request_id)
         if final is not None:
@@ -93,20 +124,22 @@ class EngineLoop:
 
     def abort_all(self) -> list[str]:
         """After a failure: forget every open request and clear the core; returns the user ids dropped."""
-        dropped = list(self.output_processor.parents)
+        dropped = list(self.output_processor.parents) + list(self.pooling.open)
+        self.pooling.open.clear()
         for rid in dropped:
             self.output_processor.abort(rid)
         self.core.abort_requests(list(self.core.scheduler.requests))
         return dropped
 
     # -- the loop ----------------------------------------------------------------------------------------------
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput | PoolingRequestOutput]:
         """One core step; returns the cumulative outputs it touched, or with `final_only` those that finished
         (stop-string hits are finished in the core)."""
-        outputs, stop_hits = self.output_processor.process_outputs(self.core.step(), final_only)
+        core_outputs, pooled = self.pooling.split(self.core.step())
+        outputs, stop_hits = self.output_processor.process_outputs(core_outputs, final_only)
         if stop_hits:
             self.core.finish_requests_stopped(stop_hits)
-        return outputs
+        return outputs + pooled if pooled else outputs
 
     def has_unfinished_requests(self) -> bool:
         """Whether the core still has requests to run."""

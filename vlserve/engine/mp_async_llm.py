@@ -36,7 +36,9 @@ from vlserve.engine.engine_loop import NewRequest
 from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
+from vlserve.engine.pooling import PoolingRequests, resolve_pooler_spec
 from vlserve.outputs import RequestOutput
+from vlserve.pooling_params import PoolerSpec
 from vlserve.shorten import shorten
 
 logger = logging.getLogger(__name__)
@@ -84,10 +86,21 @@ def combine_replica_metrics(per_replica: list[dict[str, float]]) -> dict[str, fl
 class RemoteCore:
     """Stands in for `EngineCore` on the API side: the checkpoint facts and each engine's latest counters."""
 
-    def __init__(self, loaded: LoadedModel, metrics: list[dict[str, float]]):
+    def __init__(self, loaded: LoadedModel, metrics: list[dict[str, float]], pooler_spec: PoolerSpec | None = None):
         self.loaded = loaded
         self.max_model_len = loaded.max_model_len
         self.replica_metrics = [dict(m) for m in metrics]  # by engine index
+        self.pooler_spec = pooler_spec  # the engines' pooler (resolved here too, from the same files), or None
+
+    @property
+    def runner_type(self) -> str:
+        """ "pooling" when the engines pool prompts, else "generate"."""
+        return "generate" if self.pooler_spec is None else "pooling"
+
+    @property
+    def pooling_tasks(self) -> set[str]:
+        """The PoolingParams tasks the engines serve."""
+        return set() if self.pooler_spec is None else self.pooler_spec.supported_tasks
 
     def shutdown(self) -> None:
         """Nothing here: the engine processes stop when the client closes."""
@@ -109,7 +122,9 @@ class RemoteEngineLoop:
 
     def __init__(self, args: EngineArgs, client: EngineCoreClient, loaded: LoadedModel, ready: list[EngineReady]):
         self.client = client
-        self.core = RemoteCore(loaded, [r.metrics for r in ready])
+        spec = resolve_pooler_spec(args, loaded.hf_config, loaded.tokenizer, loaded.model_path)
+        self.core = RemoteCore(loaded, [r.metrics for r in ready], spec)
+        self.pooling = PoolingRequests(spec, loaded.hf_config.get_text_config().hidden_size)
         self.tokenizer = loaded.tokenizer
         self.input_processor = InputProcessor(
             loaded,
@@ -125,7 +140,7 @@ class RemoteEngineLoop:
     def add_requests(self, requests: list[NewRequest]) -> None:
         """Track each request and send it to its engine (its AddAck says whether the core took it)."""
         for r in requests:
-            if r.request_id in self.output_processor.parents:
+            if r.request_id in self.output_processor.parents or r.request_id in self.pooling.open:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
         # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)
         requests = [replace(r, processed=self.input_processor.prepare(r.processed, r.params)) for r in requests]
@@ -144,13 +159,31 @@ class RemoteEngineLoop:
             )
             self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
+    def add_pooling_requests(self, requests: list[NewRequest]) -> None:
+        """Track pooling requests (PoolingParams; ValueError on bad ones) and send each to its engine."""
+        engine_reqs = self.pooling.engine_requests(
+            requests, self.input_processor, lambda rid: rid in self.output_processor.parents
+        )
+        for r, req in zip(requests, engine_reqs):
+            self.pooling.track(r)
+            engine = self.router.route(
+                r.request_id, r.processed.prompt_token_ids, [f.mm_hash for f in r.processed.mm_features], 1
+            )
+            self.client.send(AddRequests(r.request_id, [req]), engine)
+
     def forget(self, request_id: str) -> None:
         """Drop a request the engine refused."""
+        self.pooling.open.pop(request_id, None)
         self.output_processor.abort(request_id)
         self.router.release(request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a user request here and in its engine; its final output, or None when it is not open."""
+        if self.pooling.open.pop(request_id, None) is not None:
+            engine = self.router.release(request_id)
+            if engine is not None:
+                self.client.send(AbortRequests([request_id]), engine)
+            return None
         child_ids = self.output_processor.child_ids(request_id)
         final = self.output_processor.finish_aborted(request_id)
         engine = self.router.release(request_id)
@@ -162,6 +195,11 @@ class RemoteEngineLoop:
         """After a failure: forget every open request, here and in the engines."""
         dropped = list(self.output_processor.parents)
         by_engine: dict[int, list[str]] = {}
+        for rid in list(self.pooling.open):
+            self.pooling.open.pop(rid)
+            engine = self.router.release(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(rid)
         for rid in dropped:
             engine = self.router.release(rid)
             children = self.output_processor.abort(rid)
@@ -183,7 +221,9 @@ class RemoteEngineLoop:
         results: list[RequestOutput] = []
         for msg in staged:
             self.update_metrics(msg.engine_index, msg.metrics)
-            outputs, stop_hits = self.output_processor.process_outputs(msg.outputs)
+            core_outputs, pooled = self.pooling.split(msg.outputs)
+            outputs, stop_hits = self.output_processor.process_outputs(core_outputs)
+            outputs += pooled
             if stop_hits:
                 self.client.send(FinishStopped(stop_hits), msg.engine_index)
             for out in outputs:
@@ -195,7 +235,7 @@ class RemoteEngineLoop:
         return results
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished()
+        return self.output_processor.has_unfinished() or bool(self.pooling.open)
 
 
 class MPAsyncLLM(AsyncLLM):

@@ -19,11 +19,13 @@ from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.models.capabilities import capabilities_of
 from vlserve.multimodal.mrope import get_mrope_positions
+from vlserve.pooling_params import PoolerSpec
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
 from vlserve.worker.deferred_samples import StepHandle
 from vlserve.worker.encoder_only_runner import EncoderOnlyRunner
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
+from vlserve.worker.pooler import build_pooler
 from vlserve.worker.pp_stage import PipelineStageRunner
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class WorkerSettings:
     max_model_len: int
     max_num_batched_tokens: int
     spec_config: SpeculativeConfig | None = None
+    pooler: PoolerSpec | None = None  # a pooling engine's pooler (None: the runner samples)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class Worker:
         )
         # async scheduling: a step may return with its sampled ids on the device; the next step reads them there
         self.runner.defer_readback = bool(args.async_scheduling) and not staged
+        if settings.pooler is not None:
+            self.runner.pooler = build_pooler(rank_model.model, settings.pooler, rank_model.dtype)
 
     @classmethod
     def start_rank(cls, settings: WorkerSettings, rank: int, world_size: int, init_method: str) -> Worker:

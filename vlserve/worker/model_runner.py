@@ -103,6 +103,7 @@ class ModelRunner:
         self.proposer = None
         self.set_proposer(proposer)
         self.kv_connector = None  # a kv_transfer connector's worker side (`set_kv_connector`), or None
+        self.pooler = None  # a pooling runner's Pooler (worker/pooler.py): it replaces the LM head and the sampler
 
     def set_kv_connector(self, connector) -> None:
         """Install a KV connector's worker side (after `initialize_kv_cache`): it gets the KV tensors (the EAGLE
@@ -273,6 +274,8 @@ class ModelRunner:
                 self.num_penalized -= 1
             self.input_batch.remove_request(rid)
         self.prompt_logprobs.drop(so.finished_req_ids)
+        if self.pooler is not None:
+            self.pooler.drop(so.finished_req_ids)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove_requests(so.finished_req_ids)
         if so.free_encoder_mm_hashes:  # evicted, or abandoned mid-encode
@@ -384,6 +387,9 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= known)[0]
         samples = None
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        if self.pooler is not None:  # the pooling seam: prompts that ended are pooled, nothing is sampled
+            out.pooler_output = self.pooler.pool(hidden, req_ids, starts, cu, known.tolist(), sample_idx)
+            sample_idx = sample_idx[:0]
         handle = StepHandle(out)
         if self.prompt_logprobs.partial:
             out.prompt_logprobs = self._prompt_logprobs(hidden, states, starts, q_lens, cu)

@@ -1,0 +1,201 @@
+"""The pooling engine's front-end side: which runner a checkpoint gets (`resolve_pooler_spec`, reading the
+sentence-transformers files beside it), the checks a pooling request passes, and the step from a pooled tensor to
+the result a request asked for (`finish_pooled`: Matryoshka truncation, normalization, the classifier's
+activation)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import torch
+
+from vlserve.config import EngineArgs
+from vlserve.core.request import EngineCoreRequest
+from vlserve.core.sched_output import EngineCoreOutput
+from vlserve.models.hf_config import architectures_of
+from vlserve.outputs import PoolingOutput, PoolingRequestOutput
+from vlserve.pooling_params import PoolerConfig, PoolerSpec, PoolingParams
+from vlserve.sampling_params import SamplingParams
+from vlserve.shorten import shorten
+
+# what a pooling request's EngineCoreRequest carries for the core's limits: one position past the prompt, never used
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False)
+
+_ST_POOLING_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+
+
+def sentence_transformers_pooling(model_path: str) -> tuple[str | None, bool | None]:
+    """(pooling type, normalize) from the checkpoint's sentence-transformers `modules.json` and its Pooling
+    module's `config.json`; (None, None) when it has none."""
+    modules_file = os.path.join(model_path, "modules.json")
+    if not os.path.isfile(modules_file):
+        return None, None
+    with open(modules_file) as f:
+        modules = json.load(f)
+    pooling_type, normalize = None, False
+    for module in modules:
+        kind = module.get("type", "")
+        if kind.endswith("models.Normalize"):
+            normalize = True
+        elif kind.endswith("models.Pooling"):
+            config_file = os.path.join(model_path, module.get("path", ""), "config.json")
+            if os.path.isfile(config_file):
+                with open(config_file) as f:
+                    config = json.load(f)
+                modes = [name for key, name in _ST_POOLING_MODES.items() if config.get(key)]
+                if len(modes) != 1:
+                    raise ValueError(f"{config_file}: exactly one of {sorted(_ST_POOLING_MODES)} must be true")
+                pooling_type = modes[0]
+    return pooling_type, normalize
+
+
+def resolve_pooler_spec(args: EngineArgs, hf_config, tokenizer, model_path: str) -> PoolerSpec | None:
+    """The engine's pooler, or None for a generation engine. `runner="auto"` pools when `convert` asks for it or
+    the architecture is a `*ForSequenceClassification`; settings come from the checkpoint's sentence-transformers
+    files, then `pooler_config`."""
+    arch = architectures_of(hf_config)[0][0]
+    classification_arch = arch.endswith("ForSequenceClassification")
+    config: PoolerConfig = args.pooler_config
+    if args.runner == "generate" or (
+        args.runner == "auto" and args.convert not in ("embed", "classify") and not classification_arch
+    ):
+        return None
+    if args.convert in ("embed", "classify"):
+        task = args.convert
+    else:
+        task = "classify" if classification_arch or config.classifier_from_token else "embed"
+    st_type, st_normalize = sentence_transformers_pooling(model_path)
+    pooling_type = config.pooling_type or st_type or "LAST"
+    default_normalize = task == "embed" and (st_normalize if st_normalize is not None else True)
+    normalize = config.normalize if config.normalize is not None else default_normalize
+    token_ids: tuple[int, ...] = ()
+    if config.classifier_from_token:
+        if task != "classify":
+            raise ValueError("pooler_config classifier_from_token needs convert='classify'")
+        token_ids = tuple(_token_id(tokenizer, t) for t in config.classifier_from_token)
+    text_config = hf_config.get_text_config()
+    dims = getattr(hf_config, "matryoshka_dimensions", None) or getattr(text_config, "matryoshka_dimensions", None)
+    matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or getattr(text_config, "is_matryoshka", False))
+    return PoolerSpec(
+        pooling_type,
+        bool(normalize),
+        task,
+        token_ids,
+        tuple(int(d) for d in dims) if dims else None,
+        matryoshka or bool(dims),
+    )
+
+
+def _token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"classifier_from_token: {token!r} is not one token of this tokenizer")
+    return int(token_id)
+
+
+def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None) -> EngineArgs:
+    """`args` as a pooling engine runs them: ValueError on what it cannot do; prefix caching off unless the
+    pooling reads the last token only (a cached prefix has no hidden states to pool)."""
+    if spec is None:
+        return args
+    for name, value in (
+        ("async_scheduling", args.async_scheduling),
+        ("speculative_config", args.speculative_config),
+        ("mm_encoder_only", args.mm_encoder_only),
+        ("kv_transfer_config", args.kv_transfer_config),
+    ):
+        if value:
+            raise ValueError(f"a pooling engine (runner='pooling') cannot run with {name}")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("a pooling engine runs without pipeline parallelism for now")
+    if spec.pooling_type != "LAST" and args.enable_prefix_caching:
+        args = replace(args, enable_prefix_caching=False)
+    return args
+
+
+def check_pooling_params(params: PoolingParams, spec: PoolerSpec | None, hidden_size: int) -> None:
+    """ValueError when `params` are invalid or ask what this engine does not serve."""
+    if spec is None:
+        raise ValueError("this engine generates text; pooling requests need runner='pooling' (--runner pooling)")
+    if not isinstance(params, PoolingParams):
+        raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+    params.verify()
+    if params.task not in spec.supported_tasks:
+        raise ValueError(f"task {params.task!r} is not served by this model; it serves {sorted(spec.supported_tasks)}")
+    d = params.dimensions
+    if d is not None:
+        if not spec.is_matryoshka:
+            raise ValueError("dimensions is supported by Matryoshka models only (is_matryoshka in the config)")
+        if spec.matryoshka_dimensions is not None and d not in spec.matryoshka_dimensions:
+            raise ValueError(f"dimensions must be one of {list(spec.matryoshka_dimensions)}, got {d}")
+        if d > hidden_size:
+            raise ValueError(f"dimensions {d} exceeds the embedding size {hidden_size}")
+
+
+def finish_pooled(data: torch.Tensor, params: PoolingParams, spec: PoolerSpec) -> torch.Tensor:
+    """The pooled float32 tensor as `params` ask: embed / encode truncated to `dimensions` and L2-normalized
+    (default: the pooler's setting for embed, off for encode); classify / score through the activation (sigmoid
+    for one label, softmax over several; default on)."""
+    if params.task in ("embed", "encode"):
+        if params.dimensions is not None:
+            data = data[..., : params.dimensions]
+        normalize = params.normalize if params.normalize is not None else spec.normalize and params.task == "embed"
+        return torch.nn.functional.normalize(data, dim=-1) if normalize else data
+    if params.activation is False:
+        return data
+    return torch.sigmoid(data) if data.shape[-1] == 1 else torch.softmax(data, dim=-1)
+
+
+class PoolingRequests:
+    """A front end's open pooling requests (`EngineLoop`, or the API side of the engine process): checks them,
+    makes their engine requests, and turns their finished core outputs into PoolingRequestOutputs."""
+
+    def __init__(self, spec: PoolerSpec | None, hidden_size: int):
+        self.spec = spec
+        self.hidden_size = hidden_size
+        self.open: dict[str, tuple[PoolingParams, list[int]]] = {}  # id -> (params, prompt token ids)
+
+    def engine_requests(self, requests, input_processor, in_use) -> list[EngineCoreRequest]:
+        """Check `requests` (NewRequests with PoolingParams; ValueError on bad params or an id `in_use` or open)
+        and make their engine requests, which pool (`pools=True`)."""
+        seen: set[str] = set()
+        for r in requests:
+            check_pooling_params(r.params, self.spec, self.hidden_size)
+            if in_use(r.request_id) or r.request_id in self.open or r.request_id in seen:
+                raise ValueError(f"request id {shorten(r.request_id)} is already in use")
+            seen.add(r.request_id)
+        return [
+            replace(
+                input_processor.make_engine_request(
+                    r.request_id, r.processed, POOLING_SAMPLING_PARAMS, r.arrival, r.lora_request, r.priority
+                ),
+                pools=True,
+            )
+            for r in requests
+        ]
+
+    def track(self, request) -> None:
+        """Open a request (a NewRequest the core accepted or was sent)."""
+        self.open[request.request_id] = (request.params, list(request.processed.prompt_token_ids))
+
+    def split(self, outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[PoolingRequestOutput]]:
+        """(the generation outputs, the finished pooling requests' results) of one step's core outputs."""
+        if not self.open:
+            return outputs, []
+        mine = [o for o in outputs if o.request_id in self.open]
+        if not mine:
+            return outputs, []
+        rest = [o for o in outputs if o.request_id not in self.open]
+        return rest, [self._result(o) for o in mine if o.finished]
+
+    def _result(self, out: EngineCoreOutput) -> PoolingRequestOutput:
+        """A finished request's result as its params ask (an aborted one's data is empty)."""
+        params, prompt_ids = self.open.pop(out.request_id)
+        data = torch.empty(0) if out.pooling_output is None else finish_pooled(out.pooling_output, params, self.spec)
+        return PoolingRequestOutput(out.request_id, PoolingOutput(data), prompt_ids, True, out.num_cached_tokens)
