@@ -234,3 +234,22 @@ def test_the_generation_engine_refuses_a_dual_tower(family):
     _, path, _, _ = family
     with pytest.raises(ValueError, match="dual-tower embedder"):
         LLM(path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_cpu_linears_give_the_same_embeddings(family, dtype):
+    """Packed as the runner packs a VLM's towers (CPU kernels / oneDNN prepacking), the embeddings stay HF's."""
+    from vlserve.kernels.packed_linear import pack_linears_for_cpu
+
+    name, path, hf_model, processor = family
+    model = load_model(path, AutoConfig.from_pretrained(path), dtype, "cpu")
+    text, pixels = text_inputs(name, processor), image_inputs(processor)
+    before = model.embed_text(text["input_ids"], text["attention_mask"]), model.embed_image(pixels)
+    pack_linears_for_cpu(model, many_rows=model.encoder_parts())
+    after = model.embed_text(text["input_ids"], text["attention_mask"]), model.embed_image(pixels)
+    min_cos, max_abs = (0.9999, 1e-4) if dtype == "float32" else (0.99, 0.1)
+    for b, a in zip(before, after):
+        assert_close_rows(a, b, min_cos, max_abs)
+    with torch.no_grad():
+        ref = features(hf_model.get_image_features(pixel_values=pixels))
+    assert_close_rows(after[1], ref, min_cos, max_abs)

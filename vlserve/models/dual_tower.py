@@ -96,6 +96,11 @@ class DualTowerEmbedder(nn.Module):
     def tie_weights(self) -> None:
         """Nothing is tied."""
 
+    def encoder_parts(self) -> list[nn.Module]:
+        """Both towers: they take many rows a call (`pack_linears_for_cpu(model, many_rows=model.encoder_parts())`
+        packs them as the runner packs a VLM's towers)."""
+        return [self.text_model, self.vision_model]
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from HF-named tensors (`text_model.*`, `vision_model.*` and the top-level
