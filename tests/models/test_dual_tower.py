@@ -206,6 +206,8 @@ def test_bad_inputs_are_refused(family):
         model.embed_text(ids, torch.zeros_like(ids))
     with pytest.raises(ValueError, match="pixel_values must be"):
         model.embed_image(torch.zeros(1, 3, 16, 16))
+    with pytest.raises(ValueError, match=r"\[B, D\] and \[N, D\]"):
+        model.similarity(torch.zeros(2, model.projection_dim), torch.zeros(2, model.projection_dim + 1))
     with pytest.raises(TypeError, match="dual-tower"):
         model(ids)
     if name == "clip":

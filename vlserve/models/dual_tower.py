@@ -8,8 +8,9 @@ A text tower and an image tower map into one space; each request embeds either a
 `embed_text` / `embed_image` return the unnormalized projections (HF's `get_text_features` / `get_image_features`);
 `similarity` normalizes them and scales by `logit_scale.exp()` (plus `logit_bias` for SigLIP), as HF's forward
 computes `logits_per_text` (`logits_per_image` is its transpose). Inputs come from the families' own processors:
-CLIP's tokenizer pads on the right and ends each text with its EOS token; SigLIP's pads to `max_length`
-(the position its `head` pools is the last one, padding included).
+CLIP's tokenizer pads on the right and ends each text with its EOS token; SigLIP's texts must be padded to
+`max_length=text_config.max_position_embeddings` (`padding="max_length"`, as SigLIP was trained): its `head` pools
+the last position, padding included, so the padded length changes the embedding.
 
 These classes generate nothing: their capabilities say `pooling=True, dual_tower=True`, and the engine must route
 them to the pooling runner, never to the generation path (`forward` / `compute_logits` raise). They load through
@@ -81,6 +82,11 @@ class DualTowerEmbedder(nn.Module):
     def similarity(self, text_embeds: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
         """`text_embeds [B, D]`, `image_embeds [N, D]` (from embed_text / embed_image) -> `logits_per_text [B, N]`
         float32: cosine similarity times `logit_scale.exp()`, plus `logit_bias` where the family has one."""
+        if text_embeds.dim() != 2 or image_embeds.dim() != 2 or text_embeds.shape[1] != image_embeds.shape[1]:
+            raise ValueError(
+                f"similarity needs [B, D] and [N, D] embeddings, got {tuple(text_embeds.shape)} and "
+                f"{tuple(image_embeds.shape)}"
+            )
         text = F.normalize(text_embeds.float(), dim=-1)
         image = F.normalize(image_embeds.float().to(text.device), dim=-1)
         logits = text @ image.T * self.logit_scale.float().exp()
