@@ -33,7 +33,7 @@ def test_every_registered_class_states_its_capabilities(arch):
     assert isinstance(caps, ModelCapabilities), f"{cls.__name__} does not state its own ModelCapabilities"
     assert stated_capabilities(cls) is caps
     assert caps.multimodal == issubclass(cls, MultiModalLM)
-    assert not caps.pooling  # every model here generates
+    assert caps.pooling == caps.dual_tower  # every model here generates, except the dual-tower embedders
     implements = {
         "mrope": "get_mrope_input_positions",
         "pipeline_parallel": "on_other_stage",
@@ -98,6 +98,7 @@ def test_gemma3_config_without_its_image_tokens_is_refused():
         {"bidirectional_token_id": 3},
         {"pipeline_parallel": True, "pipeline_parallel_refusal": "why"},
         {"lora_targets": ("q_proj",)},
+        {"dual_tower": True},
         {"modalities": ("image",), "encoder_stage_counts": {"video": 4}},
         {"modalities": ("image",), "encoder_stage_counts": {"image": 0}},
     ],

@@ -111,6 +111,11 @@ def load_for_serving(
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     model_cls = get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
+    if model_capabilities(model_cls, hf_config).dual_tower:
+        raise ValueError(
+            f"{model_path} ({model_cls.__name__}) is a dual-tower embedder: it has no decoder to generate with "
+            "(its embed_text / embed_image serve the pooling runner only)"
+        )
     if args.mm_encoder_only and not model_capabilities(model_cls, hf_config).mm_encoder_only:
         raise ValueError(
             f"mm_encoder_only needs a multimodal model; {model_path} ({model_cls.__name__}) has no media encoder"

@@ -41,7 +41,11 @@ class ModelCapabilities:
     mm_encoder_only: bool = False
     """It can serve as an encode server: encoder parts and token embeddings only (`keep_encoder_parts`)."""
     pooling: bool = False
-    """A pooling (embedding) model: no lm_head, no sampling (EAGLE drafting refuses it). No model here pools."""
+    """A pooling (embedding) model: no lm_head, no sampling (EAGLE drafting refuses it)."""
+    dual_tower: bool = False
+    """A dual-tower (CLIP / SigLIP) embedder (vlserve.models.dual_tower): it has no decoder, KV cache nor
+    `embed_multimodal`; the pooling runner calls its `embed_text(input_ids, attention_mask)` or
+    `embed_image(pixel_values)` per request, and no generation path may take it. Implies `pooling`."""
     image_token_id: int | None = None
     """From the config: the prompt's image placeholder token, before the processor expands it."""
     bidirectional_token_id: int | None = None
@@ -63,6 +67,7 @@ class ModelCapabilities:
         }
         wrong = [name for name, value in media_only.items() if value and not self.modalities]
         wrong += ["pipeline_parallel_refusal"] if self.pipeline_parallel and self.pipeline_parallel_refusal else []
+        wrong += ["dual_tower without pooling"] if self.dual_tower and not self.pooling else []
         wrong += [f"lora_targets {t!r}" for t in self.lora_targets if t not in DECODER_LORA_TARGETS]
         wrong += [
             f"encoder_stage_counts[{m!r}]"

@@ -30,6 +30,9 @@ _REGISTRY: dict[str, type | str] = {
     "InternVLForConditionalGeneration": "vlserve.models.internvl:InternVLForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "vlserve.models.mistral3:Mistral3ForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "vlserve.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    # dual-tower embedders (capabilities.dual_tower): served by the pooling runner only
+    "CLIPModel": "vlserve.models.dual_tower:CLIPDualTower",
+    "SiglipModel": "vlserve.models.dual_tower:SiglipDualTower",
 }
 
 

@@ -1,0 +1,181 @@
+"""The CLIP / SigLIP text transformer on vlserve's kernels: token + learned absolute position embeddings, the ViT
+encoder layers of clip_vision.py (packable linears) with masked attention, and final_layer_norm.
+
+`ContrastiveTextTower(cfg)(input_ids [B, T], attention_mask [B, T] | None)` -> `[B, T, E]`, the last hidden state
+after final_layer_norm (HF's `CLIPTextModel` / `SiglipTextModel(...).last_hidden_state`). CLIP attends causally
+(`cfg.causal`), SigLIP both ways; padded keys (attention_mask 0) are never attended to. Positions are the token's
+index in the padded row, as HF's are. Pooling is the model's (vlserve.models.dual_tower); SigLIP's `head` linear
+lives here because its checkpoints keep it under `text_model.head`. Module names follow HF's so weights load by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlserve.encoders.clip_vision import VitAttention, VitEncoderLayer
+from vlserve.kernels.packed_linear import PackableLinear
+
+_IGNORED_SUFFIXES = ("position_ids",)  # a buffer some versions save
+
+
+@dataclass(frozen=True)
+class TextTowerConfig:
+    """The fields of a CLIP / SigLIP `text_config` the tower reads (plus whether it attends causally)."""
+
+    depth: int
+    width: int  # E
+    num_heads: int
+    mlp_hidden: int
+    hidden_act: str
+    layer_norm_eps: float
+    vocab_size: int
+    max_positions: int
+    causal: bool
+    head_out: int | None = None  # SigLIP's `head` linear [E -> head_out]; None for CLIP (no head)
+
+    @classmethod
+    def from_hf(cls, text_config, causal: bool, head_out: int | None = None) -> TextTowerConfig:
+        """Read an HF CLIPTextConfig / SiglipTextConfig."""
+        return cls(
+            depth=text_config.num_hidden_layers,
+            width=text_config.hidden_size,
+            num_heads=text_config.num_attention_heads,
+            mlp_hidden=text_config.intermediate_size,
+            hidden_act=text_config.hidden_act,
+            layer_norm_eps=text_config.layer_norm_eps,
+            vocab_size=text_config.vocab_size,
+            max_positions=text_config.max_position_embeddings,
+            causal=causal,
+            head_out=head_out,
+        )
+
+
+def text_attention_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """`attention_mask [B, T]` (1 = token, 0 = padding) -> boolean `[B, 1, T, T]` (True = may attend): padded keys
+    are masked, and later keys too when `causal`. A query with no key left (a left-padded causal row) attends to
+    itself only, so no row is all-masked (its output is never pooled)."""
+    num_tokens = attention_mask.shape[1]
+    allowed = attention_mask.bool()[:, None, None, :].expand(-1, 1, num_tokens, -1)  # [B, 1, T, T]
+    if causal:
+        allowed = allowed & torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=allowed.device).tril()
+    eye = torch.eye(num_tokens, dtype=torch.bool, device=allowed.device)
+    return allowed | (eye & ~allowed.any(dim=-1, keepdim=True))
+
+
+class TextAttention(VitAttention):
+    """The ViT attention's projections, attending under a `[B, 1, T, T]` boolean mask (scaled_dot_product_attention)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, E] -> [B, T, E]
+        batch, num_tokens, width = x.shape
+        rows = x.reshape(batch * num_tokens, width)  # [R, E]
+
+        def heads(proj: nn.Module) -> torch.Tensor:
+            return proj(rows).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
+
+        out = F.scaled_dot_product_attention(
+            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), attn_mask=mask, scale=self.head_dim**-0.5
+        )  # [B, H, T, Hd]
+        out = out.transpose(1, 2).reshape(batch * num_tokens, width)  # [R, E]
+        return self.out_proj(out).view(batch, num_tokens, width)
+
+
+class TextEncoderLayer(VitEncoderLayer):
+    """The ViT pre-norm block with TextAttention: `forward(x [B, T, E], mask [B, 1, T, T])`."""
+
+    def __init__(self, cfg: TextTowerConfig) -> None:
+        super().__init__(cfg)
+        self.self_attn = TextAttention(cfg)
+
+
+class TextEncoder(nn.Module):
+    """`layers.N` as in HF."""
+
+    def __init__(self, cfg: TextTowerConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TextEncoderLayer(cfg) for _ in range(cfg.depth))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+class TextEmbeddings(nn.Module):
+    """Token embedding + learned absolute positions 0..T-1."""
+
+    def __init__(self, cfg: TextTowerConfig) -> None:
+        super().__init__()
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.position_embedding = nn.Embedding(cfg.max_positions, cfg.width)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [B, T] -> [B, T, E]
+        return self.token_embedding(input_ids) + self.position_embedding.weight[: input_ids.shape[1]]
+
+
+class ContrastiveTextTower(nn.Module):
+    """CLIP's or SigLIP's text transformer up to final_layer_norm (and SigLIP's `head`, applied by the caller)."""
+
+    def __init__(self, cfg: TextTowerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = TextEmbeddings(cfg)
+        self.encoder = TextEncoder(cfg)
+        self.final_layer_norm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
+        if cfg.head_out is not None:
+            self.head = PackableLinear(cfg.width, cfg.head_out)
+
+    def check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """ValueError unless `input_ids` is a non-empty `[B, T]` integer tensor of in-vocabulary ids with T within
+        the position table and `attention_mask` (if given) a 0/1 `[B, T]`; returns the mask (all ones if None)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        if input_ids.shape[1] > self.cfg.max_positions:
+            raise ValueError(f"text of {input_ids.shape[1]} tokens exceeds the {self.cfg.max_positions} positions")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, {self.cfg.vocab_size})")
+        if attention_mask is None:
+            return torch.ones_like(input_ids)
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(input_ids.shape)}"
+            )
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 and 1")
+        return attention_mask
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids [B, T]`, `attention_mask [B, T]` or None (no padding) -> `[B, T, E]` after final_layer_norm."""
+        attention_mask = self.check_inputs(input_ids, attention_mask)
+        device = self.embeddings.token_embedding.weight.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        mask = text_attention_mask(attention_mask, self.cfg.causal)  # [B, 1, T, T]
+        return self.final_layer_norm(self.encoder(self.embeddings(input_ids), mask))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors (relative to the tower, with or without `text_model.`) into the parameters;
+        returns the parameter names filled. ValueError on an unknown name or a shape mismatch."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            rel = name[len("text_model.") :] if name.startswith("text_model.") else name
+            if rel.endswith(_IGNORED_SUFFIXES):
+                continue
+            if rel not in params:
+                raise ValueError(f"unexpected text tower weight {name!r}")
+            if tuple(params[rel].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[rel].shape)}"
+                )
+            params[rel].data.copy_(tensor)
+            loaded.add(rel)
+        return loaded
