@@ -53,28 +53,31 @@ class PoolingCalls:
 
     def score(
         self,
-        data_1: str | list[str],
-        data_2: str | list[str],
+        data_1: str | dict | list,
+        data_2: str | dict | list,
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
         lora_request=None,
     ) -> list[ScoringRequestOutput]:
         """Score query / document pairs: one query against many documents, or pairwise lists of equal length. A
         classifier scores each pair tokenized together (the tokenizer's text pair); an embedder, the cosine of
-        the two embeddings. `.outputs.score` per pair."""
-        queries = [data_1] if isinstance(data_1, str) else list(data_1)
-        docs = [data_2] if isinstance(data_2, str) else list(data_2)
+        the two embeddings (an embedder's items may be prompt dicts too: a dual tower scores a text against an
+        image). `.outputs.score` per pair."""
+        queries = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+        docs = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
         if len(queries) == 1:
             queries = queries * len(docs)
         if len(queries) != len(docs) or not docs:
             raise ValueError(f"score needs one query or as many as documents, got {len(queries)} and {len(docs)}")
-        if not all(isinstance(t, str) for t in queries + docs):
-            raise ValueError("score takes strings (or lists of strings)")
         if isinstance(pooling_params, (list, tuple)):
             raise ValueError("score takes one PoolingParams for every pair")
         tasks = self.engine.pooling_tasks
         if "score" not in tasks and "embed" not in tasks:
             raise ValueError(f"this engine does not score; it serves {sorted(tasks) or 'generation'}")
+        # an embedder also takes prompt dicts ({"prompt": "", "multi_modal_data": {"image": ...}} on a dual tower)
+        dicts = "embed" in tasks
+        if not all(isinstance(t, (str, dict) if dicts else str) for t in queries + docs):
+            raise ValueError("score takes strings (or lists of strings)" + (", or prompt dicts" if dicts else ""))
         if "embed" in tasks:
             embeds = self.embed(queries + docs, pooling_params, use_tqdm, lora_request)
             vectors = torch.tensor([e.outputs.embedding for e in embeds])  # [2N, D]

@@ -17,6 +17,7 @@ from vlserve.engine.logits_fields import bind_logits_fields
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.lora.peft_checkpoint import adapter_targets_encoder
+from vlserve.multimodal.dual_tower_items import DualTowerProcessor, single_part
 from vlserve.multimodal.inputs import MultiModalFeature, feature_from_remote
 from vlserve.multimodal.media_refs import ImageEmbeds
 from vlserve.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class InputProcessor:
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         self.default_mm_kwargs = dict(mm_processor_kwargs or {})
         self.mm_processor = getattr(loaded, "mm_processor", None)
+        # a dual-tower embedder's requests: one text or one image each (multimodal/dual_tower_items.py)
+        self.dual_tower = self.mm_processor if isinstance(self.mm_processor, DualTowerProcessor) else None
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)
         self.structured_outputs_config = structured_outputs_config
         self._grammar_checker = None  # a StructuredOutputManager that only validates (built on first use)
@@ -131,6 +134,10 @@ class InputProcessor:
             mm_data["audio"] = [mm_data["audio"]]
         mm_data = {k: (v if isinstance(v, list) else [v]) for k, v in mm_data.items() if v is not None}
         mm_data = {k: v for k, v in mm_data.items() if v}
+        if self.dual_tower is not None:
+            kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
+            ids, features = self.dual_tower.process_request(text, token_ids, mm_data, kwargs)
+            return ProcessedPrompt(text, ids, features, cache_salt)
         if token_ids is None:
             if text is None:
                 raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -160,6 +167,11 @@ class InputProcessor:
         ChatTemplateOptions (default: a generation prompt, no special tokens added)."""
         options = options or ChatTemplateOptions()
         template_messages, mm_data = parse_chat_messages(messages, media_source or default_media_source)
+        if self.dual_tower is not None:  # one text or one image part, no template
+            text = single_part(template_messages).get("text")
+            return self.process_prompt(
+                {"prompt": text or "", "multi_modal_data": mm_data}, None, None, mm_processor_kwargs
+            )
         text = self._render_chat(template_messages, chat_template_kwargs, options)
         token_ids = self._tokenize(text, add_special_tokens=options.add_special_tokens)
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
