@@ -180,6 +180,10 @@ def test_bad_requests_are_refused(tower):
         LLM(path, convert="classify")
     with pytest.raises(ValueError, match="pooling_type"):
         LLM(path, pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(ValueError, match="no LM head"):
+        LLM(path, convert="classify", pooler_config={"classifier_from_token": ["a"]})
+    with pytest.raises(ValueError, match="without LoRA"):
+        LLM(path, enable_lora=True)
     llm = _llm(path, runner="pooling")
     try:
         both = {"prompt": TEXTS[0], "multi_modal_data": {"image": IMAGES[0]}}

@@ -76,6 +76,8 @@ def resolve_pooler_spec(args: EngineArgs, hf_config, tokenizer, model_path: str)
         task = args.convert
     else:
         task = "classify" if classification_arch or config.classifier_from_token else "embed"
+    if caps.kv_free and config.classifier_from_token:
+        raise ValueError(f"{arch} has no LM head to take classifier_from_token rows from")
     if caps.dual_tower and (task != "embed" or config.pooling_type is not None):
         raise ValueError(
             f"{arch} is a dual-tower embedder: it embeds (convert='embed') and pools as its family does "
@@ -126,6 +128,8 @@ def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None, kv_free: bool
             raise ValueError(f"a pooling engine (runner='pooling') cannot run with {name}")
     if args.pipeline_parallel_size > 1:
         raise ValueError("a pooling engine runs without pipeline parallelism for now")
+    if kv_free and args.enable_lora:
+        raise ValueError("a model with no decoder (kv_free) runs without LoRA adapters")
     if (spec.pooling_type != "LAST" or kv_free) and args.enable_prefix_caching:
         args = replace(args, enable_prefix_caching=False)
     return args
