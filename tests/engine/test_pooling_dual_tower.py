@@ -90,7 +90,10 @@ def test_mixed_text_and_image_batch_matches_hf(tower):
         assert runner.num_pool_calls == calls + 1  # the texts ended in one step: one batched call
         for out, text in zip(texts, TEXTS):
             assert _cos(out.outputs.embedding, hf_text(text)) >= 0.9999
+        steps = llm.engine.num_steps
         outs = llm.embed(prompts, use_tqdm=False)  # texts and images in one call
+        assert runner.num_pool_calls == calls + 2  # all in one step (no decode streams to keep the encoder short for)
+        assert llm.engine.num_steps == steps + 1
         raw = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
         for out, raw_out, ref in zip(outs, raw, refs):
             emb = torch.tensor(out.outputs.embedding)
