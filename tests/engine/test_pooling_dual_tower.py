@@ -207,6 +207,8 @@ def test_bad_requests_are_refused(tower):
             (video, "not video"),
             (mixed_chat, "one text or one image"),
             ({"prompt_token_ids": [10_000]}, "prompt_token_ids must be"),
+            ({"prompt": 5}, "must be a string"),
+            ({"multi_modal_data": {}}, "needs 'prompt'"),
         ]:
             with pytest.raises(ValueError, match=match):
                 llm.embed(bad, use_tqdm=False)

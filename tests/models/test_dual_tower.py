@@ -194,3 +194,22 @@ def test_packed_cpu_linears_give_the_same_embeddings(family, dtype):
     with torch.no_grad():
         ref = features(hf_model.get_image_features(pixel_values=pixels))
     assert_close_rows(after[1], ref, min_cos, max_abs)
+
+
+def test_pool_prompts_batches_prompts_of_any_length(family):
+    """The KV-free pooling call: whole prompts of different lengths in one call embed as each does alone (CLIP pads
+    them under a mask; SigLIP, pooling the last position, runs each length as its own batch)."""
+    name, path, _, processor = family
+    model = load_model(path, AutoConfig.from_pretrained(path), "float32", "cpu")
+    prompts = [torch.tensor(processor.tokenizer(t)["input_ids"]) for t in TEXTS]  # unpadded: lengths differ
+    prompts.append(prompts[0].clone())  # a length seen twice shares its batch
+    assert len({p.numel() for p in prompts}) > 1
+    pooled = model.pool_prompts(prompts)
+    alone = torch.cat([model.embed_text(p[None]) for p in prompts])
+    assert_close_rows(pooled, alone, 0.9999, 1e-5)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.pool_prompts([torch.tensor([], dtype=torch.long)])
+    with pytest.raises(ValueError, match="embeds texts and images"):
+        model.embed_multimodal("video", {})
+    pixels = image_inputs(processor)
+    assert torch.equal(model.embed_multimodal("image", {"pixel_values": pixels}), model.embed_image(pixels))

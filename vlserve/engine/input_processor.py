@@ -134,7 +134,12 @@ class InputProcessor:
             mm_data["audio"] = [mm_data["audio"]]
         mm_data = {k: (v if isinstance(v, list) else [v]) for k, v in mm_data.items() if v is not None}
         mm_data = {k: v for k, v in mm_data.items() if v}
-        if self.dual_tower is not None:
+        if self.dual_tower is not None:  # one text or one image (multimodal/dual_tower_items.py)
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+            if text is None and token_ids is None:
+                raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
+            check_prompt_chars(text or "", self.max_prompt_chars, self.loaded.max_model_len)
             kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
             ids, features = self.dual_tower.process_request(text, token_ids, mm_data, kwargs)
             return ProcessedPrompt(text, ids, features, cache_salt)

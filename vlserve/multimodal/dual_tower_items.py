@@ -88,6 +88,8 @@ class DualTowerProcessor(MultiModalProcessor):
             return self.process([self.image_token_id], images=media["image"], mm_processor_kwargs=mm_processor_kwargs)
         if token_ids is None:
             token_ids = self.tokenize(text or "")
+        elif not isinstance(token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of integers, got {type(token_ids).__name__}")
         self.check_text_ids(list(token_ids))
         return list(token_ids), []
 
