@@ -183,3 +183,47 @@ def test_pooling_endpoints_refused_on_a_generation_server(server):
         assert "generation runner" in _error(server.http.post(path, json=body))["message"]
     assert server.client.completions.create(model="tiny-text", prompt="hi", max_tokens=2).choices
     server.wait_idle()
+
+
+def test_matryoshka_dimensions(tmp_path, text_ckpt, offline_embedder):
+    import json
+    import shutil
+
+    from vlserve.config import EngineArgs
+    from vlserve.pooling_params import PoolingParams
+
+    model_dir = str(tmp_path / "matryoshka")
+    shutil.copytree(text_ckpt, model_dir)
+    with open(f"{model_dir}/config.json") as f:
+        config = json.load(f)
+    config.update(is_matryoshka=True, matryoshka_dimensions=[16, 32])
+    with open(f"{model_dir}/config.json", "w") as f:
+        json.dump(config, f)
+    served = start_server(EngineArgs(model=model_dir, **POOL_KW))
+    try:
+        got = served.client.embeddings.create(model=served.model, input=TEXTS[0], dimensions=16)
+        raw = offline_embedder.encode(TEXTS[0], PoolingParams(task="encode"), use_tqdm=False)[0].outputs.data
+        ref = torch.nn.functional.normalize(raw[:16], dim=-1).numpy()  # truncated, then normalized
+        assert len(got.data[0].embedding) == 16 and np.allclose(got.data[0].embedding, ref, atol=1e-6)
+        err = _error(served.http.post("/v1/embeddings", json={"input": "a", "dimensions": 20}))
+        assert err["param"] == "dimensions" and "one of [16, 32]" in err["message"]
+        served.wait_idle()
+    finally:
+        served.close()
+
+
+@pytest.mark.slow
+def test_vlserve_serve_runner_pooling(text_ckpt, repo_root):
+    import httpx
+
+    from tests.api.conftest import serve_subprocess
+
+    args = [text_ckpt, "--runner", "pooling", "--convert", "embed", "--dtype", "float32", "--num-kv-blocks", "64"]
+    with serve_subprocess(args, repo_root) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        got = client.embeddings.create(model=text_ckpt, input=TEXTS[:2])
+        assert len(got.data) == 2 and abs(np.linalg.norm(got.data[0].embedding) - 1) < 1e-5
+        score = httpx.post(f"{base}/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[:2]}, trust_env=False)
+        assert abs(score.json()["data"][0]["score"] - 1) < 1e-5
+        with pytest.raises(openai.BadRequestError, match="pooling runner"):
+            client.chat.completions.create(model=text_ckpt, messages=[{"role": "user", "content": "hi"}])
