@@ -137,6 +137,10 @@ def test_models_list_tasks(embed_server, server):
         ),
         ("/v1/embeddings", {"input": [[10**9]]}, None, "prompt_token_ids"),
         ("/pooling", {"input": "a", "task": "classify"}, None, "not served"),
+        ("/pooling", {"input": "a", "task": "embed", "use_activation": True}, "use_activation", "classify"),
+        ("/v1/embeddings", {"input": [[1, 2]], "add_special_tokens": False}, "add_special_tokens", "token ids"),
+        ("/v1/embeddings", {"input": "a", "add_generation_prompt": True}, None, "messages only"),
+        ("/v1/score", '{"text_1": "\\ud800", "text_2": "b"}', "text_1", "surrogate"),  # raw JSON text
         ("/v1/score", {"text_1": "a"}, None, "text_2 is missing"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "1:N or N:N"),
         ("/v1/score", {"queries": "a", "documents": []}, "documents", "empty"),
@@ -153,7 +157,11 @@ def test_models_list_tasks(embed_server, server):
     ],
 )
 def test_bad_requests_are_400s(embed_server, path, body, param, words):
-    err = _error(embed_server.http.post(path, json=body))
+    if isinstance(body, str):
+        sent = embed_server.http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        sent = embed_server.http.post(path, json=body)
+    err = _error(sent)
     assert (err["param"] or "").split(".")[0] == (param or "") and words in err["message"], err
     assert embed_server.http.post("/v1/embeddings", json={"input": "still serving"}).status_code == 200
     embed_server.wait_idle()

@@ -97,6 +97,10 @@ def test_reranker_score_and_rerank_equal_llm_score(rerank_pair):
     ).json()
     assert [r["index"] for r in top["results"]] == order[:2] and "document" not in top["results"][0]
     assert top["usage"]["total_tokens"] == ranked["usage"]["total_tokens"] > 0
+    image_query = {"content": [IMAGE_PART, {"type": "text", "text": "this picture"}]}  # one input, two parts
+    by_image = served.http.post("/rerank", json={"query": image_query, "documents": documents[:2]}).json()
+    ref = [r.outputs.score for r in llm.score([image_query], documents[:2], use_tqdm=False)]
+    assert np.allclose(sorted(r["relevance_score"] for r in by_image["results"]), sorted(ref), atol=1e-5)
     llm.check_integrity()
     served.wait_idle()
 

@@ -122,6 +122,8 @@ class ScoreRequest(_ScoreFields):
                 raise ValueError(f"{name} is missing")
         return self
 
+    _check_sides = field_validator("text_1", "text_2", "queries", "documents", "data_1", "data_2")(check_unicode)
+
     PAIRS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("text_1", "text_2"),
         ("queries", "documents"),
@@ -144,3 +146,5 @@ class RerankRequest(_ScoreFields):
     documents: Any
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True
+
+    _check_sides = field_validator("query", "documents")(check_unicode)

@@ -115,6 +115,8 @@ class OpenAIServingPooling:
                 items = req.inputs()
             except ValueError as e:
                 raise APIError(str(e), 400, "input") from None
+            if req.add_special_tokens is not None and not isinstance(items[0], str):
+                raise APIError("add_special_tokens applies to text input, not token ids", 400, "add_special_tokens")
             add_special = req.add_special_tokens is not False
             return [
                 await (
@@ -220,8 +222,13 @@ class OpenAIServingPooling:
     async def pooling(self, req: PoolingRequest, raw: Request) -> dict:
         self._check_pooling("/pooling")
         model = self.models.check(req.model)
+        task = req.task or "encode"
+        if req.normalize is not None and task not in ("embed", "encode"):
+            raise APIError(f"normalize applies to tasks embed and encode, not {task}", 400, "normalize")
+        if req.use_activation is not None and task not in ("classify", "score"):
+            raise APIError(f"use_activation applies to tasks classify and score, not {task}", 400, "use_activation")
         params = PoolingParams(
-            task=req.task or "encode", dimensions=req.dimensions, normalize=req.normalize, activation=req.use_activation
+            task=task, dimensions=req.dimensions, normalize=req.normalize, activation=req.use_activation
         )
         prompts = self._truncate(await self._process_inputs(req), req.truncate_prompt_tokens)
         outs = await self._pool(raw, prompts, params, model, req.priority)
@@ -259,7 +266,8 @@ class OpenAIServingPooling:
         self._check_pooling("/v1/rerank")
         if isinstance(req.query, list):
             raise APIError("query must be one string or one {'content': [...]} object", 400, "query")
-        model, scores, outs = await self._scores(req, raw, ("query", "documents"), req.query, req.documents)
+        query = [req.query] if isinstance(req.query, dict) else req.query  # one input, all its parts
+        model, scores, outs = await self._scores(req, raw, ("query", "documents"), query, req.documents)
         documents = _rerank_documents(req.documents)
         order = sorted(range(len(scores)), key=lambda i: -scores[i].outputs.score)
         if req.top_n:
