@@ -9,7 +9,7 @@ from typing import Any
 
 from vlserve.engine.engine_loop import NewRequest
 from vlserve.engine.input_processor import ProcessedPrompt
-from vlserve.engine.scoring import plan_scores, process_score_prompt, scores_from_outputs
+from vlserve.engine.scoring import is_dual_tower, plan_scores, process_score_prompt, scores_from_outputs
 from vlserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -65,7 +65,8 @@ class PoolingCalls:
         if isinstance(pooling_params, (list, tuple)):
             raise ValueError("score takes one PoolingParams for every pair")
         plan = plan_scores(data_1, data_2, self.engine.pooling_tasks)
-        processed = [process_score_prompt(self.input_processor, p) for p in plan.prompts]
+        dual_tower = is_dual_tower(self.input_processor.loaded.hf_config)
+        processed = [process_score_prompt(self.input_processor, p, dual_tower=dual_tower) for p in plan.prompts]
         params = _params_for(pooling_params, plan.task, len(processed))
         return scores_from_outputs(plan, self._run_pooling(processed, params, use_tqdm, lora_request))
 

@@ -87,3 +87,12 @@ def test_reranker_image_document_equals_its_chat_prompt(tmp_path):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_is_dual_tower():
+    from transformers import CLIPConfig, Qwen2Config
+
+    from vlserve.engine.scoring import is_dual_tower
+
+    assert is_dual_tower(CLIPConfig(architectures=["CLIPModel"]))
+    assert not is_dual_tower(Qwen2Config(architectures=["Qwen2ForCausalLM"]))

@@ -45,6 +45,7 @@ from vlserve.engine.scoring import (
     TextPairPrompt,
     TextPrompt,
     dual_tower_prompt,
+    is_dual_tower,
     plan_scores,
     process_text_pair,
     scores_from_outputs,
@@ -58,15 +59,6 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 def served_tasks(engine: Any) -> list[str]:
     """What /v1/models reports a server serves: ["generate"], or the pooling engine's tasks."""
     return ["generate"] if engine.runner_type != "pooling" else sorted(engine.pooling_tasks)
-
-
-def is_dual_tower(engine: Any) -> bool:
-    """Whether the engine serves a dual-tower embedder (ModelCapabilities.dual_tower)."""
-    from vlserve.models.capabilities import model_capabilities
-    from vlserve.models.registry import get_model_class
-
-    hf_config = engine.engine.loaded.hf_config
-    return bool(model_capabilities(get_model_class(hf_config), hf_config).dual_tower)
 
 
 def encode_vector(data: Any, encoding_format: str) -> Any:
@@ -83,7 +75,7 @@ class OpenAIServingPooling:
         self.chat = chat
         self.engine = chat.engine
         self.models = models
-        self.dual_tower = self.engine.runner_type == "pooling" and is_dual_tower(self.engine)
+        self.dual_tower = self.engine.runner_type == "pooling" and is_dual_tower(self.engine.engine.loaded.hf_config)
 
     def _check_pooling(self, endpoint: str) -> None:
         if self.engine.runner_type != "pooling":

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vlserve.engine.chat import default_media_source
 from vlserve.engine.input_processor import ChatTemplateOptions, InputProcessor, ProcessedPrompt
 from vlserve.engine.request_limits import check_prompt_chars
 from vlserve.outputs import PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
@@ -171,14 +172,27 @@ def process_text_pair(processor: InputProcessor, prompt: TextPairPrompt) -> Proc
     return ProcessedPrompt(None, list(ids), [])
 
 
-def process_score_prompt(processor: InputProcessor, prompt: ScorePrompt, mm_processor_kwargs=None) -> ProcessedPrompt:
+def process_score_prompt(
+    processor: InputProcessor, prompt: ScorePrompt, mm_processor_kwargs=None, dual_tower: bool = False
+) -> ProcessedPrompt:
     """A score prompt processed in this process (media as the offline chat takes them: data: / file: URLs, paths,
-    in-memory images)."""
+    in-memory images); content for a `dual_tower` model is its one text or image (`dual_tower_prompt`)."""
     if isinstance(prompt, TextPairPrompt):
         return process_text_pair(processor, prompt)
     if isinstance(prompt, TextPrompt):
         return processor.process_prompt(prompt.text, mm_processor_kwargs=mm_processor_kwargs)
+    if dual_tower:
+        single = dual_tower_prompt(list(prompt.parts), default_media_source)
+        return processor.process_prompt(single, mm_processor_kwargs=mm_processor_kwargs)
     return processor.process_chat(prompt.messages(), mm_processor_kwargs, options=SCORE_CHAT_OPTIONS)
+
+
+def is_dual_tower(hf_config) -> bool:
+    """Whether the checkpoint is a dual-tower embedder (ModelCapabilities.dual_tower: CLIP, SigLIP)."""
+    from vlserve.models.capabilities import model_capabilities
+    from vlserve.models.registry import get_model_class
+
+    return bool(model_capabilities(get_model_class(hf_config), hf_config).dual_tower)
 
 
 def scores_from_outputs(plan: ScorePlan, outputs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
