@@ -235,3 +235,21 @@ def test_vlserve_serve_runner_pooling(text_ckpt, repo_root):
         assert abs(score.json()["data"][0]["score"] - 1) < 1e-5
         with pytest.raises(openai.BadRequestError, match="pooling runner"):
             client.chat.completions.create(model=text_ckpt, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_the_api_key_gate_comes_before_the_refusal(embed_server):
+    import httpx
+
+    from tests.api.conftest import ServerThread
+    from vlserve.api.server import ServerConfig, build_app
+
+    thread = ServerThread(build_app(embed_server.engine, ServerConfig(api_key="k", shutdown_engine=False))).start()
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=thread.base_url, trust_env=False) as http:
+            assert http.post("/v1/chat/completions", json=chat).status_code == 401
+            authed = http.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer k"})
+            assert authed.status_code == 400 and "pooling runner" in authed.json()["error"]["message"]
+            assert http.post("/v1/embeddings", json={"input": "a"}).status_code == 401
+    finally:
+        thread.stop()
