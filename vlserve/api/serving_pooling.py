@@ -120,6 +120,15 @@ class OpenAIServingPooling:
             ]
         chat_req = req.as_chat_request()
         if self.dual_tower:
+            template_fields = (
+                "chat_template",
+                "chat_template_kwargs",
+                "add_generation_prompt",
+                "continue_final_message",
+            )
+            sent = next((n for n in template_fields if getattr(req, n)), None)
+            if sent is not None:
+                raise APIError(f"{sent}: a dual-tower embedder renders no chat template", 400, sent)
             return [await self._dual_tower(chat_req, "messages")]
         options = ChatTemplateOptions(
             add_generation_prompt=req.add_generation_prompt,
@@ -136,13 +145,14 @@ class OpenAIServingPooling:
         if not isinstance(parts, list):
             raise APIError("a dual-tower embedder takes one message holding one text or one image part", 400, field)
         self.chat._check_media(messages)
+        mm_kwargs = check_mm_processor_kwargs(chat_req.mm_processor_kwargs, self.chat.mm_kwarg_limits)
         payloads = await self.chat.fetcher.resolve(messages)
         source = self.chat.media_controls.media_source(payloads)
         try:
             prompt = dual_tower_prompt(parts, source)
         except ValueError as e:
             raise APIError(str(e), 400, field) from None
-        return await prepare_input(self.engine.process_prompt(prompt))
+        return await prepare_input(self.engine.process_prompt(prompt, mm_processor_kwargs=mm_kwargs))
 
     def _check_parts(self, prompt: ChatPrompt, field: str) -> None:
         """400 naming `field` for media this model does not take (before any download)."""
