@@ -28,9 +28,11 @@ QWEN2_VL_SIZES = {  # (vision depth, vision width, LM hidden, LM layers)
     "full": (8, 512, 512, 8),
     "quick": (1, 64, 64, 1),
 }
-CLIP_SIZES = {  # tower shapes: (hidden, layers, heads, MLP); vision patch / image size; projection dim
+# Tower shapes: (hidden, layers, heads, MLP); vision patch and image size; projection dim (vLLM's CLIP needs the
+# text tower's width equal to it, as in ViT-B/32)
+CLIP_SIZES = {
     "full": dict(vision=(768, 12, 12, 3072), text=(512, 12, 8, 2048), patch=32, image=224, projection=512),
-    "quick": dict(vision=(64, 1, 2, 128), text=(64, 1, 2, 128), patch=32, image=64, projection=32),
+    "quick": dict(vision=(64, 1, 2, 128), text=(64, 1, 2, 128), patch=32, image=64, projection=64),
 }
 
 
@@ -41,10 +43,11 @@ def qwen2_vl_embedder(cache_dir: str, quick: bool = False) -> str:
 
 def clip_tokenizer():
     """A CLIPTokenizer over `WORDS`: characters, then merges added word by word so that BPE (lowest rank first)
-    joins every word into one token; a merge added later never applies before the ones a word already has."""
+    joins every word into one token (a merge added later never applies before the ones a word already has), then
+    the two special tokens."""
     from transformers import CLIPTokenizer
 
-    vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    vocab: dict[str, int] = {}
     for ch in sorted({c for w in WORDS for c in w}):
         vocab.setdefault(ch, len(vocab))
         vocab.setdefault(ch + "</w>", len(vocab))
@@ -55,6 +58,8 @@ def clip_tokenizer():
             ranks[(pieces[0], pieces[1])] = len(ranks)
             vocab.setdefault(pieces[0] + pieces[1], len(vocab))
             pieces = _bpe(pieces, ranks)
+    for special in ("<|startoftext|>", "<|endoftext|>"):  # last, as in OpenAI's vocabulary (vLLM's CLIP takes id 0
+        vocab[special] = len(vocab)  # as its image placeholder and insists that it is no special token)
     return CLIPTokenizer(vocab=vocab, merges=list(ranks))
 
 
@@ -99,6 +104,8 @@ def clip_checkpoint(cache_dir: str, quick: bool = False, seed: int = 0) -> str:
         pad_token_id=tokenizer.pad_token_id,
     )
     vision = tower(*shapes["vision"]) | dict(image_size=side, patch_size=shapes["patch"])
+    for sub in (text, vision):  # released checkpoints repeat it in both (vLLM reads the sub-configs')
+        sub["projection_dim"] = shapes["projection"]
     torch.manual_seed(seed)
     config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=shapes["projection"])
     CLIPModel(config).save_pretrained(path)

@@ -4,7 +4,7 @@ vLLM's (`vllm.LLM.embed`, run by the vLLM-CPU venv's python), HF transformers or
     <python> benchmarks/pooling_child.py SPEC.json      # prints `CHILD_RESULT <json>` as its last such line
 
 SPEC: {"runner": "vlserve" | "vllm" | "hf" | "st", "family": "qwen2_vl" | "clip", "model", "dtype" ("bfloat16" |
-"float32"), "max_model_len", "hf_batch" (HF / sentence-transformers batch size), "keep" (embeddings returned per
+"float32"), "max_model_len" (Qwen2-VL's; CLIP keeps its text tower's), "hf_batch" (HF / sentence-transformers batch size), "keep" (embeddings returned per
 workload, the first ones), "anchor_env" (path of vlserve/bench/anchor_env.py), "engine_kwargs" (more `LLM`
 arguments), "workloads": [{"name", "sets": {"warmup" | "main": {"prompts": [str], "images": path of an .npz of
 uint8 [H, W, 3] arrays "0", "1", ... (one per prompt) or null}}}]}. Qwen2-VL prompts are final text (chat template
@@ -20,6 +20,7 @@ import importlib.util
 import json
 import sys
 import time
+import traceback
 
 
 def _load_by_path(name: str, path: str):
@@ -51,9 +52,12 @@ class EngineRunner:
 
     def __init__(self, spec: dict):
         self.runner, family = spec["runner"], spec["family"]
-        kwargs = dict(dtype=spec["dtype"], max_model_len=spec["max_model_len"], runner="pooling")
+        kwargs = dict(dtype=spec["dtype"])
         if family == "qwen2_vl":
-            kwargs |= dict(convert="embed", limit_mm_per_prompt={"image": 1}, pooler_config={"pooling_type": "LAST"})
+            kwargs |= dict(max_model_len=spec["max_model_len"], runner="pooling", convert="embed")
+            kwargs |= dict(limit_mm_per_prompt={"image": 1}, pooler_config={"pooling_type": "LAST"})
+        elif self.runner == "vllm":  # CLIP: vlserve pools a dual tower on its own; both keep its text length
+            kwargs["runner"] = "pooling"
         if self.runner == "vllm":
             from vllm import LLM
 
@@ -168,7 +172,8 @@ def run(spec: dict) -> dict:
     try:
         runner = RUNNERS[spec["runner"]](spec)
     except Exception as e:  # a runner without this family (e.g. a build before CLIP pooling) fails to load
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        traceback.print_exc()  # into the log
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
         if spec["runner"] == "vlserve" and spec["family"] == "clip" and isinstance(e, ValueError):
             why = f"CLIP not served by this build ({why})"
         return {"unsupported": why}
