@@ -20,8 +20,8 @@ embeds a warm-up set of other items first, then the timed set. A runner that can
 
 Prints one table per model and dtype: items/s per runner, vlserve / HF and vlserve / vLLM-CPU (goal: >= 2x HF,
 >= 1.3x vLLM), the lowest cosine of each runner's first --check embeddings against HF's (a fast but wrong runner
-shows there), and vlserve's vision-tower calls for the timed images (fewer calls than images: sizes packed
-together). Results and the machine's kind go to --out as JSON (default: WORKDIR/results-<time>.json).
+shows there), and vlserve's vision-tower calls and images encoded for the timed images (fewer calls than
+images: several images, of mixed sizes, packed into one call). Results and the machine's kind go to --out as JSON (default: WORKDIR/results-<time>.json).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def runner_cells(result, workload: str, hf_first: list | None) -> dict:
     w = result["workloads"].get(workload)
     if w is None:
         return {"error": "no result"}
-    cells = {"items_per_s": w["items_per_s"], "seconds": w["seconds"], "tower_calls": w["tower_calls"]}
+    cells = {k: w.get(k) for k in ("items_per_s", "seconds", "tower_calls", "images_encoded")}
     if hf_first:
         cells["min_cosine_vs_hf"] = min(cosine(a, b) for a, b in zip(w["first"], hf_first))
     return cells
@@ -154,7 +154,7 @@ def format_table(title: str, rows: list[dict], runners: list[str]) -> str:
     """A markdown table: items/s per runner, the ratios, the cosines against HF, vlserve's tower calls."""
     head = ["workload"] + [f"{LABELS[r]} items/s" for r in runners]
     head += ["vlserve/HF", "vlserve/vLLM", "min cos vs HF (" + ", ".join(LABELS[r] for r in runners if r != "hf") + ")"]
-    head += ["HF item vs item (max cos)", "vlserve tower calls"]
+    head += ["HF item vs item (max cos)", "vlserve tower calls / images"]
     lines = [title, "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes: dict[str, None] = {}  # one line per runner and reason
     for row in rows:
@@ -169,8 +169,9 @@ def format_table(title: str, rows: list[dict], runners: list[str]) -> str:
         cells.append(" / ".join(f"{c:.5f}" if c is not None else "-" for c in cosines))
         baseline = row.get("hf_max_cosine_between_items")
         cells.append(f"{baseline:.5f}" if baseline is not None else "-")
-        calls = row["runners"].get("vlserve", {}).get("tower_calls")
-        cells.append(str(calls) if calls is not None and row["workload"] == "images" else "-")
+        ours = row["runners"].get("vlserve", {})
+        calls = ours.get("tower_calls") if row["workload"] == "images" else None
+        cells.append(f"{calls} / {ours.get('images_encoded')}" if calls is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + list(notes))
 

@@ -58,23 +58,52 @@ class EngineRunner:
             kwargs |= dict(limit_mm_per_prompt={"image": 1}, pooler_config={"pooling_type": "LAST"})
         elif self.runner == "vllm":  # CLIP: vlserve pools a dual tower on its own; both keep its text length
             kwargs["runner"] = "pooling"
+        self.calls = None
         if self.runner == "vllm":
             from vllm import LLM
 
             kwargs["seed"] = 0
         else:
             from vlserve import LLM
+
+            self.calls = _count_tower_calls(spec["model"], family)
         self.llm = LLM(spec["model"], **{**kwargs, **spec.get("engine_kwargs", {})})
 
     def embed(self, prompts: list[str], images: list) -> list[list[float]]:
         outs = self.llm.embed(_engine_inputs(prompts, images), use_tqdm=False)
         return [list(o.outputs.embedding) for o in outs]
 
-    def tower_calls(self) -> int | None:
-        """vlserve: the vision tower's calls so far (several images packed into one call count once)."""
-        if self.runner != "vlserve":
+    def tower_calls(self) -> tuple[int, int] | None:
+        """vlserve: (the vision tower's calls, the images it encoded) so far; several images packed into one
+        call count once in the first."""
+        if self.calls is None:
             return None
-        return self.llm.engine.executor.stats().num_encoder_runs
+        return self.calls[0], self.llm.engine.executor.stats().num_encoder_runs
+
+
+def _count_tower_calls(model: str, family: str) -> list[int] | None:
+    """Count calls of vlserve's image tower entry (`embed_multimodal`, a dual tower's `embed_image`) on the
+    model's class, for this process's engine: a one-element list that each call increments."""
+    import functools
+
+    from transformers import AutoConfig
+
+    from vlserve.models.registry import get_model_class
+
+    cls = get_model_class(AutoConfig.from_pretrained(model))
+    name = "embed_multimodal" if family == "qwen2_vl" else "embed_image"
+    method = getattr(cls, name, None)
+    if method is None:
+        return None
+    calls = [0]
+
+    @functools.wraps(method)
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return method(*args, **kwargs)
+
+    setattr(cls, name, counted)
+    return calls
 
 
 class HfRunner:
@@ -184,11 +213,11 @@ def run(spec: dict) -> dict:
     for w in spec["workloads"]:
         sets = {name: (s["prompts"], _images(s["images"])) for name, s in w["sets"].items()}
         runner.embed(*sets["warmup"])
-        calls_before = runner.tower_calls()
+        before = runner.tower_calls()
         t = time.perf_counter()
         vectors = runner.embed(*sets["main"])
         seconds = time.perf_counter() - t
-        calls = runner.tower_calls()
+        after = runner.tower_calls()
         items = len(sets["main"][0])
         assert len(vectors) == items, (len(vectors), items)
         result["workloads"][w["name"]] = {
@@ -196,7 +225,8 @@ def run(spec: dict) -> dict:
             "seconds": seconds,
             "items_per_s": items / seconds,
             "dim": len(vectors[0]),
-            "tower_calls": None if calls is None else calls - calls_before,
+            "tower_calls": None if after is None else after[0] - before[0],
+            "images_encoded": None if after is None else after[1] - before[1],
             "first": vectors[: spec["keep"]],
         }
         print(f"# {spec['runner']} {w['name']}: {items} items in {seconds:.3f} s", flush=True)

@@ -56,7 +56,8 @@ def test_workloads_mix_image_sizes_and_apply_the_chat_template(tmp_path):
 
 
 def _result(rate: float, first: list, calls=None) -> dict:
-    return {"workloads": {"images": {"items_per_s": rate, "seconds": 1.0, "tower_calls": calls, "first": first}}}
+    images = {"items_per_s": rate, "seconds": 1.0, "tower_calls": calls, "images_encoded": 2, "first": first}
+    return {"workloads": {"images": images}}
 
 
 def test_table_rows_ratios_cosines_and_unsupported_runners():
@@ -77,7 +78,7 @@ def test_table_rows_ratios_cosines_and_unsupported_runners():
     assert "| images (2) | 25.00 | 10.00 | - | - | 2.50x | - |" in text
     assert "vLLM-CPU: not supported (ValueError: no CLIP)" in text
     assert "sentence-transformers: failed (exit 1): boom" in text
-    assert text.splitlines()[3].endswith("| 1 |")  # vlserve's tower calls
+    assert text.splitlines()[3].endswith("| 1 / 2 |")  # vlserve's tower calls / images encoded
 
 
 def test_args_quick_sizes_no_vllm_and_hf_always_in():
@@ -105,7 +106,8 @@ def test_quick_run_without_vllm(tmp_path, capsys):
             cells = qwen[name]["runners"][runner]
             assert cells["items_per_s"] > 0 and cells["min_cosine_vs_hf"] > 0.999, (name, runner, cells)
         assert qwen[name]["vlserve_over_hf"] > 0
-    assert qwen["images"]["runners"]["vlserve"]["tower_calls"] >= 1
+    ours = qwen["images"]["runners"]["vlserve"]
+    assert 1 <= ours["tower_calls"] <= ours["images_encoded"] == 3
     clip = {r["workload"]: r for r in report["tables"][1]["rows"]}
     for name in ("images", "texts"):
         assert clip[name]["runners"]["hf"]["items_per_s"] > 0
