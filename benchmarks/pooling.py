@@ -37,6 +37,7 @@ import sys
 from benchmarks.anchors import run_child
 from benchmarks.pooling_checkpoints import WORDS, clip_checkpoint, parameter_count, qwen2_vl_embedder
 from benchmarks.realsize import cpu_name
+from benchmarks.serve_harness import vllm_version
 from vlserve.bench.anchor_env import anchor_python
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pooling_child.py")
@@ -224,8 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "vllm" in args.runners:
         pythons["vllm"] = args.vllm_python or anchor_python("vllm")
     machine = cpu_name()
-    print(f"machine: {machine}", flush=True)
-    report = {"machine": machine, "command": " ".join(sys.argv), "args": vars(args), "tables": []}
+    versions = {"vllm": vllm_version(pythons["vllm"])} if "vllm" in pythons else {}
+    print(f"machine: {machine}; {versions or 'no vLLM'}", flush=True)
+    report = {"machine": machine, "versions": versions, "command": " ".join(sys.argv), "args": vars(args)}
+    report["tables"] = []
     tables = []
     for family in args.models:
         model = builders[family](args.workdir, quick=args.quick)
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
                     w.pop("first", None)
             report["tables"].append({"model": family, "path": model, "dtype": dtype, "rows": rows, "raw": results})
     sizes = ", ".join(f"{w}x{h}" for w, h in IMAGE_SIZES)
-    print(f"\nmachine: {machine}\nimages: {args.images} of {sizes} in turn; texts: {args.texts} queries of 8-32 words")
+    print(f"\nmachine: {machine}; {versions or 'no vLLM'}")
+    print(f"images: {args.images} of {sizes} in turn; texts: {args.texts} queries of 8-32 words")
     print("goal: vlserve >= 2x HF and >= 1.3x vLLM-CPU\n")
     print("\n\n".join(tables))
     with open(out_path, "w") as f:
