@@ -5,7 +5,7 @@ pooling runner, on the same checkpoints, each runner in its own process, one run
     python -m benchmarks.pooling --dtype bfloat16 --images 64 --texts 256 --models qwen2_vl
     python -m benchmarks.pooling --quick --no-vllm                 # tiny checkpoints, a few items (seconds)
 
-Checkpoints (built once under --workdir, see benchmarks/pooling_checkpoints.py): a random ~60M Qwen2-VL embedder
+Checkpoints (built once under --workdir, see benchmarks/pooling_checkpoints.py): a random Qwen2-VL embedder
 (ViT 8 x 512, LM 512 x 8, the real Qwen2-VL processor and a released-like chat template) and a random CLIP of
 ViT-B/32's shapes with a real CLIPProcessor. Workloads, the same items for every runner: `images`, --images
 synthetic pictures of mixed sizes (224x224, 320x240, 448x336 in turn; seeded), for Qwen2-VL each a GME-style

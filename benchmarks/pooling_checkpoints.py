@@ -1,6 +1,6 @@
 """The checkpoints `benchmarks.pooling` embeds with, built once each under a cache directory.
 
-`qwen2_vl_embedder`: a random Qwen2-VL of ~60M parameters (ViT 8 x 512 with its merger, LM 512 x 8), the real
+`qwen2_vl_embedder`: a random Qwen2-VL of 47.5M parameters (ViT 8 x 512 with its merger, LM 512 x 8), the real
 Qwen2-VL processor classes and a chat template like the released checkpoints' (`benchmarks.serve_harness`'s builder,
 the one `benchmarks.mm_serve` uses). `clip_checkpoint`: a random `CLIPModel` of ViT-B/32's shapes (vision 768 x 12,
 patch 32, 224 px; text 512 x 12, 77 positions; projection 512) saved with a real `CLIPProcessor`: the OpenAI
