@@ -31,16 +31,18 @@ def child_env(engine: str) -> dict[str, str]:
     return openvino_env() if engine == "openvino" else dict(os.environ)
 
 
-def run_child(engine: str, python: str, spec: dict, log_path: str, timeout: float = 7200.0) -> dict | str:
-    """`benchmarks/anchor_child.py` for `engine` with `python` on `spec` (see that file): its result, or why it has
-    none (the log's last lines). The child's output goes to `log_path`."""
+def run_child(
+    engine: str, python: str, spec: dict, log_path: str, timeout: float = 7200.0, script: str = CHILD_SCRIPT
+) -> dict | str:
+    """`script` (default `benchmarks/anchor_child.py`) for `engine` with `python` on `spec` (see that file): its
+    result, or why it has none (the log's last lines). The child's output goes to `log_path`."""
     spec = {**spec, "engine": engine, "anchor_env": ANCHOR_ENV_PATH, "openvino_child": OPENVINO_CHILD_PATH}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
         with open(log_path, "w") as log:
             proc = subprocess.run(
-                [python, CHILD_SCRIPT, f.name],
+                [python, script, f.name],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,

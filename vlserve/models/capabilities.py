@@ -48,6 +48,8 @@ class ModelCapabilities:
     `[N, D]` float32 (each entry a whole prompt's ids `[T_i]`; the model pools as its family does, a classifier
     returns its logits `[N, num_labels]` and no other head applies). No generation path may take it. Implies
     `pooling`."""
+    classifier_head: bool = False
+    """A sequence classifier: `compute_logits` applies its `score` head (class logits), not an LM head."""
     dual_tower: bool = False
     """A dual-tower (CLIP / SigLIP) embedder (vlserve.models.dual_tower): a kv_free model whose requests are each
     one text (`pool_prompts`) or one image (`embed_multimodal("image", ...)`: one embedding per image, the
