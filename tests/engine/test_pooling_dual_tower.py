@@ -165,7 +165,8 @@ def test_conversations_and_score(tower):
         assert _cos(outs[0].outputs.embedding, hf_image(IMAGES[1])) >= 0.9999
         assert _cos(outs[1].outputs.embedding, hf_text(TEXTS[2])) >= 0.9999
         assert outs[1].outputs.embedding == outs[2].outputs.embedding
-        scores = llm.score(TEXTS[0], [image_prompt(IMAGES[0]), image_prompt(IMAGES[2])], use_tqdm=False)
+        docs = [{"content": [{"type": "image_url", "image_url": {"url": data_url(img)}}]} for img in IMAGES[::2]]
+        scores = llm.score(TEXTS[0], docs, use_tqdm=False)  # vLLM's multimodal score inputs
         ref_text = hf_text(TEXTS[0])
         for score, img in zip(scores, (IMAGES[0], IMAGES[2])):
             ref = torch.nn.functional.cosine_similarity(ref_text, hf_image(img), dim=0).item()
@@ -215,6 +216,15 @@ def test_bad_requests_are_refused(tower):
         if name == "clip":  # CLIP pools at the EOS token: ids without it are refused before they reach the engine
             with pytest.raises(ValueError, match="EOS"):
                 llm.embed({"prompt_token_ids": [0, 3, 4]}, use_tqdm=False)
+        # a prompt made without the front end's rules (the API's add_special_tokens=false) is checked at the engine
+        from vlserve.engine.engine_loop import NewRequest
+        from vlserve.engine.input_processor import ProcessedPrompt
+
+        image = llm.input_processor.process_prompt(image_prompt(IMAGES[0]))
+        for ids, feats in [([0, 3, 4] if name == "clip" else [10_000], []), ([0, 0], image.mm_features)]:
+            bad = NewRequest("raw", ProcessedPrompt(None, ids, feats), PoolingParams(), 0.0)
+            with pytest.raises(ValueError, match="EOS|prompt_token_ids|placeholder"):
+                llm.engine_loop.add_pooling_requests([bad])
         with pytest.raises(ValueError, match="runner='pooling'"):
             llm.generate(TEXTS[0], use_tqdm=False)
         with pytest.raises(ValueError, match="not served"):

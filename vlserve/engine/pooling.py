@@ -183,6 +183,8 @@ class PoolingRequests:
         seen: set[str] = set()
         for r in requests:
             check_pooling_params(r.params, self.spec, self.hidden_size)
+            if input_processor.dual_tower is not None:  # one text or one image, however the prompt was made
+                input_processor.dual_tower.check_prompt(r.processed.prompt_token_ids, r.processed.mm_features)
             if in_use(r.request_id) or r.request_id in self.open or r.request_id in seen:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)

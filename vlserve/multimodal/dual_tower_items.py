@@ -93,6 +93,16 @@ class DualTowerProcessor(MultiModalProcessor):
         self.check_text_ids(list(token_ids))
         return list(token_ids), []
 
+    def check_prompt(self, token_ids: list[int], features: list[MultiModalFeature]) -> None:
+        """ValueError unless a processed prompt is what this family embeds: a text's checked ids, or one image's
+        one-token placeholder prompt (prompts made elsewhere, e.g. tokenized without special tokens, meet it too)."""
+        if not features:
+            self.check_text_ids(list(token_ids))
+            return
+        item = features[0]
+        if len(features) != 1 or item.modality != "image" or (item.offset, item.length, len(token_ids)) != (0, 1, 1):
+            raise ValueError("a dual-tower embedder's media prompt is one image's placeholder token, nothing else")
+
 
 def single_part(messages: list[dict]) -> dict:
     """The one content part of a parsed conversation (`parse_chat_messages`' messages): a dual-tower request is one
