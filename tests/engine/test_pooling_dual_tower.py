@@ -188,6 +188,12 @@ def test_bad_requests_are_refused(tower):
         LLM(path, convert="classify", pooler_config={"classifier_from_token": ["a"]})
     with pytest.raises(ValueError, match="without LoRA"):
         LLM(path, enable_lora=True)
+    no_images = _llm(path, limit_mm_per_prompt={"image": 0})
+    try:
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            no_images.embed(image_prompt(IMAGES[0]), use_tqdm=False)
+    finally:
+        no_images.shutdown()
     llm = _llm(path, runner="pooling")
     try:
         both = {"prompt": TEXTS[0], "multi_modal_data": {"image": IMAGES[0]}}
@@ -205,7 +211,7 @@ def test_bad_requests_are_refused(tower):
         for bad, match in [
             (both, "not both"),
             (two, "one image per request"),
-            (video, "not video"),
+            (video, "video input was given to a model that takes image"),
             (mixed_chat, "one text or one image"),
             ({"prompt_token_ids": [10_000]}, "prompt_token_ids must be"),
             ({"prompt": 5}, "must be a string"),

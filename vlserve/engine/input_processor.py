@@ -140,6 +140,9 @@ class InputProcessor:
             if text is None and token_ids is None:
                 raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
             check_prompt_chars(text or "", self.max_prompt_chars, self.loaded.max_model_len)
+            self._check_media(mm_data)
+            if any(isinstance(item, ImageEmbeds) for item in mm_data.get("image", [])):
+                raise ValueError("a dual-tower embedder computes its image embeddings itself; send the image")
             kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
             ids, features = self.dual_tower.process_request(text, token_ids, mm_data, kwargs)
             return ProcessedPrompt(text, ids, features, cache_salt)
@@ -217,6 +220,18 @@ class InputProcessor:
     def _with_media(self, text, token_ids, mm_data, mm_processor_kwargs) -> ProcessedPrompt:
         if not mm_data:
             return ProcessedPrompt(text, token_ids, [])
+        self._check_media(mm_data)
+        for item in mm_data.get("image", []):
+            if isinstance(item, ImageEmbeds):
+                item.check(self.loaded.hf_config)  # width and grid against this model (ValueError)
+        kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
+        token_ids, features = self.mm_processor.process(
+            token_ids, mm_data.get("image", []), mm_data.get("video", []), kwargs, audios=mm_data.get("audio", [])
+        )
+        return ProcessedPrompt(text, token_ids, features)
+
+    def _check_media(self, mm_data: dict[str, list]) -> None:
+        """ValueError for media this model does not take or over `limit_mm_per_prompt`."""
         for modality, items in mm_data.items():
             if modality not in self.loaded.modalities:
                 what = (
@@ -228,14 +243,6 @@ class InputProcessor:
             limit = self.limit_mm_per_prompt.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(f"{len(items)} {modality} items exceed limit_mm_per_prompt[{modality!r}]={limit}")
-        for item in mm_data.get("image", []):
-            if isinstance(item, ImageEmbeds):
-                item.check(self.loaded.hf_config)  # width and grid against this model (ValueError)
-        kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
-        token_ids, features = self.mm_processor.process(
-            token_ids, mm_data.get("image", []), mm_data.get("video", []), kwargs, audios=mm_data.get("audio", [])
-        )
-        return ProcessedPrompt(text, token_ids, features)
 
     # -- metrics -----------------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
