@@ -129,6 +129,45 @@ def test_same_image_twice_runs_the_tower_once(qwen2_vl_dir):
         llm.shutdown()
 
 
+def _embed_counting_tower_calls(llm, prompts):
+    model = llm.engine.runner.model
+    calls = []
+    tower = model.embed_multimodal
+    model.embed_multimodal = lambda modality, data: (calls.append(modality), tower(modality, data))[1]
+    try:
+        return llm.embed(prompts, use_tqdm=False), calls
+    finally:
+        del model.embed_multimodal
+
+
+def test_a_batch_of_mixed_image_sizes_shares_one_tower_call(qwen2_vl_dir):
+    sizes = [(56, 56), (56, 84), (84, 112), (112, 56)]
+    images = [Image.fromarray(rand_image(h, w, seed=20 + i)) for i, (h, w) in enumerate(sizes)]
+    results = {}
+    for together in (True, False):  # one embed call for all; one call (so one step) per image
+        llm = LLM(qwen2_vl_dir, dtype="float32", num_kv_blocks=256, runner="pooling", convert="embed")
+        try:
+            tok = llm.tokenizer
+            prompts = [
+                {"prompt": _chat_text(tok, 1, f"picture {i}"), "multi_modal_data": {"image": [img]}}
+                for i, img in enumerate(images)
+            ]
+            if together:
+                results[together] = _embed_counting_tower_calls(llm, prompts)
+            else:
+                runs = [_embed_counting_tower_calls(llm, [p]) for p in prompts]
+                results[together] = [o for outs, _ in runs for o in outs], [c for _, calls in runs for c in calls]
+            llm.check_integrity()
+        finally:
+            llm.shutdown()
+    packed, packed_calls = results[True]
+    single, single_calls = results[False]
+    assert packed_calls == ["image"]  # no decode steps to keep short: the step's images share one tower call
+    assert single_calls == ["image"] * len(images)
+    for a, b in zip(packed, single):
+        assert torch.allclose(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding), atol=1e-5)
+
+
 def test_yes_no_reranker_scores_match_hf(qwen2_vl_dir, hf):
     tok = hf[0].tokenizer
     no_token, yes_token = tok.convert_ids_to_tokens([101, 202])  # the tiny vocabulary has no "yes" / "no"

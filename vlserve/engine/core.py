@@ -77,11 +77,9 @@ class EngineCore:
         num_blocks = self.executor.num_blocks
         enc_size = args.encoder_cache_size or max(8192, max_batched)
         # Embeddings encoded per step: the user's number, else about max(one decode step, encoder_step_ms) of time
-        # (measured as it runs). An encode server has no decode steps to keep short: the user's, else the cache; nor
-        # has a model with no decoder (kv_free): the user's, else a step's requests (a dual tower's image: 1 each).
-        fixed_budget = enc_size if args.mm_encoder_only else min(enc_size, args.max_num_seqs) if caps.kv_free else None
+        # (measured as it runs). An encode server has no decode steps to keep short: the user's, else the cache.
         self.encoder_budget = EncoderBudget(
-            args.max_num_encoder_input_tokens or fixed_budget,
+            args.max_num_encoder_input_tokens or (enc_size if args.mm_encoder_only else None),
             min_step_seconds=args.encoder_step_ms / 1000.0,
         )
         self.scheduler_config = SchedulerConfig(

@@ -24,6 +24,7 @@ from vlserve.shorten import shorten
 
 # what a pooling request's EngineCoreRequest carries for the core's limits: one position past the prompt, never used
 POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False)
+POOLING_ENCODER_BUDGET = 8192  # embeddings a pooling engine's step may encode (the default encoder cache's size)
 
 _ST_POOLING_MODES = {
     "pooling_mode_lasttoken": "LAST",
@@ -115,7 +116,9 @@ def _token_id(tokenizer, token: str) -> int:
 def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None, kv_free: bool = False) -> EngineArgs:
     """`args` as a pooling engine runs them: ValueError on what it cannot do; prefix caching off unless the
     pooling reads the last token only (a cached prefix has no hidden states to pool), and always for a `kv_free`
-    model (it keeps no KV to reuse)."""
+    model (it keeps no KV to reuse); unless the user set one, a fixed encoder budget of the encoder cache's size, so
+    a step's images share one tower call (the budget sized in time keeps decode steps short, and a pooling engine
+    has none)."""
     if spec is None:
         return args
     for name, value in (
@@ -132,6 +135,8 @@ def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None, kv_free: bool
         raise ValueError("a model with no decoder (kv_free) runs without LoRA adapters")
     if (spec.pooling_type != "LAST" or kv_free) and args.enable_prefix_caching:
         args = replace(args, enable_prefix_caching=False)
+    if args.max_num_encoder_input_tokens is None:  # no decode steps to keep short: a step encodes all it can hold
+        args = replace(args, max_num_encoder_input_tokens=args.encoder_cache_size or POOLING_ENCODER_BUDGET)
     return args
 
 
