@@ -32,8 +32,8 @@ def test_every_registered_class_states_its_capabilities(arch):
     caps = vars(cls).get("capabilities")
     assert isinstance(caps, ModelCapabilities), f"{cls.__name__} does not state its own ModelCapabilities"
     assert stated_capabilities(cls) is caps
-    assert caps.multimodal == issubclass(cls, MultiModalLM)
-    assert caps.pooling == caps.dual_tower  # every model here generates, except the dual-tower embedders
+    assert caps.multimodal == (issubclass(cls, MultiModalLM) or caps.dual_tower)
+    assert caps.pooling == caps.kv_free  # every model here generates, except the KV-free poolers (dual towers)
     implements = {
         "mrope": "get_mrope_input_positions",
         "pipeline_parallel": "on_other_stage",
@@ -41,6 +41,7 @@ def test_every_registered_class_states_its_capabilities(arch):
         "encoder_lora": "encoder_linear_name",
         "mm_encoder_only": "keep_encoder_parts",
         "multimodal": "embed_multimodal",
+        "kv_free": "pool_prompts",
     }
     for capability, method in implements.items():
         if getattr(caps, capability):

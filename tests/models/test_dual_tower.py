@@ -10,67 +10,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from tests.support.dual_tower_checkpoints import TEXTS, build_checkpoint, features
 from vlserve.models import load_model
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.dual_tower import CLIPDualTower, SiglipDualTower
 from vlserve.models.registry import get_model_class
-
-TEXTS = ["a cat", "a big dog sat on the mat", "hello", "the quick brown fox jumps over"]
-WORDS = sorted({w for t in TEXTS for w in t.split()} | {"photo", "of"})
-TINY_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-
-
-def clip_processor():
-    from transformers import CLIPImageProcessor, CLIPProcessor, CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    return CLIPProcessor(image_processor=images, tokenizer=tokenizer)
-
-
-def siglip_processor():
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, SiglipImageProcessor, SiglipProcessor
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {w: i + 3 for i, w in enumerate(WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    images = SiglipImageProcessor(size={"height": 32, "width": 32})
-    return SiglipProcessor(image_processor=images, tokenizer=tokenizer)
-
-
-def build_checkpoint(family: str, path) -> tuple:
-    """Save a tiny random `family` checkpoint (and its processor) under `path`; returns (HF model, processor)."""
-    from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
-
-    torch.manual_seed(0)
-    if family == "clip":
-        processor = clip_processor()
-        tok = processor.tokenizer
-        text = dict(TINY_TOWER, vocab_size=len(tok), max_position_embeddings=40, eos_token_id=tok.eos_token_id)
-        text |= dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-        config = CLIPConfig(
-            text_config=text, vision_config=dict(TINY_TOWER, image_size=32, patch_size=8), projection_dim=16
-        )
-        model = CLIPModel(config)
-    else:
-        processor = siglip_processor()
-        text = dict(TINY_TOWER, vocab_size=len(processor.tokenizer), max_position_embeddings=16)
-        config = SiglipConfig(text_config=text, vision_config=dict(TINY_TOWER, image_size=32, patch_size=8))
-        model = SiglipModel(config)
-    with torch.no_grad():  # scales away from their init values, so a swap of the two would show
-        model.logit_scale.fill_(1.7)
-        if family == "siglip":
-            model.logit_bias.fill_(-0.6)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return model.eval(), processor
 
 
 @pytest.fixture(scope="module", params=["clip", "siglip"])
@@ -92,11 +36,6 @@ def image_inputs(processor) -> torch.Tensor:
     return processor(images=images, return_tensors="pt")["pixel_values"]
 
 
-def features(output) -> torch.Tensor:
-    """HF's get_*_features result: a tensor, or (transformers 5) an output whose pooler_output is the projection."""
-    return output if isinstance(output, torch.Tensor) else output.pooler_output
-
-
 def assert_close_rows(ours: torch.Tensor, ref: torch.Tensor, min_cos: float, max_abs: float) -> None:
     assert ours.shape == ref.shape and ours.dtype == torch.float32
     cos = torch.nn.functional.cosine_similarity(ours, ref.float(), dim=-1)
@@ -110,7 +49,7 @@ def test_registry_routes_both_families_to_dual_towers(family):
     cls = get_model_class(config)
     assert cls is {"clip": CLIPDualTower, "siglip": SiglipDualTower}[name]
     caps = model_capabilities(cls, config)
-    assert caps.dual_tower and caps.pooling and not caps.multimodal
+    assert caps.dual_tower and caps.pooling and caps.kv_free and caps.modalities == ("image",)
 
 
 def test_text_features_match_hf_with_padding(family):
@@ -234,8 +173,8 @@ def test_the_generation_engine_refuses_a_dual_tower(family):
     from vlserve.llm import LLM
 
     _, path, _, _ = family
-    with pytest.raises(ValueError, match="dual-tower embedder"):
-        LLM(path)
+    with pytest.raises(ValueError, match="dual-tower embedder.*runner='pooling'"):
+        LLM(path, runner="generate")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -255,3 +194,22 @@ def test_packed_cpu_linears_give_the_same_embeddings(family, dtype):
     with torch.no_grad():
         ref = features(hf_model.get_image_features(pixel_values=pixels))
     assert_close_rows(after[1], ref, min_cos, max_abs)
+
+
+def test_pool_prompts_batches_prompts_of_any_length(family):
+    """The KV-free pooling call: whole prompts of different lengths in one call embed as each does alone (CLIP pads
+    them under a mask; SigLIP, pooling the last position, runs each length as its own batch)."""
+    name, path, _, processor = family
+    model = load_model(path, AutoConfig.from_pretrained(path), "float32", "cpu")
+    prompts = [torch.tensor(processor.tokenizer(t)["input_ids"]) for t in TEXTS]  # unpadded: lengths differ
+    prompts.append(prompts[0].clone())  # a length seen twice shares its batch
+    assert len({p.numel() for p in prompts}) > 1
+    pooled = model.pool_prompts(prompts)
+    alone = torch.cat([model.embed_text(p[None]) for p in prompts])
+    assert_close_rows(pooled, alone, 0.9999, 1e-5)
+    with pytest.raises(ValueError, match="non-empty"):
+        model.pool_prompts([torch.tensor([], dtype=torch.long)])
+    with pytest.raises(ValueError, match="embeds texts and images"):
+        model.embed_multimodal("video", {})
+    pixels = image_inputs(processor)
+    assert torch.equal(model.embed_multimodal("image", {"pixel_values": pixels}), model.embed_image(pixels))

@@ -115,8 +115,8 @@ class Scheduler:
             num_new = min(
                 len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
                 token_budget,
-                last_position - computed,
-            )  # never past the model's length (late spec tokens unverified)
+                last_position + req.pools - computed,
+            )  # never past the model's length (late spec tokens unverified; a pooled prompt may fill it)
             enc, num_encoding_after = NO_MEDIA, num_encoding
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)

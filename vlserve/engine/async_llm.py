@@ -256,6 +256,11 @@ class AsyncLLM(ControlCalls):
         return self.engine.pooling_tasks
 
     @property
+    def model_capabilities(self):
+        """The served model's `ModelCapabilities` (e.g. `dual_tower`: each request is one text or one image)."""
+        return self.engine.model_capabilities
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 

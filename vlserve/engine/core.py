@@ -50,7 +50,9 @@ class EngineCore:
         args = resolve_ec_transfer(args, loaded)  # the encoder-cache connector's namespace
         # a pooling engine's pooler (engine/pooling.py), None when it generates
         self.pooler_spec = resolve_pooler_spec(args, loaded.hf_config, loaded.tokenizer, loaded.model_path)
-        args = pooling_engine_args(args, self.pooler_spec)
+        # what the model offers (the API reads `model_capabilities.dual_tower`: one text or one image per request)
+        self.model_capabilities = caps = model_capabilities(get_model_class(loaded.hf_config), loaded.hf_config)
+        args = pooling_engine_args(args, self.pooler_spec, caps.kv_free)
         self.max_model_len = loaded.max_model_len
         # `{"method": "eagle"}` with no draft on the demo model: its shipped head
         self.spec_config = SpeculativeConfig.from_dict(fill_default_draft(args.speculative_config, loaded.model_path))
@@ -80,7 +82,6 @@ class EngineCore:
             args.max_num_encoder_input_tokens or (enc_size if args.mm_encoder_only else None),
             min_step_seconds=args.encoder_step_ms / 1000.0,
         )
-        caps = model_capabilities(get_model_class(loaded.hf_config), loaded.hf_config)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_batched,

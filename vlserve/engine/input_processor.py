@@ -17,6 +17,7 @@ from vlserve.engine.logits_fields import bind_logits_fields
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.request_limits import check_prompt_chars, max_prompt_chars
 from vlserve.lora.peft_checkpoint import adapter_targets_encoder
+from vlserve.multimodal.dual_tower_items import DualTowerProcessor, single_part
 from vlserve.multimodal.inputs import MultiModalFeature, feature_from_remote
 from vlserve.multimodal.media_refs import ImageEmbeds
 from vlserve.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class InputProcessor:
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         self.default_mm_kwargs = dict(mm_processor_kwargs or {})
         self.mm_processor = getattr(loaded, "mm_processor", None)
+        # a dual-tower embedder's requests: one text or one image each (multimodal/dual_tower_items.py)
+        self.dual_tower = self.mm_processor if isinstance(self.mm_processor, DualTowerProcessor) else None
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)
         self.structured_outputs_config = structured_outputs_config
         self._grammar_checker = None  # a StructuredOutputManager that only validates (built on first use)
@@ -131,6 +134,18 @@ class InputProcessor:
             mm_data["audio"] = [mm_data["audio"]]
         mm_data = {k: (v if isinstance(v, list) else [v]) for k, v in mm_data.items() if v is not None}
         mm_data = {k: v for k, v in mm_data.items() if v}
+        if self.dual_tower is not None:  # one text or one image (multimodal/dual_tower_items.py)
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+            if text is None and token_ids is None:
+                raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
+            check_prompt_chars(text or "", self.max_prompt_chars, self.loaded.max_model_len)
+            self._check_media(mm_data)
+            if any(isinstance(item, ImageEmbeds) for item in mm_data.get("image", [])):
+                raise ValueError("a dual-tower embedder computes its image embeddings itself; send the image")
+            kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
+            ids, features = self.dual_tower.process_request(text, token_ids, mm_data, kwargs)
+            return ProcessedPrompt(text, ids, features, cache_salt)
         if token_ids is None:
             if text is None:
                 raise ValueError("the prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -160,6 +175,11 @@ class InputProcessor:
         ChatTemplateOptions (default: a generation prompt, no special tokens added)."""
         options = options or ChatTemplateOptions()
         template_messages, mm_data = parse_chat_messages(messages, media_source or default_media_source)
+        if self.dual_tower is not None:  # one text or one image part, no template
+            text = single_part(template_messages).get("text")
+            return self.process_prompt(
+                {"prompt": text or "", "multi_modal_data": mm_data}, None, None, mm_processor_kwargs
+            )
         text = self._render_chat(template_messages, chat_template_kwargs, options)
         token_ids = self._tokenize(text, add_special_tokens=options.add_special_tokens)
         return self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
@@ -200,6 +220,18 @@ class InputProcessor:
     def _with_media(self, text, token_ids, mm_data, mm_processor_kwargs) -> ProcessedPrompt:
         if not mm_data:
             return ProcessedPrompt(text, token_ids, [])
+        self._check_media(mm_data)
+        for item in mm_data.get("image", []):
+            if isinstance(item, ImageEmbeds):
+                item.check(self.loaded.hf_config)  # width and grid against this model (ValueError)
+        kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
+        token_ids, features = self.mm_processor.process(
+            token_ids, mm_data.get("image", []), mm_data.get("video", []), kwargs, audios=mm_data.get("audio", [])
+        )
+        return ProcessedPrompt(text, token_ids, features)
+
+    def _check_media(self, mm_data: dict[str, list]) -> None:
+        """ValueError for media this model does not take or over `limit_mm_per_prompt`."""
         for modality, items in mm_data.items():
             if modality not in self.loaded.modalities:
                 what = (
@@ -211,14 +243,6 @@ class InputProcessor:
             limit = self.limit_mm_per_prompt.get(modality)
             if limit is not None and len(items) > limit:
                 raise ValueError(f"{len(items)} {modality} items exceed limit_mm_per_prompt[{modality!r}]={limit}")
-        for item in mm_data.get("image", []):
-            if isinstance(item, ImageEmbeds):
-                item.check(self.loaded.hf_config)  # width and grid against this model (ValueError)
-        kwargs = {**self.default_mm_kwargs, **(mm_processor_kwargs or {})}
-        token_ids, features = self.mm_processor.process(
-            token_ids, mm_data.get("image", []), mm_data.get("video", []), kwargs, audios=mm_data.get("audio", [])
-        )
-        return ProcessedPrompt(text, token_ids, features)
 
     # -- metrics -----------------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlserve.executor.worker import mrope_positions_fn_for
-from vlserve.models.capabilities import capabilities_of
+from vlserve.models.capabilities import capabilities_of, model_capabilities
+from vlserve.models.registry import get_model_class
+from vlserve.multimodal.dual_tower_items import DualTowerProcessor
 from vlserve.multimodal.processor import MultiModalProcessor
 
 
@@ -41,8 +43,12 @@ def load_multimodal(
         return MultimodalParts(modalities, mrope_positions_fn=mrope_positions_fn_for(model, hf_config))
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
-        mm_processor = MultiModalProcessor.from_pretrained(
-            model_path, use_fast=use_fast, image_token_id=caps.image_token_id, **kwargs
+        mm_processor = (
+            dual_tower_processor(model_path, hf_config, use_fast)
+            if caps.dual_tower
+            else MultiModalProcessor.from_pretrained(
+                model_path, use_fast=use_fast, image_token_id=caps.image_token_id, **kwargs
+            )
         )
     except (OSError, ValueError) as e:
         raise ValueError(
@@ -51,4 +57,17 @@ def load_multimodal(
         ) from e
     return MultimodalParts(
         modalities, mm_processor.hf_processor, mm_processor, mrope_positions_fn_for(model, hf_config)
+    )
+
+
+def dual_tower_processor(model_path: str, hf_config: Any, use_fast: bool = True) -> DualTowerProcessor | None:
+    """A dual-tower embedder's request processor (one text or one image per request), None for other models."""
+    model_cls = get_model_class(hf_config)
+    if not model_capabilities(model_cls, hf_config).dual_tower:
+        return None
+    return DualTowerProcessor.from_pretrained(
+        model_path,
+        use_fast=use_fast,
+        text_padding_length=model_cls.text_padding_length(hf_config),
+        check_text_ids=lambda ids: model_cls.check_text_ids(hf_config, ids),
     )

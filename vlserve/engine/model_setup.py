@@ -111,10 +111,12 @@ def load_for_serving(
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     model_cls = get_model_class(hf_config)  # unsupported architecture -> ValueError before any heavy work
-    if model_capabilities(model_cls, hf_config).dual_tower:
+    caps = model_capabilities(model_cls, hf_config)
+    if caps.kv_free and args.runner == "generate":
+        what = "a dual-tower embedder" if caps.dual_tower else "a pooling model"
         raise ValueError(
-            f"{model_path} ({model_cls.__name__}) is a dual-tower embedder: it has no decoder to generate with "
-            "(its embed_text / embed_image serve the pooling runner only)"
+            f"{model_path} ({model_cls.__name__}) is {what} with no decoder to generate with: serve it with "
+            "runner='pooling' (--runner pooling), or leave runner at 'auto'"
         )
     if args.mm_encoder_only and not model_capabilities(model_cls, hf_config).mm_encoder_only:
         raise ValueError(

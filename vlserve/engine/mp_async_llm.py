@@ -37,6 +37,8 @@ from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.engine.pooling import PoolingRequests, resolve_pooler_spec
+from vlserve.models.capabilities import model_capabilities
+from vlserve.models.registry import get_model_class
 from vlserve.outputs import RequestOutput
 from vlserve.pooling_params import PoolerSpec
 from vlserve.shorten import shorten
@@ -48,9 +50,8 @@ def load_frontend(model_path: str, args: EngineArgs):
     """What input processing needs, without the weights: (hf_config, tokenizer, mm_processor or None)."""
     from transformers import AutoConfig
 
+    from vlserve.engine.mm_setup import dual_tower_processor
     from vlserve.engine.model_setup import load_tokenizer
-    from vlserve.models.capabilities import model_capabilities
-    from vlserve.models.registry import get_model_class
     from vlserve.multimodal.processor import MultiModalProcessor, wants_fast_processor
 
     try:
@@ -59,8 +60,8 @@ def load_frontend(model_path: str, args: EngineArgs):
         raise ValueError(f"cannot read config.json in {model_path!r}: {e}") from e
     modalities = model_capabilities(get_model_class(hf_config), hf_config).modalities
     tokenizer = load_tokenizer(model_path, args.tokenizer)
-    mm_processor = None
-    if modalities:
+    mm_processor = dual_tower_processor(model_path, hf_config, wants_fast_processor(args.mm_processor_kwargs))
+    if modalities and mm_processor is None:
         kwargs = {"max_audio_seconds": args.max_audio_seconds} if "audio" in modalities else {}
         mm_processor = MultiModalProcessor.from_pretrained(
             model_path, use_fast=wants_fast_processor(args.mm_processor_kwargs), **kwargs
@@ -91,6 +92,7 @@ class RemoteCore:
         self.max_model_len = loaded.max_model_len
         self.replica_metrics = [dict(m) for m in metrics]  # by engine index
         self.pooler_spec = pooler_spec  # the engines' pooler (resolved here too, from the same files), or None
+        self.model_capabilities = model_capabilities(get_model_class(loaded.hf_config), loaded.hf_config)
 
     @property
     def runner_type(self) -> str:

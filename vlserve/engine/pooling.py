@@ -14,7 +14,9 @@ import torch
 from vlserve.config import EngineArgs
 from vlserve.core.request import EngineCoreRequest
 from vlserve.core.sched_output import EngineCoreOutput
+from vlserve.models.capabilities import model_capabilities
 from vlserve.models.hf_config import architectures_of
+from vlserve.models.registry import get_model_class
 from vlserve.outputs import PoolingOutput, PoolingRequestOutput
 from vlserve.pooling_params import PoolerConfig, PoolerSpec, PoolingParams
 from vlserve.sampling_params import SamplingParams
@@ -62,15 +64,26 @@ def resolve_pooler_spec(args: EngineArgs, hf_config, tokenizer, model_path: str)
     files, then `pooler_config`."""
     arch = architectures_of(hf_config)[0][0]
     classification_arch = arch.endswith("ForSequenceClassification")
+    caps = model_capabilities(get_model_class(hf_config), hf_config)
     config: PoolerConfig = args.pooler_config
     if args.runner == "generate" or (
-        args.runner == "auto" and args.convert not in ("embed", "classify") and not classification_arch
+        args.runner == "auto"
+        and args.convert not in ("embed", "classify")
+        and not classification_arch
+        and not caps.kv_free  # a model with no decoder only pools
     ):
         return None
     if args.convert in ("embed", "classify"):
         task = args.convert
     else:
         task = "classify" if classification_arch or config.classifier_from_token else "embed"
+    if caps.kv_free and config.classifier_from_token:
+        raise ValueError(f"{arch} has no LM head to take classifier_from_token rows from")
+    if caps.dual_tower and (task != "embed" or config.pooling_type is not None):
+        raise ValueError(
+            f"{arch} is a dual-tower embedder: it embeds (convert='embed') and pools as its family does "
+            "(no pooler_config pooling_type)"
+        )
     st_type, st_normalize = sentence_transformers_pooling(model_path)
     pooling_type = config.pooling_type or st_type or "LAST"
     default_normalize = task == "embed" and (st_normalize if st_normalize is not None else True)
@@ -100,11 +113,12 @@ def _token_id(tokenizer, token: str) -> int:
     return int(token_id)
 
 
-def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None) -> EngineArgs:
+def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None, kv_free: bool = False) -> EngineArgs:
     """`args` as a pooling engine runs them: ValueError on what it cannot do; prefix caching off unless the
-    pooling reads the last token only (a cached prefix has no hidden states to pool); unless the user set one, a
-    fixed encoder budget of the encoder cache's size, so a step's images share one tower call (the budget sized in
-    time keeps decode steps short, and a pooling engine has none)."""
+    pooling reads the last token only (a cached prefix has no hidden states to pool), and always for a `kv_free`
+    model (it keeps no KV to reuse); unless the user set one, a fixed encoder budget of the encoder cache's size, so
+    a step's images share one tower call (the budget sized in time keeps decode steps short, and a pooling engine
+    has none)."""
     if spec is None:
         return args
     for name, value in (
@@ -117,7 +131,9 @@ def pooling_engine_args(args: EngineArgs, spec: PoolerSpec | None) -> EngineArgs
             raise ValueError(f"a pooling engine (runner='pooling') cannot run with {name}")
     if args.pipeline_parallel_size > 1:
         raise ValueError("a pooling engine runs without pipeline parallelism for now")
-    if spec.pooling_type != "LAST" and args.enable_prefix_caching:
+    if kv_free and args.enable_lora:
+        raise ValueError("a model with no decoder (kv_free) runs without LoRA adapters")
+    if (spec.pooling_type != "LAST" or kv_free) and args.enable_prefix_caching:
         args = replace(args, enable_prefix_caching=False)
     if args.max_num_encoder_input_tokens is None:  # no decode steps to keep short: a step encodes all it can hold
         args = replace(args, max_num_encoder_input_tokens=args.encoder_cache_size or POOLING_ENCODER_BUDGET)
@@ -172,6 +188,8 @@ class PoolingRequests:
         seen: set[str] = set()
         for r in requests:
             check_pooling_params(r.params, self.spec, self.hidden_size)
+            if input_processor.dual_tower is not None:  # one text or one image, however the prompt was made
+                input_processor.dual_tower.check_prompt(r.processed.prompt_token_ids, r.processed.mm_features)
             if in_use(r.request_id) or r.request_id in self.open or r.request_id in seen:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)

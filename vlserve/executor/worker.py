@@ -23,6 +23,7 @@ from vlserve.pooling_params import PoolerSpec
 from vlserve.spec_decode import SpeculativeConfig, build_proposer
 from vlserve.worker.deferred_samples import StepHandle
 from vlserve.worker.encoder_only_runner import EncoderOnlyRunner
+from vlserve.worker.kv_free_runner import KvFreeRunner
 from vlserve.worker.kv_sizing import determine_num_kv_blocks
 from vlserve.worker.model_runner import ModelRunner
 from vlserve.worker.pooler import build_pooler
@@ -122,6 +123,13 @@ class Worker:
         if args.mm_encoder_only:  # an encode server: the towers only, no KV cache, nothing sampled
             self.runner = EncoderOnlyRunner(rank_model.model, rank_model.device, rank_model.dtype)
             return
+        if capabilities_of(rank_model.model).kv_free:  # no decoder, no KV cache: whole prompts pooled in one call
+            if settings.pooler is None:
+                raise ValueError("a model with no decoder only pools: runner='pooling' (--runner pooling)")
+            self.runner = KvFreeRunner(
+                rank_model.model, rank_model.device, rank_model.dtype, args.block_size, settings.pooler
+            )
+            return
         staged = pp_size() > 1  # a pipeline stage: eager for now (EngineArgs refuses a compilation level)
         # Drafts are proposed where tokens are sampled: the last stage (the n-gram proposer reads only token ids; the
         # scheduler hands its drafts to every stage in the next SchedulerOutput, the last stage verifies them).
@@ -172,6 +180,8 @@ class Worker:
         args = self.settings.args
         if args.mm_encoder_only:
             return 0  # an encode server holds no KV cache
+        if isinstance(self.runner, KvFreeRunner):  # block ids only, no memory behind them
+            return self.runner.num_blocks(args.num_kv_blocks, args.max_num_seqs, self.settings.max_model_len)
         return determine_num_kv_blocks(
             self.runner,
             num_kv_blocks=args.num_kv_blocks,

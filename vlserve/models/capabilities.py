@@ -42,12 +42,18 @@ class ModelCapabilities:
     """It can serve as an encode server: encoder parts and token embeddings only (`keep_encoder_parts`)."""
     pooling: bool = False
     """A pooling (embedding) model: no lm_head, no sampling (EAGLE drafting refuses it)."""
+    kv_free: bool = False
+    """It has no decoder and no KV cache: the pooling runner (`vlserve.worker.kv_free_runner`) computes each
+    request's result in one call once its whole prompt is scheduled, `pool_prompts(token_ids, spec)` ->
+    `[N, D]` float32 (each entry a whole prompt's ids `[T_i]`; the model pools as its family does, a classifier
+    returns its logits `[N, num_labels]` and no other head applies). No generation path may take it. Implies
+    `pooling`."""
     classifier_head: bool = False
     """A sequence classifier: `compute_logits` applies its `score` head (class logits), not an LM head."""
     dual_tower: bool = False
-    """A dual-tower (CLIP / SigLIP) embedder (vlserve.models.dual_tower): it has no decoder, KV cache nor
-    `embed_multimodal`; the pooling runner calls its `embed_text(input_ids, attention_mask)` or
-    `embed_image(pixel_values)` per request, and no generation path may take it. Implies `pooling`."""
+    """A dual-tower (CLIP / SigLIP) embedder (vlserve.models.dual_tower): a kv_free model whose requests are each
+    one text (`pool_prompts`) or one image (`embed_multimodal("image", ...)`: one embedding per image, the
+    encoder output of the request's one placeholder token). Implies `kv_free` and `modalities == ("image",)`."""
     image_token_id: int | None = None
     """From the config: the prompt's image placeholder token, before the processor expands it."""
     bidirectional_token_id: int | None = None
@@ -69,7 +75,11 @@ class ModelCapabilities:
         }
         wrong = [name for name, value in media_only.items() if value and not self.modalities]
         wrong += ["pipeline_parallel_refusal"] if self.pipeline_parallel and self.pipeline_parallel_refusal else []
-        wrong += ["dual_tower without pooling"] if self.dual_tower and not self.pooling else []
+        wrong += ["kv_free without pooling"] if self.kv_free and not self.pooling else []
+        wrong += ["dual_tower without kv_free"] if self.dual_tower and not self.kv_free else []
+        wrong += (
+            ["dual_tower with other media than images"] if self.dual_tower and self.modalities != ("image",) else []
+        )
         wrong += [f"lora_targets {t!r}" for t in self.lora_targets if t not in DECODER_LORA_TARGETS]
         wrong += [
             f"encoder_stage_counts[{m!r}]"

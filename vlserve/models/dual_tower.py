@@ -12,9 +12,14 @@ CLIP's tokenizer pads on the right and ends each text with its EOS token; SigLIP
 `max_length=text_config.max_position_embeddings` (`padding="max_length"`, as SigLIP was trained): its `head` pools
 the last position, padding included, so the padded length changes the embedding.
 
-These classes generate nothing: their capabilities say `pooling=True, dual_tower=True`, and the engine must route
-them to the pooling runner, never to the generation path (`forward` / `compute_logits` raise). They load through
-`vlserve.models.load_model` like every registered model.
+These classes generate nothing: their capabilities say `pooling=True, kv_free=True, dual_tower=True` and
+`modalities=("image",)`, and the engine serves them with the KV-free pooling runner (vlserve.worker.kv_free_runner),
+never the generation path (`forward` / `compute_logits` raise). Its two calls:
+
+    pool_prompts(token_ids: list of [T_i] int64, spec) -> [N, D] float32   (whole text prompts)
+    embed_multimodal("image", {"pixel_values": [N, 3, S, S]}) -> [N, D] float32   (one embedding per image)
+
+They load through `vlserve.models.load_model` like every registered model.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from vlserve.encoders.pooled_vision import ClipPooledVisionTower, SiglipPooledVi
 from vlserve.encoders.text_tower import ContrastiveTextTower, TextTowerConfig
 from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.capabilities import ModelCapabilities
+from vlserve.pooling_params import PoolerSpec
 
-DUAL_TOWER_CAPABILITIES = ModelCapabilities(pooling=True, dual_tower=True)
+DUAL_TOWER_CAPABILITIES = ModelCapabilities(modalities=("image",), pooling=True, kv_free=True, dual_tower=True)
 
 
 class DualTowerEmbedder(nn.Module):
@@ -42,6 +48,7 @@ class DualTowerEmbedder(nn.Module):
     text_model: ContrastiveTextTower
     vision_model: ClipPooledVisionTower
     _top_level_names: tuple[str, ...] = ()  # checkpoint names outside the two towers
+    pads_text_batches: bool = False  # whether texts of different lengths may share a batch (right-padded)
 
     @classmethod
     def capabilities_for(cls, hf_config) -> ModelCapabilities:
@@ -77,6 +84,50 @@ class DualTowerEmbedder(nn.Module):
         dtype = self.vision_model.post_layernorm.weight.dtype
         pooled = self.vision_model.pooled(pixel_values.to(dtype))  # [N, E]
         return self._project_image(pooled).float()
+
+    @torch.no_grad()
+    def pool_prompts(self, token_ids: list[torch.Tensor], spec: PoolerSpec | None = None) -> torch.Tensor:
+        """Whole text prompts (each `[T_i]` int64, as the family's tokenizer makes them) -> their embeddings `[N, D]`
+        float32, unnormalized (the kv_free pooling call; the family pools, `spec` changes nothing). Prompts of one
+        length run as one batch; `pads_text_batches` families (CLIP) also batch different lengths, padded on the
+        right under a mask."""
+        if not token_ids:
+            raise ValueError("pool_prompts needs at least one prompt")
+        device = self.text_model.embeddings.token_embedding.weight.device
+        groups: dict[int, list[int]] = {}  # length (0: all, padded) -> prompt indices
+        for i, ids in enumerate(token_ids):
+            if ids.dim() != 1 or ids.numel() == 0:
+                raise ValueError(f"each prompt must be a non-empty [T] tensor, got {tuple(ids.shape)}")
+            groups.setdefault(0 if self.pads_text_batches else ids.numel(), []).append(i)
+        out = torch.empty(len(token_ids), self.projection_dim, dtype=torch.float32, device=device)
+        for indices in groups.values():
+            rows = [token_ids[i].to(device=device, dtype=torch.long) for i in indices]
+            ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, T], 0 past each prompt
+            lengths = torch.tensor([r.numel() for r in rows], device=device)  # [B]
+            mask = (torch.arange(ids.shape[1], device=device)[None, :] < lengths[:, None]).long()  # [B, T]
+            out[indices] = self.embed_text(ids, mask)  # [B, D]
+        return out
+
+    def embed_multimodal(self, modality: str, data: dict) -> torch.Tensor:
+        """The encoder path's call: images (`data["pixel_values"] [N, 3, S, S]`) -> `[N, D]` float32, one
+        embedding per image (`embed_image`); ValueError for any other modality."""
+        if modality != "image":
+            raise ValueError(f"{type(self).__name__} embeds texts and images, not {modality}")
+        return self.embed_image(data["pixel_values"])
+
+    @classmethod
+    def text_padding_length(cls, hf_config) -> int | None:
+        """The length the family's tokenizer pads each text to (None: no padding)."""
+        return None
+
+    @classmethod
+    def check_text_ids(cls, hf_config, token_ids: list[int]) -> None:
+        """ValueError when a text prompt's ids are not what this family embeds (the front end's check)."""
+        limit, vocab = hf_config.text_config.max_position_embeddings, hf_config.text_config.vocab_size
+        if not token_ids or len(token_ids) > limit:
+            raise ValueError(f"a text prompt must have 1 to {limit} tokens, got {len(token_ids)}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
 
     @torch.no_grad()
     def similarity(self, text_embeds: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
@@ -137,6 +188,16 @@ class CLIPDualTower(DualTowerEmbedder):
 
     capabilities = DUAL_TOWER_CAPABILITIES
     _top_level_names = ("text_projection.weight", "visual_projection.weight", "logit_scale")
+    pads_text_batches = True  # causal, pooled at the EOS token: right padding under a mask changes nothing
+
+    @classmethod
+    def check_text_ids(cls, hf_config, token_ids: list[int]) -> None:
+        """As the base's, and the ids must hold the EOS token CLIP pools at (unless the config has the legacy
+        eos_token_id 2, pooled at the largest id)."""
+        super().check_text_ids(hf_config, token_ids)
+        eos = hf_config.text_config.eos_token_id
+        if eos != 2 and eos not in token_ids:
+            raise ValueError(f"a CLIP text prompt must contain the EOS token {eos} (the tokenizer adds it)")
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -183,6 +244,12 @@ class SiglipDualTower(DualTowerEmbedder):
 
     capabilities = DUAL_TOWER_CAPABILITIES
     _top_level_names = ("logit_scale", "logit_bias")
+    pads_text_batches = False  # pools the last position: a padded batch would pool padding
+
+    @classmethod
+    def text_padding_length(cls, hf_config) -> int | None:
+        """`max_position_embeddings`: texts are padded to it (`padding="max_length"`, as SigLIP was trained)."""
+        return hf_config.text_config.max_position_embeddings
 
     def __init__(self, config) -> None:
         super().__init__()
