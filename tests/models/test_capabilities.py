@@ -33,7 +33,7 @@ def test_every_registered_class_states_its_capabilities(arch):
     assert isinstance(caps, ModelCapabilities), f"{cls.__name__} does not state its own ModelCapabilities"
     assert stated_capabilities(cls) is caps
     assert caps.multimodal == issubclass(cls, MultiModalLM)
-    assert caps.pooling == caps.dual_tower  # every model here generates, except the dual-tower embedders
+    assert caps.pooling == (caps.dual_tower or caps.kv_free)  # all generate, but dual-tower and encoder-only ones
     implements = {
         "mrope": "get_mrope_input_positions",
         "pipeline_parallel": "on_other_stage",

@@ -46,6 +46,8 @@ class ModelCapabilities:
     """A dual-tower (CLIP / SigLIP) embedder (vlserve.models.dual_tower): it has no decoder, KV cache nor
     `embed_multimodal`; the pooling runner calls its `embed_text(input_ids, attention_mask)` or
     `embed_image(pixel_values)` per request, and no generation path may take it. Implies `pooling`."""
+    kv_free: bool = False
+    """An encoder-only pooling model (BERT): no KV cache; the pooling runner calls its `pool_prompts(token_ids, spec)`."""
     image_token_id: int | None = None
     """From the config: the prompt's image placeholder token, before the processor expands it."""
     bidirectional_token_id: int | None = None
