@@ -119,7 +119,7 @@ def test_text_pair_token_types_match_the_tokenizer(cross_encoder):
     assert sep_token_id_of(AutoConfig.from_pretrained(cross_encoder)) == tokenizer.sep_token_id
     encodings = [tokenizer(q, d) for q, d in PAIRS] + [tokenizer(t) for t in TEXTS]
     ids = [torch.tensor(e["input_ids"]) for e in encodings]
-    segments = Segments(ids, tokenizer.sep_token_id, 2, "cpu")
+    segments = Segments(ids, tokenizer.sep_token_id, 2)
     assert segments.token_types.tolist() == [t for e in encodings for t in e["token_type_ids"]]
     assert any(t == 1 for e in encodings for t in e["token_type_ids"])  # the pairs do have a second segment
 

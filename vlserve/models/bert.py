@@ -76,26 +76,36 @@ def check_bert_config(config) -> None:
 
 
 class Segments:
-    """The prompts of one call as rows of one batch: `bounds` (prompt i is rows bounds[i]:bounds[i+1]),
-    `cu_seqlens [N+1]` int32 and per row its position and token type `[R]` int64, on `device`."""
+    """The prompts of one call as rows of one batch (on the CPU until `to(device)`): `ids [R]` (the prompts
+    concatenated), per row its position and token type `[R]` int64; `bounds` (prompt i is rows
+    bounds[i]:bounds[i+1]), `cu_seqlens [N+1]` int32, `lengths [N]`, `first_rows` / `last_rows [N]`."""
 
-    def __init__(self, token_ids: list[torch.Tensor], sep_token_id: int, type_vocab_size: int, device) -> None:
-        lengths = [int(t.numel()) for t in token_ids]
-        self.bounds = [0]
-        for n in lengths:
-            self.bounds.append(self.bounds[-1] + n)
-        self.max_len = max(lengths)
-        self.cu_seqlens = torch.tensor(self.bounds, dtype=torch.int32, device=device)
-        self.positions = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [R]
-        types = []
-        for ids in token_ids:
-            is_sep = ids.cpu() == sep_token_id  # [T]
-            before = torch.cumsum(is_sep.long(), 0) - is_sep.long()  # [SEP]s strictly before each token
-            types.append((before > 0).long())  # [T]: 0 up to and including the first [SEP], 1 after
-        self.token_types = torch.cat(types).clamp_(max=type_vocab_size - 1).to(device)  # [R]
-        self.lengths = torch.tensor(lengths, device=device)  # [N]
+    def __init__(self, token_ids: list[torch.Tensor], sep_token_id: int, type_vocab_size: int) -> None:
+        lengths = torch.tensor([int(t.numel()) for t in token_ids])  # [N]
+        ids = torch.cat([t.cpu().long() for t in token_ids])  # [R]
+        self.bounds = [0] + torch.cumsum(lengths, 0).tolist()
+        self.max_len = int(lengths.max())
+        starts = torch.tensor(self.bounds[:-1]).repeat_interleave(lengths)  # [R]: each row's prompt start
+        is_sep = (ids == sep_token_id).long()
+        seps_before = torch.cumsum(is_sep, 0) - is_sep  # [R]: [SEP]s strictly before each row, whole batch
+        seps_before = seps_before - seps_before[starts]  # ... within its own prompt
+        # 0 up to and including the first [SEP], 1 after
+        token_types = (seps_before > 0).long().clamp_(max=type_vocab_size - 1)
+        self.ids = ids
+        self.positions = torch.arange(len(ids)) - starts  # [R]
+        self.token_types = token_types
+        self.cu_seqlens = torch.tensor(self.bounds, dtype=torch.int32)  # [N+1]
+        self.lengths = lengths
         self.first_rows = self.cu_seqlens[:-1].long()  # [N]
         self.last_rows = self.cu_seqlens[1:].long() - 1  # [N]
+
+    _TENSORS = ("ids", "positions", "token_types", "cu_seqlens", "lengths", "first_rows", "last_rows")
+
+    def to(self, device) -> Segments:
+        """Move every tensor to `device` (in place); returns self."""
+        for name in self._TENSORS:
+            setattr(self, name, getattr(self, name).to(device))
+        return self
 
 
 class BertEmbeddings(nn.Module):
@@ -239,15 +249,14 @@ class BertTrunk(nn.Module):
                 raise ValueError(
                     f"a prompt of {ids.numel()} tokens exceeds the {cfg.max_position_embeddings} positions"
                 )
-            if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
-        device = self.embeddings.word_embeddings.weight.device
-        return Segments(list(token_ids), sep_token_id, cfg.type_vocab_size, device)
+        segments = Segments(list(token_ids), sep_token_id, cfg.type_vocab_size)
+        if int(segments.ids.min()) < 0 or int(segments.ids.max()) >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+        return segments.to(self.embeddings.word_embeddings.weight.device)
 
-    def forward(self, token_ids: list[torch.Tensor], segments: Segments) -> torch.Tensor:
+    def forward(self, segments: Segments) -> torch.Tensor:
         """The prompts' last hidden states `[R, E]` (rows laid out by `segments`)."""
-        ids = torch.cat([t.long() for t in token_ids]).to(segments.positions.device)  # [R]
-        return self.encoder(self.embeddings(ids, segments), segments)
+        return self.encoder(self.embeddings(segments.ids, segments), segments)
 
 
 def pool_rows(hidden: torch.Tensor, segments: Segments, pooling_type: str) -> torch.Tensor:
@@ -334,7 +343,7 @@ class BertEmbeddingModel(_BertPoolingModel):
     def pool_prompts(self, token_ids: list[torch.Tensor], spec: PoolerSpec) -> torch.Tensor:
         """One embedding per prompt `[N, E]` float32 (unnormalized; the front end normalizes as PoolingParams say)."""
         segments = self.bert.segments(token_ids, self.sep_token_id)
-        return pool_rows(self.bert(token_ids, segments), segments, spec.pooling_type)
+        return pool_rows(self.bert(segments), segments, spec.pooling_type)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -369,7 +378,7 @@ class BertForSequenceClassification(_BertPoolingModel):
     def pool_prompts(self, token_ids: list[torch.Tensor], spec: PoolerSpec) -> torch.Tensor:
         """The classifier's logits per prompt `[N, num_labels]` float32 (before any activation)."""
         segments = self.bert.segments(token_ids, self.sep_token_id)
-        pooled = pool_rows(self.bert(token_ids, segments), segments, spec.pooling_type)  # [N, E]
+        pooled = pool_rows(self.bert(segments), segments, spec.pooling_type)  # [N, E]
         dtype = self.classifier.bias.dtype
         return self.classifier(self.bert.pooler(pooled.to(dtype))).float()
 
