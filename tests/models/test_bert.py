@@ -20,6 +20,8 @@ from vlserve.pooling_params import PoolerSpec
 
 pytestmark = pytest.mark.hf_parity
 
+CLASSIFY = PoolerSpec("CLS", False, "classify")  # what the engine resolves for a BERT cross-encoder
+
 
 @pytest.fixture(scope="module", params=["mean", "cls"])
 def embedder(request, tmp_path_factory):
@@ -135,7 +137,7 @@ def test_cross_encoder_logits_match_hf(cross_encoder):
         ref = hf(**batch).logits  # [N, 1]
     assert ref.std().item() > 0.05  # the pairs score differently
     model = _load(cross_encoder)
-    ours = model.pool_prompts(_pair_ids(tokenizer, PAIRS), PoolerSpec("CLS", False, "classify"))
+    ours = model.pool_prompts(_pair_ids(tokenizer, PAIRS), CLASSIFY)
     assert ours.shape == (len(PAIRS), 1) and ours.dtype == torch.float32
     assert (ours - ref).abs().max().item() <= 1e-4
 
@@ -146,15 +148,31 @@ def test_cross_encoder_scores_match_sentence_transformers(cross_encoder):
     ref = torch.from_numpy(CrossEncoder(cross_encoder, device="cpu").predict(PAIRS, batch_size=len(PAIRS)))  # [N]
     model = _load(cross_encoder)
     pack_linears_for_cpu(model, many_rows=model.encoder_parts())
-    logits = model.pool_prompts(_pair_ids(AutoTokenizer.from_pretrained(cross_encoder), PAIRS), PoolerSpec("CLS"))
+    logits = model.pool_prompts(_pair_ids(AutoTokenizer.from_pretrained(cross_encoder), PAIRS), CLASSIFY)
     scores = torch.sigmoid(logits[:, 0])  # CrossEncoder's default activation for one label
     assert (scores - ref.float()).abs().max().item() <= 1e-4
     bf16 = _load(cross_encoder, "bfloat16")
     pack_linears_for_cpu(bf16, many_rows=bf16.encoder_parts())
     low = torch.sigmoid(
-        bf16.pool_prompts(_pair_ids(AutoTokenizer.from_pretrained(cross_encoder), PAIRS), PoolerSpec("CLS"))[:, 0]
+        bf16.pool_prompts(_pair_ids(AutoTokenizer.from_pretrained(cross_encoder), PAIRS), CLASSIFY)[:, 0]
     )
     assert (low - ref.float()).abs().max().item() <= 1e-2
+
+
+def test_classifier_embeds_and_embedder_refuses_classify(cross_encoder, embedder):
+    """A cross-encoder asked to embed (convert="embed") gives its pooled last hidden states; an embedder has no
+    classifier head to classify with."""
+    from transformers import BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(cross_encoder)
+    trunk = BertModel.from_pretrained(cross_encoder, dtype=torch.float32).eval()  # the classifier's `bert.*`
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        ref = trunk(**batch).last_hidden_state[:, 0]  # [N, E]
+    ours = _load(cross_encoder).pool_prompts(_ids(tokenizer, TEXTS), PoolerSpec("CLS", True, "embed"))
+    assert_close_rows(ours, ref, 0.9999, 1e-4)
+    with pytest.raises(ValueError, match="no classifier head"):
+        _load(embedder[0]).pool_prompts(_ids(tokenizer, TEXTS), CLASSIFY)
 
 
 def test_several_labels_match_hf(tmp_path):
@@ -166,14 +184,14 @@ def test_several_labels_match_hf(tmp_path):
     batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         ref = hf(**batch).logits  # [N, 3]
-    ours = _load(path).pool_prompts(_ids(tokenizer, TEXTS), PoolerSpec("CLS", False, "classify"))
+    ours = _load(path).pool_prompts(_ids(tokenizer, TEXTS), CLASSIFY)
     assert ours.shape == (len(TEXTS), 3)
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
 def test_bad_prompts_are_refused(cross_encoder):
     model = _load(cross_encoder)
-    spec = PoolerSpec("CLS", False, "classify")
+    spec = CLASSIFY
     ok = torch.tensor([2, 10, 3])
     cases = {
         "non-empty list": [],
@@ -185,8 +203,10 @@ def test_bad_prompts_are_refused(cross_encoder):
     for message, prompts in cases.items():
         with pytest.raises(ValueError, match=message):
             model.pool_prompts(prompts, spec)
-    with pytest.raises(ValueError, match="pools CLS, MEAN or LAST"):
+    with pytest.raises(ValueError, match="pools CLS, MEAN, LAST"):
         model.pool_prompts([ok], PoolerSpec("ALL", False, "classify"))
+    with pytest.raises(ValueError, match="no language-model head"):
+        model.pool_prompts([ok], PoolerSpec("CLS", False, "classify", (5, 6)))
     with pytest.raises(TypeError, match="pool_prompts"):
         model(ok)
 

@@ -259,6 +259,20 @@ class BertTrunk(nn.Module):
         return self.encoder(self.embeddings(segments.ids, segments), segments)
 
 
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+
+
+def check_spec(spec: PoolerSpec, model_name: str, has_classifier: bool) -> None:
+    """ValueError for a pooler spec a BERT model cannot serve: ALL pooling, LM-head rows (`classifier_token_ids`:
+    BERT has no LM head), or task classify without a classifier head."""
+    if spec.pooling_type not in POOLING_TYPES:
+        raise ValueError(f"a BERT encoder pools {', '.join(POOLING_TYPES)}, not {spec.pooling_type!r}")
+    if spec.classifier_token_ids:
+        raise ValueError(f"{model_name} has no language-model head to score with classifier_from_token")
+    if spec.task == "classify" and not has_classifier:
+        raise ValueError(f"{model_name} has no classifier head: serve a BertForSequenceClassification checkpoint")
+
+
 def pool_rows(hidden: torch.Tensor, segments: Segments, pooling_type: str) -> torch.Tensor:
     """`hidden [R, E]` -> one float32 row per prompt `[N, E]`: its first token (CLS), the mean of its tokens
     (MEAN) or its last token (LAST); ValueError for ALL or anything else."""
@@ -273,7 +287,7 @@ def pool_rows(hidden: torch.Tensor, segments: Segments, pooling_type: str) -> to
         sums = torch.zeros(len(segments.bounds) - 1, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, prompt_of_row, hidden.float())  # [N, E]
         return sums / segments.lengths[:, None].float()
-    raise ValueError(f"a BERT encoder pools CLS, MEAN or LAST, not {pooling_type!r}")
+    raise ValueError(f"a BERT encoder pools {', '.join(POOLING_TYPES)}, not {pooling_type!r}")
 
 
 def load_named(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> None:
@@ -341,7 +355,9 @@ class BertEmbeddingModel(_BertPoolingModel):
 
     @torch.no_grad()
     def pool_prompts(self, token_ids: list[torch.Tensor], spec: PoolerSpec) -> torch.Tensor:
-        """One embedding per prompt `[N, E]` float32 (unnormalized; the front end normalizes as PoolingParams say)."""
+        """One embedding per prompt `[N, E]` float32 (unnormalized; the front end normalizes as PoolingParams say);
+        ValueError for a spec it cannot serve (`check_spec`) or bad ids."""
+        check_spec(spec, type(self).__name__, has_classifier=False)
         segments = self.bert.segments(token_ids, self.sep_token_id)
         return pool_rows(self.bert(segments), segments, spec.pooling_type)
 
@@ -376,9 +392,13 @@ class BertForSequenceClassification(_BertPoolingModel):
 
     @torch.no_grad()
     def pool_prompts(self, token_ids: list[torch.Tensor], spec: PoolerSpec) -> torch.Tensor:
-        """The classifier's logits per prompt `[N, num_labels]` float32 (before any activation)."""
+        """Task classify: the classifier's logits per prompt `[N, num_labels]` float32 (before any activation);
+        task embed: the pooled last hidden states `[N, E]`. ValueError for a spec it cannot serve or bad ids."""
+        check_spec(spec, type(self).__name__, has_classifier=True)
         segments = self.bert.segments(token_ids, self.sep_token_id)
         pooled = pool_rows(self.bert(segments), segments, spec.pooling_type)  # [N, E]
+        if spec.task != "classify":
+            return pooled
         dtype = self.classifier.bias.dtype
         return self.classifier(self.bert.pooler(pooled.to(dtype))).float()
 
