@@ -142,16 +142,9 @@ class BertSelfAttention(nn.Module):
         q = self.query(x).view(rows, self.num_heads, self.head_dim)  # [R, H, Hd]
         k = self.key(x).view(rows, self.num_heads, self.head_dim)
         v = self.value(x).view(rows, self.num_heads, self.head_dim)
-        out = varlen_attention(
-            q,
-            k,
-            v,
-            segments.cu_seqlens,
-            self.head_dim**-0.5,
-            max_seqlen=segments.max_len,
-            cu_seqlens_cpu=segments.bounds,
-        )  # [R, H, Hd]
-        return out.reshape(rows, -1)
+        bounds, scale = segments.bounds, self.head_dim**-0.5
+        out = varlen_attention(q, k, v, segments.cu_seqlens, scale, max_seqlen=segments.max_len, cu_seqlens_cpu=bounds)
+        return out.reshape(rows, -1)  # [R, H, Hd] -> [R, E]
 
 
 class BertDenseNorm(nn.Module):
@@ -345,10 +338,6 @@ class BertEmbeddingModel(_BertPoolingModel):
         self.sep_token_id = sep_token_id_of(config)
         self.bert = BertTrunk(config, with_pooler=False)
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
     def encoder_parts(self) -> list[nn.Module]:
         """`bert`: every prompt token is a row (`pack_linears_for_cpu(model, many_rows=model.encoder_parts())`)."""
         return [self.bert]
@@ -381,10 +370,6 @@ class BertForSequenceClassification(_BertPoolingModel):
         self.sep_token_id = sep_token_id_of(config)
         self.bert = BertTrunk(config, with_pooler=True)
         self.classifier = PackableLinear(config.hidden_size, config.num_labels)
-
-    @property
-    def num_labels(self) -> int:
-        return self.classifier.out_features
 
     def encoder_parts(self) -> list[nn.Module]:
         """`bert`: every prompt token is a row (`pack_linears_for_cpu(model, many_rows=model.encoder_parts())`)."""
