@@ -7,15 +7,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from vlserve.engine.engine_loop import NewRequest
 from vlserve.engine.input_processor import ProcessedPrompt
+from vlserve.engine.scoring import is_dual_tower, plan_scores, process_score_prompt, scores_from_outputs
 from vlserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
-    ScoringOutput,
     ScoringRequestOutput,
 )
 from vlserve.pooling_params import PoolingParams
@@ -53,42 +51,24 @@ class PoolingCalls:
 
     def score(
         self,
-        data_1: str | list[str],
-        data_2: str | list[str],
+        data_1: Any,
+        data_2: Any,
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
         lora_request=None,
     ) -> list[ScoringRequestOutput]:
-        """Score query / document pairs: one query against many documents, or pairwise lists of equal length. A
-        classifier scores each pair tokenized together (the tokenizer's text pair); an embedder, the cosine of
-        the two embeddings. `.outputs.score` per pair."""
-        queries = [data_1] if isinstance(data_1, str) else list(data_1)
-        docs = [data_2] if isinstance(data_2, str) else list(data_2)
-        if len(queries) == 1:
-            queries = queries * len(docs)
-        if len(queries) != len(docs) or not docs:
-            raise ValueError(f"score needs one query or as many as documents, got {len(queries)} and {len(docs)}")
-        if not all(isinstance(t, str) for t in queries + docs):
-            raise ValueError("score takes strings (or lists of strings)")
+        """Score query / document pairs: one query against many documents, or pairwise lists of equal length.
+        Each side is a string, a list of strings, or vLLM's multimodal inputs (`{"content": [parts]}`, or a list
+        mixing strings and such dicts); see `vlserve.engine.scoring`. A classifier scores each pair pooled together
+        (two strings as the tokenizer's text pair, else one chat message: the query's parts then the document's);
+        an embedder, the cosine of the two embeddings. `.outputs.score` per pair."""
         if isinstance(pooling_params, (list, tuple)):
             raise ValueError("score takes one PoolingParams for every pair")
-        tasks = self.engine.pooling_tasks
-        if "score" not in tasks and "embed" not in tasks:
-            raise ValueError(f"this engine does not score; it serves {sorted(tasks) or 'generation'}")
-        if "embed" in tasks:
-            embeds = self.embed(queries + docs, pooling_params, use_tqdm, lora_request)
-            vectors = torch.tensor([e.outputs.embedding for e in embeds])  # [2N, D]
-            q, d = vectors[: len(docs)], vectors[len(docs) :]
-            scores = torch.nn.functional.cosine_similarity(q, d, dim=-1).tolist()
-            ids = [e.prompt_token_ids + f.prompt_token_ids for e, f in zip(embeds[: len(docs)], embeds[len(docs) :])]
-            return [ScoringRequestOutput(str(i), ScoringOutput(s), t) for i, (s, t) in enumerate(zip(scores, ids))]
-        params = _params_for(pooling_params, "score", len(queries))
-        processed = [ProcessedPrompt(None, self.tokenizer(q, d)["input_ids"], []) for q, d in zip(queries, docs)]
-        outs = self._run_pooling(processed, params, use_tqdm, lora_request)
-        return [
-            ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[-1])), o.prompt_token_ids)
-            for o in outs
-        ]
+        plan = plan_scores(data_1, data_2, self.engine.pooling_tasks)
+        dual_tower = is_dual_tower(self.input_processor.loaded.hf_config)
+        processed = [process_score_prompt(self.input_processor, p, dual_tower=dual_tower) for p in plan.prompts]
+        params = _params_for(pooling_params, plan.task, len(processed))
+        return scores_from_outputs(plan, self._run_pooling(processed, params, use_tqdm, lora_request))
 
     def _run_pooling(
         self, processed: list[ProcessedPrompt], params: list[PoolingParams], use_tqdm: bool, lora_request=None

@@ -490,6 +490,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+    tasks: list[str] | None = None  # what the server serves: ["generate"] or the pooling tasks (serving_pooling)
 
 
 class ModelList(BaseModel):

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (and GET / DELETE
 /v1/responses/{id}; see api/responses/), GET /v1/models, GET /health, GET /version, GET /metrics,
-POST /tokenize and /detokenize (serving_tokenize.py), and the playground page (GET /, /playground; see
+POST /tokenize and /detokenize (serving_tokenize.py), the pooling endpoints (POST /v1/embeddings, /pooling,
+/v1/score, /v1/rerank; serving_pooling.py), and the playground page (GET /, /playground; see
 playground.py) unless `playground` is off.
 """
 
@@ -31,6 +32,7 @@ from vlserve.api.responses import DEFAULT_STORE_SIZE, install_responses_routes
 from vlserve.api.serving_base import ServedModels
 from vlserve.api.serving_chat import OpenAIServingChat
 from vlserve.api.serving_completion import OpenAIServingCompletion
+from vlserve.api.serving_pooling import install_pooling_routes
 from vlserve.api.serving_tokenize import install_tokenize_routes
 from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.async_llm import AsyncLLM
@@ -172,6 +174,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="vlserve", version=__version__, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.models = engine, metrics, models
     install_error_handlers(app)
+    install_pooling_routes(app, chat, models)  # before the gate: its middleware must sit inside the gate's
     app.add_middleware(_GateMiddleware, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
 
     @app.get("/health")

@@ -31,6 +31,7 @@ class ServedModels:
     root: str
     max_model_len: int
     loras: dict[str, Any] = field(default_factory=dict)
+    tasks: list[str] | None = None  # on every card: ["generate"] or the pooling tasks (api/serving_pooling.py)
     _last_lora_id: int = 0
 
     def check(self, model: str | None) -> str:
@@ -52,9 +53,13 @@ class ServedModels:
         return self._last_lora_id
 
     def list(self) -> ModelList:
-        cards = [ModelCard(id=n, root=self.root, max_model_len=self.max_model_len) for n in self.names]
+        cards = [
+            ModelCard(id=n, root=self.root, max_model_len=self.max_model_len, tasks=self.tasks) for n in self.names
+        ]
         cards += [
-            ModelCard(id=name, root=lora.lora_path, parent=self.names[0], max_model_len=self.max_model_len)
+            ModelCard(
+                id=name, root=lora.lora_path, parent=self.names[0], max_model_len=self.max_model_len, tasks=self.tasks
+            )
             for name, lora in self.loras.items()
         ]
         return ModelList(data=cards)

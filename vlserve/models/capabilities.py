@@ -42,6 +42,8 @@ class ModelCapabilities:
     """It can serve as an encode server: encoder parts and token embeddings only (`keep_encoder_parts`)."""
     pooling: bool = False
     """A pooling (embedding) model: no lm_head, no sampling (EAGLE drafting refuses it)."""
+    classifier_head: bool = False
+    """A sequence classifier: `compute_logits` applies its `score` head (class logits), not an LM head."""
     dual_tower: bool = False
     """A dual-tower (CLIP / SigLIP) embedder (vlserve.models.dual_tower): it has no decoder, KV cache nor
     `embed_multimodal`; the pooling runner calls its `embed_text(input_ids, attention_mask)` or

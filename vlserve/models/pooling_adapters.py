@@ -5,6 +5,7 @@ token's) hidden state."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -51,16 +52,16 @@ class _ScoreHead:
 class LlamaForSequenceClassification(_ScoreHead, LlamaForCausalLM):
     """Llama decoder + `score`."""
 
-    capabilities = LlamaForCausalLM.capabilities
+    capabilities = replace(LlamaForCausalLM.capabilities, classifier_head=True)
 
 
 class Qwen2ForSequenceClassification(_ScoreHead, Qwen2ForCausalLM):
     """Qwen2 decoder + `score`."""
 
-    capabilities = Qwen2ForCausalLM.capabilities
+    capabilities = replace(Qwen2ForCausalLM.capabilities, classifier_head=True)
 
 
 class Qwen3ForSequenceClassification(_ScoreHead, Qwen3ForCausalLM):
     """Qwen3 decoder + `score`."""
 
-    capabilities = Qwen3ForCausalLM.capabilities
+    capabilities = replace(Qwen3ForCausalLM.capabilities, classifier_head=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vlserve.models.capabilities import capabilities_of
 from vlserve.pooling_params import PoolerSpec
 
 
@@ -92,7 +93,7 @@ def build_pooler(model: torch.nn.Module, spec: PoolerSpec, dtype: torch.dtype) -
         return Pooler(spec)
     if spec.classifier_token_ids:
         return Pooler(spec, LogitsHead(model, dtype, spec.classifier_token_ids))
-    if getattr(model, "score", None) is None:
+    if not capabilities_of(model).classifier_head:
         raise ValueError(
             "this model has no classifier head: serve a *ForSequenceClassification checkpoint, or give "
             'pooler_config classifier_from_token (LM-head rows, e.g. ["no", "yes"])'
