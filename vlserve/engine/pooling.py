@@ -31,11 +31,29 @@ _ST_POOLING_MODES = {
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_cls_token": "CLS",
 }
+# sentence-transformers 6 writes one `pooling_mode` string instead of the boolean keys above
+_ST_POOLING_MODE_NAMES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+
+
+def _st_pooling_type(config: dict, config_file: str) -> str:
+    """The pooling type a sentence-transformers Pooling config names (either layout); ValueError for another mode."""
+    if "pooling_mode" in config:
+        mode = config["pooling_mode"]
+        if mode not in _ST_POOLING_MODE_NAMES:
+            raise ValueError(
+                f"{config_file}: pooling_mode must be one of {sorted(_ST_POOLING_MODE_NAMES)}, got {mode!r}"
+            )
+        return _ST_POOLING_MODE_NAMES[mode]
+    modes = [name for key, name in _ST_POOLING_MODES.items() if config.get(key)]
+    if len(modes) != 1:
+        raise ValueError(f"{config_file}: exactly one of {sorted(_ST_POOLING_MODES)} must be true")
+    return modes[0]
 
 
 def sentence_transformers_pooling(model_path: str) -> tuple[str | None, bool | None]:
     """(pooling type, normalize) from the checkpoint's sentence-transformers `modules.json` and its Pooling
-    module's `config.json`; (None, None) when it has none."""
+    module's `config.json` (the module types of sentence-transformers 2-5, `...models.Pooling`, and 6,
+    `...modules.pooling.Pooling`); (None, None) when it has none."""
     modules_file = os.path.join(model_path, "modules.json")
     if not os.path.isfile(modules_file):
         return None, None
@@ -43,25 +61,22 @@ def sentence_transformers_pooling(model_path: str) -> tuple[str | None, bool | N
         modules = json.load(f)
     pooling_type, normalize = None, False
     for module in modules:
-        kind = module.get("type", "")
-        if kind.endswith("models.Normalize"):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Normalize":
             normalize = True
-        elif kind.endswith("models.Pooling"):
+        elif kind == "Pooling":
             config_file = os.path.join(model_path, module.get("path", ""), "config.json")
             if os.path.isfile(config_file):
                 with open(config_file) as f:
-                    config = json.load(f)
-                modes = [name for key, name in _ST_POOLING_MODES.items() if config.get(key)]
-                if len(modes) != 1:
-                    raise ValueError(f"{config_file}: exactly one of {sorted(_ST_POOLING_MODES)} must be true")
-                pooling_type = modes[0]
+                    pooling_type = _st_pooling_type(json.load(f), config_file)
     return pooling_type, normalize
 
 
 def resolve_pooler_spec(args: EngineArgs, hf_config, tokenizer, model_path: str) -> PoolerSpec | None:
-    """The engine's pooler, or None for a generation engine. `runner="auto"` pools when `convert` asks for it or
-    the architecture is a `*ForSequenceClassification`; settings come from the checkpoint's sentence-transformers
-    files, then `pooler_config`."""
+    """The engine's pooler, or None for a generation engine. `runner="auto"` pools when `convert` asks for it, the
+    architecture is a `*ForSequenceClassification` or the model is encoder-only (`kv_free`: BERT); settings come
+    from `pooler_config`, then the checkpoint's sentence-transformers files, then the default pooling (CLS for an
+    encoder-only model, else LAST)."""
     arch = architectures_of(hf_config)[0][0]
     classification_arch = arch.endswith("ForSequenceClassification")
     caps = model_capabilities(get_model_class(hf_config), hf_config)
@@ -85,7 +100,7 @@ def resolve_pooler_spec(args: EngineArgs, hf_config, tokenizer, model_path: str)
             "(no pooler_config pooling_type)"
         )
     st_type, st_normalize = sentence_transformers_pooling(model_path)
-    pooling_type = config.pooling_type or st_type or "LAST"
+    pooling_type = config.pooling_type or st_type or ("CLS" if caps.kv_free and not caps.dual_tower else "LAST")
     default_normalize = task == "embed" and (st_normalize if st_normalize is not None else True)
     normalize = config.normalize if config.normalize is not None else default_normalize
     token_ids: tuple[int, ...] = ()

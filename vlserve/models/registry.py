@@ -33,6 +33,9 @@ _REGISTRY: dict[str, type | str] = {
     # dual-tower embedders (capabilities.dual_tower): served by the pooling runner only
     "CLIPModel": "vlserve.models.dual_tower:CLIPDualTower",
     "SiglipModel": "vlserve.models.dual_tower:SiglipDualTower",
+    # encoder-only pooling models (capabilities.kv_free): served by the pooling runner only
+    "BertModel": "vlserve.models.bert:BertEmbeddingModel",
+    "BertForSequenceClassification": "vlserve.models.bert:BertForSequenceClassification",
 }
 
 
