@@ -62,3 +62,21 @@ def test_image_chat_openai(demo_server):
     assert got and all(got.values()), out
     streamed = out.split("streamed: ", 1)[1].strip()
     assert streamed == next(iter(got.values())), "the streamed reply equals the non-streamed one"
+
+
+def test_image_search_offline_and_through_the_server():
+    from tests.api.conftest import start_server
+    from vlserve.config import EngineArgs
+
+    offline = run_example("image_search.py")
+    ranks = re.findall(r"^\d\. ([+-][\d.]+)  picture (\d): (.*)$", offline, re.M)
+    assert len(ranks) == 5 and sorted(int(i) for _, i, _ in ranks) == list(range(5)), offline
+    assert [float(s) for s, _, _ in ranks] == sorted((float(s) for s, _, _ in ranks), reverse=True)
+    served = start_server(EngineArgs(model=None, runner="pooling", convert="embed"))
+    try:
+        online = run_example("image_search.py", "--server", served.base_url)
+    finally:
+        served.close()
+    online_ranks = re.findall(r"^\d\. ([+-][\d.]+)  picture (\d): (.*)$", online, re.M)
+    assert [i for _, i, _ in online_ranks] == [i for _, i, _ in ranks], "/v1/rerank ranks as LLM.score does"
+    assert all(abs(float(a) - float(b)) < 1e-3 for (a, _, _), (b, _, _) in zip(online_ranks, ranks))
