@@ -72,25 +72,29 @@ def text_attention_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Ten
 @dataclass
 class TextRows:
     """The rows of a padded `[B, T]` batch the tower computes: linears, norms and MLPs run on those rows only
-    (`[R, E]`); attention scatters them into the padded layout and attends under `mask`."""
+    (`[R, E]`); attention scatters q / k / v into the padded layout and attends under `mask`."""
 
     batch: int  # B
     num_tokens: int  # T
     flat_rows: torch.Tensor | None  # [R] int64: b * T + t of each computed row, in order; None = all B * T rows
     mask: torch.Tensor  # [B, 1, T, T] bool (text_attention_mask)
+    # [3, B*T, C]: q / k / v in the padded layout, zero but for the computed rows (which every layer overwrites)
+    padded: torch.Tensor | None = None
 
-    def to_padded(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows [R, C]` -> `[B, T, C]`, zeros where no row was computed."""
+    def to_padded(self, rows: torch.Tensor, slot: int) -> torch.Tensor:
+        """`rows [R, C]` (slot 0 / 1 / 2: q / k / v) -> `[B, T, C]`, zeros where no row was computed."""
         if self.flat_rows is None:
             return rows.view(self.batch, self.num_tokens, -1)
-        full = rows.new_zeros(self.batch * self.num_tokens, rows.shape[1])  # [B*T, C]
-        full.index_copy_(0, self.flat_rows, rows)
+        if self.padded is None:
+            self.padded = rows.new_zeros(3, self.batch * self.num_tokens, rows.shape[1])
+        full = self.padded[slot].index_copy_(0, self.flat_rows, rows)  # [B*T, C]
         return full.view(self.batch, self.num_tokens, -1)
 
     def from_padded(self, padded: torch.Tensor) -> torch.Tensor:
-        """`[B, T, C]` -> the computed rows `[R, C]`."""
-        flat = padded.reshape(self.batch * self.num_tokens, -1)  # [B*T, C]
-        return flat if self.flat_rows is None else flat.index_select(0, self.flat_rows)
+        """`[B, T, ...]` (any strides) -> the computed rows `[R, ...]`."""
+        if self.flat_rows is None:
+            return padded.flatten(0, 1)
+        return padded[self.flat_rows // self.num_tokens, self.flat_rows % self.num_tokens]
 
 
 class TextAttention(VitAttention):
@@ -102,15 +106,14 @@ class TextAttention(VitAttention):
         # x: [R, E] -> [R, E]
         batch, num_tokens = rows.batch, rows.num_tokens
 
-        def heads(proj: nn.Module) -> torch.Tensor:
-            padded = rows.to_padded(proj(x))  # [B, T, E]
+        def heads(proj: nn.Module, slot: int) -> torch.Tensor:
+            padded = rows.to_padded(proj(x), slot)  # [B, T, E]
             return padded.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
 
-        out = F.scaled_dot_product_attention(
-            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), attn_mask=rows.mask, scale=self.head_dim**-0.5
-        )  # [B, H, T, Hd]
-        out = rows.from_padded(out.transpose(1, 2).reshape(batch, num_tokens, -1))  # [R, E]
-        return self.out_proj(out)
+        q, k, v = heads(self.q_proj, 0), heads(self.k_proj, 1), heads(self.v_proj, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.head_dim**-0.5)  # [B, H, T, Hd]
+        out = rows.from_padded(out.transpose(1, 2))  # [R, H, Hd]
+        return self.out_proj(out.reshape(out.shape[0], -1))  # [R, E]
 
 
 class TextEncoderLayer(VitEncoderLayer):
