@@ -116,6 +116,18 @@ def test_embedder_bf16_stays_close(embedder):
     assert_close_rows(ours, hf_pooled(path, TEXTS, "MEAN"), 0.999, 0.05)
 
 
+@pytest.mark.parametrize("pooling_type", ["MEAN", "CLS", "LAST"])
+def test_embedder_on_3_and_60_tokens_matches_hf(embedder, pooling_type):
+    """One varlen batch of very different lengths (no padding is computed) against HF's padded batch."""
+    path, _ = embedder
+    words = "the quick brown fox jumps over the lazy dog on the mat".split() * 5
+    texts = ["hello", " ".join(words[:58])]  # [CLS] + 1 / 58 words + [SEP]
+    ids = _ids(AutoTokenizer.from_pretrained(path), texts)
+    assert [len(t) for t in ids] == [3, 60]
+    ours = _load(path).pool_prompts(ids, PoolerSpec(pooling_type))
+    assert_close_rows(ours, hf_pooled(path, texts, pooling_type), 0.9999, 1e-4)
+
+
 def test_text_pair_token_types_match_the_tokenizer(cross_encoder):
     tokenizer = AutoTokenizer.from_pretrained(cross_encoder)
     assert sep_token_id_of(AutoConfig.from_pretrained(cross_encoder)) == tokenizer.sep_token_id

@@ -37,15 +37,18 @@ def siglip_processor():
     return SiglipProcessor(image_processor=images, tokenizer=tokenizer)
 
 
-def build_checkpoint(family: str, path) -> tuple:
-    """Save a tiny random `family` checkpoint (and its processor) under `path`; returns (HF model, processor)."""
+def build_checkpoint(family: str, path, text_positions: int | None = None) -> tuple:
+    """Save a tiny random `family` checkpoint (and its processor) under `path`; returns (HF model, processor).
+    `text_positions`: the text tower's max_position_embeddings (default 40 for CLIP, 16 for SigLIP)."""
     from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
 
     torch.manual_seed(0)
     if family == "clip":
         processor = clip_processor()
         tok = processor.tokenizer
-        text = dict(TINY_TOWER, vocab_size=len(tok), max_position_embeddings=40, eos_token_id=tok.eos_token_id)
+        text = dict(
+            TINY_TOWER, vocab_size=len(tok), max_position_embeddings=text_positions or 40, eos_token_id=tok.eos_token_id
+        )
         text |= dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
         config = CLIPConfig(
             text_config=text, vision_config=dict(TINY_TOWER, image_size=32, patch_size=8), projection_dim=16
@@ -53,7 +56,7 @@ def build_checkpoint(family: str, path) -> tuple:
         model = CLIPModel(config)
     else:
         processor = siglip_processor()
-        text = dict(TINY_TOWER, vocab_size=len(processor.tokenizer), max_position_embeddings=16)
+        text = dict(TINY_TOWER, vocab_size=len(processor.tokenizer), max_position_embeddings=text_positions or 16)
         config = SiglipConfig(text_config=text, vision_config=dict(TINY_TOWER, image_size=32, patch_size=8))
         model = SiglipModel(config)
     with torch.no_grad():  # scales away from their init values, so a swap of the two would show

@@ -2,7 +2,9 @@
 encoder layers of clip_vision.py (packable linears) with masked attention, and final_layer_norm.
 
 `ContrastiveTextTower(cfg)(input_ids [B, T], attention_mask [B, T] | None)` -> `[B, T, E]`, the last hidden state
-after final_layer_norm (HF's `CLIPTextModel` / `SiglipTextModel(...).last_hidden_state`). CLIP attends causally
+after final_layer_norm (HF's `CLIPTextModel` / `SiglipTextModel(...).last_hidden_state`); `forward_unpadded` returns
+the unpadded tokens' rows only `[R, E]` and never computes a padded position. The linears, norms and MLPs run on the
+computed rows packed `[R, E]`; only attention sees the padded `[B, T]` layout. CLIP attends causally
 (`cfg.causal`), SigLIP both ways; padded keys (attention_mask 0) are never attended to. Positions are the token's
 index in the padded row, as HF's are. Pooling is the model's (vlserve.models.dual_tower); SigLIP's `head` linear
 lives here because its checkpoints keep it under `text_model.head`. Module names follow HF's so weights load by name.
@@ -67,26 +69,55 @@ def text_attention_mask(attention_mask: torch.Tensor, causal: bool) -> torch.Ten
     return allowed | (eye & ~allowed.any(dim=-1, keepdim=True))
 
 
+@dataclass
+class TextRows:
+    """The rows of a padded `[B, T]` batch the tower computes: linears, norms and MLPs run on those rows only
+    (`[R, E]`); attention scatters q / k / v into the padded layout and attends under `mask`."""
+
+    batch: int  # B
+    num_tokens: int  # T
+    flat_rows: torch.Tensor | None  # [R] int64: b * T + t of each computed row, in order; None = all B * T rows
+    mask: torch.Tensor  # [B, 1, T, T] bool (text_attention_mask)
+    # [3, B*T, C]: q / k / v in the padded layout, zero but for the computed rows (which every layer overwrites)
+    padded: torch.Tensor | None = None
+
+    def to_padded(self, rows: torch.Tensor, slot: int) -> torch.Tensor:
+        """`rows [R, C]` (slot 0 / 1 / 2: q / k / v) -> `[B, T, C]`, zeros where no row was computed."""
+        if self.flat_rows is None:
+            return rows.view(self.batch, self.num_tokens, -1)
+        if self.padded is None:
+            self.padded = rows.new_zeros(3, self.batch * self.num_tokens, rows.shape[1])
+        full = self.padded[slot].index_copy_(0, self.flat_rows, rows)  # [B*T, C]
+        return full.view(self.batch, self.num_tokens, -1)
+
+    def from_padded(self, padded: torch.Tensor) -> torch.Tensor:
+        """`[B, T, ...]` (any strides) -> the computed rows `[R, ...]`."""
+        if self.flat_rows is None:
+            return padded.flatten(0, 1)
+        return padded[self.flat_rows // self.num_tokens, self.flat_rows % self.num_tokens]
+
+
 class TextAttention(VitAttention):
-    """The ViT attention's projections, attending under a `[B, 1, T, T]` boolean mask (scaled_dot_product_attention)."""
+    """The ViT attention's projections on the computed rows; attention itself in the padded layout under the
+    `[B, 1, T, T]` boolean mask (scaled_dot_product_attention). Keys never computed are masked: the computed rows
+    include every unpadded token."""
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, E] -> [B, T, E]
-        batch, num_tokens, width = x.shape
-        rows = x.reshape(batch * num_tokens, width)  # [R, E]
+    def forward(self, x: torch.Tensor, rows: TextRows) -> torch.Tensor:
+        # x: [R, E] -> [R, E]
+        batch, num_tokens = rows.batch, rows.num_tokens
 
-        def heads(proj: nn.Module) -> torch.Tensor:
-            return proj(rows).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
+        def heads(proj: nn.Module, slot: int) -> torch.Tensor:
+            padded = rows.to_padded(proj(x), slot)  # [B, T, E]
+            return padded.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
 
-        out = F.scaled_dot_product_attention(
-            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), attn_mask=mask, scale=self.head_dim**-0.5
-        )  # [B, H, T, Hd]
-        out = out.transpose(1, 2).reshape(batch * num_tokens, width)  # [R, E]
-        return self.out_proj(out).view(batch, num_tokens, width)
+        q, k, v = heads(self.q_proj, 0), heads(self.k_proj, 1), heads(self.v_proj, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.head_dim**-0.5)  # [B, H, T, Hd]
+        out = rows.from_padded(out.transpose(1, 2))  # [R, H, Hd]
+        return self.out_proj(out.reshape(out.shape[0], -1))  # [R, E]
 
 
 class TextEncoderLayer(VitEncoderLayer):
-    """The ViT pre-norm block with TextAttention: `forward(x [B, T, E], mask [B, 1, T, T])`."""
+    """The ViT pre-norm block with TextAttention: `forward(x [R, E], rows: TextRows)`."""
 
     def __init__(self, cfg: TextTowerConfig) -> None:
         super().__init__(cfg)
@@ -100,9 +131,10 @@ class TextEncoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TextEncoderLayer(cfg) for _ in range(cfg.depth))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: TextRows) -> torch.Tensor:
+        # x: [R, E] -> [R, E]
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, rows)
         return x
 
 
@@ -152,13 +184,29 @@ class ContrastiveTextTower(nn.Module):
             raise ValueError("attention_mask must hold only 0 and 1")
         return attention_mask
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`input_ids [B, T]`, `attention_mask [B, T]` or None (no padding) -> `[B, T, E]` after final_layer_norm."""
-        attention_mask = self.check_inputs(input_ids, attention_mask)
+    def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, unpadded_only: bool) -> torch.Tensor:
+        # input_ids, attention_mask: [B, T] (checked) -> [R, E]: every row, or the unpadded ones only
         device = self.embeddings.token_embedding.weight.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        mask = text_attention_mask(attention_mask, self.cfg.causal)  # [B, 1, T, T]
-        return self.final_layer_norm(self.encoder(self.embeddings(input_ids), mask))
+        batch, num_tokens = input_ids.shape
+        keep = attention_mask.bool().flatten()  # [B*T]
+        flat_rows = keep.nonzero().squeeze(1) if unpadded_only and not bool(keep.all()) else None  # [R]
+        rows = TextRows(batch, num_tokens, flat_rows, text_attention_mask(attention_mask, self.cfg.causal))
+        x = rows.from_padded(self.embeddings(input_ids))  # [R, E]
+        return self.final_layer_norm(self.encoder(x, rows))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids [B, T]`, `attention_mask [B, T]` or None (no padding) -> `[B, T, E]` after final_layer_norm,
+        padded positions included (HF's last_hidden_state)."""
+        attention_mask = self.check_inputs(input_ids, attention_mask)
+        return self._encode(input_ids, attention_mask, unpadded_only=False).view(*input_ids.shape, -1)
+
+    def forward_unpadded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`input_ids [B, T]`, `attention_mask [B, T]` -> the unpadded tokens' last hidden states `[R, E]`
+        (R = attention_mask.sum(), row-major order). Padded positions are never computed: a causal tower's
+        unpadded tokens come out as in `forward`, and a bidirectional one's too (padded keys are masked there)."""
+        attention_mask = self.check_inputs(input_ids, attention_mask)
+        return self._encode(input_ids, attention_mask, unpadded_only=True)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -55,7 +55,8 @@ class DualTowerEmbedder(nn.Module):
         """`capabilities` as stated (no value depends on the config)."""
         return cls.capabilities
 
-    def _pool_text(self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _encode_text(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Checked `input_ids [B, T]`, `mask [B, T]` on the tower's device -> the family's text embeddings `[B, D]`."""
         raise NotImplementedError
 
     def _project_image(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -73,9 +74,8 @@ class DualTowerEmbedder(nn.Module):
         mask = self.text_model.check_inputs(input_ids, attention_mask)
         if not bool(mask.any(dim=1).all()):
             raise ValueError("every text needs at least one token (a row of attention_mask is all zeros)")
-        hidden = self.text_model(input_ids, mask)  # [B, T, E]
-        device = hidden.device
-        return self._pool_text(hidden, input_ids.to(device), mask.to(device)).float()
+        device = self.text_model.embeddings.token_embedding.weight.device
+        return self._encode_text(input_ids.to(device), mask.to(device)).float()
 
     @torch.no_grad()
     def embed_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class DualTowerEmbedder(nn.Module):
         """Whole text prompts (each `[T_i]` int64, as the family's tokenizer makes them) -> their embeddings `[N, D]`
         float32, unnormalized (the kv_free pooling call; the family pools, `spec` changes nothing). Prompts of one
         length run as one batch; `pads_text_batches` families (CLIP) also batch different lengths, padded on the
-        right under a mask."""
+        right under a mask (the tower computes the unpadded tokens only)."""
         if not token_ids:
             raise ValueError("pool_prompts needs at least one prompt")
         device = self.text_model.embeddings.token_embedding.weight.device
@@ -224,15 +224,18 @@ class CLIPDualTower(DualTowerEmbedder):
             return ids.argmax(dim=-1)
         return (ids == self.eos_token_id).int().argmax(dim=-1)
 
-    def _pool_text(self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, T, E] -> [B, D]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
+    def _encode_text(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # input_ids, mask: [B, T] -> [B, D]; the tower computes the unpadded tokens only (causal: padding after a
+        # token changes nothing before it)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         positions = self.eos_positions(input_ids)  # [B]
         if self.eos_token_id != 2 and not bool((input_ids[rows, positions] == self.eos_token_id).all()):
             raise ValueError(f"every CLIP text must contain the EOS token {self.eos_token_id} (the tokenizer adds it)")
         if not bool(mask[rows, positions].bool().all()):
             raise ValueError("the EOS token CLIP pools at is padding (pad on the right, as CLIP's tokenizer does)")
-        return self.text_projection(hidden[rows, positions])
+        hidden = self.text_model.forward_unpadded(input_ids, mask)  # [R, E], R = mask.sum()
+        unpadded_index = (mask.flatten().cumsum(0) - 1).view_as(mask)  # [B, T]: each token's row in `hidden`
+        return self.text_projection(hidden[unpadded_index[rows, positions]])
 
     def _project_image(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.visual_projection(pooled)
@@ -272,8 +275,9 @@ class SiglipDualTower(DualTowerEmbedder):
     def projection_dim(self) -> int:
         return self.text_model.head.out_features
 
-    def _pool_text(self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, T, E] -> [B, D]
+    def _encode_text(self, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # input_ids, mask: [B, T] -> [B, D]; every position is computed: the last one is pooled, padding or not
+        hidden = self.text_model(input_ids, mask)  # [B, T, E]
         return self.text_model.head(hidden[:, -1])
 
     def _project_image(self, pooled: torch.Tensor) -> torch.Tensor:
