@@ -1,0 +1,164 @@
+"""Batched causal prefill for the torch path: many short prefill sequences in a few padded SDPA calls.
+
+`plan_prefill_groups` sorts a step's causal prefill sequences by context length (longest first) and cuts them into
+groups whose padded area (sequences x longest query x longest context) stays within PAD_AREA_LIMIT of the real
+area, with at most MAX_GROUP_SEQS sequences and MAX_GROUP_SCORES padded query-key pairs per group.
+`prefill_groups` then runs each group as one gather of all its cache blocks, one padded query, one boolean
+bottom-right causal mask and one SDPA call, and scatters the real query rows back.
+
+Gathered key positions past a sequence's length (the rest of its last block, block-table padding) may hold
+never-written memory (NaN/inf): they are zeroed before SDPA, since a masked NaN still poisons the output. Padded
+query rows (i >= q_len) see every key of their sequence, so no row is fully masked, and they are dropped before the
+scatter. The plan depends only on the step, so the runner's attention builds it once for every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlserve.kernels.kv_quant import dequantize_kv, is_fp8
+
+PAD_AREA_LIMIT = 1.25  # padded query-key area of a group over its real area
+MAX_GROUP_SEQS = 64
+MAX_GROUP_SCORES = 1 << 20  # padded query-key pairs per group (per head): bounds the mask and SDPA's scores
+
+
+@dataclass
+class PrefillGroup:
+    """Sequences that share one K/V gather and one SDPA call (see `plan_prefill_groups`)."""
+
+    num_seqs: int
+    num_blocks: int  # blocks gathered per sequence: the group's longest context, block aligned
+    query_len: int  # the group's longest query (padded query rows per sequence)
+    block_ids: torch.Tensor  # [G * num_blocks] int64: cache blocks, row-major by sequence (padding -> block 0)
+    key_pad: torch.Tensor | None  # [G, num_blocks * BS, 1, 1] bool: gathered positions past their sequence's end
+    query_rows: torch.Tensor  # [G * query_len] int64: the step's query row behind each padded row
+    mask: torch.Tensor  # [G, 1, query_len, num_blocks * BS] bool: True where the query may see the key
+    real_rows: torch.Tensor  # [N] int64: padded rows (of G * query_len) that are real queries
+    out_rows: torch.Tensor  # [N] int64: their rows in the step's output
+
+
+def _cut_groups(seqs: list[tuple[int, int]]) -> list[list[int]]:
+    """Indices into `seqs` ((q_len, seq_len) each) cut into groups, longest context first."""
+    order = sorted(range(len(seqs)), key=lambda i: -seqs[i][1])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest_q = real_area = 0
+    for i in order:
+        q_len, seq_len = seqs[i]
+        if current:
+            context = seqs[current[0]][1]
+            n = len(current) + 1
+            padded = n * max(longest_q, q_len) * context
+            if (
+                n > MAX_GROUP_SEQS
+                or padded > MAX_GROUP_SCORES
+                or padded > PAD_AREA_LIMIT * (real_area + q_len * seq_len)
+            ):
+                groups.append(current)
+                current, longest_q, real_area = [], 0, 0
+        current.append(i)
+        longest_q = max(longest_q, q_len)
+        real_area += q_len * seq_len
+    if current:
+        groups.append(current)
+    return groups
+
+
+def plan_prefill_groups(
+    block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], seqs: list[int], block_size: int
+) -> list[PrefillGroup]:
+    """Groups of the prefill sequences `seqs` (indices into `seq_lens` / rows of `block_tables`; each with
+    0 < q_len <= seq_len) for `prefill_groups`."""
+    # block_tables: [B, M] int32; query_start_loc: B+1 ints; seq_lens: B ints
+    device = block_tables.device
+    shapes = [(query_start_loc[b + 1] - query_start_loc[b], seq_lens[b]) for b in seqs]
+    plan = []
+    for members in _cut_groups(shapes):
+        ids = [seqs[m] for m in members]
+        q_lens = torch.tensor([shapes[m][0] for m in members], dtype=torch.long)  # [G]
+        lens = torch.tensor([shapes[m][1] for m in members], dtype=torch.long)  # [G]
+        starts = torch.tensor([query_start_loc[b] for b in ids], dtype=torch.long)  # [G]
+        n, query_len, longest = len(ids), int(q_lens.max()), int(lens.max())
+        num_blocks = -(-longest // block_size)
+        padded_len = num_blocks * block_size
+        rows = torch.tensor(ids, dtype=torch.long, device=device)
+        table = block_tables[rows, :num_blocks].to(torch.long)  # [G, nblk]
+        needed = torch.arange(num_blocks, device=device) < (-(-lens // block_size)).to(device)[:, None]  # [G, nblk]
+        block_ids = torch.where(needed, table, 0).reshape(-1)  # [G * nblk]
+        i = torch.arange(query_len)  # [Qmax]
+        k = torch.arange(padded_len)  # [S]
+        inside = k[None, :] < lens[:, None]  # [G, S]
+        # query i of sequence b sits at position seq_len - q_len + i; padded rows (i >= q_len) see all its keys
+        mask = (k[None, None, :] <= (lens - q_lens)[:, None, None] + i[None, :, None]) & inside[:, None, :]
+        real = i[None, :] < q_lens[:, None]  # [G, Qmax]
+        query_rows = (starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)).reshape(-1)  # [G * Qmax]
+        real_rows = real.reshape(-1).nonzero().squeeze(1)  # [N]
+        key_pad = None if bool(inside.all()) else (~inside)[:, :, None, None].to(device)
+        plan.append(
+            PrefillGroup(
+                num_seqs=n,
+                num_blocks=num_blocks,
+                query_len=query_len,
+                block_ids=block_ids,
+                key_pad=key_pad,
+                query_rows=query_rows.to(device),
+                mask=mask[:, None].to(device),
+                real_rows=real_rows.to(device),
+                out_rows=query_rows[real_rows].to(device),
+            )
+        )
+    return plan
+
+
+def _gather_group(cache: torch.Tensor, group: PrefillGroup, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    # cache: [NB, BS, Hkv, D] -> [G, Hkv, S, D] contiguous in `dtype`, S = num_blocks * BS, zero past each length
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, group.block_ids)  # [G * nblk, BS, Hkv, D]
+    context = blocks.view(group.num_seqs, group.num_blocks * block_size, num_kv_heads, head_dim)  # [G, S, Hkv, D]
+    if is_fp8(cache):
+        context = dequantize_kv(context, scale, dtype)
+    if group.key_pad is not None:
+        context = context.masked_fill_(group.key_pad, 0)  # never-written slots may hold NaN/inf
+    return context.transpose(1, 2).contiguous()
+
+
+def prefill_groups(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: list[PrefillGroup],
+    scale: float,
+    out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Causal attention of each planned sequence's queries (the last q_len of its seq_len positions) over its cached
+    context, written into `out` (FP8 caches: dequantized with k_scale / v_scale)."""
+    # query, out: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]
+    num_q_heads, head_dim = query.shape[1:]
+    gqa = num_q_heads != k_cache.shape[2]
+    for group in plan:
+        k = _gather_group(k_cache, group, k_scale, query.dtype)  # [G, Hkv, S, D]
+        v = _gather_group(v_cache, group, v_scale, query.dtype)
+        q = query.index_select(0, group.query_rows).view(group.num_seqs, group.query_len, num_q_heads, head_dim)
+        q = q.transpose(1, 2)  # [G, Hq, Qmax, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(-1, num_q_heads, head_dim)  # [G * Qmax, Hq, D]
+        out.index_copy_(0, group.out_rows, o.index_select(0, group.real_rows))
+
+
+def batchable_prefills(
+    query_start_loc: list[int], seq_lens: list[int], bidirectional: tuple[bool, ...] = ()
+) -> list[int]:
+    """The sequences `prefill_groups` can take when there are at least two: causal (not flagged in `bidirectional`)
+    with 0 < q_len <= seq_len. Callers send sliding-window layers down the per-sequence path."""
+    seqs = []
+    for b, seq_len in enumerate(seq_lens):
+        q_len = query_start_loc[b + 1] - query_start_loc[b]
+        if 0 < q_len <= seq_len and not (bidirectional and bidirectional[b]):
+            seqs.append(b)
+    return seqs if len(seqs) >= 2 else []
