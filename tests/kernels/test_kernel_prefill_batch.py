@@ -129,6 +129,14 @@ def test_groups_bound_padding_and_size():
             longest = max(lens[b] for b in range(len(seqs)) if qsl[b] in set(g.out_rows.tolist()))
             assert g.num_seqs * g.query_len * longest <= prefill_batch.PAD_AREA_LIMIT * real
             assert g.num_seqs * g.query_len * longest <= prefill_batch.MAX_GROUP_SCORES
+            assert g.num_seqs * longest <= prefill_batch.MAX_GROUP_KEYS
+
+
+def test_large_sequences_are_not_batched():
+    qsl, lens = [0, 300, 340], [400, 70]  # 300 x 400 query-key pairs; 40 x 70
+    assert prefill_batch.MAX_SEQ_SCORES < 300 * 400
+    assert batchable_prefills(qsl, lens) == []  # one small sequence left: nothing to batch
+    assert batchable_prefills(qsl + [341], lens + [5000]) == [1, 2]  # one query over a long context is small
 
 
 def test_attention_forward_plans_groups_once_per_step(monkeypatch):

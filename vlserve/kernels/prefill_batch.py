@@ -2,7 +2,8 @@
 
 `plan_prefill_groups` sorts a step's causal prefill sequences by context length (longest first) and cuts them into
 groups whose padded area (sequences x longest query x longest context) stays within PAD_AREA_LIMIT of the real
-area, with at most MAX_GROUP_SEQS sequences and MAX_GROUP_SCORES padded query-key pairs per group.
+area, with at most MAX_GROUP_SEQS sequences, MAX_GROUP_SCORES padded query-key pairs and MAX_GROUP_KEYS gathered
+key positions per group. Large sequences (over MAX_SEQ_SCORES pairs) stay on the per-sequence path.
 `prefill_groups` then runs each group as one gather of all its cache blocks, one padded query, one boolean
 bottom-right causal mask and one SDPA call, and scatters the real query rows back.
 
@@ -24,6 +25,8 @@ from vlserve.kernels.kv_quant import dequantize_kv, is_fp8
 PAD_AREA_LIMIT = 1.25  # padded query-key area of a group over its real area
 MAX_GROUP_SEQS = 64
 MAX_GROUP_SCORES = 1 << 20  # padded query-key pairs per group (per head): bounds the mask and SDPA's scores
+MAX_GROUP_KEYS = 1 << 14  # gathered key positions per group (sequences x padded context): bounds the K/V copy
+MAX_SEQ_SCORES = 1 << 16  # a sequence with more query-key pairs is one large SDPA call of its own: not batched
 
 
 @dataclass
@@ -56,6 +59,7 @@ def _cut_groups(seqs: list[tuple[int, int]]) -> list[list[int]]:
             if (
                 n > MAX_GROUP_SEQS
                 or padded > MAX_GROUP_SCORES
+                or n * context > MAX_GROUP_KEYS
                 or padded > PAD_AREA_LIMIT * (real_area + q_len * seq_len)
             ):
                 groups.append(current)
@@ -154,11 +158,12 @@ def prefill_groups(
 def batchable_prefills(
     query_start_loc: list[int], seq_lens: list[int], bidirectional: tuple[bool, ...] = ()
 ) -> list[int]:
-    """The sequences `prefill_groups` can take when there are at least two: causal (not flagged in `bidirectional`)
-    with 0 < q_len <= seq_len. Callers send sliding-window layers down the per-sequence path."""
+    """The sequences `prefill_groups` takes when there are at least two: causal (not flagged in `bidirectional`)
+    with 0 < q_len <= seq_len and q_len * seq_len <= MAX_SEQ_SCORES. Callers send sliding-window layers down the
+    per-sequence path."""
     seqs = []
     for b, seq_len in enumerate(seq_lens):
         q_len = query_start_loc[b + 1] - query_start_loc[b]
-        if 0 < q_len <= seq_len and not (bidirectional and bidirectional[b]):
+        if 0 < q_len <= seq_len and q_len * seq_len <= MAX_SEQ_SCORES and not (bidirectional and bidirectional[b]):
             seqs.append(b)
     return seqs if len(seqs) >= 2 else []
