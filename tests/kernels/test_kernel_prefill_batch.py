@@ -77,6 +77,17 @@ def test_batched_prefill_matches_naive():
         torch.testing.assert_close(out[qsl[b] : qsl[b + 1]], want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_fresh_prompts_match_per_sequence(dtype):
+    rng = random.Random(8)
+    seqs = [(0, rng.randint(60, 100)) for _ in range(70)]  # the pooling runner's chat prompts: no cached prefix
+    query, _, k_cache, v_cache, tables, qsl, lens = _case(seqs, 4, dtype, seed=8)
+    batched = _run(query, k_cache, v_cache, tables, qsl, lens, batch=True)
+    assert not batched.isnan().any()
+    per_seq = _run(query, k_cache, v_cache, tables, qsl, lens, batch=False)
+    torch.testing.assert_close(batched.float(), per_seq.float(), **kernel_tol("cpu", dtype))
+
+
 def test_batched_prefill_skips_empty_sequences_and_keeps_other_rows():
     seqs = [(4, 0), (0, 7), (20, 0), (9, 3)]
     query, _, k_cache, v_cache, tables, qsl, lens = _case(seqs, 2, torch.float32, seed=4)
@@ -114,16 +125,23 @@ def test_sliding_window_and_bidirectional_sequences_stay_per_sequence(monkeypatc
 
 def test_groups_bound_padding_and_size():
     rng = random.Random(7)
-    seqs = [(rng.randint(0, 60), rng.randint(1, 120)) for _ in range(300)]
+    seqs = [(rng.choice([0, rng.randint(1, 60)]), rng.randint(1, 120)) for _ in range(300)]  # half fresh prompts
     qsl = [0] + list(itertools.accumulate(q for _, q in seqs))
     lens = [p + q for p, q in seqs]
     tables = torch.zeros(len(seqs), 12, dtype=torch.int32)
     groups = plan_prefill_groups(tables, qsl, lens, list(range(len(seqs))), 16)
     rows = torch.cat([g.out_rows for g in groups])
     assert sorted(rows.tolist()) == list(range(qsl[-1]))  # every query row exactly once
+    assert {g.mask is None for g in groups} == {True, False}
     for g in groups:
         assert g.num_seqs <= prefill_batch.MAX_GROUP_SEQS
-        assert g.mask.shape == (g.num_seqs, 1, g.query_len, g.num_blocks * 16)
+        members = [b for b in range(len(seqs)) if qsl[b] in set(g.out_rows.tolist())]
+        fresh = [seqs[b][0] == 0 for b in members]
+        assert all(fresh) or not any(fresh)  # fresh prompts are grouped apart
+        if all(fresh):  # SDPA's own causal mask over the group's longest prompt
+            assert g.mask is None and g.key_len == g.query_len == max(lens[b] for b in members)
+        else:
+            assert g.mask.shape == (g.num_seqs, 1, g.query_len, g.num_blocks * 16) and g.key_len == g.num_blocks * 16
         if g.num_seqs > 1:
             real = sum((qsl[b + 1] - qsl[b]) * lens[b] for b in range(len(seqs)) if qsl[b] in set(g.out_rows.tolist()))
             longest = max(lens[b] for b in range(len(seqs)) if qsl[b] in set(g.out_rows.tolist()))

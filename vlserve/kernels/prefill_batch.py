@@ -5,7 +5,8 @@ groups whose padded area (sequences x longest query x longest context) stays wit
 area, with at most MAX_GROUP_SEQS sequences, MAX_GROUP_SCORES padded query-key pairs and MAX_GROUP_KEYS gathered
 key positions per group. Large sequences (over MAX_SEQ_SCORES pairs) stay on the per-sequence path.
 `prefill_groups` then runs each group as one gather of all its cache blocks, one padded query, one boolean
-bottom-right causal mask and one SDPA call, and scatters the real query rows back.
+bottom-right causal mask (none in a group of fresh prompts: SDPA's own causal mask) and one SDPA call, and scatters
+the real query rows back.
 
 Gathered key positions past a sequence's length (the rest of its last block, block-table padding) may hold
 never-written memory (NaN/inf): they are zeroed before SDPA, since a masked NaN still poisons the output. Padded
@@ -37,16 +38,18 @@ class PrefillGroup:
     num_blocks: int  # blocks gathered per sequence: the group's longest context, block aligned
     query_len: int  # the group's longest query (padded query rows per sequence)
     block_ids: torch.Tensor  # [G * num_blocks] int64: cache blocks, row-major by sequence (padding -> block 0)
-    key_pad: torch.Tensor | None  # [G, num_blocks * BS, 1, 1] bool: gathered positions past their sequence's end
+    key_len: int  # keys SDPA reads per sequence (S): query_len in a fresh group, else num_blocks * BS
+    key_pad: torch.Tensor | None  # [G, S, 1, 1] bool: gathered positions past their sequence's end (None: none read)
     query_rows: torch.Tensor  # [G * query_len] int64: the step's query row behind each padded row
-    mask: torch.Tensor  # [G, 1, query_len, num_blocks * BS] bool: True where the query may see the key
+    mask: torch.Tensor | None  # [G, 1, query_len, S] bool: True where the query may see the key; None: is_causal
     real_rows: torch.Tensor  # [N] int64: padded rows (of G * query_len) that are real queries
     out_rows: torch.Tensor  # [N] int64: their rows in the step's output
 
 
 def _cut_groups(seqs: list[tuple[int, int]]) -> list[list[int]]:
-    """Indices into `seqs` ((q_len, seq_len) each) cut into groups, longest context first."""
-    order = sorted(range(len(seqs)), key=lambda i: -seqs[i][1])
+    """Indices into `seqs` ((q_len, seq_len) each) cut into groups: fresh prompts (q_len == seq_len) apart from
+    sequences with a cached prefix, longest context first."""
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i][0] < seqs[i][1], -seqs[i][1]))
     groups: list[list[int]] = []
     current: list[int] = []
     longest_q = real_area = 0
@@ -57,7 +60,8 @@ def _cut_groups(seqs: list[tuple[int, int]]) -> list[list[int]]:
             n = len(current) + 1
             padded = n * max(longest_q, q_len) * context
             if (
-                n > MAX_GROUP_SEQS
+                (q_len == seq_len) != (seqs[current[0]][0] == context)
+                or n > MAX_GROUP_SEQS
                 or padded > MAX_GROUP_SCORES
                 or n * context > MAX_GROUP_KEYS
                 or padded > PAD_AREA_LIMIT * (real_area + q_len * seq_len)
@@ -88,29 +92,36 @@ def plan_prefill_groups(
         starts = torch.tensor([query_start_loc[b] for b in ids], dtype=torch.long)  # [G]
         n, query_len, longest = len(ids), int(q_lens.max()), int(lens.max())
         num_blocks = -(-longest // block_size)
-        padded_len = num_blocks * block_size
         rows = torch.tensor(ids, dtype=torch.long, device=device)
         table = block_tables[rows, :num_blocks].to(torch.long)  # [G, nblk]
         needed = torch.arange(num_blocks, device=device) < (-(-lens // block_size)).to(device)[:, None]  # [G, nblk]
         block_ids = torch.where(needed, table, 0).reshape(-1)  # [G * nblk]
         i = torch.arange(query_len)  # [Qmax]
-        k = torch.arange(padded_len)  # [S]
-        inside = k[None, :] < lens[:, None]  # [G, S]
-        # query i of sequence b sits at position seq_len - q_len + i; padded rows (i >= q_len) see all its keys
-        mask = (k[None, None, :] <= (lens - q_lens)[:, None, None] + i[None, :, None]) & inside[:, None, :]
         real = i[None, :] < q_lens[:, None]  # [G, Qmax]
         query_rows = (starts[:, None] + torch.minimum(i[None, :], q_lens[:, None] - 1)).reshape(-1)  # [G * Qmax]
         real_rows = real.reshape(-1).nonzero().squeeze(1)  # [N]
+        fresh = bool((q_lens == lens).all())
+        # fresh prompts: SDPA's own causal mask over the first Qmax keys (a real row i sees keys 0..i, all its own)
+        key_len = query_len if fresh else num_blocks * block_size
+        k = torch.arange(key_len)  # [S]
+        inside = k[None, :] < lens[:, None]  # [G, S]
+        # zeroed even where masked: SDPA multiplies a masked key's 0 weight by its value (NaN * 0 is NaN)
         key_pad = None if bool(inside.all()) else (~inside)[:, :, None, None].to(device)
+        mask = None
+        if not fresh:
+            # query i of sequence b sits at position seq_len - q_len + i; padded rows (i >= q_len) see all its keys
+            mask = (k[None, None, :] <= (lens - q_lens)[:, None, None] + i[None, :, None]) & inside[:, None, :]
+            mask = mask[:, None].to(device)  # [G, 1, Qmax, S]
         plan.append(
             PrefillGroup(
                 num_seqs=n,
                 num_blocks=num_blocks,
                 query_len=query_len,
                 block_ids=block_ids,
+                key_len=key_len,
                 key_pad=key_pad,
                 query_rows=query_rows.to(device),
-                mask=mask[:, None].to(device),
+                mask=mask,
                 real_rows=real_rows.to(device),
                 out_rows=query_rows[real_rows].to(device),
             )
@@ -119,10 +130,10 @@ def plan_prefill_groups(
 
 
 def _gather_group(cache: torch.Tensor, group: PrefillGroup, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    # cache: [NB, BS, Hkv, D] -> [G, Hkv, S, D] contiguous in `dtype`, S = num_blocks * BS, zero past each length
+    # cache: [NB, BS, Hkv, D] -> [G, Hkv, S, D] contiguous in `dtype`, S = key_len, zero past each length (key_pad)
     _, block_size, num_kv_heads, head_dim = cache.shape
     blocks = cache.index_select(0, group.block_ids)  # [G * nblk, BS, Hkv, D]
-    context = blocks.view(group.num_seqs, group.num_blocks * block_size, num_kv_heads, head_dim)  # [G, S, Hkv, D]
+    context = blocks.view(group.num_seqs, group.num_blocks * block_size, num_kv_heads, head_dim)[:, : group.key_len]
     if is_fp8(cache):
         context = dequantize_kv(context, scale, dtype)
     if group.key_pad is not None:
@@ -150,7 +161,9 @@ def prefill_groups(
         v = _gather_group(v_cache, group, v_scale, query.dtype)
         q = query.index_select(0, group.query_rows).view(group.num_seqs, group.query_len, num_q_heads, head_dim)
         q = q.transpose(1, 2)  # [G, Hq, Qmax, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=scale, enable_gqa=gqa
+        )  # [G, Hq, Qmax, D]
         o = o.transpose(1, 2).reshape(-1, num_q_heads, head_dim)  # [G * Qmax, Hq, D]
         out.index_copy_(0, group.out_rows, o.index_select(0, group.real_rows))
 
