@@ -49,6 +49,13 @@ def _case(seqs, ratio, dtype, block_size=16, num_kv_heads=2, head_dim=64, seed=0
     return query, contexts, k_cache, v_cache, tables, qsl, seq_lens
 
 
+def _count_plans(monkeypatch, calls):
+    """Record the sequences of every `plan_prefill_groups` call, from either module that makes one."""
+    real = prefill_batch.plan_prefill_groups
+    for module in (attention_ref, prefill_batch):
+        monkeypatch.setattr(module, "plan_prefill_groups", lambda *a: calls.append(a[3]) or real(*a))
+
+
 def _run(query, k_cache, v_cache, tables, qsl, lens, batch, **kw):
     out = torch.full_like(query, float("nan"))  # every real row must be written
     return _prefill_from_lists(query, k_cache, v_cache, tables, qsl, lens, 0.125, out, batch=batch, **kw)
@@ -115,8 +122,7 @@ def test_sliding_window_and_bidirectional_sequences_stay_per_sequence(monkeypatc
     assert batchable_prefills(qsl, lens, (False, True, False)) == [0, 2]
     assert batchable_prefills(qsl, lens, (False, True, True)) == []  # one causal sequence: nothing to batch
     planned = []
-    real = prefill_batch.plan_prefill_groups
-    monkeypatch.setattr(attention_ref, "plan_prefill_groups", lambda *a: planned.append(a[3]) or real(*a))
+    _count_plans(monkeypatch, planned)
     out = _run(query, k_cache, v_cache, tables, qsl, lens, batch=True, sliding_window=8)
     assert planned == []
     want = _run(query, k_cache, v_cache, tables, qsl, lens, batch=False, sliding_window=8)
@@ -167,8 +173,7 @@ def test_attention_forward_plans_groups_once_per_step(monkeypatch):
     value = torch.cat([v[p:] for (_, v), (p, _) in zip(contexts, seqs)] + [torch.randn(2, 2, 64)])
     query = torch.randn(key.shape[0], 8, 64)
     calls = []
-    real = prefill_batch.plan_prefill_groups
-    monkeypatch.setattr(attention_ref, "plan_prefill_groups", lambda *a: calls.append(1) or real(*a))
+    _count_plans(monkeypatch, calls)
     outs = [attention_forward_ref(query, key, value, k_cache, v_cache, md, 0.125) for _ in range(3)]  # 3 "layers"
     assert len(calls) == 1
     qsl = md.query_start_loc_cpu

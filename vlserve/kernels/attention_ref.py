@@ -47,7 +47,13 @@ from vlserve.kernels.key_limits import bidirectional_prefills, key_limit_mask
 from vlserve.kernels.kv_quant import dequantize_kv, is_fp8, kv_bytes
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
-from vlserve.kernels.prefill_batch import PrefillGroup, batchable_prefills, plan_prefill_groups, prefill_groups
+from vlserve.kernels.prefill_batch import (
+    PrefillGroup,
+    batchable_prefills,
+    plan_prefill_groups,
+    prefill_groups,
+    step_prefill_groups,
+)
 
 # Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
@@ -350,27 +356,14 @@ def prefill_ref(
     set (also the Triton path's fallback for a step with bidirectional tokens); the K/V are already written."""
     # query, out: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]
     num_decodes = md.num_decodes
-    tables, starts, lens = (
-        md.block_tables[num_decodes:],
-        md.query_start_loc_cpu[num_decodes:],
-        md.seq_lens_cpu[num_decodes:],
-    )
-    groups = None
-    if sliding_window is None:  # the batched groups depend only on the step: planned once for every layer
-        block_size = k_cache.shape[1]
-        groups = md.derive(
-            ("prefill_groups", block_size),
-            lambda: plan_prefill_groups(
-                tables, starts, lens, batchable_prefills(starts, lens, bidirectional_prefills(md)), block_size
-            ),
-        )
+    groups = None if sliding_window is not None else step_prefill_groups(md, k_cache.shape[1])
     _prefill_from_lists(
         query,
         k_cache,
         v_cache,
-        tables,
-        starts,
-        lens,
+        md.block_tables[num_decodes:],
+        md.query_start_loc_cpu[num_decodes:],
+        md.seq_lens_cpu[num_decodes:],
         scale,
         out,
         k_scale,

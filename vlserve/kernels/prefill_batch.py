@@ -1,7 +1,7 @@
 """Batched causal prefill for the torch path: many short prefill sequences in a few padded SDPA calls.
 
-`plan_prefill_groups` sorts a step's causal prefill sequences by context length (longest first) and cuts them into
-groups whose padded area (sequences x longest query x longest context) stays within PAD_AREA_LIMIT of the real
+`plan_prefill_groups` sorts a step's causal prefill sequences by context length (longest first; fresh prompts apart
+from those with a cached prefix) and cuts them into groups whose padded area (sequences x longest query x longest context) stays within PAD_AREA_LIMIT of the real
 area, with at most MAX_GROUP_SEQS sequences, MAX_GROUP_SCORES padded query-key pairs and MAX_GROUP_KEYS gathered
 key positions per group. Large sequences (over MAX_SEQ_SCORES pairs) stay on the per-sequence path.
 `prefill_groups` then runs each group as one gather of all its cache blocks, one padded query, one boolean
@@ -10,8 +10,8 @@ the real query rows back.
 
 Gathered key positions past a sequence's length (the rest of its last block, block-table padding) may hold
 never-written memory (NaN/inf): they are zeroed before SDPA, since a masked NaN still poisons the output. Padded
-query rows (i >= q_len) see every key of their sequence, so no row is fully masked, and they are dropped before the
-scatter. The plan depends only on the step, so the runner's attention builds it once for every layer.
+query rows (i >= q_len) see every key of their sequence (and, in a fresh group, zeroed ones past it), so no row is
+fully masked, and they are dropped before the scatter. The plan depends only on the step, so the runner's attention builds it once for every layer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlserve.kernels.key_limits import bidirectional_prefills
 from vlserve.kernels.kv_quant import dequantize_kv, is_fp8
+from vlserve.kernels.metadata import AttentionMetadata
 
 PAD_AREA_LIMIT = 1.25  # padded query-key area of a group over its real area
 MAX_GROUP_SEQS = 64
@@ -180,3 +182,16 @@ def batchable_prefills(
         if 0 < q_len <= seq_len and q_len * seq_len <= MAX_SEQ_SCORES and not (bidirectional and bidirectional[b]):
             seqs.append(b)
     return seqs if len(seqs) >= 2 else []
+
+
+def step_prefill_groups(md: AttentionMetadata, block_size: int) -> list[PrefillGroup]:
+    """The groups of the step's prefill sequences (md.num_decodes ..): planned on the first layer's call, then read
+    from `md.derived`."""
+    n = md.num_decodes
+    starts, lens = md.query_start_loc_cpu[n:], md.seq_lens_cpu[n:]
+    return md.derive(
+        ("prefill_groups", block_size),
+        lambda: plan_prefill_groups(
+            md.block_tables[n:], starts, lens, batchable_prefills(starts, lens, bidirectional_prefills(md)), block_size
+        ),
+    )
