@@ -13,8 +13,9 @@ keeps the gathered K/V cache-resident while SDPA reads it (measured 2-3x faster 
 whole-batch gather at B=64, ctx=1024). Padded key positions are zeroed in the workspace and masked,
 so garbage (even NaN) in unwritten cache slots never reaches the output.
 
-Prefill loops over the (few) sequences of a step: gather one context, then SDPA with an
-`is_causal` or bottom-right-aligned causal mask (queries are the last q_len of seq_len positions).
+Prefill: a layer without sliding window sends a step's causal sequences (two or more) through `prefill_batch`, a
+few padded SDPA calls; the others loop: gather one context, then SDPA with an `is_causal` or bottom-right-aligned
+causal mask (queries are the last q_len of seq_len positions).
 
 Sliding-window layers (`sliding_window` W, HF's convention): the query at position p sees keys p - W + 1 .. p only.
 Decode masks the keys below each sequence's window; prefill gathers from the block holding its first query's window
@@ -46,6 +47,13 @@ from vlserve.kernels.key_limits import bidirectional_prefills, key_limit_mask
 from vlserve.kernels.kv_quant import dequantize_kv, is_fp8, kv_bytes
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.prefill_batch import (
+    PrefillGroup,
+    batchable_prefills,
+    plan_prefill_groups,
+    prefill_groups,
+    step_prefill_groups,
+)
 
 # Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
@@ -208,15 +216,24 @@ def _prefill_from_lists(
     sliding_window: int | None = None,
     key_limits: torch.Tensor | None = None,
     bidirectional: tuple[bool, ...] = (),
+    batch: bool = True,
+    groups: list[PrefillGroup] | None = None,
 ) -> torch.Tensor:
     # query, out: [T, Hq, D]; query_start_loc: B+1 ints; seq_lens: B ints; key_limits: [T] int64 (read for sequence b
-    # when bidirectional[b]: see `key_limits.bidirectional_prefills`; the other sequences stay causal)
+    # when bidirectional[b]: see `key_limits.bidirectional_prefills`; the other sequences stay causal). `batch`: the
+    # causal sequences of a layer without sliding window go through `prefill_batch` (`groups`: its plan, when made)
     num_q_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
+    batched = batchable_prefills(query_start_loc, seq_lens, bidirectional) if batch and sliding_window is None else []
+    if batched:
+        if groups is None:
+            groups = plan_prefill_groups(block_tables, query_start_loc, seq_lens, batched, block_size)
+        prefill_groups(query, k_cache, v_cache, groups, scale, out, k_scale, v_scale)
+    batched = set(batched)
     for b, seq_len in enumerate(seq_lens):
         q_start, q_end = query_start_loc[b], query_start_loc[b + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or b in batched:
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: q_len {q_len} > seq_len {seq_len}")
@@ -339,6 +356,7 @@ def prefill_ref(
     set (also the Triton path's fallback for a step with bidirectional tokens); the K/V are already written."""
     # query, out: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]
     num_decodes = md.num_decodes
+    groups = None if sliding_window is not None else step_prefill_groups(md, k_cache.shape[1])
     _prefill_from_lists(
         query,
         k_cache,
@@ -353,6 +371,7 @@ def prefill_ref(
         sliding_window,
         md.key_limits,
         bidirectional_prefills(md),
+        groups=groups,
     )
 
 
