@@ -190,18 +190,30 @@ class ClipVisionTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (relative to the tower, with or without `vision_model.`) into the parameters;
         returns the parameter names filled. ValueError on an unknown name or a shape mismatch."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            rel = name[len("vision_model.") :] if name.startswith("vision_model.") else name
-            if rel.endswith(_IGNORED_SUFFIXES) or rel.startswith(self.ignored_prefixes):
-                continue
-            if rel not in params:
-                raise ValueError(f"unexpected vision tower weight {name!r}")
-            if tuple(params[rel].shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[rel].shape)}"
-                )
-            params[rel].data.copy_(tensor)
-            loaded.add(rel)
-        return loaded
+        return copy_tower_weights(self, weights, "vision_model.", "vision tower", self.ignored_prefixes)
+
+
+@torch.no_grad()
+def copy_tower_weights(
+    tower: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    prefix: str,
+    kind: str,
+    ignored_prefixes: tuple[str, ...] = (),
+) -> set[str]:
+    """Copy HF-named tensors (relative to `tower`, with or without `prefix`) into its parameters, skipping saved
+    buffers and `ignored_prefixes`; returns the parameter names filled. ValueError on an unknown name or a shape
+    mismatch (`kind` names the tower in the message)."""
+    params = dict(tower.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        rel = name[len(prefix) :] if name.startswith(prefix) else name
+        if rel.endswith(_IGNORED_SUFFIXES) or rel.startswith(ignored_prefixes):
+            continue
+        if rel not in params:
+            raise ValueError(f"unexpected {kind} weight {name!r}")
+        if tuple(params[rel].shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[rel].shape)}")
+        params[rel].data.copy_(tensor)
+        loaded.add(rel)
+    return loaded

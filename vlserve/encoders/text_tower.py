@@ -19,10 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlserve.encoders.clip_vision import VitAttention, VitEncoderLayer
+from vlserve.encoders.clip_vision import VitAttention, VitEncoderLayer, copy_tower_weights
 from vlserve.kernels.packed_linear import PackableLinear
-
-_IGNORED_SUFFIXES = ("position_ids",)  # a buffer some versions save
 
 
 @dataclass(frozen=True)
@@ -212,18 +210,4 @@ class ContrastiveTextTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (relative to the tower, with or without `text_model.`) into the parameters;
         returns the parameter names filled. ValueError on an unknown name or a shape mismatch."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            rel = name[len("text_model.") :] if name.startswith("text_model.") else name
-            if rel.endswith(_IGNORED_SUFFIXES):
-                continue
-            if rel not in params:
-                raise ValueError(f"unexpected text tower weight {name!r}")
-            if tuple(params[rel].shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[rel].shape)}"
-                )
-            params[rel].data.copy_(tensor)
-            loaded.add(rel)
-        return loaded
+        return copy_tower_weights(self, weights, "text_model.", "text tower")
