@@ -38,7 +38,7 @@ def tower(request, tmp_path_factory):
 
     path = tmp_path_factory.mktemp(f"{request.param}_engine")
     hf_model, _ = build_checkpoint(request.param, path)
-    processor = AutoProcessor.from_pretrained(path)  # as saved: what the engine loads
+    processor = AutoProcessor.from_pretrained(path, use_fast=True)  # the fast image processor, as the engine loads it
     pad = {"padding": "max_length", "max_length": 16} if request.param == "siglip" else {}
 
     def hf_text(text: str) -> torch.Tensor:

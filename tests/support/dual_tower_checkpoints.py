@@ -5,6 +5,10 @@ sentencepiece model)."""
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+
 import torch
 
 TEXTS = ["a cat", "a big dog sat on the mat", "hello", "the quick brown fox jumps over"]
@@ -19,7 +23,12 @@ def clip_processor():
     for ch in "abcdefghijklmnopqrstuvwxyz":
         vocab[ch] = len(vocab)
         vocab[ch + "</w>"] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
+    with tempfile.TemporaryDirectory() as files:  # vocab.json + merges.txt: what both transformers 4.57 and 5 load
+        with open(os.path.join(files, "vocab.json"), "w") as f:
+            json.dump(vocab, f)
+        with open(os.path.join(files, "merges.txt"), "w") as f:
+            f.write("#version: 0.2\n")
+        tokenizer = CLIPTokenizer.from_pretrained(files)
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return CLIPProcessor(image_processor=images, tokenizer=tokenizer)
 
