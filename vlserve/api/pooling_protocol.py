@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from vlserve.api.chat_input import chat_input_request
 from vlserve.api.protocol import ChatCompletionRequest, ChatMessage, check_unicode
 
 
@@ -72,13 +73,7 @@ class _InputFields(_PoolingFields):
 
     def as_chat_request(self) -> ChatCompletionRequest:
         """The chat completion request whose input processing renders `messages`."""
-        return ChatCompletionRequest(
-            model=self.model,
-            messages=self.messages,
-            chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
-            mm_processor_kwargs=self.mm_processor_kwargs,
-        )
+        return chat_input_request(self)
 
 
 class EmbeddingRequest(_InputFields):

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vlserve.api.chat_input import chat_input_request
 from vlserve.api.errors import APIError
 from vlserve.api.protocol import ChatCompletionRequest, ChatMessage, check_unicode
 from vlserve.api.serving_base import ServedModels
@@ -67,13 +68,7 @@ class TokenizeChatRequest(_StrictModel):
                 400,
                 "continue_final_message",
             )
-        return ChatCompletionRequest(
-            model=self.model,
-            messages=self.messages,
-            chat_template=self.chat_template,
-            chat_template_kwargs=self.chat_template_kwargs,
-            mm_processor_kwargs=self.mm_processor_kwargs,
-        )
+        return chat_input_request(self)
 
 
 class TokenizeResponse(BaseModel):
