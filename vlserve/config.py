@@ -234,6 +234,9 @@ class EngineArgs:
     convert: str = "auto"
     pooler_config: Any = None  # PoolerConfig, its dict or JSON text: overrides the checkpoint's pooling settings
     hf_overrides: dict[str, Any] | str | None = None  # vLLM's reranker keys only (pooling_params.apply_hf_overrides)
+    # live video sessions (vlserve/engine/video_session.py): at most this many open; closed after this long idle (s)
+    max_video_sessions: int = 8
+    session_idle_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -290,6 +293,14 @@ class EngineArgs:
                 f"chat_template_content_format must be auto/string/openai, "
                 f"got {shorten(self.chat_template_content_format)}"
             )
+        if (
+            isinstance(self.max_video_sessions, bool)
+            or not isinstance(self.max_video_sessions, int)
+            or (self.max_video_sessions < 1)
+        ):
+            raise ValueError(f"max_video_sessions must be an integer >= 1, got {shorten(self.max_video_sessions)}")
+        if not isinstance(self.session_idle_timeout, (int, float)) or not self.session_idle_timeout > 0:
+            raise ValueError(f"session_idle_timeout must be > 0 seconds, got {shorten(self.session_idle_timeout)}")
         if self.max_audio_seconds is not None and not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
         if self.model is not None:
