@@ -13,29 +13,35 @@ from PIL import Image
 from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
 from vlserve import LLM, SamplingParams
 from vlserve.config import EngineArgs
+from vlserve.multimodal.media import LoadedVideo
 
 FPS = 2.0
 QUESTION = "What moves?"
 SYSTEM = [{"role": "system", "content": "You watch a camera."}]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def llm(request, tmp_path_factory):
-    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+    out = str(tmp_path_factory.mktemp(request.param))
+    if request.param == "qwen3_vl":
+        from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
 
-    path = build_qwen2_vl_checkpoint(
-        str(tmp_path_factory.mktemp(request.param)), variant=request.param, chat_template=QWEN2_VL_CHAT_TEMPLATE
-    )
+        path = build_qwen3_vl_checkpoint(out, chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    else:
+        from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+        path = build_qwen2_vl_checkpoint(out, variant=request.param, chat_template=QWEN2_VL_CHAT_TEMPLATE)
     return LLM(path, dtype="float32", num_kv_blocks=256, block_size=16, max_video_sessions=2)
 
 
 def _frames(n: int, seed: int = 0) -> np.ndarray:
-    """[n, 56, 84, 3] uint8: a bright square moving over noise."""
+    """[n, 32, 64, 3] uint8: a bright square moving over noise. Small enough that Qwen3-VL's video processor,
+    which sizes frames by the pixels of the whole clip, sizes every pair as it sizes a clip of a dozen frames."""
     rng = np.random.RandomState(seed)
-    frames = rng.randint(0, 120, (n, 56, 84, 3), dtype=np.uint8)
+    frames = rng.randint(0, 120, (n, 32, 64, 3), dtype=np.uint8)
     for i in range(n):
-        x = (7 * i) % 70
-        frames[i, 20:34, x : x + 14] = 255
+        x = (7 * i) % 50
+        frames[i, 10:24, x : x + 14] = 255
     return frames
 
 
@@ -44,7 +50,12 @@ def _greedy(n: int = 8) -> SamplingParams:
 
 
 def _one_request(llm: LLM, frames: np.ndarray, messages=None):
-    turn = {"role": "user", "content": [{"type": "video", "video": list(frames)}, {"type": "text", "text": QUESTION}]}
+    """The oracle: one chat request carrying `frames` as one video at FPS (Qwen3-VL's timestamps need the frames'
+    own rate: the video as a decoder hands it over)."""
+    video = LoadedVideo(frames, FPS, FPS, list(range(len(frames))), len(frames))
+    if llm.input_processor.mm_processor.qwen3_videos is None:
+        video = list(frames)  # the plain way: frames given at mm_processor_kwargs' fps
+    turn = {"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": QUESTION}]}
     return llm.chat((messages or []) + [turn], _greedy(), use_tqdm=False, mm_processor_kwargs={"fps": FPS})[0]
 
 

@@ -40,6 +40,7 @@ class VideoChunk:
     frames: np.ndarray  # [temporal_patch, H, W, 3] uint8
     content_hash: str
     data: dict[str, Any] = field(repr=False)  # pixel_values_videos [h*w, C*tp*p*p], video_grid_thw [1, 3], ...
+    num_real: int = 0  # frames that are the stream's, not padding (0: all of them)
 
     @property
     def mm_hash(self) -> str:
@@ -143,7 +144,7 @@ class VideoStream:
         """Run one temporal step's frames through the HF video processor (the code a whole video goes through)."""
         index = self.next_index
         self.next_index += 1
-        video = LoadedVideo(frames, None, self.fps, list(range(len(frames))), len(frames))
+        video = LoadedVideo(frames, self.fps, self.fps, list(range(len(frames))), len(frames))
         data = self.mm_processor._run_video(video, self.video_kwargs, {"fps": self.fps})
         if int(data["video_grid_thw"][0][0]) != 1:
             raise ValueError(f"a chunk of {len(frames)} frames gave {data['video_grid_thw'].tolist()} grid steps")
@@ -158,7 +159,7 @@ class VideoStream:
         if with_pending and self.pending is not None:
             pad = np.concatenate([self.pending] + [self.pending[-1:]] * (self.temporal_patch - len(self.pending)))
             saved = self.next_index
-            chunks.append(self._chunk(pad))
+            chunks.append(replace(self._chunk(pad), num_real=len(self.pending)))
             self.next_index = saved  # the padded chunk is the question's own, not the stream's
             self.released.append(chunks[-1].mm_hash)
         ids: list[int] = []
@@ -182,8 +183,9 @@ class VideoStream:
         first = step * self.temporal_patch
         data = {
             **chunk.data,
-            "frame_indices": list(range(first, first + self.temporal_patch)),
-            "timestamp_fps": chunk.data.get("timestamp_fps", self.fps),
+            # a padded chunk's timestamp is its real frames' (the processor pads the indices with the last one)
+            "frame_indices": list(range(first, first + (chunk.num_real or self.temporal_patch))),
+            "timestamp_fps": self.fps,
         }
         run, feats = self.mm_processor.qwen3_videos.expand(mm_hash, data, offset)
         return run, [replace(f, mm_hash=mm_hash) for f in feats]
