@@ -208,3 +208,26 @@ def test_mrope_chunks_continue_one_video(tokens_per_second, grid_hw):
     chunks[4].offset += 1
     with pytest.raises(ValueError, match="does not follow a video item"):
         get_mrope_positions(ids + [8], chunks, cfg)
+
+
+def test_tower_encodes_pairs_as_the_whole_clip(llm):
+    """Each temporal grid step attends only within itself (and Qwen3-VL's frames are items already): the chunks'
+    embeddings, concatenated, are the whole clip's (the processor sizes every frame alike here)."""
+    import torch
+
+    mm = llm.input_processor.mm_processor
+    frames = _frames(6, seed=7)
+    _, whole = mm.process_video(list(frames), {}, {"fps": FPS})
+    with llm.open_video_session(fps=FPS) as session:
+        session.append(list(frames))
+        _, features = session.stream.video_run(with_pending=False)
+    model = llm.engine.runner.model
+    if mm.qwen3_videos is not None:
+        whole_embeds = torch.cat(
+            [model.embed_multimodal("video", f.data) for f in mm.qwen3_videos.expand("v", whole, 0)[1]]
+        )
+    else:
+        whole_embeds = model.embed_multimodal("video", whole)  # [3 * h * w / 4, H]
+    chunk_embeds = torch.cat([model.embed_multimodal("video", f.data) for f in features])
+    assert len(features) == 3
+    torch.testing.assert_close(chunk_embeds, whole_embeds, rtol=1e-5, atol=1e-5)
