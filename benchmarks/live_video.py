@@ -9,8 +9,8 @@ and feeds it a generated stream: a bright square moving over a still, noisy back
 at --fps. For each stream length it opens a session (`LLM.open_video_session`, window --max-frames frames), appends
 the stream a second at a time, then asks one question (max_tokens=1: the ask's time is its TTFT), --repeats times;
 then it sends the same question as one ordinary request carrying the window's frames as one video (the oracle of
-tests/multimodal/test_video_session.py; its media are new to the engine's caches every repeat: a fresh offset of
-frames is not used, the processor and encoder caches are cleared instead). It prints, per length: the frames in the
+tests/multimodal/test_video_session.py), each repeat after clearing the processor, prefix and encoder caches, as a
+request with new media finds them. It prints, per length: the frames in the
 window, the prompt tokens, the question's computed tokens (prompt minus prefix-cache hits), the median TTFT of the
 session's question and of the one request, their ratio, and the mean time of one append (preprocess + prefill of
 the grown prefix). Figures on this machine only mean something with the machine otherwise idle.

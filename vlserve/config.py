@@ -293,12 +293,9 @@ class EngineArgs:
                 f"chat_template_content_format must be auto/string/openai, "
                 f"got {shorten(self.chat_template_content_format)}"
             )
-        if (
-            isinstance(self.max_video_sessions, bool)
-            or not isinstance(self.max_video_sessions, int)
-            or (self.max_video_sessions < 1)
-        ):
-            raise ValueError(f"max_video_sessions must be an integer >= 1, got {shorten(self.max_video_sessions)}")
+        sessions = self.max_video_sessions
+        if isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1:
+            raise ValueError(f"max_video_sessions must be an integer >= 1, got {shorten(sessions)}")
         if not isinstance(self.session_idle_timeout, (int, float)) or not self.session_idle_timeout > 0:
             raise ValueError(f"session_idle_timeout must be > 0 seconds, got {shorten(self.session_idle_timeout)}")
         if self.max_audio_seconds is not None and not self.max_audio_seconds > 0:
