@@ -162,6 +162,13 @@ def test_bad_input(llm):
         session.append(list(_frames(2)))
         with pytest.raises(ValueError, match="differ"):
             session.append([np.zeros((28, 28, 3), dtype=np.uint8)])
+    with llm.open_video_session(fps=FPS) as session:
+        session.append(list(_frames(3)))
+        before = session.ask_prompt(QUESTION).prompt_token_ids
+        session.max_model_len = len(session.stream.prompt(session.head, None).prompt_token_ids) + 1  # no next pair
+        with pytest.raises(ValueError, match="max_model_len"):
+            session.append(list(_frames(2)))
+        assert session.stream.num_frames == 3 and session.ask_prompt(QUESTION).prompt_token_ids == before
     with pytest.raises(ValueError, match="text only"):
         llm.open_video_session([{"role": "user", "content": [{"type": "image", "image": _frames(1)[0]}]}])
     with pytest.raises(ValueError, match="at least 2 frames"):

@@ -123,14 +123,19 @@ class VideoSession:
         with self._lock:
             self._check_open()
             self.last_used = self.clock()
-            if not self.stream.append(frames):
-                return
-            prefix = self.stream.prompt(self.head, None)
-            if len(prefix.prompt_token_ids) >= self.max_model_len:
-                raise ValueError(
-                    f"the session's prefix ({len(prefix.prompt_token_ids)} tokens) reaches max_model_len="
-                    f"{self.max_model_len}; open it with a smaller max_frames / max_seconds"
-                )
+            before = self.stream.snapshot()
+            try:
+                if not self.stream.append(frames):
+                    return
+                prefix = self.stream.prompt(self.head, None)
+                if len(prefix.prompt_token_ids) >= self.max_model_len:
+                    raise ValueError(
+                        f"the session's prefix ({len(prefix.prompt_token_ids)} tokens) would reach max_model_len="
+                        f"{self.max_model_len}; open it with a smaller max_frames / max_seconds"
+                    )
+            except BaseException:
+                self.stream.restore(before)  # the frames are refused whole
+                raise
             self.prefills.abort()  # superseded by the grown prefix
             request_id = f"{self.session_id}-prefill-{next(self._ids)}"
             self.prefills.request_id = None if self.engine.prefill(request_id, prefix) else request_id

@@ -118,6 +118,14 @@ class VideoStream:
             self.released.append(self.chunks.pop(0).mm_hash)
         return whole > 0
 
+    def snapshot(self) -> tuple:
+        """What `restore` takes back to (an append that fails leaves the stream as it was)."""
+        return list(self.chunks), self.pending, self.frame_size, self.next_index, self.frames_seen, list(self.released)
+
+    def restore(self, state: tuple) -> None:
+        chunks, self.pending, self.frame_size, self.next_index, self.frames_seen, released = state
+        self.chunks, self.released = list(chunks), list(released)
+
     @property
     def num_frames(self) -> int:
         """Frames in the window: the whole chunks' and the one waiting for its pair."""
