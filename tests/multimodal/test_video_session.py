@@ -238,3 +238,17 @@ def test_tower_encodes_pairs_as_the_whole_clip(llm):
     chunk_embeds = torch.cat([model.embed_multimodal("video", f.data) for f in features])
     assert len(features) == 3
     torch.testing.assert_close(chunk_embeds, whole_embeds, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_returns_the_prefix_a_question_starts_with(llm):
+    """The split an async server uses: `extend` (no engine call) returns the prefix to prefill once a pair is
+    complete; a question's prompt starts with it."""
+    frames = _frames(3, seed=9)
+    with llm.open_video_session(fps=FPS) as session:
+        assert session.extend([frames[0]]) is None  # half a pair
+        prefix = session.extend(list(frames[1:]))
+        n = len(prefix.prompt_token_ids)
+        question = session.ask_prompt(QUESTION)
+        assert question.prompt_token_ids[:n] == prefix.prompt_token_ids and len(question.prompt_token_ids) > n
+        assert [f.mm_hash for f in prefix.mm_features] == [f.mm_hash for f in question.mm_features[:1]]
+        assert len(question.mm_features) == 2  # the waiting third frame, padded

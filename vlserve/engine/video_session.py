@@ -8,8 +8,10 @@ that hits the prefix cache for every full block of the prefix, so it computes on
 partial block of the prefix). The prefix's blocks are not pinned: between prefills they are free, cached blocks that
 heavy traffic may evict (a later prefill or question then recomputes them).
 
-`VideoSession` talks to the engine through a `SessionEngine` (`prefill`, `generate`, `abort`): `EngineLoopSessions`
-runs them inline for the offline `LLM`; an async server gives its own (prefill queued and returned at once).
+`VideoSession` talks to the engine through a `SessionEngine` (`prefill`, `generate`, `abort`, `forget_items`):
+`EngineLoopSessions` runs them inline for the offline `LLM`; an async server gives its own (prefill queued and
+returned at once), or submits requests itself: `extend(frames)` (the HF processor's work: off the event loop) returns
+the prefix to prefill, `ask_prompt(question)` a question's prompt.
 """
 
 from __future__ import annotations
@@ -121,25 +123,37 @@ class VideoSession:
     def append(self, frames: Any) -> None:
         """Add frames (a list of HxWx3 uint8 arrays or PIL images, oldest first) and prefill the grown prefix."""
         with self._lock:
-            self._check_open()
-            self.last_used = self.clock()
-            before = self.stream.snapshot()
-            try:
-                if not self.stream.append(frames):
-                    return
-                prefix = self.stream.prompt(self.head, None)
-                if len(prefix.prompt_token_ids) >= self.max_model_len:
-                    raise ValueError(
-                        f"the session's prefix ({len(prefix.prompt_token_ids)} tokens) would reach max_model_len="
-                        f"{self.max_model_len}; open it with a smaller max_frames / max_seconds"
-                    )
-            except BaseException:
-                self.stream.restore(before)  # the frames are refused whole
-                raise
+            prefix = self._extend(frames)
+            if prefix is None:
+                return
             self.prefills.abort()  # superseded by the grown prefix
             request_id = f"{self.session_id}-prefill-{next(self._ids)}"
             self.prefills.request_id = None if self.engine.prefill(request_id, prefix) else request_id
             self._forget_released()
+
+    def extend(self, frames: Any) -> ProcessedPrompt | None:
+        """`append`'s first half, for a caller that submits requests itself: add the frames (the HF processor runs
+        here) and return the grown prefix to prefill, or None when no pair was completed."""
+        with self._lock:
+            return self._extend(frames)
+
+    def _extend(self, frames: Any) -> ProcessedPrompt | None:
+        self._check_open()
+        self.last_used = self.clock()
+        before = self.stream.snapshot()
+        try:
+            if not self.stream.append(frames):
+                return None
+            prefix = self.stream.prompt(self.head, None)
+            if len(prefix.prompt_token_ids) >= self.max_model_len:
+                raise ValueError(
+                    f"the session's prefix ({len(prefix.prompt_token_ids)} tokens) would reach max_model_len="
+                    f"{self.max_model_len}; open it with a smaller max_frames / max_seconds"
+                )
+        except BaseException:
+            self.stream.restore(before)  # the frames are refused whole
+            raise
+        return prefix
 
     def ask_prompt(self, question: str) -> ProcessedPrompt:
         """The prompt a question runs: the prefix, the waiting frames, `<|vision_end|>`, the question, and the
