@@ -144,9 +144,19 @@ def test_session_bounds(llm):
         assert a.closed and c.closed and not d.closed
         with pytest.raises(ValueError, match="closed"):
             a.append(list(_frames(2)))
-        del d  # a dropped session is forgotten
+        now[0] += llm.engine_args.session_idle_timeout / 2
+        d.append(list(_frames(2)))  # use restarts the idle clock
+        now[0] += llm.engine_args.session_idle_timeout / 2 + 1
+        assert not d.closed
+        now[0] += llm.engine_args.session_idle_timeout / 2
+        with pytest.raises(ValueError, match="expired"):
+            d.ask(QUESTION)  # idle too long: closed on its next use, no other session needed
+        assert d.closed
+        e, f = llm.open_video_session(), llm.open_video_session()
+        e.append(list(_frames(2)))
+        del e  # dropped unclosed: forgotten, so a third may open
         llm.open_video_session().close()
-        llm.open_video_session().close()
+        f.close()
     finally:
         llm.video_sessions.clock = __import__("time").monotonic
 

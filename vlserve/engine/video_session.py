@@ -64,6 +64,7 @@ class VideoSession:
         max_seconds: float | None = None,
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
+        idle_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.session_id = session_id
@@ -86,6 +87,7 @@ class VideoSession:
         self.messages = self._template_messages(messages)
         self.head, _ = self._split_prompt("")
         self.clock = clock
+        self.idle_timeout = idle_timeout  # seconds idle after which the session closes (None: never)
         self.last_used = clock()
         self.closed = False
         self._ids = itertools.count()
@@ -186,16 +188,25 @@ class VideoSession:
     def close(self) -> None:
         """End the session: its running prefill is dropped and its frames released. Idempotent."""
         with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            self.prefills.abort()
-            self.stream.close()
-            self._forget_released()
+            self._close()
+
+    def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.prefills.abort()
+        self.stream.close()
+        self._forget_released()
+
+    def expired(self) -> bool:
+        """Whether the session has been idle longer than its idle timeout."""
+        return self.idle_timeout is not None and self.clock() - self.last_used > self.idle_timeout
 
     def _check_open(self) -> None:
+        if not self.closed and self.expired():
+            self._close()
         if self.closed:
-            raise ValueError(f"video session {self.session_id} is closed")
+            raise ValueError(f"video session {self.session_id} is closed (or expired after idling)")
 
     def __enter__(self) -> VideoSession:
         return self
@@ -221,8 +232,7 @@ class VideoSessions:
 
     def expire(self) -> list[str]:
         """Close the sessions idle longer than `idle_timeout`; returns their ids."""
-        now = self.clock()
-        expired = [s for s in list(self.open.values()) if not s.closed and now - s.last_used > self.idle_timeout]
+        expired = [s for s in list(self.open.values()) if not s.closed and s.expired()]
         for s in expired:
             s.close()
         for sid in [sid for sid, s in list(self.open.items()) if s.closed]:
@@ -235,7 +245,9 @@ class VideoSessions:
         if len(self.open) >= self.max_sessions:
             raise ValueError(f"{len(self.open)} video sessions are open (max_video_sessions={self.max_sessions})")
         sid = f"video-session-{next(self._ids)}"
-        session = VideoSession(sid, engine, input_processor, max_model_len, clock=self.clock, **kwargs)
+        session = VideoSession(
+            sid, engine, input_processor, max_model_len, idle_timeout=self.idle_timeout, clock=self.clock, **kwargs
+        )
         self.open[sid] = session
         weakref.finalize(session, session.prefills.abort)
         return session
