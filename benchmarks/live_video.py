@@ -1,8 +1,8 @@
 """Live video: time to first token of a question at 10 s / 60 s / 300 s of stream, session vs one request.
 
-    python -m benchmarks.live_video                                   # 10, 60, 300 s at 1 fps, tiny Qwen2-VL
-    python -m benchmarks.live_video --seconds 4 8 --repeats 1         # a smoke run (the test's size)
-    python -m benchmarks.live_video --variant qwen2_5_vl --fps 2 --frame-size 112
+    .venv/bin/python -m benchmarks.live_video                            # 10, 60, 300 s at 1 fps, tiny Qwen2-VL
+    .venv/bin/python -m benchmarks.live_video --seconds 4 8 --repeats 1  # a smoke run (the test's size)
+    .venv/bin/python -m benchmarks.live_video --variant qwen2_5_vl --fps 2 --frame-size 112
 
 Builds (once, under --checkpoint-dir) a random tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL with its real HF processor
 and feeds it a generated stream: a bright square moving over a still, noisy background, --frame-size pixels square,
