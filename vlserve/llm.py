@@ -286,7 +286,9 @@ class LLM(PoolingCalls):
         """A live video stream (vlserve.engine.video_session): `session.append(frames)` as frames arrive (at `fps`),
         `session.ask(question, sampling_params)` -> RequestOutput, `session.close()` (or `with`). `messages`: text
         turns before the one holding the video and the question; `max_frames` / `max_seconds` bound the window of
-        frames a question sees (the oldest go first)."""
+        frames a question sees (the oldest go first). A question reuses the stream's KV through the prefix cache
+        (with enable_prefix_caching=False every question computes the whole prompt); `ask` without sampling params
+        uses `get_default_sampling_params()`."""
         return self.video_sessions.create(
             EngineLoopSessions(self.engine_loop, self._lock),
             self.input_processor,
@@ -297,6 +299,7 @@ class LLM(PoolingCalls):
             max_seconds=max_seconds,
             mm_processor_kwargs=mm_processor_kwargs,
             chat_template_kwargs=check_chat_template_kwargs(chat_template_kwargs, allow_template=True),
+            default_sampling_params=self.get_default_sampling_params,
         )
 
     # -- introspection -----------------------------------------------------------------------------------------

@@ -262,3 +262,12 @@ def test_extend_returns_the_prefix_a_question_starts_with(llm):
         assert question.prompt_token_ids[:n] == prefix.prompt_token_ids and len(question.prompt_token_ids) > n
         assert [f.mm_hash for f in prefix.mm_features] == [f.mm_hash for f in question.mm_features[:1]]
         assert len(question.mm_features) == 2  # the waiting third frame, padded
+
+
+def test_ask_defaults_to_the_llm_default_sampling_params(llm, monkeypatch):
+    monkeypatch.setattr(llm, "get_default_sampling_params", lambda: _greedy(3))
+    frames = _frames(2, seed=11)
+    with llm.open_video_session(fps=FPS) as session:
+        session.append(list(frames))
+        answer = session.ask(QUESTION)
+    assert answer.outputs[0].token_ids == _one_request(llm, frames).outputs[0].token_ids[:3]

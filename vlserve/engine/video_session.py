@@ -64,6 +64,7 @@ class VideoSession:
         max_seconds: float | None = None,
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
+        default_sampling_params: Callable[[], SamplingParams] = SamplingParams,
         idle_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -72,6 +73,7 @@ class VideoSession:
         self.input_processor = input_processor
         self.max_model_len = max_model_len
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.default_sampling_params = default_sampling_params  # what `ask` runs with when given none
         mm = input_processor.mm_processor
         limit = mm.max_video_frames if mm is not None else 0
         if max_frames is not None:
@@ -175,7 +177,7 @@ class VideoSession:
             processed = self.ask_prompt(question)
             request_id = f"{self.session_id}-ask-{next(self._ids)}"
         try:
-            return self.engine.generate(request_id, processed, sampling_params or SamplingParams())
+            return self.engine.generate(request_id, processed, sampling_params or self.default_sampling_params())
         finally:
             with self._lock:
                 self._forget_released()
