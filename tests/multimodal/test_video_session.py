@@ -79,8 +79,9 @@ def test_answers_equal_one_request(llm):
 
 
 def test_question_hits_the_prefix_cache(llm):
-    """Every full block of the prefix (head + whole pairs) is cached when the question arrives: the question
-    computes only its own tokens and the prefix's last partial block, however long the stream."""
+    """Every full block of the prefix (head + whole pairs) is cached when the question arrives and every pair's
+    embeddings too: the question computes only its own tokens and the prefix's last partial block, and runs no
+    tower, however long the stream."""
     frames = _frames(12, seed=3)
     block = llm.engine_args.block_size
     with llm.open_video_session(fps=FPS) as session:
@@ -88,7 +89,9 @@ def test_question_hits_the_prefix_cache(llm):
         for start in range(0, 12, 4):
             session.append(list(frames[start : start + 4]))
             prefix_len = len(session.stream.prompt(session.head, None).prompt_token_ids)
+            misses = llm.get_metrics()["vlserve:encoder_cache_misses_total"]
             answer = session.ask(QUESTION, _greedy(2))
+            assert llm.get_metrics()["vlserve:encoder_cache_misses_total"] == misses  # no pair encoded again
             assert answer.num_cached_tokens >= prefix_len // block * block
             computed.append(len(answer.prompt_token_ids) - answer.num_cached_tokens)
         assert max(computed) <= block + len(answer.prompt_token_ids) - prefix_len
