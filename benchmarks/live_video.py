@@ -6,7 +6,8 @@
 
 Builds (once, under --checkpoint-dir) a random tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL with its real HF processor
 and feeds it a generated stream: a bright square moving over a still, noisy background, --frame-size pixels square,
-at --fps. For each stream length it opens a session (`LLM.open_video_session`, window --max-frames frames), appends
+at --fps. For each stream length it opens a session (`LLM.open_video_session`, window --max-frames frames, less
+--window-slack on overflow), appends
 the stream a second at a time, then asks one question (max_tokens=1: the ask's time is its TTFT), --repeats times;
 then it sends the same question as one ordinary request carrying the window's frames as one video (the oracle of
 tests/multimodal/test_video_session.py), each repeat after clearing the processor, prefix and encoder caches, as a
@@ -61,7 +62,7 @@ def run_length(llm, seconds: float, args) -> dict:
     frames = moving_square(int(seconds * args.fps), args.frame_size)
     step = max(1, int(args.fps))
     append_s, ask_s, oneshot_s = [], [], []
-    with llm.open_video_session(fps=args.fps, max_frames=args.max_frames) as session:
+    with llm.open_video_session(fps=args.fps, max_frames=args.max_frames, window_slack=args.window_slack) as session:
         for start in range(0, len(frames), step):
             t0 = time.perf_counter()
             session.append(list(frames[start : start + step]))
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--fps", type=float, default=1.0)
     parser.add_argument("--frame-size", type=int, default=56)
     parser.add_argument("--max-frames", type=int, default=256)
+    parser.add_argument("--window-slack", type=int, default=0, help="frames dropped below --max-frames at once")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--question", default="Where is the square going?")
     parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "vlserve-live-video"))

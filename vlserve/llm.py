@@ -280,13 +280,15 @@ class LLM(PoolingCalls):
         fps: float = 2.0,
         max_frames: int | None = None,
         max_seconds: float | None = None,
+        window_slack: int = 0,
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
     ) -> VideoSession:
         """A live video stream (vlserve.engine.video_session): `session.append(frames)` as frames arrive (at `fps`),
         `session.ask(question, sampling_params)` -> RequestOutput, `session.close()` (or `with`). `messages`: text
         turns before the one holding the video and the question; `max_frames` / `max_seconds` bound the window of
-        frames a question sees (the oldest go first). A question reuses the stream's KV through the prefix cache
+        frames a question sees (the oldest go first; with `window_slack` N, an overflowing window drops N frames
+        more, so that the stream's KV is recomputed once every N frames instead of at every append). A question reuses the stream's KV through the prefix cache
         (with enable_prefix_caching=False every question computes the whole prompt); `ask` without sampling params
         uses `get_default_sampling_params()`."""
         return self.video_sessions.create(
@@ -297,6 +299,7 @@ class LLM(PoolingCalls):
             fps=fps,
             max_frames=max_frames,
             max_seconds=max_seconds,
+            window_slack=window_slack,
             mm_processor_kwargs=mm_processor_kwargs,
             chat_template_kwargs=check_chat_template_kwargs(chat_template_kwargs, allow_template=True),
             default_sampling_params=self.get_default_sampling_params,

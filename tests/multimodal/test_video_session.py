@@ -116,6 +116,24 @@ def test_window_answers_equal_one_request_of_the_window(llm, window):
     llm.check_integrity()
 
 
+def test_window_slack_drops_below_the_limit(llm):
+    """max_frames=6, window_slack=2: an overflow drops pairs until at most 4 frames remain (then 3: 9 -> 3 frames),
+    so the positions restart once in a while rather than at every append; answers still equal one request's."""
+    frames = _frames(15, seed=6)
+    kept_after = []
+    with llm.open_video_session(fps=FPS, max_frames=6, window_slack=2) as session:
+        for start in range(0, 15, 3):
+            session.append(list(frames[start : start + 3]))
+            kept = session.stream.num_frames
+            kept_after.append(kept)
+            answer = session.ask(QUESTION, _greedy())
+            ref = _one_request(llm, frames[start + 3 - kept : start + 3])
+            assert answer.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert kept_after == [3, 6, 3, 6, 3]
+    with pytest.raises(ValueError, match="window_slack"):
+        llm.open_video_session(max_frames=6, window_slack=5)
+
+
 def test_close_returns_blocks_and_encoder_cache(llm):
     llm.engine.scheduler.encoder_cache.reset()
     start = _pool_state(llm)

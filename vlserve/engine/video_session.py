@@ -62,6 +62,7 @@ class VideoSession:
         fps: float = DEFAULT_SESSION_FPS,
         max_frames: int | None = None,
         max_seconds: float | None = None,
+        window_slack: int = 0,
         mm_processor_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         default_sampling_params: Callable[[], SamplingParams] = SamplingParams,
@@ -85,7 +86,7 @@ class VideoSession:
                 raise ValueError(f"max_seconds must be positive, got {max_seconds}")
             limit = min(limit, int(max_seconds * fps))
         kwargs = {**input_processor.default_mm_kwargs, **(mm_processor_kwargs or {})}
-        self.stream = VideoStream(mm, fps, limit, kwargs)
+        self.stream = VideoStream(mm, fps, limit, kwargs, window_slack)
         self.messages = self._template_messages(messages)
         self.head, _ = self._split_prompt("")
         self.clock = clock

@@ -10,7 +10,7 @@ pair; a question asked meanwhile carries it padded (its last frame repeated, as 
 
 A chunk's mm_hash is its pixels' content hash (with the processor kwargs) plus its index in the session: the tower's
 output depends on the pixels alone, but equal pairs at different times (a still camera) must stay distinct items of
-one request. The window (`max_frames`) drops the oldest chunks; the kept ones then count time from 0, as in one
+one request. The window (`max_frames`, less `window_slack` when it overflows) drops the oldest chunks; the kept ones then count time from 0, as in one
 request carrying the window's frames, while their mm_hashes (and cached embeddings) stay the same.
 """
 
@@ -75,6 +75,7 @@ class VideoStream:
         fps: float,
         max_frames: int,
         mm_processor_kwargs: dict | None = None,
+        window_slack: int = 0,
     ):
         if mm_processor is None or mm_processor.video_processor is None:
             raise ValueError("this model takes no video; a video session needs a model with a video processor")
@@ -88,6 +89,14 @@ class VideoStream:
             raise ValueError(f"the window must hold at least {self.temporal_patch} frames, got {max_frames}")
         self.fps = float(fps)
         self.max_frames = int(max_frames)
+        if not 0 <= window_slack <= max_frames - self.temporal_patch:
+            raise ValueError(
+                f"window_slack must be in [0, {max_frames - self.temporal_patch}] (max_frames - one pair), "
+                f"got {window_slack}"
+            )
+        # an overflowing window drops down to max_frames - window_slack frames, so that the prefix's positions
+        # restart (and its KV is recomputed) once every window_slack frames rather than at every append
+        self.window_slack = int(window_slack)
         _, self.video_kwargs, sampling = MultiModalProcessor._split_kwargs(mm_processor_kwargs)
         if sampling:
             raise ValueError(f"a session's frames are not sampled; drop {sorted(sampling)} (use fps / max_frames)")
@@ -114,8 +123,9 @@ class VideoStream:
         for start in range(0, whole, self.temporal_patch):
             self.chunks.append(self._chunk(new[start : start + self.temporal_patch]))
         self.pending = new[whole:] if whole < len(new) else None
-        while self.num_frames > self.max_frames:
-            self.released.append(self.chunks.pop(0).mm_hash)
+        if self.num_frames > self.max_frames:
+            while self.num_frames > self.max_frames - self.window_slack:
+                self.released.append(self.chunks.pop(0).mm_hash)
         return whole > 0
 
     def snapshot(self) -> tuple:
