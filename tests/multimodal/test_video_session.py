@@ -204,6 +204,10 @@ def test_bad_input(llm):
         llm.open_video_session([{"role": "user", "content": [{"type": "image", "image": _frames(1)[0]}]}])
     with pytest.raises(ValueError, match="at least 2 frames"):
         llm.open_video_session(max_frames=1)
+    with pytest.raises(ValueError, match="max_frames must be in"):
+        llm.open_video_session(max_frames=llm.input_processor.mm_processor.max_video_frames + 1)
+    with pytest.raises(ValueError, match="max_seconds"):
+        llm.open_video_session(fps=2.0, max_seconds=1000)
     with pytest.raises(ValueError, match="not sampled"):
         llm.open_video_session(mm_processor_kwargs={"num_frames": 4})
     with pytest.raises(ValueError, match="max_video_sessions"):

@@ -76,14 +76,18 @@ class VideoSession:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.default_sampling_params = default_sampling_params  # what `ask` runs with when given none
         mm = input_processor.mm_processor
-        limit = mm.max_video_frames if mm is not None else 0
+        cap = mm.max_video_frames if mm is not None else 0  # the frames one video may carry
+        limit = cap
         if max_frames is not None:
-            if max_frames < 1:
-                raise ValueError(f"max_frames must be positive, got {max_frames}")
-            limit = min(limit, int(max_frames))
+            if not 1 <= max_frames <= cap:
+                raise ValueError(f"max_frames must be in [1, {cap}] (the frames one video may carry), got {max_frames}")
+            limit = int(max_frames)
         if max_seconds is not None:
-            if not max_seconds > 0:
-                raise ValueError(f"max_seconds must be positive, got {max_seconds}")
+            if not isinstance(fps, (int, float)) or not max_seconds > 0 or not 0 < max_seconds * fps <= cap:
+                raise ValueError(
+                    f"max_seconds must be positive and max_seconds * fps at most {cap} frames (the frames one video "
+                    f"may carry), got max_seconds={max_seconds} at fps={fps}"
+                )
             limit = min(limit, int(max_seconds * fps))
         kwargs = {**input_processor.default_mm_kwargs, **(mm_processor_kwargs or {})}
         self.stream = VideoStream(mm, fps, limit, kwargs, window_slack)
