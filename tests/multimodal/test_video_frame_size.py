@@ -38,23 +38,31 @@ def test_a_small_clip_is_untouched_and_processed_exactly_as_before(proc):
 
 @pytest.mark.parametrize(
     "shape, video_kwargs",
-    [((360, 640), {}), ((480, 360), {}), ((720, 1280), {}), ((360, 640), {"max_pixels": 16 * 28 * 28})],
+    [
+        ((360, 640), {}),
+        ((480, 360), {}),
+        ((720, 1280), {}),
+        ((360, 640), {"max_pixels": 16 * 28 * 28}),
+        ((360, 640), {"min_pixels": 16 * 28 * 28, "max_pixels": 16 * 28 * 28}),  # the demo model's bounds
+        ((288, 352), {"min_pixels": 16 * 28 * 28, "max_pixels": 16 * 28 * 28}),
+    ],
 )
-def test_a_large_clip_is_decoded_at_the_processor_size_with_the_same_grid(proc, shape, video_kwargs):
+def test_a_large_clip_is_decoded_smaller_with_the_same_grid(proc, shape, video_kwargs):
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     height, width = shape
     data = moving_clip(frames=12, height=height, width=width, codec="libx264", gop=4)
     loaded = proc._load_video(data, {"num_frames": 4}, 256, video_kwargs)
-    max_pixels = video_kwargs.get("max_pixels", 50176)
-    target = smart_resize(height, width, 28, min_pixels=3136, max_pixels=max_pixels)
-    assert loaded.frames.shape == (4, *target, 3) and target[0] * target[1] <= max_pixels
+    bounds = {"min_pixels": video_kwargs.get("min_pixels", 3136), "max_pixels": video_kwargs.get("max_pixels", 50176)}
+    kept = loaded.frames.shape[1:3]
+    assert loaded.frames.shape[0] == 4 and kept[0] * kept[1] < height * width / 2
+    assert smart_resize(*kept, 28, **bounds) == smart_resize(height, width, 28, **bounds)
     _, out = proc.process_video(data, video_kwargs, {"num_frames": 4})
     ref = full_size(proc, data, video_kwargs, 4)
     assert out["video_grid_thw"].tolist() == ref["video_grid_thw"].tolist()  # same token count
     # the same picture: normalized pixels close to those resized from the full-size frames
     diff = (out["pixel_values_videos"] - ref["pixel_values_videos"]).abs().mean().item()
-    assert diff < 0.02
+    assert diff < 0.05
 
 
 def test_the_rule_applies_only_where_it_is_exact(proc):

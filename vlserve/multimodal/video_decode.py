@@ -2,10 +2,11 @@
 
 Frames are named by index: the i-th frame the decoder outputs (presentation order). `read_packet_table` demuxes the
 stream without decoding to learn each frame's presentation timestamp (pts) and where the keyframes are; with it,
-`decode_frames` seeks to the keyframe at or before each wanted frame whenever that keyframe lies past the frames
-already decoded, and otherwise decodes on. Without a usable table (packets without pts, duplicate pts, discarded
-packets) it decodes every frame in order. Both ways return the same frames: a seek that lands anywhere but at or
-before the wanted pts, or a wanted pts the decoder never outputs, sends the whole clip through the sequential path.
+`decode_frames` seeks to the keyframe at or before each wanted frame whenever that skips enough frames past those
+already decoded (`SEEK_MIN_SKIPPED_FRAMES`), and otherwise decodes on. Without a usable table (packets without pts,
+duplicate pts, discarded packets) it decodes every frame in order. Both ways return the same frames: a seek that
+lands anywhere but at or before the wanted pts, or a wanted pts the decoder never outputs, sends the whole clip
+through the sequential path.
 
 Frames are converted to RGB as they are decoded, each at the size `frame_size(height, width)` names (scaled by
 swscale, bicubic), so a large source never sits in memory at full resolution; the kept frames fill one array.
@@ -37,28 +38,33 @@ def fit_within_pixels(max_pixels: int) -> FrameSize:
     return size
 
 
+# A seek (demuxer seek, decoder flush and restart) costs about what decoding 2-3 frames does (640x360 H.264 here):
+# it is worth it when it skips at least this many frames.
+SEEK_MIN_SKIPPED_FRAMES = 4
+
+
 @dataclass(frozen=True)
 class PacketTable:
     """What demuxing the first video stream tells without decoding: its frame count (packets with data) and, when
-    every frame can be named by its pts, the pts of each frame index and of the keyframes."""
+    every frame can be named by its pts, the pts of each frame index and which indices are keyframes."""
 
     num_frames: int
     frame_pts: list[int]  # frame index -> pts (ascending); empty when frames cannot be named by pts
-    keyframe_pts: list[int]  # ascending
+    keyframe_indices: list[int]  # ascending
 
     @property
     def seekable(self) -> bool:
-        return bool(self.keyframe_pts) and len(self.frame_pts) == self.num_frames
+        return bool(self.keyframe_indices) and len(self.frame_pts) == self.num_frames
 
-    def keyframe_before(self, pts: int) -> int | None:
-        """The pts of the last keyframe at or before `pts` (None: none is)."""
-        i = bisect.bisect_right(self.keyframe_pts, pts)
-        return self.keyframe_pts[i - 1] if i else None
+    def keyframe_before(self, index: int) -> int | None:
+        """The index of the last keyframe at or before frame `index` (None: none is)."""
+        i = bisect.bisect_right(self.keyframe_indices, index)
+        return self.keyframe_indices[i - 1] if i else None
 
 
 def read_packet_table(open_container: OpenContainer) -> PacketTable:
     """Demux (no decoding) the first video stream of a fresh container into a PacketTable."""
-    num_frames, pts, keyframes, nameable = 0, [], [], True
+    num_frames, pts, keyframe_pts, nameable = 0, [], [], True
     with open_container() as container:
         for packet in container.demux(container.streams.video[0]):
             if not packet.size:  # the demuxer's end-of-stream marker
@@ -69,11 +75,11 @@ def read_packet_table(open_container: OpenContainer) -> PacketTable:
                 continue
             pts.append(packet.pts)
             if packet.is_keyframe:
-                keyframes.append(packet.pts)
+                keyframe_pts.append(packet.pts)
     pts.sort()
     if not nameable or len(set(pts)) != len(pts):
         return PacketTable(num_frames, [], [])
-    return PacketTable(num_frames, pts, sorted(keyframes))
+    return PacketTable(num_frames, pts, sorted(bisect.bisect_left(pts, k) for k in keyframe_pts))
 
 
 class _SeekMiss(Exception):
@@ -152,26 +158,28 @@ def _decode_seeking(
     with open_container() as container:
         stream = container.streams.video[0]
         frames: Iterator[Any] | None = None
-        position = table.frame_pts[0]  # pts of the last frame decoded (the first frame's, before any)
+        position = -1  # index of the last frame decoded
         for index in indices:
             if index >= table.num_frames:
                 break
-            target = table.frame_pts[index]
-            keyframe = table.keyframe_before(target)
-            if frames is None or (keyframe is not None and keyframe > position):
-                if keyframe is not None and keyframe > table.frame_pts[0]:  # else: decode from the start
-                    container.seek(keyframe, backward=True, any_frame=False, stream=stream)
+            keyframe = table.keyframe_before(index)
+            skipped = -1 if keyframe is None else keyframe - position - 1  # frames a seek to it would skip
+            if skipped >= SEEK_MIN_SKIPPED_FRAMES:
+                container.seek(table.frame_pts[keyframe], backward=True, any_frame=False, stream=stream)
+                frames = None
+            if frames is None:
                 frames = container.decode(stream)
-            position = _decode_to(frames, target, store, index)
+            _decode_to(frames, table.frame_pts[index], store, index)
+            position = index
     return store.result()
 
 
-def _decode_to(frames: Iterator[Any], target: int, store: _FrameStore, index: int) -> int:
-    """Decode on to the frame whose pts is `target` and keep it; return its pts."""
+def _decode_to(frames: Iterator[Any], target: int, store: _FrameStore, index: int) -> None:
+    """Decode on to the frame whose pts is `target` and keep it as frame `index`."""
     for frame in frames:
         if frame.pts is None or frame.pts > target:
             raise _SeekMiss  # landed past the wanted frame, or the decoder's pts are not the packets'
         if frame.pts == target:
             store.add(index, frame)
-            return target
+            return
     raise _SeekMiss  # the decoder ended before the wanted frame

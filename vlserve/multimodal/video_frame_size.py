@@ -1,16 +1,20 @@
 """The size each decoded video frame is kept at: no larger than what the checkpoint's video processor keeps of it.
 
 A Qwen2-VL / Qwen2.5-VL video processor resizes every frame to `smart_resize(height, width)` (sides multiples of
-patch_size x merge_size, pixels within size["shortest_edge"] .. size["longest_edge"]). A frame larger than that is
-decoded straight to that size; the processor then leaves it as it is (smart_resize of its own output is itself), so
-the grid and the prompt's token count are those of the full-size frame, only the resampling differs (swscale's
-bicubic instead of torchvision's). Frames at that size or smaller are kept as decoded, so their tokens are unchanged.
+patch_size x merge_size, pixels within size["shortest_edge"] .. size["longest_edge"]). A frame larger than that
+target is decoded straight to the smallest size the processor takes to the same target: the target itself when
+smart_resize keeps it, else (when the target falls below min_pixels, as with min_pixels == max_pixels) the frame
+scaled down, aspect kept, by the least that smart_resize still maps to the target; checked, never assumed. So the
+grid and the prompt's token count are those of the full-size frame, only the resampling differs (swscale's
+bicubic first). Frames at the target size or smaller are kept as decoded, so their tokens are unchanged.
 Other processors (fixed tiles, Qwen3-VL's per-video budget) get the server's cap: frames of more than
 `max_frame_pixels` pixels are scaled down to fit it, aspect kept; smaller frames are kept as decoded.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 from vlserve.multimodal.video_decode import FrameSize, fit_within_pixels
@@ -23,10 +27,10 @@ _GRID_KWARGS = {"size"}  # video processor kwargs the Qwen2-VL rule knows (min/m
 
 
 def qwen2_vl_frame_size(video_processor: Any, hf_kwargs: dict) -> FrameSize | None:
-    """The FrameSize that decodes a frame larger than a Qwen2-VL video processor's target straight to that target
-    (None: not such a processor, or kwargs / settings the rule does not account for)."""
+    """The FrameSize that decodes a frame larger than a Qwen2-VL video processor needs at a size the processor
+    resizes to the same target (None: not such a processor, or kwargs / settings the rule does not account for)."""
     from transformers import Qwen2VLVideoProcessor
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
 
     if type(video_processor) is not Qwen2VLVideoProcessor or set(hf_kwargs) - _GRID_KWARGS:
         return None
@@ -36,16 +40,32 @@ def qwen2_vl_frame_size(video_processor: Any, hf_kwargs: dict) -> FrameSize | No
     factor = int(video_processor.patch_size) * int(video_processor.merge_size)
     bounds = {"min_pixels": int(size["shortest_edge"]), "max_pixels": int(size["longest_edge"])}
 
+    @functools.lru_cache(maxsize=8)  # one size per video, looked up once per frame
     def frame_size(height: int, width: int) -> tuple[int, int]:
         try:
             target = smart_resize(height, width, factor, **bounds)
         except ValueError:  # an aspect ratio the processor refuses: it reports that itself
             return height, width
-        if target[0] * target[1] >= height * width or smart_resize(*target, factor, **bounds) != target:
-            return height, width
-        return target
+        pixels = height * width
+        candidates = [target]
+        area = max(target[0] * target[1], bounds["max_pixels"])
+        while area < pixels:  # the frame scaled down, aspect kept, in steps of 1.25x in area
+            scale = math.sqrt(area / pixels)
+            candidates.append((max(1, round(height * scale)), max(1, round(width * scale))))
+            area *= 1.25
+        for candidate in candidates:
+            if candidate[0] * candidate[1] < pixels and _maps_to(smart_resize, candidate, factor, bounds, target):
+                return candidate
+        return height, width
 
     return frame_size
+
+
+def _maps_to(smart_resize: Any, size: tuple[int, int], factor: int, bounds: dict, target: tuple[int, int]) -> bool:
+    try:
+        return smart_resize(*size, factor, **bounds) == target
+    except ValueError:
+        return False
 
 
 def video_frame_size(video_processor: Any, hf_kwargs: dict, max_frame_pixels: int | None) -> FrameSize | None:
