@@ -255,7 +255,13 @@ def _decode_video(
             if stream.codec_context.width and stream.codec_context.height:
                 _check_size(stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
             total = stream.frames
-        table = read_packet_table(open_container) if seek or not total else None
+        table = None
+        if seek or not total:
+            try:
+                table = read_packet_table(open_container)
+            except av.FFmpegError:
+                if not total:
+                    raise
         total = total or table.num_frames  # Matroska / WebM carry no frame count: their packets are counted
         indices = sample_frame_indices(total, source_fps, fps, num_frames, max_frames)
         frames, kept = decode_frames(open_container, indices, frame_size, table if seek else None)
