@@ -126,3 +126,15 @@ def test_the_flags_reach_engine_args():
     assert video_limits_from_args(args) == {}
     with pytest.raises(ValueError, match="max_video_frames must be an integer >= 1"):
         EngineArgs(model=None, max_video_frames=0)
+
+
+def test_the_api_process_frontend_gets_the_video_bounds(tmp_path):
+    """`vlserve serve` with the engine in its own process loads the processor in the API process (load_frontend)."""
+    from vlserve.config import EngineArgs
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+    from vlserve.engine.mp_async_llm import load_frontend
+
+    ckpt = build_qwen2_vl_checkpoint(str(tmp_path))
+    args = EngineArgs(model=ckpt, max_video_frames=5, max_video_frame_pixels=4096)
+    mm_processor = load_frontend(ckpt, args)[2]
+    assert (mm_processor.max_video_frames, mm_processor.max_video_frame_pixels) == (5, 4096)
