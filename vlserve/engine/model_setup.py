@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from vlserve.config import EngineArgs
-from vlserve.engine.mm_setup import load_multimodal
+from vlserve.engine.mm_setup import load_multimodal, video_limits_from_args
 from vlserve.engine.pooling import sentence_transformers_max_seq_length
 from vlserve.models.hf_config import text_config_of, token_id_of
 from vlserve.multimodal.processor import wants_fast_processor
@@ -162,6 +162,7 @@ def load_for_serving(
         max_audio_seconds=args.max_audio_seconds,
         use_fast=wants_fast_processor(args.mm_processor_kwargs),
         processor=processor,
+        video_limits=video_limits_from_args(args),
     )
     return LoadedModel(
         model_path,
