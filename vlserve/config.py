@@ -202,6 +202,10 @@ class EngineArgs:
     # default sampling parameters: "auto" (the checkpoint's generation_config.json), "vlserve" (built-in) or a directory
     generation_config: str = "auto"
     max_audio_seconds: float | None = None  # longest audio clip accepted (None: the feature extractor's window)
+    # video bounds of the multimodal processor (None: its defaults, 256 frames and 1280x720, see video_frame_size.py):
+    # frames kept per video after sampling (a request's num_frames above it is a 400), pixels per decoded frame
+    max_video_frames: int | None = None
+    max_video_frame_pixels: int | None = None
     async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
     compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
@@ -300,6 +304,10 @@ class EngineArgs:
             raise ValueError(f"session_idle_timeout must be > 0 seconds, got {shorten(self.session_idle_timeout)}")
         if self.max_audio_seconds is not None and not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
+        for name in ("max_video_frames", "max_video_frame_pixels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)

@@ -224,6 +224,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="accept image_embeds content parts (precomputed tower embeddings; default: refused)",
     )
     mm.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=None,
+        help="frames kept from one video after sampling (default 256); a request's num_frames above it is refused",
+    )
+    mm.add_argument(
+        "--max-video-frame-pixels",
+        type=int,
+        default=None,
+        help="decoded video frames with more pixels are scaled down as they are decoded, aspect kept (default "
+        "1280*720; Qwen2-VL-family frames are decoded at the size their processor resizes them to)",
+    )
+    mm.add_argument(
         "--max-audio-seconds",
         type=float,
         default=None,
