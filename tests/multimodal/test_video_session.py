@@ -182,7 +182,7 @@ def test_session_bounds(llm):
         llm.video_sessions.clock = __import__("time").monotonic
 
 
-def test_bad_input(llm):
+def test_bad_input(llm, monkeypatch):
     with llm.open_video_session() as session:
         with pytest.raises(ValueError, match="no frames"):
             session.ask(QUESTION)
@@ -190,6 +190,10 @@ def test_bad_input(llm):
             session.append([np.zeros((56, 84, 3), dtype=np.float32)])
         with pytest.raises(ValueError, match="at least one frame"):
             session.append([])
+        monkeypatch.setattr(llm.input_processor.mm_processor, "max_image_pixels", 32 * 63)
+        with pytest.raises(ValueError, match="pixel limit"):
+            session.append(list(_frames(2)))
+        monkeypatch.undo()
         session.append(list(_frames(2)))
         with pytest.raises(ValueError, match="differ"):
             session.append([np.zeros((28, 28, 3), dtype=np.uint8)])

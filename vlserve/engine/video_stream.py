@@ -112,6 +112,9 @@ class VideoStream:
         """Add frames (processed pair by pair, the oldest dropped beyond the window); True when the prefix (the
         head and the whole chunks) changed, so that its KV is worth computing."""
         new = frames_array(frames)
+        max_pixels = self.mm_processor.max_image_pixels
+        if max_pixels is not None and new.shape[1] * new.shape[2] > max_pixels:
+            raise ValueError(f"frames of {new.shape[2]}x{new.shape[1]} exceed the {max_pixels}-pixel limit")
         if self.frame_size is None:
             self.frame_size = new.shape[1:]
         elif new.shape[1:] != self.frame_size:
