@@ -288,9 +288,9 @@ class LLM(PoolingCalls):
         `session.ask(question, sampling_params)` -> RequestOutput, `session.close()` (or `with`). `messages`: text
         turns before the one holding the video and the question; `max_frames` / `max_seconds` bound the window of
         frames a question sees (the oldest go first; with `window_slack` N, an overflowing window drops N frames
-        more, so that the stream's KV is recomputed once every N frames instead of at every append). A question reuses the stream's KV through the prefix cache
-        (with enable_prefix_caching=False every question computes the whole prompt); `ask` without sampling params
-        uses `get_default_sampling_params()`."""
+        more, so that the stream's KV is recomputed once every N frames instead of at every append). A question
+        reuses the stream's KV through the prefix cache (with enable_prefix_caching=False every question computes
+        the whole prompt); `ask` without sampling params uses `get_default_sampling_params()`."""
         return self.video_sessions.create(
             EngineLoopSessions(self.engine_loop, self._lock),
             self.input_processor,

@@ -10,8 +10,9 @@ pair; a question asked meanwhile carries it padded (its last frame repeated, as 
 
 A chunk's mm_hash is its pixels' content hash (with the processor kwargs) plus its index in the session: the tower's
 output depends on the pixels alone, but equal pairs at different times (a still camera) must stay distinct items of
-one request. The window (`max_frames`, less `window_slack` when it overflows) drops the oldest chunks; the kept ones then count time from 0, as in one
-request carrying the window's frames, while their mm_hashes (and cached embeddings) stay the same.
+one request. The window (`max_frames`, less `window_slack` when it overflows) drops the oldest chunks; the kept ones
+then count time from 0, as in one request carrying the window's frames, while their mm_hashes (and cached
+embeddings) stay the same.
 """
 
 from __future__ import annotations
