@@ -342,3 +342,76 @@ def test_api_key_guards_the_socket(engine):
             with c.websocket_connect(path, headers=headers) as ws:
                 assert ws.receive_json()["type"] == "session.ready"
         c.delete(f"/v1/video/sessions/{sid}", headers={"Authorization": "Bearer k3y"})
+
+
+def _metric(http, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def _wait_metric(http, name: str, value: float, timeout: float = 20.0) -> None:
+    """Poll /metrics until `name` reads `value` (the engine process reports its counters after each message)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _metric(http, name) != value:
+        assert time.monotonic() < deadline, f"{name} is {_metric(http, name)}, not {value}, after {timeout}s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_real_server_with_engine_process(ckpt, offline, repo_root):
+    """`vlserve serve` (the engine in its own process) and a `websockets` client: the answer equals the offline
+    session's, and DELETE empties the engine process's encoder cache (the eviction is a control call there)."""
+    import httpx
+    from websockets.sync.client import connect
+
+    from tests.api.conftest import serve_subprocess
+
+    frames = _frames(4, seed=8)
+    args = [
+        ckpt,
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+        "--max-video-sessions",
+        "1",
+    ]
+    with serve_subprocess(args, repo_root) as base, httpx.Client(base_url=base, timeout=60, trust_env=False) as http:
+        session = http.post("/v1/video/sessions", json={"fps": FPS}).json()
+        assert http.post("/v1/video/sessions", json={}).status_code == 429  # --max-video-sessions 1
+        with connect(f"{base.replace('http', 'ws', 1)}/v1/video/sessions/{session['id']}") as ws:
+            assert json.loads(ws.recv())["type"] == "session.ready"
+            for frame in frames:
+                ws.send(_png(frame))
+                assert json.loads(ws.recv())["type"] == "frames.appended"
+            ws.send(json.dumps({"type": "question", "question": QUESTION, "max_tokens": 8, "temperature": 0}))
+            messages = []
+            while not messages or messages[-1]["type"] != "answer.done":
+                messages.append(json.loads(ws.recv()))
+        done = messages[-1]
+        assert done["text"] == _offline_answer(offline, frames).outputs[0].text
+        assert "".join(m["delta"] for m in messages if m["type"] == "answer.delta") == done["text"]
+        assert _metric(http, "vlserve:encoder_cache_usage") > 0
+        assert http.delete(f"/v1/video/sessions/{session['id']}").status_code == 200
+        _wait_metric(http, "vlserve:encoder_cache_usage", 0.0)
+        _wait_metric(http, "vlserve:kv_cache_usage", 0.0)
+
+
+def test_session_engine_from_another_thread(client, offline):
+    """`AsyncSessionEngine` is a whole `SessionEngine`: the blocking `VideoSession.append` / `ask`, called from a
+    thread other than the server's loop, run their requests on that loop."""
+    session = _open(client)
+    wrapped = client.app.state.video_sessions.open[session["id"]]
+    frames = _frames(4, seed=12)
+    wrapped.session.append(list(frames))
+    answer = wrapped.session.ask(QUESTION, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ref = _offline_answer(offline, frames)
+    assert answer.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert answer.prompt_token_ids == ref.prompt_token_ids
+    assert client.delete(f"/v1/video/sessions/{session['id']}").status_code == 200
