@@ -37,6 +37,8 @@ DEFAULTS = {
     "max_num_encoder_input_tokens": None,
     "encoder_step_ms": 150.0,
     "max_audio_seconds": None,
+    "max_video_sessions": 8,
+    "session_idle_timeout": 600.0,
     "allowed_local_media_path": None,
     "allowed_media_domains": None,
     "api_key": None,
