@@ -212,6 +212,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "image processor where transformers has one)",
     )
     mm.add_argument(
+        "--video-pruning-rate",
+        type=float,
+        default=0.0,
+        help="drop this fraction (in [0, 1)) of each Qwen2-VL / Qwen2.5-VL video's tokens, those changed least "
+        "from the previous frame (EVS); a request's video_pruning_rate overrides it (default: 0, no pruning)",
+    )
+    mm.add_argument(
         "--media-io-kwargs",
         type=_json_dict,
         default=None,

@@ -33,6 +33,13 @@ from vlserve.multimodal.media import (
 from vlserve.multimodal.media_refs import ImageEmbeds, NamedItem
 from vlserve.multimodal.perception_lm import family_items
 from vlserve.multimodal.qwen3_vl_video import Qwen3VLVideos, is_qwen3_vl_processor
+from vlserve.multimodal.video_pruning import (
+    llm_grid,
+    pruned_mm_hash,
+    pruned_video_data,
+    retained_token_count,
+    take_pruning_rate,
+)
 from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
@@ -367,7 +374,8 @@ class MultiModalProcessor:
 
         The i-th image placeholder (in prompt order) belongs to images[i], likewise for videos; a count mismatch
         raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
-        processors / frame sampling and are folded into each item's mm_hash. A Qwen3-VL video placeholder becomes
+        processors / frame sampling and are folded into each item's mm_hash; `video_pruning_rate` R > 0 gives a
+        Qwen2-VL / Qwen2.5-VL video only its retained count of placeholders (video_pruning.py). A Qwen3-VL video placeholder becomes
         timestamp text plus one pad run (and one feature) per frame pair; an InternVL one `FrameN: <img>...</img>`
         per frame (the family's `expand_video`).
         """
@@ -392,6 +400,8 @@ class MultiModalProcessor:
                 f"but {len(audios)} audio clips were given"
             )
 
+        qwen2_videos = self.video_expander is None and self.family is None  # one grid per video: prunable
+        rate, mm_processor_kwargs = take_pruning_rate(mm_processor_kwargs, bool(videos), qwen2_videos)
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
         for pos, image in zip(img_pos, images):
@@ -421,6 +431,10 @@ class MultiModalProcessor:
                 num = audio_tokens(int(data["valid_frames"][0]))
             elif self.family is not None:
                 num = self.family.num_embeds(modality, data)
+            elif modality == "video" and rate:  # pruned: the kept count (video_pruning.py), a key of its own
+                t, h, w = llm_grid(data["video_grid_thw"], self._merge_size("video"))
+                num = retained_token_count(h * w, t, rate)
+                mm_hash, data = pruned_mm_hash(mm_hash, rate), pruned_video_data(data, rate, (t, h, w))
             else:
                 grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
                 num = int(grid.prod()) // self._merge_size(modality) ** 2
