@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vlserve.multimodal.inputs import MultiModalFeature
-from vlserve.multimodal.video_pruning import pruning_rate, retained_token_count
+from vlserve.multimodal.video_pruning import KEEP_KEY, pruning_rate
 
 
 def _vision_config(hf_config: Any) -> Any:
@@ -71,7 +71,7 @@ def get_mrope_positions(
         t, h, w = _grid(f)
         llm_t, llm_h, llm_w = t, h // merge, w // merge
         rate = pruning_rate(f.data)
-        expected = retained_token_count(llm_h * llm_w, llm_t, rate) if rate else llm_t * llm_h * llm_w
+        expected = int(f.data[KEEP_KEY]) if rate else llm_t * llm_h * llm_w
         if expected != f.length:
             raise ValueError(
                 f"{f.modality} feature at offset {f.offset} has length {f.length} but its grid "

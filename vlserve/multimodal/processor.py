@@ -400,8 +400,8 @@ class MultiModalProcessor:
                 f"but {len(audios)} audio clips were given"
             )
 
-        qwen2_videos = self.video_expander is None and self.family is None  # one grid per video: prunable
-        rate, mm_processor_kwargs = take_pruning_rate(mm_processor_kwargs, bool(videos), qwen2_videos)
+        prunable = self.qwen3_videos is not None or (self.video_expander is None and self.family is None)  # Qwen
+        rate, mm_processor_kwargs = take_pruning_rate(mm_processor_kwargs, bool(videos), prunable)
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
         for pos, image in zip(img_pos, images):
@@ -419,7 +419,8 @@ class MultiModalProcessor:
         prev = 0
         for pos, modality, mm_hash, data in items:
             if modality == "video" and self.video_expander is not None:  # per-frame runs, text between them
-                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos)
+                pruning = {"pruning_rate": rate} if rate else {}  # (only Qwen3-VL's expander is asked to prune)
+                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos, **pruning)
                 new_ids.extend(ids[prev:start])
                 for f in frame_features:  # offsets in `run` -> in the new prompt
                     f.offset += len(new_ids)

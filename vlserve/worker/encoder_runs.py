@@ -15,7 +15,7 @@ import torch
 
 from vlserve.core.sched_output import SchedulerOutput
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
-from vlserve.multimodal.video_pruning import GRID_KEY, prune_video_embeds, pruning_rate, tower_data, tower_length
+from vlserve.multimodal.video_pruning import prune_video_embeds, pruning_rate, tower_data, tower_length
 
 
 def concat_mm_data(items: list[dict]) -> dict:
@@ -187,11 +187,10 @@ class EncoderRunner:
         """A video marked for pruning: its retained rows `[length, W]` of the tower's `[t*h*w, W]`, their grid indices
         kept for its positions; any other item: `emb` as it is. The mask compares the main embedding only (the
         model's hidden size; Qwen3-VL's DeepStack levels past it go with their token)."""
-        rate = pruning_rate(feat.data)
-        if not rate:
+        if not pruning_rate(feat.data):
             return emb
         width = self.model.text_config.hidden_size
-        kept_rows, self._kept[feat.mm_hash] = prune_video_embeds(emb, feat.data[GRID_KEY], rate, width)
+        kept_rows, self._kept[feat.mm_hash] = prune_video_embeds(emb, feat.data, width)
         return kept_rows
 
     def kept_indices(self, mm_hash: str) -> torch.Tensor | None:
