@@ -93,13 +93,14 @@ def test_half_pruned_matches_hand_fed_hf(family):
     with torch.no_grad():
         feats = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"])
     emb = feats.pooler_output[0]  # [t*h*w, H] HF's tower
+    emb_np = emb.float().cpu().numpy()
     t, h, w = (int(v) for v in inputs["video_grid_thw"][0])
     h, w = h // merge, w // merge
     if name == "qwen3_vl":
-        flags = per_group_flags(emb.numpy(), t, rate)
+        flags = per_group_flags(emb_np, t, rate)
         runs, interval, deepstack = [(1, h, w)] * t, 1, [d[0] for d in feats.deepstack_features]
     else:
-        flags = whole_video_flags(emb.numpy(), t, rate)
+        flags = whole_video_flags(emb_np, t, rate)
         tps = getattr(cfg.vision_config, "tokens_per_second", None)  # Qwen2.5-VL: t * int(2 / 2.0 fps) * tps
         runs, interval, deepstack = [(t, h, w)], 1 if tps is None else int(2 / 2.0) * tps, None
     assert flags[: h * w].all() and not flags[: int(flags.sum())].all()  # the first group, then not a prefix
@@ -144,3 +145,26 @@ def test_request_rate_overrides_the_engine_rate(tmp_path):
     assert by_engine == _run(plain, text, frames, mm_processor_kwargs={"video_pruning_rate": 0.5})
     assert _run(pruning, text, frames, mm_processor_kwargs={"video_pruning_rate": 0.0}) == _run(plain, text, frames)
     assert len(by_engine[0]) < len(_run(plain, text, frames)[0])
+
+
+def test_chunked_prefill_and_shared_encoder_output_give_the_same_tokens(tmp_path):
+    """The pruned video's positions are placed whichever step first covers it: a prefill cut into 16-token chunks
+    (through the video), and a batch of two requests sharing one encoder output (prefix caching off), answer as
+    one whole prefill does."""
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+    model_dir = build_qwen2_vl_checkpoint(str(tmp_path / "m"), variant="qwen2_5_vl")
+    whole = LLM(model_dir, dtype="float32", num_kv_blocks=128)
+
+    class _Proc:  # HFImageTextOracle.text reads only `processor`
+        processor = whole.input_processor.mm_processor.hf_processor
+
+    text, frames, kwargs = HFImageTextOracle.text(_Proc, 0, "What?", n_videos=1), _frames(), {"video_pruning_rate": 0.5}
+    expected = _run(whole, text, frames, mm_processor_kwargs=kwargs)
+    chunked = LLM(model_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert _run(chunked, text, frames, mm_processor_kwargs=kwargs) == expected
+    prompt = {"prompt": text, "multi_modal_data": {"video": [frames]}}
+    outs = chunked.generate([prompt, prompt], _greedy(), use_tqdm=False, mm_processor_kwargs=kwargs)
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == [expected, expected]
+    assert chunked.get_metrics()["vlserve:encoder_runs_total"] == 1  # the second request read the first's output
+    chunked.engine.check_integrity()

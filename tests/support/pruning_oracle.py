@@ -76,17 +76,17 @@ def pruned_greedy(model, ids: list[int], video_id: int, video_embeds, positions,
     """Greedy `n` tokens of HF `model` on the prompt with the unflagged video tokens removed: `video_embeds`
     [N, H] (and `deepstack`, K of [N, H]) are the tower's for the N video tokens, `positions` [3, L] the unpruned
     prompt's. Returns (pruned prompt length, [(new token id, its logprob)])."""
-    lm = model.model.language_model
+    lm, dev = model.model.language_model, model.device
     ids_t = torch.tensor(ids)
     is_video = ids_t == video_id
     keep_video = torch.from_numpy(flags)
     keep = torch.ones(len(ids), dtype=torch.bool)
     keep[is_video.nonzero().reshape(-1)[~keep_video]] = False
-    embeds = model.get_input_embeddings()(ids_t[keep]).clone()  # [L', H]
-    vmask = is_video[keep]  # [L']
-    embeds[vmask] = video_embeds[keep_video].to(embeds.dtype)
-    pos = positions[:, keep]  # [3, L']
-    ds = None if deepstack is None else [d[keep_video] for d in deepstack]
+    embeds = model.get_input_embeddings()(ids_t[keep].to(dev)).clone()  # [L', H]
+    vmask = is_video[keep].to(dev)  # [L']
+    embeds[vmask] = video_embeds[keep_video.to(video_embeds.device)].to(embeds)
+    pos = positions[:, keep].to(dev)  # [3, L']
+    ds = None if deepstack is None else [d[keep_video.to(d.device)] for d in deepstack]
     out = []
     for _ in range(n):
         kwargs = {}
@@ -96,7 +96,7 @@ def pruned_greedy(model, ids: list[int], video_id: int, video_embeds, positions,
         logits = model.lm_head(hidden[:, -1]).float()[0]  # [V]
         token = int(logits.argmax())
         out.append((token, float(torch.log_softmax(logits, -1)[token])))
-        embeds = torch.cat([embeds, model.get_input_embeddings()(torch.tensor([token]))])
+        embeds = torch.cat([embeds, model.get_input_embeddings()(torch.tensor([token], device=dev))])
         pos = torch.cat([pos, pos.max().expand(3, 1) + 1], dim=1)
-        vmask = torch.cat([vmask, torch.tensor([False])])
+        vmask = torch.cat([vmask, torch.tensor([False], device=dev)])
     return int(keep.sum()), out
