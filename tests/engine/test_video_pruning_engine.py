@@ -168,3 +168,30 @@ def test_chunked_prefill_and_shared_encoder_output_give_the_same_tokens(tmp_path
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == [expected, expected]
     assert chunked.get_metrics()["vlserve:encoder_runs_total"] == 1  # the second request read the first's output
     chunked.engine.check_integrity()
+
+
+def test_split_encoding_prunes_at_the_last_slice(tmp_path):
+    """With an encoder budget of one embedding the video's tower runs a slice of its blocks per step; the pruned
+    item is cut at the last slice and answers as the whole encoding does."""
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+    model_dir = build_qwen2_vl_checkpoint(str(tmp_path / "m"), variant="qwen2_vl")
+    whole = LLM(model_dir, dtype="float32", num_kv_blocks=128)
+
+    class _Proc:  # HFImageTextOracle.text reads only `processor`
+        processor = whole.input_processor.mm_processor.hf_processor
+
+    text, frames, kwargs = HFImageTextOracle.text(_Proc, 0, "What?", n_videos=1), _frames(), {"video_pruning_rate": 0.5}
+    expected = _run(whole, text, frames, mm_processor_kwargs=kwargs)
+    split = LLM(model_dir, dtype="float32", num_kv_blocks=128, max_num_encoder_input_tokens=1)
+    steps = []
+    schedule = split.engine.scheduler.schedule
+
+    def recording_schedule(*args, **kw):
+        so = schedule(*args, **kw)
+        steps.append(sum(len(v) for v in so.scheduled_encoder_slices.values()))
+        return so
+
+    split.engine.scheduler.schedule = recording_schedule
+    assert _run(split, text, frames, mm_processor_kwargs=kwargs) == expected
+    assert sum(n > 0 for n in steps) > 1  # the tower ran over several steps
