@@ -1,5 +1,5 @@
 """The held-out evaluation of the demo model's video questions under video pruning:
-`python -m training.eval --video-pruning-rates 0,0.5,0.75 [--per-form N] [--ttft-samples K]`.
+`.venv/bin/python -m training.eval --video-pruning-rates 0,0.5,0.75 [--per-form N] [--ttft-samples K]`.
 
 One `LLM` serves every rate (as each request's `video_pruning_rate`). At each rate, first `--ttft-samples` of the
 videos are asked one at a time, each its only request, for one token, the processor's cache cleared first: the wall
