@@ -126,11 +126,12 @@ class Qwen3VLVideos:
                 mm_hash, previous = pruned_mm_hash(mm_hash, pruning_rate), pixel_rows
             else:
                 previous = frame["pixel_values_videos"]
-            features.append(
-                MultiModalFeature(
-                    modality="video", mm_hash=mm_hash, offset=offset + len(ids), length=counts[j], data=frame
+            if counts[j]:  # (a step pruned to nothing keeps its timestamp and vision tokens, no item)
+                features.append(
+                    MultiModalFeature(
+                        modality="video", mm_hash=mm_hash, offset=offset + len(ids), length=counts[j], data=frame
+                    )
                 )
-            )
             ids.extend([self.video_token_id] * counts[j])
             ids.append(self.vision_end_id)
         return ids, features
