@@ -210,3 +210,23 @@ def test_qwen3_steps_pruned_to_nothing_leave_no_item(family):
     assert all(f.length > 0 for f in processed.mm_features)
     ids, out = _run(llm, text, frames, mm_processor_kwargs={"video_pruning_rate": 0.9})
     assert len(out) == MAX_NEW
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_prune_alike(tmp_path):
+    """Two tensor-parallel ranks each run the tower and the mask: the pruned answer equals one rank's."""
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+    model_dir = build_qwen2_vl_checkpoint(str(tmp_path / "m"), variant="qwen2_vl")
+    one = LLM(model_dir, dtype="float32", num_kv_blocks=128)
+
+    class _Proc:  # HFImageTextOracle.text reads only `processor`
+        processor = one.input_processor.mm_processor.hf_processor
+
+    text, frames = HFImageTextOracle.text(_Proc, 0, "What?", n_videos=1), _frames()
+    expected = _run(one, text, frames, mm_processor_kwargs={"video_pruning_rate": 0.5})
+    two = LLM(model_dir, dtype="float32", num_kv_blocks=128, tensor_parallel_size=2, video_pruning_rate=0.5)
+    try:
+        assert _run(two, text, frames) == expected
+    finally:
+        two.shutdown()
