@@ -179,3 +179,18 @@ def test_numpy_oracle_agrees_with_the_mask_on_random_embeddings():
                 frame_retention_mask(frames[j], frames[j - 1], counts[j]).numpy().tolist()
                 == flags[j * 6 : (j + 1) * 6].tolist()
             )
+
+
+def test_a_model_whose_videos_cannot_be_pruned_refuses_the_rate(tmp_path):
+    from tests.support.internvl_checkpoints import build_internvl_checkpoint
+    from vlserve import LLM
+
+    model_dir = build_internvl_checkpoint(str(tmp_path / "internvl"))
+    with pytest.raises(ValueError, match="video_pruning_rate applies to Qwen2-VL"):
+        LLM(model_dir, dtype="float32", num_kv_blocks=64, video_pruning_rate=0.5)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=64)
+    proc = llm.input_processor.mm_processor
+    with pytest.raises(ValueError, match="video_pruning_rate applies to Qwen2-VL"):
+        proc.process(
+            [proc.video_token_id], videos=[rand_video(4, 64, 64)], mm_processor_kwargs={"video_pruning_rate": 0.5}
+        )

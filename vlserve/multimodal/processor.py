@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from vlserve.multimodal import video_pruning
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.gemma3_items import gemma3_items_for
 from vlserve.multimodal.hashing import hash_mm_item, hash_named_item
@@ -33,13 +34,6 @@ from vlserve.multimodal.media import (
 from vlserve.multimodal.media_refs import ImageEmbeds, NamedItem
 from vlserve.multimodal.perception_lm import family_items
 from vlserve.multimodal.qwen3_vl_video import Qwen3VLVideos, is_qwen3_vl_processor
-from vlserve.multimodal.video_pruning import (
-    llm_grid,
-    pruned_mm_hash,
-    pruned_video_data,
-    retained_token_count,
-    take_pruning_rate,
-)
 from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
@@ -374,10 +368,10 @@ class MultiModalProcessor:
 
         The i-th image placeholder (in prompt order) belongs to images[i], likewise for videos; a count mismatch
         raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
-        processors / frame sampling and are folded into each item's mm_hash; `video_pruning_rate` R > 0 gives a
-        Qwen2-VL / Qwen2.5-VL video only its retained count of placeholders (video_pruning.py). A Qwen3-VL video placeholder becomes
-        timestamp text plus one pad run (and one feature) per frame pair; an InternVL one `FrameN: <img>...</img>`
-        per frame (the family's `expand_video`).
+        processors / frame sampling and are folded into each item's mm_hash; `video_pruning_rate` R > 0 leaves a
+        video only its retained placeholders (video_pruning.py). A Qwen3-VL video placeholder becomes timestamp
+        text plus one pad run (and one feature) per frame pair; an InternVL one `FrameN: <img>...</img>` per frame
+        (the family's `expand_video`).
         """
         images, videos, audios = list(images or []), list(videos or []), list(audios or [])
         ids = list(prompt_token_ids)
@@ -400,8 +394,9 @@ class MultiModalProcessor:
                 f"but {len(audios)} audio clips were given"
             )
 
-        prunable = self.qwen3_videos is not None or (self.video_expander is None and self.family is None)  # Qwen
-        rate, mm_processor_kwargs = take_pruning_rate(mm_processor_kwargs, bool(videos), prunable)
+        rate, mm_processor_kwargs = video_pruning.take_pruning_rate(
+            mm_processor_kwargs, bool(videos), self.prunes_videos
+        )
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
         for pos, image in zip(img_pos, images):
@@ -433,9 +428,9 @@ class MultiModalProcessor:
             elif self.family is not None:
                 num = self.family.num_embeds(modality, data)
             elif modality == "video" and rate:  # pruned: the kept count (video_pruning.py), a key of its own
-                t, h, w = llm_grid(data["video_grid_thw"], self._merge_size("video"))
-                num = retained_token_count(h * w, t, rate)
-                mm_hash, data = pruned_mm_hash(mm_hash, rate), pruned_video_data(data, rate, (t, h, w))
+                grid = video_pruning.llm_grid(data["video_grid_thw"], self._merge_size("video"))
+                data = video_pruning.pruned_video_data(data, rate, grid)
+                mm_hash, num = video_pruning.pruned_mm_hash(mm_hash, rate), data[video_pruning.KEEP_KEY]
             else:
                 grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
                 num = int(grid.prod()) // self._merge_size(modality) ** 2
@@ -453,6 +448,11 @@ class MultiModalProcessor:
             prev = pos + 1
         new_ids.extend(ids[prev:])
         return new_ids, features
+
+    @property
+    def prunes_videos(self) -> bool:
+        """Whether its videos can be pruned (video_pruning.py): Qwen2-VL / Qwen2.5-VL grids, Qwen3-VL steps."""
+        return self.qwen3_videos is not None or (self.video_expander is None and self.family is None)
 
     def max_image_embeds(self, mm_processor_kwargs: dict | None = None) -> int:
         """Upper bound on the embeddings of one image (for sizing the encoder cache / budget)."""
