@@ -31,6 +31,8 @@ DEFAULTS = {
     "limit_mm_per_prompt": None,
     "mm_processor_kwargs": None,
     "video_pruning_rate": 0.0,
+    "max_video_frames": None,
+    "max_video_frame_pixels": None,
     "media_io_kwargs": None,
     "enable_mm_embeds": False,
     "mm_preprocess_workers": 4,

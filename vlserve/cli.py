@@ -51,6 +51,8 @@ def serve_config_from_args(args: argparse.Namespace):
         chat_template_content_format=args.chat_template_content_format,
         generation_config=args.generation_config,
         max_audio_seconds=args.max_audio_seconds,
+        max_video_frames=args.max_video_frames,
+        max_video_frame_pixels=args.max_video_frame_pixels,
         async_scheduling=args.async_scheduling,
         compilation_config=args.compilation_config,
         enforce_eager=args.enforce_eager,

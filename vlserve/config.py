@@ -204,6 +204,10 @@ class EngineArgs:
     # default sampling parameters: "auto" (the checkpoint's generation_config.json), "vlserve" (built-in) or a directory
     generation_config: str = "auto"
     max_audio_seconds: float | None = None  # longest audio clip accepted (None: the feature extractor's window)
+    # video bounds of the multimodal processor (None: its defaults, 256 frames and 1280x720, see video_frame_size.py):
+    # frames kept per video after sampling (a request's num_frames above it is a 400), pixels per decoded frame
+    max_video_frames: int | None = None
+    max_video_frame_pixels: int | None = None
     async_scheduling: bool = False  # plan step N+1 and process step N's outputs while step N runs
     compilation_config: CompilationConfig | dict | int | str | None = None  # see CompilationConfig (-O0..-O3)
     enforce_eager: bool = False  # no torch.compile, no CUDA graphs (vLLM's flag)
@@ -236,6 +240,9 @@ class EngineArgs:
     convert: str = "auto"
     pooler_config: Any = None  # PoolerConfig, its dict or JSON text: overrides the checkpoint's pooling settings
     hf_overrides: dict[str, Any] | str | None = None  # vLLM's reranker keys only (pooling_params.apply_hf_overrides)
+    # live video sessions (vlserve/engine/video_session.py): at most this many open; closed after this long idle (s)
+    max_video_sessions: int = 8
+    session_idle_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -298,8 +305,17 @@ class EngineArgs:
                 f"chat_template_content_format must be auto/string/openai, "
                 f"got {shorten(self.chat_template_content_format)}"
             )
+        sessions = self.max_video_sessions
+        if isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1:
+            raise ValueError(f"max_video_sessions must be an integer >= 1, got {shorten(sessions)}")
+        if not isinstance(self.session_idle_timeout, (int, float)) or not self.session_idle_timeout > 0:
+            raise ValueError(f"session_idle_timeout must be > 0 seconds, got {shorten(self.session_idle_timeout)}")
         if self.max_audio_seconds is not None and not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {shorten(self.max_audio_seconds)}")
+        for name in ("max_video_frames", "max_video_frame_pixels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {shorten(value)}")
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
         self.compilation_config = CompilationConfig.from_value(self.compilation_config)

@@ -19,6 +19,7 @@ from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.generation_config import load_generation_defaults
 from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.engine.request_limits import check_chat_template_kwargs
+from vlserve.engine.video_session import EngineLoopSessions, VideoSession, VideoSessions
 from vlserve.llm_pooling import PoolingCalls
 from vlserve.lora.request import LoRARequest
 from vlserve.outputs import RequestOutput
@@ -60,6 +61,7 @@ class LLM(PoolingCalls):
         self._lock = threading.RLock()
         self._kv_poller: threading.Thread | None = None
         self._closed = False
+        self.video_sessions = VideoSessions(self.engine_args.max_video_sessions, self.engine_args.session_idle_timeout)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -270,6 +272,38 @@ class LLM(PoolingCalls):
             target=_poll_kept_blocks, args=(weakref.ref(self),), daemon=True, name="vlserve-kv-poll"
         )
         self._kv_poller.start()
+
+    # -- live video ------------------------------------------------------------------------------------------
+    def open_video_session(
+        self,
+        messages: list[dict] | None = None,
+        fps: float = 2.0,
+        max_frames: int | None = None,
+        max_seconds: float | None = None,
+        window_slack: int = 0,
+        mm_processor_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> VideoSession:
+        """A live video stream (vlserve.engine.video_session): `session.append(frames)` as frames arrive (at `fps`),
+        `session.ask(question, sampling_params)` -> RequestOutput, `session.close()` (or `with`). `messages`: text
+        turns before the one holding the video and the question; `max_frames` / `max_seconds` bound the window of
+        frames a question sees (the oldest go first; with `window_slack` N, an overflowing window drops N frames
+        more, so that the stream's KV is recomputed once every N frames instead of at every append). A question
+        reuses the stream's KV through the prefix cache (with enable_prefix_caching=False every question computes
+        the whole prompt); `ask` without sampling params uses `get_default_sampling_params()`."""
+        return self.video_sessions.create(
+            EngineLoopSessions(self.engine_loop, self._lock),
+            self.input_processor,
+            self.engine.max_model_len,
+            messages=messages,
+            fps=fps,
+            max_frames=max_frames,
+            max_seconds=max_seconds,
+            window_slack=window_slack,
+            mm_processor_kwargs=mm_processor_kwargs,
+            chat_template_kwargs=check_chat_template_kwargs(chat_template_kwargs, allow_template=True),
+            default_sampling_params=self.get_default_sampling_params,
+        )
 
     # -- introspection -----------------------------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

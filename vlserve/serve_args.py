@@ -215,8 +215,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--video-pruning-rate",
         type=float,
         default=0.0,
-        help="drop this fraction (in [0, 1)) of each Qwen2-VL / Qwen2.5-VL video's tokens, those changed least "
-        "from the previous frame (EVS); a request's video_pruning_rate overrides it (default: 0, no pruning)",
+        help="drop this fraction in [0, 1) of a Qwen-VL video's least-changed tokens (EVS); requests may override",
     )
     mm.add_argument(
         "--media-io-kwargs",
@@ -229,6 +228,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-mm-embeds",
         action="store_true",
         help="accept image_embeds content parts (precomputed tower embeddings; default: refused)",
+    )
+    mm.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=None,
+        help="frames kept from one video after sampling (default 256); a request's num_frames above it is refused",
+    )
+    mm.add_argument(
+        "--max-video-frame-pixels",
+        type=int,
+        default=None,
+        help="decoded video frames with more pixels are scaled down as they are decoded, aspect kept (default "
+        "1280*720; Qwen2-VL-family frames are decoded at the size their processor resizes them to)",
     )
     mm.add_argument(
         "--max-audio-seconds",

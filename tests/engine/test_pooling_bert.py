@@ -13,9 +13,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from tests.support.bert_checkpoints import PAIRS, TEXTS, build_bert_cross_encoder, build_bert_embedder
+from tests.support.bert_checkpoints import PAIRS, TEXTS, TINY_BERT, build_bert_cross_encoder, build_bert_embedder
 from vlserve.config import EngineArgs
-from vlserve.engine.pooling import resolve_pooler_spec, sentence_transformers_pooling
+from vlserve.engine.pooling import (
+    resolve_pooler_spec,
+    sentence_transformers_max_seq_length,
+    sentence_transformers_pooling,
+)
 from vlserve.pooling_params import PoolingParams
 
 pytestmark = pytest.mark.hf_parity
@@ -127,6 +131,35 @@ def test_embed_matches_sentence_transformers(mean_embedder, cls_embedder, runner
             llm.check_integrity()
         finally:
             llm.shutdown()
+
+
+def test_sentence_transformers_max_seq_length_bounds_the_engine(tmp_path, mean_embedder):
+    """sentence-transformers truncates inputs at its max_seq_length: the engine takes it as max_model_len, from the
+    tokenizer's model_max_length (where sentence-transformers 6 keeps it) or sentence_bert_config.json (2-5)."""
+    import shutil
+
+    tokenizer = AutoTokenizer.from_pretrained(mean_embedder)
+    assert tokenizer.model_max_length == TINY_BERT["max_position_embeddings"]  # as the builder saved it
+    assert sentence_transformers_max_seq_length(mean_embedder, tokenizer) == TINY_BERT["max_position_embeddings"]
+    old = str(tmp_path / "old")
+    shutil.copytree(mean_embedder, old)
+    with open(os.path.join(old, "sentence_bert_config.json"), "w") as f:
+        json.dump({"max_seq_length": 12, "do_lower_case": False}, f)
+    assert sentence_transformers_max_seq_length(old, tokenizer) == 12
+    assert sentence_transformers_max_seq_length(os.path.join(old, "1_Pooling"), tokenizer) is None  # no modules.json
+    llm = _llm(old)
+    try:
+        assert llm.engine.max_model_len == 12
+        long_text = TEXTS[2]
+        assert len(tokenizer(long_text)["input_ids"]) > 12
+        with pytest.raises(ValueError, match="12"):
+            llm.embed([long_text], use_tqdm=False)
+        assert len(llm.embed([TEXTS[1]], use_tqdm=False)) == 1  # the engine carries on
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="sentence-transformers max_seq_length=12"):
+        _llm(old, max_model_len=32)
 
 
 def test_score_matches_cross_encoder(cross_encoder):

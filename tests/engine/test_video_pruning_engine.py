@@ -230,3 +230,18 @@ def test_tensor_parallel_ranks_prune_alike(tmp_path):
         assert _run(two, text, frames) == expected
     finally:
         two.shutdown()
+
+
+def test_video_sessions_refuse_a_pruning_rate(tmp_path):
+    """A live session's frame pairs are not pruned: a session under an engine rate must turn it off explicitly."""
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+    model_dir = build_qwen2_vl_checkpoint(str(tmp_path / "m"), variant="qwen2_vl")
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=128, video_pruning_rate=0.5)
+    with pytest.raises(ValueError, match="video session's frames are not pruned"):
+        llm.open_video_session(fps=2.0)
+    with llm.open_video_session(fps=2.0, mm_processor_kwargs={"video_pruning_rate": 0}) as session:
+        session.append(_frames()[:4])
+        assert (
+            len(session.ask("What happens?", SamplingParams(temperature=0.0, max_tokens=2)).outputs[0].token_ids) == 2
+        )

@@ -170,6 +170,17 @@ class EncoderCacheManager:
         for mm_hash in list(self.req_to_hashes.get(request_id, ())):
             self.free_encoder_input(request_id, mm_hash)
 
+    def evict(self, mm_hashes) -> int:
+        """Drop those of `mm_hashes` that are cached and unreferenced now (an owner that will not need them again,
+        e.g. a closed video session); returns how many were dropped. Referenced entries stay."""
+        dropped = 0
+        for mm_hash in mm_hashes:
+            if mm_hash in self.freeable:
+                del self.freeable[mm_hash]
+                self._drop(mm_hash)
+                dropped += 1
+        return dropped
+
     def get_freed_mm_hashes(self) -> list[str]:
         """mm_hashes evicted since the last call (the runner drops those tensors)."""
         freed, self._freed = self._freed, []

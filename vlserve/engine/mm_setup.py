@@ -30,11 +30,12 @@ def load_multimodal(
     max_audio_seconds: float | None = None,
     use_fast: bool = True,
     processor: bool = True,
+    video_limits: dict[str, int] | None = None,
 ) -> MultimodalParts:
     """The checkpoint's own AutoProcessor (wrapped; `use_fast`: its torchvision-backed image processor where one
     exists; none without `processor`) and, for M-RoPE models, the function that turns an expanded prompt + its
     media into 3-axis positions; empty parts when the model takes no media. Audio clips longer than
-    `max_audio_seconds` are refused."""
+    `max_audio_seconds` are refused; `video_limits` (`video_limits_from_args`) bound the frames kept per video."""
     caps = capabilities_of(model)
     modalities = caps.modalities
     if not modalities:
@@ -43,6 +44,7 @@ def load_multimodal(
         return MultimodalParts(modalities, mrope_positions_fn=mrope_positions_fn_for(model, hf_config))
     try:
         kwargs = {"max_audio_seconds": max_audio_seconds} if "audio" in modalities else {}
+        kwargs.update((video_limits or {}) if "video" in modalities else {})
         mm_processor = (
             dual_tower_processor(model_path, hf_config, use_fast)
             if caps.dual_tower
@@ -58,6 +60,13 @@ def load_multimodal(
     return MultimodalParts(
         modalities, mm_processor.hf_processor, mm_processor, mrope_positions_fn_for(model, hf_config)
     )
+
+
+def video_limits_from_args(args: Any) -> dict[str, int]:
+    """The MultiModalProcessor's video bounds an EngineArgs sets (frames kept per video, pixels per decoded frame);
+    those left None keep the processor's defaults."""
+    names = ("max_video_frames", "max_video_frame_pixels")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def dual_tower_processor(model_path: str, hf_config: Any, use_fast: bool = True) -> DualTowerProcessor | None:

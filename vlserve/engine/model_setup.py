@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from vlserve.config import EngineArgs
-from vlserve.engine.mm_setup import load_multimodal
+from vlserve.engine.mm_setup import load_multimodal, video_limits_from_args
+from vlserve.engine.pooling import sentence_transformers_max_seq_length
 from vlserve.models.hf_config import text_config_of, token_id_of
 from vlserve.multimodal.processor import wants_fast_processor
 
@@ -134,9 +135,13 @@ def load_for_serving(
     tokenizer = load_tokenizer(model_path, args.tokenizer)
     text_cfg = text_config_of(hf_config)
     model_max = getattr(text_cfg, "max_position_embeddings", None) or 2048
+    limit = f"the model's max_position_embeddings={model_max}"
+    st_max = sentence_transformers_max_seq_length(model_path, tokenizer)
+    if st_max is not None and st_max < model_max:
+        model_max, limit = st_max, f"the sentence-transformers max_seq_length={st_max}"
     max_model_len = args.max_model_len or model_max
     if max_model_len > model_max:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+        raise ValueError(f"max_model_len={max_model_len} exceeds {limit}")
     torch.manual_seed(args.seed)
     if build_model:
         model = facts = load_model(
@@ -157,6 +162,7 @@ def load_for_serving(
         max_audio_seconds=args.max_audio_seconds,
         use_fast=wants_fast_processor(args.mm_processor_kwargs),
         processor=processor,
+        video_limits=video_limits_from_args(args),
     )
     return LoadedModel(
         model_path,

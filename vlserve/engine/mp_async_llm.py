@@ -50,7 +50,7 @@ def load_frontend(model_path: str, args: EngineArgs):
     """What input processing needs, without the weights: (hf_config, tokenizer, mm_processor or None)."""
     from transformers import AutoConfig
 
-    from vlserve.engine.mm_setup import dual_tower_processor
+    from vlserve.engine.mm_setup import dual_tower_processor, video_limits_from_args
     from vlserve.engine.model_setup import load_tokenizer
     from vlserve.multimodal.processor import MultiModalProcessor, wants_fast_processor
 
@@ -63,6 +63,7 @@ def load_frontend(model_path: str, args: EngineArgs):
     mm_processor = dual_tower_processor(model_path, hf_config, wants_fast_processor(args.mm_processor_kwargs))
     if modalities and mm_processor is None:
         kwargs = {"max_audio_seconds": args.max_audio_seconds} if "audio" in modalities else {}
+        kwargs.update(video_limits_from_args(args) if "video" in modalities else {})
         mm_processor = MultiModalProcessor.from_pretrained(
             model_path, use_fast=wants_fast_processor(args.mm_processor_kwargs), **kwargs
         )

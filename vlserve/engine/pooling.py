@@ -72,6 +72,22 @@ def sentence_transformers_pooling(model_path: str) -> tuple[str | None, bool | N
     return pooling_type, normalize
 
 
+def sentence_transformers_max_seq_length(model_path: str, tokenizer) -> int | None:
+    """The longest input a sentence-transformers checkpoint embeds: `max_seq_length` of its
+    `sentence_bert_config.json` (sentence-transformers 2-5), else its tokenizer's `model_max_length` (where 6 keeps
+    it); None for a checkpoint without `modules.json` or without either bound."""
+    if not os.path.isfile(os.path.join(model_path, "modules.json")):
+        return None
+    config_file = os.path.join(model_path, "sentence_bert_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            length = json.load(f).get("max_seq_length")
+        if isinstance(length, int) and length > 0:
+            return length
+    length = getattr(tokenizer, "model_max_length", None)
+    return length if isinstance(length, int) and 0 < length < 1_000_000 else None  # unset: transformers' 1e30
+
+
 def resolve_pooler_spec(args: EngineArgs, hf_config, tokenizer, model_path: str) -> PoolerSpec | None:
     """The engine's pooler, or None for a generation engine. `runner="auto"` pools when `convert` asks for it, the
     architecture is a `*ForSequenceClassification` or the model is encoder-only (`kv_free`: BERT); settings come

@@ -27,7 +27,7 @@ class MultiModalFeature:
 
 # What a disaggregated consumer needs of an item the producer encoded (no media): the placeholders' span, the hash
 # (prefix-cache keys) and the grid keys M-RoPE positions come from.
-REMOTE_DATA_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+REMOTE_DATA_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "video_time_offset")
 
 
 def feature_to_remote(f: MultiModalFeature) -> dict:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from vlserve.multimodal.video_decode import FrameSize, decode_frames, read_packet_table
 from vlserve.shorten import shorten
 
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 64 megapixels: larger images are rejected before they are decoded
@@ -227,20 +228,22 @@ def _frames_from_sequence(x: Any, max_pixels: int | None) -> np.ndarray:
     return np.stack(frames)
 
 
-def _count_packets(src: bytes | str, stream_index: int) -> int:
-    import av
-
-    with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
-        return sum(1 for p in container.demux(container.streams.video[stream_index]) if p.size)
-
-
 def _decode_video(
-    src: bytes | str, fps: float | None, num_frames: int | None, max_frames: int, max_pixels: int | None
+    src: bytes | str,
+    fps: float | None,
+    num_frames: int | None,
+    max_frames: int,
+    max_pixels: int | None,
+    frame_size: FrameSize | None = None,
+    seek: bool = True,
 ) -> LoadedVideo:
     import av
 
+    def open_container():
+        return av.open(io.BytesIO(src) if isinstance(src, bytes) else src)
+
     try:
-        with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
+        with open_container() as container:
             fmt = container.format.name or ""
             if fmt in _IMAGE_DEMUXERS or fmt.endswith("_pipe"):
                 raise ValueError(f"a video was expected but the data is a still image ({fmt}); send it as an image")
@@ -251,23 +254,21 @@ def _decode_video(
             source_fps = float(rate) if rate else None
             if stream.codec_context.width and stream.codec_context.height:
                 _check_size(stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
-            total = stream.frames or _count_packets(src, 0)
-            indices = sample_frame_indices(total, source_fps, fps, num_frames, max_frames)
-            wanted, last = set(indices), indices[-1]
-            kept: dict[int, np.ndarray] = {}
-            for i, frame in enumerate(container.decode(stream)):
-                if i in wanted:
-                    kept[i] = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
-                if i >= last:
-                    break
+            total = stream.frames
+        table = None
+        if seek or not total:
+            try:
+                table = read_packet_table(open_container)
+            except av.FFmpegError:
+                if not total:
+                    raise
+        total = total or table.num_frames  # Matroska / WebM carry no frame count: their packets are counted
+        indices = sample_frame_indices(total, source_fps, fps, num_frames, max_frames)
+        frames, kept = decode_frames(open_container, indices, frame_size, table if seek else None)
     except (av.FFmpegError, OSError, EOFError) as e:  # checked first: PyAV errors also subclass ValueError
         raise ValueError(f"could not decode video: {e}") from None
-    if not kept:
-        raise ValueError("video has no decodable frames")
-    order = sorted(kept)
-    frames = np.stack([kept[i] for i in order])
-    sampled = source_fps * len(order) / total if source_fps else None
-    return LoadedVideo(frames, source_fps, sampled, order, total)
+    sampled = source_fps * len(kept) / total if source_fps else None
+    return LoadedVideo(frames, source_fps, sampled, kept, total)
 
 
 def load_video(
@@ -277,6 +278,8 @@ def load_video(
     max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
     source_fps: float | None = None,
     max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    frame_size: FrameSize | None = None,
+    seek: bool = True,
 ) -> LoadedVideo:
     """Load and uniformly sample a video from a list of frames, a [T,H,W,3] array, a file path, bytes or data URL.
 
@@ -284,6 +287,8 @@ def load_video(
     all frames are kept. At most `max_frames` frames are kept. For pre-decoded frames `source_fps` gives their rate;
     when it is unknown and `fps` is given, the frames are taken as already sampled at `fps`.
     The returned `sampled_fps` is what Qwen2.5-VL's second_per_grid_ts derives from.
+    A video file is decoded by seeking to the sampled frames (`seek=False`: by decoding every frame up to the last
+    one; both give the same frames, see video_decode), each kept at `frame_size(height, width)` (default: as is).
     """
     if isinstance(x, LoadedVideo):
         return x
@@ -297,4 +302,4 @@ def load_video(
             sampled = fps * len(indices) / total if fps else None  # frames were given at `fps`
         return LoadedVideo(all_frames[indices], source_fps, sampled, indices, total)
     src = _source_bytes_or_path(x, "video")
-    return _decode_video(src, fps, num_frames, max_frames, max_pixels)
+    return _decode_video(src, fps, num_frames, max_frames, max_pixels, frame_size, seek)

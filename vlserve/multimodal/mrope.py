@@ -8,6 +8,10 @@ truncating second_per_grid_t to an integer exactly as transformers 4.57's get_ro
 
 After the prompt, every token at sequence index p has position p + mrope_position_delta on all three axes.
 
+A video may arrive as several items (a live session's frame pairs): an item whose data carries
+`video_time_offset` = k > 0 continues the video item right before it (no tokens between them) as its temporal grid
+steps k, k+1, ...: its positions are those the same steps get in one item holding the whole video.
+
 A pruned video (video_pruning.py) holds fewer placeholders than its grid: they take the positions of the kept tokens
 (`kept_indices[mm_hash]`, known once its tower ran; before that, provisionally the first ones of the grid), and
 what follows it is positioned as after the whole grid.
@@ -45,6 +49,12 @@ def _second_per_grid(feature: MultiModalFeature) -> float:
     return float(spg[0]) if isinstance(spg, (list, tuple)) else float(spg)
 
 
+def _time_offset(feature: MultiModalFeature) -> int:
+    """The temporal grid steps of the same video before this item (0: the item starts its own video)."""
+    offset = feature.data.get("video_time_offset", 0)
+    return int(offset.reshape(-1)[0]) if hasattr(offset, "reshape") else int(offset)
+
+
 def get_mrope_positions(
     prompt_token_ids: Sequence[int],
     mm_features: list[MultiModalFeature],
@@ -67,6 +77,7 @@ def get_mrope_positions(
     chunks: list[torch.Tensor] = []  # each [3, n]
     st = 0  # next unprocessed token index
     next_pos = 0  # max position so far + 1
+    video_start = 0  # the first position of the latest video item (what a continuing item counts from)
     for f in sorted(mm_features, key=lambda f: f.offset):
         t, h, w = _grid(f)
         llm_t, llm_h, llm_w = t, h // merge, w // merge
@@ -81,11 +92,19 @@ def get_mrope_positions(
             raise ValueError(
                 f"{f.modality} feature [{f.offset}, {f.end}) overlaps another or exceeds the prompt length {num_tokens}"
             )
+        time_offset = _time_offset(f)
+        if time_offset and (f.modality != "video" or f.offset != st or not chunks):
+            raise ValueError(
+                f"{f.modality} feature at offset {f.offset} continues a video (video_time_offset={time_offset}) "
+                "but does not follow a video item directly"
+            )
         text_len = f.offset - st
         if text_len:
             chunks.append(torch.arange(text_len, dtype=torch.long).expand(3, -1) + next_pos)
             next_pos += text_len
-        t_idx = torch.arange(llm_t, dtype=torch.long)  # [llm_t]
+        if not time_offset:
+            video_start = next_pos
+        t_idx = torch.arange(time_offset, time_offset + llm_t, dtype=torch.long)  # [llm_t]
         if f.modality == "video" and tokens_per_second is not None:
             spg = _second_per_grid(f)
             if truncate_second_per_grid:
@@ -97,8 +116,8 @@ def get_mrope_positions(
         t_ids = t_idx.view(-1, 1).expand(-1, llm_h * llm_w).flatten()  # [n]
         h_ids = torch.arange(llm_h).view(1, -1, 1).expand(llm_t, -1, llm_w).flatten()  # [n]
         w_ids = torch.arange(llm_w).view(1, 1, -1).expand(llm_t, llm_h, -1).flatten()  # [n]
-        vision = torch.stack([t_ids, h_ids, w_ids]) + next_pos  # [3, n]
-        next_pos = int(vision.max()) + 1  # after the whole grid, pruned or not
+        vision = torch.stack([t_ids, h_ids, w_ids]) + video_start  # [3, n]
+        next_pos = max(next_pos, int(vision.max()) + 1)  # after the whole grid, pruned or not
         if rate:
             kept = (kept_indices or {}).get(f.mm_hash)
             vision = vision[:, : f.length] if kept is None else vision[:, kept.to(torch.long)]  # [3, length]

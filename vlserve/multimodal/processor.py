@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from vlserve.multimodal import video_pruning
+from vlserve.multimodal import video_pruning as pruning
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.gemma3_items import gemma3_items_for
 from vlserve.multimodal.hashing import hash_mm_item, hash_named_item
@@ -34,6 +34,7 @@ from vlserve.multimodal.media import (
 from vlserve.multimodal.media_refs import ImageEmbeds, NamedItem
 from vlserve.multimodal.perception_lm import family_items
 from vlserve.multimodal.qwen3_vl_video import Qwen3VLVideos, is_qwen3_vl_processor
+from vlserve.multimodal.video_frame_size import DEFAULT_MAX_VIDEO_FRAME_PIXELS, video_frame_size
 from vlserve.shorten import shorten
 
 # mm_processor_kwargs consumed by our own frame sampling (load_video), not by the HF processors.
@@ -118,6 +119,7 @@ class MultiModalProcessor:
         cache_max_bytes: int = 1 << 30,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
         max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+        max_video_frame_pixels: int | None = DEFAULT_MAX_VIDEO_FRAME_PIXELS,
         max_audio_seconds: float | None = None,
         image_token_id: int | None = None,
     ):
@@ -164,6 +166,9 @@ class MultiModalProcessor:
         self._cache_bytes = 0
         self.max_image_pixels = max_image_pixels
         self.max_video_frames = max_video_frames
+        self.max_video_frame_pixels = (
+            max_video_frame_pixels  # decoded frames above it are scaled down (see _load_video)
+        )
         self._cache: OrderedDict[str, dict] = OrderedDict()  # mm_hash -> processed data (tensors)
         self._in_flight: dict[str, Future] = {}  # mm_hash -> the result another thread is computing
         self._lock = threading.Lock()  # guards the two dicts above, _cache_bytes and the counters
@@ -302,18 +307,21 @@ class MultiModalProcessor:
         max_frames = int(sampling.pop("max_frames", self.max_video_frames))
         if isinstance(video, NamedItem):  # as for images: the key is the name and every kwarg, sampling included
             mm_hash = hash_named_item("video", video.uuid, {**video_kwargs, **sampling, "max_frames": max_frames})
-            load = lambda: self._load_video(video.require_media("video"), sampling, max_frames)  # noqa: E731
+            load = lambda: self._load_video(video.require_media("video"), sampling, max_frames, video_kwargs)  # noqa: E731
             return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(load(), video_kwargs, sampling))
-        video = self._load_video(video, sampling, max_frames)
+        video = self._load_video(video, sampling, max_frames, video_kwargs)
         timing = {"qwen3_vl_timing": self.qwen3_videos.timing(video)} if self.qwen3_videos is not None else {}
         mm_hash = hash_mm_item("video", video, {**video_kwargs, **sampling, "max_frames": max_frames, **timing})
         return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_video(video, video_kwargs, sampling))
 
-    def _load_video(self, video: Any, sampling: dict, max_frames: int) -> LoadedVideo:
+    def _load_video(self, video: Any, sampling: dict, max_frames: int, video_kwargs: dict) -> LoadedVideo:
+        """Decode and sample; each frame kept no larger than the video processor keeps it (video_frame_size)."""
         if isinstance(video, LoadedVideo):
             return video
         fps, num_frames = sampling.get("fps"), sampling.get("num_frames")
-        return load_video(video, fps, num_frames, max_frames, max_pixels=self.max_image_pixels)
+        kw = self._video_hf_kwargs(video_kwargs)
+        frame_size = video_frame_size(self.video_processor, kw, self.max_video_frame_pixels)
+        return load_video(video, fps, num_frames, max_frames, max_pixels=self.max_image_pixels, frame_size=frame_size)
 
     def _run_video(self, video: LoadedVideo, video_kwargs: dict, sampling: dict) -> dict:
         import torch
@@ -394,9 +402,7 @@ class MultiModalProcessor:
                 f"but {len(audios)} audio clips were given"
             )
 
-        rate, mm_processor_kwargs = video_pruning.take_pruning_rate(
-            mm_processor_kwargs, bool(videos), self.prunes_videos
-        )
+        rate, mm_processor_kwargs = pruning.take_pruning_rate(mm_processor_kwargs, bool(videos), self.prunes_videos)
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
         for pos, image in zip(img_pos, images):
@@ -414,8 +420,8 @@ class MultiModalProcessor:
         prev = 0
         for pos, modality, mm_hash, data in items:
             if modality == "video" and self.video_expander is not None:  # per-frame runs, text between them
-                pruning = {"pruning_rate": rate} if rate else {}  # (only Qwen3-VL's expander is asked to prune)
-                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos, **pruning)
+                prune = {"pruning_rate": rate} if rate else {}  # (only Qwen3-VL's expander is asked to prune)
+                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos, **prune)
                 new_ids.extend(ids[prev:start])
                 for f in frame_features:  # offsets in `run` -> in the new prompt
                     f.offset += len(new_ids)
@@ -428,9 +434,7 @@ class MultiModalProcessor:
             elif self.family is not None:
                 num = self.family.num_embeds(modality, data)
             elif modality == "video" and rate:  # pruned: the kept count (video_pruning.py), a key of its own
-                grid = video_pruning.llm_grid(data["video_grid_thw"], self._merge_size("video"))
-                data = video_pruning.pruned_video_data(data, rate, grid)
-                mm_hash, num = video_pruning.pruned_mm_hash(mm_hash, rate), data[video_pruning.KEEP_KEY]
+                mm_hash, data, num = pruning.pruned_video(mm_hash, data, rate, self._merge_size("video"))
             else:
                 grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
                 num = int(grid.prod()) // self._merge_size(modality) ** 2

@@ -99,6 +99,13 @@ def pruned_video_data(
     return marked
 
 
+def pruned_video(mm_hash: str, data: dict, rate: float, merge_size: int) -> tuple[str, dict, int]:
+    """A Qwen2-VL / Qwen2.5-VL video (its mm_hash and processed data) to be pruned at `rate` -> (its mm_hash with
+    the rate, its marked data, its placeholder count)."""
+    data = pruned_video_data(data, rate, llm_grid(data["video_grid_thw"], merge_size))
+    return pruned_mm_hash(mm_hash, rate), data, data[KEEP_KEY]
+
+
 def tower_data(data: dict) -> dict:
     """What the tower reads of an item (items concatenate key by key): without the pruning keys; a Qwen3-VL group
     with a previous group gets that group's pixel rows first, as a second grid row."""
