@@ -30,6 +30,9 @@ DEFAULTS = {
     "enable_prefix_caching": True,
     "limit_mm_per_prompt": None,
     "mm_processor_kwargs": None,
+    "video_pruning_rate": 0.0,
+    "max_video_frames": None,
+    "max_video_frame_pixels": None,
     "media_io_kwargs": None,
     "enable_mm_embeds": False,
     "mm_preprocess_workers": 4,
@@ -120,6 +123,7 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
     "MultiModalConfig": [
         "--limit-mm-per-prompt",
         "--mm-processor-kwargs",
+        "--video-pruning-rate",
         "--media-io-kwargs",
         "--enable-mm-embeds",
         "--max-audio-seconds",

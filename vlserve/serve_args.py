@@ -212,6 +212,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "image processor where transformers has one)",
     )
     mm.add_argument(
+        "--video-pruning-rate",
+        type=float,
+        default=0.0,
+        help="drop this fraction in [0, 1) of a Qwen-VL video's least-changed tokens (EVS); requests may override",
+    )
+    mm.add_argument(
         "--media-io-kwargs",
         type=_json_dict,
         default=None,
