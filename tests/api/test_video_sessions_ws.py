@@ -7,18 +7,25 @@ answer after the same frames, which equals one ordinary request carrying them (t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
+from starlette.websockets import WebSocketDisconnect
 
 from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
 from vlserve import LLM, SamplingParams
+from vlserve.api.server import ServerConfig, build_app
 from vlserve.config import EngineArgs
+from vlserve.engine.async_llm import AsyncLLM
+from vlserve.engine.async_video_session import AsyncVideoSession
 
 FPS = 2.0
 QUESTION = "What moves?"
@@ -34,8 +41,6 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    from vlserve.engine.async_llm import AsyncLLM
-
     llm = AsyncLLM.from_engine_args(EngineArgs(model=ckpt, **ENGINE_KW))
     yield llm
     llm.shutdown()
@@ -43,8 +48,6 @@ def engine(ckpt):
 
 @pytest.fixture(scope="module")
 def client(engine):
-    from vlserve.api.server import ServerConfig, build_app
-
     with TestClient(build_app(engine, ServerConfig(shutdown_engine=False))) as c:
         yield c
 
@@ -127,11 +130,8 @@ def test_answer_equals_the_offline_session(client, offline):
         assert done["text"] == _offline_answer(offline, frames).outputs[0].text and done["frames"] == 5
     info = client.get(f"/v1/video/sessions/{session['id']}").json()
     assert info["frames"] == 5 and info["window_frames"] == 5  # the session outlives its connection
-    assert client.delete(f"/v1/video/sessions/{session['id']}").json() == {
-        "id": session["id"],
-        "object": "video.session.deleted",
-        "deleted": True,
-    }
+    deleted = client.delete(f"/v1/video/sessions/{session['id']}").json()
+    assert deleted == {"id": session["id"], "object": "video.session.deleted", "deleted": True}
 
 
 def _engine_state(engine) -> tuple[int, int]:
@@ -143,11 +143,6 @@ def _engine_state(engine) -> tuple[int, int]:
 def test_append_runs_while_an_answer_streams(client, offline, monkeypatch):
     """An answer held back until the test releases it: frames sent after the question are appended meanwhile, and
     the answer is the one over the frames present when its question arrived."""
-    import asyncio
-    import threading
-
-    from vlserve.engine.async_video_session import AsyncVideoSession
-
     release = threading.Event()
     answer = AsyncVideoSession.answer
 
@@ -223,8 +218,6 @@ def test_bad_messages_keep_the_connection(client):
 
 
 def test_unknown_session_socket_closes_4404(client):
-    from starlette.websockets import WebSocketDisconnect
-
     with client.websocket_connect("/v1/video/sessions/video-session-nope") as ws:
         msg = ws.receive_json()
         assert msg["type"] == "error" and msg["error"]["code"] == 404
@@ -306,27 +299,21 @@ def test_idle_sessions_expire(client, engine):
             assert ws.receive_json() == {"type": "session.closed", "id": session["id"], "reason": "expired"}
         assert _engine_state(engine) == before
     finally:
-        sessions.bounds.clock = __import__("time").monotonic
+        sessions.bounds.clock = time.monotonic
 
 
 def test_model_without_video_is_refused(text_ckpt):
-    from vlserve.api.server import ServerConfig, build_app
-    from vlserve.engine.async_llm import AsyncLLM
-
     llm = AsyncLLM.from_engine_args(EngineArgs(model=text_ckpt, dtype="float32", num_kv_blocks=64))
     try:
         with TestClient(build_app(llm, ServerConfig(shutdown_engine=False))) as c:
             r = c.post("/v1/video/sessions", json={})
-            assert r.status_code == 400 and "takes no video" in r.json()["error"]["message"]
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            assert "takes no video" in r.json()["error"]["message"]
     finally:
         llm.shutdown()
 
 
 def test_api_key_guards_the_socket(engine):
-    from starlette.websockets import WebSocketDisconnect
-
-    from vlserve.api.server import ServerConfig, build_app
-
     with TestClient(build_app(engine, ServerConfig(shutdown_engine=False, api_key="k3y"))) as c:
         assert c.post("/v1/video/sessions", json={}).status_code == 401
         sid = c.post("/v1/video/sessions", json={}, headers={"Authorization": "Bearer k3y"}).json()["id"]
@@ -345,16 +332,13 @@ def test_api_key_guards_the_socket(engine):
 
 
 def _metric(http, name: str) -> float:
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not on /metrics")
+    return next(
+        float(v) for k, _, v in (x.rpartition(" ") for x in http.get("/metrics").text.splitlines()) if k == name
+    )
 
 
 def _wait_metric(http, name: str, value: float, timeout: float = 20.0) -> None:
     """Poll /metrics until `name` reads `value` (the engine process reports its counters after each message)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while _metric(http, name) != value:
         assert time.monotonic() < deadline, f"{name} is {_metric(http, name)}, not {value}, after {timeout}s"
@@ -371,17 +355,7 @@ def test_real_server_with_engine_process(ckpt, offline, repo_root):
     from tests.api.conftest import serve_subprocess
 
     frames = _frames(4, seed=8)
-    args = [
-        ckpt,
-        "--dtype",
-        "float32",
-        "--num-kv-blocks",
-        "256",
-        "--max-model-len",
-        "1024",
-        "--max-video-sessions",
-        "1",
-    ]
+    args = f"{ckpt} --dtype float32 --num-kv-blocks 256 --max-model-len 1024 --max-video-sessions 1".split()
     with serve_subprocess(args, repo_root) as base, httpx.Client(base_url=base, timeout=60, trust_env=False) as http:
         session = http.post("/v1/video/sessions", json={"fps": FPS}).json()
         assert http.post("/v1/video/sessions", json={}).status_code == 429  # --max-video-sessions 1
