@@ -41,7 +41,8 @@ async def run(base_url: str, window: int, api_key: str | None) -> None:
                     assert msg["type"] == "answer.delta", msg  # the answer's text, as it is generated
                 print(f"after {i:2d} frames: {question} -> {msg['text']!r} (first token after {msg['ttft_ms']} ms)")
         await ws.send(json.dumps({"type": "session.close"}))
-        print(json.loads(await ws.recv()))  # session.closed
+        closed = json.loads(await ws.recv())
+        print(closed["type"], closed["reason"])  # session.closed closed
 
 
 def main() -> None:

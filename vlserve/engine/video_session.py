@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -240,7 +241,6 @@ class VideoSessions:
         self.idle_timeout = idle_timeout
         self.clock = clock
         self.open: weakref.WeakValueDictionary[str, VideoSession] = weakref.WeakValueDictionary()
-        self._ids = itertools.count()
 
     def expire(self) -> list[str]:
         """Close the sessions idle longer than `idle_timeout`; returns their ids."""
@@ -256,7 +256,7 @@ class VideoSessions:
         self.expire()
         if len(self.open) >= self.max_sessions:
             raise ValueError(f"{len(self.open)} video sessions are open (max_video_sessions={self.max_sessions})")
-        sid = f"video-session-{next(self._ids)}"
+        sid = f"video-session-{uuid.uuid4().hex}"  # not guessable: a server's clients hold sessions by id
         session = VideoSession(
             sid, engine, input_processor, max_model_len, idle_timeout=self.idle_timeout, clock=self.clock, **kwargs
         )
