@@ -98,8 +98,9 @@ class PreparedQuestion:
 
 
 class AsyncVideoSession:
-    """A `VideoSession` driven from an event loop: `append`, `ask` (an async iterator of cumulative outputs),
-    `close`; `closed` is set once the session ended, `close_reason` says why ("closed", "deleted", "expired")."""
+    """A `VideoSession` driven from an event loop: `append`, `prepare_question` then `answer` (an async iterator of
+    cumulative outputs), `close`; `closed` is set once the session ended, `close_reason` says why ("closed",
+    "deleted", "expired")."""
 
     def __init__(self, session: VideoSession, engine: AsyncSessionEngine, model: str, created: int):
         self.session = session
@@ -135,6 +136,8 @@ class AsyncVideoSession:
         prefill = self.engine.running_prefill(self.session.prefills.request_id)
         if prefill is not None:  # the prefix being computed: the question then finds it in the prefix cache
             await asyncio.wait([asyncio.wrap_future(prefill)])
+        if self.session.closed:
+            raise ValueError(f"video session {self.session_id} was closed before the question ran")
         request_id = f"{self.session_id}-ask-{next(self._ids)}"
         self.questions.add(request_id)
         try:
