@@ -1,9 +1,6 @@
-"""Live video sessions over HTTP (vlserve/api/video_sessions.py) on a tiny Qwen2-VL: the REST routes, the
-WebSocket protocol, and the engine-side effects (KV blocks, encoder cache) of closing a session.
-
-The oracle: an answer over the WebSocket after N frames equals (greedy) the offline `LLM.open_video_session`'s
-answer after the same frames, which equals one ordinary request carrying them (tests/multimodal/test_video_session).
-"""
+"""Live video sessions over HTTP (vlserve/api/video_sessions.py) on a tiny Qwen2-VL: REST routes, the WebSocket
+protocol, what closing frees in the engine. The oracle: an answer after N frames equals (greedy) the offline
+`LLM.open_video_session`'s, itself one ordinary request's with those frames (tests/multimodal/test_video_session)."""
 
 from __future__ import annotations
 
@@ -91,12 +88,10 @@ def _open(client, **body) -> dict:
 
 def _receive_until(ws, kind: str) -> tuple[dict, list[dict]]:
     """Messages up to the first of type `kind`: (that one, the ones before it)."""
-    before = []
-    while True:
-        msg = ws.receive_json()
-        if msg["type"] == kind:
-            return msg, before
-        before.append(msg)
+    got = [ws.receive_json()]
+    while got[-1]["type"] != kind:
+        got.append(ws.receive_json())
+    return got[-1], got[:-1]
 
 
 def _ask(ws, question_id: str, max_tokens: int = 8, **fields) -> None:
@@ -217,6 +212,23 @@ def test_bad_messages_keep_the_connection(client):
     client.delete(f"/v1/video/sessions/{session['id']}")
 
 
+def test_disconnect_aborts_answers_and_keeps_the_session(client, engine):
+    session = _open(client)
+    aborted = engine.num_aborted
+    with client.websocket_connect(f"/v1/video/sessions/{session['id']}") as ws:
+        ws.receive_json()
+        ws.send_text(json.dumps({"type": "frames.append", "frames": [_data_url(f) for f in _frames(2, seed=3)]}))
+        ws.receive_json()
+        _ask(ws, "long", max_tokens=900)
+        assert ws.receive_json()["type"] == "answer.delta"  # then the client leaves mid-answer
+    deadline = time.monotonic() + 60
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_aborted == aborted + 1  # the answer, not run to its 900 tokens
+    assert client.get(f"/v1/video/sessions/{session['id']}").json()["frames"] == 2
+    client.delete(f"/v1/video/sessions/{session['id']}")
+
+
 def test_unknown_session_socket_closes_4404(client):
     with client.websocket_connect("/v1/video/sessions/video-session-nope") as ws:
         msg = ws.receive_json()
@@ -316,25 +328,21 @@ def test_model_without_video_is_refused(text_ckpt):
 def test_api_key_guards_the_socket(engine):
     with TestClient(build_app(engine, ServerConfig(shutdown_engine=False, api_key="k3y"))) as c:
         assert c.post("/v1/video/sessions", json={}).status_code == 401
-        sid = c.post("/v1/video/sessions", json={}, headers={"Authorization": "Bearer k3y"}).json()["id"]
-        for path, headers in [(f"/v1/video/sessions/{sid}", {}), (f"/v1/video/sessions/{sid}?api_key=bad", {})]:
-            with pytest.raises(WebSocketDisconnect) as refused:
-                with c.websocket_connect(path, headers=headers) as ws:
-                    ws.receive_json()
+        auth = {"Authorization": "Bearer k3y"}
+        path = f"/v1/video/sessions/{c.post('/v1/video/sessions', json={}, headers=auth).json()['id']}"
+        for refused_path in (path, path + "?api_key=bad"):
+            with pytest.raises(WebSocketDisconnect) as refused, c.websocket_connect(refused_path) as ws:
+                ws.receive_json()
             assert refused.value.code == 1008
-        for path, headers in [
-            (f"/v1/video/sessions/{sid}?api_key=k3y", {}),  # what a browser can send
-            (f"/v1/video/sessions/{sid}", {"Authorization": "Bearer k3y"}),
-        ]:
-            with c.websocket_connect(path, headers=headers) as ws:
+        for url, headers in [(path + "?api_key=k3y", {}), (path, auth)]:  # a browser can send the first
+            with c.websocket_connect(url, headers=headers) as ws:
                 assert ws.receive_json()["type"] == "session.ready"
-        c.delete(f"/v1/video/sessions/{sid}", headers={"Authorization": "Bearer k3y"})
+        c.delete(path, headers=auth)
 
 
 def _metric(http, name: str) -> float:
-    return next(
-        float(v) for k, _, v in (x.rpartition(" ") for x in http.get("/metrics").text.splitlines()) if k == name
-    )
+    lines = http.get("/metrics").text.splitlines()
+    return next(float(line.rpartition(" ")[2]) for line in lines if line.rpartition(" ")[0] == name)
 
 
 def _wait_metric(http, name: str, value: float, timeout: float = 20.0) -> None:
