@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from starlette.websockets import WebSocketDisconnect
 
+from tests.multimodal.test_video_session import _frames  # [n, 32, 64, 3] uint8: a square moving over noise
 from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
 from vlserve import LLM, SamplingParams
 from vlserve.api.server import ServerConfig, build_app
@@ -52,16 +53,6 @@ def client(engine):
 @pytest.fixture(scope="module")
 def offline(ckpt):
     return LLM(ckpt, **ENGINE_KW)
-
-
-def _frames(n: int, seed: int = 0) -> np.ndarray:
-    """[n, 32, 64, 3] uint8: a bright square moving over noise."""
-    rng = np.random.RandomState(seed)
-    frames = rng.randint(0, 120, (n, 32, 64, 3), dtype=np.uint8)
-    for i in range(n):
-        x = (7 * i) % 50
-        frames[i, 10:24, x : x + 14] = 255
-    return frames
 
 
 def _png(frame: np.ndarray) -> bytes:
@@ -122,7 +113,13 @@ def test_answer_equals_the_offline_session(client, offline):
         assert ws.receive_json() == {"type": "frames.appended", "frames": 5, "window_frames": 5}
         _ask(ws, "b")
         done, _ = _receive_until(ws, "answer.done")
-        assert done["text"] == _offline_answer(offline, frames).outputs[0].text and done["frames"] == 5
+        text = _offline_answer(offline, frames).outputs[0].text
+        assert done["text"] == text and done["frames"] == 5
+        stop = text[len(text) // 2 :][:2]  # a stop string: the answer ends before its first occurrence
+        _ask(ws, "c", stop=[stop])
+        done, deltas = _receive_until(ws, "answer.done")
+        assert done["text"] == text[: text.index(stop)] and done["finish_reason"] == "stop"
+        assert "".join(d["delta"] for d in deltas) == done["text"]
     info = client.get(f"/v1/video/sessions/{session['id']}").json()
     assert info["frames"] == 5 and info["window_frames"] == 5  # the session outlives its connection
     deleted = client.delete(f"/v1/video/sessions/{session['id']}").json()
