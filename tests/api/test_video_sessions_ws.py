@@ -203,6 +203,8 @@ def test_bad_messages_keep_the_connection(client):
         _expect_error(ws, "best_of", "unknown field", "q2")
         ws.send_text(json.dumps({"type": "question", "question": 7}))
         _expect_error(ws, "question", "string")
+        _ask(ws, "q4", max_tokens=5000)  # more than the context holds: the engine's refusal
+        _expect_error(ws, "max_tokens", "max_model_len", "q4")
         _ask(ws, "q3", max_tokens=2)  # the connection still answers, and sees the one good frame
         done, _ = _receive_until(ws, "answer.done")
         assert done["question_id"] == "q3" and done["frames"] == 1 and done["usage"]["completion_tokens"] <= 2

@@ -25,10 +25,10 @@ from typing import Any
 
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse
-from starlette.websockets import WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from vlserve.api.errors import APIError, to_api_error
-from vlserve.api.serving_base import DeltaTracker, ServedModels
+from vlserve.api.serving_base import DeltaTracker, ServedModels, check_fits_context
 from vlserve.api.video_protocol import (
     FramesAppend,
     Question,
@@ -166,6 +166,9 @@ class _SessionSocket:
         async with self.send_lock:
             await self.ws.send_json(message)
 
+    def connected(self) -> bool:
+        return WebSocketState.DISCONNECTED not in (self.ws.client_state, self.ws.application_state)
+
     async def run(self) -> None:
         await self.send({"type": "session.ready", "session": self.session.describe()})
         tasks = [asyncio.create_task(t) for t in (self._read(), self._work(), self.session.closed.wait())]
@@ -239,6 +242,8 @@ class _SessionSocket:
     async def _ask(self, question: Question, params, arrival: float) -> None:
         try:
             prepared = await self.session.prepare_question(question.question)
+            num_prompt = len(prepared.processed.prompt_token_ids)
+            check_fits_context(params.max_tokens, num_prompt, self.session.llm.max_model_len, "max_tokens")
         except Exception as e:
             await self.send(error_message(to_api_error(e), question.question_id))
             return
@@ -259,12 +264,9 @@ class _SessionSocket:
                     delta, _ = tracker.delta(0, choice.text, None, out.finished)
                     if delta:
                         await self.send({"type": "answer.delta", "question_id": qid, "delta": delta})
-        except (WebSocketDisconnect, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not _is_closed_socket(e):
-                await self.send(error_message(to_api_error(e), qid))
-            return
         except Exception as e:
-            await self.send(error_message(to_api_error(e), qid))
+            if self.connected():  # else the send failed: the client left
+                await self.send(error_message(to_api_error(e), qid))
             return
         choice = last.outputs[0]
         await self.send(
@@ -296,11 +298,6 @@ def _sampling_error(e: Exception) -> APIError:
     if err.param is None:
         err.param = next((f for f in _SAMPLING_FIELDS if err.message.startswith(f)), None)
     return err
-
-
-def _is_closed_socket(e: RuntimeError) -> bool:
-    """Starlette's RuntimeError for a send on a socket that is already closed."""
-    return "close" in str(e) or "disconnect" in str(e)
 
 
 def _frame_error(e: Exception) -> APIError:
