@@ -204,8 +204,10 @@ function sendFrame() {
   }
   canvas.getContext("2d").drawImage(video, 0, 0, canvas.width, canvas.height);
   live.framesSent += 1;
-  canvas.toBlob((blob) => {
-    if (blob && live.socket === socket && socket.readyState === WebSocket.OPEN) socket.send(blob);
+  canvas.toBlob(async (blob) => {
+    if (!blob) return;
+    const bytes = await blob.arrayBuffer();  // (sent as bytes, not a Blob: DevTools then shows each frame)
+    if (live.socket === socket && socket.readyState === WebSocket.OPEN) socket.send(bytes);
   }, "image/jpeg", JPEG_QUALITY);
 }
 
