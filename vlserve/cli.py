@@ -52,6 +52,8 @@ def serve_config_from_args(args: argparse.Namespace):
         max_audio_seconds=args.max_audio_seconds,
         max_video_frames=args.max_video_frames,
         max_video_frame_pixels=args.max_video_frame_pixels,
+        max_video_sessions=args.max_video_sessions,
+        session_idle_timeout=args.session_idle_timeout,
         async_scheduling=args.async_scheduling,
         compilation_config=args.compilation_config,
         enforce_eager=args.enforce_eager,

@@ -236,6 +236,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="decoded video frames with more pixels are scaled down as they are decoded, aspect kept (default "
         "1280*720; Qwen2-VL-family frames are decoded at the size their processor resizes them to)",
     )
+    mm.add_argument("--max-video-sessions", type=int, default=8, help="live video sessions open at once (then 429)")
+    mm.add_argument(
+        "--session-idle-timeout", type=float, default=600.0, help="seconds before an idle video session closes"
+    )
     mm.add_argument(
         "--max-audio-seconds",
         type=float,

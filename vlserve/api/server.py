@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (and
 /v1/responses/{id}; see api/responses/), GET /v1/models, GET /health, GET /version, GET /metrics,
 POST /tokenize and /detokenize (serving_tokenize.py), the pooling endpoints (POST /v1/embeddings, /pooling,
 /v1/score, /v1/rerank; serving_pooling.py), and the playground page (GET /, /playground; see
-playground.py) unless `playground` is off.
+playground.py) unless `playground` is off; live video sessions (POST /v1/video/sessions, GET / DELETE and a
+WebSocket at /v1/video/sessions/{id}; video_sessions.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -34,6 +36,7 @@ from vlserve.api.serving_chat import OpenAIServingChat
 from vlserve.api.serving_completion import OpenAIServingCompletion
 from vlserve.api.serving_pooling import install_pooling_routes
 from vlserve.api.serving_tokenize import install_tokenize_routes
+from vlserve.api.video_sessions import install_video_session_routes
 from vlserve.config import EngineArgs, resolve_model_path
 from vlserve.engine.async_llm import AsyncLLM
 from vlserve.engine.generation_config import load_generation_defaults
@@ -70,6 +73,9 @@ class _GateMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and not self._websocket_key_ok(scope):
+            await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})  # HTTP 403
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -106,6 +112,18 @@ class _GateMiddleware:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+    def _websocket_key_ok(self, scope: Scope) -> bool:
+        """A WebSocket on /v1/* carries the key as `Authorization: Bearer` or, as browsers cannot set headers on
+        WebSockets, an `api_key` query parameter."""
+        if self.api_key is None or not scope["path"].startswith("/v1"):
+            return True
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+        if not token:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            token = query.get("api_key", [""])[0].encode()
+        return bool(token) and hmac.compare_digest(token, self.api_key)
 
 
 async def _read_body_capped(receive: Receive, cap: int) -> bytes | None:
@@ -207,6 +225,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig | None = None) -> FastAPI:
 
     install_tokenize_routes(app, chat, models)
     install_responses_routes(app, chat, config.responses_store_size)
+    install_video_session_routes(app, engine, models, generation_defaults, config.trust_request_chat_template)
     if runtime_lora_updating_allowed():
         install_lora_routes(app, engine, models)
     if config.playground:

@@ -194,6 +194,10 @@ class EngineCore:
         still running with it reload it from its path."""
         return self.loras.remove(lora_int_id)
 
+    def evict_encoder_items(self, mm_hashes: list[str]) -> int:
+        """Drop these items' cached embeddings where no request references them; returns how many were dropped."""
+        return self.scheduler.encoder_cache.evict(mm_hashes)
+
     def list_loras(self) -> list[int]:
         """The registered adapters' ids."""
         return sorted(self.loras.registered)

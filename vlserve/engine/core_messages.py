@@ -42,8 +42,8 @@ class FinishStopped:
 
 @dataclass
 class ControlCall:
-    """Run `EngineCore.<op>(arg)` (an op of `engine_control.CONTROL_OPS`: add_lora, remove_lora) and answer with a
-    `ControlAck` carrying `call_id`."""
+    """Run `EngineCore.<op>(arg)` (an op of `engine_control.CONTROL_OPS`: add_lora, remove_lora,
+    evict_encoder_items) and answer with a `ControlAck` carrying `call_id`."""
 
     call_id: int
     op: str

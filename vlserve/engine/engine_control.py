@@ -1,5 +1,5 @@
-"""Control calls from the asyncio front end into the engine core (LoRA adapters), and the thread hops they share
-with requests.
+"""Control calls from the asyncio front end into the engine core (LoRA adapters, encoder-cache eviction), and the
+thread hops they share with requests.
 
 `AsyncLLM.add_lora` / `remove_lora` queue a `Control` on the engine thread's inbox, in order with adds and aborts;
 in process the engine thread calls the core's method (`EngineCore.add_lora`, ...), with the core in another process
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-CONTROL_OPS = ("add_lora", "remove_lora")  # the EngineCore methods a control call may run
+CONTROL_OPS = ("add_lora", "remove_lora", "evict_encoder_items")  # the EngineCore methods a control call may run
 
 
 class EngineDeadError(RuntimeError):
@@ -65,6 +65,11 @@ class ControlCalls:
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Unload a LoRA adapter (False when the engine did not hold it)."""
         return await self._control("remove_lora", lora_int_id)
+
+    async def evict_encoder_items(self, mm_hashes: list[str]) -> int:
+        """Drop these items' embeddings from the encoder cache(s) where no request references them (a closed video
+        session's); returns how many were dropped (of the last engine to answer, with several)."""
+        return await self._control("evict_encoder_items", list(mm_hashes))
 
     async def _control(self, op: str, arg: Any) -> Any:
         if self._dead is not None:
