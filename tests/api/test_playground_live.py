@@ -149,7 +149,9 @@ def _check_answers_are_the_servers(driver, log: SocketLog, question: str) -> lis
         text = entry.find_element(By.CSS_SELECTOR, ".text").text
         assert text == sent["text"] and text and log.deltas(sent["question_id"]) == text
         figures = entry.find_element(By.CSS_SELECTOR, ".figures").text  # (JS rounds halves up)
-        assert f"TTFT {math.floor(sent['ttft_ms'] + 0.5)} ms" in figures and f"{sent['frames']} frames" in figures, figures
+        assert f"TTFT {math.floor(sent['ttft_ms'] + 0.5)} ms" in figures and f"{sent['frames']} frames" in figures, (
+            figures
+        )
         assert entry.find_element(By.CSS_SELECTOR, ".when").text.endswith(question)
         texts.append(text)
     asked = [m for m in log.sent_text if m["type"] == "question"]
@@ -170,12 +172,17 @@ def _frame_sizes(log: SocketLog) -> set[tuple[int, int]]:
     return sizes
 
 
+def _session_id(log: SocketLog) -> str:
+    """The id of the one session the page opened, from its socket's URL (which carries the key)."""
+    (url,) = log.urls
+    assert url.endswith(f"?api_key={API_KEY}")
+    return url.split("/v1/video/sessions/", 1)[1].split("?", 1)[0]
+
+
 def _leave_live_mode_deletes_the_session(driver, api, log: SocketLog) -> None:
     from selenium.webdriver.common.by import By
 
-    (url,) = log.urls
-    assert url.endswith(f"?api_key={API_KEY}")
-    session_id = url.split("/v1/video/sessions/", 1)[1].split("?", 1)[0]
+    session_id = _session_id(log)
     assert api.get(f"/v1/video/sessions/{session_id}").status_code == 200
     driver.find_element(By.ID, "mode-chat").click()
     assert driver.find_element(By.ID, "composer").is_displayed()
@@ -202,6 +209,29 @@ def test_browser_live_demo_clip(browser, demo_server, api, artifacts):
     assert _frame_sizes(log) == {clip_size}
     chips = [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#live-chips button")]
     assert chips == [q["question"] for q in LIVE_CLIP["questions"]]
+    # the clip is the demo world's: each answer is checked against the world's answer
+    for entry in browser.find_elements(By.CSS_SELECTOR, ".live-answer[data-state=done]"):
+        text = entry.find_element(By.CSS_SELECTOR, ".text").text
+        verdict = "\u2713 matches" if text == qa["answer"] else "\u2717 differs from"
+        assert entry.find_element(By.CSS_SELECTOR, ".expected").text == f"{verdict} the clip's answer: {qa['answer']}"
+
+    # the session has the page's settings: 2 frames/s, a window of 8 s
+    session_id = _session_id(log)
+    session = api.get(f"/v1/video/sessions/{session_id}").json()
+    assert session["fps"] == 2.0 and session["max_frames"] == 16 and session["frames"] >= 4, session
+
+    # a question the server refuses (max_tokens 0): its error shows, on the page and in its place in the list
+    browser.find_element(By.ID, "max-tokens").clear()
+    browser.find_element(By.ID, "max-tokens").send_keys("0")
+    failed = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".live-answer[data-state=error]"), "an error")[0]
+    errors = [m for m in log.read().received if m["type"] == "error"]
+    assert [e["question_id"] for e in errors] == [failed.get_attribute("data-question-id")]
+    message = errors[0]["error"]["message"]
+    assert "max_tokens" in message and failed.find_element(By.CSS_SELECTOR, ".text").text == message
+    assert browser.find_element(By.ID, "error").text == f"Error 400: {message}"
+    browser.save_screenshot(os.path.join(artifacts, "playground_live_error.png"))
+    browser.find_element(By.ID, "max-tokens").clear()
+    browser.find_element(By.ID, "max-tokens").send_keys("128")
     _leave_live_mode_deletes_the_session(browser, api, log)
 
 

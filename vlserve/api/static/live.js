@@ -289,13 +289,18 @@ function onMessage(msg) {
     pending.entry.querySelector(".text").textContent += msg.delta;
   } else if (msg.type === "answer.done" && mine) {
     live.pending = null;
+    hideError();  // an earlier question's error is history now
     finishEntry(pending.entry, answerFigures(msg), clipAnswer(pending.text), msg.text);
+  } else if (msg.type === "session.closed") {  // idle expiry, or a DELETE from elsewhere
+    stopLive();
+    showError(0, `the video session closed (${msg.reason || "closed"})`);
   } else if (msg.type === "error") {
     const error = msg.error || {};
     showError(typeof error.code === "number" ? error.code : 0, error.message || JSON.stringify(msg));
-    if (mine || (pending && msg.question_id === undefined && error.param === "question")) {
+    if (mine) {  // the question's own error: no answer will come
       live.pending = null;
       pending.entry.dataset.state = "error";
+      pending.entry.querySelector(".text").textContent = error.message || "";
     }
   }
 }
