@@ -236,10 +236,15 @@ def test_browser_live_demo_clip(browser, demo_server, api, artifacts):
 
 
 @pytest.mark.slow
-def test_browser_live_fake_camera(browser, demo_server, api, artifacts):
+def test_browser_live_fake_camera_at_phone_width(browser, demo_server, api, artifacts):
     question = "Describe the video."
-    log = _run_live(browser, demo_server, "webcam", question)
-    browser.save_screenshot(os.path.join(artifacts, "playground_live_camera.png"))
+    browser.set_window_size(390, 844)
+    try:
+        log = _run_live(browser, demo_server, "webcam", question)
+        assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        browser.save_screenshot(os.path.join(artifacts, "playground_live_camera_phone.png"))
+    finally:
+        browser.set_window_size(1100, 760)
     _check_answers_are_the_servers(browser, log, question)
     assert _frame_sizes(log) == {(640, 480)}  # Chromium's fake camera is 640x480, under the page's cap
     _leave_live_mode_deletes_the_session(browser, api, log)
