@@ -179,13 +179,17 @@ def _session_id(log: SocketLog) -> str:
     return url.split("/v1/video/sessions/", 1)[1].split("?", 1)[0]
 
 
-def _leave_live_mode_deletes_the_session(driver, api, log: SocketLog) -> None:
+def _leaving_deletes_the_session(driver, api, log: SocketLog, leave_page: bool = False) -> None:
+    """Back to chat mode (or, with `leave_page`, to another page): the page deletes its session."""
     from selenium.webdriver.common.by import By
 
     session_id = _session_id(log)
     assert api.get(f"/v1/video/sessions/{session_id}").status_code == 200
-    driver.find_element(By.ID, "mode-chat").click()
-    assert driver.find_element(By.ID, "composer").is_displayed()
+    if leave_page:
+        driver.get("about:blank")
+    else:
+        driver.find_element(By.ID, "mode-chat").click()
+        assert driver.find_element(By.ID, "composer").is_displayed()
     _wait(
         driver,
         lambda d: api.get(f"/v1/video/sessions/{session_id}").status_code == 404,
@@ -232,7 +236,7 @@ def test_browser_live_demo_clip(browser, demo_server, api, artifacts):
     browser.save_screenshot(os.path.join(artifacts, "playground_live_error.png"))
     browser.find_element(By.ID, "max-tokens").clear()
     browser.find_element(By.ID, "max-tokens").send_keys("128")
-    _leave_live_mode_deletes_the_session(browser, api, log)
+    _leaving_deletes_the_session(browser, api, log)
 
 
 @pytest.mark.slow
@@ -247,4 +251,4 @@ def test_browser_live_fake_camera_at_phone_width(browser, demo_server, api, arti
         browser.set_window_size(1100, 760)
     _check_answers_are_the_servers(browser, log, question)
     assert _frame_sizes(log) == {(640, 480)}  # Chromium's fake camera is 640x480, under the page's cap
-    _leave_live_mode_deletes_the_session(browser, api, log)
+    _leaving_deletes_the_session(browser, api, log, leave_page=True)
