@@ -1,5 +1,6 @@
 """Evaluate the demo model on a fresh, seeded held-out set:
-`python -m training.eval [--engine vlserve|hf|both]`.
+`python -m training.eval [--engine vlserve|hf|both]`; with `--video-pruning-rates 0,0.5,0.75` the video forms at
+each video pruning rate instead (training.eval_pruning).
 
 Renders `--per-form` new scenes for every question form (a seed the training stream never uses), asks the question
 greedily, and scores exact matches of the whole answer (case and surrounding whitespace ignored); a "json" answer
@@ -167,7 +168,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=EVAL_SEED)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--show-errors", type=int, default=3)
+    p.add_argument(
+        "--video-pruning-rates",
+        default=None,
+        help="e.g. 0,0.5,0.75: the video forms at each pruning rate (accuracy, tokens per video, TTFT; "
+        "see training.eval_pruning) instead of the whole set",
+    )
+    p.add_argument("--ttft-samples", type=int, default=8, help="single requests timed per rate (pruning mode)")
     a = p.parse_args(argv)
+    if a.video_pruning_rates is not None:
+        from training.eval_pruning import evaluate_pruning, parse_rates
+
+        evaluate_pruning(a.model, parse_rates(a.video_pruning_rates), a.per_form, a.seed, a.ttft_samples)
+        return
     evaluate(a.model, a.engine, a.per_form, a.seed, a.batch_size, a.show_errors)
 
 

@@ -37,6 +37,7 @@ def serve_config_from_args(args: argparse.Namespace):
         device=args.device,
         limit_mm_per_prompt=args.limit_mm_per_prompt or {},
         mm_processor_kwargs=args.mm_processor_kwargs,
+        video_pruning_rate=args.video_pruning_rate,
         mm_preprocess_workers=args.mm_preprocess_workers,
         encoder_cache_size=args.encoder_cache_size,
         max_waiting_requests=args.max_waiting_requests,

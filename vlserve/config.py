@@ -186,6 +186,8 @@ class EngineArgs:
     device: str = "auto"
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     mm_processor_kwargs: dict[str, Any] | None = None  # HF processor kwargs; {"use_fast": false}: the slow one
+    # drop this fraction of each Qwen2-VL / Qwen2.5-VL video's tokens, the least changed (multimodal/video_pruning.py)
+    video_pruning_rate: float = 0.0
     mm_preprocess_workers: int = 4  # threads that tokenize, decode media and run the HF processor off the loop
     encoder_cache_size: int | None = None
     max_num_encoder_input_tokens: int | None = None  # embeddings encoded per step (None: sized in time, below)
@@ -288,6 +290,12 @@ class EngineArgs:
         workers = self.mm_preprocess_workers
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"mm_preprocess_workers must be an integer >= 1, got {shorten(workers)}")
+        rate = self.video_pruning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"video_pruning_rate must be a number in [0, 1), got {shorten(rate)}")
+        self.video_pruning_rate = float(rate)
+        if self.video_pruning_rate and self.pipeline_parallel_size > 1:
+            raise ValueError("video_pruning_rate needs every rank to encode: not with pipeline_parallel_size > 1")
         mm_kwargs = self.mm_processor_kwargs if isinstance(self.mm_processor_kwargs, dict) else {}
         use_fast = mm_kwargs.get("use_fast", True)
         if not isinstance(use_fast, bool):
@@ -373,6 +381,13 @@ class EngineArgs:
         ]
         if bad:
             raise ValueError(f"mm_encoder_only (an ec_producer) generates nothing: {bad[0]} does not apply")
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """Every request's processor kwargs before its own: `mm_processor_kwargs`, and the video pruning rate."""
+        kwargs = dict(self.mm_processor_kwargs or {})
+        if self.video_pruning_rate:
+            kwargs["video_pruning_rate"] = self.video_pruning_rate
+        return kwargs
 
     @property
     def world_size(self) -> int:

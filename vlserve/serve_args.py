@@ -45,9 +45,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     front = p.add_argument_group("Frontend", "the HTTP server (the API process)")
     front.add_argument("--host", default="127.0.0.1", help="address to listen on")
     front.add_argument("--port", type=int, default=8000, help="port to listen on")
-    front.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: no key needed)"
-    )
+    front.add_argument("--api-key", default=None, help="Bearer KEY on /v1/*; WebSockets: ?api_key=KEY (default: none)")
     front.add_argument(
         "--chat-template-content-format",
         default="auto",
@@ -212,6 +210,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "image processor where transformers has one)",
     )
     mm.add_argument(
+        "--video-pruning-rate",
+        type=float,
+        default=0.0,
+        help="drop this fraction in [0, 1) of a Qwen-VL video's least-changed tokens (EVS); requests may override",
+    )
+    mm.add_argument(
         "--media-io-kwargs",
         type=_json_dict,
         default=None,
@@ -237,9 +241,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "1280*720; Qwen2-VL-family frames are decoded at the size their processor resizes them to)",
     )
     mm.add_argument("--max-video-sessions", type=int, default=8, help="live video sessions open at once (then 429)")
-    mm.add_argument(
-        "--session-idle-timeout", type=float, default=600.0, help="seconds before an idle video session closes"
-    )
+    mm.add_argument("--session-idle-timeout", type=float, default=600.0, help="idle seconds that end a video session")
     mm.add_argument(
         "--max-audio-seconds",
         type=float,

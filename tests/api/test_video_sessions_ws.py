@@ -132,3 +132,286 @@ def test_answer_equals_the_offline_session(client, offline):
         "object": "video.session.deleted",
         "deleted": True,
     }
+
+
+def _engine_state(engine) -> tuple[int, int]:
+    """(free KV blocks, encoder-cache slots in use) of the in-process engine core (read while it is idle)."""
+    sched = engine.engine.scheduler
+    return sched.kv.pool.num_free_blocks, sched.encoder_cache.num_used
+
+
+def test_append_runs_while_an_answer_streams(client, offline, monkeypatch):
+    """An answer held back until the test releases it: frames sent after the question are appended meanwhile, and
+    the answer is the one over the frames present when its question arrived."""
+    import asyncio
+    import threading
+
+    from vlserve.engine.async_video_session import AsyncVideoSession
+
+    release = threading.Event()
+    answer = AsyncVideoSession.answer
+
+    async def held(self, prepared, params):
+        await asyncio.to_thread(release.wait, 60)
+        async for out in answer(self, prepared, params):
+            yield out
+
+    monkeypatch.setattr(AsyncVideoSession, "answer", held)
+    frames = _frames(4, seed=2)
+    session = _open(client)
+    with client.websocket_connect(f"/v1/video/sessions/{session['id']}") as ws:
+        ws.receive_json()
+        ws.send_text(json.dumps({"type": "frames.append", "frames": [_data_url(f) for f in frames[:2]]}))
+        assert ws.receive_json()["frames"] == 2
+        _ask(ws, "held")
+        ws.send_bytes(_png(frames[2]))
+        ws.send_bytes(_png(frames[3]))
+        assert ws.receive_json() == {"type": "frames.appended", "frames": 3, "window_frames": 3}
+        assert ws.receive_json() == {"type": "frames.appended", "frames": 4, "window_frames": 4}
+        release.set()
+        done, _ = _receive_until(ws, "answer.done")
+        assert done["question_id"] == "held" and done["frames"] == 2
+        assert done["text"] == _offline_answer(offline, frames[:2]).outputs[0].text
+        monkeypatch.undo()
+        _ask(ws, "after")
+        done, _ = _receive_until(ws, "answer.done")
+        assert done["frames"] == 4 and done["text"] == _offline_answer(offline, frames).outputs[0].text
+    client.delete(f"/v1/video/sessions/{session['id']}")
+
+
+def _expect_error(ws, param: str | None, match: str, question_id: str | None = None) -> dict:
+    msg = ws.receive_json()
+    assert msg["type"] == "error", msg
+    assert msg["error"]["code"] == 400 and msg["error"]["param"] == param, msg
+    assert match in msg["error"]["message"], msg
+    assert msg.get("question_id") == question_id
+    return msg
+
+
+def test_bad_messages_keep_the_connection(client):
+    session = _open(client)
+    with client.websocket_connect(f"/v1/video/sessions/{session['id']}") as ws:
+        ws.receive_json()
+        ws.send_text("{not json")
+        _expect_error(ws, None, "invalid JSON")
+        ws.send_text(json.dumps({"type": "frames.push", "frames": []}))
+        _expect_error(ws, "type", "unknown message type")
+        ws.send_text(json.dumps({"type": "question", "question_id": "q0", "question": QUESTION}))
+        _expect_error(ws, None, "no frames yet", "q0")
+        ws.send_bytes(b"not an image")
+        _expect_error(ws, "frames", "not a decodable image")
+        ws.send_text(json.dumps({"type": "frames.append", "frames": ["https://example.com/a.png"]}))
+        _expect_error(ws, "frames.0", "data:image")
+        ws.send_text(json.dumps({"type": "frames.append", "frames": ["data:image/png;base64,@@@"]}))
+        _expect_error(ws, "frames.0", "not valid base64")
+        ws.send_text(json.dumps({"type": "frames.append", "frames": [_data_url(_frames(1)[0])], "fps": 4}))
+        _expect_error(ws, "fps", "unknown field")
+        ws.send_bytes(_png(_frames(1)[0]))
+        assert ws.receive_json()["type"] == "frames.appended"
+        ws.send_bytes(_png(np.zeros((28, 28, 3), dtype=np.uint8)))
+        _expect_error(ws, "frames", "differ from the session's")
+        _ask(ws, "q1", temperature=-1.0)
+        _expect_error(ws, "temperature", "temperature", "q1")
+        _ask(ws, "q2", best_of=2)
+        _expect_error(ws, "best_of", "unknown field", "q2")
+        ws.send_text(json.dumps({"type": "question", "question": 7}))
+        _expect_error(ws, "question", "string")
+        _ask(ws, "q3", max_tokens=2)  # the connection still answers, and sees the one good frame
+        done, _ = _receive_until(ws, "answer.done")
+        assert done["question_id"] == "q3" and done["frames"] == 1 and done["usage"]["completion_tokens"] <= 2
+    client.delete(f"/v1/video/sessions/{session['id']}")
+
+
+def test_unknown_session_socket_closes_4404(client):
+    from starlette.websockets import WebSocketDisconnect
+
+    with client.websocket_connect("/v1/video/sessions/video-session-nope") as ws:
+        msg = ws.receive_json()
+        assert msg["type"] == "error" and msg["error"]["code"] == 404
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+    assert closed.value.code == 4404
+
+
+def test_rest_errors(client):
+    assert client.get("/v1/video/sessions/nope").status_code == 404
+    r = client.delete("/v1/video/sessions/nope")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "id"
+    for body, param in [
+        ({"fps": 2.0, "frame_rate": 3}, "frame_rate"),  # unknown field
+        ({"fps": 0}, "fps"),
+        ({"max_frames": 10**6}, "max_frames"),
+        ({"max_seconds": 10**6}, "max_seconds"),
+        ({"max_frames": 6, "window_slack": 5}, "window_slack"),
+        ({"mm_processor_kwargs": {"num_frames": 4}}, "mm_processor_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ]:
+        r = client.post("/v1/video/sessions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.json())
+    r = client.post("/v1/video/sessions", json={"model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    opened = [_open(client)["id"] for _ in range(2)]  # max_video_sessions=2
+    r = client.post("/v1/video/sessions", json={})
+    assert r.status_code == 429 and "max-video-sessions" in r.json()["error"]["message"]
+    client.delete(f"/v1/video/sessions/{opened[0]}")
+    opened[0] = _open(client)["id"]  # a deleted one no longer counts
+    for sid in opened:
+        client.delete(f"/v1/video/sessions/{sid}")
+
+
+def test_delete_and_close_free_kv_and_encoder_entries(client, engine):
+    frames = _frames(6, seed=4)
+    for ending in ("delete", "close"):
+        before = _engine_state(engine)
+        session = _open(client, max_frames=4)
+        with client.websocket_connect(f"/v1/video/sessions/{session['id']}") as ws:
+            ws.receive_json()
+            for frame in frames:  # the window drops the oldest pairs as it goes
+                ws.send_bytes(_png(frame))
+                ws.receive_json()
+            _ask(ws, "a", max_tokens=2)
+            _receive_until(ws, "answer.done")
+            assert _engine_state(engine)[1] > before[1]  # the window's pairs are cached
+            if ending == "delete":
+                assert client.delete(f"/v1/video/sessions/{session['id']}").status_code == 200
+            else:
+                ws.send_text(json.dumps({"type": "session.close"}))
+            closed = ws.receive_json()
+            assert closed == {"type": "session.closed", "id": session["id"], "reason": f"{ending}d"}
+            assert ws.receive()["code"] == 1000
+        assert client.get(f"/v1/video/sessions/{session['id']}").status_code == 404
+        assert _engine_state(engine) == before
+    engine.engine.check_integrity()
+
+
+def test_idle_sessions_expire(client, engine):
+    sessions = client.app.state.video_sessions
+    now = [0.0]
+    sessions.bounds.clock = lambda: now[0]
+    try:
+        before = _engine_state(engine)
+        session = _open(client)
+        idle = engine.engine_args.session_idle_timeout
+        with client.websocket_connect(f"/v1/video/sessions/{session['id']}") as ws:
+            ws.receive_json()
+            ws.send_bytes(_png(_frames(1)[0]))
+            ws.send_bytes(_png(_frames(2)[1]))
+            ws.receive_json(), ws.receive_json()
+            now[0] += idle / 2
+            assert client.get(f"/v1/video/sessions/{session['id']}").status_code == 200
+            now[0] += idle / 2 + 1  # idle since the last append: a connected socket does not keep it open
+            assert client.get(f"/v1/video/sessions/{session['id']}").status_code == 404
+            assert ws.receive_json() == {"type": "session.closed", "id": session["id"], "reason": "expired"}
+        assert _engine_state(engine) == before
+    finally:
+        sessions.bounds.clock = __import__("time").monotonic
+
+
+def test_model_without_video_is_refused(text_ckpt):
+    from vlserve.api.server import ServerConfig, build_app
+    from vlserve.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=text_ckpt, dtype="float32", num_kv_blocks=64))
+    try:
+        with TestClient(build_app(llm, ServerConfig(shutdown_engine=False))) as c:
+            r = c.post("/v1/video/sessions", json={})
+            assert r.status_code == 400 and "takes no video" in r.json()["error"]["message"]
+    finally:
+        llm.shutdown()
+
+
+def test_api_key_guards_the_socket(engine):
+    from starlette.websockets import WebSocketDisconnect
+
+    from vlserve.api.server import ServerConfig, build_app
+
+    with TestClient(build_app(engine, ServerConfig(shutdown_engine=False, api_key="k3y"))) as c:
+        assert c.post("/v1/video/sessions", json={}).status_code == 401
+        sid = c.post("/v1/video/sessions", json={}, headers={"Authorization": "Bearer k3y"}).json()["id"]
+        for path, headers in [(f"/v1/video/sessions/{sid}", {}), (f"/v1/video/sessions/{sid}?api_key=bad", {})]:
+            with pytest.raises(WebSocketDisconnect) as refused:
+                with c.websocket_connect(path, headers=headers) as ws:
+                    ws.receive_json()
+            assert refused.value.code == 1008
+        for path, headers in [
+            (f"/v1/video/sessions/{sid}?api_key=k3y", {}),  # what a browser can send
+            (f"/v1/video/sessions/{sid}", {"Authorization": "Bearer k3y"}),
+        ]:
+            with c.websocket_connect(path, headers=headers) as ws:
+                assert ws.receive_json()["type"] == "session.ready"
+        c.delete(f"/v1/video/sessions/{sid}", headers={"Authorization": "Bearer k3y"})
+
+
+def _metric(http, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def _wait_metric(http, name: str, value: float, timeout: float = 20.0) -> None:
+    """Poll /metrics until `name` reads `value` (the engine process reports its counters after each message)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _metric(http, name) != value:
+        assert time.monotonic() < deadline, f"{name} is {_metric(http, name)}, not {value}, after {timeout}s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_real_server_with_engine_process(ckpt, offline, repo_root):
+    """`vlserve serve` (the engine in its own process) and a `websockets` client: the answer equals the offline
+    session's, and DELETE empties the engine process's encoder cache (the eviction is a control call there)."""
+    import httpx
+    from websockets.sync.client import connect
+
+    from tests.api.conftest import serve_subprocess
+
+    frames = _frames(4, seed=8)
+    args = [
+        ckpt,
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+        "--max-video-sessions",
+        "1",
+    ]
+    with serve_subprocess(args, repo_root) as base, httpx.Client(base_url=base, timeout=60, trust_env=False) as http:
+        session = http.post("/v1/video/sessions", json={"fps": FPS}).json()
+        assert http.post("/v1/video/sessions", json={}).status_code == 429  # --max-video-sessions 1
+        with connect(f"{base.replace('http', 'ws', 1)}/v1/video/sessions/{session['id']}") as ws:
+            assert json.loads(ws.recv())["type"] == "session.ready"
+            for frame in frames:
+                ws.send(_png(frame))
+                assert json.loads(ws.recv())["type"] == "frames.appended"
+            ws.send(json.dumps({"type": "question", "question": QUESTION, "max_tokens": 8, "temperature": 0}))
+            messages = []
+            while not messages or messages[-1]["type"] != "answer.done":
+                messages.append(json.loads(ws.recv()))
+        done = messages[-1]
+        assert done["text"] == _offline_answer(offline, frames).outputs[0].text
+        assert "".join(m["delta"] for m in messages if m["type"] == "answer.delta") == done["text"]
+        assert _metric(http, "vlserve:encoder_cache_usage") > 0
+        assert http.delete(f"/v1/video/sessions/{session['id']}").status_code == 200
+        _wait_metric(http, "vlserve:encoder_cache_usage", 0.0)
+        _wait_metric(http, "vlserve:kv_cache_usage", 0.0)
+
+
+def test_session_engine_from_another_thread(client, offline):
+    """`AsyncSessionEngine` is a whole `SessionEngine`: the blocking `VideoSession.append` / `ask`, called from a
+    thread other than the server's loop, run their requests on that loop."""
+    session = _open(client)
+    wrapped = client.app.state.video_sessions.open[session["id"]]
+    frames = _frames(4, seed=12)
+    wrapped.session.append(list(frames))
+    answer = wrapped.session.ask(QUESTION, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ref = _offline_answer(offline, frames)
+    assert answer.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert answer.prompt_token_ids == ref.prompt_token_ids
+    assert client.delete(f"/v1/video/sessions/{session['id']}").status_code == 200

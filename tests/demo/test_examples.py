@@ -56,6 +56,13 @@ def test_video_qa_offline_and_through_the_server(demo_server):
     assert a == b, "the server and LLM.chat answer the same clip identically (greedy)"
 
 
+def test_live_video_session_answers_as_one_request_would():
+    out = run_example("live_video.py", "--check")
+    asked = re.findall(r"^after +(\d+) frames: .*? -> '(.*?)'", out, re.M)
+    assert [n for n, _ in asked] == ["8", "16"] and all(a for _, a in asked), out
+    assert out.count("(same: True)") == 2, out  # each answer is the one a request with the window's frames gets
+
+
 def test_image_chat_openai(demo_server):
     out = run_example("image_chat_openai.py", "--base-url", f"{demo_server.base_url}/v1")
     got = answers(out)

@@ -189,6 +189,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     media_io_kwargs: dict[str, Any] | None = None  # checked by vlserve.api.media_controls
+    video_pruning_rate: float | None = None  # over --video-pruning-rate (vlserve.multimodal.video_pruning)
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     tools: Any = None  # checked by vlserve.api.tool_choice

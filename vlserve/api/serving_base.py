@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from vlserve.api.errors import APIError
 from vlserve.api.protocol import CompletionTokensDetails, ModelCard, ModelList, PromptTokensDetails, UsageInfo
 from vlserve.engine.request_limits import check_max_tokens_fit
+from vlserve.multimodal.video_pruning import PRUNING_KEY, check_video_pruning_rate
 from vlserve.outputs import RequestOutput
 from vlserve.shorten import shorten
 
@@ -84,6 +85,18 @@ class MMKwargLimits:
         if pixels is not None and isinstance(server_pixels, int):
             pixels = max(pixels, server_pixels)
         return cls(max_pixels=None if pixels is None else int(pixels), max_frames=int(proc.max_video_frames))
+
+
+def with_pruning_rate(mm_kwargs: dict[str, Any] | None, rate: Any) -> dict[str, Any] | None:
+    """The request's processor kwargs with its `video_pruning_rate` (over the server's; None: the server's), or a
+    400 naming the field when it is not in [0, 1)."""
+    if rate is None:
+        return mm_kwargs
+    try:
+        rate = check_video_pruning_rate(rate)
+    except ValueError as e:
+        raise APIError(str(e), 400, "video_pruning_rate") from None
+    return {**(mm_kwargs or {}), PRUNING_KEY: rate}
 
 
 def check_mm_processor_kwargs(

@@ -51,6 +51,7 @@ from vlserve.api.serving_base import (
     sse,
     structured_backend,
     usage_of,
+    with_pruning_rate,
 )
 from vlserve.api.serving_beam import beam_chat, wants_beam_search
 from vlserve.api.tool_choice import ToolPlan, plan_tools
@@ -168,6 +169,7 @@ class OpenAIServingChat:
             template_kwargs["tools"] = tools
         mm_kwargs = check_mm_processor_kwargs(req.mm_processor_kwargs, self.mm_kwarg_limits)
         mm_kwargs = self.media_controls.merge(getattr(req, "media_io_kwargs", None), mm_kwargs)
+        mm_kwargs = with_pruning_rate(mm_kwargs, getattr(req, "video_pruning_rate", None))
         messages = req.messages_as_dicts()
         self._check_media(messages)
         self.media_controls.check_parts(messages)

@@ -49,7 +49,19 @@ logger = logging.getLogger(__name__)
 
 SESSION_NOT_FOUND = 4404  # the WebSocket close code for an unknown (closed, expired) session id
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-_SESSION_FIELDS = ("max_frames", "max_seconds", "window_slack", "fps", "mm_processor_kwargs", "chat_template_kwargs")
+# what VideoSession's refusals say -> the field of the request body they are about (the first that matches)
+_SESSION_PARAMS = (
+    ("window_slack", "window_slack"),
+    ("max_seconds", "max_seconds"),
+    ("not sampled", "mm_processor_kwargs"),
+    ("fps", "fps"),
+    ("max_frames", "max_frames"),
+    ("the window must hold", "max_frames"),
+    ("chat_template_kwargs", "chat_template_kwargs"),
+    ("messages", "messages"),
+    ("takes no video", "model"),
+    ("families", "model"),
+)
 
 
 def install_video_session_routes(
@@ -93,8 +105,7 @@ def install_video_session_routes(
             )
         except ValueError as e:
             message = str(e)
-            param = next((f for f in _SESSION_FIELDS if f in message), "messages" if "messages" in message else None)
-            raise APIError(message, 400, param) from None
+            raise APIError(message, 400, _session_param(message)) from None
         reaper.ensure_running()
         return JSONResponse(session.describe())
 
@@ -119,6 +130,10 @@ def install_video_session_routes(
         await _SessionSocket(ws, session, sessions, defaults).run()
 
     return sessions
+
+
+def _session_param(message: str) -> str | None:
+    return next((param for words, param in _SESSION_PARAMS if words in message), None)
 
 
 def _not_found(session_id: str) -> APIError:
@@ -155,10 +170,10 @@ class _SessionSocket:
         tasks = [asyncio.create_task(t) for t in (self._read(), self._work(), self.session.closed.wait())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # nothing awaited here: the server may be cancelling this handler
             for task in tasks + list(self.answers):
                 task.cancel()
-            await asyncio.gather(*tasks, *self.answers, return_exceptions=True)
+                task.add_done_callback(_consume)
         if self.session.closed.is_set():
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client may be gone already
                 await self.send(
@@ -267,6 +282,12 @@ class _SessionSocket:
                 "ttft_ms": None if first_token is None else round((first_token - arrival) * 1000, 1),
             }
         )
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Retrieve a finished task's exception (a cancelled handler's tasks end unobserved)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("video session socket task ended with %r", task.exception())
 
 
 def _sampling_error(e: Exception) -> APIError:

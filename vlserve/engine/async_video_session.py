@@ -239,7 +239,3 @@ class AsyncVideoSessions:
         for s in ended:
             await s.close("expired")
         return [s.session_id for s in ended]
-
-    async def close_all(self) -> None:
-        for session_id in list(self.open):
-            await self.close(session_id)

@@ -42,7 +42,7 @@ class EngineLoop:
         self.input_processor = InputProcessor(
             loaded,
             args.limit_mm_per_prompt,
-            args.mm_processor_kwargs,
+            args.processor_kwargs(),
             args.chat_template_content_format,
             args.structured_outputs_config,
         )

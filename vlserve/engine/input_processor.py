@@ -87,6 +87,8 @@ class InputProcessor:
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         self.default_mm_kwargs = dict(mm_processor_kwargs or {})
         self.mm_processor = getattr(loaded, "mm_processor", None)
+        if self.default_mm_kwargs.get("video_pruning_rate") and not getattr(self.mm_processor, "prunes_videos", False):
+            raise ValueError("video_pruning_rate applies to Qwen2-VL, Qwen2.5-VL and Qwen3-VL videos, not this model's")
         # a dual-tower embedder's requests: one text or one image each (multimodal/dual_tower_items.py)
         self.dual_tower = self.mm_processor if isinstance(self.mm_processor, DualTowerProcessor) else None
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)

@@ -27,6 +27,7 @@ from vlserve.engine.chat import parse_chat_messages
 from vlserve.engine.engine_loop import EngineLoop, NewRequest
 from vlserve.engine.input_processor import ChatTemplateOptions, ProcessedPrompt
 from vlserve.engine.video_stream import DEFAULT_SESSION_FPS, VideoStream
+from vlserve.multimodal.video_pruning import PRUNING_KEY, check_video_pruning_rate
 from vlserve.outputs import RequestOutput
 from vlserve.sampling_params import SamplingParams
 
@@ -90,6 +91,10 @@ class VideoSession:
                 )
             limit = min(limit, int(max_seconds * fps))
         kwargs = {**input_processor.default_mm_kwargs, **(mm_processor_kwargs or {})}
+        if check_video_pruning_rate(kwargs.pop(PRUNING_KEY, None)):
+            raise ValueError(
+                f"a video session's frames are not pruned; open it with mm_processor_kwargs={{'{PRUNING_KEY}': 0}}"
+            )
         self.stream = VideoStream(mm, fps, limit, kwargs, window_slack)
         self.messages = self._template_messages(messages)
         self.head, _ = self._split_prompt("")

@@ -70,12 +70,13 @@ class WorkerStats:
 
 
 def mrope_positions_fn_for(model: Any, hf_config: Any) -> Callable | None:
-    """For M-RoPE models: `(prompt_ids, mm_features) -> ([3, P] positions, delta)`; None otherwise."""
+    """For M-RoPE models: `(prompt_ids, mm_features, kept_indices=None) -> ([3, P] positions, delta)` (kept_indices:
+    pruned videos' kept grid indices by mm_hash, see vlserve.multimodal.mrope); None otherwise."""
     if not capabilities_of(model).mrope:
         return None
 
-    def mrope_fn(ids, feats):
-        return get_mrope_positions(ids, feats, hf_config)
+    def mrope_fn(ids, feats, kept_indices=None):
+        return get_mrope_positions(ids, feats, hf_config, kept_indices=kept_indices)
 
     return mrope_fn
 

@@ -11,16 +11,21 @@ After the prompt, every token at sequence index p has position p + mrope_positio
 A video may arrive as several items (a live session's frame pairs): an item whose data carries
 `video_time_offset` = k > 0 continues the video item right before it (no tokens between them) as its temporal grid
 steps k, k+1, ...: its positions are those the same steps get in one item holding the whole video.
+
+A pruned video (video_pruning.py) holds fewer placeholders than its grid: they take the positions of the kept tokens
+(`kept_indices[mm_hash]`, known once its tower ran; before that, provisionally the first ones of the grid), and
+what follows it is positioned as after the whole grid.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.video_pruning import KEEP_KEY, pruning_rate
 
 
 def _vision_config(hf_config: Any) -> Any:
@@ -55,12 +60,14 @@ def get_mrope_positions(
     mm_features: list[MultiModalFeature],
     hf_config: Any,
     truncate_second_per_grid: bool = True,
+    kept_indices: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Return (positions int64 [3, L], mrope_position_delta) for a whole (already expanded) prompt.
 
     Matches transformers' Qwen2VLModel.get_rope_index (Qwen2-VL) / Qwen2_5_VLModel.get_rope_index (Qwen2.5-VL,
     detected by `vision_config.tokens_per_second`). Each feature's [offset, offset+length) must hold exactly
-    grid_t*grid_h*grid_w // merge**2 placeholder tokens.
+    grid_t*grid_h*grid_w // merge**2 placeholder tokens, or, for a pruned video, its retained count; such a
+    video's tokens take the grid positions `kept_indices.get(mm_hash)` (int64 [length], ascending) names.
     """
     num_tokens = len(prompt_token_ids)
     vcfg = _vision_config(hf_config)
@@ -74,10 +81,12 @@ def get_mrope_positions(
     for f in sorted(mm_features, key=lambda f: f.offset):
         t, h, w = _grid(f)
         llm_t, llm_h, llm_w = t, h // merge, w // merge
-        if llm_t * llm_h * llm_w != f.length:
+        rate = pruning_rate(f.data)
+        expected = int(f.data[KEEP_KEY]) if rate else llm_t * llm_h * llm_w
+        if expected != f.length:
             raise ValueError(
                 f"{f.modality} feature at offset {f.offset} has length {f.length} but its grid "
-                f"({t}, {h}, {w}) with merge size {merge} needs {llm_t * llm_h * llm_w} tokens"
+                f"({t}, {h}, {w}) with merge size {merge} (pruning rate {rate}) needs {expected} tokens"
             )
         if f.offset < st or f.end > num_tokens:
             raise ValueError(
@@ -108,8 +117,11 @@ def get_mrope_positions(
         h_ids = torch.arange(llm_h).view(1, -1, 1).expand(llm_t, -1, llm_w).flatten()  # [n]
         w_ids = torch.arange(llm_w).view(1, 1, -1).expand(llm_t, llm_h, -1).flatten()  # [n]
         vision = torch.stack([t_ids, h_ids, w_ids]) + video_start  # [3, n]
+        next_pos = max(next_pos, int(vision.max()) + 1)  # after the whole grid, pruned or not
+        if rate:
+            kept = (kept_indices or {}).get(f.mm_hash)
+            vision = vision[:, : f.length] if kept is None else vision[:, kept.to(torch.long)]  # [3, length]
         chunks.append(vision)
-        next_pos = max(next_pos, int(vision.max()) + 1)
         st = f.end
     if st < num_tokens:
         chunks.append(torch.arange(num_tokens - st, dtype=torch.long).expand(3, -1) + next_pos)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from vlserve.multimodal import video_pruning as pruning
 from vlserve.multimodal.audio import AudioItemProcessor, audio_tokens
 from vlserve.multimodal.gemma3_items import gemma3_items_for
 from vlserve.multimodal.hashing import hash_mm_item, hash_named_item
@@ -375,9 +376,10 @@ class MultiModalProcessor:
 
         The i-th image placeholder (in prompt order) belongs to images[i], likewise for videos; a count mismatch
         raises ValueError. mm_processor_kwargs (min_pixels, max_pixels, fps, num_frames, ...) reach the HF
-        processors / frame sampling and are folded into each item's mm_hash. A Qwen3-VL video placeholder becomes
-        timestamp text plus one pad run (and one feature) per frame pair; an InternVL one `FrameN: <img>...</img>`
-        per frame (the family's `expand_video`).
+        processors / frame sampling and are folded into each item's mm_hash; `video_pruning_rate` R > 0 leaves a
+        video only its retained placeholders (video_pruning.py). A Qwen3-VL video placeholder becomes timestamp
+        text plus one pad run (and one feature) per frame pair; an InternVL one `FrameN: <img>...</img>` per frame
+        (the family's `expand_video`).
         """
         images, videos, audios = list(images or []), list(videos or []), list(audios or [])
         ids = list(prompt_token_ids)
@@ -400,6 +402,7 @@ class MultiModalProcessor:
                 f"but {len(audios)} audio clips were given"
             )
 
+        rate, mm_processor_kwargs = pruning.take_pruning_rate(mm_processor_kwargs, bool(videos), self.prunes_videos)
         image_kwargs, video_kwargs, sampling = self._split_kwargs(mm_processor_kwargs)
         items: list[tuple[int, str, str, dict]] = []  # (position in input prompt, modality, mm_hash, data)
         for pos, image in zip(img_pos, images):
@@ -417,7 +420,8 @@ class MultiModalProcessor:
         prev = 0
         for pos, modality, mm_hash, data in items:
             if modality == "video" and self.video_expander is not None:  # per-frame runs, text between them
-                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos)
+                prune = {"pruning_rate": rate} if rate else {}  # (only Qwen3-VL's expander is asked to prune)
+                start, end, run, frame_features = self.video_expander.expand_video(mm_hash, data, ids, pos, **prune)
                 new_ids.extend(ids[prev:start])
                 for f in frame_features:  # offsets in `run` -> in the new prompt
                     f.offset += len(new_ids)
@@ -429,6 +433,8 @@ class MultiModalProcessor:
                 num = audio_tokens(int(data["valid_frames"][0]))
             elif self.family is not None:
                 num = self.family.num_embeds(modality, data)
+            elif modality == "video" and rate:  # pruned: the kept count (video_pruning.py), a key of its own
+                mm_hash, data, num = pruning.pruned_video(mm_hash, data, rate, self._merge_size("video"))
             else:
                 grid = data["image_grid_thw" if modality == "image" else "video_grid_thw"][0]
                 num = int(grid.prod()) // self._merge_size(modality) ** 2
@@ -446,6 +452,11 @@ class MultiModalProcessor:
             prev = pos + 1
         new_ids.extend(ids[prev:])
         return new_ids, features
+
+    @property
+    def prunes_videos(self) -> bool:
+        """Whether its videos can be pruned (video_pruning.py): Qwen2-VL / Qwen2.5-VL grids, Qwen3-VL steps."""
+        return self.qwen3_videos is not None or (self.video_expander is None and self.family is None)
 
     def max_image_embeds(self, mm_processor_kwargs: dict | None = None) -> int:
         """Upper bound on the embeddings of one image (for sizing the encoder cache / budget)."""

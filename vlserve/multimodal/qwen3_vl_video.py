@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.video_pruning import frame_keep_counts, pruned_mm_hash, pruned_video_data
 
 # The frame rate HF's Qwen3-VL processor assumes for timestamps when a video's own rate is unknown
 # (pre-decoded frames without metadata).
@@ -89,9 +90,12 @@ class Qwen3VLVideos:
             return pos - 1, pos + 2
         return pos, pos + 1
 
-    def expand(self, video_hash: str, data: dict, offset: int) -> tuple[list[int], list[MultiModalFeature]]:
+    def expand(
+        self, video_hash: str, data: dict, offset: int, pruning_rate: float = 0.0
+    ) -> tuple[list[int], list[MultiModalFeature]]:
         """One processed video (processor.py's cached data plus `timing`) -> (the token ids replacing its single
-        placeholder, one "video" feature per grid step with offsets counted from `offset`)."""
+        placeholder, one "video" feature per grid step with offsets counted from `offset`). With a pruning rate
+        every step after the first holds its `frame_keep_counts` share of placeholders (video_pruning.py)."""
         import torch
 
         grid_t, grid_h, grid_w = (int(x) for x in data["video_grid_thw"][0])
@@ -101,8 +105,11 @@ class Qwen3VLVideos:
         if len(seconds) != grid_t:
             raise ValueError(f"video has {grid_t} temporal grid steps but {len(seconds)} frame timestamps")
         pixels = data["pixel_values_videos"]  # [grid_t*grid_h*grid_w, C*temporal_patch*patch*patch]
+        merged = (1, grid_h // self.merge_size, grid_w // self.merge_size)  # one step's merged grid
+        counts = frame_keep_counts(num, grid_t, pruning_rate) if pruning_rate else [num] * grid_t
         ids: list[int] = []
         features: list[MultiModalFeature] = []
+        previous = None  # the previous step's pixel rows
         for j, sec in enumerate(seconds):
             ids.extend(self._text_ids(f"<{sec:.1f} seconds>"))
             ids.append(self.vision_start_id)
@@ -112,24 +119,28 @@ class Qwen3VLVideos:
                 "pixel_values_videos": pixels[j * rows : (j + 1) * rows].clone(),
                 "video_grid_thw": torch.tensor([[1, grid_h, grid_w]], dtype=torch.int64),  # [1, 3]
             }
-            features.append(
-                MultiModalFeature(
-                    modality="video",
-                    mm_hash=frame_hash(video_hash, j),
-                    offset=offset + len(ids),
-                    length=num,
-                    data=frame,
+            mm_hash = frame_hash(video_hash, j)
+            if pruning_rate and j:  # the first step is kept whole: the unpruned item
+                pixel_rows = frame["pixel_values_videos"]
+                frame = pruned_video_data(frame, pruning_rate, merged, counts[j], previous)
+                mm_hash, previous = pruned_mm_hash(mm_hash, pruning_rate), pixel_rows
+            else:
+                previous = frame["pixel_values_videos"]
+            if counts[j]:  # (a step pruned to nothing keeps its timestamp and vision tokens, no item)
+                features.append(
+                    MultiModalFeature(
+                        modality="video", mm_hash=mm_hash, offset=offset + len(ids), length=counts[j], data=frame
+                    )
                 )
-            )
-            ids.extend([self.video_token_id] * num)
+            ids.extend([self.video_token_id] * counts[j])
             ids.append(self.vision_end_id)
         return ids, features
 
     def expand_video(
-        self, video_hash: str, data: dict, ids: list[int], pos: int
+        self, video_hash: str, data: dict, ids: list[int], pos: int, pruning_rate: float = 0.0
     ) -> tuple[int, int, list[int], list[MultiModalFeature]]:
         """The video placeholder at `ids[pos]` -> (start, end, run, features): `ids[start:end]` becomes `run`, the
         features' offsets counted from the start of `run` (MultiModalProcessor.process's video seam)."""
         start, end = self.placeholder_span(ids, pos)
-        run, features = self.expand(video_hash, data, offset=0)
+        run, features = self.expand(video_hash, data, offset=0, pruning_rate=pruning_rate)
         return start, end, run, features

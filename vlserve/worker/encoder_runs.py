@@ -1,7 +1,8 @@
 """The encoder part of a step (`EncoderRunner`): the multimodal items the scheduler released are encoded and their
 embeddings kept by mm_hash (`[n, H]`) until the scheduler frees them; the step's embedding merge writes them over the
 placeholder tokens. Items split over several steps run a slice of their tower's stages per step, their state between
-steps kept by mm_hash (`vlserve.encoders.staged.TowerState`)."""
+steps kept by mm_hash (`vlserve.encoders.staged.TowerState`). A video marked for pruning (video_pruning.py) keeps
+only its retained rows, and the runner holds their grid indices (`kept_indices`) for its M-RoPE positions."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from vlserve.core.sched_output import SchedulerOutput
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
+from vlserve.multimodal.video_pruning import prune_video_embeds, pruning_rate, tower_data, tower_length
 
 
 def concat_mm_data(items: list[dict]) -> dict:
@@ -63,6 +65,7 @@ class EncoderRunner:
         self.ec_connector = None
         self._outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [n, H]
         self._partial: dict[str, object] = {}  # mm_hash -> TowerState of an item split over steps
+        self._kept: dict[str, torch.Tensor] = {}  # mm_hash -> int64 [n] grid indices of a pruned video's rows
         self._num_runs = 0
         self._runs_by_modality: dict[str, int] = {}
 
@@ -98,7 +101,9 @@ class EncoderRunner:
                 if "image_embeds" in feat.data:  # precomputed by the client: what the tower would give
                     outputs[feat.mm_hash] = feat.data["image_embeds"].to(self.device)  # [n, H]
                     continue
-                if ec is not None and not lora_id and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
+                pruned = pruning_rate(feat.data) > 0  # (the connector keeps no grid indices: encoded here)
+                loaded = None if ec is None or lora_id or pruned else ec.load(feat.mm_hash, feat.length)
+                if loaded is not None:
                     outputs[feat.mm_hash] = loaded  # [n, H] a producer encoded: the tower does not run
                 else:
                     pending.setdefault((feat.modality, lora_id), {}).setdefault(feat.mm_hash, feat)
@@ -116,8 +121,8 @@ class EncoderRunner:
                 )
             )
             with lora:
-                emb = self.model.embed_multimodal(modality, concat_mm_data([f.data for f in feats]))  # [sum n, H]
-            lengths = [f.length for f in feats]
+                emb = self.model.embed_multimodal(modality, concat_mm_data([tower_data(f.data) for f in feats]))
+            lengths = [tower_length(f.data, f.length) for f in feats]  # emb: [sum lengths, H]
             if emb.shape[0] != sum(lengths):
                 raise RuntimeError(
                     f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
@@ -125,6 +130,7 @@ class EncoderRunner:
                 )
             for feat, item_emb in zip(feats, emb.split(lengths)):
                 # own storage per entry, so dropping one cache entry frees its memory
+                item_emb = self._pruned(feat, item_emb)
                 outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
                 if ec is not None and not lora_id:
                     ec.save(feat.mm_hash, item_emb)  # a producer's: for the consumers sharing its directory
@@ -153,16 +159,17 @@ class EncoderRunner:
                     if "image_embeds" in feat.data:  # precomputed: no stage runs
                         outputs[feat.mm_hash] = feat.data["image_embeds"].to(self.device)  # [n, H]
                         continue
-                    if ec is not None and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
+                    pruned = pruning_rate(feat.data) > 0
+                    if ec is not None and not pruned and (loaded := ec.load(feat.mm_hash, feat.length)) is not None:
                         outputs[feat.mm_hash] = loaded  # [n, H]
                         continue
-                    partial[feat.mm_hash] = model.begin_encode_stages(feat.modality, feat.data)
+                    partial[feat.mm_hash] = model.begin_encode_stages(feat.modality, tower_data(feat.data))
                 state = model.run_encode_stages(partial[feat.mm_hash], piece.start, piece.end)
                 work += feat.length * (piece.end - piece.start) / piece.num_stages
                 if piece.end < piece.num_stages:
                     continue
                 del partial[feat.mm_hash]
-                emb = model.finish_encode_stages(state)  # [n, H]
+                emb = self._pruned(feat, model.finish_encode_stages(state))  # [n, H]
                 if emb.shape[0] != feat.length:
                     raise RuntimeError(
                         f"encoder produced {emb.shape[0]} {feat.modality} embeddings for a "
@@ -175,6 +182,20 @@ class EncoderRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the towers' kernels are queued, not done
         return time.perf_counter() - t0, max(1, round(work)) if work else 0
+
+    def _pruned(self, feat, emb: torch.Tensor) -> torch.Tensor:
+        """A video marked for pruning: its retained rows `[length, W]` of the tower's `[t*h*w, W]`, their grid indices
+        kept for its positions; any other item: `emb` as it is. The mask compares the main embedding only (the
+        model's hidden size; Qwen3-VL's DeepStack levels past it go with their token)."""
+        if not pruning_rate(feat.data):
+            return emb
+        width = self.model.text_config.hidden_size
+        kept_rows, self._kept[feat.mm_hash] = prune_video_embeds(emb, feat.data, width)
+        return kept_rows
+
+    def kept_indices(self, mm_hash: str) -> torch.Tensor | None:
+        """The grid indices (int64 `[n]`, on the CPU) of a held pruned video's rows, or None."""
+        return self._kept.get(mm_hash)
 
     def _count_runs(self, modality: str, n: int) -> None:
         """Count n items encoded by the tower (/metrics' encoder runs, in all and per modality)."""
@@ -211,6 +232,7 @@ class EncoderRunner:
         for h in mm_hashes:
             self._outputs.pop(h, None)
             self._partial.pop(h, None)
+            self._kept.pop(h, None)
 
     def publish(self, features) -> None:
         """Store the held embeddings of these items through the encoder-cache connector (an existing file is kept;

@@ -35,6 +35,7 @@ from vlserve.worker.input_batch import InputBatch
 from vlserve.worker.kv_memory import zeroed_kv_tensor
 from vlserve.worker.prompt_logprobs import PromptLogprobsCollector
 from vlserve.worker.proposer import DraftKVSpec, Proposer
+from vlserve.worker.pruned_positions import place_pruned_positions, pruned_items
 from vlserve.worker.request_state import CachedRequestState
 from vlserve.worker.sample_step import StepSampler, StepSamples
 from vlserve.worker.sampler import make_generator
@@ -72,7 +73,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or dtype  # the target's caches (FP8 or the model's); the draft's: its own
         self.block_size = block_size
         self.vocab_size = self.text_config.vocab_size
-        self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features) -> ([3, P] tensor, delta)
+        self.mrope_positions_fn = mrope_positions_fn  # (prompt_ids, mm_features, kept_indices=) -> ([3, P], delta)
         # runs of this token attend to themselves both ways in prefill (Gemma 3's image tokens), else None
         self.bidirectional_token_id: int | None = capabilities_of(model).bidirectional_token_id
         self.step_sampler = StepSampler()
@@ -297,6 +298,7 @@ class ModelRunner:
                 state.mrope_positions, state.mrope_delta = self.mrope_positions_fn(
                     new.prompt_token_ids, new.mm_features
                 )
+                state.unplaced_pruned = pruned_items(new.mm_features)
             if self.bidirectional_token_id is not None:
                 state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
@@ -371,6 +373,8 @@ class ModelRunner:
         if self.bidirectional_token_id is not None:
             limits = step_key_limits([s.key_runs for s in states], starts, q_lens, cu, step.positions_np, self.device)
             md.set_key_limits(limits)
+        if self.mrope_positions_fn is not None:  # pruned videos encoded by now take their kept positions
+            place_pruned_positions(states, self.encoders, self.mrope_positions_fn)
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
         inputs_embeds = self.merge_mm_embeddings(input_ids, states, starts, q_lens, cu)  # [T, H] or None
 

@@ -25,6 +25,8 @@ class CachedRequestState:
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] int64, M-RoPE models only
     mrope_delta: int = 0  # text position after the prompt = index + mrope_delta
+    unplaced_pruned: set[str] = field(default_factory=set)  # pruned videos whose positions are still provisional
+    kept_indices: dict[str, torch.Tensor] = field(default_factory=dict)  # their kept grid indices, once placed
     key_runs: list[tuple[int, int]] = field(default_factory=list)  # bidirectional image runs (first, last), if any
     lora_request: Any = None  # its vlserve.lora.LoRARequest, or None (the base model)
     pending_sample: Any = None  # (StepHandle, index) of its latest deferred sample (deferred_samples.py), or None
