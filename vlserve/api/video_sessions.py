@@ -47,6 +47,7 @@ from vlserve.shorten import shorten
 
 logger = logging.getLogger(__name__)
 
+_INBOX_SIZE = 32  # messages read ahead of the worker per connection
 SESSION_NOT_FOUND = 4404  # the WebSocket close code for an unknown (closed, expired) session id
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 # what VideoSession's refusals say -> the field of the request body they are about (the first that matches)
@@ -156,7 +157,7 @@ class _SessionSocket:
         self.session = session
         self.sessions = sessions
         self.defaults = defaults
-        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox: asyncio.Queue = asyncio.Queue(_INBOX_SIZE)  # full: the reader waits, and so does the client
         self.answers: set[asyncio.Task] = set()
         self.send_lock = asyncio.Lock()
         self.question_ids = 0
@@ -188,7 +189,7 @@ class _SessionSocket:
             if msg["type"] == "websocket.disconnect":
                 return
             if msg.get("bytes") is not None:
-                self.inbox.put_nowait(("frames", [msg["bytes"]], None))
+                await self.inbox.put(("frames", [msg["bytes"]], None))
                 continue
             text = msg.get("text") or ""
             try:
@@ -202,11 +203,11 @@ class _SessionSocket:
                 await self.sessions.close(self.session.session_id, "closed")
                 return
             if isinstance(parsed, FramesAppend):
-                self.inbox.put_nowait(("frames", parsed.frames, None))
+                await self.inbox.put(("frames", parsed.frames, None))
             else:
                 self.question_ids += 1
                 parsed.question_id = parsed.question_id or f"q-{self.question_ids}"
-                self.inbox.put_nowait(("question", parsed, (params, time.monotonic())))
+                await self.inbox.put(("question", parsed, (params, time.monotonic())))
 
     async def _work(self) -> None:
         while True:
