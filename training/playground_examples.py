@@ -4,7 +4,8 @@ static files beside the page (the api layer may not import training/).
     python -m training.playground_examples [--out vlserve/api/static/examples]
 
 writes img1.png ... and clip1.mp4 plus examples.json: for each file its kind and every question the world supports
-about it with the world's answer (the page offers them as chips and shows the expected answer).
+about it with the world's answer (the page offers them as chips and shows the expected answer); and live mode's
+looping clip, live_demo.webm (VP8: every Chromium plays it), with live_demo.json (its frame rate and questions).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ SEED = 2024
 NUM_IMAGES = 3  # one scene of each size: 1, 2 and 3 shapes
 IMAGE_SIDE = 160  # small files; the processor maps every square picture to the same token grid anyway
 CLIP_FRAMES = 8
+LIVE_CLIP_FRAMES = 16  # one pass of the shape across the frame; the page loops it
+LIVE_CLIP_FPS = 4
 
 
 def _clean_style(style: world.Style) -> world.Style:
@@ -61,12 +64,52 @@ def example_clip(seed: int = SEED) -> world.VideoScene:
     )
 
 
+def live_clip(seed: int = SEED) -> world.VideoScene:
+    """Live mode's clip: a clean clip of LIVE_CLIP_FRAMES frames on a solid background."""
+    rng = random.Random(seed + 2)
+    clip = world.sample_video(rng, LIVE_CLIP_FRAMES)
+    while clip.background.kind == "noise":
+        clip = world.sample_video(rng, LIVE_CLIP_FRAMES)
+    return world.VideoScene(
+        clip.width, clip.height, clip.background, clip.shape, clip.direction, clip.centers, _clean_style(clip.style)
+    )
+
+
+def write_webm(frames: list, path: str, fps: int) -> str:
+    """Encode PIL frames as a VP8 WebM with PyAV (sides rounded down to even numbers); return path."""
+    import av
+
+    w, h = frames[0].width // 2 * 2, frames[0].height // 2 * 2
+    with av.open(path, mode="w", format="webm") as container:
+        stream = container.add_stream("libvpx", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        stream.options = {"crf": "8", "b": "400k", "threads": "1"}
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_image(f.crop((0, 0, w, h)))):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def write_live_clip(out: str = DEFAULT_OUT, seed: int = SEED) -> dict:
+    """Render live mode's clip into `out` as live_demo.webm and write live_demo.json; return its entry."""
+    clip = live_clip(seed)
+    write_webm(world.render_video(clip), os.path.join(out, "live_demo.webm"), LIVE_CLIP_FPS)
+    entry = {"file": "live_demo.webm", "mime": "video/webm", "fps": LIVE_CLIP_FPS, "questions": _questions(clip)}
+    with open(os.path.join(out, "live_demo.json"), "w") as f:
+        json.dump(entry, f, indent=1)
+        f.write("\n")
+    return entry
+
+
 def _questions(scene: world.Scene | world.VideoScene) -> list[dict[str, str]]:
     return [{"form": form, "question": q, "answer": a} for form, q, a in world.qas(scene)]
 
 
 def write_examples(out: str = DEFAULT_OUT, seed: int = SEED) -> list[dict]:
-    """Render the examples into `out` and write examples.json; return its entries."""
+    """Render the examples into `out` and write examples.json (and live mode's clip); return examples.json's
+    entries."""
     os.makedirs(out, exist_ok=True)
     entries = []
     for i, scene in enumerate(example_scenes(seed), start=1):
@@ -79,6 +122,7 @@ def write_examples(out: str = DEFAULT_OUT, seed: int = SEED) -> list[dict]:
     with open(os.path.join(out, "examples.json"), "w") as f:
         json.dump(entries, f, indent=1)
         f.write("\n")
+    write_live_clip(out, seed)
     return entries
 
 
@@ -89,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     for entry in write_examples(args.out):
         description = next(q["answer"] for q in entry["questions"] if q["form"].startswith("describe"))
         print(f"{entry['file']}: {description}")
+    live = json.load(open(os.path.join(args.out, "live_demo.json")))
+    print(f"{live['file']}: {next(q['answer'] for q in live['questions'] if q['form'] == 'describe_video')}")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,11 @@ def test_page_served_at_root_and_playground(server):
         r = client.get(path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         assert "/playground/static/playground.js" in r.text and "http" not in r.text.split("<body>")[0].lower()
+        assert "/playground/static/live.js" in r.text
     for asset, kind in (
         ("playground.js", "javascript"),
+        ("live.js", "javascript"),
+        ("examples/live_demo.webm", "video/webm"),
         ("playground.css", "text/css"),
         ("examples/img1.png", "image/png"),
     ):
@@ -81,7 +84,7 @@ def test_api_key_applies_to_the_page_calls(server):
 
 def test_page_files_load_nothing_from_elsewhere():
     static = os.path.dirname(EXAMPLES_DIR)
-    for name in ("playground.html", "playground.js", "playground.css"):
+    for name in ("playground.html", "playground.js", "live.js", "playground.css"):
         text = open(os.path.join(static, name)).read()
         assert "http://" not in text and "https://" not in text and "//cdn" not in text and "@import" not in text
 
@@ -98,6 +101,29 @@ def test_shipped_examples_are_the_demo_world(tmp_path):
         assert {(q["question"], q["answer"]) for q in entry["questions"]} == {(q, a) for _, q, a in world.qas(scene)}
     clip = entries[-1]
     assert clip["kind"] == "video" and os.path.getsize(os.path.join(EXAMPLES_DIR, clip["file"])) < 50_000
+
+
+def test_shipped_live_clip_is_the_demo_world(tmp_path):
+    """Live mode's looping clip decodes to the demo world's frames (VP8 is lossy: compared within a tolerance)."""
+    import av
+
+    from training import playground_examples
+    from vlserve.demo import world
+
+    entry = playground_examples.write_live_clip(str(tmp_path))
+    assert json.load(open(os.path.join(EXAMPLES_DIR, "live_demo.json"))) == entry
+    clip = playground_examples.live_clip()
+    assert {(q["question"], q["answer"]) for q in entry["questions"]} == {(q, a) for _, q, a in world.qas(clip)}
+    path = os.path.join(EXAMPLES_DIR, entry["file"])
+    assert os.path.getsize(path) < 50_000
+    with av.open(path) as container:
+        assert container.format.name.startswith("matroska") and container.streams.video[0].codec_context.name == "vp8"
+        shipped = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    rendered = [np.asarray(frame) for frame in world.render_video(clip)]
+    assert len(shipped) == len(rendered) == playground_examples.LIVE_CLIP_FRAMES
+    for got, want in zip(shipped, rendered):
+        h, w = got.shape[:2]
+        assert np.abs(got.astype(int) - want[:h, :w].astype(int)).mean() < 6
 
 
 # ------------------------------------------------------------------------------------------------ in Chromium

@@ -73,6 +73,7 @@ async function init() {
   }
   renderChips();
   $("prompt").focus();
+  document.dispatchEvent(new Event("playground:ready"));  // live.js waits for the info
 }
 
 function askKey() {
