@@ -171,3 +171,32 @@ def test_repeated_video_hits_the_cache(proc, hf):
     again, feats2 = _ours(proc, text, videos=[frames, frames])
     assert again == ids and (proc.cache_misses, proc.cache_hits) == (1, 3)
     assert [f.mm_hash for f in feats2] == [f.mm_hash for f in feats]
+
+
+@pytest.mark.parametrize(
+    "as_array, num_frames, indices",
+    [(False, None, [0, 1, 2, 3, 4, 5]), (True, None, [0, 1, 2, 3, 4, 5]), (False, 3, [0, 2, 5])],
+)
+def test_frames_given_at_a_rate_match_hf_with_that_fps(proc, hf, as_array, num_frames, indices):
+    """Frames sent with mm_processor_kwargs fps=2 are a clip at 2 fps: HF given the same frames with
+    video_metadata fps=2 (and the kept frames' indices) writes the timestamps ours must write."""
+    frames = rand_video(6, 48, 80, 9)
+    text = _chat(hf, ["video"])
+    kwargs = {"fps": 2} if num_frames is None else {"fps": 2, "num_frames": num_frames}
+    ids, feats = _ours(proc, text, videos=[frames if as_array else list(frames)], kwargs=kwargs)
+    ref = _hf_call(hf, text, videos=[(frames[indices], 2.0, indices)])
+    assert ids == ref["input_ids"][0].tolist()
+    _check_videos(proc, ids, feats, ref)
+    if num_frames is None:  # steps at (0 + 0.5) / 2, (1 + 1.5) / 2, (2 + 2.5) / 2 seconds
+        assert all(f"<{t} seconds>" in proc.tokenizer.decode(ids) for t in ("0.2", "1.2", "2.2"))
+
+
+def test_decoded_video_sampled_at_an_fps_matches_hf(proc, hf):
+    data = encode_video(rand_video(12, 48, 80, 10), fps=10)
+    loaded = load_video(data, fps=2)  # 1.2 s at 2 fps: 2 frames, timestamps at the file's 10 fps
+    assert loaded.source_fps == pytest.approx(10.0) and loaded.frame_indices == [0, 11]
+    text = _chat(hf, ["video"])
+    ids, feats = _ours(proc, text, videos=[data], kwargs={"fps": 2})
+    ref = _hf_call(hf, text, videos=[(loaded.frames, loaded.source_fps, loaded.frame_indices)])
+    assert ids == ref["input_ids"][0].tolist()
+    _check_videos(proc, ids, feats, ref)
