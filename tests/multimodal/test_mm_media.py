@@ -127,6 +127,14 @@ def test_video_from_arrays_and_frames():
     np.testing.assert_array_equal(v.frames, clip[[0, 2, 5, 7]])
     v = load_video(clip, fps=2.0)  # unknown source rate: frames are taken as sampled at 2 fps
     assert v.sampled_fps == 2.0 and len(v.frames) == 8
+    assert v.source_fps == 2.0 and v.frame_indices == list(range(8))  # the rate their indices count in
+    v = load_video(clip, fps=2.0, num_frames=4)  # 4 of the frames given at 2 fps
+    assert (v.source_fps, v.sampled_fps, v.frame_indices) == (2.0, 1.0, [0, 2, 5, 7])
+    for bad in (0, -2.0, float("nan"), float("inf"), "2", True):
+        with pytest.raises(ValueError, match="fps must be a positive finite number"):
+            load_video(clip, fps=bad)
+    with pytest.raises(ValueError, match="source_fps must be a positive finite number"):
+        load_video(clip, source_fps=-1.0)
     v = load_video(clip, fps=2.0, source_fps=8.0)  # 1 s of video at 2 fps
     assert len(v.frames) == 2 and v.sampled_fps == pytest.approx(2.0)
     with pytest.raises(ValueError, match="differ in size"):

@@ -11,6 +11,7 @@ import base64
 import binascii
 import io
 import math
+import numbers
 import os
 import stat
 import struct
@@ -184,7 +185,7 @@ class LoadedVideo:
     """Decoded and sampled video frames plus the timing facts the processor needs."""
 
     frames: np.ndarray  # [T, H, W, 3] uint8
-    source_fps: float | None  # frame rate of the input (None when unknown)
+    source_fps: float | None  # rate of the input frames `frame_indices` count in (None when unknown)
     sampled_fps: float | None  # frame rate of `frames` after sampling (None when unknown)
     frame_indices: list[int]  # indices of the kept frames in the source
     num_source_frames: int
@@ -285,21 +286,24 @@ def load_video(
 
     `fps` samples that many frames per second of video, `num_frames` a fixed count (uniformly spread); with neither,
     all frames are kept. At most `max_frames` frames are kept. For pre-decoded frames `source_fps` gives their rate;
-    when it is unknown and `fps` is given, the frames are taken as already sampled at `fps`.
+    when it is unknown and `fps` is given, the frames are taken as already sampled at `fps`: that is their rate.
     The returned `sampled_fps` is what Qwen2.5-VL's second_per_grid_ts derives from.
     A video file is decoded by seeking to the sampled frames (`seek=False`: by decoding every frame up to the last
     one; both give the same frames, see video_decode), each kept at `frame_size(height, width)` (default: as is).
     """
     if isinstance(x, LoadedVideo):
         return x
+    for name, rate in (("fps", fps), ("source_fps", source_fps)):
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 < rate < math.inf
+        ):
+            raise ValueError(f"{name} must be a positive finite number, got {shorten(rate)}")
     if isinstance(x, (list, tuple, np.ndarray)):
         all_frames = _frames_from_sequence(x, max_pixels)
         total = len(all_frames)
         indices = sample_frame_indices(total, source_fps, fps if source_fps else None, num_frames, max_frames)
-        if source_fps:
-            sampled = source_fps * len(indices) / total
-        else:
-            sampled = fps * len(indices) / total if fps else None  # frames were given at `fps`
-        return LoadedVideo(all_frames[indices], source_fps, sampled, indices, total)
+        rate = source_fps or fps  # without a source rate, the frames were given at `fps`
+        sampled = rate * len(indices) / total if rate else None
+        return LoadedVideo(all_frames[indices], rate, sampled, indices, total)
     src = _source_bytes_or_path(x, "video")
     return _decode_video(src, fps, num_frames, max_frames, max_pixels, frame_size, seek)

@@ -17,7 +17,7 @@ from vlserve.multimodal.inputs import MultiModalFeature
 from vlserve.multimodal.video_pruning import frame_keep_counts, pruned_mm_hash, pruned_video_data
 
 # The frame rate HF's Qwen3-VL processor assumes for timestamps when a video's own rate is unknown
-# (pre-decoded frames without metadata).
+# (pre-decoded frames given without an fps).
 DEFAULT_TIMESTAMP_FPS = 24.0
 # Bound on the memo of tokenized timestamp strings (one entry per distinct "<x.y seconds>").
 _MAX_MEMO = 4096
