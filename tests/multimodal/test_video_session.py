@@ -13,7 +13,6 @@ from PIL import Image
 from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
 from vlserve import LLM, SamplingParams
 from vlserve.config import EngineArgs
-from vlserve.multimodal.media import LoadedVideo
 
 FPS = 2.0
 QUESTION = "What moves?"
@@ -50,11 +49,9 @@ def _greedy(n: int = 8) -> SamplingParams:
 
 
 def _one_request(llm: LLM, frames: np.ndarray, messages=None):
-    """The oracle: one chat request carrying `frames` as one video at FPS (Qwen3-VL's timestamps need the frames'
-    own rate: the video as a decoder hands it over)."""
-    video = LoadedVideo(frames, FPS, FPS, list(range(len(frames))), len(frames))
-    if llm.input_processor.mm_processor.qwen3_videos is None:
-        video = list(frames)  # the plain way: frames given at mm_processor_kwargs' fps
+    """The oracle: one chat request carrying `frames` as one video given at mm_processor_kwargs' fps (Qwen3-VL's
+    timestamps count at that fps)."""
+    video = list(frames)
     turn = {"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": QUESTION}]}
     return llm.chat((messages or []) + [turn], _greedy(), use_tqdm=False, mm_processor_kwargs={"fps": FPS})[0]
 
