@@ -258,6 +258,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "stay float. CPU only (default: the towers run in the model dtype)",
     )
     mm.add_argument(
+        "--mm-encoder-tp-mode",
+        default="weights",
+        choices=["weights", "data"],
+        help="how the media towers use --tensor-parallel-size ranks: weights: every rank runs the whole tower on "
+        "every item (the towers are replicated, not sharded); data: each rank encodes its share of a step's images, "
+        "frames and clips (balanced by size) and the embeddings are all-gathered. No effect on one rank",
+    )
+    mm.add_argument(
         "--mm-encoder-only",
         action="store_true",
         help="an encode server for E/PD disaggregation (vLLM's flag): only the media towers are loaded "
