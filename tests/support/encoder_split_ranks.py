@@ -62,3 +62,72 @@ def tower_split_vs_whole(model_dir: str, grids: list[tuple[int, int, int]]) -> d
 
     split = encode_across_ranks(encode, lengths, torch.device("cpu"))
     return {"whole": whole, "split": [t.clone() for t in split], "mine": mine[0] if mine else None}
+
+
+class StandInTower(torch.nn.Module):
+    """`embed_multimodal(modality, {"rows": [n, W]})` -> the rows themselves (+1 for video, +2 for audio), recording
+    how many items each call had: a tower whose output tells which item every row came from."""
+
+    OFFSETS = {"image": 0.0, "video": 1.0, "audio": 2.0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def embed_multimodal(self, modality: str, data: dict) -> torch.Tensor:
+        self.calls.append((modality, len(data["item"])))
+        return data["rows"] + self.OFFSETS[modality]
+
+
+class HalfFoundConnector:
+    """An encoder-cache connector that finds `found` items on this rank only: a producer's file seen by one rank."""
+
+    def __init__(self, found: set[str], width: int) -> None:
+        self.found, self.width, self.saved, self.counters = found, width, [], {}
+
+    def load(self, mm_hash: str, length: int) -> torch.Tensor | None:
+        return torch.full((length, self.width), -1.0) if mm_hash in self.found else None
+
+    def save(self, mm_hash: str, emb: torch.Tensor) -> None:
+        self.saved.append(mm_hash)
+
+
+def runner_step_split(items: list[tuple[str, int]], width: int, found_on_rank0: list[str]) -> dict:
+    """An `EncoderRunner` with `split_across_ranks` runs one step of two requests holding these (modality, length)
+    items (mm_hash "h<i>"), with a connector that finds `found_on_rank0` on rank 0 only. {"outputs": mm_hash ->
+    embeddings, "calls": the tower calls on this rank, "local": items this rank encoded, "total": the counter}."""
+    from types import SimpleNamespace
+
+    from vlserve.core.sched_output import SchedulerOutput
+    from vlserve.multimodal.inputs import MultiModalFeature
+    from vlserve.worker.encoder_runs import EncoderRunner
+
+    feats = [
+        MultiModalFeature(modality, f"h{i}", 0, n, {"rows": synthetic_item(i, n, width, torch.float32), "item": [i]})
+        for i, (modality, n) in enumerate(items)
+    ]
+    half = len(feats) // 2
+    requests = {
+        "a": SimpleNamespace(lora_request=None, mm_features=feats[:half]),
+        "b": SimpleNamespace(lora_request=None, mm_features=feats[half:]),
+    }
+    so = SchedulerOutput(
+        [],
+        [],
+        {"a": 1, "b": 1},
+        2,
+        scheduled_encoder_inputs={"a": list(range(half)), "b": list(range(len(feats) - half))},
+    )
+    model = StandInTower()
+    runner = EncoderRunner(model, torch.device("cpu"))
+    runner.split_across_ranks = True
+    runner.ec_connector = HalfFoundConnector(set(found_on_rank0) if tp_rank() == 0 else set(), width)
+    runner.run(so, requests)
+    counters = runner.counters()
+    return {
+        "outputs": {f.mm_hash: runner.lookup(f.mm_hash).clone() for f in feats},
+        "calls": model.calls,
+        "local": counters.num_local_runs,
+        "total": counters.num_runs,
+        "saved": runner.ec_connector.saved,
+    }

@@ -90,3 +90,24 @@ def test_mm_encoder_tp_mode_is_checked():
     for bad in ("dp", "", None, "DATA"):
         with pytest.raises(ValueError, match="mm_encoder_tp_mode must be one of weights, data"):
             EngineArgs(model="m", mm_encoder_tp_mode=bad)
+
+
+def test_runner_splits_each_modality_and_encodes_what_one_rank_alone_found():
+    """EncoderRunner over 2 ranks: images, videos and audio of mixed lengths; each modality's items divided among
+    the ranks, every rank ends with every item's rows; h1, found by rank 0's connector only, is encoded (the
+    ranks agree), so rank 0 does not keep its loaded copy."""
+    from tests.support.encoder_split_ranks import StandInTower, runner_step_split
+
+    items = [("image", 3), ("image", 5), ("video", 4), ("image", 2), ("audio", 6), ("video", 1), ("image", 4)]
+    ranks = run_tensor_parallel(runner_step_split, 2, items, 3, ["h1"])
+    for rank in ranks:
+        for i, (modality, n) in enumerate(items):
+            want = synthetic_item(i, n, 3, torch.float32) + StandInTower.OFFSETS[modality]
+            assert torch.equal(rank["outputs"][f"h{i}"], want), (i, modality)
+        assert rank["total"] == len(items)
+        assert rank["saved"] == [f"h{i}" for i in (0, 1, 3, 6, 2, 5, 4)]  # by modality group, item order within
+    assert sum(rank["local"] for rank in ranks) == len(items)
+    images = [sum(n for m, n in rank["calls"] if m == "image") for rank in ranks]
+    videos = [sum(n for m, n in rank["calls"] if m == "video") for rank in ranks]
+    assert images == [2, 2] and videos == [1, 1]  # 4 images: lengths 3 5 2 4 -> {5, 2} / {4, 3}
+    assert [sum(n for m, n in rank["calls"] if m == "audio") for rank in ranks] == [1, 0]
