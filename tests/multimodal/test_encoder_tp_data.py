@@ -98,3 +98,45 @@ def test_llava_data_mode_equals_replicated_towers(llava_dir):
     got, info, metrics = _generate(llava_dir, "data", prompts)
     _check_split(info, metrics, "data")
     assert got == want
+
+
+def test_qwen2_vl_data_mode_with_slices_equals_replicated_towers(tmp_path_factory):
+    """A budget of 2 embeddings a step: the larger images' towers run a slice of blocks per step (on every rank),
+    small ones whole (divided among the ranks); greedy tokens as the replicated towers'."""
+    from transformers import AutoTokenizer
+
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+    model_dir = build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("qwen2_vl_deep")), vision_depth=4, seed=5)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    images = [_img(112, 84, 1), _img(28, 28, 2), _img(56, 112, 3), _img(28, 56, 4)]
+    prompts = [
+        {"prompt": _chat_text(tok, 2, 0, "Compare them."), "multi_modal_data": {"image": images[:2]}},
+        {"prompt": _chat_text(tok, 2, 0, "And these?"), "multi_modal_data": {"image": images[2:]}},
+    ]
+    results = {}
+    for mode in ("weights", "data"):
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            num_kv_blocks=256,
+            max_num_encoder_input_tokens=2,
+            tensor_parallel_size=2,
+            mm_encoder_tp_mode=mode,
+        )
+        schedule, slices = llm.engine.scheduler.schedule, []
+
+        def recording_schedule(*args, _schedule=schedule, _slices=slices, **kwargs):
+            so = _schedule(*args, **kwargs)
+            _slices.extend(piece for pieces in so.scheduled_encoder_slices.values() for piece in pieces)
+            return so
+
+        llm.engine.scheduler.schedule = recording_schedule
+        try:
+            results[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
+            assert slices, "no item was encoded over several steps"
+            assert llm.get_metrics()["vlserve:encoder_runs_total"] == 4
+            llm.check_integrity()
+        finally:
+            llm.shutdown()
+    assert results["data"] == results["weights"]
