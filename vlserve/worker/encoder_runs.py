@@ -4,7 +4,7 @@ placeholder tokens. Items split over several steps run a slice of their tower's 
 steps kept by mm_hash (`vlserve.encoders.staged.TowerState`). A video marked for pruning (video_pruning.py) keeps
 only its retained rows, and the runner holds their grid indices (`kept_indices`) for its M-RoPE positions. With
 `split_across_ranks` (tensor parallel, `mm_encoder_tp_mode="data"`) the whole items of a step are divided among the
-ranks (`worker/encoder_split.py`); slices of split items still run on every rank."""
+ranks (`worker/encoder_split.py`); slices of split items, and a call's lone item, still run on every rank."""
 
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ class EncoderRunner:
         """Encode every item the scheduler released this step that is not cached yet: one encoder call per
         modality (and per LoRA adapter with tower weights) over all of them (data concatenated in item order), the
         output split by each item's length (with `split_across_ranks`, one call per rank over its share). With an
-        encoder-cache connector, an item a producer stored is loaded
-        instead (a bad or missing file: encoded), and a producer stores what it encodes. Returns (wall seconds spent,
+        encoder-cache connector, an item a producer stored is loaded instead (a bad or missing file: encoded), and a
+        producer stores what it encodes. Returns (wall seconds spent,
         device work included; embeddings produced)."""
         ec, outputs = self.ec_connector, self._outputs  # (connector items load instead of encoding: base weights)
         pending: dict[tuple[str, int], dict[str, object]] = {}  # (modality, adapter) -> {mm_hash: feature}
@@ -141,7 +141,7 @@ class EncoderRunner:
             for feat, item_emb in zip(feats, item_embs):
                 item_emb = self._pruned(feat, item_emb)
                 # own storage per entry, so dropping one cache entry frees its memory
-                outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 or self.split_across_ranks else item_emb
+                outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb
                 if ec is not None and not lora_id:
                     ec.save(feat.mm_hash, item_emb)  # a producer's: for the consumers sharing its directory
             self._count_runs(modality, len(feats))
@@ -152,15 +152,15 @@ class EncoderRunner:
 
     def _encode_items(self, modality: str, feats: list) -> list[torch.Tensor]:
         """Run the tower on these items of one modality -> each one's tower rows `[tower length, H]` (a pruned video's
-        before pruning), in order: one call over all of them, or (`split_across_ranks`) one call per rank over its
-        share, gathered."""
+        before pruning), in order: one call over all of them, or (`split_across_ranks`, several items) one call per
+        rank over its share, gathered; a lone item is encoded on every rank (as fast as on one, and no gather)."""
         lengths = [tower_length(f.data, f.length) for f in feats]
 
         def encode(indices: list[int]) -> torch.Tensor:  # [sum of their lengths, H]
             self._num_local_runs += len(indices)
             return self.model.embed_multimodal(modality, concat_mm_data([tower_data(feats[i].data) for i in indices]))
 
-        if self.split_across_ranks:
+        if self.split_across_ranks and len(feats) > 1:
             return encode_across_ranks(encode, lengths, self.device)
         emb = encode(list(range(len(feats))))  # [sum n, H]
         if emb.shape[0] != sum(lengths):
