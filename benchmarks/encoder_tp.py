@@ -5,7 +5,8 @@ merge 2, out 1536; seeded random weights, normal std 0.02, the same on every ran
 packs towers. One step's images: `--images` of `--sizes` pixels a side (cycled through the sizes), seeded normal
 pixel rows. Three runs, each process with one intra-op thread (`--threads`):
 - TP 1: one process encodes every image in one tower call (what a single rank does today);
-- TP 2 weights: two gloo ranks, each encodes every image (the towers are replicated: no gain, the reference);
+- TP 2 weights: two gloo ranks, the tower's blocks split over them (`vlserve.models.tower_sharding`: heads and MLP
+  width, two all-reduces a block), every image through both;
 - TP 2 data: two gloo ranks, the images split by size (`vlserve.worker.encoder_split.encode_across_ranks`, the
   function the runner calls), each rank encodes its share and the embeddings are all-gathered.
 Each run: one warm-up call, then `--iters` timed calls between barriers; printed: the median seconds of a step, the
@@ -52,11 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_tower(args: argparse.Namespace) -> nn.Module:
-    """The benchmark's tower with seeded random weights (normal std 0.02, biases 0, norms 1), cast and packed."""
+def build_tower(args: argparse.Namespace, shard: bool = False) -> nn.Module:
+    """The benchmark's tower with seeded random weights (normal std 0.02, biases 0, norms 1), cast, its blocks split
+    over the tensor-parallel ranks when `shard`, and packed."""
     from vlserve.encoders import Qwen2VisionTower
     from vlserve.encoders.vision_layers import VisionTowerConfig
     from vlserve.kernels.packed_linear import pack_linears_for_cpu
+    from vlserve.models.tower_sharding import shard_tower_blocks
 
     cfg = VisionTowerConfig(
         depth=args.depth,
@@ -76,6 +79,8 @@ def build_tower(args: argparse.Namespace) -> nn.Module:
         else:
             nn.init.normal_(p, std=0.02)
     tower = tower.to(getattr(torch, args.dtype)).eval()
+    if shard:
+        shard_tower_blocks([tower])
     pack_linears_for_cpu(tower, many_rows=[tower])
     return tower
 
@@ -108,12 +113,13 @@ def time_steps(step, iters: int, barrier=None) -> list[float]:
 
 
 def run_rank(args: argparse.Namespace, mode: str) -> list[float]:
-    """This process's step times: `mode` "whole" (every image in one call) or "data" (split over the group)."""
+    """This process's step times: `mode` "whole" (every image in one call of the whole tower), "weights" (the same
+    call of the tower split over the group) or "data" (the images split over the group)."""
     import torch.distributed as dist
 
     from vlserve.worker.encoder_split import encode_across_ranks
 
-    tower = build_tower(args)
+    tower = build_tower(args, shard=mode == "weights")
     images = step_images(args)
     lengths = [t * h * w // MERGE**2 for _, (t, h, w) in images]
 
@@ -166,7 +172,7 @@ def main(argv=None) -> None:
     )
     runs = {
         "TP 1": run_group(args, 1, "whole"),
-        "TP 2 weights": run_group(args, 2, "whole"),
+        "TP 2 weights": run_group(args, 2, "weights"),
         "TP 2 data": run_group(args, 2, "data"),
     }
     base = statistics.median(runs["TP 1"])

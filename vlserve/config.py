@@ -50,8 +50,9 @@ class SchedulerConfig:
             raise ValueError("scheduling_policy='priority' does not work with a KV connector yet; use 'fcfs'")
 
 
-# how the towers use tensor-parallel ranks: "weights" every rank runs the whole (replicated) tower on every item;
-# "data" each rank encodes its share of a step's items, the embeddings all-gathered (worker/encoder_split.py)
+# how the towers use tensor-parallel ranks: "weights" every rank runs every item through the tower, the Qwen-family
+# towers' blocks split over the ranks (models/tower_sharding.py; others replicated); "data" each rank encodes its
+# share of a step's items, the embeddings all-gathered (worker/encoder_split.py)
 MM_ENCODER_TP_MODES = ("weights", "data")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
 DEFAULT_CAPTURE_SIZES_HEAD = (1, 2, 4, 8)  # then every multiple of 8 up to max_num_seqs

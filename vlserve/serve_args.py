@@ -261,9 +261,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--mm-encoder-tp-mode",
         default="weights",
         choices=["weights", "data"],
-        help="how the media towers use --tensor-parallel-size ranks: weights: every rank runs the whole tower on "
-        "every item (the towers are replicated, not sharded); data: each rank encodes its share of a step's images, "
-        "frames and clips (balanced by size) and the embeddings are all-gathered. No effect on one rank",
+        help="how the media towers use --tensor-parallel-size ranks: weights: the Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
+        "vision towers' blocks are split over the ranks like the decoder (other towers, and all with LoRA on, are "
+        "replicated); data: each rank encodes its share of a step's images, videos and clips (balanced by size) and "
+        "the embeddings are all-gathered. No effect on one rank",
     )
     mm.add_argument(
         "--mm-encoder-only",

@@ -1,6 +1,7 @@
-"""`mm_encoder_tp_mode="data"` end to end through LLM at tensor_parallel_size=2: greedy tokens equal to the
-replicated towers' (`"weights"`) on Qwen2-VL (images and videos of mixed sizes, in one step) and LLaVA, and the
-ranks really divided the items (each encoded some, together all of them)."""
+"""`mm_encoder_tp_mode` end to end through LLM at tensor_parallel_size=2: greedy tokens in `"data"` mode (items
+divided among the ranks) and `"weights"` mode (Qwen towers split by heads, other towers replicated) equal one rank's
+on Qwen2-VL (images and videos of mixed sizes, in one step), and the two modes' on LLaVA and with staged slices;
+the ranks really divided the items (each encoded some, together all of them)."""
 
 from __future__ import annotations
 
@@ -18,21 +19,23 @@ def _img(h: int, w: int, seed: int) -> Image.Image:
     return Image.fromarray(rand_image(h, w, seed=seed))
 
 
-def _generate(model_dir: str, mode: str, prompts: list[dict]) -> tuple[list[list[int]], list[dict], dict]:
-    """(greedy tokens per prompt, each rank's shard_info, the metrics) of one TP 2 engine in this encoder mode; every
-    item of the prompts is encoded in the first step (a large encoder budget)."""
+def _generate(
+    model_dir: str, mode: str, prompts: list[dict], tp: int = 2
+) -> tuple[list[list[int]], list[dict] | None, dict]:
+    """(greedy tokens per prompt, each rank's shard_info (None at TP 1), the metrics) of one engine of `tp` ranks in
+    this encoder mode; every item of the prompts is encoded in the first step (a large encoder budget)."""
     llm = LLM(
         model_dir,
         dtype="float32",
         num_kv_blocks=256,
         max_num_batched_tokens=2048,
         max_num_encoder_input_tokens=2048,
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
         mm_encoder_tp_mode=mode,
     )
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
-        info = llm.engine.executor.collective_rpc("shard_info")
+        info = llm.engine.executor.collective_rpc("shard_info") if tp > 1 else None
         metrics = llm.get_metrics()
         llm.check_integrity()
     finally:
@@ -50,7 +53,7 @@ def _check_split(info: list[dict], metrics: dict, mode: str) -> None:
         assert runs == [total, total]
 
 
-def test_qwen2_vl_data_mode_equals_replicated_towers(qwen2_vl_dir):
+def test_qwen2_vl_both_modes_equal_one_rank(qwen2_vl_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(qwen2_vl_dir)
@@ -63,12 +66,15 @@ def test_qwen2_vl_data_mode_equals_replicated_towers(qwen2_vl_dir):
         {"prompt": _chat_text(tok, 1, 1, "And these?"), "multi_modal_data": {"image": images[4:], "video": videos[1:]}},
         {"prompt": _chat_text(tok, 0, 0, "Hello there"), "multi_modal_data": {}},
     ]
-    want, info, metrics = _generate(qwen2_vl_dir, "weights", prompts)
-    _check_split(info, metrics, "weights")
-    got, info, metrics = _generate(qwen2_vl_dir, "data", prompts)
+    want, _, _ = _generate(qwen2_vl_dir, "data", prompts, tp=1)  # one rank: the mode has no effect
+    weights, weights_info, metrics = _generate(qwen2_vl_dir, "weights", prompts)
+    _check_split(weights_info, metrics, "weights")
+    assert weights == want
+    data, info, metrics = _generate(qwen2_vl_dir, "data", prompts)
     _check_split(info, metrics, "data")
+    assert weights_info[0]["num_params"] < info[0]["num_params"]  # weights: the tower's blocks split too
     assert metrics["vlserve:encoder_runs_total"] == 7
-    assert got == want
+    assert data == want
     assert want[0] != want[1]
 
 
@@ -80,6 +86,7 @@ def llava_dir(tmp_path_factory):
 
 
 def test_llava_data_mode_equals_replicated_towers(llava_dir):
+    """LLaVA's CLIP tower is not split in weights mode: every rank runs it whole."""
     from transformers import AutoProcessor
 
     from tests.multimodal.test_llava import _user
@@ -100,9 +107,10 @@ def test_llava_data_mode_equals_replicated_towers(llava_dir):
     assert got == want
 
 
-def test_qwen2_vl_data_mode_with_slices_equals_replicated_towers(tmp_path_factory):
-    """A budget of 2 embeddings a step: the larger images' towers run a slice of blocks per step (on every rank),
-    small ones whole (divided among the ranks); greedy tokens as the replicated towers'."""
+def test_qwen2_vl_modes_agree_with_staged_slices(tmp_path_factory):
+    """A budget of 2 embeddings a step: the larger images' towers run a slice of blocks per step (on every rank; in
+    weights mode each slice's blocks split by heads), small ones whole (in data mode divided among the ranks); the
+    greedy tokens of both modes agree."""
     from transformers import AutoTokenizer
 
     from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint

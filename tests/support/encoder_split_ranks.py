@@ -131,3 +131,35 @@ def runner_step_split(items: list[tuple[str, int]], width: int, found_on_rank0: 
         "total": counters.num_runs,
         "saved": runner.ec_connector.saved,
     }
+
+
+def sharded_tower_vs_whole(
+    model_dir: str, grids: list[tuple[int, int, int]], dtype_name: str, quantization: str | None = None
+) -> dict:
+    """Load the checkpoint on this rank twice, its tower whole and split over the group (`shard_towers`), both
+    packed as the runner packs towers (and quantized by `mm_encoder_quantization=quantization`), and encode images of these grids with each: {"whole": [N, H], "sharded":
+    [N, H], "<label>_qkv_rows": this rank's rows of block 0's qkv, "<label>_params": the tower's parameters here;
+    with a quantization also "float": the float tower's whole embeddings}."""
+    from transformers import AutoConfig
+
+    from vlserve.kernels.packed_linear import pack_linears_for_cpu
+    from vlserve.models import load_model
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dtype = getattr(torch, dtype_name)
+    out = {}
+    runs = [("whole", False, quantization), ("sharded", True, quantization)]
+    if quantization is not None:
+        runs.append(("float", False, None))
+    for label, shard, method in runs:
+        model = load_model(
+            model_dir, hf_config, dtype, torch.device("cpu"), mm_encoder_quantization=method, shard_towers=shard
+        )
+        out[f"{label}_params"] = sum(p.numel() for p in model.visual.parameters())
+        out[f"{label}_qkv_rows"] = model.visual.blocks[0].attn.qkv.out_features
+        pack_linears_for_cpu(model, many_rows=model.encoder_parts())
+        items = qwen2_vl_image_items(hf_config, grids)
+        for item in items:
+            item["pixel_values"] = item["pixel_values"].to(dtype)
+        out[label] = model.embed_multimodal("image", concat_mm_data(items)).float()
+    return out

@@ -110,6 +110,8 @@ def load_rank_model(settings: WorkerSettings, rank: int) -> RankModel:
         device,
         settings.args.quantization,
         mm_encoder_quantization=settings.args.mm_encoder_quantization,
+        # tower adapters (LoRA) need whole tower linears: with LoRA on, the towers stay replicated
+        shard_towers=settings.args.mm_encoder_tp_mode == "weights" and not settings.args.enable_lora,
     )
     return RankModel(settings.model_path, hf_config, model, device, dtype, mrope_positions_fn_for(model, hf_config))
 
