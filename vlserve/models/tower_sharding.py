@@ -11,10 +11,12 @@ Per block, with `tp` ranks and `r` this rank:
   projection (`fc2`, `down_proj`, `linear_fc2`) row-parallel `[E, I / tp]` with one all-reduce.
 Norms, the patch embedding, the rotary tables and the mergers stay whole on every rank, and every rank runs them on
 every row, so each rank's tower gives the same embeddings. Towers of other blocks (CLIP, SigLIP, InternViT, Pixtral,
-audio) stay replicated.
+audio), and a tower whose heads or MLP width do not divide by the ranks (a warning says so), stay replicated.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -23,6 +25,8 @@ from vlserve.distributed.parallel_state import tp_rank, tp_size
 from vlserve.encoders.vision_layers import VisionAttention, VisionBlock
 from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
 
 UP_PROJECTIONS = ("fc1", "gate_proj", "up_proj", "linear_fc1")  # column-parallel
 DOWN_PROJECTIONS = ("fc2", "down_proj", "linear_fc2")  # row-parallel
@@ -80,7 +84,8 @@ def shardable_blocks(parts: list[nn.Module]) -> list[VisionBlock]:
 
 def shard_tower_blocks(parts: list[nn.Module]) -> int:
     """Split the loaded VisionBlocks of these encoder parts over this process's tensor-parallel ranks, in place;
-    how many were split (0 with one rank). ValueError when heads or MLP width do not divide by the ranks."""
+    how many were split: 0 with one rank, or when some block's heads or MLP width do not divide by the ranks (the
+    tower then stays whole, with a warning)."""
     tp, rank = tp_size(), tp_rank()
     blocks = shardable_blocks(parts)
     if tp == 1 or not blocks:
@@ -88,10 +93,15 @@ def shard_tower_blocks(parts: list[nn.Module]) -> int:
     for block in blocks:
         widths = [getattr(block.mlp, n).out_features for n in UP_PROJECTIONS if hasattr(block.mlp, n)]
         if block.attn.num_heads % tp or any(w % tp for w in widths):
-            raise ValueError(
-                f"the vision tower's {block.attn.num_heads} heads and MLP width {widths} must divide by "
-                f"tensor_parallel_size {tp} for mm_encoder_tp_mode='weights'; use mm_encoder_tp_mode='data'"
+            logger.warning(
+                "mm_encoder_tp_mode='weights': the vision tower's %d heads and MLP width %s do not divide by "
+                "tensor_parallel_size %d; the tower stays whole on every rank (mm_encoder_tp_mode='data' splits "
+                "the items instead)",
+                block.attn.num_heads,
+                widths,
+                tp,
             )
+            return 0
     for block in blocks:
         _shard_attention(block.attn, tp, rank)
         _shard_mlp(block.mlp, tp, rank)
