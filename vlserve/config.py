@@ -50,10 +50,7 @@ class SchedulerConfig:
             raise ValueError("scheduling_policy='priority' does not work with a KV connector yet; use 'fcfs'")
 
 
-# how the towers use tensor-parallel ranks: "weights" every rank runs every item through the tower, the Qwen-family
-# towers' blocks split over the ranks (models/tower_sharding.py; others replicated); "data" each rank encodes its
-# share of a step's items, the embeddings all-gathered (worker/encoder_split.py)
-MM_ENCODER_TP_MODES = ("weights", "data")
+MM_ENCODER_TP_MODES = ("weights", "data")  # towers over TP ranks: models/tower_sharding.py, worker/encoder_split.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
 DEFAULT_CAPTURE_SIZES_HEAD = (1, 2, 4, 8)  # then every multiple of 8 up to max_num_seqs
 COMPILE_CACHE_ENV = "VLSERVE_COMPILE_CACHE_DIR"
@@ -277,9 +274,7 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {shorten(self.kv_cache_dtype)}"
             )
         if self.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
-            raise ValueError(
-                f"mm_encoder_tp_mode must be one of {', '.join(MM_ENCODER_TP_MODES)}, got {shorten(self.mm_encoder_tp_mode)}"
-            )
+            raise ValueError(f"mm_encoder_tp_mode must be one of weights, data, got {shorten(self.mm_encoder_tp_mode)}")
         if self.mm_encoder_quantization not in (None, "int8"):
             raise ValueError(
                 f"mm_encoder_quantization must be None or 'int8', got {shorten(self.mm_encoder_quantization)}"
