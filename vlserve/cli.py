@@ -9,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from vlserve.serve_args import SERVE_DESCRIPTION, HelpFormatter, add_serve_args
+from vlserve.serve_args import add_serve_args
+from vlserve.serve_help import SERVE_DESCRIPTION, HelpFormatter
 
 
 def serve_config_from_args(args: argparse.Namespace):
