@@ -20,7 +20,7 @@ def _img(h: int, w: int, seed: int) -> Image.Image:
 
 
 def _generate(
-    model_dir: str, mode: str, prompts: list[dict], tp: int = 2
+    model_dir: str, mode: str, prompts: list[dict], tp: int = 2, **engine_kwargs
 ) -> tuple[list[list[int]], list[dict] | None, dict]:
     """(greedy tokens per prompt, each rank's shard_info (None at TP 1), the metrics) of one engine of `tp` ranks in
     this encoder mode; every item of the prompts is encoded in the first step (a large encoder budget)."""
@@ -32,6 +32,7 @@ def _generate(
         max_num_encoder_input_tokens=2048,
         tensor_parallel_size=tp,
         mm_encoder_tp_mode=mode,
+        **engine_kwargs,
     )
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(), use_tqdm=False)]
@@ -76,6 +77,23 @@ def test_qwen2_vl_both_modes_equal_one_rank(qwen2_vl_dir):
     assert metrics["vlserve:encoder_runs_total"] == 7
     assert data == want
     assert want[0] != want[1]
+
+
+def test_pruned_videos_split_over_the_ranks_equal_one_rank(qwen2_vl_dir):
+    """Videos with half their tokens pruned (EVS): each rank's tower runs on its videos whole, every rank prunes the
+    gathered rows the same way; greedy tokens as one rank's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen2_vl_dir)
+    videos = [rand_video(4, 84, 84, seed=6), rand_video(4, 56, 84, seed=8), rand_video(2, 56, 56, seed=7)]
+    prompts = [
+        {"prompt": _chat_text(tok, 0, 2, "Compare them."), "multi_modal_data": {"video": videos[:2]}},
+        {"prompt": _chat_text(tok, 0, 1, "What happens?"), "multi_modal_data": {"video": videos[2:]}},
+    ]
+    want, _, _ = _generate(qwen2_vl_dir, "data", prompts, tp=1, video_pruning_rate=0.5)
+    got, info, metrics = _generate(qwen2_vl_dir, "data", prompts, video_pruning_rate=0.5)
+    _check_split(info, metrics, "data")
+    assert got == want
 
 
 @pytest.fixture(scope="module")
