@@ -80,6 +80,7 @@ DEFAULTS = {
     "ec_transfer_config": None,
     "mm_encoder_only": False,
     "mm_encoder_quantization": None,
+    "mm_encoder_tp_mode": "weights",
     "runner": "auto",
     "convert": "auto",
     "pooler_config": None,
@@ -129,6 +130,7 @@ GROUPS = {  # group title -> flags vLLM puts there (vlserve's own flags where th
         "--max-audio-seconds",
         "--mm-encoder-only",
         "--mm-encoder-quantization",
+        "--mm-encoder-tp-mode",
     ],
     "CacheConfig": [
         "--block-size",

@@ -46,6 +46,7 @@ RANKS = {
     "vlserve": 9,
     "cli": 10,
     "serve_args": 10,  # the serve flags (cli and the server tests read them)
+    "serve_help": 10,  # their help formatter and the command's description
     "bench": 10,
     "quickstart": 10,
 }

@@ -9,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from vlserve.serve_args import SERVE_DESCRIPTION, HelpFormatter, add_serve_args
+from vlserve.serve_args import add_serve_args
+from vlserve.serve_help import SERVE_DESCRIPTION, HelpFormatter
 
 
 def serve_config_from_args(args: argparse.Namespace):
@@ -25,6 +26,7 @@ def serve_config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         quantization=args.quantization,
         mm_encoder_quantization=args.mm_encoder_quantization,
+        mm_encoder_tp_mode=args.mm_encoder_tp_mode,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

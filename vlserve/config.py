@@ -50,6 +50,7 @@ class SchedulerConfig:
             raise ValueError("scheduling_policy='priority' does not work with a KV connector yet; use 'fcfs'")
 
 
+MM_ENCODER_TP_MODES = ("weights", "data")  # towers over TP ranks: models/tower_sharding.py, worker/encoder_split.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model dtype; fp8 / fp8_e4m3: float8_e4m3fn (vLLM's names)
 DEFAULT_CAPTURE_SIZES_HEAD = (1, 2, 4, 8)  # then every multiple of 8 up to max_num_seqs
 COMPILE_CACHE_ENV = "VLSERVE_COMPILE_CACHE_DIR"
@@ -217,6 +218,7 @@ class EngineArgs:
     # tensor_parallel_size ranks (processes) each; synchronous; a VLM encodes on the first stage
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "mp" (default) or "ray": what starts the ranks
+    mm_encoder_tp_mode: str = "weights"  # one of MM_ENCODER_TP_MODES; no effect at tensor_parallel_size 1
     # LoRA (vlserve.lora): PEFT adapters on the decoder's projections, chosen per request
     enable_lora: bool = False
     max_loras: int = 1  # distinct adapters in one step (device slots)
@@ -271,6 +273,8 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {shorten(self.kv_cache_dtype)}"
             )
+        if self.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
+            raise ValueError(f"mm_encoder_tp_mode must be one of weights, data, got {shorten(self.mm_encoder_tp_mode)}")
         if self.mm_encoder_quantization not in (None, "int8"):
             raise ValueError(
                 f"mm_encoder_quantization must be None or 'int8', got {shorten(self.mm_encoder_quantization)}"

@@ -1,5 +1,5 @@
 """The flags of `vlserve serve`, named and grouped as vLLM's (`--max-model-len`, `--limit-mm-per-prompt
-'{"image":4}'`, `--api-key`, ...), with the help formatter that shows each default."""
+'{"image":4}'`, `--api-key`, ...); their help formatter and description are in `serve_help.py`."""
 
 from __future__ import annotations
 
@@ -17,26 +17,6 @@ def _json_dict(value: str) -> dict:
     if not isinstance(out, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return out
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's help with its default: argparse's ArgumentDefaultsHelpFormatter, except where the help already
-    says what its default is (flags whose default is computed, or None meaning "off")."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if "default" in help_text or action.default is argparse.SUPPRESS:
-            return help_text
-        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            return f"{help_text} (default: %(default)s)"
-        return help_text
-
-
-SERVE_DESCRIPTION = """\
-Serve MODEL (a local Hugging Face checkpoint directory; none: the embedded demo model) over the OpenAI API:
-/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics, and the
-playground at /.
-Flags are vLLM's, grouped as `vllm serve --help` groups them."""
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -256,6 +236,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="int8: the media towers' and projectors' linears quantized at load to W8A8 (int8 weights per output "
         "channel, int8 activations per token; AMX int8 tiles where the CPU has them); patch embeddings and norms "
         "stay float. CPU only (default: the towers run in the model dtype)",
+    )
+    mm.add_argument(
+        "--mm-encoder-tp-mode",
+        default="weights",
+        choices=["weights", "data"],
+        help="how the media towers use --tensor-parallel-size ranks: weights: the Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
+        "vision towers' blocks are split over the ranks like the decoder (other towers, and all with LoRA on, are "
+        "replicated); data: each rank encodes its share of a step's images, videos and clips (balanced by size) and "
+        "the embeddings are all-gathered. No effect on one rank",
     )
     mm.add_argument(
         "--mm-encoder-only",

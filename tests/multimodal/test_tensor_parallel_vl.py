@@ -1,4 +1,4 @@
-"""Qwen2-VL over two tensor-parallel gloo ranks (the vision tower replicated on each, the language model sharded):
+"""Qwen2-VL over two tensor-parallel gloo ranks (the vision tower's blocks and the language model sharded):
 greedy token for token with HF on image prompts, with chunked prefill splitting the image placeholders."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 
 from vlserve.config import EngineArgs
 from vlserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from vlserve.distributed.parallel_state import init_model_parallel, pp_size
+from vlserve.distributed.parallel_state import init_model_parallel, pp_size, tp_size
 from vlserve.distributed.pipeline import is_last_stage
 from vlserve.kernels.kv_quant import kv_cache_torch_dtype
 from vlserve.models.capabilities import capabilities_of
@@ -110,6 +110,8 @@ def load_rank_model(settings: WorkerSettings, rank: int) -> RankModel:
         device,
         settings.args.quantization,
         mm_encoder_quantization=settings.args.mm_encoder_quantization,
+        # tower adapters (LoRA) need whole tower linears: with LoRA on, the towers stay replicated
+        shard_towers=settings.args.mm_encoder_tp_mode == "weights" and not settings.args.enable_lora,
     )
     return RankModel(settings.model_path, hf_config, model, device, dtype, mrope_positions_fn_for(model, hf_config))
 
@@ -210,6 +212,8 @@ class Worker:
                     rank=pp_rank() * self.settings.args.tensor_parallel_size + tp_rank(),
                 )
             )
+        # mm_encoder_tp_mode="data": each tensor-parallel rank encodes its share of a step's media items
+        self.runner.encoders.split_across_ranks = self.settings.args.mm_encoder_tp_mode == "data" and tp_size() > 1
         ec_cfg = self.settings.args.ec_transfer_config
         if ec_cfg is not None:  # encoder outputs through a shared directory (distributed/ec_transfer)
             from vlserve.distributed.ec_transfer.shared_storage import ECSharedStorageConnector
@@ -256,7 +260,8 @@ class Worker:
 
     def shard_info(self, _=None) -> dict:
         """What this rank holds: its tensor-parallel rank and group size, its pipeline stage and the number of
-        stages, its parameter count, its KV cache shape and how many layers have a KV cache here."""
+        stages, its parameter count, its KV cache shape and how many layers have a KV cache here; whether it splits
+        media items with the other ranks (`mm_encoder_tp_mode="data"`) and how many items its tower encoded."""
         from vlserve.distributed.parallel_state import pp_rank, tp_rank, tp_size
 
         model = self.rank_model.model
@@ -271,6 +276,8 @@ class Worker:
             "kv_cache_shape": tuple(held[0][0].shape) if held else None,
             "num_kv_layers": len(held),
             "layers": (self.runner.kv_layers.start, self.runner.kv_layers.stop),
+            "split_encoder_items": self.runner.encoders.split_across_ranks,
+            "encoder_items_run_here": self.runner.encoders.counters().num_local_runs,
         }
 
     def stats(self) -> WorkerStats:

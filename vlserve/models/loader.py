@@ -15,6 +15,7 @@ from vlserve.models.llama import decoder_of
 from vlserve.models.quantization import apply_quantization, get_quantization_config, process_quantized_weights
 from vlserve.models.quantization.encoder_int8 import quantize_encoder_linears
 from vlserve.models.registry import get_model_class
+from vlserve.models.tower_sharding import shard_tower_blocks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,6 +133,7 @@ def load_model(
     quantization: str | None = None,
     encoder_only: bool = False,
     mm_encoder_quantization: str | None = None,
+    shard_towers: bool = False,
 ) -> nn.Module:
     """Instantiate the registered class for `hf_config` in `dtype` on `device` and load its weights (eval mode).
 
@@ -151,7 +153,9 @@ def load_model(
     A quantized checkpoint (`quantization_config` in its config; `quantization` may name the method and must
     match) gets its decoder's linear layers swapped for the format's tensors before loading and turned into the
     kernels' form after (`models.quantization`). `mm_encoder_quantization` ("int8") quantizes the float linears of
-    the encoder parts once loaded (`models.quantization.encoder_int8`).
+    the encoder parts once loaded (`models.quantization.encoder_int8`). `shard_towers` (under tensor parallelism,
+    `mm_encoder_tp_mode="weights"`) splits the Qwen-family vision towers' blocks over the ranks once loaded
+    (`models.tower_sharding`; other towers stay whole).
     """
     cls = get_model_class(hf_config)
     caps = model_capabilities(cls, hf_config)
@@ -198,6 +202,8 @@ def load_model(
         raise ValueError(f"{e} (checkpoint {model_dir})") from e
     if qconfig is not None:
         process_quantized_weights(model)
+    if shard_towers and hasattr(model, "encoder_parts"):
+        shard_tower_blocks(model.encoder_parts())
     if mm_encoder_quantization is not None:
         quantize_encoder_linears(model, mm_encoder_quantization)
     return model.eval()

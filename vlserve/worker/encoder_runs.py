@@ -2,7 +2,9 @@
 embeddings kept by mm_hash (`[n, H]`) until the scheduler frees them; the step's embedding merge writes them over the
 placeholder tokens. Items split over several steps run a slice of their tower's stages per step, their state between
 steps kept by mm_hash (`vlserve.encoders.staged.TowerState`). A video marked for pruning (video_pruning.py) keeps
-only its retained rows, and the runner holds their grid indices (`kept_indices`) for its M-RoPE positions."""
+only its retained rows, and the runner holds their grid indices (`kept_indices`) for its M-RoPE positions. With
+`split_across_ranks` (tensor parallel, `mm_encoder_tp_mode="data"`) the whole items of a step are divided among the
+ranks (`worker/encoder_split.py`); slices of split items, and a call's lone item, still run on every rank."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from vlserve.core.sched_output import SchedulerOutput
+from vlserve.distributed.communication import tp_all_gather
 from vlserve.multimodal.embeds import merge_mm_embeds, slice_mm_embeds
 from vlserve.multimodal.video_pruning import prune_video_embeds, pruning_rate, tower_data, tower_length
+from vlserve.worker.encoder_split import encode_across_ranks
 
 
 def concat_mm_data(items: list[dict]) -> dict:
@@ -48,25 +52,30 @@ NO_ENCODER_WORK = EncoderWork()
 class EncoderCounters:
     """What the encoders did and hold, for the worker's stats (/metrics)."""
 
-    num_runs: int = 0  # items the towers encoded
+    num_runs: int = 0  # items the towers encoded (by the whole tensor-parallel group)
     runs_by_modality: dict[str, int] = field(default_factory=dict)
     num_partial: int = 0  # items held part-encoded (split over steps)
     ec_counters: dict[str, int] = field(default_factory=dict)  # the encoder-cache connector's (ec_*_total)
+    num_local_runs: int = 0  # items this rank's tower encoded (num_runs unless split_across_ranks)
 
 
 class EncoderRunner:
     """Runs the items the scheduler releases through the model's towers and owns what they produce: embeddings by
     mm_hash, the tower states of items split over steps, the run counters. `ec_connector`: the encoder-cache
-    connector (distributed/ec_transfer) whose stored items load instead of encoding, or None. The requests (by id:
-    their `mm_features` and `lora_request`) are the runner's, passed to `run`."""
+    connector (distributed/ec_transfer) whose stored items load instead of encoding, or None. `split_across_ranks`:
+    each tensor-parallel rank encodes its share of a step's whole items and the embeddings are all-gathered (every
+    rank runs the same steps; the worker sets it for `mm_encoder_tp_mode="data"` above one rank). The requests (by
+    id: their `mm_features` and `lora_request`) are the runner's, passed to `run`."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, lora_manager=None):
         self.model, self.device, self.lora_manager = model, device, lora_manager
         self.ec_connector = None
+        self.split_across_ranks = False
         self._outputs: dict[str, torch.Tensor] = {}  # mm_hash -> [n, H]
         self._partial: dict[str, object] = {}  # mm_hash -> TowerState of an item split over steps
         self._kept: dict[str, torch.Tensor] = {}  # mm_hash -> int64 [n] grid indices of a pruned video's rows
         self._num_runs = 0
+        self._num_local_runs = 0
         self._runs_by_modality: dict[str, int] = {}
 
     # -- the step's encoder work -------------------------------------------------------------------------------
@@ -83,12 +92,14 @@ class EncoderRunner:
     def _encode_whole_items(self, so: SchedulerOutput, requests: Mapping) -> tuple[float, int]:
         """Encode every item the scheduler released this step that is not cached yet: one encoder call per
         modality (and per LoRA adapter with tower weights) over all of them (data concatenated in item order), the
-        output split by each item's length. With an encoder-cache connector, an item a producer stored is loaded
-        instead (a bad or missing file: encoded), and a producer stores what it encodes. Returns (wall seconds spent,
+        output split by each item's length (with `split_across_ranks`, one call per rank over its share). With an
+        encoder-cache connector, an item a producer stored is loaded instead (a bad or missing file: encoded), and a
+        producer stores what it encodes. Returns (wall seconds spent,
         device work included; embeddings produced)."""
         ec, outputs = self.ec_connector, self._outputs  # (connector items load instead of encoding: base weights)
         pending: dict[tuple[str, int], dict[str, object]] = {}  # (modality, adapter) -> {mm_hash: feature}
         adapters: dict[int, object] = {0: None}  # lora_int_id -> its LoRARequest (0: the base model)
+        loads: dict[str, tuple[object, torch.Tensor | None]] = {}  # mm_hash -> (feature, what the connector gave)
         for rid, item_indices in so.scheduled_encoder_inputs.items():
             state = requests[rid]
             lora = state.lora_request
@@ -102,11 +113,16 @@ class EncoderRunner:
                     outputs[feat.mm_hash] = feat.data["image_embeds"].to(self.device)  # [n, H]
                     continue
                 pruned = pruning_rate(feat.data) > 0  # (the connector keeps no grid indices: encoded here)
-                loaded = None if ec is None or lora_id or pruned else ec.load(feat.mm_hash, feat.length)
-                if loaded is not None:
-                    outputs[feat.mm_hash] = loaded  # [n, H] a producer encoded: the tower does not run
+                if ec is not None and not lora_id and not pruned:
+                    if feat.mm_hash not in loads:  # [n, H] a producer encoded, or None
+                        loads[feat.mm_hash] = (feat, ec.load(feat.mm_hash, feat.length))
                 else:
                     pending.setdefault((feat.modality, lora_id), {}).setdefault(feat.mm_hash, feat)
+        for feat, loaded in self._agreed_loads(list(loads.values())):
+            if loaded is not None:
+                outputs[feat.mm_hash] = loaded  # the tower does not run
+            else:
+                pending.setdefault((feat.modality, 0), {}).setdefault(feat.mm_hash, feat)
         if not pending:
             return 0.0, 0
         t0 = time.perf_counter()
@@ -121,24 +137,48 @@ class EncoderRunner:
                 )
             )
             with lora:
-                emb = self.model.embed_multimodal(modality, concat_mm_data([tower_data(f.data) for f in feats]))
-            lengths = [tower_length(f.data, f.length) for f in feats]  # emb: [sum lengths, H]
-            if emb.shape[0] != sum(lengths):
-                raise RuntimeError(
-                    f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
-                    f"{lengths} tokens ({[f.mm_hash for f in feats]})"
-                )
-            for feat, item_emb in zip(feats, emb.split(lengths)):
-                # own storage per entry, so dropping one cache entry frees its memory
+                item_embs = self._encode_items(modality, feats)  # the tower's rows per item, in order
+            for feat, item_emb in zip(feats, item_embs):
                 item_emb = self._pruned(feat, item_emb)
-                outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb  # [n, H]
+                # own storage per entry, so dropping one cache entry frees its memory
+                outputs[feat.mm_hash] = item_emb.clone() if len(feats) > 1 else item_emb
                 if ec is not None and not lora_id:
                     ec.save(feat.mm_hash, item_emb)  # a producer's: for the consumers sharing its directory
             self._count_runs(modality, len(feats))
-            num_embeds += emb.shape[0]
+            num_embeds += sum(tower_length(f.data, f.length) for f in feats)
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the towers' kernels are queued, not done
         return time.perf_counter() - t0, num_embeds
+
+    def _encode_items(self, modality: str, feats: list) -> list[torch.Tensor]:
+        """Run the tower on these items of one modality -> each one's tower rows `[tower length, H]` (a pruned video's
+        before pruning), in order: one call over all of them, or (`split_across_ranks`, several items) one call per
+        rank over its share, gathered; a lone item is encoded on every rank (as fast as on one, and no gather)."""
+        lengths = [tower_length(f.data, f.length) for f in feats]
+
+        def encode(indices: list[int]) -> torch.Tensor:  # [sum of their lengths, H]
+            self._num_local_runs += len(indices)
+            return self.model.embed_multimodal(modality, concat_mm_data([tower_data(feats[i].data) for i in indices]))
+
+        if self.split_across_ranks and len(feats) > 1:
+            return encode_across_ranks(encode, lengths, self.device)
+        emb = encode(list(range(len(feats))))  # [sum n, H]
+        if emb.shape[0] != sum(lengths):
+            raise RuntimeError(
+                f"encoder produced {emb.shape[0]} {modality} embeddings for placeholder runs of "
+                f"{lengths} tokens ({[f.mm_hash for f in feats]})"
+            )
+        return list(emb.split(lengths))
+
+    def _agreed_loads(self, loads: list[tuple[object, torch.Tensor | None]]) -> list[tuple[object, object]]:
+        """The connector's loads as every rank sees them: with `split_across_ranks` an item counts as loaded only
+        where every rank found it (one gather of a flag per item), so all ranks encode the same items; else as
+        given."""
+        if not loads or not self.split_across_ranks:
+            return loads
+        found = torch.tensor([[loaded is not None for _, loaded in loads]], dtype=torch.int32, device=self.device)
+        everywhere = tp_all_gather(found, dim=0).min(dim=0).values.tolist()  # [n]: 1 where every rank loaded it
+        return [(feat, loaded if ok else None) for (feat, loaded), ok in zip(loads, everywhere)]
 
     def _run_slices(self, so: SchedulerOutput, requests: Mapping) -> tuple[float, int]:
         """Run the step's slices of split items: the first slice begins the item's tower state (patch embedding,
@@ -179,6 +219,7 @@ class EncoderRunner:
                 if ec is not None:
                     ec.save(feat.mm_hash, emb)
                 self._count_runs(feat.modality, 1)
+                self._num_local_runs += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the towers' kernels are queued, not done
         return time.perf_counter() - t0, max(1, round(work)) if work else 0
@@ -251,4 +292,5 @@ class EncoderRunner:
             dict(self._runs_by_modality),
             len(self._partial),
             {} if self.ec_connector is None else dict(self.ec_connector.counters),
+            self._num_local_runs,
         )
