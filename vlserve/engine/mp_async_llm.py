@@ -37,6 +37,7 @@ from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.engine.pooling import PoolingRequests, resolve_pooler_spec
+from vlserve.engine.session_media import SessionMediaMissing, SessionMediaSender
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.registry import get_model_class
 from vlserve.outputs import RequestOutput
@@ -138,6 +139,7 @@ class RemoteEngineLoop:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.router = DPRouter(len(ready), margin=args.max_num_seqs, block_size=args.block_size)
+        self.session_media = SessionMediaSender(len(ready))  # video session items each engine holds already
         self.staged: list[StepOutputs] = []
 
     def add_requests(self, requests: list[NewRequest]) -> None:
@@ -157,9 +159,14 @@ class RemoteEngineLoop:
             self.output_processor.add_request(
                 r.request_id, r.processed.prompt, r.processed.prompt_token_ids, r.params, r.arrival
             )
-            engine = self.router.route(
-                r.request_id, r.processed.prompt_token_ids, [f.mm_hash for f in r.processed.mm_features], r.params.n
-            )
+            features = r.processed.mm_features
+            session = next((f.session_id for f in features if f.session_id is not None), None)
+            hashes = [f.mm_hash for f in features]
+            engine = self.router.route(r.request_id, r.processed.prompt_token_ids, hashes, r.params.n, session)
+            if session is not None:  # items this engine holds cross as references (session_media.py)
+                engine_reqs = [
+                    replace(e, mm_features=self.session_media.outgoing(engine, e.mm_features)) for e in engine_reqs
+                ]
             self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
     def add_pooling_requests(self, requests: list[NewRequest]) -> None:
@@ -372,6 +379,8 @@ class MPAsyncLLM(AsyncLLM):
 
     def _on_ack(self, ack: AddAck) -> None:
         self.engine_loop.update_metrics(ack.engine_index, ack.metrics)
+        if isinstance(ack.error, SessionMediaMissing):  # that engine lost session items: resend them whole
+            self.engine_loop.session_media.forget_engine(ack.engine_index)
         add = self._pending.pop(ack.user_request_id, None)
         if add is None:
             return
@@ -385,12 +394,15 @@ class MPAsyncLLM(AsyncLLM):
 
     def _do_control(self, msg: Control) -> None:
         """Send the call to every engine (data-parallel replicas each hold the adapters); settled by their acks."""
+        if msg.op == "evict_encoder_items":  # the engines drop them from their session media stores too
+            self.engine_loop.session_media.forget(msg.arg)
         call_id = next(self._control_ids)
         self._controls[call_id] = [msg, self.client.num_engines, None]
         for engine in range(self.client.num_engines):
             self.client.send(ControlCall(call_id, msg.op, msg.arg), engine)
 
     def _on_control_ack(self, ack: ControlAck) -> None:
+        self.engine_loop.update_metrics(ack.engine_index, ack.metrics)
         entry = self._controls.get(ack.call_id)
         if entry is None:
             return

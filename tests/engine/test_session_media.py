@@ -1,0 +1,191 @@
+"""A live video session's items cross to the engine process once (vlserve/engine/session_media.py).
+
+Unit tests of the sender / store pair, then `MPAsyncLLM` (the engine in its own process) driving a session on a tiny
+Qwen2-VL: answers equal the offline session's (greedy), a question's AddRequests message does not grow with the
+window, the store empties when the session closes, items the encoder cache dropped are encoded again from the store,
+and a reference the engine cannot fill fails clearly once and is then sent whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.multimodal.test_video_session import _frames
+from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
+from vlserve.engine.dp_router import DPRouter
+from vlserve.engine.session_media import SESSION_REF_KEY, SessionMediaMissing, SessionMediaSender, SessionMediaStore
+from vlserve.multimodal.inputs import MultiModalFeature
+
+FPS = 2.0
+QUESTION = "What moves?"
+ITEM_EMBEDS = 6  # one pair of the 32x64 test frames: a 2x6 patch grid merged 2x2 (asserted below)
+ENGINE_KW = dict(dtype="float32", num_kv_blocks=256, block_size=16, max_model_len=1024)
+
+
+def _item(mm_hash: str, step: int, session: str | None = "s1") -> MultiModalFeature:
+    pixels = torch.arange(24 * 8, dtype=torch.float32).reshape(24, 8) + hash(mm_hash) % 7  # [rows, C*tp*p*p]
+    data = {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([[1, 2, 12]]), "video_time_offset": step}
+    return MultiModalFeature("video", mm_hash, 10 * step, ITEM_EMBEDS, data, session_id=session)
+
+
+def test_items_are_sent_whole_once_then_as_references():
+    sender, store = SessionMediaSender(2), SessionMediaStore()
+    first = sender.outgoing(0, [_item("a", 0), _item("b", 1), _item("x", 2, session=None)])
+    assert all(SESSION_REF_KEY not in f.data for f in first)
+    assert [f.data["pixel_values_videos"] is not None for f in store.resolve(first)] == [True] * 3
+    assert len(store) == 2  # session items only
+    later = sender.outgoing(0, [_item("a", 0), _item("b", 5), _item("x", 6, session=None)])
+    assert [SESSION_REF_KEY in f.data for f in later] == [True, True, False]
+    assert all("pixel_values_videos" not in f.data for f in later[:2])
+    filled = store.resolve(later)
+    want = _item("b", 5)
+    assert torch.equal(filled[1].data["pixel_values_videos"], want.data["pixel_values_videos"])
+    assert filled[1].data["video_time_offset"] == 5 and SESSION_REF_KEY not in filled[1].data  # the request's own
+    assert SESSION_REF_KEY not in sender.outgoing(1, [_item("a", 0)])[0].data  # another engine: sent whole
+    sender.forget(["a"])
+    assert store.evict(["a"]) == 1 and len(store) == 1
+    assert SESSION_REF_KEY not in sender.outgoing(0, [_item("a", 0)])[0].data  # evicted: whole again
+    with pytest.raises(SessionMediaMissing, match="no longer holds media item zz"):
+        store.resolve([replace_ref(_item("zz", 0))])
+    sender.forget_engine(0)
+    assert SESSION_REF_KEY not in sender.outgoing(0, [_item("b", 1)])[0].data
+
+
+def replace_ref(f: MultiModalFeature) -> MultiModalFeature:
+    from vlserve.engine.session_media import as_reference
+
+    return as_reference(f)
+
+
+def test_a_session_keeps_one_replica_whatever_its_window_holds():
+    router = DPRouter(4, margin=8)
+    replicas = {router.choose([1, 2, 3], [f"h{i}"], affinity="video-session-1") for i in range(20)}
+    assert len(replicas) == 1
+    assert len({router.choose([1, 2, 3], [f"h{i}"]) for i in range(20)}) > 1  # by first item without the key
+
+
+# -- the engine in its own process ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    from vlserve.demo.vl_checkpoints import build_qwen2_vl_checkpoint
+
+    return build_qwen2_vl_checkpoint(str(tmp_path_factory.mktemp("sm_qwen2_vl")), chat_template=QWEN2_VL_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    from vlserve import LLM
+
+    return LLM(ckpt, **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def mp_llm(ckpt):
+    """No prefix cache and an encoder cache of two items: every question encodes again what the cache dropped."""
+    from vlserve.config import EngineArgs
+    from vlserve.engine.mp_async_llm import MPAsyncLLM
+
+    args = EngineArgs(model=ckpt, enable_prefix_caching=False, encoder_cache_size=2 * ITEM_EMBEDS, **ENGINE_KW)
+    llm = MPAsyncLLM.from_engine_args(args, startup_timeout=120)
+    yield llm
+    llm.shutdown()
+
+
+def _offline_text(offline, frames) -> list[int]:
+    from vlserve import SamplingParams
+
+    with offline.open_video_session(fps=FPS) as session:
+        session.append(list(frames))
+        return (
+            session.ask(QUESTION, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)).outputs[0].token_ids
+        )
+
+
+async def _ask(session) -> list[int]:
+    from vlserve import SamplingParams
+
+    prepared = await session.prepare_question(QUESTION)
+    outs = [o async for o in session.answer(prepared, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))]
+    return outs[-1].outputs[0].token_ids
+
+
+def _record_add_sizes(llm, monkeypatch) -> dict[str, int]:
+    """The pickled size of every AddRequests the client sends, by user request id."""
+    from vlserve.engine.core_messages import AddRequests, encode
+
+    sizes: dict[str, int] = {}
+    send = llm.client.send
+
+    def recording_send(msg, engine_index=0):
+        if isinstance(msg, AddRequests):
+            sizes[msg.user_request_id] = len(encode(msg))
+        send(msg, engine_index)
+
+    monkeypatch.setattr(llm.client, "send", recording_send)
+    return sizes
+
+
+@pytest.mark.slow
+def test_questions_send_references_and_answer_as_offline(mp_llm, offline, monkeypatch):
+    from vlserve.engine.async_video_session import AsyncVideoSessions
+
+    sizes = _record_add_sizes(mp_llm, monkeypatch)
+    frames = _frames(16, seed=3)
+
+    runs_before = mp_llm.get_metrics()["vlserve:encoder_runs_total"]
+
+    async def run():
+        sessions = AsyncVideoSessions(mp_llm, max_sessions=2, idle_timeout=600)
+        session = await sessions.create("m", 0, fps=FPS)
+        await session.append(list(frames[:4]))
+        at4 = await _ask(session)
+        await session.append(list(frames[4:]))
+        at16 = await _ask(session)
+        chunks = list(session.session.stream.chunks)
+        held = mp_llm.get_metrics()["vlserve:session_media_items"]
+        await sessions.close(session.session_id)
+        return at4, at16, chunks, held, session.session_id
+
+    at4, at16, chunks, held, sid = asyncio.run(run())
+    assert at4 == _offline_text(offline, frames[:4])
+    assert at16 == _offline_text(offline, frames)
+    assert int(chunks[0].data["video_grid_thw"][0].prod()) // 4 == ITEM_EMBEDS  # merge 2x2
+    assert len(chunks) == 8  # 8 items: the window outgrows the encoder cache (2 items), questions re-encode
+    chunk_bytes = chunks[0].data["pixel_values_videos"].nbytes
+    asks = [sizes[rid] for rid in sizes if "-ask-" in rid]
+    assert len(asks) == 2
+    assert asks[1] - asks[0] < chunk_bytes // 4  # 6 more items cost a few hundred bytes each, not their pixels
+    assert sum(sizes.values()) >= 8 * chunk_bytes  # each item crossed whole once
+    assert held == 8
+    assert mp_llm.get_metrics()["vlserve:encoder_runs_total"] - runs_before > 8  # items the cache dropped ran again
+    assert mp_llm.get_metrics()["vlserve:session_media_items"] == 0  # closing emptied the store
+    assert not any(mp_llm.engine_loop.session_media.sent)
+
+
+@pytest.mark.slow
+def test_a_reference_the_engine_lost_fails_once_then_is_resent(mp_llm, offline, monkeypatch):
+    from vlserve.engine.async_video_session import AsyncVideoSessions
+
+    frames = _frames(6, seed=5)
+
+    async def run():
+        sessions = AsyncVideoSessions(mp_llm, max_sessions=2, idle_timeout=600)
+        session = await sessions.create("m", 0, fps=FPS)
+        await session.append(list(frames))
+        first = await _ask(session)
+        hashes = [c.mm_hash for c in session.session.stream.chunks]
+        sender = mp_llm.engine_loop.session_media
+        monkeypatch.setattr(sender, "forget", lambda mm_hashes: None)  # the engine forgets, this side does not
+        await mp_llm.evict_encoder_items(hashes)
+        monkeypatch.undo()
+        with pytest.raises(SessionMediaMissing, match="ask again"):
+            await _ask(session)
+        again = await _ask(session)
+        await sessions.close(session.session_id)
+        return first, again
+
+    first, again = asyncio.run(run())
+    assert first == again == _offline_text(offline, frames)
+    assert mp_llm.get_metrics()["vlserve:session_media_items"] == 0
