@@ -37,7 +37,7 @@ from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.engine.pooling import PoolingRequests, resolve_pooler_spec
-from vlserve.engine.session_media import SessionMediaMissing, SessionMediaSender
+from vlserve.engine.session_media import SessionMediaMissing, SessionMediaSender, session_of
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.registry import get_model_class
 from vlserve.outputs import RequestOutput
@@ -159,14 +159,10 @@ class RemoteEngineLoop:
             self.output_processor.add_request(
                 r.request_id, r.processed.prompt, r.processed.prompt_token_ids, r.params, r.arrival
             )
-            features = r.processed.mm_features
-            session = next((f.session_id for f in features if f.session_id is not None), None)
-            hashes = [f.mm_hash for f in features]
+            hashes, session = [f.mm_hash for f in r.processed.mm_features], session_of(r.processed.mm_features)
             engine = self.router.route(r.request_id, r.processed.prompt_token_ids, hashes, r.params.n, session)
             if session is not None:  # items this engine holds cross as references (session_media.py)
-                engine_reqs = [
-                    replace(e, mm_features=self.session_media.outgoing(engine, e.mm_features)) for e in engine_reqs
-                ]
+                engine_reqs = self.session_media.outgoing_requests(engine, engine_reqs)
             self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
     def add_pooling_requests(self, requests: list[NewRequest]) -> None:

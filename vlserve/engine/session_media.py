@@ -81,6 +81,11 @@ class SessionMediaStore:
         return sum(self.items.pop(_store_key(h), None) is not None for h in mm_hashes)
 
 
+def session_of(features: list[MultiModalFeature]) -> str | None:
+    """The live video session whose items these are (None: not a session's request)."""
+    return next((f.session_id for f in features if f.session_id is not None), None)
+
+
 class SessionMediaSender:
     """API side: which session items each engine (by index) was sent whole."""
 
@@ -100,6 +105,10 @@ class SessionMediaSender:
                     sent.add(key)
                 out.append(f)
         return out
+
+    def outgoing_requests(self, engine: int, requests: list) -> list:
+        """EngineCoreRequests as `engine` gets them (`outgoing` applied to their items)."""
+        return [replace(r, mm_features=self.outgoing(engine, r.mm_features)) for r in requests]
 
     def forget(self, mm_hashes: Iterable[str]) -> None:
         """These items were evicted (sent to every engine in order with the requests): send them whole again."""
