@@ -93,10 +93,10 @@ def mp_llm(ckpt):
     llm.shutdown()
 
 
-def _offline_text(offline, frames) -> list[int]:
+def _offline_text(offline, frames, max_frames: int | None = None) -> list[int]:
     from vlserve import SamplingParams
 
-    with offline.open_video_session(fps=FPS) as session:
+    with offline.open_video_session(fps=FPS, max_frames=max_frames) as session:
         session.append(list(frames))
         return (
             session.ask(QUESTION, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)).outputs[0].token_ids
@@ -189,3 +189,69 @@ def test_a_reference_the_engine_lost_fails_once_then_is_resent(mp_llm, offline, 
     first, again = asyncio.run(run())
     assert first == again == _offline_text(offline, frames)
     assert mp_llm.get_metrics()["vlserve:session_media_items"] == 0
+
+
+@pytest.fixture(scope="module")
+def dp_llm(ckpt):
+    from vlserve.config import EngineArgs
+    from vlserve.engine.mp_async_llm import MPAsyncLLM
+
+    llm = MPAsyncLLM.from_engine_args(EngineArgs(model=ckpt, data_parallel_size=2, **ENGINE_KW), startup_timeout=120)
+    yield llm
+    llm.shutdown()
+
+
+async def _session_answers(llm, frames, asks: int = 2, max_frames: int | None = None) -> list[list[int]]:
+    """Frames appended a pair at a time, a question after each pair and `asks` at the end."""
+    from vlserve.engine.async_video_session import AsyncVideoSessions
+
+    sessions = AsyncVideoSessions(llm, max_sessions=2, idle_timeout=600)
+    session = await sessions.create("m", 0, fps=FPS, max_frames=max_frames)
+    for start in range(0, len(frames), 2):
+        await session.append(list(frames[start : start + 2]))
+        await _ask(session)
+    answers = [await _ask(session) for _ in range(asks)]
+    await sessions.close(session.session_id)
+    return answers
+
+
+@pytest.mark.slow
+def test_data_parallel_session_stays_on_one_replica(dp_llm, offline):
+    frames = _frames(10, seed=7)
+    sent_to: set[int] = set()
+    sender = dp_llm.engine_loop.session_media
+    outgoing = sender.outgoing
+
+    def recording(engine, features):
+        sent_to.add(engine)
+        return outgoing(engine, features)
+
+    sender.outgoing = recording
+    try:
+        answers = asyncio.run(_session_answers(dp_llm, frames, max_frames=4))
+    finally:
+        del sender.outgoing
+    assert answers == [_offline_text(offline, frames, max_frames=4)] * 2
+    assert len(sent_to) == 1  # every prefill and question, whatever the window's first item: the session's replica
+    assert [m["vlserve:session_media_items"] for m in dp_llm.get_replica_metrics()] == [0, 0]
+
+
+@pytest.mark.slow
+def test_data_parallel_requests_moved_to_another_replica_carry_their_media(dp_llm, offline, monkeypatch):
+    frames = _frames(6, seed=9)
+    turns = iter(range(1000))
+    monkeypatch.setattr(dp_llm.engine_loop.router, "choose", lambda *args: next(turns) % 2)  # alternate replicas
+    held: list[list[float]] = []
+    sender = dp_llm.engine_loop.session_media
+    forget = sender.forget
+
+    def before_forget(mm_hashes):  # the store counts just before the session's evictions start
+        if not held:
+            held.append([m["vlserve:session_media_items"] for m in dp_llm.get_replica_metrics()])
+        forget(mm_hashes)
+
+    monkeypatch.setattr(sender, "forget", before_forget)
+    answers = asyncio.run(_session_answers(dp_llm, frames, asks=3))
+    assert answers == [_offline_text(offline, frames)] * 3
+    assert all(count > 0 for count in held[0])  # both replicas were sent the items whole
+    assert [m["vlserve:session_media_items"] for m in dp_llm.get_replica_metrics()] == [0, 0]
