@@ -211,8 +211,10 @@ async def _session_answers(llm, frames, asks: int = 2, max_frames: int | None = 
         await session.append(list(frames[start : start + 2]))
         await _ask(session)
     answers = [await _ask(session) for _ in range(asks)]
+    await session.engine.flush()  # the dropped pairs' evictions answered (their acks carry the store's count)
+    held = sum(m["vlserve:session_media_items"] for m in llm.get_replica_metrics())
     await sessions.close(session.session_id)
-    return answers
+    return answers, held
 
 
 @pytest.mark.slow
@@ -228,10 +230,11 @@ def test_data_parallel_session_stays_on_one_replica(dp_llm, offline):
 
     sender.outgoing = recording
     try:
-        answers = asyncio.run(_session_answers(dp_llm, frames, max_frames=4))
+        answers, held = asyncio.run(_session_answers(dp_llm, frames, max_frames=4))
     finally:
         del sender.outgoing
     assert answers == [_offline_text(offline, frames, max_frames=4)] * 2
+    assert held == 2  # the window's two pairs: those that left it were evicted from the store
     assert len(sent_to) == 1  # every prefill and question, whatever the window's first item: the session's replica
     assert [m["vlserve:session_media_items"] for m in dp_llm.get_replica_metrics()] == [0, 0]
 
@@ -251,7 +254,27 @@ def test_data_parallel_requests_moved_to_another_replica_carry_their_media(dp_ll
         forget(mm_hashes)
 
     monkeypatch.setattr(sender, "forget", before_forget)
-    answers = asyncio.run(_session_answers(dp_llm, frames, asks=3))
+    answers, _ = asyncio.run(_session_answers(dp_llm, frames, asks=3))
     assert answers == [_offline_text(offline, frames)] * 3
     assert all(count > 0 for count in held[0])  # both replicas were sent the items whole
     assert [m["vlserve:session_media_items"] for m in dp_llm.get_replica_metrics()] == [0, 0]
+
+
+@pytest.mark.slow
+def test_qwen3_vl_session_through_the_engine_process(tmp_path_factory):
+    """Qwen3-VL chunks: timestamp text, and per-request frame indices that cross in the reference."""
+    from tests.support.qwen3_vl_checkpoints import build_qwen3_vl_checkpoint
+    from vlserve import LLM
+    from vlserve.config import EngineArgs
+    from vlserve.engine.mp_async_llm import MPAsyncLLM
+
+    path = build_qwen3_vl_checkpoint(str(tmp_path_factory.mktemp("sm_qwen3_vl")), chat_template=QWEN2_VL_CHAT_TEMPLATE)
+    frames = _frames(8, seed=11)
+    want = _offline_text(LLM(path, **ENGINE_KW), frames, max_frames=4)
+    llm = MPAsyncLLM.from_engine_args(EngineArgs(model=path, **ENGINE_KW), startup_timeout=120)
+    try:
+        answers, held = asyncio.run(_session_answers(llm, frames, max_frames=4))
+        assert answers == [want] * 2 and held == 2
+        assert llm.get_metrics()["vlserve:session_media_items"] == 0
+    finally:
+        llm.shutdown()
