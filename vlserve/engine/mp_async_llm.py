@@ -1,9 +1,9 @@
 """`MPAsyncLLM`: the `AsyncLLM` front end with the engine core in its own process (what `vlserve serve` runs).
 
 The API process keeps HTTP, media fetching, input processing (tokenizer, chat template, HF processor: the processed
-request — token ids, processed media tensors and their hashes — is what crosses) and detokenization (the
-`OutputProcessor`: stop strings, logprob texts, n > 1 fan-in), so the engine process spends its GIL only on
-scheduling and the model. The engine process (`core_proc`) owns the scheduler, KV cache, encoder cache and runner.
+request — token ids, processed media tensors and their hashes — is what crosses; a live video session's items
+cross once per engine, `session_media`) and detokenization (the `OutputProcessor`: stop strings, logprob texts,
+n > 1 fan-in), so the engine process spends its GIL only on scheduling and the model. The engine process (`core_proc`) owns the scheduler, KV cache, encoder cache and runner.
 Stop-string hits go back to the engine as `FinishStopped`, aborts as `AbortRequests`.
 
 One thread (the base class's "engine thread", here a dispatcher) applies, in order, everything in the inbox: user
