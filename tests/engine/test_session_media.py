@@ -3,7 +3,7 @@
 Unit tests of the sender / store pair, then `MPAsyncLLM` (the engine in its own process) driving a session on a tiny
 Qwen2-VL: answers equal the offline session's (greedy), a question's AddRequests message does not grow with the
 window, the store empties when the session closes, items the encoder cache dropped are encoded again from the store,
-and a reference the engine cannot fill fails clearly once and is then sent whole."""
+and a reference the engine cannot fill is sent again, whole."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import torch
 
 from tests.multimodal.test_video_session import _frames
 from tests.support.chat_templates import QWEN2_VL_CHAT_TEMPLATE
+from vlserve.core.request import EngineCoreRequest
 from vlserve.engine.dp_router import DPRouter
 from vlserve.engine.session_media import SESSION_REF_KEY, SessionMediaMissing, SessionMediaSender, SessionMediaStore
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.sampling_params import SamplingParams
 
 FPS = 2.0
 QUESTION = "What moves?"
@@ -51,6 +53,23 @@ def test_items_are_sent_whole_once_then_as_references():
         store.resolve([replace_ref(_item("zz", 0))])
     sender.forget_engine(0)
     assert SESSION_REF_KEY not in sender.outgoing(0, [_item("b", 1)])[0].data
+
+
+def test_a_refused_reference_is_resent_whole_once():
+    sender = SessionMediaSender(1)
+    request = EngineCoreRequest("q", [1, 2], SamplingParams(), 0.0, [_item("a", 0)])
+    sender.outgoing(0, [_item("a", 0)])
+    (sent,) = sender.send_requests("q", 0, [request])
+    assert SESSION_REF_KEY in sent.mm_features[0].data
+    missing = SessionMediaMissing("gone")
+    (again,) = sender.acked("q", missing, may_resend=True)
+    assert SESSION_REF_KEY not in again.mm_features[0].data  # whole this time
+    assert sender.acked("q", missing, may_resend=True) is None  # refused twice: the caller hears of it
+    assert not sender.unacked
+    sender.send_requests("r", 0, [request])
+    assert sender.acked("r", None, may_resend=True) is None and not sender.unacked
+    sender.send_requests("s", 0, [request])
+    assert sender.acked("s", missing, may_resend=False) is None and not sender.unacked  # aborted meanwhile
 
 
 def replace_ref(f: MultiModalFeature) -> MultiModalFeature:
@@ -165,10 +184,18 @@ def test_questions_send_references_and_answer_as_offline(mp_llm, offline, monkey
 
 
 @pytest.mark.slow
-def test_a_reference_the_engine_lost_fails_once_then_is_resent(mp_llm, offline, monkeypatch):
+def test_a_reference_the_engine_lost_is_sent_again_whole(mp_llm, offline, monkeypatch):
     from vlserve.engine.async_video_session import AsyncVideoSessions
+    from vlserve.engine.core_messages import AddRequests, encode
 
     frames = _frames(6, seed=5)
+    sends: list[tuple[str, int]] = []  # (user request id, pickled size) of every AddRequests
+    send = mp_llm.client.send
+
+    def recording_send(msg, engine_index=0):
+        if isinstance(msg, AddRequests):
+            sends.append((msg.user_request_id, len(encode(msg))))
+        send(msg, engine_index)
 
     async def run():
         sessions = AsyncVideoSessions(mp_llm, max_sessions=2, idle_timeout=600)
@@ -176,18 +203,20 @@ def test_a_reference_the_engine_lost_fails_once_then_is_resent(mp_llm, offline, 
         await session.append(list(frames))
         first = await _ask(session)
         hashes = [c.mm_hash for c in session.session.stream.chunks]
-        sender = mp_llm.engine_loop.session_media
-        monkeypatch.setattr(sender, "forget", lambda mm_hashes: None)  # the engine forgets, this side does not
-        await mp_llm.evict_encoder_items(hashes)
-        monkeypatch.undo()
-        with pytest.raises(SessionMediaMissing, match="ask again"):
-            await _ask(session)
+        with monkeypatch.context() as patch:  # the engine forgets the items, this side does not
+            patch.setattr(mp_llm.engine_loop.session_media, "forget", lambda mm_hashes: None)
+            await mp_llm.evict_encoder_items(hashes)
+        monkeypatch.setattr(mp_llm.client, "send", recording_send)
         again = await _ask(session)
+        window_bytes = len(hashes) * session.session.stream.chunks[0].data["pixel_values_videos"].nbytes
         await sessions.close(session.session_id)
-        return first, again
+        return first, again, window_bytes
 
-    first, again = asyncio.run(run())
+    first, again, window_bytes = asyncio.run(run())
     assert first == again == _offline_text(offline, frames)
+    (ask_id, ref_size), (resent_id, whole_size) = sends
+    assert ask_id == resent_id and ref_size < window_bytes // 10 and whole_size > window_bytes  # refused, then whole
+    assert not mp_llm.engine_loop.session_media.unacked
     assert mp_llm.get_metrics()["vlserve:session_media_items"] == 0
 
 

@@ -37,7 +37,7 @@ from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.engine.pooling import PoolingRequests, resolve_pooler_spec
-from vlserve.engine.session_media import SessionMediaMissing, SessionMediaSender, session_of
+from vlserve.engine.session_media import SessionMediaSender, session_of
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.registry import get_model_class
 from vlserve.outputs import RequestOutput
@@ -162,7 +162,7 @@ class RemoteEngineLoop:
             hashes, session = [f.mm_hash for f in r.processed.mm_features], session_of(r.processed.mm_features)
             engine = self.router.route(r.request_id, r.processed.prompt_token_ids, hashes, r.params.n, session)
             if session is not None:  # items this engine holds cross as references (session_media.py)
-                engine_reqs = self.session_media.outgoing_requests(engine, engine_reqs)
+                engine_reqs = self.session_media.send_requests(r.request_id, engine, engine_reqs)
             self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
     def add_pooling_requests(self, requests: list[NewRequest]) -> None:
@@ -375,9 +375,13 @@ class MPAsyncLLM(AsyncLLM):
 
     def _on_ack(self, ack: AddAck) -> None:
         self.engine_loop.update_metrics(ack.engine_index, ack.metrics)
-        if isinstance(ack.error, SessionMediaMissing):  # that engine lost session items: resend them whole
-            self.engine_loop.session_media.forget_engine(ack.engine_index)
         add = self._pending.pop(ack.user_request_id, None)
+        open_now = add is not None and self._streams.get(ack.user_request_id) is add.stream
+        resend = self.engine_loop.session_media.acked(ack.user_request_id, ack.error, open_now)
+        if resend is not None:  # the engine lacked a session item: once more, media whole
+            self._pending[ack.user_request_id] = add
+            self.client.send(AddRequests(ack.user_request_id, resend), ack.engine_index)
+            return
         if add is None:
             return
         if ack.error is not None:

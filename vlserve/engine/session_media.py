@@ -11,8 +11,8 @@ dropped an item's embeddings.
 Both sides forget an item on `evict_encoder_items` (what a session sends when a pair leaves its window and, for
 all of them, when it closes), in order with the requests on the same socket, so an item sent after its eviction
 carries its arrays again and the store holds only open sessions' windows. A reference the store cannot fill (a
-bug, or an engine that lost its store) fails its request with `SessionMediaMissing`, and the sender then resends
-everything to that engine.
+bug, or an engine that lost its store) is refused with `SessionMediaMissing`; the sender then sends everything whole
+to that engine again, starting with that request (once; a second refusal reaches the caller).
 """
 
 from __future__ import annotations
@@ -91,6 +91,27 @@ class SessionMediaSender:
 
     def __init__(self, num_engines: int):
         self.sent: list[set[str]] = [set() for _ in range(num_engines)]
+        # user request id -> (engine, its engine requests whole, resent already): until the engine's AddAck
+        self.unacked: dict[str, tuple[int, list, bool]] = {}
+
+    def send_requests(self, request_id: str, engine: int, requests: list) -> list:
+        """A session's EngineCoreRequests as `engine` gets them, remembered until `acked`."""
+        self.unacked[request_id] = (engine, requests, False)
+        return self.outgoing_requests(engine, requests)
+
+    def acked(self, request_id: str, error: BaseException | None, may_resend: bool) -> list | None:
+        """The engine answered a session request: when it lacked an item (`SessionMediaMissing`), everything is
+        sent whole to it again, and the requests to send once more (their media whole) are returned when
+        `may_resend` (the request is still open) and it was not resent already."""
+        entry = self.unacked.pop(request_id, None)
+        if entry is None or not isinstance(error, SessionMediaMissing):
+            return None
+        engine, requests, resent = entry
+        self.forget_engine(engine)
+        if resent or not may_resend:
+            return None
+        self.unacked[request_id] = (engine, requests, True)
+        return self.outgoing_requests(engine, requests)
 
     def outgoing(self, engine: int, features: list[MultiModalFeature]) -> list[MultiModalFeature]:
         """The items as `engine` gets them: a session item it was sent already as a reference."""
