@@ -355,7 +355,8 @@ def _wait_metric(http, name: str, value: float, timeout: float = 20.0) -> None:
 @pytest.mark.slow
 def test_real_server_with_engine_process(ckpt, offline, repo_root):
     """`vlserve serve` (the engine in its own process) and a `websockets` client: the answer equals the offline
-    session's, and DELETE empties the engine process's encoder cache (the eviction is a control call there)."""
+    session's, and DELETE empties the engine process's encoder cache and session media store (the eviction is a
+    control call there)."""
     import httpx
     from websockets.sync.client import connect
 
@@ -379,8 +380,10 @@ def test_real_server_with_engine_process(ckpt, offline, repo_root):
         assert done["text"] == _offline_answer(offline, frames).outputs[0].text
         assert "".join(m["delta"] for m in messages if m["type"] == "answer.delta") == done["text"]
         assert _metric(http, "vlserve:encoder_cache_usage") > 0
+        assert _metric(http, "vlserve:session_media_items") == 2  # the engine's copy of the window's pairs
         assert http.delete(f"/v1/video/sessions/{session['id']}").status_code == 200
         _wait_metric(http, "vlserve:encoder_cache_usage", 0.0)
+        _wait_metric(http, "vlserve:session_media_items", 0.0)
         _wait_metric(http, "vlserve:kv_cache_usage", 0.0)
 
 

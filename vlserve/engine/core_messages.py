@@ -89,12 +89,13 @@ class AddAck:
 
 @dataclass
 class ControlAck:
-    """The answer to one `ControlCall`: its result, or the error the core raised."""
+    """The answer to one `ControlCall`: its result, or the error the core raised; the core's counters after it."""
 
     engine_index: int
     call_id: int
     result: object = None
     error: BaseException | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

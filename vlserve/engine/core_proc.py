@@ -32,6 +32,7 @@ from vlserve.engine.core_messages import (
     portable_error,
 )
 from vlserve.engine.engine_control import CONTROL_OPS
+from vlserve.engine.session_media import SessionMediaStore
 from vlserve.executor import WorkerDied
 from vlserve.executor.worker import share_cpu_threads
 
@@ -108,13 +109,15 @@ class _ParentGone(Exception):
     """The API process exited while the engine still had something to tell it."""
 
 
-def engine_metrics(core) -> dict[str, float]:
-    """The core's counters plus two leak gauges only this process can see: requests the scheduler still holds and
-    requests still referencing encoder-cache entries (both 0 when idle)."""
+def engine_metrics(core, session_media: SessionMediaStore | None = None) -> dict[str, float]:
+    """The core's counters plus leak gauges only this process can see: requests the scheduler still holds and
+    requests still referencing encoder-cache entries (both 0 when idle), and the video session items whose media
+    the engine keeps (0 once every session closed)."""
     return {
         **core.get_metrics(),
         "vlserve:engine_requests_held": len(core.scheduler.requests),
         "vlserve:encoder_cache_referencing_requests": len(core.scheduler.encoder_cache.req_to_hashes),
+        "vlserve:session_media_items": len(session_media) if session_media is not None else 0,
     }
 
 
@@ -127,6 +130,7 @@ class _EngineLoopProc:
         self.outbox = outbox
         self.engine_index = engine_index
         self.parent = multiprocessing.parent_process()
+        self.session_media = SessionMediaStore()  # video session items' media, sent once (session_media.py)
 
     def run(self) -> None:
         import zmq
@@ -174,6 +178,8 @@ class _EngineLoopProc:
         queued: list[str] = []
         try:
             for req in msg.requests:
+                if any(f.session_id is not None for f in req.mm_features):
+                    req.mm_features = self.session_media.resolve(req.mm_features)
                 self.core.add_request(req)
                 queued.append(req.request_id)
         except Exception as e:  # all or none, like EngineLoop.add_requests
@@ -194,9 +200,12 @@ class _EngineLoopProc:
         try:
             if msg.op not in CONTROL_OPS:
                 raise ValueError(f"unknown control call {msg.op!r}")
+            if msg.op == "evict_encoder_items":
+                self.session_media.evict(msg.arg)
             ack = ControlAck(self.engine_index, msg.call_id, getattr(self.core, msg.op)(msg.arg))
         except Exception as e:
             ack = ControlAck(self.engine_index, msg.call_id, error=portable_error(e))
+        ack.metrics = self._metrics()
         self._send(ack)
 
     def _step(self) -> None:
@@ -222,7 +231,7 @@ class _EngineLoopProc:
             self._send(StepOutputs(self.engine_index, [], self._metrics()))
 
     def _metrics(self) -> dict[str, float]:
-        return engine_metrics(self.core)
+        return engine_metrics(self.core, self.session_media)
 
     def _send(self, msg: object) -> None:
         """Send, unless the API process is gone (a PUSH socket without a peer would block forever)."""

@@ -1,6 +1,7 @@
 """`DPRouter`: which data-parallel replica (engine process) a new request goes to. Pure Python, no I/O.
 
-Affinity first: a request with media goes to the replica its first item's content hash (mm_hash) picks, one
+Affinity first: a request with an affinity key (a live video session's id) goes to the replica that key picks, one
+with media to the replica its first item's content hash (mm_hash) picks, one
 without to the replica the hash of its first `block_size * prefix_blocks` prompt tokens picks, so the same image or
 the same system prompt lands where its encoder-cache / prefix-cache entries already are. Load second: the router
 counts the sequences it sent to each replica and has not seen finish; when the affinity replica holds more than
@@ -42,32 +43,44 @@ class DPRouter:
             raise ValueError("margin must be >= 0, block_size and prefix_blocks >= 1")
         self.loads = [0] * self.num_replicas
 
-    def affinity_replica(self, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = ()) -> int:
-        """The replica this request's cacheable content maps to: its first media item, else its prompt prefix."""
+    def affinity_replica(
+        self, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = (), affinity: str | None = None
+    ) -> int:
+        """The replica this request's cacheable content maps to: its affinity key, else its first media item, else
+        its prompt prefix."""
         if self.num_replicas == 1:
             return 0
-        if mm_hashes:
+        if affinity is not None:
+            key = b"key:" + affinity.encode()
+        elif mm_hashes:
             key = b"mm:" + mm_hashes[0].encode()
         else:
             prefix = prompt_token_ids[: self.block_size * self.prefix_blocks]
             key = b"tok:" + array("q", prefix).tobytes()
         return _stable_hash(key) % self.num_replicas
 
-    def choose(self, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = ()) -> int:
+    def choose(
+        self, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = (), affinity: str | None = None
+    ) -> int:
         """The affinity replica, unless it holds more than 2x the least loaded one's sequences plus the margin."""
-        replica = self.affinity_replica(prompt_token_ids, mm_hashes)
+        replica = self.affinity_replica(prompt_token_ids, mm_hashes, affinity)
         least = min(range(self.num_replicas), key=lambda i: (self.loads[i], i))
         if self.loads[replica] > 2 * self.loads[least] + self.margin:
             return least
         return replica
 
     def route(
-        self, request_id: str, prompt_token_ids: Sequence[int], mm_hashes: Sequence[str] = (), num_seqs: int = 1
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        mm_hashes: Sequence[str] = (),
+        num_seqs: int = 1,
+        affinity: str | None = None,
     ) -> int:
         """Choose a replica for a new request (of `num_seqs` sequences) and count it there until `release`."""
         if request_id in self._owners:
             raise ValueError(f"request id {request_id[:64]!r} is already routed")
-        replica = self.choose(prompt_token_ids, mm_hashes)
+        replica = self.choose(prompt_token_ids, mm_hashes, affinity)
         self._owners[request_id] = (replica, num_seqs)
         self.loads[replica] += num_seqs
         return replica

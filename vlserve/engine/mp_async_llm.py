@@ -1,9 +1,9 @@
 """`MPAsyncLLM`: the `AsyncLLM` front end with the engine core in its own process (what `vlserve serve` runs).
 
 The API process keeps HTTP, media fetching, input processing (tokenizer, chat template, HF processor: the processed
-request — token ids, processed media tensors and their hashes — is what crosses) and detokenization (the
-`OutputProcessor`: stop strings, logprob texts, n > 1 fan-in), so the engine process spends its GIL only on
-scheduling and the model. The engine process (`core_proc`) owns the scheduler, KV cache, encoder cache and runner.
+request — token ids, processed media tensors and their hashes — is what crosses; a live video session's items
+cross once per engine, `session_media`) and detokenization (the `OutputProcessor`: stop strings, logprob texts,
+n > 1 fan-in), so the engine process spends its GIL only on scheduling and the model. The engine process (`core_proc`) owns the scheduler, KV cache, encoder cache and runner.
 Stop-string hits go back to the engine as `FinishStopped`, aborts as `AbortRequests`.
 
 One thread (the base class's "engine thread", here a dispatcher) applies, in order, everything in the inbox: user
@@ -37,6 +37,7 @@ from vlserve.engine.input_processor import InputProcessor
 from vlserve.engine.model_setup import LoadedModel
 from vlserve.engine.output_processor import OutputProcessor, child_params, child_request_ids
 from vlserve.engine.pooling import PoolingRequests, resolve_pooler_spec
+from vlserve.engine.session_media import SessionMediaSender, session_of
 from vlserve.models.capabilities import model_capabilities
 from vlserve.models.registry import get_model_class
 from vlserve.outputs import RequestOutput
@@ -138,6 +139,7 @@ class RemoteEngineLoop:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.router = DPRouter(len(ready), margin=args.max_num_seqs, block_size=args.block_size)
+        self.session_media = SessionMediaSender(len(ready))  # video session items each engine holds already
         self.staged: list[StepOutputs] = []
 
     def add_requests(self, requests: list[NewRequest]) -> None:
@@ -157,9 +159,10 @@ class RemoteEngineLoop:
             self.output_processor.add_request(
                 r.request_id, r.processed.prompt, r.processed.prompt_token_ids, r.params, r.arrival
             )
-            engine = self.router.route(
-                r.request_id, r.processed.prompt_token_ids, [f.mm_hash for f in r.processed.mm_features], r.params.n
-            )
+            hashes, session = [f.mm_hash for f in r.processed.mm_features], session_of(r.processed.mm_features)
+            engine = self.router.route(r.request_id, r.processed.prompt_token_ids, hashes, r.params.n, session)
+            if session is not None:  # items this engine holds cross as references (session_media.py)
+                engine_reqs = self.session_media.send_requests(r.request_id, engine, engine_reqs)
             self.client.send(AddRequests(r.request_id, engine_reqs), engine)
 
     def add_pooling_requests(self, requests: list[NewRequest]) -> None:
@@ -373,6 +376,12 @@ class MPAsyncLLM(AsyncLLM):
     def _on_ack(self, ack: AddAck) -> None:
         self.engine_loop.update_metrics(ack.engine_index, ack.metrics)
         add = self._pending.pop(ack.user_request_id, None)
+        open_now = add is not None and self._streams.get(ack.user_request_id) is add.stream
+        resend = self.engine_loop.session_media.acked(ack.user_request_id, ack.error, open_now)
+        if resend is not None:  # the engine lacked a session item: once more, media whole
+            self._pending[ack.user_request_id] = add
+            self.client.send(AddRequests(ack.user_request_id, resend), ack.engine_index)
+            return
         if add is None:
             return
         if ack.error is not None:
@@ -385,12 +394,15 @@ class MPAsyncLLM(AsyncLLM):
 
     def _do_control(self, msg: Control) -> None:
         """Send the call to every engine (data-parallel replicas each hold the adapters); settled by their acks."""
+        if msg.op == "evict_encoder_items":  # the engines drop them from their session media stores too
+            self.engine_loop.session_media.forget(msg.arg)
         call_id = next(self._control_ids)
         self._controls[call_id] = [msg, self.client.num_engines, None]
         for engine in range(self.client.num_engines):
             self.client.send(ControlCall(call_id, msg.op, msg.arg), engine)
 
     def _on_control_ack(self, ack: ControlAck) -> None:
+        self.engine_loop.update_metrics(ack.engine_index, ack.metrics)
         entry = self._controls.get(ack.call_id)
         if entry is None:
             return

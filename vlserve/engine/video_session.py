@@ -96,7 +96,7 @@ class VideoSession:
             raise ValueError(
                 f"a video session's frames are not pruned; open it with mm_processor_kwargs={{'{PRUNING_KEY}': 0}}"
             )
-        self.stream = VideoStream(mm, fps, limit, kwargs, window_slack)
+        self.stream = VideoStream(mm, fps, limit, kwargs, window_slack, session_id)
         self.messages = self._template_messages(messages)
         self.head, _ = self._split_prompt("")
         self.clock = clock

@@ -12,7 +12,8 @@ A chunk's mm_hash is its pixels' content hash (with the processor kwargs) plus i
 output depends on the pixels alone, but equal pairs at different times (a still camera) must stay distinct items of
 one request. The window (`max_frames`, less `window_slack` when it overflows) drops the oldest chunks; the kept ones
 then count time from 0, as in one request carrying the window's frames, while their mm_hashes (and cached
-embeddings) stay the same.
+embeddings) stay the same. The window's items carry the session's id (`MultiModalFeature.session_id`; not the padded
+chunk, which is one question's own), so that an engine process is sent their data once (`session_media`).
 """
 
 from __future__ import annotations
@@ -77,12 +78,14 @@ class VideoStream:
         max_frames: int,
         mm_processor_kwargs: dict | None = None,
         window_slack: int = 0,
+        session_id: str | None = None,
     ):
         if mm_processor is None or mm_processor.video_processor is None:
             raise ValueError("this model takes no video; a video session needs a model with a video processor")
         if mm_processor.family is not None and mm_processor.qwen3_videos is None:
             raise ValueError("video sessions serve the Qwen2-VL, Qwen2.5-VL and Qwen3-VL families")
         self.mm_processor = mm_processor
+        self.session_id = session_id  # marks the window's items (`MultiModalFeature.session_id`)
         self.temporal_patch = int(getattr(mm_processor.video_processor, "temporal_patch_size", 2))
         if not fps > 0:
             raise ValueError(f"fps must be positive, got {fps}")
@@ -195,6 +198,8 @@ class VideoStream:
                 run = [self.mm_processor.video_token_id] * num
                 data = {**chunk.data, "video_time_offset": step}
                 feats = [MultiModalFeature("video", mm_hash, len(ids), num, data)]
+            if self.session_id is not None and not chunk.num_real:  # the padded chunk is the question's own
+                feats = [replace(f, session_id=self.session_id) for f in feats]
             ids.extend(run)
             features.extend(feats)
         return ids, features

@@ -19,6 +19,8 @@ class MultiModalFeature:
     offset: int  # index in prompt_token_ids of the first placeholder token of this item
     length: int  # number of placeholder tokens == number of embeddings the encoder produces
     data: dict[str, Any] = field(default_factory=dict, repr=False)  # e.g. pixel_values, image_grid_thw
+    # the live video session whose window holds this item (its data then crosses to an engine process once)
+    session_id: str | None = None
 
     @property
     def end(self) -> int:
