@@ -191,15 +191,16 @@ class VideoStream:
         features: list[MultiModalFeature] = []
         for step, chunk in enumerate(chunks):
             mm_hash = chunk.mm_hash
+            session_id = None if chunk.num_real else self.session_id  # the padded chunk is the question's own
             if self.mm_processor.qwen3_videos is not None:
                 run, feats = self._qwen3_run(mm_hash, chunk, step, offset=len(ids))
+                if session_id is not None:
+                    feats = [replace(f, session_id=session_id) for f in feats]
             else:
                 num = int(chunk.data["video_grid_thw"][0].prod()) // self.mm_processor._merge_size("video") ** 2
                 run = [self.mm_processor.video_token_id] * num
                 data = {**chunk.data, "video_time_offset": step}
-                feats = [MultiModalFeature("video", mm_hash, len(ids), num, data)]
-            if self.session_id is not None and not chunk.num_real:  # the padded chunk is the question's own
-                feats = [replace(f, session_id=self.session_id) for f in feats]
+                feats = [MultiModalFeature("video", mm_hash, len(ids), num, data, session_id)]
             ids.extend(run)
             features.extend(feats)
         return ids, features

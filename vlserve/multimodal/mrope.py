@@ -19,6 +19,7 @@ what follows it is positioned as after the whole grid.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,8 +36,8 @@ def _vision_config(hf_config: Any) -> Any:
 def _grid(feature: MultiModalFeature) -> tuple[int, int, int]:
     key = "image_grid_thw" if feature.modality == "image" else "video_grid_thw"
     grid = feature.data[key]
-    grid = grid[0] if hasattr(grid, "dim") and grid.dim() == 2 else grid
-    t, h, w = (int(v) for v in grid)
+    grid = grid.tolist() if hasattr(grid, "tolist") else grid  # one call for a tensor's three values
+    t, h, w = (int(v) for v in (grid[0] if isinstance(grid[0], (list, tuple)) else grid))
     return t, h, w
 
 
@@ -53,6 +54,30 @@ def _time_offset(feature: MultiModalFeature) -> int:
     """The temporal grid steps of the same video before this item (0: the item starts its own video)."""
     offset = feature.data.get("video_time_offset", 0)
     return int(offset.reshape(-1)[0]) if hasattr(offset, "reshape") else int(offset)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_positions(
+    llm_t: int, llm_h: int, llm_w: int, time_offset: int, time_scale: tuple[float, int, bool] | int | None
+) -> tuple[torch.Tensor, int]:
+    """The (t, h, w) ids [3, llm_t*llm_h*llm_w] of an item's grid counted from its video's start, and their
+    maximum. `time_scale`: None keeps t (Qwen2-VL), 0 zeroes it (Qwen2.5-VL images), (second_per_grid,
+    tokens_per_second, truncate) scales it (Qwen2.5-VL videos). Cached: a live session's items repeat their grids;
+    callers add to it, never write into it."""
+    t_idx = torch.arange(time_offset, time_offset + llm_t, dtype=torch.long)  # [llm_t]
+    if time_scale == 0:
+        t_idx = t_idx * 0
+    elif time_scale is not None:
+        spg, tokens_per_second, truncate = time_scale
+        if truncate:
+            t_idx = (t_idx * int(spg) * tokens_per_second).long()
+        else:
+            t_idx = (t_idx.double() * spg * tokens_per_second).long()
+    t_ids = t_idx.view(-1, 1).expand(-1, llm_h * llm_w).flatten()  # [n]
+    h_ids = torch.arange(llm_h).view(1, -1, 1).expand(llm_t, -1, llm_w).flatten()  # [n]
+    w_ids = torch.arange(llm_w).view(1, 1, -1).expand(llm_t, llm_h, -1).flatten()  # [n]
+    positions = torch.stack([t_ids, h_ids, w_ids])  # [3, n]
+    return positions, int(positions.max())
 
 
 def get_mrope_positions(
@@ -104,20 +129,13 @@ def get_mrope_positions(
             next_pos += text_len
         if not time_offset:
             video_start = next_pos
-        t_idx = torch.arange(time_offset, time_offset + llm_t, dtype=torch.long)  # [llm_t]
         if f.modality == "video" and tokens_per_second is not None:
-            spg = _second_per_grid(f)
-            if truncate_second_per_grid:
-                t_idx = (t_idx * int(spg) * tokens_per_second).long()
-            else:
-                t_idx = (t_idx.double() * spg * tokens_per_second).long()
-        elif tokens_per_second is not None:
-            t_idx = t_idx * 0  # Qwen2.5-VL images: second_per_grid_t = 0
-        t_ids = t_idx.view(-1, 1).expand(-1, llm_h * llm_w).flatten()  # [n]
-        h_ids = torch.arange(llm_h).view(1, -1, 1).expand(llm_t, -1, llm_w).flatten()  # [n]
-        w_ids = torch.arange(llm_w).view(1, 1, -1).expand(llm_t, llm_h, -1).flatten()  # [n]
-        vision = torch.stack([t_ids, h_ids, w_ids]) + video_start  # [3, n]
-        next_pos = max(next_pos, int(vision.max()) + 1)  # after the whole grid, pruned or not
+            time_scale = (_second_per_grid(f), tokens_per_second, truncate_second_per_grid)
+        else:
+            time_scale = None if tokens_per_second is None else 0  # Qwen2.5-VL images: second_per_grid_t = 0
+        grid_positions, grid_max = _grid_positions(llm_t, llm_h, llm_w, time_offset, time_scale)
+        vision = grid_positions + video_start  # [3, n]
+        next_pos = max(next_pos, grid_max + video_start + 1)  # after the whole grid, pruned or not
         if rate:
             kept = (kept_indices or {}).get(f.mm_hash)
             vision = vision[:, : f.length] if kept is None else vision[:, kept.to(torch.long)]  # [3, length]
