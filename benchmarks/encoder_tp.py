@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_tower(args: argparse.Namespace, shard: bool = False) -> nn.Module:
     """The benchmark's tower with seeded random weights (normal std 0.02, biases 0, norms 1), cast, its blocks split
     over the tensor-parallel ranks when `shard`, and packed."""
-    from vlserve.encoders import Qwen2VisionTower
+    from benchmarks.int8_towers import random_qwen2_tower
     from vlserve.encoders.vision_layers import VisionTowerConfig
     from vlserve.kernels.packed_linear import pack_linears_for_cpu
     from vlserve.models.tower_sharding import shard_tower_blocks
@@ -69,16 +69,7 @@ def build_tower(args: argparse.Namespace, shard: bool = False) -> nn.Module:
         hidden_act="quick_gelu",
         out_dim=args.out_dim,
     )
-    torch.manual_seed(0)
-    tower = Qwen2VisionTower(cfg)
-    for name, p in tower.named_parameters():
-        if "norm" in name or "ln_q" in name:
-            nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-        elif name.endswith("bias"):
-            nn.init.zeros_(p)
-        else:
-            nn.init.normal_(p, std=0.02)
-    tower = tower.to(getattr(torch, args.dtype)).eval()
+    tower = random_qwen2_tower(cfg).to(getattr(torch, args.dtype)).eval()
     if shard:
         shard_tower_blocks([tower])
     pack_linears_for_cpu(tower, many_rows=[tower])

@@ -55,8 +55,13 @@ class _Towered(nn.Module):
 
 def random_2b_tower(seed: int = 0) -> Qwen2VisionTower:
     """Qwen2-VL-2B's vision shapes with seeded random weights (normal std 0.02, biases 0, norms 1), float32."""
+    return random_qwen2_tower(QWEN2_VL_2B, seed)
+
+
+def random_qwen2_tower(cfg, seed: int = 0) -> Qwen2VisionTower:
+    """A Qwen2-VL tower of `cfg`'s shapes with seeded random weights (normal std 0.02, biases 0, norms 1), float32."""
     torch.manual_seed(seed)
-    tower = Qwen2VisionTower(QWEN2_VL_2B)
+    tower = Qwen2VisionTower(cfg)
     for name, p in tower.named_parameters():
         if "norm" in name or "ln_q" in name:
             nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)

@@ -92,17 +92,23 @@ def run_length(llm, seconds: float, args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def stream_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of the stream, checkpoint and window (shared with benchmarks.live_video_engine_process)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--variant", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
     parser.add_argument("--seconds", type=float, nargs="+", default=[10, 60, 300])
     parser.add_argument("--fps", type=float, default=1.0)
     parser.add_argument("--frame-size", type=int, default=56)
     parser.add_argument("--max-frames", type=int, default=256)
-    parser.add_argument("--window-slack", type=int, default=0, help="frames dropped below --max-frames at once")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--question", default="Where is the square going?")
     parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "vlserve-live-video"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = stream_parser(__doc__.splitlines()[0])
+    parser.add_argument("--window-slack", type=int, default=0, help="frames dropped below --max-frames at once")
     args = parser.parse_args(argv)
 
     from vlserve import LLM

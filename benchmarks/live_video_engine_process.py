@@ -16,14 +16,11 @@ request's pickled size and the mean time of one append. Figures only mean someth
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import statistics
-import tempfile
 import time
 
-from benchmarks.live_video import build, moving_square
+from benchmarks.live_video import build, moving_square, stream_parser
 
 
 def record_add_sizes(llm) -> dict[str, int]:
@@ -81,16 +78,8 @@ async def run_length(llm, sizes: dict[str, int], seconds: float, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-    parser.add_argument("--seconds", type=float, nargs="+", default=[10, 60, 300])
-    parser.add_argument("--fps", type=float, default=1.0)
-    parser.add_argument("--frame-size", type=int, default=56)
-    parser.add_argument("--max-frames", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--question", default="Where is the square going?")
+    parser = stream_parser(__doc__.splitlines()[0])
     parser.add_argument("--resend-media", action="store_true", help="send every item whole with every request")
-    parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "vlserve-live-video"))
     args = parser.parse_args(argv)
 
     from vlserve.config import EngineArgs
