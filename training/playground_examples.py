@@ -77,19 +77,7 @@ def live_clip(seed: int = SEED) -> world.VideoScene:
 
 def write_webm(frames: list, path: str, fps: int) -> str:
     """Encode PIL frames as a VP8 WebM with PyAV (sides rounded down to even numbers); return path."""
-    import av
-
-    w, h = frames[0].width // 2 * 2, frames[0].height // 2 * 2
-    with av.open(path, mode="w", format="webm") as container:
-        stream = container.add_stream("libvpx", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"crf": "8", "b": "400k", "threads": "1"}
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_image(f.crop((0, 0, w, h)))):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
+    return world.write_clip(frames, path, fps, "libvpx", "webm", {"crf": "8", "b": "400k", "threads": "1"})
 
 
 def write_live_clip(out: str = DEFAULT_OUT, seed: int = SEED) -> dict:

@@ -15,33 +15,21 @@ import json
 import math
 import os
 
-import httpx
 import pytest
 from PIL import Image
 
 from tests.api.conftest import serve_subprocess
-from tests.api.test_playground import API_KEY, EXAMPLES_DIR, _open_page, _wait
+from tests.api.test_playground import (  # noqa: F401  (chromium, artifacts, api: fixtures shared with the chat tests)
+    API_KEY,
+    EXAMPLES_DIR,
+    _open_page,
+    _wait,
+    api,
+    artifacts,
+    chromium,
+)
 
 LIVE_CLIP = json.load(open(os.path.join(EXAMPLES_DIR, "live_demo.json")))
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    from tests.support.browser import find_chromium
-
-    found = find_chromium()
-    if isinstance(found, str):
-        if os.environ.get("VLSERVE_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"VLSERVE_REQUIRE_BROWSER=1 but {found}")
-        pytest.skip(found)
-    return found
-
-
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory) -> str:
-    out = os.environ.get("VLSERVE_TEST_ARTIFACTS") or str(tmp_path_factory.mktemp("playground_artifacts"))
-    os.makedirs(out, exist_ok=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +52,6 @@ def demo_server(chromium, repo_root):
     ]
     with serve_subprocess(args, repo_root) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def api(demo_server):
-    with httpx.Client(
-        base_url=demo_server, timeout=120, trust_env=False, headers={"Authorization": f"Bearer {API_KEY}"}
-    ) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

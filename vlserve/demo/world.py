@@ -339,13 +339,21 @@ def render_video(scene: VideoScene) -> list[Image.Image]:
 
 def write_mp4(frames: list[Image.Image], path: str, fps: int = 4) -> str:
     """Encode frames as an H.264 mp4 with PyAV (sides rounded down to even numbers); return path."""
+    return write_clip(frames, path, fps, "libx264", None, {"crf": "18"})
+
+
+def write_clip(
+    frames: list[Image.Image], path: str, fps: int, codec: str, container_format: str | None, options: dict
+) -> str:
+    """Encode frames with PyAV's `codec` (yuv420p, sides rounded down to even numbers, encoder `options`) into
+    `path` (`container_format`, or the one its extension names); return path."""
     import av
 
     w, h = frames[0].width // 2 * 2, frames[0].height // 2 * 2
-    with av.open(path, mode="w") as container:
-        stream = container.add_stream("libx264", rate=fps)
+    with av.open(path, mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"crf": "18"}
+        stream.options = options
         for f in frames:
             for packet in stream.encode(av.VideoFrame.from_image(f.crop((0, 0, w, h)))):
                 container.mux(packet)
