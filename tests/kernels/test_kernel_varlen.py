@@ -9,7 +9,7 @@ import torch
 from _kernel_testutils import kernel_tol, to_device
 
 import vlserve.kernels as K
-from vlserve.kernels.attention_ref import varlen_attention_ref
+from vlserve.kernels.varlen_attention_ref import varlen_attention_ref
 
 
 def _naive_varlen(q, k, v, bounds, scale):

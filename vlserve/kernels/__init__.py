@@ -32,13 +32,13 @@ from vlserve.kernels.attention_ref import (
     decode_workspace_numel,
     paged_attention_decode_ref,
     paged_prefill_attention_ref,
-    varlen_attention_ref,
 )
 from vlserve.kernels.fused_moe_ref import fused_moe_ref
 from vlserve.kernels.kv_write_ref import write_kv_cache_ref
 from vlserve.kernels.metadata import AttentionMetadata
 from vlserve.kernels.rotary_cpu import apply_rotary_cpu
 from vlserve.kernels.rotary_ref import apply_rotary_float32_ref, apply_rotary_ref, build_rotary_cache
+from vlserve.kernels.varlen_attention_ref import varlen_attention_ref
 
 BACKEND_ENV = "VLSERVE_ATTENTION_BACKEND"
 _BACKENDS = ("torch", "triton")
@@ -234,11 +234,15 @@ def varlen_attention(
     max_seqlen: int | None = None,
     cu_seqlens_cpu: list[int] | None = None,
     out: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Bidirectional (non-causal) varlen attention over contiguous query/key/value [T, H, D]: each segment of
-    cu_seqlens [B+1] attends only to itself (block-diagonal), as vision towers need; no KV cache."""
-    return _impl("varlen_attention", query.device)(
-        query, key, value, cu_seqlens, scale, max_seqlen=max_seqlen, cu_seqlens_cpu=cu_seqlens_cpu, out=out
+    """Varlen attention over contiguous query/key/value [T, H, D]: each segment of cu_seqlens [B+1] attends only
+    to itself (block-diagonal, as vision towers need; `causal`: each row to the rows before it too, as text towers
+    need); no KV cache. The Triton kernel is bidirectional: causal calls take the torch path."""
+    impl = varlen_attention_ref if causal else _impl("varlen_attention", query.device)
+    kwargs = {"causal": True} if causal else {}
+    return impl(
+        query, key, value, cu_seqlens, scale, max_seqlen=max_seqlen, cu_seqlens_cpu=cu_seqlens_cpu, out=out, **kwargs
     )
 
 

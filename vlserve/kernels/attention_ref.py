@@ -54,6 +54,7 @@ from vlserve.kernels.prefill_batch import (
     prefill_groups,
     step_prefill_groups,
 )
+from vlserve.kernels.varlen_attention_cpu import max_segment_len, segment_attention_cpu, segment_kernel_takes
 
 # Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
@@ -375,16 +376,38 @@ def prefill_ref(
     )
 
 
-def _cpu_step_rows(md: AttentionMetadata):
+def _cpu_step_rows(md: AttentionMetadata, decodes_only: bool):
     """The rows the step's C++ calls attend (the decodes, and short prefill chunks' tokens unless a prefill token
-    attends past its own position), converted once a step."""
+    attends past its own position or `decodes_only`), converted once a step."""
     causal = not bidirectional_prefills(md)
     num_rows, row_seqs, row_lens = kernel_rows(
-        md.query_start_loc_cpu, md.seq_lens_cpu, md.num_decodes, MAX_KERNEL_QUERY_LEN if causal else 0
+        md.query_start_loc_cpu,
+        md.seq_lens_cpu,
+        md.num_decodes,
+        MAX_KERNEL_QUERY_LEN if causal and not decodes_only else 0,
     )
     return step_rows(
         md.slot_mapping, md.block_tables, md.seq_lens if row_lens is None else row_lens, num_rows, row_seqs
     )
+
+
+def _fresh_prompt_segments(md: AttentionMetadata) -> tuple[list[int], list[int]] | None:
+    """(first rows, lengths) of the step's prefill sequences when each is a whole prompt (no cached prefix) short
+    enough for the segment kernel and none attends past its own position; None otherwise (or with no prefill)."""
+    first = md.num_decodes
+    starts, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    if md.key_limits is not None or first == len(lens):
+        return None
+    limit = max_segment_len(causal=True)
+    rows, lengths = [], []
+    for b in range(first, len(lens)):
+        q_len = starts[b + 1] - starts[b]
+        if q_len != lens[b] or q_len > limit:
+            return None
+        if q_len:
+            rows.append(starts[b])
+            lengths.append(q_len)
+    return rows, lengths
 
 
 def attention_forward_ref(
@@ -410,6 +433,10 @@ def attention_forward_ref(
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
+    # a step whose prefills are all short fresh prompts attends them from the step's own rows (no cache read)
+    fresh = None
+    if sliding_window is None and not is_fp8(k_cache) and segment_kernel_takes(query, key, value, out):
+        fresh = md.derive("fresh_prompt_segments", lambda: _fresh_prompt_segments(md))
     # the runner allocates every layer's caches alike: one check per step and dtypes (a draft's cache may differ)
     if md.derive(
         ("cpu_attention_step", query.dtype, key.dtype, k_cache.dtype),
@@ -417,7 +444,8 @@ def attention_forward_ref(
     ):
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
-        rows = md.derive("cpu_step_rows", lambda: _cpu_step_rows(md))
+        decodes_only = fresh is not None
+        rows = md.derive(("cpu_step_rows", decodes_only), lambda: _cpu_step_rows(md, decodes_only))
         attend_rows(query, key, value, k_cache, v_cache, rows, scale, out, k_scale, v_scale, sliding_window)
         if rows.seqs.shape[0]:  # the prefill chunks' rows were in the call too
             kernel_seqs = md.num_seqs
@@ -433,43 +461,8 @@ def attention_forward_ref(
         )
         if num_decodes > 0:
             _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
-    if kernel_seqs < md.num_seqs:
+    if fresh is not None:
+        segment_attention_cpu(query, key, value, fresh[0], fresh[1], scale, True, out)
+    elif kernel_seqs < md.num_seqs:
         prefill_ref(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
-    return out
-
-
-def varlen_attention_ref(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    *,
-    max_seqlen: int | None = None,
-    cu_seqlens_cpu: list[int] | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Bidirectional varlen attention over contiguous K/V: segment b (rows cu_seqlens[b]..cu_seqlens[b+1]) attends
-    only to itself (a block-diagonal mask). Rows past cu_seqlens[-1] come out zero."""
-    # query: [T, Hq, D]; key, value: [T, Hkv, D]; cu_seqlens: [B+1] int32; returns [T, Hq, D]
-    del max_seqlen  # only the Triton grid needs it
-    bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist()
-    if out is None:
-        out = torch.zeros_like(query)
-    gqa = query.shape[1] != key.shape[1]
-    # Segments of equal length share one batched SDPA call (Qwen2.5-VL windows are mostly the same size).
-    starts_by_len: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            starts_by_len.setdefault(end - start, []).append(start)
-    for length, starts in starts_by_len.items():
-        if len(starts) == 1:
-            rows: slice | torch.Tensor = slice(starts[0], starts[0] + length)
-            q, k, v = (t[rows].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, L, D]
-        else:
-            first = torch.tensor(starts, dtype=torch.long, device=query.device)  # [n]
-            rows = first[:, None] + torch.arange(length, device=query.device)  # [n, L]
-            q, k, v = (t[rows].transpose(1, 2) for t in (query, key, value))  # [n, H, L, D]
-        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa).transpose(1, 2)  # [n, L, Hq, D]
-        out[rows] = o[0] if isinstance(rows, slice) else o
     return out

@@ -1,0 +1,132 @@
+"""The C++ segment attention (vlserve/kernels/varlen_attention_cpu.py) against a float64 reference, and its two
+callers: `varlen_attention(..., causal=...)` and a step of fresh prompts through `attention_forward`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.kernels._kernel_testutils import build_metadata, poison_unused_slots
+from vlserve.kernels import attention_forward, varlen_attention
+from vlserve.kernels.varlen_attention_cpu import (
+    DISABLE_ENV,
+    max_segment_len,
+    segment_attention_cpu,
+    segment_kernel_takes,
+    varlen_attention_cpu_kernel,
+)
+
+pytestmark = pytest.mark.skipif(varlen_attention_cpu_kernel() is None, reason="no C++ toolchain for CPU kernels")
+
+
+def reference(q, k, v, starts, lens, scale, causal):
+    """float64 attention of each segment over itself, [T, Hq, D] in q's dtype; rows outside segments zero."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for start, n in zip(starts, lens):
+        for h in range(q.shape[1]):
+            qs, ks, vs = (t[start : start + n, hh].double() for t, hh in ((q, h), (k, h // group), (v, h // group)))
+            scores = qs @ ks.T * scale  # [n, n]
+            if causal:
+                scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            out[start : start + n, h] = torch.softmax(scores, dim=-1) @ vs
+    return out
+
+
+def qkv_views(num_tokens, hq, hkv, d, dtype, seed):
+    """q, k, v as column views of one fused [T, (Hq + 2 Hkv) * D] projection (row stride > the heads' width)."""
+    g = torch.Generator().manual_seed(seed)
+    fused = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = fused[:, : hq * d].view(num_tokens, hq, d)
+    k = fused[:, hq * d : (hq + hkv) * d].view(num_tokens, hkv, d)
+    v = fused[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (12, 12, 64), (4, 4, 80), (2, 1, 128), (3, 3, 20)])
+def test_kernel_matches_reference(dtype, tol, causal, hq, hkv, d):
+    rng = random.Random(hq * 100 + d + causal)
+    lens = [rng.randint(1, 70) for _ in range(6)] + [1, 17]
+    starts = [sum(lens[:i]) + 3 * i for i in range(len(lens))]  # gaps between segments stay untouched
+    num_tokens = starts[-1] + lens[-1] + 2
+    q, k, v = qkv_views(num_tokens, hq, hkv, d, dtype, seed=len(lens) + d)
+    out = torch.full((num_tokens, hq, d), 7.0, dtype=dtype)
+    with torch.no_grad():
+        assert segment_kernel_takes(q, k, v, out)
+        segment_attention_cpu(q, k, v, starts, lens, d**-0.5, causal, out)
+    want = reference(q, k, v, starts, lens, d**-0.5, causal)
+    inside = torch.zeros(num_tokens, dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        inside[s : s + n] = True
+    assert (out[inside].double() - want[inside]).abs().max().item() < tol
+    assert bool((out[~inside] == 7.0).all())  # rows outside every segment are not written
+
+
+def test_segment_outside_rows_is_a_value_error():
+    q, k, v = qkv_views(10, 2, 2, 16, torch.float32, seed=0)
+    out = torch.empty(10, 2, 16)
+    with torch.no_grad(), pytest.raises(ValueError, match="within the rows"):
+        segment_attention_cpu(q, k, v, [4], [7], 0.25, True, out)
+
+
+def test_not_taken_with_grad_or_when_disabled(monkeypatch):
+    q, k, v = qkv_views(8, 2, 2, 16, torch.float32, seed=1)
+    out = torch.empty(8, 2, 16)
+    assert not segment_kernel_takes(q, k, v, out)  # autograd on
+    with torch.no_grad():
+        assert segment_kernel_takes(q, k, v, out)
+        monkeypatch.setenv(DISABLE_ENV, "0")
+        assert not segment_kernel_takes(q, k, v, out)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_attention_mixes_kernel_and_sdpa_segments(causal):
+    # segments on both sides of the kernel's length limit: the long ones go through SDPA, same answer
+    limit = max_segment_len(causal)
+    lens = [5, limit, limit + 1, 33, limit + 40]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    q, k, v = qkv_views(bounds[-1], 4, 2, 32, torch.float32, seed=2)
+    with torch.no_grad():
+        got = varlen_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), 32**-0.5, causal=causal)
+    want = reference(q, k, v, bounds[:-1], lens, 32**-0.5, causal)
+    assert (got.double() - want).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("num_decodes", [0, 2])
+def test_fresh_prompts_step_reads_its_own_rows(num_decodes):
+    # a step of short fresh prompts (after some decodes) matches the reference over the cached context; unused
+    # cache slots hold NaN, so a read past a prompt would show
+    torch.manual_seed(3)
+    hq, hkv, d, block_size = 4, 2, 32, 16
+    q_lens = [1] * num_decodes + [9, 40, 23]
+    seq_lens = [20, 35][:num_decodes] + [9, 40, 23]
+    blocks_per_seq = 4
+    tables = torch.arange(1, 1 + len(q_lens) * blocks_per_seq, dtype=torch.int32).view(len(q_lens), blocks_per_seq)
+    k_cache = torch.randn(1 + tables.numel(), block_size, hkv, d)
+    v_cache = torch.randn_like(k_cache)
+    poison_unused_slots(k_cache, v_cache, tables, [s - q for s, q in zip(seq_lens, q_lens)])
+    md = build_metadata(q_lens, seq_lens, tables, block_size, num_decodes)
+    num_tokens = sum(q_lens)
+    q, k, v = qkv_views(num_tokens, hq, hkv, d, torch.float32, seed=4)
+    with torch.no_grad():
+        got = attention_forward(q, k, v, k_cache, v_cache, md, d**-0.5)
+    row = 0
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        positions = torch.arange(seq_len)
+        slots = tables[b, positions // block_size].long() * block_size + positions % block_size
+        keys = k_cache.view(-1, hkv, d)[slots]  # [S, Hkv, D]: the prefix and this step's rows, now written
+        values = v_cache.view(-1, hkv, d)[slots]
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            group = hq // hkv
+            for h in range(hq):
+                scores = keys[: pos + 1, h // group].double() @ q[row + i, h].double() * d**-0.5  # [pos + 1]
+                want = torch.softmax(scores, dim=0) @ values[: pos + 1, h // group].double()  # [D]
+                assert (got[row + i, h].double() - want).abs().max().item() < 2e-5, (b, i, h)
+        row += q_len

@@ -1,0 +1,166 @@
+// Attention of short segments over themselves (causal or bidirectional): see vlserve/kernels/varlen_attention_cpu.py.
+// One OpenMP task per (segment, KV head): its keys are widened to float32 and transposed into Kt [D][L] and its values
+// into Vf [L][D], then each query head of its group takes its rows four at a time: the rows' scores over the keys
+// they see (vectors along the keys, the four rows sharing each Kt load), a float32 softmax, then the weighted sum of
+// values (vectors along D, the four rows sharing each value load). Nothing is read past a segment's end.
+#include <ATen/cpu/vec/vec.h>
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kRows = 4;  // query rows that share each key / value load
+
+inline int64_t whole_vectors(int64_t n) { return (n + Vec::size() - 1) / Vec::size() * Vec::size(); }
+
+inline float load_elem(const void* base, int64_t index, bool bf16) {
+    if (bf16) return static_cast<float>(static_cast<const c10::BFloat16*>(base)[index]);
+    return static_cast<const float*>(base)[index];
+}
+
+// src row r (row stride `stride` elements), D contiguous elements -> dst float32 [D], times `scale`
+inline void widen_row(const void* src, int64_t offset, int64_t D, bool bf16, float scale, float* dst) {
+    if (bf16) {
+        const auto* s = static_cast<const c10::BFloat16*>(src) + offset;
+        int64_t d = 0;
+        for (; d + Vec::size() <= D; d += Vec::size())
+            (at::vec::convert<float>(at::vec::Vectorized<c10::BFloat16>::loadu(s + d, Vec::size())) * Vec(scale))
+                .store(dst + d);
+        for (; d < D; ++d) dst[d] = static_cast<float>(s[d]) * scale;
+    } else {
+        const float* s = static_cast<const float*>(src) + offset;
+        int64_t d = 0;
+        for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(s + d) * Vec(scale)).store(dst + d);
+        for (; d < D; ++d) dst[d] = s[d] * scale;
+    }
+}
+
+inline void store_row(const float* src, int64_t D, bool bf16, void* out, int64_t offset) {
+    if (bf16) {
+        auto* o = static_cast<c10::BFloat16*>(out) + offset;
+        int64_t d = 0;
+        for (; d + Vec::size() <= D; d += Vec::size())
+            at::vec::convert<c10::BFloat16>(Vec::loadu(src + d)).store(o + d, Vec::size());
+        for (; d < D; ++d) o[d] = c10::BFloat16(src[d]);
+    } else {
+        float* o = static_cast<float*>(out) + offset;
+        std::copy(src, src + D, o);
+    }
+}
+
+// scores[r][0..n) = q[r] . Kt[:, 0..n) for the kRows query rows q [kRows][D] (already scaled); Kt [D][ld], ld a whole
+// number of vectors >= n (zero past the keys), so every load is a whole vector
+void scores_block(const float* q, const float* kt, int64_t ld, int64_t D, int64_t n, float* scores) {
+    for (int64_t j = 0; j < n; j += Vec::size()) {
+        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+        for (int64_t d = 0; d < D; ++d) {
+            const Vec k = Vec::loadu(kt + d * ld + j);
+            a0 = at::vec::fmadd(Vec(q[d]), k, a0);
+            a1 = at::vec::fmadd(Vec(q[D + d]), k, a1);
+            a2 = at::vec::fmadd(Vec(q[2 * D + d]), k, a2);
+            a3 = at::vec::fmadd(Vec(q[3 * D + d]), k, a3);
+        }
+        a0.store(scores + j);
+        a1.store(scores + ld + j);
+        a2.store(scores + 2 * ld + j);
+        a3.store(scores + 3 * ld + j);
+    }
+}
+
+// scores[0..n) -> softmax weights in place, and zero in [n, whole vectors): s has room for them
+inline void softmax_row(float* s, int64_t n) {
+    const int64_t nv = whole_vectors(n);
+    std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
+    Vec vmax(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < nv; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
+    const Vec mx(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax));
+    Vec vsum(0.0f);
+    for (int64_t j = 0; j < nv; j += Vec::size()) {
+        const Vec e = (Vec::loadu(s + j) - mx).exp();
+        e.store(s + j);
+        vsum = vsum + e;
+    }
+    const Vec inv(1.0f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum));
+    for (int64_t j = 0; j < nv; j += Vec::size()) (Vec::loadu(s + j) * inv).store(s + j);
+}
+
+// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
+// no key); Vf [L][D]
+void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
+    int64_t d = 0;
+    for (; d + Vec::size() <= D; d += Vec::size()) {
+        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+            const Vec v = Vec::loadu(vf + j * D + d);
+            a0 = at::vec::fmadd(Vec(p[j]), v, a0);
+            a1 = at::vec::fmadd(Vec(p[sld + j]), v, a1);
+            a2 = at::vec::fmadd(Vec(p[2 * sld + j]), v, a2);
+            a3 = at::vec::fmadd(Vec(p[3 * sld + j]), v, a3);
+        }
+        a0.store(acc + d);
+        a1.store(acc + D + d);
+        a2.store(acc + 2 * D + d);
+        a3.store(acc + 3 * D + d);
+    }
+    for (; d < D; ++d)
+        for (int64_t r = 0; r < kRows; ++r) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < n; ++j) s += p[r * sld + j] * vf[j * D + d];
+            acc[r * D + d] = s;
+        }
+}
+
+}  // namespace
+
+// q [*, Hq, D] / k, v [*, Hkv, D] / out [*, Hq, D]: row strides q_ld / k_ld / v_ld / o_ld elements, head stride D,
+// elements contiguous. Segment s covers rows starts[s] .. starts[s] + lens[s] of q, k, v and out.
+extern "C" void kernel(const void* q, const void* k, const void* v, void* out, int64_t q_ld, int64_t k_ld,
+                       int64_t v_ld, int64_t o_ld, const int64_t* starts, const int64_t* lens, int64_t S, int64_t Hq,
+                       int64_t Hkv, int64_t D, float scale, int64_t causal, int64_t is_bf16, int64_t threads) {
+    const bool bf16 = is_bf16 != 0;
+    const int64_t group = Hq / Hkv;
+    const int64_t tasks = S * Hkv;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> kt, vf, qs(kRows * D), scores, acc(kRows * D);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+            const int64_t s = t / Hkv, h = t % Hkv, start = starts[s], L = lens[s];
+            if (L <= 0) continue;
+            const int64_t ld = whole_vectors(L);  // Kt row length
+            kt.assign(D * ld, 0.0f);
+            vf.resize(L * D);
+            scores.resize(kRows * ld);
+            for (int64_t j = 0; j < L; ++j) {
+                const int64_t row = start + j;
+                for (int64_t d = 0; d < D; ++d) kt[d * ld + j] = load_elem(k, row * k_ld + h * D + d, bf16);
+                widen_row(v, row * v_ld + h * D, D, bf16, 1.0f, vf.data() + j * D);
+            }
+            for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
+                for (int64_t i0 = 0; i0 < L; i0 += kRows) {
+                    const int64_t rows = std::min(kRows, L - i0);
+                    const int64_t n_max = causal ? i0 + rows : L;  // keys the block's last row sees
+                    for (int64_t r = 0; r < rows; ++r)
+                        widen_row(q, (start + i0 + r) * q_ld + hq * D, D, bf16, scale, qs.data() + r * D);
+                    std::fill(qs.begin() + rows * D, qs.end(), 0.0f);  // rows past the segment: never stored
+                    scores_block(qs.data(), kt.data(), ld, D, n_max, scores.data());
+                    for (int64_t r = 0; r < kRows; ++r) {
+                        const int64_t n = r < rows ? (causal ? i0 + r + 1 : L) : 0;
+                        float* row = scores.data() + r * ld;
+                        if (n > 0) softmax_row(row, n);  // zero up to whole vectors past n
+                        const int64_t done = n > 0 ? whole_vectors(n) : 0;
+                        if (done < n_max) std::fill(row + done, row + n_max, 0.0f);  // unseen keys weigh 0
+                    }
+                    weighted_values(scores.data(), ld, n_max, vf.data(), D, acc.data());
+                    for (int64_t r = 0; r < rows; ++r)
+                        store_row(acc.data() + r * D, D, bf16, out, (start + i0 + r) * o_ld + hq * D);
+                }
+            }
+        }
+    }
+}
