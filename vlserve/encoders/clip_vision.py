@@ -72,7 +72,7 @@ def feature_layer_indices(feature_layers: int | list[int], depth: int) -> list[i
 
 
 class VitAttention(nn.Module):
-    """Separate q/k/v projections with biases, bidirectional varlen attention per tile, out projection."""
+    """Separate q/k/v projections with biases, varlen attention per segment (a tile: bidirectional), out projection."""
 
     def __init__(self, cfg: VitConfig) -> None:
         super().__init__()
@@ -97,6 +97,7 @@ class VitAttention(nn.Module):
             self.head_dim**-0.5,
             max_seqlen=segments.max_len,
             cu_seqlens_cpu=segments.bounds,
+            causal=segments.causal,
         )  # [R, H, Hd]
         return self.out_proj(out.reshape(rows, -1))
 

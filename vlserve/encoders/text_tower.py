@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.encoders.clip_vision import VitAttention, VitEncoderLayer, copy_tower_weights
+from vlserve.encoders.vision_layers import AttentionSegments
 from vlserve.kernels.packed_linear import PackableLinear
 
 
@@ -75,7 +76,10 @@ class TextRows:
     batch: int  # B
     num_tokens: int  # T
     flat_rows: torch.Tensor | None  # [R] int64: b * T + t of each computed row, in order; None = all B * T rows
-    mask: torch.Tensor  # [B, 1, T, T] bool (text_attention_mask)
+    mask: torch.Tensor | None  # [B, 1, T, T] bool (text_attention_mask); None when `segments` is set
+    # one segment per text when the computed rows are exactly the texts' tokens (no padded row computed): attention
+    # then runs on the packed rows (VitAttention's varlen path); None: in the padded layout under `mask`
+    segments: AttentionSegments | None = None
     # [3, B*T, C]: q / k / v in the padded layout, zero but for the computed rows (which every layer overwrites)
     padded: torch.Tensor | None = None
 
@@ -96,12 +100,15 @@ class TextRows:
 
 
 class TextAttention(VitAttention):
-    """The ViT attention's projections on the computed rows; attention itself in the padded layout under the
-    `[B, 1, T, T]` boolean mask (scaled_dot_product_attention). Keys never computed are masked: the computed rows
-    include every unpadded token."""
+    """The ViT attention's projections on the computed rows. When those are exactly the texts' tokens, attention
+    runs on them packed, one segment per text (causal or not, `kernels.varlen_attention`): a text's tokens see its
+    own tokens only, as the mask would allow. Otherwise in the padded layout under the `[B, 1, T, T]` boolean mask
+    (scaled_dot_product_attention); keys never computed are masked there."""
 
     def forward(self, x: torch.Tensor, rows: TextRows) -> torch.Tensor:
         # x: [R, E] -> [R, E]
+        if rows.segments is not None:
+            return super().forward(x, rows.segments)
         batch, num_tokens = rows.batch, rows.num_tokens
 
         def heads(proj: nn.Module, slot: int) -> torch.Tensor:
@@ -188,8 +195,14 @@ class ContrastiveTextTower(nn.Module):
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         batch, num_tokens = input_ids.shape
         keep = attention_mask.bool().flatten()  # [B*T]
-        flat_rows = keep.nonzero().squeeze(1) if unpadded_only and not bool(keep.all()) else None  # [R]
-        rows = TextRows(batch, num_tokens, flat_rows, text_attention_mask(attention_mask, self.cfg.causal))
+        padded = not bool(keep.all())
+        flat_rows = keep.nonzero().squeeze(1) if unpadded_only and padded else None  # [R]
+        segments = None
+        if unpadded_only or not padded:  # the computed rows are the texts' tokens, text after text
+            lengths = attention_mask.sum(dim=1).tolist()
+            segments = AttentionSegments.from_lengths(lengths, device, causal=self.cfg.causal)
+        mask = text_attention_mask(attention_mask, self.cfg.causal) if segments is None else None
+        rows = TextRows(batch, num_tokens, flat_rows, mask, segments=segments)
         x = rows.from_padded(self.embeddings(input_ids))  # [R, E]
         return self.final_layer_norm(self.encoder(x, rows))
 

@@ -49,19 +49,22 @@ class VisionTowerConfig:
 
 @dataclass
 class AttentionSegments:
-    """Which rows attend to each other: segment b is rows [bounds[b], bounds[b+1])."""
+    """Which rows attend to each other: segment b is rows [bounds[b], bounds[b+1]) (causal: each row sees the rows
+    of its segment up to itself)."""
 
     cu_seqlens: torch.Tensor  # [B+1] int32 on the tower's device
     bounds: list[int]  # the same as Python ints
     max_len: int
+    causal: bool = False
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device) -> AttentionSegments:
+    def from_lengths(cls, lengths: list[int], device: torch.device, causal: bool = False) -> AttentionSegments:
         bounds = [0]
         for n in lengths:
             if n > 0:
                 bounds.append(bounds[-1] + n)
-        return cls(torch.tensor(bounds, dtype=torch.int32, device=device), bounds, max(lengths, default=0))
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+        return cls(cu_seqlens, bounds, max(lengths, default=0), causal)
 
 
 @dataclass
