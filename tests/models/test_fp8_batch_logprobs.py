@@ -44,7 +44,9 @@ def test_prompt_logprobs_do_not_depend_on_the_batch(fp8_dir, dtype):
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 600, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (8,), generator=g)]
-    llm = LLM(fp8_dir, dtype=dtype, num_kv_blocks=128)
+    # no prefix caching: a cached prefix reads its keys through another attention path, whose float32 rounding
+    # differs at the 1e-6 level; this test is about the batch around a prompt
+    llm = LLM(fp8_dir, dtype=dtype, num_kv_blocks=128, enable_prefix_caching=False)
     alone = [_logprobs(llm, [p])[0] for p in prompts]
     diffs = {"all 8": max(_max_diff(a, b) for a, b in zip(alone, _logprobs(llm, prompts), strict=True))}
     for size, pos in ((2, 1), (3, 0), (3, 2), (8, 5)):
