@@ -5,6 +5,7 @@ import random
 from vlserve.config import SchedulerConfig
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
+from vlserve.core.sched_output import ModelRunnerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.sampling_params import SamplingParams
 
@@ -78,3 +79,38 @@ def test_decode_fast_path_still_registers_a_block_filled_without_a_new_one():
     hits, n = kv.get_computed_blocks(twin)
     assert n == 8 and [b.block_id for b in hits[0]] == kv.get_block_ids("a")[0]
     kv.check_integrity()
+
+
+def test_kv_room_kept_on_the_request_matches_the_block_tables():
+    """The decode fast path reads the room a request's blocks leave from the request; over random runs (prefix
+    caching on and off, lookahead, preemption in a small pool) it always equals what the block tables hold."""
+    rng = random.Random(1)
+    for caching in (True, False):
+        for num_spec in (0, 2):
+            cfg = SchedulerConfig(
+                max_num_seqs=6,
+                max_num_batched_tokens=32,
+                max_model_len=40,
+                block_size=4,
+                enable_prefix_caching=caching,
+                num_spec_tokens=num_spec,
+            )
+            sched = Scheduler(cfg, 14)
+            for i in range(10):
+                prompt = [rng.randint(1, 3) for _ in range(rng.randint(2, 12))]
+                params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True)
+                sched.add_request(EngineCoreRequest(f"r{i}", prompt, params, float(i)))
+            preempted = 0
+            while sched.has_unfinished_requests():
+                out = sched.schedule()
+                preempted += sum(rid in sched.requests for rid in out.finished_req_ids)
+                for req in sched.requests.values():
+                    blocks = sched.kv.req_to_blocks.get(req.request_id)
+                    assert req.kv_token_capacity == (len(blocks[0]) * cfg.block_size if blocks else 0)
+                    if blocks is None:
+                        assert req.kv_registered_limit == -1
+                ids = list(out.num_scheduled_tokens)
+                sampled = [[rng.randint(1, 3)] if sched.requests[r].num_output_placeholders else [] for r in ids]
+                sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+                sched.check_integrity()
+            assert preempted > 0  # the small pool made requests give their blocks back
