@@ -52,9 +52,12 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of sequence `index`: n=1 and, when seeded, seed + index so the n samples differ."""
+    """Params of sequence `index`: n=1 and, when seeded, seed + index so the n samples differ (`params` itself
+    when n is 1)."""
     from dataclasses import replace
 
+    if params.n == 1:
+        return params
     seed = None if params.seed is None else params.seed + index
     return replace(params, n=1, seed=seed)
 
