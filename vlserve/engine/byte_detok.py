@@ -28,14 +28,18 @@ class ByteTable:
     """Per token id its bytes, for the two settings of skip_special_tokens; built from the `tokenizers` backend."""
 
     def __init__(self, backend):
-        byte_of = _unicode_to_byte()
+        # ByteLevel's characters to the latin-1 character of their byte; any other character below 256 to one that
+        # latin-1 cannot encode, so a token holding a character outside the table fails and is read as UTF-8
+        to_latin1 = {c: 0xFFFF for c in range(256)}
+        to_latin1.update({ord(c): b for c, b in _unicode_to_byte().items()})
         size = backend.get_vocab_size(with_added_tokens=True)
         self.with_special: list[bytes] = [b""] * size
         for token, tid in backend.get_vocab(with_added_tokens=True).items():
             if 0 <= tid < size:
-                # as the ByteLevel decoder reads a token: through the table, or its UTF-8 when a character is not in it
-                mapped = [byte_of.get(c) for c in token]
-                self.with_special[tid] = token.encode() if None in mapped else bytes(mapped)
+                try:  # as the ByteLevel decoder reads a token: through the table, or as UTF-8 when it cannot
+                    self.with_special[tid] = token.translate(to_latin1).encode("latin-1")
+                except UnicodeEncodeError:
+                    self.with_special[tid] = token.encode()
         self.without_special = list(self.with_special)
         for tid, added in backend.get_added_tokens_decoder().items():
             if added.special and 0 <= tid < size:
