@@ -114,3 +114,33 @@ def test_kv_room_kept_on_the_request_matches_the_block_tables():
                 sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
                 sched.check_integrity()
             assert preempted > 0  # the small pool made requests give their blocks back
+
+
+def _run_to_the_end(plain: bool, seed: int) -> list[list[tuple]]:
+    """Each step's EngineCoreOutputs of a random stop-token / length workload in a small pool (preemption), with
+    update_from_output's decode fast path on or off."""
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, max_model_len=30, block_size=4)
+    sched = Scheduler(cfg, 12)
+    for i in range(8):
+        params = SamplingParams(
+            max_tokens=rng.randint(2, 12), min_tokens=rng.randint(0, 2), stop_token_ids=[3], _eos_token_ids=(5,)
+        )
+        sched.add_request(EngineCoreRequest(f"r{i}", [rng.randint(1, 9) for _ in range(rng.randint(2, 10))], params, i))
+        sched.requests[f"r{i}"].plain_output &= plain
+    steps = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[rng.randint(1, 9)] if sched.requests[r].num_output_placeholders else [] for r in ids]
+        results = sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+        steps.append(
+            [(o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens) for o in results]
+        )
+        sched.check_integrity()
+    return steps
+
+
+def test_update_fast_path_gives_the_general_path_outputs():
+    for seed in range(20):
+        assert _run_to_the_end(True, seed) == _run_to_the_end(False, seed)

@@ -91,6 +91,7 @@ class Request:
         # Where the output's reasoning ends (a vlserve.reasoning.ReasoningTracker) when the engine has a reasoning
         # parser and the request has a grammar or a thinking budget; None otherwise.
         self.reasoning = None
+        self.plain_output = False  # set by the scheduler on admission: see Scheduler.add_request
 
     @property
     def lora_int_id(self) -> int:

@@ -29,12 +29,13 @@ from vlserve.core.sched_output import (
     SchedulerOutput,
     StepPlan,
 )
+from vlserve.core.scheduler_introspection import SchedulerIntrospection
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SchedulerIntrospection):
     """Owns the waiting/running queues, the KV cache manager, the encoder cache manager and the KV connector's
     scheduler side (`kv_transfer`); plans steps, folds their results back and ends requests."""
 
@@ -71,6 +72,8 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
         req.structured_output, req.reasoning = structured_output, reasoning
+        # its step results need only accept_sampled (update_from_output's fast path): no media, grammar or pooling
+        req.plain_output = not (req.mm_features or req.pools) and structured_output is None and reasoning is None
         self.stats.prompt_tokens += len(engine_req.prompt_token_ids)
         self.requests[rid] = req
         self.waiting.append(req)
@@ -332,9 +335,25 @@ class Scheduler:
         RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         max_model_len = self.config.max_model_len
         num_generated = 0
+        plain_step = not (spec_scheduled or spec_next or logprobs or prompt_lps)
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = get_request(rid)
             if req is None or req.status >= FIRST_FINISHED:
+                continue
+            if plain_step and len(sampled) == 1 and req.plain_output and not req.spec_token_ids:  # the usual decode
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
+                running = req.status == RUNNING
+                new_tokens = req.accept_sampled(sampled, max_model_len)
+                num_generated += 1
+                status = req.status
+                is_finished = status >= FIRST_FINISHED
+                reason = status.finish_reason if is_finished else None
+                outputs.append(
+                    EngineCoreOutput(rid, new_tokens, reason, req.stop_reason, None, max(req.num_cached_tokens, 0))
+                )
+                if is_finished:
+                    finished.append((req, running))
                 continue
             if sampled and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
@@ -464,37 +483,3 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
         return params
-
-    # -- introspection ------------------------------------------------------------------------------------------
-    def has_unfinished_requests(self) -> bool:
-        """Whether a request waits, runs or waits for its KV load."""
-        return bool(self.waiting or self.running or self.kv_transfer.waiting_for_kv)
-
-    def get_num_unfinished_requests(self) -> int:
-        """How many requests wait, run or wait for their KV load."""
-        return len(self.waiting) + len(self.running) + len(self.kv_transfer.waiting_for_kv)
-
-    def kv_pool_gauges(self) -> dict[str, int]:
-        """Leak gauges for /metrics (names without `vlserve:`): the KV pool's free and used blocks, the blocks and
-        requests a producer keeps for a peer, and the requests waiting for remote / offloaded KV."""
-        pool = self.kv.pool
-        return {
-            "kv_free_blocks": pool.num_free_blocks,
-            "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
-            **self.kv_transfer.gauges(self.kv),
-        }
-
-    def check_integrity(self) -> None:
-        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
-        self.kv.check_integrity()
-        self.encoder_cache.check_integrity()
-        held, kept = set(self.kv.req_to_blocks), set(self.kv_transfer.kept_blocks)
-        self.kv_transfer.check_integrity(held, self.requests)
-        if not self.has_unfinished_requests() and not kept:
-            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
-            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
-        elif not self.has_unfinished_requests():
-            assert held == kept, f"KV blocks leaked: {held - kept}"
-            assert not self.encoder_cache.req_to_hashes, (
-                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}"
-            )
