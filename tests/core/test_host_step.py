@@ -5,6 +5,7 @@ import random
 from vlserve.config import SchedulerConfig
 from vlserve.core.kv_cache_manager import KVCacheManager
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
+from vlserve.core.sched_output import ModelRunnerOutput
 from vlserve.core.scheduler import Scheduler
 from vlserve.sampling_params import SamplingParams
 
@@ -78,3 +79,68 @@ def test_decode_fast_path_still_registers_a_block_filled_without_a_new_one():
     hits, n = kv.get_computed_blocks(twin)
     assert n == 8 and [b.block_id for b in hits[0]] == kv.get_block_ids("a")[0]
     kv.check_integrity()
+
+
+def test_kv_room_kept_on_the_request_matches_the_block_tables():
+    """The decode fast path reads the room a request's blocks leave from the request; over random runs (prefix
+    caching on and off, lookahead, preemption in a small pool) it always equals what the block tables hold."""
+    rng = random.Random(1)
+    for caching in (True, False):
+        for num_spec in (0, 2):
+            cfg = SchedulerConfig(
+                max_num_seqs=6,
+                max_num_batched_tokens=32,
+                max_model_len=40,
+                block_size=4,
+                enable_prefix_caching=caching,
+                num_spec_tokens=num_spec,
+            )
+            sched = Scheduler(cfg, 14)
+            for i in range(10):
+                prompt = [rng.randint(1, 3) for _ in range(rng.randint(2, 12))]
+                params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True)
+                sched.add_request(EngineCoreRequest(f"r{i}", prompt, params, float(i)))
+            preempted = 0
+            while sched.has_unfinished_requests():
+                out = sched.schedule()
+                preempted += sum(rid in sched.requests for rid in out.finished_req_ids)
+                for req in sched.requests.values():
+                    blocks = sched.kv.req_to_blocks.get(req.request_id)
+                    assert req.kv_token_capacity == (len(blocks[0]) * cfg.block_size if blocks else 0)
+                    if blocks is None:
+                        assert req.kv_registered_limit == -1
+                ids = list(out.num_scheduled_tokens)
+                sampled = [[rng.randint(1, 3)] if sched.requests[r].num_output_placeholders else [] for r in ids]
+                sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+                sched.check_integrity()
+            assert preempted > 0  # the small pool made requests give their blocks back
+
+
+def _run_to_the_end(plain: bool, seed: int) -> list[list[tuple]]:
+    """Each step's EngineCoreOutputs of a random stop-token / length workload in a small pool (preemption), with
+    update_from_output's decode fast path on or off."""
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=24, max_model_len=30, block_size=4)
+    sched = Scheduler(cfg, 12)
+    for i in range(8):
+        params = SamplingParams(
+            max_tokens=rng.randint(2, 12), min_tokens=rng.randint(0, 2), stop_token_ids=[3], _eos_token_ids=(5,)
+        )
+        sched.add_request(EngineCoreRequest(f"r{i}", [rng.randint(1, 9) for _ in range(rng.randint(2, 10))], params, i))
+        sched.requests[f"r{i}"].plain_output &= plain
+    steps = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[rng.randint(1, 9)] if sched.requests[r].num_output_placeholders else [] for r in ids]
+        results = sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled))
+        steps.append(
+            [(o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens) for o in results]
+        )
+        sched.check_integrity()
+    return steps
+
+
+def test_update_fast_path_gives_the_general_path_outputs():
+    for seed in range(20):
+        assert _run_to_the_end(True, seed) == _run_to_the_end(False, seed)

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from vlserve.demo.tokenizer import build_tokenizer
+from vlserve.engine.byte_detok import ByteStream, ByteTable
 from vlserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -54,3 +55,39 @@ def test_stop_strings_earliest_wins(tok):
     assert hit == "beta" and d.output_text == "alpha "
     d2 = IncrementalDetokenizer(tok, [], stop=["gamma"], include_stop_str_in_output=True)
     assert d2.update(ids) == "gamma" and d2.output_text == "alpha beta gamma"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_stream_emits_what_decode_stream_emits(tok, skip):
+    """Random ids (added and special tokens, ids past the vocabulary, split and invalid UTF-8): token by token,
+    the bytes table gives DecodeStream's pieces."""
+    from tokenizers.decoders import DecodeStream
+
+    backend = tok._tokenizer
+    table = ByteTable.build(backend)
+    assert table is not None
+    added = list(backend.get_added_tokens_decoder())
+    rng = random.Random(1)
+    num_pieces = 0
+    for _ in range(200):
+        ref, fast = DecodeStream(skip_special_tokens=skip), ByteStream(table.bytes_of(skip))
+        for _ in range(40):
+            tid = rng.choice(added) if rng.random() < 0.1 else rng.randrange(len(tok) + 4)
+            piece = ref.step(backend, tid) or ""
+            assert fast.step(tid) == piece
+            num_pieces += bool(piece)
+    assert num_pieces > 1000
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_byte_table_detokenizer_matches_decode_stream(tok, chunk):
+    rng = random.Random(2)
+    table = ByteTable.build(tok._tokenizer)
+    for _ in range(30):
+        prompt = [rng.randrange(len(tok)) for _ in range(8)]
+        out = [rng.randrange(len(tok)) for _ in range(30)]
+        a = IncrementalDetokenizer(tok, prompt, stop=["e"], byte_table=table)
+        b = IncrementalDetokenizer(tok, prompt, stop=["e"])
+        for i in range(0, len(out), chunk):
+            assert a.update(out[i : i + chunk]) == b.update(out[i : i + chunk])
+            assert a.output_text == b.output_text

@@ -25,7 +25,7 @@ def _req(loop, rid, prompt, n=1, max_tokens=4):
 
 def _assert_idle(loop):
     assert not loop.has_unfinished_requests() and not loop.output_processor.parents
-    assert not loop.output_processor.child_to_parent
+    assert not loop.output_processor.open_seqs
     loop.core.check_integrity()
 
 

@@ -173,15 +173,13 @@ class KVCacheManager:
         dropping group first hands back the blocks that left its window. `delay_cache_blocks`: register nothing
         now (a KV connector loads those blocks later; the request's next allocation registers them).
         """
+        if not new_computed_blocks:  # the common decode step: room left in the last block, no block to register
+            known = request.num_computed_tokens + num_new_tokens
+            if 0 < known + num_lookahead_tokens <= request.kv_token_capacity and known <= request.kv_registered_limit:
+                return ()
         bs = self.block_size
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
-        if not new_computed_blocks and blocks is not None:  # the common decode step: room left in the last block
-            known = request.num_computed_tokens + num_new_tokens
-            if -(-(known + num_lookahead_tokens) // bs) <= len(blocks[0]) and (
-                not self.enable_caching or known // bs <= self._num_cached_blocks[rid][0]
-            ):
-                return ()
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         num_computed = request.num_computed_tokens + num_hit * bs
         if blocks is not None:  # less the lookahead: rejected draft tokens may move the window back that far
@@ -206,6 +204,10 @@ class KVCacheManager:
             new_ids.append([b.block_id for b in new])
         if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        request.kv_token_capacity = len(blocks[0]) * bs
+        request.kv_registered_limit = (
+            (self._num_cached_blocks[rid][0] + 1) * bs - 1 if self.enable_caching else request.kv_token_capacity
+        )
         return tuple(new_ids) if any(new_ids) else ()
 
     def _drop_out_of_window(self, blocks: GroupBlocks, num_computed: int) -> None:
@@ -238,6 +240,7 @@ class KVCacheManager:
         """Release all of a request's blocks (tail first, so its last blocks are the first evicted)."""
         blocks = self.req_to_blocks.pop(request.request_id, ())
         self._num_cached_blocks.pop(request.request_id, None)
+        request.kv_token_capacity, request.kv_registered_limit = 0, -1
         null = self.pool.null_block
         for group_blocks in blocks:
             self.pool.free_blocks(b for b in reversed(group_blocks) if b is not null)

@@ -81,12 +81,17 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, grown lazily by the KV manager
         self.block_keys: list[bytes] = []  # stable keys of full blocks (KV connectors only: kv_transfer)
+        # Kept by the KV cache manager for the decode fast path: the tokens (lookahead included) its blocks hold
+        # room for, and the most known tokens before a full block waits to be registered for prefix reuse
+        self.kv_token_capacity = 0
+        self.kv_registered_limit = -1
         # The output constraint's matcher (a StructuredOutputRequest, duck-typed: the scheduler only calls
         # is_ready / error / accept_tokens / validate_tokens / is_terminated); None when unconstrained.
         self.structured_output = None
         # Where the output's reasoning ends (a vlserve.reasoning.ReasoningTracker) when the engine has a reasoning
         # parser and the request has a grammar or a thinking budget; None otherwise.
         self.reasoning = None
+        self.plain_output = False  # set by the scheduler on admission: see Scheduler.add_request
 
     @property
     def lora_int_id(self) -> int:

@@ -29,12 +29,13 @@ from vlserve.core.sched_output import (
     SchedulerOutput,
     StepPlan,
 )
+from vlserve.core.scheduler_introspection import SchedulerIntrospection
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SchedulerIntrospection):
     """Owns the waiting/running queues, the KV cache manager, the encoder cache manager and the KV connector's
     scheduler side (`kv_transfer`); plans steps, folds their results back and ends requests."""
 
@@ -71,6 +72,8 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
         req.structured_output, req.reasoning = structured_output, reasoning
+        # its step results need only accept_sampled (update_from_output's fast path): no media, grammar or pooling
+        req.plain_output = not (req.mm_features or req.pools) and structured_output is None and reasoning is None
         self.stats.prompt_tokens += len(engine_req.prompt_token_ids)
         self.requests[rid] = req
         self.waiting.append(req)
@@ -108,12 +111,13 @@ class Scheduler:
         idx = 0
         while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
             req = running[idx]
-            if (req.num_output_placeholders and req.finishes_in_flight(max_model_len)) or req.request_id in in_flight:
-                idx += 1
+            idx += 1
+            rid, placeholders = req.request_id, req.num_output_placeholders
+            if (placeholders and req.finishes_in_flight(max_model_len)) or (in_flight and rid in in_flight):
                 continue
-            computed = req.num_computed_tokens
+            computed, num_tokens = req.num_computed_tokens, len(req.all_token_ids)
             num_new = min(
-                len(req.all_token_ids) + len(req.spec_token_ids) + req.num_output_placeholders - computed,
+                num_tokens + len(req.spec_token_ids) + placeholders - computed,
                 token_budget,
                 last_position + req.pools - computed,
             )  # never past the model's length (late spec tokens unverified; a pooled prompt may fill it)
@@ -124,37 +128,40 @@ class Scheduler:
                 if num_new <= 0 and enc.slices:  # only a slice of its next item's tower: no token until it is done
                     commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                     num_encoding = num_encoding_after
-                idx += 1
                 continue
-            while True:
-                new_block_ids = allocate_slots(req, num_new, num_lookahead_tokens=num_spec)
-                if new_block_ids is not None:
-                    break
-                victim = running.pop()
-                self._preempt(victim)
-                step.preempted = True
-                if victim is req:
-                    break
-            if new_block_ids is None:
-                break  # the request preempted itself
-            if req.lora_int_id:
+            known = computed + num_new
+            if known + num_spec <= req.kv_token_capacity and known <= req.kv_registered_limit:
+                new_block_ids = ()  # room left in its blocks, none to register (allocate_slots' decode fast path)
+            else:
+                while True:
+                    new_block_ids = allocate_slots(req, num_new, num_lookahead_tokens=num_spec)
+                    if new_block_ids is not None:
+                        break
+                    victim = running.pop()
+                    self._preempt(victim)
+                    step.preempted = True
+                    if victim is req:
+                        break
+                if new_block_ids is None:
+                    break  # the request preempted itself
+            if req.lora_request is not None and req.lora_int_id:
                 loras.add(req.lora_int_id)
             if enc is not NO_MEDIA:
                 commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                 num_encoding = num_encoding_after
-            cached = CachedRequestData(req.request_id, new_block_ids, computed)
+            cached = CachedRequestData(rid, new_block_ids, computed)
             if send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
                 cached.token_start = start = min(computed, req.num_tokens_sent)
-                cached.new_token_ids = req.all_token_ids[start : computed + num_new]
+                cached.new_token_ids = req.all_token_ids[start:known]
                 req.num_tokens_sent = max(req.num_tokens_sent, start + len(cached.new_token_ids))
             cached_reqs.append(cached)
-            num_scheduled[req.request_id] = num_new
+            num_scheduled[rid] = num_new
             token_budget -= num_new
-            if req.spec_token_ids:
-                n_spec = num_new + req.num_computed_tokens - req.num_tokens
-                if n_spec > 0:
-                    spec_tokens[req.request_id] = req.spec_token_ids[:n_spec]
-            idx += 1
+            if req.spec_token_ids and known > num_tokens:
+                spec_tokens[rid] = req.spec_token_ids[: known - num_tokens]
+            req.num_computed_tokens = known
+            if known >= num_tokens + placeholders:
+                req.num_output_placeholders = placeholders + 1  # this step samples; its token is known at update
         step.token_budget, step.num_encoding = token_budget, num_encoding
 
     def _schedule_waiting(self, step: StepPlan) -> None:
@@ -253,18 +260,14 @@ class Scheduler:
         if num_new:
             step.num_scheduled[req.request_id] = num_new
             step.token_budget -= num_new
+            req.num_computed_tokens = num_hit + num_new
+            if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # this step samples; its token is known at update
 
     def _step_output(self, step: StepPlan) -> SchedulerOutput:
-        """Advance the scheduled requests' computed tokens (one whose window reaches its last token samples: an output
-        placeholder until its token is known) and assemble the step's SchedulerOutput (with the connector's plan)."""
+        """Assemble the step's SchedulerOutput (with the connector's plan); the scheduled requests' computed tokens
+        were advanced as they were planned (a window reaching its last token adds an output placeholder)."""
         num_scheduled = step.num_scheduled
-        scheduled = num_scheduled.get
-        for req in self.running:
-            n = scheduled(req.request_id)
-            if n is not None:
-                req.num_computed_tokens += n
-                if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
-                    req.num_output_placeholders += 1  # this step samples; its token is known at update
         out = SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
@@ -332,9 +335,25 @@ class Scheduler:
         RUNNING, FIRST_FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
         max_model_len = self.config.max_model_len
         num_generated = 0
+        plain_step = not (spec_scheduled or spec_next or logprobs or prompt_lps)
         for rid, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = get_request(rid)
             if req is None or req.status >= FIRST_FINISHED:
+                continue
+            if plain_step and len(sampled) == 1 and req.plain_output and not req.spec_token_ids:  # the usual decode
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
+                running = req.status == RUNNING
+                new_tokens = req.accept_sampled(sampled, max_model_len)
+                num_generated += 1
+                status = req.status
+                is_finished = status >= FIRST_FINISHED
+                reason = status.finish_reason if is_finished else None
+                outputs.append(
+                    EngineCoreOutput(rid, new_tokens, reason, req.stop_reason, None, max(req.num_cached_tokens, 0))
+                )
+                if is_finished:
+                    finished.append((req, running))
                 continue
             if sampled and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
@@ -464,37 +483,3 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
         return params
-
-    # -- introspection ------------------------------------------------------------------------------------------
-    def has_unfinished_requests(self) -> bool:
-        """Whether a request waits, runs or waits for its KV load."""
-        return bool(self.waiting or self.running or self.kv_transfer.waiting_for_kv)
-
-    def get_num_unfinished_requests(self) -> int:
-        """How many requests wait, run or wait for their KV load."""
-        return len(self.waiting) + len(self.running) + len(self.kv_transfer.waiting_for_kv)
-
-    def kv_pool_gauges(self) -> dict[str, int]:
-        """Leak gauges for /metrics (names without `vlserve:`): the KV pool's free and used blocks, the blocks and
-        requests a producer keeps for a peer, and the requests waiting for remote / offloaded KV."""
-        pool = self.kv.pool
-        return {
-            "kv_free_blocks": pool.num_free_blocks,
-            "kv_used_blocks": pool.num_usable_blocks - pool.num_free_blocks,
-            **self.kv_transfer.gauges(self.kv),
-        }
-
-    def check_integrity(self) -> None:
-        """KV pool and encoder cache invariants; when idle, nothing may be held at all."""
-        self.kv.check_integrity()
-        self.encoder_cache.check_integrity()
-        held, kept = set(self.kv.req_to_blocks), set(self.kv_transfer.kept_blocks)
-        self.kv_transfer.check_integrity(held, self.requests)
-        if not self.has_unfinished_requests() and not kept:
-            assert not self.kv.req_to_blocks, f"KV blocks leaked: {list(self.kv.req_to_blocks)}"
-            assert self.kv.pool.num_free_blocks == self.kv.pool.num_usable_blocks, "KV blocks leaked"
-        elif not self.has_unfinished_requests():
-            assert held == kept, f"KV blocks leaked: {held - kept}"
-            assert not self.encoder_cache.req_to_hashes, (
-                f"encoder cache entries still referenced: {list(self.encoder_cache.req_to_hashes)}"
-            )

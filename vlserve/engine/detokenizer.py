@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from vlserve.engine.byte_detok import ByteStream, ByteTable
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so leading spaces come out right
 
 
 class IncrementalDetokenizer:
     """Emits only the new, complete (no dangling UTF-8) text of each step.
 
-    Fast tokenizers use the `tokenizers` library's DecodeStream (incremental, in Rust), primed with the prompt's last
-    tokens; others keep a sliding window of ids and decode it twice per token.
+    Byte-level BPE tokenizers given a `byte_table` (byte_detok.py) read each token's bytes from it; other fast
+    tokenizers use the `tokenizers` library's DecodeStream (incremental, in Rust); either is primed with the prompt's
+    last tokens. Others keep a sliding window of ids and decode it twice per token.
     """
 
     def __init__(
@@ -19,6 +22,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        byte_table: ByteTable | None = None,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -26,11 +30,16 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.output_text = ""
         self._stream = None
+        self._bytes: ByteStream | None = None
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         backend = getattr(tokenizer, "_tokenizer", None)
-        if backend is not None:
+        if byte_table is not None:
+            self._bytes = ByteStream(byte_table.bytes_of(skip_special_tokens))
+            for tok in self._ids:
+                self._bytes.step(tok)
+        elif backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._backend = backend
@@ -44,6 +53,13 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears in the text (the text is cut there)."""
         start_len = len(self.output_text)
+        if self._bytes is not None:  # (a table lookup per token: it never fails)
+            step = self._bytes.step
+            for tok in new_token_ids:
+                piece = step(tok)
+                if piece:
+                    self.output_text += piece
+            return self._check_stop(start_len) if self.stop else None
         if self._stream is not None and len(new_token_ids) == 1:  # the usual step: one token
             tok = new_token_ids[0]
             try:

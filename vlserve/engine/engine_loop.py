@@ -32,6 +32,11 @@ class NewRequest:
     priority: int = 0  # scheduling policy "priority": lower runs first
 
 
+def _prepared(request: NewRequest, processed: ProcessedPrompt) -> NewRequest:
+    """`request` with the prompt the engine runs (itself when preparing changed nothing)."""
+    return request if processed is request.processed else replace(request, processed=processed)
+
+
 class EngineLoop:
     """Front-end state around one `EngineCore`: input and output processors, n > 1 fan-out, rollback, aborts."""
 
@@ -67,7 +72,7 @@ class EngineLoop:
                 raise ValueError(f"request id {shorten(r.request_id)} is already in use")
             seen.add(r.request_id)
         # a disaggregated consumer's remote media, then truncate_prompt_tokens (InputProcessor.prepare)
-        requests = [replace(r, processed=self.input_processor.prepare(r.processed, r.params)) for r in requests]
+        requests = [_prepared(r, self.input_processor.prepare(r.processed, r.params)) for r in requests]
         engine_reqs = [
             self.input_processor.make_engine_request(
                 cid, r.processed, child_params(r.params, i), r.arrival, r.lora_request, r.priority

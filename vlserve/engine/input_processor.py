@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -93,6 +94,7 @@ class InputProcessor:
         self.dual_tower = self.mm_processor if isinstance(self.mm_processor, DualTowerProcessor) else None
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, loaded.max_model_len)
         self.structured_outputs_config = structured_outputs_config
+        self.vocab_size = loaded.hf_config.get_text_config().vocab_size  # the text model's, read once
         self._grammar_checker = None  # a StructuredOutputManager that only validates (built on first use)
 
     # -- prompts -----------------------------------------------------------------------------------------------
@@ -158,10 +160,11 @@ class InputProcessor:
                 text = self._wrap_in_chat_template(text, mm_data)
             token_ids = self._tokenize(text, add_special_tokens=True)
         else:
-            vocab = self.loaded.hf_config.get_text_config().vocab_size
+            vocab = self.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        return replace(self._with_media(text, token_ids, mm_data, mm_processor_kwargs), cache_salt=cache_salt)
+        processed = self._with_media(text, token_ids, mm_data, mm_processor_kwargs)
+        return processed if cache_salt is None else replace(processed, cache_salt=cache_salt)
 
     def process_chat(
         self,
@@ -284,7 +287,7 @@ class InputProcessor:
         ):
             return processed
         ids = kv_params.get("remote_prompt_token_ids")
-        vocab = self.loaded.hf_config.get_text_config().vocab_size
+        vocab = self.vocab_size
         if not isinstance(ids, list) or not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError("kv_transfer_params.remote_prompt_token_ids must be a non-empty list of token ids")
         try:
@@ -348,8 +351,9 @@ class InputProcessor:
         it runs with (None: the base model) and its scheduling priority. An adapter with tower / projector weights
         makes the items' embeddings its own: their mm_hash gains `:lora:<id>`, so the encoder cache never mixes
         them with the base's."""
-        params = replace(params, _eos_token_ids=self.loaded.eos_token_ids)
-        params = bind_logits_fields(params, self.tokenizer, self.loaded.hf_config.get_text_config().vocab_size)
+        params = copy.copy(params)  # (validated when it was made: a copy, not __post_init__ again)
+        params._eos_token_ids = self.loaded.eos_token_ids
+        params = bind_logits_fields(params, self.tokenizer, self.vocab_size)
         if params.structured_outputs is not None:
             self.check_structured_outputs(params.structured_outputs)
         features = processed.mm_features

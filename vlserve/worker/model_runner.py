@@ -401,7 +401,8 @@ class ModelRunner:
         if len(sample_idx):
             sample_states = states if all_sample else [states[i] for i in sample_idx.tolist()]
             spec = so.scheduled_spec_decode_tokens
-            drafts = [spec.get(s.req_id, []) for s in sample_states] if spec else [[] for _ in sample_states]
+            # (without drafts: one shared empty list, read only)
+            drafts = [spec.get(s.req_id, []) for s in sample_states] if spec else [[]] * len(sample_states)
             defer = defer and self.proposer is None  # (a proposer reads the sampled tokens at once)
             if defer and self.num_penalized and any(s.sampling_params.reads_output_tokens for s in sample_states):
                 self.token_feed.read_back_pending(sample_states)  # penalties / bad words read the outputs

@@ -139,11 +139,15 @@ class StepSampler:
                     if out.logprobs is None
                     else (out.logprob_token_ids, out.logprobs, out.sampled_ranks),
                 )
-            token_lists = [[t] for t in out.sampled_token_ids.tolist()]
-        result = StepSamples(token_lists=token_lists)
-        for state, toks in zip(states, token_lists):
-            state.token_ids.extend(toks)
-            result.tokens[state.req_id] = toks
+            flat = out.sampled_token_ids.tolist()
+            token_lists = [[t] for t in flat]
+        result = StepSamples(dict(zip([s.req_id for s in states], token_lists)), token_lists)
+        if any_drafts:
+            for state, toks in zip(states, token_lists):
+                state.token_ids.extend(toks)
+        else:
+            for state, tok in zip(states, flat):
+                state.token_ids.append(tok)
         if out.logprobs is not None:
             result.logprobs = logprob_lists(
                 states,
