@@ -29,13 +29,13 @@ from vlserve.core.sched_output import (
     SchedulerOutput,
     StepPlan,
 )
-from vlserve.core.scheduler_introspection import SchedulerIntrospection
+from vlserve.core.scheduler_checks import check_components, kv_pool_gauges
 from vlserve.core.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerIntrospection):
+class Scheduler:
     """Owns the waiting/running queues, the KV cache manager, the encoder cache manager and the KV connector's
     scheduler side (`kv_transfer`); plans steps, folds their results back and ends requests."""
 
@@ -60,10 +60,25 @@ class Scheduler(SchedulerIntrospection):
         self.in_flight_req_ids: set[str] = set()
         self.send_token_ids = False
         self.stats = SchedulerStats()
-        # KV connector's scheduler side (distributed/kv_transfer): external prefix blocks, parked loads, sends
-        self.kv_transfer = KVConnectorState.from_config(config)
+        self.kv_transfer = KVConnectorState.from_config(config)  # external prefix blocks, parked loads, sends
 
     # -- admission ---------------------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request waits, runs or waits for its KV load."""
+        return bool(self.waiting or self.running or self.kv_transfer.waiting_for_kv)
+
+    def get_num_unfinished_requests(self) -> int:
+        """How many requests wait, run or wait for their KV load."""
+        return len(self.waiting) + len(self.running) + len(self.kv_transfer.waiting_for_kv)
+
+    def kv_pool_gauges(self) -> dict[str, int]:
+        """`scheduler_checks.kv_pool_gauges` of this scheduler's KV pool and connector."""
+        return kv_pool_gauges(self.kv, self.kv_transfer)
+
+    def check_integrity(self) -> None:
+        """`scheduler_checks.check_components` over this scheduler's parts (strict when nothing is unfinished)."""
+        check_components(self.kv, self.encoder_cache, self.kv_transfer, self.requests, self.has_unfinished_requests())
+
     def add_request(self, engine_req: EngineCoreRequest, structured_output=None, reasoning=None) -> None:
         """Validate against the engine's limits (`admission.check_request`) and queue it. `structured_output`: the
         request's grammar matcher (compiling), when its output is constrained; `reasoning`: its ReasoningTracker."""
