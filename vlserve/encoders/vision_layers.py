@@ -17,6 +17,7 @@ from torch import nn
 from vlserve.kernels import apply_rotary_float32, build_rotary_cache, varlen_attention
 from vlserve.kernels.activation import activation
 from vlserve.kernels.packed_linear import PackableLinear, PatchConv3d
+from vlserve.kernels.quick_gelu_cpu import QUICK_GELU_ALPHA
 from vlserve.kernels.rms_norm_cpu import rms_norm
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as the HF processors' *_grid_thw rows
@@ -175,9 +176,36 @@ class VisionMLP(nn.Module):
         self.fc1 = PackableLinear(cfg.width, cfg.mlp_hidden)
         self.fc2 = PackableLinear(cfg.mlp_hidden, cfg.width)
         self.act = activation(cfg.hidden_act)
+        self.hidden_act = cfg.hidden_act
+        self.quick_gelu_folded = False  # fc1 scaled by QUICK_GELU_ALPHA, fc2 by its inverse (fold_quick_gelu)
+
+    def fold_quick_gelu(self) -> bool:
+        """For a quick-GELU MLP with its weights loaded (plain, not yet packed): scale fc1's matrix and bias by
+        a = QUICK_GELU_ALPHA and fc2's matrix by 1/a (in float32, rounded once to their dtype), so that
+        fc2(silu(fc1(x))) now equals the checkpoint's fc2(quick_gelu(fc1(x))) (silu(a t) / a = t * sigmoid(a t))
+        and the activation runs inside fc1's matmul (`PackableLinear.matmul_silu`). Whether it folded (not for
+        other activations, nor twice). The parameters no longer equal the checkpoint's: not for modules whose
+        linears others wrap (tower LoRA)."""
+        if self.hidden_act != "quick_gelu" or self.quick_gelu_folded:
+            return False
+        if self.fc1.weight is None or self.fc2.weight is None:
+            raise ValueError("fold_quick_gelu needs the plain weights: fold before packing the linears")
+        for param, scale in ((self.fc1.weight, QUICK_GELU_ALPHA), (self.fc1.bias, QUICK_GELU_ALPHA)):
+            param.data.copy_(param.data.float() * scale)
+        self.fc2.weight.data.copy_(self.fc2.weight.data.float() / QUICK_GELU_ALPHA)
+        self.quick_gelu_folded = True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))  # [.., E] -> [.., E]
+        # x: [.., E] -> [.., E]
+        if self.quick_gelu_folded:
+            return self.fc2(self.fc1.matmul_silu(x))
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def fold_quick_gelu_mlps(module: nn.Module) -> int:
+    """`VisionMLP.fold_quick_gelu` on every MLP under `module` (loaded, not yet packed); how many folded."""
+    return sum(m.fold_quick_gelu() for m in module.modules() if isinstance(m, VisionMLP))
 
 
 class PatchMerger(nn.Module):

@@ -28,18 +28,22 @@ def prepack_onednn(matrix: torch.Tensor) -> torch.Tensor | None:
 
 
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
-_LIB.define("onednn_linear(Tensor x, Tensor w, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("onednn_linear(Tensor x, Tensor w, Tensor? bias, int out_features, str post_op='none') -> Tensor")
+
+POST_OPS = ("none", "swish")  # applied by oneDNN to each sum before it is stored; swish(t) = t * sigmoid(t)
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _onednn_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int, post_op: str = "none"
+) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(rows, w, bias, "none", [], "")  # [M, N]
+    y = torch.ops.mkldnn._linear_pointwise(rows, w, bias, post_op, [], "")  # [M, N]
     return y.view(*x.shape[:-1], out_features)
 
 
-def _fake(x, w, bias, out_features):
+def _fake(x, w, bias, out_features, post_op="none"):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -48,8 +52,13 @@ for _key in ("CPU", "MkldnnCPU"):  # the prepacked matrix dispatches as MkldnnCP
 torch.library.register_fake("vlserve::onednn_linear")(_fake)
 
 
-def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 times a `prepack_onednn` matrix (+ bias [N] in x.dtype) -> [..., N] in bf16. An opaque op
-    to torch.compile; eager calls skip its dispatch."""
+def onednn_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int, post_op: str = "none"
+) -> torch.Tensor:
+    """x [..., K] bf16 times a `prepack_onednn` matrix (+ bias [N] in x.dtype) -> [..., N] in bf16, with `post_op`
+    (one of POST_OPS) applied in float32 to each sum before its one rounding to bf16. An opaque op to
+    torch.compile; eager calls skip its dispatch."""
+    if post_op not in POST_OPS:
+        raise ValueError(f"post_op must be one of {POST_OPS}, got {post_op!r}")
     run = torch.ops.vlserve.onednn_linear if torch.compiler.is_compiling() else _onednn_linear
-    return run(x, w, None if bias is None else bias.to(x.dtype), out_features)
+    return run(x, w, None if bias is None else bias.to(x.dtype), out_features, post_op)

@@ -124,6 +124,13 @@ class PackableLinear(nn.Linear):
             return cpu_linear(x, packed, bias, self.out_features)
         return _unpacked_matmul(self, x, bias, self.out_features)
 
+    def matmul_silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W^T + b) -> [..., O]: inside oneDNN's matmul (each float32 sum activated, then rounded once)
+        where the matrix is held prepacked for it and takes `x`, else the matmul then silu in place."""
+        if self.quant_scheme is None and self.onednn_weight is not None and _packed_for(self, x) is None:
+            return onednn_linear(x, self.onednn_weight, self.bias, self.out_features, post_op="swish")
+        return F.silu(self.matmul(x, self.bias), inplace=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 

@@ -16,6 +16,7 @@ import torch
 from vlserve.kernels.cpp_build import load_cpu_kernel
 
 DISABLE_ENV = "VLSERVE_CPU_QUICK_GELU_KERNEL"
+QUICK_GELU_ALPHA = 1.702  # quick_gelu(x) = x * sigmoid(QUICK_GELU_ALPHA * x)
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* x, void* y, int64_t n, int64_t is_bf16, int64_t threads);
@@ -25,7 +26,7 @@ _ARG_TYPES = ("const void*", "void*", "int64_t", "int64_t", "int64_t")
 
 def quick_gelu_ref(x: torch.Tensor) -> torch.Tensor:
     """The torch expression HF's `QuickGELUActivation` evaluates."""
-    return x * torch.sigmoid(1.702 * x)
+    return x * torch.sigmoid(QUICK_GELU_ALPHA * x)
 
 
 def quick_gelu_cpu_kernel():

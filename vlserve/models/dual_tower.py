@@ -33,6 +33,7 @@ from torch import nn
 from vlserve.encoders.clip_vision import VitConfig
 from vlserve.encoders.pooled_vision import ClipPooledVisionTower, SiglipPooledVisionTower
 from vlserve.encoders.text_tower import ContrastiveTextTower, TextTowerConfig
+from vlserve.encoders.vision_layers import VisionMLP, fold_quick_gelu_mlps
 from vlserve.kernels.packed_linear import PackableLinear
 from vlserve.models.capabilities import ModelCapabilities
 from vlserve.pooling_params import PoolerSpec
@@ -180,6 +181,10 @@ class DualTowerEmbedder(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}")
+        for mlp in self.modules():  # quick-GELU runs inside fc1's matmul from here on (no tower LoRA here)
+            if isinstance(mlp, VisionMLP):
+                mlp.quick_gelu_folded = False  # the weights just loaded are the checkpoint's
+        fold_quick_gelu_mlps(self)
 
 
 class CLIPDualTower(DualTowerEmbedder):
