@@ -72,23 +72,34 @@ def feature_layer_indices(feature_layers: int | list[int], depth: int) -> list[i
 
 
 class VitAttention(nn.Module):
-    """Separate q/k/v projections with biases, varlen attention per segment (a tile: bidirectional), out projection."""
+    """q/k/v projections with biases, varlen attention per segment (a tile: bidirectional), out projection. The
+    projections are three linears as the checkpoints name them (`q_proj`, `k_proj`, `v_proj`), or with `fused_qkv` one
+    `qkv_proj` [E -> 3E] that `copy_tower_weights` fills from those three (one matmul instead of three; no tower LoRA
+    then)."""
 
-    def __init__(self, cfg: VitConfig) -> None:
+    def __init__(self, cfg: VitConfig, fused_qkv: bool = False) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.width // cfg.num_heads
-        self.q_proj = PackableLinear(cfg.width, cfg.width)
-        self.k_proj = PackableLinear(cfg.width, cfg.width)
-        self.v_proj = PackableLinear(cfg.width, cfg.width)
+        self.fused_qkv = fused_qkv
+        if fused_qkv:
+            self.qkv_proj = PackableLinear(cfg.width, 3 * cfg.width)
+        else:
+            self.q_proj = PackableLinear(cfg.width, cfg.width)
+            self.k_proj = PackableLinear(cfg.width, cfg.width)
+            self.v_proj = PackableLinear(cfg.width, cfg.width)
         self.out_proj = PackableLinear(cfg.width, cfg.width)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`x [R, E]` -> (q, k, v), each `[R, E]` (with `fused_qkv`: column slices of one `[R, 3E]` product)."""
+        if self.fused_qkv:
+            return self.qkv_proj(x).chunk(3, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
         # x: [R, E] (rows of all tiles) -> [R, E]
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)  # [R, H, Hd]
-        k = self.k_proj(x).view(rows, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_heads, self.head_dim)
+        q, k, v = (t.view(rows, self.num_heads, self.head_dim) for t in self.project_qkv(x))  # [R, H, Hd] each
         out = varlen_attention(
             q,
             k,
@@ -105,10 +116,10 @@ class VitAttention(nn.Module):
 class VitEncoderLayer(nn.Module):
     """Pre-norm block: x + attn(layer_norm1(x)), then + mlp(layer_norm2(x))."""
 
-    def __init__(self, cfg: VitConfig) -> None:
+    def __init__(self, cfg: VitConfig, fused_qkv: bool = False) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
-        self.self_attn = VitAttention(cfg)
+        self.self_attn = VitAttention(cfg, fused_qkv)
         self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
@@ -120,9 +131,9 @@ class VitEncoderLayer(nn.Module):
 class VitEncoder(nn.Module):
     """`layers.N` as in HF; runs only as deep as the deepest requested hidden state."""
 
-    def __init__(self, cfg: VitConfig) -> None:
+    def __init__(self, cfg: VitConfig, fused_qkv: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(VitEncoderLayer(cfg) for _ in range(cfg.depth))
+        self.layers = nn.ModuleList(VitEncoderLayer(cfg, fused_qkv) for _ in range(cfg.depth))
 
     def forward(self, x: torch.Tensor, tokens_per_tile: int, feature_layers: list[int]) -> torch.Tensor:
         """`x [N, L, E]` (the encoder's input) -> the requested hidden states concatenated: `[N, L, E * k]`."""
@@ -158,13 +169,14 @@ class ClipVisionTower(nn.Module):
     """CLIP's vision transformer up to the requested layers (post_layernorm is loaded but LLaVA never reads it)."""
 
     ignored_prefixes: tuple[str, ...] = ()
+    fuses_qkv = False  # one qkv_proj per layer (VitAttention's fused_qkv); towers open to tower LoRA keep three
 
     def __init__(self, cfg: VitConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embeddings = ClipEmbeddings(cfg)
         self.pre_layrnorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
-        self.encoder = VitEncoder(cfg)
+        self.encoder = VitEncoder(cfg, self.fuses_qkv)
         self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
 
     @property
@@ -184,14 +196,36 @@ class ClipVisionTower(nn.Module):
         return self.encoder(x, self.tokens_per_tile, feature_layers)
 
     def expected_weight_names(self) -> set[str]:
-        """The parameter names `load_weights` fills, relative to the tower."""
-        return {name for name, _ in self.named_parameters()}
+        """The names `load_weights` reports for a whole checkpoint, relative to the tower (`tower_weight_names`)."""
+        return tower_weight_names(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (relative to the tower, with or without `vision_model.`) into the parameters;
         returns the parameter names filled. ValueError on an unknown name or a shape mismatch."""
         return copy_tower_weights(self, weights, "vision_model.", "vision tower", self.ignored_prefixes)
+
+
+_QKV_PIECES = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+
+
+def _fused_qkv_piece(rel: str, params: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """`...self_attn.{q,k,v}_proj.{weight,bias}` -> (the name of the fused `...self_attn.qkv_proj.*` parameter that
+    holds it, its third: 0 / 1 / 2), where the tower has one; None otherwise."""
+    head, _, leaf = rel.rpartition(".")
+    block, _, proj = head.rpartition(".")
+    name = f"{block}.qkv_proj.{leaf}"
+    return (name, _QKV_PIECES[proj]) if proj in _QKV_PIECES and name in params else None
+
+
+def tower_weight_names(tower: nn.Module) -> set[str]:
+    """The names `copy_tower_weights` reports for a whole checkpoint: the parameters', a fused `qkv_proj.*` standing
+    as the three checkpoint names it is filled from (`q_proj.*`, `k_proj.*`, `v_proj.*`)."""
+    names: set[str] = set()
+    for name, _ in tower.named_parameters():
+        block, fused, leaf = name.rpartition(".qkv_proj.")
+        names |= {f"{block}.{proj}.{leaf}" for proj in _QKV_PIECES} if fused else {name}
+    return names
 
 
 @torch.no_grad()
@@ -203,18 +237,21 @@ def copy_tower_weights(
     ignored_prefixes: tuple[str, ...] = (),
 ) -> set[str]:
     """Copy HF-named tensors (relative to `tower`, with or without `prefix`) into its parameters, skipping saved
-    buffers and `ignored_prefixes`; returns the parameter names filled. ValueError on an unknown name or a shape
-    mismatch (`kind` names the tower in the message)."""
+    buffers and `ignored_prefixes`; q/k/v projections go into their third of a fused `qkv_proj` where the tower has
+    one. Returns the names filled, relative to the tower (a third by its checkpoint name: `tower_weight_names`).
+    ValueError on an unknown name or a shape mismatch (`kind` names the tower in the message)."""
     params = dict(tower.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
         rel = name[len(prefix) :] if name.startswith(prefix) else name
         if rel.endswith(_IGNORED_SUFFIXES) or rel.startswith(ignored_prefixes):
             continue
-        if rel not in params:
+        fused = _fused_qkv_piece(rel, params) if rel not in params else None
+        if rel not in params and fused is None:
             raise ValueError(f"unexpected {kind} weight {name!r}")
-        if tuple(params[rel].shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[rel].shape)}")
-        params[rel].data.copy_(tensor)
+        target = params[rel].data if fused is None else params[fused[0]].data.chunk(3, dim=0)[fused[1]]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
         loaded.add(rel)
     return loaded

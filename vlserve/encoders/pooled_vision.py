@@ -19,7 +19,9 @@ from vlserve.encoders.vision_layers import VisionMLP
 
 
 class ClipPooledVisionTower(ClipVisionTower):
-    """CLIP's vision transformer with its class-token pooling."""
+    """CLIP's vision transformer with its class-token pooling (q/k/v in one fused linear per layer)."""
+
+    fuses_qkv = True
 
     def pooled(self, pixels: torch.Tensor) -> torch.Tensor:
         """`pixels [N, C, S, S]` -> post_layernorm(last hidden state of the class token) `[N, E]`."""
@@ -55,9 +57,11 @@ class AttentionPoolingHead(nn.Module):
 
 
 class SiglipPooledVisionTower(SiglipVisionTower):
-    """SigLIP's vision transformer with its attention-pooling head (loaded, not skipped)."""
+    """SigLIP's vision transformer with its attention-pooling head (loaded, not skipped; q/k/v in one fused linear
+    per layer)."""
 
     ignored_prefixes = ()
+    fuses_qkv = True
 
     def __init__(self, cfg: VitConfig) -> None:
         super().__init__(cfg)

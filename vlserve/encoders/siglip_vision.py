@@ -39,7 +39,7 @@ class SiglipVisionTower(ClipVisionTower):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.embeddings = SiglipEmbeddings(cfg)
-        self.encoder = VitEncoder(cfg)
+        self.encoder = VitEncoder(cfg, self.fuses_qkv)
         self.post_layernorm = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
 
     @property

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlserve.encoders.clip_vision import VitAttention, VitEncoderLayer, copy_tower_weights
+from vlserve.encoders.clip_vision import VitAttention, VitEncoderLayer, copy_tower_weights, tower_weight_names
 from vlserve.encoders.vision_layers import AttentionSegments
 from vlserve.kernels.packed_linear import PackableLinear
 
@@ -111,11 +111,11 @@ class TextAttention(VitAttention):
             return super().forward(x, rows.segments)
         batch, num_tokens = rows.batch, rows.num_tokens
 
-        def heads(proj: nn.Module, slot: int) -> torch.Tensor:
-            padded = rows.to_padded(proj(x), slot)  # [B, T, E]
+        def heads(projected: torch.Tensor, slot: int) -> torch.Tensor:
+            padded = rows.to_padded(projected, slot)  # [B, T, E]
             return padded.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
 
-        q, k, v = heads(self.q_proj, 0), heads(self.k_proj, 1), heads(self.v_proj, 2)
+        q, k, v = (heads(projected, slot) for slot, projected in enumerate(self.project_qkv(x)))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.head_dim**-0.5)  # [B, H, T, Hd]
         out = rows.from_padded(out.transpose(1, 2))  # [R, H, Hd]
         return self.out_proj(out.reshape(out.shape[0], -1))  # [R, E]
@@ -126,7 +126,7 @@ class TextEncoderLayer(VitEncoderLayer):
 
     def __init__(self, cfg: TextTowerConfig) -> None:
         super().__init__(cfg)
-        self.self_attn = TextAttention(cfg)
+        self.self_attn = TextAttention(cfg, fused_qkv=True)
 
 
 class TextEncoder(nn.Module):
@@ -219,8 +219,13 @@ class ContrastiveTextTower(nn.Module):
         attention_mask = self.check_inputs(input_ids, attention_mask)
         return self._encode(input_ids, attention_mask, unpadded_only=True)
 
+    def expected_weight_names(self) -> set[str]:
+        """The names `load_weights` reports for a whole checkpoint, relative to the tower (`tower_weight_names`)."""
+        return tower_weight_names(self)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (relative to the tower, with or without `text_model.`) into the parameters;
-        returns the parameter names filled. ValueError on an unknown name or a shape mismatch."""
+        returns the names filled (q/k/v by their checkpoint names). ValueError on an unknown name or a shape
+        mismatch."""
         return copy_tower_weights(self, weights, "text_model.", "text tower")

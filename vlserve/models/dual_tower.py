@@ -178,7 +178,13 @@ class DualTowerEmbedder(nn.Module):
                 loaded.add(name)
             else:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-        missing = sorted(set(params) - loaded)
+        expected = {
+            f"{part}.{n}"
+            for part in ("text_model", "vision_model")
+            for n in getattr(self, part).expected_weight_names()
+        }
+        expected |= {n for n in params if not n.startswith(("text_model.", "vision_model."))}
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}")
         for mlp in self.modules():  # quick-GELU runs inside fc1's matmul from here on (no tower LoRA here)
