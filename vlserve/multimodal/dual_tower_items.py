@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from vlserve.multimodal.hashing import hash_pil_pixels
 from vlserve.multimodal.inputs import MultiModalFeature
+from vlserve.multimodal.media import load_image
+from vlserve.multimodal.media_refs import ImageEmbeds, NamedItem
 from vlserve.multimodal.processor import MultiModalProcessor, load_hf_processor
 
 
@@ -57,6 +62,18 @@ class DualTowerProcessor(MultiModalProcessor):
     def from_pretrained(cls, model_dir: str, use_fast: bool = True, **kwargs: Any) -> DualTowerProcessor:
         """The checkpoint's processor (CLIPProcessor / SiglipProcessor) from a local directory, wrapped."""
         return cls(load_hf_processor(model_dir, use_fast), **kwargs)
+
+    def process_image(self, image: Any, image_kwargs: dict | None = None) -> tuple[str, dict]:
+        """`MultiModalProcessor.process_image`, with a loaded image's pixels taken out of PIL once (each array
+        conversion of a PIL image copies them through its raw encoder): that `[H, W, 3]` array is hashed (the PIL
+        image's mm_hash) and given to the image processor (the PIL image's pixel_values)."""
+        if isinstance(image, (ImageEmbeds, NamedItem)):
+            return super().process_image(image, image_kwargs)
+        image_kwargs = image_kwargs or {}
+        img = load_image(image, max_pixels=self.max_image_pixels)  # RGB
+        pixels = np.array(img)  # [H, W, 3] uint8 (writable: torch.from_numpy warns on a read-only one)
+        mm_hash = hash_pil_pixels(img.mode, pixels, image_kwargs)
+        return mm_hash, self._get_or_compute(mm_hash, lambda: self._run_image(pixels, image_kwargs))
 
     def tokenize(self, text: str) -> list[int]:
         """A text's ids as the family's processor makes them."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,14 +57,30 @@ def _canonical_kwargs(kwargs: dict | None) -> str:
     return json.dumps(kwargs or {}, sort_keys=True, default=repr, separators=(",", ":"))
 
 
-def hash_mm_item(modality: str, item: Any, processor_kwargs: dict | None = None) -> str:
-    """Return a hex blake2b-256 digest of (modality, item content incl. shape/dtype, sorted processor kwargs)."""
+def _content_digest(modality: str, feed: Callable[[hashlib._Hash], None], processor_kwargs: dict | None) -> str:
     h = hashlib.blake2b(digest_size=32)
     h.update(f"vlserve-mm-v1|{modality}|".encode())
-    _update(h, item)
+    feed(h)
     h.update(b"|kwargs|")
     h.update(_canonical_kwargs(processor_kwargs).encode())
     return h.hexdigest()
+
+
+def hash_mm_item(modality: str, item: Any, processor_kwargs: dict | None = None) -> str:
+    """Return a hex blake2b-256 digest of (modality, item content incl. shape/dtype, sorted processor kwargs)."""
+    return _content_digest(modality, lambda h: _update(h, item), processor_kwargs)
+
+
+def hash_pil_pixels(mode: str, pixels: np.ndarray, processor_kwargs: dict | None = None) -> str:
+    """`hash_mm_item("image", img, processor_kwargs)` of a PIL image `img` in `mode` whose `np.asarray(img)` is
+    `pixels`, computed from those pixels (for a caller that holds them already: PIL copies its pixels out anew on
+    every array conversion)."""
+
+    def feed(h: hashlib._Hash) -> None:
+        h.update(f"pil|{mode}|".encode())
+        _update_array(h, pixels)
+
+    return _content_digest("image", feed, processor_kwargs)
 
 
 def hash_named_item(modality: str, uuid: str, processor_kwargs: dict | None = None) -> str:

@@ -486,13 +486,14 @@ class MultiModalProcessor:
 
 
 def _unambiguous(img: Any) -> Any:
-    """`img` itself, or as an `[H, W, 3]` uint8 array when `_layout_kwargs` states its layout."""
+    """`img` itself (a PIL image, or its `[H, W, 3]` uint8 array), or as that array when `_layout_kwargs` states
+    its layout."""
     import numpy as np
 
-    return np.array(img) if img.height in (1, 3) else img
+    return np.array(img) if not isinstance(img, np.ndarray) and img.height in (1, 3) else img
 
 
 def _layout_kwargs(img: Any) -> dict:
     """transformers 4.57's numpy image processors guess the channel axis and take an image 1 or 3 rows high as
-    channels-first; for those images the array is passed with its layout stated."""
-    return {"input_data_format": "channels_last"} if img.height in (1, 3) else {}
+    channels-first; for those images, and for `[H, W, 3]` arrays, the array is passed with its layout stated."""
+    return {"input_data_format": "channels_last"} if not hasattr(img, "mode") or img.height in (1, 3) else {}
