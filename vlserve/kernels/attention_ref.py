@@ -54,7 +54,12 @@ from vlserve.kernels.prefill_batch import (
     prefill_groups,
     step_prefill_groups,
 )
-from vlserve.kernels.varlen_attention_cpu import max_segment_len, segment_attention_cpu, segment_kernel_takes
+from vlserve.kernels.varlen_attention_cpu import (
+    MAX_SEGMENT_CONTEXT,
+    MAX_SEGMENT_QUERY_LEN,
+    paged_kernel_takes,
+    paged_segments_cpu,
+)
 
 # Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
@@ -391,23 +396,26 @@ def _cpu_step_rows(md: AttentionMetadata, decodes_only: bool):
     )
 
 
-def _fresh_prompt_segments(md: AttentionMetadata) -> tuple[list[int], list[int]] | None:
-    """(first rows, lengths) of the step's prefill sequences when each is a whole prompt (no cached prefix) short
-    enough for the segment kernel and none attends past its own position; None otherwise (or with no prefill)."""
+def _short_prefill_plan(md: AttentionMetadata) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """(sequences, first query rows, query lengths, context lengths) of the step's prefill chunks when the paged
+    segment kernel takes them all: one longer than MAX_KERNEL_QUERY_LEN (else they are rows of the decode call),
+    none longer than MAX_SEGMENT_QUERY_LEN nor over a context of MAX_SEGMENT_CONTEXT, none attending past its own
+    position; None otherwise (they go to `prefill_ref`)."""
     first = md.num_decodes
     starts, lens = md.query_start_loc_cpu, md.seq_lens_cpu
     if md.key_limits is not None or first == len(lens):
         return None
-    limit = max_segment_len(causal=True)
-    rows, lengths = [], []
+    seqs, rows, q_lens, seq_lens = [], [], [], []
     for b in range(first, len(lens)):
         q_len = starts[b + 1] - starts[b]
-        if q_len != lens[b] or q_len > limit:
+        if q_len > MAX_SEGMENT_QUERY_LEN or lens[b] > MAX_SEGMENT_CONTEXT or q_len > lens[b]:
             return None
         if q_len:
+            seqs.append(b)
             rows.append(starts[b])
-            lengths.append(q_len)
-    return rows, lengths
+            q_lens.append(q_len)
+            seq_lens.append(lens[b])
+    return (seqs, rows, q_lens, seq_lens) if q_lens and max(q_lens) > MAX_KERNEL_QUERY_LEN else None
 
 
 def attention_forward_ref(
@@ -433,10 +441,11 @@ def attention_forward_ref(
     if num_actual < query.shape[0]:
         out[num_actual:].zero_()  # padding rows
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
-    # a step whose prefills are all short fresh prompts attends them from the step's own rows (no cache read)
-    fresh = None
-    if sliding_window is None and not is_fp8(k_cache) and segment_kernel_takes(query, key, value, out):
-        fresh = md.derive("fresh_prompt_segments", lambda: _fresh_prompt_segments(md))
+    # a step whose prefill chunks are short (tens to a couple of hundred tokens) attends them in one C++ call over
+    # their cached context, after the KV write
+    short = None
+    if sliding_window is None and not is_fp8(k_cache) and paged_kernel_takes(query, k_cache, v_cache, out):
+        short = md.derive("short_prefill_plan", lambda: _short_prefill_plan(md))
     # the runner allocates every layer's caches alike: one check per step and dtypes (a draft's cache may differ)
     if md.derive(
         ("cpu_attention_step", query.dtype, key.dtype, k_cache.dtype),
@@ -444,7 +453,7 @@ def attention_forward_ref(
     ):
         # one C++ call writes every row's K/V and attends the decode rows, and the prefill chunks' rows too when
         # they are short (a handful of tokens each: chunked prefill, speculative verification)
-        decodes_only = fresh is not None
+        decodes_only = short is not None
         rows = md.derive(("cpu_step_rows", decodes_only), lambda: _cpu_step_rows(md, decodes_only))
         attend_rows(query, key, value, k_cache, v_cache, rows, scale, out, k_scale, v_scale, sliding_window)
         if rows.seqs.shape[0]:  # the prefill chunks' rows were in the call too
@@ -461,8 +470,8 @@ def attention_forward_ref(
         )
         if num_decodes > 0:
             _decode_with_torch(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
-    if fresh is not None:
-        segment_attention_cpu(query, key, value, fresh[0], fresh[1], scale, True, out)
+    if short is not None:
+        paged_segments_cpu(query, k_cache, v_cache, md.block_tables, *short, scale, out)
     elif kernel_seqs < md.num_seqs:
         prefill_ref(query, k_cache, v_cache, md, scale, out, k_scale, v_scale, sliding_window)
     return out

@@ -1,12 +1,15 @@
-"""Attention of many short segments over themselves on CPU in one C++ call (csrc/varlen_attention_cpu.cpp): each
-segment's queries attend to its own keys only, causally or both ways, straight from the rows of q / k / v (no
-padding, no mask, no gather). Short prompts (text embedders, cross-encoders, a batch of fresh chat prompts) and
-small image tiles are many segments of tens to hundreds of tokens, where SDPA pays per call and per padded row.
+"""Attention of many short segments on CPU in one C++ call (csrc/varlen_attention_cpu.cpp), no padding, no mask.
 
-Scores, softmax and the weighted sum run in float32 (bf16 rows widened on load, the output rounded once), so a bf16
-result can sit one bf16 step from SDPA's, and a float32 one differs in the summation order only. Segments longer than
-`max_segment_len(causal)` stay with SDPA, which tiles them into matrix products. Taken for float32 / bf16 CPU tensors whose
-heads are contiguous rows of D elements, outside autograd and torch.compile, where the kernel builds and
+Two sources of keys: `segment_attention_cpu` attends each segment of rows of q / k / v to itself, causally or both
+ways (towers, text towers, cross-encoders: many segments of tens of tokens, where SDPA pays per call and per padded
+row); `paged_segments_cpu` attends a step's prefill chunks (tens to a couple of hundred tokens, with or without a
+cached prefix) to their context in the paged KV cache, after the step's K/V are written. A query row's result depends
+only on its query and the keys it sees, so a prefix-cache hit does not change it.
+
+Scores, softmax and the weighted sum run in float32 (bf16 widened on load, the output rounded once), so a bf16 result
+can sit one bf16 step from SDPA's, and a float32 one differs in the summation order only. Segments longer than
+`max_segment_len(causal)` stay with SDPA, which tiles them into matrix products. Taken for float32 / bf16 CPU tensors
+whose heads are contiguous rows of D elements, outside autograd and torch.compile, where the kernel builds and
 $VLSERVE_CPU_VARLEN_ATTENTION_KERNEL is not 0.
 """
 
@@ -22,15 +25,21 @@ DISABLE_ENV = "VLSERVE_CPU_VARLEN_ATTENTION_KERNEL"
 # longest segment the kernel takes; SDPA's tiled matrix products win past these (bf16 and float32, AMX Xeon)
 MAX_CAUSAL_SEGMENT_LEN = 192
 MAX_BIDIRECTIONAL_SEGMENT_LEN = 96
+MAX_SEGMENT_QUERY_LEN = MAX_CAUSAL_SEGMENT_LEN  # a paged prefill chunk's query rows ...
+MAX_SEGMENT_CONTEXT = 1024  # ... and the context they attend to
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* q, const void* k, const void* v, void* out, int64_t q_ld, int64_t k_ld,
-                       int64_t v_ld, int64_t o_ld, const int64_t* starts, const int64_t* lens, int64_t S, int64_t Hq,
-                       int64_t Hkv, int64_t D, float scale, int64_t causal, int64_t is_bf16, int64_t threads);
+                       int64_t v_ld, int64_t o_ld, const int64_t* q_starts, const int64_t* q_lens,
+                       const int64_t* kv_starts, const int64_t* kv_lens, const int32_t* tables, int64_t M,
+                       int64_t BS, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t causal,
+                       int64_t is_bf16, int64_t threads);
 """
 _ARG_TYPES = ("const void*", "const void*", "const void*", "void*", "int64_t", "int64_t", "int64_t", "int64_t",
-              "const int64_t*", "const int64_t*", "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t",
-              "int64_t", "int64_t")  # fmt: skip
+              "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*", "const int32_t*", "int64_t",
+              "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t", "int64_t",
+              "int64_t")  # fmt: skip
+_NO_TABLES = torch.empty(0, dtype=torch.int32)
 
 
 def varlen_attention_cpu_kernel():
@@ -66,6 +75,35 @@ def segment_kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     )
 
 
+def _run(query, key, value, out, q_starts, q_lens, kv_starts, kv_lens, tables, block_size, scale, causal) -> None:
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    varlen_attention_cpu_kernel()(
+        query,
+        key,
+        value,
+        out,
+        query.stride(0),
+        key.stride(0) if tables is _NO_TABLES else key.shape[2] * key.shape[3],
+        value.stride(0) if tables is _NO_TABLES else value.shape[2] * value.shape[3],
+        out.stride(0),
+        as_tensor(q_starts),
+        as_tensor(q_lens),
+        as_tensor(kv_starts),
+        as_tensor(kv_lens),
+        tables,
+        tables.shape[1] if tables.dim() == 2 else 0,
+        block_size,
+        len(q_starts),
+        query.shape[1],
+        key.shape[-2],
+        query.shape[2],
+        float(scale),
+        int(causal),
+        int(query.dtype is torch.bfloat16),
+        torch.get_num_threads(),
+    )
+
+
 def segment_attention_cpu(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -84,25 +122,39 @@ def segment_attention_cpu(
         return
     if min(starts) < 0 or min(lens) < 0 or max(s + n for s, n in zip(starts, lens)) > query.shape[0]:
         raise ValueError("every segment must lie within the rows")
-    starts_t = torch.tensor(starts, dtype=torch.int64)
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    varlen_attention_cpu_kernel()(
-        query,
-        key,
-        value,
-        out,
-        query.stride(0),
-        key.stride(0),
-        value.stride(0),
-        out.stride(0),
-        starts_t,
-        lens_t,
-        len(starts),
-        query.shape[1],
-        key.shape[1],
-        query.shape[2],
-        float(scale),
-        int(causal),
-        int(query.dtype is torch.bfloat16),
-        torch.get_num_threads(),
+    _run(query, key, value, out, starts, lens, starts, lens, _NO_TABLES, 0, scale, causal)
+
+
+def paged_segments_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqs: list[int],
+    q_starts: list[int],
+    q_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of sequence seqs[i]'s q_lens[i] query rows (from q_starts[i]; the last of its seq_lens[i]
+    positions) over its cached keys and values, already written, into the same rows of `out`. Check
+    `paged_kernel_takes` first."""
+    # query, out: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D] contiguous; block_tables: [B, M] int32
+    if not seqs:
+        return
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    _run(query, k_cache, v_cache, out, q_starts, q_lens, seqs, seq_lens, tables.contiguous(), k_cache.shape[1],
+         scale, True)  # fmt: skip
+
+
+def paged_kernel_takes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `paged_segments_cpu` runs these tensors: the caches contiguous and in the query's dtype."""
+    return (
+        k_cache.dtype == query.dtype
+        and v_cache.dtype == query.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.dim() == 4
+        and segment_kernel_takes(query, k_cache[0], v_cache[0], out)
     )

@@ -1,8 +1,10 @@
-// Attention of short segments over themselves (causal or bidirectional): see vlserve/kernels/varlen_attention_cpu.py.
-// One OpenMP task per (segment, KV head): its keys are widened to float32 and transposed into Kt [D][L] and its values
-// into Vf [L][D], then each query head of its group takes its rows four at a time: the rows' scores over the keys
+// Attention of short segments (causal or bidirectional): see vlserve/kernels/varlen_attention_cpu.py.
+// One OpenMP task per (segment, KV head): its keys (rows of k, or positions of a paged cache) are widened to float32
+// and transposed into Kt [D][L] and its values into Vf [L][D], then each query head of its group takes its rows four
+// at a time: the rows' scores over the keys
 // they see (vectors along the keys, the four rows sharing each Kt load), a float32 softmax, then the weighted sum of
-// values (vectors along D, the four rows sharing each value load). Nothing is read past a segment's end.
+// values (vectors along D, the four rows sharing each value load). Nothing is read past a segment's end, and a
+// row's result depends only on its query and the keys it sees (not on the rows it shares a block with).
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
 #include <algorithm>
@@ -117,11 +119,16 @@ void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, in
 
 }  // namespace
 
-// q [*, Hq, D] / k, v [*, Hkv, D] / out [*, Hq, D]: row strides q_ld / k_ld / v_ld / o_ld elements, head stride D,
-// elements contiguous. Segment s covers rows starts[s] .. starts[s] + lens[s] of q, k, v and out.
+// q / out [*, Hq, D], k / v [*, Hkv, D]: row strides q_ld / k_ld / v_ld / o_ld elements, head stride D, elements
+// contiguous. Segment s: query rows q_starts[s] .. + q_lens[s] of q and out, over kv_lens[s] keys and values: the rows
+// kv_starts[s] .. of k / v, or (tables given: k / v are the paged caches [NB, BS, Hkv, D], k_ld = v_ld = Hkv * D)
+// positions 0 .. kv_lens[s] - 1 through the block ids tables[kv_starts[s] * M ..]. Query i sits at position
+// kv_lens[s] - q_lens[s] + i; causal, it sees keys 0 .. that position, else all of them.
 extern "C" void kernel(const void* q, const void* k, const void* v, void* out, int64_t q_ld, int64_t k_ld,
-                       int64_t v_ld, int64_t o_ld, const int64_t* starts, const int64_t* lens, int64_t S, int64_t Hq,
-                       int64_t Hkv, int64_t D, float scale, int64_t causal, int64_t is_bf16, int64_t threads) {
+                       int64_t v_ld, int64_t o_ld, const int64_t* q_starts, const int64_t* q_lens,
+                       const int64_t* kv_starts, const int64_t* kv_lens, const int32_t* tables, int64_t M,
+                       int64_t BS, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t causal,
+                       int64_t is_bf16, int64_t threads) {
     const bool bf16 = is_bf16 != 0;
     const int64_t group = Hq / Hkv;
     const int64_t tasks = S * Hkv;
@@ -130,27 +137,29 @@ extern "C" void kernel(const void* q, const void* k, const void* v, void* out, i
         std::vector<float> kt, vf, qs(kRows * D), scores, acc(kRows * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {
-            const int64_t s = t / Hkv, h = t % Hkv, start = starts[s], L = lens[s];
-            if (L <= 0) continue;
+            const int64_t s = t / Hkv, h = t % Hkv, q_start = q_starts[s], Q = q_lens[s], L = kv_lens[s];
+            if (Q <= 0 || L <= 0) continue;
+            const int64_t first = L - Q;  // position of the segment's first query
             const int64_t ld = whole_vectors(L);  // Kt row length
             kt.assign(D * ld, 0.0f);
             vf.resize(L * D);
             scores.resize(kRows * ld);
+            const int32_t* table = tables ? tables + kv_starts[s] * M : nullptr;
             for (int64_t j = 0; j < L; ++j) {
-                const int64_t row = start + j;
+                const int64_t row = table ? int64_t(table[j / BS]) * BS + j % BS : kv_starts[s] + j;
                 for (int64_t d = 0; d < D; ++d) kt[d * ld + j] = load_elem(k, row * k_ld + h * D + d, bf16);
                 widen_row(v, row * v_ld + h * D, D, bf16, 1.0f, vf.data() + j * D);
             }
             for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
-                for (int64_t i0 = 0; i0 < L; i0 += kRows) {
-                    const int64_t rows = std::min(kRows, L - i0);
-                    const int64_t n_max = causal ? i0 + rows : L;  // keys the block's last row sees
+                for (int64_t i0 = 0; i0 < Q; i0 += kRows) {
+                    const int64_t rows = std::min(kRows, Q - i0);
+                    const int64_t n_max = causal ? first + i0 + rows : L;  // keys the block's last row sees
                     for (int64_t r = 0; r < rows; ++r)
-                        widen_row(q, (start + i0 + r) * q_ld + hq * D, D, bf16, scale, qs.data() + r * D);
+                        widen_row(q, (q_start + i0 + r) * q_ld + hq * D, D, bf16, scale, qs.data() + r * D);
                     std::fill(qs.begin() + rows * D, qs.end(), 0.0f);  // rows past the segment: never stored
                     scores_block(qs.data(), kt.data(), ld, D, n_max, scores.data());
                     for (int64_t r = 0; r < kRows; ++r) {
-                        const int64_t n = r < rows ? (causal ? i0 + r + 1 : L) : 0;
+                        const int64_t n = r < rows ? (causal ? first + i0 + r + 1 : L) : 0;
                         float* row = scores.data() + r * ld;
                         if (n > 0) softmax_row(row, n);  // zero up to whole vectors past n
                         const int64_t done = n > 0 ? whole_vectors(n) : 0;
@@ -158,7 +167,7 @@ extern "C" void kernel(const void* q, const void* k, const void* v, void* out, i
                     }
                     weighted_values(scores.data(), ld, n_max, vf.data(), D, acc.data());
                     for (int64_t r = 0; r < rows; ++r)
-                        store_row(acc.data() + r * D, D, bf16, out, (start + i0 + r) * o_ld + hq * D);
+                        store_row(acc.data() + r * D, D, bf16, out, (q_start + i0 + r) * o_ld + hq * D);
                 }
             }
         }
