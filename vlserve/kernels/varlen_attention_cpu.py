@@ -8,7 +8,7 @@ only on its query and the keys it sees, so a prefix-cache hit does not change it
 
 Scores, softmax and the weighted sum run in float32 (bf16 widened on load, the output rounded once), so a bf16 result
 can sit one bf16 step from SDPA's, and a float32 one differs in the summation order only. Segments longer than
-`max_segment_len(causal)` stay with SDPA, which tiles them into matrix products. Taken for float32 / bf16 CPU tensors
+`max_segment_len(causal, dtype)` stay with SDPA, which tiles them into matrix products. Taken for float32 / bf16 CPU tensors
 whose heads are contiguous rows of D elements, outside autograd and torch.compile, where the kernel builds and
 $VLSERVE_CPU_VARLEN_ATTENTION_KERNEL is not 0.
 """
@@ -22,10 +22,15 @@ import torch
 from vlserve.kernels.cpp_build import load_cpu_kernel
 
 DISABLE_ENV = "VLSERVE_CPU_VARLEN_ATTENTION_KERNEL"
-# longest segment the kernel takes; SDPA's tiled matrix products win past these (bf16 and float32, AMX Xeon)
-MAX_CAUSAL_SEGMENT_LEN = 192
-MAX_BIDIRECTIONAL_SEGMENT_LEN = 96
-MAX_SEGMENT_QUERY_LEN = MAX_CAUSAL_SEGMENT_LEN  # a paged prefill chunk's query rows ...
+# longest segment `varlen_attention` sends to the kernel, by (causal, dtype): SDPA's tiled matrix products win past
+# these (measured on the AMX Xeon, one thread, 8 query / 2 KV heads of 64; bf16 SDPA runs on AMX)
+_MAX_SEGMENT_LEN = {
+    (True, torch.bfloat16): 128,
+    (True, torch.float32): 256,
+    (False, torch.bfloat16): 64,
+    (False, torch.float32): 128,
+}
+MAX_SEGMENT_QUERY_LEN = 192  # a paged prefill chunk's query rows (its alternative pads and gathers) ...
 MAX_SEGMENT_CONTEXT = 1024  # ... and the context they attend to
 _DECLARATION = """
 #include <cstdint>
@@ -47,9 +52,9 @@ def varlen_attention_cpu_kernel():
     return load_cpu_kernel("varlen_attention_cpu.cpp", _DECLARATION, _ARG_TYPES)
 
 
-def max_segment_len(causal: bool) -> int:
-    """The longest segment callers send to the kernel (longer ones are faster through SDPA)."""
-    return MAX_CAUSAL_SEGMENT_LEN if causal else MAX_BIDIRECTIONAL_SEGMENT_LEN
+def max_segment_len(causal: bool, dtype: torch.dtype) -> int:
+    """The longest segment `varlen_attention` sends to the kernel (longer ones are faster through SDPA)."""
+    return _MAX_SEGMENT_LEN.get((causal, dtype), 0)
 
 
 def _rows_of_heads(t: torch.Tensor) -> bool:

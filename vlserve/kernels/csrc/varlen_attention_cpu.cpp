@@ -20,11 +20,6 @@ constexpr int64_t kRows = 4;  // query rows that share each key / value load
 
 inline int64_t whole_vectors(int64_t n) { return (n + Vec::size() - 1) / Vec::size() * Vec::size(); }
 
-inline float load_elem(const void* base, int64_t index, bool bf16) {
-    if (bf16) return static_cast<float>(static_cast<const c10::BFloat16*>(base)[index]);
-    return static_cast<const float*>(base)[index];
-}
-
 // src row r (row stride `stride` elements), D contiguous elements -> dst float32 [D], times `scale`
 inline void widen_row(const void* src, int64_t offset, int64_t D, bool bf16, float scale, float* dst) {
     if (bf16) {
@@ -56,21 +51,32 @@ inline void store_row(const float* src, int64_t D, bool bf16, void* out, int64_t
 }
 
 // scores[r][0..n) = q[r] . Kt[:, 0..n) for the kRows query rows q [kRows][D] (already scaled); Kt [D][ld], ld a whole
-// number of vectors >= n (zero past the keys), so every load is a whole vector
+// number of vector pairs >= n (zero past the keys), so every load is whole; two vectors of keys a pass share each
+// query element's broadcast
 void scores_block(const float* q, const float* kt, int64_t ld, int64_t D, int64_t n, float* scores) {
-    for (int64_t j = 0; j < n; j += Vec::size()) {
-        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
+    constexpr int64_t W = Vec::size();
+    for (int64_t j = 0; j < n; j += 2 * W) {
+        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), b0(0.0f), b1(0.0f), b2(0.0f), b3(0.0f);
         for (int64_t d = 0; d < D; ++d) {
-            const Vec k = Vec::loadu(kt + d * ld + j);
-            a0 = at::vec::fmadd(Vec(q[d]), k, a0);
-            a1 = at::vec::fmadd(Vec(q[D + d]), k, a1);
-            a2 = at::vec::fmadd(Vec(q[2 * D + d]), k, a2);
-            a3 = at::vec::fmadd(Vec(q[3 * D + d]), k, a3);
+            const Vec k0 = Vec::loadu(kt + d * ld + j), k1 = Vec::loadu(kt + d * ld + j + W);
+            const Vec q0(q[d]), q1(q[D + d]), q2(q[2 * D + d]), q3(q[3 * D + d]);
+            a0 = at::vec::fmadd(q0, k0, a0);
+            b0 = at::vec::fmadd(q0, k1, b0);
+            a1 = at::vec::fmadd(q1, k0, a1);
+            b1 = at::vec::fmadd(q1, k1, b1);
+            a2 = at::vec::fmadd(q2, k0, a2);
+            b2 = at::vec::fmadd(q2, k1, b2);
+            a3 = at::vec::fmadd(q3, k0, a3);
+            b3 = at::vec::fmadd(q3, k1, b3);
         }
         a0.store(scores + j);
+        b0.store(scores + j + W);
         a1.store(scores + ld + j);
+        b1.store(scores + ld + j + W);
         a2.store(scores + 2 * ld + j);
+        b2.store(scores + 2 * ld + j + W);
         a3.store(scores + 3 * ld + j);
+        b3.store(scores + 3 * ld + j + W);
     }
 }
 
@@ -134,20 +140,22 @@ extern "C" void kernel(const void* q, const void* k, const void* v, void* out, i
     const int64_t tasks = S * Hkv;
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> kt, vf, qs(kRows * D), scores, acc(kRows * D);
+        std::vector<float> kt, vf, key, qs(kRows * D), scores, acc(kRows * D);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {
             const int64_t s = t / Hkv, h = t % Hkv, q_start = q_starts[s], Q = q_lens[s], L = kv_lens[s];
             if (Q <= 0 || L <= 0) continue;
             const int64_t first = L - Q;  // position of the segment's first query
-            const int64_t ld = whole_vectors(L);  // Kt row length
+            const int64_t ld = (L + 2 * Vec::size() - 1) / (2 * Vec::size()) * (2 * Vec::size());  // Kt row length
             kt.assign(D * ld, 0.0f);
             vf.resize(L * D);
+            key.resize(D);
             scores.resize(kRows * ld);
             const int32_t* table = tables ? tables + kv_starts[s] * M : nullptr;
             for (int64_t j = 0; j < L; ++j) {
                 const int64_t row = table ? int64_t(table[j / BS]) * BS + j % BS : kv_starts[s] + j;
-                for (int64_t d = 0; d < D; ++d) kt[d * ld + j] = load_elem(k, row * k_ld + h * D + d, bf16);
+                widen_row(k, row * k_ld + h * D, D, bf16, 1.0f, key.data());
+                for (int64_t d = 0; d < D; ++d) kt[d * ld + j] = key[d];
                 widen_row(v, row * v_ld + h * D, D, bf16, 1.0f, vf.data() + j * D);
             }
             for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
