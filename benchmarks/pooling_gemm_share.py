@@ -1,0 +1,71 @@
+"""HF's time in its linear layers' GEMMs on the pooling benchmark's workloads: how much of HF's pass no engine
+running the same GEMM libraries can save (a ceiling on vlserve / HF for a row).
+
+    python -m benchmarks.pooling_gemm_share [--models clip qwen2_vl] [--dtype bfloat16 float32] [--images 64]
+
+Builds (or reuses) benchmarks/pooling.py's checkpoints and image set under --workdir, runs its `HfRunner` (batches of
+16) once to warm up and once under torch.profiler, and prints per model, dtype and workload: the wall time, the self
+time of `aten::addmm` / `aten::mm` / `mkldnn::_linear_pointwise` (the linears) and of convolutions, and the
+linears' share of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from benchmarks.pooling import prepare_sets
+from benchmarks.pooling_checkpoints import clip_checkpoint, qwen2_vl_embedder
+
+LINEAR_OPS = ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")
+
+
+def _load_images(path: str | None) -> list:
+    import numpy as np
+    from PIL import Image
+
+    if not path:
+        return []
+    with np.load(path) as arrays:
+        return [Image.fromarray(arrays[str(i)]) for i in range(len(arrays.files))]
+
+
+def main() -> None:
+    import torch
+
+    from benchmarks.pooling_child import HfRunner
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["clip", "qwen2_vl"], choices=["clip", "qwen2_vl"])
+    p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--images", type=int, default=64)
+    p.add_argument("--texts", type=int, default=0)
+    p.add_argument("--workdir", default=os.path.expanduser("~/.cache/vlserve-bench/pooling"))
+    args = p.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    for family in args.models:
+        model = clip_checkpoint(args.workdir) if family == "clip" else qwen2_vl_embedder(args.workdir)
+        workloads = prepare_sets(family, model, {"images": args.images, "texts": args.texts}, args.workdir, 0)
+        for dtype in args.dtype:
+            runner = HfRunner({"family": family, "model": model, "dtype": dtype, "hf_batch": 16})
+            for w in workloads:
+                main_set, warm = w["sets"]["main"], w["sets"]["warmup"]
+                runner.embed(warm["prompts"], _load_images(warm["images"]))
+                images = _load_images(main_set["images"])
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    start = time.perf_counter()
+                    runner.embed(main_set["prompts"], images)
+                    wall = time.perf_counter() - start
+                events = prof.key_averages()
+                linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
+                conv = sum(e.self_cpu_time_total for e in events if "conv" in e.key) / 1e6
+                print(
+                    f"{family} {dtype} {w['name']}: HF wall {wall:.3f} s; linear GEMMs {linear:.3f} s "
+                    f"({linear / wall:.0%} of wall); convolutions {conv:.3f} s",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
