@@ -443,9 +443,9 @@ def attention_forward_ref(
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
     # a step whose prefill chunks are short (tens to a couple of hundred tokens) attends them in one C++ call over
     # their cached context, after the KV write
-    short = None
-    if sliding_window is None and not is_fp8(k_cache) and paged_kernel_takes(query, k_cache, v_cache, out):
-        short = md.derive("short_prefill_plan", lambda: _short_prefill_plan(md))
+    short = None if sliding_window is not None else md.derive("short_prefill_plan", lambda: _short_prefill_plan(md))
+    if short is not None and (is_fp8(k_cache) or not paged_kernel_takes(query, k_cache, v_cache, out)):
+        short = None
     # the runner allocates every layer's caches alike: one check per step and dtypes (a draft's cache may differ)
     if md.derive(
         ("cpu_attention_step", query.dtype, key.dtype, k_cache.dtype),
