@@ -121,7 +121,7 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     from transformers import AutoConfig, AutoProcessor
 
     import vlserve.models.qwen2_vl  # noqa: F401  (registers the architectures)
-    from vlserve.core.sched_output import SchedulerOutput
+    from vlserve.core.sched_output import CachedRequestData, SchedulerOutput
     from vlserve.models import load_model
     from vlserve.multimodal.processor import MultiModalProcessor
     from vlserve.sampling_params import SamplingParams
@@ -157,7 +157,8 @@ def test_runner_encodes_each_modality_once_per_step(checkpoint):
     encode = model.embed_multimodal
     model.embed_multimodal = lambda modality, data: calls.append(modality) or encode(modality, data)
     runner.encoders.run(
-        SchedulerOutput([], [], {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}), runner.requests
+        SchedulerOutput([], CachedRequestData(), {}, 0, scheduled_encoder_inputs={"a": [0, 1], "b": [0, 1]}),
+        runner.requests,
     )
     assert sorted(calls) == ["image", "video"]
     held = {f.mm_hash for _, feats in prompts.values() for f in feats if runner.encoders.lookup(f.mm_hash) is not None}

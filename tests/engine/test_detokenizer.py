@@ -91,3 +91,47 @@ def test_byte_table_detokenizer_matches_decode_stream(tok, chunk):
         for i in range(0, len(out), chunk):
             assert a.update(out[i : i + chunk]) == b.update(out[i : i + chunk])
             assert a.output_text == b.output_text
+
+
+def test_byte_stream_extend_joins_the_steps(tok):
+    """`extend` over a run of ids gives the steps' pieces joined and leaves the same undecoded bytes, including
+    runs that end inside a character or on an invalid byte."""
+    table = ByteTable.build(tok._tokenizer).bytes_of(True)
+    rng = random.Random(3)
+    num_fallbacks = 0
+    for _ in range(300):
+        stepped, extended = ByteStream(table), ByteStream(table)
+        for _ in range(6):
+            ids = [rng.randrange(len(tok) + 4) for _ in range(rng.randrange(0, 8))]
+            expected = "".join(stepped.step(t) for t in ids)
+            assert extended.extend(ids) == expected
+            assert extended.pending == stepped.pending
+            num_fallbacks += bool(stepped.pending)
+    assert num_fallbacks > 0  # (runs that left bytes undecoded)
+    broken = [tid for tid, b in enumerate(table) if len(b) == 1 and 0x80 <= b[0] < 0xC0]  # lone continuation bytes
+    assert broken
+    letter = [tid for tid, b in enumerate(table) if b == b"a"]
+    assert letter
+    for tail in ([], broken[:1], letter):
+        ids = [broken[i % len(broken)] for i in range(20)] + tail  # past the back search's tries: token by token
+        stepped, extended = ByteStream(table), ByteStream(table)
+        assert extended.extend(ids) == "".join(stepped.step(t) for t in ids)
+        assert extended.pending == stepped.pending
+
+
+@pytest.mark.parametrize("read_every", [1, 4, 1000])
+def test_queued_text_matches_decode_stream(tok, read_every):
+    """Without stop strings the byte-table detokenizer queues ids; reading its text at any point gives what the
+    DecodeStream one has after the same updates."""
+    rng = random.Random(4)
+    table = ByteTable.build(tok._tokenizer)
+    for _ in range(30):
+        prompt = [rng.randrange(len(tok)) for _ in range(8)]
+        queued = IncrementalDetokenizer(tok, prompt, byte_table=table)
+        streamed = IncrementalDetokenizer(tok, prompt)
+        for i in range(40):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.choice([1, 1, 2]))]
+            assert queued.update(ids) is None and streamed.update(ids) is None
+            if i % read_every == 0:
+                assert queued.output_text == streamed.output_text
+        assert queued.output_text == streamed.output_text

@@ -76,7 +76,8 @@ def test_scheduler_skips_requests_in_flight_caps_the_batch_and_sends_tokens():
     s.in_flight_req_ids.difference_update(first.num_scheduled_tokens)
     s.send_token_ids = True  # pipeline parallel: the stages that do not sample get the window's known tokens
     third = s.schedule()
-    assert [(c.req_id, c.token_start, c.new_token_ids) for c in third.scheduled_cached_reqs] == [
+    cached = third.scheduled_cached_reqs
+    assert list(zip(cached.req_ids, cached.token_starts, cached.new_token_ids)) == [
         ("a", 5, [7]),
         ("b", 5, [7]),
     ]

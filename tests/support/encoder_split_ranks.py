@@ -98,7 +98,7 @@ def runner_step_split(items: list[tuple[str, int]], width: int, found_on_rank0: 
     embeddings, "calls": the tower calls on this rank, "local": items this rank encoded, "total": the counter}."""
     from types import SimpleNamespace
 
-    from vlserve.core.sched_output import SchedulerOutput
+    from vlserve.core.sched_output import CachedRequestData, SchedulerOutput
     from vlserve.multimodal.inputs import MultiModalFeature
     from vlserve.worker.encoder_runs import EncoderRunner
 
@@ -113,7 +113,7 @@ def runner_step_split(items: list[tuple[str, int]], width: int, found_on_rank0: 
     }
     so = SchedulerOutput(
         [],
-        [],
+        CachedRequestData(),
         {"a": 1, "b": 1},
         2,
         scheduled_encoder_inputs={"a": list(range(half)), "b": list(range(len(feats) - half))},

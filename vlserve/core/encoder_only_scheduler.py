@@ -52,7 +52,7 @@ class EncoderOnlyScheduler(Scheduler):
         num_encoding = 0  # embeddings this step encodes so far
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         encoder_inputs: dict[str, list[int]] = {}
         for req in self.running[: max_num_reqs or cfg.max_num_seqs]:
             start = req.num_computed_tokens
@@ -71,7 +71,7 @@ class EncoderOnlyScheduler(Scheduler):
             commit_encoder_inputs(self.encoder_cache, req, plan, encoder_inputs, {})  # (no stage counts: no slice)
             rid = req.request_id
             if rid in self.runner_req_ids:
-                cached_reqs.append(CachedRequestData(rid, (), start))
+                cached_reqs.add(rid, (), start)
             else:
                 self.runner_req_ids.add(rid)
                 new_reqs.append(

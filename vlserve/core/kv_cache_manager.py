@@ -175,8 +175,12 @@ class KVCacheManager:
         """
         if not new_computed_blocks:  # the common decode step: room left in the last block, no block to register
             known = request.num_computed_tokens + num_new_tokens
-            if 0 < known + num_lookahead_tokens <= request.kv_token_capacity and known <= request.kv_registered_limit:
-                return ()
+            if 0 < known + num_lookahead_tokens <= request.kv_token_capacity:
+                if known <= request.kv_registered_limit:
+                    return ()
+                if not self._dropping and not delay_cache_blocks:  # room left, but a block just filled: register it
+                    self._register_full_blocks(request, self.req_to_blocks[request.request_id], known)
+                    return ()
         bs = self.block_size
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
@@ -202,12 +206,13 @@ class KVCacheManager:
             new = self.pool.get_new_blocks(max(num_needed, 0))
             group_blocks.extend(new)
             new_ids.append([b.block_id for b in new])
-        if self.enable_caching and not delay_cache_blocks:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         request.kv_token_capacity = len(blocks[0]) * bs
-        request.kv_registered_limit = (
-            (self._num_cached_blocks[rid][0] + 1) * bs - 1 if self.enable_caching else request.kv_token_capacity
-        )
+        if self.enable_caching and not delay_cache_blocks:
+            self._register_full_blocks(request, blocks, num_computed + num_new_tokens)
+        else:
+            request.kv_registered_limit = (
+                (self._num_cached_blocks[rid][0] + 1) * bs - 1 if self.enable_caching else request.kv_token_capacity
+            )
         return tuple(new_ids) if any(new_ids) else ()
 
     def _drop_out_of_window(self, blocks: GroupBlocks, num_computed: int) -> None:
@@ -225,7 +230,9 @@ class KVCacheManager:
             if gone:
                 self.pool.free_blocks(gone)  # the block nearest the window first, as before
 
-    def _cache_full_blocks(self, request: Request, blocks: GroupBlocks, num_tokens: int) -> None:
+    def _register_full_blocks(self, request: Request, blocks: GroupBlocks, num_tokens: int) -> None:
+        """Register for prefix reuse every full block within the first `num_tokens` known tokens, and set the
+        position past which the request's next block fills (`kv_registered_limit`)."""
         self._update_block_hashes(request, num_tokens)
         counts = self._num_cached_blocks[request.request_id]
         end = min(len(request.block_hashes), num_tokens // self.block_size)
@@ -235,6 +242,7 @@ class KVCacheManager:
                 if group_blocks[i] is not null:
                     self.pool.cache_block(group_blocks[i], self._group_key(g, request.block_hashes[i]))
             counts[g] = max(counts[g], end)
+        request.kv_registered_limit = (counts[0] + 1) * self.block_size - 1
 
     def free(self, request: Request) -> None:
         """Release all of a request's blocks (tail first, so its last blocks are the first evicted)."""

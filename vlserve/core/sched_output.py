@@ -26,16 +26,31 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the runner already tracks: only what changed."""
+    """The requests the runner already tracks, as parallel lists (one entry per request): only what changed."""
 
-    req_id: str
-    new_block_ids: tuple[list[int], ...]  # per KV cache group; () when the step adds none
-    num_computed_tokens: int
-    # Pipeline parallel: the request's tokens from position token_start (<= what the runner holds) to the end of the
-    # step's window, drafts aside, so the stages that do not sample learn the tokens sampled (or accepted) since;
-    # None otherwise (the runner sampled them itself)
-    new_token_ids: list[int] | None = None
-    token_start: int = 0
+    req_ids: list[str]
+    new_block_ids: list[tuple[list[int], ...]]  # per KV cache group; () when the step adds none
+    num_computed_tokens: list[int]
+    # Pipeline parallel: each request's tokens from position token_starts[i] (<= what the runner holds) to the end of
+    # the step's window, drafts aside, so the stages that do not sample learn the tokens sampled (or accepted)
+    # since; None otherwise (the runner sampled them itself)
+    new_token_ids: list[list[int]] | None = None
+    token_starts: list[int] | None = None
+
+    def __init__(self, with_tokens: bool = False):  # (per step: literals cost less than default factories)
+        self.req_ids = []
+        self.new_block_ids = []
+        self.num_computed_tokens = []
+        self.new_token_ids = [] if with_tokens else None
+        self.token_starts = [] if with_tokens else None
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, req_id: str, new_block_ids: tuple[list[int], ...], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass
@@ -56,7 +71,7 @@ class SchedulerOutput:
     """One step's plan. num_scheduled_tokens counts spec tokens too."""
 
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -91,12 +106,12 @@ class StepPlan:
     loras: set[int]  # the adapters of the step's requests (at most max_loras)
     num_scheduled: dict[str, int]
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: CachedRequestData
     spec_tokens: dict[str, list[int]]
     encoder_inputs: dict[str, list[int]]
     encoder_slices: dict[str, list[EncoderSlice]]
 
-    def __init__(self, token_budget: int, max_reqs: int):  # (per step: literals cost half the default factories)
+    def __init__(self, token_budget: int, max_reqs: int, send_token_ids: bool = False):  # (literals: see above)
         self.token_budget = token_budget
         self.max_reqs = max_reqs
         self.num_encoding = 0
@@ -104,7 +119,7 @@ class StepPlan:
         self.loras = set()
         self.num_scheduled = {}
         self.new_reqs = []
-        self.cached_reqs = []
+        self.cached_reqs = CachedRequestData(send_token_ids)
         self.spec_tokens = {}
         self.encoder_inputs = {}
         self.encoder_slices = {}
@@ -131,7 +146,7 @@ class ModelRunnerOutput:
     pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """Per request, per step: new tokens and, when it ended, why."""
 
@@ -141,7 +156,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
     num_cached_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] | None = None  # {"error": message} of a request the engine could not serve
     kv_transfer_params: dict | None = None  # a KV connector's, with the request's last output
     prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None  # as ModelRunnerOutput's
     pooling_output: Any = None  # a pooling request's result (ModelRunnerOutput.pooler_output), when it ended

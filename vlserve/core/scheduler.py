@@ -22,7 +22,6 @@ from vlserve.core.kv_connector_sched import KVConnectorState
 from vlserve.core.request import EngineCoreRequest, Request, RequestStatus
 from vlserve.core.request_queue import new_waiting_queue
 from vlserve.core.sched_output import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -107,7 +106,8 @@ class Scheduler:
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """Plan one step (of at most `max_num_reqs` requests: the batch queue's share of them): the running requests
         first, then the waiting ones, then the output."""
-        step = StepPlan(self.config.max_num_batched_tokens, max_num_reqs or self.config.max_num_seqs)
+        cfg = self.config
+        step = StepPlan(cfg.max_num_batched_tokens, max_num_reqs or cfg.max_num_seqs, self.send_token_ids)
         self._schedule_running(step)
         if self.waiting:  # (none in most decode steps)
             self._schedule_waiting(step)
@@ -121,7 +121,8 @@ class Scheduler:
         cfg, running, in_flight, encoder_cache = self.config, self.running, self.in_flight_req_ids, self.encoder_cache
         max_model_len, send_token_ids = cfg.max_model_len, self.send_token_ids
         token_budget, num_encoding, max_reqs, loras = step.token_budget, step.num_encoding, step.max_reqs, step.loras
-        num_scheduled, cached_reqs, spec_tokens = step.num_scheduled, step.cached_reqs, step.spec_tokens
+        num_scheduled, cached, spec_tokens = step.num_scheduled, step.cached_reqs, step.spec_tokens
+        cached_ids, cached_blocks, cached_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
         idx = 0
         while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
@@ -164,12 +165,14 @@ class Scheduler:
             if enc is not NO_MEDIA:
                 commit_encoder_inputs(encoder_cache, req, enc, step.encoder_inputs, step.encoder_slices)
                 num_encoding = num_encoding_after
-            cached = CachedRequestData(rid, new_block_ids, computed)
+            cached_ids.append(rid)
+            cached_blocks.append(new_block_ids)
+            cached_computed.append(computed)
             if send_token_ids:  # pipeline stages that do not sample: the tokens they lack, to the window's end
-                cached.token_start = start = min(computed, req.num_tokens_sent)
-                cached.new_token_ids = req.all_token_ids[start:known]
-                req.num_tokens_sent = max(req.num_tokens_sent, start + len(cached.new_token_ids))
-            cached_reqs.append(cached)
+                start = min(computed, req.num_tokens_sent)
+                cached.token_starts.append(start)
+                cached.new_token_ids.append(sent := req.all_token_ids[start:known])
+                req.num_tokens_sent = max(req.num_tokens_sent, start + len(sent))
             num_scheduled[rid] = num_new
             token_budget -= num_new
             if req.spec_token_ids and known > num_tokens:
@@ -378,11 +381,8 @@ class Scheduler:
             scheduled_spec = spec_scheduled.get(rid) if running and spec_scheduled else None
             if scheduled_spec:
                 # sampled = accepted drafts + one target token; the rest of the drafts were rejected.
-                num_rejected = len(scheduled_spec) + 1 - len(sampled)
-                req.num_computed_tokens -= num_rejected
-                self.stats.spec_num_drafts += 1
-                self.stats.spec_num_draft_tokens += len(scheduled_spec)
-                self.stats.spec_num_accepted_tokens += len(sampled) - 1
+                req.num_computed_tokens -= len(scheduled_spec) + 1 - len(sampled)  # the rejected drafts
+                self.stats.count_drafts(len(scheduled_spec), len(sampled) - 1)
             if running and req.mm_features:
                 self.encoder_cache.release_written(req.request_id, req.mm_features, req.num_computed_tokens)
             new_tokens = req.accept_sampled(sampled, max_model_len) if sampled else []

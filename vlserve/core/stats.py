@@ -15,3 +15,9 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+
+    def count_drafts(self, num_drafted: int, num_accepted: int) -> None:
+        """One request's verified drafts of a step: how many were proposed, how many the target kept."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafted
+        self.spec_num_accepted_tokens += num_accepted

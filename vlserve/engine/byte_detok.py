@@ -77,3 +77,24 @@ class ByteStream:
             return ""
         self.pending = b""
         return text
+
+    def extend(self, token_ids: list[int]) -> str:
+        """The text `step` would emit over these tokens, joined. `step` emits at each token end where the bytes since
+        its last emission decode to text not ending in U+FFFD; such an end leaves no partial character, so the pieces
+        join to one decode of the bytes up to the last such end (searched from the back)."""
+        table, size = self.table, self.size
+        pieces = [table[t] if 0 <= t < size else b"" for t in token_ids]
+        data = self.pending + b"".join(pieces)
+        end, tries = len(data), 0
+        for piece in reversed(pieces):
+            if piece:  # (a token with no bytes emits nothing)
+                text = data[:end].decode("utf-8", "replace")
+                if not text.endswith("\ufffd"):
+                    self.pending = data[end:]
+                    return text
+                tries += 1
+                if tries == 8:  # a long run of broken bytes: token by token rather than a decode per token end
+                    return "".join([self.step(t) for t in token_ids])
+            end -= len(piece)
+        self.pending = data
+        return ""

@@ -12,7 +12,9 @@ class IncrementalDetokenizer:
 
     Byte-level BPE tokenizers given a `byte_table` (byte_detok.py) read each token's bytes from it; other fast
     tokenizers use the `tokenizers` library's DecodeStream (incremental, in Rust); either is primed with the prompt's
-    last tokens. Others keep a sliding window of ids and decode it twice per token.
+    last tokens. Others keep a sliding window of ids and decode it twice per token. With a byte table and no stop
+    strings nothing needs the text between reads: `update` only queues the ids, and reading `output_text` decodes
+    the queue in one go (the same text; a request whose outputs are read only at its end decodes once).
     """
 
     def __init__(
@@ -28,7 +30,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
-        self.output_text = ""
+        self._text = ""
+        self._queued: list[int] = []  # ids not decoded yet (byte table, no stop strings)
         self._stream = None
         self._bytes: ByteStream | None = None
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -47,19 +50,31 @@ class IncrementalDetokenizer:
             for tok in self._ids:
                 self._stream.step(backend, tok)
 
+    @property
+    def output_text(self) -> str:
+        """The text so far (decoding the queued ids first)."""
+        if self._queued:
+            self._text += self._bytes.extend(self._queued)
+            self._queued = []
+        return self._text
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears in the text (the text is cut there)."""
-        start_len = len(self.output_text)
         if self._bytes is not None:  # (a table lookup per token: it never fails)
+            if not self.stop:
+                self._queued += new_token_ids
+                return None
+            start_len = len(self._text)
             step = self._bytes.step
             for tok in new_token_ids:
                 piece = step(tok)
                 if piece:
-                    self.output_text += piece
-            return self._check_stop(start_len) if self.stop else None
+                    self._text += piece
+            return self._check_stop(start_len)
+        start_len = len(self._text)
         if self._stream is not None and len(new_token_ids) == 1:  # the usual step: one token
             tok = new_token_ids[0]
             try:
@@ -69,7 +84,7 @@ class IncrementalDetokenizer:
             else:
                 self._ids.append(tok)
                 if piece:
-                    self.output_text += piece
+                    self._text += piece
                     self._prefix_offset = self._read_offset = len(self._ids)
                 return self._check_stop(start_len) if self.stop else None
         if self._stream is not None:
@@ -78,7 +93,7 @@ class IncrementalDetokenizer:
                     piece = self._stream.step(self._backend, tok)
                     self._ids.append(tok)
                     if piece:
-                        self.output_text += piece
+                        self._text += piece
                         self._prefix_offset = self._read_offset = len(self._ids)
                 return self._check_stop(start_len) if self.stop else None
             except Exception:  # the stream rejected a sequence: continue on the windowed path from here
@@ -89,22 +104,22 @@ class IncrementalDetokenizer:
             prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._decode(self._ids[self._prefix_offset :])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.output_text += full[len(prefix) :]
+                self._text += full[len(prefix) :]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
         return self._check_stop(start_len)
 
     def _check_stop(self, start_len: int) -> str | None:
-        if not self.stop or len(self.output_text) == start_len:
+        if not self.stop or len(self._text) == start_len:
             return None
         best: tuple[int, str] | None = None
         for s in self.stop:
             # Only text that could contain a new match: the new part plus len(s) - 1 characters before it.
-            idx = self.output_text.find(s, max(0, start_len - len(s) + 1))
+            idx = self._text.find(s, max(0, start_len - len(s) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return None
         idx, s = best
-        self.output_text = self.output_text[: idx + len(s) if self.include_stop else idx]
+        self._text = self._text[: idx + len(s) if self.include_stop else idx]
         return s

@@ -102,8 +102,9 @@ class KvFreeRunner:
             self.requests[new.req_id] = KvFreeRequestState(
                 new.req_id, list(new.prompt_token_ids), new.num_computed_tokens, list(new.mm_features)
             )
-        for cached in so.scheduled_cached_reqs:
-            self.requests[cached.req_id].num_computed_tokens = cached.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self.requests[rid].num_computed_tokens = computed
 
     def _pool(self, ending: list[KvFreeRequestState]) -> dict[str, torch.Tensor]:
         """The results of the prompts that end: float32 CPU tensors `[D]` (or `[num_labels]`), each its own

@@ -13,7 +13,7 @@ import torch
 from vlserve import kernels
 from vlserve.core.kv_cache_groups import group_layers
 from vlserve.core.kv_cache_manager import cdiv
-from vlserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vlserve.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vlserve.distributed.pipeline import stage_layer_range
 from vlserve.kernels import decode_workspace_numel
 from vlserve.kernels.host_copy import to_device
@@ -216,8 +216,8 @@ class ModelRunner:
             0,
         )
         with self.forward.eager():  # no compile here: its memory would count as activations
-            self.execute_model(SchedulerOutput([dummy], [], {"__profile__": num_tokens}, num_tokens))
-            self.execute_model(SchedulerOutput([], [], {}, 0, finished_req_ids={"__profile__"}))
+            self.execute_model(SchedulerOutput([dummy], CachedRequestData(), {"__profile__": num_tokens}, num_tokens))
+            self.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"__profile__"}))
         if cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - before
@@ -306,15 +306,16 @@ class ModelRunner:
             self.prompt_logprobs.start(new.req_id, params, len(new.output_token_ids))
             self.input_batch.add_request(new.req_id, new.block_ids)
         requests = self.requests
-        for cached in so.scheduled_cached_reqs:
-            state = requests[cached.req_id]
-            if cached.new_block_ids:  # most decode steps add none
-                state.block_ids.extend(cached.new_block_ids[0])
-                self.input_batch.append_blocks(cached.req_id, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
-            if cached.new_token_ids is not None:  # pipeline stages: the tokens sampled since, up to the window's end
-                c = cached.token_start
-                state.token_ids[c : c + len(cached.new_token_ids)] = cached.new_token_ids
+        cached = so.scheduled_cached_reqs
+        for rid, new_block_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = requests[rid]
+            if new_block_ids:  # most decode steps add none
+                state.block_ids.extend(new_block_ids[0])
+                self.input_batch.append_blocks(rid, new_block_ids)
+            state.num_computed_tokens = computed
+        if cached.new_token_ids is not None:  # pipeline stages: the tokens sampled since, up to the window's end
+            for rid, c, sent in zip(cached.req_ids, cached.token_starts, cached.new_token_ids):
+                requests[rid].token_ids[c : c + len(sent)] = sent
 
     # -- one step ----------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -418,7 +419,8 @@ class ModelRunner:
                 handle, sample_states, sample_idx.tolist(), samples.device_tokens, samples.device_logprobs
             )
         elif samples is not None:  # the sampled ids were read back to the host: the device work is done
-            out.sampled_token_ids = samples.token_lists if all_sample else [samples.tokens.get(r, []) for r in req_ids]
+            rows = samples.token_lists if all_sample else dict(zip(sample_idx.tolist(), samples.token_lists))
+            out.sampled_token_ids = rows if all_sample else [rows.get(i, []) for i in range(B)]
             out.logprobs, out.spec_token_ids = samples.logprobs, spec_tokens
         elif self.device.type == "cuda" and not defer:
             torch.cuda.synchronize()  # nothing was read back: the forward may still be running

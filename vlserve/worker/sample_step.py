@@ -19,8 +19,7 @@ from vlserve.worker.sampler import Sampler, build_sampling_metadata
 class StepSamples:
     """Per sampled request: emitted tokens (accepted drafts + 1) and, when asked, one logprob entry per token."""
 
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    token_lists: list[list[int]] = field(default_factory=list)  # the same lists, in the order of the states
+    token_lists: list[list[int]] = field(default_factory=list)  # in the order of the sampled states
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # `keep_on_device`: [S] int64 sampled ids, and (top ids [S, k+1], their logprobs, sampled ranks [S]) or None,
     # left on the device unread (tokens and logprobs then stay empty)
@@ -141,7 +140,7 @@ class StepSampler:
                 )
             flat = out.sampled_token_ids.tolist()
             token_lists = [[t] for t in flat]
-        result = StepSamples(dict(zip([s.req_id for s in states], token_lists)), token_lists)
+        result = StepSamples(token_lists)
         if any_drafts:
             for state, toks in zip(states, token_lists):
                 state.token_ids.extend(toks)
