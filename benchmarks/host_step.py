@@ -11,7 +11,8 @@ the main components by wrapping them (a small overhead per call) and, with `--pr
 
 `--null-model` leaves no model work at all (null_model.py: the forward and the logits return preset tensors, the
 next token being the last one plus 1) and prints one table of wall and CPU ms/step per batch size, synchronous and
-with async scheduling, with whether every output was the null model's; `--profile` then prints cProfile's top
+with async scheduling, with the time inside the null model's own calls, the engine's share (wall less that) and
+whether every output was the null model's; `--profile` then prints cProfile's top
 functions at the largest batch of each mode.
 """
 
@@ -158,18 +159,23 @@ def main(argv: list[str] | None = None) -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 
-def _timed_runs(llm, prompts, params, repeats: int) -> tuple[list[float], list[float], int]:
-    """ms/step (wall, CPU) per repeat of `generate`, and the steps of the last run."""
-    walls, cpus, steps = [], [], 0
+def _timed_runs(llm, prompts, params, repeats: int, null=None) -> tuple[list[float], list[float], list[float], int]:
+    """ms/step (wall, CPU, and inside the null model when `null` is its forward) per repeat of `generate`, and the
+    steps of the last run."""
+    from benchmarks.null_model import null_model_seconds
+
+    walls, cpus, nulls, steps = [], [], [], 0
     for _ in range(repeats):
         steps0 = llm.engine.num_steps
+        n0 = null_model_seconds(null) if null is not None else 0.0
         t, c = time.perf_counter(), time.process_time()
         llm.generate(prompts, params, use_tqdm=False)
         dt, dc = time.perf_counter() - t, time.process_time() - c
         steps = llm.engine.num_steps - steps0
         walls.append(1e3 * dt / steps)
         cpus.append(1e3 * dc / steps)
-    return walls, cpus, steps
+        nulls.append(1e3 * (null_model_seconds(null) - n0) / steps if null is not None else 0.0)
+    return walls, cpus, nulls, steps
 
 
 def null_table(args) -> None:
@@ -207,8 +213,18 @@ def null_table(args) -> None:
                 ok = all(
                     list(o.outputs[0].token_ids) == expected_tokens(p, n, vocab) for o, p, n in zip(outs, ids, lens)
                 )
-                walls, cpus, steps = _timed_runs(llm, prompts, params, args.repeats)
-                rows.append((mode, batch, steps, statistics.median(walls), statistics.median(cpus), ok))
+                walls, cpus, nulls, steps = _timed_runs(llm, prompts, params, args.repeats, null)
+                rows.append(
+                    (
+                        mode,
+                        batch,
+                        steps,
+                        statistics.median(walls),
+                        statistics.median(cpus),
+                        statistics.median(nulls),
+                        ok,
+                    )
+                )
                 if args.profile and batch == max(batches):
                     prof = cProfile.Profile()
                     prof.enable()
@@ -222,9 +238,16 @@ def null_table(args) -> None:
         f"host_step --null-model: {args.input_len} in, {[lo, hi]} out, {args.repeats} repeats (median), "
         f"load average {os.getloadavg()[0]:.2f}"
     )
-    print(f"{'mode':<6s} {'batch':>5s} {'steps':>5s} {'wall ms/step':>12s} {'CPU ms/step':>11s} {'outputs':>7s}")
-    for mode, batch, steps, wall, cpu, ok in rows:
-        print(f"{mode:<6s} {batch:5d} {steps:5d} {wall:12.3f} {cpu:11.3f} {'ok' if ok else 'WRONG':>7s}")
+    print("(null model: ms/step inside the null forward and logits, copying preset rows; engine: wall less that)")
+    print(
+        f"{'mode':<6s} {'batch':>5s} {'steps':>5s} {'wall ms/step':>12s} {'CPU ms/step':>11s} {'null model':>10s} "
+        f"{'engine':>7s} {'outputs':>7s}"
+    )
+    for mode, batch, steps, wall, cpu, null_ms, ok in rows:
+        print(
+            f"{mode:<6s} {batch:5d} {steps:5d} {wall:12.3f} {cpu:11.3f} {null_ms:10.3f} {wall - null_ms:7.3f} "
+            f"{'ok' if ok else 'WRONG':>7s}"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ advance (`expected_tokens`).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -19,11 +21,15 @@ class NullForward:
     def __init__(self, max_tokens: int, hidden_size: int, device: torch.device):
         self.hidden = torch.zeros(max_tokens, hidden_size, device=device)  # [T_max, H]
         self.num_calls = 0
+        self.seconds = 0.0  # spent in these calls (the null model's own share of a step)
+        self.logits: NullLogits | None = None  # its logits half (set by install_null_model)
 
     def __call__(self, input_ids, positions, kv_caches, md, inputs_embeds=None) -> torch.Tensor:
+        t = time.perf_counter()
         self.num_calls += 1
         hidden = self.hidden[: input_ids.shape[0]]  # [T, H]
         hidden[:, 0].copy_(input_ids)
+        self.seconds += time.perf_counter() - t
         return hidden
 
 
@@ -33,9 +39,13 @@ class NullLogits:
     def __init__(self, vocab_size: int, device: torch.device):
         nxt = (torch.arange(vocab_size, device=device) + 1) % vocab_size  # [V]
         self.table = torch.nn.functional.one_hot(nxt, vocab_size).float()  # [V, V]
+        self.seconds = 0.0  # spent in these calls (copying N rows of the table)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.table.index_select(0, hidden[:, 0].long())  # [N, V]
+        t = time.perf_counter()
+        logits = self.table.index_select(0, hidden[:, 0].long())  # [N, V]
+        self.seconds += time.perf_counter() - t
+        return logits
 
 
 def install_null_model(llm) -> NullForward:
@@ -45,8 +55,13 @@ def install_null_model(llm) -> NullForward:
     text = getattr(config, "text_config", None) or config
     forward = NullForward(llm.engine.scheduler.config.max_num_batched_tokens, text.hidden_size, runner.device)
     runner.forward = forward
-    runner.model.compute_logits = NullLogits(text.vocab_size, runner.device)
+    runner.model.compute_logits = forward.logits = NullLogits(text.vocab_size, runner.device)
     return forward
+
+
+def null_model_seconds(forward: NullForward) -> float:
+    """Seconds spent so far inside the null forward and logits (installed together by `install_null_model`)."""
+    return forward.seconds + forward.logits.seconds
 
 
 def expected_tokens(prompt_token_ids: list[int], num_tokens: int, vocab_size: int) -> list[int]:

@@ -89,12 +89,14 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         num_full = min(num_tokens, request.num_tokens) // bs
+        plain = not (request.mm_features or request.lora_request or request.cache_salt)  # (no extra keys)
+        tokens = request.all_token_ids
         while len(hashes) < num_full:
             i = len(hashes)
             start, end = i * bs, (i + 1) * bs
-            extra = block_extra_keys(request, start, end)
+            extra = () if plain else block_extra_keys(request, start, end)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(request.all_token_ids[start:end]), extra))
+            hashes.append(hash_block(parent, tuple(tokens[start:end]), extra))
 
     @staticmethod
     def _group_key(group: int, block_hash: int) -> int:
