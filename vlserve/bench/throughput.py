@@ -33,7 +33,8 @@ _VLLM_SCRIPT = (
     + r"""
 import json, sys, time
 if __name__ == "__main__":
-    cfg = json.loads(sys.argv[1])
+    with open(sys.argv[1]) as f:  # (a file: 256 prompts of ids outgrow one command-line argument)
+        cfg = json.load(f)
     import torch
     torch.set_num_threads(cfg["threads"])
     from vllm import LLM, SamplingParams
@@ -181,7 +182,11 @@ def bench_vllm(
     env = vllm_cpu_env()
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(_VLLM_SCRIPT)
-    proc = subprocess.run([python, f.name, json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=1800)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as c:
+        json.dump(cfg, c)
+    proc = subprocess.run([python, f.name, c.name], capture_output=True, text=True, env=env, timeout=1800)
+    os.unlink(c.name)
+    os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             r = json.loads(line[len("VLLM_RESULT ") :])

@@ -368,7 +368,7 @@ class Scheduler:
                 is_finished = status >= FIRST_FINISHED
                 reason = status.finish_reason if is_finished else None
                 outputs.append(
-                    EngineCoreOutput(rid, new_tokens, reason, req.stop_reason, None, max(req.num_cached_tokens, 0))
+                    EngineCoreOutput(rid, new_tokens, reason, req.stop_reason, None, req.num_cached_tokens)  # (set)
                 )
                 if is_finished:
                     finished.append((req, running))
