@@ -24,7 +24,7 @@ def _reference(block_ids: list[list[int]], windows, starts, bs):
 def _check(batch, req_ids, lists, windows, starts, bs=4):
     starts = np.array(starts, dtype=np.int64)
     q = np.array([len(w) for w in windows], dtype=np.int64)
-    step = batch.prepare(req_ids, windows, q, starts, None)
+    step = batch.prepare(req_ids, [t for w in windows for t in w], q, starts, None)
     ids, pos, slots, cu, table = _reference([lists[r] for r in req_ids], windows, starts, bs)
     md = step.attn_metadata
     assert step.input_ids.tolist() == ids
@@ -91,10 +91,10 @@ def test_host_buffers_wait_for_their_pending_copy_before_being_rewritten():
     for buf in buffers:  # what _allocate makes on CUDA: a device twin and an event
         buf.dev, buf.copied = torch.zeros_like(buf.host), _FakeEvent()
     batch.add_request("a", ([1, 2],))
-    batch.prepare(["a"], [[5, 6, 7]], np.array([3]), np.array([0]), None)
+    batch.prepare(["a"], [5, 6, 7], np.array([3]), np.array([0]), None)
     batch.positions_on_device(3)  # as the runner does for the model's positions
     assert all(buf.copied.records == 1 and buf.copy_pending for buf in buffers)
     assert all(buf.copied.waits == 0 for buf in buffers)
-    step = batch.prepare(["a"], [[8]], np.array([1]), np.array([3]), None)
+    step = batch.prepare(["a"], [8], np.array([1]), np.array([3]), None)
     assert all(buf.copied.waits == 1 for buf in buffers)  # each waited once before being rewritten
     assert step.input_ids.tolist() == [8] and step.positions_np.tolist() == [3]

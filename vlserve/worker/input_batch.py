@@ -165,13 +165,13 @@ class InputBatch:
     def prepare(
         self,
         req_ids: list[str],
-        token_windows: list[list[int]],
+        token_ids: list[int],
         q_lens: np.ndarray,
         starts: np.ndarray,
         workspace: torch.Tensor | None,
     ) -> StepInputs:
-        """Fill the step buffers. req_ids: decodes first; token_windows[i]: request i's q_lens[i] input ids;
-        starts[i]: its computed tokens before the step."""
+        """Fill the step buffers. req_ids: decodes first; token_ids: the step's input ids, request i's q_lens[i]
+        after those of the requests before it; starts[i]: its computed tokens before the step."""
         B = len(req_ids)
         seq_lens = starts + q_lens  # [B]
         T = int(q_lens.sum())
@@ -189,7 +189,7 @@ class InputBatch:
             buf.ensure(B + 1)
 
         ids = self.input_ids.np[:T]
-        ids[:] = [w[0] for w in token_windows] if all_decodes else [t for window in token_windows for t in window]
+        ids[:] = token_ids
         # positions[t] = start of its request + offset within the request's chunk
         positions = self.positions.np[:T]
         if all_decodes:

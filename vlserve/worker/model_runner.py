@@ -365,9 +365,8 @@ class ModelRunner:
         else:
             q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=B)  # [B]
-        step = self.input_batch.prepare(
-            req_ids, self._token_windows(so, states, starts, q_lens), q_lens, starts, self.attn_workspace
-        )
+        step_ids = self._step_token_ids(so, states, starts, q_lens, all_decodes)
+        step = self.input_batch.prepare(req_ids, step_ids, q_lens, starts, self.attn_workspace)
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
         if self.defer_readback:  # ids sampled by a step whose read-back is deferred
             self.token_feed.fill(input_ids, step.input_ids_np, step.positions_np, cu, states)
@@ -464,15 +463,18 @@ class ModelRunner:
         return self.prompt_logprobs.collect(self.model, hidden, states, starts, q_lens, cu)
 
     @staticmethod
-    def _token_windows(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray) -> list[list[int]]:
-        """Per request, its input ids this step: known tokens, then the scheduled draft tokens past them."""
-        windows = [state.token_ids[s : s + n] for state, s, n in zip(states, starts.tolist(), q_lens.tolist())]
+    def _step_token_ids(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray, all_decodes: bool):
+        """The step's input ids, request after request: its known tokens, then its scheduled drafts past them."""
         spec = so.scheduled_spec_decode_tokens
-        if spec:  # speculative tokens beyond the known ones
-            for i, (window, n) in enumerate(zip(windows, q_lens.tolist())):
-                if len(window) < n:
-                    windows[i] = window + spec[states[i].req_id][: n - len(window)]
-        return windows
+        if all_decodes and not spec:  # one known token each
+            return [state.token_ids[s] for state, s in zip(states, starts.tolist())]
+        ids: list[int] = []
+        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
+            window = state.token_ids[s : s + n]
+            if len(window) < n:  # speculative tokens beyond the known ones
+                window += spec[state.req_id][: n - len(window)]
+            ids += window
+        return ids
 
     def _positions(self, states, starts, q_lens, step) -> torch.Tensor:
         if self.mrope_positions_fn is None:
