@@ -29,9 +29,15 @@ def test_host_step_null_model_table_rows_and_outputs(capsys):
         ["--null-model", "--batches", "1,4", "--input-len", "4", "--output-len-range", "3", "6", "--repeats", "1"]
     )
     text = capsys.readouterr().out
-    rows = re.findall(r"^(sync|async)\s+(\d+)\s+(\d+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(\S+)$", text, re.M)
+    rows = re.findall(
+        r"^(sync|async)\s+(\d+)\s+(\d+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(-?\d+\.\d{3})\s+(\S+)$", text, re.M
+    )
     assert [(m, int(b)) for m, b, *_ in rows] == [("sync", 1), ("sync", 4), ("async", 1), ("async", 4)]
-    assert all(int(steps) >= 3 and float(cpu) > 0 for _, _, steps, _, cpu, _ in rows)
+    assert all(int(steps) >= 3 and float(cpu) > 0 for _, _, steps, _, cpu, *_ in rows)
+    # the null model's own share is measured (positive) and the engine column is wall less it
+    for _, _, _, wall, _, null_ms, engine, _ in rows:
+        assert float(null_ms) > 0
+        assert abs(float(wall) - float(null_ms) - float(engine)) < 2e-3
     # the engine's outputs are the null model's (each token the previous one + 1), not the random checkpoint's
     assert [ok for *_, ok in rows] == ["ok"] * 4
 
