@@ -30,7 +30,9 @@ def test_host_step_null_model_table_rows_and_outputs(capsys):
     )
     text = capsys.readouterr().out
     rows = re.findall(
-        r"^(sync|async)\s+(\d+)\s+(\d+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(-?\d+\.\d{3})\s+(\S+)$", text, re.M
+        r"^(sync|async)\s+(\d+)\s+(\d+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s+(-?\d+\.\d{3})\s+(\S+)$",
+        text,
+        re.M,
     )
     assert [(m, int(b)) for m, b, *_ in rows] == [("sync", 1), ("sync", 4), ("async", 1), ("async", 4)]
     assert all(int(steps) >= 3 and float(cpu) > 0 for _, _, steps, _, cpu, *_ in rows)
