@@ -123,23 +123,30 @@ class Request:
         n = self.num_output_placeholders
         return len(self.output_token_ids) + n >= self.max_tokens or len(self.all_token_ids) + n >= max_model_len
 
+    def accept_token(self, tok: int, max_model_len: int) -> bool:
+        """Append one sampled token (whatever the limits: it was computed) and set the finished status when it is a
+        stop token (once min_tokens are out) or reaches max_tokens or max_model_len. Returns whether it finished."""
+        n_out, n_all = len(self.output_token_ids), len(self.all_token_ids)
+        self.output_token_ids.append(tok)
+        self.all_token_ids.append(tok)
+        stop_ids = self.stop_token_ids
+        if stop_ids and tok in stop_ids and n_out + 1 >= self.sampling_params.min_tokens:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if tok in self.sampling_params._eos_token_ids else tok
+            return True
+        if self.max_tokens - n_out <= 1 or max_model_len - n_all <= 1:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
     def accept_sampled(self, sampled: list[int], max_model_len: int) -> list[int]:
         """Append the sampled tokens up to the first stop: a stop token (once min_tokens are out), max_tokens or
         max_model_len, setting the finished status. Returns the tokens kept. One pass: the length limit is a count,
         only stop-token membership is checked per token."""
+        if len(sampled) == 1:  # the usual step
+            self.accept_token(sampled[0], max_model_len)
+            return [sampled[0]]
         n_out = len(self.output_token_ids)
-        if len(sampled) == 1:  # the usual step: one token, appended whatever the limits (as below)
-            tok = sampled[0]
-            n_all = len(self.all_token_ids)
-            self.output_token_ids.append(tok)
-            self.all_token_ids.append(tok)
-            stop_ids = self.stop_token_ids
-            if stop_ids and tok in stop_ids and n_out + 1 >= self.sampling_params.min_tokens:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = None if tok in self.sampling_params._eos_token_ids else tok
-            elif self.max_tokens - n_out <= 1 or max_model_len - n_all <= 1:
-                self.status = RequestStatus.FINISHED_LENGTH
-            return [tok]
         # Tokens that fit before a length limit ends the request (the first token is always appended).
         room = max(min(self.max_tokens - n_out, max_model_len - len(self.all_token_ids)), 1)
         keep = min(len(sampled), room)

@@ -86,7 +86,7 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(engine_req, check_request(self.config, engine_req, self.max_kv_tokens, len(self.waiting)))
         req.structured_output, req.reasoning = structured_output, reasoning
-        # its step results need only accept_sampled (update_from_output's fast path): no media, grammar or pooling
+        # its step results need only accept_token (update_from_output's fast path): no media, grammar or pooling
         req.plain_output = not (req.mm_features or req.pools) and structured_output is None and reasoning is None
         self.stats.prompt_tokens += len(engine_req.prompt_token_ids)
         self.requests[rid] = req
@@ -132,11 +132,11 @@ class Scheduler:
             if (placeholders and req.finishes_in_flight(max_model_len)) or (in_flight and rid in in_flight):
                 continue
             computed, num_tokens = req.num_computed_tokens, len(req.all_token_ids)
-            num_new = min(
-                num_tokens + len(req.spec_token_ids) + placeholders - computed,
-                token_budget,
-                last_position + req.pools - computed,
-            )  # never past the model's length (late spec tokens unverified; a pooled prompt may fill it)
+            num_new = num_tokens + len(req.spec_token_ids) + placeholders - computed
+            if num_new > token_budget:
+                num_new = token_budget
+            if computed + num_new > last_position + req.pools:  # never past the model's length (late spec tokens
+                num_new = last_position + req.pools - computed  # unverified; a pooled prompt may fill it)
             enc, num_encoding_after = NO_MEDIA, num_encoding
             if req.mm_features:
                 enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, computed, num_new, num_encoding)
@@ -361,17 +361,15 @@ class Scheduler:
             if plain_step and len(sampled) == 1 and req.plain_output and not req.spec_token_ids:  # the usual decode
                 if req.num_output_placeholders:
                     req.num_output_placeholders -= 1
-                running = req.status == RUNNING
-                new_tokens = req.accept_sampled(sampled, max_model_len)
-                num_generated += 1
                 status = req.status
-                is_finished = status >= FIRST_FINISHED
-                reason = status.finish_reason if is_finished else None
-                outputs.append(
-                    EngineCoreOutput(rid, new_tokens, reason, req.stop_reason, None, req.num_cached_tokens)  # (set)
-                )
-                if is_finished:
-                    finished.append((req, running))
+                num_generated += 1
+                if req.accept_token(sampled[0], max_model_len):
+                    finished.append((req, status == RUNNING))
+                    reason = req.status.finish_reason
+                else:
+                    reason = None
+                # (`sampled`: the runner's list for this request alone; num_cached_tokens: set when it was admitted)
+                outputs.append(EngineCoreOutput(rid, sampled, reason, req.stop_reason, None, req.num_cached_tokens))
                 continue
             if sampled and req.num_output_placeholders:
                 req.num_output_placeholders -= 1

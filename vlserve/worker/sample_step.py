@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,16 +68,24 @@ class StepSampler:
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         # the last plain step's metadata when no row of it changes from step to step (greedy, no penalties, no
-        # min_tokens, no bad words): (ids of its params, vocab, the metadata, the params, which keeps those ids theirs)
+        # min_tokens, no bad words): (its states, vocab, the metadata)
         self._static_md: tuple | None = None
 
-    def _metadata(self, params, gens, prompts, outputs, vocab: int, device):
-        """build_sampling_metadata, or the last step's when the rows carry the same params objects and nothing in
-        them depends on the step (greedy rows read neither generators nor token counts)."""
-        key = tuple(map(id, params))
+    def _metadata(self, states: list[CachedRequestState], vocab: int, device):
+        """build_sampling_metadata, or the last step's when the rows are the same states in the same order and
+        nothing in their params depends on the step (greedy rows read neither generators nor token counts)."""
         cached = self._static_md
-        if cached is not None and cached[0] == key and cached[1] == vocab:
+        if (
+            cached is not None
+            and cached[1] == vocab
+            and len(cached[0]) == len(states)
+            and all(map(operator.is_, cached[0], states))
+        ):
             return cached[2]
+        params = [s.sampling_params for s in states]
+        gens = [s.generator for s in states]
+        prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens / bad words rows
+        outputs = TokenSlices(states, prompt=False)
         md = build_sampling_metadata(params, gens, prompts, outputs, vocab, device)
         adjustment = md.logits_adjustment
         static = (
@@ -85,7 +94,7 @@ class StepSampler:
             and all(p.min_tokens == 0 for p in params)
             and (adjustment is None or not adjustment.reads_outputs)
         )
-        self._static_md = (key, vocab, md, params) if static else None
+        self._static_md = (list(states), vocab, md) if static else None
         return md
 
     def sample(
@@ -119,17 +128,16 @@ class StepSampler:
             apply_grammar_bitmask(
                 logits, grammar_bitmask, grammar_rows, [s.req_id for s in states], [len(d) + 1 for d in drafts]
             )
-        params = [s.sampling_params for s in states]
-        gens = [s.generator for s in states]
-        prompts = TokenSlices(states, prompt=True)  # read only for penalties / min_tokens / bad words rows
-        outputs = TokenSlices(states, prompt=False)
         vocab = logits.shape[-1]
         if any_drafts:
+            params = [s.sampling_params for s in states]
+            gens = [s.generator for s in states]
+            prompts, outputs = TokenSlices(states, prompt=True), TokenSlices(states, prompt=False)
             md = build_spec_sampling_metadata(params, gens, prompts, outputs, drafts, vocab, logits.device)
             out = self.rejection_sampler(logits, drafts, None, md)
             token_lists = out.to_lists()
         else:
-            md = self._metadata(params, gens, prompts, outputs, vocab, logits.device)
+            md = self._metadata(states, vocab, logits.device)
             out = self.sampler(logits, md)
             if keep_on_device:
                 return StepSamples(
