@@ -1,11 +1,12 @@
 """Incremental detokenization equals a full decode; stop strings cut at the earliest match."""
 
+import itertools
 import random
 
 import pytest
 
 from vlserve.demo.tokenizer import build_tokenizer
-from vlserve.engine.byte_detok import ByteStream, ByteTable
+from vlserve.engine.byte_detok import ByteStream, ByteTable, _ends_unfinished
 from vlserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -113,10 +114,23 @@ def test_byte_stream_extend_joins_the_steps(tok):
     letter = [tid for tid, b in enumerate(table) if b == b"a"]
     assert letter
     for tail in ([], broken[:1], letter):
-        ids = [broken[i % len(broken)] for i in range(20)] + tail  # past the back search's tries: token by token
+        ids = [broken[i % len(broken)] for i in range(20)] + tail  # a long run of broken bytes, then a clean end or not
         stepped, extended = ByteStream(table), ByteStream(table)
         assert extended.extend(ids) == "".join(stepped.step(t) for t in ids)
         assert extended.pending == stepped.pending
+
+
+def test_tail_check_equals_full_decode():
+    """Whether a decode ends in U+FFFD, read from the last 4 bytes, is what decoding all the bytes says: every string
+    of up to 4 bytes over UTF-8's boundary bytes, then longer random ones."""
+    edge = [0x41, 0xC2, 0xDF, 0xE0, 0xE2, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBD, 0xBF, 0xC0]
+    cases = [bytes(t) for n in range(1, 5) for t in itertools.product(edge, repeat=n)]
+    rng = random.Random(5)
+    cases += [bytes(rng.choice(edge) for _ in range(rng.randrange(5, 12))) for _ in range(20000)]
+    mismatched = [d for d in cases if _ends_unfinished(d, len(d)) != d.decode("utf-8", "replace").endswith("\ufffd")]
+    assert mismatched == []
+    assert sum(_ends_unfinished(d, len(d)) for d in cases) > len(cases) // 4  # (both answers are common)
+    assert _ends_unfinished(b"ab\xe2\x82\xac", 4) and not _ends_unfinished(b"ab\xe2\x82\xac", 5)
 
 
 @pytest.mark.parametrize("read_every", [1, 4, 1000])

@@ -71,12 +71,11 @@ class ByteStream:
         if not piece:
             return ""
         pending = self.pending + piece
-        text = pending.decode("utf-8", "replace")
-        if text.endswith("\ufffd"):  # (a dangling partial character, or an invalid byte at the end: wait)
+        if _ends_unfinished(pending, len(pending)):  # (a dangling partial character, or an invalid byte: wait)
             self.pending = pending
             return ""
         self.pending = b""
-        return text
+        return pending.decode("utf-8", "replace")
 
     def extend(self, token_ids: list[int]) -> str:
         """The text `step` would emit over these tokens, joined. `step` emits at each token end where the bytes since
@@ -85,16 +84,18 @@ class ByteStream:
         table, size = self.table, self.size
         pieces = [table[t] if 0 <= t < size else b"" for t in token_ids]
         data = self.pending + b"".join(pieces)
-        end, tries = len(data), 0
+        end = len(data)
         for piece in reversed(pieces):
-            if piece:  # (a token with no bytes emits nothing)
-                text = data[:end].decode("utf-8", "replace")
-                if not text.endswith("\ufffd"):
-                    self.pending = data[end:]
-                    return text
-                tries += 1
-                if tries == 8:  # a long run of broken bytes: token by token rather than a decode per token end
-                    return "".join([self.step(t) for t in token_ids])
+            if piece and not _ends_unfinished(data, end):  # (a token with no bytes emits nothing)
+                self.pending = data[end:]
+                return data[:end].decode("utf-8", "replace")
             end -= len(piece)
         self.pending = data
         return ""
+
+
+def _ends_unfinished(data: bytes, end: int) -> bool:
+    """Whether `data[:end]` decodes (invalid bytes replaced) to text ending in U+FFFD. Only its last 4 bytes are
+    read: the last character (or replaced run) of a decode spans at most 4 bytes and starts the same wherever the
+    decode starts before it, so decoding those bytes alone ends as decoding from the start does."""
+    return data[max(0, end - 4) : end].decode("utf-8", "replace").endswith("\ufffd")
