@@ -275,3 +275,26 @@ def test_qwen3_vl_embedder_matches_hf(tmp_path):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_a_pooling_runner_leaves_float32_matrices_to_torch(embedder, qwen2_vl_dir):
+    """Every pooling step prefills many rows: its float32 linears keep their matrices for torch's matmul (whose sgemm
+    beats the packed kernel at hundreds of rows), where a generating runner packs its decoder's for decode steps."""
+    from vlserve.kernels.cpu_linear import cpu_linear_isa
+    from vlserve.kernels.packed_linear import PackableLinear
+
+    if cpu_linear_isa(torch.float32) is None:
+        pytest.skip("no packed CPU linear kernel on this machine")
+
+    def linears(llm, packed: bool) -> set[str]:
+        modules = llm.engine.runner.model.named_modules()
+        return {n for n, m in modules if isinstance(m, PackableLinear) and (m.packed_weight is not None) == packed}
+
+    assert linears(embedder, packed=True) == set()
+    assert any(".mlp." in n for n in linears(embedder, packed=False))
+    generator = LLM(qwen2_vl_dir, dtype="float32", num_kv_blocks=64)
+    try:
+        packed = linears(generator, packed=True)
+        assert any(".mlp." in n for n in packed) and not any("visual" in n for n in packed)  # (towers: torch's)
+    finally:
+        generator.shutdown()

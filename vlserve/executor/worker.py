@@ -152,6 +152,7 @@ class Worker:
             compilation_config=args.compilation_config,
             enforce_eager=args.enforce_eager or staged,
             kv_cache_dtype=kv_cache_torch_dtype(args.kv_cache_dtype, rank_model.dtype, rank_model.device),
+            prefill_only=settings.pooler is not None,
             lora_config=None
             if not args.enable_lora
             else {

@@ -57,11 +57,13 @@ class ModelRunner:
         enforce_eager: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
         lora_config: dict | None = None,
+        prefill_only: bool = False,
     ):
         self.model = model
         if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
             tune_cpu_allocator()
-            pack_linears_for_cpu(model, many_rows=model.encoder_parts())  # towers: many rows a call
+            # many rows a call: the towers; every part when each step only prefills (a pooling runner: no decode)
+            pack_linears_for_cpu(model, many_rows=[model] if prefill_only else model.encoder_parts())
         # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
         # become LoRA layers; an engine with LoRA runs its decoder without torch.compile, and on CUDA replays decode
         # graphs with the adapters' slots as a graph input (ModelForward). Adapters load off the step loop.
