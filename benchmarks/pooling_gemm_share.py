@@ -1,12 +1,15 @@
-"""HF's time in its linear layers' GEMMs on the pooling benchmark's workloads: how much of HF's pass no engine
-running the same GEMM libraries can save (a ceiling on vlserve / HF for a row).
+"""Time in the linear layers' GEMMs on the pooling benchmark's workloads: how much of a pass no engine running the
+same GEMM libraries can save (HF's: a ceiling on vlserve / HF; vlserve's: a ceiling on any further speed-up of its
+own, and so on vlserve / vLLM-CPU when both run the same GEMMs).
 
     python -m benchmarks.pooling_gemm_share [--models clip qwen2_vl] [--dtype bfloat16 float32] [--images 64]
+        [--texts 0] [--runners hf vlserve]
 
-Builds (or reuses) benchmarks/pooling.py's checkpoints and image set under --workdir, runs its `HfRunner` (batches of
-16) once to warm up and once under torch.profiler, and prints per model, dtype and workload: the wall time, the self
-time of `aten::addmm` / `aten::mm` / `mkldnn::_linear_pointwise` (the linears) and of convolutions, and the
-linears' share of the wall time.
+Builds (or reuses) benchmarks/pooling.py's checkpoints and item sets under --workdir, runs each runner (HF's
+`HfRunner` in batches of 16; vlserve's `EngineRunner`, one `embed` call per workload as in the benchmark) once to warm
+up and once under torch.profiler, and prints per runner, model, dtype and workload: the wall time, the self time of
+the linears (`aten::addmm` / `aten::mm` / `mkldnn::_linear_pointwise`, and vlserve's own `vlserve::cpu_linear*`
+kernels) and of convolutions, and the linears' share of the wall time.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import time
 from benchmarks.pooling import prepare_sets
 from benchmarks.pooling_checkpoints import clip_checkpoint, qwen2_vl_embedder
 
-LINEAR_OPS = ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")
+LINEAR_OPS = (
+    "aten::addmm",
+    "aten::mm",
+    "mkldnn::_linear_pointwise",
+    "vlserve::cpu_linear",
+    "vlserve::cpu_linear_silu_mul",
+)
 
 
 def _load_images(path: str | None) -> list:
@@ -34,21 +43,24 @@ def _load_images(path: str | None) -> list:
 def main() -> None:
     import torch
 
-    from benchmarks.pooling_child import HfRunner
+    from benchmarks.pooling import MAX_MODEL_LEN
+    from benchmarks.pooling_child import EngineRunner, HfRunner
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["clip", "qwen2_vl"], choices=["clip", "qwen2_vl"])
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--texts", type=int, default=0)
+    p.add_argument("--runners", nargs="+", default=["hf"], choices=["hf", "vlserve"])
     p.add_argument("--workdir", default=os.path.expanduser("~/.cache/vlserve-bench/pooling"))
     args = p.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     for family in args.models:
         model = clip_checkpoint(args.workdir) if family == "clip" else qwen2_vl_embedder(args.workdir)
         workloads = prepare_sets(family, model, {"images": args.images, "texts": args.texts}, args.workdir, 0)
-        for dtype in args.dtype:
-            runner = HfRunner({"family": family, "model": model, "dtype": dtype, "hf_batch": 16})
+        for dtype, name in [(d, r) for d in args.dtype for r in args.runners]:
+            spec = {"family": family, "model": model, "dtype": dtype, "hf_batch": 16, "runner": name}
+            runner = HfRunner(spec) if name == "hf" else EngineRunner({**spec, "max_model_len": MAX_MODEL_LEN})
             for w in workloads:
                 main_set, warm = w["sets"]["main"], w["sets"]["warmup"]
                 runner.embed(warm["prompts"], _load_images(warm["images"]))
@@ -61,10 +73,11 @@ def main() -> None:
                 linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
                 conv = sum(e.self_cpu_time_total for e in events if "conv" in e.key) / 1e6
                 print(
-                    f"{family} {dtype} {w['name']}: HF wall {wall:.3f} s; linear GEMMs {linear:.3f} s "
+                    f"{name} {family} {dtype} {w['name']}: wall {wall:.3f} s; linear GEMMs {linear:.3f} s "
                     f"({linear / wall:.0%} of wall); convolutions {conv:.3f} s",
                     flush=True,
                 )
+            del runner
 
 
 if __name__ == "__main__":
