@@ -60,9 +60,8 @@ class ModelRunner:
         prefill_only: bool = False,
     ):
         self.model = model
-        if device.type == "cpu":  # projections (towers' too) through the packed C++ kernel where the CPU has one
-            tune_cpu_allocator()
-            # many rows a call: the towers; every part when each step only prefills (a pooling runner: no decode)
+        if device.type == "cpu":  # projections through the packed C++ kernel where the CPU has one, torch's matmul
+            tune_cpu_allocator()  # where it wins at many rows a call: towers, and all of a prefill-only (pooling) model
             pack_linears_for_cpu(model, many_rows=[model] if prefill_only else model.encoder_parts())
         # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
         # become LoRA layers; an engine with LoRA runs its decoder without torch.compile, and on CUDA replays decode
@@ -430,8 +429,7 @@ class ModelRunner:
         return handle
 
     def _run_encoders(self, so: SchedulerOutput) -> EncoderWork:
-        """Encode the items the scheduler released (see `EncoderRunner.run`; a later pipeline stage encodes
-        nothing)."""
+        """Encode the items the scheduler released (`EncoderRunner.run`; a later pipeline stage encodes nothing)."""
         return self.encoders.run(so, self.requests)
 
     def _run_model(
