@@ -3,7 +3,8 @@
 // and transposed into Kt [D][L] and its values into Vf [L][D], then each query head of its group takes its rows four
 // at a time: the rows' scores over the keys
 // they see (vectors along the keys, the four rows sharing each Kt load), a float32 softmax, then the weighted sum of
-// values (vectors along D, the four rows sharing each value load). Nothing is read past a segment's end, and a
+// values (up to four vectors along D a pass, the four rows sharing each value load and each row's weight broadcast
+// shared by those vectors). Nothing is read past a segment's end, and a
 // row's result depends only on its query and the keys it sees (not on the rows it shares a block with).
 #include <ATen/cpu/vec/vec.h>
 #include <omp.h>
@@ -97,24 +98,36 @@ inline void softmax_row(float* s, int64_t n) {
     for (int64_t j = 0; j < nv; j += Vec::size()) (Vec::loadu(s + j) * inv).store(s + j);
 }
 
-// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
-// no key); Vf [L][D]
-void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
-    int64_t d = 0;
-    for (; d + Vec::size() <= D; d += Vec::size()) {
-        Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-            const Vec v = Vec::loadu(vf + j * D + d);
-            a0 = at::vec::fmadd(Vec(p[j]), v, a0);
-            a1 = at::vec::fmadd(Vec(p[sld + j]), v, a1);
-            a2 = at::vec::fmadd(Vec(p[2 * sld + j]), v, a2);
-            a3 = at::vec::fmadd(Vec(p[3 * sld + j]), v, a3);
+// acc[r][d0 .. d0 + NV vectors) = sum_j p[r][j] * Vf[j][...] over j < n for the kRows rows: NV value vectors per key
+// share each row's weight broadcast (kRows x NV accumulators)
+template <int NV>
+inline void weighted_values_block(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, int64_t d0,
+                                  float* acc) {
+    constexpr int64_t W = Vec::size();
+    Vec a[kRows][NV];
+    for (int64_t r = 0; r < kRows; ++r)
+        for (int u = 0; u < NV; ++u) a[r][u] = Vec(0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+        Vec v[NV];
+        for (int u = 0; u < NV; ++u) v[u] = Vec::loadu(vf + j * D + d0 + u * W);
+        for (int64_t r = 0; r < kRows; ++r) {
+            const Vec w(p[r * sld + j]);
+            for (int u = 0; u < NV; ++u) a[r][u] = at::vec::fmadd(w, v[u], a[r][u]);
         }
-        a0.store(acc + d);
-        a1.store(acc + D + d);
-        a2.store(acc + 2 * D + d);
-        a3.store(acc + 3 * D + d);
     }
+    for (int64_t r = 0; r < kRows; ++r)
+        for (int u = 0; u < NV; ++u) a[r][u].store(acc + r * D + d0 + u * W);
+}
+
+// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
+// no key); Vf [L][D]. Four value vectors a pass where the ISA has 32 vector registers (AVX-512), two otherwise; each
+// element's sum runs over j in order, whatever the blocking.
+void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
+    constexpr int64_t W = Vec::size();
+    constexpr int NV = W >= 16 ? 4 : 2;
+    int64_t d = 0;
+    for (; d + NV * W <= D; d += NV * W) weighted_values_block<NV>(p, sld, n, vf, D, d, acc);
+    for (; d + W <= D; d += W) weighted_values_block<1>(p, sld, n, vf, D, d, acc);
     for (; d < D; ++d)
         for (int64_t r = 0; r < kRows; ++r) {
             float s = 0.0f;
