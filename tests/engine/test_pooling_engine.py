@@ -298,23 +298,3 @@ def test_a_pooling_runner_leaves_float32_matrices_to_torch(embedder, qwen2_vl_di
         assert any(".mlp." in n for n in packed) and not any("visual" in n for n in packed)  # (towers: torch's)
     finally:
         generator.shutdown()
-
-
-def test_a_bf16_pooling_runner_fuses_silu_into_its_gate_up_matmuls(qwen2_vl_dir, hf):
-    """On AMX the bf16 pooling runner holds each decoder MLP's gate_up as two oneDNN halves whose matmuls apply
-    silu and the product; its embeddings stay within bf16's reach of HF's float32 ones."""
-    from vlserve.kernels.onednn_linear import onednn_prepacks
-
-    if not onednn_prepacks(torch.bfloat16):
-        pytest.skip("bf16 prepacking for oneDNN needs AMX")
-    llm = LLM(qwen2_vl_dir, dtype="bfloat16", num_kv_blocks=64, runner="pooling", convert="embed")
-    try:
-        model = llm.engine.runner.model
-        split = [n for n, m in model.named_modules() if getattr(m, "onednn_halves", None) is not None]
-        assert split and all(n.endswith("mlp.gate_up_proj") for n in split)
-        cases = _cases(llm.tokenizer)
-        for out, (text, imgs) in zip(llm.embed(_prompts(cases), use_tqdm=False), cases):
-            ref = torch.nn.functional.normalize(_hf_last_hidden(hf, text, imgs), dim=-1)
-            assert torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0) >= 0.999
-    finally:
-        llm.shutdown()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlserve.kernels import cpu_linear as cl
-from vlserve.kernels.onednn_linear import onednn_linear, onednn_prepacks, onednn_silu_mul, prepack_onednn
+from vlserve.kernels.onednn_linear import onednn_linear, onednn_prepacks, prepack_onednn
 from vlserve.models.layers import GatedMLP
 from vlserve.models.parallel_layers import ColumnParallelLinear, pack_linears_for_cpu
 
@@ -145,52 +145,6 @@ def test_onednn_linear_equals_f_linear(n, k, shape):
         torch._dynamo.reset()
         compiled = torch.compile(lambda t, bias=bias: onednn_linear(t, packed, bias, n), fullgraph=True, dynamic=False)
         assert torch.equal(compiled(x), want)
-
-
-@pytest.mark.skipif(not onednn_prepacks(torch.bfloat16), reason="bf16 prepacking for oneDNN needs AMX")
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_onednn_silu_mul_rounds_once_per_matmul(with_bias):
-    """silu(gate) * up from the two prepacked halves: each matmul's epilogue works on the float32 sums, so it is at
-    least as close to the float32 result as torch's unfused bf16 ops, and the compiled op gives the same bits."""
-    g = torch.Generator().manual_seed(4)
-    n, k = 96, 64
-    w = (torch.randn(2 * n, k, generator=g) / 8).to(torch.bfloat16)
-    b = (torch.randn(2 * n, generator=g) / 8).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(300, k, generator=g).to(torch.bfloat16)
-    gb, ub = (b[:n], b[n:]) if with_bias else (None, None)
-    halves = prepack_onednn(w[:n].contiguous()), prepack_onednn(w[n:].contiguous())
-    with torch.inference_mode():
-        got = onednn_silu_mul(x, *halves, gb, ub, n)
-        gate, up = F.linear(x, w, b).split(n, dim=-1)
-        unfused = F.silu(gate) * up
-        gate32, up32 = F.linear(x.float(), w.float(), None if b is None else b.float()).split(n, dim=-1)
-        exact = F.silu(gate32) * up32
-        assert got.shape == (300, n) and got.dtype == torch.bfloat16
-        assert (got.float() - exact).norm() <= (unfused.float() - exact).norm()
-        torch.testing.assert_close(got, unfused, **TOL[torch.bfloat16])
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda t: onednn_silu_mul(t, *halves, gb, ub, n), fullgraph=True, dynamic=False)
-        assert torch.equal(compiled(x), got)
-
-
-@pytest.mark.skipif(not onednn_prepacks(torch.bfloat16), reason="bf16 prepacking for oneDNN needs AMX")
-def test_split_gate_up_holds_the_halves_of_a_silu_mlp_only():
-    """`pack_linears_for_cpu(..., split_gate_up=True)` on many-row parts: a SiLU MLP's gate_up is held as two
-    prepacked halves (no merged matrix), its forward and a plain gate_up matmul stay the unsplit results; a GELU
-    MLP's gate_up is held merged."""
-    torch.manual_seed(0)
-    silu, gelu = GatedMLP(64, 64).to(torch.bfloat16).eval(), GatedMLP(64, 64, "gelu").to(torch.bfloat16).eval()
-    x = torch.randn(40, 64).to(torch.bfloat16)
-    with torch.inference_mode():
-        want = silu(x), silu.gate_up_proj(x), gelu(x)
-        pack_linears_for_cpu(silu, many_rows=[silu], split_gate_up=True)
-        pack_linears_for_cpu(gelu, many_rows=[gelu], split_gate_up=True)
-        proj = silu.gate_up_proj
-        assert proj.onednn_halves is not None and proj.onednn_weight is None and proj.weight is None
-        assert gelu.gate_up_proj.onednn_halves is None and gelu.gate_up_proj.onednn_weight is not None
-        torch.testing.assert_close(silu(x), want[0], **TOL[torch.bfloat16])
-        assert torch.equal(proj(x), want[1])  # the two halves' matmuls side by side: the merged matmul's sums
-        assert torch.equal(gelu(x), want[2])
 
 
 def test_w8a8_splits_by_rows(monkeypatch):

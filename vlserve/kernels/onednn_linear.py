@@ -29,7 +29,6 @@ def prepack_onednn(matrix: torch.Tensor) -> torch.Tensor | None:
 
 _LIB = torch.library.Library("vlserve", "FRAGMENT")
 _LIB.define("onednn_linear(Tensor x, Tensor w, Tensor? bias, int out_features, str post_op='none') -> Tensor")
-_LIB.define("onednn_linear_mul(Tensor x, Tensor other, Tensor w, Tensor? bias, int out_features) -> Tensor")
 
 POST_OPS = ("none", "swish")  # applied by oneDNN to each sum before it is stored; swish(t) = t * sigmoid(t)
 
@@ -44,29 +43,13 @@ def _onednn_linear(
     return y.view(*x.shape[:-1], out_features)
 
 
-def _onednn_linear_mul(
-    x: torch.Tensor, other: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise.binary(rows, other.reshape(-1, out_features), w, bias, "mul")  # [M, N]
-    return y.view(*x.shape[:-1], out_features)
-
-
 def _fake(x, w, bias, out_features, post_op="none"):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-def _fake_mul(x, other, w, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 for _key in ("CPU", "MkldnnCPU"):  # the prepacked matrix dispatches as MkldnnCPU
     _LIB.impl("onednn_linear", _onednn_linear, _key)
-    _LIB.impl("onednn_linear_mul", _onednn_linear_mul, _key)
 torch.library.register_fake("vlserve::onednn_linear")(_fake)
-torch.library.register_fake("vlserve::onednn_linear_mul")(_fake_mul)
 
 
 def onednn_linear(
@@ -79,21 +62,3 @@ def onednn_linear(
         raise ValueError(f"post_op must be one of {POST_OPS}, got {post_op!r}")
     run = torch.ops.vlserve.onednn_linear if torch.compiler.is_compiling() else _onednn_linear
     return run(x, w, None if bias is None else bias.to(x.dtype), out_features, post_op)
-
-
-def onednn_silu_mul(
-    x: torch.Tensor,
-    gate_w: torch.Tensor,
-    up_w: torch.Tensor,
-    gate_bias: torch.Tensor | None,
-    up_bias: torch.Tensor | None,
-    intermediate: int,
-) -> torch.Tensor:
-    """silu(x @ gate^T + b_g) * (x @ up^T + b_u) -> [..., I] bf16 from the two halves of a gate_up projection, each a
-    `prepack_onednn` matrix [I, K]: the gate matmul applies swish to each float32 sum and rounds it once; the up
-    matmul multiplies each of its float32 sums by that and rounds once (no [.., 2I] projection written out, no
-    separate activation pass; torch's unfused ops round the sums, the activation and the product each)."""
-    compiling = torch.compiler.is_compiling()
-    gate = onednn_linear(x, gate_w, gate_bias, intermediate, post_op="swish")  # [..., I] silu(gate)
-    run = torch.ops.vlserve.onednn_linear_mul if compiling else _onednn_linear_mul
-    return run(x, gate, up_w, None if up_bias is None else up_bias.to(x.dtype), intermediate)

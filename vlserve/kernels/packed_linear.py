@@ -26,7 +26,7 @@ from vlserve.kernels.cpu_linear import (
     pack_linear_weight,
     torch_serves_many_rows,
 )
-from vlserve.kernels.onednn_linear import onednn_linear, onednn_silu_mul, prepack_onednn
+from vlserve.kernels.onednn_linear import onednn_linear, prepack_onednn
 
 logger = logging.getLogger(__name__)
 
@@ -61,30 +61,11 @@ def _prepack_only(module: nn.Module, matrix) -> bool:
     return True
 
 
-def _prepack_halves(module: nn.Module, intermediate: int) -> bool:
-    """A gate_up projection's matrix [2I, K] held as oneDNN's prepacked gate and up halves (`onednn_halves`), for
-    `onednn_silu_mul`; `weight` dropped. Whether it was (never for a packed or a non-bf16-on-AMX matrix)."""
-    if module.packed_weight is not None or module.weight is None or module.weight.shape[0] != 2 * intermediate:
-        return False
-    halves = tuple(prepack_onednn(module.weight.data[i * intermediate : (i + 1) * intermediate]) for i in (0, 1))
-    if halves[0] is None:
-        return False
-    module.onednn_halves, module.weight = halves, None
-    return True
-
-
-def _bias_halves(bias: torch.Tensor | None, intermediate: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    return (None, None) if bias is None else (bias[:intermediate], bias[intermediate:])
-
-
 def _unpacked_matmul(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) by torch: on oneDNN's prepacked matrix where the module holds one, else F.linear on
     the plain weight seen as [N, K] (a linear's as is, a patch convolution's flattened)."""
     if module.onednn_weight is not None:
         return onednn_linear(x, module.onednn_weight, bias, out_features)
-    if module.onednn_halves is not None:  # a gate_up matrix held as its halves (`_prepack_halves`)
-        n = out_features // 2
-        return torch.cat([onednn_linear(x, w, b, n) for w, b in zip(module.onednn_halves, _bias_halves(bias, n))], -1)
     return F.linear(x, module.weight.reshape(out_features, -1), bias)
 
 
@@ -101,19 +82,13 @@ class PackableLinear(nn.Linear):
     `weight` [O, I] for `packed_weight` (float32 [O/32, I, 32], bf16 [O/32, I/2, 32, 2]; the matrix is then held
     once)."""
 
-    onednn_weight: torch.Tensor | None = None  # (class defaults for instances made by swapping __class__)
-    onednn_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-    silu_gate_up: int | None = None
+    onednn_weight: torch.Tensor | None = None  # (class default for instances made by swapping __class__)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("packed_weight", None)
         self.onednn_rows: int | None = None  # packed, and from this many rows on torch's matmul on `weight`
         self.onednn_weight: torch.Tensor | None = None  # oneDNN's prepacked matrix, held instead of `weight`
-        # a gate_up projection whose caller takes silu(gate) * up (its I, set by GatedMLP), and that matrix held as
-        # oneDNN's prepacked halves instead of `weight` (`pack_linears_for_cpu(..., split_gate_up=True)`)
-        self.silu_gate_up: int | None = None
-        self.onednn_halves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.quant_scheme = None  # set by models.quantization: the matmul then runs through the scheme
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
@@ -137,11 +112,7 @@ class PackableLinear(nn.Linear):
         if self.quant_scheme is not None:
             return self.quant_scheme.apply_silu_mul(self, x, self.bias, intermediate)
         packed = _packed_for(self, x)
-        if packed is not None:
-            return cpu_linear_silu_mul(x, packed, self.bias, intermediate)
-        if self.onednn_halves is not None:
-            return onednn_silu_mul(x, *self.onednn_halves, *_bias_halves(self.bias, intermediate), intermediate)
-        return None
+        return None if packed is None else cpu_linear_silu_mul(x, packed, self.bias, intermediate)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., I] @ W^T (+ bias) -> [..., O], through the packed kernel once packed, through the quantization
@@ -186,13 +157,12 @@ def row_breaks(model: nn.Module) -> list[int]:
     return sorted({r for m in model.modules() if (r := getattr(m, "onednn_rows", None)) is not None and r > 2})
 
 
-def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = (), split_gate_up: bool = False) -> int:
+def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) -> int:
     """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
     linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
     beside its packed copy. Under the `many_rows` parts (towers: hundreds of patches a call), a weight whose dtype
     torch's matmul serves faster at many rows (`torch_serves_many_rows`: float32, and bf16 on AMX) is left unpacked
-    (and held in oneDNN's prepacked form instead where that serves it: bf16 on AMX; with `split_gate_up`, a SiLU
-    MLP's gate_up as its two halves, so that silu(gate) * up runs inside the two matmuls: `onednn_silu_mul`)."""
+    (and held in oneDNN's prepacked form instead where that serves it: bf16 on AMX)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -208,9 +178,6 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = (), 
         pack = getattr(m, "pack_for_cpu", None)
         if id(m) in unpacked:
             shared = holders.get(id(m.weight), 0) > 1 or getattr(m, "keep_weight", False)
-            halves = split_gate_up and not shared and getattr(m, "silu_gate_up", None)
-            if halves and _prepack_halves(m, halves):
-                continue
             if hasattr(m, "prepack_for_onednn") and not shared:
                 m.prepack_for_onednn()
             continue
@@ -239,7 +206,6 @@ class _PatchConv:
     packed_weight: nn.Parameter | None
     onednn_rows: int | None = None
     onednn_weight: torch.Tensor | None = None
-    onednn_halves: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up projections only)
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Pack the flattened weight if the kernel serves it here; whether it did."""

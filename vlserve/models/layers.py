@@ -72,8 +72,6 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.hidden_act = hidden_act
         self.act_fn = activation(hidden_act)
-        if hidden_act in ("silu", "swish") and self.intermediate_size % PANEL == 0:  # forward calls silu_mul
-            self.gate_up_proj.silu_gate_up = self.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> gate_up: [T, 2I] -> [T, I] -> [T, H]

@@ -62,9 +62,7 @@ class ModelRunner:
         self.model = model
         if device.type == "cpu":  # projections through the packed C++ kernel where the CPU has one, torch's matmul
             tune_cpu_allocator()  # where it wins at many rows a call: towers, and all of a prefill-only (pooling) model
-            pack_linears_for_cpu(
-                model, [model] if prefill_only else model.encoder_parts(), prefill_only and not lora_config
-            )
+            pack_linears_for_cpu(model, many_rows=[model] if prefill_only else model.encoder_parts())
         # LoRA (`lora_config`: LoRAModelManager's max_loras / max_lora_rank / max_cpu_loras): the decoder's layers
         # become LoRA layers; an engine with LoRA runs its decoder without torch.compile, and on CUDA replays decode
         # graphs with the adapters' slots as a graph input (ModelForward). Adapters load off the step loop.
@@ -322,7 +320,8 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the planned step: the sampled tokens of each request that reached its last token, and the timings."""
+        """Run the planned step; returns the sampled tokens of every request that reached its last token, and the
+        step's timings."""
         return self.submit_step(so).output()
 
     @torch.inference_mode()
@@ -453,7 +452,8 @@ class ModelRunner:
         so: SchedulerOutput,
         keep_on_device: bool = False,
     ) -> StepSamples:
-        """Sample `states` (appending their tokens unless kept on the device): `StepSampler.sample`."""
+        """Sample the requests in `states` (appending their tokens, unless kept on the device); see
+        `StepSampler.sample`."""
         return self.step_sampler.sample(
             self.model, hidden, states, ends, drafts, so.grammar_bitmask, so.grammar_rows, keep_on_device
         )
