@@ -188,7 +188,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(rid)
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
         num_computed = request.num_computed_tokens + num_hit * bs
-        if blocks is not None:  # less the lookahead: rejected draft tokens may move the window back that far
+        if blocks is not None and self._dropping:  # less the lookahead: rejected drafts may move the window back
             self._drop_out_of_window(blocks, num_computed - num_lookahead_tokens)
         held = len(blocks[0]) if blocks is not None else 0
         num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs) - held - num_hit
@@ -210,7 +210,8 @@ class KVCacheManager:
             new_ids.append([b.block_id for b in new])
         request.kv_token_capacity = len(blocks[0]) * bs
         if self.enable_caching and not delay_cache_blocks:
-            self._register_full_blocks(request, blocks, num_computed + num_new_tokens)
+            if new_computed_blocks or num_computed + num_new_tokens > request.kv_registered_limit:  # (else none filled)
+                self._register_full_blocks(request, blocks, num_computed + num_new_tokens)
         else:
             request.kv_registered_limit = (
                 (self._num_cached_blocks[rid][0] + 1) * bs - 1 if self.enable_caching else request.kv_token_capacity

@@ -87,6 +87,20 @@ class _HostDeviceBuffer:
         return out if shape is None else out.view(shape)
 
 
+def step_token_ids(spec: dict[str, list[int]], states, starts: np.ndarray, q_lens: np.ndarray, all_decodes: bool):
+    """The step's input ids, request after request: its known tokens, then its scheduled drafts past them (`spec`:
+    the drafts per request id)."""
+    if all_decodes and not spec:  # one known token each
+        return [state.token_ids[s] for state, s in zip(states, starts.tolist())]
+    ids: list[int] = []
+    for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
+        window = state.token_ids[s : s + n]
+        if len(window) < n:  # speculative tokens beyond the known ones
+            window += spec[state.req_id][: n - len(window)]
+        ids += window
+    return ids
+
+
 class InputBatch:
     """Persistent block tables per request (one per KV cache group) and the per-step input buffers of a
     ModelRunner. `layer_groups[l]`: decoder layer l's KV cache group (None: a single group)."""
@@ -107,6 +121,7 @@ class InputBatch:
         G = self.num_groups
         self.rows: dict[str, int] = {}  # req_id -> row of the persistent block tables
         self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
+        self._last_rows: tuple[list[str], np.ndarray] | None = None  # the last step's req_ids and their rows
         self.block_table = np.zeros((G, max_num_reqs, max_blocks_per_req), dtype=np.int32)  # [G, R, W]
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # [R] (every group holds as many)
         self.input_ids = _HostDeviceBuffer(max_num_tokens, torch.int64, device)
@@ -124,6 +139,7 @@ class InputBatch:
     def add_request(self, req_id: str, block_ids: tuple[list[int], ...]) -> None:
         """Start (or restart, after preemption) a request's block-table rows (`block_ids`: one list per group)."""
         self.remove_request(req_id)
+        self._last_rows = None
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
@@ -149,6 +165,7 @@ class InputBatch:
         row = self.rows.pop(req_id, None)
         if row is not None:
             self.free_rows.append(row)
+            self._last_rows = None
 
     def block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group, as the scheduler allocated them."""
@@ -201,7 +218,7 @@ class InputBatch:
         self.query_start_loc.np[: B + 1] = cu
         self.seq_lens.np[:B] = seq_lens
 
-        rows = np.fromiter((self.rows[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
+        rows = self._rows_of(req_ids)  # [B]
         M = max(int(self.num_blocks[rows].max()), 1)
         shared = dict(
             query_start_loc=self.query_start_loc.to_device(B + 1),
@@ -231,6 +248,16 @@ class InputBatch:
             input_ids=self.input_ids.to_device(T),
             attn_metadata=md,
         )
+
+    def _rows_of(self, req_ids: list[str]) -> np.ndarray:
+        """The block-table rows of req_ids [B] (the last step's array again while no request came or went and the
+        order holds, as in most decode steps; read only)."""
+        last = self._last_rows
+        if last is not None and last[0] == req_ids:
+            return last[1]
+        rows = np.fromiter(map(self.rows.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))  # [B]
+        self._last_rows = (list(req_ids), rows)
+        return rows
 
     def _group_slots(
         self, g: int, rows: np.ndarray, M: int, req_index: np.ndarray, positions: np.ndarray

@@ -31,7 +31,7 @@ from vlserve.worker.cpu_allocator import tune_cpu_allocator
 from vlserve.worker.deferred_samples import DeviceTokenFeed, StepHandle
 from vlserve.worker.draft_inputs import build_draft_inputs
 from vlserve.worker.encoder_runs import EncoderRunner, EncoderWork
-from vlserve.worker.input_batch import InputBatch
+from vlserve.worker.input_batch import InputBatch, step_token_ids
 from vlserve.worker.kv_memory import zeroed_kv_tensor
 from vlserve.worker.prompt_logprobs import PromptLogprobsCollector
 from vlserve.worker.proposer import DraftKVSpec, Proposer
@@ -95,6 +95,7 @@ class ModelRunner:
             else tuple(self.kv_groups.group_of(layer) for layer in range(num_layers)),
         )
         self.requests: dict[str, CachedRequestState] = {}
+        self._last_order: tuple[list[str], list[CachedRequestState]] | None = None  # (req_ids, their states)
         self.num_penalized = 0  # >= the tracked requests with penalties or bad words (0: none has any)
         self.prompt_logprobs = PromptLogprobsCollector()  # requests whose prompt logprobs are being computed
         # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
@@ -269,7 +270,16 @@ class ModelRunner:
         return torch.zeros(q_len, dtype=torch.long, device=self.device), positions, md
 
     # -- state updates -----------------------------------------------------------------------------------------
+    def _states_in_order(self, req_ids: list[str]) -> list[CachedRequestState]:
+        """The states of req_ids (the last step's list again while no request came or went and the order holds)."""
+        last = self._last_order
+        if last is None or last[0] != req_ids:
+            last = self._last_order = (list(req_ids), list(map(self.requests.__getitem__, req_ids)))
+        return last[1]
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        if so.finished_req_ids or so.scheduled_new_reqs:
+            self._last_order = None
         for rid in so.finished_req_ids:
             state = self.requests.pop(rid, None)
             if state is not None and state.sampling_params.reads_output_tokens:
@@ -359,14 +369,14 @@ class ModelRunner:
         n_sched = so.num_scheduled_tokens
         all_decodes = so.total_num_scheduled_tokens == len(n_sched)  # one token each: already in order
         req_ids = list(n_sched) if all_decodes else sorted(n_sched, key=lambda r: n_sched[r] != 1)
-        states = [self.requests[r] for r in req_ids]
+        states = self._states_in_order(req_ids)
         B = len(req_ids)
         if all_decodes:
             q_lens = np.ones(B, dtype=np.int64)  # [B]
         else:
             q_lens = np.fromiter((n_sched[r] for r in req_ids), dtype=np.int64, count=B)  # [B]
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=B)  # [B]
-        step_ids = self._step_token_ids(so, states, starts, q_lens, all_decodes)
+        step_ids = step_token_ids(so.scheduled_spec_decode_tokens, states, starts, q_lens, all_decodes)
         step = self.input_batch.prepare(req_ids, step_ids, q_lens, starts, self.attn_workspace)
         seq_lens, cu, md, input_ids = step.seq_lens, step.cu, step.attn_metadata, step.input_ids
         if self.defer_readback:  # ids sampled by a step whose read-back is deferred
@@ -461,20 +471,6 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden, states, starts, q_lens, cu) -> dict:
         """The prompt logprobs of requests whose prompt ended this step (see `PromptLogprobsCollector.collect`)."""
         return self.prompt_logprobs.collect(self.model, hidden, states, starts, q_lens, cu)
-
-    @staticmethod
-    def _step_token_ids(so: SchedulerOutput, states, starts: np.ndarray, q_lens: np.ndarray, all_decodes: bool):
-        """The step's input ids, request after request: its known tokens, then its scheduled drafts past them."""
-        spec = so.scheduled_spec_decode_tokens
-        if all_decodes and not spec:  # one known token each
-            return [state.token_ids[s] for state, s in zip(states, starts.tolist())]
-        ids: list[int] = []
-        for state, s, n in zip(states, starts.tolist(), q_lens.tolist()):
-            window = state.token_ids[s : s + n]
-            if len(window) < n:  # speculative tokens beyond the known ones
-                window += spec[state.req_id][: n - len(window)]
-            ids += window
-        return ids
 
     def _positions(self, states, starts, q_lens, step) -> torch.Tensor:
         if self.mrope_positions_fn is None:
