@@ -110,14 +110,14 @@ $(QUANT_VENV)/.installed:
 	$(PYTHON) -m venv $(QUANT_VENV)
 	$(QUANT_VENV)/bin/python -m pip install --upgrade pip
 	$(QUANT_VENV)/bin/python -m pip install torch==2.14.0 torchvision==0.29.0 llmcompressor==0.14.0.1 \
-	    compressed-tensors==0.19.0 transformers==5.17.0
+	    compressed-tensors==0.19.0 transformers==5.17.0 msgspec
 	$(QUANT_VENV)/bin/python -m pip install -e . --no-deps
 	@touch $@
 
 $(GPTQ_VENV)/.installed:
 	$(PYTHON) -m venv $(GPTQ_VENV)
 	$(GPTQ_VENV)/bin/python -m pip install --upgrade pip
-	$(GPTQ_VENV)/bin/python -m pip install torch==2.14.1 torchvision==0.29.1 gptqmodel==7.7.0 transformers==5.24.0
+	$(GPTQ_VENV)/bin/python -m pip install torch==2.14.1 torchvision==0.29.1 gptqmodel==7.7.0 transformers==5.24.0 msgspec
 	$(GPTQ_VENV)/bin/python -m pip install -e . --no-deps
 	@touch $@
 
