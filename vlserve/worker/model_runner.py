@@ -97,6 +97,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._last_order: tuple[list[str], list[CachedRequestState]] | None = None  # (req_ids, their states)
         self.num_penalized = 0  # >= the tracked requests with penalties or bad words (0: none has any)
+        self.num_with_media = 0  # the tracked requests with media items
         self.prompt_logprobs = PromptLogprobsCollector()  # requests whose prompt logprobs are being computed
         # the towers' runs: encoder outputs by mm_hash, partial encodes, counters, the encoder-cache connector
         self.encoders = EncoderRunner(model, device, self.lora_manager)
@@ -282,8 +283,9 @@ class ModelRunner:
             self._last_order = None
         for rid in so.finished_req_ids:
             state = self.requests.pop(rid, None)
-            if state is not None and state.sampling_params.reads_output_tokens:
-                self.num_penalized -= 1
+            if state is not None:
+                self.num_penalized -= state.sampling_params.reads_output_tokens
+                self.num_with_media -= bool(state.mm_features)
             self.input_batch.remove_request(rid)
         self.prompt_logprobs.drop(so.finished_req_ids)
         if self.pooler is not None:
@@ -314,6 +316,7 @@ class ModelRunner:
                 state.key_runs = token_runs(new.prompt_token_ids, self.bidirectional_token_id)
             self.requests[new.req_id] = state
             self.num_penalized += params.reads_output_tokens
+            self.num_with_media += bool(new.mm_features)
             self.prompt_logprobs.start(new.req_id, params, len(new.output_token_ids))
             self.input_batch.add_request(new.req_id, new.block_ids)
         requests = self.requests
@@ -387,7 +390,8 @@ class ModelRunner:
         if self.mrope_positions_fn is not None:  # pruned videos encoded by now take their kept positions
             place_pruned_positions(states, self.encoders, self.mrope_positions_fn)
         positions = self._positions(states, starts, q_lens, step)  # [T] or [3, T]
-        inputs_embeds = self.merge_mm_embeddings(input_ids, states, starts, q_lens, cu)  # [T, H] or None
+        media = self.num_with_media  # inputs_embeds: [T, H], or None without media
+        inputs_embeds = self.merge_mm_embeddings(input_ids, states, starts, q_lens, cu) if media else None
 
         lora = (
             contextlib.nullcontext()
