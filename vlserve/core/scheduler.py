@@ -124,10 +124,9 @@ class Scheduler:
         num_scheduled, cached, spec_tokens = step.num_scheduled, step.cached_reqs, step.spec_tokens
         cached_ids, cached_blocks, cached_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         allocate_slots, num_spec, last_position = self.kv.allocate_slots, cfg.num_spec_tokens, cfg.max_model_len - 1
-        idx = 0
-        while idx < len(running) and token_budget > 0 and len(num_scheduled) < max_reqs:
-            req = running[idx]
-            idx += 1
+        for req in running:  # (preemption pops from the tail: the loop ends before the popped ones)
+            if token_budget <= 0 or len(num_scheduled) >= max_reqs:
+                break
             rid, placeholders = req.request_id, req.num_output_placeholders
             if (placeholders and req.finishes_in_flight(max_model_len)) or (in_flight and rid in in_flight):
                 continue

@@ -319,14 +319,13 @@ class ModelRunner:
             self.num_with_media += bool(new.mm_features)
             self.prompt_logprobs.start(new.req_id, params, len(new.output_token_ids))
             self.input_batch.add_request(new.req_id, new.block_ids)
-        requests = self.requests
-        cached = so.scheduled_cached_reqs
-        for rid, new_block_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            state = requests[rid]
-            if new_block_ids:  # most decode steps add none
-                state.block_ids.extend(new_block_ids[0])
-                self.input_batch.append_blocks(rid, new_block_ids)
-            state.num_computed_tokens = computed
+        requests, cached = self.requests, so.scheduled_cached_reqs
+        states = self._states_in_order(cached.req_ids)  # (the step's own order too when it adds no request)
+        for rid, state, new_ids, n in zip(cached.req_ids, states, cached.new_block_ids, cached.num_computed_tokens):
+            if new_ids:  # most decode steps add none
+                state.block_ids.extend(new_ids[0])
+                self.input_batch.append_blocks(rid, new_ids)
+            state.num_computed_tokens = n
         if cached.new_token_ids is not None:  # pipeline stages: the tokens sampled since, up to the window's end
             for rid, c, sent in zip(cached.req_ids, cached.token_starts, cached.new_token_ids):
                 requests[rid].token_ids[c : c + len(sent)] = sent
