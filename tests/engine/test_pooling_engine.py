@@ -298,3 +298,32 @@ def test_a_pooling_runner_leaves_float32_matrices_to_torch(embedder, qwen2_vl_di
         assert any(".mlp." in n for n in packed) and not any("visual" in n for n in packed)  # (towers: torch's)
     finally:
         generator.shutdown()
+
+
+def test_the_last_layer_computes_only_the_pooled_rows(embedder, hf):
+    """LAST pooling reads one row per prompt: the decoder's last layer runs its o_proj and MLP on those rows alone
+    (every row's K and V are still written), and the embeddings still match HF's."""
+    from vlserve.models.llama import decoder_of
+
+    decoder = decoder_of(embedder.engine.runner.model)
+    rows_seen: list[int] = []
+    hooks = [
+        decoder.layers[decoder.num_layers - 1].mlp.register_forward_hook(
+            lambda m, a, o: rows_seen.append(a[0].shape[0])
+        ),
+        decoder.layers[0].mlp.register_forward_hook(lambda m, a, o: rows_seen.append(-a[0].shape[0])),
+    ]
+    try:
+        texts = [_chat_text(embedder.tokenizer, 0, t) for t in ("a red triangle", "two dogs run", "x")]
+        outs = embedder.embed(texts, use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    first = [-n for n in rows_seen if n < 0]  # every prompt token of the step
+    last = [n for n in rows_seen if n > 0]
+    assert sum(first) >= 3 * len(texts)  # (the chat template's prefix may be a cache hit)
+    assert sum(last) == len(texts)  # one row per prompt
+    for out, text in zip(outs, texts):
+        ref = torch.nn.functional.normalize(_hf_last_hidden(hf, text), dim=-1)
+        assert torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0) >= 0.9999
+    embedder.check_integrity()

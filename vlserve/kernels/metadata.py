@@ -34,6 +34,10 @@ class AttentionMetadata:
     # last position of the bidirectional image run it belongs to); None: causal. Positions are absolute (query i of a
     # sequence sits at seq_len - q_len + i); each limit is < its sequence's seq_len, and a decode's is its own position
     key_limits: torch.Tensor | None = None
+    # [K] int64, increasing: the only rows of the step whose final hidden states are read (a pooling step's last
+    # prompt tokens); the last decoder layer then runs its o_proj and MLP on them alone and the model returns [K, H].
+    # None: every row
+    output_rows: torch.Tensor | None = None
     # per decoder layer, the metadata of its KV cache group (its own slot_mapping and block_tables; the rest the
     # same), when the model keeps several groups (core/kv_cache_groups.py); None: every layer reads this one
     layer_views: list[AttentionMetadata] | None = field(default=None, repr=False, compare=False)

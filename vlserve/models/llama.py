@@ -118,11 +118,13 @@ class DecoderAttention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         attn_metadata: AttentionMetadata | None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Eager: the kernels run in place on `kv_cache` with `attn_metadata`. Compiled (`torch.compiler.
         is_compiling()`): plain-torch rotary and the opaque `vlserve::paged_attention` op, which takes the caches
-        and metadata from `kernels.attention_op.attention_step` (both arguments are then ignored)."""
-        # hidden: [T, H] -> qkv: [T, (Hq + 2*Hkv) * D] -> q [T,Hq,D], k/v [T,Hkv,D] -> out [T, Hq*D] -> [T, H]
+        and metadata from `kernels.attention_op.attention_step` (both arguments are then ignored). `rows [K]`: only
+        those rows of the attention output go through o_proj (every row's K and V are still written)."""
+        # hidden: [T, H] -> qkv: [T, (Hq + 2*Hkv) * D] -> q [T,Hq,D], k/v [T,Hkv,D] -> out [T, Hq*D] -> [T|K, H]
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -152,11 +154,14 @@ class DecoderAttention(nn.Module):
             v_scale=self.v_scale,
             sliding_window=self.sliding_window,
         )
-        return self.o_proj(out.reshape(T, self.q_size))
+        out = out.reshape(T, self.q_size)
+        return self.o_proj(out if rows is None else out.index_select(0, rows))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: `h = x + attn(norm(x)); out = h + mlp(norm(h))`, residual adds fused into the norms."""
+
+    takes_output_rows = True  # forward's `rows`: the block's output at those rows alone
 
     def __init__(
         self,
@@ -191,14 +196,18 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ):
-        """`(hidden [T,H], residual [T,H] | None) -> (mlp_out [T,H], residual [T,H])`; the sum is the block output."""
+        """`(hidden [T,H], residual [T,H] | None) -> (mlp_out [T,H], residual [T,H])`; the sum is the block output.
+        With `rows [K]`: both `[K, H]`, the block output at those rows (attention still reads every row)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)  # [K, H]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -280,10 +289,11 @@ class LlamaDecoderModel(nn.Module):
         layer_additions: list[torch.Tensor] | None = None,
         intermediate: IntermediateTensors | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`.
-        `layer_additions[i] [T, H]` is added to the output of layer i (Qwen3-VL's DeepStack features; zero rows
-        for text tokens). Pipeline stages: a later stage starts from `intermediate` (the previous stage's output);
-        every stage but the last returns its `IntermediateTensors` instead of normed hidden states."""
+        """`input_ids [T]` (or `inputs_embeds [T,H]`), `positions [T]|[3,T]` -> final-normed hidden `[T, H]`
+        (`[K, H]`: the rows of `attn_metadata.output_rows`, where the last layer takes them). `layer_additions[i]
+        [T, H]` is added to the output of layer i (Qwen3-VL's DeepStack features; zero rows for text tokens).
+        Pipeline stages: a later stage starts from `intermediate` (the previous stage's output); every stage but the
+        last returns its `IntermediateTensors` instead of normed hidden states."""
         if self.first_stage:
             hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
             residual = None
@@ -298,7 +308,11 @@ class LlamaDecoderModel(nn.Module):
                 kept[i] = hidden if residual is None else hidden + residual
             kv_cache = kv_caches[i] if kv_caches is not None else None  # None when compiled (see DecoderAttention)
             layer_md = attn_metadata.for_layer(i) if attn_metadata is not None else None  # its KV group's view
-            hidden, residual = layer(positions, hidden, residual, kv_cache, layer_md)
+            rows = self._output_rows(i, attn_metadata, len(additions))
+            if rows is None:
+                hidden, residual = layer(positions, hidden, residual, kv_cache, layer_md)
+            else:
+                hidden, residual = layer(positions, hidden, residual, kv_cache, layer_md, rows)
             if i < len(additions):  # the block output, then the addition (HF's order of the two sums)
                 hidden, residual = (residual + hidden) + additions[i], None
         if not self.last_stage:
@@ -308,6 +322,15 @@ class LlamaDecoderModel(nn.Module):
             kept[self.num_layers] = stream
             self.aux_hidden_states = [kept[i] for i in want]
         return hidden
+
+    def _output_rows(self, i: int, attn_metadata: AttentionMetadata | None, num_additions: int) -> torch.Tensor | None:
+        """The rows layer i computes alone: the metadata's `output_rows` at the model's last layer, when that layer
+        takes them, nothing is added after it and no stream is kept for a draft; else None (every row)."""
+        if attn_metadata is None or attn_metadata.output_rows is None or i != self.num_layers - 1:
+            return None
+        if not (self.last_stage and getattr(self.layers[i], "takes_output_rows", False)):
+            return None
+        return None if i < num_additions or self.aux_hidden_state_layers else attn_metadata.output_rows
 
     # ---- weights -------------------------------------------------------------------------------------------------
 

@@ -392,6 +392,10 @@ class ModelRunner:
         media = self.num_with_media  # inputs_embeds: [T, H], or None without media
         inputs_embeds = self.merge_mm_embeddings(input_ids, states, starts, q_lens, cu) if media else None
 
+        known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
+        sample_idx = np.nonzero(seq_lens >= known)[0]  # windows that reach their last known token sample (or pool)
+        if self.pooler is not None and self.lora_manager is None:  # the last layer may compute the pool's rows alone
+            md.output_rows = self.pooler.output_rows(cu, sample_idx, self.device)
         lora = (
             contextlib.nullcontext()
             if self.lora_manager is None  # each token runs its request's adapter
@@ -400,9 +404,6 @@ class ModelRunner:
         with lora:
             hidden = self._run_model(input_ids, positions, md, inputs_embeds)  # [T, H]
 
-        # Sample for requests whose window reached their last known token (partial prefills sample nothing).
-        known = np.array([len(s.token_ids) for s in states], dtype=np.int64)
-        sample_idx = np.nonzero(seq_lens >= known)[0]
         samples = None
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if self.pooler is not None:  # the pooling seam: prompts that ended are pooled, nothing is sampled

@@ -24,6 +24,13 @@ class Pooler:
         for rid in req_ids:
             self.partial.pop(rid, None)
 
+    def output_rows(self, cu: np.ndarray, ending: np.ndarray, device) -> torch.Tensor | None:
+        """The step's only rows the pool reads (`AttentionMetadata.output_rows`): LAST's last prompt rows of the
+        requests whose prompt ends this step; None for the other kinds, or when none ends (every row is computed)."""
+        if self.spec.pooling_type != "LAST" or not len(ending):
+            return None
+        return torch.as_tensor(cu[1:][ending] - 1, device=device)  # [K] int64, increasing
+
     @torch.inference_mode()
     def pool(
         self,
@@ -34,8 +41,9 @@ class Pooler:
         num_prompt_tokens: list[int],
         ending: np.ndarray,
     ) -> dict[str, torch.Tensor]:
-        """`hidden [T, H]` of this step (request i's window: rows cu[i]:cu[i+1], from prompt position starts[i]);
-        `ending`: the indices of requests whose prompt ends this step. Returns their results, float32 on the CPU,
+        """`hidden [T, H]` of this step (request i's window: rows cu[i]:cu[i+1], from prompt position starts[i]),
+        or `[K, H]`: the `output_rows` alone, where the model took them; `ending`: the indices of requests whose
+        prompt ends this step. Returns their results, float32 on the CPU,
         each its own storage: [D] or [L] (a head), [P, H] for ALL."""
         kind = self.spec.pooling_type
         if kind != "LAST":  # accumulate every request's window
@@ -51,7 +59,9 @@ class Pooler:
         if not len(ending):
             return {}
         ids = [req_ids[i] for i in ending.tolist()]
-        if kind == "LAST":
+        if kind == "LAST" and hidden.shape[0] != int(cu[-1]):  # the model returned the last rows alone
+            pooled = hidden.float()  # [N, H]
+        elif kind == "LAST":
             pooled = hidden[torch.as_tensor(cu[1:][ending] - 1, device=hidden.device)].float()  # [N, H]
         elif kind == "ALL":
             return {rid: torch.cat(self.partial.pop(rid)).cpu() for rid in ids}  # [P, H] each
