@@ -83,3 +83,33 @@ def test_siglip_keeps_every_position_of_a_masked_batch(tmp_path):
         with torch.no_grad():
             ref = features(hf_model.get_text_features(input_ids=ids, attention_mask=attention_mask))
         assert_close_rows(model.embed_text(ids, attention_mask), ref, 0.9999, 1e-4)
+
+
+def test_clip_last_layers_compute_only_the_pooled_rows(clip77):
+    """CLIP pools one row per text (its EOS token) and per image (the class token): each tower's last layer runs its
+    out_proj and MLP on those rows alone, and the embeddings still match HF's."""
+    path, hf_model, processor = clip77
+    model = load_model(path, AutoConfig.from_pretrained(path), "float32", "cpu")
+    seen: dict[str, list[int]] = {"text": [], "vision": []}
+    hooks = [
+        getattr(model, f"{name}_model")
+        .encoder.layers[-1]
+        .mlp.register_forward_hook(lambda m, a, o, name=name: seen[name].append(a[0].shape[0]))
+        for name in seen
+    ]
+    inputs = processor(text=SHORT_AND_LONG, padding=True, return_tensors="pt")
+    side = hf_model.config.vision_config.image_size
+    pixels = torch.randn(3, 3, side, side, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            texts = model.embed_text(inputs["input_ids"], inputs["attention_mask"])
+            images = model.embed_image(pixels)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == {"text": [2], "vision": [3]}
+    with torch.no_grad():
+        ref_texts = features(hf_model.get_text_features(**inputs))
+        ref_images = features(hf_model.get_image_features(pixel_values=pixels))
+    assert_close_rows(texts, ref_texts, 0.9999, 1e-4)
+    assert_close_rows(images, ref_images, 0.9999, 1e-4)

@@ -96,8 +96,8 @@ class VitAttention(nn.Module):
             return self.qkv_proj(x).chunk(3, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
-        # x: [R, E] (rows of all tiles) -> [R, E]
+    def forward(self, x: torch.Tensor, segments: AttentionSegments, keep: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [R, E] (rows of all tiles) -> [R, E], or [K, E]: the rows `keep [K]` alone through out_proj
         rows = x.shape[0]
         q, k, v = (t.view(rows, self.num_heads, self.head_dim) for t in self.project_qkv(x))  # [R, H, Hd] each
         out = varlen_attention(
@@ -110,7 +110,8 @@ class VitAttention(nn.Module):
             cu_seqlens_cpu=segments.bounds,
             causal=segments.causal,
         )  # [R, H, Hd]
-        return self.out_proj(out.reshape(rows, -1))
+        out = out.reshape(rows, -1)
+        return self.out_proj(out if keep is None else out.index_select(0, keep))
 
 
 class VitEncoderLayer(nn.Module):
@@ -123,8 +124,11 @@ class VitEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.width, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, segments: AttentionSegments) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), segments)
+    def forward(self, x: torch.Tensor, segments: AttentionSegments, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`x [R, E]` -> `[R, E]`, or with `keep [K]` (increasing row indices) the block output at those rows alone
+        `[K, E]` (attention still reads every row)."""
+        attended = self.self_attn(self.layer_norm1(x), segments, keep)
+        x = (x if keep is None else x.index_select(0, keep)) + attended
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -147,6 +151,17 @@ class VitEncoder(nn.Module):
                 kept[i] = h
         out = torch.cat([kept[i] for i in feature_layers], dim=-1)  # [R, E * k]
         return out.view(num_tiles, tokens_per_tile, -1)
+
+    def first_token_states(self, x: torch.Tensor, tokens_per_tile: int) -> torch.Tensor:
+        """`x [N, L, E]` (the encoder's input) -> the last layer's output at each tile's first token `[N, E]`; that
+        layer runs its out_proj and MLP on those rows alone."""
+        num_tiles = x.shape[0]
+        segments = AttentionSegments.from_lengths([tokens_per_tile] * num_tiles, x.device)
+        h = x.reshape(num_tiles * tokens_per_tile, -1)  # [R, E]
+        for layer in self.layers[:-1]:
+            h = layer(h, segments)
+        first = torch.arange(num_tiles, device=h.device) * tokens_per_tile  # [N]
+        return self.layers[-1](h, segments, first)  # [N, E]
 
 
 class ClipEmbeddings(nn.Module):

@@ -24,9 +24,11 @@ class ClipPooledVisionTower(ClipVisionTower):
     fuses_qkv = True
 
     def pooled(self, pixels: torch.Tensor) -> torch.Tensor:
-        """`pixels [N, C, S, S]` -> post_layernorm(last hidden state of the class token) `[N, E]`."""
-        last = self(pixels, [self.cfg.depth])  # [N, L, E]
-        return self.post_layernorm(last[:, 0])
+        """`pixels [N, C, S, S]` -> post_layernorm(last hidden state of the class token) `[N, E]` (the last layer
+        computes the class tokens' rows alone past its attention)."""
+        self.check_pixels(pixels)
+        x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device)))  # [N, L, E]
+        return self.post_layernorm(self.encoder.first_token_states(x, self.tokens_per_tile))
 
 
 class AttentionPoolingHead(nn.Module):

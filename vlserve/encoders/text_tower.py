@@ -105,10 +105,10 @@ class TextAttention(VitAttention):
     own tokens only, as the mask would allow. Otherwise in the padded layout under the `[B, 1, T, T]` boolean mask
     (scaled_dot_product_attention); keys never computed are masked there."""
 
-    def forward(self, x: torch.Tensor, rows: TextRows) -> torch.Tensor:
-        # x: [R, E] -> [R, E]
+    def forward(self, x: torch.Tensor, rows: TextRows, keep: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [R, E] -> [R, E], or [K, E]: the rows `keep [K]` alone through out_proj
         if rows.segments is not None:
-            return super().forward(x, rows.segments)
+            return super().forward(x, rows.segments, keep)
         batch, num_tokens = rows.batch, rows.num_tokens
 
         def heads(projected: torch.Tensor, slot: int) -> torch.Tensor:
@@ -118,7 +118,8 @@ class TextAttention(VitAttention):
         q, k, v = (heads(projected, slot) for slot, projected in enumerate(self.project_qkv(x)))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask, scale=self.head_dim**-0.5)  # [B, H, T, Hd]
         out = rows.from_padded(out.transpose(1, 2))  # [R, H, Hd]
-        return self.out_proj(out.reshape(out.shape[0], -1))  # [R, E]
+        out = out.reshape(out.shape[0], -1)  # [R, E]
+        return self.out_proj(out if keep is None else out.index_select(0, keep))
 
 
 class TextEncoderLayer(VitEncoderLayer):
@@ -136,11 +137,11 @@ class TextEncoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TextEncoderLayer(cfg) for _ in range(cfg.depth))
 
-    def forward(self, x: torch.Tensor, rows: TextRows) -> torch.Tensor:
-        # x: [R, E] -> [R, E]
-        for layer in self.layers:
+    def forward(self, x: torch.Tensor, rows: TextRows, keep: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [R, E] -> [R, E], or [K, E]: the last layer's output at the rows `keep [K]` alone
+        for layer in self.layers[:-1]:
             x = layer(x, rows)
-        return x
+        return self.layers[-1](x, rows, keep)
 
 
 class TextEmbeddings(nn.Module):
@@ -189,10 +190,14 @@ class ContrastiveTextTower(nn.Module):
             raise ValueError("attention_mask must hold only 0 and 1")
         return attention_mask
 
-    def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, unpadded_only: bool) -> torch.Tensor:
-        # input_ids, attention_mask: [B, T] (checked) -> [R, E]: every row, or the unpadded ones only
+    def _encode(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, unpadded_only: bool, out_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        # input_ids, attention_mask: [B, T] (checked) -> [R, E]: every row, or the unpadded ones only; [K, E]: the
+        # rows `out_rows` of those alone
         device = self.embeddings.token_embedding.weight.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        out_rows = None if out_rows is None else out_rows.to(device)
         batch, num_tokens = input_ids.shape
         keep = attention_mask.bool().flatten()  # [B*T]
         padded = not bool(keep.all())
@@ -204,20 +209,24 @@ class ContrastiveTextTower(nn.Module):
         mask = text_attention_mask(attention_mask, self.cfg.causal) if segments is None else None
         rows = TextRows(batch, num_tokens, flat_rows, mask, segments=segments)
         x = rows.from_padded(self.embeddings(input_ids))  # [R, E]
-        return self.final_layer_norm(self.encoder(x, rows))
+        return self.final_layer_norm(self.encoder(x, rows, out_rows))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`input_ids [B, T]`, `attention_mask [B, T]` or None (no padding) -> `[B, T, E]` after final_layer_norm,
         padded positions included (HF's last_hidden_state)."""
         attention_mask = self.check_inputs(input_ids, attention_mask)
-        return self._encode(input_ids, attention_mask, unpadded_only=False).view(*input_ids.shape, -1)
+        return self._encode(input_ids, attention_mask, False, None).view(*input_ids.shape, -1)
 
-    def forward_unpadded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward_unpadded(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, out_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`input_ids [B, T]`, `attention_mask [B, T]` -> the unpadded tokens' last hidden states `[R, E]`
-        (R = attention_mask.sum(), row-major order). Padded positions are never computed: a causal tower's
-        unpadded tokens come out as in `forward`, and a bidirectional one's too (padded keys are masked there)."""
+        (R = attention_mask.sum(), row-major order), or with `out_rows [K]` (increasing indices into those R rows)
+        theirs alone `[K, E]`: the last layer computes no other row past its attention. Padded positions are never
+        computed: a causal tower's unpadded tokens come out as in `forward`, and a bidirectional one's too (padded
+        keys are masked there)."""
         attention_mask = self.check_inputs(input_ids, attention_mask)
-        return self._encode(input_ids, attention_mask, unpadded_only=True)
+        return self._encode(input_ids, attention_mask, True, out_rows)
 
     def expected_weight_names(self) -> set[str]:
         """The names `load_weights` reports for a whole checkpoint, relative to the tower (`tower_weight_names`)."""

@@ -244,9 +244,9 @@ class CLIPDualTower(DualTowerEmbedder):
             raise ValueError(f"every CLIP text must contain the EOS token {self.eos_token_id} (the tokenizer adds it)")
         if not bool(mask[rows, positions].bool().all()):
             raise ValueError("the EOS token CLIP pools at is padding (pad on the right, as CLIP's tokenizer does)")
-        hidden = self.text_model.forward_unpadded(input_ids, mask)  # [R, E], R = mask.sum()
-        unpadded_index = (mask.flatten().cumsum(0) - 1).view_as(mask)  # [B, T]: each token's row in `hidden`
-        return self.text_projection(hidden[unpadded_index[rows, positions]])
+        unpadded_index = (mask.flatten().cumsum(0) - 1).view_as(mask)  # [B, T]: each token's row of the R unpadded
+        pooled = unpadded_index[rows, positions].long()  # [B], increasing
+        return self.text_projection(self.text_model.forward_unpadded(input_ids, mask, pooled))  # [B, E] -> [B, D]
 
     def _project_image(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.visual_projection(pooled)
