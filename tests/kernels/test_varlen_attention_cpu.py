@@ -12,6 +12,7 @@ from tests.kernels._kernel_testutils import build_metadata, poison_unused_slots
 from vlserve.kernels import attention_forward, varlen_attention
 from vlserve.kernels.varlen_attention_cpu import (
     DISABLE_ENV,
+    bf16_on_tiles,
     max_segment_len,
     segment_attention_cpu,
     segment_kernel_takes,
@@ -64,6 +65,30 @@ def test_kernel_matches_reference(dtype, tol, causal, hq, hkv, d):
         inside[s : s + n] = True
     assert (out[inside].double() - want[inside]).abs().max().item() < tol
     assert bool((out[~inside] == 7.0).all())  # rows outside every segment are not written
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_segments_up_to_the_tile_limit(causal):
+    # where bf16 heads of 64 multiply on AMX tiles, segments up to the longer limit go through the kernel (several
+    # 32-row blocks and key panels, GQA) and match the float64 reference; elsewhere the limit is the register path's
+    if not bf16_on_tiles():
+        assert max_segment_len(causal, torch.bfloat16, 64) == max_segment_len(causal, torch.bfloat16)
+        pytest.skip("no AMX-BF16 tiles in the kernel built here")
+    limit = max_segment_len(causal, torch.bfloat16, 64)
+    assert limit > max_segment_len(causal, torch.bfloat16)
+    lens = [limit, 1, 33, limit - 31, 64]
+    starts = [sum(lens[:i]) + 2 * i for i in range(len(lens))]
+    num_tokens = starts[-1] + lens[-1] + 1
+    q, k, v = qkv_views(num_tokens, 8, 2, 64, torch.bfloat16, seed=9)
+    out = torch.full((num_tokens, 8, 64), 7.0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        segment_attention_cpu(q, k, v, starts, lens, 64**-0.5, causal, out)
+    want = reference(q, k, v, starts, lens, 64**-0.5, causal)
+    inside = torch.zeros(num_tokens, dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        inside[s : s + n] = True
+    assert (out[inside].double() - want[inside]).abs().max().item() < 2e-2
+    assert bool((out[~inside] == 7.0).all())
 
 
 def test_segment_outside_rows_is_a_value_error():

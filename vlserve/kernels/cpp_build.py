@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+CSRC = Path(__file__).parent / "csrc"
+
+
+def kernel_source(name: str) -> str:
+    """csrc/`name` with its quoted includes (other csrc files) pasted in: inductor compiles one string."""
+    return re.sub(r'^#include "([^"]+)"$', lambda m: kernel_source(m.group(1)), (CSRC / name).read_text(), flags=re.M)
 
 
 @functools.cache
@@ -17,7 +24,7 @@ def load_cpu_kernel(source: str, declaration: str, arg_types: tuple[str, ...]):
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        code = (Path(__file__).parent / "csrc" / source).read_text()
+        code = kernel_source(source)
         return CppPythonBindingsCodeCache.load_pybinding(
             list(arg_types), declaration, kernel_code=code, kernel_needs_vec_isa=True
         )

@@ -52,14 +52,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
-from pathlib import Path
 
 import torch
 
+from vlserve.kernels.cpp_build import kernel_source
+
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
 _BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # an AVX-512 build targets AVX512-BF16: bf16 through vdpbf16ps
 _DECLARATION = """
 #include <cstdint>
@@ -97,11 +96,6 @@ TILE_ROWS = 2  # at 1 row the register path was as fast (2-core Xeon, docs/bench
 _NO_BIAS = torch.empty(0)
 
 
-def _source(name: str) -> str:
-    """csrc/`name` with its quoted includes (other csrc files) pasted in: inductor compiles one string."""
-    return re.sub(r'^#include "([^"]+)"$', lambda m: _source(m.group(1)), (_CSRC / name).read_text(), flags=re.M)
-
-
 def _vec_isa() -> str | None:
     """The vector ISA inductor builds kernel sources for on this machine: "avx512", "avx2", or None."""
     from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
@@ -132,7 +126,7 @@ def build_cpu_linear(isa: str):
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=prefix + _source("cpu_linear.cpp"), kernel_needs_vec_isa=True
+            _ARG_TYPES, _DECLARATION, kernel_code=prefix + kernel_source("cpu_linear.cpp"), kernel_needs_vec_isa=True
         )
     except Exception as exc:  # no compiler, or an inductor without this loader: F.linear stays
         logger.warning("the C++ CPU linear could not be built (%s: %s); using F.linear", type(exc).__name__, exc)

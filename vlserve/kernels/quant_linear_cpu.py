@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vlserve.kernels import cpu_linear
+from vlserve.kernels.cpp_build import kernel_source
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def build_quant_linear(isa: str):
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        source = prefix + cpu_linear._source("quant_linear.cpp")
+        source = prefix + kernel_source("quant_linear.cpp")
         return CppPythonBindingsCodeCache.load_pybinding(
             _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
         )

@@ -7,14 +7,17 @@ cached prefix) to their context in the paged KV cache, after the step's K/V are 
 only on its query and the keys it sees, so a prefix-cache hit does not change it.
 
 Scores, softmax and the weighted sum run in float32 (bf16 widened on load, the output rounded once), so a bf16 result
-can sit one bf16 step from SDPA's, and a float32 one differs in the summation order only. Segments longer than
-`max_segment_len(causal, dtype)` stay with SDPA, which tiles them into matrix products. Taken for float32 / bf16 CPU tensors
+can sit one bf16 step from SDPA's, and a float32 one differs in the summation order only. Where the kernel is built
+with AMX-BF16 (`bf16_on_tiles`), bf16 heads of a multiple of 32 multiply on AMX tiles instead: float32 scores and
+softmax, the weights rounded to bf16 before the weighted sum (as torch's CPU flash attention does). Segments longer
+than `max_segment_len(causal, dtype, head_dim)` stay with SDPA, which tiles them into matrix products. Taken for float32 / bf16 CPU tensors
 whose heads are contiguous rows of D elements, outside autograd and torch.compile, where the kernel builds and
 $VLSERVE_CPU_VARLEN_ATTENTION_KERNEL is not 0.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +33,9 @@ _MAX_SEGMENT_LEN = {
     (False, torch.bfloat16): 64,
     (False, torch.float32): 128,
 }
+# bf16 on AMX tiles, by causal (the same machine and heads, 2 threads: the kernel beats SDPA up to about 128 rows
+# both ways and 512 causal)
+_TILES_MAX_SEGMENT_LEN = {True: 512, False: 128}
 MAX_SEGMENT_QUERY_LEN = 192  # a paged prefill chunk's query rows (its alternative pads and gathers) ...
 MAX_SEGMENT_CONTEXT = 1024  # ... and the context they attend to
 _DECLARATION = """
@@ -52,8 +58,22 @@ def varlen_attention_cpu_kernel():
     return load_cpu_kernel("varlen_attention_cpu.cpp", _DECLARATION, _ARG_TYPES)
 
 
-def max_segment_len(causal: bool, dtype: torch.dtype) -> int:
+@functools.cache
+def bf16_on_tiles() -> bool:
+    """Whether the kernel built here multiplies bf16 heads of a multiple of 32 on AMX tiles (a call with S = -1
+    writes it)."""
+    kernel = varlen_attention_cpu_kernel()
+    if kernel is None:
+        return False
+    report, none = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    kernel(none, none, none, report, 0, 0, 0, 0, none, none, none, none, _NO_TABLES, 0, 0, -1, 1, 1, 32, 1.0, 0, 1, 1)
+    return bool(int(report))
+
+
+def max_segment_len(causal: bool, dtype: torch.dtype, head_dim: int = 0) -> int:
     """The longest segment `varlen_attention` sends to the kernel (longer ones are faster through SDPA)."""
+    if dtype == torch.bfloat16 and head_dim > 0 and head_dim % 32 == 0 and bf16_on_tiles():
+        return _TILES_MAX_SEGMENT_LEN[causal]
     return _MAX_SEGMENT_LEN.get((causal, dtype), 0)
 
 

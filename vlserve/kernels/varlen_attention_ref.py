@@ -33,7 +33,7 @@ def varlen_attention_ref(
     gqa = query.shape[1] != key.shape[1]
     segments = [(start, end - start) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
     if segments and segment_kernel_takes(query, key, value, out):
-        limit = max_segment_len(causal, query.dtype)
+        limit = max_segment_len(causal, query.dtype, query.shape[2])
         short = [seg for seg in segments if seg[1] <= limit]
         segments = [seg for seg in segments if seg[1] > limit]
         segment_attention_cpu(query, key, value, [s for s, _ in short], [n for _, n in short], scale, causal, out)
