@@ -214,3 +214,28 @@ class _Int8Layer(torch.nn.Module):
         from vlserve.kernels import quant_linear as QL
 
         return QL.QC.int8_matmul_onednn(x, self.w, self.scale, self.bias)
+
+
+def test_row_counts_are_padded_to_few_sizes_and_rows_keep_their_results():
+    # oneDNN builds a primitive per shape: row counts past 16 run padded to one of 16 sizes an octave, and each
+    # output row is the one the unpadded product gives (a row reads only its own input row)
+    from vlserve.kernels.onednn_linear import padded_rows
+
+    assert [padded_rows(m) for m in (1, 16, 17, 31, 32, 33, 101, 1000, 1453, 2045)] == [
+        1, 16, 17, 31, 32, 34, 104, 1024, 1472, 2048,
+    ]  # fmt: skip
+    assert len({padded_rows(m) for m in range(1025, 2049)}) == 16
+    assert all(m <= padded_rows(m) <= m * 17 / 16 for m in range(1, 5000))
+    if not onednn_prepacks(torch.bfloat16):
+        pytest.skip("no oneDNN prepacking here (bf16 on AMX)")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()
+    x = torch.randn(1453, 64, generator=g).bfloat16()
+    packed = prepack_onednn(w)
+    with torch.no_grad():
+        full = onednn_linear(x, packed, None, 96)
+        part = onednn_linear(x[:101], packed, None, 96)  # another padded size (104)
+        exact = onednn_linear(x[:16], packed, None, 96)  # unpadded
+    assert full.shape == (1453, 96) and full.is_contiguous()
+    assert torch.equal(full[:101], part) and torch.equal(full[:16], exact)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), **TOL[torch.bfloat16])
