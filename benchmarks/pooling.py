@@ -15,7 +15,7 @@ template; CLIP: the bare text). Runners: vlserve (`LLM(..., runner="pooling", co
 `LLM(clip_dir)`) and vLLM-CPU (the anchor venv's `vllm.LLM`, every core bound), each embedding a workload in one
 `embed` call; HF (Qwen2-VL's base model, last token of the left-padded batch; CLIPModel.get_image_features /
 get_text_features) and sentence-transformers (CLIP; Qwen2-VL texts only) in batches of --hf-batch. Each runner
-embeds a warm-up set of other items first, then the timed set. A runner that cannot serve a model prints
+embeds a warm-up set of as many other items first, then the timed set. A runner that cannot serve a model prints
 "not supported" with the reason instead of failing the run.
 
 Prints one table per model and dtype: items/s per runner, vlserve / HF and vlserve / vLLM-CPU (goal: >= 2x HF,
@@ -92,7 +92,9 @@ def prepare_sets(family: str, model: str, counts: dict[str, int], workdir: str, 
         if n <= 0:
             continue
         sets = {}
-        for set_name, size, set_seed in (("warmup", min(n, 8), seed + 1), ("main", n, seed)):
+        # a warm-up as large as the timed set, of other items: an engine meets the batch shapes of a steady load
+        # (oneDNN builds a primitive per shape the first time; vlserve pads row counts to a few sizes)
+        for set_name, size, set_seed in (("warmup", n, seed + 1), ("main", n, seed)):
             rng = random.Random(f"{name}-{set_seed}")
             if name == "images":
                 images = [synthetic_image(*IMAGE_SIZES[i % len(IMAGE_SIZES)], rng) for i in range(size)]
