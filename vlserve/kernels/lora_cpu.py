@@ -32,13 +32,11 @@ $VLSERVE_CPU_LORA_KERNEL is "0", `lora_cpu_supported` is False and `lora_add` ru
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vlserve.kernels.cpp_build import load_cpu_kernel
 
 _DECLARATION = """
 #include <cstdint>
@@ -70,20 +68,10 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 DISABLE_ENV = "VLSERVE_CPU_LORA_KERNEL"  # "0": the torch twin (lora_ref.add_lora_grouped) instead
 
 
-@functools.cache
 def lora_cpu_kernel():
-    """The compiled kernel (built on first use), or None where it cannot be built here."""
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        from vlserve.kernels.cpu_linear import _source  # pastes the shared header in
-
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=_source("lora_cpu.cpp"), kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler, or an inductor without this loader: the torch twin runs instead
-        logger.warning("the C++ LoRA kernel could not be built (%s: %s); using the torch path", type(exc).__name__, exc)
-        return None
+    """The compiled kernel (built on first use; csrc/lora_cpu.cpp with the shared header pasted in), or None where it
+    cannot be built here (the torch twin runs instead)."""
+    return load_cpu_kernel("lora_cpu.cpp", _DECLARATION, tuple(_ARG_TYPES))
 
 
 def lora_cpu_supported(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
