@@ -206,9 +206,12 @@ class ClipVisionTower(nn.Module):
 
     def forward(self, pixels: torch.Tensor, feature_layers: list[int]) -> torch.Tensor:
         """`pixels [N, C, S, S]`, non-negative hidden-state indices -> `[N, L, E * len(feature_layers)]`."""
+        return self.encoder(self.encoder_input(pixels), self.tokens_per_tile, feature_layers)
+
+    def encoder_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`pixels [N, C, S, S]` (checked) -> the encoder's input `[N, L, E]`: embeddings after pre_layrnorm."""
         self.check_pixels(pixels)
-        x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device)))
-        return self.encoder(x, self.tokens_per_tile, feature_layers)
+        return self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device)))
 
     def expected_weight_names(self) -> set[str]:
         """The names `load_weights` reports for a whole checkpoint, relative to the tower (`tower_weight_names`)."""

@@ -26,8 +26,7 @@ class ClipPooledVisionTower(ClipVisionTower):
     def pooled(self, pixels: torch.Tensor) -> torch.Tensor:
         """`pixels [N, C, S, S]` -> post_layernorm(last hidden state of the class token) `[N, E]` (the last layer
         computes the class tokens' rows alone past its attention)."""
-        self.check_pixels(pixels)
-        x = self.pre_layrnorm(self.embeddings(pixels.to(self.embeddings.patch_embedding.param.device)))  # [N, L, E]
+        x = self.encoder_input(pixels)  # [N, L, E]
         return self.post_layernorm(self.encoder.first_token_states(x, self.tokens_per_tile))
 
 
