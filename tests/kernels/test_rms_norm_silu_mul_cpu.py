@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.test_quick_gelu_cpu import assert_equal_but_below_normals, every_bf16
 from vlserve.kernels.rms_norm_cpu import DISABLE_ENV as NORM_ENV
 from vlserve.kernels.rms_norm_cpu import rms_norm, rms_norm_cpu_kernel
 from vlserve.kernels.silu_mul_cpu import DISABLE_ENV as SILU_ENV
@@ -95,6 +96,14 @@ def test_silu_mul_matches_torch(dtype, tokens, inter):
     gate, up = wide.split(inter, dim=-1)
     torch.testing.assert_close(silu_mul(wide, inter), F.silu(gate) * up, rtol=4e-7, atol=1e-30)
 
+
+
+@torch.no_grad()
+def test_silu_mul_over_every_bf16_gate():
+    gate = every_bf16()
+    up = torch.linspace(-3, 3, gate.numel()).to(torch.bfloat16)
+    gate_up = torch.cat([gate, up]).view(1, -1)
+    assert_equal_but_below_normals(silu_mul(gate_up, gate.numel())[0], F.silu(gate) * up)
 
 @torch.no_grad()
 def test_gated_mlp_takes_silu_mul(monkeypatch):

@@ -1,10 +1,12 @@
 """quick-GELU (`x * sigmoid(1.702 x)`, Qwen2-VL's and CLIP's tower MLP) on CPU in one C++ pass
 (csrc/quick_gelu_cpu.cpp), where torch makes three passes over memory and rounds between them.
 
-The kernel rounds as the three torch ops do: each op in float32, rounded to the dtype before the next. float32
-uses torch.sigmoid's vector exp (the same values, but for torch's scalar tail loop: an ulp at most); bf16 a faster exp within 2e-7 relative, whose
-results round to the same bf16 values on the inputs tests/kernels/test_quick_gelu_cpu.py draws. Taken for contiguous float32 / bf16 CPU tensors where
-the kernel builds (not with $VLSERVE_CPU_QUICK_GELU_KERNEL=0); the torch expression runs otherwise.
+The kernel rounds as the three torch ops do: each op in float32, rounded to the dtype before the next. float32 uses
+torch.sigmoid's vector exp (the same values, but for torch's scalar tail loop: an ulp at most); bf16 a faster exp
+within 2e-7 relative, whose results round to the same bf16 values on the inputs tests/kernels/test_quick_gelu_cpu.py
+draws; values below float32's smallest normal round to zero where the CPU rounds to bf16 in one instruction
+(csrc/vec_bf16.h). Taken for contiguous float32 / bf16 CPU tensors where the kernel builds (not with
+$VLSERVE_CPU_QUICK_GELU_KERNEL=0); the torch expression runs otherwise.
 """
 
 from __future__ import annotations

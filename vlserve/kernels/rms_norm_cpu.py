@@ -3,7 +3,8 @@ seven passes (the add, two casts, square, mean, scale, weight) over the step's h
 
 It rounds as HF's ops do (the add and the weight product in the tensor's dtype, the statistics and the scaling in
 float32); only the order of the float32 sum of squares differs from torch's reduction, so an output can sit one
-bf16 step from eager's where the scale lands on a rounding boundary. Taken for contiguous bf16 CPU rows whose weight
+bf16 step from eager's where the scale lands on a rounding boundary, and values below float32's smallest normal
+round to zero where the CPU rounds to bf16 in one instruction (csrc/vec_bf16.h). Taken for contiguous bf16 CPU rows whose weight
 is bf16, outside torch.compile (inductor fuses the torch ops itself), where the kernel builds and
 $VLSERVE_CPU_RMS_NORM_KERNEL is not 0; `rms_norm` returns None otherwise and the caller runs torch. float32 rows
 stay on torch: there the summation order shows in the output's last bits, which activation quantization (W8A8)

@@ -1,6 +1,7 @@
 """`silu(gate) * up` over a fused gate_up projection's rows on CPU in one C++ pass (csrc/silu_mul_cpu.cpp), where
 eager torch makes two passes and a temporary; for the rows the packed linear kernel does not fuse (prefill rows on
-oneDNN). Rounds as `F.silu(gate) * up` does. Taken for float32 / bf16 CPU rows with a contiguous last dim, outside
+oneDNN). Rounds as `F.silu(gate) * up` does, but for values below float32's smallest normal, which round to zero
+where the CPU rounds to bf16 in one instruction (csrc/vec_bf16.h). Taken for float32 / bf16 CPU rows with a contiguous last dim, outside
 torch.compile, where the kernel builds and $VLSERVE_CPU_SILU_MUL_KERNEL is not 0; None otherwise.
 """
 

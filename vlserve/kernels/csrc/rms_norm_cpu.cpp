@@ -6,18 +6,18 @@
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
+#include "vec_bf16.h"
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-using BVec = at::vec::Vectorized<c10::BFloat16>;
+using vec_bf16::BVec;
+using vec_bf16::round_bf16;
+using vec_bf16::Vec;
 constexpr int64_t kChunk = 2 * Vec::size();  // elements a chunk: two float vectors, one bf16 vector
 
 struct Chunk {
     Vec lo, hi;
 };
-
-inline Vec round_bf16(const Vec& v) { return at::vec::convert<float>(at::vec::convert<c10::BFloat16>(v)); }
 
 template <bool kBf16>
 inline Chunk load(const void* p, int64_t i, int64_t n) {  // lanes past n read as zeros
@@ -37,7 +37,7 @@ inline Chunk load(const void* p, int64_t i, int64_t n) {  // lanes past n read a
 template <bool kBf16>
 inline void store(void* p, int64_t i, const Chunk& c, int64_t n) {
     if constexpr (kBf16) {
-        const BVec out = at::vec::convert_from_float<c10::BFloat16>(c.lo, c.hi);
+        const BVec out = vec_bf16::to_bf16(c.lo, c.hi);
         auto* q = (c10::BFloat16*)p + i;
         if (n == kChunk) out.store(q);
         else out.store(q, n);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+#include "vec_bf16.h"
 
 namespace {
 
@@ -43,8 +44,7 @@ inline void store_row(const float* src, int64_t D, bool bf16, void* out, int64_t
     if (bf16) {
         auto* o = static_cast<c10::BFloat16*>(out) + offset;
         int64_t d = 0;
-        for (; d + Vec::size() <= D; d += Vec::size())
-            at::vec::convert<c10::BFloat16>(Vec::loadu(src + d)).store(o + d, Vec::size());
+        for (; d + Vec::size() <= D; d += Vec::size()) vec_bf16::store_bf16(o + d, Vec::loadu(src + d));
         for (; d < D; ++d) o[d] = c10::BFloat16(src[d]);
     } else {
         float* o = static_cast<float*>(out) + offset;
@@ -183,8 +183,8 @@ inline void transpose16(__m512i m[16]) {
     }
 }
 
-// p[0..n) = softmax(scale * s[0..n)) rounded to bf16 (float32 max, exponentials and sum), p[n..Lp) = 0; s has room
-// for whole vectors past n (its tail is overwritten)
+// p[0..n) = softmax(scale * s[0..n)) rounded to bf16 (float32 max, ATen's faster exp_u20: the weights are
+// rounded to bf16 after it, float32 sum), p[n..Lp) = 0; s has room for whole vectors past n (its tail is overwritten)
 inline void softmax_bf16(float* s, int64_t n, int64_t Lp, float scale, uint16_t* p) {
     constexpr int64_t W = Vec::size();
     const int64_t nv = whole_vectors(n);
@@ -195,12 +195,12 @@ inline void softmax_bf16(float* s, int64_t n, int64_t Lp, float scale, uint16_t*
     const Vec vscale(scale), shift(mx * scale);
     Vec vsum(0.0f);
     for (int64_t j = 0; j < nv; j += W) {
-        const Vec e = at::vec::fmsub(Vec::loadu(s + j), vscale, shift).exp();
+        const Vec e = at::vec::fmsub(Vec::loadu(s + j), vscale, shift).exp_u20();
         e.store(s + j);
         vsum = vsum + e;
     }
     const Vec inv(1.0f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum));
-    for (int64_t j = 0; j < nv; j += W) at::vec::convert<c10::BFloat16>(Vec::loadu(s + j) * inv).store(p + j, W);
+    for (int64_t j = 0; j < nv; j += W) vec_bf16::store_bf16((c10::BFloat16*)(p + j), Vec::loadu(s + j) * inv);
     std::fill(p + nv, p + Lp, uint16_t(0));
 }
 
