@@ -1,6 +1,6 @@
 """The C++ CPU RMSNorm (with its residual add) and SiLU-and-mul against the torch ops they replace: the residual sum
-bit-equal, bf16 norms equal but for an occasional one-step difference (the order of the float32 sum of squares),
-float32 norms left to torch; silu-and-mul equal in bf16 and within an ulp in float32 (torch's scalar
+bit-equal, norms equal but for an occasional one-step difference (the order of the float32 sum of squares: a bf16
+step, or float32's last bits); silu-and-mul equal in bf16 and within an ulp in float32 (torch's scalar
 tail); what falls back; and the model layers taking them."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _norm_case(seed, tokens, hidden, dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_rms_norm_matches_torch(shape):
-    dtype = torch.bfloat16
+def test_rms_norm_matches_torch(shape, dtype):
     norm, x, residual = _norm_case(shape[0], *shape, dtype)
     want_sum = residual + x
     _close(rms_norm(x, norm.weight, norm.eps), norm._norm(x), dtype)
@@ -45,7 +45,10 @@ def test_rms_norm_matches_torch(shape):
 
 
 def _close(got, want, dtype):
-    assert dtype is torch.bfloat16  # at most one bf16 step apart, and on a small fraction of the values
+    if dtype is torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        return
+    # at most one bf16 step apart, and on a small fraction of the values
     step = want.float().abs().clamp_min(1e-30) * 2**-7
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= step).all())
@@ -67,13 +70,28 @@ def test_rms_norm_layer_takes_the_kernel_and_gemma_does_not(monkeypatch):
 
 
 @torch.no_grad()
+def test_float32_norms_stay_on_torch_where_marked(monkeypatch):
+    norm, x, residual = _norm_case(3, 9, 64, torch.float32)
+    calls = []
+    monkeypatch.setattr("vlserve.models.layers.rms_norm", lambda *a: calls.append(a) or None)
+    norm(x, residual)
+    assert len(calls) == 1
+    norm.float32_on_torch = True  # what activation quantization sets
+    got, got_sum = norm(x, residual)
+    assert len(calls) == 1
+    assert torch.equal(got, norm._norm(residual + x)) and torch.equal(got_sum, residual + x)
+    norm(x.bfloat16(), residual.bfloat16())  # bf16 rows still take the kernel
+    assert len(calls) == 2
+
+
+@torch.no_grad()
 def test_rms_norm_refuses_what_it_does_not_take():
     norm, x, _ = _norm_case(2, 4, 32, torch.bfloat16)
     assert rms_norm(x, norm.weight, norm.eps) is not None
     assert rms_norm(x.t().contiguous().t(), norm.weight, norm.eps) is None  # not contiguous
     assert rms_norm(x.view(2, 2, 32), norm.weight, norm.eps) is None  # not [T, H]
     assert rms_norm(x, norm.weight.float(), norm.eps) is None  # weight of another dtype
-    assert rms_norm(x.float(), norm.weight.float(), norm.eps) is None  # float32 stays on torch
+    assert rms_norm(x.float(), norm.weight.float(), norm.eps) is not None
     assert rms_norm(x.half(), norm.weight.half(), norm.eps) is None
     with torch.enable_grad():
         assert rms_norm(x, norm.weight, norm.eps) is None
@@ -97,13 +115,13 @@ def test_silu_mul_matches_torch(dtype, tokens, inter):
     torch.testing.assert_close(silu_mul(wide, inter), F.silu(gate) * up, rtol=4e-7, atol=1e-30)
 
 
-
 @torch.no_grad()
 def test_silu_mul_over_every_bf16_gate():
     gate = every_bf16()
     up = torch.linspace(-3, 3, gate.numel()).to(torch.bfloat16)
     gate_up = torch.cat([gate, up]).view(1, -1)
     assert_equal_but_below_normals(silu_mul(gate_up, gate.numel())[0], F.silu(gate) * up)
+
 
 @torch.no_grad()
 def test_gated_mlp_takes_silu_mul(monkeypatch):

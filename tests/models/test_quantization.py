@@ -125,6 +125,17 @@ def test_activation_quantized_top1_agreement(quantized, scheme, capsys):
     assert agree / total >= 0.98
 
 
+@pytest.mark.parametrize("scheme, on_torch", [("ct-w8a8", True), ("ct-fp8", True), ("ct-w4a16-asym", False)])
+def test_activation_quantization_keeps_float32_norms_on_torch(quantized, scheme, on_torch):
+    """The C++ RMSNorm's summation order can move a float32 activation by its last bit, and a quantized activation
+    to another grid value than the format's library computes: those models' norms stay on torch's ops."""
+    from vlserve.models.layers import RMSNorm
+
+    model = _load(quantized(scheme)[0])
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(n.float32_on_torch is on_torch for n in norms)
+
+
 @pytest.mark.parametrize("scheme", ["gptq-4-actorder", "awq", "ct-w4a16-asym"])
 def test_llm_greedy_equals_transformers_generate(quantized, scheme):
     """`LLM.generate` on the quantized checkpoint: greedy tokens equal HF generate on the dequantized weights."""

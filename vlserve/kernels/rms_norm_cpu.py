@@ -3,12 +3,12 @@ seven passes (the add, two casts, square, mean, scale, weight) over the step's h
 
 It rounds as HF's ops do (the add and the weight product in the tensor's dtype, the statistics and the scaling in
 float32); only the order of the float32 sum of squares differs from torch's reduction, so an output can sit one
-bf16 step from eager's where the scale lands on a rounding boundary, and values below float32's smallest normal
-round to zero where the CPU rounds to bf16 in one instruction (csrc/vec_bf16.h). Taken for contiguous bf16 CPU rows whose weight
-is bf16, outside torch.compile (inductor fuses the torch ops itself), where the kernel builds and
-$VLSERVE_CPU_RMS_NORM_KERNEL is not 0; `rms_norm` returns None otherwise and the caller runs torch. float32 rows
-stay on torch: there the summation order shows in the output's last bits, which activation quantization (W8A8)
-turns into different int8 values than the checkpoint format's own library computes.
+step (a bf16 step, or float32's last bit) from eager's where the scale lands on a rounding boundary, and values below
+float32's smallest normal round to zero where the CPU rounds to bf16 in one instruction (csrc/vec_bf16.h). Taken for
+contiguous float32 / bf16 CPU rows whose weight has their dtype, outside torch.compile (inductor fuses the torch ops
+itself), where the kernel builds and $VLSERVE_CPU_RMS_NORM_KERNEL is not 0; `rms_norm` returns None otherwise and
+the caller runs torch. The model's RMSNorm keeps float32 rows on torch under activation quantization (W8A8, FP8),
+where a last-bit difference can round to another int8 value than the checkpoint format's own library computes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _eps_tensor(eps: float) -> torch.Tensor:
 def _takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
     return (
         x.device.type == "cpu"
-        and x.dtype is torch.bfloat16
+        and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and x.dim() == 2
         and x.is_contiguous()

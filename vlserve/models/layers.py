@@ -25,8 +25,11 @@ class RMSNorm(nn.Module):
 
     `forward(x, residual=None)`: with a residual, computes `s = x + residual` (in the input dtype, like HF's
     `residual + hidden_states`) and returns `(norm(s), s)`; without one it returns `norm(x)`. On CPU rows both
-    run as one C++ pass for bf16 (`kernels.rms_norm_cpu`), the same roundings but the order of the float32 sum.
+    run as one C++ pass (`kernels.rms_norm_cpu`), the same roundings but the order of the float32 sum; float32 rows
+    stay on torch's ops where `float32_on_torch` (set under activation quantization).
     """
+
+    float32_on_torch = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -42,6 +45,8 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def _fused(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if self.float32_on_torch and x.dtype is torch.float32:
+            return None
         return rms_norm(x, self.weight, self.eps, residual)  # one C++ pass on CPU rows; None elsewhere
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -91,6 +91,7 @@ def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: Quantiza
     stored = quantized_modules(config, checkpoint_names)
     claimed: set[str] = set()
     count = 0
+    activations = False
     for rel, layer in decoder.named_modules():
         if not hasattr(layer, "quant_scheme") or layer.weight is None:
             continue
@@ -113,6 +114,7 @@ def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: Quantiza
         except ValueError as e:
             raise ValueError(f"{', '.join(names)}: {e}") from e
         layer.quant_scheme = scheme
+        activations |= scheme.quantizes_activations
         claimed.update(names)
         count += 1
     others = sorted(stored - claimed)
@@ -122,6 +124,10 @@ def apply_quantization(decoder: nn.Module, decoder_prefix: str, config: Quantiza
             f"unquantized only (vision towers, projectors, the LM head): {others[:5]}; quantize the "
             "model with them in the recipe's ignore list"
         )
+    if activations:  # a last-bit difference in a norm's output can land on another grid value
+        for module in decoder.modules():
+            if hasattr(module, "float32_on_torch"):
+                module.float32_on_torch = True
     if count:
         logger.info("quantized checkpoint: %s, %d linear layers", config.describe(), count)
     return count

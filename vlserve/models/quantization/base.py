@@ -71,6 +71,7 @@ class LinearScheme(ABC):
     """How one quantized format stores and multiplies one linear layer."""
 
     method: str = ""
+    quantizes_activations = False  # whether activations are rounded to the format's grid before the matmul
 
     @abstractmethod
     def create_weights(self, layer: nn.Module) -> None:

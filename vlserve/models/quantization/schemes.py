@@ -60,6 +60,8 @@ class WNA16Scheme(LinearScheme):
 class Int8Scheme(LinearScheme):
     """INT8 weights with a scale per output channel; activations quantized to INT8 per token at run time."""
 
+    quantizes_activations = True
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.quant_weights
         if x.is_cuda:
@@ -77,6 +79,8 @@ class Int8Scheme(LinearScheme):
 
 class FP8Scheme(LinearScheme):
     """FP8 (e4m3) weights with per-tensor, per-channel or block scales; FP8 activations, dynamic or static."""
+
+    quantizes_activations = True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.quant_weights
