@@ -239,3 +239,25 @@ def test_row_counts_are_padded_to_few_sizes_and_rows_keep_their_results():
     assert full.shape == (1453, 96) and full.is_contiguous()
     assert torch.equal(full[:101], part) and torch.equal(full[:16], exact)
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), **TOL[torch.bfloat16])
+
+
+def test_rows_with_room_are_read_in_place_whatever_follows_them(monkeypatch):
+    # a tensor from `empty_rows` (and any contiguous view with storage behind it) runs padded without a copy; the
+    # rows past it hold anything, NaN here, and no output row sees them
+    from vlserve.kernels.onednn_linear import empty_rows, padded_rows
+
+    if not onednn_prepacks(torch.bfloat16):
+        pytest.skip("no oneDNN prepacking here (bf16 on AMX)")
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()
+    packed = prepack_onednn(w)
+    x = empty_rows(101, 64, dtype=torch.bfloat16)
+    assert padded_rows(101) == 104 and x.untyped_storage().nbytes() == 104 * 64 * 2
+    x.as_strided((104, 64), (64, 1))[101:] = float("nan")
+    x.copy_(torch.randn(101, 64, generator=g))
+    with torch.no_grad():
+        copied = onednn_linear(x.clone(), packed, None, 96)  # no room: padded through a copy
+        monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: pytest.fail("copied rows with room"))
+        in_place = onednn_linear(x, packed, None, 96)
+    assert not in_place.isnan().any() and torch.equal(in_place, copied)
+    torch.testing.assert_close(in_place.float(), F.linear(x.float(), w.float()), **TOL[torch.bfloat16])

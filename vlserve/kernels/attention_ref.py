@@ -47,6 +47,7 @@ from vlserve.kernels.key_limits import bidirectional_prefills, key_limit_mask
 from vlserve.kernels.kv_quant import dequantize_kv, is_fp8, kv_bytes
 from vlserve.kernels.kv_write_ref import valid_slots, write_kv_slots
 from vlserve.kernels.metadata import AttentionMetadata
+from vlserve.kernels.onednn_linear import empty_rows
 from vlserve.kernels.prefill_batch import (
     PrefillGroup,
     batchable_prefills,
@@ -435,7 +436,7 @@ def attention_forward_ref(
     (FP8 caches: written and read with k_scale / v_scale; `sliding_window` W: each query sees its last W positions;
     md.key_limits: see `key_limits`)."""
     # query: [T, Hq, D]; key, value: [T, Hkv, D]; returns [T, Hq, D]
-    out = torch.empty_like(query)
+    out = empty_rows(*query.shape, dtype=query.dtype, device=query.device)  # room for o_proj's padded rows
     num_decodes = md.num_decodes
     num_actual = md.query_start_loc_cpu[-1]
     if num_actual < query.shape[0]:

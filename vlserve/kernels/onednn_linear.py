@@ -44,13 +44,29 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def empty_rows(rows: int, *tail: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A new [rows, *tail] tensor whose storage has room for `padded_rows(rows)` rows: a oneDNN linear reads it
+    (and the rows past it, whatever they hold) in place instead of copying it into a padded buffer."""
+    return torch.empty(padded_rows(rows), *tail, dtype=dtype, device=device)[:rows]
+
+
+def _room_for(rows: torch.Tensor, run: int) -> bool:
+    # rows [M, K] contiguous, with `run` rows' worth of its storage from its first element on
+    end = rows.storage_offset() + run * rows.shape[1]
+    return rows.is_contiguous() and rows.untyped_storage().nbytes() >= end * rows.element_size()
+
+
 def _onednn_linear(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_features: int, post_op: str = "none"
 ) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     m = rows.shape[0]
     run = padded_rows(m)
-    if run != m:  # the padding rows' products are never read (each output row reads only its own input row)
+    # the padding rows' products are never read (each output row reads only its own input row), so they may hold
+    # anything: the storage past the rows where it has room (`empty_rows`, a linear's own output), else a copy
+    if run != m and _room_for(rows, run):
+        rows = rows.as_strided((run, rows.shape[1]), (rows.shape[1], 1))
+    elif run != m:
         padded = rows.new_empty(run, rows.shape[1])
         padded[:m].copy_(rows)
         rows = padded

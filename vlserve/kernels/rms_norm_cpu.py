@@ -19,6 +19,7 @@ import os
 import torch
 
 from vlserve.kernels.cpp_build import load_cpu_kernel
+from vlserve.kernels.onednn_linear import empty_rows
 
 DISABLE_ENV = "VLSERVE_CPU_RMS_NORM_KERNEL"
 _DECLARATION = """
@@ -65,7 +66,7 @@ def rms_norm(
     None where the kernel does not take these tensors."""
     if not _takes(x, weight, residual):
         return None
-    out = torch.empty_like(x)
+    out = empty_rows(*x.shape, dtype=x.dtype)  # room for a oneDNN linear's padded rows (the next op)
     summed = torch.empty_like(x) if residual is not None else out
     rms_norm_cpu_kernel()(
         x,

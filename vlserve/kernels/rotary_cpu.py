@@ -11,15 +11,12 @@ off by $VLSERVE_CPU_ROTARY_KERNEL=0); the reference runs otherwise.
 from __future__ import annotations
 
 import functools
-import logging
 import os
-from pathlib import Path
 
 import torch
 
+from vlserve.kernels.cpp_build import load_cpu_kernel
 from vlserve.kernels.rotary_ref import apply_rotary_float32_ref, apply_rotary_ref
-
-logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "VLSERVE_CPU_ROTARY_KERNEL"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -54,19 +51,9 @@ _ARG_TYPES = [
 _NO_SECTION = torch.zeros(3, dtype=torch.long)
 
 
-@functools.cache
 def rotary_cpu_kernel():
     """The compiled kernel (built on first use), or None where it cannot be built here."""
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        source = (Path(__file__).parent / "csrc" / "rotary_cpu.cpp").read_text()
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler (or no AVX2 build): the reference runs
-        logger.warning("the C++ CPU rotary could not be built (%s: %s); using the torch path", type(exc).__name__, exc)
-        return None
+    return load_cpu_kernel("rotary_cpu.cpp", _DECLARATION, tuple(_ARG_TYPES))
 
 
 def _takes(query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor) -> bool:

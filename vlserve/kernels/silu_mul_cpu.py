@@ -12,6 +12,7 @@ import os
 import torch
 
 from vlserve.kernels.cpp_build import load_cpu_kernel
+from vlserve.kernels.onednn_linear import empty_rows
 
 DISABLE_ENV = "VLSERVE_CPU_SILU_MUL_KERNEL"
 _DECLARATION = """
@@ -43,7 +44,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
     ):
         return None
     tokens = gate_up.shape[0]
-    out = torch.empty(tokens, intermediate, dtype=gate_up.dtype)
+    out = empty_rows(tokens, intermediate, dtype=gate_up.dtype)  # room for the down projection's padded rows
     silu_mul_cpu_kernel()(
         gate_up,
         out,

@@ -8,6 +8,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 #include <omp.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -68,11 +69,58 @@ inline __m256 rnd(__m256 v) {
     else return v;
 }
 
+#if defined(__AVX512F__)
+// the same on 16 lanes: rounding, loads and stores as round8 / load8 / store8
+inline __m512 round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32(int32_t(0xffff0000u)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc00000)));
+}
+
+template <bool kBf16>
+inline __m512 load16(const void* p, int64_t i) {
+    if constexpr (kBf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const bf16*)p + i))), 16));
+    else
+        return _mm512_loadu_ps((const float*)p + i);
+}
+
+template <bool kBf16>
+inline void store16(void* p, int64_t i, __m512 v) {  // v already a bf16 value where kBf16
+    if constexpr (kBf16)
+        _mm256_storeu_si256((__m256i*)((bf16*)p + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    else
+        _mm512_storeu_ps((float*)p + i, v);
+}
+
+template <bool kRound>
+inline __m512 rnd16(__m512 v) {
+    if constexpr (kRound) return round16(v);
+    else return v;
+}
+#endif
+
 // one head's first 2 * half dims rotated in place by per-frequency c / s (already rounded as kRound says):
 // kRound rounds every product and sum to bf16; otherwise float32 ops, one rounding at a bf16 store
 template <bool kBf16, bool kRound>
 void rotate_head(void* x, int64_t half, const float* c, const float* s) {
     int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= half; j += 16) {
+        const __m512 x1 = load16<kBf16>(x, j), x2 = load16<kBf16>(x, half + j);
+        const __m512 cv = _mm512_loadu_ps(c + j), sv = _mm512_loadu_ps(s + j);
+        const __m512 o1 =
+            rnd16<kRound>(_mm512_sub_ps(rnd16<kRound>(_mm512_mul_ps(x1, cv)), rnd16<kRound>(_mm512_mul_ps(x2, sv))));
+        const __m512 o2 =
+            rnd16<kRound>(_mm512_add_ps(rnd16<kRound>(_mm512_mul_ps(x2, cv)), rnd16<kRound>(_mm512_mul_ps(x1, sv))));
+        store16<kBf16>(x, j, rnd16<kBf16 && !kRound>(o1));
+        store16<kBf16>(x, half + j, rnd16<kBf16 && !kRound>(o2));
+    }
+#endif
     for (; j + 8 <= half; j += 8) {
         const __m256 x1 = load8<kBf16>(x, j), x2 = load8<kBf16>(x, half + j);
         const __m256 cv = _mm256_loadu_ps(c + j), sv = _mm256_loadu_ps(s + j);
@@ -102,15 +150,17 @@ void rotate_all(void* q, int64_t q_tok, int64_t q_head, int64_t Hq, void* k, int
         std::vector<float> c(half), s(half);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) {
-            for (int64_t j = 0, axis = 0, end = axes == 3 ? section[0] : half; j < half; ++j) {
-                while (axes == 3 && j >= end && axis < 2) end += section[++axis];
-                const int64_t p = pos[(axes == 3 ? axis * T : 0) + t];
-                const float cv = cache_bf16 ? widen(((const bf16*)cos_cache)[p * half + j])
-                                            : ((const float*)cos_cache)[p * half + j];
-                const float sv = cache_bf16 ? widen(((const bf16*)sin_cache)[p * half + j])
-                                            : ((const float*)sin_cache)[p * half + j];
-                c[j] = round_to(cv, kRound);
-                s[j] = round_to(sv, kRound);
+            for (int64_t axis = 0, j0 = 0; j0 < half; ++axis) {  // frequencies j0 .. j1 take axis's position
+                const int64_t j1 = axes == 3 && axis < 2 ? std::min(half, j0 + section[axis]) : half;
+                const int64_t base = pos[(axes == 3 ? axis * T : 0) + t] * half;
+                if (cache_bf16) {
+                    const bf16 *cc = (const bf16*)cos_cache + base, *sc = (const bf16*)sin_cache + base;
+                    for (int64_t j = j0; j < j1; ++j) c[j] = round_to(widen(cc[j]), kRound), s[j] = round_to(widen(sc[j]), kRound);
+                } else {
+                    const float *cc = (const float*)cos_cache + base, *sc = (const float*)sin_cache + base;
+                    for (int64_t j = j0; j < j1; ++j) c[j] = round_to(cc[j], kRound), s[j] = round_to(sc[j], kRound);
+                }
+                j0 = j1;
             }
             for (int64_t h = 0; h < Hq; ++h)
                 rotate_head<kBf16, kRound>((char*)q + (t * q_tok + h * q_head) * esize, half, c.data(), s.data());
