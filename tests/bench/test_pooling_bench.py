@@ -92,6 +92,25 @@ def test_args_quick_sizes_no_vllm_and_hf_always_in():
         pooling.parse_args(["--images", "0", "--texts", "0"])
 
 
+def test_rounds_keep_each_runners_best_round_and_its_first_embeddings():
+    first = {"load_s": 1.0, "workloads": {"texts": {"items_per_s": 10.0, "first": [[1.0]]}}}
+    second = {
+        "load_s": 1.0,
+        "workloads": {"texts": {"items_per_s": 12.0, "first": [[2.0]]}, "images": {"items_per_s": 3.0}},
+    }
+    kept = pooling.keep_faster(pooling.keep_faster(None, first), second)
+    assert kept["workloads"]["texts"] == {"items_per_s": 12.0, "first": [[1.0]], "rounds": [10.0, 12.0]}
+    assert kept["workloads"]["images"] == {"items_per_s": 3.0}
+    slower = {"workloads": {"texts": {"items_per_s": 11.0, "first": [[3.0]]}}}
+    assert pooling.keep_faster(kept, slower)["workloads"]["texts"]["items_per_s"] == 12.0
+    assert kept["workloads"]["texts"]["rounds"] == [10.0, 12.0, 11.0]
+    assert pooling.keep_faster(kept, "child failed") is kept  # a failed round keeps what the others measured
+    assert pooling.keep_faster("child failed", first) is first
+    assert pooling.parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        pooling.parse_args(["--rounds", "0"])
+
+
 @pytest.mark.slow
 def test_quick_run_without_vllm(tmp_path, capsys):
     out = tmp_path / "results.json"
