@@ -2,8 +2,8 @@
 // Rounding to bf16 is to nearest even, as torch rounds. Where the source is built with AVX512-BF16 one instruction
 // does it, and that instruction rounds float32 denormals (below 1.2e-38 in magnitude) to a signed zero where torch
 // keeps a bf16 denormal; elsewhere ATen's integer sequence rounds exactly as torch. A NaN stays a NaN. Widening a
-// bf16 is exact either way. (Checking each vector for denormals to round those the slow way cost a third of the
-// speed-up.)
+// bf16 is exact either way. (Checking each vector for denormals, to round those the slow way, would cost about a
+// third of the gain.)
 #ifndef VLSERVE_VEC_BF16_H  // (pasted into one source by cpp_build.kernel_source: a guard, not pragma once)
 #define VLSERVE_VEC_BF16_H
 #include <ATen/cpu/vec/vec.h>
