@@ -34,7 +34,6 @@ def test_extremes_and_non_finite(dtype):
     torch.testing.assert_close(got[finite], want[finite], rtol=4e-7 if dtype is torch.float32 else 0, atol=0)
 
 
-
 def every_bf16() -> torch.Tensor:
     """Every bf16 value but the NaNs, in bit order."""
     values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -52,6 +51,7 @@ def assert_equal_but_below_normals(got: torch.Tensor, want: torch.Tensor) -> Non
 def test_every_bf16_input():
     x = every_bf16()
     assert_equal_but_below_normals(quick_gelu(x), quick_gelu_ref(x))
+
 
 def test_keeps_shape_and_leaves_input_alone():
     x = torch.randn(4, 5, 6, dtype=torch.bfloat16)
