@@ -27,21 +27,16 @@ the torch path (`attention_ref.paged_attention_decode_ref`, `kv_write_ref`) runs
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from vlserve.kernels.cpp_build import load_cpu_kernel
 from vlserve.kernels.kv_quant import is_fp8
 
-logger = logging.getLogger(__name__)
-
 _BF16_DOT = torch.cpu._is_avx512_bf16_supported()  # built for AVX512-BF16: bf16 scores through vdpbf16ps
-_SOURCE = ('#pragma GCC target("avx512bf16")\n' if _BF16_DOT else "") + (
-    Path(__file__).parent / "csrc" / "cpu_decode.cpp"
-).read_text()
+_PREFIX = '#pragma GCC target("avx512bf16")\n' if _BF16_DOT else ""  # before csrc/cpu_decode.cpp
 
 _DECLARATION = """
 #include <cstdint>
@@ -95,19 +90,9 @@ DISABLE_ENV = "VLSERVE_CPU_DECODE_KERNEL"  # "0": decode with the torch gather +
 @functools.cache
 def cpu_decode_kernel():
     """The compiled kernel (built on first use), or None where it cannot be built here."""
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        # the kernel goes in as `kernel_code`, which inductor builds with its vector ISA flags (CPU_CAPABILITY_*,
-        # which select at::vec's AVX2/AVX-512 code); the bindings only see its declaration
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=_SOURCE, kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler, or an inductor without this loader: the torch path runs instead
-        logger.warning(
-            "the C++ CPU decode attention could not be built (%s: %s); using the torch path", type(exc).__name__, exc
-        )
-        return None
+    # the kernel goes in as `kernel_code`, which inductor builds with its vector ISA flags (CPU_CAPABILITY_*, which
+    # select at::vec's AVX2/AVX-512 code); the bindings only see its declaration
+    return load_cpu_kernel("cpu_decode.cpp", _DECLARATION, tuple(_ARG_TYPES), _PREFIX, "the torch path")
 
 
 def cpu_decode_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

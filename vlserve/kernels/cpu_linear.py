@@ -55,7 +55,7 @@ import os
 
 import torch
 
-from vlserve.kernels.cpp_build import kernel_source
+from vlserve.kernels.cpp_build import load_cpu_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -122,15 +122,7 @@ def build_cpu_linear(isa: str):
         prefix = "#define VLSERVE_FORCE_AVX2 1\n"
     elif isa == "avx512" and _BF16_DOT:
         prefix = '#pragma GCC target("avx512bf16")\n'
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=prefix + kernel_source("cpu_linear.cpp"), kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler, or an inductor without this loader: F.linear stays
-        logger.warning("the C++ CPU linear could not be built (%s: %s); using F.linear", type(exc).__name__, exc)
-        return None
+    return load_cpu_kernel("cpu_linear.cpp", _DECLARATION, tuple(_ARG_TYPES), prefix, "F.linear")
 
 
 @functools.cache

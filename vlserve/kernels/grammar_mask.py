@@ -17,18 +17,14 @@ $VLSERVE_CPU_GRAMMAR_MASK_KERNEL is "0", `grammar_mask_supported` is False and c
 from __future__ import annotations
 
 import functools
-import logging
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from vlserve.kernels.cpp_build import load_cpu_kernel
 from vlserve.kernels.host_copy import tensor_to_device, to_device
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = (Path(__file__).parent / "csrc" / "grammar_mask.cpp").read_text()
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(void* logits, int64_t ld, const int32_t* mask, int64_t ldm, const int64_t* logit_rows,
@@ -57,17 +53,7 @@ DISABLE_ENV = "VLSERVE_CPU_GRAMMAR_MASK_KERNEL"  # "0": mask with the numpy + to
 @functools.cache
 def grammar_mask_kernel():
     """The compiled pass (built on first use), or None where it cannot be built here."""
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=_SOURCE, kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler, or an inductor without this loader: the reference runs instead
-        logger.warning(
-            "the C++ grammar bitmask pass could not be built (%s: %s); using the numpy path", type(exc).__name__, exc
-        )
-        return None
+    return load_cpu_kernel("grammar_mask.cpp", _DECLARATION, tuple(_ARG_TYPES), fallback="the numpy path")
 
 
 def grammar_mask_supported(logits: torch.Tensor) -> bool:

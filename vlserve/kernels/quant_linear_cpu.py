@@ -8,16 +8,13 @@ references run). See `quant_linear`'s docstring for what runs where and how fast
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from vlserve.kernels import cpu_linear
-from vlserve.kernels.cpp_build import kernel_source
-
-logger = logging.getLogger(__name__)
+from vlserve.kernels.cpp_build import load_cpu_kernel
 
 PANEL = 32  # output columns per packed panel
 DISABLE_ENV = "VLSERVE_QUANT_CPU_KERNEL"  # "0": keep the canonical tensors, run the float32 references
@@ -60,20 +57,7 @@ def build_quant_linear(isa: str):
     prefix = ""
     if isa == "avx2" and cpu_linear._vec_isa() == "avx512":
         prefix = "#define VLSERVE_FORCE_AVX2 1\n"  # another source text, so another cache entry
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        source = prefix + kernel_source("quant_linear.cpp")
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARG_TYPES, _DECLARATION, kernel_code=source, kernel_needs_vec_isa=True
-        )
-    except Exception as exc:  # no compiler, or an inductor without this loader: the references run
-        logger.warning(
-            "the C++ quantized CPU linear could not be built (%s: %s); using the float32 references",
-            type(exc).__name__,
-            exc,
-        )
-        return None
+    return load_cpu_kernel("quant_linear.cpp", _DECLARATION, tuple(_ARG_TYPES), prefix, "the float32 references")
 
 
 @functools.cache
