@@ -110,11 +110,17 @@ def test_towers_stay_unpacked_where_torch_wins(monkeypatch, split):
         assert model.decoder.packed_weight is not None and model.decoder.weight is not None
 
 
-def test_float32_towers_go_to_torch_by_default(monkeypatch):
+@pytest.mark.parametrize("intel", [True, False])
+def test_float32_towers_go_to_torch_by_default_on_intel(monkeypatch, intel):
     monkeypatch.delenv(cl.ONEDNN_ROWS_ENV, raising=False)
-    model = _Model()  # float32: torch's sgemm serves a tower's many rows, the decoder stays on the kernel alone
-    assert pack_linears_for_cpu(model, many_rows=[model.tower]) == 1
-    assert all(m.packed_weight is None and m.weight is not None for m in model.tower)
+    monkeypatch.setattr(cl, "intel_cpu", lambda: intel)
+    model = _Model()
+    if intel:  # float32: MKL's sgemm serves a tower's many rows, the decoder stays on the kernel alone
+        assert pack_linears_for_cpu(model, many_rows=[model.tower]) == 1
+        assert all(m.packed_weight is None and m.weight is not None for m in model.tower)
+    else:  # elsewhere the packed kernel beat MKL at a tower's rows: every matrix packed, held once
+        assert pack_linears_for_cpu(model, many_rows=[model.tower]) == 3
+        assert all(m.packed_weight is not None and m.weight is None for m in model.tower)
     assert model.decoder.packed_weight is not None and model.decoder.weight is None
 
 

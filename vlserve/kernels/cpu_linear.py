@@ -213,14 +213,29 @@ def onednn_min_rows(dtype: torch.dtype) -> int | None:
 
 
 def torch_serves_many_rows(dtype: torch.dtype) -> bool:
-    """Whether torch's matmul beats the packed kernel at the hundreds of rows of a tower's calls: float32 on every
-    CPU (its sgemm: 340-370 GFLOP/s at 1,024 rows of Qwen2-VL-2B's tower shapes on 2 AMX Xeon cores, the packed
-    kernel 265-330), and the dtypes `onednn_min_rows` hands over. $VLSERVE_CPU_ONEDNN_ROWS="0" keeps every weight
-    on the packed kernel."""
+    """Whether torch's matmul beats the packed kernel at the hundreds of rows of a tower's calls: float32 on Intel
+    CPUs (MKL's sgemm: 340-370 GFLOP/s at 1,024 rows of Qwen2-VL-2B's tower shapes on 2 AMX Xeon cores, the packed
+    kernel 265-330; on 2 AMD EPYC Zen 4 cores MKL ran 93-162 GFLOP/s at 1,024 rows of tower shapes against the
+    packed kernel's 110-209), and the dtypes `onednn_min_rows` hands over. $VLSERVE_CPU_ONEDNN_ROWS="0" keeps every
+    weight on the packed kernel."""
     forced = forced_rows(ONEDNN_ROWS_ENV)
     if forced is not None:
         return forced > 0
-    return dtype is torch.float32 or onednn_min_rows(dtype) is not None
+    return (dtype is torch.float32 and intel_cpu()) or onednn_min_rows(dtype) is not None
+
+
+@functools.cache
+def intel_cpu() -> bool:
+    """Whether the CPU is Intel's (MKL, torch's float32 BLAS, takes its fastest kernels only there); True where
+    /proc/cpuinfo cannot tell."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "GenuineIntel"
+    except OSError:
+        pass
+    return True
 
 
 def forced_rows(env: str) -> int | None:
