@@ -22,7 +22,8 @@ What runs where (`cpu_linear_isa(dtype)` says, as the built kernel reports it):
   down projection at prefill) walks K in blocks of 256: the chunk's block of x, copied k-major, and each panel's
   block stay in L2 while the thread's panels pass, the partial sums waiting in the output (the additions in the same
   order, so every row count gives the same bits). Qwen2-VL-2B's down projection at 1,024 rows on 2 AMX Xeon cores:
-  260-268 GFLOP/s (215-239 unblocked; torch's sgemm 354-370, which takes float32 towers: `torch_serves_many_rows`).
+  260-268 GFLOP/s (215-239 unblocked; torch's sgemm 354-370, which takes float32 towers on Intel CPUs:
+  `torch_serves_many_rows`).
 - AVX2 + FMA (where inductor builds for AVX2; on AVX-512 CPUs for bf16 without AVX512-BF16, and for everything with
   $VLSERVE_CPU_ISA=avx2, read when the kernel is built, so both paths can be tested on one machine): register
   blocks of 6 rows (bf16: 5) x 16 columns of ymm FMAs, each panel walked as two 16-column halves, K in blocks of 128

@@ -161,8 +161,8 @@ def pack_linears_for_cpu(model: nn.Module, many_rows: Iterable[nn.Module] = ()) 
     """Pack every module of `model` with a `pack_for_cpu` method (PackableLinears, patch embeddings) that the CPU
     linear kernel serves; how many were packed. A weight that another module holds too (tying) stays where it is
     beside its packed copy. Under the `many_rows` parts (towers: hundreds of patches a call), a weight whose dtype
-    torch's matmul serves faster at many rows (`torch_serves_many_rows`: float32, and bf16 on AMX) is left unpacked
-    (and held in oneDNN's prepacked form instead where that serves it: bf16 on AMX)."""
+    torch's matmul serves faster at many rows (`torch_serves_many_rows`: float32 on Intel CPUs, and bf16 on AMX) is
+    left unpacked (and held in oneDNN's prepacked form instead where that serves it: bf16 on AMX)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
