@@ -12,7 +12,7 @@ from tests.kernels._kernel_testutils import build_metadata, poison_unused_slots
 from vlserve.kernels import attention_forward, varlen_attention
 from vlserve.kernels.varlen_attention_cpu import (
     DISABLE_ENV,
-    bf16_on_tiles,
+    bf16_pair_engine,
     max_segment_len,
     segment_attention_cpu,
     segment_kernel_takes,
@@ -68,15 +68,17 @@ def test_kernel_matches_reference(dtype, tol, causal, hq, hkv, d):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_bf16_segments_up_to_the_tile_limit(causal):
-    # where bf16 heads of 64 multiply on AMX tiles, segments up to the longer limit go through the kernel (several
-    # 32-row blocks and key panels, GQA) and match the float64 reference; elsewhere the limit is the register path's
-    if not bf16_on_tiles():
+def test_bf16_segments_up_to_the_pair_limit(causal):
+    # where bf16 heads of 64 multiply as bf16 pairs (AMX tiles or vdpbf16ps), segments past the widened path's limit
+    # go through the kernel (several 32-row blocks and key panels, GQA; short ones too) and match the float64
+    # reference; elsewhere the limit is the widened path's
+    if not bf16_pair_engine():
         assert max_segment_len(causal, torch.bfloat16, 64) == max_segment_len(causal, torch.bfloat16)
-        pytest.skip("no AMX-BF16 tiles in the kernel built here")
+        pytest.skip("no bf16 pair products (AMX-BF16 or AVX512-BF16) in the kernel built here")
     limit = max_segment_len(causal, torch.bfloat16, 64)
     assert limit > max_segment_len(causal, torch.bfloat16)
-    lens = [limit, 1, 33, limit - 31, 64]
+    longest = min(limit, 608)  # the float64 reference holds [L, L] scores per head
+    lens = [longest, 1, 33, longest - 31, 64, 7, 12]
     starts = [sum(lens[:i]) + 2 * i for i in range(len(lens))]
     num_tokens = starts[-1] + lens[-1] + 1
     q, k, v = qkv_views(num_tokens, 8, 2, 64, torch.bfloat16, seed=9)
@@ -182,3 +184,12 @@ def test_a_row_does_not_depend_on_its_chunk():
         with torch.no_grad():
             outs.append(attention_forward(q[cached:], k[cached:], v[cached:], k_cache, v_cache, md, d**-0.5))
     assert torch.equal(outs[0][32:], outs[1])
+
+
+def test_bf16_pairs_run_where_the_cpu_has_them():
+    # a CPU with AVX512-BF16 multiplies bf16 heads of a multiple of 32 as pairs (vdpbf16ps, or AMX tiles where the
+    # kernel may use them), not widened to float32
+    if varlen_attention_cpu_kernel() is None:
+        pytest.skip("the kernel cannot be built here")
+    expected = {None} if not torch.cpu._is_avx512_bf16_supported() else {"avx512_bf16", "amx"}
+    assert bf16_pair_engine() in expected
