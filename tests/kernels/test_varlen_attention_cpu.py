@@ -167,6 +167,39 @@ def test_short_prefill_chunks_attend_their_cached_context(num_decodes, dtype, to
         row += q_len
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_long_prefill_chunks_take_the_kernel_within_its_limits(dtype, tol, monkeypatch):
+    # a chunk of 250 rows over 300 positions goes through the paged segment call where `paged_segment_limits` takes
+    # it (bf16 pairs on vdpbf16ps), else through the torch prefill; either way it matches the float64 reference
+    import vlserve.kernels.attention_ref as attention_ref
+    from vlserve.kernels.varlen_attention_cpu import paged_segment_limits
+
+    calls = []
+    kernel = attention_ref.paged_segments_cpu
+    monkeypatch.setattr(attention_ref, "paged_segments_cpu", lambda *a: calls.append(a[4]) or kernel(*a))
+    torch.manual_seed(6)
+    hq, hkv, d, block_size, q_len, seq_len = 4, 2, 64, 16, 250, 300
+    tables = torch.arange(1, 20, dtype=torch.int32).view(1, 19)
+    k_cache = torch.randn(20, block_size, hkv, d).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    poison_unused_slots(k_cache, v_cache, tables, [seq_len - q_len])
+    md = build_metadata([q_len], [seq_len], tables, block_size, 0)
+    q, k, v = qkv_views(q_len, hq, hkv, d, dtype, seed=7)
+    with torch.no_grad():
+        got = attention_forward(q, k, v, k_cache, v_cache, md, d**-0.5)
+    max_query, max_context = paged_segment_limits(dtype, d)
+    assert calls == ([[0]] if q_len <= max_query and seq_len <= max_context else [])
+    if dtype == torch.bfloat16 and bf16_pair_engine() == "avx512_bf16":
+        assert calls == [[0]]
+    positions = torch.arange(seq_len)
+    slots = tables[0, positions // block_size].long() * block_size + positions % block_size
+    keys, values = (c.view(-1, hkv, d)[slots].double().repeat_interleave(hq // hkv, 1) for c in (k_cache, v_cache))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * d**-0.5  # [H, Q, S]
+    visible = positions[None, :] <= positions[seq_len - q_len :, None]  # [Q, S]
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    assert (got.double() - want).abs().max().item() < tol
+
+
 def test_a_row_does_not_depend_on_its_chunk():
     # the same sequence computed fresh and with its first 32 positions cached: the shared query rows are bitwise
     # equal (a prefix-cache hit does not change the last bits)

@@ -55,12 +55,7 @@ from vlserve.kernels.prefill_batch import (
     prefill_groups,
     step_prefill_groups,
 )
-from vlserve.kernels.varlen_attention_cpu import (
-    MAX_SEGMENT_CONTEXT,
-    MAX_SEGMENT_QUERY_LEN,
-    paged_kernel_takes,
-    paged_segments_cpu,
-)
+from vlserve.kernels.varlen_attention_cpu import paged_kernel_takes, paged_segment_limits, paged_segments_cpu
 
 # Gathered K+V bytes per decode chunk: small enough that SDPA reads what the gather just wrote
 # from cache (measured best at 4-8 MiB on a 2-core Xeon), large enough to keep per-chunk overhead low.
@@ -397,11 +392,13 @@ def _cpu_step_rows(md: AttentionMetadata, decodes_only: bool):
     )
 
 
-def _short_prefill_plan(md: AttentionMetadata) -> tuple[list[int], list[int], list[int], list[int]] | None:
+def _short_prefill_plan(
+    md: AttentionMetadata, max_query_len: int, max_context: int
+) -> tuple[list[int], list[int], list[int], list[int]] | None:
     """(sequences, first query rows, query lengths, context lengths) of the step's prefill chunks when the paged
     segment kernel takes them all: one longer than MAX_KERNEL_QUERY_LEN (else they are rows of the decode call),
-    none longer than MAX_SEGMENT_QUERY_LEN nor over a context of MAX_SEGMENT_CONTEXT, none attending past its own
-    position; None otherwise (they go to `prefill_ref`)."""
+    none longer than `max_query_len` nor over a context of `max_context`, none attending past its own position;
+    None otherwise (they go to `prefill_ref`)."""
     first = md.num_decodes
     starts, lens = md.query_start_loc_cpu, md.seq_lens_cpu
     if md.key_limits is not None or first == len(lens):
@@ -409,7 +406,7 @@ def _short_prefill_plan(md: AttentionMetadata) -> tuple[list[int], list[int], li
     seqs, rows, q_lens, seq_lens = [], [], [], []
     for b in range(first, len(lens)):
         q_len = starts[b + 1] - starts[b]
-        if q_len > MAX_SEGMENT_QUERY_LEN or lens[b] > MAX_SEGMENT_CONTEXT or q_len > lens[b]:
+        if q_len > max_query_len or lens[b] > max_context or q_len > lens[b]:
             return None
         if q_len:
             seqs.append(b)
@@ -444,7 +441,12 @@ def attention_forward_ref(
     kernel_seqs = num_decodes  # sequences whose rows the C++ call attends
     # a step whose prefill chunks are short (tens to a couple of hundred tokens) attends them in one C++ call over
     # their cached context, after the KV write
-    short = None if sliding_window is not None else md.derive("short_prefill_plan", lambda: _short_prefill_plan(md))
+    limits = paged_segment_limits(query.dtype, query.shape[-1])
+    short = (
+        None
+        if sliding_window is not None
+        else md.derive(("short_prefill_plan", limits), lambda: _short_prefill_plan(md, *limits))
+    )
     if short is not None and (is_fp8(k_cache) or not paged_kernel_takes(query, k_cache, v_cache, out)):
         short = None
     # the runner allocates every layer's caches alike: one check per step and dtypes (a draft's cache may differ)

@@ -40,7 +40,7 @@ _MAX_SEGMENT_LEN = {
 _PAIRS_MAX_SEGMENT_LEN = {"amx": {True: 512, False: 128}, "avx512_bf16": {True: 4096, False: 4096}}
 _PREFIX = '#pragma GCC target("avx512bf16")\n' if torch.cpu._is_avx512_bf16_supported() else ""
 MAX_SEGMENT_QUERY_LEN = 192  # a paged prefill chunk's query rows (its alternative pads and gathers) ...
-MAX_SEGMENT_CONTEXT = 1024  # ... and the context they attend to
+MAX_SEGMENT_CONTEXT = 1024  # ... and the context they attend to (bf16 pairs on vdpbf16ps: `paged_segment_limits`)
 _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* q, const void* k, const void* v, void* out, int64_t q_ld, int64_t k_ld,
@@ -80,6 +80,16 @@ def max_segment_len(causal: bool, dtype: torch.dtype, head_dim: int = 0) -> int:
     if engine is not None:
         return _PAIRS_MAX_SEGMENT_LEN[engine][causal]
     return _MAX_SEGMENT_LEN.get((causal, dtype), 0)
+
+
+def paged_segment_limits(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(query rows, context) of the longest prefill chunk `paged_segments_cpu` takes for heads of this dtype and size;
+    past either the torch prefill's batched SDPA is faster. On vdpbf16ps bf16 pairs beat it at every length measured
+    (the AVX-512 EPYC), so the segment limit holds there."""
+    if dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_pair_engine() == "avx512_bf16":
+        limit = _PAIRS_MAX_SEGMENT_LEN["avx512_bf16"][True]
+        return limit, limit
+    return MAX_SEGMENT_QUERY_LEN, MAX_SEGMENT_CONTEXT
 
 
 def _rows_of_heads(t: torch.Tensor) -> bool:
