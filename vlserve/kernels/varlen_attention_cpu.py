@@ -26,13 +26,22 @@ import torch
 from vlserve.kernels.cpp_build import load_cpu_kernel
 
 DISABLE_ENV = "VLSERVE_CPU_VARLEN_ATTENTION_KERNEL"
-# longest segment `varlen_attention` sends to the kernel, by (causal, dtype): SDPA's tiled matrix products win past
-# these (measured on the AMX Xeon, one thread, 8 query / 2 KV heads of 64; bf16 SDPA runs on AMX)
+# longest segment `varlen_attention` sends to the kernel's widened path, by (causal, dtype): SDPA's tiled matrix
+# products win past these. Measured on the AMX Xeon (one thread, 8 query / 2 KV heads of 64; bf16 SDPA runs on AMX),
+# and held on every CPU but the AVX-512 one without AMX (`bf16_pair_engine()` "avx512_bf16"), where eight rows a block
+# measured 1.2-1.9x SDPA causal up to 2,048 rows, 0.95-1.17x both ways in float32 (and no gather), and bf16 heads of
+# 80 1.24-1.94x up to 768 rows (2 threads)
 _MAX_SEGMENT_LEN = {
     (True, torch.bfloat16): 128,
     (True, torch.float32): 256,
     (False, torch.bfloat16): 64,
     (False, torch.float32): 128,
+}
+_AVX512_MAX_SEGMENT_LEN = {
+    (True, torch.bfloat16): 1024,
+    (True, torch.float32): 2048,
+    (False, torch.bfloat16): 768,
+    (False, torch.float32): 2048,
 }
 # bf16 pair products, by engine and causal. AMX tiles: the same machine and heads, 2 threads (the kernel beats SDPA up
 # to about 128 rows both ways and 512 causal). vdpbf16ps (AVX-512 EPYC, 2 threads, heads of 64 and 128): 1.9-2.6x
@@ -76,18 +85,20 @@ def bf16_pair_engine() -> str | None:
 
 def max_segment_len(causal: bool, dtype: torch.dtype, head_dim: int = 0) -> int:
     """The longest segment `varlen_attention` sends to the kernel (longer ones are faster through SDPA)."""
-    engine = bf16_pair_engine() if dtype == torch.bfloat16 and head_dim > 0 and head_dim % 32 == 0 else None
-    if engine is not None:
+    engine = bf16_pair_engine()
+    if engine is not None and dtype == torch.bfloat16 and head_dim > 0 and head_dim % 32 == 0:
         return _PAIRS_MAX_SEGMENT_LEN[engine][causal]
-    return _MAX_SEGMENT_LEN.get((causal, dtype), 0)
+    limits = _AVX512_MAX_SEGMENT_LEN if engine == "avx512_bf16" else _MAX_SEGMENT_LEN
+    return limits.get((causal, dtype), 0)
 
 
 def paged_segment_limits(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """(query rows, context) of the longest prefill chunk `paged_segments_cpu` takes for heads of this dtype and size;
-    past either the torch prefill's batched SDPA is faster. On vdpbf16ps bf16 pairs beat it at every length measured
-    (the AVX-512 EPYC), so the segment limit holds there."""
-    if dtype == torch.bfloat16 and head_dim % 32 == 0 and bf16_pair_engine() == "avx512_bf16":
-        limit = _PAIRS_MAX_SEGMENT_LEN["avx512_bf16"][True]
+    past either the torch prefill's batched SDPA is faster. On the AVX-512 CPU without AMX the kernel beat it at every
+    causal length measured (bf16 pairs, and the widened path's eight-row blocks), so the causal segment limit holds
+    there."""
+    if bf16_pair_engine() == "avx512_bf16":
+        limit = max_segment_len(True, dtype, head_dim)
         return limit, limit
     return MAX_SEGMENT_QUERY_LEN, MAX_SEGMENT_CONTEXT
 

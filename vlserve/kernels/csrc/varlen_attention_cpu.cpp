@@ -21,7 +21,11 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kRows = 4;  // query rows that share each key / value load
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kRows = 8;  // query rows that share each key / value load
+#else
+constexpr int64_t kRows = 4;
+#endif
 
 inline int64_t whole_vectors(int64_t n) { return (n + Vec::size() - 1) / Vec::size() * Vec::size(); }
 
@@ -54,6 +58,82 @@ inline void store_row(const float* src, int64_t D, bool bf16, void* out, int64_t
     }
 }
 
+// scores[0..n) -> softmax weights in place, and zero in [n, whole vectors): s has room for them
+inline void softmax_row(float* s, int64_t n) {
+    const int64_t nv = whole_vectors(n);
+    std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
+    Vec vmax(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < nv; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
+    const Vec mx(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax));
+    Vec vsum(0.0f);
+    for (int64_t j = 0; j < nv; j += Vec::size()) {
+        const Vec e = (Vec::loadu(s + j) - mx).exp();
+        e.store(s + j);
+        vsum = vsum + e;
+    }
+    const Vec inv(1.0f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum));
+    for (int64_t j = 0; j < nv; j += Vec::size()) (Vec::loadu(s + j) * inv).store(s + j);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// AVX-512 (32 vector registers): eight query rows a block, on raw registers (GCC keeps arrays of at::vec objects in
+// memory). Each element's sum runs in the same order as on the portable path below.
+
+// scores[r][0..n) = q[r] . Kt[:, 0..n) for the kRows query rows q [kRows][D] (already scaled); Kt [D][ld], ld a whole
+// number of vector pairs >= n (zero past the keys), so every load is whole; two vectors of keys a pass share each
+// query element's broadcast
+void scores_block(const float* q, const float* kt, int64_t ld, int64_t D, int64_t n, float* scores) {
+    for (int64_t j = 0; j < n; j += 32) {
+        __m512 a[kRows], b[kRows];
+        for (int r = 0; r < kRows; ++r) a[r] = b[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+            const __m512 k0 = _mm512_loadu_ps(kt + d * ld + j), k1 = _mm512_loadu_ps(kt + d * ld + j + 16);
+            for (int r = 0; r < kRows; ++r) {
+                const __m512 x = _mm512_set1_ps(q[r * D + d]);
+                a[r] = _mm512_fmadd_ps(x, k0, a[r]);
+                b[r] = _mm512_fmadd_ps(x, k1, b[r]);
+            }
+        }
+        for (int r = 0; r < kRows; ++r) {
+            _mm512_storeu_ps(scores + r * ld + j, a[r]);
+            _mm512_storeu_ps(scores + r * ld + j + 16, b[r]);
+        }
+    }
+}
+
+// acc[r][d0 .. d0 + 16 NV) = sum_j p[r][j] * Vf[j][...] over j < n for the kRows rows
+template <int NV>
+inline void weighted_values_block(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, int64_t d0,
+                                  float* acc) {
+    __m512 a[kRows][NV];
+    for (int r = 0; r < kRows; ++r)
+        for (int u = 0; u < NV; ++u) a[r][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        __m512 v[NV];
+        for (int u = 0; u < NV; ++u) v[u] = _mm512_loadu_ps(vf + j * D + d0 + 16 * u);
+        for (int r = 0; r < kRows; ++r) {
+            const __m512 w = _mm512_set1_ps(p[r * sld + j]);
+            for (int u = 0; u < NV; ++u) a[r][u] = _mm512_fmadd_ps(w, v[u], a[r][u]);
+        }
+    }
+    for (int r = 0; r < kRows; ++r)
+        for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + r * D + d0 + 16 * u, a[r][u]);
+}
+
+// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
+// no key); Vf [L][D]
+void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) weighted_values_block<2>(p, sld, n, vf, D, d, acc);
+    for (; d + 16 <= D; d += 16) weighted_values_block<1>(p, sld, n, vf, D, d, acc);
+    for (; d < D; ++d)
+        for (int64_t r = 0; r < kRows; ++r) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < n; ++j) s += p[r * sld + j] * vf[j * D + d];
+            acc[r * D + d] = s;
+        }
+}
+#else
 // scores[r][0..n) = q[r] . Kt[:, 0..n) for the kRows query rows q [kRows][D] (already scaled); Kt [D][ld], ld a whole
 // number of vector pairs >= n (zero past the keys), so every load is whole; two vectors of keys a pass share each
 // query element's broadcast
@@ -82,23 +162,6 @@ void scores_block(const float* q, const float* kt, int64_t ld, int64_t D, int64_
         a3.store(scores + 3 * ld + j);
         b3.store(scores + 3 * ld + j + W);
     }
-}
-
-// scores[0..n) -> softmax weights in place, and zero in [n, whole vectors): s has room for them
-inline void softmax_row(float* s, int64_t n) {
-    const int64_t nv = whole_vectors(n);
-    std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
-    Vec vmax(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < nv; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
-    const Vec mx(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax));
-    Vec vsum(0.0f);
-    for (int64_t j = 0; j < nv; j += Vec::size()) {
-        const Vec e = (Vec::loadu(s + j) - mx).exp();
-        e.store(s + j);
-        vsum = vsum + e;
-    }
-    const Vec inv(1.0f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum));
-    for (int64_t j = 0; j < nv; j += Vec::size()) (Vec::loadu(s + j) * inv).store(s + j);
 }
 
 // acc[r][d0 .. d0 + NV vectors) = sum_j p[r][j] * Vf[j][...] over j < n for the kRows rows: NV value vectors per key
@@ -138,6 +201,8 @@ void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, in
             acc[r * D + d] = s;
         }
 }
+
+#endif
 
 // One (segment, KV head) task on the widened path: keys (row j at key_row(j)) widened to float32 and transposed into
 // Kt, values into Vf, then each query head of the group four rows at a time (the buffers are the thread's)
