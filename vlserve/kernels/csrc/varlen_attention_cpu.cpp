@@ -2,11 +2,11 @@
 // One OpenMP task per (segment, KV head). bf16 heads of a multiple of 32 go to attention_pairs.h where the build has
 // AMX-BF16 or AVX512-BF16. Otherwise (the widened path) its keys (rows of k, or positions of a paged cache) are
 // widened to float32 and transposed into Kt [D][L] and its values into Vf [L][D], then each query head of its group
-// takes its rows four at a time: the rows' scores over the keys they see (vectors along the keys, the four rows
-// sharing each Kt load), a float32 softmax, then the weighted sum of values (up to four vectors along D a pass, the
-// four rows sharing each value load and each row's weight broadcast shared by those vectors). Nothing is read past a
-// segment's end, and a row's result depends only on its query and the keys it sees (not on the rows it shares a
-// block with).
+// takes its rows kRows at a time (eight on AVX-512, four elsewhere): the rows' scores over the keys they see (vectors
+// along the keys, the rows sharing each Kt load), a float32 softmax, then the weighted sum of values (a few vectors
+// along D a pass, the rows sharing each value load and each row's weight broadcast shared by those vectors).
+// Nothing is read past a segment's end, and a row's result depends only on its query and the keys it sees (not on the
+// rows it shares a block with).
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -120,18 +120,12 @@ inline void weighted_values_block(const float* p, int64_t sld, int64_t n, const 
         for (int u = 0; u < NV; ++u) _mm512_storeu_ps(acc + r * D + d0 + 16 * u, a[r][u]);
 }
 
-// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
-// no key); Vf [L][D]
-void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
+// weighted_values' columns in whole vectors: two vectors a pass, then one; returns the columns done
+int64_t weighted_value_vectors(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
     int64_t d = 0;
     for (; d + 32 <= D; d += 32) weighted_values_block<2>(p, sld, n, vf, D, d, acc);
     for (; d + 16 <= D; d += 16) weighted_values_block<1>(p, sld, n, vf, D, d, acc);
-    for (; d < D; ++d)
-        for (int64_t r = 0; r < kRows; ++r) {
-            float s = 0.0f;
-            for (int64_t j = 0; j < n; ++j) s += p[r * sld + j] * vf[j * D + d];
-            acc[r * D + d] = s;
-        }
+    return d;
 }
 #else
 // scores[r][0..n) = q[r] . Kt[:, 0..n) for the kRows query rows q [kRows][D] (already scaled); Kt [D][ld], ld a whole
@@ -185,15 +179,22 @@ inline void weighted_values_block(const float* p, int64_t sld, int64_t n, const 
         for (int u = 0; u < NV; ++u) a[r][u].store(acc + r * D + d0 + u * W);
 }
 
-// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
-// no key); Vf [L][D]. Four value vectors a pass where the ISA has 32 vector registers (AVX-512), two otherwise; each
-// element's sum runs over j in order, whatever the blocking.
-void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
+// weighted_values' columns in whole vectors, two a pass (four where the vectors are of 16 lanes), then one; returns
+// the columns done. Each element's sum runs over j in order, whatever the blocking.
+int64_t weighted_value_vectors(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
     constexpr int64_t W = Vec::size();
     constexpr int NV = W >= 16 ? 4 : 2;
     int64_t d = 0;
     for (; d + NV * W <= D; d += NV * W) weighted_values_block<NV>(p, sld, n, vf, D, d, acc);
     for (; d + W <= D; d += W) weighted_values_block<1>(p, sld, n, vf, D, d, acc);
+    return d;
+}
+#endif
+
+// acc[r][0..D) = sum_j p[r][j] * Vf[j][0..D) over j < n for the kRows rows (p [kRows][sld], zero where a row sees
+// no key); Vf [L][D]: whole vectors of columns, then one column at a time
+void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, int64_t D, float* acc) {
+    int64_t d = weighted_value_vectors(p, sld, n, vf, D, acc);
     for (; d < D; ++d)
         for (int64_t r = 0; r < kRows; ++r) {
             float s = 0.0f;
@@ -202,10 +203,8 @@ void weighted_values(const float* p, int64_t sld, int64_t n, const float* vf, in
         }
 }
 
-#endif
-
 // One (segment, KV head) task on the widened path: keys (row j at key_row(j)) widened to float32 and transposed into
-// Kt, values into Vf, then each query head of the group four rows at a time (the buffers are the thread's)
+// Kt, values into Vf, then each query head of the group kRows rows at a time (the buffers are the thread's)
 template <typename KeyRow>
 void widened_task(const void* q, const void* k, const void* v, void* out, int64_t q_ld, int64_t k_ld, int64_t v_ld,
                   int64_t o_ld, int64_t q_start, int64_t Q, int64_t L, int64_t h, int64_t group, int64_t D,
