@@ -92,6 +92,7 @@ def max_segment_len(causal: bool, dtype: torch.dtype, head_dim: int = 0) -> int:
     return limits.get((causal, dtype), 0)
 
 
+@functools.cache  # asked per layer and step
 def paged_segment_limits(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """(query rows, context) of the longest prefill chunk `paged_segments_cpu` takes for heads of this dtype and size;
     past either the torch prefill's batched SDPA is faster. On the AVX-512 CPU without AMX the kernel beat it at every
