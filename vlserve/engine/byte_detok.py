@@ -81,8 +81,11 @@ class ByteStream:
         """The text `step` would emit over these tokens, joined. `step` emits at each token end where the bytes since
         its last emission decode to text not ending in U+FFFD; such an end leaves no partial character, so the pieces
         join to one decode of the bytes up to the last such end (searched from the back)."""
-        table, size = self.table, self.size
-        pieces = [table[t] if 0 <= t < size else b"" for t in token_ids]
+        try:  # (ids are never negative: sampled, or checked prompt ids)
+            pieces = list(map(self.table.__getitem__, token_ids))
+        except IndexError:  # an id past the tokenizer's vocabulary (a padded model vocabulary) has no bytes
+            size = self.size
+            pieces = [self.table[t] if t < size else b"" for t in token_ids]
         data = self.pending + b"".join(pieces)
         end = len(data)
         for piece in reversed(pieces):
@@ -98,4 +101,6 @@ def _ends_unfinished(data: bytes, end: int) -> bool:
     """Whether `data[:end]` decodes (invalid bytes replaced) to text ending in U+FFFD. Only its last 4 bytes are
     read: the last character (or replaced run) of a decode spans at most 4 bytes and starts the same wherever the
     decode starts before it, so decoding those bytes alone ends as decoding from the start does."""
+    if end and data[end - 1] < 0x80:  # an ASCII byte is never part of a longer character or a replaced run
+        return False
     return data[max(0, end - 4) : end].decode("utf-8", "replace").endswith("\ufffd")

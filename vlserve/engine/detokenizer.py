@@ -40,8 +40,7 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "_tokenizer", None)
         if byte_table is not None:
             self._bytes = ByteStream(byte_table.bytes_of(skip_special_tokens))
-            for tok in self._ids:
-                self._bytes.step(tok)
+            self._bytes.extend(self._ids)  # (what stepping through them leaves pending; their text is dropped)
         elif backend is not None:
             from tokenizers.decoders import DecodeStream
 
