@@ -43,6 +43,10 @@ up sums after the bias, before the rounding and the activation: a LoRA layer pas
 rows of zeros come out bit-identical to the call without it (the sums are never -0, so adding +0 changes no bit).
 That variant is its own instantiation: the kernel without the argument runs unchanged code.
 
+`cpu_linear_silu` is a projection followed by SiLU (a vision tower's fc1 whose quick-GELU was folded into its
+weights, `VisionMLP.fold_quick_gelu`): each output rounded to the dtype, activated, rounded again, as the matmul and
+then `F.silu` would round, in the pass that stores it.
+
 The source is built through inductor's C++ toolchain on first use, like `cpu_decode`. Where the CPU has neither
 AVX-512 nor AVX2 + FMA, no compiler works, or $VLSERVE_CPU_LINEAR_KERNEL is "0", `cpu_linear_supported` is False
 and the layers keep `F.linear`.
@@ -65,7 +69,7 @@ _DECLARATION = """
 #include <cstdint>
 extern "C" void kernel(const void* a, int64_t lda, const void* packed, const void* bias, int64_t has_bias, void* c,
                        int64_t ldc, int64_t M, int64_t N, int64_t K, int64_t threads, int64_t is_bf16,
-                       int64_t silu_mul, const void* add, int64_t ldadd, int64_t has_add);
+                       int64_t epilogue, const void* add, int64_t ldadd, int64_t has_add);
 """
 _ARG_TYPES = [
     "const void*",
@@ -275,6 +279,8 @@ _LIB.define("cpu_linear(Tensor x, Tensor packed, Tensor? bias, int out_features)
 _LIB.define(
     "cpu_linear_silu_mul(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? pre_act_add=None) -> Tensor"
 )
+_LIB.define("cpu_linear_silu(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+_PLAIN, _SILU_MUL, _SILU = 0, 1, 2  # the kernel's epilogues
 
 
 def _addend(add: torch.Tensor, m: int, out_features: int) -> torch.Tensor:
@@ -293,12 +299,12 @@ def _run(
     packed: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    silu_mul: bool,
+    epilogue: int,
     name: str,
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] times the packed matrix -> [..., out_features] (SiLU(gate) * up of its halves with silu_mul, after
-    `add [..., 2 out_features]` float32 joins the gate and up sums where given). Runs four times per layer and step:
+    """x [..., K] times the packed matrix -> [..., out_features] (`_SILU_MUL`: SiLU(gate) * up of its halves, after
+    `add [..., 2 out_features]` float32 joins the gate and up sums where given; `_SILU`: SiLU of each output). Runs four times per layer and step:
     the common case (2-D rows, unit stride, no add) takes no detours."""
     dtype = x.dtype
     if dtype is not packed.dtype or not _dtype_served(dtype):
@@ -333,7 +339,7 @@ def _run(
             k,
             torch.get_num_threads(),
             is_bf16,
-            silu_mul,
+            epilogue,
             _NO_BIAS if add is None else add,
             0 if add is None else add.stride(0),
             add is not None,
@@ -343,7 +349,14 @@ def _run(
 
 def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] times a `pack_linear_weight` matrix (+ bias [N]) -> [..., N] in x's dtype."""
-    return _run(x, packed, bias, out_features, False, "cpu_linear")
+    return _run(x, packed, bias, out_features, _PLAIN, "cpu_linear")
+
+
+def _cpu_linear_silu(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """silu(x [..., K] times a `pack_linear_weight` matrix (+ bias [N])) -> [..., N] in x's dtype."""
+    return _run(x, packed, bias, out_features, _SILU, "cpu_linear_silu")
 
 
 def _cpu_linear_silu_mul(
@@ -362,11 +375,12 @@ def _cpu_linear_silu_mul(
             f"vlserve::cpu_linear_silu_mul needs a packed [2I, K] matrix with I a multiple of {PANEL}; "
             f"got {packed.shape[0]} panels for I = {out_features}"
         )
-    return _run(x, packed, bias, out_features, True, "cpu_linear_silu_mul", pre_act_add)
+    return _run(x, packed, bias, out_features, _SILU_MUL, "cpu_linear_silu_mul", pre_act_add)
 
 
 _LIB.impl("cpu_linear", _cpu_linear, "CPU")
 _LIB.impl("cpu_linear_silu_mul", _cpu_linear_silu_mul, "CPU")
+_LIB.impl("cpu_linear_silu", _cpu_linear_silu, "CPU")
 
 
 def _fake(
@@ -379,10 +393,11 @@ def _fake(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-for _op in ("cpu_linear", "cpu_linear_silu_mul"):  # both return [..., out_features] in x's dtype
+for _op in ("cpu_linear", "cpu_linear_silu_mul", "cpu_linear_silu"):  # each returns [..., out_features] in x's dtype
     torch.library.register_fake(f"vlserve::{_op}")(_fake)
 
 
 cpu_linear = torch.ops.vlserve.cpu_linear  # the op: (x, packed, bias or None, out_features) -> [..., N]
 # (x, packed gate_up, bias or None, I, pre_act_add=None float32 [..., 2I]) -> [..., I]
 cpu_linear_silu_mul = torch.ops.vlserve.cpu_linear_silu_mul
+cpu_linear_silu = torch.ops.vlserve.cpu_linear_silu  # (x, packed, bias or None, out_features) -> silu of [..., N]

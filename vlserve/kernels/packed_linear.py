@@ -19,6 +19,7 @@ from torch import nn
 
 from vlserve.kernels.cpu_linear import (
     cpu_linear,
+    cpu_linear_silu,
     cpu_linear_silu_mul,
     cpu_linear_supported,
     onednn_min_rows,
@@ -125,10 +126,15 @@ class PackableLinear(nn.Linear):
         return _unpacked_matmul(self, x, bias, self.out_features)
 
     def matmul_silu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x @ W^T + b) -> [..., O]: inside oneDNN's matmul (each float32 sum activated, then rounded once)
-        where the matrix is held prepacked for it and takes `x`, else the matmul then silu in place."""
-        if self.quant_scheme is None and self.onednn_weight is not None and _packed_for(self, x) is None:
-            return onednn_linear(x, self.onednn_weight, self.bias, self.out_features, post_op="swish")
+        """silu(x @ W^T + b) -> [..., O]: in the packed kernel's epilogue where it takes `x` (rounded as the matmul
+        then silu round), inside oneDNN's matmul (each float32 sum activated, then rounded once) where the matrix is
+        held prepacked for it, else the matmul then silu in place."""
+        if self.quant_scheme is None:
+            packed = _packed_for(self, x)
+            if packed is not None:
+                return cpu_linear_silu(x, packed, self.bias, self.out_features)
+            if self.onednn_weight is not None:
+                return onednn_linear(x, self.onednn_weight, self.bias, self.out_features, post_op="swish")
         return F.silu(self.matmul(x, self.bias), inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ constexpr int64_t kTileK = 32;  // K positions of one tile step (16 bf16 pairs)
 static bool serves(int64_t K) { return K % kTileK == 0 && amx_tiles::permitted(); }
 
 // c [M, N] = a [M, K] . W^T + bias (kSilu: W is gate_up [2N/32 panels], c = SiLU(gate) * up; kAdd: add [M, 2N]
-// float32, rows ldadd apart, joins the gate and up sums after the bias), bf16 in and out
-template <bool kSilu, bool kAdd = false>
+// float32, rows ldadd apart, joins the gate and up sums after the bias; kAct: c = SiLU of the sums rounded to bf16),
+// bf16 in and out
+template <bool kSilu, bool kAdd = false, bool kAct = false>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
                    int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
     using P = avx512::Bf16Panel;
@@ -83,6 +84,10 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
                             }
                             v_lo = _mm512_mul_ps(P::round(avx512::silu(P::round(g_lo))), P::round(v_lo));
                             v_hi = _mm512_mul_ps(P::round(avx512::silu(P::round(g_hi))), P::round(v_hi));
+                        }
+                        if (kAct) {
+                            v_lo = avx512::silu(P::round(v_lo));
+                            v_hi = avx512::silu(P::round(v_hi));
                         }
                         P::store(C + (m0 + r) * ldc + p * kPanel, v_lo, v_hi, ncols);
                     }

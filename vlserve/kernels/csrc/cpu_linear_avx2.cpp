@@ -171,8 +171,8 @@ static void panel_sums(const float* x, int64_t ldx, const typename P::T* panel, 
 }
 
 // The epilogue of rows x 32 sums (see Epilogue): bias added (and with kAdd, add's rows [rows, 32], ldadd apart),
-// then stored (rounded to T once), kept as the gate (rounded to T), or taken as up: silu(gate) rounded to T times up
-// rounded to T, as two elementwise ops would round
+// then stored (rounded to T once), kept as the gate (rounded to T), taken as up: silu(gate) rounded to T times up
+// rounded to T, as two elementwise ops would round, or stored as SiLU of the sums rounded to T (kStoreSilu)
 template <typename P, int E, bool kAdd = false>
 static void finish(const float* sums, int64_t rows, const typename P::T* bias, typename P::T* c, int64_t ldc,
                    int64_t ncols, float* gate, const float* add = nullptr, int64_t ldadd = 0) {
@@ -198,6 +198,9 @@ static void finish(const float* sums, int64_t rows, const typename P::T* bias, t
             UNROLL for (int i = 0; i < 4; ++i)
                 v[i] = _mm256_mul_ps(P::round(silu(_mm256_loadu_ps(gate + r * kPanel + 8 * i))), P::round(v[i]));
         }
+        if constexpr (E == kStoreSilu) {
+            UNROLL for (int i = 0; i < 4; ++i) v[i] = silu(P::round(v[i]));
+        }
         if (ncols == kPanel) {
             P::store(c + r * ldc, v);
         } else {  // the last panel of an N that is not a multiple of 32
@@ -208,8 +211,9 @@ static void finish(const float* sums, int64_t rows, const typename P::T* bias, t
     }
 }
 
-// kAdd (with kSilu): add [M, 2N] float32 (rows ldadd apart) joins the gate and up sums before the activation
-template <typename P, bool kSilu, bool kAdd>
+// kAdd (with kSilu): add [M, 2N] float32 (rows ldadd apart) joins the gate and up sums before the activation;
+// kAct (without kSilu): SiLU of each output
+template <typename P, bool kSilu, bool kAdd, bool kAct = false>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
                    int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
     using T = typename P::T;
@@ -247,7 +251,7 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
                     finish<P, kSiluMul, kAdd>(sums, rows, B ? B + N + p * kPanel : nullptr, cp, ldc, ncols, gate,
                                               kAdd ? ap + N : nullptr, ldadd);
                 } else {
-                    finish<P, kStore>(sums, rows, B ? B + p * kPanel : nullptr, cp, ldc, ncols, gate);
+                    finish<P, kAct ? kStoreSilu : kStore>(sums, rows, B ? B + p * kPanel : nullptr, cp, ldc, ncols, gate);
                 }
             }
         }

@@ -27,6 +27,12 @@ struct F32Panel {
         _mm512_mask_storeu_ps(c, keep_lo, lo);
         _mm512_mask_storeu_ps(c + 16, keep_hi, hi);
     }
+    static inline void load(const float* c, int64_t ncols, __m512& lo, __m512& hi) {  // store's inverse
+        const __mmask16 keep_lo = ncols >= 16 ? 0xffff : (1u << ncols) - 1;
+        const __mmask16 keep_hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1;
+        lo = _mm512_maskz_loadu_ps(keep_lo, c);
+        hi = _mm512_maskz_loadu_ps(keep_hi, c + 16);
+    }
 };
 
 #if defined(__AVX512BF16__)
@@ -48,6 +54,12 @@ struct Bf16Panel {
     static inline void store(bf16* c, __m512 lo, __m512 hi, int64_t ncols) {
         const __mmask32 keep = ncols >= kPanel ? 0xffffffffu : (1u << ncols) - 1;
         _mm512_mask_storeu_epi16(c, keep, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    static inline void load(const bf16* c, int64_t ncols, __m512& lo, __m512& hi) {  // store's inverse
+        const __mmask32 keep = ncols >= kPanel ? 0xffffffffu : (1u << ncols) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi16(keep, c);
+        lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
     }
 };
 #endif
@@ -72,6 +84,18 @@ static inline __m512 exp512(__m512 x) {
 
 static inline __m512 silu(__m512 g) {  // g / (1 + exp(-g)), torch's formula
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+// SiLU of rows [rows, ncols] of c in place, just stored (rounded to T) by a block, still in L1: a pass of its own,
+// so that exp's constants never take registers from a block's accumulators (in the block's epilogue they halved
+// its speed)
+template <typename P>
+__attribute__((noinline)) static void silu_rows(typename P::T* c, int64_t ldc, int64_t rows, int64_t ncols) {
+    for (int64_t r = 0; r < rows; ++r) {
+        __m512 lo, hi;
+        P::load(c + r * ldc, ncols, lo, hi);
+        P::store(c + r * ldc, silu(lo), silu(hi), ncols);
+    }
 }
 
 // Walks the next panels' cache lines, one prefetch per call, while a row block that reads its panel from cache
@@ -150,7 +174,8 @@ static inline void for_row_blocks(int64_t m0, int64_t m1, Run&& run) {
 
 // Rows [m0, m1) against output panel p, in blocks of kRows and then the rest. With SiLU, output panel p is gate
 // panel p and up panel p + N / 32 of the packed [2N/32, ...] matrix; with kAdd, add [M, 2N] joins their sums.
-template <typename P, bool kSilu, bool kAdd>
+// kAct (without kSilu): SiLU of each output (`silu_rows` over each block once stored).
+template <typename P, bool kSilu, bool kAdd, bool kAct>
 static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P::T* packed, const typename P::T* bias,
                           typename P::T* c, int64_t ldc, int64_t m0, int64_t m1, int64_t p, int64_t N, int64_t K,
                           bool prefetch_next, const float* add, int64_t ldadd) {
@@ -180,6 +205,7 @@ static void rows_by_panel(const typename P::T* a, int64_t lda, const typename P:
         } else {
             block<P, R, kStore>(am, lda, packed + p * panel_size, K, bias ? bias + p * kPanel : nullptr, cm, ldc, ncols,
                                 gate, pf);
+            if constexpr (kAct) silu_rows<P>(cm, ldc, R, ncols);
         }
         if (prefetch_next) pf = &next;
     };
@@ -257,7 +283,7 @@ static void f32_linear_kblocked(const float* A, int64_t lda, const float* W, con
     }
 }
 
-template <typename P, bool kSilu, bool kAdd>
+template <typename P, bool kSilu, bool kAdd, bool kAct = false>
 static void linear(const void* a, int64_t lda, const void* packed, const void* bias, void* c, int64_t ldc, int64_t M,
                    int64_t N, int64_t K, int64_t threads, const float* add, int64_t ldadd) {
     using T = typename P::T;
@@ -274,19 +300,19 @@ static void linear(const void* a, int64_t lda, const void* packed, const void* b
         if (panels >= nt) {  // each thread its contiguous range of panels, for every chunk of rows
             const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
             bool blocked = false;
-            if constexpr (std::is_same_v<P, F32Panel> && !kSilu && !kAdd) {
+            if constexpr (std::is_same_v<P, F32Panel> && !kSilu && !kAdd && !kAct) {
                 blocked = K >= kKBlockMinK && M >= kKBlockMinRows;
                 if (blocked) f32_linear_kblocked(A, lda, W, B, C, ldc, M, N, K, p0, p1);
             }
             for (int64_t ch = 0; ch < (blocked ? 0 : chunks); ++ch)
                 for (int64_t p = p0; p < p1; ++p)
-                    rows_by_panel<P, kSilu, kAdd>(A, lda, W, B, C, ldc, ch * rows_a_chunk,
+                    rows_by_panel<P, kSilu, kAdd, kAct>(A, lda, W, B, C, ldc, ch * rows_a_chunk,
                                                   std::min(M, (ch + 1) * rows_a_chunk), p, N, K, p + 1 < p1, add,
                                                   ldadd);
         } else {  // fewer panels than threads: split the rows instead
             const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
             for (int64_t p = 0; p < panels; ++p)
-                if (m1 > m0) rows_by_panel<P, kSilu, kAdd>(A, lda, W, B, C, ldc, m0, m1, p, N, K, false, add, ldadd);
+                if (m1 > m0) rows_by_panel<P, kSilu, kAdd, kAct>(A, lda, W, B, C, ldc, m0, m1, p, N, K, false, add, ldadd);
         }
     }
 }

@@ -19,6 +19,7 @@ static inline float to_float(bf16 v) {
 }
 
 // What a block does with its sums (float32, bias added): store them (rounded to T once), keep them as the gate of
-// SiLU(gate) * up (rounded to T, as the projection's output would be), or take them as up and store the product.
-enum Epilogue { kStore, kGate, kSiluMul };
+// SiLU(gate) * up (rounded to T, as the projection's output would be), take them as up and store the product, or
+// store SiLU of them (rounded to T before and after, as the projection then the activation would round).
+enum Epilogue { kStore, kGate, kSiluMul, kStoreSilu };
 
