@@ -9,7 +9,10 @@ Builds (or reuses) benchmarks/pooling.py's checkpoints and item sets under --wor
 `HfRunner` in batches of 16; vlserve's `EngineRunner`, one `embed` call per workload as in the benchmark) once to warm
 up and once under torch.profiler, and prints per runner, model, dtype and workload: the wall time, the self time of
 the linears (`aten::addmm` / `aten::mm` / `mkldnn::_linear_pointwise`, and vlserve's own `vlserve::cpu_linear*`
-kernels) and of convolutions, and the linears' share of the wall time.
+kernels) and of convolutions, and the linears' share of the wall time; with the shapes the profiler records, the
+linears' GFLOP and rate. With both runners, per workload: the floor of any pass over vlserve's linear FLOPs (its
+tokens, unpadded) at this CPU's arithmetic peak (`benchmarks.cpu_peak`), against half of HF's wall time, the time
+a pass 2x HF's speed must take.
 """
 
 from __future__ import annotations
@@ -28,6 +31,26 @@ LINEAR_OPS = (
     "vlserve::cpu_linear",
     "vlserve::cpu_linear_silu_mul",
 )
+
+
+def linear_flops(key: str, shapes: list) -> int:
+    """FLOPs of one call of a LINEAR_OPS op from its recorded input shapes (2 * rows * K * N)."""
+    if key == "aten::addmm":  # (bias, x [M, K], W^T [K, N])
+        (m, k), n = shapes[1], shapes[2][1]
+    elif key == "aten::mm":  # (x [M, K], W^T [K, N])
+        (m, k), n = shapes[0], shapes[1][1]
+    elif key == "mkldnn::_linear_pointwise":  # (x [..., K], W [N, K], ...)
+        m, k, n = _rows(shapes[0]), shapes[0][-1], shapes[1][0]
+    else:  # vlserve::cpu_linear*: (x [..., K], packed [N / 32, ...]); the silu_mul form packs gate and up: N = 2I
+        m, k, n = _rows(shapes[0]), shapes[0][-1], shapes[1][0] * 32
+    return 2 * m * k * n
+
+
+def _rows(shape: list[int]) -> int:
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows
 
 
 def _load_images(path: str | None) -> list:
@@ -55,6 +78,9 @@ def main() -> None:
     p.add_argument("--workdir", default=os.path.expanduser("~/.cache/vlserve-bench/pooling"))
     args = p.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
+    results: dict[
+        tuple[str, str, str, str], tuple[float, float]
+    ] = {}  # (family, dtype, workload, runner) -> (wall, GFLOP)
     for family in args.models:
         model = clip_checkpoint(args.workdir) if family == "clip" else qwen2_vl_embedder(args.workdir)
         workloads = prepare_sets(family, model, {"images": args.images, "texts": args.texts}, args.workdir, 0)
@@ -65,19 +91,46 @@ def main() -> None:
                 main_set, warm = w["sets"]["main"], w["sets"]["warmup"]
                 runner.embed(warm["prompts"], _load_images(warm["images"]))
                 images = _load_images(main_set["images"])
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+                ) as prof:
                     start = time.perf_counter()
                     runner.embed(main_set["prompts"], images)
                     wall = time.perf_counter() - start
-                events = prof.key_averages()
+                events = prof.key_averages(group_by_input_shape=True)
                 linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
+                gflop = sum(e.count * linear_flops(e.key, e.input_shapes) for e in events if e.key in LINEAR_OPS) / 1e9
                 conv = sum(e.self_cpu_time_total for e in events if "conv" in e.key) / 1e6
                 print(
                     f"{name} {family} {dtype} {w['name']}: wall {wall:.3f} s; linear GEMMs {linear:.3f} s "
-                    f"({linear / wall:.0%} of wall); convolutions {conv:.3f} s",
+                    f"({linear / wall:.0%} of wall), {gflop:.1f} GFLOP at {gflop / linear:.0f} GFLOP/s; "
+                    f"convolutions {conv:.3f} s",
                     flush=True,
                 )
+                results[(family, dtype, w["name"], name)] = (wall, gflop)
             del runner
+    if {"hf", "vlserve"} <= set(args.runners):
+        print_floors(results, args)
+
+
+def print_floors(results: dict, args) -> None:
+    """Per workload: vlserve's linear FLOPs at this CPU's peak against half of HF's wall time."""
+    from benchmarks.cpu_peak import peak_gflops
+
+    peaks = {d: peak_gflops(d) for d in args.dtype}
+    print(
+        f"this CPU's peak, {os.cpu_count()} threads (benchmarks.cpu_peak): "
+        + str({d: f"{p:.0f} GFLOP/s" if p else None for d, p in peaks.items()})
+    )
+    for (family, dtype, workload, runner), (_, gflop) in results.items():
+        if runner != "vlserve" or (family, dtype, workload, "hf") not in results or not peaks[dtype]:
+            continue
+        floor, budget = gflop / peaks[dtype], results[(family, dtype, workload, "hf")][0] / 2
+        verdict = "out of reach: the linears alone take longer at peak" if floor > budget else "within reach"
+        print(
+            f"{family} {dtype} {workload}: linears {gflop:.1f} GFLOP, >= {floor:.3f} s at peak; "
+            f"2x HF needs <= {budget:.3f} s: {verdict}"
+        )
 
 
 if __name__ == "__main__":
