@@ -30,6 +30,7 @@ LINEAR_OPS = (
     "mkldnn::_linear_pointwise",
     "vlserve::cpu_linear",
     "vlserve::cpu_linear_silu_mul",
+    "vlserve::cpu_linear_silu",
 )
 
 

@@ -9,7 +9,13 @@ import torch.nn.functional as F
 
 from benchmarks.cpu_peak import peak_gflops
 from benchmarks.pooling_gemm_share import LINEAR_OPS, linear_flops
-from vlserve.kernels.cpu_linear import cpu_linear, cpu_linear_kernel, cpu_linear_silu_mul, pack_linear_weight
+from vlserve.kernels.cpu_linear import (
+    cpu_linear,
+    cpu_linear_kernel,
+    cpu_linear_silu,
+    cpu_linear_silu_mul,
+    pack_linear_weight,
+)
 
 
 def _profiled_flops(fn) -> int:
@@ -32,6 +38,7 @@ def test_packed_linears_count_their_padded_panels(dtype):
     x = torch.randn(3, 4, 64).to(dtype)
     packed = pack_linear_weight(torch.randn(96, 64).to(dtype))
     assert _profiled_flops(lambda: cpu_linear(x, packed, None, 96)) == 2 * 12 * 64 * 96
+    assert _profiled_flops(lambda: cpu_linear_silu(x, packed, None, 96)) == 2 * 12 * 64 * 96
     # gate and up: 2 x 32 columns of output 32
     assert _profiled_flops(
         lambda: cpu_linear_silu_mul(x, pack_linear_weight(torch.randn(64, 64).to(dtype)), None, 32)
