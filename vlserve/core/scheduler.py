@@ -226,7 +226,9 @@ class Scheduler:
             num_new = min(req.num_tokens - num_hit, step.token_budget)
             enc, num_encoding_after = NO_MEDIA, step.num_encoding
             if req.mm_features:
-                enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, step.num_encoding)
+                enc, num_new, num_encoding_after = self._schedule_encoder_inputs(
+                    req, num_hit, num_new, step.num_encoding
+                )
                 if any(
                     req.mm_features[i].data.get("remote_media")
                     for i in (*enc.to_encode, *(s.item_index for s in enc.slices))
