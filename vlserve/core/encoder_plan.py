@@ -18,6 +18,12 @@ class EncoderPlan:
     to_encode: list[int] = field(default_factory=list)
     slices: list[EncoderSlice] = field(default_factory=list)
 
+    def reads_remote_media(self, features) -> bool:
+        """Whether it encodes (whole or a slice of) an item whose media stayed with a disaggregated producer."""
+        return any(
+            features[i].data.get("remote_media") for i in (*self.to_encode, *(s.item_index for s in self.slices))
+        )
+
 
 NO_MEDIA = EncoderPlan()  # the plan of every window without media (only read, never filled)
 SLICES_PER_ITEM = 3  # a lone slice takes at least this share of an item's stages (within the slice cap)

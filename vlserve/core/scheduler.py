@@ -206,9 +206,7 @@ class Scheduler:
             if grammar_error(req) is not None:
                 self._abort_failed_grammar(waiting.popleft())
                 continue
-            if req.lora_request is not None and (
-                req.lora_int_id in self.loras_loading or self._lora_blocked(req, step.loras)
-            ):
+            if req.lora_int_id in self.loras_loading or self._lora_blocked(req, step.loras):
                 set_aside.append(waiting.popleft())
                 continue
             computed_blocks, num_hit, num_external = None, 0, 0
@@ -224,17 +222,10 @@ class Scheduler:
                 waiting.popleft()
                 continue
             num_new = min(req.num_tokens - num_hit, step.token_budget)
-            enc, num_encoding_after = NO_MEDIA, step.num_encoding
-            if req.mm_features:
-                enc, num_new, num_encoding_after = self._schedule_encoder_inputs(
-                    req, num_hit, num_new, step.num_encoding
-                )
-                if any(
-                    req.mm_features[i].data.get("remote_media")
-                    for i in (*enc.to_encode, *(s.item_index for s in enc.slices))
-                ):
-                    self._fail_remote_media(req)  # its producer's KV did not come (or was evicted): no media to encode
-                    continue
+            enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, step.num_encoding)
+            if enc is not NO_MEDIA and enc.reads_remote_media(req.mm_features):  # the producer's KV did not come
+                self._fail_remote_media(req)  # (or was evicted): no media to encode
+                continue
             if num_new <= 0 and not enc.slices:  # (with a slice to run it is admitted with no token this step)
                 break
             lookahead = cfg.num_spec_tokens if num_hit + num_new >= req.num_tokens else 0
@@ -318,6 +309,8 @@ class Scheduler:
     ) -> tuple[EncoderPlan, int, int]:
         """Plan the media items the token window [start, start + num_new) reaches (see `plan_encoder_inputs`; the
         items of a request with a LoRA adapter are never split: its tower weights may differ)."""
+        if not req.mm_features:
+            return NO_MEDIA, num_new, num_encoding
         stage_counts = None if req.lora_int_id else self.config.encoder_stage_counts
         return plan_encoder_inputs(
             req.mm_features,
