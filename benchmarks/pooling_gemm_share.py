@@ -18,6 +18,7 @@ a pass 2x HF's speed must take.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -41,17 +42,10 @@ def linear_flops(key: str, shapes: list) -> int:
     elif key == "aten::mm":  # (x [M, K], W^T [K, N])
         (m, k), n = shapes[0], shapes[1][1]
     elif key == "mkldnn::_linear_pointwise":  # (x [..., K], W [N, K], ...)
-        m, k, n = _rows(shapes[0]), shapes[0][-1], shapes[1][0]
+        m, k, n = math.prod(shapes[0][:-1]), shapes[0][-1], shapes[1][0]
     else:  # vlserve::cpu_linear*: (x [..., K], packed [N / 32, ...]); the silu_mul form packs gate and up: N = 2I
-        m, k, n = _rows(shapes[0]), shapes[0][-1], shapes[1][0] * 32
+        m, k, n = math.prod(shapes[0][:-1]), shapes[0][-1], shapes[1][0] * 32
     return 2 * m * k * n
-
-
-def _rows(shape: list[int]) -> int:
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows
 
 
 def _load_images(path: str | None) -> list:
@@ -79,9 +73,8 @@ def main() -> None:
     p.add_argument("--workdir", default=os.path.expanduser("~/.cache/vlserve-bench/pooling"))
     args = p.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    results: dict[
-        tuple[str, str, str, str], tuple[float, float]
-    ] = {}  # (family, dtype, workload, runner) -> (wall, GFLOP)
+    # (family, dtype, workload, runner) -> (wall seconds, linear GFLOP)
+    results: dict[tuple[str, str, str, str], tuple[float, float]] = {}
     for family in args.models:
         model = clip_checkpoint(args.workdir) if family == "clip" else qwen2_vl_embedder(args.workdir)
         workloads = prepare_sets(family, model, {"images": args.images, "texts": args.texts}, args.workdir, 0)

@@ -20,6 +20,8 @@ class EncoderPlan:
 
     def reads_remote_media(self, features) -> bool:
         """Whether it encodes (whole or a slice of) an item whose media stayed with a disaggregated producer."""
+        if not self.to_encode and not self.slices:  # (every text-only admission asks)
+            return False
         return any(
             features[i].data.get("remote_media") for i in (*self.to_encode, *(s.item_index for s in self.slices))
         )

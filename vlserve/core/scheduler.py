@@ -223,8 +223,8 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - num_hit, step.token_budget)
             enc, num_new, num_encoding_after = self._schedule_encoder_inputs(req, num_hit, num_new, step.num_encoding)
-            if enc is not NO_MEDIA and enc.reads_remote_media(req.mm_features):  # the producer's KV did not come
-                self._fail_remote_media(req)  # (or was evicted): no media to encode
+            if enc.reads_remote_media(req.mm_features):  # the producer's KV did not come (or was evicted)
+                self._fail_remote_media(req)  # no media to encode
                 continue
             if num_new <= 0 and not enc.slices:  # (with a slice to run it is admitted with no token this step)
                 break

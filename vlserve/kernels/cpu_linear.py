@@ -304,8 +304,8 @@ def _run(
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] times the packed matrix -> [..., out_features] (`_SILU_MUL`: SiLU(gate) * up of its halves, after
-    `add [..., 2 out_features]` float32 joins the gate and up sums where given; `_SILU`: SiLU of each output). Runs four times per layer and step:
-    the common case (2-D rows, unit stride, no add) takes no detours."""
+    `add [..., 2 out_features]` float32 joins the gate and up sums where given; `_SILU`: SiLU of each output). Runs
+    four times per layer and step: the common case (2-D rows, unit stride, no add) takes no detours."""
     dtype = x.dtype
     if dtype is not packed.dtype or not _dtype_served(dtype):
         raise ValueError(

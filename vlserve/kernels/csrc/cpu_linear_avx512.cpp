@@ -8,6 +8,19 @@ constexpr int64_t kRowChunk = 64;  // rows whose products with a panel are compu
 // float32's: its panels are twice bf16's bytes, so each one read from memory serves more rows
 constexpr int64_t kF32RowChunk = 256;
 
+// The lanes of columns 0-15 and 16-31 of a 32-column panel row that hold one of its first `ncols` columns
+struct ColumnMasks {
+    __mmask16 lo, hi;
+    explicit ColumnMasks(int64_t ncols)
+        : lo(ncols >= 16 ? 0xffff : (1u << ncols) - 1),
+          hi(ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1) {}
+};
+
+// 16 bf16 (as 16-bit lanes) -> 16 float32 (exact: bf16 is the top half of a float32)
+static inline __m512 widen_bf16(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 // How a block multiplies: F32Panel reads float32 panels [K, 32] and broadcasts one x value per step; Bf16Panel
 // reads bf16 panels [K/2, 32, 2] and broadcasts a pair of x values, whose products with a pair from each of 16
 // columns vdpbf16ps adds into float32 lanes.
@@ -22,16 +35,14 @@ struct F32Panel {
     static inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
     static inline __m512 round(__m512 v) { return v; }  // to T's precision
     static inline void store(float* c, __m512 lo, __m512 hi, int64_t ncols) {
-        const __mmask16 keep_lo = ncols >= 16 ? 0xffff : (1u << ncols) - 1;
-        const __mmask16 keep_hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1;
-        _mm512_mask_storeu_ps(c, keep_lo, lo);
-        _mm512_mask_storeu_ps(c + 16, keep_hi, hi);
+        const ColumnMasks keep(ncols);
+        _mm512_mask_storeu_ps(c, keep.lo, lo);
+        _mm512_mask_storeu_ps(c + 16, keep.hi, hi);
     }
     static inline void load(const float* c, int64_t ncols, __m512& lo, __m512& hi) {  // store's inverse
-        const __mmask16 keep_lo = ncols >= 16 ? 0xffff : (1u << ncols) - 1;
-        const __mmask16 keep_hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1;
-        lo = _mm512_maskz_loadu_ps(keep_lo, c);
-        hi = _mm512_maskz_loadu_ps(keep_hi, c + 16);
+        const ColumnMasks keep(ncols);
+        lo = _mm512_maskz_loadu_ps(keep.lo, c);
+        hi = _mm512_maskz_loadu_ps(keep.hi, c + 16);
     }
 };
 
@@ -44,12 +55,9 @@ struct Bf16Panel {
     static inline XVec x(const bf16* a) { return (__m512bh)_mm512_set1_epi32(*(const int32_t*)a); }
     static inline WVec w(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
     static inline __m512 dot(__m512 acc, XVec x, WVec w) { return _mm512_dpbf16_ps(acc, x, w); }
-    // 16 bf16 -> 16 float32 (exact: bf16 is the top half of a float32)
-    static inline __m512 widen(const bf16* p) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-    }
+    static inline __m512 widen(const bf16* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
     static inline __m512 round(__m512 v) {  // to bf16 (nearest even) and back
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+        return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
     }
     static inline void store(bf16* c, __m512 lo, __m512 hi, int64_t ncols) {
         const __mmask32 keep = ncols >= kPanel ? 0xffffffffu : (1u << ncols) - 1;
@@ -58,8 +66,8 @@ struct Bf16Panel {
     static inline void load(const bf16* c, int64_t ncols, __m512& lo, __m512& hi) {  // store's inverse
         const __mmask32 keep = ncols >= kPanel ? 0xffffffffu : (1u << ncols) - 1;
         const __m512i v = _mm512_maskz_loadu_epi16(keep, c);
-        lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-        hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+        lo = widen_bf16(_mm512_castsi512_si256(v));
+        hi = widen_bf16(_mm512_extracti64x4_epi64(v, 1));
     }
 };
 #endif
@@ -224,12 +232,11 @@ constexpr int64_t kKBlockMinK = 4096;   // shorter K: a chunk's rows of x fit in
 template <int R>
 static inline void f32_kblock(const float* a, const float* panel, int64_t kb, float* c, int64_t ldc,
                               int64_t ncols, bool first, const float* bias_or_null_unless_last) {
-    const __mmask16 keep_lo = ncols >= 16 ? 0xffff : (1u << ncols) - 1;
-    const __mmask16 keep_hi = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (1u << (ncols - 16)) - 1;
+    const ColumnMasks keep(ncols);
     __m512 lo[R], hi[R];
     UNROLL for (int r = 0; r < R; ++r) {
-        lo[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep_lo, c + r * ldc);
-        hi[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep_hi, c + r * ldc + 16);
+        lo[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep.lo, c + r * ldc);
+        hi[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(keep.hi, c + r * ldc + 16);
     }
     for (int64_t k = 0; k < kb; ++k) {
         const __m512 w_lo = _mm512_loadu_ps(panel + k * kPanel);
@@ -241,11 +248,11 @@ static inline void f32_kblock(const float* a, const float* panel, int64_t kb, fl
         }
     }
     const float* bias = bias_or_null_unless_last;
-    const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(keep_lo, bias) : _mm512_setzero_ps();
-    const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(keep_hi, bias + 16) : _mm512_setzero_ps();
+    const __m512 b_lo = bias ? _mm512_maskz_loadu_ps(keep.lo, bias) : _mm512_setzero_ps();
+    const __m512 b_hi = bias ? _mm512_maskz_loadu_ps(keep.hi, bias + 16) : _mm512_setzero_ps();
     UNROLL for (int r = 0; r < R; ++r) {
-        _mm512_mask_storeu_ps(c + r * ldc, keep_lo, _mm512_add_ps(lo[r], b_lo));
-        _mm512_mask_storeu_ps(c + r * ldc + 16, keep_hi, _mm512_add_ps(hi[r], b_hi));
+        _mm512_mask_storeu_ps(c + r * ldc, keep.lo, _mm512_add_ps(lo[r], b_lo));
+        _mm512_mask_storeu_ps(c + r * ldc + 16, keep.hi, _mm512_add_ps(hi[r], b_hi));
     }
 }
 
