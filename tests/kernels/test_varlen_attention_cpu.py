@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.kernels._kernel_testutils import build_metadata, poison_unused_slots
 from vlserve.kernels import attention_forward, varlen_attention
@@ -67,30 +68,55 @@ def test_kernel_matches_reference(dtype, tol, causal, hq, hkv, d):
     assert bool((out[~inside] == 7.0).all())  # rows outside every segment are not written
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 72])
 @pytest.mark.parametrize("causal", [True, False])
-def test_bf16_segments_up_to_the_pair_limit(causal):
-    # where bf16 heads of 64 multiply as bf16 pairs (AMX tiles or vdpbf16ps), segments past the widened path's limit
-    # go through the kernel (several 32-row blocks and key panels, GQA; short ones too) and match the float64
-    # reference; elsewhere the limit is the widened path's
+def test_bf16_segments_up_to_the_pair_limit(causal, head_dim):
+    # where bf16 heads multiply as bf16 pairs (AMX tiles or vdpbf16ps; heads of 80 and 72 zero-padded to 96),
+    # segments past the widened path's limit go through the kernel (several 32-row blocks and key panels, GQA; short
+    # ones too) and match the float64 reference; elsewhere the limit is the widened path's
     if not bf16_pair_engine():
-        assert max_segment_len(causal, torch.bfloat16, 64) == max_segment_len(causal, torch.bfloat16)
+        assert max_segment_len(causal, torch.bfloat16, head_dim) == max_segment_len(causal, torch.bfloat16)
         pytest.skip("no bf16 pair products (AMX-BF16 or AVX512-BF16) in the kernel built here")
-    limit = max_segment_len(causal, torch.bfloat16, 64)
+    limit = max_segment_len(causal, torch.bfloat16, head_dim)
     assert limit > max_segment_len(causal, torch.bfloat16)
     longest = min(limit, 608)  # the float64 reference holds [L, L] scores per head
     lens = [longest, 1, 33, longest - 31, 64, 7, 12]
     starts = [sum(lens[:i]) + 2 * i for i in range(len(lens))]
     num_tokens = starts[-1] + lens[-1] + 1
-    q, k, v = qkv_views(num_tokens, 8, 2, 64, torch.bfloat16, seed=9)
-    out = torch.full((num_tokens, 8, 64), 7.0, dtype=torch.bfloat16)
+    q, k, v = qkv_views(num_tokens, 8, 2, head_dim, torch.bfloat16, seed=9)
+    out = torch.full((num_tokens, 8, head_dim), 7.0, dtype=torch.bfloat16)
     with torch.no_grad():
-        segment_attention_cpu(q, k, v, starts, lens, 64**-0.5, causal, out)
-    want = reference(q, k, v, starts, lens, 64**-0.5, causal)
+        segment_attention_cpu(q, k, v, starts, lens, head_dim**-0.5, causal, out)
+    want = reference(q, k, v, starts, lens, head_dim**-0.5, causal)
     inside = torch.zeros(num_tokens, dtype=torch.bool)
     for s, n in zip(starts, lens):
         inside[s : s + n] = True
     assert (out[inside].double() - want[inside]).abs().max().item() < 2e-2
     assert bool((out[~inside] == 7.0).all())
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_pairs_are_as_close_to_float64_as_sdpa(causal, head_dim):
+    # the pairs' flash softmax (a polynomial exp2, bf16 weights) errs no more than torch's bf16 SDPA on the same
+    # segments: a mean error within 10% of SDPA's (a weight off by 1% would double it)
+    if not bf16_pair_engine():
+        pytest.skip("no bf16 pair products (AMX-BF16 or AVX512-BF16) in the kernel built here")
+    lens, starts = [300, 33, 130], [0, 300, 333]
+    q, k, v = qkv_views(463, 8, 2, head_dim, torch.bfloat16, seed=3)
+    out = torch.empty(463, 8, head_dim, dtype=torch.bfloat16)
+    sdpa = torch.empty_like(out)
+    with torch.no_grad():
+        segment_attention_cpu(q, k, v, starts, lens, head_dim**-0.5, causal, out)
+        for s, n in zip(starts, lens):
+            qs, ks, vs = (t[s : s + n].repeat_interleave(8 // t.shape[1], 1).transpose(0, 1) for t in (q, k, v))
+            sdpa[s : s + n] = F.scaled_dot_product_attention(
+                qs.contiguous(), ks.contiguous(), vs.contiguous(), is_causal=causal, scale=head_dim**-0.5
+            ).transpose(0, 1)
+    want = reference(q, k, v, starts, lens, head_dim**-0.5, causal)
+    kernel_error = (out.double() - want).abs().mean().item()
+    sdpa_error = (sdpa.double() - want).abs().mean().item()
+    assert kernel_error < 1.1 * sdpa_error, (kernel_error, sdpa_error)
 
 
 def test_segment_outside_rows_is_a_value_error():

@@ -8,9 +8,10 @@ only on its query and the keys it sees, so a prefix-cache hit does not change it
 
 Scores, softmax and the weighted sum run in float32 (bf16 widened on load, the output rounded once), so a bf16 result
 can sit one bf16 step from SDPA's, and a float32 one differs in the summation order only. Where the kernel is built
-with AMX-BF16 or AVX512-BF16 (`bf16_pair_engine`), bf16 heads of a multiple of 32 multiply as bf16 pairs instead
-(csrc/attention_pairs.h; on AVX512-BF16 only tasks of 8 query rows and 16 keys or more): float32 scores and softmax,
-the weights rounded to bf16 before the weighted sum (as torch's CPU flash attention does). Segments longer than
+with AMX-BF16 or AVX512-BF16 (`bf16_pair_engine`), bf16 heads multiply as bf16 pairs instead, zero-padded to a
+multiple of 32 (csrc/attention_pairs.h; on AVX512-BF16 only tasks of 8 query rows and 16 keys or more): flash
+attention over panels of keys, float32 scores and softmax, the unnormalized weights rounded to bf16 before the
+weighted sum (as torch's CPU flash attention does). Segments longer than
 `max_segment_len(causal, dtype, head_dim)` stay with SDPA, which tiles them into matrix products. Taken for float32 /
 bf16 CPU tensors whose heads are contiguous rows of D elements, outside autograd and torch.compile, where the kernel
 builds and $VLSERVE_CPU_VARLEN_ATTENTION_KERNEL is not 0.
@@ -29,8 +30,8 @@ DISABLE_ENV = "VLSERVE_CPU_VARLEN_ATTENTION_KERNEL"
 # longest segment `varlen_attention` sends to the kernel's widened path, by (causal, dtype): SDPA's tiled matrix
 # products win past these. Measured on the AMX Xeon (one thread, 8 query / 2 KV heads of 64; bf16 SDPA runs on AMX),
 # and held on every CPU but the AVX-512 one without AMX (`bf16_pair_engine()` "avx512_bf16"), where eight rows a block
-# measured 1.2-1.9x SDPA causal up to 2,048 rows, 0.95-1.17x both ways in float32 (and no gather), and bf16 heads of
-# 80 1.24-1.94x up to 768 rows (2 threads)
+# measured 1.2-1.9x SDPA causal up to 2,048 rows and 0.95-1.17x both ways in float32 (and no gather), 2 threads (bf16
+# heads there take the pairs' limits)
 _MAX_SEGMENT_LEN = {
     (True, torch.bfloat16): 128,
     (True, torch.float32): 256,
@@ -73,7 +74,7 @@ def varlen_attention_cpu_kernel():
 
 @functools.cache
 def bf16_pair_engine() -> str | None:
-    """What multiplies bf16 heads of a multiple of 32 in the kernel built here: "amx" (tiles), "avx512_bf16"
+    """What multiplies bf16 heads in the kernel built here: "amx" (tiles), "avx512_bf16"
     (vdpbf16ps) or None (widened to float32). A call with S = -1 writes it."""
     kernel = varlen_attention_cpu_kernel()
     if kernel is None:
@@ -86,7 +87,7 @@ def bf16_pair_engine() -> str | None:
 def max_segment_len(causal: bool, dtype: torch.dtype, head_dim: int = 0) -> int:
     """The longest segment `varlen_attention` sends to the kernel (longer ones are faster through SDPA)."""
     engine = bf16_pair_engine()
-    if engine is not None and dtype == torch.bfloat16 and head_dim > 0 and head_dim % 32 == 0:
+    if engine is not None and dtype == torch.bfloat16 and head_dim > 0:
         return _PAIRS_MAX_SEGMENT_LEN[engine][causal]
     limits = _AVX512_MAX_SEGMENT_LEN if engine == "avx512_bf16" else _MAX_SEGMENT_LEN
     return limits.get((causal, dtype), 0)

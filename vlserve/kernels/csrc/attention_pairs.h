@@ -1,11 +1,12 @@
-// Segment attention of bf16 heads (D a multiple of 32) on bf16 pair products, for varlen_attention_cpu.cpp. One
-// task's keys are packed as the B operand of Q.K^T and its values as the B operand of P.V (AMX's B-tile layout: a row
-// per pair of the reduced dimension, 16 columns of bf16 pairs, zero past the keys); a head's query rows are copied
-// into 32-row blocks. Scores are float32, the softmax float32, the weights rounded to bf16 (as torch's CPU flash
-// attention rounds them for bf16) and multiplied with the values, float32 sums. Two engines run the products: AMX
-// tiles, and AVX512-BF16's vdpbf16ps on the same packed rows. A row's result depends only on its query and the keys
-// it sees: padding keys and unseen ones weigh exactly 0, and each engine sums a row in the same order whatever rows
-// share its block.
+// Segment attention of bf16 heads on bf16 pair products, for varlen_attention_cpu.cpp. A head's D elements are
+// zero-padded to Dp (a multiple of 32). One task's keys are packed as the B operand of Q.K^T and its values as the B
+// operand of P.V (AMX's B-tile layout: a row per pair of the reduced dimension, 16 columns of bf16 pairs, zero past
+// the keys); a head's query rows are copied into 32-row blocks, which run over the keys a panel at a time (flash
+// attention: float32 scores, a running max and sum per row, the weights rounded to bf16 unnormalized as torch's CPU
+// flash attention rounds them, float32 sums of weights times values, divided by the row's sum at the end). Two
+// engines run the products: AMX tiles, and AVX512-BF16's vdpbf16ps on the same packed rows. A row's result depends
+// only on its query and the keys it sees: padding keys and unseen ones weigh exactly 0, and each engine sums a row in
+// the same order whatever rows share its block.
 #ifndef VLSERVE_ATTENTION_PAIRS_H  // (pasted into one source by cpp_build.kernel_source: a guard, not pragma once)
 #define VLSERVE_ATTENTION_PAIRS_H
 #include <ATen/cpu/vec/vec.h>
@@ -32,13 +33,16 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 32;  // query rows of a block, keys of a score panel / of a P.V step
 
 struct Task {
-    std::vector<uint32_t> kb, vb;  // B operands: [key block of 16][D / 32 steps][16 pairs][16] and
-                                   // [key step of 32][D / 16 column blocks][16 pairs][16]
-    std::vector<uint16_t> qb, pb;  // query rows [Qp][D] (zero past the segment) and a block's weights [32][Lp]
-    std::vector<float> scores, acc;  // a block's scores [32][Lp] and sums [32][D]
+    std::vector<uint32_t> kb, vb;  // B operands: [key block of 16][Dp / 32 steps][16 pairs][16] and
+                                   // [key step of 32][Dp / 16 column blocks][16 pairs][16]
+    std::vector<uint16_t> qb, pb;  // query rows [Qp][Dp] (zero past the segment and D), a panel's weights [32][kPanel]
+    std::vector<float> scores, acc;  // a panel's scores [32][kPanel], the block's sums [32][Dp] and a panel's
 };
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// the first min(max(n, 0), 32) lanes
+inline __mmask32 lanes32(int64_t n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
 
 // One block's sums: sums[32 rows][32 columns] (rows ld floats apart) = A . B over `steps` steps of 16 pairs. A: 32
 // rows of bf16 a_ld elements apart, step s at element s * 32 of each row; B: step s's 16 pair rows of columns 0-15 at
@@ -131,43 +135,64 @@ inline void transpose16(__m512i m[16]) {
     }
 }
 
-// p[0..n) = softmax(scale * s[0..n)) rounded to bf16 (float32 max, ATen's faster exp_u20: the weights are
-// rounded to bf16 after it, float32 sum), p[n..Lp) = 0; s has room for whole vectors past n (its tail is overwritten)
-inline void softmax_bf16(float* s, int64_t n, int64_t Lp, float scale, uint16_t* p) {
-    constexpr int64_t W = Vec::size();
-    const int64_t nv = (n + W - 1) / W * W;
-    std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
-    Vec vmax(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < nv; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
-    const float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-    const Vec vscale(scale), shift(mx * scale);
-    Vec vsum(0.0f);
-    for (int64_t j = 0; j < nv; j += W) {
-        const Vec e = at::vec::fmsub(Vec::loadu(s + j), vscale, shift).exp_u20();
-        e.store(s + j);
-        vsum = vsum + e;
-    }
-    const Vec inv(1.0f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum));
-    for (int64_t j = 0; j < nv; j += W) vec_bf16::store_bf16((c10::BFloat16*)(p + j), Vec::loadu(s + j) * inv);
-    std::fill(p + nv, p + Lp, uint16_t(0));
+// 2^t for t <= 0 (-inf included: exactly 0, as for every t <= -200): 2^floor(t) times a degree-4 polynomial in the
+// fraction (relative error under 3e-6, far below a bf16 weight's rounding)
+inline __m512 exp2_nonpositive(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-200.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);  // [0, 1)
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.013533933f), _mm512_set1_ps(0.052011240f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24144343f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.69300354f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000026f));
+    return _mm512_scalef_ps(p, n);
 }
 
-// The task's keys and values (row j at key_row(j) of k / v, head h at h * D) into t.kb / t.vb
+// One key panel's weights of a row, flash style: s[0..n) are its raw scores (n >= 1; s has room for whole vectors
+// past n, whose tail is overwritten). m: the row's running max of the scaled scores in log2 units (-inf before its
+// first panel), l: its running sum of weights. p[0..np) = 2^(log2(e) * scale * s - m') rounded to bf16, 0 past n
+// (torch's CPU flash attention rounds its unnormalized weights to bf16 alike); returns 2^(m - m'), the factor on what
+// the row summed before, and updates m <- m', l <- l * that + the panel's float32 sum.
+inline float panel_weights(float* s, int64_t n, int64_t np, float scale, float& m, float& l, uint16_t* p) {
+    constexpr int64_t W = 16;
+    const int64_t nv = (n + W - 1) / W * W;
+    std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < nv; j += W) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    const float log2_scale = scale * 1.44269504f;  // scale * log2(e)
+    const float m_new = std::max(m, _mm512_reduce_max_ps(vmax) * log2_scale);
+    const float rescale = m == m_new ? 1.0f : std::exp2(m - m_new);
+    const __m512 vscale = _mm512_set1_ps(log2_scale), shift = _mm512_set1_ps(m_new);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nv; j += W) {
+        const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, shift));
+        vsum = _mm512_add_ps(vsum, e);
+        vec_bf16::store_bf16((c10::BFloat16*)(p + j), Vec(e));
+    }
+    std::fill(p + nv, p + np, uint16_t(0));
+    m = m_new;
+    l = l * rescale + _mm512_reduce_add_ps(vsum);
+    return rescale;
+}
+
+// The task's keys and values (row j at key_row(j) of k / v, head h at h * D) into t.kb / t.vb, their D elements
+// zero-padded to Dp (a multiple of 32)
 template <typename KeyRow>
 void pack_keys_values(Task& t, const uint16_t* k, const uint16_t* v, int64_t k_ld, int64_t v_ld, int64_t L,
-                      int64_t h, int64_t D, KeyRow key_row) {
-    const int64_t Lp = round_up(L, kBlock), DS = D / 32, DC = D / 16;
-    t.kb.resize(Lp * D / 2);
-    t.vb.resize(Lp * D / 2);
+                      int64_t h, int64_t D, int64_t Dp, KeyRow key_row) {
+    const int64_t Lp = round_up(L, kBlock), DS = Dp / 32, DC = Dp / 16;
+    t.kb.resize(Lp * Dp / 2);
+    t.vb.resize(Lp * Dp / 2);
     const int64_t last = (L - 1) / kBlock * kBlock;  // the last value step: zero, then its values written over
-    std::fill(t.vb.begin() + last * D / 2, t.vb.end(), 0u);
+    std::fill(t.vb.begin() + last * Dp / 2, t.vb.end(), 0u);
     for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // keys: block (j / 16, step p / 16), row p % 16 (pair p), column j % 16
         const uint16_t* rows[16];
         for (int64_t c = 0; c < 16; ++c) rows[c] = j0 + c < L ? k + key_row(j0 + c) * k_ld + h * D : nullptr;
         for (int64_t ds = 0; ds < DS; ++ds) {
-            __m512i block[16];  // key c's pairs 16 ds .. 16 ds + 15 (zero past the keys), then transposed
+            const __mmask32 inside = lanes32(D - ds * 32);
+            __m512i block[16];  // key c's pairs 16 ds .. 16 ds + 15 (zero past the keys and past D), transposed
             for (int64_t c = 0; c < 16; ++c)
-                block[c] = rows[c] ? _mm512_loadu_si512(rows[c] + ds * 32) : _mm512_setzero_si512();
+                block[c] = rows[c] ? _mm512_maskz_loadu_epi16(inside, rows[c] + ds * 32) : _mm512_setzero_si512();
             transpose16(block);
             uint32_t* tile = t.kb.data() + ((j0 / 16) * DS + ds) * 256;
             for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * 16, block[r]);
@@ -177,49 +202,89 @@ void pack_keys_values(Task& t, const uint16_t* k, const uint16_t* v, int64_t k_l
         const uint16_t* v0 = v + key_row(j) * v_ld + h * D;  // (value j, value j + 1) of each d
         const uint16_t* v1 = j + 1 < L ? v + key_row(j + 1) * v_ld + h * D : nullptr;
         uint32_t* vt = t.vb.data() + (j / kBlock) * DC * 256 + ((j % kBlock) / 2) * 16;
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v0 + d)));
-            const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v1 + d)))
+        for (int64_t d = 0; d < Dp; d += 16) {
+            const __mmask16 inside = static_cast<__mmask16>(lanes32(D - d));
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(inside, v0 + d));
+            const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(inside, v1 + d))
                                   : _mm512_setzero_si512();
             _mm512_storeu_si512(vt + (d / 16) * 256, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
 
+// Keys of a panel: a query block's scores and weights over them stay in L1 ([32][kPanel] float32 and bf16)
+constexpr int64_t kPanel = 128;
+
 // One (segment, KV head) task: keys / values row j at key_row(j) of k / v (bf16, head h at h * D), query heads hq0
 // .. hq0 + group of rows q_start .. q_start + Q; query i at position L - Q + i (causal: it sees keys 0 .. that).
+// Each 32-row query block runs over the keys panel by panel with a running max and sum per row (flash attention);
+// a row's panels start at key 0 whatever rows share its block, so its result does not depend on them.
 template <typename Engine, typename KeyRow>
 void run(Task& t, const uint16_t* q, const uint16_t* k, const uint16_t* v, c10::BFloat16* out, int64_t q_ld,
          int64_t k_ld, int64_t v_ld, int64_t o_ld, int64_t q_start, int64_t Q, int64_t L, int64_t h, int64_t hq0,
          int64_t group, int64_t D, float scale, bool causal, KeyRow key_row) {
-    const int64_t Qp = round_up(Q, kBlock), Lp = round_up(L, kBlock), DS = D / 32, DC = D / 16, first = L - Q;
-    pack_keys_values(t, k, v, k_ld, v_ld, L, h, D, key_row);
-    t.qb.resize(Qp * D);
-    t.pb.resize(kBlock * Lp);
-    t.scores.resize(kBlock * Lp);
-    t.acc.resize(kBlock * D);
-    std::fill(t.qb.begin() + Q * D, t.qb.end(), uint16_t(0));
+    const int64_t Qp = round_up(Q, kBlock), Dp = round_up(D, 32), DS = Dp / 32, DC = Dp / 16, first = L - Q;
+    pack_keys_values(t, k, v, k_ld, v_ld, L, h, D, Dp, key_row);
+    t.qb.resize(Qp * Dp);
+    t.pb.resize(kBlock * kPanel);
+    t.scores.resize(kBlock * kPanel);
+    t.acc.resize(2 * kBlock * Dp);  // the block's sums [32][Dp], then one panel's [32][Dp]
+    float* acc = t.acc.data();
+    float* panel_sums = acc + kBlock * Dp;
+    float row_max[kBlock], row_sum[kBlock];
+    std::fill(t.qb.begin(), t.qb.end(), uint16_t(0));  // (columns past D stay zero)
     for (int64_t hq = hq0; hq < hq0 + group; ++hq) {
         for (int64_t i = 0; i < Q; ++i) {
             const uint16_t* row = q + (q_start + i) * q_ld + hq * D;
-            std::copy(row, row + D, t.qb.data() + i * D);
+            std::copy(row, row + D, t.qb.data() + i * Dp);
         }
         for (int64_t i0 = 0; i0 < Q; i0 += kBlock) {
             const int64_t rows = std::min(kBlock, Q - i0), n_max = causal ? first + i0 + rows : L;
-            float* s = t.scores.data();
-            for (int64_t j0 = 0; j0 < n_max; j0 += kBlock)  // scores of 32 rows x 32 keys
-                Engine::block(t.qb.data() + i0 * D, D, t.kb.data() + (j0 / 16) * DS * 256, 256, DS * 256, DS,
-                              s + j0, Lp);
-            for (int64_t r = 0; r < rows; ++r)  // the weights in bf16, zero past the row's keys
-                softmax_bf16(s + r * Lp, causal ? first + i0 + r + 1 : L, Lp, scale, t.pb.data() + r * Lp);
-            std::fill(t.pb.begin() + rows * Lp, t.pb.end(), uint16_t(0));  // rows past the segment: never stored
-            for (int64_t d0 = 0; d0 < D; d0 += 32)  // the weighted values: 32 rows x 32 of D
-                Engine::block(t.pb.data(), Lp, t.vb.data() + (d0 / 16) * 256, DC * 256, 256,
-                              (n_max + kBlock - 1) / kBlock, t.acc.data() + d0, D);
+            std::fill(row_max, row_max + kBlock, -std::numeric_limits<float>::infinity());
+            std::fill(row_sum, row_sum + kBlock, 0.0f);
+            std::fill(t.pb.begin() + rows * kPanel, t.pb.end(), uint16_t(0));  // rows past the segment: never stored
+            for (int64_t c0 = 0; c0 < n_max; c0 += kPanel) {
+                const int64_t width = std::min(kPanel, n_max - c0), np = round_up(width, kBlock);
+                float* s = t.scores.data();
+                for (int64_t j = 0; j < width; j += kBlock)  // scores of 32 rows x 32 keys
+                    Engine::block(t.qb.data() + i0 * Dp, Dp, t.kb.data() + ((c0 + j) / 16) * DS * 256, 256, DS * 256,
+                                  DS, s + j, kPanel);
+                for (int64_t r = 0; r < rows; ++r) {  // the weights in bf16, zero past the row's keys
+                    const int64_t seen = (causal ? std::min(n_max, first + i0 + r + 1) : L) - c0;
+                    uint16_t* p = t.pb.data() + r * kPanel;
+                    if (seen <= 0) {  // (causal) no key of this panel: nothing changes
+                        std::fill(p, p + np, uint16_t(0));
+                        continue;
+                    }
+                    const float rescale = panel_weights(s + r * kPanel, std::min(seen, width), np, scale,
+                                                        row_max[r], row_sum[r], p);
+                    if (c0 > 0 && rescale != 1.0f) {
+                        const Vec f(rescale);
+                        for (int64_t d = 0; d < Dp; d += Vec::size())
+                            (Vec::loadu(acc + r * Dp + d) * f).store(acc + r * Dp + d);
+                    }
+                }
+                float* sums = c0 == 0 ? acc : panel_sums;
+                for (int64_t d0 = 0; d0 < Dp; d0 += 32)  // the weighted values: 32 rows x 32 of Dp
+                    Engine::block(t.pb.data(), kPanel, t.vb.data() + (c0 / kBlock) * DC * 256 + (d0 / 16) * 256,
+                                  DC * 256, 256, np / kBlock, sums + d0, Dp);
+                if (c0 > 0)
+                    for (int64_t r = 0; r < rows; ++r)
+                        for (int64_t d = 0; d < Dp; d += Vec::size())
+                            (Vec::loadu(acc + r * Dp + d) + Vec::loadu(panel_sums + r * Dp + d)).store(acc + r * Dp + d);
+            }
             for (int64_t r = 0; r < rows; ++r) {
                 c10::BFloat16* o = out + (q_start + i0 + r) * o_ld + hq * D;
-                for (int64_t d = 0; d < D; d += Vec::size())
-                    vec_bf16::store_bf16(o + d, Vec::loadu(t.acc.data() + r * D + d));
+                const Vec inv(1.0f / row_sum[r]);
+                int64_t d = 0;
+                for (; d + Vec::size() <= D; d += Vec::size())
+                    vec_bf16::store_bf16(o + d, Vec::loadu(acc + r * Dp + d) * inv);
+                if (d < D) {  // a last part vector (D a multiple of 8, not of 16)
+                    alignas(32) c10::BFloat16 tail[16];
+                    vec_bf16::store_bf16(tail, Vec::loadu(acc + r * Dp + d) * inv);
+                    _mm256_mask_storeu_epi16(o + d, static_cast<__mmask16>(lanes32(D - d)),
+                                             _mm256_load_si256(reinterpret_cast<const __m256i*>(tail)));
+                }
             }
         }
     }

@@ -1,6 +1,6 @@
 // Attention of segments (causal or bidirectional): see vlserve/kernels/varlen_attention_cpu.py.
-// One OpenMP task per (segment, KV head). bf16 heads of a multiple of 32 go to attention_pairs.h where the build has
-// AMX-BF16 or AVX512-BF16. Otherwise (the widened path) its keys (rows of k, or positions of a paged cache) are
+// One OpenMP task per (segment, KV head). bf16 heads go to attention_pairs.h (zero-padded to a multiple of 32) where
+// the build has AMX-BF16 or AVX512-BF16. Otherwise (the widened path) its keys (rows of k, or positions of a paged cache) are
 // widened to float32 and transposed into Kt [D][L] and its values into Vf [L][D], then each query head of its group
 // takes its rows kRows at a time (eight on AVX-512, four elsewhere): the rows' scores over the keys they see (vectors
 // along the keys, the rows sharing each Kt load), a float32 softmax, then the weighted sum of values (a few vectors
@@ -252,7 +252,7 @@ void widened_task(const void* q, const void* k, const void* v, void* out, int64_
 // EPYC, 2 threads, heads of 64)
 constexpr int64_t kDpbf16MinRows = 8, kDpbf16MinKeys = 16;
 
-// Which path bf16 heads of a multiple of 32 take here: 2 AMX tiles, 1 vdpbf16ps, 0 the widened float32 path
+// Which path bf16 heads take here: 2 AMX tiles, 1 vdpbf16ps, 0 the widened float32 path
 static int64_t pairs_engine() {
 #if defined(VLSERVE_PAIRS_AMX)
     if (amx_tiles::permitted()) return 2;
@@ -282,7 +282,7 @@ extern "C" void kernel(const void* q, const void* k, const void* v, void* out, i
         *static_cast<int64_t*>(out) = pairs_engine();
         return;
     }
-    const int64_t engine = bf16 && D % 32 == 0 ? pairs_engine() : 0;
+    const int64_t engine = bf16 ? pairs_engine() : 0;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> buf[5];
