@@ -19,7 +19,7 @@ on the same call in the same dtype. What each family compares:
   after the stride-2 conv stem.
 
     python -m benchmarks.towers [--families qwen2_vl clip ...] [--dtypes float32 bfloat16] [--depth 8]
-        [--width 512] [--image-size 448] [--iters 5] [--threads N]
+        [--width 512] [--head-dim 64] [--image-size 448] [--iters 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ class Sizes:
     depth: int
     width: int
     image_size: int
+    head_dim: int = 64
 
     @property
     def heads(self) -> int:
-        return max(self.width // 64, 1)  # head dim 64
+        return max(self.width // self.head_dim, 1)
 
 
 @dataclass
@@ -311,13 +312,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--width", type=int, default=512, help="tower width; MLP 4x, heads of 64 (at least one)")
+    parser.add_argument("--width", type=int, default=512, help="tower width; MLP 4x, heads of --head-dim (at least one)")
+    parser.add_argument("--head-dim", type=int, default=64, help="80: Qwen2-VL-2B's towers (width 1280, 16 heads)")
     parser.add_argument("--image-size", type=int, default=448, help="a multiple of 28 (Qwen merges 2x2 patches)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.image_size % (2 * PATCH) or args.image_size <= 0:
         parser.error(f"--image-size must be a positive multiple of {2 * PATCH}")
+    if args.head_dim <= 0 or args.width % args.head_dim:
+        parser.error("--width must be a multiple of --head-dim")
     return args
 
 
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(args.threads)
     tuned = tune_cpu_allocator()
     dtypes = [getattr(torch, d) for d in args.dtypes]
-    sizes = Sizes(args.depth, args.width, args.image_size)
+    sizes = Sizes(args.depth, args.width, args.image_size, args.head_dim)
     import transformers
 
     print(
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         + ", ".join(f"{str(d).removeprefix('torch.')} {kernel_isa(d)}" for d in dtypes)
     )
     print(
-        f"towers: depth {sizes.depth}, width {sizes.width}, {sizes.heads} heads, MLP {4 * sizes.width}, image "
+        f"towers: depth {sizes.depth}, width {sizes.width}, {sizes.heads} heads of {sizes.head_dim}, MLP {4 * sizes.width}, image "
         f"{sizes.image_size}x{sizes.image_size} (patch {PATCH}), audio {2 * AUDIO_POSITIONS} mel frames; "
         f"HF with SDPA; median of {args.iters} calls"
     )

@@ -13,6 +13,7 @@ ROW = re.compile(
 
 def test_towers_bench_prints_rows_that_pass_parity(capsys):
     argv = ["--families", "qwen2_5_vl", "siglip", "--depth", "1", "--width", "64", "--image-size", "56", "--iters", "1"]
+    argv += ["--head-dim", "32"]
     rows = towers.main(argv)
     out = capsys.readouterr().out
     printed = ROW.findall(out)
@@ -30,4 +31,5 @@ def test_towers_bench_prints_rows_that_pass_parity(capsys):
     assert re.search(r"^summary float32: ours/HF geomean [\d.]+x over 2 families .* parity ok$", out, re.M)
     assert re.search(r"^summary bfloat16: ours/HF geomean [\d.]+x over 2 families .* parity ok$", out, re.M)
     assert "allocator tuning" in out and "packed linear kernel: float32 " in out
+    assert "width 64, 2 heads of 32," in out
     assert out.rstrip().endswith("command: python -m benchmarks.towers " + " ".join(argv))
