@@ -312,7 +312,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--width", type=int, default=512, help="tower width; MLP 4x, heads of --head-dim (at least one)")
+    parser.add_argument(
+        "--width", type=int, default=512, help="tower width; MLP 4x, heads of --head-dim (at least one)"
+    )
     parser.add_argument("--head-dim", type=int, default=64, help="80: Qwen2-VL-2B's towers (width 1280, 16 heads)")
     parser.add_argument("--image-size", type=int, default=448, help="a multiple of 28 (Qwen merges 2x2 patches)")
     parser.add_argument("--iters", type=int, default=5)
