@@ -5,6 +5,7 @@ pooling runner, on the same checkpoints, each runner in its own process, one run
     python -m benchmarks.pooling --dtype bfloat16 --images 64 --texts 256 --models qwen2_vl
     python -m benchmarks.pooling --quick --no-vllm                 # tiny checkpoints, a few items (seconds)
     python -m benchmarks.pooling --rounds 2                        # every runner twice, each one's best round
+    python -m benchmarks.pooling --ceiling                         # and the most items/s this CPU's peak allows
 
 Checkpoints (built once under --workdir, see benchmarks/pooling_checkpoints.py): a random Qwen2-VL embedder
 (ViT 8 x 512, LM 512 x 8, the real Qwen2-VL processor and a released-like chat template) and a random CLIP of
@@ -24,7 +25,10 @@ each runner's best round counts (this machine's speed drifts by 20-40% over minu
 one after another). Prints one table per model and dtype: items/s per runner, vlserve / HF and vlserve / vLLM-CPU (goal: >= 2x HF,
 >= 1.3x vLLM), the lowest cosine of each runner's first --check embeddings against HF's (a fast but wrong runner
 shows there), and vlserve's vision-tower calls and images encoded for the timed images (fewer calls than
-images: several images, of mixed sizes, packed into one call). Results and the machine's kind go to --out as JSON (default: WORKDIR/results-<time>.json).
+images: several images, of mixed sizes, packed into one call). With --ceiling, one more vlserve process per table
+runs each workload's timed set under torch.profiler for the GFLOP of its linear layers (benchmarks/linear_flops.py);
+that work over this CPU's arithmetic peak, measured right after (benchmarks.cpu_peak), is the most items/s any pass
+doing those GEMMs can reach, printed beside the items/s the goal asks. Results and the machine's kind go to --out as JSON (default: WORKDIR/results-<time>.json).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from benchmarks.serve_harness import vllm_version
 from vlserve.bench.anchor_env import anchor_python
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pooling_child.py")
+LINEAR_FLOPS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear_flops.py")
 MODELS = ("qwen2_vl", "clip")
 RUNNERS = ("vlserve", "hf", "st", "vllm")
 LABELS = {"vlserve": "vlserve", "hf": "HF", "st": "sentence-transformers", "vllm": "vLLM-CPU"}
@@ -199,6 +204,12 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--vlserve-kwargs", type=json.loads, default={}, help="JSON: more vlserve.LLM arguments")
     p.add_argument("--vllm-kwargs", type=json.loads, default={}, help="JSON: more vllm.LLM arguments")
     p.add_argument("--vllm-python", default=None, help="default: the anchor venv's (installed when missing)")
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="count vlserve's linear FLOPs (one more profiled pass in its last round) and print the items/s no "
+        "engine can pass at this CPU's arithmetic peak beside the goal's",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per runner process")
     p.add_argument(
         "--rounds",
@@ -238,6 +249,46 @@ def keep_faster(kept, new):
             kept["workloads"][name] = {**w, "first": old.get("first", w.get("first"))}
         kept["workloads"][name]["rounds"] = rounds
     return kept
+
+
+def ceiling_lines(rows: list[dict], ours, counted, dtype: str) -> str:
+    """Per workload: vlserve's linear GFLOP over this CPU's arithmetic peak (measured now, benchmarks.cpu_peak) as
+    the most items/s any pass over those FLOPs can reach, beside the items/s the goal asks (2x HF, 1.3x vLLM-CPU)."""
+    import torch
+
+    from benchmarks.cpu_peak import peak_gflops
+
+    if dtype == "bfloat16" and torch.cpu._is_amx_tile_supported():
+        return "ceiling: none (AMX tiles are not measured by benchmarks.cpu_peak)"
+    peak = peak_gflops(dtype)
+    if not peak:
+        return f"ceiling: none (no {dtype} peak on this CPU)"
+    lines = [
+        f"ceiling at this CPU's peak, {peak:.0f} GFLOP/s {dtype} on {os.cpu_count()} cores, measured after the runs:"
+    ]
+    for row in rows:
+        w = ours["workloads"].get(row["workload"], {}) if isinstance(ours, dict) and "workloads" in ours else {}
+        c = (
+            counted["workloads"].get(row["workload"], {})
+            if isinstance(counted, dict) and "workloads" in counted
+            else {}
+        )
+        gflop = c.get("linear_gflop")
+        if not gflop or not w:
+            lines.append(f"- {row['workload']}: no FLOP count ({counted if isinstance(counted, str) else 'none'})")
+            continue
+        ceiling = w["items"] / (gflop / peak)
+        goals = {"2x HF": (row["runners"].get("hf", {}).get("items_per_s") or 0) * 2}
+        goals["1.3x vLLM"] = (row["runners"].get("vllm", {}).get("items_per_s") or 0) * 1.3
+        need = max(goals.values())
+        verdict = "past the ceiling" if need > ceiling else f"{need / ceiling:.0%} of the ceiling"
+        lines.append(
+            f"- {row['workload']}: vlserve's linears {gflop:.1f} GFLOP: <= {ceiling:.2f} items/s; vlserve "
+            f"{w['items_per_s']:.2f} ({w['items_per_s'] / ceiling:.0%}); the goal needs "
+            + ", ".join(f"{k} {v:.2f}" for k, v in goals.items() if v)
+            + f": {verdict}"
+        )
+    return "\n".join(lines)
 
 
 def model_title(family: str, path: str, dtype: str, quick: bool) -> str:
@@ -289,7 +340,19 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"[{family} {dtype}] {LABELS[runner]}: loaded in {r['load_s']:.1f} s; cores {r['cores']}")
             rows = table_rows(results, workloads)
             title = model_title(family, model, dtype, args.quick)
-            tables.append(format_table(title, rows, args.runners))
+            table = format_table(title, rows, args.runners)
+            if args.ceiling:  # one more vlserve process, its main sets under the profiler
+                log = os.path.join(args.workdir, f"{family}-{dtype}-flops.log")
+                spec = {
+                    **spec,
+                    "runner": "vlserve",
+                    "count_flops": LINEAR_FLOPS_PATH,
+                    "engine_kwargs": args.vlserve_kwargs,
+                }
+                print(f"[{family} {dtype}] vlserve's linear FLOPs (log {log}) ...", flush=True)
+                counted = run_child("vlserve", sys.executable, spec, log, args.timeout, CHILD_SCRIPT)
+                table += "\n" + ceiling_lines(rows, results.get("vlserve"), counted, dtype)
+            tables.append(table)
             for res in results.values():  # the kept embeddings are for the cosine column only
                 for w in res.get("workloads", {}).values() if isinstance(res, dict) else ():
                     w.pop("first", None)

@@ -10,7 +10,8 @@ arguments), "workloads": [{"name", "sets": {"warmup" | "main": {"prompts": [str]
 uint8 [H, W, 3] arrays "0", "1", ... (one per prompt) or null}}}]}. Qwen2-VL prompts are final text (chat template
 applied, one image placeholder per image item) and pool the last token; CLIP image items have the prompt "".
 Per workload: the warm-up set, then the main set timed, all of it in one call (the engines) or in batches of
-hf_batch (HF, sentence-transformers). A runner that cannot serve the family reports {"unsupported": why}.
+hf_batch (HF, sentence-transformers); with "count_flops" (a path of benchmarks/linear_flops.py) the main set runs
+under torch.profiler instead, for its linear layers' GFLOP (its time then includes the profiler's). A runner that cannot serve the family reports {"unsupported": why}.
 Standard library only at import time: each runner's modules are imported by the code that runs it.
 """
 
@@ -214,9 +215,15 @@ def run(spec: dict) -> dict:
         sets = {name: (s["prompts"], _images(s["images"])) for name, s in w["sets"].items()}
         runner.embed(*sets["warmup"])
         before = runner.tower_calls()
-        t = time.perf_counter()
-        vectors = runner.embed(*sets["main"])
-        seconds = time.perf_counter() - t
+        if spec.get("count_flops"):  # the main set's first pass (a second would hit the prefix and encoder caches)
+            counted = _load_by_path("linear_flops", spec["count_flops"]).profile_linears(
+                lambda: runner.embed(*sets["main"])
+            )
+            vectors, seconds = counted["result"], counted["wall_s"]
+        else:
+            t = time.perf_counter()
+            vectors = runner.embed(*sets["main"])
+            seconds = time.perf_counter() - t
         after = runner.tower_calls()
         items = len(sets["main"][0])
         assert len(vectors) == items, (len(vectors), items)
@@ -229,6 +236,8 @@ def run(spec: dict) -> dict:
             "images_encoded": None if after is None else after[1] - before[1],
             "first": vectors[: spec["keep"]],
         }
+        if spec.get("count_flops"):
+            result["workloads"][w["name"]]["linear_gflop"] = counted["linear_gflop"]
         print(f"# {spec['runner']} {w['name']}: {items} items in {seconds:.3f} s", flush=True)
     return result
 

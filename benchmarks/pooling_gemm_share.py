@@ -18,34 +18,12 @@ a pass 2x HF's speed must take.
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import os
-import time
 
+from benchmarks.linear_flops import profile_linears
 from benchmarks.pooling import prepare_sets
 from benchmarks.pooling_checkpoints import clip_checkpoint, qwen2_vl_embedder
-
-LINEAR_OPS = (
-    "aten::addmm",
-    "aten::mm",
-    "mkldnn::_linear_pointwise",
-    "vlserve::cpu_linear",
-    "vlserve::cpu_linear_silu_mul",
-    "vlserve::cpu_linear_silu",
-)
-
-
-def linear_flops(key: str, shapes: list) -> int:
-    """FLOPs of one call of a LINEAR_OPS op from its recorded input shapes (2 * rows * K * N)."""
-    if key == "aten::addmm":  # (bias, x [M, K], W^T [K, N])
-        (m, k), n = shapes[1], shapes[2][1]
-    elif key == "aten::mm":  # (x [M, K], W^T [K, N])
-        (m, k), n = shapes[0], shapes[1][1]
-    elif key == "mkldnn::_linear_pointwise":  # (x [..., K], W [N, K], ...)
-        m, k, n = math.prod(shapes[0][:-1]), shapes[0][-1], shapes[1][0]
-    else:  # vlserve::cpu_linear*: (x [..., K], packed [N / 32, ...]); the silu_mul form packs gate and up: N = 2I
-        m, k, n = math.prod(shapes[0][:-1]), shapes[0][-1], shapes[1][0] * 32
-    return 2 * m * k * n
 
 
 def _load_images(path: str | None) -> list:
@@ -59,8 +37,6 @@ def _load_images(path: str | None) -> list:
 
 
 def main() -> None:
-    import torch
-
     from benchmarks.pooling import MAX_MODEL_LEN
     from benchmarks.pooling_child import EngineRunner, HfRunner
 
@@ -85,16 +61,8 @@ def main() -> None:
                 main_set, warm = w["sets"]["main"], w["sets"]["warmup"]
                 runner.embed(warm["prompts"], _load_images(warm["images"]))
                 images = _load_images(main_set["images"])
-                with torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
-                ) as prof:
-                    start = time.perf_counter()
-                    runner.embed(main_set["prompts"], images)
-                    wall = time.perf_counter() - start
-                events = prof.key_averages(group_by_input_shape=True)
-                linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS) / 1e6
-                gflop = sum(e.count * linear_flops(e.key, e.input_shapes) for e in events if e.key in LINEAR_OPS) / 1e9
-                conv = sum(e.self_cpu_time_total for e in events if "conv" in e.key) / 1e6
+                prof = profile_linears(functools.partial(runner.embed, main_set["prompts"], images))
+                wall, linear, gflop, conv = (prof[k] for k in ("wall_s", "linear_s", "linear_gflop", "conv_s"))
                 print(
                     f"{name} {family} {dtype} {w['name']}: wall {wall:.3f} s; linear GEMMs {linear:.3f} s "
                     f"({linear / wall:.0%} of wall), {gflop:.1f} GFLOP at {gflop / linear:.0f} GFLOP/s; "

@@ -114,7 +114,7 @@ def test_rounds_keep_each_runners_best_round_and_its_first_embeddings():
 @pytest.mark.slow
 def test_quick_run_without_vllm(tmp_path, capsys):
     out = tmp_path / "results.json"
-    argv = ["--quick", "--no-vllm", "--dtype", "float32", "--workdir", str(tmp_path), "--out", str(out)]
+    argv = ["--quick", "--no-vllm", "--dtype", "float32", "--ceiling", "--workdir", str(tmp_path), "--out", str(out)]
     report = pooling.main(argv)
     text = capsys.readouterr().out
     assert "Qwen2-VL embedder (tiny" in text and "CLIP (tiny" in text
@@ -134,3 +134,25 @@ def test_quick_run_without_vllm(tmp_path, capsys):
         assert ours.get("min_cosine_vs_hf", 1.0) > 0.999  # served and right, or
         assert "items_per_s" in ours or "CLIP not served by this build" in ours["error"]
     assert os.path.exists(tmp_path / "qwen2_vl-float32-vlserve.log")
+    # --ceiling: a vlserve process of its own counted the linears of each first pass (none hit a cache)
+    assert text.count("ceiling at this CPU's peak") == 2 and "no FLOP count" not in text
+    assert text.count("vlserve's linears") == 4
+
+
+def test_ceiling_lines_compare_the_goal_with_the_flops_at_peak(monkeypatch):
+    import benchmarks.cpu_peak
+
+    monkeypatch.setattr(benchmarks.cpu_peak, "peak_gflops", lambda dtype: 100.0)
+    rows = [
+        {"workload": "images", "runners": {"hf": {"items_per_s": 10.0}, "vllm": {"items_per_s": 20.0}}},
+        {"workload": "texts", "runners": {"hf": {"items_per_s": 5.0}}},
+    ]
+    ours = {"workloads": {"images": {"items": 64, "items_per_s": 24.0}, "texts": {"items": 8, "items_per_s": 9.0}}}
+    counted = {"workloads": {"images": {"linear_gflop": 200.0}, "texts": {"linear_gflop": 0.2}}}
+    text = pooling.ceiling_lines(rows, ours, counted, "float32")
+    # images: 200 GFLOP at 100 GFLOP/s is 2 s, 32 items/s at most; the goal asks max(2 x 10, 1.3 x 20) = 26
+    assert "- images: vlserve's linears 200.0 GFLOP: <= 32.00 items/s; vlserve 24.00 (75%)" in text
+    assert "2x HF 20.00, 1.3x vLLM 26.00: 81% of the ceiling" in text
+    counted["workloads"]["images"]["linear_gflop"] = 400.0  # 16 items/s at most: the goal is past it
+    assert "1.3x vLLM 26.00: past the ceiling" in pooling.ceiling_lines(rows, ours, counted, "float32")
+    assert "- texts: no FLOP count (failed: boom)" in pooling.ceiling_lines(rows, ours, "failed: boom", "float32")

@@ -1,4 +1,4 @@
-"""benchmarks.pooling_gemm_share's FLOP count of the linears, read from the profiler's recorded shapes, and
+"""benchmarks.linear_flops' FLOP count of the linears, read from the profiler's recorded shapes, and
 benchmarks.cpu_peak's probe."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.cpu_peak import peak_gflops
-from benchmarks.pooling_gemm_share import LINEAR_OPS, linear_flops
+from benchmarks.linear_flops import profile_linears
 from vlserve.kernels.cpu_linear import (
     cpu_linear,
     cpu_linear_kernel,
@@ -19,10 +19,9 @@ from vlserve.kernels.cpu_linear import (
 
 
 def _profiled_flops(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    events = prof.key_averages(group_by_input_shape=True)
-    return sum(e.count * linear_flops(e.key, e.input_shapes) for e in events if e.key in LINEAR_OPS)
+    counted = profile_linears(fn)
+    assert counted["result"] is not None and counted["wall_s"] >= counted["linear_s"] >= 0
+    return round(counted["linear_gflop"] * 1e9)
 
 
 def test_torch_linears_count_two_flops_per_multiply_add():
