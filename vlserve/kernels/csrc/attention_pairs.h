@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 #include "vec_bf16.h"
+#include "vec_exp2.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_tiles.h"
@@ -135,19 +136,6 @@ inline void transpose16(__m512i m[16]) {
     }
 }
 
-// 2^t for t <= 0 (-inf included: exactly 0, as for every t <= -200): 2^floor(t) times a degree-4 polynomial in the
-// fraction (relative error under 3e-6, far below a bf16 weight's rounding)
-inline __m512 exp2_nonpositive(__m512 t) {
-    t = _mm512_max_ps(t, _mm512_set1_ps(-200.0f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);  // [0, 1)
-    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.013533933f), _mm512_set1_ps(0.052011240f));
-    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24144343f));
-    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.69300354f));
-    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000026f));
-    return _mm512_scalef_ps(p, n);
-}
-
 // One key panel's weights of a row, flash style: s[0..n) are its raw scores (n >= 1; s has room for whole vectors
 // past n, whose tail is overwritten). m: the row's running max of the scaled scores in log2 units (-inf before its
 // first panel), l: its running sum of weights. p[0..np) = 2^(log2(e) * scale * s - m') rounded to bf16, 0 past n
@@ -165,7 +153,7 @@ inline float panel_weights(float* s, int64_t n, int64_t np, float scale, float& 
     const __m512 vscale = _mm512_set1_ps(log2_scale), shift = _mm512_set1_ps(m_new);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < nv; j += W) {
-        const __m512 e = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, shift));
+        const __m512 e = vec_exp2::exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, shift));
         vsum = _mm512_add_ps(vsum, e);
         vec_bf16::store_bf16((c10::BFloat16*)(p + j), Vec(e));
     }

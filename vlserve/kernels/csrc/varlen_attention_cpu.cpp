@@ -3,7 +3,8 @@
 // the build has AMX-BF16 or AVX512-BF16. Otherwise (the widened path) its keys (rows of k, or positions of a paged cache) are
 // widened to float32 and transposed into Kt [D][L] and its values into Vf [L][D], then each query head of its group
 // takes its rows kRows at a time (eight on AVX-512, four elsewhere): the rows' scores over the keys they see (vectors
-// along the keys, the rows sharing each Kt load), a float32 softmax, then the weighted sum of values (a few vectors
+// along the keys, the rows sharing each Kt load), a float32 softmax (AVX-512: its weights unnormalized, each row's
+// output scaled by the inverse of their sum as it is stored), then the weighted sum of values (a few vectors
 // along D a pass, the rows sharing each value load and each row's weight broadcast shared by those vectors).
 // Nothing is read past a segment's end, and a row's result depends only on its query and the keys it sees (not on the
 // rows it shares a block with).
@@ -16,6 +17,7 @@
 #include <limits>
 #include <vector>
 #include "vec_bf16.h"
+#include "vec_exp2.h"
 #include "attention_pairs.h"
 
 namespace {
@@ -46,22 +48,41 @@ inline void widen_row(const void* src, int64_t offset, int64_t D, bool bf16, flo
     }
 }
 
-inline void store_row(const float* src, int64_t D, bool bf16, void* out, int64_t offset) {
+// src [D] times `factor` -> out at offset, as float32 or rounded to bf16
+inline void store_row(const float* src, int64_t D, float factor, bool bf16, void* out, int64_t offset) {
+    const Vec f(factor);
+    int64_t d = 0;
     if (bf16) {
         auto* o = static_cast<c10::BFloat16*>(out) + offset;
-        int64_t d = 0;
-        for (; d + Vec::size() <= D; d += Vec::size()) vec_bf16::store_bf16(o + d, Vec::loadu(src + d));
-        for (; d < D; ++d) o[d] = c10::BFloat16(src[d]);
+        for (; d + Vec::size() <= D; d += Vec::size()) vec_bf16::store_bf16(o + d, Vec::loadu(src + d) * f);
+        for (; d < D; ++d) o[d] = c10::BFloat16(src[d] * factor);
     } else {
         float* o = static_cast<float*>(out) + offset;
-        std::copy(src, src + D, o);
+        for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(src + d) * f).store(o + d);
+        for (; d < D; ++d) o[d] = src[d] * factor;
     }
 }
 
-// scores[0..n) -> softmax weights in place, and zero in [n, whole vectors): s has room for them
-inline void softmax_row(float* s, int64_t n) {
+// A row's weights: scores s[0..n) (n >= 1, the query already scaled) -> in place, weights proportional to the
+// softmax's, zero in [n, whole vectors) (s has room for them); returns the factor that normalizes them (their weighted
+// sum of values times it is the row's output). AVX-512: 2^(log2(e) (s - max)) by a polynomial, unnormalized;
+// elsewhere the softmax itself (factor 1).
+inline float row_weights(float* s, int64_t n) {
     const int64_t nv = whole_vectors(n);
     std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < nv; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+    const float log2e = 1.44269504f;
+    const __m512 vlog2e = _mm512_set1_ps(log2e), shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * log2e);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nv; j += 16) {
+        const __m512 e = vec_exp2::exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vlog2e, shift));
+        _mm512_storeu_ps(s + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(vsum);
+#else
     Vec vmax(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < nv; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
     const Vec mx(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax));
@@ -73,6 +94,8 @@ inline void softmax_row(float* s, int64_t n) {
     }
     const Vec inv(1.0f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum));
     for (int64_t j = 0; j < nv; j += Vec::size()) (Vec::loadu(s + j) * inv).store(s + j);
+    return 1.0f;
+#endif
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -232,16 +255,17 @@ void widened_task(const void* q, const void* k, const void* v, void* out, int64_
                 widen_row(q, (q_start + i0 + r) * q_ld + hq * D, D, bf16, scale, qs.data() + r * D);
             std::fill(qs.begin() + rows * D, qs.end(), 0.0f);  // rows past the segment: never stored
             scores_block(qs.data(), kt.data(), ld, D, n_max, scores.data());
+            float factor[kRows];
             for (int64_t r = 0; r < kRows; ++r) {
                 const int64_t n = r < rows ? (causal ? first + i0 + r + 1 : L) : 0;
                 float* row = scores.data() + r * ld;
-                if (n > 0) softmax_row(row, n);  // zero up to whole vectors past n
+                factor[r] = n > 0 ? row_weights(row, n) : 0.0f;  // zero up to whole vectors past n
                 const int64_t done = n > 0 ? whole_vectors(n) : 0;
                 if (done < n_max) std::fill(row + done, row + n_max, 0.0f);  // unseen keys weigh 0
             }
             weighted_values(scores.data(), ld, n_max, vf.data(), D, sums);
             for (int64_t r = 0; r < rows; ++r)
-                store_row(sums + r * D, D, bf16, out, (q_start + i0 + r) * o_ld + hq * D);
+                store_row(sums + r * D, D, factor[r], bf16, out, (q_start + i0 + r) * o_ld + hq * D);
         }
     }
 }
