@@ -65,19 +65,19 @@ inline void store_row(const float* src, int64_t D, float factor, bool bf16, void
 
 // A row's weights: scores s[0..n) (n >= 1, the query already scaled) -> in place, weights proportional to the
 // softmax's, zero in [n, whole vectors) (s has room for them); returns the factor that normalizes them (their weighted
-// sum of values times it is the row's output). AVX-512: 2^(log2(e) (s - max)) by a polynomial, unnormalized;
-// elsewhere the softmax itself (factor 1).
+// sum of values times it is the row's output). AVX-512: 2^(log2(e) (s - max)) by a float32-precise polynomial,
+// unnormalized; elsewhere the softmax itself (factor 1).
 inline float row_weights(float* s, int64_t n) {
     const int64_t nv = whole_vectors(n);
     std::fill(s + n, s + nv, -std::numeric_limits<float>::infinity());
 #if defined(CPU_CAPABILITY_AVX512)
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < nv; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-    const float log2e = 1.44269504f;
-    const __m512 vlog2e = _mm512_set1_ps(log2e), shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * log2e);
+    const __m512 log2e = _mm512_set1_ps(1.44269504f), mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nv; j += 16) {
-        const __m512 e = vec_exp2::exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vlog2e, shift));
+    for (int64_t j = 0; j < nv; j += 16) {  // (s - max exact where it matters, then in log2 units)
+        const __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), log2e);
+        const __m512 e = vec_exp2::exp2_nonpositive_f32(t);
         _mm512_storeu_ps(s + j, e);
         vsum = _mm512_add_ps(vsum, e);
     }
